@@ -1,0 +1,29 @@
+# Two entry points on a fresh Linux machine: `make demo` and `make test`.
+# Both create the virtual environment themselves.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test venv bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gputravel demo
+
+# pytest exits 5 when it collects no test; that is a failure here, never a pass.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/gputravel bench travel --sizes 4,8,16,32,64,128,256,512 --repeat 5 --json runs/bench-travel.json
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
