@@ -1,0 +1,358 @@
+"""The channel crypto recipe: AES-256-GCM with H100-style counter IVs.
+
+This is the only module in gputravel that touches AES-GCM. Everything else (device, driver,
+context blobs) goes through `Sender` / `Receiver`, so the recipe is defined in one place.
+
+The recipe mirrors H100 confidential computing (spec section 1):
+
+* AES-256-GCM, 32-byte key, 96-bit IV, 16-byte tag.
+* IV = three little-endian u32 words: word 0 a per-message counter incremented *before* use
+  (the first message uses 1), words 1-2 a 64-bit channel counter (low word first).
+* GCM nonce = IV XOR a per-key 96-bit IV mask.
+* The IV is never transmitted: the receiver tracks it, so a replayed, dropped or reordered
+  message fails authentication.
+
+Where gputravel deliberately differs from H100 (key rotation and implicit counter rollover)
+is explained next to the code that does it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Self
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
+
+from gputravel.errors import BadInput, CounterExhausted, IntegrityError
+
+__all__ = [
+    "IV_BYTES",
+    "KEY_BYTES",
+    "MAX_CHANNEL_COUNTER",
+    "MAX_MESSAGE_COUNTER",
+    "TAG_BYTES",
+    "ChannelState",
+    "KeyMaterial",
+    "Receiver",
+    "Sender",
+    "build_iv",
+    "derive_epoch_keys",
+    "gcm_nonce",
+]
+
+KEY_BYTES = 32
+IV_BYTES = 12
+TAG_BYTES = 16
+MAX_MESSAGE_COUNTER = 0xFFFFFFFF
+MAX_CHANNEL_COUNTER = 2**64 - 1
+
+MIN_SESSION_SECRET_BYTES = 32
+
+_IV_LAYOUT = struct.Struct("<IQ")  # u32 message counter, then the u64 channel counter
+_EPOCH_INFO = b"gputravel/epoch/"
+_IVMASK_INFO = b"gputravel/ivmask/"
+# Labels may not start with this prefix: a key label equal to an iv-mask info string would
+# make the first 12 key bytes equal to another label's iv mask (same HKDF-Expand input).
+_RESERVED_LABEL_PREFIX = "gputravel/"
+
+
+# ----------------------------------------------------------------------------- IV layout
+def build_iv(message_counter: int, channel_counter: int) -> bytes:
+    """The 12-byte IV for one message: word 0 the message counter, words 1-2 the channel one."""
+    if not 0 <= message_counter <= MAX_MESSAGE_COUNTER:
+        raise CounterExhausted(f"message counter {message_counter} outside 0..{MAX_MESSAGE_COUNTER}")
+    if not 0 <= channel_counter <= MAX_CHANNEL_COUNTER:
+        raise CounterExhausted(f"channel counter {channel_counter} outside 0..2**64-1")
+    return _IV_LAYOUT.pack(message_counter, channel_counter)
+
+
+def gcm_nonce(iv: bytes, iv_mask: bytes) -> bytes:
+    """The GCM nonce actually fed to AES-GCM: IV XOR the per-key mask."""
+    if len(iv) != IV_BYTES or len(iv_mask) != IV_BYTES:
+        raise BadInput(f"iv and iv_mask must both be {IV_BYTES} bytes")
+    mixed = int.from_bytes(iv, "little") ^ int.from_bytes(iv_mask, "little")
+    return mixed.to_bytes(IV_BYTES, "little")
+
+
+# ----------------------------------------------------------------------------- keys
+def _check_label(label: object) -> str:
+    if not isinstance(label, str) or not label or not label.isascii() or not label.isprintable():
+        raise BadInput("a channel label must be a non-empty printable ASCII string")
+    return label
+
+
+@dataclass(frozen=True)
+class KeyMaterial:
+    """Key and IV mask for one channel direction. Secrets are kept out of repr."""
+
+    label: str
+    key: bytes = field(repr=False)
+    iv_mask: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        _check_label(self.label)
+        object.__setattr__(self, "key", _exact_bytes(self.key, KEY_BYTES, "key"))
+        object.__setattr__(self, "iv_mask", _exact_bytes(self.iv_mask, IV_BYTES, "iv_mask"))
+
+
+def _exact_bytes(value: object, size: int, what: str) -> bytes:
+    # The message names the field and the expected size, never the value.
+    if not isinstance(value, (bytes, bytearray, memoryview)) or len(value) != size:
+        raise BadInput(f"{what} must be {size} bytes")
+    return bytes(value)
+
+
+def _hkdf_expand(algorithm: hashes.HashAlgorithm, secret: bytes, info: bytes, length: int) -> bytes:
+    """HKDF-Expand (RFC 5869 section 2.3); `secret` plays the role of the PRK."""
+    return HKDFExpand(algorithm=algorithm, length=length, info=info).derive(secret)
+
+
+def derive_epoch_keys(
+    session_secret: bytes, epoch: int, labels: Iterable[str]
+) -> dict[str, KeyMaterial]:
+    """Keys and IV masks for every label in one key epoch.
+
+    Why not H100's ratchet (new = HKDF-Expand(SHA256(old), label))? Anyone who holds the old
+    key can follow that ratchet, and in GPU Travelling every data holder briefly holds the
+    channel keys. Here each epoch's keys come from the SPDM session secret, which never leaves
+    the orchestrator and the device, so a holder that kept epoch-N keys learns nothing about
+    epoch N+1.
+    """
+    if not isinstance(session_secret, (bytes, bytearray)) or len(session_secret) < MIN_SESSION_SECRET_BYTES:
+        raise BadInput(f"session secret must be at least {MIN_SESSION_SECRET_BYTES} bytes")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**64:
+        raise BadInput("epoch must be an integer in 0..2**64-1")
+    sha256 = hashes.SHA256()
+    epoch_secret = _hkdf_expand(sha256, bytes(session_secret), _EPOCH_INFO + epoch.to_bytes(8, "big"), 32)
+    out: dict[str, KeyMaterial] = {}
+    for label in labels:
+        _check_label(label)
+        if label.startswith(_RESERVED_LABEL_PREFIX):
+            raise BadInput(f"channel labels may not start with {_RESERVED_LABEL_PREFIX!r}")
+        raw = label.encode("ascii")
+        out[label] = KeyMaterial(
+            label=label,
+            key=_hkdf_expand(sha256, epoch_secret, raw, KEY_BYTES),
+            # H100 lets the GPU pick IV masks; we derive them so both ends agree without
+            # another message, and bind them to the label so two labels never share one.
+            iv_mask=_hkdf_expand(sha256, epoch_secret, _IVMASK_INFO + raw, IV_BYTES),
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- state
+@dataclass(frozen=True)
+class ChannelState:
+    """One direction of one channel as a context blob carries it.
+
+    `message_counter` is the last counter used (0 = nothing sent yet on this channel counter).
+    """
+
+    label: str
+    key: bytes = field(repr=False)
+    iv_mask: bytes = field(repr=False)
+    channel_counter: int
+    message_counter: int
+
+    def __post_init__(self) -> None:
+        _check_label(self.label)
+        object.__setattr__(self, "key", _exact_bytes(self.key, KEY_BYTES, "key"))
+        object.__setattr__(self, "iv_mask", _exact_bytes(self.iv_mask, IV_BYTES, "iv_mask"))
+        _check_counters(self.channel_counter, self.message_counter, MAX_MESSAGE_COUNTER)
+
+
+def _check_counters(channel_counter: int, message_counter: int, max_message_counter: int) -> None:
+    for name, value in (("channel_counter", channel_counter), ("message_counter", message_counter)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise BadInput(f"{name} must be an int")
+    if not 0 <= channel_counter <= MAX_CHANNEL_COUNTER:
+        raise BadInput("channel_counter must be in 0..2**64-1")
+    if not 0 <= message_counter <= max_message_counter:
+        raise BadInput(f"message_counter must be in 0..{max_message_counter}")
+
+
+def _check_max(max_message_counter: int) -> int:
+    if not isinstance(max_message_counter, int) or not 1 <= max_message_counter <= MAX_MESSAGE_COUNTER:
+        raise BadInput(f"max_message_counter must be in 1..{MAX_MESSAGE_COUNTER}")
+    return max_message_counter
+
+
+class _Endpoint:
+    """Counter bookkeeping and the cached cipher shared by Sender and Receiver."""
+
+    def __init__(
+        self,
+        keys: KeyMaterial,
+        channel_counter: int = 1,
+        message_counter: int = 0,
+        *,
+        max_message_counter: int = MAX_MESSAGE_COUNTER,
+    ) -> None:
+        if not isinstance(keys, KeyMaterial):
+            raise BadInput("keys must be a KeyMaterial")
+        self._max = _check_max(max_message_counter)
+        _check_counters(channel_counter, message_counter, self._max)
+        self._keys = keys
+        # Building AESGCM expands the key schedule; doing it per 1 MiB record is measurable.
+        self._aead = AESGCM(keys.key)
+        self._mask = int.from_bytes(keys.iv_mask, "little")
+        self._channel = channel_counter
+        self._message = message_counter
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(label={self._keys.label!r}, "
+            f"channel_counter={self._channel}, message_counter={self._message})"
+        )
+
+    @property
+    def label(self) -> str:
+        return self._keys.label
+
+    @property
+    def channel_counter(self) -> int:
+        return self._channel
+
+    @property
+    def message_counter(self) -> int:
+        return self._message
+
+    def export_state(self) -> ChannelState:
+        return ChannelState(
+            label=self._keys.label,
+            key=self._keys.key,
+            iv_mask=self._keys.iv_mask,
+            channel_counter=self._channel,
+            message_counter=self._message,
+        )
+
+    @classmethod
+    def from_state(cls, state: ChannelState, *, max_message_counter: int = MAX_MESSAGE_COUNTER) -> Self:
+        if not isinstance(state, ChannelState):
+            raise BadInput("state must be a ChannelState")
+        keys = KeyMaterial(label=state.label, key=state.key, iv_mask=state.iv_mask)
+        return cls(
+            keys, state.channel_counter, state.message_counter, max_message_counter=max_message_counter
+        )
+
+    def _next_pair(self) -> tuple[int, int]:
+        """(channel, message) counters of the next message, without committing them.
+
+        Implicit rollover: when the message counter is spent, the channel counter moves on and
+        the message counter restarts at 1. H100 treats overflow as an error and has the driver
+        rotate the IV; in gputravel each key serves exactly one channel and direction, so
+        bumping the channel counter cannot collide with another channel's IVs, and both ends
+        apply the same deterministic rule, so nothing needs to be signalled.
+        """
+        if self._message < self._max:
+            return self._channel, self._message + 1
+        if self._channel >= MAX_CHANNEL_COUNTER:
+            raise CounterExhausted(f"channel {self._keys.label!r}: IV space exhausted, re-key it")
+        return self._channel + 1, 1
+
+    def _nonce(self, channel_counter: int, message_counter: int) -> bytes:
+        # Same value as gcm_nonce(build_iv(...), mask) without the intermediate objects:
+        # the IV is the 96-bit little-endian integer message | channel << 32.
+        iv = message_counter | (channel_counter << 32)
+        return (iv ^ self._mask).to_bytes(IV_BYTES, "little")
+
+
+class Sender(_Endpoint):
+    """Encrypts one direction of one channel, advancing the IV per message."""
+
+    def encrypt_into(self, plaintext, out, aad: bytes | None = None) -> None:
+        """Write ciphertext||tag into `out`, a writable buffer of len(plaintext) + 16 bytes."""
+        channel, message = self._next_pair()
+        try:
+            self._aead.encrypt_into(self._nonce(channel, message), plaintext, aad, out)
+        except (ValueError, TypeError) as exc:
+            raise BadInput(f"encrypt_into: {exc}") from None
+        self._channel, self._message = channel, message
+
+    def encrypt(self, plaintext, aad: bytes | None = None) -> bytes:
+        """Return ciphertext||tag for `plaintext`."""
+        channel, message = self._next_pair()
+        try:
+            data = self._aead.encrypt(self._nonce(channel, message), plaintext, aad)
+        except (ValueError, TypeError) as exc:
+            raise BadInput(f"encrypt: {exc}") from None
+        self._channel, self._message = channel, message
+        return data
+
+
+class Receiver(_Endpoint):
+    """Decrypts one direction of one channel; the expected IV is tracked, never received.
+
+    State advances only on success, so after a failure the same expected IV is still
+    waiting: a replayed or reordered message keeps failing.
+    """
+
+    def decrypt(self, data, aad: bytes | None = None) -> bytes:
+        """Return the plaintext of ciphertext||tag `data`, or raise IntegrityError."""
+        channel, message = self._next_pair()
+        plaintext = self._open(channel, message, data, aad)
+        self._channel, self._message = channel, message
+        return plaintext
+
+    def decrypt_into(self, data, out, aad: bytes | None = None) -> None:
+        """Decrypt ciphertext||tag `data` into `out` (len(data) - 16 bytes).
+
+        WARNING: `out` must be a private scratch buffer, never the final destination (e.g.
+        protected memory). The AES-GCM backend writes the plaintext into `out` *before* it
+        checks the tag, so on a forgery `out` briefly holds attacker-chosen bytes. On failure
+        `out` is zeroed before IntegrityError is raised, but only copy it onward on success.
+        """
+        channel, message = self._next_pair()
+        nonce = self._nonce(channel, message)
+        try:
+            self._aead.decrypt_into(nonce, data, aad, out)
+        except InvalidTag:
+            _zero(out)
+            raise IntegrityError() from None
+        except (ValueError, TypeError) as exc:
+            raise BadInput(f"decrypt_into: {exc}") from None
+        self._channel, self._message = channel, message
+
+    def accept_at(self, message_counter: int, channel_counter: int, data, aad: bytes | None = None) -> bytes:
+        """Decrypt a payload whose IV index is published next to it (device semaphores).
+
+        H100 publishes the IV of encrypted semaphore payloads because the CPU may read them
+        at any time and miss updates. Accepted only if (channel, message) is strictly newer
+        than the last accepted pair, so old values cannot be replayed; the tracked state
+        then jumps to that pair.
+        """
+        pair = (channel_counter, message_counter)
+        if not self._valid_published(channel_counter, message_counter) or pair <= (self._channel, self._message):
+            raise IntegrityError()
+        plaintext = self._open(channel_counter, message_counter, data, aad)
+        self._channel, self._message = pair
+        return plaintext
+
+    def _valid_published(self, channel_counter: object, message_counter: object) -> bool:
+        # A published index is remote input: out-of-range values are an authentication
+        # failure like any other, not a local misuse.
+        return (
+            type(channel_counter) is int
+            and type(message_counter) is int
+            and 0 <= channel_counter <= MAX_CHANNEL_COUNTER
+            and 1 <= message_counter <= self._max
+        )
+
+    def _open(self, channel: int, message: int, data, aad: bytes | None) -> bytes:
+        try:
+            return self._aead.decrypt(self._nonce(channel, message), data, aad)
+        except InvalidTag:
+            raise IntegrityError() from None
+        except (ValueError, TypeError) as exc:
+            raise BadInput(f"decrypt: {exc}") from None
+
+
+def _zero(out) -> None:
+    """Best-effort wipe of a writable buffer (hygiene after a failed decrypt_into)."""
+    view = memoryview(out).cast("B")
+    view[:] = bytes(len(view))

@@ -1,0 +1,146 @@
+"""The orchestrator's driver: owner of the SPDM session secret and of the kernel channel.
+
+Only this driver can derive keys (from the session secret and a key epoch), scrub VRAM and
+rotate keys. The secret never leaves this object and the device; holders only ever receive
+the user channel's keys of the current epoch, inside a context blob.
+"""
+
+from __future__ import annotations
+
+from ..context import DriverContext, unpack_context
+from ..crypto.channel import derive_epoch_keys
+from ..crypto.spdm import SpdmRequester
+from ..errors import ContextBlobError, DeviceError, IllegalTransition, ProtocolError
+from ..layout import PushChannel
+from ..messages import ALL_LABELS, USER_LABELS, AllocBuffer, BufferInfo, Memset, RotateKeys
+from .driver import Driver
+
+
+class OrchestratorDriver(Driver):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.__session_secret: bytes | None = None
+        self.key_epoch = -1  # survives export: the epoch the device is on
+        self._exported: DriverContext | None = None
+
+    # ------------------------------------------------------------------ boot (the orchestrator boots last)
+    def establish_session(self, requester: SpdmRequester | None = None, timeout: float = 10.0) -> None:
+        """SPDM-style handshake over the plaintext RPC queue; derive the epoch-0 keys."""
+        req = requester or SpdmRequester()
+        if self.info is None:
+            self.probe(timeout)
+        req.handle_certificate(self.rpc(req.get_certificate(), encrypted=False, timeout=timeout))
+        finish = req.handle_key_exchange_response(self.rpc(req.key_exchange(), encrypted=False, timeout=timeout))
+        req.handle_finish_response(self.rpc(finish, encrypted=False, timeout=timeout))
+        self.__session_secret = req.session_secret
+        self._install(0)
+        self.probe(timeout)  # tokens may have been re-issued with the new session
+
+    def _install(self, epoch: int) -> None:
+        assert self.__session_secret is not None
+        self.keys.install(derive_epoch_keys(self.__session_secret, epoch, ALL_LABELS))
+        self.epoch = epoch
+        self.key_epoch = epoch
+
+    def _require_session(self, action: str) -> None:
+        if self.__session_secret is None:
+            raise IllegalTransition("orchestrator driver", "no-session", action)
+
+    # ------------------------------------------------------------------ GSP RPCs
+    def alloc_buffer(self, nbytes: int, timeout: float = 10.0) -> BufferInfo:
+        reply = self.rpc(AllocBuffer(nbytes=nbytes), timeout=timeout)
+        if not isinstance(reply, BufferInfo):
+            raise ProtocolError("unexpected reply to ALLOC_BUFFER")
+        return reply
+
+    # ------------------------------------------------------------------ kernel channel
+    def _kernel(self, push_factory, timeout: float) -> None:
+        self._require_session("use the kernel channel")
+        value = self.next_release(PushChannel.KERNEL)
+        self.submit_kernel(push_factory(value), timeout)
+        self.wait_release(PushChannel.KERNEL, value, timeout)
+
+    def submit_kernel(self, push: object, timeout: float) -> None:
+        # The kernel channel works whether or not the user context is at home.
+        saved, self.epoch = self.epoch, self.key_epoch
+        try:
+            self.submit(PushChannel.KERNEL, push, timeout)
+        finally:
+            self.epoch = saved
+
+    def scrub(self, offset: int, nbytes: int, timeout: float = 10.0) -> None:
+        """Device-side memset of the dataset buffer: nothing of the last chunk may travel on."""
+        self._kernel(lambda v: Memset(offset=offset, nbytes=nbytes, value=0, release=v, interrupt=True), timeout)
+
+    def rotate(self, timeout: float = 10.0) -> int:
+        """Move device and driver to the next key epoch; wait for the device to confirm.
+
+        The confirmation is a kernel-channel semaphore encrypted under the *new* kernel key,
+        which neither a holder nor the host can forge. If it never comes (the host dropped
+        the push), this raises PeerTimeout and the orchestrator does not go on (paper 6.3).
+        """
+        self._require_session("rotate keys")
+        if self._exported is not None:
+            raise IllegalTransition("orchestrator driver", "context-away", "rotate keys")
+        epoch = self.key_epoch + 1
+        value = self.next_release(PushChannel.KERNEL)
+        self.submit_kernel(RotateKeys(epoch=epoch, release=value, interrupt=True), timeout)
+        self._install(epoch)
+        self.wait_release(PushChannel.KERNEL, value, timeout)
+        return epoch
+
+    # ------------------------------------------------------------------ travel
+    def export_for_travel(self) -> bytes:
+        self._require_session("export the context")
+        blob = self.export_context()
+        self._exported = unpack_context(blob, layout=self.layout.digest())
+        return blob
+
+    def import_returned(self, blob: bytes) -> DriverContext:
+        """Take back the context a holder returns; refuse one from another epoch, altered or stale."""
+        if self._exported is None:
+            raise IllegalTransition("orchestrator driver", "context-home", "import a returned context")
+        sent = self._exported
+        ctx = unpack_context(blob, layout=self.layout.digest(), epoch=sent.epoch)
+        _check_same_keys(sent, ctx)
+        _check_not_stale(sent, ctx)
+        self._adopt(ctx)
+        self._exported = None
+        return ctx
+
+    def abandon_travel(self) -> None:
+        """The holder never returned the context: take the GPU back by rotating regardless.
+
+        The device discards the user channel's pending work on rotation; our own stale
+        counters are replaced by the new epoch's.
+        """
+        if self._exported is None:
+            return
+        self._adopt(self._exported)
+        self._exported = None
+
+    @property
+    def away(self) -> bool:
+        return self._exported is not None
+
+
+def _check_same_keys(sent: DriverContext, back: DriverContext) -> None:
+    def keys(ctx: DriverContext) -> dict[str, tuple[bytes, bytes]]:
+        return {s.label: (s.key, s.iv_mask) for s in ctx.senders + ctx.receivers}
+
+    if keys(sent) != keys(back) or set(keys(back)) != set(USER_LABELS):
+        raise ContextBlobError("returned context blob carries keys that were not exported")
+
+
+def _check_not_stale(sent: DriverContext, back: DriverContext) -> None:
+    def counters(ctx: DriverContext) -> dict[str, tuple[int, int]]:
+        return {s.label: (s.channel_counter, s.message_counter) for s in ctx.senders + ctx.receivers}
+
+    before, after = counters(sent), counters(back)
+    if any(after[label] < before[label] for label in before):
+        raise ContextBlobError("returned context blob is stale: counters went backwards")
+    if back.semaphore < sent.semaphore or back.rpc_tx_seq < sent.rpc_tx_seq:
+        raise ContextBlobError("returned context blob is stale: semaphore or RPC sequence went backwards")
+
+
+__all__ = ["OrchestratorDriver", "DeviceError"]

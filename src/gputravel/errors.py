@@ -1,0 +1,70 @@
+"""Typed errors, split into local (our own misuse or bad input) and remote (a peer misbehaved).
+
+Error messages never carry key material, plaintext or context blobs: they name what failed
+and what to fix.
+"""
+
+from __future__ import annotations
+
+
+class GputravelError(Exception):
+    """Base of every error gputravel raises on purpose."""
+
+
+# ----------------------------------------------------------------------------- local errors
+class LocalError(GputravelError):
+    """Something on this side is wrong: bad input, bad configuration, misuse of an API."""
+
+
+class BadInput(LocalError):
+    """An argument or configuration value is invalid; the message says what to fix."""
+
+
+class IllegalTransition(LocalError):
+    """A protocol state machine was asked to do something its current state does not allow."""
+
+    def __init__(self, role: str, state: str, action: str) -> None:
+        super().__init__(f"{role}: cannot {action} in state {state}")
+        self.role = role
+        self.state = state
+        self.action = action
+
+
+class CounterExhausted(LocalError):
+    """An IV counter would wrap: the channel must be re-keyed before it is used again."""
+
+
+# ----------------------------------------------------------------------------- remote errors
+class RemoteError(GputravelError):
+    """A peer (process, device, holder, host) sent something wrong or failed to answer."""
+
+
+class IntegrityError(RemoteError):
+    """Authenticated decryption failed. Deliberately opaque: which byte or key is never said."""
+
+    def __init__(self, what: str = "authenticated decryption failed") -> None:
+        super().__init__(what)
+
+
+class ProtocolError(RemoteError):
+    """A message or blob could not be decoded or is not valid in this protocol state."""
+
+
+class ContextBlobError(ProtocolError):
+    """A context blob is corrupted, of an unknown version, or from another key epoch."""
+
+
+class ChannelFaulted(RemoteError):
+    """The device faulted a channel after an integrity failure; the orchestrator must reset it."""
+
+
+class DeviceError(RemoteError):
+    """The device rejected a command (bad address, out-of-range copy, unmapped DMA)."""
+
+
+class PeerTimeout(RemoteError):
+    """A peer did not answer in time (a dropped push, a holder that never returns the GPU)."""
+
+
+class TransportClosed(RemoteError):
+    """The peer closed the connection."""

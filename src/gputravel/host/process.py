@@ -1,0 +1,148 @@
+"""The untrusted host as its own OS process: the hypervisor side of the PCIe MUX.
+
+It accepts the device's BAR0 and doorbell, and each CVM's DMA segment and interrupt
+endpoint, and switches the GPU on request. It never holds a descriptor of VRAM. Being the
+hypervisor it can read every CVM's unprotected memory; with ``snoop`` set it does exactly
+that, continuously, so tests can prove that what it sees holds no plaintext.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import selectors
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadInput, GputravelError, TransportClosed
+from ..messages import AttachCvm, DeviceAck, DeviceAttach, HostError, RegisterCvm, Registered, SwitchRequest, Switched
+from ..transport.base import Transport
+from ..transport.stream import StreamTransport, listen_unix
+from .mux import CvmRegistration, PcieMux
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    socket_path: str
+    snoop_path: str | None = None  # where the snooper appends what it reads
+    snoop_limit_bytes: int = 256 << 20
+    switch_timeout: float = 10.0
+
+
+class Snooper(threading.Thread):
+    """The malicious-hypervisor view: copies every CVM's unprotected memory, again and again."""
+
+    def __init__(self, path: str, limit: int) -> None:
+        super().__init__(daemon=True, name="snooper")
+        self._path, self._limit = Path(path), limit
+        self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.written = 0
+
+    def watch(self, reg: CvmRegistration) -> None:
+        with self._lock:
+            self._maps[reg.cvm] = mmap.mmap(reg.sysmem_fd, reg.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+
+    def run(self) -> None:
+        with open(self._path, "ab") as out:
+            while not self._stop.is_set() and self.written < self._limit:
+                with self._lock:
+                    for mem in self._maps.values():
+                        out.write(mem[:])
+                        self.written += len(mem)
+                time.sleep(0.001)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class HostProcess:
+    def __init__(self, config: HostConfig) -> None:
+        self.config = config
+        self.mux = PcieMux()
+        self.device: Transport | None = None
+        self._device_fds: tuple[int, int] | None = None
+        self._bar_bytes = 0
+        self._listener = listen_unix(config.socket_path)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._snooper = Snooper(config.snoop_path, config.snoop_limit_bytes) if config.snoop_path else None
+
+    def serve(self) -> None:
+        if self._snooper:
+            self._snooper.start()
+        try:
+            while True:
+                for key, _ in self._sel.select():
+                    if key.data is None:
+                        conn, _ = self._listener.accept()
+                        peer = StreamTransport(conn, "peer")
+                        self._sel.register(peer.fileno(), selectors.EVENT_READ, peer)
+                    elif not self._serve_one(key.data):
+                        self._sel.unregister(key.data.fileno())
+                        key.data.close()
+                        if key.data is self.device:
+                            return  # the GPU is gone: nothing left to multiplex
+        finally:
+            if self._snooper:
+                self._snooper.stop()
+                self._snooper.join(timeout=1)
+
+    def _serve_one(self, peer: Transport) -> bool:
+        try:
+            got = peer.recv(timeout=self.config.switch_timeout)
+        except TransportClosed:
+            return False
+        msg = got.message
+        try:
+            if isinstance(msg, DeviceAttach):
+                self._attach_device(peer, msg, got.fds)
+            elif isinstance(msg, RegisterCvm):
+                self._register(peer, msg, got.fds)
+            elif isinstance(msg, SwitchRequest):
+                peer.send(self._switch(msg.target))
+            else:
+                peer.send(HostError(reason=f"unexpected message {type(msg).__name__}"))
+        except (BadInput, GputravelError) as exc:
+            peer.send(HostError(reason=str(exc)))
+        return True
+
+    def _attach_device(self, peer: Transport, msg: DeviceAttach, fds: tuple[int, ...]) -> None:
+        if len(fds) != 2:
+            raise BadInput("device attach needs BAR0 and doorbell descriptors")
+        self.device, self._device_fds, self._bar_bytes = peer, (fds[0], fds[1]), msg.bar_bytes
+
+    def _register(self, peer: Transport, msg: RegisterCvm, fds: tuple[int, ...]) -> None:
+        if len(fds) != 2:
+            raise BadInput("CVM registration needs its sysmem and interrupt descriptors")
+        if self._device_fds is None:
+            for fd in fds:
+                os.close(fd)
+            raise BadInput("no device is attached yet")
+        reg = CvmRegistration(msg.cvm, msg.iova, msg.nbytes, fds[0], fds[1])
+        old = self.mux.register(reg)
+        if old is not None:
+            os.close(old.sysmem_fd)
+            os.close(old.irq_fd)
+        if self._snooper:
+            self._snooper.watch(reg)
+        peer.send(Registered(bar_bytes=self._bar_bytes), fds=self._device_fds)
+
+    def _switch(self, target: str) -> Switched:
+        started = time.perf_counter_ns()
+        plan = self.mux.switch(target)
+        if self.device is None:
+            raise BadInput("no device is attached")
+        reg = plan.target
+        self.device.send(AttachCvm(cvm=reg.cvm, iova=reg.iova, nbytes=reg.nbytes), fds=(reg.sysmem_fd, reg.irq_fd))
+        ack = self.device.recv(timeout=self.config.switch_timeout).message
+        if not isinstance(ack, DeviceAck) or ack.cvm != target:
+            raise BadInput("device did not acknowledge the switch")
+        return Switched(target=target, elapsed_ns=time.perf_counter_ns() - started)
+
+
+def run_host(config: HostConfig) -> None:
+    HostProcess(config).serve()

@@ -1,0 +1,222 @@
+"""The orchestrator's side of one travel (paper Fig. 3) as a sans-IO state machine.
+
+Each method is an event (a step finished, a message arrived) with ``now`` passed in; each
+returns the next action for the runtime to carry out. The machine checks the order of
+steps, validates what the holder sends back against its manifest, and times every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ..errors import BadInput, IllegalTransition, ProtocolError
+from ..messages import ChunkInfo, HolderHello, TravelRefused, TravelRequest, TravelResult
+from ..wire import message
+from .manifest import chunk_digest_from_manifest
+
+#: Step names of the paper's Table 1, in cycle order.
+STEPS = ("o_cleanup", "o_export", "dh_switch", "dh_import", "dh_copy", "dh_export", "tls", "o_switch", "o_import", "o_rotate")
+
+
+class Phase(Enum):
+    IDLE = "idle"
+    CLEANUP = "cleanup"
+    EXPORT = "export"
+    SWITCH = "switch"
+    AWAY = "away"
+    IMPORT = "import"
+    ROTATE = "rotate"
+    VERIFY = "verify"
+
+
+# ----------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class ScrubBuffer:
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    pass
+
+
+@dataclass(frozen=True)
+class SwitchGpu:
+    target: str
+
+
+@dataclass(frozen=True)
+class SendRequest:
+    holder: str
+    request: TravelRequest
+
+
+@dataclass(frozen=True)
+class ImportContext:
+    blob: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Rotate:
+    pass
+
+
+@dataclass(frozen=True)
+class VerifyChunk:
+    offset: int
+    nbytes: int
+
+
+@message("report.travel")
+@dataclass(frozen=True)
+class TravelReport:
+    travel_id: int
+    holder: str
+    chunk: ChunkInfo | None  # None when the holder refused
+    steps_ms: dict[str, float]
+    total_ms: float
+    verify_ms: float
+    refused: str | None
+
+
+@dataclass(frozen=True)
+class Buffer:
+    offset: int
+    nbytes: int
+
+
+class OrchestratorTravel:
+    """One dataset buffer, travels one at a time."""
+
+    def __init__(self, buffer: Buffer) -> None:
+        self.buffer = buffer
+        self.holders: dict[str, HolderHello] = {}
+        self.phase = Phase.IDLE
+        self._travel_id = 0
+        self._holder = ""
+        self._offset = 0
+        self._marks: dict[str, float] = {}
+        self._steps: dict[str, float] = {}
+        self._chunk: ChunkInfo | None = None
+        self._refused: str | None = None
+        self._blob = b""
+
+    # ------------------------------------------------------------------ cohort
+    def enrol(self, hello: HolderHello) -> None:
+        if hello.piece_bytes <= 0 or self.buffer.nbytes % hello.piece_bytes:
+            raise ProtocolError(f"holder {hello.holder}: piece size must divide the buffer size")
+        if len(hello.manifest) != -(-hello.dataset_bytes // hello.piece_bytes):
+            raise ProtocolError(f"holder {hello.holder}: manifest does not match the dataset size")
+        self.holders[hello.holder] = hello
+
+    def expected_nbytes(self, holder: str, offset: int) -> int:
+        return min(self.buffer.nbytes, self.holders[holder].dataset_bytes - offset)
+
+    # ------------------------------------------------------------------ events
+    def _expect(self, phase: Phase, action: str) -> None:
+        if self.phase is not phase:
+            raise IllegalTransition("orchestrator", self.phase.value, action)
+
+    def start(self, holder: str, dataset_offset: int, now: float) -> ScrubBuffer:
+        self._expect(Phase.IDLE, "start a travel")
+        hello = self.holders.get(holder)
+        if hello is None:
+            known = ", ".join(sorted(self.holders)) or "none"
+            raise BadInput(f"unknown holder {holder!r} (enrolled: {known})")
+        if hello.dataset_bytes == 0:
+            raise BadInput(f"holder {holder!r} has an empty dataset: nothing to travel for")
+        if dataset_offset % self.buffer.nbytes or not 0 <= dataset_offset < hello.dataset_bytes:
+            raise BadInput(f"dataset offset {dataset_offset} is not a chunk start of holder {holder!r}")
+        self._travel_id += 1
+        self._holder, self._offset = holder, dataset_offset
+        self._marks = {"start": now}
+        self._steps, self._chunk, self._refused = {}, None, None
+        self.phase = Phase.CLEANUP
+        return ScrubBuffer(self.buffer.offset, self.buffer.nbytes)
+
+    def scrubbed(self, now: float) -> ExportContext:
+        self._expect(Phase.CLEANUP, "finish scrubbing")
+        self._step("o_cleanup", "start", now)
+        self.phase = Phase.EXPORT
+        return ExportContext()
+
+    def exported(self, blob: bytes, now: float) -> SwitchGpu:
+        self._expect(Phase.EXPORT, "finish exporting")
+        self._blob = blob
+        self._step("o_export", "o_cleanup", now)
+        self.phase = Phase.SWITCH
+        return SwitchGpu(self._holder)
+
+    def switched(self, now: float) -> SendRequest:
+        self._expect(Phase.SWITCH, "finish switching to the holder")
+        self._step("dh_switch", "o_export", now)
+        self.phase = Phase.AWAY
+        req = TravelRequest(self._travel_id, self.buffer.offset, self.buffer.nbytes, self._offset, self._blob)
+        self._blob = b""
+        return SendRequest(self._holder, req)
+
+    def holder_replied(self, reply: TravelResult | TravelRefused, now: float) -> ImportContext:
+        self._expect(Phase.AWAY, "take a holder's reply")
+        if reply.travel_id != self._travel_id:
+            raise ProtocolError(f"holder {self._holder}: reply to travel {reply.travel_id}, expected {self._travel_id}")
+        remote = {k: v / 1e6 for k, v in reply.steps_ns.items()}
+        for name in ("dh_import", "dh_copy", "dh_export", "o_switch"):
+            self._steps[name] = remote.get(name, 0.0)
+        away_ms = (now - self._marks["dh_switch"]) * 1e3
+        self._steps["tls"] = max(away_ms - remote.get("handler", 0.0), 0.0)
+        self._marks["away"] = now
+        if isinstance(reply, TravelRefused):
+            self._refused = reply.reason
+        else:
+            self._chunk = self._check_chunk(reply.chunk)
+        self.phase = Phase.IMPORT
+        return ImportContext(reply.context)
+
+    def _check_chunk(self, chunk: ChunkInfo) -> ChunkInfo:
+        hello = self.holders[self._holder]
+        want = self.expected_nbytes(self._holder, self._offset)
+        if chunk.dataset_offset != self._offset or chunk.nbytes != want:
+            raise ProtocolError(f"holder {self._holder}: copied {chunk.nbytes} bytes at {chunk.dataset_offset}, asked {want} at {self._offset}")
+        if chunk.digest != chunk_digest_from_manifest(hello.manifest, self._offset, want, hello.piece_bytes):
+            raise ProtocolError(f"holder {self._holder}: chunk digest does not match its manifest")
+        return chunk
+
+    def imported(self, now: float) -> Rotate:
+        self._expect(Phase.IMPORT, "finish importing")
+        self._step("o_import", "away", now)
+        self.phase = Phase.ROTATE
+        return Rotate()
+
+    def rotated(self, now: float) -> VerifyChunk | TravelReport:
+        self._expect(Phase.ROTATE, "finish rotating")
+        self._step("o_rotate", "o_import", now)
+        if self._chunk is None:
+            return self._finish(now, verify_ms=0.0)
+        self.phase = Phase.VERIFY
+        return VerifyChunk(self.buffer.offset, self._chunk.nbytes)
+
+    def verified(self, digest: bytes, now: float) -> TravelReport:
+        """The digest of what the device holds; it must equal the holder's manifest entry."""
+        self._expect(Phase.VERIFY, "verify a chunk")
+        assert self._chunk is not None
+        if digest != self._chunk.digest:
+            self.phase = Phase.IDLE
+            raise ProtocolError(f"travel {self._travel_id}: VRAM does not hold the chunk holder {self._holder} described")
+        return self._finish(now, verify_ms=(now - self._marks["o_rotate"]) * 1e3)
+
+    def abort(self) -> None:
+        """A step failed: the runtime has recovered the GPU; forget this travel."""
+        self.phase = Phase.IDLE
+
+    # ------------------------------------------------------------------ helpers
+    def _step(self, name: str, since: str, now: float) -> None:
+        self._steps[name] = (now - self._marks[since]) * 1e3
+        self._marks[name] = now
+
+    def _finish(self, now: float, verify_ms: float) -> TravelReport:
+        self.phase = Phase.IDLE
+        total = (self._marks["o_rotate"] - self._marks["start"]) * 1e3
+        steps = {name: self._steps.get(name, 0.0) for name in STEPS}
+        return TravelReport(self._travel_id, self._holder, self._chunk, steps, total, verify_ms, self._refused)

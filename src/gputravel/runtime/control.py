@@ -1,0 +1,56 @@
+"""Messages between the supervisor and the processes it owns (never crosses a trust boundary
+of the threat model: the supervisor stands for whoever launches each CVM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..roles.orchestrator import TravelReport  # noqa: F401  (re-exported: travels are reported as is)
+from ..wire import message
+
+
+@message("ctl.ready")
+@dataclass(frozen=True)
+class Ready:
+    role: str
+    detail: dict[str, int]
+
+
+@message("ctl.join")
+@dataclass(frozen=True)
+class JoinCohort:
+    host: str
+    port: int
+
+
+@message("ctl.await_holders")
+@dataclass(frozen=True)
+class AwaitHolders:
+    names: tuple[str, ...]
+    timeout: float
+
+
+@message("ctl.holders")
+@dataclass(frozen=True)
+class Holders:
+    dataset_bytes: dict[str, int]
+
+
+@message("ctl.travel")
+@dataclass(frozen=True)
+class DoTravel:
+    holder: str
+    dataset_offset: int
+
+
+@message("ctl.failed")
+@dataclass(frozen=True)
+class Failed:
+    kind: str  # the error class name
+    reason: str
+
+
+@message("ctl.shutdown")
+@dataclass(frozen=True)
+class Shutdown:
+    pass

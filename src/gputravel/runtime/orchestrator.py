@@ -1,0 +1,193 @@
+"""The orchestrator CVM: boots last, owns the session with the GPU, runs travels.
+
+:class:`Orchestrator` is the travelling engine (used by the demo, benchmarks and training);
+:func:`serve` is the process main loop that the supervisor drives over its control link.
+"""
+
+from __future__ import annotations
+
+import mmap
+import socket
+import time
+from dataclasses import dataclass
+
+from ..crypto.pki import CohortPki
+from ..driver.link import register_with_host
+from ..driver.orchestrator import OrchestratorDriver
+from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError
+from ..layout import Layout
+from ..messages import Bye, HolderHello, SwitchRequest, Switched, TravelRefused, TravelResult, VramGrant, VramRequest, Welcome
+from ..roles.manifest import chunk_digest
+from ..roles.orchestrator import Buffer, OrchestratorTravel, Rotate, TravelReport, VerifyChunk
+from ..transport.base import Transport
+from ..transport.stream import StreamTransport, connect_unix
+from ..transport.tls import TlsListener
+from .control import AwaitHolders, DoTravel, Failed, Holders, Ready, Shutdown
+
+NAME = "orchestrator"
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    host_socket: str
+    pki_dir: str
+    layout: Layout
+    buffer_bytes: int
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    holder_timeout: float = 60.0
+    device_timeout: float = 10.0
+    verify: bool = True
+
+
+class Orchestrator:
+    """The travelling engine. One dataset buffer in VRAM, one travel at a time."""
+
+    def __init__(self, config: OrchestratorConfig, device_link: socket.socket) -> None:
+        if config.buffer_bytes <= 0 or config.buffer_bytes % config.layout.record_bytes:
+            raise BadInput("the dataset buffer must be a positive multiple of the record size (1 MiB by default)")
+        self.config = config
+        self.host = connect_unix(config.host_socket, "host")
+        self.driver = OrchestratorDriver(register_with_host(self.host, NAME, config.layout))
+        self._device = StreamTransport(device_link, "device-link")
+        self.holders: dict[str, Transport] = {}
+        self.vram: mmap.mmap | None = None
+        self.travel_sm: OrchestratorTravel | None = None
+        self.listener = TlsListener(config.listen_host, config.listen_port, CohortPki.load(config.pki_dir).server_context(NAME))
+
+    # ------------------------------------------------------------------ boot
+    def boot(self) -> None:
+        """Paper 4.1: the orchestrator boots last, attests and keys the GPU, allocates its buffer."""
+        self.switch(NAME)
+        self.driver.establish_session(timeout=self.config.device_timeout)
+        self._device.send(VramRequest())
+        grant = self._device.recv(timeout=self.config.device_timeout)
+        if not isinstance(grant.message, VramGrant) or len(grant.fds) != 1:
+            raise ProtocolError("device did not grant VRAM")
+        self.vram = mmap.mmap(grant.fds[0], grant.message.vram_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        buf = self.driver.alloc_buffer(self.config.buffer_bytes, timeout=self.config.device_timeout)
+        self.travel_sm = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
+
+    def switch(self, target: str) -> int:
+        self.host.send(SwitchRequest(target=target))
+        reply = self.host.recv(timeout=self.config.device_timeout).message
+        if not isinstance(reply, Switched):
+            raise ProtocolError(f"host could not switch the GPU to {target}: {getattr(reply, 'reason', reply)}")
+        return reply.elapsed_ns
+
+    # ------------------------------------------------------------------ cohort
+    def accept_holder(self, timeout: float) -> str:
+        conn, peer = self.listener.accept(timeout=timeout)
+        hello = conn.recv(timeout=timeout).message
+        if not isinstance(hello, HolderHello) or hello.holder != peer:
+            conn.send(Bye(reason="the first message must be a hello naming the certificate's holder"))
+            conn.close()
+            raise ProtocolError(f"holder {peer!r} did not introduce itself correctly")
+        assert self.travel_sm is not None
+        self.travel_sm.enrol(hello)
+        old = self.holders.pop(peer, None)
+        if old is not None:
+            old.close()
+        self.holders[peer] = conn
+        conn.send(Welcome(cohort=NAME))
+        return peer
+
+    def await_holders(self, names: tuple[str, ...], timeout: float) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        while not set(names) <= set(self.holders):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(names) - set(self.holders))
+                raise PeerTimeout(f"holders did not join in {timeout:g} s: {', '.join(missing)}")
+            self.accept_holder(left)
+        assert self.travel_sm is not None
+        return {n: self.travel_sm.holders[n].dataset_bytes for n in self.holders}
+
+    # ------------------------------------------------------------------ the travel cycle
+    def travel(self, holder: str, dataset_offset: int) -> TravelReport:
+        sm, drv, cfg = self.travel_sm, self.driver, self.config
+        assert sm is not None
+        clock = time.perf_counter
+        act = sm.start(holder, dataset_offset, clock())
+        conn = self.holders[holder]
+        try:
+            drv.scrub(act.offset, act.nbytes, timeout=cfg.device_timeout)
+            sm.scrubbed(clock())
+            sm.exported(drv.export_for_travel(), clock())
+            send = self._switch_step(holder, sm, clock)
+            conn.send(send.request)
+            reply = conn.recv(timeout=cfg.holder_timeout, expect=(TravelResult, TravelRefused)).message
+            imp = sm.holder_replied(reply, clock())
+            drv.import_returned(imp.blob)
+            if not isinstance(sm.imported(clock()), Rotate):
+                raise ProtocolError("travel state machine out of step")
+            drv.rotate(timeout=cfg.device_timeout)
+            nxt = sm.rotated(clock())
+            if isinstance(nxt, VerifyChunk):
+                return sm.verified(self._digest(nxt) if cfg.verify else reply.chunk.digest, clock())
+            return nxt
+        except GputravelError:
+            self._recover()
+            sm.abort()
+            raise
+
+    def _switch_step(self, holder: str, sm: OrchestratorTravel, clock):
+        self.switch(holder)
+        return sm.switched(clock())
+
+    def _digest(self, verify: VerifyChunk) -> bytes:
+        assert self.vram is not None
+        view = memoryview(self.vram)[verify.offset : verify.offset + verify.nbytes]
+        try:
+            return chunk_digest(view)
+        finally:
+            view.release()
+
+    def _recover(self) -> None:
+        """A travel failed: take the GPU back and rotate, so whatever the holder kept is useless."""
+        try:
+            self.switch(NAME)
+            self.driver.abandon_travel()
+            self.driver.rotate(timeout=self.config.device_timeout)
+        except GputravelError:
+            pass  # the caller reports the original failure; the next travel will fail loudly
+
+    def buffer_view(self) -> memoryview:
+        """Read-only view of the dataset buffer (what a training kernel on the GPU reads)."""
+        assert self.vram is not None and self.travel_sm is not None
+        b = self.travel_sm.buffer
+        return memoryview(self.vram)[b.offset : b.offset + b.nbytes]
+
+    def close(self) -> None:
+        for conn in self.holders.values():
+            try:
+                conn.send(Bye(reason="cohort shutting down"))
+            except GputravelError:
+                pass
+            conn.close()
+        self.listener.close()
+        self.host.close()
+
+
+def serve(config: OrchestratorConfig, control: Transport, device_link: socket.socket) -> None:
+    orch = Orchestrator(config, device_link)
+    orch.boot()
+    control.send(Ready(role=NAME, detail={"port": orch.listener.port}))
+    try:
+        while True:
+            cmd = control.recv().message
+            if isinstance(cmd, Shutdown):
+                return
+            try:
+                if isinstance(cmd, AwaitHolders):
+                    control.send(Holders(dataset_bytes=orch.await_holders(cmd.names, cmd.timeout)))
+                elif isinstance(cmd, DoTravel):
+                    control.send(orch.travel(cmd.holder, cmd.dataset_offset))
+                else:
+                    control.send(Failed(kind="ProtocolError", reason=f"unknown command {type(cmd).__name__}"))
+            except GputravelError as exc:
+                control.send(Failed(kind=type(exc).__name__, reason=str(exc)))
+    finally:
+        orch.close()
+
+

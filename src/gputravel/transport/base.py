@@ -1,0 +1,77 @@
+"""The transport interface: typed wire messages (plus optional file descriptors) between peers.
+
+A transport moves registered :mod:`gputravel.wire` messages; encoding and decoding happen
+inside it, so callers only ever see dataclasses. File descriptors received are new descriptors
+owned by the caller (it must close them), mirroring SCM_RIGHTS semantics.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from gputravel.errors import BadInput
+
+__all__ = ["Received", "Transport", "MAX_FDS"]
+
+MAX_FDS = 253
+"""Most descriptors one message may carry (Linux SCM_MAX_FD)."""
+
+
+@dataclass(frozen=True)
+class Received:
+    """One received message and the descriptors that came with it (owned by the receiver)."""
+
+    message: object
+    fds: tuple[int, ...] = ()
+
+
+class Transport(abc.ABC):
+    """A bidirectional, ordered, message-oriented link to one peer."""
+
+    name: str
+
+    @abc.abstractmethod
+    def send(self, message: object, fds: Sequence[int] = ()) -> None:
+        """Send one registered message; ``fds`` are duplicated to the peer, not moved."""
+
+    @abc.abstractmethod
+    def recv(self, timeout: float | None = None, *,
+             expect: type | tuple[type, ...] | None = None) -> Received:
+        """Receive the next message.
+
+        Raises PeerTimeout when ``timeout`` seconds pass with nothing received (the transport
+        stays usable), TransportClosed once the peer has closed and everything it sent has been
+        drained, ProtocolError for a malformed message or one not in ``expect``.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close this end (idempotent); the peer's recv then raises TransportClosed."""
+
+    def fileno(self) -> int:
+        """A descriptor that becomes readable when a message may be available (for selectors)."""
+        raise BadInput(f"{self.name}: this transport has no file descriptor")
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def check_fds(name: str, fds: Sequence[int]) -> tuple[int, ...]:
+    """Validate a caller's descriptor list before anything is sent."""
+    out = tuple(fds)
+    if len(out) > MAX_FDS:
+        raise BadInput(f"{name}: at most {MAX_FDS} descriptors per message, got {len(out)}")
+    for fd in out:
+        if type(fd) is not int or fd < 0:
+            raise BadInput(f"{name}: descriptors must be non-negative ints")
+    return out

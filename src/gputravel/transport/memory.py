@@ -1,0 +1,112 @@
+"""An in-process transport pair for tests: two queues, but the real codec and fd semantics.
+
+Messages are encoded on send and decoded on recv so tests exercise :mod:`gputravel.wire`
+exactly as a socket would. Descriptors are ``os.dup``-ed on send, like SCM_RIGHTS, so the
+receiver owns fresh descriptors and the sender may close its own.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Sequence
+
+from gputravel import wire
+from gputravel.errors import PeerTimeout, ProtocolError, TransportClosed
+from gputravel.transport.base import Received, Transport, check_fds
+
+__all__ = ["MemoryTransport", "memory_pair"]
+
+_CLOSED = object()  # end-of-stream marker queued to the peer when one end closes
+
+
+class MemoryTransport(Transport):
+    """One end of a :func:`memory_pair`."""
+
+    def __init__(self, name: str, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue,
+                 lock: threading.Lock) -> None:
+        self.name = name
+        self._inbox = inbox
+        self._outbox = outbox
+        # One lock per pair: a send racing the peer's close must not strand dup-ed fds.
+        self._lock = lock
+        self._closed = False  # this end closed
+        self._peer_closed = False  # the peer's end-of-stream marker has been seen
+        self.peer: MemoryTransport | None = None
+
+    def send(self, message: object, fds: Sequence[int] = ()) -> None:
+        fds = check_fds(self.name, fds)
+        data = wire.encode(message)
+        if len(data) > wire.MAX_FRAME_BYTES:
+            raise ProtocolError(f"{self.name}: message of {len(data)} bytes exceeds "
+                                f"{wire.MAX_FRAME_BYTES}")
+        with self._lock:
+            if self._closed:
+                raise TransportClosed(f"{self.name}: transport is closed")
+            peer = self.peer
+            if peer is None or peer._closed:
+                raise TransportClosed(f"{self.name}: peer has closed")
+            dups = tuple(os.dup(fd) for fd in fds)
+            self._outbox.put((data, dups))
+
+    def recv(self, timeout: float | None = None, *,
+             expect: type | tuple[type, ...] | None = None) -> Received:
+        if self._closed:
+            raise TransportClosed(f"{self.name}: transport is closed")
+        if self._peer_closed:
+            raise TransportClosed(f"{self.name}: peer has closed")
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise PeerTimeout(f"{self.name}: nothing received within {timeout}s") from None
+        if item is _CLOSED:
+            if self._closed:
+                raise TransportClosed(f"{self.name}: transport is closed")
+            self._peer_closed = True
+            raise TransportClosed(f"{self.name}: peer has closed")
+        data, fds = item
+        try:
+            msg = wire.decode(data, expect=expect)
+        except ProtocolError as e:
+            _close_all(fds)  # nobody will own them
+            raise ProtocolError(f"{self.name}: {e}") from None
+        return Received(msg, fds)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._outbox.put(_CLOSED)
+            # Undelivered descriptors would leak: close what is still queued to us.
+            self._drain()
+            self._inbox.put(_CLOSED)  # wakes a recv blocked on this end in another thread
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _CLOSED:
+                _close_all(item[1])
+
+
+def _close_all(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def memory_pair(name_a: str = "a", name_b: str = "b") -> tuple[MemoryTransport, MemoryTransport]:
+    """Two connected in-memory transports; thread-safe, ordered, with fd passing."""
+    a_to_b: queue.SimpleQueue = queue.SimpleQueue()
+    b_to_a: queue.SimpleQueue = queue.SimpleQueue()
+    lock = threading.Lock()
+    a = MemoryTransport(name_a, inbox=b_to_a, outbox=a_to_b, lock=lock)
+    b = MemoryTransport(name_b, inbox=a_to_b, outbox=b_to_a, lock=lock)
+    a.peer, b.peer = b, a
+    return a, b

@@ -1,0 +1,383 @@
+"""Length-prefixed message frames over any connected stream socket (AF_UNIX, TCP, TLS).
+
+Frame layout: a 5-byte header, then the payload (one :mod:`gputravel.wire` message)::
+
+    +----------------------+-----------+----------------------+
+    | length: u32 big-end. | nfds: u8  | payload (length B)   |
+    +----------------------+-----------+----------------------+
+
+``nfds`` is how many descriptors travel with the frame (SCM_RIGHTS, AF_UNIX only); the
+sender attaches them to the frame's first byte, so the receiver collects them while reading
+the header and can check that exactly ``nfds`` arrived.
+
+The socket is switched to non-blocking mode and every wait is an explicit ``poll`` against a
+deadline. That keeps timeouts exact for TLS too (an SSL socket can be readable with no
+application data, e.g. a session ticket), lets send and recv run in two threads without
+fighting over the socket's timeout, and lets a receive that times out mid-frame keep its
+partial state and resume on the next call instead of desynchronising the stream.
+
+``close`` never calls ``shutdown``: that would also cut the connection for any other process
+holding a copy of the socket (after fork or fd passing). Instead, waits are sliced
+(``_WAKE_SLICE``) and every socket call re-checks the closed flag, so a thread blocked in recv
+notices a close from another thread within one slice.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import math
+import os
+import select
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+from gputravel import wire
+from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
+from gputravel.transport.base import MAX_FDS, Received, Transport, check_fds
+
+__all__ = ["StreamTransport", "HEADER", "socketpair_transports", "connect_unix",
+           "listen_unix", "accept_unix"]
+
+HEADER = struct.Struct(">IB")  # payload length, descriptor count
+_ANCBUF = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+_RETAIN = 1 << 20  # receive buffers up to this size are kept and reused between frames
+_WAKE_SLICE = 0.05  # longest single poll: bounds how late a blocked thread sees close()
+_CLOSED_ERRORS = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
+                  ssl.SSLEOFError, ssl.SSLZeroReturnError)
+
+
+class StreamTransport(Transport):
+    """A :class:`Transport` over a connected stream socket; it takes ownership of ``sock``.
+
+    ``send_timeout`` bounds how long a send may wait for a peer that stopped reading; when it
+    expires the frame may be half written, so the transport closes and raises PeerTimeout.
+    """
+
+    def __init__(self, sock: socket.socket, name: str, *,
+                 send_timeout: float | None = None) -> None:
+        self.name = name
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._sock = sock
+        self._ssl = isinstance(sock, ssl.SSLSocket)
+        self._unix = sock.family == socket.AF_UNIX and not self._ssl
+        self._send_timeout = send_timeout
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Small control messages must not sit in Nagle's buffer waiting for an ACK.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        self._fd = sock.fileno()
+        self._rpoll = select.poll()
+        self._rpoll.register(self._fd, select.POLLIN)
+        self._wpoll = select.poll()
+        self._wpoll.register(self._fd, select.POLLOUT)
+        self._send_lock = threading.Lock()  # one frame at a time per direction
+        self._recv_lock = threading.Lock()
+        # Every socket call and the socket's close happen under this lock, after a closed
+        # check: no call can hit a closed (or reused) descriptor, and OpenSSL objects get the
+        # serialised read/write calls they need when send and recv run in two threads.
+        self._io_lock = threading.Lock()
+        self._closed = False
+        self._eof = False
+        self._buf = bytearray(64 * 1024)
+        self._reset_frame()
+
+    # ------------------------------------------------------------------------- send
+    def send(self, message: object, fds: Sequence[int] = ()) -> None:
+        fds = check_fds(self.name, fds)
+        if fds and not self._unix:
+            raise BadInput(f"{self.name}: descriptors can only travel over AF_UNIX sockets")
+        data = wire.encode(message)
+        if len(data) > wire.MAX_FRAME_BYTES:
+            raise ProtocolError(f"{self.name}: message of {len(data)} bytes exceeds "
+                                f"{wire.MAX_FRAME_BYTES}")
+        # One buffer, one write: header and payload leave in the same segment / TLS record.
+        frame = HEADER.pack(len(data), len(fds)) + data
+        with self._send_lock:
+            self._check_open()
+            self._write_all(memoryview(frame), fds)
+            self.bytes_sent += len(frame)
+
+    def _write_all(self, view: memoryview, fds: tuple[int, ...]) -> None:
+        deadline = None if self._send_timeout is None else time.monotonic() + self._send_timeout
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else None
+        sent = 0
+        while sent < len(view):
+            try:
+                with self._io_lock:
+                    self._check_open()
+                    if anc is not None:
+                        n = self._sock.sendmsg([view[sent:]], anc)
+                        anc = None  # descriptors ride on the first chunk only
+                    else:
+                        n = self._sock.send(view[sent:])
+            except (BlockingIOError, ssl.SSLWantWriteError):
+                self._wait_send(self._wpoll, deadline)
+                continue
+            except ssl.SSLWantReadError:
+                self._wait_send(self._rpoll, deadline)
+                continue
+            except ssl.SSLError as e:
+                self._fail(ProtocolError(f"{self.name}: TLS error on send: {e.reason}"))
+            except OSError as e:
+                self._fail(self._closed_error(e))
+            sent += n
+
+    def _wait_send(self, poller: select.poll, deadline: float | None) -> None:
+        try:
+            _wait(poller, deadline)
+        except PeerTimeout:
+            # The frame may be half written (and TLS state mid-record): the stream is unusable.
+            self._fail(PeerTimeout(f"{self.name}: peer stopped reading; transport closed"))
+
+    # ------------------------------------------------------------------------- receive
+    def recv(self, timeout: float | None = None, *,
+             expect: type | tuple[type, ...] | None = None) -> Received:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._recv_lock:
+            self._check_open()
+            if self._eof:
+                raise TransportClosed(f"{self.name}: peer has closed")
+            try:
+                if self._payload is None:
+                    self._read_header(deadline)
+                payload = self._payload
+                assert payload is not None
+                while self._got < len(payload):
+                    self._got += self._read_some(payload[self._got:], deadline)
+            except PeerTimeout:
+                if self._closed:  # closed by another thread while we waited
+                    self._discard_frame()
+                    raise TransportClosed(f"{self.name}: transport is closed") from None
+                raise PeerTimeout(f"{self.name}: nothing received within {timeout}s") from None
+            fds, want, truncated = tuple(self._fds), self._want_fds, self._truncated
+            self._reset_frame()
+            self.bytes_received += HEADER.size + len(payload)
+            try:
+                return self._finish(payload, fds, want, truncated, expect)
+            finally:
+                payload.release()
+
+    def _read_header(self, deadline: float | None) -> None:
+        while self._hdr_got < HEADER.size:
+            self._hdr_got += self._read_some(self._hdr_view[self._hdr_got:], deadline)
+        length, nfds = HEADER.unpack(self._hdr)
+        if length > wire.MAX_FRAME_BYTES:
+            # We cannot skip that much safely; the stream is lost.
+            self._fail(ProtocolError(f"{self.name}: frame of {length} bytes exceeds "
+                                     f"{wire.MAX_FRAME_BYTES}"))
+        if nfds and not self._unix:
+            self._fail(ProtocolError(f"{self.name}: frame claims descriptors on a non-unix socket"))
+        if length <= len(self._buf):
+            buf = self._buf
+        elif length <= _RETAIN:
+            buf = self._buf = bytearray(length)
+        else:
+            buf = bytearray(length)  # large one-off: let it be freed after this frame
+        self._payload = memoryview(buf)[:length]
+        self._want_fds = nfds
+
+    def _finish(self, payload: memoryview, fds: tuple[int, ...], want: int, truncated: bool,
+                expect: type | tuple[type, ...] | None) -> Received:
+        # Framing is intact whatever happens here, so errors leave the transport usable.
+        if truncated or len(fds) != want:
+            _close_fds(fds)
+            raise ProtocolError(f"{self.name}: frame announced {want} descriptor(s), "
+                                f"{'too many' if truncated else len(fds)} arrived")
+        try:
+            msg = wire.decode(payload, expect=expect)
+        except ProtocolError as e:
+            _close_fds(fds)
+            raise ProtocolError(f"{self.name}: {e}") from None
+        return Received(msg, fds)
+
+    def _read_some(self, view: memoryview, deadline: float | None) -> int:
+        """Read at least one byte into ``view``; waits until ``deadline`` (PeerTimeout)."""
+        while True:
+            try:
+                with self._io_lock:
+                    if self._closed:
+                        self._discard_frame()
+                        raise TransportClosed(f"{self.name}: transport is closed")
+                    if self._unix:
+                        n, anc, flags, _ = self._sock.recvmsg_into(
+                            [view], _ANCBUF, socket.MSG_CMSG_CLOEXEC)
+                        if anc or flags & socket.MSG_CTRUNC:
+                            self._take_fds(anc, flags)
+                    else:
+                        n = self._sock.recv_into(view)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                _wait(self._rpoll, deadline)
+                continue
+            except ssl.SSLWantWriteError:
+                _wait(self._wpoll, deadline)
+                continue
+            except ssl.SSLError as e:
+                if isinstance(e, _CLOSED_ERRORS):
+                    n = 0
+                else:
+                    self._fail(ProtocolError(f"{self.name}: TLS error on receive: {e.reason}"))
+            except OSError as e:
+                self._fail(self._closed_error(e))
+            if n == 0:
+                self._eof = True
+                mid = self._hdr_got > 0
+                self._discard_frame()
+                if self._closed:
+                    raise TransportClosed(f"{self.name}: transport is closed")
+                raise TransportClosed(f"{self.name}: peer closed" + (" mid-frame" if mid else ""))
+            return n
+
+    def _take_fds(self, anc: list[tuple[int, int, bytes]], flags: int) -> None:
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(data[: len(data) - len(data) % got.itemsize])
+                self._fds.extend(got)
+        if flags & socket.MSG_CTRUNC:
+            self._truncated = True  # reported when the frame completes
+
+    def _reset_frame(self) -> None:
+        self._hdr = bytearray(HEADER.size)
+        self._hdr_view = memoryview(self._hdr)
+        self._hdr_got = 0
+        self._payload: memoryview | None = None
+        self._got = 0
+        self._want_fds = 0
+        self._fds: list[int] = []
+        self._truncated = False
+
+    def _discard_frame(self) -> None:
+        _close_fds(self._fds)
+        if self._payload is not None:
+            self._payload.release()
+        self._reset_frame()
+
+    # ------------------------------------------------------------------------- lifecycle
+    def fileno(self) -> int:
+        """The socket's descriptor. For TLS, decrypted bytes may already be buffered: a
+        selector can miss them, so prefer ``recv(timeout=...)`` over select for TLS links."""
+        return self._fd
+
+    def close(self) -> None:
+        with self._io_lock:
+            if self._closed:
+                return
+            self._close_socket()
+        # A receiver blocked in another thread owns the partial frame; it discards it itself
+        # when it notices the close. Otherwise drop any descriptors collected so far.
+        if self._recv_lock.acquire(blocking=False):
+            try:
+                self._discard_frame()
+            finally:
+                self._recv_lock.release()
+
+    def _close_socket(self) -> None:
+        """Caller holds ``_io_lock``, so no socket call is in flight on this descriptor."""
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"{self.name}: transport is closed")
+
+    def _closed_error(self, e: OSError) -> TransportClosed:
+        if self._closed:
+            return TransportClosed(f"{self.name}: transport is closed")
+        return TransportClosed(f"{self.name}: connection lost ({type(e).__name__})")
+
+    def _fail(self, error: Exception) -> None:
+        """Close the socket (the stream can no longer be trusted to be in sync), raise ``error``.
+
+        Called with the send or recv lock held; ``close()`` finishes the cleanup later."""
+        with self._io_lock:
+            if not self._closed:
+                self._close_socket()
+        raise error
+
+
+def _wait(poller: select.poll, deadline: float | None) -> bool:
+    """Wait until ``poller`` fires (True) or the wait ends early (False, caller retries);
+    raises PeerTimeout once ``deadline`` has passed."""
+    if deadline is None:
+        return bool(poller.poll(_WAKE_SLICE * 1000))
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise PeerTimeout("deadline passed")
+    # Round up: never spin on a sub-millisecond remainder.
+    return bool(poller.poll(math.ceil(min(remaining, _WAKE_SLICE) * 1000)))
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------------------- AF_UNIX helpers
+def socketpair_transports(name_a: str = "a", name_b: str = "b") -> tuple[StreamTransport,
+                                                                          StreamTransport]:
+    """Two connected transports over ``socket.socketpair(AF_UNIX)`` (fd passing works)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return StreamTransport(a, name_a), StreamTransport(b, name_b)
+
+
+def listen_unix(path: str | os.PathLike[str], backlog: int = 16) -> socket.socket:
+    """A listening AF_UNIX socket at ``path``. A stale socket file is not removed for you."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(os.fspath(path))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        stale = e.errno == errno.EADDRINUSE
+        hint = " (remove the stale socket file if no one is listening)" if stale else ""
+        raise BadInput(f"cannot listen on {os.fspath(path)!r}: {e.strerror}{hint}") from None
+    return sock
+
+
+def accept_unix(listener: socket.socket, name: str, *,
+                timeout: float | None = None) -> StreamTransport:
+    """Accept one connection on a :func:`listen_unix` socket (PeerTimeout after ``timeout``)."""
+    poller = select.poll()
+    poller.register(listener.fileno(), select.POLLIN)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            ready = _wait(poller, deadline)
+        except PeerTimeout:
+            raise PeerTimeout(f"{name}: no connection within {timeout}s") from None
+        if not ready:
+            continue  # the listener may be blocking: only accept once poll says a client waits
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            continue  # another acceptor won the race on a non-blocking listener
+        return StreamTransport(conn, name)
+
+
+def connect_unix(path: str | os.PathLike[str], name: str, *,
+                 timeout: float = 10.0) -> StreamTransport:
+    """Connect to a :func:`listen_unix` socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(os.fspath(path))
+    except TimeoutError:
+        sock.close()
+        raise PeerTimeout(f"{name}: connect to {os.fspath(path)!r} timed out") from None
+    except OSError as e:
+        sock.close()
+        raise TransportClosed(f"{name}: cannot connect to {os.fspath(path)!r}: "
+                              f"{e.strerror or type(e).__name__}") from None
+    return StreamTransport(sock, name)

@@ -1,0 +1,146 @@
+"""Mutual TLS 1.3 over TCP (stdlib ``ssl``), giving :class:`StreamTransport` links.
+
+The caller builds the ``ssl.SSLContext`` (certificates, CA, TLS 1.3 minimum); these helpers do
+the connect / accept / handshake dance, turn ssl failures into typed errors, insist on
+TLS 1.3, and report the peer's verified certificate commonName on the server side.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
+from gputravel.transport.stream import StreamTransport, _wait
+
+__all__ = ["connect_tls", "TlsListener"]
+
+
+def connect_tls(host: str, port: int, context: ssl.SSLContext, server_hostname: str, *,
+                timeout: float = 10.0) -> StreamTransport:
+    """Connect, handshake (within ``timeout``) and verify the server as ``server_hostname``.
+
+    In TLS 1.3 the server judges our certificate after our side of the handshake is done, so a
+    rejected client certificate surfaces on the first ``recv`` as ProtocolError, not here.
+    """
+    name = f"tls:{server_hostname}"
+    try:
+        raw = socket.create_connection((host, port), timeout=timeout)
+    except TimeoutError:
+        raise PeerTimeout(f"{name}: connect to {host}:{port} timed out") from None
+    except OSError as e:
+        raise TransportClosed(f"{name}: cannot connect to {host}:{port}: "
+                              f"{e.strerror or type(e).__name__}") from None
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tls = _handshake(raw, name, lambda: context.wrap_socket(raw, server_hostname=server_hostname))
+    return StreamTransport(tls, name)
+
+
+class TlsListener:
+    """A TCP listener whose ``accept`` completes a mutual-TLS handshake.
+
+    The context must require client certificates (CERT_REQUIRED): every peer is identified by
+    its certificate's commonName. A failed handshake raises ProtocolError from ``accept`` but
+    leaves the listener serving. The handshake runs inside ``accept`` (bounded by
+    ``handshake_timeout``), so one slow client delays the next accept by at most that much.
+    """
+
+    def __init__(self, host: str, port: int, context: ssl.SSLContext, *, backlog: int = 16,
+                 handshake_timeout: float = 10.0) -> None:
+        if context.verify_mode != ssl.CERT_REQUIRED:
+            raise BadInput("TlsListener needs a server context with verify_mode=CERT_REQUIRED "
+                           "(peers are identified by their client certificates)")
+        self._context = context
+        self._handshake_timeout = handshake_timeout
+        try:
+            self._sock = socket.create_server((host, port), backlog=backlog)
+        except OSError as e:
+            raise BadInput(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        self._sock.setblocking(False)
+        self._poll = select.poll()
+        self._poll.register(self._sock.fileno(), select.POLLIN)
+        self.host = host
+        self._closed = False
+        self.port: int = self._sock.getsockname()[1]
+
+    def accept(self, timeout: float | None = None) -> tuple[StreamTransport, str]:
+        """Wait up to ``timeout`` for a client; return its transport and certificate CN."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed:  # closed from another thread while we waited
+                raise TransportClosed(f"tls listener :{self.port}: closed")
+            try:
+                _wait(self._poll, deadline)
+            except PeerTimeout:
+                raise PeerTimeout(f"tls listener :{self.port}: no client within {timeout}s") \
+                    from None
+            try:
+                raw, addr = self._sock.accept()
+                break
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                if self._closed:
+                    continue  # reported at the top of the loop
+                raise
+        raw.settimeout(self._handshake_timeout)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        where = f"tls client {addr[0]}:{addr[1]}"
+        tls = _handshake(raw, where, lambda: self._context.wrap_socket(raw, server_side=True))
+        try:
+            cn = _common_name(tls.getpeercert())
+        except ProtocolError as e:
+            tls.close()
+            raise ProtocolError(f"{where}: {e}") from None
+        return StreamTransport(tls, f"tls:{cn}"), cn
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+
+    def __enter__(self) -> TlsListener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _handshake(raw: socket.socket, where: str, wrap: Callable[[], ssl.SSLSocket]) -> ssl.SSLSocket:
+    """Run ``wrap`` (a blocking handshake under ``raw``'s timeout) with typed failures."""
+    try:
+        tls = wrap()
+    except ssl.SSLCertVerificationError as e:
+        raw.close()
+        raise ProtocolError(f"{where}: TLS certificate verification failed: "
+                            f"{e.verify_message or e.reason}") from None
+    except ssl.SSLError as e:
+        raw.close()
+        raise ProtocolError(f"{where}: TLS handshake failed: {e.reason or e}") from None
+    except TimeoutError:
+        raw.close()
+        raise PeerTimeout(f"{where}: TLS handshake timed out") from None
+    except OSError as e:
+        raw.close()
+        raise TransportClosed(f"{where}: connection lost during TLS handshake "
+                              f"({type(e).__name__})") from None
+    if tls.version() != "TLSv1.3":
+        version = tls.version()
+        tls.close()
+        raise ProtocolError(f"{where}: negotiated {version}, TLS 1.3 is required")
+    return tls
+
+
+def _common_name(cert: dict[str, Any] | None) -> str:
+    """The subject commonName of a verified peer certificate (``getpeercert()`` form)."""
+    for rdn in (cert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName" and value:
+                return str(value)
+    raise ProtocolError("peer certificate has no subject commonName")
