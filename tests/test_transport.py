@@ -6,7 +6,6 @@ import datetime
 import os
 import socket
 import ssl
-import statistics
 import tempfile
 import threading
 import time
@@ -373,7 +372,7 @@ def test_peer_closing_mid_frame_is_transport_closed(raw_and_transport) -> None:
         t.recv(timeout=5)
 
 
-def test_counters_and_latency() -> None:
+def test_counters_over_many_round_trips() -> None:
     a, b = socketpair_transports()
     msg = Blob(bytes(16 * 1024))
 
@@ -395,7 +394,8 @@ def test_counters_and_latency() -> None:
     t.join(5)
     b.close()
     assert a.bytes_sent == a.bytes_received == 200 * (HEADER.size + len(wire.encode(msg)))
-    assert statistics.median(samples) < 1e-3, f"median round trip {statistics.median(samples)}"
+    # Timings are measured in benchmarks, never asserted in tests (machines are noisy).
+    assert len(samples) == 200
 
 
 def test_unix_helpers_errors() -> None:
@@ -472,7 +472,7 @@ def test_tls_accept_timeout_and_connect_refused(pki: Pki) -> None:
         connect_tls("127.0.0.1", port, pki.client(), "holder", timeout=2)
 
 
-def test_tls_latency_and_nodelay(pki: Pki) -> None:
+def test_tls_round_trips_and_nodelay(pki: Pki) -> None:
     a, b = tls_pair(pki)
     assert a._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     assert b._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
@@ -495,4 +495,58 @@ def test_tls_latency_and_nodelay(pki: Pki) -> None:
     a.close()
     t.join(5)
     b.close()
-    assert statistics.median(samples) < 2e-3, f"median round trip {statistics.median(samples)}"
+    assert len(samples) == 100  # timings belong in benchmarks, not assertions
+
+
+# ----------------------------------------------------------------------------- lifecycle details
+def test_send_timeout_closes_the_half_written_stream() -> None:
+    raw, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    t = StreamTransport(other, "slow-peer", send_timeout=0.05)
+    try:
+        with pytest.raises(PeerTimeout, match="stopped reading"):
+            t.send(Blob(bytes(8 * 1024 * 1024)))  # nobody reads: the buffer fills up
+        with pytest.raises(TransportClosed):
+            t.send(Ping(1))
+    finally:
+        t.close()
+        raw.close()
+
+
+def test_a_forked_child_closing_its_copy_does_not_cut_the_parent() -> None:
+    a, b = socketpair_transports()
+    pid = os.fork()
+    if pid == 0:  # child: drop inherited copies, as a spawned trust domain would
+        a.close()
+        b.close()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    with a, b:
+        a.send(Ping(1))
+        assert b.recv(timeout=5).message == Ping(1)
+
+
+def test_memory_close_releases_undelivered_fds() -> None:
+    a, b = memory_pair()
+    r, w = os.pipe()
+    a.send(Ping(1), fds=[w])
+    os.close(w)
+    b.close()  # b never received: its dup of w must be closed, so r sees EOF
+    assert os.read(r, 1) == b""
+    os.close(r)
+    a.close()
+
+
+def test_descriptors_do_not_leak(pki: Pki) -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    for make in (memory_pair, socketpair_transports, unix_pair, lambda: tls_pair(pki)):
+        a, b = make()
+        fd = os.memfd_create("leak-check")
+        if not isinstance(a, StreamTransport) or a._unix:
+            a.send(Ping(1), fds=[fd])
+            a.send(Ping(2), fds=[fd])  # left undelivered on purpose
+            for got_fd in b.recv(timeout=5).fds:
+                os.close(got_fd)
+        os.close(fd)
+        a.close()
+        b.close()
+    assert len(os.listdir("/proc/self/fd")) == before

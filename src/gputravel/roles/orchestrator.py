@@ -79,6 +79,7 @@ class TravelReport:
     total_ms: float
     verify_ms: float
     refused: str | None
+    nonzero_on_arrival: int  # what the holder's arrival audit found (-1: not audited)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class OrchestratorTravel:
         self._chunk: ChunkInfo | None = None
         self._refused: str | None = None
         self._blob = b""
+        self._arrival = -1
 
     # ------------------------------------------------------------------ cohort
     def enrol(self, hello: HolderHello) -> None:
@@ -132,7 +134,7 @@ class OrchestratorTravel:
         self._travel_id += 1
         self._holder, self._offset = holder, dataset_offset
         self._marks = {"start": now}
-        self._steps, self._chunk, self._refused = {}, None, None
+        self._steps, self._chunk, self._refused, self._arrival = {}, None, None, -1
         self.phase = Phase.CLEANUP
         return ScrubBuffer(self.buffer.offset, self.buffer.nbytes)
 
@@ -171,6 +173,7 @@ class OrchestratorTravel:
             self._refused = reply.reason
         else:
             self._chunk = self._check_chunk(reply.chunk)
+            self._arrival = reply.nonzero_on_arrival
         self.phase = Phase.IMPORT
         return ImportContext(reply.context)
 
@@ -219,4 +222,4 @@ class OrchestratorTravel:
         self.phase = Phase.IDLE
         total = (self._marks["o_rotate"] - self._marks["start"]) * 1e3
         steps = {name: self._steps.get(name, 0.0) for name in STEPS}
-        return TravelReport(self._travel_id, self._holder, self._chunk, steps, total, verify_ms, self._refused)
+        return TravelReport(self._travel_id, self._holder, self._chunk, steps, total, verify_ms, self._refused, self._arrival)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .. import errors
 from ..crypto.pki import CohortPki
+from ..host.tap import TcpTap
 from ..errors import BadInput, GputravelError, PeerTimeout, RemoteError
 from ..layout import Layout
 from ..transport.stream import StreamTransport
@@ -40,7 +41,8 @@ class CohortConfig:
     vram_bytes: int = 0  # 0: buffer plus 64 MiB
     layout: Layout = field(default_factory=Layout)
     workdir: str | None = None
-    snoop: bool = False
+    snoop: bool = False  # the host records every CVM's unprotected memory (snoop.bin)
+    tap: bool = False  # holders reach the orchestrator through a recording TCP tap (tap.bin)
     audit_arrival: bool = False
     boot_timeout: float = 60.0
     travel_timeout: float = 120.0
@@ -88,6 +90,7 @@ class Cohort:
         self.dir: Path | None = None
         self.port = 0
         self.dataset_bytes: dict[str, int] = {}
+        self._tap: TcpTap | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Cohort:
@@ -124,8 +127,12 @@ class Cohort:
             dev_end.close()
             orch_end.close()
         self.port = ready.detail["port"]
+        port = self.port
+        if cfg.tap:
+            self._tap = TcpTap(("127.0.0.1", self.port), self.dir / "tap.bin")
+            port = self._tap.port
         for h in cfg.holders:
-            self.children[h.name].control.send(JoinCohort(host="127.0.0.1", port=self.port))
+            self.children[h.name].control.send(JoinCohort(host="127.0.0.1", port=port))
         reply = self._ask(AwaitHolders(names=names, timeout=cfg.boot_timeout), cfg.boot_timeout + 5)
         assert isinstance(reply, Holders)
         self.dataset_bytes = dict(reply.dataset_bytes)
@@ -183,6 +190,9 @@ class Cohort:
                 child.proc.wait()
             child.control.close()
         self.children.clear()
+        if self._tap is not None:
+            self._tap.close()
+            self._tap = None
         if self.dir is not None and self.config.workdir is None:
             shutil.rmtree(self.dir, ignore_errors=True)
 

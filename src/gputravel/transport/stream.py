@@ -151,10 +151,15 @@ class StreamTransport(Transport):
                 while self._got < len(payload):
                     self._got += self._read_some(payload[self._got:], deadline)
             except PeerTimeout:
-                if self._closed:  # closed by another thread while we waited
+                if not self._closed:  # partial frame kept: the next call resumes it
+                    raise PeerTimeout(f"{self.name}: nothing received within {timeout}s") \
+                        from None
+                self._discard_frame()  # closed by another thread while we waited
+                raise TransportClosed(f"{self.name}: transport is closed") from None
+            except BaseException:
+                if self._closed:  # the stream failed: drop the partial frame and its fds
                     self._discard_frame()
-                    raise TransportClosed(f"{self.name}: transport is closed") from None
-                raise PeerTimeout(f"{self.name}: nothing received within {timeout}s") from None
+                raise
             fds, want, truncated = tuple(self._fds), self._want_fds, self._truncated
             self._reset_frame()
             self.bytes_received += HEADER.size + len(payload)
@@ -202,7 +207,6 @@ class StreamTransport(Transport):
             try:
                 with self._io_lock:
                     if self._closed:
-                        self._discard_frame()
                         raise TransportClosed(f"{self.name}: transport is closed")
                     if self._unix:
                         n, anc, flags, _ = self._sock.recvmsg_into(
