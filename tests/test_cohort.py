@@ -131,3 +131,11 @@ def test_a_failing_child_tears_everything_down(datasets, tmp_path: Path) -> None
         with cohort:
             pass
     assert cohort.children == {}
+
+
+def test_each_cvm_holds_only_its_own_tls_key(datasets, tmp_path: Path) -> None:
+    with Cohort(config(datasets, workdir=str(tmp_path))) as cohort:
+        pki = cohort.dir / "pki"
+        keys = {p.relative_to(pki).as_posix() for p in pki.rglob("*.key")}
+        cohort.travel("h1", 0)  # and the cohort works with those keys only
+    assert keys == {f"{m}/{m}.key" for m in ("orchestrator", "h1", "h2", "h3")}

@@ -43,7 +43,7 @@ RPC_HEADER = struct.Struct("<IIB3x")  # sequence number, payload length, encrypt
 PUSH_LABEL = {PushChannel.USER: "Lwlc_h2d_user", PushChannel.KERNEL: "Lwlc_h2d_kernel"}
 SEM_LABEL = {PushChannel.USER: "Llcic_d2h_user", PushChannel.KERNEL: "Llcic_d2h_kernel"}
 USER_METHODS = (CopyToVram, CopyFromVram, SemaphoreRelease)
-KERNEL_METHODS = (Memset, RotateKeys, SemaphoreRelease, CopyFromVram)
+KERNEL_METHODS = (Memset, RotateKeys, SemaphoreRelease)
 FAULT_REG = 12  # offset of the per-channel error notifier inside the channel's BAR registers
 
 

@@ -34,7 +34,6 @@ class OrchestratorDriver(Driver):
         req.handle_finish_response(self.rpc(finish, encrypted=False, timeout=timeout))
         self.__session_secret = req.session_secret
         self._install(0)
-        self.probe(timeout)  # tokens may have been re-issued with the new session
 
     def _install(self, epoch: int) -> None:
         assert self.__session_secret is not None
@@ -77,7 +76,9 @@ class OrchestratorDriver(Driver):
 
         The confirmation is a kernel-channel semaphore encrypted under the *new* kernel key,
         which neither a holder nor the host can forge. If it never comes (the host dropped
-        the push), this raises PeerTimeout and the orchestrator does not go on (paper 6.3).
+        the push), this raises PeerTimeout and the orchestrator does not go on (paper 6.3):
+        whether the device moved or not cannot be known, so the kernel channel is out of step
+        until a new SPDM session, which wipes VRAM. Failing closed is the point.
         """
         self._require_session("rotate keys")
         if self._exported is not None:

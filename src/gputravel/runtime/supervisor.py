@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import socket
@@ -109,6 +110,8 @@ class Cohort:
         self.dir = Path(tempfile.mkdtemp(prefix="gputravel-", dir=cfg.workdir))
         names = tuple(h.name for h in cfg.holders)
         CohortPki.create(self.dir / "pki", ("orchestrator",) + names)
+        for member in ("orchestrator",) + names:
+            _member_dir(self.dir / "pki", member)
         host_sock = str(self.dir / "host.sock")
         snoop = str(self.dir / "snoop.bin") if cfg.snoop else None
         self._spawn("host", {"socket_path": host_sock, "snoop_path": snoop})
@@ -118,9 +121,9 @@ class Cohort:
                         extra_fd=dev_end.fileno())
             for h in cfg.holders:  # each holder sets up its driver while it holds the GPU
                 self._spawn("holder", {"name": h.name, "dataset_path": h.dataset, "host_socket": host_sock,
-                                       "pki_dir": str(self.dir / "pki"), "layout": cfg.layout,
+                                       "pki_dir": str(self.dir / "pki" / h.name), "layout": cfg.layout,
                                        "audit_arrival": cfg.audit_arrival}, key=h.name)
-            ready = self._spawn("orchestrator", {"host_socket": host_sock, "pki_dir": str(self.dir / "pki"),
+            ready = self._spawn("orchestrator", {"host_socket": host_sock, "pki_dir": str(self.dir / "pki" / "orchestrator"),
                                                  "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
                                                  "holder_timeout": cfg.travel_timeout}, extra_fd=orch_end.fileno())
         finally:
@@ -222,6 +225,15 @@ class Cohort:
 
     def pids(self) -> dict[str, int]:
         return {k: c.proc.pid for k, c in self.children.items()}
+
+
+def _member_dir(pki: Path, member: str) -> None:
+    """Each CVM gets only the cohort CA and its own certificate and key, never another's key."""
+    own = pki / member
+    own.mkdir(mode=0o700)
+    for name in ("ca.pem", f"{member}.pem", f"{member}.key"):
+        shutil.copy2(pki / name, own / name)
+    os.unlink(pki / f"{member}.key")
 
 
 def _typed(msg: Failed, where: str) -> GputravelError:

@@ -1,0 +1,323 @@
+"""Context blobs: they carry the user channel's keys and IV state from CVM to CVM.
+
+A blob must continue the channel exactly where it was exported, and anything else (corrupted,
+truncated, from another epoch or layout, with other keys or rolled-back counters) must be
+refused with ContextBlobError, before any field is trusted and without echoing a key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gputravel.context import CONTEXT_VERSION, DriverContext, pack_context, unpack_context
+from gputravel.driver.driver import Driver
+from gputravel.errors import ContextBlobError
+from gputravel.layout import Layout, PushChannel
+from gputravel.messages import KERNEL_LABELS, USER_LABELS
+from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu, leaks
+
+RECORD = TEST_LAYOUT.record_bytes
+DIGEST = TEST_LAYOUT.digest()
+
+
+@pytest.fixture
+def gpu() -> InProcessGpu:
+    return InProcessGpu()
+
+
+@pytest.fixture
+def booted(gpu: InProcessGpu):
+    orch, holders = gpu.boot("alice", "bob")
+    buf = orch.alloc_buffer(4 * RECORD)
+    return gpu, orch, holders, buf
+
+
+def ctx_of(blob: bytes) -> DriverContext:
+    return unpack_context(blob, layout=DIGEST)
+
+
+def states(ctx: DriverContext):
+    return ctx.senders + ctx.receivers
+
+
+def secrets_of(ctx: DriverContext) -> list[bytes]:
+    return [b for s in states(ctx) for b in (s.key, s.iv_mask)]
+
+
+def with_state(ctx: DriverContext, label: str, **changes) -> DriverContext:
+    """A copy of ``ctx`` where the channel state ``label`` has ``changes``."""
+    def edit(group):
+        return tuple(dataclasses.replace(s, **changes) if s.label == label else s for s in group)
+
+    return dataclasses.replace(ctx, senders=edit(ctx.senders), receivers=edit(ctx.receivers))
+
+
+@pytest.fixture
+def away(booted):
+    """One full travel done (so every counter has moved), then a second one: the orchestrator
+    exported ``sent``, bob imported it, copied, and exported ``returned``; GPU is back home."""
+    gpu, orch, holders, buf = booted
+    gpu.travel(holders["alice"], b"\x01" * (2 * RECORD), buf)
+    sent = orch.export_for_travel()
+    gpu.switch("bob")
+    holders["bob"].import_context(sent)
+    holders["bob"].copy_to_vram(memoryview(b"\x02" * RECORD), buf.offset, buffer_bytes=buf.nbytes)
+    returned = holders["bob"].export_context()
+    gpu.switch(ORCHESTRATOR)
+    return gpu, orch, holders, buf, sent, returned
+
+
+# ============================================================================ round trips
+def test_import_then_export_reproduces_the_context(booted) -> None:
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()
+    gpu.switch("alice")
+    ctx = holders["alice"].import_context(blob)
+    assert ctx == ctx_of(blob)
+    assert ctx.version == CONTEXT_VERSION and ctx.layout == DIGEST and ctx.epoch == 0
+    assert sorted(s.label for s in states(ctx)) == sorted(USER_LABELS)
+    assert ctx_of(holders["alice"].export_context()) == ctx  # nothing used, nothing moved
+
+
+def test_context_continues_the_stream_exactly_across_cvms(booted) -> None:
+    """orchestrator -> alice -> bob -> orchestrator, a push accepted at every stop."""
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()
+    for i, name in enumerate(["alice", "bob"]):
+        gpu.switch(name)
+        holders[name].import_context(blob)
+        data = bytes([i + 1]) * (RECORD + 7)
+        holders[name].copy_to_vram(memoryview(data), buf.offset, buffer_bytes=buf.nbytes)
+        assert gpu.vram_at(buf.offset, len(data)) == data
+        assert holders[name].query_buffer(buf.offset).nbytes == buf.nbytes  # RPC queue continues too
+        blob = holders[name].export_context()
+    gpu.switch(ORCHESTRATOR)
+    back = orch.import_returned(blob)
+    assert back.semaphore == 4 and back.gpfifo_put == 4
+    orch.rotate()
+    assert not gpu.core.faulted(PushChannel.USER)
+    assert gpu.core.stats.faults == []
+
+
+def test_untouched_blob_can_come_straight_back(booted) -> None:
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()
+    assert orch.away
+    orch.import_returned(blob)  # a holder that refused returns the context as it got it
+    assert not orch.away
+    assert orch.rotate() == 1
+    gpu.travel(holders["alice"], b"\x07" * RECORD, buf)
+    assert gpu.vram_at(buf.offset, RECORD) == b"\x07" * RECORD
+
+
+def test_exporting_drops_the_keys(booted) -> None:
+    gpu, orch, holders, buf = booted
+    orch.export_for_travel()
+    assert not orch.has_context
+    assert not set(orch.keys.tx) & set(USER_LABELS) and not set(orch.keys.rx) & set(USER_LABELS)
+    assert set(orch.keys.tx) | set(orch.keys.rx) == set(KERNEL_LABELS)  # the kernel channel stays
+
+
+# ============================================================================ corruption
+def test_every_single_byte_corruption_is_refused(booted) -> None:
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()
+    alice = holders["alice"]
+    for i in range(len(blob)):
+        for mask in (0x01, 0x80, 0xFF):
+            bad = bytearray(blob)
+            bad[i] ^= mask
+            with pytest.raises(ContextBlobError):
+                alice.import_context(bytes(bad))
+            assert not alice.has_context
+    alice.import_context(blob)  # the genuine one still works afterwards
+    assert alice.has_context
+
+
+def test_truncated_or_extended_blob_is_refused(booted) -> None:
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()
+    for n in range(len(blob)):
+        with pytest.raises(ContextBlobError):
+            holders["alice"].import_context(blob[:n])
+    for tail in (b"\x00", b"\xc0", blob):
+        with pytest.raises(ContextBlobError):
+            holders["alice"].import_context(blob + tail)
+    for junk in (b"", b"not msgpack at all", b"\x80"):
+        with pytest.raises(ContextBlobError):
+            holders["alice"].import_context(junk)
+
+
+def test_corrupted_returned_blob_leaves_the_orchestrator_waiting(away) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    bad = bytearray(returned)
+    bad[len(bad) // 2] ^= 0x10
+    with pytest.raises(ContextBlobError):
+        orch.import_returned(bytes(bad))
+    assert orch.away  # still waiting for a good one
+    orch.import_returned(returned)
+    orch.rotate()
+
+
+# ============================================================================ validation
+def test_blob_from_another_epoch_is_refused_by_import_returned(booted) -> None:
+    gpu, orch, holders, buf = booted
+    old = orch.export_for_travel()  # epoch 0
+    orch.import_returned(old)
+    orch.rotate()
+    orch.export_for_travel()  # epoch 1 is away now
+    with pytest.raises(ContextBlobError, match="epoch") as err:
+        orch.import_returned(old)
+    assert "0" in str(err.value) and "1" in str(err.value)
+    assert orch.away
+
+
+@pytest.mark.parametrize("field", ["key", "iv_mask"])
+@pytest.mark.parametrize("label", USER_LABELS)
+def test_returned_blob_with_other_key_bytes_is_refused(away, label: str, field: str) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    state = next(s for s in states(ctx_of(returned)) if s.label == label)
+    other = bytes(b ^ 0x5A for b in getattr(state, field))
+    forged = pack_context(with_state(ctx_of(returned), label, **{field: other}))
+    with pytest.raises(ContextBlobError, match="keys"):
+        orch.import_returned(forged)
+    assert orch.away
+
+
+@pytest.mark.parametrize("label", USER_LABELS)
+def test_returned_blob_with_a_missing_channel_is_refused(away, label: str) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    ctx = ctx_of(returned)
+    fewer = dataclasses.replace(
+        ctx,
+        senders=tuple(s for s in ctx.senders if s.label != label),
+        receivers=tuple(s for s in ctx.receivers if s.label != label),
+    )
+    with pytest.raises(ContextBlobError):
+        orch.import_returned(pack_context(fewer))
+    with pytest.raises(ContextBlobError):
+        holders["alice"].import_context(pack_context(fewer))
+
+
+def test_blob_smuggling_an_extra_kernel_channel_is_refused(away) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    ctx = ctx_of(returned)
+    extra = dataclasses.replace(ctx.senders[0], label="Lwlc_h2d_kernel")
+    smuggled = dataclasses.replace(ctx, senders=ctx.senders + (extra,))
+    with pytest.raises(ContextBlobError):
+        orch.import_returned(pack_context(smuggled))
+    with pytest.raises(ContextBlobError):
+        holders["alice"].import_context(pack_context(smuggled))
+
+
+@pytest.mark.parametrize("label", USER_LABELS)
+@pytest.mark.parametrize("counter", ["channel_counter", "message_counter"])
+def test_returned_blob_with_counters_rolled_back_is_refused(away, label: str, counter: str) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    was = next(s for s in states(ctx_of(sent)) if s.label == label)
+    assert getattr(was, counter) > 0  # the first travel moved every counter
+    rolled = pack_context(with_state(ctx_of(returned), label, **{counter: getattr(was, counter) - 1}))
+    with pytest.raises(ContextBlobError, match="stale"):
+        orch.import_returned(rolled)
+    assert orch.away
+
+
+@pytest.mark.parametrize("field", ["semaphore", "rpc_tx_seq"])
+def test_returned_blob_with_semaphore_or_rpc_rolled_back_is_refused(away, field: str) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    was = getattr(ctx_of(sent), field)
+    assert was > 0
+    rolled = pack_context(dataclasses.replace(ctx_of(returned), **{field: was - 1}))
+    with pytest.raises(ContextBlobError, match="stale"):
+        orch.import_returned(rolled)
+
+
+def test_returned_blob_equal_to_the_sent_one_is_accepted(away) -> None:
+    """Counters may stay (a refusing holder); only going backwards is refused."""
+    gpu, orch, holders, buf, sent, returned = away
+    orch.import_returned(sent)
+    orch.rotate()  # the device is ahead of `sent`: rotation realigns the IVs
+    gpu.travel(holders["alice"], b"\x09" * RECORD, buf)
+    assert gpu.vram_at(buf.offset, RECORD) == b"\x09" * RECORD
+
+
+def test_blob_for_another_layout_is_refused(booted) -> None:
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()
+    other = InProcessGpu(Layout(record_bytes=2 * RECORD, staging_slots=4, gpfifo_entries=16))
+    stranger = Driver(other.add_cvm("stranger"), clock=other.clock)
+    with pytest.raises(ContextBlobError, match="layout"):
+        stranger.import_context(blob)
+    relabelled = pack_context(dataclasses.replace(ctx_of(blob), layout=other.layout.digest()))
+    with pytest.raises(ContextBlobError, match="layout"):
+        holders["alice"].import_context(relabelled)
+    with pytest.raises(ContextBlobError, match="layout"):
+        orch.import_returned(relabelled)
+
+
+def test_blob_of_another_version_is_refused(booted) -> None:
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()
+    future = pack_context(dataclasses.replace(ctx_of(blob), version=CONTEXT_VERSION + 1))
+    with pytest.raises(ContextBlobError, match="version"):
+        holders["alice"].import_context(future)
+
+
+def test_blob_with_another_work_token_is_refused_and_changes_nothing(away) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    ctx = ctx_of(returned)
+    forged = pack_context(dataclasses.replace(ctx, work_token=ctx.work_token ^ 0x2))
+    with pytest.raises(ContextBlobError, match="token"):
+        holders["alice"].import_context(forged)
+    assert not holders["alice"].has_context
+    with pytest.raises(ContextBlobError, match="token"):
+        orch.import_returned(forged)
+    assert orch.away and not orch.has_context
+    orch.import_returned(returned)  # the genuine blob still brings everything home
+    orch.rotate()
+    gpu.travel(holders["alice"], b"\x0b" * RECORD, buf)
+    assert gpu.vram_at(buf.offset, RECORD) == b"\x0b" * RECORD
+
+
+# ============================================================================ secrets stay out of text
+def test_repr_of_a_context_shows_no_key_bytes(booted) -> None:
+    gpu, orch, holders, buf = booted
+    ctx = ctx_of(orch.export_for_travel())
+    secrets = secrets_of(ctx)
+    assert len(secrets) == 2 * len(USER_LABELS)
+    texts = [repr(ctx), str(ctx), f"{ctx!r}", f"{ctx}", repr([ctx]), repr({"ctx": ctx})]
+    texts += [repr(s) for s in states(ctx)]
+    for text in texts:
+        assert not leaks(text, secrets), text
+    # Control: the check would catch a key dumped the way a default dataclass repr does.
+    assert leaks(repr(ctx.senders[0].key), secrets)
+    assert leaks(ctx.senders[0].key.hex(), secrets)
+
+
+def test_error_messages_show_no_key_bytes(away) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    ctx = ctx_of(returned)
+    secrets = secrets_of(ctx)
+    alien_key = bytes(b ^ 0x5A for b in ctx.senders[0].key)
+    secrets.append(alien_key)
+    bad_blobs = [
+        returned[:-3],
+        returned[: len(returned) // 2] + bytes([returned[len(returned) // 2] ^ 1]) + returned[len(returned) // 2 + 1 :],
+        pack_context(with_state(ctx, ctx.senders[0].label, key=alien_key)),
+        pack_context(with_state(ctx, ctx.receivers[0].label, channel_counter=0)),
+        pack_context(dataclasses.replace(ctx, layout="0" * 16)),
+        pack_context(dataclasses.replace(ctx, version=99)),
+        pack_context(dataclasses.replace(ctx, epoch=ctx.epoch + 1)),
+        pack_context(dataclasses.replace(ctx, senders=ctx.senders[1:])),
+    ]
+    messages = []
+    for blob in bad_blobs:
+        for attempt in (orch.import_returned, holders["alice"].import_context):
+            with pytest.raises(ContextBlobError) as err:
+                attempt(blob)
+            messages += [str(err.value), repr(err.value), *map(str, err.value.args)]
+    assert len(messages) == 3 * 2 * len(bad_blobs)
+    for text in messages:
+        assert not leaks(text, secrets), text
