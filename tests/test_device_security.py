@@ -9,18 +9,19 @@ have worked without the defence.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from dataclasses import dataclass
 
 import pytest
 
-from gputravel.context import unpack_context
+from gputravel.context import pack_context, unpack_context
 from gputravel.crypto.channel import KeyMaterial, Sender, derive_epoch_keys
 from gputravel.driver.driver import Driver
 from gputravel.driver.orchestrator import OrchestratorDriver
 from gputravel.errors import BadInput, ChannelFaulted, IllegalTransition, IntegrityError, PeerTimeout
-from gputravel.layout import GPFIFO_ENTRY, PUSH_SLOT_BYTES, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
+from gputravel.layout import GPFIFO_ENTRY, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
 from gputravel.messages import KERNEL_LABELS, USER_LABELS
 from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu
 
@@ -29,7 +30,8 @@ KERNEL = PushChannel.KERNEL
 RECORD = TEST_LAYOUT.record_bytes
 SLOTS = TEST_LAYOUT.staging_slots
 BUFFER = 8 * RECORD
-CANARY = b"\xc4N4RY-7e1d-\x00\xffZQ"  # 16 bytes, never produced by chance
+CANARY = b"\xc4N4RY-7e1d-\x00\xffZQ!"  # 16 bytes, never produced by chance
+assert len(CANARY) == 16
 
 
 @dataclass
@@ -298,17 +300,32 @@ def _malicious_driver(gpu: InProcessGpu, cvm: str, blob: bytes) -> Driver:
     return mallory
 
 
-@pytest.fixture(params=["imported", "returned"])
+@pytest.fixture(params=["imported", "returned", "returned-realigned"])
 def kept(request, cohort: Cohort):
     """Alice travels once and keeps both the blob she imported and the one she returned
     (the latter's counters are exactly where the device stood at the end of her epoch).
-    Then Bob travels with his secret data, under fresh keys."""
+    Then Bob travels with his secret data, under fresh keys.
+
+    "returned-realigned" is the strongest holder: knowing that a rotation restarts message
+    counters, she rewrites her kept blob to the device's post-rotation IV state and GPFIFO
+    position (read from BAR0), so only the keys themselves can stop her.
+    """
     imported = cohort.send("alice")
     cohort.alice.copy_to_vram(memoryview(data_of(2 * RECORD, seed=11)), cohort.buf.offset, buffer_bytes=BUFFER)
     returned = cohort.home("alice")
     secret = canaried(2 * RECORD)
     cohort.gpu.travel(cohort.bob, secret, cohort.buf)
-    blob = imported if request.param == "imported" else returned
+    if request.param == "imported":
+        blob = imported
+    elif request.param == "returned":
+        blob = returned
+    else:
+        ctx = unpack_context(returned, layout=TEST_LAYOUT.digest())
+        reset = lambda group: tuple(dataclasses.replace(s, message_counter=0) for s in group)  # noqa: E731
+        blob = pack_context(dataclasses.replace(
+            ctx, senders=reset(ctx.senders), receivers=reset(ctx.receivers),
+            gpfifo_put=bar_u32(cohort.gpu, Bar0.put(USER)), rpc_tx_seq=0, rpc_rx_seq=0,
+        ))
     return cohort, blob, secret
 
 
@@ -418,6 +435,25 @@ def test_kept_keys_cannot_forge_a_rotation_confirmation(cohort: Cohort, forge_wi
     assert gpu.core.epoch == 0  # the device never rotated either way
 
 
+def test_withheld_rotation_doorbell_times_out_then_catches_up(cohort: Cohort) -> None:
+    """The host sits on the rotate doorbell: the orchestrator does not go on (PeerTimeout).
+    The push itself stays queued in the GPFIFO, so when the host lets the next doorbell
+    through, the device runs both rotations in order and the two sides meet at the same
+    epoch. (A push the host erases from the GPFIFO instead leaves the kernel channel out of
+    step for good: see OrchestratorDriver.rotate.)"""
+    gpu, orch = cohort.gpu, cohort.orch
+    gpu.links[ORCHESTRATOR].before_service = lambda link: False
+    with pytest.raises(PeerTimeout):
+        orch.rotate()
+    assert gpu.core.epoch == 0 and orch.key_epoch == 1
+    gpu.links[ORCHESTRATOR].before_service = None
+    assert orch.rotate() == 2
+    assert gpu.core.epoch == 2 and gpu.core.stats.faults == []
+    data = data_of(2 * RECORD, seed=17)
+    gpu.travel(cohort.alice, data, cohort.buf)
+    assert cohort.vram(len(data)) == data
+
+
 # ============================================================================ clean-up
 @pytest.mark.parametrize("scrub", [True, False], ids=["scrubbed", "control-unscrubbed"])
 def test_buffer_is_scrubbed_before_the_next_holder(cohort: Cohort, scrub: bool) -> None:
@@ -496,11 +532,36 @@ def test_copy_without_a_context_is_an_illegal_transition(cohort: Cohort) -> None
         cohort.alice.copy_from_vram(cohort.buf.offset, 16)
 
 
-# ============================================================================ known bugs
-@pytest.mark.xfail(strict=True, reason="BUG: after a rotation the device takes the user GPFIFO get from the "
-                   "host-writable BAR put, not from the orchestrator's put (core.py _rotate / orchestrator.py "
-                   "abandon_travel): the next travel faults or times out")
-@pytest.mark.parametrize("desync", ["holder-vanished", "host-replayed-entry"])
+# ============================================================================ the harness itself
+def test_harness_refuses_a_holder_booting_after_the_session() -> None:
+    gpu = InProcessGpu()
+    gpu.holder("alice")
+    gpu.orchestrator()
+    with pytest.raises(IllegalTransition, match="boot holder 'late'"):
+        gpu.holder("late")
+    with pytest.raises(BadInput, match="already taken"):
+        gpu.add_cvm("alice")
+    with pytest.raises(BadInput, match="registered: alice, orchestrator"):
+        gpu.switch("nobody")
+
+
+def test_harness_snoop_sees_sysmem_and_bar_but_never_vram(cohort: Cohort) -> None:
+    gpu = cohort.gpu
+    gpu.vram[:16] = CANARY
+    assert CANARY not in gpu.snoop()
+    gpu.sysmem("bob")[-16:] = CANARY
+    assert CANARY in gpu.snoop()
+
+
+def test_silent_device_is_a_timeout_not_a_hang(cohort: Cohort) -> None:
+    cohort.send("alice")
+    cohort.gpu.links["alice"].before_service = lambda link: False
+    with pytest.raises(PeerTimeout, match="semaphore"):
+        cohort.alice.copy_to_vram(memoryview(data_of(RECORD)), cohort.buf.offset, buffer_bytes=BUFFER, timeout=600)
+
+
+# ============================================================================ regressions and known gaps
+@pytest.mark.parametrize("desync", ["holder-vanished", "host-replayed-entry", "holder-returned-stale-blob"])
 def test_rotation_realigns_the_user_channel(cohort: Cohort, desync: str) -> None:
     gpu = cohort.gpu
     if desync == "holder-vanished":
@@ -510,6 +571,14 @@ def test_rotation_realigns_the_user_channel(cohort: Cohort, desync: str) -> None
         cohort.alice.copy_to_vram(memoryview(data_of(RECORD)), cohort.buf.offset, buffer_bytes=BUFFER)
         gpu.switch(ORCHESTRATOR)
         cohort.orch.abandon_travel()
+        cohort.orch.rotate()
+    elif desync == "holder-returned-stale-blob":
+        # Alice copies but hands back the blob she was sent; its counters did not go backwards,
+        # so import_returned accepts it (test_context), and the rotation should realign the rest.
+        sent = cohort.send("alice")
+        cohort.alice.copy_to_vram(memoryview(data_of(RECORD)), cohort.buf.offset, buffer_bytes=BUFFER)
+        gpu.switch(ORCHESTRATOR)
+        cohort.orch.import_returned(sent)
         cohort.orch.rotate()
     else:
         # The host replays an old push (rejected, channel faulted); then an honest cycle + rotate.
@@ -524,7 +593,7 @@ def test_rotation_realigns_the_user_channel(cohort: Cohort, desync: str) -> None
     assert cohort.vram(len(data)) == data
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: user-channel copies are not confined to the travelling dataset "
+@pytest.mark.xfail(strict=True, reason="KNOWN GAP (open): user-channel copies are not confined to the travelling dataset "
                    "buffer (core.py _copy_in/_copy_out only bound-check against all of VRAM): a holder can "
                    "read or overwrite any VRAM the orchestrator owns")
 @pytest.mark.parametrize("direction", ["read", "write"])

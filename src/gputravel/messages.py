@@ -9,7 +9,7 @@ Grouped by who speaks:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .crypto import spdm as _spdm
 from .wire import message
@@ -252,7 +252,7 @@ class TravelRequest:
     buffer_offset: int
     buffer_bytes: int
     dataset_offset: int
-    context: bytes  # context blob: secret, never logged
+    context: bytes = field(repr=False)  # context blob: keys inside, never printed
 
 
 @message("travel.chunk")
@@ -267,7 +267,7 @@ class ChunkInfo:
 @dataclass(frozen=True)
 class TravelResult:
     travel_id: int
-    context: bytes
+    context: bytes = field(repr=False)  # context blob: keys inside, never printed
     chunk: ChunkInfo
     steps_ns: dict[str, int]  # dh_import, dh_copy, dh_export, o_switch, handler
     #: Non-zero bytes the holder found in the buffer on arrival (-1: not checked). A holder
@@ -281,7 +281,7 @@ class TravelRefused:
     """The holder could not copy; it still switched back and returned the context."""
 
     travel_id: int
-    context: bytes
+    context: bytes = field(repr=False)  # context blob: keys inside, never printed
     reason: str
     steps_ns: dict[str, int]
 

@@ -11,7 +11,7 @@ from ..context import DriverContext, unpack_context
 from ..crypto.channel import derive_epoch_keys
 from ..crypto.spdm import SpdmRequester
 from ..errors import ContextBlobError, DeviceError, IllegalTransition, ProtocolError
-from ..layout import PushChannel
+from ..layout import U32, Bar0, PushChannel
 from ..messages import ALL_LABELS, USER_LABELS, AllocBuffer, BufferInfo, Memset, RotateKeys
 from .driver import Driver
 
@@ -88,6 +88,10 @@ class OrchestratorDriver(Driver):
         self.submit_kernel(RotateKeys(epoch=epoch, release=value, interrupt=True), timeout)
         self._install(epoch)
         self.wait_release(PushChannel.KERNEL, value, timeout)
+        # The device dropped whatever was pending on the user channel: continue from its get,
+        # whatever a holder (or the host) left in put.
+        self._put[PushChannel.USER] = self._get(PushChannel.USER)
+        U32.pack_into(self.link.bar, Bar0.put(PushChannel.USER), self._put[PushChannel.USER])
         return epoch
 
     # ------------------------------------------------------------------ travel

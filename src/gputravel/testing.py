@@ -1,0 +1,266 @@
+"""In-process pairing of the emulated device with CVM drivers, for tests and red-team drills.
+
+No processes, sockets, memfds or eventfds: VRAM, BAR0 and every CVM's unprotected memory
+("sysmem") are plain bytearrays, and ringing the doorbell runs the device at once
+(:meth:`DeviceCore.service` is called synchronously). Everything else is the real code:
+:class:`~gputravel.device.core.DeviceCore`, :class:`~gputravel.driver.driver.Driver`,
+:class:`~gputravel.driver.orchestrator.OrchestratorDriver`, the SPDM handshake and the
+channel crypto.
+
+Typical use::
+
+    gpu = InProcessGpu()
+    orch, holders = gpu.boot("alice", "bob")      # holders probe first, orchestrator last
+    buf = orch.alloc_buffer(256 * 1024)
+    blob = orch.export_for_travel()
+    gpu.switch("alice")                           # the host's PCIe MUX
+    alice = holders["alice"]
+    alice.import_context(blob)
+    alice.copy_to_vram(memoryview(data), buf.offset, buffer_bytes=buf.nbytes)
+    back = alice.export_context()
+    gpu.switch("orchestrator")
+    orch.import_returned(back)
+    orch.rotate()
+    assert gpu.vram[buf.offset : buf.offset + len(data)] == data
+
+Boot order matters, as in the real cohort (paper 4.1): a driver joins the device's RPC queue
+where it stands when it probes, so a holder that probes *after* the orchestrator established
+its session would move the queue under the orchestrator's feet. :meth:`InProcessGpu.holder`
+therefore refuses once a session exists (use :meth:`InProcessGpu.boot`, or call ``holder``
+before ``orchestrator``). Attack drills that want a late driver anyway build one by hand:
+``Driver(gpu.add_cvm("mallory"), clock=gpu.clock)``.
+
+The host's powers are modelled by :meth:`InProcessGpu.switch` (the MUX), :meth:`snoop`
+(reading unprotected memory), direct writes to ``link.sysmem`` / ``gpu.bar``, and
+:attr:`FakeLink.before_service`, a hook run between the moment a CVM rings the doorbell and
+the moment the device services it (tamper with a staging slot, or drop the doorbell).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from .crypto.pki import make_device_identity
+from .crypto.spdm import SpdmResponder
+from .device.core import DeviceCore, DmaWindow
+from .driver.driver import Driver
+from .driver.orchestrator import OrchestratorDriver
+from .errors import BadInput, GputravelError, IllegalTransition
+from .layout import SYSMEM_IOVA, Bar0, Layout
+from .messages import BufferInfo
+
+__all__ = ["FakeClock", "FakeLink", "InProcessGpu", "ORCHESTRATOR", "TEST_LAYOUT", "leaks", "renderings"]
+
+ORCHESTRATOR = "orchestrator"
+#: Small records and few slots, so multi-record copies and slot reuse happen with little data.
+TEST_LAYOUT = Layout(record_bytes=64 * 1024, staging_slots=4, gpfifo_entries=16)
+
+
+class FakeClock:
+    """A monotonic clock that moves ``step`` seconds every time it is read.
+
+    Injected into drivers, it makes every ``timeout`` run out after about ``timeout / step``
+    polls, so a test of a silent device finishes at once instead of sleeping.
+    """
+
+    def __init__(self, start: float = 0.0, step: float = 1.0) -> None:
+        self.now = start
+        self.step = step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+class FakeLink:
+    """Duck-types :class:`gputravel.driver.link.DeviceLink` for one CVM, in process.
+
+    ``sysmem`` is this CVM's unprotected memory, ``bar`` the device's BAR0 (shared by every
+    CVM, as the real mappings are). ``ring()`` services the device synchronously unless the
+    ``before_service`` hook returns ``False`` (the doorbell is dropped).
+    """
+
+    def __init__(self, gpu: InProcessGpu, cvm: str) -> None:
+        self.gpu = gpu
+        self.cvm = cvm
+        self.layout = gpu.layout
+        self.sysmem = bytearray(gpu.layout.sysmem_bytes)
+        self.bar = gpu.bar
+        #: Called as ``hook(link)`` on every ring, before the device runs; return False to
+        #: drop the doorbell. Tests use it to tamper between enqueue and service.
+        self.before_service: Callable[[FakeLink], bool | None] | None = None
+        self.rings = 0
+        self.closed = False
+
+    def ring(self) -> None:
+        self.rings += 1
+        hook = self.before_service
+        if hook is not None and hook(self) is False:
+            return
+        self.gpu.core.service()
+
+    def wait_interrupt(self, timeout: float) -> bool:
+        """Nothing to wait for in process: the device already ran. Always True."""
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __repr__(self) -> str:
+        return f"FakeLink({self.cvm!r})"
+
+
+class InProcessGpu:
+    """One emulated confidential GPU plus the host's PCIe MUX, all in this process."""
+
+    def __init__(
+        self,
+        layout: Layout = TEST_LAYOUT,
+        vram_bytes: int = 4 << 20,
+        *,
+        serial: str = "GPU-EMU-0",
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.vram = bytearray(vram_bytes)
+        self.bar = bytearray(Bar0.size(layout))
+        self.identity = make_device_identity(serial=serial)
+        identity = self.identity
+        self.core = DeviceCore(
+            layout,
+            memoryview(self.vram),
+            memoryview(self.bar),
+            lambda: SpdmResponder(identity.private_key, identity.chain_der),
+            serial=serial,
+        )
+        #: Clock handed to every driver this harness builds (default: a FakeClock, 1 s a read).
+        self.clock: Callable[[], float] = clock if clock is not None else FakeClock()
+        self.links: dict[str, FakeLink] = {}
+        self.current: str | None = None
+        self.switches = 0
+        self._orchestrator: OrchestratorDriver | None = None
+
+    # ------------------------------------------------------------------ CVMs and the MUX
+    def add_cvm(self, name: str) -> FakeLink:
+        """Boot a CVM: reserve its unprotected memory and return its link to the device."""
+        if not name or name in self.links:
+            raise BadInput(f"CVM name {name!r} is empty or already taken")
+        link = FakeLink(self, name)
+        self.links[name] = link
+        return link
+
+    def switch(self, name: str | None) -> None:
+        """The PCIe MUX: the device's DMA now reaches ``name``'s sysmem only (None: nobody)."""
+        if name is None:
+            self.core.attach(None)
+        else:
+            link = self.links.get(name)
+            if link is None:
+                raise BadInput(f"unknown CVM {name!r} (registered: {', '.join(sorted(self.links)) or 'none'})")
+            self.core.attach(DmaWindow(name, SYSMEM_IOVA, memoryview(link.sysmem)))
+        self.current = name
+        self.switches += 1
+
+    def sysmem(self, name: str) -> bytearray:
+        return self.links[name].sysmem
+
+    def snoop(self) -> bytes:
+        """What the untrusted host can read: every CVM's sysmem, then BAR0 (never VRAM)."""
+        return b"".join(bytes(link.sysmem) for link in self.links.values()) + bytes(self.bar)
+
+    # ------------------------------------------------------------------ drivers
+    def holder(self, name: str) -> Driver:
+        """Boot a data holder: add its CVM, probe the device from it, give the GPU back.
+
+        Holders boot before the orchestrator (see the module doc); after a session exists
+        this raises IllegalTransition.
+        """
+        if self._orchestrator is not None:
+            raise IllegalTransition("in-process gpu", "session-established", f"boot holder {name!r}")
+        link = self.add_cvm(name)
+        previous = self.current
+        self.switch(name)
+        driver = Driver(link, clock=self.clock)
+        driver.probe()
+        self.switch(previous)
+        return driver
+
+    def orchestrator(self, name: str = ORCHESTRATOR) -> OrchestratorDriver:
+        """Boot the orchestrator: add its CVM, take the GPU, run SPDM. The GPU stays with it."""
+        link = self.add_cvm(name)
+        self.switch(name)
+        driver = OrchestratorDriver(link, clock=self.clock)
+        driver.establish_session()
+        self._orchestrator = driver
+        return driver
+
+    def boot(self, *holders: str) -> tuple[OrchestratorDriver, dict[str, Driver]]:
+        """Holders first, orchestrator last; returns the orchestrator and holders by name."""
+        drivers = {name: self.holder(name) for name in holders}
+        return self.orchestrator(), drivers
+
+    def travel(self, holder: Driver, data: bytes | memoryview, buffer: BufferInfo, *, rotate: bool = True) -> bytes:
+        """One honest travel cycle (without the scrub): export, switch, import, copy, export,
+        switch back, import, rotate. Returns the blob the holder sent back.
+
+        If the copy fails the holder still exports and the GPU still comes home (as the
+        runtime does), then the copy's error is raised.
+        """
+        orch = self._orchestrator
+        if orch is None:
+            raise IllegalTransition("in-process gpu", "no-session", "run a travel")
+        home = orch.link.cvm
+        blob = orch.export_for_travel()
+        self.switch(holder.link.cvm)
+        holder.import_context(blob)
+        failure: GputravelError | None = None
+        try:
+            holder.copy_to_vram(memoryview(data), buffer.offset, buffer_bytes=buffer.nbytes)
+        except GputravelError as exc:
+            failure = exc
+        back = holder.export_context()
+        self.switch(home)
+        orch.import_returned(back)
+        if rotate:
+            orch.rotate()
+        if failure is not None:
+            raise failure
+        return back
+
+    # ------------------------------------------------------------------ inspection
+    def vram_at(self, offset: int, nbytes: int) -> bytes:
+        return bytes(self.vram[offset : offset + nbytes])
+
+
+# ---------------------------------------------------------------------------- leak checks
+def _escaped(secret: bytes, quote: str) -> str:
+    """``secret`` as it appears inside a bytes repr delimited by ``quote``."""
+    out = []
+    for c in secret:
+        ch = chr(c)
+        if ch == "\\" or ch == quote:
+            out.append("\\" + ch)
+        elif ch in "\t\n\r":
+            out.append({"\t": "\\t", "\n": "\\n", "\r": "\\r"}[ch])
+        elif 32 <= c < 127:
+            out.append(ch)
+        else:
+            out.append(f"\\x{c:02x}")
+    return "".join(out)
+
+
+def renderings(secret: bytes) -> set[str]:
+    """The ways ``secret`` could show up in text: hex (either case), inside a bytes repr
+    (either quote style), or raw (latin-1)."""
+    return {
+        secret.hex(),
+        secret.hex().upper(),
+        _escaped(secret, "'"),
+        _escaped(secret, '"'),
+        secret.decode("latin-1"),
+    }
+
+
+def leaks(text: str, secrets: Iterable[bytes]) -> list[str]:
+    """The renderings of any of ``secrets`` found in ``text`` (empty: nothing leaked)."""
+    return [r for s in secrets for r in renderings(s) if r and r in text]

@@ -1,0 +1,426 @@
+"""The travel roles (sans-IO): OrchestratorTravel and HolderTravel paired in memory.
+
+No IO and no clocks: every event gets ``now`` from the test, so step timings are exact.
+Messages between the two go through the wire codec, as they would over TLS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from gputravel.errors import BadInput, IllegalTransition, ProtocolError
+from gputravel.messages import ChunkInfo, HolderHello, TravelRefused, TravelRequest, TravelResult
+from gputravel.roles.holder import CopyChunk, ExportBlob, HolderPhase, HolderTravel, ImportBlob, Reply, SwitchBack
+from gputravel.roles.manifest import chunk_digest, chunk_digest_from_manifest, piece_digests
+from gputravel.roles.orchestrator import (
+    STEPS,
+    Buffer,
+    ExportContext,
+    ImportContext,
+    OrchestratorTravel,
+    Phase,
+    Rotate,
+    ScrubBuffer,
+    SendRequest,
+    SwitchGpu,
+    TravelReport,
+    VerifyChunk,
+)
+from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu, leaks
+from gputravel.wire import decode, encode
+
+PIECE = 4096
+BUFFER = Buffer(offset=0x2000, nbytes=4 * PIECE)
+BLOB = b"\x01context-blob\xfe" * 4
+DATASET = bytes((i * 31 + 7) % 256 for i in range(10 * PIECE))  # 2.5 buffers: last chunk is short
+
+
+def over_tls(msg):
+    return decode(encode(msg))
+
+
+def hello(name: str = "alice", data: bytes = DATASET, piece: int = PIECE) -> HolderHello:
+    return HolderHello(name, len(data), piece, piece_digests(data, piece))
+
+
+def holder_sm(name: str = "alice", data: bytes = DATASET) -> HolderTravel:
+    return HolderTravel(name, len(data), piece_digests(data, PIECE), PIECE)
+
+
+def orchestrator_sm(*hellos: HolderHello) -> OrchestratorTravel:
+    sm = OrchestratorTravel(BUFFER)
+    for h in hellos or (hello(),):
+        sm.enrol(h)
+    return sm
+
+
+def go_away(o: OrchestratorTravel, holder: str = "alice", offset: int = 0, blob: bytes = BLOB) -> TravelRequest:
+    o.start(holder, offset, 0.0)
+    o.scrubbed(0.5)
+    o.exported(blob, 0.75)
+    return over_tls(o.switched(1.0).request)
+
+
+def serve(h: HolderTravel, req: TravelRequest, returned: bytes = b"\x02returned") -> TravelResult | TravelRefused:
+    act = h.on_request(req, 100.125)
+    if isinstance(act, ImportBlob):
+        copy = h.imported(100.25)
+        h.copied(copy.nbytes, 101.25)
+        h.exported(returned, 101.5)
+    return over_tls(h.switched_back(101.625).message)
+
+
+# ============================================================================ a whole travel
+def test_a_travel_end_to_end_with_exact_timings() -> None:
+    o, h = orchestrator_sm(), holder_sm()
+
+    assert o.start("alice", 0, 0.0) == ScrubBuffer(BUFFER.offset, BUFFER.nbytes)
+    assert o.phase is Phase.CLEANUP
+    assert o.scrubbed(0.5) == ExportContext()
+    assert o.exported(BLOB, 0.75) == SwitchGpu("alice")
+    send = o.switched(1.0)
+    assert isinstance(send, SendRequest) and send.holder == "alice"
+    req = over_tls(send.request)
+    assert req == TravelRequest(1, BUFFER.offset, BUFFER.nbytes, 0, BLOB)
+    assert o.phase is Phase.AWAY
+
+    act = h.on_request(req, 100.125)
+    assert act == ImportBlob(BLOB)
+    copy = h.imported(100.25)
+    assert copy == CopyChunk(BUFFER.offset, BUFFER.nbytes, 0, BUFFER.nbytes)
+    assert h.copied(copy.nbytes, 101.25) == ExportBlob()
+    assert h.exported(b"\x02returned", 101.5) == SwitchBack()
+    reply = h.switched_back(101.625)
+    assert isinstance(reply, Reply) and h.phase is HolderPhase.IDLE
+    result = over_tls(reply.message)
+    assert isinstance(result, TravelResult)
+    assert result.steps_ns == {"dh_import": 125_000_000, "dh_copy": 1_000_000_000, "dh_export": 250_000_000,
+                               "o_switch": 125_000_000, "handler": 1_500_000_000}
+    assert result.chunk == ChunkInfo(0, BUFFER.nbytes, chunk_digest(DATASET[: BUFFER.nbytes], PIECE))
+    assert result.nonzero_on_arrival == -1 and result.context == b"\x02returned"
+
+    assert o.holder_replied(result, 3.0) == ImportContext(b"\x02returned")
+    assert o.imported(3.25) == Rotate()
+    verify = o.rotated(3.5)
+    assert verify == VerifyChunk(BUFFER.offset, BUFFER.nbytes)
+    report = o.verified(chunk_digest(DATASET[: BUFFER.nbytes], PIECE), 4.0)
+    assert o.phase is Phase.IDLE
+
+    assert report.steps_ms == {
+        "o_cleanup": 500.0, "o_export": 250.0, "dh_switch": 250.0, "dh_import": 125.0, "dh_copy": 1000.0,
+        "dh_export": 250.0, "tls": 500.0, "o_switch": 125.0, "o_import": 250.0, "o_rotate": 250.0,
+    }
+    assert tuple(report.steps_ms) == STEPS
+    assert report.total_ms == 3500.0 == sum(report.steps_ms.values())
+    assert report.verify_ms == 500.0
+    assert (report.travel_id, report.holder, report.refused) == (1, "alice", None)
+    assert report.chunk == result.chunk
+    assert over_tls(report) == report
+
+
+def test_consecutive_travels_walk_the_dataset_and_number_themselves() -> None:
+    o, h = orchestrator_sm(), holder_sm()
+    sizes = []
+    for n, offset in enumerate(range(0, len(DATASET), BUFFER.nbytes), start=1):
+        req = go_away(o, offset=offset)
+        assert req.travel_id == n and req.dataset_offset == offset
+        result = serve(h, req)
+        o.holder_replied(result, 3.0)
+        o.imported(3.25)
+        verify = o.rotated(3.5)
+        want = DATASET[offset : offset + BUFFER.nbytes]
+        assert verify.nbytes == len(want)
+        report = o.verified(chunk_digest(want, PIECE), 4.0)
+        sizes.append(report.chunk.nbytes)
+    assert sizes == [4 * PIECE, 4 * PIECE, 2 * PIECE]
+
+
+def test_arrival_audit_is_reported() -> None:
+    o, h = orchestrator_sm(), holder_sm()
+    h.on_request(go_away(o), 10.0)
+    h.imported(10.0)
+    h.audited(0)
+    h.copied(BUFFER.nbytes, 10.0)
+    h.exported(b"x", 10.0)
+    assert h.switched_back(10.0).message.nonzero_on_arrival == 0
+
+
+# ============================================================================ illegal transitions
+@pytest.mark.parametrize("event", [
+    lambda o: o.scrubbed(1.0),
+    lambda o: o.exported(BLOB, 1.0),
+    lambda o: o.switched(1.0),
+    lambda o: o.holder_replied(TravelRefused(1, BLOB, "no", {}), 1.0),
+    lambda o: o.imported(1.0),
+    lambda o: o.rotated(1.0),
+    lambda o: o.verified(b"\x00" * 32, 1.0),
+], ids=["scrubbed", "exported", "switched", "holder_replied", "imported", "rotated", "verified"])
+def test_orchestrator_events_while_idle_are_illegal(event) -> None:
+    o = orchestrator_sm()
+    with pytest.raises(IllegalTransition) as err:
+        event(o)
+    assert err.value.state == "idle"
+    assert o.phase is Phase.IDLE
+
+
+def test_orchestrator_out_of_order_and_double_events_are_illegal() -> None:
+    o = orchestrator_sm()
+    o.start("alice", 0, 0.0)
+    with pytest.raises(IllegalTransition):
+        o.start("alice", 0, 0.0)  # one travel at a time
+    with pytest.raises(IllegalTransition):
+        o.exported(BLOB, 0.1)  # before scrubbing
+    o.scrubbed(0.5)
+    with pytest.raises(IllegalTransition):
+        o.scrubbed(0.6)
+    with pytest.raises(IllegalTransition):
+        o.switched(0.6)  # before exporting
+    o.exported(BLOB, 0.75)
+    o.switched(1.0)
+    with pytest.raises(IllegalTransition):
+        o.rotated(1.1)  # the context is away
+    with pytest.raises(IllegalTransition) as err:
+        o.imported(1.1)
+    assert "orchestrator" in str(err.value) and "away" in str(err.value)
+    assert o.phase is Phase.AWAY
+
+
+@pytest.mark.parametrize("event", [
+    lambda h: h.imported(1.0),
+    lambda h: h.copied(PIECE, 1.0),
+    lambda h: h.copy_failed("boom", 1.0),
+    lambda h: h.audited(0),
+    lambda h: h.exported(BLOB, 1.0),
+    lambda h: h.switched_back(1.0),
+], ids=["imported", "copied", "copy_failed", "audited", "exported", "switched_back"])
+def test_holder_events_while_idle_are_illegal(event) -> None:
+    h = holder_sm()
+    with pytest.raises(IllegalTransition) as err:
+        event(h)
+    assert err.value.state == "idle" and "holder alice" in str(err.value)
+
+
+def test_holder_takes_one_request_at_a_time() -> None:
+    o, h = orchestrator_sm(), holder_sm()
+    req = go_away(o)
+    h.on_request(req, 1.0)
+    with pytest.raises(IllegalTransition):
+        h.on_request(req, 1.0)
+    with pytest.raises(IllegalTransition):
+        h.copied(PIECE, 1.0)  # before importing
+    h.imported(1.0)
+    with pytest.raises(IllegalTransition):
+        h.switched_back(1.0)  # before exporting
+
+
+# ============================================================================ bad input
+def test_start_for_an_unknown_holder_names_the_enrolled_ones() -> None:
+    o = orchestrator_sm(hello("alice"), hello("bob"))
+    with pytest.raises(BadInput, match="'carol'.*alice, bob"):
+        o.start("carol", 0, 0.0)
+    assert o.phase is Phase.IDLE
+    with pytest.raises(BadInput, match="none"):
+        OrchestratorTravel(BUFFER).start("alice", 0, 0.0)
+
+
+def test_start_for_a_holder_with_an_empty_dataset_is_refused() -> None:
+    o = orchestrator_sm(hello("empty", b""))
+    with pytest.raises(BadInput, match="empty"):
+        o.start("empty", 0, 0.0)
+    assert o.phase is Phase.IDLE
+
+
+@pytest.mark.parametrize("offset", [PIECE, BUFFER.nbytes + 1, -BUFFER.nbytes, 3 * BUFFER.nbytes])
+def test_start_at_an_offset_that_is_not_a_chunk_start_is_refused(offset: int) -> None:
+    o = orchestrator_sm()
+    with pytest.raises(BadInput, match="chunk start"):
+        o.start("alice", offset, 0.0)
+    assert o.phase is Phase.IDLE
+    o.start("alice", 2 * BUFFER.nbytes, 0.0)  # the short last chunk is a chunk start
+
+
+def test_enrolment_checks_piece_size_and_manifest_length() -> None:
+    o = OrchestratorTravel(BUFFER)
+    with pytest.raises(ProtocolError, match="piece size"):
+        o.enrol(hello(piece=3 * PIECE))
+    with pytest.raises(ProtocolError, match="piece size"):
+        o.enrol(HolderHello("alice", len(DATASET), 0, ()))
+    short = hello()
+    with pytest.raises(ProtocolError, match="manifest"):
+        o.enrol(HolderHello("alice", len(DATASET), PIECE, short.manifest[:-1]))
+    assert o.holders == {}
+
+
+def test_reply_to_another_travel_is_a_protocol_error() -> None:
+    o, h = orchestrator_sm(), holder_sm()
+    result = serve(h, go_away(o))
+    stale = TravelResult(result.travel_id + 7, result.context, result.chunk, result.steps_ns, -1)
+    with pytest.raises(ProtocolError, match="travel 8, expected 1"):
+        o.holder_replied(stale, 3.0)
+    assert o.phase is Phase.AWAY
+    assert isinstance(o.holder_replied(result, 3.0), ImportContext)  # the right reply still works
+
+
+@pytest.mark.parametrize("lie", ["digest", "offset", "nbytes"])
+def test_chunk_that_does_not_match_the_manifest_is_a_protocol_error(lie: str) -> None:
+    o, h = orchestrator_sm(), holder_sm()
+    result = serve(h, go_away(o))
+    c = result.chunk
+    bad = {
+        "digest": ChunkInfo(c.dataset_offset, c.nbytes, hashlib.sha256(b"other").digest()),
+        "offset": ChunkInfo(c.dataset_offset + BUFFER.nbytes, c.nbytes, c.digest),
+        "nbytes": ChunkInfo(c.dataset_offset, c.nbytes - PIECE, c.digest),
+    }[lie]
+    with pytest.raises(ProtocolError, match="alice"):
+        o.holder_replied(TravelResult(result.travel_id, result.context, bad, result.steps_ns, -1), 3.0)
+
+
+def test_holder_lying_about_its_data_is_caught_against_the_enrolled_manifest() -> None:
+    """The holder enrolled one dataset and copies another: its chunk digest gives it away."""
+    o = orchestrator_sm(hello("alice", DATASET))
+    liar = holder_sm("alice", bytes(len(DATASET)))
+    with pytest.raises(ProtocolError, match="manifest"):
+        o.holder_replied(serve(liar, go_away(o)), 3.0)
+
+
+def test_verified_with_a_wrong_digest_is_a_protocol_error() -> None:
+    o, h = orchestrator_sm(), holder_sm()
+    o.holder_replied(serve(h, go_away(o)), 3.0)
+    o.imported(3.25)
+    o.rotated(3.5)
+    wrong = chunk_digest(bytes(BUFFER.nbytes), PIECE)
+    with pytest.raises(ProtocolError, match="VRAM does not hold"):
+        o.verified(wrong, 4.0)
+    assert o.phase is Phase.IDLE  # the travel is over; the next one can start
+    o.start("alice", 0, 5.0)
+
+
+def test_abort_returns_to_idle() -> None:
+    o = orchestrator_sm()
+    go_away(o)
+    o.abort()
+    assert o.phase is Phase.IDLE
+    assert go_away(o).travel_id == 2
+
+
+# ============================================================================ refusals
+@pytest.mark.parametrize("why", ["empty dataset", "offset outside", "offset not a piece", "buffer not pieces"])
+def test_holder_refusal_returns_the_untouched_context(why: str) -> None:
+    h = holder_sm("alice", b"" if why == "empty dataset" else DATASET)
+    req = TravelRequest(
+        travel_id=4,
+        buffer_offset=BUFFER.offset,
+        buffer_bytes=BUFFER.nbytes + (1 if why == "buffer not pieces" else 0),
+        dataset_offset={"offset outside": len(DATASET), "offset not a piece": 100}.get(why, 0),
+        context=BLOB,
+    )
+    act = h.on_request(req, 7.0)
+    assert act == SwitchBack()  # straight home, the GPU untouched
+    reply = h.switched_back(7.5)
+    refused = reply.message
+    assert isinstance(refused, TravelRefused)
+    assert refused.travel_id == 4 and refused.context == BLOB
+    assert refused.reason
+    assert refused.steps_ns == {"dh_import": 0, "dh_copy": 0, "dh_export": 0, "o_switch": 500_000_000,
+                                "handler": 500_000_000}
+    assert h.phase is HolderPhase.IDLE
+
+
+def test_refused_travel_is_reported_without_a_chunk_or_verification() -> None:
+    o = orchestrator_sm()
+    req = go_away(o)
+    refusal = over_tls(TravelRefused(req.travel_id, req.context, "disk on fire", {"handler": 500_000_000}))
+    assert o.holder_replied(refusal, 3.0) == ImportContext(BLOB)
+    o.imported(3.25)
+    report = o.rotated(3.5)
+    assert isinstance(report, TravelReport)
+    assert report.refused == "disk on fire" and report.chunk is None and report.verify_ms == 0.0
+    assert report.steps_ms["tls"] == 1500.0  # 2 s away, 0.5 s of it in the holder's handler
+    assert report.total_ms == 3500.0
+    assert o.phase is Phase.IDLE
+
+
+def test_failed_copy_is_a_refusal_with_the_exported_context() -> None:
+    o, h = orchestrator_sm(), holder_sm()
+    h.on_request(go_away(o), 1.0)
+    h.imported(1.0)
+    assert h.copy_failed("ChannelFaulted: user channel faulted", 2.0) == ExportBlob()
+    h.exported(b"\x03after-copy", 2.0)
+    refused = h.switched_back(2.0).message
+    assert isinstance(refused, TravelRefused)
+    assert refused.context == b"\x03after-copy"  # the channel moved on: the new context goes home
+    assert "ChannelFaulted" in refused.reason
+
+
+# ============================================================================ manifests
+def test_manifest_digests() -> None:
+    manifest = piece_digests(DATASET, PIECE)
+    assert len(manifest) == 10
+    assert chunk_digest_from_manifest(manifest, 8 * PIECE, 2 * PIECE, PIECE) == chunk_digest(DATASET[8 * PIECE :], PIECE)
+    partial = DATASET[: 2 * PIECE + 5]
+    assert chunk_digest_from_manifest(piece_digests(partial, PIECE), 0, len(partial), PIECE) == chunk_digest(partial, PIECE)
+    with pytest.raises(BadInput):
+        chunk_digest_from_manifest(manifest, 1, PIECE, PIECE)
+    with pytest.raises(BadInput):
+        chunk_digest_from_manifest(manifest, 0, 0, PIECE)
+    with pytest.raises(BadInput):
+        chunk_digest_from_manifest(manifest, 8 * PIECE, 3 * PIECE, PIECE)
+
+
+# ============================================================================ roles driving the real device
+def test_roles_drive_real_drivers_and_verify_vram() -> None:
+    """The actions the two machines emit, carried out on the in-process device and drivers."""
+    gpu = InProcessGpu()
+    data = bytes((i * 13 + 1) % 256 for i in range(3 * TEST_LAYOUT.record_bytes + 4096))
+    orch, holders = gpu.boot("alice")
+    buf = orch.alloc_buffer(2 * TEST_LAYOUT.record_bytes)
+    o = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
+    o.enrol(HolderHello("alice", len(data), PIECE, piece_digests(data, PIECE)))
+    h = holder_sm("alice", data)
+    alice, t = holders["alice"], iter(range(1000))
+    for offset in range(0, len(data), buf.nbytes):
+        scrub = o.start("alice", offset, next(t))
+        orch.scrub(scrub.offset, scrub.nbytes)
+        assert isinstance(o.scrubbed(next(t)), ExportContext)
+        switch = o.exported(orch.export_for_travel(), next(t))
+        gpu.switch(switch.target)
+        req = over_tls(o.switched(next(t)).request)
+        act = h.on_request(req, next(t))
+        alice.import_context(act.blob)
+        copy = h.imported(next(t))
+        alice.copy_to_vram(memoryview(data)[copy.dataset_offset : copy.dataset_offset + copy.nbytes],
+                           copy.buffer_offset, buffer_bytes=copy.buffer_bytes)
+        h.copied(copy.nbytes, next(t))
+        h.exported(alice.export_context(), next(t))
+        gpu.switch(ORCHESTRATOR)
+        reply = over_tls(h.switched_back(next(t)).message)
+        orch.import_returned(o.holder_replied(reply, next(t)).blob)
+        o.imported(next(t))
+        orch.rotate()
+        verify = o.rotated(next(t))
+        report = o.verified(chunk_digest(gpu.vram_at(verify.offset, verify.nbytes), PIECE), next(t))
+        assert report.chunk.nbytes == min(buf.nbytes, len(data) - offset)
+    assert gpu.core.epoch == 2 and gpu.core.stats.faults == []
+
+
+# ============================================================================ regressions and known gaps
+def test_travel_messages_do_not_print_the_context_blob() -> None:
+    gpu = InProcessGpu()
+    orch, _ = gpu.boot()
+    blob = orch.export_for_travel()
+    from gputravel.context import unpack_context
+
+    ctx = unpack_context(blob, layout=TEST_LAYOUT.digest())
+    keys = [b for s in ctx.senders + ctx.receivers for b in (s.key, s.iv_mask)]
+    o = orchestrator_sm()
+    o.start("alice", 0, 0.0)
+    o.scrubbed(0.0)
+    o.exported(blob, 0.0)
+    send = o.switched(0.0)
+    chunk = ChunkInfo(0, PIECE, b"\x00" * 32)
+    texts = [repr(send), repr(send.request), repr(TravelResult(1, blob, chunk, {}, -1)),
+             repr(TravelRefused(1, blob, "no", {})), repr(ImportContext(blob)), repr(ImportBlob(blob))]
+    for text in texts:
+        assert not leaks(text, keys), text[:80]
