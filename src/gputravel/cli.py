@@ -58,7 +58,7 @@ def demo(
     dataset_mib: int = typer.Option(24, help="Size of each holder's synthetic dataset, MiB."),
     buffer_mib: int = typer.Option(8, help="Dataset buffer in the GPU's protected memory, MiB."),
     seed: int = typer.Option(0, help="Seed of the synthetic datasets."),
-    workdir: Optional[Path] = typer.Option(None, help="Where datasets and the report go (default: runs/demo)."),
+    workdir: Optional[Path] = typer.Option(None, help="Where the synthetic datasets are written (default: runs/demo); the report goes to --json."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the travel reports as JSON here."),
 ) -> None:
     """Run a whole local cohort: host, GPU, orchestrator and data holders as processes; the GPU

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..crypto.pki import DeviceIdentity
 from ..crypto.spdm import SpdmResponder
-from ..errors import GputravelError, TransportClosed
+from ..errors import TransportClosed
 from ..layout import Bar0, Layout
 from ..messages import AttachCvm, DetachAll, DeviceAck, DeviceAttach, VramGrant, VramRequest
 from ..transport.stream import StreamTransport, connect_unix
@@ -148,8 +148,3 @@ class DeviceProcess:
             self.orchestrator.send(VramGrant(vram_bytes=len(self.vram)), fds=(self.vram_fd,))
 
 
-def run_device(config: DeviceConfig, identity: DeviceIdentity, orchestrator_link: socket.socket) -> None:
-    try:
-        DeviceProcess(config, identity, orchestrator_link).serve()
-    except GputravelError:
-        raise
