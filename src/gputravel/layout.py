@@ -135,6 +135,8 @@ class Bar0:
         return Bar0.GPFIFO_BASE + (int(channel) * layout.gpfifo_entries + index) * 16
 
 
+RPC_HEADER = struct.Struct("<IIB3x")  # RPC slot header: sequence number, payload length, encrypted
+FAULT_REG = 12  # per-channel error notifier, inside the channel's BAR0 registers
 GPFIFO_ENTRY = struct.Struct("<QII")  # push IOVA, push length, reserved
 U32 = struct.Struct("<I")
 # notifier, channel counter, message counter, pad; then ciphertext(8) || tag(16)

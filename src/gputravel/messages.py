@@ -29,6 +29,9 @@ USER_LABELS = (
 #: holder (even colluding with the host) cannot forge a rotation or its completion.
 KERNEL_LABELS = ("Lwlc_h2d_kernel", "Llcic_d2h_kernel")
 ALL_LABELS = USER_LABELS + KERNEL_LABELS
+#: Push key and tracking-semaphore key of each work-launch channel (index: layout.PushChannel).
+PUSH_LABEL = ("Lwlc_h2d_user", "Lwlc_h2d_kernel")
+SEM_LABEL = ("Llcic_d2h_user", "Llcic_d2h_kernel")
 
 
 # ============================================================================ pushes

@@ -22,9 +22,11 @@ from typing import Callable
 from ..crypto.channel import Receiver, Sender, derive_epoch_keys
 from ..crypto.spdm import SpdmResponder
 from ..errors import DeviceError, GputravelError, IntegrityError, ProtocolError
-from ..layout import GPFIFO_ENTRY, PAGE, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, Layout, PushChannel
+from ..layout import FAULT_REG, GPFIFO_ENTRY, RPC_HEADER, PAGE, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, Layout, PushChannel
 from ..messages import (
     ALL_LABELS,
+    PUSH_LABEL,
+    SEM_LABEL,
     AllocBuffer,
     BufferInfo,
     CopyFromVram,
@@ -39,12 +41,8 @@ from ..messages import (
 )
 from ..wire import decode, encode
 
-RPC_HEADER = struct.Struct("<IIB3x")  # sequence number, payload length, encrypted flag
-PUSH_LABEL = {PushChannel.USER: "Lwlc_h2d_user", PushChannel.KERNEL: "Lwlc_h2d_kernel"}
-SEM_LABEL = {PushChannel.USER: "Llcic_d2h_user", PushChannel.KERNEL: "Llcic_d2h_kernel"}
 USER_METHODS = (CopyToVram, CopyFromVram, SemaphoreRelease)
 KERNEL_METHODS = (Memset, RotateKeys, SemaphoreRelease)
-FAULT_REG = 12  # offset of the per-channel error notifier inside the channel's BAR registers
 
 
 class DmaFault(DeviceError):

@@ -21,8 +21,10 @@ from ..errors import (
     PeerTimeout,
     ProtocolError,
 )
-from ..layout import GPFIFO_ENTRY, PUSH_SLOT_BYTES, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
+from ..layout import FAULT_REG, GPFIFO_ENTRY, RPC_HEADER, PUSH_SLOT_BYTES, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
 from ..messages import (
+    PUSH_LABEL,
+    SEM_LABEL,
     USER_LABELS,
     AllocBuffer,
     BufferInfo,
@@ -36,10 +38,6 @@ from ..messages import (
 from ..wire import decode, encode
 from .link import DeviceLink
 
-RPC_HEADER = struct.Struct("<IIB3x")
-FAULT_REG = 12
-PUSH_LABEL = {PushChannel.USER: "Lwlc_h2d_user", PushChannel.KERNEL: "Lwlc_h2d_kernel"}
-SEM_LABEL = {PushChannel.USER: "Llcic_d2h_user", PushChannel.KERNEL: "Llcic_d2h_kernel"}
 
 
 class ChannelKeys:
