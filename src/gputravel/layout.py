@@ -13,10 +13,10 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+from .crypto.channel import TAG_BYTES  # noqa: F401  (slots hold ciphertext || tag)
 from .errors import BadInput
 
 MIB = 1 << 20
-TAG_BYTES = 16
 PAGE = 4096
 
 #: Every CVM maps its reserved unprotected memory at this IOVA (same in every CVM).

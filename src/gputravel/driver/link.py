@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..errors import ProtocolError
 from ..layout import SYSMEM_IOVA, Layout
-from ..messages import HostError, RegisterCvm, Registered
+from ..messages import HostError, RegisterCvm, Registered, SwitchRequest, Switched
 from ..transport.base import Transport
 
 
@@ -74,3 +74,12 @@ def register_with_host(host: Transport, cvm: str, layout: Layout, *, timeout: fl
     bar = mmap.mmap(bar_fd, reply.message.bar_bytes, flags=mmap.MAP_SHARED)
     os.close(bar_fd)
     return DeviceLink(cvm, layout, sysmem_fd, sysmem, bar, doorbell_fd, irq_fd)
+
+
+def request_switch(host: Transport, target: str, timeout: float) -> int:
+    """Ask the host's PCIe MUX to route the GPU to ``target``; returns the host-measured ns."""
+    host.send(SwitchRequest(target=target))
+    reply = host.recv(timeout=timeout).message
+    if not isinstance(reply, Switched) or reply.target != target:
+        raise ProtocolError(f"host could not switch the GPU to {target}: {getattr(reply, 'reason', reply)}")
+    return reply.elapsed_ns

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from ..crypto.pki import CohortPki
 from ..driver.driver import Driver
-from ..driver.link import register_with_host
+from ..driver.link import register_with_host, request_switch
 from ..errors import BadInput, GputravelError, ProtocolError, TransportClosed
 from ..layout import Layout
-from ..messages import Bye, HolderHello, SwitchRequest, Switched, TravelRequest, Welcome
+from ..messages import Bye, HolderHello, TravelRequest, Welcome
 from ..roles.holder import CopyChunk, ExportBlob, HolderTravel, ImportBlob, Reply, SwitchBack
 from ..roles.manifest import PIECE_BYTES, piece_digests
 from ..transport.base import Transport
@@ -69,11 +69,7 @@ class DataHolder:
         self.driver.probe(timeout=self.config.device_timeout)
 
     def switch(self, target: str) -> int:
-        self.host.send(SwitchRequest(target=target))
-        reply = self.host.recv(timeout=self.config.device_timeout).message
-        if not isinstance(reply, Switched):
-            raise ProtocolError(f"host could not switch the GPU to {target}: {getattr(reply, 'reason', reply)}")
-        return reply.elapsed_ns
+        return request_switch(self.host, target, self.config.device_timeout)
 
     def join(self, host: str, port: int) -> None:
         ctx = CohortPki.load(self.config.pki_dir).client_context(self.config.name)

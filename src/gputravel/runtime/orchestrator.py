@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass
 
 from ..crypto.pki import CohortPki
-from ..driver.link import register_with_host
+from ..driver.link import register_with_host, request_switch
 from ..driver.orchestrator import OrchestratorDriver
 from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError
 from ..layout import Layout
-from ..messages import Bye, HolderHello, SwitchRequest, Switched, TravelRefused, TravelResult, VramGrant, VramRequest, Welcome
+from ..messages import Bye, HolderHello, TravelRefused, TravelResult, VramGrant, VramRequest, Welcome
 from ..roles.manifest import chunk_digest
 from ..roles.orchestrator import Buffer, OrchestratorTravel, Rotate, TravelReport, VerifyChunk
 from ..transport.base import Transport
@@ -69,11 +69,7 @@ class Orchestrator:
         self.travel_sm = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
 
     def switch(self, target: str) -> int:
-        self.host.send(SwitchRequest(target=target))
-        reply = self.host.recv(timeout=self.config.device_timeout).message
-        if not isinstance(reply, Switched):
-            raise ProtocolError(f"host could not switch the GPU to {target}: {getattr(reply, 'reason', reply)}")
-        return reply.elapsed_ns
+        return request_switch(self.host, target, self.config.device_timeout)
 
     # ------------------------------------------------------------------ cohort
     def accept_holder(self, timeout: float) -> str:
