@@ -201,12 +201,6 @@ class AttachCvm:
     nbytes: int
 
 
-@message("host.detach")
-@dataclass(frozen=True)
-class DetachAll:
-    """Host -> device: no CVM mapped (the GPU is between CVMs)."""
-
-
 @message("host.ack")
 @dataclass(frozen=True)
 class DeviceAck:

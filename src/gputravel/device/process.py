@@ -18,7 +18,7 @@ from ..crypto.pki import DeviceIdentity
 from ..crypto.spdm import SpdmResponder
 from ..errors import TransportClosed
 from ..layout import Bar0, Layout
-from ..messages import AttachCvm, DetachAll, DeviceAck, DeviceAttach, VramGrant, VramRequest
+from ..messages import AttachCvm, DeviceAck, DeviceAttach, VramGrant, VramRequest
 from ..transport.stream import StreamTransport, connect_unix
 from .core import DeviceCore, DmaWindow
 
@@ -103,10 +103,6 @@ class DeviceProcess:
             view = self._map_segment(sysmem_fd, msg.nbytes)
             os.close(sysmem_fd)
             self._replace_window(view, msg.cvm, msg.iova, irq_fd)
-        elif isinstance(msg, DetachAll):
-            for fd in got.fds:
-                os.close(fd)
-            self._replace_window(None, "", 0, None)
         else:
             for fd in got.fds:
                 os.close(fd)

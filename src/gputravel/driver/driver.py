@@ -15,6 +15,7 @@ from ..crypto.channel import Receiver, Sender
 from ..errors import (
     BadInput,
     ChannelFaulted,
+    ContextBlobError,
     DeviceError,
     IllegalTransition,
     IntegrityError,
@@ -26,7 +27,6 @@ from ..messages import (
     PUSH_LABEL,
     SEM_LABEL,
     USER_LABELS,
-    AllocBuffer,
     BufferInfo,
     CopyFromVram,
     CopyToVram,
@@ -47,10 +47,11 @@ class ChannelKeys:
         self.tx: dict[str, Sender] = {}
         self.rx: dict[str, Receiver] = {}
 
-    def install(self, keys: dict, counters: dict[str, int] | None = None) -> None:
+    def install(self, keys: dict) -> None:
+        """Take new keys; message counters restart, channel counters are kept (as H100 does)."""
         for label, material in keys.items():
             live = self.tx.get(label) or self.rx.get(label)
-            chan = live.channel_counter if live is not None else (counters or {}).get(label, 1)
+            chan = live.channel_counter if live is not None else 1
             if "_h2d_" in label:
                 self.tx[label] = Sender(material, channel_counter=chan)
             else:
@@ -139,8 +140,15 @@ class Driver:
 
     # ------------------------------------------------------------------ pushes and semaphores
     def submit(self, channel: PushChannel, push: object, timeout: float = 10.0) -> None:
-        """Encrypt a push into its push-buffer slot, append a GPFIFO entry, ring the doorbell."""
-        self._require_context("submit work")
+        """Encrypt a push into its push-buffer slot, append a GPFIFO entry, ring the doorbell.
+
+        The user channel needs the travelling context at home; the kernel channel only its
+        keys, which only the orchestrator's driver ever has.
+        """
+        if channel is PushChannel.USER:
+            self._require_context("submit work")
+        elif PUSH_LABEL[channel] not in self.keys.tx:
+            raise IllegalTransition(f"driver {self.link.cvm}", "no-kernel-keys", "submit kernel work")
         entries = self.layout.gpfifo_entries
         put = self._put[channel]
         self._wait(lambda: (put + 1) % entries != self._get(channel), timeout, "GPFIFO space")
@@ -289,11 +297,14 @@ class Driver:
         ctx = unpack_context(blob, layout=self.layout.digest(), epoch=epoch)
         labels = {s.label for s in ctx.senders} | {r.label for r in ctx.receivers}
         if labels != set(USER_LABELS):
-            raise_blob("context blob does not carry exactly the user channel keys")
+            raise ContextBlobError("context blob does not carry exactly the user channel keys")
         self._adopt(ctx)
         return ctx
 
     def _adopt(self, ctx: DriverContext) -> None:
+        # Validate before touching any state: a refused blob leaves this driver as it was.
+        if self.info is not None and ctx.work_token != self.info.work_tokens[0]:
+            raise ContextBlobError("context blob carries another work submission token")
         for state in ctx.senders:
             self.keys.tx[state.label] = Sender.from_state(state)
         for state in ctx.receivers:
@@ -301,15 +312,7 @@ class Driver:
         self._sem[PushChannel.USER] = ctx.semaphore
         self._put[PushChannel.USER] = ctx.gpfifo_put
         self._rpc_tx, self._rpc_rx = ctx.rpc_tx_seq, ctx.rpc_rx_seq
-        if self.info is not None and ctx.work_token != self.info.work_tokens[0]:
-            raise_blob("context blob carries another work submission token")
         self.epoch = ctx.epoch
 
 
-def raise_blob(reason: str) -> None:
-    from ..errors import ContextBlobError
-
-    raise ContextBlobError(reason)
-
-
-__all__ = ["Driver", "ChannelKeys", "AllocBuffer"]
+__all__ = ["Driver", "ChannelKeys"]

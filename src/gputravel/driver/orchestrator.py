@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..context import DriverContext, unpack_context
 from ..crypto.channel import derive_epoch_keys
 from ..crypto.spdm import SpdmRequester
-from ..errors import ContextBlobError, DeviceError, IllegalTransition, ProtocolError
+from ..errors import ContextBlobError, IllegalTransition, ProtocolError
 from ..layout import U32, Bar0, PushChannel
 from ..messages import ALL_LABELS, USER_LABELS, AllocBuffer, BufferInfo, Memset, RotateKeys
 from .driver import Driver
@@ -56,16 +56,8 @@ class OrchestratorDriver(Driver):
     def _kernel(self, push_factory, timeout: float) -> None:
         self._require_session("use the kernel channel")
         value = self.next_release(PushChannel.KERNEL)
-        self.submit_kernel(push_factory(value), timeout)
+        self.submit(PushChannel.KERNEL, push_factory(value), timeout)
         self.wait_release(PushChannel.KERNEL, value, timeout)
-
-    def submit_kernel(self, push: object, timeout: float) -> None:
-        # The kernel channel works whether or not the user context is at home.
-        saved, self.epoch = self.epoch, self.key_epoch
-        try:
-            self.submit(PushChannel.KERNEL, push, timeout)
-        finally:
-            self.epoch = saved
 
     def scrub(self, offset: int, nbytes: int, timeout: float = 10.0) -> None:
         """Device-side memset of the dataset buffer: nothing of the last chunk may travel on."""
@@ -85,7 +77,7 @@ class OrchestratorDriver(Driver):
             raise IllegalTransition("orchestrator driver", "context-away", "rotate keys")
         epoch = self.key_epoch + 1
         value = self.next_release(PushChannel.KERNEL)
-        self.submit_kernel(RotateKeys(epoch=epoch, release=value, interrupt=True), timeout)
+        self.submit(PushChannel.KERNEL, RotateKeys(epoch=epoch, release=value, interrupt=True), timeout)
         self._install(epoch)
         self.wait_release(PushChannel.KERNEL, value, timeout)
         # The device dropped whatever was pending on the user channel: continue from its get,
@@ -148,4 +140,4 @@ def _check_not_stale(sent: DriverContext, back: DriverContext) -> None:
         raise ContextBlobError("returned context blob is stale: semaphore or RPC sequence went backwards")
 
 
-__all__ = ["OrchestratorDriver", "DeviceError"]
+__all__ = ["OrchestratorDriver"]

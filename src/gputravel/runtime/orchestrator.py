@@ -18,7 +18,7 @@ from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError
 from ..layout import Layout
 from ..messages import Bye, HolderHello, TravelRefused, TravelResult, VramGrant, VramRequest, Welcome
 from ..roles.manifest import chunk_digest
-from ..roles.orchestrator import Buffer, OrchestratorTravel, Rotate, TravelReport, VerifyChunk
+from ..roles.orchestrator import Buffer, OrchestratorTravel, TravelReport, VerifyChunk
 from ..transport.base import Transport
 from ..transport.stream import StreamTransport, connect_unix
 from ..transport.tls import TlsListener
@@ -106,17 +106,14 @@ class Orchestrator:
         clock = time.perf_counter
         act = sm.start(holder, dataset_offset, clock())
         conn = self.holders[holder]
-        try:
+        try:  # carry out each action the state machine hands back, and report its completion
             drv.scrub(act.offset, act.nbytes, timeout=cfg.device_timeout)
             sm.scrubbed(clock())
-            sm.exported(drv.export_for_travel(), clock())
-            send = self._switch_step(holder, sm, clock)
-            conn.send(send.request)
+            self.switch(sm.exported(drv.export_for_travel(), clock()).target)
+            conn.send(sm.switched(clock()).request)
             reply = conn.recv(timeout=cfg.holder_timeout, expect=(TravelResult, TravelRefused)).message
-            imp = sm.holder_replied(reply, clock())
-            drv.import_returned(imp.blob)
-            if not isinstance(sm.imported(clock()), Rotate):
-                raise ProtocolError("travel state machine out of step")
+            drv.import_returned(sm.holder_replied(reply, clock()).blob)
+            sm.imported(clock())
             drv.rotate(timeout=cfg.device_timeout)
             nxt = sm.rotated(clock())
             if isinstance(nxt, VerifyChunk):
@@ -126,10 +123,6 @@ class Orchestrator:
             self._recover()
             sm.abort()
             raise
-
-    def _switch_step(self, holder: str, sm: OrchestratorTravel, clock):
-        self.switch(holder)
-        return sm.switched(clock())
 
     def _digest(self, verify: VerifyChunk) -> bytes:
         assert self.vram is not None
