@@ -139,3 +139,54 @@ def test_each_cvm_holds_only_its_own_tls_key(datasets, tmp_path: Path) -> None:
         keys = {p.relative_to(pki).as_posix() for p in pki.rglob("*.key")}
         cohort.travel("h1", 0)  # and the cohort works with those keys only
     assert keys == {f"{m}/{m}.key" for m in ("orchestrator", "h1", "h2", "h3")}
+
+
+def _holds(pid: int, name: str) -> bool:
+    """Does process ``pid`` hold a descriptor of, or a mapping of, the memfd called ``name``?"""
+    fds = Path(f"/proc/{pid}/fd")
+    for fd in fds.iterdir():
+        try:
+            if name in os.readlink(fd):
+                return True
+        except OSError:
+            pass
+    return name in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_vram_reaches_only_the_device_and_the_orchestrator(datasets) -> None:
+    with Cohort(config(datasets)) as cohort:
+        cohort.travel("h1", 0)
+        pids = cohort.pids()
+        holding = {role for role, pid in pids.items() if _holds(pid, "gputravel-vram")}
+        sysmem_of_h1 = {role for role, pid in pids.items() if _holds(pid, "gputravel-sysmem-h1")}
+    assert holding == {"device", "orchestrator"}
+    # The holder's unprotected memory: itself, the host (hypervisor) and the device (DMA).
+    assert sysmem_of_h1 == {"h1", "host", "device"}
+
+
+def test_children_die_with_a_killed_supervisor(datasets, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = datasets["h1"][0]
+    script = (
+        "import sys, time\n"
+        "from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec\n"
+        f"c = Cohort(CohortConfig(holders=(HolderSpec('h1', {path!r}),), buffer_bytes={MIB}, workdir={str(tmp_path)!r}))\n"
+        "c.start()\n"
+        "print(' '.join(str(p) for p in c.pids().values()), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    sup = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in sup.stdout.readline().split()]
+    assert len(pids) == 4
+    sup.send_signal(signal.SIGKILL)
+    sup.wait()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    assert alive == []

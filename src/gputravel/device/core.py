@@ -14,6 +14,7 @@ What it enforces, as H100 CC does:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
 from dataclasses import dataclass, field
@@ -228,7 +229,7 @@ class DeviceCore:
         self._epoch = epoch
 
     def _wipe(self) -> None:
-        _zero(self.vram)
+        _fill(self.vram, 0)
         self._session_secret = None
         self._rx.clear()
         self._tx.clear()
@@ -354,13 +355,8 @@ def _check_range(offset: int, nbytes: int, limit: int) -> None:
         raise DeviceError(f"VRAM range {offset:#x}+{nbytes} out of bounds")
 
 
-def _zero(view: memoryview) -> None:
-    _fill(view, 0)
-
-
 def _fill(view: memoryview, value: int) -> None:
-    import ctypes
-
+    """memset through ctypes: runs at memory bandwidth and releases the GIL."""
     if len(view) == 0:
         return
     if view.readonly:
