@@ -30,7 +30,7 @@ def gpu() -> InProcessGpu:
 @pytest.fixture
 def booted(gpu: InProcessGpu):
     orch, holders = gpu.boot("alice", "bob")
-    buf = orch.alloc_buffer(4 * RECORD)
+    buf = orch.alloc_dataset_buffer(4 * RECORD)
     return gpu, orch, holders, buf
 
 

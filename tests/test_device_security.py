@@ -74,7 +74,7 @@ class Cohort:
 def cohort() -> Cohort:
     gpu = InProcessGpu()
     orch, holders = gpu.boot("alice", "bob")
-    return Cohort(gpu, orch, holders, orch.alloc_buffer(BUFFER))
+    return Cohort(gpu, orch, holders, orch.alloc_dataset_buffer(BUFFER))
 
 
 def data_of(nbytes: int, seed: int = 1) -> bytes:
@@ -593,9 +593,6 @@ def test_rotation_realigns_the_user_channel(cohort: Cohort, desync: str) -> None
     assert cohort.vram(len(data)) == data
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN GAP (open): user-channel copies are not confined to the travelling dataset "
-                   "buffer (core.py _copy_in/_copy_out only bound-check against all of VRAM): a holder can "
-                   "read or overwrite any VRAM the orchestrator owns")
 @pytest.mark.parametrize("direction", ["read", "write"])
 def test_holder_cannot_touch_vram_outside_the_dataset_buffer(cohort: Cohort, direction: str) -> None:
     gpu = cohort.gpu
@@ -611,5 +608,35 @@ def test_holder_cannot_touch_vram_outside_the_dataset_buffer(cohort: Cohort, dir
             cohort.alice.copy_to_vram(memoryview(b"\x66" * RECORD), other.offset, buffer_bytes=BUFFER)
     except (ChannelFaulted, PeerTimeout):
         pass
+    assert gpu.vram_at(other.offset, RECORD) == private
+    assert CANARY not in gpu.snoop()
+
+
+def test_copies_need_a_granted_window() -> None:
+    """Before the orchestrator grants the dataset buffer, no user copy reaches VRAM at all."""
+    gpu = InProcessGpu()
+    orch, holders = gpu.boot("alice")
+    buf = orch.alloc_buffer(BUFFER)  # allocated, never granted
+    orch_blob = orch.export_for_travel()
+    gpu.switch("alice")
+    holders["alice"].import_context(orch_blob)
+    with pytest.raises(ChannelFaulted):
+        holders["alice"].copy_to_vram(memoryview(data_of(RECORD)), buf.offset, buffer_bytes=BUFFER)
+    assert gpu.vram_at(buf.offset, RECORD) == bytes(RECORD)
+
+
+def test_a_holder_cannot_grant_itself_a_window(cohort: Cohort) -> None:
+    from gputravel.messages import GrantWindow
+
+    gpu = cohort.gpu
+    other = cohort.orch.alloc_buffer(RECORD)
+    private = canaried(RECORD)
+    gpu.vram[other.offset : other.offset + RECORD] = private
+    cohort.send("alice")
+    value = cohort.alice.next_release(USER)
+    cohort.alice.submit(USER, GrantWindow(offset=0, nbytes=len(gpu.vram), release=value, interrupt=True))
+    assert gpu.core.faulted(USER)  # a kernel method on the user channel
+    with pytest.raises((ChannelFaulted, PeerTimeout)):
+        cohort.alice.copy_from_vram(other.offset, RECORD)
     assert gpu.vram_at(other.offset, RECORD) == private
     assert CANARY not in gpu.snoop()

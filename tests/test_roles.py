@@ -375,7 +375,7 @@ def test_roles_drive_real_drivers_and_verify_vram() -> None:
     gpu = InProcessGpu()
     data = bytes((i * 13 + 1) % 256 for i in range(3 * TEST_LAYOUT.record_bytes + 4096))
     orch, holders = gpu.boot("alice")
-    buf = orch.alloc_buffer(2 * TEST_LAYOUT.record_bytes)
+    buf = orch.alloc_dataset_buffer(2 * TEST_LAYOUT.record_bytes)
     o = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
     o.enrol(HolderHello("alice", len(data), PIECE, piece_digests(data, PIECE)))
     h = holder_sm("alice", data)

@@ -85,6 +85,21 @@ class RotateKeys:
     interrupt: bool
 
 
+@message("push.grant_window")
+@dataclass(frozen=True)
+class GrantWindow:
+    """Open the VRAM range the user channel may copy to and from (kernel channel only).
+
+    The orchestrator grants exactly the dataset buffer, so a holder holding the user keys
+    can reach that buffer and nothing else of protected memory (model, other allocations).
+    """
+
+    offset: int
+    nbytes: int
+    release: int
+    interrupt: bool
+
+
 @message("push.semaphore")
 @dataclass(frozen=True)
 class SemaphoreRelease:
@@ -92,7 +107,7 @@ class SemaphoreRelease:
     interrupt: bool
 
 
-PUSHES = (CopyToVram, CopyFromVram, Memset, RotateKeys, SemaphoreRelease)
+PUSHES = (CopyToVram, CopyFromVram, Memset, RotateKeys, GrantWindow, SemaphoreRelease)
 
 
 # ============================================================================ RPC queue

@@ -11,7 +11,7 @@ Typical use::
 
     gpu = InProcessGpu()
     orch, holders = gpu.boot("alice", "bob")      # holders probe first, orchestrator last
-    buf = orch.alloc_buffer(256 * 1024)
+    buf = orch.alloc_dataset_buffer(256 * 1024)
     blob = orch.export_for_travel()
     gpu.switch("alice")                           # the host's PCIe MUX
     alice = holders["alice"]

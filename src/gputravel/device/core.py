@@ -33,6 +33,7 @@ from ..messages import (
     CopyFromVram,
     CopyToVram,
     DeviceInfo,
+    GrantWindow,
     GetDeviceInfo,
     Memset,
     QueryBuffer,
@@ -43,7 +44,7 @@ from ..messages import (
 from ..wire import decode, encode
 
 USER_METHODS = (CopyToVram, CopyFromVram, SemaphoreRelease)
-KERNEL_METHODS = (Memset, RotateKeys, SemaphoreRelease)
+KERNEL_METHODS = (Memset, RotateKeys, GrantWindow, SemaphoreRelease)
 
 
 class DmaFault(DeviceError):
@@ -93,6 +94,7 @@ class DeviceCore:
         self._rpc_seq = 0
         self._allocs: dict[int, int] = {}
         self._next_alloc = 0
+        self._user_window: tuple[int, int] | None = None
         self._dma: DmaWindow | None = None
         self._scratch = bytearray(layout.record_bytes)
         self._tokens = {ch: int.from_bytes(rng(4), "little") | 1 for ch in PushChannel}
@@ -235,6 +237,7 @@ class DeviceCore:
         self._tx.clear()
         self._faulted.clear()
         self._allocs.clear()
+        self._user_window = None
         self._next_alloc = 0
         self._epoch = -1
         for ch in PushChannel:
@@ -293,11 +296,21 @@ class DeviceCore:
             _fill(self.vram[push.offset : push.offset + push.nbytes], push.value)
         elif isinstance(push, RotateKeys):
             self._rotate(push.epoch)
+        elif isinstance(push, GrantWindow):
+            _check_range(push.offset, push.nbytes, len(self.vram))
+            self._user_window = (push.offset, push.nbytes)
+
+    def _check_user_window(self, offset: int, nbytes: int) -> None:
+        """Copies run on the user channel: only inside the window the orchestrator granted."""
+        if self._user_window is None:
+            raise DeviceError("no VRAM window is granted to the user channel")
+        start, size = self._user_window
+        _check_range(offset - start, nbytes, size)
 
     def _copy_in(self, push: CopyToVram) -> None:
         if not 0 < push.nbytes <= self.layout.record_bytes:
             raise DeviceError("copy record size out of range")
-        _check_range(push.dst_offset, push.nbytes, len(self.vram))
+        self._check_user_window(push.dst_offset, push.nbytes)
         record = self._dma_view(push.src_iova, push.nbytes + TAG_BYTES)
         scratch = memoryview(self._scratch)[: push.nbytes]
         # Decrypt into the device's private scratch first: the tag is only known at the end,
@@ -309,7 +322,7 @@ class DeviceCore:
     def _copy_out(self, push: CopyFromVram) -> None:
         if not 0 < push.nbytes <= self.layout.record_bytes:
             raise DeviceError("copy record size out of range")
-        _check_range(push.src_offset, push.nbytes, len(self.vram))
+        self._check_user_window(push.src_offset, push.nbytes)
         out = self._dma_view(push.dst_iova, push.nbytes + TAG_BYTES)
         self._tx["Lce00_d2h_user"].encrypt_into(self.vram[push.src_offset : push.src_offset + push.nbytes], out)
         self.stats.records_out += 1

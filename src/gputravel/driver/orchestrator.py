@@ -12,7 +12,7 @@ from ..crypto.channel import derive_epoch_keys
 from ..crypto.spdm import SpdmRequester
 from ..errors import ContextBlobError, IllegalTransition, ProtocolError
 from ..layout import U32, Bar0, PushChannel
-from ..messages import ALL_LABELS, USER_LABELS, AllocBuffer, BufferInfo, Memset, RotateKeys
+from ..messages import ALL_LABELS, USER_LABELS, AllocBuffer, BufferInfo, GrantWindow, Memset, RotateKeys
 from .driver import Driver
 
 
@@ -51,6 +51,12 @@ class OrchestratorDriver(Driver):
         if not isinstance(reply, BufferInfo):
             raise ProtocolError("unexpected reply to ALLOC_BUFFER")
         return reply
+
+    def alloc_dataset_buffer(self, nbytes: int, timeout: float = 10.0) -> BufferInfo:
+        """Allocate the dataset buffer and grant the user channel that range, and only that."""
+        buf = self.alloc_buffer(nbytes, timeout)
+        self._kernel(lambda v: GrantWindow(offset=buf.offset, nbytes=buf.nbytes, release=v, interrupt=True), timeout)
+        return buf
 
     # ------------------------------------------------------------------ kernel channel
     def _kernel(self, push_factory, timeout: float) -> None:

@@ -65,7 +65,7 @@ class Orchestrator:
         if not isinstance(grant.message, VramGrant) or len(grant.fds) != 1:
             raise ProtocolError("device did not grant VRAM")
         self.vram = mmap.mmap(grant.fds[0], grant.message.vram_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        buf = self.driver.alloc_buffer(self.config.buffer_bytes, timeout=self.config.device_timeout)
+        buf = self.driver.alloc_dataset_buffer(self.config.buffer_bytes, timeout=self.config.device_timeout)
         self.travel_sm = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
 
     def switch(self, target: str) -> int:
