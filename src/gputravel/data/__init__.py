@@ -1,0 +1,21 @@
+"""Training data: llm.c token shards, tokenizers, text preparation and the demo holders."""
+
+from .demo import demo_holders
+from .prepare import PrepareResult, prepare
+from .shards import HolderTokens, list_shards, load_tokens, read_shard, write_shard
+from .tokenizer import (
+    ByteTokenizer,
+    Gpt2Tokenizer,
+    Tokenizer,
+    TokenizerRecord,
+    default_tokenizer,
+    get_tokenizer,
+    read_tokenizer_record,
+    write_tokenizer_record,
+)
+
+__all__ = [
+    "ByteTokenizer", "Gpt2Tokenizer", "HolderTokens", "PrepareResult", "Tokenizer", "TokenizerRecord",
+    "default_tokenizer", "demo_holders", "get_tokenizer", "list_shards", "load_tokens", "prepare",
+    "read_shard", "read_tokenizer_record", "write_shard", "write_tokenizer_record",
+]
