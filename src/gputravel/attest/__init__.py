@@ -1,0 +1,82 @@
+"""Attestation: emulated roots of trust, H100-style GPU evidence, TDX-style CVM quotes,
+RA-TLS binding, holder policies, and the verifiers that turn evidence into claims.
+
+Everything here is pure: evidence, a trust store and `now` in; claims or an
+AttestationError naming the failed claim out. The roots are emulated stand-ins for NVIDIA's
+and Intel's and say so in their names. See docs/attestation.md for the chain of trust.
+"""
+
+from gputravel.attest.chain import CVM_QUOTE_OID, FWID_OID, verify_chain
+from gputravel.attest.errors import CLAIMS, AttestationError
+from gputravel.attest.exchange import (
+    AttestChallenge,
+    AttestEvidence,
+    OrchestratorAttestation,
+    SignedClaims,
+    answer_challenge,
+    attest_orchestrator,
+    sign_claims,
+    verify_signed_claims,
+)
+from gputravel.attest.gpu import EmulatedGpuFirmware, GpuEvidence, ReferenceValues
+from gputravel.attest.policy import GpuRequirements, Policy
+from gputravel.attest.provision import GpuDevice, provision_gpu
+from gputravel.attest.quote import (
+    EmulatedQuoteVerifier,
+    EmulatedQuotingEnclave,
+    Quote,
+    QuoteClaims,
+    measure_code,
+    orchestrator_measurement,
+)
+from gputravel.attest.ratls import (
+    extract_quote,
+    make_ra_tls_certificate,
+    report_data_for_tls,
+    verify_bound_quote,
+    verify_ra_tls,
+)
+from gputravel.attest.roots import Authority, TrustStore, init_roots, load_authority
+from gputravel.attest.verifier import EmulatedGpuVerifier, GpuClaims, Verifier, spdm_chain_verifier
+
+__all__ = [
+    "CLAIMS",
+    "CVM_QUOTE_OID",
+    "FWID_OID",
+    "AttestChallenge",
+    "AttestEvidence",
+    "AttestationError",
+    "Authority",
+    "EmulatedGpuFirmware",
+    "EmulatedGpuVerifier",
+    "EmulatedQuoteVerifier",
+    "EmulatedQuotingEnclave",
+    "GpuClaims",
+    "GpuDevice",
+    "GpuEvidence",
+    "GpuRequirements",
+    "OrchestratorAttestation",
+    "Policy",
+    "Quote",
+    "QuoteClaims",
+    "ReferenceValues",
+    "SignedClaims",
+    "TrustStore",
+    "Verifier",
+    "answer_challenge",
+    "attest_orchestrator",
+    "extract_quote",
+    "init_roots",
+    "load_authority",
+    "make_ra_tls_certificate",
+    "measure_code",
+    "orchestrator_measurement",
+    "provision_gpu",
+    "report_data_for_tls",
+    "sign_claims",
+    "spdm_chain_verifier",
+    "verify_bound_quote",
+    "verify_chain",
+    "verify_ra_tls",
+    "verify_signed_claims",
+]

@@ -1,0 +1,64 @@
+"""The one error attestation raises: which claim failed, and why (never a secret)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import NoReturn
+
+from gputravel.errors import RemoteError
+
+__all__ = ["CLAIMS", "AttestationError", "ClaimTracker"]
+
+CLAIMS = frozenset({
+    "format",       # evidence, quote or claims could not be decoded
+    "chain",        # certificate chain: signature, CA constraints, algorithm, trusted root
+    "expired",      # a certificate outside its validity period, or claims older than allowed
+    "signature",    # report / quote / claims signature does not verify
+    "nonce",        # the evidence answers another nonce (replay)
+    "fwid",         # firmware leaf FWID differs from the report's FWID
+    "cc_mode",      # the GPU is not in confidential-computing mode
+    "measurement",  # a measurement differs from its reference value / is not accepted
+    "policy",       # a claim the holder's policy requires is absent or not accepted
+    "binding",      # the quote's report data does not bind this TLS key and nonce
+})
+
+
+class AttestationError(RemoteError):
+    """Evidence was refused. `claim` names the check that failed (one of CLAIMS).
+
+    `claims` holds the claims computed before the failure (the failing one set to False),
+    for display; it never holds keys or secrets.
+    """
+
+    def __init__(self, claim: str, reason: str, claims: Mapping[str, object] | None = None) -> None:
+        if claim not in CLAIMS:
+            raise ValueError(f"unknown attestation claim {claim!r}")
+        super().__init__(f"attestation failed [{claim}]: {reason}")
+        self.claim = claim
+        self.reason = reason
+        self.claims: Mapping[str, object] = MappingProxyType(dict(claims or {}))
+
+
+class ClaimTracker:
+    """Claims gathered while verifying; `fail` raises AttestationError with them attached.
+
+    `on_fail` maps an attestation claim to (claim key, value it takes on failure).
+    """
+
+    def __init__(self, base: Mapping[str, object], on_fail: Mapping[str, tuple[str, object]]) -> None:
+        self.claims: dict[str, object] = dict(base)
+        self._on_fail = on_fail
+
+    def ok(self, key: str, value: object = True) -> None:
+        self.claims[key] = value
+
+    def fail(self, claim: str, reason: str, **extra: object) -> NoReturn:
+        if claim in self._on_fail:
+            key, value = self._on_fail[claim]
+            self.claims[key] = value
+        self.claims.update(extra)
+        raise AttestationError(claim, reason, self.claims)
+
+    def reraise(self, err: AttestationError) -> NoReturn:
+        self.fail(err.claim, err.reason)

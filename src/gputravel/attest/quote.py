@@ -1,0 +1,215 @@
+"""CVM quotes, TDX-style: a measurement of the CVM and 64 bytes of report data, signed by a
+quoting key that chains to the emulated CPU-TEE quoting root.
+
+Measurement (what holders pin; 48 bytes):
+
+    code   = SHA-384(msgpack([[relative path, file bytes], ...]))   every src/gputravel/**/*.py,
+             sorted by POSIX relative path, found from the package's __file__
+    config = SHA-384(canonical JSON of the orchestrator's configuration)
+    mr_td  = SHA-384("gputravel cvm measurement v1\\0" || code || config)
+
+A real TDX quote carries MRTD/RTMRs measured by the TDX module; the emulated quoting enclave
+is told the measurement by the process it quotes, which is the stand-in's weak point (see
+docs/attestation.md). Wire format: Quote{body = encode(QuoteBody{tee, mr_td, report_data}),
+signature = raw ECDSA P-384 over SHA-384(body), cert_chain = (quoting-key cert, root)}.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar, cast
+
+import msgpack
+from cryptography.hazmat.primitives.asymmetric import ec
+
+import gputravel
+from gputravel.attest.chain import (
+    check_now,
+    sha384,
+    sign_p384,
+    verify_chain,
+    verify_p384,
+)
+from gputravel.attest.errors import AttestationError, ClaimTracker
+from gputravel.attest.roots import Authority, TrustStore
+from gputravel.attest.verifier import Verifier
+from gputravel.crypto.pki import _new_key
+from gputravel.errors import BadInput, ProtocolError
+from gputravel.wire import decode, encode, message
+
+__all__ = [
+    "MEASUREMENT_BYTES",
+    "REPORT_DATA_BYTES",
+    "TEE",
+    "EmulatedQuoteVerifier",
+    "EmulatedQuotingEnclave",
+    "Quote",
+    "QuoteBody",
+    "QuoteClaims",
+    "canonical_json",
+    "measure_code",
+    "orchestrator_measurement",
+]
+
+TEE = "emulated-tdx"
+MEASUREMENT_BYTES = 48
+REPORT_DATA_BYTES = 64
+QUOTE_CHAIN_LENGTH = 2
+M = TypeVar("M")
+_MEASUREMENT_LABEL = b"gputravel cvm measurement v1\x00"
+
+
+# ----------------------------------------------------------------------------- measurement
+def measure_code(package_dir: Path | None = None) -> bytes:
+    """SHA-384 over the sorted relative paths and contents of every *.py under the package."""
+    root = Path(package_dir) if package_dir is not None else Path(gputravel.__file__).resolve().parent
+    if not root.is_dir():
+        raise BadInput(f"{root} is not a directory")
+    files = sorted((p.relative_to(root).as_posix(), p) for p in root.rglob("*.py") if p.is_file())
+    if not files:
+        raise BadInput(f"{root} holds no Python source files")
+    entries = [[rel, path.read_bytes()] for rel, path in files]
+    return sha384(msgpack.packb(entries, use_bin_type=True))
+
+
+def canonical_json(config: Mapping[str, object]) -> bytes:
+    """Sorted keys, no whitespace, UTF-8, no NaN: the same config always gives the same bytes."""
+    try:
+        text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        raise BadInput("the configuration must be JSON: str keys, finite numbers, lists, objects") from None
+    return text.encode("utf-8")
+
+
+def orchestrator_measurement(config: Mapping[str, object], *, package_dir: Path | None = None) -> bytes:
+    """The 48-byte measurement of an orchestrator CVM running this code with this config."""
+    if not isinstance(config, Mapping):
+        raise BadInput("the orchestrator configuration must be a JSON object")
+    return sha384(_MEASUREMENT_LABEL + measure_code(package_dir) + sha384(canonical_json(config)))
+
+
+# ----------------------------------------------------------------------------- quote
+@message("attest.cvm.quote_body")
+@dataclass(frozen=True)
+class QuoteBody:
+    tee: str
+    mr_td: bytes
+    report_data: bytes
+
+
+@message("attest.cvm.quote")
+@dataclass(frozen=True)
+class Quote:
+    body: bytes
+    signature: bytes
+    cert_chain: tuple[bytes, ...]  # quoting-key certificate, quoting root
+
+
+@dataclass(frozen=True)
+class EmulatedQuotingEnclave:
+    """Stands in for the TDX module + quoting enclave: signs (measurement, report data)."""
+
+    key: ec.EllipticCurvePrivateKey = field(repr=False)
+    cert_chain: tuple[bytes, ...]
+
+    @classmethod
+    def provision(cls, tee_root: Authority, *, now: datetime | None = None, days: int = 365) -> EmulatedQuotingEnclave:
+        key = _new_key()
+        cert = tee_root.issue("EMULATED TDX quoting key (not Intel)", key.public_key(), is_ca=False,
+                              now=now, days=days)
+        return cls(key, (cert, tee_root.cert_der))
+
+    def quote(self, measurement: bytes, report_data: bytes) -> bytes:
+        """An encoded Quote over `measurement` (48 bytes) and `report_data` (64 bytes)."""
+        if not isinstance(measurement, bytes) or len(measurement) != MEASUREMENT_BYTES:
+            raise BadInput(f"measurement must be {MEASUREMENT_BYTES} bytes")
+        if not isinstance(report_data, bytes) or len(report_data) != REPORT_DATA_BYTES:
+            raise BadInput(f"report data must be {REPORT_DATA_BYTES} bytes")
+        body = encode(QuoteBody(TEE, measurement, report_data))
+        return encode(Quote(body, sign_p384(self.key, body), self.cert_chain))
+
+
+# ----------------------------------------------------------------------------- verification
+class CVM:
+    """Claim names for a verified CVM quote."""
+
+    OVERALL = "x-gputravel-cvm-overall-att-result"
+    PARSED = "x-gputravel-cvm-quote-parsed"
+    CHAIN = "x-gputravel-cvm-quote-cert-chain-validated"
+    SIGNATURE = "x-gputravel-cvm-quote-signature-verified"
+    MEASUREMENT = "x-gputravel-cvm-measurement"
+    ACCEPTED = "x-gputravel-cvm-measurement-accepted"
+    BOUND = "x-gputravel-cvm-report-data-bound"
+    TEE = "x-gputravel-cvm-tee"
+    EMULATED = "x-gputravel-emulated"
+
+
+_ON_FAIL = {"format": (CVM.PARSED, False), "chain": (CVM.CHAIN, False), "expired": (CVM.CHAIN, False),
+            "signature": (CVM.SIGNATURE, False), "measurement": (CVM.ACCEPTED, False),
+            "binding": (CVM.BOUND, False)}
+
+
+@message("attest.cvm.claims")
+@dataclass(frozen=True)
+class QuoteClaims:
+    tee: str
+    measurement: bytes
+    report_data: bytes
+    quote_digest: bytes
+    verified_at: int
+    emulated: bool = True
+
+    def eat(self) -> dict[str, object]:
+        return {CVM.OVERALL: True, CVM.TEE: self.tee, "iat": self.verified_at, CVM.PARSED: True,
+                CVM.CHAIN: True, CVM.SIGNATURE: True, CVM.MEASUREMENT: self.measurement.hex(),
+                CVM.ACCEPTED: True, CVM.BOUND: True, CVM.EMULATED: self.emulated,
+                "x-gputravel-quote-sha384": self.quote_digest.hex()}
+
+
+class EmulatedQuoteVerifier(Verifier[QuoteClaims]):
+    """Verifies an emulated quote: chain to the quoting root, signature, accepted
+    measurement, and report data equal to the expected challenge."""
+
+    def __init__(self, trust: TrustStore, accepted_measurements: Iterable[bytes]) -> None:
+        self._trust = trust
+        self._accepted = frozenset(accepted_measurements)
+
+    def verify(self, evidence: bytes, challenge: bytes, now: datetime) -> QuoteClaims:
+        check_now(now)
+        if not isinstance(challenge, bytes) or len(challenge) != REPORT_DATA_BYTES:
+            raise BadInput(f"expected report data must be {REPORT_DATA_BYTES} bytes")
+        p = ClaimTracker({CVM.OVERALL: False, CVM.EMULATED: True}, _ON_FAIL)
+        quote = _decode(p, evidence, Quote)
+        try:
+            leaf = verify_chain(quote.cert_chain, self._trust.tee_roots, now, what="quote",
+                                length=QUOTE_CHAIN_LENGTH)
+        except AttestationError as e:
+            p.reraise(e)
+        p.ok(CVM.CHAIN)
+        if not verify_p384(leaf.public_key(), quote.signature, quote.body):
+            p.fail("signature", "quote signature does not verify with the quoting key")
+        p.ok(CVM.SIGNATURE)
+        body = _decode(p, quote.body, QuoteBody)
+        if body.tee != TEE or len(body.mr_td) != MEASUREMENT_BYTES or len(body.report_data) != REPORT_DATA_BYTES:
+            p.fail("format", "quote body has an unknown TEE type or wrong field sizes")
+        p.ok(CVM.PARSED)
+        p.ok(CVM.TEE, body.tee)
+        p.ok(CVM.MEASUREMENT, body.mr_td.hex())
+        if body.mr_td not in self._accepted:
+            p.fail("measurement", f"CVM measurement {body.mr_td.hex()[:16]}... is not in the accepted list")
+        p.ok(CVM.ACCEPTED)
+        if not hmac.compare_digest(body.report_data, challenge):
+            p.fail("binding", "quote report data does not bind the expected TLS key and nonce")
+        return QuoteClaims(body.tee, body.mr_td, body.report_data, sha384(bytes(evidence)), int(now.timestamp()))
+
+
+def _decode(p: ClaimTracker, data: bytes, cls: type[M]) -> M:
+    try:
+        return cast(M, decode(data, expect=cls))
+    except (ProtocolError, TypeError):
+        p.fail("format", "quote could not be decoded")

@@ -1,0 +1,249 @@
+"""Verifiers: the interface, and the emulated GPU verifier behind it.
+
+A verifier is pure: evidence bytes, a challenge and `now` in; claims or AttestationError
+out. No clock, no network, no files. Real verifiers (NVIDIA's local verifier or NRAS for a
+real H100, a DCAP library for a real TDX quote) would implement `Verifier` as well; none is
+shipped here, and nothing pretends to be one.
+
+The emulated GPU verifier follows nv-local-gpu-verifier's order: certificate chain to the
+trusted vendor root, report signature with the firmware leaf key, nonce, leaf FWID against
+the report's FWID, then measurements against reference values; plus CC mode, which a real
+deployment reads through NVML. Claims use NVIDIA's EAT claim names where one exists.
+"""
+
+from __future__ import annotations
+
+import hmac
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Generic, TypeVar, cast
+
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from gputravel.attest.chain import (
+    check_now,
+    common_name,
+    leaf_fwid,
+    sha384,
+    verify_chain,
+    verify_p384,
+)
+from gputravel.attest.errors import AttestationError, ClaimTracker
+from gputravel.attest.gpu import (
+    DIGEST_BYTES,
+    NONCE_BYTES,
+    GetMeasurements,
+    GpuEvidence,
+    Measurements,
+    OpaqueType,
+    ReferenceValues,
+)
+from gputravel.attest.roots import TrustStore
+from gputravel.errors import BadInput, ProtocolError
+from gputravel.wire import decode, message
+
+__all__ = ["EAT", "GPU_CHAIN_LENGTH", "EmulatedGpuVerifier", "GpuClaims", "Verifier"]
+
+C = TypeVar("C")
+M = TypeVar("M")
+GPU_CHAIN_LENGTH = 5
+HWMODEL = "EMULATED GH100 (gputravel, not NVIDIA)"
+
+
+class EAT:
+    """Claim names in the style of NVIDIA's local verifier (x-gputravel-* where it has none)."""
+
+    OVERALL = "x-nvidia-overall-att-result"
+    NONCE = "eat_nonce"
+    PARSED = "x-nvidia-gpu-attestation-report-parsed"
+    CHAIN = "x-nvidia-gpu-attestation-report-cert-chain-validated"
+    SIGNATURE = "x-nvidia-gpu-attestation-report-signature-verified"
+    NONCE_MATCH = "x-nvidia-gpu-attestation-report-nonce-match"
+    FWID_MATCH = "x-nvidia-gpu-attestation-report-cert-chain-fwid-match"
+    MEASRES = "measres"
+    MISMATCHED = "x-nvidia-mismatch-measurement-records"
+    DRIVER = "x-nvidia-gpu-driver-version"
+    VBIOS = "x-nvidia-gpu-vbios-version"
+    CC_MODE = "x-gputravel-gpu-cc-mode"
+    EMULATED = "x-gputravel-emulated"
+    EVIDENCE = "x-gputravel-evidence-sha384"
+
+
+class Verifier(ABC, Generic[C]):
+    """Turns evidence into claims, or raises AttestationError naming the failed claim."""
+
+    @abstractmethod
+    def verify(self, evidence: bytes, challenge: bytes, now: datetime) -> C:
+        """`challenge` is what the evidence must answer: the 32-byte nonce for GPU evidence,
+        the 64-byte expected report data for a CVM quote."""
+
+
+@message("attest.gpu.claims")
+@dataclass(frozen=True)
+class GpuClaims:
+    """A verified GPU's claims (only produced when every check passed)."""
+
+    nonce: bytes
+    evidence_digest: bytes  # SHA-384 of the encoded GpuEvidence
+    ueid: str  # device serial from the per-device certificate
+    hwmodel: str
+    driver_version: str
+    vbios_version: str
+    fwid: bytes
+    cc_mode: bool
+    measurement_result: str  # "success"
+    verified_at: int  # unix seconds, the `now` it was verified at
+    emulated: bool = True
+
+    def eat(self) -> dict[str, object]:
+        return {
+            EAT.OVERALL: True, EAT.NONCE: self.nonce.hex(), "iat": self.verified_at,
+            "hwmodel": self.hwmodel, "ueid": self.ueid,
+            EAT.PARSED: True, EAT.CHAIN: True, EAT.SIGNATURE: True, EAT.NONCE_MATCH: True,
+            EAT.FWID_MATCH: True, EAT.MEASRES: self.measurement_result,
+            EAT.DRIVER: self.driver_version, EAT.VBIOS: self.vbios_version,
+            EAT.CC_MODE: "on" if self.cc_mode else "off",
+            EAT.EMULATED: self.emulated, EAT.EVIDENCE: self.evidence_digest.hex(),
+        }
+
+
+_ON_FAIL = {"format": (EAT.PARSED, False), "chain": (EAT.CHAIN, False), "expired": (EAT.CHAIN, False),
+            "signature": (EAT.SIGNATURE, False), "nonce": (EAT.NONCE_MATCH, False),
+            "fwid": (EAT.FWID_MATCH, False), "cc_mode": (EAT.CC_MODE, "off"),
+            "measurement": (EAT.MEASRES, "fail")}
+
+
+class EmulatedGpuVerifier(Verifier[GpuClaims]):
+    """Verifies emulated H100 evidence against the trusted vendor root and reference values."""
+
+    def __init__(self, trust: TrustStore, reference: ReferenceValues) -> None:
+        if not isinstance(trust, TrustStore) or not isinstance(reference, ReferenceValues):
+            raise BadInput("EmulatedGpuVerifier needs a TrustStore and ReferenceValues")
+        self._trust = trust
+        self._reference = reference
+
+    def verify(self, evidence: bytes, challenge: bytes, now: datetime) -> GpuClaims:
+        check_now(now)
+        if not isinstance(challenge, bytes) or len(challenge) != NONCE_BYTES:
+            raise BadInput(f"the GPU nonce must be {NONCE_BYTES} bytes")
+        p = ClaimTracker({EAT.OVERALL: False, EAT.NONCE: challenge.hex(), EAT.EMULATED: True}, _ON_FAIL)
+        digest = sha384(bytes(evidence))
+        p.ok(EAT.EVIDENCE, digest.hex())
+        ev = _decode(p, evidence, GpuEvidence, "evidence")
+        try:
+            leaf = verify_chain(ev.cert_chain, self._trust.gpu_roots, now, what="GPU",
+                                length=GPU_CHAIN_LENGTH)
+        except AttestationError as e:
+            p.reraise(e)
+        p.ok(EAT.CHAIN)
+        _check_signature(p, leaf.public_key(), ev)
+        p.ok(EAT.SIGNATURE)
+        request = _decode(p, ev.request, GetMeasurements, "request")
+        response = _decode(p, ev.response, Measurements, "response")
+        blocks, opaque = _parse_report(p, response)
+        p.ok(EAT.PARSED)
+        if not hmac.compare_digest(request.nonce, challenge):
+            p.fail("nonce", "the evidence answers another nonce (stale or replayed)")
+        p.ok(EAT.NONCE_MATCH)
+        fwid = _check_fwid(p, leaf, opaque[OpaqueType.FWID])
+        driver, vbios = opaque[OpaqueType.DRIVER_VERSION].decode(), opaque[OpaqueType.VBIOS_VERSION].decode()
+        p.ok(EAT.DRIVER, driver)
+        p.ok(EAT.VBIOS, vbios)
+        if opaque[OpaqueType.CC_MODE] != b"\x01":
+            p.fail("cc_mode", "the GPU is not in confidential-computing mode")
+        p.ok(EAT.CC_MODE, "on")
+        self._check_measurements(p, blocks, driver, vbios)
+        return GpuClaims(
+            nonce=challenge, evidence_digest=digest, ueid=_serial(ev.cert_chain),
+            hwmodel=HWMODEL, driver_version=driver, vbios_version=vbios, fwid=fwid, cc_mode=True,
+            measurement_result="success", verified_at=int(now.timestamp()),
+        )
+
+    def _check_measurements(self, p: ClaimTracker, blocks: dict[int, bytes], driver: str, vbios: str) -> None:
+        ref = self._reference
+        if driver != ref.driver_version or vbios != ref.vbios_version:
+            p.fail("measurement", "driver or VBIOS version differs from the reference values'")
+        expected = ref.as_dict()
+        mismatched = sorted(i for i in expected.keys() | blocks.keys()
+                            if expected.get(i) is None or blocks.get(i) != expected[i])
+        if mismatched:
+            first = mismatched[0]
+            what = "is missing from the report" if first not in blocks else (
+                "is not in the reference values" if first not in expected else "does not match its reference value")
+            p.fail("measurement", f"measurement index {first} {what} (mismatched: {mismatched})",
+                   **{EAT.MISMATCHED: mismatched})
+        p.ok(EAT.MEASRES, "success")
+
+
+def spdm_chain_verifier(trust: TrustStore, now: datetime) -> Callable[[tuple[bytes, ...]], ec.EllipticCurvePublicKey]:
+    """A `verify_chain` hook for crypto.spdm.SpdmRequester: the device's 5-certificate
+    chain must reach the trusted vendor root at `now`; returns the firmware leaf key that
+    then signs the SPDM key exchange. Raises AttestationError("chain" / "expired")."""
+    check_now(now)
+
+    def verify(chain_der: tuple[bytes, ...]) -> ec.EllipticCurvePublicKey:
+        leaf = verify_chain(chain_der, trust.gpu_roots, now, what="GPU", length=GPU_CHAIN_LENGTH)
+        return cast(ec.EllipticCurvePublicKey, leaf.public_key())  # verify_chain checked: P-384
+
+    return verify
+
+
+# ----------------------------------------------------------------------------- helpers
+def _decode(p: ClaimTracker, data: bytes, cls: type[M], what: str) -> M:
+    try:
+        return cast(M, decode(data, expect=cls))
+    except ProtocolError:
+        p.fail("format", f"GPU {what} could not be decoded")
+    except TypeError:
+        p.fail("format", f"GPU {what} is not bytes")
+
+
+def _check_signature(p: ClaimTracker, key: object, ev: GpuEvidence) -> None:
+    if not verify_p384(key, ev.signature, ev.request + ev.response):
+        p.fail("signature", "report signature does not verify with the firmware leaf key")
+
+
+_REQUIRED_OPAQUE = (OpaqueType.DRIVER_VERSION, OpaqueType.VBIOS_VERSION, OpaqueType.FWID, OpaqueType.CC_MODE)
+
+
+def _parse_report(p: ClaimTracker, response: Measurements) -> tuple[dict[int, bytes], dict[int, bytes]]:
+    blocks: dict[int, bytes] = {}
+    for b in response.blocks:
+        if not 0 < b.index < 255 or b.index in blocks or len(b.digest) != DIGEST_BYTES:
+            p.fail("format", "measurement blocks must have unique indices 1..254 and 48-byte digests")
+        blocks[b.index] = b.digest
+    opaque: dict[int, bytes] = {}
+    for f in response.opaque:
+        if not 0 <= f.type <= 0xFFFF or f.type in opaque or len(f.value) > 0xFFFF:
+            p.fail("format", "opaque fields must have unique u16 types and at most 65535 bytes")
+        opaque[f.type] = f.value
+    missing = [t.name for t in _REQUIRED_OPAQUE if t not in opaque]
+    if missing:
+        p.fail("format", f"report lacks opaque fields {missing}")
+    try:
+        opaque[OpaqueType.DRIVER_VERSION].decode()
+        opaque[OpaqueType.VBIOS_VERSION].decode()
+    except UnicodeDecodeError:
+        p.fail("format", "driver or VBIOS version is not UTF-8")
+    if opaque[OpaqueType.CC_MODE] not in (b"\x00", b"\x01"):
+        p.fail("format", "CC mode opaque field must be one byte, 0 or 1")
+    return blocks, opaque
+
+
+def _check_fwid(p: ClaimTracker, leaf: x509.Certificate, report_fwid: bytes) -> bytes:
+    try:
+        cert_fwid = leaf_fwid(leaf)
+    except AttestationError as e:
+        p.reraise(e)
+    if not hmac.compare_digest(cert_fwid, report_fwid):
+        p.fail("fwid", f"FWID in the report differs from the one in {common_name(leaf)}")
+    p.ok(EAT.FWID_MATCH)
+    return cert_fwid
+
+
+def _serial(chain: tuple[bytes, ...]) -> str:
+    attrs = x509.load_der_x509_certificate(chain[1]).subject.get_attributes_for_oid(x509.NameOID.SERIAL_NUMBER)
+    return str(attrs[0].value) if attrs else "(unknown)"

@@ -1,0 +1,269 @@
+"""CVM quotes, RA-TLS binding, holder policies and the orchestrator's signed GPU claims."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+import gputravel
+from gputravel.attest import (
+    AttestationError,
+    AttestChallenge,
+    Authority,
+    EmulatedGpuVerifier,
+    EmulatedQuoteVerifier,
+    EmulatedQuotingEnclave,
+    Policy,
+    TrustStore,
+    answer_challenge,
+    attest_orchestrator,
+    extract_quote,
+    make_ra_tls_certificate,
+    measure_code,
+    orchestrator_measurement,
+    provision_gpu,
+    report_data_for_tls,
+    sign_claims,
+    verify_bound_quote,
+    verify_ra_tls,
+)
+from gputravel.attest.quote import Quote, canonical_json
+from gputravel.attest.ratls import quote_extension, spki_der
+from gputravel.attest.roots import GPU_VENDOR_ROOT_CN, TEE_QUOTING_ROOT_CN
+from gputravel.crypto.pki import _issue, _name, _new_key
+from gputravel.errors import BadInput
+from gputravel.wire import decode, encode
+
+NOW = datetime(2025, 6, 1, 12, 0, tzinfo=timezone.utc)
+CONFIG = {"holders": 3, "buffer_mib": 8, "model": "gpt2-tiny"}
+
+
+@pytest.fixture(scope="module")
+def roots():
+    return (Authority.self_signed(GPU_VENDOR_ROOT_CN, now=NOW),
+            Authority.self_signed(TEE_QUOTING_ROOT_CN, now=NOW))
+
+
+@pytest.fixture(scope="module")
+def trust(roots):
+    return TrustStore((roots[0].cert_der,), (roots[1].cert_der,))
+
+
+@pytest.fixture(scope="module")
+def enclave(roots):
+    return EmulatedQuotingEnclave.provision(roots[1], now=NOW)
+
+
+@pytest.fixture(scope="module")
+def measurement():
+    return orchestrator_measurement(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def policy(measurement):
+    return Policy((measurement,))
+
+
+@pytest.fixture(scope="module")
+def gpu_claims(roots, trust):
+    device = provision_gpu(roots[0], now=NOW)
+    nonce = os.urandom(32)
+    evidence = encode(device.firmware().get_evidence(nonce))
+    return EmulatedGpuVerifier(trust, device.reference_values()).verify(evidence, nonce, NOW)
+
+
+@pytest.fixture(scope="module")
+def orchestrator_tls(roots):
+    """The orchestrator's ordinary TLS certificate and key (as in the cohort PKI)."""
+    key = _new_key()
+    cert = _issue(subject=_name("orchestrator"), public_key=key.public_key(), issuer=_name("orchestrator"),
+                  issuer_key=key, not_before=NOW, days=30, is_ca=False)
+    return cert.public_bytes(serialization.Encoding.DER), key
+
+
+def refused(call, *args, **kwargs) -> AttestationError:
+    with pytest.raises(AttestationError) as info:
+        call(*args, **kwargs)
+    return info.value
+
+
+# ----------------------------------------------------------------------------- measurement
+def test_measurement_covers_code_and_config(tmp_path, measurement):
+    assert len(measurement) == 48
+    assert orchestrator_measurement(dict(reversed(list(CONFIG.items())))) == measurement  # canonical JSON
+    assert orchestrator_measurement({**CONFIG, "holders": 4}) != measurement
+    assert canonical_json({"b": 1, "a": [1, "é"]}) == '{"a":[1,"é"],"b":1}'.encode()
+    with pytest.raises(BadInput):
+        canonical_json({"x": float("nan")})
+    package = Path(gputravel.__file__).parent
+    assert measure_code() == measure_code(package)
+
+
+def test_orchestrator_code_changed_after_pinning_is_refused(tmp_path, trust, enclave):
+    tree = tmp_path / "gputravel"
+    shutil.copytree(Path(gputravel.__file__).parent, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    pinned = orchestrator_measurement(CONFIG, package_dir=tree)
+    assert pinned == orchestrator_measurement(CONFIG)  # a faithful copy measures the same
+    target = tree / "attest" / "policy.py"
+    data = bytearray(target.read_bytes())
+    data[-2] ^= 0x20  # one byte
+    target.write_bytes(bytes(data))
+    changed = orchestrator_measurement(CONFIG, package_dir=tree)
+    assert changed != pinned
+    holder_policy = Policy((pinned,))
+    report_data = os.urandom(64)
+    err = refused(EmulatedQuoteVerifier(trust, holder_policy.orchestrator_measurements).verify,
+                  enclave.quote(changed, report_data), report_data, NOW)
+    assert err.claim == "measurement"
+
+
+# ----------------------------------------------------------------------------- quotes
+def test_quote_verifies_with_claims(trust, enclave, measurement):
+    report_data = os.urandom(64)
+    claims = EmulatedQuoteVerifier(trust, [measurement]).verify(enclave.quote(measurement, report_data),
+                                                               report_data, NOW)
+    assert claims.measurement == measurement and claims.report_data == report_data
+    eat = claims.eat()
+    assert eat["x-gputravel-cvm-overall-att-result"] is True and eat["x-gputravel-cvm-tee"] == "emulated-tdx"
+
+
+def test_policy_not_listing_the_orchestrator_measurement_is_refused(trust, enclave, measurement):
+    other_policy = Policy((orchestrator_measurement({"something": "else"}),))
+    tls_cert, _ = make_ra_tls_certificate(enclave, measurement, nonce := os.urandom(32), now=NOW)
+    err = refused(verify_ra_tls, tls_cert, nonce, other_policy, trust, NOW)
+    assert err.claim == "measurement" and err.claims["x-gputravel-cvm-measurement-accepted"] is False
+
+
+def test_tampered_foreign_and_expired_quotes_are_refused(roots, trust, enclave, measurement):
+    verifier = EmulatedQuoteVerifier(trust, [measurement])
+    report_data = os.urandom(64)
+    quote = decode(enclave.quote(measurement, report_data), expect=Quote)
+    body = bytearray(quote.body)
+    body[-1] ^= 1
+    tampered = encode(dataclasses.replace(quote, body=bytes(body)))
+    assert refused(verifier.verify, tampered, report_data, NOW).claim == "signature"
+    foreign = EmulatedQuotingEnclave.provision(Authority.self_signed(TEE_QUOTING_ROOT_CN, now=NOW), now=NOW)
+    assert refused(verifier.verify, foreign.quote(measurement, report_data), report_data, NOW).claim == "chain"
+    short = EmulatedQuotingEnclave.provision(roots[1], now=NOW, days=1)
+    assert refused(verifier.verify, short.quote(measurement, report_data), report_data,
+                   NOW + timedelta(days=3)).claim == "expired"
+    assert refused(verifier.verify, b"junk", report_data, NOW).claim == "format"
+
+
+# ----------------------------------------------------------------------------- RA-TLS
+def test_report_data_binds_key_and_nonce():
+    spki, nonce = b"spki-der", os.urandom(32)
+    rd = report_data_for_tls(spki, nonce)
+    assert len(rd) == 64 and rd == report_data_for_tls(spki, nonce)
+    assert rd != report_data_for_tls(b"spki-dex", nonce) and rd != report_data_for_tls(spki, os.urandom(32))
+    with pytest.raises(BadInput):
+        report_data_for_tls(spki, b"short")
+
+
+def test_ra_tls_certificate_verifies(trust, enclave, measurement, policy):
+    nonce = os.urandom(32)
+    cert, _ = make_ra_tls_certificate(enclave, measurement, nonce, now=NOW)
+    claims = verify_ra_tls(cert, nonce, policy, trust, NOW)
+    assert claims.measurement == measurement
+    assert claims.report_data == report_data_for_tls(spki_der(cert), nonce)
+    parsed = x509.load_der_x509_certificate(cert)
+    eku = parsed.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert ExtendedKeyUsageOID.SERVER_AUTH in eku
+    assert refused(verify_ra_tls, cert, os.urandom(32), policy, trust, NOW).claim == "binding"  # other nonce
+
+
+def test_man_in_the_middle_reusing_a_genuine_quote_is_refused(trust, enclave, measurement, policy):
+    nonce = os.urandom(32)
+    genuine, _ = make_ra_tls_certificate(enclave, measurement, nonce, now=NOW)
+    mitm_key = _new_key()
+    mitm = _issue(subject=_name("orchestrator"), public_key=mitm_key.public_key(), issuer=_name("orchestrator"),
+                  issuer_key=mitm_key, not_before=NOW, days=1, is_ca=False,
+                  extensions=[(quote_extension(extract_quote(genuine)), False)])
+    mitm_der = mitm.public_bytes(serialization.Encoding.DER)
+    err = refused(verify_ra_tls, mitm_der, nonce, policy, trust, NOW)
+    assert err.claim == "binding" and err.claims["x-gputravel-cvm-measurement-accepted"] is True
+
+
+def test_certificate_without_a_quote_is_refused(trust, policy, orchestrator_tls):
+    assert refused(verify_ra_tls, orchestrator_tls[0], os.urandom(32), policy, trust, NOW).claim == "format"
+
+
+# ----------------------------------------------------------------------------- the exchange
+def test_holder_attests_orchestrator_and_its_gpu(trust, enclave, measurement, policy, gpu_claims, orchestrator_tls):
+    cert, key = orchestrator_tls
+    nonce = os.urandom(32)
+    answer = answer_challenge(AttestChallenge(nonce), enclave=enclave, measurement=measurement,
+                              tls_cert_der=cert, tls_key=key, gpu=gpu_claims)
+    result = attest_orchestrator(answer, peer_cert_der=cert, nonce=nonce, policy=policy, trust=trust,
+                                 now=NOW + timedelta(minutes=1))
+    assert result.cvm.measurement == measurement and result.gpu == gpu_claims
+    assert result.eat()["gpu"]["x-nvidia-overall-att-result"] is True
+    # the quote alone verifies as a message bound to the handshake certificate
+    assert verify_bound_quote(answer.quote, cert, nonce, policy, trust, NOW).measurement == measurement
+
+
+def test_signed_claims_refusals(trust, enclave, measurement, policy, gpu_claims, orchestrator_tls):
+    cert, key = orchestrator_tls
+    nonce = os.urandom(32)
+    answer = answer_challenge(AttestChallenge(nonce), enclave=enclave, measurement=measurement,
+                              tls_cert_der=cert, tls_key=key, gpu=gpu_claims)
+
+    def holder(evidence, *, nonce=nonce, policy=policy, now=NOW):
+        return attest_orchestrator(evidence, peer_cert_der=cert, nonce=nonce, policy=policy, trust=trust, now=now)
+
+    forged = dataclasses.replace(answer, signed_claims=sign_claims(gpu_claims, holder_nonce=nonce, key=_new_key()))
+    assert refused(holder, forged).claim == "signature"
+    other_nonce = os.urandom(32)
+    replayed = dataclasses.replace(answer, signed_claims=sign_claims(gpu_claims, holder_nonce=other_nonce, key=key))
+    assert refused(holder, replayed).claim == "nonce"
+    strict = Policy((measurement,), gpu=dataclasses.replace(policy.gpu, driver_versions=("999.1",)))
+    assert refused(holder, answer, policy=strict).claim == "policy"
+    assert refused(holder, answer, now=NOW + timedelta(hours=2)).claim == "expired"
+    cc_off = dataclasses.replace(gpu_claims, cc_mode=False)
+    assert refused(holder, dataclasses.replace(
+        answer, signed_claims=sign_claims(cc_off, holder_nonce=nonce, key=key))).claim == "cc_mode"
+    with pytest.raises(BadInput):
+        answer_challenge(AttestChallenge(nonce), enclave=enclave, measurement=measurement,
+                         tls_cert_der=cert, tls_key=_new_key(), gpu=gpu_claims)
+
+
+# ----------------------------------------------------------------------------- policy file
+def test_policy_file_loads(tmp_path, measurement):
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({
+        "format": "gputravel-holder-policy-v1", "orchestrator_measurements": [measurement.hex()],
+        "gpu": {"cc_mode": "on", "measurement_result": "success", "driver_versions": ["550.1"]},
+        "max_evidence_age_s": 60, "gpu_reference_values": "ref.json"}))
+    policy = Policy.load(path)
+    assert policy.orchestrator_measurements == (measurement,) and policy.max_evidence_age_s == 60
+    assert policy.gpu.driver_versions == ("550.1",) and policy.gpu_reference_values == tmp_path / "ref.json"
+    assert Policy.from_json(policy.to_json(), base_dir=Path("/")) == dataclasses.replace(
+        policy, gpu_reference_values=tmp_path / "ref.json")
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ("{not json", "invalid JSON"),
+    ('{"format": "gputravel-holder-policy-v1", "orchestrator_measurements": [], "extra": 1}', "unknown keys"),
+    ('{"format": "gputravel-holder-policy-v1", "orchestrator_measurements": ["abcd"]}', "96 hex"),
+    ('{"format": "gputravel-holder-policy-v1", "orchestrator_measurements": [], "gpu": {"cc_mode": "off"}}',
+     "cc_mode"),
+    ('{"format": "gputravel-holder-policy-v1", "orchestrator_measurements": [], "max_evidence_age_s": 0}',
+     "max_evidence_age_s"),
+    ('{"orchestrator_measurements": []}', "missing keys"),
+])
+def test_bad_policy_files_are_bad_input(tmp_path, raw, needle):
+    path = tmp_path / "policy.json"
+    path.write_text(raw)
+    with pytest.raises(BadInput, match=needle):
+        Policy.load(path)
+    with pytest.raises(BadInput, match="cannot read"):
+        Policy.load(tmp_path / "absent.json")
