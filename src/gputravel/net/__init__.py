@@ -1,0 +1,41 @@
+"""Links between cohort members: kernel-shaped namespaces, or an in-process token bucket."""
+
+from gputravel.net.shaped import (
+    LINK_NETNS,
+    LINK_TOKEN_BUCKET,
+    LinkError,
+    LinkShape,
+    PacedSocket,
+    RateCheck,
+    ShapedLinks,
+    TokenBucket,
+    Transfer,
+    check_rate,
+    cleanup_stale,
+    default_burst_bytes,
+    measure_rate,
+    netem_available,
+    netns_available,
+    paced_socket,
+    transfer,
+)
+
+__all__ = [
+    "LINK_NETNS",
+    "LINK_TOKEN_BUCKET",
+    "LinkError",
+    "LinkShape",
+    "PacedSocket",
+    "RateCheck",
+    "ShapedLinks",
+    "TokenBucket",
+    "Transfer",
+    "check_rate",
+    "cleanup_stale",
+    "default_burst_bytes",
+    "measure_rate",
+    "netem_available",
+    "netns_available",
+    "paced_socket",
+    "transfer",
+]
