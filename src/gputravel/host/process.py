@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import BadInput, GputravelError, TransportClosed
+from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
 from ..messages import AttachCvm, DeviceAck, DeviceAttach, HostError, RegisterCvm, Registered, SwitchRequest, Switched
 from ..transport.base import Transport
 from ..transport.stream import StreamTransport, listen_unix
@@ -94,8 +94,8 @@ class HostProcess:
     def _serve_one(self, peer: Transport) -> bool:
         try:
             got = peer.recv(timeout=self.config.switch_timeout)
-        except TransportClosed:
-            return False
+        except (TransportClosed, ProtocolError, PeerTimeout):
+            return False  # drop a peer that sends garbage or stalls mid-frame; keep serving the others
         msg = got.message
         try:
             if isinstance(msg, DeviceAttach):

@@ -146,10 +146,12 @@ class StreamTransport(Transport):
             try:
                 if self._payload is None:
                     self._read_header(deadline)
+                while self._got < self._length:
+                    if self._got == len(self._payload):
+                        self._grow_payload()
+                    self._got += self._read_some(self._payload[self._got:], deadline)
                 payload = self._payload
                 assert payload is not None
-                while self._got < len(payload):
-                    self._got += self._read_some(payload[self._got:], deadline)
             except PeerTimeout:
                 if not self._closed:  # partial frame kept: the next call resumes it
                     raise PeerTimeout(f"{self.name}: nothing received within {timeout}s") \
@@ -183,9 +185,21 @@ class StreamTransport(Transport):
         elif length <= _RETAIN:
             buf = self._buf = bytearray(length)
         else:
-            buf = bytearray(length)  # large one-off: let it be freed after this frame
+            # Large one-off, freed after this frame. It grows as bytes arrive: a 5-byte header
+            # must not make us commit 64 MiB (per connection) for a payload that never comes.
+            buf = bytearray(_RETAIN)
         self._payload = memoryview(buf)[:length]
+        self._length = length
         self._want_fds = nfds
+
+    def _grow_payload(self) -> None:
+        """Double the one-off payload buffer (up to the frame's length), keeping what arrived."""
+        old = self._payload
+        assert old is not None
+        new = bytearray(min(self._length, 2 * len(old)))
+        new[: len(old)] = old
+        old.release()
+        self._payload = memoryview(new)
 
     def _finish(self, payload: memoryview, fds: tuple[int, ...], want: int, truncated: bool,
                 expect: type | tuple[type, ...] | None) -> Received:
@@ -251,6 +265,7 @@ class StreamTransport(Transport):
         self._hdr_view = memoryview(self._hdr)
         self._hdr_got = 0
         self._payload: memoryview | None = None
+        self._length = 0  # the frame's declared payload length (the buffer may still be shorter)
         self._got = 0
         self._want_fds = 0
         self._fds: list[int] = []
