@@ -1,0 +1,389 @@
+"""The hash-chained, signed travel log: what verifies, and every way a changed log is caught."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import msgpack
+import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from gputravel import wire
+from gputravel.audit import (
+    GENESIS_HASH,
+    AuditError,
+    AuditEvent,
+    AuditLog,
+    ChunkId,
+    Entry,
+    Failure,
+    entry_hash,
+    read_log,
+    verify_log,
+)
+from gputravel.cli_audit import audit_app
+from gputravel.crypto.pki import CohortPki, MemberIdentity
+from gputravel.errors import BadInput, ProtocolError
+
+LENGTH = struct.Struct(">I")
+HOLDERS = ("alice", "bob", "alice", "carol", "alice", "bob")
+EVENTS = (AuditEvent.TRAVEL, AuditEvent.TRAVEL, AuditEvent.REFUSED, AuditEvent.TRAVEL,
+          AuditEvent.ABORTED, AuditEvent.TRAVEL)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> CohortPki:
+    return CohortPki.create(tmp_path_factory.mktemp("pki"), ["orchestrator", "mallory"])
+
+
+@pytest.fixture(scope="module")
+def orch(pki: CohortPki) -> MemberIdentity:
+    return pki.member("orchestrator")
+
+
+def write_log(path: Path, key: bytes | ec.EllipticCurvePrivateKey, holders=HOLDERS, events=EVENTS,
+              offset: int = 0) -> list[Entry]:
+    with AuditLog.create(path, key) as log:
+        return [append_one(log, i, h, e, offset) for i, (h, e) in enumerate(zip(holders, events))]
+
+
+def append_one(log: AuditLog, i: int, holder: str, event: AuditEvent, offset: int = 0) -> Entry:
+    copied = event is AuditEvent.TRAVEL
+    return log.append(event, ChunkId(holder, offset + i * (8 << 20), 8 << 20), time=1_700_000_000.0 + i,
+                      epoch_before=i, epoch_after=i + 1, chunk_digest=bytes([i]) * 32 if copied else b"")
+
+
+def records(data: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each record in a log file, length prefix included."""
+    out, pos = [], 0
+    while pos < len(data):
+        end = pos + LENGTH.size + LENGTH.unpack_from(data, pos)[0]
+        out.append((pos, end))
+        pos = end
+    return out
+
+
+@pytest.fixture(scope="module")
+def good_log(tmp_path_factory: pytest.TempPathFactory, orch: MemberIdentity) -> tuple[bytes, list[Entry]]:
+    path = tmp_path_factory.mktemp("good") / "audit.log"
+    entries = write_log(path, orch.key_pem)
+    return path.read_bytes(), entries
+
+
+def verify_bytes(tmp: Path, data: bytes, key: bytes, **kw):
+    path = tmp / "audit.log"
+    path.write_bytes(data)
+    return verify_log(path, key, **kw)
+
+
+def failure_of(tmp: Path, data: bytes, key: bytes, **kw) -> AuditError:
+    with pytest.raises(AuditError) as info:
+        verify_bytes(tmp, data, key, **kw)
+    assert isinstance(info.value, ProtocolError)
+    return info.value
+
+
+# ----------------------------------------------------------------------------- happy path
+def test_append_then_verify(tmp_path: Path, orch: MemberIdentity) -> None:
+    path = tmp_path / "audit.log"
+    entries = write_log(path, orch.key_pem)
+    assert [e.seq for e in entries] == list(range(len(HOLDERS)))
+    assert entries[0].prev_hash == GENESIS_HASH
+    for before, after in zip(entries, entries[1:]):
+        assert after.prev_hash == entry_hash(before)
+    assert read_log(path) == entries
+    summary = verify_log(path, orch.cert_pem)
+    assert summary.count == len(entries) and summary.head_seq == len(entries) - 1
+    assert summary.head_hash == entry_hash(entries[-1])
+    assert summary.entries == tuple(entries) and not summary.truncated_tail
+    assert len(summary.head_signature) == 96
+
+
+def test_entries_keep_what_was_passed_in(tmp_path: Path, orch: MemberIdentity) -> None:
+    with AuditLog.create(tmp_path / "audit.log", orch.key_pem) as log:
+        entry = log.append("refused", ChunkId("bob", 4096, 512), time=12.5, epoch_before=3, epoch_after=4)
+        assert log.head == (0, entry_hash(entry))
+    assert entry == read_log(tmp_path / "audit.log")[0]
+    assert (entry.time, entry.event, entry.holder, entry.epoch_before, entry.epoch_after) == \
+        (12.5, AuditEvent.REFUSED, "bob", 3, 4)
+    assert entry.chunk == ChunkId("bob", 4096, 512) and entry.chunk_digest == b""
+
+
+def test_an_empty_log_verifies(tmp_path: Path, orch: MemberIdentity) -> None:
+    AuditLog.create(tmp_path / "audit.log", orch.key_pem).close()
+    summary = verify_log(tmp_path / "audit.log", orch.cert_pem)
+    assert (summary.count, summary.head_seq, summary.head_hash, summary.entries) == (0, -1, GENESIS_HASH, ())
+
+
+def test_holder_filter_returns_exactly_that_holders_entries(tmp_path: Path, orch: MemberIdentity) -> None:
+    path = tmp_path / "audit.log"
+    entries = write_log(path, orch.key_pem)
+    for holder in ("alice", "bob", "carol", "dave"):
+        summary = verify_log(path, orch.cert_pem, holder)
+        assert summary.entries == tuple(e for e in entries if e.holder == holder)
+        assert summary.count == len(entries)  # the whole chain was still checked
+    assert [e.seq for e in verify_log(path, orch.cert_pem, "alice").entries] == [0, 2, 4]
+
+
+def test_a_public_key_pem_or_key_object_verifies_too(tmp_path: Path, orch: MemberIdentity) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    path = tmp_path / "audit.log"
+    write_log(path, orch.key_pem)
+    public = x509.load_pem_x509_certificate(orch.cert_pem).public_key()
+    pem = public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    assert verify_log(path, pem).count == verify_log(path, public).count == len(HOLDERS)
+
+
+# ----------------------------------------------------------------------------- tampering
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(position=st.integers(0, 10**6), mask=st.integers(1, 255))
+@example(position=0, mask=1)  # the first length prefix
+@example(position=LENGTH.size + 2, mask=0x20)  # inside the first record's msgpack keys
+def test_changing_any_byte_is_detected(tmp_path: Path, orch: MemberIdentity, good_log, position: int,
+                                       mask: int) -> None:
+    data, _ = good_log
+    position %= len(data)
+    bad = bytearray(data)
+    bad[position] ^= mask
+    error = failure_of(tmp_path, bytes(bad), orch.cert_pem)
+    assert error.failure is not Failure.TRUNCATED  # a changed byte never passes for a crash
+
+
+def test_a_changed_length_prefix_is_malformed_never_truncated(tmp_path: Path, orch: MemberIdentity,
+                                                              good_log) -> None:
+    # A longer length running past the end of the file used to read as a torn final record,
+    # even in the middle of the log (hypothesis found it at a middle record's prefix).
+    data, _ = good_log
+    for start, _ in records(data):
+        for offset in range(LENGTH.size):
+            for mask in (1, 2, 0x10, 0x80, 0xFF):
+                bad = bytearray(data)
+                bad[start + offset] ^= mask
+                error = failure_of(tmp_path, bytes(bad), orch.cert_pem)
+                assert error.failure is Failure.MALFORMED, (start, offset, mask, error)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(1, 10**6))
+def test_cutting_the_file_anywhere_is_truncation_or_a_shorter_valid_prefix(
+        tmp_path: Path, orch: MemberIdentity, good_log, cut: int) -> None:
+    data, entries = good_log
+    cut %= len(data)
+    bounds = [end for _, end in records(data)]
+    complete = sum(1 for end in bounds if end <= cut)
+    if cut in bounds or cut == 0:
+        # Whole entries dropped off the end verify as a shorter log; a kept head catches it.
+        assert verify_bytes(tmp_path, data[:cut], orch.cert_pem).count == complete
+        error = failure_of(tmp_path, data[:cut], orch.cert_pem,
+                           known_head=(len(entries) - 1, entry_hash(entries[-1])))
+        assert error.failure is Failure.HEAD
+        return
+    error = failure_of(tmp_path, data[:cut], orch.cert_pem)
+    assert error.failure is Failure.TRUNCATED and error.seq == complete
+    assert "truncated final entry" in str(error)
+    summary = verify_bytes(tmp_path, data[:cut], orch.cert_pem, allow_truncated_tail=True)
+    assert summary.count == complete and summary.truncated_tail
+    assert summary.entries == tuple(entries[:complete])
+
+
+def test_reordering_entries_is_detected(tmp_path: Path, orch: MemberIdentity, good_log) -> None:
+    data, _ = good_log
+    r = records(data)
+    swapped = data[: r[2][0]] + data[r[3][0]:r[3][1]] + data[r[2][0]:r[2][1]] + data[r[3][1]:]
+    error = failure_of(tmp_path, swapped, orch.cert_pem)
+    assert (error.failure, error.seq) == (Failure.SEQUENCE, 2)
+    assert "seq gap at seq 2" in str(error)
+
+
+@pytest.mark.parametrize("index", [0, 1, 3])
+def test_deleting_an_entry_is_detected(tmp_path: Path, orch: MemberIdentity, good_log, index: int) -> None:
+    data, _ = good_log
+    start, end = records(data)[index]
+    error = failure_of(tmp_path, data[:start] + data[end:], orch.cert_pem)
+    assert (error.failure, error.seq) == (Failure.SEQUENCE, index)
+
+
+def test_an_entry_from_another_log_signed_by_the_same_key_breaks_the_chain(
+        tmp_path: Path, orch: MemberIdentity, good_log) -> None:
+    data, _ = good_log
+    write_log(tmp_path / "other.log", orch.key_pem, offset=1 << 30)  # same key, other chunks
+    other = (tmp_path / "other.log").read_bytes()
+    (a0, a1), (b0, b1) = records(data)[2], records(other)[2]
+    spliced = data[:a0] + other[b0:b1] + data[a1:]
+    error = failure_of(tmp_path, spliced, orch.cert_pem)
+    assert (error.failure, error.seq) == (Failure.CHAIN, 2)
+    assert "hash chain broken at seq 2" in str(error)
+
+
+def test_a_log_signed_by_another_key_fails(tmp_path: Path, pki: CohortPki, orch: MemberIdentity) -> None:
+    path = tmp_path / "audit.log"
+    write_log(path, pki.member("mallory").key_pem)  # a consistent chain, but not the orchestrator's
+    with pytest.raises(AuditError) as info:
+        verify_log(path, orch.cert_pem)
+    assert (info.value.failure, info.value.seq) == (Failure.SIGNATURE, 0)
+    assert "bad signature at seq 0" in str(info.value)
+    assert verify_log(path, pki.member("mallory").cert_pem).count == len(HOLDERS)
+
+
+def rewrite_record(data: bytes, index: int, change) -> bytes:
+    """Replace one record by ``change(record_map)``, re-framed with a fresh length prefix."""
+    start, end = records(data)[index]
+    record = msgpack.unpackb(data[start + LENGTH.size:end], raw=False)
+    payload = msgpack.packb(change(record), use_bin_type=True)
+    return data[:start] + LENGTH.pack(len(payload)) + payload + data[end:]
+
+
+def test_the_other_valid_signature_of_an_entry_is_refused(tmp_path: Path, orch: MemberIdentity,
+                                                           good_log) -> None:
+    # ECDSA (r, s) and (r, n - s) both verify; only the low-s form is accepted, so even the
+    # signature bytes cannot be changed without detection.
+    n = int("ffffffffffffffffffffffffffffffffffffffffffffffffc7634d81f4372ddf"
+            "581a0db248b0a77aecec196accc52973", 16)
+
+    def malleate(record: dict) -> dict:
+        sig = record["f"]["signature"]
+        s = int.from_bytes(sig[48:], "big")
+        record["f"]["signature"] = sig[:48] + (n - s).to_bytes(48, "big")
+        return record
+
+    data, _ = good_log
+    error = failure_of(tmp_path, rewrite_record(data, 1, malleate), orch.cert_pem)
+    assert (error.failure, error.seq) == (Failure.SIGNATURE, 1)
+
+
+def test_a_non_canonical_encoding_of_a_signed_entry_is_refused(tmp_path: Path, orch: MemberIdentity,
+                                                               good_log) -> None:
+    # Same entry, fields in another order: it decodes to the same Entry but hashes differently.
+    def reorder(record: dict) -> dict:
+        inner = msgpack.unpackb(record["f"]["entry"], raw=False)
+        inner["f"] = dict(reversed(list(inner["f"].items())))
+        record["f"]["entry"] = msgpack.packb(inner, use_bin_type=True)
+        return record
+
+    data, entries = good_log
+    bad = rewrite_record(data, 1, reorder)
+    assert wire.decode(msgpack.unpackb(bad[records(bad)[1][0] + 4:records(bad)[1][1]], raw=False)["f"]["entry"]) \
+        == entries[1]
+    error = failure_of(tmp_path, bad, orch.cert_pem)
+    assert (error.failure, error.seq) == (Failure.MALFORMED, 1)
+
+
+def test_garbage_and_impossible_lengths_are_malformed_not_truncated(tmp_path: Path,
+                                                                    orch: MemberIdentity) -> None:
+    for data in (LENGTH.pack(0) + b"x", LENGTH.pack(2**32 - 1) + b"x", LENGTH.pack(3) + b"\xc1\xc1\xc1"):
+        assert failure_of(tmp_path, data, orch.cert_pem).failure is Failure.MALFORMED
+
+
+# ----------------------------------------------------------------------------- crashes
+def test_a_torn_final_record_is_truncated_and_the_prefix_still_verifies(
+        tmp_path: Path, orch: MemberIdentity, good_log) -> None:
+    data, entries = good_log
+    torn = data[: records(data)[-1][0] + 30]  # the crash hit the middle of the last write
+    error = failure_of(tmp_path, torn, orch.cert_pem)
+    assert (error.failure, error.seq) == (Failure.TRUNCATED, len(entries) - 1)
+    assert f"truncated final entry at seq {len(entries) - 1}" in str(error)
+    summary = verify_bytes(tmp_path, torn, orch.cert_pem, allow_truncated_tail=True)
+    assert summary.count == len(entries) - 1 and summary.truncated_tail
+    assert read_log(tmp_path / "audit.log", allow_truncated_tail=True) == entries[:-1]
+
+
+def test_a_zero_filled_tail_left_by_a_crash_is_truncated_not_tampered(tmp_path: Path, orch: MemberIdentity,
+                                                                      good_log) -> None:
+    data, entries = good_log
+    error = failure_of(tmp_path, data + bytes(300), orch.cert_pem)
+    assert (error.failure, error.seq) == (Failure.TRUNCATED, len(entries))
+    assert verify_bytes(tmp_path, data + bytes(300), orch.cert_pem, allow_truncated_tail=True).count == len(entries)
+
+
+def test_reopening_continues_the_chain_and_repairs_a_torn_tail_only_when_asked(
+        tmp_path: Path, orch: MemberIdentity, good_log) -> None:
+    data, entries = good_log
+    path = tmp_path / "audit.log"
+    path.write_bytes(data[: records(data)[-1][0] + 30])
+    with pytest.raises(AuditError, match="truncated final entry"):
+        AuditLog.open(path, orch.key_pem)
+    with AuditLog.open(path, orch.key_pem, repair_truncated_tail=True) as log:
+        assert log.head == (len(entries) - 2, entry_hash(entries[-2]))
+        again = append_one(log, len(entries) - 1, "dave", AuditEvent.TRAVEL)
+    assert again.seq == len(entries) - 1 and again.prev_hash == entry_hash(entries[-2])
+    summary = verify_log(path, orch.cert_pem)
+    assert summary.count == len(entries) and not summary.truncated_tail
+
+
+def test_misuse_is_refused_with_bad_input(tmp_path: Path, orch: MemberIdentity, pki: CohortPki) -> None:
+    path = tmp_path / "audit.log"
+    log = AuditLog.create(path, orch.key_pem)
+    with pytest.raises(BadInput, match="already exists"):
+        AuditLog.create(path, orch.key_pem)
+    bad_calls = [
+        dict(event="teleported"), dict(time=float("nan")), dict(time="now"), dict(epoch_before=-1),
+        dict(epoch_after=1.5), dict(chunk_digest=32), dict(chunk_digest=b"x" * 65),
+    ]
+    for change in bad_calls:
+        args = dict(event="travel", time=1.0, epoch_before=0, epoch_after=1, chunk_digest=b"")
+        args.update(change)
+        with pytest.raises(BadInput):
+            log.append(args.pop("event"), ChunkId("alice", 0, 1), **args)
+    with pytest.raises(BadInput):
+        ChunkId("", 0, 1)
+    assert log.head == (-1, GENESIS_HASH)  # nothing was written by the refused calls
+    log.close()
+    with pytest.raises(BadInput, match="closed"):
+        append_one(log, 0, "alice", AuditEvent.TRAVEL)
+    with pytest.raises(BadInput, match="P-384"):
+        AuditLog.create(tmp_path / "other.log", ec.generate_private_key(ec.SECP256R1()))
+    with pytest.raises(BadInput, match="does not exist"):
+        verify_log(tmp_path / "missing.log", orch.cert_pem)
+    with pytest.raises(BadInput, match="neither"):
+        verify_log(path, b"not a pem")
+    assert path.read_bytes() == b""
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_verify_prints_the_holders_entries_and_the_head(tmp_path: Path, pki: CohortPki,
+                                                            orch: MemberIdentity) -> None:
+    path = tmp_path / "audit.log"
+    entries = write_log(path, orch.key_pem)
+    out = tmp_path / "summary.json"
+    key = pki.directory / "orchestrator.pem"
+    result = CliRunner().invoke(audit_app, ["verify", str(path), "--key", str(key), "--holder", "bob",
+                                            "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    head = entry_hash(entries[-1]).hex()
+    assert f"chain OK ({len(entries)} entries, head {head[:16]})" in result.output
+    assert "bob" in result.output and "carol" not in result.output
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["count"] == len(entries) and report["head"]["hash"] == head
+    assert [e["seq"] for e in report["entries"]] == [e.seq for e in entries if e.holder == "bob"]
+
+
+def test_cli_verify_exits_1_and_names_the_failure(tmp_path: Path, pki: CohortPki, orch: MemberIdentity) -> None:
+    path = tmp_path / "audit.log"
+    write_log(path, pki.member("mallory").key_pem)
+    out = tmp_path / "error.json"
+    result = CliRunner().invoke(audit_app, ["verify", str(path), "--key", str(pki.directory / "orchestrator.pem"),
+                                            "--json", str(out)])
+    assert result.exit_code == 1
+    assert "bad signature at seq 0" in result.output and "chain OK" not in result.output
+    assert json.loads(out.read_text()) == {"ok": False, "error": json.loads(out.read_text())["error"],
+                                           "failure": "bad signature", "seq": 0}
+
+
+def test_cli_verify_allows_a_torn_tail_only_with_the_flag(tmp_path: Path, orch: MemberIdentity, pki: CohortPki,
+                                                          good_log) -> None:
+    data, entries = good_log
+    path = tmp_path / "audit.log"
+    path.write_bytes(data[:-5])
+    args = ["verify", str(path), "--key", str(pki.directory / "orchestrator.pem")]
+    result = CliRunner().invoke(audit_app, args)
+    assert result.exit_code == 1 and "truncated final entry" in result.output
+    result = CliRunner().invoke(audit_app, [*args, "--allow-truncated-tail"])
+    assert result.exit_code == 0, result.output
+    assert f"chain OK ({len(entries) - 1} entries" in result.output
