@@ -42,7 +42,7 @@ def over_tls(msg):
 
 
 def hello(name: str = "alice", data: bytes = DATASET, piece: int = PIECE) -> HolderHello:
-    return HolderHello(name, len(data), piece, piece_digests(data, piece))
+    return HolderHello(name, len(data), piece, piece_digests(data, piece), "")
 
 
 def holder_sm(name: str = "alice", data: bytes = DATASET) -> HolderTravel:
@@ -232,7 +232,7 @@ def test_start_for_a_holder_with_an_empty_dataset_is_refused() -> None:
     assert o.phase is Phase.IDLE
 
 
-@pytest.mark.parametrize("offset", [PIECE, BUFFER.nbytes + 1, -BUFFER.nbytes, 3 * BUFFER.nbytes])
+@pytest.mark.parametrize("offset", [PIECE + 1, BUFFER.nbytes + 1, -BUFFER.nbytes, 3 * BUFFER.nbytes])
 def test_start_at_an_offset_that_is_not_a_chunk_start_is_refused(offset: int) -> None:
     o = orchestrator_sm()
     with pytest.raises(BadInput, match="chunk start"):
@@ -241,15 +241,20 @@ def test_start_at_an_offset_that_is_not_a_chunk_start_is_refused(offset: int) ->
     o.start("alice", 2 * BUFFER.nbytes, 0.0)  # the short last chunk is a chunk start
 
 
+def test_a_chunk_may_start_at_any_piece_boundary() -> None:
+    o = orchestrator_sm()
+    assert o.start("alice", PIECE, 0.0).nbytes == BUFFER.nbytes
+
+
 def test_enrolment_checks_piece_size_and_manifest_length() -> None:
     o = OrchestratorTravel(BUFFER)
     with pytest.raises(ProtocolError, match="piece size"):
         o.enrol(hello(piece=3 * PIECE))
     with pytest.raises(ProtocolError, match="piece size"):
-        o.enrol(HolderHello("alice", len(DATASET), 0, ()))
+        o.enrol(HolderHello("alice", len(DATASET), 0, (), ""))
     short = hello()
     with pytest.raises(ProtocolError, match="manifest"):
-        o.enrol(HolderHello("alice", len(DATASET), PIECE, short.manifest[:-1]))
+        o.enrol(HolderHello("alice", len(DATASET), PIECE, short.manifest[:-1], ""))
     assert o.holders == {}
 
 
@@ -377,7 +382,7 @@ def test_roles_drive_real_drivers_and_verify_vram() -> None:
     orch, holders = gpu.boot("alice")
     buf = orch.alloc_dataset_buffer(2 * TEST_LAYOUT.record_bytes)
     o = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
-    o.enrol(HolderHello("alice", len(data), PIECE, piece_digests(data, PIECE)))
+    o.enrol(HolderHello("alice", len(data), PIECE, piece_digests(data, PIECE), ""))
     h = holder_sm("alice", data)
     alice, t = holders["alice"], iter(range(1000))
     for offset in range(0, len(data), buf.nbytes):

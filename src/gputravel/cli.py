@@ -1,4 +1,4 @@
-"""Command line: `gputravel demo` and `gputravel bench travel`."""
+"""Command line: `gputravel demo` (training), `gputravel travel` (travels only), `gputravel bench ...`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,22 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (numbers live here, never in tests).")
 app.add_typer(bench_app, name="bench")
 console = Console()
+
+
+def _mount() -> None:
+    from .cli_attest import attest_app, pki_app
+    from .cli_audit import audit_app
+    from .cli_data import data_app
+    from .cli_train import demo
+
+    app.command(name="demo")(demo)
+    app.add_typer(data_app, name="data")
+    app.add_typer(pki_app, name="pki")
+    app.add_typer(attest_app, name="attest")
+    app.add_typer(audit_app, name="audit")
+
+
+_mount()
 
 SHORT = {"o_cleanup": "scrub", "o_export": "O exp", "dh_switch": "→H sw", "dh_import": "H imp", "dh_copy": "H copy",
          "dh_export": "H exp", "tls": "TLS", "o_switch": "→O sw", "o_import": "O imp", "o_rotate": "rotate"}
@@ -52,8 +68,8 @@ def _row(r: TravelReport) -> list[str]:
     return [str(r.travel_id), r.holder, chunk, f"{n / (1 << 20):.0f}", *(f"{c:.2f}" for c in cells), f"{gbps:.2f}", ok]
 
 
-@app.command()
-def demo(
+@app.command(name="travel")
+def travel_demo(
     holders: int = typer.Option(3, help="Number of data holders (one CVM process each)."),
     dataset_mib: int = typer.Option(24, help="Size of each holder's synthetic dataset, MiB."),
     buffer_mib: int = typer.Option(8, help="Dataset buffer in the GPU's protected memory, MiB."),
@@ -61,8 +77,10 @@ def demo(
     workdir: Optional[Path] = typer.Option(None, help="Where the synthetic datasets are written (default: runs/demo); the report goes to --json."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the travel reports as JSON here."),
 ) -> None:
-    """Run a whole local cohort: host, GPU, orchestrator and data holders as processes; the GPU
-    travels to every holder until each dataset has been copied once, every chunk verified."""
+    """Travels only, no training: every chunk verified by digest.
+
+    A whole local cohort moves every holder's synthetic dataset through the GPU once, with a
+    table of where the time went in each travel."""
     from .demo import DemoConfig, run, summarise
 
     try:
@@ -71,7 +89,7 @@ def demo(
         _fail(exc)
     out = workdir or Path("runs/demo")
     total = holders * -(-dataset_mib // buffer_mib)
-    console.print(f"[bold]gputravel demo[/bold]: {holders} holders x {dataset_mib} MiB, buffer {buffer_mib} MiB, "
+    console.print(f"[bold]gputravel travel[/bold]: {holders} holders x {dataset_mib} MiB, buffer {buffer_mib} MiB, "
                   f"{total} travels. Booting host, GPU, holders, then the orchestrator (paper 4.1)...")
     table = _travel_table("Travels (ms; switch = to holder + back; context = exports, imports, rotation)")
     reports: list[TravelReport] = []

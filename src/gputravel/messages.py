@@ -241,12 +241,14 @@ class VramGrant:
 @message("travel.hello")
 @dataclass(frozen=True)
 class HolderHello:
-    """Holder -> orchestrator on joining: its dataset's size and manifest (SHA-256 per piece)."""
+    """Holder -> orchestrator on joining: its dataset's size and manifest (SHA-256 per piece),
+    and the tokenizer its tokens were made with ("" for a dataset of raw bytes)."""
 
     holder: str
     dataset_bytes: int
     piece_bytes: int
     manifest: tuple[bytes, ...]
+    tokenizer: str
 
 
 @message("travel.welcome")

@@ -129,8 +129,11 @@ class OrchestratorTravel:
             raise BadInput(f"unknown holder {holder!r} (enrolled: {known})")
         if hello.dataset_bytes == 0:
             raise BadInput(f"holder {holder!r} has an empty dataset: nothing to travel for")
-        if dataset_offset % self.buffer.nbytes or not 0 <= dataset_offset < hello.dataset_bytes:
-            raise BadInput(f"dataset offset {dataset_offset} is not a chunk start of holder {holder!r}")
+        # A chunk may start at any manifest piece boundary inside the dataset (training resumes
+        # mid-dataset); its digest is then checkable from the manifest.
+        if dataset_offset % hello.piece_bytes or not 0 <= dataset_offset < hello.dataset_bytes:
+            raise BadInput(f"dataset offset {dataset_offset} is not a chunk start of holder {holder!r}: chunks start "
+                           f"on a {hello.piece_bytes}-byte piece boundary inside its {hello.dataset_bytes}-byte dataset")
         self._travel_id += 1
         self._holder, self._offset = holder, dataset_offset
         self._marks = {"start": now}

@@ -54,3 +54,36 @@ class Failed:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+
+# Training is driven over the control link; configs and reports are JSON text because they
+# are nested and heterogeneous, and never cross a trust boundary.
+@message("ctl.train")
+@dataclass(frozen=True)
+class Train:
+    """Run a training job inside the orchestrator CVM, fed by travels (the TravellingLoader)."""
+
+    config_json: str
+    run_dir: str  # "" for none
+    resume_json: str  # loader state to resume from; "" to start afresh
+
+
+@message("ctl.train_step")
+@dataclass(frozen=True)
+class TrainStep:
+    """One optimizer step done (streamed to the supervisor for the live view)."""
+
+    step: int
+    loss: float
+    tokens_per_s: float
+    holder: str
+    travels: int
+    stall_share: float
+    elapsed_s: float
+
+
+@message("ctl.train_done")
+@dataclass(frozen=True)
+class TrainDone:
+    report_json: str

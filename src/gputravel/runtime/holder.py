@@ -38,29 +38,59 @@ class HolderConfig:
     layout: Layout
     device_timeout: float = 30.0
     audit_arrival: bool = False  # read the buffer back on arrival and count non-zero bytes
+    dataset_format: str = "raw"  # "raw": the file's bytes; "tokens": llm.c shards or text, as uint16 tokens
 
 
 class Dataset:
-    """A holder's dataset, mapped read-only once."""
+    """A holder's dataset, mapped read-only once.
 
-    def __init__(self, path: str) -> None:
+    A "tokens" dataset (a directory of llm.c shards, one shard, or text) is the concatenation
+    of its shards' tokens, without headers, in shard order; it is laid out once at boot in the
+    CVM's private memory, so travels copy from it without touching the files again.
+    """
+
+    def __init__(self, path: str, fmt: str = "raw") -> None:
+        self.tokenizer = ""
+        self._map: mmap.mmap | None = None
+        if fmt == "tokens":
+            self._load_tokens(path)
+        elif fmt == "raw":
+            self._load_raw(path)
+        else:
+            raise BadInput(f"unknown dataset format {fmt!r}: use 'raw' or 'tokens'")
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def _load_raw(self, path: str) -> None:
         if not os.path.isfile(path):
             raise BadInput(f"dataset {path!r} does not exist or is not a file")
         self.size = os.path.getsize(path)
-        self._map: mmap.mmap | None = None
         if self.size:
             with open(path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
-        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def _load_tokens(self, path: str) -> None:
+        from ..data.shards import load_tokens
+
+        loaded = load_tokens(path)
+        data = loaded.tokens.astype("<u2", copy=False).tobytes()
+        self.tokenizer = loaded.tokenizer
+        self.size = len(data)
+        if self.size:
+            self._map = mmap.mmap(-1, self.size)
+            self._map.write(data)
 
 
 class DataHolder:
     def __init__(self, config: HolderConfig) -> None:
         self.config = config
-        self.dataset = Dataset(config.dataset_path)
+        self.dataset = Dataset(config.dataset_path, config.dataset_format)
         self.host = connect_unix(config.host_socket, "host")
         self.driver = Driver(register_with_host(self.host, config.name, config.layout))
-        self.sm = HolderTravel(config.name, self.dataset.size, piece_digests(self.dataset.view, PIECE_BYTES), PIECE_BYTES)
+        # Manifest pieces must tile any buffer the orchestrator may have: buffers are whole
+        # records, so pieces are at most one record.
+        self.piece_bytes = min(PIECE_BYTES, config.layout.record_bytes)
+        self.sm = HolderTravel(config.name, self.dataset.size, piece_digests(self.dataset.view, self.piece_bytes),
+                               self.piece_bytes)
         self.orchestrator: Transport | None = None
 
     def boot(self) -> None:
@@ -74,7 +104,7 @@ class DataHolder:
     def join(self, host: str, port: int) -> None:
         ctx = CohortPki.load(self.config.pki_dir).client_context(self.config.name)
         conn = connect_tls(host, port, ctx, server_hostname=ORCHESTRATOR)
-        conn.send(HolderHello(self.config.name, self.dataset.size, PIECE_BYTES, self.sm.manifest))
+        conn.send(HolderHello(self.config.name, self.dataset.size, self.piece_bytes, self.sm.manifest, self.dataset.tokenizer))
         if not isinstance(conn.recv(timeout=30).message, Welcome):
             raise ProtocolError("orchestrator did not welcome us")
         self.orchestrator = conn

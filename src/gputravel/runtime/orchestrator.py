@@ -6,10 +6,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import mmap
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..crypto.pki import CohortPki
 from ..driver.link import register_with_host, request_switch
@@ -22,7 +25,7 @@ from ..roles.orchestrator import Buffer, OrchestratorTravel, TravelReport, Verif
 from ..transport.base import Transport
 from ..transport.stream import StreamTransport, connect_unix
 from ..transport.tls import TlsListener
-from .control import AwaitHolders, DoTravel, Failed, Holders, Ready, Shutdown
+from .control import AwaitHolders, DoTravel, Failed, Holders, Ready, Shutdown, Train, TrainDone, TrainStep
 
 NAME = "orchestrator"
 
@@ -38,6 +41,7 @@ class OrchestratorConfig:
     holder_timeout: float = 60.0
     device_timeout: float = 10.0
     verify: bool = True
+    tokenizer: str = ""  # when set, holders whose tokens were made by another tokenizer are refused
 
 
 class Orchestrator:
@@ -79,6 +83,13 @@ class Orchestrator:
             conn.send(Bye(reason="the first message must be a hello naming the certificate's holder"))
             conn.close()
             raise ProtocolError(f"holder {peer!r} did not introduce itself correctly")
+        want = self.config.tokenizer
+        if want and hello.tokenizer != want:
+            reason = (f"holder {peer!r} tokenized its data with {hello.tokenizer or 'no tokenizer (raw bytes)'!r}, "
+                      f"this cohort trains on {want!r} tokens: re-run `gputravel data prepare --tokenizer {want}`")
+            conn.send(Bye(reason=reason))
+            conn.close()
+            raise BadInput(reason)
         assert self.travel_sm is not None
         self.travel_sm.enrol(hello)
         old = self.holders.pop(peer, None)
@@ -158,6 +169,26 @@ class Orchestrator:
         self.host.close()
 
 
+def run_training(orch: Orchestrator, cmd: Train, control: Transport) -> dict:
+    """Train inside this CVM on batches the GPU fetched by travelling; stream each step out."""
+    from ..train.loader import TravelSource
+    from ..train.loop import TrainConfig, make_report, sample_tokenizer, train
+    from ..train.schedule import LoaderState
+
+    cfg = TrainConfig(**json.loads(cmd.config_json))
+    if cfg.buffer_bytes != orch.config.buffer_bytes:
+        raise BadInput(f"the job wants a {cfg.buffer_bytes}-byte buffer, this cohort has {orch.config.buffer_bytes}")
+    if orch.config.tokenizer and cfg.tokenizer != orch.config.tokenizer:
+        raise BadInput(f"the job trains on {cfg.tokenizer!r} tokens, this cohort holds {orch.config.tokenizer!r} tokens")
+    assert orch.travel_sm is not None
+    sizes = {name: orch.travel_sm.holders[name].dataset_bytes for name in orch.holders}
+    resume = LoaderState.from_dict(json.loads(cmd.resume_json)) if cmd.resume_json else None
+    result = train(cfg, TravelSource(orch, sizes), run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
+                   on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))), resume=resume,
+                   tokenizer=sample_tokenizer(cfg.tokenizer))
+    return make_report(cfg, result)
+
+
 def serve(config: OrchestratorConfig, control: Transport, device_link: socket.socket) -> None:
     orch = Orchestrator(config, device_link)
     orch.boot()
@@ -172,6 +203,8 @@ def serve(config: OrchestratorConfig, control: Transport, device_link: socket.so
                     control.send(Holders(dataset_bytes=orch.await_holders(cmd.names, cmd.timeout)))
                 elif isinstance(cmd, DoTravel):
                     control.send(orch.travel(cmd.holder, cmd.dataset_offset))
+                elif isinstance(cmd, Train):
+                    control.send(TrainDone(report_json=json.dumps(run_training(orch, cmd, control))))
                 else:
                     control.send(Failed(kind="ProtocolError", reason=f"unknown command {type(cmd).__name__}"))
             except GputravelError as exc:

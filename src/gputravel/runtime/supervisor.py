@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .. import errors
 from ..crypto.pki import CohortPki
@@ -26,13 +27,15 @@ from ..host.tap import TcpTap
 from ..errors import BadInput, GputravelError, PeerTimeout, RemoteError
 from ..layout import Layout
 from ..transport.stream import StreamTransport
-from .control import AwaitHolders, DoTravel, Failed, Holders, JoinCohort, Ready, Shutdown, TravelReport
+from .control import (AwaitHolders, DoTravel, Failed, Holders, JoinCohort, Ready, Shutdown, Train, TrainDone,
+                      TrainStep, TravelReport)
 
 
 @dataclass(frozen=True)
 class HolderSpec:
     name: str
     dataset: str
+    format: str = "raw"  # "raw" bytes, or "tokens": llm.c shards (a directory or one .bin) or text
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class CohortConfig:
     snoop: bool = False  # the host records every CVM's unprotected memory (snoop.bin)
     tap: bool = False  # holders reach the orchestrator through a recording TCP tap (tap.bin)
     audit_arrival: bool = False
+    tokenizer: str = ""  # for training: the tokenizer every holder's tokens must come from
     boot_timeout: float = 60.0
     travel_timeout: float = 120.0
 
@@ -59,7 +63,10 @@ class CohortConfig:
         if self.buffer_bytes <= 0 or self.buffer_bytes % self.layout.record_bytes:
             raise BadInput(f"buffer size must be a positive multiple of {self.layout.record_bytes} bytes")
         for h in self.holders:
-            if not Path(h.dataset).is_file():
+            if h.format not in ("raw", "tokens"):
+                raise BadInput(f"dataset format of holder {h.name!r} must be 'raw' or 'tokens', not {h.format!r}")
+            exists = Path(h.dataset).is_file() if h.format == "raw" else Path(h.dataset).exists()
+            if not exists:
                 raise BadInput(f"dataset of holder {h.name!r} not found: {h.dataset}")
 
     @property
@@ -122,10 +129,11 @@ class Cohort:
             for h in cfg.holders:  # each holder sets up its driver while it holds the GPU
                 self._spawn("holder", {"name": h.name, "dataset_path": h.dataset, "host_socket": host_sock,
                                        "pki_dir": str(self.dir / "pki" / h.name), "layout": cfg.layout,
-                                       "audit_arrival": cfg.audit_arrival}, key=h.name)
+                                       "audit_arrival": cfg.audit_arrival, "dataset_format": h.format}, key=h.name)
             ready = self._spawn("orchestrator", {"host_socket": host_sock, "pki_dir": str(self.dir / "pki" / "orchestrator"),
                                                  "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
-                                                 "holder_timeout": cfg.travel_timeout}, extra_fd=orch_end.fileno())
+                                                 "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer},
+                                extra_fd=orch_end.fileno())
         finally:
             dev_end.close()
             orch_end.close()
@@ -218,6 +226,26 @@ class Cohort:
         if not isinstance(reply, TravelReport):
             raise RemoteError(f"orchestrator answered a travel with {type(reply).__name__}")
         return reply
+
+    def train(self, config_json: str, run_dir: str = "", resume_json: str = "",
+              on_step: Callable[[TrainStep], None] | None = None) -> dict:
+        """Run a training job in the orchestrator CVM; returns its report (see train.loop.make_report)."""
+        orch = self.children["orchestrator"]
+        orch.control.send(Train(config_json=config_json, run_dir=run_dir, resume_json=resume_json))
+        while True:
+            try:
+                msg = orch.control.recv(timeout=self.config.travel_timeout + 30).message
+            except GputravelError as exc:
+                raise RemoteError(f"orchestrator stopped answering during training: {exc}{self._log_tail(orch)}") from None
+            if isinstance(msg, TrainStep):
+                if on_step is not None:
+                    on_step(msg)
+            elif isinstance(msg, TrainDone):
+                return json.loads(msg.report_json)
+            elif isinstance(msg, Failed):
+                raise _typed(msg, "training")
+            else:
+                raise RemoteError(f"orchestrator sent {type(msg).__name__} during training")
 
     @property
     def snoop_path(self) -> Path | None:

@@ -1,0 +1,140 @@
+"""The one iterator training reaches data through.
+
+:class:`TravellingLoader` yields ``(x, y)`` batches of B x T tokens, with llm.c's semantics:
+a window of B*T+1 tokens, ``x`` the first B*T, ``y`` the same shifted by one, the next window
+B*T further on. Where the tokens come from is a :class:`ChunkSource`:
+
+- :class:`TravelSource` makes the GPU travel to the holder and reads the dataset buffer in the
+  GPU's protected memory (the orchestrator CVM's view of VRAM);
+- :class:`LocalSource` reads the same holders' tokens straight from disk, with no travelling:
+  the reference that shows travelling does not change what the model learns (paper goal G2).
+
+The scheduler decides the visits; both sources see the same visits, so the batches are equal.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Mapping, Protocol
+
+import numpy as np
+import torch
+
+from ..errors import BadInput, ProtocolError
+from .schedule import LoaderState, Scheduler, Visit
+
+TOKEN_BYTES = 2  # llm.c shards hold uint16 tokens
+
+
+class ChunkSource(Protocol):
+    def sizes(self) -> Mapping[str, int]:
+        """Tokens per holder."""
+
+    def fetch(self, visit: Visit) -> np.ndarray:
+        """The visit's tokens (uint16), valid until the next fetch."""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What one visit cost: for the report and the live view."""
+
+    visit: Visit
+    seconds: float
+    report: object | None  # the travel report, when the source travelled
+
+
+class LocalSource:
+    """Holders' token streams read from local files (the G2 reference; no GPU travels)."""
+
+    def __init__(self, tokens: Mapping[str, np.ndarray]) -> None:
+        self._tokens = {name: np.asarray(t, dtype=np.uint16) for name, t in tokens.items()}
+        self.last_report = None
+
+    def sizes(self) -> Mapping[str, int]:
+        return {name: len(t) for name, t in self._tokens.items()}
+
+    def fetch(self, visit: Visit) -> np.ndarray:
+        return self._tokens[visit.holder][visit.token_offset : visit.token_offset + visit.ntokens]
+
+
+class TravellingEngine(Protocol):
+    """What TravelSource needs of the orchestrator: run a travel, then read the buffer."""
+
+    def travel(self, holder: str, dataset_offset: int): ...
+    def buffer_view(self) -> memoryview: ...
+
+
+class TravelSource:
+    """Each fetch is one travel (paper Fig. 3): the chunk lands in the GPU's protected memory."""
+
+    def __init__(self, engine: TravellingEngine, dataset_bytes: Mapping[str, int]) -> None:
+        self.engine = engine
+        self._sizes = {name: n // TOKEN_BYTES for name, n in dataset_bytes.items()}
+        self.last_report = None
+
+    def sizes(self) -> Mapping[str, int]:
+        return self._sizes
+
+    def fetch(self, visit: Visit) -> np.ndarray:
+        report = self.engine.travel(visit.holder, visit.token_offset * TOKEN_BYTES)
+        self.last_report = report
+        chunk = getattr(report, "chunk", None)
+        if chunk is None:
+            raise ProtocolError(f"holder {visit.holder} refused the travel: {getattr(report, 'refused', '')}")
+        if chunk.nbytes < visit.ntokens * TOKEN_BYTES:
+            raise ProtocolError(f"holder {visit.holder} moved {chunk.nbytes} bytes, {visit.ntokens * TOKEN_BYTES} were asked")
+        return np.frombuffer(self.engine.buffer_view(), dtype=np.uint16, count=visit.ntokens)
+
+
+class TravellingLoader:
+    """Yields (x, y) int64 tensors of shape (B, T); travels whenever the buffer is used up."""
+
+    def __init__(self, source: ChunkSource, batch: int, seq_len: int, buffer_bytes: int, *,
+                 policy: str = "round_robin", state: LoaderState | None = None,
+                 on_fetch: Callable[[Fetched], None] | None = None, device: str = "cpu") -> None:
+        if batch <= 0 or seq_len <= 0:
+            raise BadInput("batch and sequence length must be positive")
+        self.source = source
+        self.B, self.T = batch, seq_len
+        self.scheduler = Scheduler(source.sizes(), buffer_bytes // TOKEN_BYTES, batch * seq_len, policy)
+        # `state` is always where a run stopped now would resume (saved in checkpoints).
+        self.state = state or LoaderState()
+        self.on_fetch = on_fetch
+        self.device = device
+        self.stall_seconds = 0.0  # time spent waiting for data (travels), for the stall share
+        self.fetches = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            before = self.state
+            visit, after = self.scheduler.next_visit(before)
+            if after.epoch != before.epoch:  # a new epoch began: resume points belong to it
+                before = LoaderState(epoch=after.epoch, skip=before.skip)
+            tokens = self._fetch(visit)
+            n = self.scheduler.windows_in(visit.ntokens)
+            done = self.scheduler.consumed(after, visit)
+            for j in range(before.skip, n):
+                # Where a run stopped after this window resumes: the same visit, later windows.
+                self.state = done if j + 1 == n else replace(before, skip=j + 1)
+                yield self._window(tokens, j)
+            self.state = done
+
+    def _fetch(self, visit: Visit) -> np.ndarray:
+        t0 = time.perf_counter()
+        tokens = self.source.fetch(visit)
+        # Copy out of the buffer once: the next travel scrubs and refills it.
+        tokens = np.array(tokens, dtype=np.int64)
+        spent = time.perf_counter() - t0
+        self.stall_seconds += spent
+        self.fetches += 1
+        if self.on_fetch is not None:
+            self.on_fetch(Fetched(visit, spent, getattr(self.source, "last_report", None)))
+        return tokens
+
+    def _window(self, tokens: np.ndarray, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bt = self.B * self.T
+        buf = torch.from_numpy(tokens[j * bt : j * bt + bt + 1])
+        x = buf[:-1].view(self.B, self.T).to(self.device)
+        y = buf[1:].view(self.B, self.T).to(self.device)
+        return x, y

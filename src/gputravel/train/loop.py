@@ -1,0 +1,216 @@
+"""The training job: GPT-2 trained on batches from the one loader, wherever they come from.
+
+`train` is the same function for ``--loader travelling`` (run inside the orchestrator CVM,
+batches read from the dataset buffer in the GPU's protected memory) and ``--loader local``
+(batches read from disk): with the same seed, order and thread count, their losses are
+bit-identical on CPU (paper goal G2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import BadInput
+from .loader import ChunkSource, Fetched, TravellingLoader
+from .schedule import POLICIES, LoaderState
+
+LOADERS = ("travelling", "local")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 400
+    batch: int = 8
+    seq_len: int = 64
+    buffer_bytes: int = 256 << 10
+    schedule: str = "round_robin"
+    seed: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    vocab_size: int = 257
+    tokenizer: str = "bytes"
+    threads: int = 2
+    sample_tokens: int = 200
+    checkpoint_every: int = 0  # steps; 0: only at the end
+    loader: str = "travelling"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch", "seq_len", "n_layer", "n_head", "n_embd", "vocab_size", "threads"):
+            if getattr(self, name) <= 0:
+                raise BadInput(f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
+        if self.schedule not in POLICIES:
+            raise BadInput(f"--schedule must be one of {', '.join(POLICIES)}")
+        if self.loader not in LOADERS:
+            raise BadInput(f"--loader must be one of {', '.join(LOADERS)}")
+        if not 0 < self.lr < 1:
+            raise BadInput("--lr must be between 0 and 1")
+        if self.sample_tokens < 0 or self.checkpoint_every < 0:
+            raise BadInput("--sample-tokens and --checkpoint-every cannot be negative")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One optimizer step, for the live view and metrics.csv."""
+
+    step: int
+    loss: float
+    tokens_per_s: float
+    holder: str  # whose data this batch came from
+    travels: int
+    stall_share: float
+    elapsed_s: float
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    travels: list[dict] = field(default_factory=list)
+    stall_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    sample: str = ""
+    state: dict = field(default_factory=dict)
+
+    @property
+    def stall_share(self) -> float:
+        return self.stall_seconds / self.wall_seconds if self.wall_seconds else 0.0
+
+
+def sample_tokenizer(name: str):
+    """The tokenizer to decode the final sample with, or None where it cannot load (GPT-2 BPE
+    offline without its encoding file): the run then simply has no sample."""
+    from ..data.tokenizer import get_tokenizer
+
+    try:
+        return get_tokenizer(name)
+    except BadInput:
+        return None
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up then cosine decay to 10%, as llm.c schedules it."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def build_model(cfg: TrainConfig, device: str):
+    from .model import GPT, GPTConfig
+
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
+                          n_head=cfg.n_head, n_embd=cfg.n_embd)).to(device)
+    optimizer = model.configure_optimizer(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    return model, optimizer
+
+
+def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
+          on_step: Callable[[StepEvent], None] | None = None, resume: LoaderState | None = None,
+          tokenizer=None) -> TrainResult:
+    """Train for cfg.steps; `tokenizer` (encode/decode) is only used for the final text sample."""
+    from .model import pick_device
+    from .rundir import RunDir
+
+    torch.set_num_threads(cfg.threads)
+    device = pick_device()
+    model, optimizer = build_model(cfg, device)
+    result = TrainResult(losses=[])
+    holder_of_batch = {"name": ""}
+
+    def fetched(f: Fetched) -> None:
+        holder_of_batch["name"] = f.visit.holder
+        entry = {"holder": f.visit.holder, "token_offset": f.visit.token_offset, "tokens": f.visit.ntokens,
+                 "wait_ms": f.seconds * 1e3}
+        report = f.report
+        if report is not None:
+            entry.update(travel_id=report.travel_id, total_ms=report.total_ms, steps_ms=dict(report.steps_ms))
+        result.travels.append(entry)
+
+    loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
+                              state=resume, on_fetch=fetched, device=device)
+    out = RunDir(run_dir) if run_dir is not None else None
+    batches = iter(loader)
+    model.train()
+    t_start = time.perf_counter()
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        x, y = next(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(cfg, step)
+        _, loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        value = loss.item()
+        result.losses.append(value)
+        now = time.perf_counter()
+        event = StepEvent(step=step, loss=value, tokens_per_s=cfg.batch * cfg.seq_len / (now - t0),
+                          holder=holder_of_batch["name"], travels=loader.fetches,
+                          stall_share=loader.stall_seconds / (now - t_start), elapsed_s=now - t_start)
+        if out is not None:
+            out.append_metrics(dataclasses.asdict(event))
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                out.save_checkpoint(model, optimizer, step + 1, {"loader": loader.state.to_dict(), "config": cfg.to_dict()})
+        if on_step is not None:
+            on_step(event)
+    result.wall_seconds = time.perf_counter() - t_start
+    result.stall_seconds = loader.stall_seconds
+    result.state = loader.state.to_dict()
+    if cfg.sample_tokens and tokenizer is not None:
+        result.sample = _sample(model, cfg, device, tokenizer)
+    if out is not None:
+        out.save_checkpoint(model, optimizer, cfg.steps, {"loader": result.state, "config": cfg.to_dict()})
+        out.plot_losses(list(range(1, len(result.losses) + 1)), result.losses, title=f"GPT-2 loss ({cfg.loader} loader)")
+        if result.sample:
+            out.write_sample(result.sample)
+    return result
+
+
+def _sample(model, cfg: TrainConfig, device: str, tokenizer) -> str:
+    model.eval()
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    prompt = [int(t) for t in tokenizer.encode("\n")][:1] or [0]  # a new line as the prompt
+    start = torch.tensor([prompt], dtype=torch.long, device=device)
+    out = model.generate(start, cfg.sample_tokens, temperature=0.8, top_k=40, generator=gen)
+    return tokenizer.decode(out[0, len(prompt):].tolist())
+
+
+def make_report(cfg: TrainConfig, result: TrainResult) -> dict:
+    """The run's report.json: config, per-step losses, travels with timings, stall share."""
+    import statistics
+
+    losses = result.losses
+    head = losses[: min(10, len(losses))]
+    tail = losses[-min(10, len(losses)):]
+    step_keys = sorted({k for t in result.travels for k in t.get("steps_ms", {})})
+    medians = {k: statistics.median(t["steps_ms"][k] for t in result.travels if "steps_ms" in t) for k in step_keys}
+    return {
+        "config": cfg.to_dict(),
+        "losses": losses,
+        "final_loss": losses[-1] if losses else None,
+        "loss_before": sum(head) / len(head) if head else None,
+        "loss_after": sum(tail) / len(tail) if tail else None,
+        "travels": result.travels,
+        "travel_count": len(result.travels),
+        "travel_median_steps_ms": medians,
+        "stall_s": result.stall_seconds,
+        "wall_s": result.wall_seconds,
+        "stall_share": result.stall_share,
+        "loader_state": result.state,
+        "sample": result.sample,
+    }

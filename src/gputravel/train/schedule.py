@@ -1,0 +1,112 @@
+"""Which data holder the GPU travels to next, and where in its dataset.
+
+The scheduler is pure: per-holder token counts and a cursor state in, the next visit out. A
+visit moves at most one dataset buffer of tokens; the loader then reports how many tokens it
+consumed (whole B x T windows), and the holder's cursor advances by exactly that, so the next
+visit starts where training stopped and no token is skipped or repeated within an epoch.
+
+Policies:
+- ``round_robin``: holders take turns in name order; a holder whose data is used up for this
+  epoch is skipped.
+- ``proportional``: the holder that has the smallest share of its data consumed goes next
+  (ties by name), so large datasets are visited proportionally more often and all holders
+  finish the epoch together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from ..errors import BadInput
+
+POLICIES = ("round_robin", "proportional")
+
+
+@dataclass(frozen=True)
+class Visit:
+    holder: str
+    token_offset: int
+    ntokens: int  # tokens to move: at most one buffer, at most what is left
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    """Everything needed to resume: the epoch, each holder's cursor (tokens), the last holder,
+    and how many windows of the next visit were already trained on (a run stopped mid-chunk
+    resumes with the same visit and skips those, so no window is trained on twice)."""
+
+    epoch: int = 0
+    cursors: Mapping[str, int] = field(default_factory=dict)
+    last: str | None = None
+    skip: int = 0
+
+    def to_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursors": dict(self.cursors), "last": self.last, "skip": self.skip}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping) -> LoaderState:
+        try:
+            cursors = {str(k): int(v) for k, v in dict(raw["cursors"]).items()}
+            last = raw.get("last")
+            return cls(epoch=int(raw["epoch"]), cursors=cursors, last=None if last is None else str(last),
+                       skip=int(raw.get("skip", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BadInput(f"loader state is malformed ({exc}); expected epoch, cursors and last") from None
+
+
+class Scheduler:
+    """Plans visits over holders' token streams; `window` is the tokens one batch consumes (B*T)."""
+
+    def __init__(self, sizes: Mapping[str, int], capacity: int, window: int, policy: str = "round_robin") -> None:
+        if policy not in POLICIES:
+            raise BadInput(f"unknown schedule {policy!r}: choose one of {', '.join(POLICIES)}")
+        if window <= 0:
+            raise BadInput("a batch must hold at least one token")
+        if capacity < window + 1:
+            raise BadInput(f"the dataset buffer holds {capacity} tokens, one batch needs {window + 1}: "
+                           "use a larger buffer or a smaller batch / sequence length")
+        self.sizes = {name: int(n) for name, n in sorted(sizes.items())}
+        self.capacity = capacity
+        self.window = window
+        self.policy = policy
+        if not any(self._usable(n, 0) for n in self.sizes.values()):
+            raise BadInput(f"no holder has enough tokens for one batch of {window + 1}")
+
+    def _usable(self, size: int, cursor: int) -> bool:
+        return size - cursor >= self.window + 1
+
+    def _open(self, state: LoaderState) -> list[str]:
+        return [h for h, n in self.sizes.items() if self._usable(n, state.cursors.get(h, 0))]
+
+    def next_visit(self, state: LoaderState) -> tuple[Visit, LoaderState]:
+        """The next visit; starts a new epoch (all cursors back to 0) when every holder is used up."""
+        open_ = self._open(state)
+        if not open_:
+            state = LoaderState(epoch=state.epoch + 1, cursors={}, last=None)
+            open_ = self._open(state)
+        holder = self._pick(open_, state)
+        cursor = state.cursors.get(holder, 0)
+        ntokens = min(self.capacity, self.sizes[holder] - cursor)
+        return Visit(holder, cursor, ntokens), replace(state, last=holder)
+
+    def _pick(self, open_: list[str], state: LoaderState) -> str:
+        if self.policy == "proportional":
+            return min(open_, key=lambda h: (state.cursors.get(h, 0) / self.sizes[h], h))
+        names = list(self.sizes)
+        start = 0 if state.last is None else names.index(state.last) + 1
+        for i in range(len(names)):
+            name = names[(start + i) % len(names)]
+            if name in open_:
+                return name
+        raise AssertionError("an open holder always exists here")
+
+    def consumed(self, state: LoaderState, visit: Visit) -> LoaderState:
+        """The loader trained on every window of the visit: that holder's cursor moves past it."""
+        cursors = dict(state.cursors)
+        cursors[visit.holder] = visit.token_offset + visit.ntokens
+        return replace(state, cursors=cursors, skip=0)
+
+    def windows_in(self, ntokens: int) -> int:
+        """How many (x, y) windows a visit of ntokens yields: y needs one token past x."""
+        return (ntokens - 1) // self.window

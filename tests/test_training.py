@@ -1,0 +1,97 @@
+"""Training on travelled data, end to end through real cohort processes.
+
+The central claim (paper goal G2): travelling does not change what the model learns. With the
+same seed, order and thread count, the travelling loader (batches read from the GPU's
+protected memory after each travel) and the local loader (the same tokens read from disk)
+give bit-identical losses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gputravel.errors import BadInput
+from gputravel.train.job import JobConfig, run
+from gputravel.train.loop import TrainConfig
+
+pytestmark = pytest.mark.integration
+
+TEXTS = {
+    "north": "Now is the winter of our discontent made glorious summer by this sun of York. " * 60,
+    "south": "If music be the food of love, play on; give me excess of it, that, surfeiting. " * 45,
+    "west": "When shall we three meet again in thunder, lightning, or in rain? " * 70,
+}
+TINY = TrainConfig(steps=48, batch=4, seq_len=32, buffer_bytes=4096, n_layer=2, n_head=2, n_embd=32,
+                   threads=1, sample_tokens=20, warmup_steps=5)
+
+
+def holders(tmp: Path) -> tuple[tuple[str, str], ...]:
+    out = []
+    for name, text in TEXTS.items():
+        d = tmp / name
+        d.mkdir()
+        (d / "book.txt").write_text(text)
+        out.append((name, str(d)))
+    return tuple(out)
+
+
+@pytest.fixture(scope="module")
+def both_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("g2")
+    hs = holders(tmp)
+    travelling = run(JobConfig(train=TINY, holders=hs, run_dir=str(tmp / "travelling")))
+    local = run(JobConfig(train=replace(TINY, loader="local"), holders=hs, run_dir=str(tmp / "local")))
+    return tmp, travelling, local
+
+
+def test_travelling_and_local_losses_are_bit_identical(both_runs):
+    _, travelling, local = both_runs
+    assert len(travelling["losses"]) == TINY.steps
+    assert travelling["losses"] == local["losses"]  # exact float equality, step by step
+    # ... and the travelling run really travelled, to every holder, several times.
+    visited = [t["holder"] for t in travelling["travels"]]
+    assert set(visited) == set(TEXTS) and len(visited) >= 4
+    assert all("steps_ms" in t for t in travelling["travels"])
+    assert not any("steps_ms" in t for t in local["travels"])
+
+
+def test_training_learns_and_writes_the_run_directory(both_runs):
+    tmp, travelling, _ = both_runs
+    assert travelling["loss_after"] < travelling["loss_before"]
+    assert 0 <= travelling["stall_share"] < 1
+    run_dir = tmp / "travelling"
+    for name in ("report.json", "metrics.csv", "loss.png", "checkpoint.pt", "sample.txt"):
+        assert (run_dir / name).stat().st_size > 0, name
+    assert json.loads((run_dir / "report.json").read_text())["losses"] == travelling["losses"]
+    assert len((run_dir / "metrics.csv").read_text().strip().splitlines()) == TINY.steps + 1
+
+
+def test_a_holder_with_another_tokenizer_is_refused(tmp_path):
+    from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec
+    from gputravel.data.shards import write_shard
+    import numpy as np
+
+    good, odd = tmp_path / "good", tmp_path / "odd"
+    for d, name in ((good, "bytes"), (odd, "gpt2")):
+        d.mkdir()
+        write_shard(d / "data_000000.bin", np.arange(5000) % 250)
+        (d / "tokenizer.json").write_text(json.dumps({"name": name, "vocab_size": 257 if name == "bytes" else 50257,
+                                                      "eot": 256 if name == "bytes" else 50256}))
+    cfg = CohortConfig(holders=(HolderSpec("good", str(good), "tokens"), HolderSpec("odd", str(odd), "tokens")),
+                       buffer_bytes=1 << 20, tokenizer="bytes")
+    with pytest.raises(BadInput, match="odd.*gpt2.*bytes"):
+        with Cohort(cfg):
+            pass
+
+
+def test_bad_job_input_is_refused(tmp_path):
+    with pytest.raises(BadInput, match="not found"):
+        JobConfig(train=TINY, holders=(("ghost", str(tmp_path / "nope")),), run_dir=str(tmp_path))
+    with pytest.raises(BadInput, match="--steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(BadInput, match="--loader"):
+        TrainConfig(loader="carrier-pigeon")
