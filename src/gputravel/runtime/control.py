@@ -66,7 +66,7 @@ class Train:
 
     config_json: str
     run_dir: str  # "" for none
-    resume_json: str  # loader state to resume from; "" to start afresh
+    resume_checkpoint: str  # a checkpoint of this job to continue from; "" to start afresh
 
 
 @message("ctl.train_step")

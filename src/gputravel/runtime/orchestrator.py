@@ -173,7 +173,6 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport) -> dict:
     """Train inside this CVM on batches the GPU fetched by travelling; stream each step out."""
     from ..train.loader import TravelSource
     from ..train.loop import TrainConfig, make_report, sample_tokenizer, train
-    from ..train.schedule import LoaderState
 
     cfg = TrainConfig(**json.loads(cmd.config_json))
     if cfg.buffer_bytes != orch.config.buffer_bytes:
@@ -182,9 +181,9 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport) -> dict:
         raise BadInput(f"the job trains on {cfg.tokenizer!r} tokens, this cohort holds {orch.config.tokenizer!r} tokens")
     assert orch.travel_sm is not None
     sizes = {name: orch.travel_sm.holders[name].dataset_bytes for name in orch.holders}
-    resume = LoaderState.from_dict(json.loads(cmd.resume_json)) if cmd.resume_json else None
     result = train(cfg, TravelSource(orch, sizes), run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
-                   on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))), resume=resume,
+                   on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
+                   resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
                    tokenizer=sample_tokenizer(cfg.tokenizer))
     return make_report(cfg, result)
 

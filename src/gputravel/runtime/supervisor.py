@@ -227,11 +227,11 @@ class Cohort:
             raise RemoteError(f"orchestrator answered a travel with {type(reply).__name__}")
         return reply
 
-    def train(self, config_json: str, run_dir: str = "", resume_json: str = "",
+    def train(self, config_json: str, run_dir: str = "", resume_checkpoint: str = "",
               on_step: Callable[[TrainStep], None] | None = None) -> dict:
         """Run a training job in the orchestrator CVM; returns its report (see train.loop.make_report)."""
         orch = self.children["orchestrator"]
-        orch.control.send(Train(config_json=config_json, run_dir=run_dir, resume_json=resume_json))
+        orch.control.send(Train(config_json=config_json, run_dir=run_dir, resume_checkpoint=resume_checkpoint))
         while True:
             try:
                 msg = orch.control.recv(timeout=self.config.travel_timeout + 30).message

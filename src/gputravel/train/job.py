@@ -25,6 +25,7 @@ class JobConfig:
     train: TrainConfig
     holders: tuple[tuple[str, str], ...]  # (name, path to shards or text)
     run_dir: str
+    resume: bool = False  # continue from run_dir/checkpoint.pt (after a crash or a kill)
 
     def __post_init__(self) -> None:
         if not self.holders:
@@ -112,7 +113,7 @@ def _run_local(cfg: JobConfig, run_dir: Path, on_step) -> dict:
 
     tokens = {name: load_tokens(path).tokens for name, path in cfg.holders}
     result = train(cfg.train, LocalSource(tokens), run_dir=run_dir, on_step=on_step,
-                   tokenizer=sample_tokenizer(cfg.train.tokenizer))
+                   resume_from=_checkpoint(cfg, run_dir), tokenizer=sample_tokenizer(cfg.train.tokenizer))
     return make_report(cfg.train, result)
 
 
@@ -122,7 +123,18 @@ def _run_travelling(cfg: JobConfig, run_dir: Path, on_step) -> dict:
                               buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer)
     with Cohort(cohort_cfg) as cohort:
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{k: getattr(m, k) for k in StepEvent.__dataclass_fields__})))
-        return cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()), on_step=relay)
+        resume = _checkpoint(cfg, run_dir)
+        return cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()), on_step=relay,
+                            resume_checkpoint=str(resume.resolve()) if resume else "")
+
+
+def _checkpoint(cfg: JobConfig, run_dir: Path) -> Path | None:
+    if not cfg.resume:
+        return None
+    path = run_dir / "checkpoint.pt"
+    if not path.is_file():
+        raise BadInput(f"nothing to resume: {path} does not exist (run without --resume first)")
+    return path
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -119,16 +119,23 @@ def build_model(cfg: TrainConfig, device: str):
 
 
 def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
-          on_step: Callable[[StepEvent], None] | None = None, resume: LoaderState | None = None,
+          on_step: Callable[[StepEvent], None] | None = None, resume_from: Path | None = None,
           tokenizer=None) -> TrainResult:
-    """Train for cfg.steps; `tokenizer` (encode/decode) is only used for the final text sample."""
+    """Train for cfg.steps; `tokenizer` (encode/decode) is only used for the final text sample.
+
+    With `resume_from` (a checkpoint of the same job), training continues from the checkpoint's
+    step with its model, optimizer and per-holder cursors: the losses are the ones an
+    uninterrupted run would have had, and no window is trained on twice."""
     from .model import pick_device
     from .rundir import RunDir
 
     torch.set_num_threads(cfg.threads)
     device = pick_device()
     model, optimizer = build_model(cfg, device)
-    result = TrainResult(losses=[])
+    out = RunDir(run_dir) if run_dir is not None else None
+    start, resume, result = 0, None, TrainResult(losses=[])
+    if resume_from is not None:
+        start, resume, result = _resume(cfg, resume_from, model, optimizer, out)
     holder_of_batch = {"name": ""}
 
     def fetched(f: Fetched) -> None:
@@ -142,11 +149,10 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
 
     loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
                               state=resume, on_fetch=fetched, device=device)
-    out = RunDir(run_dir) if run_dir is not None else None
     batches = iter(loader)
     model.train()
     t_start = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         x, y = next(batches)
         for group in optimizer.param_groups:
@@ -165,7 +171,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
         if out is not None:
             out.append_metrics(dataclasses.asdict(event))
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                out.save_checkpoint(model, optimizer, step + 1, {"loader": loader.state.to_dict(), "config": cfg.to_dict()})
+                out.save_checkpoint(model, optimizer, step + 1, _extra(cfg, loader.state, result))
         if on_step is not None:
             on_step(event)
     result.wall_seconds = time.perf_counter() - t_start
@@ -174,11 +180,51 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     if cfg.sample_tokens and tokenizer is not None:
         result.sample = _sample(model, cfg, device, tokenizer)
     if out is not None:
-        out.save_checkpoint(model, optimizer, cfg.steps, {"loader": result.state, "config": cfg.to_dict()})
+        out.save_checkpoint(model, optimizer, cfg.steps, _extra(cfg, loader.state, result))
         out.plot_losses(list(range(1, len(result.losses) + 1)), result.losses, title=f"GPT-2 loss ({cfg.loader} loader)")
         if result.sample:
             out.write_sample(result.sample)
     return result
+
+
+def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult) -> dict:
+    """What a checkpoint carries besides the model and optimizer: enough to resume exactly."""
+    return {"config": cfg.to_dict(), "loader": state.to_dict(), "losses": list(result.losses),
+            "travels": list(result.travels)}
+
+
+def _resume(cfg: TrainConfig, path: Path, model, optimizer, out) -> tuple[int, LoaderState, TrainResult]:
+    from .rundir import load_checkpoint
+
+    step, extra = load_checkpoint(path, model, optimizer)
+    if extra.get("config") != cfg.to_dict():
+        diff = sorted(k for k, v in cfg.to_dict().items() if (extra.get("config") or {}).get(k) != v)
+        raise BadInput(f"checkpoint {path} belongs to another job (differs in: {', '.join(diff)}); "
+                       "resume with the job's own settings")
+    if not 0 < step <= cfg.steps or len(extra.get("losses", ())) != step:
+        raise BadInput(f"checkpoint {path} is inconsistent (step {step}); start the run afresh")
+    if out is not None:
+        _truncate_metrics(out.metrics_path, step)
+    result = TrainResult(losses=list(extra["losses"]), travels=list(extra.get("travels", ())))
+    return step, LoaderState.from_dict(extra["loader"]), result
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Steps after the checkpoint are trained again: drop their rows from an earlier attempt."""
+    import csv
+    import os
+
+    if not path.exists():
+        return
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return
+    keep = [rows[0]] + [r for r in rows[1:] if r and int(r[0]) < step]
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        csv.writer(f).writerows(keep)
+    os.replace(tmp, path)
 
 
 def _sample(model, cfg: TrainConfig, device: str, tokenizer) -> str:
