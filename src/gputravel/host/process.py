@@ -4,6 +4,11 @@ It accepts the device's BAR0 and doorbell, and each CVM's DMA segment and interr
 endpoint, and switches the GPU on request. It never holds a descriptor of VRAM. Being the
 hypervisor it can read every CVM's unprotected memory; with ``snoop`` set it does exactly
 that, continuously, so tests can prove that what it sees holds no plaintext.
+
+With ``adversary_dir`` set it is the red team's malicious hypervisor
+(:mod:`gputravel.redteam.host`): the hooks below let it interpose on doorbell writes, route a
+switch to the wrong CVM or split a CVM's DMA mapping from its interrupt, and switch the GPU
+on its own. An honest host has no adversary and these hooks do nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class HostConfig:
     snoop_path: str | None = None  # where the snooper appends what it reads
     snoop_limit_bytes: int = 256 << 20
     switch_timeout: float = 10.0
+    adversary_dir: str | None = None  # red team only: the malicious hypervisor's work directory
 
 
 class Snooper(threading.Thread):
@@ -70,10 +76,14 @@ class HostProcess:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._snooper = Snooper(config.snoop_path, config.snoop_limit_bytes) if config.snoop_path else None
+        self._cvm_of: dict[Transport, str] = {}  # which CVM registered over which connection
+        self.adversary = _adversary(config, self)
 
     def serve(self) -> None:
         if self._snooper:
             self._snooper.start()
+        if self.adversary is not None:
+            self.adversary.start(self._sel)
         try:
             while True:
                 for key, _ in self._sel.select():
@@ -81,8 +91,11 @@ class HostProcess:
                         conn, _ = self._listener.accept()
                         peer = StreamTransport(conn, "peer")
                         self._sel.register(peer.fileno(), selectors.EVENT_READ, peer)
+                    elif callable(key.data):  # the adversary's own endpoints
+                        key.data()
                     elif not self._serve_one(key.data):
                         self._sel.unregister(key.data.fileno())
+                        self._cvm_of.pop(key.data, None)
                         key.data.close()
                         if key.data is self.device:
                             return  # the GPU is gone: nothing left to multiplex
@@ -103,7 +116,7 @@ class HostProcess:
             elif isinstance(msg, RegisterCvm):
                 self._register(peer, msg, got.fds)
             elif isinstance(msg, SwitchRequest):
-                peer.send(self._switch(msg.target))
+                peer.send(self._switch(msg.target, self._cvm_of.get(peer, "")))
             else:
                 peer.send(HostError(reason=f"unexpected message {type(msg).__name__}"))
         except (BadInput, GputravelError) as exc:
@@ -129,19 +142,47 @@ class HostProcess:
             os.close(old.irq_fd)
         if self._snooper:
             self._snooper.watch(reg)
-        peer.send(Registered(bar_bytes=self._bar_bytes), fds=self._device_fds)
+        self._cvm_of[peer] = msg.cvm
+        bar, doorbell = self._device_fds
+        if self.adversary is not None:  # it hands out its own doorbell and relays (or not)
+            doorbell = self.adversary.doorbell_for(reg)
+        peer.send(Registered(bar_bytes=self._bar_bytes), fds=(bar, doorbell))
 
-    def _switch(self, target: str) -> Switched:
+    def _switch(self, target: str, requester: str = "") -> Switched:
         started = time.perf_counter_ns()
         plan = self.mux.switch(target)
+        dma = irq = plan.target
+        if self.adversary is not None:  # it may route the DMA mapping and the interrupt elsewhere
+            dma, irq = self.adversary.route(requester, plan)
+        self.attach(dma, irq)
+        return Switched(target=target, elapsed_ns=time.perf_counter_ns() - started)
+
+    def attach(self, dma: CvmRegistration, irq: CvmRegistration) -> None:
+        """Map ``dma``'s unprotected memory for the device and route its interrupt to ``irq``
+        (the same CVM unless the host is malicious)."""
         if self.device is None:
             raise BadInput("no device is attached")
-        reg = plan.target
-        self.device.send(AttachCvm(cvm=reg.cvm, iova=reg.iova, nbytes=reg.nbytes), fds=(reg.sysmem_fd, reg.irq_fd))
+        self.device.send(AttachCvm(cvm=dma.cvm, iova=dma.iova, nbytes=dma.nbytes), fds=(dma.sysmem_fd, irq.irq_fd))
         ack = self.device.recv(timeout=self.config.switch_timeout).message
-        if not isinstance(ack, DeviceAck) or ack.cvm != target:
+        if not isinstance(ack, DeviceAck) or ack.cvm != dma.cvm:
             raise BadInput("device did not acknowledge the switch")
-        return Switched(target=target, elapsed_ns=time.perf_counter_ns() - started)
+
+    @property
+    def device_fds(self) -> tuple[int, int] | None:
+        """BAR0 and the device's own doorbell (held by the host to hand out)."""
+        return self._device_fds
+
+    @property
+    def bar_bytes(self) -> int:
+        return self._bar_bytes
+
+
+def _adversary(config: HostConfig, host: HostProcess):
+    if not config.adversary_dir:
+        return None
+    from ..redteam.host import HostAdversary  # only the red team's host imports it
+
+    return HostAdversary(Path(config.adversary_dir), host)
 
 
 def run_host(config: HostConfig) -> None:

@@ -6,6 +6,7 @@ its control link, then serves until told to stop or its peers go away.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import sys
@@ -35,11 +36,14 @@ def main(argv: list[str]) -> int:
             control.send(Ready(role="host", detail={}))
             host.serve()
         elif role == "device":
-            from ..crypto.pki import make_device_identity
             from ..device.process import DeviceConfig, DeviceProcess
+            from .trust import DeviceMaterial
 
             assert extra is not None
-            dev = DeviceProcess(_config(DeviceConfig, payload), make_device_identity(), extra)
+            config = _config(DeviceConfig, payload)
+            gpu = DeviceMaterial.load(config.gpu_dir)  # its 5-certificate chain and firmware key
+            config = dataclasses.replace(config, serial=gpu.device.serial)
+            dev = DeviceProcess(config, gpu.identity(), extra, firmware=gpu.device.firmware())
             control.send(Ready(role="device", detail={"vram_bytes": dev.config.vram_bytes}))
             dev.serve()
         elif role == "holder":
@@ -51,6 +55,10 @@ def main(argv: list[str]) -> int:
 
             assert extra is not None
             serve(_config(OrchestratorConfig, payload), control, extra)
+        elif role == "redteam-holder":  # a malicious holder (gputravel.redteam, tests and `gputravel redteam`)
+            from ..redteam.holder import serve as serve_malicious
+
+            serve_malicious(payload, control)
         else:
             raise SystemExit(f"unknown role {role!r}")
     except GputravelError as exc:

@@ -1,0 +1,98 @@
+"""A live local cohort whose host is the malicious hypervisor and one of whose holders is
+malicious; and the links the red team's driver uses to give them orders."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..errors import RemoteError
+from ..runtime.supervisor import Cohort, CohortConfig
+from ..transport.stream import connect_unix
+from .messages import HolderNews, HolderQuery, HostNews, HostQuery, MarkRow
+
+SNOOP_LIMIT = 48 << 20  # the plain snooper's file; the adversary's own snapshots come on top
+
+
+class AdversaryError(RemoteError):
+    """An adversary could not carry out an order (the attack was not really tried)."""
+
+
+class RedTeamCohort(Cohort):
+    """Every process is the real one, except that the host runs the adversary hooks and the
+    holders named ``malicious`` run :mod:`gputravel.redteam.holder`."""
+
+    def __init__(self, config: CohortConfig, malicious: tuple[str, ...]) -> None:
+        super().__init__(config)
+        self.malicious = malicious
+
+    @property
+    def adversary_dir(self) -> Path:
+        assert self.dir is not None
+        return self.dir / "adversary"
+
+    @property
+    def loot_dir(self) -> Path:
+        return self.adversary_dir / "loot"
+
+    def _spawn(self, role: str, config: dict, *, key: str | None = None, extra_fd: int | None = None):
+        if role == "host":
+            self.adversary_dir.mkdir(mode=0o700)
+            layout = dataclasses.asdict(self.config.layout)
+            (self.adversary_dir / "config.json").write_text(json.dumps({"layout": layout}))
+            config = {**config, "adversary_dir": str(self.adversary_dir), "snoop_limit_bytes": SNOOP_LIMIT}
+        elif role == "holder" and key in self.malicious:
+            role, config = "redteam-holder", {**config, "loot_dir": str(self.loot_dir)}
+        return super()._spawn(role, config, key=key, extra_fd=extra_fd)
+
+
+class HostLink:
+    """Orders to the malicious host; what it reports piles up until :meth:`news` takes it."""
+
+    def __init__(self, cohort: RedTeamCohort) -> None:
+        self._t = connect_unix(str(cohort.adversary_dir / "adversary.sock"), "malicious-host")
+        self._pending = HostNews((), 0, 0, "")
+
+    def order(self, msg: object) -> None:
+        self._t.send(msg)
+        news = self._t.recv(timeout=60, expect=HostNews).message
+        assert isinstance(news, HostNews)
+        p = self._pending
+        self._pending = HostNews(p.events + news.events, p.user_faults + news.user_faults,
+                                 p.kernel_faults + news.kernel_faults, "")
+        if news.error:
+            raise AdversaryError(f"the host could not {type(msg).__name__}: {news.error}")
+
+    def news(self) -> HostNews:
+        self.order(HostQuery())
+        news, self._pending = self._pending, HostNews((), 0, 0, "")
+        return news
+
+    def begin(self, row: str) -> None:
+        """A new attack: loot goes under its name; what happened before is not its news."""
+        self.order(MarkRow(row))
+        self._pending = HostNews((), 0, 0, "")
+
+    def close(self) -> None:
+        self._t.close()
+
+
+class HolderLink:
+    """Orders to the malicious holder, over the control link the supervisor has to it."""
+
+    def __init__(self, cohort: RedTeamCohort, name: str) -> None:
+        self.name = name
+        self._t = cohort.children[name].control
+
+    def order(self, msg: object, timeout: float = 120) -> HolderNews:
+        self._t.send(msg)
+        news = self._t.recv(timeout=timeout, expect=HolderNews).message
+        assert isinstance(news, HolderNews)
+        return news
+
+    def news(self) -> HolderNews:
+        return self.order(HolderQuery())
+
+    def begin(self, row: str) -> None:
+        self.order(MarkRow(row))

@@ -1,0 +1,345 @@
+"""The malicious data holder (paper 3.1, 6.1): a real holder CVM process that misbehaves.
+
+It joins the cohort like any holder (attests the orchestrator, sends its manifest) and its
+travels go through the real driver, device and host. It keeps every context blob it is
+given or exports (the keys inside them), and on orders from the red team's driver it:
+
+- dumps the dataset buffer while it holds the GPU, inside its window and outside it;
+- launches work with the keys it just returned, after handing the GPU back;
+- returns a stale or altered context blob, or never returns the GPU at all;
+- uses kept keys later, joining the device's queues where they stand (BAR0 tells it);
+- tries every kept key on ciphertext the host captured for it (collusion).
+
+Whatever it reads back, decrypts, or holds in its own unprotected memory goes to its loot,
+which the driver scans for other holders' data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import selectors
+import time
+from pathlib import Path
+
+from ..context import DriverContext, pack_context, unpack_context
+from ..crypto.channel import Receiver
+from ..errors import GputravelError, IntegrityError, TransportClosed
+from ..layout import SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
+from ..messages import Bye, CopyFromVram, TravelRequest
+from ..roles.holder import CopyChunk, ImportBlob
+from ..runtime.control import JoinCohort, Ready, Shutdown
+from ..runtime.holder import ORCHESTRATOR, DataHolder, HolderConfig
+from ..runtime.membership import join as join_cohort
+from ..transport.base import Transport
+from .loot import Loot, read_frames
+from .messages import (
+    DecryptCaptured,
+    HolderNews,
+    HolderQuery,
+    MarkRow,
+    SetTravelMode,
+    UseKeptKeys,
+)
+
+MODES = ("honest", "dump", "work-after-return", "stale-epoch", "stale-counters", "altered-keys", "corrupted",
+         "never-return")
+MAX_IV_GUESSES = 32  # message counters tried per key and ciphertext
+# Which kept keys are worth trying on which captured ciphertext.
+LABELS_FOR = {"record": ("Lce00_h2d_user", "Lce00_d2h_user"), "push": ("Lwlc_h2d_user",)}
+
+
+class MaliciousHolder(DataHolder):
+    def __init__(self, config: HolderConfig, loot_dir: Path) -> None:
+        super().__init__(config)
+        self.loot = Loot(loot_dir, "holder")
+        self.kept: list[bytes] = []  # every blob given or exported, oldest first
+        self.exported: list[bytes] = []  # the blobs it exported at the end of its travels
+        self.mode = "honest"
+        self.buffer: tuple[int, int] | None = None
+        self._news = _News()
+
+    # ------------------------------------------------------------------ travels
+    def serve_travel(self, req: TravelRequest) -> None:
+        mode, self.mode = self.mode, "honest"
+        act = self._arrive(req)
+        if mode in ("dump", "never-return"):
+            self._dump_window(act)
+        if mode == "never-return":
+            self._news.event("kept the GPU: never switched back, never replied")
+            self._snapshot()
+            return
+        self._copy(act, time.perf_counter)
+        if mode == "dump":
+            self._dump_outside(req.buffer_offset, req.buffer_bytes)
+        blob = self._go_home(mode)
+        if mode == "work-after-return":
+            self._work_after_return(blob)
+        self._snapshot()
+
+    def _arrive(self, req: TravelRequest) -> CopyChunk:
+        """As an honest holder: keep the blob (as nobody honest would), import it."""
+        self.kept.append(req.context)
+        self.buffer = (req.buffer_offset, req.buffer_bytes)
+        act = self.sm.on_request(req, time.perf_counter())
+        assert isinstance(act, ImportBlob)
+        self.driver.import_context(act.blob)
+        act = self.sm.imported(time.perf_counter())
+        assert isinstance(act, CopyChunk)
+        return act
+
+    def _go_home(self, mode: str) -> bytes:
+        """Export (keeping a copy), hand back a blob (perhaps not that one), switch, reply."""
+        blob = self.driver.export_context()
+        self.kept.append(blob)
+        self.exported.append(blob)
+        self.sm.exported(self._returned(mode, blob), time.perf_counter())
+        self.switch(ORCHESTRATOR)
+        reply = self.sm.switched_back(time.perf_counter())
+        assert self.orchestrator is not None
+        self.orchestrator.send(reply.message)
+        return blob
+
+    def _returned(self, mode: str, blob: bytes) -> bytes:
+        """The blob handed back: the real one, or a stale or altered one."""
+        if mode == "stale-epoch" and len(self.exported) > 1:
+            self._news.event("returned the context blob of an earlier travel (older key epoch)")
+            return self.exported[-2]
+        if mode in ("stale-counters", "altered-keys"):
+            ctx = unpack_context(blob, layout=self.layout_digest)
+            forged = _rewound(ctx) if mode == "stale-counters" else _rekeyed(ctx)
+            what = "counters rewound" if mode == "stale-counters" else "a key replaced"
+            self._news.event(f"returned a context blob with {what}, checksum recomputed")
+            return pack_context(forged)
+        if mode == "corrupted":
+            self._news.event("returned a context blob with one byte flipped")
+            return blob[:-40] + bytes([blob[-40] ^ 0x01]) + blob[-39:]
+        return blob
+
+    @property
+    def layout_digest(self) -> str:
+        return self.config.layout.digest()
+
+    def _dump_window(self, act: CopyChunk) -> None:
+        """Read the whole granted buffer back before copying anything (what is left in it?)."""
+        self._read("inside the granted window", act.buffer_offset, act.buffer_bytes, self.config.device_timeout)
+
+    def _dump_outside(self, offset: int, nbytes: int) -> None:
+        """Then try the rest of VRAM: just past the window, and far beyond it."""
+        for where, at in (("just past the granted window", offset + nbytes),
+                          ("16 MiB past the granted window", offset + nbytes + (16 << 20))):
+            self._read(where, at, 4096, 1.0)
+
+    def _work_after_return(self, blob: bytes) -> None:
+        """The GPU is back home; the keys just returned are still in hand: launch work."""
+        self._news.event("after handing the GPU back: submitted a read of the buffer with the keys it returned")
+        self._with_kept(blob, lambda: self._read("after returning the GPU", self.buffer[0], self.buffer[1], 1.0,
+                                                 kept=True))
+
+    # ------------------------------------------------------------------ kept keys
+    def use_kept_keys(self, order: UseKeptKeys) -> None:
+        assert self.buffer is not None, "no travel yet: nothing kept"
+        for blob in list(reversed(self.exported))[: order.blobs]:
+            epoch = unpack_context(blob, layout=self.layout_digest).epoch
+            self._news.event(f"used the keys of epoch {epoch} it kept")
+            where = f"with kept epoch-{epoch} keys"
+            self._with_kept(blob, lambda where=where: self._read(where, self.buffer[0], self.buffer[1],
+                                                                 order.timeout, kept=True))
+            self._with_kept(blob, lambda: self._rpc(order.timeout))
+        self._snapshot()
+
+    def _with_kept(self, blob: bytes, attempt) -> None:
+        """Adopt a kept context, line it up with where the device stands, try, drop it.
+
+        Nothing it lines up with is secret: the GPFIFO get and the last RPC answered are in
+        BAR0, and the IV index of the user channel's last semaphore release is published in
+        plain next to it (the host hands over the record). Every user push releases the
+        semaphore, so that index is also how many pushes the device took in this epoch.
+        """
+        drv = self.driver
+        drv.import_context(blob)
+        bar = drv.link.bar
+        drv._put[PushChannel.USER] = U32.unpack_from(bar, Bar0.get(PushChannel.USER))[0]
+        drv._rpc_tx = drv._rpc_rx = U32.unpack_from(bar, Bar0.RPC_GET)[0]
+        _, chan, msg, _ = SEMAPHORE_HEADER.unpack_from(drv.link.sysmem, self.config.layout.semaphore_offset(PushChannel.USER))
+        if chan:
+            for table, label in ((drv.keys.tx, "Lwlc_h2d_user"), (drv.keys.rx, "Llcic_d2h_user")):
+                state = dataclasses.replace(table[label].export_state(), channel_counter=chan, message_counter=msg)
+                table[label] = type(table[label]).from_state(state)
+        try:
+            attempt()
+        finally:
+            drv.export_context()  # drop it again (it stays in self.kept)
+
+    def _read_any_iv(self, offset: int, nbytes: int, timeout: float) -> bytearray:
+        """copy_from_vram, except that each record is opened at whichever IV works (the number
+        of reads the device served this epoch is not published, so try them)."""
+        drv, lay = self.driver, self.config.layout
+        rx = drv.keys.rx["Lce00_d2h_user"].export_state()
+        out = bytearray()
+        for start in range(0, nbytes, lay.record_bytes):
+            n = min(lay.record_bytes, nbytes - start)
+            slot, value = lay.staging_slot_offset(0), drv.next_release(PushChannel.USER)
+            drv.submit(PushChannel.USER, CopyFromVram(src_offset=offset + start, nbytes=n, dst_iova=lay.iova(slot),
+                                                      release=value, interrupt=True), timeout)
+            drv.wait_release(PushChannel.USER, value, timeout)
+            ct = bytes(drv.link.sysmem[slot : slot + n + TAG_BYTES])
+            plain = next((p for m in range(1, 2 * MAX_IV_GUESSES) if (p := _try_open(rx, m, ct)) is not None), None)
+            if plain is None:
+                raise IntegrityError("no IV opens the record")
+            out += plain
+        return out
+
+    def _read(self, where: str, offset: int, nbytes: int, timeout: float, *, kept: bool = False) -> None:
+        self._news.attempts += 1
+        try:
+            data = (self._read_any_iv(offset, nbytes, timeout) if kept
+                    else self.driver.copy_from_vram(offset, nbytes, timeout=timeout))
+        except GputravelError as exc:
+            self._news.fail(f"read {where}", exc)
+            return
+        self.loot.keep("read", data)
+        self._news.bytes_read += len(data)
+        self._news.nonzero_read += len(data) - data.count(0)
+        self._news.event(f"read {len(data)} bytes {where}: {len(data) - data.count(0)} not zero")
+
+    def _rpc(self, timeout: float) -> None:
+        self._news.attempts += 1
+        try:
+            self.driver.query_buffer(self.buffer[0], timeout=timeout)
+        except GputravelError as exc:
+            self._news.fail("encrypted RPC", exc)
+            return
+        self._news.event("an encrypted RPC with kept keys was answered")
+
+    # ------------------------------------------------------------------ collusion
+    def decrypt_captured(self, order: DecryptCaptured) -> None:
+        """Every kept key, every plausible IV, on every ciphertext the host handed over."""
+        frames = read_frames(Path(order.path))
+        states = _kept_states(self.kept, self.layout_digest)
+        tried = won = 0
+        for kind, ct in frames:
+            for state in (s for s in states if s.label in LABELS_FOR.get(kind, ())):
+                for message in range(1, MAX_IV_GUESSES + 1):
+                    tried += 1
+                    plain = _try_open(state, message, ct)
+                    if plain is not None:
+                        won += 1
+                        self.loot.keep("decrypted", plain)
+        self._news.attempts += tried
+        self._news.decrypted += won
+        self._news.event(f"tried {len(states)} kept keys x {MAX_IV_GUESSES} IVs on {len(frames)} captured "
+                         f"ciphertexts: {won} opened")
+
+    # ------------------------------------------------------------------ loot and news
+    def _snapshot(self) -> None:
+        self.loot.snapshot("sysmem", memoryview(self.driver.link.sysmem))
+        for blob in self.kept:
+            self.loot.keep("blobs", blob)
+
+    def news(self) -> HolderNews:
+        news, self._news = self._news.message(), _News()
+        return news
+
+
+def _rewound(ctx: DriverContext) -> DriverContext:
+    senders = tuple(dataclasses.replace(s, message_counter=0) for s in ctx.senders)
+    return dataclasses.replace(ctx, senders=senders, semaphore=0)
+
+
+def _rekeyed(ctx: DriverContext) -> DriverContext:
+    first, *rest = ctx.senders
+    return dataclasses.replace(ctx, senders=(dataclasses.replace(first, key=os.urandom(32)), *rest))
+
+
+def _kept_states(blobs: list[bytes], layout: str) -> list:
+    out = []
+    for blob in blobs:
+        ctx = unpack_context(blob, layout=layout)
+        out.extend(ctx.senders + ctx.receivers)
+    return out
+
+
+def _try_open(state, message: int, ct: bytes) -> bytes | None:
+    try:
+        rx = Receiver.from_state(dataclasses.replace(state, message_counter=0))
+        return rx.accept_at(message, state.channel_counter, ct)
+    except GputravelError:
+        return None
+
+
+class _News:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.errors: list[str] = []
+        self.bytes_read = self.nonzero_read = self.decrypted = self.attempts = 0
+
+    def event(self, text: str) -> None:
+        self.events.append(text)
+
+    def fail(self, what: str, exc: GputravelError) -> None:
+        self.errors.append(type(exc).__name__)
+        self.events.append(f"{what}: {type(exc).__name__}")
+
+    def message(self) -> HolderNews:
+        return HolderNews(tuple(self.events), tuple(self.errors), self.bytes_read, self.nonzero_read,
+                          self.decrypted, self.attempts)
+
+
+# ----------------------------------------------------------------------------- the process
+def serve(payload: dict, control: Transport) -> None:
+    """``python -m gputravel.runtime.entry redteam-holder CONFIG CONTROL_FD``."""
+    from ..runtime.entry import _config
+
+    loot_dir = Path(payload.pop("loot_dir"))
+    holder = MaliciousHolder(_config(HolderConfig, payload), loot_dir)
+    holder.boot()
+    control.send(Ready(role=holder.config.name, detail={"dataset_bytes": holder.dataset.size}))
+    sel = selectors.DefaultSelector()
+    sel.register(control.fileno(), selectors.EVENT_READ, "control")
+    while True:
+        for key, _ in sel.select():
+            if key.data == "control":
+                if not _order(holder, control.recv().message, control, sel):
+                    return
+            else:
+                _from_orchestrator(holder, sel)
+
+
+def _order(holder: MaliciousHolder, cmd: object, control: Transport, sel: selectors.BaseSelector) -> bool:
+    if isinstance(cmd, Shutdown):
+        return False
+    if isinstance(cmd, JoinCohort):
+        if join_cohort(holder, cmd, control):
+            assert holder.orchestrator is not None
+            sel.register(holder.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
+        return True
+    if isinstance(cmd, MarkRow):
+        holder.loot.mark(cmd.row)
+    elif isinstance(cmd, SetTravelMode):
+        holder.mode = cmd.mode if cmd.mode in MODES else "honest"
+    elif isinstance(cmd, UseKeptKeys):
+        holder.use_kept_keys(cmd)
+    elif isinstance(cmd, DecryptCaptured):
+        holder.decrypt_captured(cmd)
+    elif not isinstance(cmd, HolderQuery):
+        return True
+    control.send(holder.news())
+    return True
+
+
+def _from_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -> None:
+    conn = holder.orchestrator
+    assert conn is not None
+    try:
+        msg = conn.recv(timeout=30).message
+    except (TransportClosed, GputravelError):
+        sel.unregister(conn.fileno())
+        conn.close()
+        holder.orchestrator = None
+        holder._news.event("the orchestrator dropped the connection")
+        return
+    if isinstance(msg, Bye):
+        return
+    if isinstance(msg, TravelRequest):
+        holder.serve_travel(msg)

@@ -1,0 +1,453 @@
+"""The malicious hypervisor: what the host can do with the PCIe MUX and unprotected memory.
+
+It runs inside the host process (``HostConfig.adversary_dir``) and uses only what a real
+hypervisor has (paper 3.1, 6.2):
+
+- every CVM's unprotected memory (bounce buffers), read *and* write: it holds the memfds;
+- BAR0, read and write (GPFIFO entries, ``put``, fault flags): it holds the descriptor;
+- the doorbell: a doorbell is an MMIO write the hypervisor can trap, so each CVM gets a
+  doorbell of the host's own, and the host relays each ring to the device, or holds it back,
+  or drops it;
+- the MUX: it can map any CVM's memory for the device and route the interrupt anywhere.
+
+It never has VRAM, the SPDM session secret, or any key. At every doorbell and every switch it
+snapshots the CVM's bounce buffers into its loot; it captures every push it sees. Orders come
+from the red team's driver over ``adversary.sock`` (:mod:`gputravel.redteam.messages`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import mmap
+import os
+import queue
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import GputravelError, ProtocolError, TransportClosed
+from ..layout import (
+    FAULT_REG,
+    GPFIFO_ENTRY,
+    SEMAPHORE_RECORD_BYTES,
+    SYSMEM_IOVA,
+    U32,
+    Bar0,
+    Layout,
+    PushChannel,
+)
+from ..transport.stream import StreamTransport
+from .loot import Loot, write_frames
+from .messages import (
+    ArmDrop,
+    ArmExposePrefix,
+    ArmRoute,
+    ArmTamper,
+    ExportRecords,
+    ForceSwitch,
+    HostNews,
+    HostQuery,
+    MarkRow,
+)
+
+if TYPE_CHECKING:
+    from ..host.mux import CvmRegistration, SwitchPlan
+    from ..host.process import HostProcess
+
+ORCHESTRATOR = "orchestrator"
+USER, KERNEL = PushChannel.USER, PushChannel.KERNEL
+MAX_RECORDS = 32  # staging-slot captures kept per CVM for ExportRecords
+
+
+@dataclass
+class _Tamper:
+    order: ArmTamper
+    held: bool = False
+
+
+@dataclass
+class _Drop:
+    order: ArmDrop
+    active: bool = False
+    left: int = 0
+
+
+@dataclass
+class _Captures:
+    pushes: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (channel, index) -> ciphertext
+    records: dict[bytes, bytes] = field(default_factory=dict)  # digest -> staging slot content
+
+
+class HostAdversary:
+    def __init__(self, workdir: Path, host: HostProcess) -> None:
+        cfg = json.loads((workdir / "config.json").read_text())
+        self.layout = Layout(**cfg["layout"])
+        self.host = host
+        self.loot = Loot(workdir / "loot", "host")
+        self.lock = threading.RLock()  # the adversary's state; never held for long (the relay needs it)
+        self._loot_lock = threading.Lock()  # the loot files and captured records (the snapshot worker)
+        self._snaps: queue.Queue[str] = queue.Queue()  # CVMs whose bounce buffers to snapshot
+        self._push_log: list[bytes] = []
+        self._orch_kernel_put = 0  # the kernel put the orchestrator last announced with a doorbell
+        self._last_user_cvm = ""  # whose bounce buffers hold the user channel's latest semaphore
+        self.regs: dict[str, CvmRegistration] = {}
+        self.mem: dict[str, mmap.mmap] = {}
+        self._bells: dict[int, str] = {}
+        self._caps: dict[str, _Captures] = {}
+        self._bar: mmap.mmap | None = None
+        self._seen_put = {USER: 0, KERNEL: 0}
+        self._travel_base: dict[str, int] = {}
+        self._fault_up = {USER: False, KERNEL: False}
+        self._faults = {USER: 0, KERNEL: 0}
+        self._events: list[str] = []
+        self._tamper: _Tamper | None = None
+        self._drop: _Drop | None = None
+        self._expose: ArmExposePrefix | None = None
+        self._route: ArmRoute | None = None
+        self._hidden_put: int | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        sock_path = workdir / "adversary.sock"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(sock_path))
+        self._listener.listen(4)
+        self._sel: selectors.BaseSelector | None = None
+
+    # ------------------------------------------------------------------ host hooks
+    def start(self, sel: selectors.BaseSelector) -> None:
+        self._sel = sel
+        sel.register(self._listener, selectors.EVENT_READ, self._accept)
+        threading.Thread(target=self._relay, daemon=True, name="doorbell-relay").start()
+        threading.Thread(target=self._snapshotter, daemon=True, name="snapshots").start()
+
+    def doorbell_for(self, reg: CvmRegistration) -> int:
+        """A CVM registers: map its memory read-write, give it a doorbell of ours."""
+        bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        mem = mmap.mmap(reg.sysmem_fd, reg.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with self.lock:
+            self.regs[reg.cvm], self.mem[reg.cvm], self._bells[bell] = reg, mem, reg.cvm
+            self._caps.setdefault(reg.cvm, _Captures())
+        os.write(self._wake_w, b"x")
+        return bell
+
+    def route(self, requester: str, plan: SwitchPlan) -> tuple[CvmRegistration, CvmRegistration]:
+        """A CVM asked for a switch: note it, snapshot, and route it as ordered."""
+        target = plan.target.cvm
+        with self.lock:
+            self._check_faults()
+            for cvm in {plan.previous, target} - {None}:
+                self._snaps.put(cvm)
+            self._event(f"switch: {requester or 'someone'} asked for the GPU to go to {target}")
+            if requester == ORCHESTRATOR and target != ORCHESTRATOR:  # a travel starts
+                self._seen_put[USER] = self._reg32(Bar0.put(USER))
+                self._travel_base[target] = self._seen_put[USER]
+            tamper = self._tamper
+            if tamper is not None and tamper.order.kind == "replay" and requester == tamper.order.victim:
+                self._tamper = None
+                self._capture(requester, USER)  # whatever the relay has not looked at yet
+                self._replay(requester, tamper.order.user_push)  # the victim is done: the device is idle
+            drop = self._drop
+            if drop is not None and not drop.active and requester == drop.order.after_return_of and target == ORCHESTRATOR:
+                drop.active = True
+                self._event(f"{requester} handed the GPU back: dropping doorbells now")
+            order = self._route
+            if order is not None and order.requester == requester and order.target == target:
+                self._route = None
+                self._event(f"{requester} asked for the GPU to go to {target}: mapped {order.dma}'s memory, "
+                            f"routed {order.irq}'s interrupt")
+                return self.regs[order.dma], self.regs[order.irq]
+        return plan.target, plan.target
+
+    # ------------------------------------------------------------------ orders
+    def _accept(self) -> None:
+        conn, _ = self._listener.accept()
+        peer = StreamTransport(conn, "red-team")
+        assert self._sel is not None
+        self._sel.register(peer.fileno(), selectors.EVENT_READ, functools.partial(self._order, peer))
+
+    def _order(self, peer: StreamTransport) -> None:
+        try:
+            msg = peer.recv(timeout=10).message
+        except (TransportClosed, ProtocolError):
+            assert self._sel is not None
+            self._sel.unregister(peer.fileno())
+            peer.close()
+            return
+        error = ""
+        try:
+            self._obey(msg)
+        except (GputravelError, KeyError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        peer.send(self._news(error))
+
+    def _obey(self, msg: object) -> None:
+        if isinstance(msg, MarkRow):
+            self._snaps.join()  # what was seen so far belongs to the attack before
+            with self._loot_lock:
+                self._flush_pushes()
+                self.loot.mark(msg.row)
+            return
+        if isinstance(msg, ExportRecords):
+            self._export_records(msg)
+            return
+        with self.lock:
+            if isinstance(msg, ArmTamper):
+                self._tamper = _Tamper(msg)
+            elif isinstance(msg, ArmDrop):
+                self._drop = _Drop(msg, active=not msg.after_return_of, left=msg.kernel_rings)
+            elif isinstance(msg, ArmExposePrefix):
+                self._expose = msg
+            elif isinstance(msg, ArmRoute):
+                self._route = msg
+            elif not isinstance(msg, (ForceSwitch, HostQuery)):
+                raise ProtocolError(f"unknown order {type(msg).__name__}")
+        if isinstance(msg, ForceSwitch):
+            self._force_switch(msg)
+
+    def _force_switch(self, order: ForceSwitch) -> None:
+        with self.lock:
+            self._check_faults()
+            if order.hide_kernel:
+                self._hidden_put = self._reg32(Bar0.put(KERNEL))
+                get = self._reg32(Bar0.get(KERNEL))
+                pending = (self._hidden_put - get) % self.layout.gpfifo_entries
+                self._set32(Bar0.put(KERNEL), get)
+                self._event(f"hid {pending} pending kernel-channel entries from the device")
+            elif self._hidden_put is not None:
+                self._set32(Bar0.put(KERNEL), self._hidden_put)
+                self._hidden_put = None
+                self._event("let the device see the pending kernel-channel entries again")
+            if self.host.mux.current:
+                self._snaps.put(self.host.mux.current)
+            self._hand_over_semaphore(order.dma)
+        self.host.mux.switch(order.dma)
+        self.host.attach(self.regs[order.dma], self.regs[order.irq])
+        self._event(f"switched the GPU to {order.dma} unasked (interrupt to {order.irq})")
+
+    def _hand_over_semaphore(self, to: str) -> None:
+        """Collusion: copy the user channel's latest semaphore record (its IV index is plain
+        text) into the bounce buffers of the CVM the GPU goes to."""
+        src = self._last_user_cvm
+        if src and src != to:
+            off = self.layout.semaphore_offset(USER)
+            self.mem[to][off : off + SEMAPHORE_RECORD_BYTES] = self.mem[src][off : off + SEMAPHORE_RECORD_BYTES]
+
+    def _export_records(self, order: ExportRecords) -> None:
+        self._snaps.join()
+        caps = self._caps[order.cvm]
+        with self._loot_lock:
+            frames = [("record", r) for r in caps.records.values() if r.count(0) < len(r)]
+        with self.lock:
+            frames += [("push", p) for p in caps.pushes.values()]
+        Path(order.path).parent.mkdir(parents=True, exist_ok=True)
+        write_frames(Path(order.path), frames)
+        self._event(f"handed over {len(caps.records)} staging records and {len(caps.pushes)} pushes of {order.cvm}")
+
+    def _news(self, error: str) -> HostNews:
+        with self.lock:
+            self._check_faults()
+            news = HostNews(tuple(self._events), self._faults[USER], self._faults[KERNEL], error)
+            self._events = []
+            self._faults = {USER: 0, KERNEL: 0}
+        return news
+
+    # ------------------------------------------------------------------ the doorbell relay
+    def _relay(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
+        known: set[int] = set()
+        while True:
+            for key, _ in sel.select():
+                if key.data is None:
+                    self._learn_bells(sel, known)
+                    continue
+                try:
+                    os.eventfd_read(key.fd)
+                except BlockingIOError:
+                    continue
+                self._on_ring(key.data)
+
+    def _learn_bells(self, sel: selectors.BaseSelector, known: set[int]) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        with self.lock:
+            fresh = {fd: cvm for fd, cvm in self._bells.items() if fd not in known}
+        for fd, cvm in fresh.items():
+            sel.register(fd, selectors.EVENT_READ, cvm)
+            known.add(fd)
+
+    def _on_ring(self, cvm: str) -> None:
+        """A CVM rang: capture its new pushes, decide whether the device hears of it; the
+        snapshot of its bounce buffers is taken aside, so the relay stays fast."""
+        with self.lock:
+            fresh = {ch: self._capture(cvm, ch) for ch in PushChannel}
+            if fresh[USER]:
+                self._last_user_cvm = cvm
+            announced = False
+            if cvm == ORCHESTRATOR:  # did the orchestrator announce kernel work with this doorbell?
+                put = self._reg32(Bar0.put(KERNEL))
+                announced, self._orch_kernel_put = put != self._orch_kernel_put, put
+            self._check_faults()
+            forward = self._decide(cvm, fresh, announced)
+        if forward:
+            os.eventfd_write(self.host.device_fds[1], 1)
+        self._snaps.put(cvm)
+
+    def _snapshotter(self) -> None:
+        while True:
+            cvms = {self._snaps.get()}
+            done = 1
+            while not self._snaps.empty():
+                cvms.add(self._snaps.get_nowait())
+                done += 1
+            with self._loot_lock:
+                for cvm in cvms:
+                    self._snapshot(cvm)
+                    self._capture_records(cvm)
+                self._flush_pushes()
+            for _ in range(done):
+                self._snaps.task_done()
+
+    def _flush_pushes(self) -> None:
+        with self.lock:
+            pushes, self._push_log = self._push_log, []
+        for ct in pushes:
+            self.loot.keep("pushes", ct)
+
+    def _decide(self, cvm: str, fresh: dict[PushChannel, list[int]], announced: bool) -> bool:
+        drop = self._drop
+        if drop is not None and drop.active:
+            if announced:
+                drop.left -= 1
+                self._event("dropped the orchestrator's doorbell for kernel-channel work")
+                if drop.left <= 0:
+                    self._drop = None
+            else:
+                self._event(f"dropped a doorbell of {cvm}")
+            return False
+        if self._expose is not None and announced:
+            self._expose_prefix(self._expose.entries)
+            self._expose = None
+            return True
+        tamper = self._tamper
+        if tamper is not None and tamper.order.kind == "flip" and cvm == tamper.order.victim and fresh[USER]:
+            return self._flip_step(tamper, cvm, fresh[USER])
+        return True
+
+    def _expose_prefix(self, entries: int) -> None:
+        n = self.layout.gpfifo_entries
+        get = self._reg32(Bar0.get(KERNEL))
+        pending = (self._reg32(Bar0.put(KERNEL)) - get) % n
+        self._set32(Bar0.put(KERNEL), (get + entries) % n)
+        self._event(f"let the device see only {entries} of {pending} pending kernel-channel entries")
+
+    def _flip_step(self, tamper: _Tamper, cvm: str, fresh: list[int]) -> bool:
+        """Flip a bit of the record of user push ``user_push`` before the device hears of it."""
+        n = self.layout.gpfifo_entries
+        base = self._travel_base.get(cvm, 0)
+        rel = {(i - base) % n for i in fresh}
+        target = tamper.order.user_push
+        if target in rel:
+            self._tamper = None
+            self._flip(cvm, tamper.order.staging_slot, target, (base + target) % n)
+            return True
+        if target - 1 in rel:
+            tamper.held = True
+            self._event(f"held back {cvm}'s doorbell for user push {target - 1}")
+            return False
+        return True
+
+    def _flip(self, cvm: str, slot: int, push: int, index: int) -> None:
+        off = self.layout.staging_slot_offset(slot) + 1000
+        self.mem[cvm][off] ^= 0x80
+        late = (self._reg32(Bar0.get(USER)) - self._travel_base.get(cvm, 0)) % self.layout.gpfifo_entries > push
+        self._event(f"flipped one ciphertext bit of the record in {cvm}'s staging slot {slot} (user push {push})"
+                    + (" - too late, the device had already taken it" if late else ""))
+
+    def _replay(self, cvm: str, push: int) -> None:
+        """Write a push captured in this travel back as a new entry and ring the doorbell."""
+        n = self.layout.gpfifo_entries
+        old = self._caps[cvm].pushes.get((USER, (self._travel_base.get(cvm, 0) + push) % n))
+        if old is None:
+            self._event(f"could not replay: push {push} of {cvm} was not captured")
+            return
+        index = self._reg32(Bar0.put(USER)) % n
+        slot = self.layout.pushbuf_offset(USER, index)
+        self.mem[cvm][slot : slot + len(old)] = old
+        GPFIFO_ENTRY.pack_into(self._bar_map(), Bar0.gpfifo_entry(self.layout, USER, index),
+                               self.layout.iova(slot), len(old), 0)
+        self._set32(Bar0.put(USER), (index + 1) % n)
+        self._seen_put[USER] = (index + 1) % n
+        os.eventfd_write(self.host.device_fds[1], 1)
+        self._event(f"wrote {cvm}'s captured user push {push} back as a new entry (same epoch, same channel) "
+                    "and rang the doorbell")
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and self._reg32(Bar0.get(USER)) % n == index:
+            if self._reg32(Bar0.put(USER) + FAULT_REG):
+                break
+            time.sleep(0.005)
+
+    # ------------------------------------------------------------------ looking
+    def _capture(self, cvm: str, channel: PushChannel) -> list[int]:
+        """Pushes appended on ``channel`` since the last look: captured; their GPFIFO indices."""
+        n = self.layout.gpfifo_entries
+        put, last = self._reg32(Bar0.put(channel)) % n, self._seen_put[channel]
+        fresh = [(last + i) % n for i in range((put - last) % n)]
+        self._seen_put[channel] = put
+        mem, bar = self.mem[cvm], self._bar_map()
+        for index in fresh:
+            iova, length, _ = GPFIFO_ENTRY.unpack_from(bar, Bar0.gpfifo_entry(self.layout, channel, index))
+            start = iova - SYSMEM_IOVA
+            if 0 <= start and start + length <= len(mem) and length <= 4096:
+                ct = bytes(mem[start : start + length])
+                self._caps[cvm].pushes[(int(channel), index)] = ct
+                self._push_log.append(ct)
+        return fresh
+
+    def _capture_records(self, cvm: str) -> None:
+        lay, mem, caps = self.layout, self.mem[cvm], self._caps[cvm]
+        for slot in range(lay.staging_slots):
+            off = lay.staging_slot_offset(slot)
+            record = bytes(mem[off : off + lay.staging_slot_bytes])
+            digest = hashlib.blake2b(record, digest_size=16).digest()
+            if digest not in caps.records:
+                caps.records[digest] = record
+                while len(caps.records) > MAX_RECORDS:
+                    caps.records.pop(next(iter(caps.records)))
+
+    def _snapshot(self, cvm: str) -> None:
+        self.loot.snapshot(f"sysmem-{cvm}", memoryview(self.mem[cvm]))
+
+    def _check_faults(self) -> None:
+        for ch in PushChannel:
+            up = self._reg32(Bar0.put(ch) + FAULT_REG) != 0
+            if up and not self._fault_up[ch]:
+                self._faults[ch] += 1
+                self._event(f"BAR0: the device raised the {ch.name.lower()} channel's fault flag")
+            self._fault_up[ch] = up
+
+    def _event(self, text: str) -> None:
+        with self.lock:
+            self._events.append(text)
+
+    # ------------------------------------------------------------------ BAR0
+    def _bar_map(self) -> mmap.mmap:
+        if self._bar is None:
+            fds = self.host.device_fds
+            assert fds is not None
+            self._bar = mmap.mmap(fds[0], self.host.bar_bytes, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return self._bar
+
+    def _reg32(self, offset: int) -> int:
+        return U32.unpack_from(self._bar_map(), offset)[0]
+
+    def _set32(self, offset: int, value: int) -> None:
+        U32.pack_into(self._bar_map(), offset, value)

@@ -1,0 +1,74 @@
+"""Everything an attacker read, kept so the red team can search it for holders' plaintext.
+
+Each attacker appends what it reads to ``ROOT/<attack>/<who>-<kind>.bin``. Memory snapshots
+are deduplicated per 64 KiB page (each page stored with the next 64 bytes, so a marker that
+straddles a page boundary is still found whole). Loot lives in the cohort's private work
+directory and is deleted with it; it is never printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+PAGE = 64 * 1024
+OVERLAP = 64  # longer than any needle the scanner looks for
+
+
+class Loot:
+    def __init__(self, root: Path, who: str) -> None:
+        self.root = root
+        self.who = who
+        self.row = "boot"
+        self._seen: set[bytes] = set()
+
+    def mark(self, row: str) -> None:
+        self.row = row
+        self._seen = set()
+
+    def path(self, kind: str) -> Path:
+        d = self.root / self.row
+        d.mkdir(parents=True, exist_ok=True)
+        return d / f"{self.who}-{kind}.bin"
+
+    def keep(self, kind: str, data: bytes | bytearray | memoryview) -> None:
+        """Append raw bytes the attacker obtained (a read-back, a decryption, a blob)."""
+        if len(data):
+            with open(self.path(kind), "ab") as out:
+                out.write(data)
+
+    def snapshot(self, kind: str, mem: memoryview) -> int:
+        """Append every page of ``mem`` not seen before in this attack; returns bytes kept."""
+        kept = 0
+        with open(self.path(kind), "ab") as out:
+            for start in range(0, len(mem), PAGE):
+                piece = mem[start : start + PAGE + OVERLAP]
+                digest = hashlib.blake2b(piece, digest_size=16).digest()
+                if digest in self._seen:
+                    continue
+                self._seen.add(digest)
+                out.write(piece)
+                kept += len(piece)
+        return kept
+
+
+# ----------------------------------------------------------------------------- captured ciphertext
+def write_frames(path: Path, frames: list[tuple[str, bytes]]) -> None:
+    """Captured ciphertexts, each tagged with its kind ("record", "push", "rpc")."""
+    with open(path, "wb") as out:
+        for kind, data in frames:
+            name = kind.encode("ascii")
+            out.write(len(name).to_bytes(1, "little") + name + len(data).to_bytes(4, "little") + data)
+
+
+def read_frames(path: Path) -> list[tuple[str, bytes]]:
+    raw = Path(path).read_bytes()
+    frames, at = [], 0
+    while at < len(raw):
+        n = raw[at]
+        kind = raw[at + 1 : at + 1 + n].decode("ascii")
+        at += 1 + n
+        size = int.from_bytes(raw[at : at + 4], "little")
+        frames.append((kind, raw[at + 4 : at + 4 + size]))
+        at += 4 + size
+    return frames

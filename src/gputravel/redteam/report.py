@@ -1,0 +1,59 @@
+"""Printing a red-team report: a table for people, JSON for machines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .run import RedTeamReport
+
+
+def table(report: RedTeamReport) -> Table:
+    t = Table(title="gputravel red team: every attack against a live cohort", show_lines=True)
+    for col, kw in (("attack", {"no_wrap": True}), ("adversary", {"no_wrap": True}), ("tried", {"ratio": 3}),
+                    ("stopped by", {"ratio": 3}), ("plaintext bytes", {"justify": "right"}), ("outcome", {})):
+        t.add_column(col, **kw)
+    for r in report.attacks:
+        style = "green" if r.outcome == "defeated" else "bold red"
+        t.add_row(r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained),
+                  f"[{style}]{r.outcome}[/{style}]")
+    return t
+
+
+def markdown(report: RedTeamReport) -> str:
+    """The same table in Markdown (docs/security.md pastes it)."""
+    lines = ["| attack | adversary | tried | stopped by | plaintext bytes obtained | outcome |",
+             "|---|---|---|---|---|---|"]
+    for r in report.attacks:
+        cells = (r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained), r.outcome)
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def print_report(report: RedTeamReport, console: Console, *, evidence: bool = False) -> None:
+    """A table on a wide terminal; one block per attack on a narrow one (the texts are long)."""
+    if console.width >= 150:
+        console.print(table(report))
+    for r in report.attacks:
+        if console.width < 150:
+            style = "green" if r.outcome == "defeated" else "bold red"
+            console.print(f"[bold]{r.name}[/bold] ({r.adversary}): {r.plaintext_bytes_obtained} bytes of plaintext "
+                          f"obtained, [{style}]{r.outcome}[/{style}]", highlight=False)
+            console.print(f"  tried:      {r.tried}", highlight=False)
+            console.print(f"  stopped by: {r.stopped_by}", highlight=False)
+        elif evidence:
+            console.print(f"[bold]{r.name}[/bold]")
+        if evidence:
+            for line in r.evidence:
+                console.print(f"  - {line}", highlight=False)
+    n, bad = len(report.attacks), len(report.failed)
+    verdict = "[green]every attack defeated, 0 bytes of plaintext obtained[/green]" if not bad else \
+        f"[bold red]{bad} of {n} attacks NOT defeated: {', '.join(r.name for r in report.failed)}[/bold red]"
+    console.print(verdict)
+
+
+def write_json(report: RedTeamReport, path: Path) -> None:
+    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")

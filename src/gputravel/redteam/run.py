@@ -1,0 +1,160 @@
+"""Run every attack against one live local cohort and count the plaintext each attacker got.
+
+The cohort: a malicious host, two honest holders (alice, bob) and a malicious one (mallory),
+each with a marked dataset (:mod:`gputravel.redteam.canary`), and the orchestrator. Attacks
+run one after another (:data:`gputravel.redteam.attacks.ATTACKS`); each marks the attackers'
+loot with its name. Once the cohort is down, every attacker's loot for each attack is
+searched for the other holders' markers and samples.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import GputravelError, RemoteError
+from ..runtime.supervisor import CohortConfig, HolderSpec
+from .attacks import ALICE, ATTACKS, BOB, MALLORY, Arena, Attack, Verdict
+from .canary import MARKER_BYTES, SPACING, Found, Needles, make_dataset, search
+from .cohort import HolderLink, HostLink, RedTeamCohort
+
+MIB = 1 << 20
+HOLDERS = (ALICE, BOB, MALLORY)
+DATASET_BYTES = 4 * MIB
+BUFFER_BYTES = 2 * MIB  # two records per chunk: mid-copy attacks have a record before and after
+DEVICE_TIMEOUT = 2.0  # a dropped push fails in seconds, not minutes
+HOLDER_TIMEOUT = 5.0  # how long the orchestrator waits for a holder to hand the GPU back
+
+
+@dataclass(frozen=True)
+class AttackResult:
+    name: str
+    adversary: str
+    tried: str
+    stopped_by: str
+    plaintext_bytes_obtained: int
+    outcome: str  # "defeated" or "FAILED"
+    marker_bytes: int  # of which: 16-byte markers found
+    sample_bytes: int  # of which: 32-byte plain samples of the datasets found
+    exposed_estimate_bytes: int  # each marker found stands for the 4 KiB of the dataset it marks
+    scanned_bytes: int  # how much of what the attacker read was searched
+    evidence: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RedTeamReport:
+    attacks: tuple[AttackResult, ...]
+
+    @property
+    def failed(self) -> tuple[AttackResult, ...]:
+        return tuple(r for r in self.attacks if r.outcome != "defeated")
+
+    def to_json(self) -> dict:
+        return {"attacks": [{**asdict(r), "evidence": list(r.evidence)} for r in self.attacks],
+                "defeated": len(self.attacks) - len(self.failed), "failed": len(self.failed)}
+
+
+class RedTeamAborted(RemoteError):
+    """The cohort could not even serve honest travels: no attack was tried."""
+
+
+def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (),
+                on_result: Callable[[Attack, Verdict], None] | None = None) -> RedTeamReport:
+    """Boot the cohort, run the attacks (all, or those named in ``only``), judge them."""
+    chosen = [a for a in ATTACKS if not only or a.name in only]
+    tmp = Path(tempfile.mkdtemp(prefix="gputravel-redteam-", dir=workdir))
+    try:
+        needles = {h: make_dataset(tmp / f"{h}.bin", h, DATASET_BYTES) for h in HOLDERS}
+        run_dir, verdicts = _attack(tmp, chosen, on_result)
+        return RedTeamReport(tuple(_judge(a, v, run_dir, needles, tmp) for a, v in zip(chosen, verdicts)))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _config(tmp: Path) -> CohortConfig:
+    return CohortConfig(holders=tuple(HolderSpec(h, str(tmp / f"{h}.bin")) for h in HOLDERS),
+                        buffer_bytes=BUFFER_BYTES, workdir=str(tmp), snoop=True, tap=True, audit_arrival=True,
+                        device_timeout=DEVICE_TIMEOUT, travel_timeout=HOLDER_TIMEOUT)
+
+
+def _attack(tmp: Path, chosen: list[Attack],
+            on_result: Callable[[Attack, Verdict], None] | None) -> tuple[Path, list[Verdict]]:
+    verdicts: list[Verdict] = []
+    with RedTeamCohort(_config(tmp), malicious=(MALLORY,)) as cohort:
+        host, mallory = HostLink(cohort), HolderLink(cohort, MALLORY)
+        arena = Arena(cohort, host, mallory, BUFFER_BYTES, audit=True)
+        for h in HOLDERS:  # every holder travels once honestly (mallory keeps its keys)
+            out = arena.travel(h)
+            if not out.verified:
+                raise RedTeamAborted(f"honest warm-up failed: {out.describe()}")
+        for attack in chosen:
+            for link in (host, mallory):
+                link.begin(attack.name)
+            verdict = _run_one(attack, arena)
+            verdicts.append(verdict)
+            if on_result is not None:
+                on_result(attack, verdict)
+        host.close()
+        assert cohort.dir is not None
+        return cohort.dir, verdicts
+
+
+def _run_one(attack: Attack, arena: Arena) -> Verdict:
+    try:
+        return attack.run(arena)
+    except GputravelError as exc:
+        return Verdict(False, f"not carried out: {type(exc).__name__}: {exc}", ())
+
+
+def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, Needles], tmp: Path) -> AttackResult:
+    files, victims = _view(attack, run_dir), _victims(attack, needles)
+    found = search(files, victims)
+    stopped, evidence = verdict.stopped, verdict.evidence
+    if attack.name == "snoop-everything":
+        stopped, evidence = _watched(run_dir, found, needles, tmp)
+    elif "holder" in attack.adversary:
+        own = search(files, [needles[MALLORY]])
+        if own.total:  # the search works on this very loot: it finds what mallory may see, its own data
+            control = f"control: the same search finds {own.total} bytes of mallory's own markers and samples in its loot"
+            evidence += (control,)
+    outcome = "defeated" if stopped and found.total == 0 else "FAILED"
+    return AttackResult(attack.name, attack.adversary, attack.tried, verdict.stopped_by, found.total, outcome,
+                        found.marker_bytes, found.sample_bytes, found.marker_bytes // MARKER_BYTES * SPACING,
+                        found.scanned_bytes, evidence)
+
+
+def _view(attack: Attack, run_dir: Path) -> list[Path]:
+    """Everything this attacker read during this attack (the whole run for snoop-everything)."""
+    loot = run_dir / "adversary" / "loot"
+    if attack.name == "snoop-everything":
+        return [p for p in (run_dir / "snoop.bin", run_dir / "tap.bin") if p.exists()] + sorted(loot.glob("*/host-*"))
+    row = loot / attack.name
+    files = sorted(row.glob("*")) if row.exists() else []
+    if attack.adversary == "host":
+        return [p for p in files if p.name.startswith("host-")]
+    if attack.adversary == "holder":
+        return [p for p in files if p.name.startswith("holder-")]
+    return files
+
+
+def _victims(attack: Attack, needles: dict[str, Needles]) -> list[Needles]:
+    """A malicious holder's own data is not a leak; the host owns no data at all."""
+    if "holder" in attack.adversary:
+        return [n for h, n in needles.items() if h != MALLORY]
+    return list(needles.values())
+
+
+def _watched(run_dir: Path, found: Found, needles: dict[str, Needles], tmp: Path) -> tuple[bool, tuple[str, ...]]:
+    """The snoop row is only meaningful if the host really watched, and the scanner works."""
+    sizes = {name: (run_dir / name).stat().st_size if (run_dir / name).exists() else 0
+             for name in ("snoop.bin", "tap.bin")}
+    own = search([tmp / f"{h}.bin" for h in HOLDERS], needles.values())
+    watched = sizes["snoop.bin"] > MIB and sizes["tap.bin"] > 1024 and found.scanned_bytes > 16 * MIB
+    searched = (f"searched {found.scanned_bytes >> 20} MiB: the snooper's file ({sizes['snoop.bin'] >> 20} MiB), "
+                f"the TLS tap ({sizes['tap.bin'] >> 10} KiB) and the host's snapshots and captured pushes of every "
+                f"attack")
+    control = f"control: the same search finds {own.marker_bytes >> 10} KiB of markers in the holders' own datasets"
+    return watched and own.marker_bytes > 0, (searched, control)

@@ -1,0 +1,140 @@
+"""The red team (issue 6): every attack run for real against one live cohort, through the CLI.
+
+`gputravel redteam --json` boots a cohort whose host is the malicious hypervisor and one of
+whose holders (mallory) is malicious, runs every attack, and searches everything each
+attacker read for the other holders' canaries. Each test below checks one row: the defence it
+names was seen to act (the evidence) and the attacker got 0 bytes. With a defence switched off
+the row fails (see docs/security.md, "Do the tests fail when a defence is off?").
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gputravel.cli import app
+from gputravel.redteam.attacks import ATTACKS
+
+pytestmark = pytest.mark.integration
+
+# What each row's evidence must show: the real defence acting, not just "no plaintext".
+EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "replay-push": ("host", ("back as a new entry", "raised the user channel's fault flag")),
+    "flip-ciphertext": ("host", ("flipped one ciphertext bit", "raised the user channel's fault flag",
+                                 "refused the travel (ChannelFaulted")),
+    "wrong-cvm-during-travel": ("host", ("mapped bob's memory", "alice refused the travel",
+                                         "then: travel to alice verified")),
+    "split-dma-irq": ("host", ("routed bob's interrupt", "travel to alice verified")),
+    "drop-rotation": ("host", ("dropped the orchestrator's doorbell", "failed: PeerTimeout",
+                               "then: travel to bob verified")),
+    "drop-scrub": ("host", ("failed: PeerTimeout", "the GPU never travelled to bob")),
+    "kept-keys": ("holder", ("used the keys of epoch", "travel to bob verified")),
+    "dump-vram": ("holder", ("inside the granted window: 0 not zero", "just past the granted window: ChannelFaulted",
+                             "16 MiB past the granted window: ChannelFaulted")),
+    "work-after-return": ("holder", ("read after returning the GPU:",)),
+    "stale-context": ("holder", ("ContextBlobError: orchestrator: context blob is from key epoch",
+                                 "ContextBlobError: orchestrator: returned context blob is stale")),
+    "altered-context": ("holder", ("keys that were not exported", "context blob is corrupted")),
+    "drop-rotation-then-read": ("host+holder", ("hid 2 pending kernel-channel entries",
+                                                "(rotation suppressed): read 2097152 bytes",
+                                                "control: the same search finds")),
+    "confirmation-substitution": ("host+holder", ("let the device see only 2 of 3 pending kernel-channel entries",
+                                                  "travel to mallory failed: PeerTimeout")),
+    "switch-after-rotation": ("host+holder", ("switched the GPU to mallory unasked", "used the keys of epoch")),
+    "decrypt-snooped": ("host+holder", (": 0 opened", "control on its own records")),
+    "never-returns": ("holder", ("never switched back", "HolderLost", "then: travel to alice verified")),
+    "wrong-cvm-for-orchestrator": ("host", ("raised the kernel channel's fault flag",
+                                            "travel to alice failed: ChannelFaulted")),
+    "snoop-everything": ("host", ("the TLS tap", "control: the same search finds")),
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[int, str, dict]:
+    out = tmp_path_factory.mktemp("redteam") / "redteam.json"
+    result = CliRunner().invoke(app, ["redteam", "--json", str(out)])
+    report = json.loads(out.read_text()) if out.exists() else {"attacks": []}
+    return result.exit_code, result.output, report
+
+
+def _row(report: dict, name: str) -> dict:
+    rows = {r["name"]: r for r in report["attacks"]}
+    assert name in rows, f"attack {name} did not run"
+    return rows[name]
+
+
+def test_every_attack_has_an_expectation() -> None:
+    assert set(EXPECTED) == {a.name for a in ATTACKS}
+
+
+@pytest.mark.parametrize("name", [a.name for a in ATTACKS])
+def test_attack_is_defeated(run, name: str) -> None:
+    _, _, report = run
+    row = _row(report, name)
+    adversary, must_show = EXPECTED[name]
+    assert row["adversary"] == adversary
+    assert row["plaintext_bytes_obtained"] == 0, f"{name}: the attacker obtained plaintext"
+    assert row["scanned_bytes"] > 0, f"{name}: nothing the attacker read was searched"
+    evidence = "\n".join(row["evidence"])
+    for text in must_show:
+        assert text in evidence, f"{name}: expected {text!r} in:\n{evidence}"
+    assert row["outcome"] == "defeated", f"{name}:\n{evidence}"
+
+
+def test_cli_prints_the_table_writes_json_and_exits_zero(run) -> None:
+    code, output, report = run
+    assert code == 0, output
+    assert "every attack defeated, 0 bytes of plaintext obtained" in output
+    assert report["failed"] == 0 and report["defeated"] == len(ATTACKS)
+    for row in report["attacks"]:
+        assert {"name", "adversary", "tried", "stopped_by", "plaintext_bytes_obtained", "outcome"} <= set(row)
+        assert row["adversary"] in ("host", "holder", "host+holder")
+        assert isinstance(row["plaintext_bytes_obtained"], int) and row["tried"] and row["stopped_by"]
+
+
+def test_cli_refuses_an_unknown_attack(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["redteam", "--only", "no-such-attack", "--json", str(tmp_path / "x.json")])
+    assert result.exit_code == 1
+    assert "unknown attack no-such-attack" in result.output
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_pending_rotation_cannot_confirm_the_scrub_in_process() -> None:
+    """The fast, in-process twin of the confirmation-substitution row (the bug the red team
+    found): the host drops the rotation after bob's travel and its retry, then lets the
+    device run only those two pending rotations when the orchestrator rings for the next
+    scrub. The rotations' releases must not pass for the scrub's: the scrub times out, and
+    bob's chunk is still in VRAM, so the orchestrator must not (and does not) go on."""
+    import os
+
+    from gputravel.errors import PeerTimeout
+    from gputravel.layout import U32, Bar0, PushChannel
+    from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu
+
+    gpu = InProcessGpu()
+    orch, holders = gpu.boot("bob", "mallory")
+    buf = orch.alloc_dataset_buffer(2 * TEST_LAYOUT.record_bytes)
+    chunk = os.urandom(buf.nbytes)
+    gpu.travel(holders["bob"], chunk, buf, rotate=False)
+    link = gpu.links[ORCHESTRATOR]
+    link.before_service = lambda _: False  # the host drops every doorbell
+    for _ in range(2):
+        with pytest.raises(PeerTimeout):
+            orch.rotate(timeout=0.05)
+
+    def expose_the_rotations_only(_) -> None:
+        get = U32.unpack_from(gpu.bar, Bar0.get(PushChannel.KERNEL))[0]
+        U32.pack_into(gpu.bar, Bar0.put(PushChannel.KERNEL), (get + 2) % TEST_LAYOUT.gpfifo_entries)
+        link.before_service = None
+
+    link.before_service = expose_the_rotations_only
+    with pytest.raises(PeerTimeout):
+        orch.scrub(buf.offset, buf.nbytes, timeout=0.05)
+    assert gpu.core.epoch == 2  # the device did run the two rotations...
+    assert gpu.vram_at(buf.offset, buf.nbytes) == chunk  # ...and not the scrub: going on would leak bob's chunk
+    assert orch.rotate() == 3  # once the host relents, everything runs in order
+    orch.scrub(buf.offset, buf.nbytes)
+    assert gpu.vram_at(buf.offset, buf.nbytes) == bytes(buf.nbytes)
