@@ -190,3 +190,18 @@ def test_children_die_with_a_killed_supervisor(datasets, tmp_path: Path) -> None
         time.sleep(0.1)
         alive = [p for p in alive if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
     assert alive == []
+
+
+def test_records_smaller_than_a_mib_and_several_per_buffer_verify(tmp_path: Path) -> None:
+    """Manifest pieces follow the record size; the orchestrator must hash VRAM with the
+    holder's piece size, not a default (a buffer of three 512 KiB records)."""
+    from gputravel.layout import Layout
+
+    data = make_data(tmp_path / "h.bin", 4 * MIB, 1)
+    cfg = CohortConfig(holders=(HolderSpec("h1", str(tmp_path / "h.bin")),), buffer_bytes=3 * 512 * 1024,
+                       layout=Layout(record_bytes=512 * 1024))
+    with Cohort(cfg) as cohort:
+        for offset in (0, 3 * 512 * 1024):
+            report = cohort.travel("h1", offset)
+            assert report.chunk is not None
+            assert report.chunk.digest == chunk_digest(data[offset : offset + 3 * 512 * 1024], 512 * 1024)

@@ -104,7 +104,7 @@ def test_a_travel_end_to_end_with_exact_timings() -> None:
     assert o.holder_replied(result, 3.0) == ImportContext(b"\x02returned")
     assert o.imported(3.25) == Rotate()
     verify = o.rotated(3.5)
-    assert verify == VerifyChunk(BUFFER.offset, BUFFER.nbytes)
+    assert verify == VerifyChunk(BUFFER.offset, BUFFER.nbytes, PIECE)
     report = o.verified(chunk_digest(DATASET[: BUFFER.nbytes], PIECE), 4.0)
     assert o.phase is Phase.IDLE
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gputravel.errors import BadInput, RemoteError
+from gputravel.errors import BadInput, HolderLost, RemoteError
 from gputravel.train.job import JobConfig, run
 from gputravel.train.loop import TrainConfig
 
@@ -136,3 +136,61 @@ def test_resuming_with_another_job_or_without_a_checkpoint_is_refused(tmp_path):
     run(job)
     with pytest.raises(BadInput, match="another job.*lr"):
         run(replace(job, train=replace(job.train, lr=0.5), resume=True))
+
+
+class _LosesHolderOnce:
+    """The local reference for a holder that dies in its first travel: that visit fails."""
+
+    def __init__(self, inner, holder: str) -> None:
+        self.inner, self.holder, self.failed, self.last_report = inner, holder, False, None
+
+    def sizes(self):
+        return self.inner.sizes()
+
+    def fetch(self, visit):
+        if visit.holder == self.holder and not self.failed:
+            self.failed = True
+            raise HolderLost(visit.holder, "reference failure")
+        return self.inner.fetch(visit)
+
+
+def test_a_holder_killed_mid_copy_is_dropped_and_its_partial_chunk_never_trained_on(tmp_path):
+    from gputravel.data.shards import load_tokens
+    from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec
+    from gputravel.train.job import layout_for, resolve
+    from gputravel.train.loader import LocalSource
+    from gputravel.train.loop import train
+
+    job = resolve(JobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run")))
+    specs = tuple(HolderSpec(n, p, "tokens", die_mid_copy_on_travel=1 if n == "west" else 0) for n, p in job.holders)
+    cfg = CohortConfig(holders=specs, buffer_bytes=TINY.buffer_bytes, layout=layout_for(TINY.buffer_bytes),
+                       tokenizer=job.train.tokenizer)
+    with Cohort(cfg) as cohort:
+        report = cohort.train(json.dumps(job.train.to_dict()))
+        assert cohort.children["west"].proc.wait(timeout=10) == 70  # it really died mid-copy
+        # The orchestrator took the GPU back and re-keyed: a travel to another holder still works.
+        assert cohort.travel("north", 0).chunk is not None
+    assert len(report["losses"]) == TINY.steps
+    assert len(report["holders_lost"]) == 1 and "west" in report["holders_lost"][0]
+    assert "west" not in {t["holder"] for t in report["travels"]}
+    # Bit-identical to a reference where west's first visit simply fails: no byte of the half
+    # chunk west left in the GPU's memory reached training.
+    tokens = {n: load_tokens(p).tokens for n, p in job.holders}
+    ref = train(job.train, _LosesHolderOnce(LocalSource(tokens), "west"))
+    assert report["losses"] == ref.losses
+
+
+def test_every_travel_is_in_the_orchestrators_signed_log(both_runs):
+    from gputravel.audit import verify_log
+
+    tmp, travelling, _ = both_runs
+    run_dir = tmp / "travelling"
+    cert = (run_dir / "orchestrator.pem").read_bytes()
+    summary = verify_log(run_dir / "audit.log", cert)
+    travels = travelling["travels"]
+    assert summary.count == len(travels)
+    assert [(e.holder, e.chunk.dataset_offset // 2) for e in summary.entries] == \
+        [(t["holder"], t["token_offset"]) for t in travels]
+    assert all(e.event == "travel" and e.epoch_after == e.epoch_before + 1 for e in summary.entries)
+    mine = verify_log(run_dir / "audit.log", cert, holder="south")
+    assert mine.entries and {e.holder for e in mine.entries} == {"south"}

@@ -169,6 +169,124 @@ def bench_travel(
         console.print(f"results written to {json_path}")
 
 
+@bench_app.command("compare")
+def bench_compare(
+    sizes: str = typer.Option("4,8,16,32,64,128,256,512", help="Buffer sizes in MiB, comma separated."),
+    bandwidths: str = typer.Option("4,20,100,500,uncapped", help="Link caps in Mbit/s, comma separated; 'uncapped' for none."),
+    repeat: int = typer.Option(3, help="Timed transmissions per method and cell (after a warm-up); medians are reported."),
+    link: str = typer.Option("auto", help="auto (netns-tc where namespaces work, else token-bucket), netns or token-bucket."),
+    max_transfer_s: float = typer.Option(25.0, help="Baseline transfers longer than this (size/rate) are not run but "
+                                                    "extrapolated from the largest size measured at that bandwidth."),
+    link_check_s: float = typer.Option(2.0, help="netns-tc: a raw TCP transfer this long through each capped link (0: none)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw a figure like the paper's Figure 6 here (PNG)."),
+) -> None:
+    """GPU Travelling vs the centralised TLS baseline on capped links (paper 7.2, Figure 6)."""
+    from .bench import compare
+
+    try:
+        cfg = compare.CompareConfig(tuple(_sizes(sizes)), compare.parse_bandwidths(bandwidths), repeat, link,
+                                    max_transfer_s, link_check_s)
+        with console.status("booting a cohort per cell and measuring both methods..."):
+            result = compare.run(cfg, on_cell=lambda c: console.print(
+                f"  {c['size_mib']} MiB @ {compare.bandwidth_label(c['bandwidth_mbit'])}: travel {c['travel_ms']:.1f} ms, "
+                f"baseline {'~' if c['extrapolated'] else ''}{c['baseline_ms']:.1f} ms"))
+    except GputravelError as exc:
+        _fail(exc)
+    _print_compare(result)
+    if plot_path:
+        console.print(f"figure written to {compare.plot(result, plot_path)}")
+    _write_json(json_path, result)
+
+
+def _print_compare(result: dict) -> None:
+    from .bench import compare
+
+    table = Table(title=f"Time per transmission (medians; link: {result['link']})")
+    for col in compare.COLUMNS:
+        table.add_column(col, justify="right")
+    for row in compare.table_rows(result):
+        table.add_row(*row)
+    console.print(table)
+    console.print("  rate chk: the baseline's TLS time / (size/cap); the target is within 15 % (OFF: outside).")
+    for t in result["tie_breaks"]:
+        slower = ", ".join(map(str, t["baseline_faster_at_mib"])) or "no size"
+        console.print(f"  {compare.bandwidth_label(t['bandwidth_mbit'])}: baseline faster at {slower}; "
+                      f"travelling faster from {t['travel_faster_from_mib']} MiB up")
+    for c in result["link_checks"]:
+        console.print(f"  raw TCP through the {c['bandwidth_mbit']:g} Mbit/s link: {c['measured_mbit']:.1f} Mbit/s, "
+                      f"time {c['ratio']:.3f} x size/cap ({'ok' if c['ok'] else 'OFF'})")
+    if any(c["extrapolated"] for c in result["cells"]):
+        console.print(f"  ~: not run (transfer over {result['max_transfer_s']:g} s), extrapolated linearly in size.")
+
+
+@bench_app.command("train")
+def bench_train(
+    bandwidths: str = typer.Option("4,20,100,500,uncapped", help="Link caps in Mbit/s, comma separated; 'uncapped' for none."),
+    steps: int = typer.Option(600, help="Training steps per run (a small GPT-2: 4 layers, 128 wide)."),
+    buffer_kib: int = typer.Option(128, help="Dataset buffer, KiB."),
+    holders: int = typer.Option(3, help="Data holders; the shipped Shakespeare is dealt among them."),
+    link: str = typer.Option("auto", help="auto (netns-tc where namespaces work, else token-bucket), netns or token-bucket."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """The paper's Table 2: the same training fed by travelling and by the TLS baseline."""
+    from .bench import compare, train
+
+    try:
+        cfg = train.TrainBenchConfig(compare.parse_bandwidths(bandwidths), link=link, holders=holders,
+                                     train=train.bench_train_config(steps, buffer_kib << 10))
+        with console.status("training twice per bandwidth (travelling, then the baseline)..."):
+            result = train.run(cfg, on_row=lambda r: console.print(f"  {compare.bandwidth_label(r['bandwidth_mbit'])} done"))
+    except GputravelError as exc:
+        _fail(exc)
+    table = Table(title=f"Training and transmission, s (link: {result['link']}); TLS: baseline, GT: GPU Travelling")
+    for col in ("Mbit/s", "TLS train", "TLS Tx", "TLS %", "GT train", "GT Tx", "GT %", "Tx #", "same"):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        b, o = r["baseline"], r["travelling"]
+        table.add_row(compare.bandwidth_label(r["bandwidth_mbit"]), f"{b['training_s']:.2f}", f"{b['tx_s']:.3f}",
+                      f"{b['tx_share']:.2%}", f"{o['training_s']:.2f}", f"{o['tx_s']:.3f}", f"{o['tx_share']:.2%}",
+                      str(o["fetches"]), "yes" if r["same_losses"] else "NO")
+    console.print(table)
+    _write_json(json_path, result)
+
+
+def _write_json(path: Optional[Path], result: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        console.print(f"results written to {path}")
+
+
+@app.command("redteam")
+def redteam(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    only: Optional[list[str]] = typer.Option(None, "--only", help="Run only this attack (repeatable)."),
+    evidence: bool = typer.Option(False, "--evidence", help="Also print what was observed in each attack."),
+) -> None:
+    """Run every attack (paper section 6, and more) against a live local cohort and count the
+    plaintext each attacker obtained. Exits 1 if any attack got plaintext or was not stopped."""
+    from .redteam.attacks import ATTACKS
+    from .redteam.report import print_report, write_json
+    from .redteam.run import run_redteam
+
+    unknown = sorted(set(only or ()) - {a.name for a in ATTACKS})
+    if unknown:
+        _fail(f"unknown attack {', '.join(unknown)}; choose from: {', '.join(a.name for a in ATTACKS)}")
+    show = lambda a, v: console.print(f"  {a.name}: {'stopped' if v.stopped else '[red]NOT stopped[/red]'}")
+    try:
+        report = run_redteam(only=tuple(only or ()), on_result=show)
+    except GputravelError as exc:
+        _fail(exc)
+    print_report(report, console, evidence=evidence)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(report, json_path)
+        console.print(f"results written to {json_path}")
+    if report.failed:
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

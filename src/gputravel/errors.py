@@ -68,3 +68,13 @@ class PeerTimeout(RemoteError):
 
 class TransportClosed(RemoteError):
     """The peer closed the connection."""
+
+
+class HolderLost(RemoteError):
+    """A data holder died, hung or broke the protocol during a travel. The orchestrator has
+    taken the GPU back and rotated the keys; the partial chunk is never used; the holder is
+    offline until it joins again."""
+
+    def __init__(self, holder: str, why: str) -> None:
+        super().__init__(f"holder {holder!r} lost during a travel: {why}")
+        self.holder = holder

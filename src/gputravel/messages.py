@@ -152,6 +152,23 @@ class RpcError:
     reason: str
 
 
+@message("rpc.get_evidence")
+@dataclass(frozen=True)
+class GetEvidence:
+    """GET_MEASUREMENTS over the session: the device's signed evidence for ``nonce`` (32 bytes).
+
+    Encrypted RPC only: the orchestrator asks inside the SPDM session it just opened, so the
+    evidence comes from the device that holds the session key (paper 4.5, GPU phase)."""
+
+    nonce: bytes
+
+
+@message("rpc.evidence")
+@dataclass(frozen=True)
+class Evidence:
+    blob: bytes  # an encoded attest.GpuEvidence
+
+
 # SPDM messages are the sans-IO dataclasses of crypto.spdm; registering them lets the same
 # plaintext RPC slot carry them before a session exists.
 for _cls in (_spdm.GetCertificate, _spdm.Certificate, _spdm.KeyExchange, _spdm.KeyExchangeResponse,

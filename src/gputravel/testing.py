@@ -39,8 +39,9 @@ the moment the device services it (tamper with a staging slot, or drop the doorb
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
-from .crypto.pki import make_device_identity
+from .crypto.pki import DeviceIdentity, make_device_identity
 from .crypto.spdm import SpdmResponder
 from .device.core import DeviceCore, DmaWindow
 from .driver.driver import Driver
@@ -48,6 +49,9 @@ from .driver.orchestrator import OrchestratorDriver
 from .errors import BadInput, GputravelError, IllegalTransition
 from .layout import SYSMEM_IOVA, Bar0, Layout
 from .messages import BufferInfo
+
+if TYPE_CHECKING:
+    from .attest.provision import GpuDevice
 
 __all__ = ["FakeClock", "FakeLink", "InProcessGpu", "ORCHESTRATOR", "TEST_LAYOUT", "leaks", "renderings"]
 
@@ -120,11 +124,17 @@ class InProcessGpu:
         *,
         serial: str = "GPU-EMU-0",
         clock: Callable[[], float] | None = None,
+        device: GpuDevice | None = None,
     ) -> None:
+        """``device``: a provisioned GPU (attest.provision_gpu) whose 5-certificate chain and
+        firmware this device uses; without one, a 2-certificate identity and no attestation."""
         self.layout = layout
         self.vram = bytearray(vram_bytes)
         self.bar = bytearray(Bar0.size(layout))
-        self.identity = make_device_identity(serial=serial)
+        if device is None:
+            self.identity = make_device_identity(serial=serial)
+        else:
+            self.identity = DeviceIdentity(device.leaf_key, device.chain_der)
         identity = self.identity
         self.core = DeviceCore(
             layout,
@@ -132,6 +142,7 @@ class InProcessGpu:
             memoryview(self.bar),
             lambda: SpdmResponder(identity.private_key, identity.chain_der),
             serial=serial,
+            firmware=device.firmware() if device is not None else None,
         )
         #: Clock handed to every driver this harness builds (default: a FakeClock, 1 s a read).
         self.clock: Callable[[], float] = clock if clock is not None else FakeClock()

@@ -9,7 +9,9 @@ What it enforces, as H100 CC does:
 - a tag failure writes nothing to VRAM (records decrypt into a private scratch buffer first)
   and faults that channel until the orchestrator rotates keys through the kernel channel;
 - the kernel channel's keys are never exported, so only the orchestrator can scrub or rotate;
-- a new SPDM session wipes VRAM and all channel state (the last CVM to boot owns the GPU).
+- a new SPDM session wipes VRAM and all channel state (the last CVM to boot owns the GPU);
+- attestation evidence (GET_MEASUREMENTS, signed by the firmware leaf key) is answered only
+  on the encrypted RPC queue, i.e. to whoever holds the session (paper 4.5, GPU phase).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ctypes
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..crypto.channel import Receiver, Sender, derive_epoch_keys
 from ..crypto.spdm import SpdmResponder
@@ -33,8 +35,10 @@ from ..messages import (
     CopyFromVram,
     CopyToVram,
     DeviceInfo,
-    GrantWindow,
+    Evidence,
     GetDeviceInfo,
+    GetEvidence,
+    GrantWindow,
     Memset,
     QueryBuffer,
     RotateKeys,
@@ -42,6 +46,9 @@ from ..messages import (
     SemaphoreRelease,
 )
 from ..wire import decode, encode
+
+if TYPE_CHECKING:
+    from ..attest.gpu import EmulatedGpuFirmware
 
 USER_METHODS = (CopyToVram, CopyFromVram, SemaphoreRelease)
 KERNEL_METHODS = (Memset, RotateKeys, GrantWindow, SemaphoreRelease)
@@ -76,8 +83,10 @@ class DeviceCore:
         *,
         serial: str = "GPU-EMU-0",
         rng: Callable[[int], bytes] = os.urandom,
+        firmware: EmulatedGpuFirmware | None = None,
     ) -> None:
         self.layout = layout
+        self._firmware = firmware  # answers GET_MEASUREMENTS; None: a device without attestation
         self.vram = vram
         self.bar = bar
         self.serial = serial
@@ -152,7 +161,7 @@ class DeviceCore:
             if self._session_secret is None:
                 raise ProtocolError("encrypted RPC before a session exists")
             raw = self._rx["Lgsp_h2d_user"].decrypt(body, aad=U32.pack(seq))
-            return self._rpc_call(decode(raw, expect=(GetDeviceInfo, AllocBuffer, QueryBuffer))), True
+            return self._rpc_call(decode(raw, expect=(GetDeviceInfo, AllocBuffer, QueryBuffer, GetEvidence))), True
         request = decode(body)
         if isinstance(request, GetDeviceInfo):
             return self._device_info(), False
@@ -205,7 +214,16 @@ class DeviceCore:
             if size is None:
                 return RpcError(reason=f"no VRAM buffer at offset {request.offset:#x}")
             return BufferInfo(offset=request.offset, nbytes=size)
+        if isinstance(request, GetEvidence):
+            return self._evidence(request.nonce)
         raise ProtocolError("unknown RPC")
+
+    def _evidence(self, nonce: bytes) -> object:
+        if self._firmware is None:
+            return RpcError(reason="this device has no attestation firmware")
+        if len(nonce) != 32:
+            return RpcError(reason="the attestation nonce must be 32 bytes")
+        return Evidence(blob=encode(self._firmware.get_evidence(nonce)))
 
     def _alloc(self, nbytes: int) -> object:
         size = -(-nbytes // PAGE) * PAGE

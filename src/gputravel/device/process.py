@@ -14,6 +14,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from ..attest.gpu import EmulatedGpuFirmware
 from ..crypto.pki import DeviceIdentity
 from ..crypto.spdm import SpdmResponder
 from ..errors import TransportClosed
@@ -29,6 +30,7 @@ class DeviceConfig:
     vram_bytes: int
     layout: Layout
     serial: str = "GPU-EMU-0"
+    gpu_dir: str = ""  # the provisioned GPU (attest.GpuDevice): chain, firmware key, state
     poll_window: float = 0.005  # seconds of polling after the last work before sleeping
 
 
@@ -40,7 +42,8 @@ def _memfd(name: str, size: int, populate: bool) -> tuple[int, mmap.mmap]:
 
 
 class DeviceProcess:
-    def __init__(self, config: DeviceConfig, identity: DeviceIdentity, orchestrator_link: socket.socket) -> None:
+    def __init__(self, config: DeviceConfig, identity: DeviceIdentity, orchestrator_link: socket.socket,
+                 firmware: EmulatedGpuFirmware | None = None) -> None:
         self.config = config
         # VRAM is populated up front: real VRAM is physically there, and first-touch page
         # faults would otherwise be charged to the first travel.
@@ -53,6 +56,7 @@ class DeviceProcess:
             memoryview(self.bar),
             lambda: SpdmResponder(identity.private_key, identity.chain_der),
             serial=config.serial,
+            firmware=firmware,
         )
         self.core.on_interrupt = self._interrupt
         self._irq_fd: int | None = None

@@ -12,7 +12,8 @@ from ..crypto.channel import derive_epoch_keys
 from ..crypto.spdm import SpdmRequester
 from ..errors import ContextBlobError, IllegalTransition, ProtocolError
 from ..layout import U32, Bar0, PushChannel
-from ..messages import ALL_LABELS, USER_LABELS, AllocBuffer, BufferInfo, GrantWindow, Memset, RotateKeys
+from ..messages import (ALL_LABELS, USER_LABELS, AllocBuffer, BufferInfo, DeviceInfo, Evidence, GetDeviceInfo,
+                        GetEvidence, GrantWindow, Memset, RotateKeys)
 from .driver import Driver
 
 
@@ -22,6 +23,7 @@ class OrchestratorDriver(Driver):
         self.__session_secret: bytes | None = None
         self.key_epoch = -1  # survives export: the epoch the device is on
         self._exported: DriverContext | None = None
+        self._kernel_issued = 0  # the last kernel release value submitted, confirmed or not
 
     # ------------------------------------------------------------------ boot (the orchestrator boots last)
     def establish_session(self, requester: SpdmRequester | None = None, timeout: float = 10.0) -> None:
@@ -52,6 +54,27 @@ class OrchestratorDriver(Driver):
             raise ProtocolError("unexpected reply to ALLOC_BUFFER")
         return reply
 
+    def get_evidence(self, nonce: bytes, timeout: float = 10.0) -> bytes:
+        """The device's signed attestation evidence for ``nonce``, asked inside our session."""
+        self._require_session("ask for attestation evidence")
+        reply = self.rpc(GetEvidence(nonce=nonce), timeout=timeout)
+        if not isinstance(reply, Evidence):
+            raise ProtocolError("unexpected reply to GET_EVIDENCE")
+        return reply.blob
+
+    def reclaim_rpc_queue(self, timeout: float = 10.0) -> DeviceInfo:
+        """After lending the GPU to a booting holder (its plaintext probe moved the RPC queue):
+        join the queue where the device left it, and prove the session is still ours with an
+        encrypted GET_DEVICE_INFO (a holder that opened its own session fails this)."""
+        self._require_session("reclaim the RPC queue")
+        if self._exported is not None:
+            raise IllegalTransition("orchestrator driver", "context-away", "reclaim the RPC queue")
+        self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
+        info = self.rpc(GetDeviceInfo(), timeout=timeout)
+        if not isinstance(info, DeviceInfo) or not info.session:
+            raise ProtocolError("the device no longer holds our session")
+        return info
+
     def alloc_dataset_buffer(self, nbytes: int, timeout: float = 10.0) -> BufferInfo:
         """Allocate the dataset buffer and grant the user channel that range, and only that."""
         buf = self.alloc_buffer(nbytes, timeout)
@@ -61,9 +84,29 @@ class OrchestratorDriver(Driver):
     # ------------------------------------------------------------------ kernel channel
     def _kernel(self, push_factory, timeout: float) -> None:
         self._require_session("use the kernel channel")
-        value = self.next_release(PushChannel.KERNEL)
+        value = self._next_kernel_release()
         self.submit(PushChannel.KERNEL, push_factory(value), timeout)
         self.wait_release(PushChannel.KERNEL, value, timeout)
+        self._resync()
+
+    def _next_kernel_release(self) -> int:
+        """A release value no kernel push ever used, even one whose confirmation never came.
+
+        Reusing the value of a push that timed out (say, a rotation the host dropped) would let
+        that push's late release pass for the confirmation of the next one: the host could let
+        the device run only the pending rotation and the orchestrator would take the scrub as
+        done (the red team's confirmation-substitution attack, docs/security.md).
+        """
+        self._kernel_issued = max(self._kernel_issued, self.semaphore(PushChannel.KERNEL)) + 1
+        return self._kernel_issued
+
+    def _resync(self) -> None:
+        """After a confirmed kernel push, continue the user channel from the device's get and
+        the RPC queue from its last answer, whatever a holder (or the host) left behind: the
+        device ran everything before that push in order, pending rotations included."""
+        self._put[PushChannel.USER] = self._get(PushChannel.USER)
+        U32.pack_into(self.link.bar, Bar0.put(PushChannel.USER), self._put[PushChannel.USER])
+        self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
 
     def scrub(self, offset: int, nbytes: int, timeout: float = 10.0) -> None:
         """Device-side memset of the dataset buffer: nothing of the last chunk may travel on."""
@@ -82,14 +125,12 @@ class OrchestratorDriver(Driver):
         if self._exported is not None:
             raise IllegalTransition("orchestrator driver", "context-away", "rotate keys")
         epoch = self.key_epoch + 1
-        value = self.next_release(PushChannel.KERNEL)
+        value = self._next_kernel_release()
         self.submit(PushChannel.KERNEL, RotateKeys(epoch=epoch, release=value, interrupt=True), timeout)
         self._install(epoch)
         self.wait_release(PushChannel.KERNEL, value, timeout)
-        # The device dropped whatever was pending on the user channel: continue from its get,
-        # whatever a holder (or the host) left in put.
-        self._put[PushChannel.USER] = self._get(PushChannel.USER)
-        U32.pack_into(self.link.bar, Bar0.put(PushChannel.USER), self._put[PushChannel.USER])
+        # The device dropped whatever was pending on the user channel: continue from its get.
+        self._resync()
         return epoch
 
     # ------------------------------------------------------------------ travel
@@ -121,6 +162,9 @@ class OrchestratorDriver(Driver):
             return
         self._adopt(self._exported)
         self._exported = None
+        # The holder may have used the RPC queue before it died: join it where the device
+        # left it, as a booting driver does (sequence numbers are not secrets).
+        self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
 
     @property
     def away(self) -> bool:

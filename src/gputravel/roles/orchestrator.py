@@ -67,6 +67,7 @@ class Rotate:
 class VerifyChunk:
     offset: int
     nbytes: int
+    piece_bytes: int  # the holder's manifest pieces: the digest is computed over pieces this size
 
 
 @message("report.travel")
@@ -201,7 +202,7 @@ class OrchestratorTravel:
         if self._chunk is None:
             return self._finish(now, verify_ms=0.0)
         self.phase = Phase.VERIFY
-        return VerifyChunk(self.buffer.offset, self._chunk.nbytes)
+        return VerifyChunk(self.buffer.offset, self._chunk.nbytes, self.holders[self._holder].piece_bytes)
 
     def verified(self, digest: bytes, now: float) -> TravelReport:
         """The digest of what the device holds; it must equal the holder's manifest entry."""

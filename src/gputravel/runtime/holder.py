@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..crypto.pki import CohortPki
 from ..driver.driver import Driver
 from ..driver.link import register_with_host, request_switch
-from ..errors import BadInput, GputravelError, ProtocolError, TransportClosed
+from ..errors import BadInput, GputravelError, IllegalTransition, ProtocolError, TransportClosed
 from ..layout import Layout
 from ..messages import Bye, HolderHello, TravelRequest, Welcome
 from ..roles.holder import CopyChunk, ExportBlob, HolderTravel, ImportBlob, Reply, SwitchBack
@@ -24,7 +24,14 @@ from ..roles.manifest import PIECE_BYTES, piece_digests
 from ..transport.base import Transport
 from ..transport.stream import connect_unix
 from ..transport.tls import connect_tls
+from ..attest import OrchestratorAttestation
+from .attestation import challenge_orchestrator
+from .baseline import SendChunk, send_chunk
 from .control import JoinCohort, Ready, Shutdown
+from .links import pace
+from .membership import HOLDER_COMMANDS, holder_command
+from .membership import join as join_cohort
+from .trust import HolderMaterial
 
 ORCHESTRATOR = "orchestrator"
 
@@ -39,6 +46,12 @@ class HolderConfig:
     device_timeout: float = 30.0
     audit_arrival: bool = False  # read the buffer back on arrival and count non-zero bytes
     dataset_format: str = "raw"  # "raw": the file's bytes; "tokens": llm.c shards or text, as uint16 tokens
+    # Fault injection for tests and the red team: on this travel (1-based), die half-way
+    # through the copy, as a CVM that crashes or is killed would. 0: never.
+    die_mid_copy_on_travel: int = 0
+    pace_mbit: float | None = None  # token-bucket links: pace what we send the orchestrator to this rate
+    trust_dir: str = ""  # the roots and this holder's policy (runtime/trust.py); required to join
+    probe_at_boot: bool = True  # False: a late holder, probing when the orchestrator lends it the GPU
 
 
 class Dataset:
@@ -92,22 +105,39 @@ class DataHolder:
         self.sm = HolderTravel(config.name, self.dataset.size, piece_digests(self.dataset.view, self.piece_bytes),
                                self.piece_bytes)
         self.orchestrator: Transport | None = None
+        self.travels_served = 0
 
     def boot(self) -> None:
         """Paper 4.1: set up the driver while this CVM has the GPU, before the orchestrator boots."""
+        if not self.config.probe_at_boot:
+            return  # a late holder: it probes when the orchestrator lends it the GPU (runtime/membership.py)
         self.switch(self.config.name)
         self.driver.probe(timeout=self.config.device_timeout)
 
     def switch(self, target: str) -> int:
         return request_switch(self.host, target, self.config.device_timeout)
 
-    def join(self, host: str, port: int) -> None:
+    def join(self, host: str, port: int) -> OrchestratorAttestation:
+        """Connect, attest the orchestrator against our policy (paper 4.5, CPU phase: every
+        join, rejoins included), and only then introduce ourselves."""
+        if self.orchestrator is not None:
+            raise IllegalTransition(self.config.name, "joined", "join again before leaving")
+        material = HolderMaterial.load(self.config.trust_dir)
         ctx = CohortPki.load(self.config.pki_dir).client_context(self.config.name)
         conn = connect_tls(host, port, ctx, server_hostname=ORCHESTRATOR)
-        conn.send(HolderHello(self.config.name, self.dataset.size, self.piece_bytes, self.sm.manifest, self.dataset.tokenizer))
-        if not isinstance(conn.recv(timeout=30).message, Welcome):
-            raise ProtocolError("orchestrator did not welcome us")
+        attestation = challenge_orchestrator(conn, material, timeout=30)  # closes conn if refused
+        try:
+            conn.send(HolderHello(self.config.name, self.dataset.size, self.piece_bytes, self.sm.manifest,
+                                  self.dataset.tokenizer))
+            answer = conn.recv(timeout=30).message
+            if not isinstance(answer, Welcome):
+                why = f": {answer.reason}" if isinstance(answer, Bye) else ""
+                raise ProtocolError(f"orchestrator did not welcome us{why}")
+        except GputravelError:
+            conn.close()
+            raise
         self.orchestrator = conn
+        return attestation
 
     def serve_travel(self, req: TravelRequest) -> None:
         clock = time.perf_counter
@@ -116,8 +146,6 @@ class DataHolder:
             self.driver.import_context(act.blob)
             act = self.sm.imported(clock())
             assert isinstance(act, CopyChunk)
-            if self.config.audit_arrival:
-                self.sm.audited(self._audit(act))
             act = self._copy(act, clock)
             assert isinstance(act, ExportBlob)
             act = self.sm.exported(self.driver.export_context(), clock())
@@ -130,14 +158,26 @@ class DataHolder:
 
     def _copy(self, act: CopyChunk, clock):
         try:
+            if self.config.audit_arrival:  # in here: a fault during the audit refuses the travel too
+                self.sm.audited(self._audit(act))
             info = self.driver.query_buffer(act.buffer_offset, timeout=self.config.device_timeout)
             if info.nbytes < act.buffer_bytes:
                 raise BadInput(f"the device buffer holds {info.nbytes} bytes, the request claims {act.buffer_bytes}")
             chunk = self.dataset.view[act.dataset_offset : act.dataset_offset + act.nbytes]
+            self.travels_served += 1
+            if self.travels_served == self.config.die_mid_copy_on_travel:
+                self._die_mid_copy(chunk, act.buffer_offset, info.nbytes)
             self.driver.copy_to_vram(chunk, act.buffer_offset, buffer_bytes=info.nbytes, timeout=self.config.device_timeout)
         except GputravelError as exc:
             return self.sm.copy_failed(f"{type(exc).__name__}: {exc}", clock())
         return self.sm.copied(act.nbytes, clock())
+
+    def _die_mid_copy(self, chunk: memoryview, buffer_offset: int, buffer_bytes: int) -> None:
+        half = len(chunk) // 2
+        if half:
+            self.driver.copy_to_vram(chunk[:half], buffer_offset, buffer_bytes=buffer_bytes,
+                                     timeout=self.config.device_timeout)
+        os._exit(70)  # no goodbye, no context back: the GPU is left with half a chunk
 
     def _audit(self, act: CopyChunk) -> int:
         data = self.driver.copy_from_vram(act.buffer_offset, act.buffer_bytes, timeout=self.config.device_timeout)
@@ -156,9 +196,13 @@ def serve(config: HolderConfig, control: Transport) -> None:
                 cmd = control.recv().message
                 if isinstance(cmd, Shutdown):
                     return
+                if isinstance(cmd, HOLDER_COMMANDS):  # late probe, leave (runtime/membership.py)
+                    holder_command(holder, cmd, control, sel)
                 if isinstance(cmd, JoinCohort):
-                    holder.join(cmd.host, cmd.port)
+                    if not join_cohort(holder, cmd, control):  # refused: reported, still out
+                        continue
                     assert holder.orchestrator is not None
+                    pace(holder.orchestrator, config.pace_mbit)
                     sel.register(holder.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
             else:
                 try:
@@ -169,3 +213,5 @@ def serve(config: HolderConfig, control: Transport) -> None:
                     return
                 if isinstance(msg, TravelRequest):
                     holder.serve_travel(msg)
+                elif isinstance(msg, SendChunk):  # the centralised TLS baseline (paper 7.2)
+                    send_chunk(holder.dataset.view, holder.piece_bytes, holder.orchestrator, msg)

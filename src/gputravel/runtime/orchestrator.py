@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import mmap
 import socket
@@ -17,7 +18,7 @@ from pathlib import Path
 from ..crypto.pki import CohortPki
 from ..driver.link import register_with_host, request_switch
 from ..driver.orchestrator import OrchestratorDriver
-from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError
+from ..errors import BadInput, GputravelError, HolderLost, PeerTimeout, ProtocolError, RemoteError, TransportClosed
 from ..layout import Layout
 from ..messages import Bye, HolderHello, TravelRefused, TravelResult, VramGrant, VramRequest, Welcome
 from ..roles.manifest import chunk_digest
@@ -25,7 +26,13 @@ from ..roles.orchestrator import Buffer, OrchestratorTravel, TravelReport, Verif
 from ..transport.base import Transport
 from ..transport.stream import StreamTransport, connect_unix
 from ..transport.tls import TlsListener
+from .attestation import GpuAttester, orchestrator_attester
+from .baseline import BaselinePath, BaselineReport, BaselineSource, DoBaseline
 from .control import AwaitHolders, DoTravel, Failed, Holders, Ready, Shutdown, Train, TrainDone, TrainStep
+from .links import pace
+from .membership import ORCHESTRATOR_COMMANDS, orchestrator_command
+from .travel_log import TravelLog
+from .trust import utcnow
 
 NAME = "orchestrator"
 
@@ -42,6 +49,9 @@ class OrchestratorConfig:
     device_timeout: float = 10.0
     verify: bool = True
     tokenizer: str = ""  # when set, holders whose tokens were made by another tokenizer are refused
+    pace_mbit: float | None = None  # token-bucket links: pace each holder connection to this rate
+    trust_dir: str = ""  # roots, GPU reference values, quoting enclave (runtime/trust.py); required
+    audit_log: str = ""  # where the signed travel log goes (runtime/travel_log.py); "": none
 
 
 class Orchestrator:
@@ -57,13 +67,18 @@ class Orchestrator:
         self.holders: dict[str, Transport] = {}
         self.vram: mmap.mmap | None = None
         self.travel_sm: OrchestratorTravel | None = None
-        self.listener = TlsListener(config.listen_host, config.listen_port, CohortPki.load(config.pki_dir).server_context(NAME))
+        pki = CohortPki.load(config.pki_dir)
+        self.listener = TlsListener(config.listen_host, config.listen_port, pki.server_context(NAME))
+        self.travel_log = TravelLog(config.audit_log, pki.member(NAME).key_pem) if config.audit_log else None
 
     # ------------------------------------------------------------------ boot
     def boot(self) -> None:
         """Paper 4.1: the orchestrator boots last, attests and keys the GPU, allocates its buffer."""
         self.switch(NAME)
-        self.driver.establish_session(timeout=self.config.device_timeout)
+        # Paper 4.5, GPU phase: SPDM only with a GPU under the trusted vendor root, then its
+        # evidence verified; an AttestationError (naming the claim) stops the boot here.
+        self.attester: GpuAttester = orchestrator_attester(self.config)
+        self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
         self._device.send(VramRequest())
         grant = self._device.recv(timeout=self.config.device_timeout)
         if not isinstance(grant.message, VramGrant) or len(grant.fds) != 1:
@@ -78,7 +93,12 @@ class Orchestrator:
     # ------------------------------------------------------------------ cohort
     def accept_holder(self, timeout: float) -> str:
         conn, peer = self.listener.accept(timeout=timeout)
-        hello = conn.recv(timeout=timeout).message
+        try:  # paper 4.5, CPU phase: the holder attests us before it says anything else
+            self.attester.serve_challenge(conn, self.driver, timeout)
+            hello = conn.recv(timeout=timeout).message
+        except GputravelError:
+            conn.close()
+            raise
         if not isinstance(hello, HolderHello) or hello.holder != peer:
             conn.send(Bye(reason="the first message must be a hello naming the certificate's holder"))
             conn.close()
@@ -112,17 +132,32 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ the travel cycle
     def travel(self, holder: str, dataset_offset: int) -> TravelReport:
+        """One travel (paper Fig. 3), written to the signed travel log whatever its outcome."""
+        before = self.driver.epoch or 0
+        try:
+            report = self._travel(holder, dataset_offset)
+        except RemoteError:
+            if self.travel_log is not None:
+                self.travel_log.aborted(holder, dataset_offset, before, self.driver.epoch or 0)
+            raise
+        if self.travel_log is not None:
+            self.travel_log.travelled(report, dataset_offset, before, self.driver.epoch or 0)
+        return report
+
+    def _travel(self, holder: str, dataset_offset: int) -> TravelReport:
         sm, drv, cfg = self.travel_sm, self.driver, self.config
         assert sm is not None
         clock = time.perf_counter
+        if holder in sm.holders and holder not in self.holders:
+            raise HolderLost(holder, "it is offline (not connected); it may join again")
+        self.attester.refresh(drv, utcnow(), cfg.device_timeout)  # GPU home: keep its claims fresh
         act = sm.start(holder, dataset_offset, clock())
         conn = self.holders[holder]
         try:  # carry out each action the state machine hands back, and report its completion
             drv.scrub(act.offset, act.nbytes, timeout=cfg.device_timeout)
             sm.scrubbed(clock())
             self.switch(sm.exported(drv.export_for_travel(), clock()).target)
-            conn.send(sm.switched(clock()).request)
-            reply = conn.recv(timeout=cfg.holder_timeout, expect=(TravelResult, TravelRefused)).message
+            reply = self._ask_holder(holder, conn, sm.switched(clock()).request)
             drv.import_returned(sm.holder_replied(reply, clock()).blob)
             sm.imported(clock())
             drv.rotate(timeout=cfg.device_timeout)
@@ -135,11 +170,22 @@ class Orchestrator:
             sm.abort()
             raise
 
+    def _ask_holder(self, holder: str, conn: Transport, request: object):
+        """Send the travel request; wait for the holder's result. A holder that dies, hangs or
+        sends garbage here is dropped (it may join again); the caller recovers the GPU."""
+        try:
+            conn.send(request)
+            return conn.recv(timeout=self.config.holder_timeout, expect=(TravelResult, TravelRefused)).message
+        except (TransportClosed, PeerTimeout, ProtocolError) as exc:
+            self.holders.pop(holder, None)
+            conn.close()
+            raise HolderLost(holder, f"{type(exc).__name__}: {exc}") from None
+
     def _digest(self, verify: VerifyChunk) -> bytes:
         assert self.vram is not None
         view = memoryview(self.vram)[verify.offset : verify.offset + verify.nbytes]
         try:
-            return chunk_digest(view)
+            return chunk_digest(view, verify.piece_bytes)
         finally:
             view.release()
 
@@ -151,6 +197,15 @@ class Orchestrator:
             self.driver.rotate(timeout=self.config.device_timeout)
         except GputravelError:
             pass  # the caller reports the original failure; the next travel will fail loudly
+
+    @functools.cached_property
+    def baseline_path(self) -> BaselinePath:
+        return BaselinePath(self)
+
+    def baseline(self, holder: str, dataset_offset: int) -> BaselineReport:
+        """The centralised TLS baseline (paper 7.2): the holder sends the chunk over TLS and this
+        CVM writes it into the dataset buffer; the GPU does not travel (see runtime/baseline.py)."""
+        return self.baseline_path.run(holder, dataset_offset)
 
     def buffer_view(self) -> memoryview:
         """Read-only view of the dataset buffer (what a training kernel on the GPU reads)."""
@@ -167,6 +222,8 @@ class Orchestrator:
             conn.close()
         self.listener.close()
         self.host.close()
+        if self.travel_log is not None:
+            self.travel_log.close()
 
 
 def run_training(orch: Orchestrator, cmd: Train, control: Transport) -> dict:
@@ -181,7 +238,8 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport) -> dict:
         raise BadInput(f"the job trains on {cfg.tokenizer!r} tokens, this cohort holds {orch.config.tokenizer!r} tokens")
     assert orch.travel_sm is not None
     sizes = {name: orch.travel_sm.holders[name].dataset_bytes for name in orch.holders}
-    result = train(cfg, TravelSource(orch, sizes), run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
+    source = BaselineSource(orch, sizes) if cfg.loader == "baseline" else TravelSource(orch, sizes)
+    result = train(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
                    on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
                    resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
                    tokenizer=sample_tokenizer(cfg.tokenizer))
@@ -199,9 +257,16 @@ def serve(config: OrchestratorConfig, control: Transport, device_link: socket.so
                 return
             try:
                 if isinstance(cmd, AwaitHolders):
-                    control.send(Holders(dataset_bytes=orch.await_holders(cmd.names, cmd.timeout)))
+                    sizes = orch.await_holders(cmd.names, cmd.timeout)
+                    for conn in orch.holders.values():  # token-bucket links: each end paces itself
+                        pace(conn, config.pace_mbit)
+                    control.send(Holders(dataset_bytes=sizes))
+                elif isinstance(cmd, DoBaseline):
+                    control.send(orch.baseline(cmd.holder, cmd.dataset_offset))
                 elif isinstance(cmd, DoTravel):
                     control.send(orch.travel(cmd.holder, cmd.dataset_offset))
+                elif isinstance(cmd, ORCHESTRATOR_COMMANDS):  # join and leave (runtime/membership.py)
+                    control.send(orchestrator_command(orch, cmd))
                 elif isinstance(cmd, Train):
                     control.send(TrainDone(report_json=json.dumps(run_training(orch, cmd, control))))
                 else:

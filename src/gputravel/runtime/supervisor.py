@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import selectors
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -24,11 +26,16 @@ from typing import Callable
 from .. import errors
 from ..crypto.pki import CohortPki
 from ..host.tap import TcpTap
-from ..errors import BadInput, GputravelError, PeerTimeout, RemoteError
+from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError, RemoteError, TransportClosed
 from ..layout import Layout
+from ..net.shaped import LinkError
 from ..transport.stream import StreamTransport
+from .baseline import BaselineReport, DoBaseline
 from .control import (AwaitHolders, DoTravel, Failed, Holders, JoinCohort, Ready, Shutdown, Train, TrainDone,
                       TrainStep, TravelReport)
+from .links import CohortLinks, check_link_config, resolve_link
+from .membership import AwaitDeparture, Joined, Leave, Left, LendGpu, ProbeGpu, Probed, ReclaimGpu
+from .trust import CohortTrust, TrustOptions, attestation_error_from, pin_orchestrator, provision_cohort_trust
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ class HolderSpec:
     name: str
     dataset: str
     format: str = "raw"  # "raw" bytes, or "tokens": llm.c shards (a directory or one .bin) or text
+    die_mid_copy_on_travel: int = 0  # fault injection (tests, red team): see HolderConfig
 
 
 @dataclass(frozen=True)
@@ -49,25 +57,44 @@ class CohortConfig:
     tap: bool = False  # holders reach the orchestrator through a recording TCP tap (tap.bin)
     audit_arrival: bool = False
     tokenizer: str = ""  # for training: the tokenizer every holder's tokens must come from
+    # The orchestrator's signed travel log (runtime/travel_log.py); None: audit.log in the
+    # cohort's directory (gone with it unless `workdir` is set).
+    audit_log: str | None = None
     boot_timeout: float = 60.0
     travel_timeout: float = 120.0
+    # How long the orchestrator and holders wait for the device (a semaphore, an RPC, a switch);
+    # None: their own defaults. The red team makes it small so dropped pushes time out quickly.
+    device_timeout: float | None = None
+    # The holder<->orchestrator links (runtime/links.py): a cap per link and direction in
+    # Mbit/s (None: uncapped), and the kind: "auto" (netns-tc when capped and namespaces work,
+    # else the in-process token bucket; no shaping when uncapped), "netns", "token-bucket", "none".
+    bandwidth_mbit: float | None = None
+    link: str = "auto"
+    # The chain of trust (runtime/trust.py): the defaults give an honest cohort; tests break one
+    # link on purpose to see it refused.
+    trust: TrustOptions = field(default_factory=TrustOptions)
+    # Holders enrolled now (certificate, policy) that boot and join later: Cohort.add_holder.
+    late_holders: tuple[HolderSpec, ...] = ()
 
     def __post_init__(self) -> None:
         names = [h.name for h in self.holders]
         if not names:
             raise BadInput("a cohort needs at least one data holder")
+        names += [h.name for h in self.late_holders]
         if len(set(names)) != len(names):
             raise BadInput("data holder names must be unique")
         if "orchestrator" in names:
             raise BadInput("'orchestrator' is reserved and cannot name a data holder")
         if self.buffer_bytes <= 0 or self.buffer_bytes % self.layout.record_bytes:
             raise BadInput(f"buffer size must be a positive multiple of {self.layout.record_bytes} bytes")
-        for h in self.holders:
+        for h in self.holders + self.late_holders:
             if h.format not in ("raw", "tokens"):
                 raise BadInput(f"dataset format of holder {h.name!r} must be 'raw' or 'tokens', not {h.format!r}")
             exists = Path(h.dataset).is_file() if h.format == "raw" else Path(h.dataset).exists()
             if not exists:
                 raise BadInput(f"dataset of holder {h.name!r} not found: {h.dataset}")
+
+        check_link_config(self.link, self.bandwidth_mbit, self.tap)
 
     @property
     def device_vram(self) -> int:
@@ -99,6 +126,11 @@ class Cohort:
         self.port = 0
         self.dataset_bytes: dict[str, int] = {}
         self._tap: TcpTap | None = None
+        self.links: CohortLinks | None = None
+        self.trust: CohortTrust | None = None
+        self.attestations: dict[str, Joined] = {}  # what each holder verified when it last joined
+        self._host_sock = ""
+        self._join_port = 0
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Cohort:
@@ -116,24 +148,30 @@ class Cohort:
         cfg = self.config
         self.dir = Path(tempfile.mkdtemp(prefix="gputravel-", dir=cfg.workdir))
         names = tuple(h.name for h in cfg.holders)
-        CohortPki.create(self.dir / "pki", ("orchestrator",) + names)
-        for member in ("orchestrator",) + names:
+        # Late holders are enrolled now: the cohort CA's key is discarded once members exist.
+        members = names + tuple(h.name for h in cfg.late_holders)
+        self.links = CohortLinks.for_cohort(cfg.link, members, cfg.bandwidth_mbit)
+        self.links.open()
+        CohortPki.create(self.dir / "pki", ("orchestrator",) + members)
+        for member in ("orchestrator",) + members:
             _member_dir(self.dir / "pki", member)
-        host_sock = str(self.dir / "host.sock")
+        host_sock = self._host_sock = str(self.dir / "host.sock")
         snoop = str(self.dir / "snoop.bin") if cfg.snoop else None
+        orchestrator = {"host_socket": host_sock, "pki_dir": str(self.dir / "pki" / "orchestrator"),
+                        "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
+                        "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer,
+                        "trust_dir": str(self.dir / "trust" / "orchestrator"), **self._device_timeout(),
+                        "audit_log": str(Path(cfg.audit_log).resolve()) if cfg.audit_log else str(self.dir / "audit.log")}
+        self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust)
         self._spawn("host", {"socket_path": host_sock, "snoop_path": snoop})
         dev_end, orch_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._spawn("device", {"host_socket": host_sock, "vram_bytes": cfg.device_vram, "layout": cfg.layout},
-                        extra_fd=dev_end.fileno())
+            self._spawn("device", {"host_socket": host_sock, "vram_bytes": cfg.device_vram, "layout": cfg.layout,
+                                   "gpu_dir": str(self.trust.device_dir)}, extra_fd=dev_end.fileno())
             for h in cfg.holders:  # each holder sets up its driver while it holds the GPU
-                self._spawn("holder", {"name": h.name, "dataset_path": h.dataset, "host_socket": host_sock,
-                                       "pki_dir": str(self.dir / "pki" / h.name), "layout": cfg.layout,
-                                       "audit_arrival": cfg.audit_arrival, "dataset_format": h.format}, key=h.name)
-            ready = self._spawn("orchestrator", {"host_socket": host_sock, "pki_dir": str(self.dir / "pki" / "orchestrator"),
-                                                 "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
-                                                 "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer},
-                                extra_fd=orch_end.fileno())
+                self._spawn_holder(h)
+            self.trust = self._pin(orchestrator, members)  # just before it boots and measures itself
+            ready = self._spawn("orchestrator", self._launched(orchestrator), extra_fd=orch_end.fileno())
         finally:
             dev_end.close()
             orch_end.close()
@@ -142,20 +180,18 @@ class Cohort:
         if cfg.tap:
             self._tap = TcpTap(("127.0.0.1", self.port), self.dir / "tap.bin")
             port = self._tap.port
-        for h in cfg.holders:
-            self.children[h.name].control.send(JoinCohort(host="127.0.0.1", port=port))
-        reply = self._ask(AwaitHolders(names=names, timeout=cfg.boot_timeout), cfg.boot_timeout + 5)
-        assert isinstance(reply, Holders)
-        self.dataset_bytes = dict(reply.dataset_bytes)
+        self._join_port = port
+        self.dataset_bytes = self._join(names)
 
     def _spawn(self, role: str, config: dict, *, key: str | None = None, extra_fd: int | None = None) -> Ready:
         assert self.dir is not None
         key = key or role
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [theirs.fileno()] + ([extra_fd] if extra_fd is not None else [])
-        payload = json.dumps(config, default=_jsonable)
         log = self.dir / f"{key}.log"
-        argv = [sys.executable, "-m", "gputravel.runtime.entry", role, payload, *map(str, fds)]
+        prefix, config = self._on_link(role, key, config)
+        payload = json.dumps(config, default=_jsonable)
+        argv = [*prefix, sys.executable, "-m", "gputravel.runtime.entry", role, payload, *map(str, fds)]
         with open(log, "wb") as logf:
             proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                     preexec_fn=_pdeathsig)
@@ -171,6 +207,15 @@ class Cohort:
         if not isinstance(msg, Ready):
             raise RemoteError(f"{key} sent {type(msg).__name__} instead of ready")
         return msg
+
+    def _on_link(self, role: str, key: str, config: dict) -> tuple[list[str], dict]:
+        """Holders and the orchestrator start on their side of the cohort's link."""
+        if self.links is None or role not in ("holder", "orchestrator"):
+            return [], config
+        extra: dict = {"pace_mbit": self.links.pace_mbit}
+        if role == "orchestrator":
+            extra["listen_host"] = self.links.listen_host
+        return self.links.prefix(key), {**config, **extra}
 
     def _log_tail(self, child: Child) -> str:
         try:
@@ -204,8 +249,143 @@ class Cohort:
         if self._tap is not None:
             self._tap.close()
             self._tap = None
+        self._close_links()
         if self.dir is not None and self.config.workdir is None:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _close_links(self) -> None:
+        """Delete the namespaces once every process inside has been reaped."""
+        if self.links is None:
+            return
+        try:
+            self.links.close()
+        except LinkError as exc:
+            warnings.warn(f"shaped-link teardown: {exc}", RuntimeWarning, stacklevel=3)
+        self.links = None
+
+    @property
+    def link(self) -> str:
+        """The kind of link the holders reach the orchestrator on: netns-tc, token-bucket or none."""
+        if self.links is None:
+            return resolve_link(self.config.link, self.config.bandwidth_mbit)
+        return self.links.kind
+
+    # ------------------------------------------------------------------ trust and membership
+    def _pin(self, orchestrator: dict, members: tuple[str, ...]) -> CohortTrust:
+        """Holders' policies pin this orchestrator's measurement (runtime/trust.py). Done as
+        late as possible: a source file saved between this and the orchestrator measuring
+        itself would look like a changed orchestrator, and holders would refuse it."""
+        from .orchestrator import OrchestratorConfig
+
+        assert self.trust is not None
+        try:
+            pinned = OrchestratorConfig(**orchestrator)
+            OrchestratorConfig(**self._launched(orchestrator))
+        except TypeError as exc:
+            raise BadInput(f"orchestrator configuration: {exc}") from None
+        return pin_orchestrator(self.trust, orchestrator=pinned, holders=members, options=self.config.trust)
+
+    def _launched(self, orchestrator: dict) -> dict:
+        """What the orchestrator is started with: what was pinned, unless a test changes it."""
+        return {**orchestrator, **dict(self.config.trust.orchestrator_changes)}
+
+    def _spawn_holder(self, h: HolderSpec, *, late: bool = False) -> Ready:
+        assert self.dir is not None
+        cfg = self.config
+        return self._spawn("holder", {"name": h.name, "dataset_path": h.dataset, "host_socket": self._host_sock,
+                                      "pki_dir": str(self.dir / "pki" / h.name), "layout": cfg.layout,
+                                      "audit_arrival": cfg.audit_arrival, "dataset_format": h.format,
+                                      "die_mid_copy_on_travel": h.die_mid_copy_on_travel,
+                                      "trust_dir": str(self.dir / "trust" / "holders" / h.name),
+                                      "probe_at_boot": not late, **self._device_timeout()}, key=h.name)
+
+    def _device_timeout(self) -> dict:
+        t = self.config.device_timeout
+        return {} if t is None else {"device_timeout": t}
+
+    def _join(self, names: tuple[str, ...]) -> dict[str, int]:
+        """Holders attest the orchestrator and join; the dataset size of every joined holder."""
+        assert self.links is not None
+        timeout = self.config.boot_timeout
+        for name in names:
+            self.children[name].control.send(JoinCohort(host=self.links.connect_host, port=self._join_port))
+        try:
+            reply = self._ask(AwaitHolders(names=names, timeout=timeout), timeout + 5)
+        except (TransportClosed, PeerTimeout, ProtocolError) as exc:
+            # The orchestrator only saw a holder hang up or go quiet; the holder knows why
+            # (an attestation it refused, naming the claim). An orchestrator's own refusal
+            # (another error type) says why itself and propagates as is.
+            refused = self._holder_failure(names)
+            if refused is not None:
+                raise refused from None
+            raise exc
+        assert isinstance(reply, Holders)
+        for name in names:
+            self.attestations[name] = self._from_holder(name, Joined)
+        return dict(reply.dataset_bytes)
+
+    def _holder_failure(self, names: tuple[str, ...], grace: float = 5.0) -> GputravelError | None:
+        """The first error a holder reports within `grace` seconds (only used after a failure)."""
+        pending = {self.children[n].control.fileno(): n for n in names}
+        deadline = time.monotonic() + grace
+        with selectors.DefaultSelector() as sel:
+            for fd in pending:
+                sel.register(fd, selectors.EVENT_READ)
+            while pending and deadline > time.monotonic():
+                for key, _ in sel.select(deadline - time.monotonic()):
+                    name = pending.pop(key.fd)
+                    sel.unregister(key.fd)
+                    try:
+                        msg = self.children[name].control.recv(timeout=1).message
+                    except GputravelError:
+                        continue
+                    if isinstance(msg, Failed):
+                        return _typed(msg, f"{name} did not join")
+        return None
+
+    def _from_holder(self, name: str, expect: type, cmd: object | None = None) -> object:
+        holder = self.children[name]
+        if cmd is not None:
+            holder.control.send(cmd)
+        try:
+            msg = holder.control.recv(timeout=self.config.boot_timeout).message
+        except GputravelError as exc:
+            raise RemoteError(f"{name} stopped answering: {exc}{self._log_tail(holder)}") from None
+        if isinstance(msg, Failed):
+            raise _typed(msg, name)
+        if not isinstance(msg, expect):
+            raise RemoteError(f"{name} sent {type(msg).__name__} instead of {expect.__name__}")
+        return msg
+
+    def add_holder(self, name: str) -> int:
+        """Paper 4.5: a late holder (one of config.late_holders) boots and joins the running
+        cohort. The orchestrator lends it the GPU for its probe between travels, takes it back,
+        then the holder attests the orchestrator and joins. Returns its dataset size."""
+        spec = {h.name: h for h in self.config.late_holders}.get(name)
+        if spec is None or name in self.children:
+            raise BadInput(f"{name!r} is not a late holder of this cohort that has not started yet")
+        self._spawn_holder(spec, late=True)
+        wait = self.config.boot_timeout + 5
+        self._ask(LendGpu(holder=name), wait)
+        try:
+            self._from_holder(name, Probed, ProbeGpu())
+        finally:
+            self._ask(ReclaimGpu(), wait)  # whatever the probe did, the orchestrator takes the GPU back
+        self.dataset_bytes.update(self._join((name,)))
+        return self.dataset_bytes[name]
+
+    def leave(self, name: str, reason: str = "leaving the cohort") -> None:
+        """Paper 4.5: the holder says goodbye to the orchestrator and stops providing data; the
+        orchestrator drops its link (travels to it then fail: HolderLost) until it rejoins."""
+        self._from_holder(name, Left, Leave(reason=reason))
+        self._ask(AwaitDeparture(holder=name, timeout=self.config.boot_timeout), self.config.boot_timeout + 5)
+        self.dataset_bytes.pop(name, None)
+        self.attestations.pop(name, None)
+
+    def rejoin(self, name: str) -> int:
+        """A holder that left joins again, attesting the orchestrator afresh."""
+        self.dataset_bytes.update(self._join((name,)))
+        return self.dataset_bytes[name]
 
     # ------------------------------------------------------------------ commands
     def _ask(self, cmd: object, timeout: float) -> object:
@@ -220,6 +400,16 @@ class Cohort:
         if isinstance(msg, Failed):
             raise _typed(msg, "orchestrator")
         return msg
+
+    def baseline(self, holder: str, dataset_offset: int = 0) -> BaselineReport:
+        """Fill the dataset buffer the centralised TLS way (paper 7.2, runtime/baseline.py)."""
+        bw = self.config.bandwidth_mbit
+        on_link = 3 * self.config.buffer_bytes * 8 / (bw * 1e6) if bw else 0.0  # generous: 3x size/rate
+        reply = self._ask(DoBaseline(holder=holder, dataset_offset=dataset_offset),
+                          self.config.travel_timeout + 30 + on_link)
+        if not isinstance(reply, BaselineReport):
+            raise RemoteError(f"orchestrator answered a baseline transfer with {type(reply).__name__}")
+        return reply
 
     def travel(self, holder: str, dataset_offset: int = 0) -> TravelReport:
         reply = self._ask(DoTravel(holder=holder, dataset_offset=dataset_offset), self.config.travel_timeout + 30)
@@ -251,6 +441,18 @@ class Cohort:
     def snoop_path(self) -> Path | None:
         return self.dir / "snoop.bin" if self.dir is not None and self.config.snoop else None
 
+    @property
+    def audit_log_path(self) -> Path | None:
+        """Where the orchestrator writes its signed travel log."""
+        if self.config.audit_log:
+            return Path(self.config.audit_log)
+        return self.dir / "audit.log" if self.dir is not None else None
+
+    def orchestrator_certificate(self) -> bytes:
+        """The orchestrator's cohort certificate (public): the key that signs the travel log."""
+        assert self.dir is not None
+        return (self.dir / "pki" / "orchestrator.pem").read_bytes()
+
     def pids(self) -> dict[str, int]:
         return {k: c.proc.pid for k, c in self.children.items()}
 
@@ -265,10 +467,16 @@ def _member_dir(pki: Path, member: str) -> None:
 
 
 def _typed(msg: Failed, where: str) -> GputravelError:
+    refused = attestation_error_from(msg.kind, msg.reason, where)  # keeps the failing claim
+    if refused is not None:
+        return refused
     cls = getattr(errors, msg.kind, None)
     if not (isinstance(cls, type) and issubclass(cls, GputravelError)) or cls is errors.IllegalTransition:
         cls = RemoteError
-    return cls(f"{where}: {msg.reason}")
+    try:
+        return cls(f"{where}: {msg.reason}")
+    except TypeError:  # a class whose constructor wants more than a message (HolderLost)
+        return RemoteError(f"{where}: {msg.kind}: {msg.reason}")
 
 
 def _wait(proc: subprocess.Popen, deadline: float) -> None:

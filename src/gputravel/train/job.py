@@ -119,13 +119,26 @@ def _run_local(cfg: JobConfig, run_dir: Path, on_step) -> dict:
 
 def _run_travelling(cfg: JobConfig, run_dir: Path, on_step) -> dict:
     t = cfg.train
+    log, cert = _audit_paths(run_dir)
     cohort_cfg = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
-                              buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer)
+                              buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
+                              audit_log=str(log))
     with Cohort(cohort_cfg) as cohort:
+        cert.write_bytes(cohort.orchestrator_certificate())  # what holders verify the log with
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{k: getattr(m, k) for k in StepEvent.__dataclass_fields__})))
         resume = _checkpoint(cfg, run_dir)
         return cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()), on_step=relay,
                             resume_checkpoint=str(resume.resolve()) if resume else "")
+
+
+def _audit_paths(run_dir: Path) -> tuple[Path, Path]:
+    """The travel log and the certificate of the orchestrator that signs it. Each cohort has
+    its own orchestrator key, so a resumed run starts a log of its own next to the first."""
+    k = 0
+    while (run_dir / (f"audit-{k}.log" if k else "audit.log")).exists():
+        k += 1
+    suffix = f"-{k}" if k else ""
+    return run_dir / f"audit{suffix}.log", run_dir / f"orchestrator{suffix}.pem"
 
 
 def _checkpoint(cfg: JobConfig, run_dir: Path) -> Path | None:

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Mapping, Protocol
 import numpy as np
 import torch
 
-from ..errors import BadInput, ProtocolError
+from ..errors import BadInput, HolderLost, ProtocolError
 from .schedule import LoaderState, Scheduler, Visit
 
 TOKEN_BYTES = 2  # llm.c shards hold uint16 tokens
@@ -104,6 +104,7 @@ class TravellingLoader:
         self.device = device
         self.stall_seconds = 0.0  # time spent waiting for data (travels), for the stall share
         self.fetches = 0
+        self.lost: list[str] = []  # holders lost in travels, with why
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -111,7 +112,14 @@ class TravellingLoader:
             visit, after = self.scheduler.next_visit(before)
             if after.epoch != before.epoch:  # a new epoch began: resume points belong to it
                 before = LoaderState(epoch=after.epoch, skip=before.skip)
-            tokens = self._fetch(visit)
+            try:
+                tokens = self._fetch(visit)
+            except HolderLost as exc:
+                # The GPU is back and re-keyed; nothing of the partial chunk is used. Go on
+                # with the other holders; this one's cursor stays put for when it returns.
+                self.scheduler.offline.add(visit.holder)
+                self.lost.append(str(exc))
+                continue
             n = self.scheduler.windows_in(visit.ntokens)
             done = self.scheduler.consumed(after, visit)
             for j in range(before.skip, n):
@@ -122,11 +130,12 @@ class TravellingLoader:
 
     def _fetch(self, visit: Visit) -> np.ndarray:
         t0 = time.perf_counter()
-        tokens = self.source.fetch(visit)
-        # Copy out of the buffer once: the next travel scrubs and refills it.
-        tokens = np.array(tokens, dtype=np.int64)
-        spent = time.perf_counter() - t0
-        self.stall_seconds += spent
+        try:
+            # Copy out of the buffer once: the next travel scrubs and refills it.
+            tokens = np.array(self.source.fetch(visit), dtype=np.int64)
+        finally:  # a failed travel is waiting time too
+            spent = time.perf_counter() - t0
+            self.stall_seconds += spent
         self.fetches += 1
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, spent, getattr(self.source, "last_report", None)))

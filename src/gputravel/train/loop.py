@@ -21,12 +21,12 @@ from ..errors import BadInput
 from .loader import ChunkSource, Fetched, TravellingLoader
 from .schedule import POLICIES, LoaderState
 
-LOADERS = ("travelling", "local")
+LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (runtime/baseline.py)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 400
+    steps: int = 300
     batch: int = 8
     seq_len: int = 64
     buffer_bytes: int = 256 << 10
@@ -35,9 +35,9 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.1
     warmup_steps: int = 20
-    n_layer: int = 4
+    n_layer: int = 6
     n_head: int = 4
-    n_embd: int = 128
+    n_embd: int = 256
     vocab_size: int = 257
     tokenizer: str = "bytes"
     threads: int = 2
@@ -83,6 +83,7 @@ class TrainResult:
     wall_seconds: float = 0.0
     sample: str = ""
     state: dict = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)  # holders lost during travels, with why
 
     @property
     def stall_share(self) -> float:
@@ -177,6 +178,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     result.wall_seconds = time.perf_counter() - t_start
     result.stall_seconds = loader.stall_seconds
     result.state = loader.state.to_dict()
+    result.lost = list(loader.lost)
     if cfg.sample_tokens and tokenizer is not None:
         result.sample = _sample(model, cfg, device, tokenizer)
     if out is not None:
@@ -258,5 +260,6 @@ def make_report(cfg: TrainConfig, result: TrainResult) -> dict:
         "wall_s": result.wall_seconds,
         "stall_share": result.stall_share,
         "loader_state": result.state,
+        "holders_lost": result.lost,
         "sample": result.sample,
     }

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from ..errors import BadInput
+from ..errors import BadInput, HolderLost
 
 POLICIES = ("round_robin", "proportional")
 
@@ -70,6 +70,9 @@ class Scheduler:
         self.capacity = capacity
         self.window = window
         self.policy = policy
+        # Holders lost in a travel (dead, hung): skipped until they come back. The cursor of a
+        # lost holder stays where its last whole chunk ended: the partial chunk is redone.
+        self.offline: set[str] = set()
         if not any(self._usable(n, 0) for n in self.sizes.values()):
             raise BadInput(f"no holder has enough tokens for one batch of {window + 1}")
 
@@ -77,12 +80,16 @@ class Scheduler:
         return size - cursor >= self.window + 1
 
     def _open(self, state: LoaderState) -> list[str]:
-        return [h for h, n in self.sizes.items() if self._usable(n, state.cursors.get(h, 0))]
+        return [h for h, n in self.sizes.items()
+                if h not in self.offline and self._usable(n, state.cursors.get(h, 0))]
 
     def next_visit(self, state: LoaderState) -> tuple[Visit, LoaderState]:
-        """The next visit; starts a new epoch (all cursors back to 0) when every holder is used up."""
+        """The next visit; starts a new epoch (all cursors back to 0) when every online holder
+        is used up (the rest of an offline holder's data is then missed for that epoch)."""
         open_ = self._open(state)
         if not open_:
+            if set(self.sizes) <= self.offline:
+                raise HolderLost("every holder", "all data holders are offline; training cannot go on")
             state = LoaderState(epoch=state.epoch + 1, cursors={}, last=None)
             open_ = self._open(state)
         holder = self._pick(open_, state)

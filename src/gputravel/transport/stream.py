@@ -35,12 +35,21 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 from gputravel import wire
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.transport.base import MAX_FDS, Received, Transport, check_fds
 
-__all__ = ["StreamTransport", "HEADER", "socketpair_transports", "connect_unix",
+class Pacer(Protocol):
+    """What :meth:`StreamTransport.pace` needs of a token bucket."""
+
+    burst_bytes: int
+
+    def throttle(self, nbytes: int) -> float: ...
+
+
+__all__ = ["StreamTransport", "Pacer", "HEADER", "socketpair_transports", "connect_unix",
            "listen_unix", "accept_unix"]
 
 HEADER = struct.Struct(">IB")  # payload length, descriptor count
@@ -85,7 +94,17 @@ class StreamTransport(Transport):
         self._closed = False
         self._eof = False
         self._buf = bytearray(64 * 1024)
+        self._pacer: Pacer | None = None
+        self._prepaid = 0  # bytes already paid to the pacer that have not left yet
         self._reset_frame()
+
+    def pace(self, bucket: Pacer | None) -> None:
+        """Keep what this end sends to ``bucket``'s rate (the in-process fallback link, a
+        :class:`gputravel.net.shaped.TokenBucket`); None stops pacing. Bytes are paid for
+        before they leave, at most one burst (and 64 KiB) per socket write, each byte once."""
+        with self._send_lock:
+            self._pacer = bucket
+            self._prepaid = 0
 
     # ------------------------------------------------------------------------- send
     def send(self, message: object, fds: Sequence[int] = ()) -> None:
@@ -108,14 +127,15 @@ class StreamTransport(Transport):
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else None
         sent = 0
         while sent < len(view):
+            piece = view[sent:] if self._pacer is None else self._paid(view[sent:])
             try:
                 with self._io_lock:
                     self._check_open()
                     if anc is not None:
-                        n = self._sock.sendmsg([view[sent:]], anc)
+                        n = self._sock.sendmsg([piece], anc)
                         anc = None  # descriptors ride on the first chunk only
                     else:
-                        n = self._sock.send(view[sent:])
+                        n = self._sock.send(piece)
             except (BlockingIOError, ssl.SSLWantWriteError):
                 self._wait_send(self._wpoll, deadline)
                 continue
@@ -127,6 +147,17 @@ class StreamTransport(Transport):
             except OSError as e:
                 self._fail(self._closed_error(e))
             sent += n
+            self._prepaid = max(self._prepaid - n, 0)
+
+    def _paid(self, rest: memoryview) -> memoryview:
+        """The next piece to offer the socket, once the pacer has been paid for all of it
+        (a retry after a short write offers what was already paid for; never pay twice)."""
+        assert self._pacer is not None
+        piece = rest[: max(1, min(self._pacer.burst_bytes, 64 * 1024))]
+        if self._prepaid < len(piece):
+            self._pacer.throttle(len(piece) - self._prepaid)
+            self._prepaid = len(piece)
+        return piece
 
     def _wait_send(self, poller: select.poll, deadline: float | None) -> None:
         try:
@@ -282,6 +313,14 @@ class StreamTransport(Transport):
         """The socket's descriptor. For TLS, decrypted bytes may already be buffered: a
         selector can miss them, so prefer ``recv(timeout=...)`` over select for TLS links."""
         return self._fd
+
+    def peer_certificate(self) -> bytes:
+        """DER of the certificate the TLS peer presented (and the handshake verified): what
+        an attestation binds to this connection. ProtocolError on a link without one."""
+        der = self._sock.getpeercert(binary_form=True) if self._ssl else None
+        if not der:
+            raise ProtocolError(f"{self.name}: no TLS peer certificate on this link")
+        return der
 
     def close(self) -> None:
         with self._io_lock:

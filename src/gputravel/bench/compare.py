@@ -1,0 +1,315 @@
+"""`gputravel bench compare`: GPU Travelling against the centralised TLS baseline (paper 7.2,
+Figure 6), measured side by side on the same capped links.
+
+For every (bandwidth, buffer size) cell a cohort is booted with one holder whose dataset is
+one buffer, on a link of that bandwidth (paper: the buffer is what one transmission moves).
+In it, travels and baseline transfers each get a warm-up and then ``repeat`` timed runs;
+medians are reported. Every cell uses the same kind of link (netns-tc where namespaces work,
+else the in-process token bucket), uncapped cells included, so only the cap differs.
+
+Sampling: a baseline transfer whose size/rate exceeds ``max_transfer_s`` (512 MiB at 4 Mbit/s
+is 18 minutes) is not run; its time is extrapolated linearly in size from the largest size
+measured at the same bandwidth, and the cell says so (``"extrapolated": true``). The
+smallest size of every bandwidth is always measured. Travels are always measured.
+
+The rate check: at every measured capped cell, the baseline's transfer time against size/cap
+(``"rate_agreement"``; the target is within 15 %). With netns-tc links, each capped
+bandwidth also gets one raw TCP transfer through the same shaped link (``"link_checks"``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ..errors import BadInput, RemoteError
+from ..net.shaped import LINK_NETNS, check_rate
+from ..runtime.links import resolve_link
+from ..runtime.supervisor import Cohort, CohortConfig, HolderSpec
+
+MIB = 1 << 20
+HOLDER = "holder-1"
+RATE_TOLERANCE = 0.15
+WARMUP_BYTES = MIB  # the baseline's warm-up moves one record-sized chunk, not a whole buffer
+
+#: The paper's Table 1, total time of one travel (ms) per buffer size (MiB).
+PAPER_TRAVEL_MS = {4: 333.673, 8: 338.642, 16: 348.360, 32: 387.671, 64: 412.204, 128: 497.589,
+                   256: 652.282, 512: 978.969}
+#: The paper's Table 2, baseline transmission time (s) of one 512 MiB buffer per bandwidth
+#: (None: uncapped, which reached about 1 Gbit/s there).
+PAPER_BASELINE_512_S = {4.0: 1115.88, 20.0: 230.84, 100.0: 60.36, 500.0: 15.86, None: 7.34}
+
+
+def paper_speedup(size_mib: int, bandwidth_mbit: float | None) -> float | None:
+    """The paper's speedup at a cell, estimated from its text: Figure 6's bars are not given as
+    numbers, so the baseline is Table 2's 512 MiB time scaled linearly to the size (the paper:
+    the baseline "fluctuates linearly") and the travel is Table 1's total. None off the grid."""
+    travel = PAPER_TRAVEL_MS.get(size_mib)
+    key = None if bandwidth_mbit is None else float(bandwidth_mbit)
+    if travel is None or key not in PAPER_BASELINE_512_S:
+        return None
+    return PAPER_BASELINE_512_S[key] * 1e3 * size_mib / 512 / travel
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    sizes_mib: tuple[int, ...]
+    bandwidths: tuple[float | None, ...]  # Mbit/s; None: uncapped
+    repeat: int = 3
+    link: str = "auto"  # auto: netns-tc where namespaces work, else token-bucket
+    max_transfer_s: float = 25.0  # longer baseline transfers (size/rate) are extrapolated
+    link_check_s: float = 2.0  # netns-tc: a raw TCP transfer of about this long per cap; 0: none
+    workdir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.sizes_mib or any(not 1 <= s <= 4096 for s in self.sizes_mib):
+            raise BadInput("sizes must be between 1 and 4096 MiB")
+        if not self.bandwidths or any(b is not None and not 0 < b <= 100_000 for b in self.bandwidths):
+            raise BadInput("bandwidths must be in (0, 100000] Mbit/s, or 'uncapped'")
+        if self.repeat < 1:
+            raise BadInput("--repeat must be at least 1")
+        if self.link not in ("auto", "netns", "token-bucket"):
+            raise BadInput("--link must be auto, netns or token-bucket")
+        if self.max_transfer_s <= 0:
+            raise BadInput("--max-transfer-s must be positive")
+
+
+def link_kind(link: str) -> str:
+    """The link the whole grid runs on: what a capped cohort would get (runtime/links.py)."""
+    if link not in ("auto", "netns", "token-bucket"):
+        raise BadInput(f"--link must be auto, netns or token-bucket, not {link!r}")
+    return resolve_link(link, bandwidth_mbit=1.0)
+
+
+def transfer_s(size_mib: int, bandwidth_mbit: float | None) -> float:
+    """size / rate, the time a transfer of the buffer takes at the cap (0 uncapped)."""
+    return 0.0 if bandwidth_mbit is None else size_mib * MIB * 8 / (bandwidth_mbit * 1e6)
+
+
+def run(cfg: CompareConfig, *, on_cell: Callable[[dict], None] | None = None) -> dict:
+    kind = link_kind(cfg.link)
+    sizes = sorted(set(cfg.sizes_mib))
+    result = {"link": kind, "machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
+              "repeat": cfg.repeat, "max_transfer_s": cfg.max_transfer_s, "cells": [], "link_checks": []}
+    with tempfile.TemporaryDirectory(prefix="gputravel-compare-", dir=cfg.workdir) as tmp:
+        data = {s: _dataset(Path(tmp), s) for s in sizes}
+        for bw in cfg.bandwidths:
+            cells = _bandwidth(cfg, kind, bw, sizes, data, result["link_checks"], on_cell)
+            result["cells"].extend(cells)
+    result["tie_breaks"] = tie_breaks(result["cells"], cfg.bandwidths)
+    return result
+
+
+def _bandwidth(cfg: CompareConfig, kind: str, bw: float | None, sizes: list[int], data: dict[int, str],
+               checks: list, on_cell: Callable[[dict], None] | None) -> list[dict]:
+    cells: list[dict] = []
+    ref: dict | None = None  # the largest size measured at this bandwidth
+    for size in sizes:
+        measure = ref is None or transfer_s(size, bw) <= cfg.max_transfer_s
+        with Cohort(_cohort_config(kind, bw, size, data[size], cfg.workdir)) as cohort:
+            if bw is not None and kind == LINK_NETNS and cfg.link_check_s > 0 and not checks_done(checks, bw):
+                checks.append(_link_check(cohort, bw, cfg.link_check_s))
+            travel = _travels(cohort, cfg.repeat)
+            base = _baselines(cohort, cfg.repeat) if measure else _extrapolate(ref, size)
+        cell = _cell(size, bw, travel, base)
+        if measure:
+            ref = cell
+        cells.append(cell)
+        if on_cell is not None:
+            on_cell(cell)
+    return cells
+
+
+def checks_done(checks: list, bw: float | None) -> bool:
+    return any(c["bandwidth_mbit"] == bw for c in checks)
+
+
+def _cohort_config(kind: str, bw: float | None, size: int, dataset: str, workdir: str | None) -> CohortConfig:
+    link = "netns" if kind == LINK_NETNS else "token-bucket"
+    timeout = 120.0 + 2 * transfer_s(min(size, 4), bw)  # per 4 MiB piece of a baseline transfer
+    return CohortConfig(holders=(HolderSpec(HOLDER, dataset),), buffer_bytes=size * MIB, bandwidth_mbit=bw,
+                        link=link, workdir=workdir, travel_timeout=timeout)
+
+
+def _travels(cohort: Cohort, repeat: int) -> dict:
+    cohort.travel(HOLDER, 0)  # warm-up: first touch of staging slots and code paths
+    reports = [cohort.travel(HOLDER, 0) for _ in range(repeat)]
+    refused = [r.refused for r in reports if r.chunk is None]
+    if refused:
+        raise RemoteError(f"the holder refused a travel: {refused[0]}")
+    return {"total_ms": statistics.median(r.total_ms for r in reports),
+            "tls_ms": statistics.median(r.steps_ms["tls"] for r in reports)}
+
+
+def _baselines(cohort: Cohort, repeat: int) -> dict:
+    size = cohort.config.buffer_bytes
+    cohort.baseline(HOLDER, max(size - WARMUP_BYTES, 0))  # warm-up: one small chunk
+    reports = [cohort.baseline(HOLDER, 0) for _ in range(repeat)]
+    steps = {k: statistics.median(r.steps_ms[k] for r in reports) for k in ("read", "tls", "gpu_write")}
+    return {"total_ms": statistics.median(r.total_ms for r in reports), "steps_ms": steps,
+            "extrapolated": False, "from_mib": None}
+
+
+def _extrapolate(ref: dict | None, size: int) -> dict:
+    assert ref is not None
+    k = size / ref["size_mib"]
+    steps = {name: v * k for name, v in ref["baseline_steps_ms"].items()}
+    return {"total_ms": ref["baseline_ms"] * k, "steps_ms": steps, "extrapolated": True, "from_mib": ref["size_mib"]}
+
+
+def _cell(size: int, bw: float | None, travel: dict, base: dict) -> dict:
+    expected_ms = transfer_s(size, bw) * 1e3
+    agreement = None
+    if bw is not None and not base["extrapolated"]:
+        ratio = base["steps_ms"]["tls"] / expected_ms
+        agreement = {"expected_ms": expected_ms, "measured_ms": base["steps_ms"]["tls"], "ratio": ratio,
+                     "ok": abs(ratio - 1) <= RATE_TOLERANCE}
+    speedup = base["total_ms"] / travel["total_ms"]
+    paper = paper_speedup(size, bw)
+    return {
+        "size_mib": size,
+        "bandwidth_mbit": bw,
+        "travel_ms": travel["total_ms"],
+        "travel_tls_ms": travel["tls_ms"],
+        "baseline_ms": base["total_ms"],
+        "baseline_transfer_ms": base["steps_ms"]["tls"],
+        "baseline_steps_ms": base["steps_ms"],
+        "speedup": speedup,
+        "extrapolated": base["extrapolated"],
+        "extrapolated_from_mib": base["from_mib"],
+        "rate_agreement": agreement,
+        "paper_speedup_estimate": paper,
+        "at_least_paper": None if paper is None else speedup >= paper,
+    }
+
+
+def _link_check(cohort: Cohort, bw: float, seconds: float) -> dict:
+    """One raw TCP transfer through the cohort's shaped link, holder to orchestrator: about
+    ``seconds`` worth at the cap (at least 1 MiB, at most 32 MiB)."""
+    nbytes = int(min(32 * MIB, max(MIB, bw * 1e6 / 8 * seconds)))
+    links = cohort.links.shaped
+    check = check_rate(links, HOLDER, "orchestrator", nbytes, tolerance=RATE_TOLERANCE)
+    return {"bandwidth_mbit": bw, "nbytes": nbytes, "measured_mbit": check.measured_mbit,
+            "expected_s": check.expected_s, "measured_s": check.measured_s,
+            "ratio": check.measured_s / check.expected_s, "ok": check.ok}
+
+
+def tie_breaks(cells: list[dict], bandwidths: tuple[float | None, ...]) -> list[dict]:
+    """Per bandwidth: the sizes at which the baseline was faster, and the size from which GPU
+    Travelling wins at every larger size too (None: it never does)."""
+    out = []
+    for bw in bandwidths:
+        row = sorted((c for c in cells if c["bandwidth_mbit"] == bw), key=lambda c: c["size_mib"])
+        slower = [c["size_mib"] for c in row if c["speedup"] < 1]
+        wins_from = None
+        for c in reversed(row):
+            if c["speedup"] < 1:
+                break
+            wins_from = c["size_mib"]
+        out.append({"bandwidth_mbit": bw, "baseline_faster_at_mib": slower, "travel_faster_from_mib": wins_from})
+    return out
+
+
+def _dataset(directory: Path, size_mib: int) -> str:
+    path = directory / f"holder-{size_mib}mib.bin"
+    with open(path, "wb") as f:
+        f.writelines(os.urandom(MIB) for _ in range(size_mib))
+    return str(path)
+
+
+def machine() -> str:
+    return (f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
+            f"{platform.python_implementation()} {platform.python_version()}")
+
+
+# ----------------------------------------------------------------------------- the figure
+def plot(result: dict, path: Path) -> Path:
+    """A figure like the paper's Figure 6: per bandwidth, time per transmission of both
+    methods against the buffer size (log scale), speedups written over the bars; extrapolated
+    baseline bars are hatched."""
+    from matplotlib.figure import Figure
+
+    bws = list(dict.fromkeys(c["bandwidth_mbit"] for c in result["cells"]))
+    fig = Figure(figsize=(3.2 * len(bws), 4.2), dpi=110)
+    axes = fig.subplots(1, len(bws), sharey=True, squeeze=False)[0]
+    for ax, bw in zip(axes, bws):
+        _panel(ax, [c for c in result["cells"] if c["bandwidth_mbit"] == bw], bw)
+    cells = result["cells"]  # the panels share the y axis: room for every bar and label
+    axes[0].set_ylim(min(c["travel_ms"] for c in cells) / 2, max(c["baseline_ms"] for c in cells) * 40)
+    axes[0].set_ylabel("time per transmission (ms, log)")
+    axes[0].legend(loc="upper left", fontsize=7)
+    fig.suptitle(f"GPU Travelling vs centralised TLS baseline (link: {result['link']})", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def _panel(ax, cells: list[dict], bw: float | None) -> None:
+    cells = sorted(cells, key=lambda c: c["size_mib"])
+    xs = range(len(cells))
+    ax.bar([x - 0.2 for x in xs], [c["travel_ms"] for c in cells], 0.4, label="GPU Travelling", color="tab:blue")
+    bars = ax.bar([x + 0.2 for x in xs], [c["baseline_ms"] for c in cells], 0.4, label="TLS baseline",
+                  color="tab:orange")
+    for bar, c in zip(bars, cells):
+        if c["extrapolated"]:
+            bar.set_hatch("//")
+            bar.set_alpha(0.6)
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() * 1.15, fmt_speedup(c["speedup"]),
+                ha="center", va="bottom", fontsize=6, rotation=90)
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs), [str(c["size_mib"]) for c in cells], fontsize=7)
+    ax.set_xlabel("buffer (MiB)")
+    ax.set_title("uncapped" if bw is None else f"{bw:g} Mbit/s", fontsize=9)
+
+
+# ----------------------------------------------------------------------------- text
+COLUMNS = ("MiB", "Mbit/s", "travel", "baseline", "speedup", "paper est.", "rate chk")
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    """One printable row per cell; extrapolated baseline times are marked with a '~'."""
+    rows = []
+    for c in result["cells"]:
+        mark = "~" if c["extrapolated"] else ""
+        agree = c["rate_agreement"]
+        check = "-" if agree is None else f"{agree['ratio']:.3f}{'' if agree['ok'] else ' OFF'}"
+        paper = "-" if c["paper_speedup_estimate"] is None else fmt_speedup(c["paper_speedup_estimate"])
+        rows.append([str(c["size_mib"]), bandwidth_label(c["bandwidth_mbit"]), fmt_ms(c["travel_ms"]),
+                     mark + fmt_ms(c["baseline_ms"]),
+                     mark + fmt_speedup(c["speedup"]), paper, check])
+    return rows
+
+
+def fmt_ms(ms: float) -> str:
+    return f"{ms:.1f} ms" if ms < 1000 else f"{ms / 1e3:.1f} s"
+
+
+def fmt_speedup(x: float) -> str:
+    return f"{x:.2f}x" if x < 10 else f"{x:,.0f}x"
+
+
+def bandwidth_label(bw: float | None) -> str:
+    return "uncapped" if bw is None else f"{bw:g}"
+
+
+def parse_bandwidths(text: str) -> tuple[float | None, ...]:
+    """'4,20,100,500,uncapped' -> (4.0, 20.0, 100.0, 500.0, None)."""
+    out: list[float | None] = []
+    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
+        if item in ("uncapped", "none", "inf"):
+            out.append(None)
+            continue
+        try:
+            out.append(float(item))
+        except ValueError:
+            raise BadInput(f"bandwidths are Mbit/s numbers or 'uncapped', got {item!r}") from None
+    if not out:
+        raise BadInput("give at least one bandwidth")
+    return tuple(out)

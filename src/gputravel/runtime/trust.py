@@ -1,0 +1,277 @@
+"""A cohort's trust material (paper 4.5): who gets which part of the chain of trust.
+
+The supervisor stands for the hardware vendors and the launcher. For each cohort it creates,
+under its temporary directory:
+
+    trust/roots/         the emulated GPU-vendor and CPU-TEE roots (certificates only once
+                         provisioning is done: the root keys are deleted, like the cohort CA's)
+    trust/device/        the provisioned GPU: 5-certificate chain, firmware key, state
+                         -> the device process only
+    trust/orchestrator/  both root certificates, the GPU's reference values, the quoting
+                         enclave (key + chain) and the evidence age limit -> the orchestrator
+    trust/holders/NAME/  both root certificates and NAME's policy, which pins the
+                         orchestrator's measurement -> that holder only (written right
+                         before the orchestrator boots: `pin_orchestrator`)
+
+No CVM ever gets a root's private key. The quoting-enclave key does sit in the orchestrator's
+directory: the emulated quoting enclave is told its measurement by the CVM it quotes, the
+stand-in's known weak point (docs/attestation.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from ..attest import (
+    AttestationError,
+    EmulatedQuotingEnclave,
+    GpuDevice,
+    GpuRequirements,
+    Policy,
+    ReferenceValues,
+    TrustStore,
+    init_roots,
+    load_authority,
+    orchestrator_measurement,
+    provision_gpu,
+)
+from ..attest.errors import CLAIMS
+from ..attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
+from ..crypto.pki import DeviceIdentity, _key_pem, _write_private
+from ..errors import BadInput
+
+if TYPE_CHECKING:
+    from .orchestrator import OrchestratorConfig
+
+__all__ = ["CohortTrust", "DeviceMaterial", "HolderMaterial", "OrchestratorMaterial", "TrustOptions",
+           "attestation_error_from", "measure_orchestrator", "measured_config", "pin_orchestrator",
+           "provision_cohort_trust", "utcnow"]
+
+POLICY_FILE = "policy.json"
+REFERENCE_FILE = "reference-values.json"
+QE_KEY_FILE, QE_CHAIN_FILE = "quoting-enclave.key", "quoting-enclave-chain.pem"
+LIMITS_FILE = "attestation.json"
+#: Orchestrator settings that say where it runs, not what it does: left out of its measurement,
+#: so a holder can pin the code and configuration it inspected wherever the cohort is placed.
+#: Every other field is measured (an unknown new field is measured: failing closed).
+PLACEMENT_FIELDS = frozenset({"host_socket", "pki_dir", "trust_dir", "listen_host", "listen_port", "pace_mbit",
+                              "audit_log"})
+GPU_VENDORS = ("cohort", "foreign")
+_HEX96 = re.compile(r"[0-9a-f]{96}")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+# ----------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class TrustOptions:
+    """How the supervisor provisions a cohort's chain of trust. The defaults give an honest
+    cohort; each other value breaks one link on purpose, to show that it is refused."""
+
+    max_evidence_age_s: int = 3600  # holders' limit on the age of the orchestrator's GPU attestation
+    # Measurements (hex) the holders' policies accept; None: the orchestrator being launched.
+    pinned_measurements: tuple[str, ...] | None = None
+    # Orchestrator configuration changes made *after* the holders pinned it (field, value).
+    orchestrator_changes: tuple[tuple[str, object], ...] = ()
+    gpu_vendor: str = "cohort"  # "foreign": the GPU chains to a vendor root nobody trusts
+    gpu_cc_mode: bool = True
+
+    def __post_init__(self) -> None:
+        if type(self.max_evidence_age_s) is not int or self.max_evidence_age_s < 2:
+            raise BadInput("max_evidence_age_s must be an integer of at least 2 seconds")
+        if self.gpu_vendor not in GPU_VENDORS:
+            raise BadInput(f"gpu_vendor must be one of {GPU_VENDORS}, not {self.gpu_vendor!r}")
+        for m in self.pinned_measurements or ():
+            if not isinstance(m, str) or not _HEX96.fullmatch(m):
+                raise BadInput("pinned measurements must be 96 lower-case hex characters each")
+        for change in self.orchestrator_changes:
+            if not (isinstance(change, tuple) and len(change) == 2 and isinstance(change[0], str)):
+                raise BadInput("orchestrator_changes must be (field name, value) pairs")
+
+
+# ----------------------------------------------------------------------------- measurement
+def measured_config(config: OrchestratorConfig) -> dict[str, object]:
+    """The part of the orchestrator's configuration its measurement covers (JSON-ready)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in PLACEMENT_FIELDS}
+
+
+def measure_orchestrator(config: OrchestratorConfig) -> bytes:
+    """48 bytes: the code this process runs (the installed gputravel package) and its config."""
+    return orchestrator_measurement(measured_config(config))
+
+
+# ----------------------------------------------------------------------------- provisioning
+@dataclass(frozen=True)
+class CohortTrust:
+    """Where each process's share of the trust material lies, and what the holders pinned
+    (empty until `pin_orchestrator`)."""
+
+    root: Path
+    gpu_serial: str
+    gpu_driver: str
+    pinned: tuple[bytes, ...] = ()
+
+    @property
+    def device_dir(self) -> Path:
+        return self.root / "device"
+
+    @property
+    def orchestrator_dir(self) -> Path:
+        return self.root / "orchestrator"
+
+    def holder_dir(self, name: str) -> Path:
+        return self.root / "holders" / name
+
+
+def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datetime | None = None) -> CohortTrust:
+    """Create the roots, the GPU and the quoting enclave; fill the device's and the
+    orchestrator's directories. Holders get theirs from `pin_orchestrator`."""
+    directory = Path(directory)
+    roots = directory / "roots"
+    init_roots(roots, now=now)
+    gpu = _provision_device(directory, roots, options, now)
+    gpu.save(directory / "device")
+    enclave = EmulatedQuotingEnclave.provision(load_authority(roots, "tee"), now=now)
+    _discard_root_keys(roots)  # nothing more is provisioned: nobody needs them again
+    _write_orchestrator(directory / "orchestrator", roots, gpu.reference_values(), enclave, options)
+    return CohortTrust(directory, gpu.serial, gpu.driver_version)
+
+
+def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, holders: tuple[str, ...],
+                     options: TrustOptions) -> CohortTrust:
+    """Write each holder's policy, pinning the measurement of `orchestrator` with the code
+    this process runs (or options.pinned_measurements). The supervisor calls it right before
+    the orchestrator boots and measures itself: the two measurements are of the same files."""
+    pinned = (tuple(bytes.fromhex(m) for m in options.pinned_measurements)
+              if options.pinned_measurements is not None else (measure_orchestrator(orchestrator),))
+    policy = Policy(pinned, GpuRequirements(driver_versions=(trust.gpu_driver,)), options.max_evidence_age_s)
+    for name in holders:
+        _write_holder(trust.holder_dir(name), trust.root / "roots", policy)
+    return dataclasses.replace(trust, pinned=pinned)
+
+
+def _provision_device(directory: Path, roots: Path, options: TrustOptions, now: datetime | None) -> GpuDevice:
+    if options.gpu_vendor == "foreign":  # a vendor root that is in nobody's trust store
+        foreign = directory / "foreign-roots"
+        init_roots(foreign, now=now)
+        gpu = provision_gpu(load_authority(foreign, "gpu"), serial="GPU-FOREIGN-0", now=now,
+                            cc_mode=options.gpu_cc_mode)
+        _discard_root_keys(foreign)
+        return gpu
+    return provision_gpu(load_authority(roots, "gpu"), serial="GPU-EMU-0", now=now, cc_mode=options.gpu_cc_mode)
+
+
+def _discard_root_keys(roots: Path) -> None:
+    for name in (GPU_ROOT_KEY, TEE_ROOT_KEY):
+        (roots / name).unlink()
+
+
+def _private_dir(path: Path, roots: Path) -> None:
+    path.mkdir(parents=True, mode=0o700)
+    for name in (GPU_ROOT_CERT, TEE_ROOT_CERT):
+        shutil.copy2(roots / name, path / name)
+
+
+def _write_orchestrator(path: Path, roots: Path, reference: ReferenceValues, enclave: EmulatedQuotingEnclave,
+                        options: TrustOptions) -> None:
+    _private_dir(path, roots)
+    reference.save(path / REFERENCE_FILE)
+    _write_private(path / QE_KEY_FILE, _key_pem(enclave.key))
+    pem = b"".join(x509.load_der_x509_certificate(c).public_bytes(serialization.Encoding.PEM)
+                   for c in enclave.cert_chain)
+    (path / QE_CHAIN_FILE).write_bytes(pem)
+    (path / LIMITS_FILE).write_text(json.dumps({"max_evidence_age_s": options.max_evidence_age_s}) + "\n")
+
+
+def _write_holder(path: Path, roots: Path, policy: Policy) -> None:
+    _private_dir(path, roots)
+    (path / POLICY_FILE).write_text(json.dumps(policy.to_json(), indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- each process's share
+@dataclass(frozen=True)
+class DeviceMaterial:
+    """What the device process holds: its SPDM identity and its attestation firmware."""
+
+    device: GpuDevice
+
+    @classmethod
+    def load(cls, directory: str) -> DeviceMaterial:
+        if not directory:
+            raise BadInput("the device has no provisioned identity (gpu_dir is empty)")
+        return cls(GpuDevice.load(Path(directory)))
+
+    def identity(self) -> DeviceIdentity:
+        # The SPDM responder signs with the firmware leaf key, under the 5-certificate chain.
+        return DeviceIdentity(self.device.leaf_key, self.device.chain_der)
+
+
+@dataclass(frozen=True)
+class OrchestratorMaterial:
+    """What the orchestrator holds: the roots it trusts, the GPU's reference values, its
+    quoting enclave, and how old GPU claims may get before holders refuse them."""
+
+    trust: TrustStore
+    reference: ReferenceValues
+    enclave: EmulatedQuotingEnclave = field(repr=False)
+    max_evidence_age_s: int
+
+    @classmethod
+    def load(cls, directory: str) -> OrchestratorMaterial:
+        if not directory:
+            raise BadInput("the orchestrator has no trust material (trust_dir is empty): it cannot attest the GPU")
+        path = Path(directory)
+        try:
+            key = serialization.load_pem_private_key((path / QE_KEY_FILE).read_bytes(), password=None)
+            chain = tuple(c.public_bytes(serialization.Encoding.DER)
+                          for c in x509.load_pem_x509_certificates((path / QE_CHAIN_FILE).read_bytes()))
+            limits = json.loads((path / LIMITS_FILE).read_text())
+        except (OSError, ValueError):
+            raise BadInput(f"{path}: quoting enclave or limits missing or unreadable") from None
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or type(limits.get("max_evidence_age_s")) is not int:
+            raise BadInput(f"{path}: malformed quoting key or limits")
+        return cls(TrustStore.load(path), ReferenceValues.load(path / REFERENCE_FILE),
+                   EmulatedQuotingEnclave(key, chain), limits["max_evidence_age_s"])
+
+
+@dataclass(frozen=True)
+class HolderMaterial:
+    """What a holder holds: the roots it trusts and its policy (the pinned orchestrator)."""
+
+    trust: TrustStore
+    policy: Policy
+
+    @classmethod
+    def load(cls, directory: str) -> HolderMaterial:
+        if not directory:
+            raise BadInput("this holder has no trust material (trust_dir is empty): it will not join an "
+                           "orchestrator it cannot attest")
+        path = Path(directory)
+        return cls(TrustStore.load(path), Policy.load(path / POLICY_FILE))
+
+
+# ----------------------------------------------------------------------------- errors across processes
+_REASON = re.compile(r"attestation failed \[(\w+)\]: (.*)", re.DOTALL)
+
+
+def attestation_error_from(kind: str, reason: str, where: str) -> AttestationError | None:
+    """Rebuild the AttestationError a child reported (control `Failed`), claim included."""
+    if kind != "AttestationError":
+        return None
+    found = _REASON.search(reason)
+    if found is None or found.group(1) not in CLAIMS:
+        return None
+    return AttestationError(found.group(1), f"{where}: {found.group(2)}")

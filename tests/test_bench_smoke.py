@@ -1,0 +1,70 @@
+"""Smoke runs of `bench compare` and `bench train` at tiny sizes: the commands work end to end
+and their JSON has the documented shape. No timing assertions: numbers live in benchmarks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gputravel.bench.compare import paper_speedup, parse_bandwidths, tie_breaks
+from gputravel.cli import app
+from gputravel.errors import BadInput
+from gputravel.net import LINK_NETNS, LINK_TOKEN_BUCKET
+
+CELL_KEYS = {"size_mib", "bandwidth_mbit", "travel_ms", "baseline_ms", "baseline_transfer_ms", "speedup",
+             "extrapolated", "rate_agreement"}
+
+
+def test_bandwidths_parse_with_uncapped() -> None:
+    assert parse_bandwidths("4, 20,uncapped") == (4.0, 20.0, None)
+    with pytest.raises(BadInput, match="uncapped"):
+        parse_bandwidths("fast")
+
+
+def test_tie_breaks_find_where_the_baseline_wins() -> None:
+    cells = [{"bandwidth_mbit": None, "size_mib": s, "speedup": v} for s, v in ((1, 0.5), (2, 1.5), (4, 3.0))]
+    assert tie_breaks(cells, (None,)) == [{"bandwidth_mbit": None, "baseline_faster_at_mib": [1],
+                                           "travel_faster_from_mib": 2}]
+
+
+def test_paper_estimates_exist_only_on_the_papers_grid() -> None:
+    assert paper_speedup(512, 4) > paper_speedup(512, None) > 1
+    assert paper_speedup(3, 4) is None and paper_speedup(4, 7) is None
+
+
+@pytest.mark.integration
+def test_compare_smoke(tmp_path: Path) -> None:
+    out, fig = tmp_path / "compare.json", tmp_path / "compare.png"
+    res = CliRunner().invoke(app, ["bench", "compare", "--sizes", "1,2", "--bandwidths", "100,uncapped", "--repeat", "1",
+                                   "--max-transfer-s", "0.001", "--link-check-s", "0.05",
+                                   "--json", str(out), "--plot", str(fig)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    assert result["link"] in (LINK_NETNS, LINK_TOKEN_BUCKET)
+    cells = {(c["bandwidth_mbit"], c["size_mib"]): c for c in result["cells"]}
+    assert set(cells) == {(100.0, 1), (100.0, 2), (None, 1), (None, 2)}
+    for c in cells.values():
+        assert CELL_KEYS <= set(c)
+    assert cells[(100.0, 2)]["extrapolated"] and cells[(100.0, 2)]["rate_agreement"] is None
+    assert not cells[(100.0, 1)]["extrapolated"] and set(cells[(100.0, 1)]["rate_agreement"]) >= {"ratio", "ok"}
+    assert not cells[(None, 2)]["extrapolated"] and cells[(None, 2)]["rate_agreement"] is None
+    assert len(result["tie_breaks"]) == 2
+    assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.integration
+def test_train_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "train.json"
+    res = CliRunner().invoke(app, ["bench", "train", "--bandwidths", "100", "--steps", "3", "--buffer-kib", "64", "--holders", "1",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    assert result["link"] in (LINK_NETNS, LINK_TOKEN_BUCKET)
+    (row,) = result["rows"]
+    assert row["bandwidth_mbit"] == 100.0 and row["same_losses"] is True
+    for source in ("travelling", "baseline"):
+        assert set(row[source]) >= {"training_s", "tx_s", "tx_share", "fetches"}
+        assert row[source]["fetches"] >= 1
