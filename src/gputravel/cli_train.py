@@ -122,7 +122,7 @@ def _summary(report: dict, out: Path) -> None:
     med = report.get("travel_median_steps_ms") or {}
     travels = [t for t in report["travels"] if "total_ms" in t]
     if med and travels:
-        table = Table(title=f"One travel, step by step (medians over {len(travels)} travels, paper Fig. 3 order)")
+        table = Table(title=f"A travel, step by step\n(median ms of {len(travels)})")
         table.add_column("step")
         table.add_column("ms", justify="right")
         for key in [k for k in STEPS if k in med] or sorted(med):  # a baseline run has its own steps
