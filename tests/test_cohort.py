@@ -205,3 +205,22 @@ def test_records_smaller_than_a_mib_and_several_per_buffer_verify(tmp_path: Path
             report = cohort.travel("h1", offset)
             assert report.chunk is not None
             assert report.chunk.digest == chunk_digest(data[offset : offset + 3 * 512 * 1024], 512 * 1024)
+
+
+def test_a_holder_killed_mid_copy_is_dropped_and_can_rejoin(datasets) -> None:
+    from dataclasses import replace
+
+    from gputravel.errors import RemoteError
+
+    cfg = config(datasets)
+    cfg = replace(cfg, holders=(replace(cfg.holders[0], die_mid_copy_on_travel=1),) + cfg.holders[1:])
+    with Cohort(cfg) as cohort:
+        with pytest.raises(RemoteError, match="h1"):
+            cohort.travel("h1", 0)
+        assert cohort.children["h1"].proc.wait(timeout=10) == 70  # it died half-way through the copy
+        assert cohort.travel("h2", 0).chunk is not None  # GPU back, keys rotated, others go on
+        with pytest.raises(RemoteError, match="offline"):
+            cohort.travel("h1", 0)
+        assert cohort.restart_holder("h1") == len(datasets["h1"][1])  # boots, probes, attests, joins
+        report = cohort.travel("h1", MIB)
+        assert report.chunk is not None and report.chunk.digest == chunk_digest(datasets["h1"][1][MIB : 2 * MIB])

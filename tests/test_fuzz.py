@@ -567,3 +567,27 @@ def test_host_keeps_serving_after_a_peer_that_hangs_up_mid_frame(host: Host) -> 
         evil.sendall(HEADER.pack(100, 0) + b"abc")
     assert_still_served(host, alice)
     alice.close()
+
+
+def test_device_ignores_garbage_and_malformed_attaches_from_the_host() -> None:
+    """The device keeps serving after the (untrusted) host sends garbage or an attach without
+    its two descriptors, instead of dying (which would take the GPU away from everybody)."""
+    import socket
+
+    from gputravel.device.process import DeviceProcess
+    from gputravel.messages import AttachCvm
+    from gputravel.transport.stream import StreamTransport
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    device = object.__new__(DeviceProcess)  # only its host link is exercised here
+    device.host = StreamTransport(theirs, "host")
+    host = StreamTransport(ours, "device")
+    try:
+        ours.sendall(HEADER.pack(8, 0) + b"\xc1" * 8)  # a frame whose payload is not msgpack
+        assert device._host_message() is True
+        host.send(AttachCvm(cvm="alice", iova=0, nbytes=4096))  # no descriptors at all
+        assert device._host_message() is True
+        host.close()
+        assert device._host_message() is False  # the host went away: power off
+    finally:
+        device.host.close()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..attest.gpu import EmulatedGpuFirmware
 from ..crypto.pki import DeviceIdentity
 from ..crypto.spdm import SpdmResponder
-from ..errors import TransportClosed
+from ..errors import PeerTimeout, ProtocolError, TransportClosed
 from ..layout import Bar0, Layout
 from ..messages import AttachCvm, DeviceAck, DeviceAttach, VramGrant, VramRequest
 from ..transport.stream import StreamTransport, connect_unix
@@ -101,7 +101,13 @@ class DeviceProcess:
             got = self.host.recv(timeout=10)
         except TransportClosed:
             return False  # the host went away: power off
+        except (ProtocolError, PeerTimeout):
+            return True  # garbage or a stalled frame from the (untrusted) host: ignore it, keep serving
         msg = got.message
+        if isinstance(msg, AttachCvm) and len(got.fds) != 2:
+            for fd in got.fds:
+                os.close(fd)
+            return True  # an attach without exactly a memory segment and an interrupt: ignored
         if isinstance(msg, AttachCvm):
             sysmem_fd, irq_fd = got.fds
             view = self._map_segment(sysmem_fd, msg.nbytes)

@@ -364,6 +364,22 @@ class Cohort:
         spec = {h.name: h for h in self.config.late_holders}.get(name)
         if spec is None or name in self.children:
             raise BadInput(f"{name!r} is not a late holder of this cohort that has not started yet")
+        return self._boot_and_join(spec)
+
+    def restart_holder(self, name: str) -> int:
+        """A holder CVM that died (crashed, killed mid-copy) boots again and rejoins, the way a
+        late holder joins: a probe on the lent GPU, then attestation afresh. Faults injected
+        into the first run are not repeated."""
+        spec = {h.name: h for h in self.config.holders + self.config.late_holders}.get(name)
+        child = self.children.get(name)
+        if spec is None or child is None or child.proc.poll() is None:
+            raise BadInput(f"{name!r} is not a holder of this cohort whose process has ended")
+        child.control.close()
+        del self.children[name]
+        return self._boot_and_join(dataclasses.replace(spec, die_mid_copy_on_travel=0))
+
+    def _boot_and_join(self, spec: HolderSpec) -> int:
+        name = spec.name
         self._spawn_holder(spec, late=True)
         wait = self.config.boot_timeout + 5
         self._ask(LendGpu(holder=name), wait)
