@@ -252,3 +252,22 @@ def test_late_join_leave_and_rejoin_with_fresh_attestation(datasets) -> None:
         policy_file.write_bytes(honest)
         assert cohort.rejoin("h1") == len(datasets["h1"][1])
         check_travel(cohort, datasets, "h1", 2 * MIB)
+
+
+@pytest.mark.integration
+def test_holders_attest_the_orchestrator_again_when_their_attestation_expires(datasets) -> None:
+    import time
+
+    with Cohort(config(datasets, ("h1", "h2"), trust=TrustOptions(max_evidence_age_s=2), workdir=None)) as cohort:
+        check_travel(cohort, datasets, "h1")
+        time.sleep(1.2)  # past half the 2 s limit: the next travel re-attests first
+        check_travel(cohort, datasets, "h1", MIB)
+        assert "re-attested the orchestrator" in cohort.children["h1"].log.read_text()
+        # h2's policy stops pinning this orchestrator: at its next re-attestation h2 refuses,
+        # never touching the context it was sent; the orchestrator takes the GPU back.
+        policy_file = cohort.trust.holder_dir("h2") / "policy.json"
+        policy_file.write_text(policy_file.read_text().replace(cohort.trust.pinned[0].hex(), "cd" * 48))
+        time.sleep(1.2)
+        with pytest.raises(RemoteError, match="h2"):
+            cohort.travel("h2", 0)
+        check_travel(cohort, datasets, "h1", 2 * MIB)  # the others go on

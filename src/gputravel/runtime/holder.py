@@ -106,6 +106,7 @@ class DataHolder:
                                self.piece_bytes)
         self.orchestrator: Transport | None = None
         self.travels_served = 0
+        self.attested_at = 0.0  # time.monotonic() of our last attestation of the orchestrator
 
     def boot(self) -> None:
         """Paper 4.1: set up the driver while this CVM has the GPU, before the orchestrator boots."""
@@ -126,6 +127,7 @@ class DataHolder:
         ctx = CohortPki.load(self.config.pki_dir).client_context(self.config.name)
         conn = connect_tls(host, port, ctx, server_hostname=ORCHESTRATOR)
         attestation = challenge_orchestrator(conn, material, timeout=30)  # closes conn if refused
+        self.attested_at = time.monotonic()
         try:
             conn.send(HolderHello(self.config.name, self.dataset.size, self.piece_bytes, self.sm.manifest,
                                   self.dataset.tokenizer))
@@ -139,7 +141,21 @@ class DataHolder:
         self.orchestrator = conn
         return attestation
 
+    def reattest_if_due(self) -> None:
+        """Paper 4.5: evidence has a lifetime. Once half the policy's age limit has passed since
+        we last attested the orchestrator, we attest it again, on this connection, before we
+        touch the context it sent (it answers the challenge while it waits for our result).
+        A refusal closes the connection (challenge_orchestrator) and stops this holder."""
+        material = HolderMaterial.load(self.config.trust_dir)  # the policy as it is now
+        if time.monotonic() - self.attested_at < material.policy.max_evidence_age_s / 2:
+            return
+        assert self.orchestrator is not None
+        challenge_orchestrator(self.orchestrator, material, timeout=30)
+        self.attested_at = time.monotonic()
+        print(f"{self.config.name}: re-attested the orchestrator", flush=True)
+
     def serve_travel(self, req: TravelRequest) -> None:
+        self.reattest_if_due()
         clock = time.perf_counter
         act = self.sm.on_request(req, clock())
         if isinstance(act, ImportBlob):

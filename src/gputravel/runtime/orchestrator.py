@@ -26,6 +26,7 @@ from ..roles.orchestrator import Buffer, OrchestratorTravel, TravelReport, Verif
 from ..transport.base import Transport
 from ..transport.stream import StreamTransport, connect_unix
 from ..transport.tls import TlsListener
+from ..attest import AttestChallenge
 from .attestation import GpuAttester, orchestrator_attester
 from .baseline import BaselinePath, BaselineReport, BaselineSource, DoBaseline
 from .control import AwaitHolders, DoTravel, Failed, Holders, Ready, Shutdown, Train, TrainDone, TrainStep
@@ -175,7 +176,13 @@ class Orchestrator:
         sends garbage here is dropped (it may join again); the caller recovers the GPU."""
         try:
             conn.send(request)
-            return conn.recv(timeout=self.config.holder_timeout, expect=(TravelResult, TravelRefused)).message
+            while True:
+                msg = conn.recv(timeout=self.config.holder_timeout,
+                                expect=(TravelResult, TravelRefused, AttestChallenge)).message
+                if not isinstance(msg, AttestChallenge):
+                    return msg
+                # The holder's attestation of us expired: answer (claims refreshed when this travel began).
+                conn.send(self.attester.answer(msg))
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
             self.holders.pop(holder, None)
             conn.close()
