@@ -95,3 +95,26 @@ def test_attest_measure_prints_the_pinnable_measurement(tmp_path):
     result = runner.invoke(app, ["attest", "measure", "--config", str(config)])
     assert result.exit_code == 0
     assert orchestrator_measurement({"holders": 2}).hex() in result.output
+
+
+def test_the_firmware_runs_in_a_process_of_its_own_and_answers_fresh_nonces(tmp_path):
+    import os
+
+    from gputravel.attest.firmware_process import FirmwareProcess
+    from gputravel.attest.gpu import ReferenceValues
+    from gputravel.attest.provision import REFERENCE_FILE, GpuDevice, provision_gpu
+    from gputravel.attest.roots import TrustStore, init_roots, load_authority
+    from gputravel.attest.verifier import EmulatedGpuVerifier
+    from datetime import datetime, timezone
+
+    init_roots(tmp_path)
+    provision_gpu(load_authority(tmp_path, "gpu")).save(tmp_path / "gpu")
+    assert GpuDevice.exists(tmp_path / "gpu")
+    verifier = EmulatedGpuVerifier(TrustStore.load(tmp_path), ReferenceValues.load(tmp_path / "gpu" / REFERENCE_FILE))
+    with FirmwareProcess(tmp_path / "gpu") as gpu:
+        assert gpu.proc.pid != os.getpid() and gpu.proc.poll() is None
+        for _ in range(2):
+            nonce = os.urandom(32)
+            claims = verifier.verify(gpu.evidence(nonce), nonce, datetime.now(timezone.utc))
+            assert claims.eat()["x-nvidia-gpu-attestation-report-nonce-match"] is True
+    assert gpu.proc.returncode == 0  # it stopped when we hung up

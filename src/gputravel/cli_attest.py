@@ -38,8 +38,8 @@ from gputravel.attest.roots import (
     load_authority,
 )
 from gputravel.attest.verifier import EmulatedGpuVerifier
-from gputravel.errors import BadInput
-from gputravel.wire import encode
+from gputravel.attest.firmware_process import FirmwareProcess
+from gputravel.errors import BadInput, GputravelError
 
 __all__ = ["attest_app", "pki_app"]
 
@@ -123,8 +123,12 @@ def attest_gpu(
     except BadInput as e:
         raise _bad_input(e) from None
     nonce = os.urandom(NONCE_BYTES)
-    # In-process for now: the emulated device process will host EmulatedGpuFirmware later.
-    evidence = encode(device.firmware().get_evidence(nonce))
+    del device  # provisioned or checked; the firmware runs in a process of its own:
+    try:
+        with FirmwareProcess(state) as gpu:
+            evidence = gpu.evidence(nonce)
+    except GputravelError as e:
+        raise _bad_input(e) from None
     try:
         claims = EmulatedGpuVerifier(trust, reference).verify(evidence, nonce, _now())
     except AttestationError as e:

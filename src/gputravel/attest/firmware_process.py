@@ -1,0 +1,73 @@
+"""The emulated GPU's attestation firmware as its own OS process, for `gputravel attest gpu`.
+
+``python -m gputravel.attest.firmware_process STATE_DIR FD`` loads the provisioned device from
+STATE_DIR (its firmware leaf key stays in this process) and answers ``GetEvidence(nonce)``
+with ``Evidence(blob)`` on the stream socket FD until the peer hangs up. In a cohort, the
+device process hosts the same firmware behind its RPC queue (device/core.py).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from ..errors import GputravelError, ProtocolError, TransportClosed
+from ..messages import Evidence, GetEvidence
+from ..transport.stream import StreamTransport
+from ..wire import encode
+from .provision import GpuDevice
+
+
+class FirmwareProcess:
+    """A running firmware process; `evidence(nonce)` asks it for fresh evidence."""
+
+    def __init__(self, state: Path, timeout: float = 30.0) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.timeout = timeout
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(state), str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.link = StreamTransport(ours, "gpu-firmware")
+
+    def evidence(self, nonce: bytes) -> bytes:
+        self.link.send(GetEvidence(nonce=nonce))
+        reply = self.link.recv(timeout=self.timeout, expect=Evidence).message
+        assert isinstance(reply, Evidence)
+        return reply.blob
+
+    def close(self) -> None:
+        self.link.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> FirmwareProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main(argv: list[str]) -> int:
+    firmware = GpuDevice.load(Path(argv[0])).firmware()
+    link = StreamTransport(socket.socket(fileno=int(argv[1])), "verifier")
+    while True:
+        try:
+            request = link.recv(expect=GetEvidence).message
+        except TransportClosed:
+            return 0
+        except ProtocolError:
+            return 1  # a verifier that sends garbage gets nothing more
+        assert isinstance(request, GetEvidence)
+        try:
+            link.send(Evidence(blob=encode(firmware.get_evidence(request.nonce))))
+        except GputravelError:
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
