@@ -163,10 +163,7 @@ def bench_travel(
     console.print(f"crypto limit (one core, encrypt + decrypt): {limit:.2f} GB/s; at {last['size_mib']} MiB copy "
                   f"throughput is {last['copy_gbps'] / limit:.2f} x the limit, fixed overhead {last['fixed_ms']:.2f} ms, "
                   f"scrub {last['steps_ms']['o_cleanup'] / last['steps_ms']['dh_copy'] * 100:.1f}% of the copy.")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2))
-        console.print(f"results written to {json_path}")
+    _write_json(json_path, result)
 
 
 @bench_app.command("compare")

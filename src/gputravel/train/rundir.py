@@ -19,12 +19,12 @@ import io
 import json
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from ..data.shards import atomic_write
 from ..errors import BadInput
 from .model import GPT, GPTConfig
 
@@ -33,17 +33,7 @@ CHECKPOINT_FORMAT = "gputravel-gpt-checkpoint-v1"
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
-    # the temp file must be on the same filesystem as ``path`` for os.replace to be atomic
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: f.write(data))
 
 
 def _scalar(value: object) -> object:
