@@ -113,14 +113,16 @@ def _kill_our_orchestrator() -> None:
 
 def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(both_runs, tmp_path):
     _, uninterrupted, _ = both_runs
-    job = JobConfig(train=replace(TINY, checkpoint_every=5), holders=holders(tmp_path), run_dir=str(tmp_path / "run"))
+    job = JobConfig(train=replace(TINY, checkpoint_every=2), holders=holders(tmp_path), run_dir=str(tmp_path / "run"))
 
-    def crash_at_step_12(event) -> None:
-        if event.step == 12:
+    def crash_early(event) -> None:
+        # Early, so the orchestrator (which does not wait for us) cannot finish all 48 steps
+        # before the kill lands; wherever it is by then, it has checkpointed recently.
+        if event.step == 3:
             _kill_our_orchestrator()
 
     with pytest.raises(RemoteError):
-        run(job, on_step=crash_at_step_12)
+        run(job, on_step=crash_early)
     resumed = run(replace(job, resume=True))
     # Model, optimizer and per-holder cursors came back: every loss is the one an uninterrupted
     # run had, so each window was trained on exactly once and none was skipped.
