@@ -206,27 +206,9 @@ def _resume(cfg: TrainConfig, path: Path, model, optimizer, out) -> tuple[int, L
     if not 0 < step <= cfg.steps or len(extra.get("losses", ())) != step:
         raise BadInput(f"checkpoint {path} is inconsistent (step {step}); start the run afresh")
     if out is not None:
-        _truncate_metrics(out.metrics_path, step)
+        out.truncate_metrics(step)
     result = TrainResult(losses=list(extra["losses"]), travels=list(extra.get("travels", ())))
     return step, LoaderState.from_dict(extra["loader"]), result
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Steps after the checkpoint are trained again: drop their rows from an earlier attempt."""
-    import csv
-    import os
-
-    if not path.exists():
-        return
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    if not rows:
-        return
-    keep = [rows[0]] + [r for r in rows[1:] if r and int(r[0]) < step]
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
-        csv.writer(f).writerows(keep)
-    os.replace(tmp, path)
 
 
 def _sample(model, cfg: TrainConfig, device: str, tokenizer) -> str:

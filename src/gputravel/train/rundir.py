@@ -141,6 +141,19 @@ class RunDir:
         with self.metrics_path.open(newline="") as f:
             return list(csv.DictReader(f))
 
+    def truncate_metrics(self, step: int) -> None:
+        """Keep only the rows of steps before `step`: a run resumed from the checkpoint of
+        that step trains the later ones again (an earlier attempt may have logged them)."""
+        rows = self.read_metrics()
+        if not rows:
+            return
+        header = list(rows[0])
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=header, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(r for r in rows if int(r["step"]) < step)
+        _atomic_write_bytes(self.metrics_path, buf.getvalue().encode())
+
     # ------------------------------------------------------------------ plot
     def plot_losses(
         self,
