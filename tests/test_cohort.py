@@ -224,3 +224,10 @@ def test_a_holder_killed_mid_copy_is_dropped_and_can_rejoin(datasets) -> None:
         assert cohort.restart_holder("h1") == len(datasets["h1"][1])  # boots, probes, attests, joins
         report = cohort.travel("h1", MIB)
         assert report.chunk is not None and report.chunk.digest == chunk_digest(datasets["h1"][1][MIB : 2 * MIB])
+        # Every attempt is in the orchestrator's signed log, the failed ones as aborted.
+        from gputravel.audit import verify_log
+
+        log = verify_log(cohort.audit_log_path, cohort.orchestrator_certificate())
+        assert [(e.event, e.holder) for e in log.entries] == [
+            ("aborted", "h1"), ("travel", "h2"), ("aborted", "h1"), ("travel", "h1")]
+        assert log.entries[0].epoch_after == log.entries[0].epoch_before + 1  # recovery rotated the keys

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, HolderLost
 from gputravel.train.loader import LocalSource, TravellingLoader
 from gputravel.train.schedule import LoaderState, Scheduler
 
@@ -125,3 +125,22 @@ def test_bad_configurations_are_refused():
         TravellingLoader(LocalSource(streams({"a": W})), B, T, buffer_bytes=4096)
     with pytest.raises(BadInput, match="malformed"):
         LoaderState.from_dict({"cursors": {}})
+
+
+class _AlwaysLost:
+    def __init__(self, inner) -> None:
+        self.inner, self.last_report = inner, None
+
+    def sizes(self):
+        return self.inner.sizes()
+
+    def fetch(self, visit):
+        raise HolderLost(visit.holder, "test")
+
+
+def test_lost_holders_are_skipped_and_training_stops_when_all_are_gone():
+    toks = streams({"a": 300, "b": 300})
+    loader = TravellingLoader(_AlwaysLost(LocalSource(toks)), B, T, buffer_bytes=2 * 64)
+    with pytest.raises(HolderLost, match="every holder"):
+        next(iter(loader))
+    assert loader.scheduler.offline == {"a", "b"} and len(loader.lost) == 2
