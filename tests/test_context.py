@@ -326,3 +326,50 @@ def test_error_messages_show_no_key_bytes(away) -> None:
     assert len(messages) > 3 * len(bad_blobs)
     for text in messages:
         assert not leaks(text, secrets), text
+
+
+# ============================================================================ exported during the scrub
+def test_a_context_exported_during_the_scrub_travels_on_when_the_device_stayed_put(booted) -> None:
+    gpu, orch, holders, buf = booted
+    pending = orch.start_scrub(buf.offset, buf.nbytes)
+    sent = orch.export_for_travel()  # the device may still be scrubbing: the context is the user channel's
+    orch.finish_scrub(pending)
+    gpu.switch("alice")
+    holders["alice"].import_context(sent)
+    holders["alice"].copy_to_vram(memoryview(b"\x07" * RECORD), buf.offset, buffer_bytes=buf.nbytes)
+    back = holders["alice"].export_context()
+    gpu.switch(ORCHESTRATOR)
+    orch.import_returned(back)
+    orch.rotate()
+    assert gpu.vram_at(buf.offset, RECORD) == b"\x07" * RECORD
+
+
+@pytest.mark.parametrize("where", ["rpc", "gpfifo"])
+def test_a_context_exported_during_the_scrub_is_exported_again_if_the_user_channel_moved(booted, where: str) -> None:
+    """If anything moved the user channel between the export and the scrub's confirmation,
+    the exported context no longer matches the device: a fresh one, continuing from where
+    the device is, must travel instead (as if the scrub had come first)."""
+    from gputravel.layout import U32, Bar0
+
+    gpu, orch, holders, buf = booted
+    pending = orch.start_scrub(buf.offset, buf.nbytes)
+    first = ctx_of(orch.export_for_travel())
+    reg = Bar0.RPC_GET if where == "rpc" else Bar0.get(PushChannel.USER)
+    moved = U32.unpack_from(gpu.bar, reg)[0] + 1
+    U32.pack_into(gpu.bar, reg, moved)  # the device ran something we did not submit
+    fresh = ctx_of(orch.finish_scrub(pending))
+    if where == "rpc":
+        assert (fresh.rpc_tx_seq, fresh.rpc_rx_seq) == (moved, moved) != (first.rpc_tx_seq, first.rpc_rx_seq)
+    else:
+        assert fresh.gpfifo_put == moved != first.gpfifo_put
+    assert secrets_of(fresh) == secrets_of(first) and fresh.epoch == first.epoch  # same keys, same stream
+    assert orch.away  # and it is the fresh one that is expected back
+    orch.import_returned(pack_context(fresh))
+    orch.rotate()
+
+
+def test_finish_scrub_returns_nothing_when_the_exported_context_still_holds(booted) -> None:
+    gpu, orch, holders, buf = booted
+    pending = orch.start_scrub(buf.offset, buf.nbytes)
+    orch.export_for_travel()
+    assert orch.finish_scrub(pending) is None

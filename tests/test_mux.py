@@ -81,3 +81,151 @@ def test_register_refuses_a_nameless_or_empty_registration(bad: CvmRegistration)
     with pytest.raises(BadInput):
         m.register(bad)
     assert m.registered == ()
+
+
+# ============================================================================ a CVM's MUX client
+# The host is played by the test over an in-memory pair; what matters is which reply or
+# notice the client takes as the one it waits for.
+from gputravel.driver.link import PcieMuxClient  # noqa: E402
+from gputravel.errors import PeerTimeout, ProtocolError  # noqa: E402
+from gputravel.messages import Attached, HostError, SwitchRequest, Switched  # noqa: E402
+from gputravel.transport.memory import memory_pair  # noqa: E402
+
+
+@pytest.fixture
+def client_and_host():
+    cvm_end, host_end = memory_pair("cvm", "host")
+    yield PcieMuxClient(cvm_end, "alice"), host_end
+    cvm_end.close()
+
+
+def test_requests_are_answered_in_order_and_notices_in_between_are_kept(client_and_host) -> None:
+    client, host = client_and_host
+    client.request("orchestrator")
+    assert host.recv(timeout=1).message == SwitchRequest(target="orchestrator")
+    host.send(Attached(target="alice", elapsed_ns=1, seq=7))  # another CVM's switch to us, first
+    host.send(Switched(target="orchestrator", elapsed_ns=2, seq=8))
+    assert client.switched(timeout=1).seq == 8
+    # The notice (seq 7) is older than our own switch away (seq 8): it must not pass for a new one.
+    with pytest.raises(PeerTimeout):
+        client.attached(timeout=0.05)
+    host.send(Attached(target="alice", elapsed_ns=3, seq=9))
+    assert client.attached(timeout=1).seq == 9
+
+
+def test_a_notice_that_arrives_while_a_reply_is_awaited_is_used_later(client_and_host) -> None:
+    client, host = client_and_host
+    client.request("bob")
+    host.send(Switched(target="bob", elapsed_ns=1, seq=3))
+    client.switched(timeout=1)
+    client.request("carol")
+    host.send(Attached(target="alice", elapsed_ns=1, seq=4))  # someone switched it to us meanwhile
+    host.send(Switched(target="carol", elapsed_ns=1, seq=5))
+    client.switched(timeout=1)
+    with pytest.raises(PeerTimeout):  # seq 4 is older than our seq-5 switch away
+        client.attached(timeout=0.05)
+
+
+def test_stale_and_foreign_notices_are_skipped(client_and_host) -> None:
+    client, host = client_and_host
+    client.request("orchestrator")
+    host.send(Switched(target="orchestrator", elapsed_ns=1, seq=10))
+    client.switched(timeout=1)
+    host.send(Attached(target="alice", elapsed_ns=1, seq=9))  # late notice of an earlier travel
+    host.send(Attached(target="bob", elapsed_ns=1, seq=11))  # not ours
+    host.send(Switched(target="x", elapsed_ns=1, seq=11))  # a reply to nothing
+    host.send(Attached(target="alice", elapsed_ns=5, seq=12))
+    notice = client.attached(timeout=1)
+    assert (notice.seq, notice.elapsed_ns) == (12, 5)
+
+
+def test_switch_answers_earlier_requests_first(client_and_host) -> None:
+    client, host = client_and_host
+    client.request("bob")
+    client.request("orchestrator")  # e.g. a recovery after a travel failed mid-way
+    for seq, target in enumerate(("bob", "orchestrator", "alice"), start=1):
+        host.send(Switched(target=target, elapsed_ns=1, seq=seq))
+    assert client.switch("alice", timeout=1).seq == 3
+    assert [host.recv(timeout=1).message.target for _ in range(3)] == ["bob", "orchestrator", "alice"]
+
+
+def test_a_host_error_or_a_wrong_reply_is_a_protocol_error(client_and_host) -> None:
+    client, host = client_and_host
+    client.request("nobody")
+    host.send(HostError(reason="cannot switch the GPU to unknown CVM 'nobody'"))
+    with pytest.raises(ProtocolError, match="nobody"):
+        client.switched(timeout=1)
+    client.request("bob")
+    host.send(Switched(target="carol", elapsed_ns=1, seq=1))
+    with pytest.raises(ProtocolError, match="bob"):
+        client.switched(timeout=1)
+    with pytest.raises(ProtocolError, match="no switch request"):
+        client.switched(timeout=1)
+
+
+def test_waiting_for_the_gpu_with_a_request_unanswered_is_refused(client_and_host) -> None:
+    client, _ = client_and_host
+    client.request("bob")
+    with pytest.raises(ProtocolError, match="unanswered"):
+        client.attached(timeout=1)
+
+
+# ============================================================================ the host's notices
+def test_the_host_tells_the_target_cvm_and_only_when_another_cvm_asked(tmp_path) -> None:
+    """A real host process loop (in a thread); the test plays the device and two CVMs."""
+    import os
+    import threading
+
+    from gputravel.driver.link import register_with_host
+    from gputravel.host.process import HostConfig, HostProcess
+    from gputravel.messages import AttachCvm, DeviceAck, DeviceAttach
+    from gputravel.testing import TEST_LAYOUT
+    from gputravel.transport.stream import connect_unix
+
+    sock = str(tmp_path / "host.sock")
+    host = HostProcess(HostConfig(socket_path=sock))
+    threading.Thread(target=host.serve, daemon=True).start()
+    device = connect_unix(sock, "device")
+    bar = os.memfd_create("bar")
+    os.ftruncate(bar, 4096)
+    bell = os.eventfd(0)
+    device.send(DeviceAttach(serial="GPU-TEST", bar_bytes=4096), fds=(bar, bell))
+    attached: list[str] = []
+
+    def play_device() -> None:
+        while True:
+            try:
+                got = device.recv(timeout=10)
+            except Exception:
+                return
+            for fd in got.fds:
+                os.close(fd)
+            if isinstance(got.message, AttachCvm):
+                attached.append(got.message.cvm)
+                device.send(DeviceAck(cvm=got.message.cvm))
+
+    threading.Thread(target=play_device, daemon=True).start()
+    links, clients = {}, {}
+    for name in ("orchestrator", "alice"):
+        conn = connect_unix(sock, name)
+        links[name] = register_with_host(conn, name, TEST_LAYOUT)
+        clients[name] = PcieMuxClient(conn, name)
+    orch, alice = clients["orchestrator"], clients["alice"]
+    try:
+        assert orch.switch("orchestrator", timeout=5).seq == 1  # to itself: no notice anywhere
+        orch.request("alice")
+        sent = orch.switched(timeout=5)
+        notice = alice.attached(timeout=5)  # the target hears of it, with the same switch number
+        assert (notice.target, notice.seq) == ("alice", sent.seq)
+        alice.request("orchestrator")  # the holder sends it home...
+        back = alice.switched(timeout=5)
+        assert orch.attached(timeout=5).seq == back.seq > sent.seq  # ...and the orchestrator is told
+        assert attached == ["orchestrator", "alice", "orchestrator"]
+        with pytest.raises(PeerTimeout):  # nothing more is on its way to anybody
+            orch.attached(timeout=0.1)
+        with pytest.raises(PeerTimeout):
+            alice.attached(timeout=0.1)
+    finally:
+        for link in links.values():
+            link.close()
+        device.close()

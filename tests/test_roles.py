@@ -12,19 +12,21 @@ import pytest
 
 from gputravel.errors import BadInput, IllegalTransition, ProtocolError
 from gputravel.messages import ChunkInfo, HolderHello, TravelRefused, TravelRequest, TravelResult
+from gputravel.roles.holder import AwaitGpu as HolderAwaitGpu
 from gputravel.roles.holder import CopyChunk, ExportBlob, HolderPhase, HolderTravel, ImportBlob, Reply, SwitchBack
 from gputravel.roles.manifest import chunk_digest, chunk_digest_from_manifest, piece_digests
 from gputravel.roles.orchestrator import (
     STEPS,
+    AwaitGpu,
+    AwaitReply,
+    AwaitScrub,
     Buffer,
-    ExportContext,
+    Depart,
     ImportContext,
     OrchestratorTravel,
     Phase,
     Rotate,
     ScrubBuffer,
-    SendRequest,
-    SwitchGpu,
     TravelReport,
     VerifyChunk,
 )
@@ -58,18 +60,29 @@ def orchestrator_sm(*hellos: HolderHello) -> OrchestratorTravel:
 
 def go_away(o: OrchestratorTravel, holder: str = "alice", offset: int = 0, blob: bytes = BLOB) -> TravelRequest:
     o.start(holder, offset, 0.0)
-    o.scrubbed(0.5)
-    o.exported(blob, 0.75)
-    return over_tls(o.switched(1.0).request)
+    o.exported(blob, 0.25)
+    req = o.scrubbed(0.5).request
+    o.switched(0.75)
+    return over_tls(req)
+
+
+def come_home(o: OrchestratorTravel, result: TravelResult | TravelRefused):
+    o.holder_replied(result, 3.0)
+    o.imported(3.25)
+    o.home(3.375)
+    return o.rotated(3.5)
 
 
 def serve(h: HolderTravel, req: TravelRequest, returned: bytes = b"\x02returned") -> TravelResult | TravelRefused:
     act = h.on_request(req, 100.125)
     if isinstance(act, ImportBlob):
-        copy = h.imported(100.25)
+        h.imported(100.25)
+        copy = h.attached(100.375)
         h.copied(copy.nbytes, 101.25)
         h.exported(returned, 101.5)
-    return over_tls(h.switched_back(101.625).message)
+    else:
+        assert h.attached(100.375) == SwitchBack()
+    return over_tls(h.switch_requested(101.625).message)
 
 
 # ============================================================================ a whole travel
@@ -78,42 +91,50 @@ def test_a_travel_end_to_end_with_exact_timings() -> None:
 
     assert o.start("alice", 0, 0.0) == ScrubBuffer(BUFFER.offset, BUFFER.nbytes)
     assert o.phase is Phase.CLEANUP
-    assert o.scrubbed(0.5) == ExportContext()
-    assert o.exported(BLOB, 0.75) == SwitchGpu("alice")
-    send = o.switched(1.0)
-    assert isinstance(send, SendRequest) and send.holder == "alice"
-    req = over_tls(send.request)
+    assert o.exported(BLOB, 0.25) == AwaitScrub()  # the context is packed while the device scrubs
+    assert o.phase is Phase.SCRUB
+    depart = o.scrubbed(0.5)
+    assert isinstance(depart, Depart) and depart.holder == "alice"
+    req = over_tls(depart.request)
     assert req == TravelRequest(1, BUFFER.offset, BUFFER.nbytes, 0, BLOB)
+    assert o.phase is Phase.DEPART
+    assert o.switched(0.75) == AwaitReply()
     assert o.phase is Phase.AWAY
 
     act = h.on_request(req, 100.125)
     assert act == ImportBlob(BLOB)
-    copy = h.imported(100.25)
+    assert h.imported(100.25) == HolderAwaitGpu()  # imported while the MUX switches; now wait for it
+    assert h.phase is HolderPhase.ATTACH
+    copy = h.attached(100.375)
     assert copy == CopyChunk(BUFFER.offset, BUFFER.nbytes, 0, BUFFER.nbytes)
     assert h.copied(copy.nbytes, 101.25) == ExportBlob()
     assert h.exported(b"\x02returned", 101.5) == SwitchBack()
-    reply = h.switched_back(101.625)
+    reply = h.switch_requested(101.625)
     assert isinstance(reply, Reply) and h.phase is HolderPhase.IDLE
     result = over_tls(reply.message)
     assert isinstance(result, TravelResult)
-    assert result.steps_ns == {"dh_import": 125_000_000, "dh_copy": 1_000_000_000, "dh_export": 250_000_000,
-                               "o_switch": 125_000_000, "handler": 1_500_000_000}
+    assert result.steps_ns == {"dh_import": 125_000_000, "dh_switch": 125_000_000, "dh_copy": 875_000_000,
+                               "dh_export": 250_000_000, "handler": 1_500_000_000}
     assert result.chunk == ChunkInfo(0, BUFFER.nbytes, chunk_digest(DATASET[: BUFFER.nbytes], PIECE))
     assert result.nonzero_on_arrival == -1 and result.context == b"\x02returned"
 
     assert o.holder_replied(result, 3.0) == ImportContext(b"\x02returned")
-    assert o.imported(3.25) == Rotate()
+    assert o.imported(3.25) == AwaitGpu()  # imported while the MUX switches the GPU home
+    assert o.home(3.375) == Rotate()
     verify = o.rotated(3.5)
     assert verify == VerifyChunk(BUFFER.offset, BUFFER.nbytes, PIECE)
     report = o.verified(chunk_digest(DATASET[: BUFFER.nbytes], PIECE), 4.0)
     assert o.phase is Phase.IDLE
 
+    # Each step is its share of the critical path: the switches only what was waited for,
+    # tls the time away less the holder's handler, o_export inside o_cleanup.
     assert report.steps_ms == {
-        "o_cleanup": 500.0, "o_export": 250.0, "dh_switch": 250.0, "dh_import": 125.0, "dh_copy": 1000.0,
-        "dh_export": 250.0, "tls": 500.0, "o_switch": 125.0, "o_import": 250.0, "o_rotate": 250.0,
+        "o_cleanup": 500.0, "o_export": 250.0, "dh_switch": 125.0, "dh_import": 125.0, "dh_copy": 875.0,
+        "dh_export": 250.0, "tls": 1000.0, "o_switch": 125.0, "o_import": 250.0, "o_rotate": 125.0,
     }
     assert tuple(report.steps_ms) == STEPS
-    assert report.total_ms == 3500.0 == sum(report.steps_ms.values())
+    handler_rest = 125.0  # the holder's export to its switch request: in no step
+    assert report.total_ms == 3500.0 == sum(report.steps_ms.values()) - report.steps_ms["o_export"] + handler_rest
     assert report.verify_ms == 500.0
     assert (report.travel_id, report.holder, report.refused) == (1, "alice", None)
     assert report.chunk == result.chunk
@@ -127,9 +148,7 @@ def test_consecutive_travels_walk_the_dataset_and_number_themselves() -> None:
         req = go_away(o, offset=offset)
         assert req.travel_id == n and req.dataset_offset == offset
         result = serve(h, req)
-        o.holder_replied(result, 3.0)
-        o.imported(3.25)
-        verify = o.rotated(3.5)
+        verify = come_home(o, result)
         want = DATASET[offset : offset + BUFFER.nbytes]
         assert verify.nbytes == len(want)
         report = o.verified(chunk_digest(want, PIECE), 4.0)
@@ -141,10 +160,11 @@ def test_arrival_audit_is_reported() -> None:
     o, h = orchestrator_sm(), holder_sm()
     h.on_request(go_away(o), 10.0)
     h.imported(10.0)
+    h.attached(10.0)
     h.audited(0)
     h.copied(BUFFER.nbytes, 10.0)
     h.exported(b"x", 10.0)
-    assert h.switched_back(10.0).message.nonzero_on_arrival == 0
+    assert h.switch_requested(10.0).message.nonzero_on_arrival == 0
 
 
 # ============================================================================ illegal transitions
@@ -154,9 +174,10 @@ def test_arrival_audit_is_reported() -> None:
     lambda o: o.switched(1.0),
     lambda o: o.holder_replied(TravelRefused(1, BLOB, "no", {}), 1.0),
     lambda o: o.imported(1.0),
+    lambda o: o.home(1.0),
     lambda o: o.rotated(1.0),
     lambda o: o.verified(b"\x00" * 32, 1.0),
-], ids=["scrubbed", "exported", "switched", "holder_replied", "imported", "rotated", "verified"])
+], ids=["scrubbed", "exported", "switched", "holder_replied", "imported", "home", "rotated", "verified"])
 def test_orchestrator_events_while_idle_are_illegal(event) -> None:
     o = orchestrator_sm()
     with pytest.raises(IllegalTransition) as err:
@@ -171,14 +192,18 @@ def test_orchestrator_out_of_order_and_double_events_are_illegal() -> None:
     with pytest.raises(IllegalTransition):
         o.start("alice", 0, 0.0)  # one travel at a time
     with pytest.raises(IllegalTransition):
-        o.exported(BLOB, 0.1)  # before scrubbing
+        o.scrubbed(0.1)  # the context must be packed before the scrub is confirmed
+    with pytest.raises(IllegalTransition):
+        o.switched(0.1)  # nothing asked of the MUX yet
+    o.exported(BLOB, 0.25)
+    with pytest.raises(IllegalTransition):
+        o.exported(BLOB, 0.3)
     o.scrubbed(0.5)
     with pytest.raises(IllegalTransition):
         o.scrubbed(0.6)
-    with pytest.raises(IllegalTransition):
-        o.switched(0.6)  # before exporting
-    o.exported(BLOB, 0.75)
     o.switched(1.0)
+    with pytest.raises(IllegalTransition):
+        o.home(1.1)  # the context is away: the GPU cannot be home yet
     with pytest.raises(IllegalTransition):
         o.rotated(1.1)  # the context is away
     with pytest.raises(IllegalTransition) as err:
@@ -189,12 +214,14 @@ def test_orchestrator_out_of_order_and_double_events_are_illegal() -> None:
 
 @pytest.mark.parametrize("event", [
     lambda h: h.imported(1.0),
+    lambda h: h.attached(1.0),
+    lambda h: h.attach_failed("no GPU", 1.0),
     lambda h: h.copied(PIECE, 1.0),
     lambda h: h.copy_failed("boom", 1.0),
     lambda h: h.audited(0),
     lambda h: h.exported(BLOB, 1.0),
-    lambda h: h.switched_back(1.0),
-], ids=["imported", "copied", "copy_failed", "audited", "exported", "switched_back"])
+    lambda h: h.switch_requested(1.0),
+], ids=["imported", "attached", "attach_failed", "copied", "copy_failed", "audited", "exported", "switch_requested"])
 def test_holder_events_while_idle_are_illegal(event) -> None:
     h = holder_sm()
     with pytest.raises(IllegalTransition) as err:
@@ -212,7 +239,10 @@ def test_holder_takes_one_request_at_a_time() -> None:
         h.copied(PIECE, 1.0)  # before importing
     h.imported(1.0)
     with pytest.raises(IllegalTransition):
-        h.switched_back(1.0)  # before exporting
+        h.copied(PIECE, 1.0)  # before the GPU is ours
+    h.attached(1.0)
+    with pytest.raises(IllegalTransition):
+        h.switch_requested(1.0)  # before exporting
 
 
 # ============================================================================ bad input
@@ -292,9 +322,7 @@ def test_holder_lying_about_its_data_is_caught_against_the_enrolled_manifest() -
 
 def test_verified_with_a_wrong_digest_is_a_protocol_error() -> None:
     o, h = orchestrator_sm(), holder_sm()
-    o.holder_replied(serve(h, go_away(o)), 3.0)
-    o.imported(3.25)
-    o.rotated(3.5)
+    come_home(o, serve(h, go_away(o)))
     wrong = chunk_digest(bytes(BUFFER.nbytes), PIECE)
     with pytest.raises(ProtocolError, match="VRAM does not hold"):
         o.verified(wrong, 4.0)
@@ -322,13 +350,14 @@ def test_holder_refusal_returns_the_untouched_context(why: str) -> None:
         context=BLOB,
     )
     act = h.on_request(req, 7.0)
-    assert act == SwitchBack()  # straight home, the GPU untouched
-    reply = h.switched_back(7.5)
+    assert act == HolderAwaitGpu()  # the context untouched; wait for the GPU, so the switch home comes after
+    assert h.attached(7.25) == SwitchBack()  # and straight home, the GPU untouched
+    reply = h.switch_requested(7.5)
     refused = reply.message
     assert isinstance(refused, TravelRefused)
     assert refused.travel_id == 4 and refused.context == BLOB
     assert refused.reason
-    assert refused.steps_ns == {"dh_import": 0, "dh_copy": 0, "dh_export": 0, "o_switch": 500_000_000,
+    assert refused.steps_ns == {"dh_import": 0, "dh_switch": 250_000_000, "dh_copy": 0, "dh_export": 0,
                                 "handler": 500_000_000}
     assert h.phase is HolderPhase.IDLE
 
@@ -339,10 +368,11 @@ def test_refused_travel_is_reported_without_a_chunk_or_verification() -> None:
     refusal = over_tls(TravelRefused(req.travel_id, req.context, "disk on fire", {"handler": 500_000_000}))
     assert o.holder_replied(refusal, 3.0) == ImportContext(BLOB)
     o.imported(3.25)
+    o.home(3.375)
     report = o.rotated(3.5)
     assert isinstance(report, TravelReport)
     assert report.refused == "disk on fire" and report.chunk is None and report.verify_ms == 0.0
-    assert report.steps_ms["tls"] == 1500.0  # 2 s away, 0.5 s of it in the holder's handler
+    assert report.steps_ms["tls"] == 2000.0  # 2.5 s away (from the scrub), 0.5 s of it in the holder's handler
     assert report.total_ms == 3500.0
     assert o.phase is Phase.IDLE
 
@@ -351,9 +381,10 @@ def test_failed_copy_is_a_refusal_with_the_exported_context() -> None:
     o, h = orchestrator_sm(), holder_sm()
     h.on_request(go_away(o), 1.0)
     h.imported(1.0)
+    h.attached(1.0)
     assert h.copy_failed("ChannelFaulted: user channel faulted", 2.0) == ExportBlob()
     h.exported(b"\x03after-copy", 2.0)
-    refused = h.switched_back(2.0).message
+    refused = h.switch_requested(2.0).message
     assert isinstance(refused, TravelRefused)
     assert refused.context == b"\x03after-copy"  # the channel moved on: the new context goes home
     assert "ChannelFaulted" in refused.reason
@@ -387,22 +418,26 @@ def test_roles_drive_real_drivers_and_verify_vram() -> None:
     alice, t = holders["alice"], iter(range(1000))
     for offset in range(0, len(data), buf.nbytes):
         scrub = o.start("alice", offset, next(t))
-        orch.scrub(scrub.offset, scrub.nbytes)
-        assert isinstance(o.scrubbed(next(t)), ExportContext)
-        switch = o.exported(orch.export_for_travel(), next(t))
-        gpu.switch(switch.target)
-        req = over_tls(o.switched(next(t)).request)
+        pending = orch.start_scrub(scrub.offset, scrub.nbytes)
+        assert isinstance(o.exported(orch.export_for_travel(), next(t)), AwaitScrub)
+        orch.finish_scrub(pending)
+        depart = o.scrubbed(next(t))
+        req = over_tls(depart.request)
         act = h.on_request(req, next(t))
-        alice.import_context(act.blob)
-        copy = h.imported(next(t))
+        alice.import_context(act.blob)  # before the switch, as over a real link
+        h.imported(next(t))
+        gpu.switch(depart.holder)
+        o.switched(next(t))
+        copy = h.attached(next(t))
         alice.copy_to_vram(memoryview(data)[copy.dataset_offset : copy.dataset_offset + copy.nbytes],
                            copy.buffer_offset, buffer_bytes=copy.buffer_bytes)
         h.copied(copy.nbytes, next(t))
         h.exported(alice.export_context(), next(t))
-        gpu.switch(ORCHESTRATOR)
-        reply = over_tls(h.switched_back(next(t)).message)
+        reply = over_tls(h.switch_requested(next(t)).message)
         orch.import_returned(o.holder_replied(reply, next(t)).blob)
         o.imported(next(t))
+        gpu.switch(ORCHESTRATOR)
+        o.home(next(t))
         orch.rotate()
         verify = o.rotated(next(t))
         report = o.verified(chunk_digest(gpu.vram_at(verify.offset, verify.nbytes), PIECE), next(t))
@@ -421,11 +456,18 @@ def test_travel_messages_do_not_print_the_context_blob() -> None:
     keys = [b for s in ctx.senders + ctx.receivers for b in (s.key, s.iv_mask)]
     o = orchestrator_sm()
     o.start("alice", 0, 0.0)
-    o.scrubbed(0.0)
     o.exported(blob, 0.0)
-    send = o.switched(0.0)
+    send = o.scrubbed(0.0)
     chunk = ChunkInfo(0, PIECE, b"\x00" * 32)
     texts = [repr(send), repr(send.request), repr(TravelResult(1, blob, chunk, {}, -1)),
              repr(TravelRefused(1, blob, "no", {})), repr(ImportContext(blob)), repr(ImportBlob(blob))]
     for text in texts:
         assert not leaks(text, keys), text[:80]
+
+
+def test_a_context_exported_again_after_the_scrub_is_the_one_that_travels() -> None:
+    o = orchestrator_sm()
+    o.start("alice", 0, 0.0)
+    o.exported(BLOB, 0.25)
+    depart = o.scrubbed(0.5, reexported=b"\x05fresh")
+    assert depart.request.context == b"\x05fresh"

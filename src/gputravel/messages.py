@@ -213,8 +213,27 @@ class SwitchRequest:
 @message("host.switched")
 @dataclass(frozen=True)
 class Switched:
+    """Host -> the CVM that asked. ``seq`` numbers the MUX's switches: an ``Attached`` with a
+    lower number is older than this switch. ``elapsed_ns``: the MUX's own time to re-route."""
+
     target: str
     elapsed_ns: int
+    seq: int
+
+
+@message("host.attached")
+@dataclass(frozen=True)
+class Attached:
+    """Host -> the CVM the GPU was just switched to, when another CVM asked for the switch.
+
+    The orchestrator hands its context over while the MUX switches, so the holder learns
+    here when the GPU is its own (and the orchestrator, when a holder sends it home). The
+    host is untrusted: a false notice only makes the CVM's pushes go unseen (a timeout),
+    as a host that never switches would."""
+
+    target: str
+    elapsed_ns: int
+    seq: int
 
 
 @message("host.error")

@@ -95,6 +95,7 @@ class FakeLink:
         self.before_service: Callable[[FakeLink], bool | None] | None = None
         self.rings = 0
         self.closed = False
+        self.spin_s = 0.0  # the device runs in process, on ring(): nothing to poll for
 
     def ring(self) -> None:
         self.rings += 1

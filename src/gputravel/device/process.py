@@ -81,6 +81,8 @@ class DeviceProcess:
             # vCPU costs more than the whole step.
             hot = time.monotonic() - last_work < self.config.poll_window
             events = sel.select(timeout=0 if hot else None)
+            if hot and not events:
+                os.sched_yield()  # poll, but never hold the CPU from a CVM that has work
             if events:
                 last_work = time.monotonic()
             for key, _ in events:

@@ -6,6 +6,8 @@ SPDM session secret and the kernel channel (scrub, rotate), neither of which eve
 
 from __future__ import annotations
 
+import os
+
 import struct
 import time
 from typing import Callable
@@ -204,12 +206,19 @@ class Driver:
 
     def _wait(self, ready: Callable[[], bool], timeout: float, what: str, channel: PushChannel | None = None) -> None:
         deadline = self.clock() + timeout
+        # Poll (yielding the CPU to anyone runnable) for a moment before sleeping on the
+        # interrupt, as CUDA's yield scheduling does: most waits here are shorter than a
+        # sleeping vCPU takes to wake, and yielding keeps the device's own vCPU free.
+        spin_until = time.perf_counter() + self.link.spin_s
         while not ready():
             if channel is not None and self.faulted(channel):
                 raise ChannelFaulted(f"{channel.name.lower()} channel faulted while waiting for {what}")
             left = deadline - self.clock()
             if left <= 0:
                 raise PeerTimeout(f"device did not answer within {timeout:g} s (waiting for {what})")
+            if time.perf_counter() < spin_until:
+                os.sched_yield()
+                continue
             self.link.wait_interrupt(min(left, 0.05))
 
     # ------------------------------------------------------------------ copy API (paper 5.5)
@@ -270,6 +279,9 @@ class Driver:
     # ------------------------------------------------------------------ context migration
     def export_context(self) -> bytes:
         """Pack the user channel's state; this driver stops using it until a context comes back."""
+        return pack_context(self._take_user_context())
+
+    def _take_user_context(self) -> DriverContext:
         self._require_context("export the context")
         ctx = DriverContext(
             version=CONTEXT_VERSION,
@@ -283,9 +295,8 @@ class Driver:
             rpc_tx_seq=self._rpc_tx,
             rpc_rx_seq=self._rpc_rx,
         )
-        blob = pack_context(ctx)
         self._drop_user_context()
-        return blob
+        return ctx
 
     def _drop_user_context(self) -> None:
         for label in USER_LABELS:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import mmap
 import os
 import select
+import time
+from collections import deque
 from dataclasses import dataclass
 
-from ..errors import ProtocolError
+from ..errors import PeerTimeout, ProtocolError
 from ..layout import SYSMEM_IOVA, Layout
-from ..messages import HostError, RegisterCvm, Registered, SwitchRequest, Switched
+from ..messages import Attached, HostError, RegisterCvm, Registered, SwitchRequest, Switched
 from ..transport.base import Transport
 
 
@@ -28,6 +30,7 @@ class DeviceLink:
     bar: mmap.mmap
     doorbell_fd: int
     irq_fd: int
+    spin_s: float = 0.001  # how long Driver waits poll (yielding) before sleeping on the interrupt
 
     def ring(self) -> None:
         os.eventfd_write(self.doorbell_fd, 1)
@@ -76,10 +79,70 @@ def register_with_host(host: Transport, cvm: str, layout: Layout, *, timeout: fl
     return DeviceLink(cvm, layout, sysmem_fd, sysmem, bar, doorbell_fd, irq_fd)
 
 
-def request_switch(host: Transport, target: str, timeout: float) -> int:
-    """Ask the host's PCIe MUX to route the GPU to ``target``; returns the host-measured ns."""
-    host.send(SwitchRequest(target=target))
-    reply = host.recv(timeout=timeout).message
-    if not isinstance(reply, Switched) or reply.target != target:
-        raise ProtocolError(f"host could not switch the GPU to {target}: {getattr(reply, 'reason', reply)}")
-    return reply.elapsed_ns
+class PcieMuxClient:
+    """This CVM's requests to the host's PCIe MUX, and the host's notices that the GPU is ours.
+
+    A switch may be asked for without waiting (``request``), so that the context hand-off
+    over TLS overlaps it; replies come back in order (``switched``). Another CVM's switch to
+    us arrives as an ``Attached`` notice (``attached``). Notices are numbered by the MUX's
+    switch counter: one older than our last reply belongs to an earlier travel and is
+    skipped, so a late notice can never pass for the current switch.
+    """
+
+    def __init__(self, host: Transport, cvm: str) -> None:
+        self.host, self.cvm = host, cvm
+        self._pending: deque[str] = deque()
+        self._seq = 0  # the MUX's switch number in the last reply or notice we took
+        self._notice: Attached | None = None  # taken while waiting for a reply, not yet used
+
+    def request(self, target: str) -> None:
+        self.host.send(SwitchRequest(target=target))
+        self._pending.append(target)
+
+    def switched(self, timeout: float) -> Switched:
+        """The reply to the oldest request not yet answered."""
+        if not self._pending:
+            raise ProtocolError("no switch request is waiting for a reply")
+        target = self._pending.popleft()
+        reply = self._next(timeout, f"the switch to {target}")
+        while isinstance(reply, Attached):
+            self._keep(reply)
+            reply = self._next(timeout, f"the switch to {target}")
+        if not isinstance(reply, Switched) or reply.target != target:
+            raise ProtocolError(f"host could not switch the GPU to {target}: {getattr(reply, 'reason', reply)}")
+        self._seq = max(self._seq, reply.seq)
+        return reply
+
+    def switch(self, target: str, timeout: float) -> Switched:
+        """Ask and wait, answering any earlier requests first."""
+        self.request(target)
+        while len(self._pending) > 1:
+            self.switched(timeout)
+        return self.switched(timeout)
+
+    def attached(self, timeout: float) -> Attached:
+        """Wait until another CVM's switch has made the GPU ours (newer than our last reply)."""
+        if self._pending:
+            raise ProtocolError("a switch this CVM asked for is still unanswered")
+        notice, self._notice = self._notice, None
+        if notice is not None and notice.seq > self._seq:
+            self._seq = notice.seq
+            return notice
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._next(deadline - time.monotonic(), "the GPU to be switched to us")
+            if isinstance(msg, Attached) and msg.target == self.cvm and msg.seq > self._seq:
+                self._seq = msg.seq
+                return msg
+            if isinstance(msg, HostError):
+                raise ProtocolError(f"host error while waiting for the GPU: {msg.reason}")
+            # an older notice, or a reply to nothing: not ours to act on
+
+    def _keep(self, notice: Attached) -> None:
+        if notice.target == self.cvm and (self._notice is None or notice.seq > self._notice.seq):
+            self._notice = notice
+
+    def _next(self, timeout: float, what: str) -> object:
+        if timeout <= 0:
+            raise PeerTimeout(f"host did not answer in time (waiting for {what})")
+        return self.host.recv(timeout=timeout).message

@@ -7,7 +7,7 @@ the user channel's keys of the current epoch, inside a context blob.
 
 from __future__ import annotations
 
-from ..context import DriverContext, unpack_context
+from ..context import DriverContext, pack_context, unpack_context
 from ..crypto.channel import derive_epoch_keys
 from ..crypto.spdm import SpdmRequester
 from ..errors import ContextBlobError, IllegalTransition, ProtocolError
@@ -110,7 +110,40 @@ class OrchestratorDriver(Driver):
 
     def scrub(self, offset: int, nbytes: int, timeout: float = 10.0) -> None:
         """Device-side memset of the dataset buffer: nothing of the last chunk may travel on."""
-        self._kernel(lambda v: Memset(offset=offset, nbytes=nbytes, value=0, release=v, interrupt=True), timeout)
+        self.finish_scrub(self.start_scrub(offset, nbytes, timeout), timeout)
+
+    def start_scrub(self, offset: int, nbytes: int, timeout: float = 10.0) -> int:
+        """Submit the scrub and return its release value; ``finish_scrub`` waits for it.
+
+        A travel exports the context in between: the scrub is kernel-channel work, the
+        context the user channel's, so packing it need not wait for the device's memset.
+        """
+        self._require_session("use the kernel channel")
+        value = self._next_kernel_release()
+        self.submit(PushChannel.KERNEL, Memset(offset=offset, nbytes=nbytes, value=0, release=value, interrupt=True),
+                    timeout)
+        return value
+
+    def finish_scrub(self, value: int, timeout: float = 10.0) -> bytes | None:
+        """Wait for the scrub. Returns None, or a fresh context blob when one exported during
+        the scrub no longer matches the device, which must then travel instead."""
+        self.wait_release(PushChannel.KERNEL, value, timeout)
+        sent = self._exported
+        if sent is None:
+            self._resync()
+            return None
+        # Nothing honest moves the user channel between a rotation (which resynced it) and
+        # here. If something did (say, a holder with kept keys while the host hid our kernel
+        # work), the device ran it before the scrub: take the context back, continue from
+        # where the device is, and export again, as a scrub before the export would have.
+        get = self._get(PushChannel.USER)
+        rpc = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
+        if (get, rpc, rpc) == (sent.gpfifo_put, sent.rpc_tx_seq, sent.rpc_rx_seq):
+            return None
+        self._adopt(sent)
+        self._exported = None
+        self._resync()
+        return self.export_for_travel()
 
     def rotate(self, timeout: float = 10.0) -> int:
         """Move device and driver to the next key epoch; wait for the device to confirm.
@@ -136,9 +169,8 @@ class OrchestratorDriver(Driver):
     # ------------------------------------------------------------------ travel
     def export_for_travel(self) -> bytes:
         self._require_session("export the context")
-        blob = self.export_context()
-        self._exported = unpack_context(blob, layout=self.layout.digest())
-        return blob
+        self._exported = self._take_user_context()
+        return pack_context(self._exported)
 
     def import_returned(self, blob: bytes) -> DriverContext:
         """Take back the context a holder returns; refuse one from another epoch, altered or stale."""

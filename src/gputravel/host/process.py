@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
-from ..messages import AttachCvm, DeviceAck, DeviceAttach, HostError, RegisterCvm, Registered, SwitchRequest, Switched
+from ..messages import (Attached, AttachCvm, DeviceAck, DeviceAttach, HostError, RegisterCvm, Registered, SwitchRequest,
+                        Switched)
 from ..transport.base import Transport
 from ..transport.stream import StreamTransport, listen_unix
 from .mux import CvmRegistration, PcieMux
@@ -77,6 +78,7 @@ class HostProcess:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._snooper = Snooper(config.snoop_path, config.snoop_limit_bytes) if config.snoop_path else None
         self._cvm_of: dict[Transport, str] = {}  # which CVM registered over which connection
+        self._conn_of: dict[str, Transport] = {}  # and the other way: where to tell a CVM it has the GPU
         self.adversary = _adversary(config, self)
 
     def serve(self) -> None:
@@ -95,7 +97,7 @@ class HostProcess:
                         key.data()
                     elif not self._serve_one(key.data):
                         self._sel.unregister(key.data.fileno())
-                        self._cvm_of.pop(key.data, None)
+                        self._forget(key.data)
                         key.data.close()
                         if key.data is self.device:
                             return  # the GPU is gone: nothing left to multiplex
@@ -116,7 +118,7 @@ class HostProcess:
             elif isinstance(msg, RegisterCvm):
                 self._register(peer, msg, got.fds)
             elif isinstance(msg, SwitchRequest):
-                peer.send(self._switch(msg.target, self._cvm_of.get(peer, "")))
+                self._serve_switch(peer, msg.target)
             else:
                 peer.send(HostError(reason=f"unexpected message {type(msg).__name__}"))
         except (BadInput, GputravelError) as exc:
@@ -143,10 +145,28 @@ class HostProcess:
         if self._snooper:
             self._snooper.watch(reg)
         self._cvm_of[peer] = msg.cvm
+        self._conn_of[msg.cvm] = peer
         bar, doorbell = self._device_fds
         if self.adversary is not None:  # it hands out its own doorbell and relays (or not)
             doorbell = self.adversary.doorbell_for(reg)
         peer.send(Registered(bar_bytes=self._bar_bytes), fds=(bar, doorbell))
+
+    def _forget(self, peer: Transport) -> None:
+        cvm = self._cvm_of.pop(peer, None)
+        if cvm is not None and self._conn_of.get(cvm) is peer:
+            del self._conn_of[cvm]
+
+    def _serve_switch(self, peer: Transport, target: str) -> None:
+        """Switch, answer the CVM that asked, and tell the target it has the GPU (if it did not
+        ask itself): a holder imports the context while the switch runs, then waits for this."""
+        done = self._switch(target, self._cvm_of.get(peer, ""))
+        peer.send(done)
+        told = self._conn_of.get(target)
+        if told is not None and told is not peer:
+            try:
+                told.send(Attached(target=target, elapsed_ns=done.elapsed_ns, seq=done.seq))
+            except GputravelError:
+                pass  # a CVM that went away: its connection is dropped when the selector sees it
 
     def _switch(self, target: str, requester: str = "") -> Switched:
         started = time.perf_counter_ns()
@@ -155,7 +175,7 @@ class HostProcess:
         if self.adversary is not None:  # it may route the DMA mapping and the interrupt elsewhere
             dma, irq = self.adversary.route(requester, plan)
         self.attach(dma, irq)
-        return Switched(target=target, elapsed_ns=time.perf_counter_ns() - started)
+        return Switched(target=target, elapsed_ns=time.perf_counter_ns() - started, seq=self.mux.switches)
 
     def attach(self, dma: CvmRegistration, irq: CvmRegistration) -> None:
         """Map ``dma``'s unprotected memory for the device and route its interrupt to ``irq``

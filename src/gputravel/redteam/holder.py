@@ -29,7 +29,7 @@ from ..layout import SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
 from ..messages import Bye, CopyFromVram, TravelRequest
 from ..roles.holder import CopyChunk, ImportBlob
 from ..runtime.control import JoinCohort, Ready, Shutdown
-from ..runtime.holder import ORCHESTRATOR, DataHolder, HolderConfig
+from ..runtime.holder import DataHolder, HolderConfig
 from ..runtime.membership import join as join_cohort
 from ..transport.base import Transport
 from .loot import Loot, read_frames
@@ -84,7 +84,8 @@ class MaliciousHolder(DataHolder):
         act = self.sm.on_request(req, time.perf_counter())
         assert isinstance(act, ImportBlob)
         self.driver.import_context(act.blob)
-        act = self.sm.imported(time.perf_counter())
+        self.sm.imported(time.perf_counter())
+        act = self._await_gpu(time.perf_counter)
         assert isinstance(act, CopyChunk)
         return act
 
@@ -94,10 +95,7 @@ class MaliciousHolder(DataHolder):
         self.kept.append(blob)
         self.exported.append(blob)
         self.sm.exported(self._returned(mode, blob), time.perf_counter())
-        self.switch(ORCHESTRATOR)
-        reply = self.sm.switched_back(time.perf_counter())
-        assert self.orchestrator is not None
-        self.orchestrator.send(reply.message)
+        self.go_home(time.perf_counter)
         return blob
 
     def _returned(self, mode: str, blob: bytes) -> bytes:

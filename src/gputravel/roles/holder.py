@@ -1,9 +1,11 @@
 """A data holder's side of one travel, as a sans-IO state machine.
 
-The holder is essentially a server (paper 4.2): a travel request arrives with the GPU already
-switched to it; it imports the context, copies the requested chunk through the driver copy
-API, exports the context, has the host switch the GPU back, and replies. A request it cannot
-serve is refused, but it still returns the context and the GPU.
+The holder is essentially a server (paper 4.2): a travel request arrives while the PCIe MUX
+switches the GPU to it; it imports the context, waits until the host says the GPU is its
+own, copies the requested chunk through the driver copy API, exports the context, asks the
+host to switch the GPU back and, without waiting for that, replies (the orchestrator imports
+the context while the switch runs). A request it cannot serve is refused, but it still
+waits for the GPU and returns the context and the GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .manifest import chunk_digest_from_manifest
 class HolderPhase(Enum):
     IDLE = "idle"
     IMPORT = "import"
+    ATTACH = "attach"  # waiting for the GPU to be ours
     COPY = "copy"
     EXPORT = "export"
     SWITCH = "switch"
@@ -27,6 +30,11 @@ class HolderPhase(Enum):
 @dataclass(frozen=True)
 class ImportBlob:
     blob: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class AwaitGpu:
+    pass
 
 
 @dataclass(frozen=True)
@@ -70,17 +78,17 @@ class HolderTravel:
         if self.phase is not phase:
             raise IllegalTransition(f"holder {self.name}", self.phase.value, action)
 
-    def on_request(self, req: TravelRequest, now: float) -> ImportBlob | SwitchBack:
+    def on_request(self, req: TravelRequest, now: float) -> ImportBlob | AwaitGpu:
         self._expect(HolderPhase.IDLE, "take a travel request")
-        self._req, self._marks, self._chunk, self._arrival = req, {"start": now}, None, -1
+        self._req, self._marks, self._chunk, self._arrival, self._blob = req, {"start": now}, None, -1, b""
         self._refusal = self._check(req)
         if self._refusal is not None:
-            # Refuse without touching the GPU; hand back the untouched context and the link.
+            # Refuse without touching the context; still wait for the GPU (so the switch home
+            # comes after the switch here), then hand back the untouched context and the link.
             self._blob = req.context
-            for name in ("dh_import", "dh_copy", "dh_export"):
-                self._marks[name] = now
-            self.phase = HolderPhase.SWITCH
-            return SwitchBack()
+            self._marks["dh_import"] = now
+            self.phase = HolderPhase.ATTACH
+            return AwaitGpu()
         self.phase = HolderPhase.IMPORT
         return ImportBlob(req.context)
 
@@ -93,14 +101,41 @@ class HolderTravel:
             return f"dataset offset {req.dataset_offset} is outside holder {self.name}'s dataset"
         return None
 
-    def imported(self, now: float) -> CopyChunk:
+    def imported(self, now: float) -> AwaitGpu:
         self._expect(HolderPhase.IMPORT, "finish importing")
         self._marks["dh_import"] = now
+        self.phase = HolderPhase.ATTACH
+        return AwaitGpu()
+
+    def attached(self, now: float) -> CopyChunk | SwitchBack:
+        """The host says the GPU is ours: copy (or, refusing, send it straight back)."""
+        self._expect(HolderPhase.ATTACH, "take the GPU")
+        self._marks["dh_switch"] = now
+        if self._refusal is not None:
+            for name in ("dh_copy", "dh_export"):
+                self._marks[name] = now
+            self.phase = HolderPhase.SWITCH
+            return SwitchBack()
         req = self._req
         assert req is not None
         nbytes = min(req.buffer_bytes, self.dataset_bytes - req.dataset_offset)
         self.phase = HolderPhase.COPY
         return CopyChunk(req.buffer_offset, req.buffer_bytes, req.dataset_offset, nbytes)
+
+    def attach_failed(self, reason: str, now: float) -> ExportBlob | SwitchBack:
+        """The GPU never became ours: refuse, hand back the context (exported again if we
+        imported it) and ask for the switch home all the same."""
+        self._expect(HolderPhase.ATTACH, "give up waiting for the GPU")
+        imported = self._refusal is None  # in this phase: unless refusing, we imported
+        self._refusal = self._refusal or reason
+        for name in ("dh_switch", "dh_copy"):
+            self._marks[name] = now
+        if not imported:  # refusing already: the context is untouched
+            self._marks["dh_export"] = now
+            self.phase = HolderPhase.SWITCH
+            return SwitchBack()
+        self.phase = HolderPhase.EXPORT
+        return ExportBlob()
 
     def audited(self, nonzero: int) -> None:
         """Record what an arrival audit found in the buffer (non-zero bytes before copying)."""
@@ -132,14 +167,15 @@ class HolderTravel:
         self.phase = HolderPhase.SWITCH
         return SwitchBack()
 
-    def switched_back(self, now: float) -> Reply:
-        self._expect(HolderPhase.SWITCH, "finish switching back")
+    def switch_requested(self, now: float) -> Reply:
+        """The switch home is asked for: reply now, the orchestrator imports while it runs."""
+        self._expect(HolderPhase.SWITCH, "ask for the switch back")
         m = self._marks
         steps = {
             "dh_import": m["dh_import"] - m["start"],
-            "dh_copy": m["dh_copy"] - m["dh_import"],
+            "dh_switch": m["dh_switch"] - m["dh_import"],  # what the MUX made us wait, after importing
+            "dh_copy": m["dh_copy"] - m["dh_switch"],
             "dh_export": m["dh_export"] - m["dh_copy"],
-            "o_switch": now - m["dh_export"],
             "handler": now - m["start"],
         }
         steps_ns = {k: int(v * 1e9) for k, v in steps.items()}

@@ -3,6 +3,14 @@
 Each method is an event (a step finished, a message arrived) with ``now`` passed in; each
 returns the next action for the runtime to carry out. The machine checks the order of
 steps, validates what the holder sends back against its manifest, and times every step.
+
+Three steps of the paper's cycle overlap here, because nothing forces them to wait: the
+context is exported while the device scrubs (the scrub is kernel-channel work, the context
+is the user channel's), the context goes to the holder over TLS while the PCIe MUX switches
+the GPU to it, and the returned context is imported while the MUX switches the GPU home.
+So each step's figure is its share of the travel's critical path: ``dh_switch`` and
+``o_switch`` are only what the holder and the orchestrator still had to wait for the MUX,
+and ``o_export`` lies inside ``o_cleanup``.
 """
 
 from __future__ import annotations
@@ -21,11 +29,12 @@ STEPS = ("o_cleanup", "o_export", "dh_switch", "dh_import", "dh_copy", "dh_expor
 
 class Phase(Enum):
     IDLE = "idle"
-    CLEANUP = "cleanup"
-    EXPORT = "export"
-    SWITCH = "switch"
+    CLEANUP = "cleanup"  # the device scrubs; the context is being exported meanwhile
+    SCRUB = "scrub"  # exported; waiting for the scrub to be confirmed
+    DEPART = "depart"  # switch asked for and request sent; waiting for the MUX's reply
     AWAY = "away"
     IMPORT = "import"
+    HOMECOMING = "homecoming"  # imported; waiting for the GPU to be home
     ROTATE = "rotate"
     VERIFY = "verify"
 
@@ -38,24 +47,31 @@ class ScrubBuffer:
 
 
 @dataclass(frozen=True)
-class ExportContext:
+class AwaitScrub:
     pass
 
 
 @dataclass(frozen=True)
-class SwitchGpu:
-    target: str
+class Depart:
+    """Ask the MUX to switch the GPU to ``holder`` and, without waiting, send the request."""
 
-
-@dataclass(frozen=True)
-class SendRequest:
     holder: str
     request: TravelRequest
 
 
 @dataclass(frozen=True)
+class AwaitReply:
+    pass
+
+
+@dataclass(frozen=True)
 class ImportContext:
     blob: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class AwaitGpu:
+    pass
 
 
 @dataclass(frozen=True)
@@ -142,35 +158,40 @@ class OrchestratorTravel:
         self.phase = Phase.CLEANUP
         return ScrubBuffer(self.buffer.offset, self.buffer.nbytes)
 
-    def scrubbed(self, now: float) -> ExportContext:
-        self._expect(Phase.CLEANUP, "finish scrubbing")
-        self._step("o_cleanup", "start", now)
-        self.phase = Phase.EXPORT
-        return ExportContext()
-
-    def exported(self, blob: bytes, now: float) -> SwitchGpu:
-        self._expect(Phase.EXPORT, "finish exporting")
+    def exported(self, blob: bytes, now: float) -> AwaitScrub:
+        """The context is packed (while the device scrubs); it leaves only after the scrub."""
+        self._expect(Phase.CLEANUP, "finish exporting")
         self._blob = blob
-        self._step("o_export", "o_cleanup", now)
-        self.phase = Phase.SWITCH
-        return SwitchGpu(self._holder)
+        self._step("o_export", "start", now)
+        self.phase = Phase.SCRUB
+        return AwaitScrub()
 
-    def switched(self, now: float) -> SendRequest:
-        self._expect(Phase.SWITCH, "finish switching to the holder")
-        self._step("dh_switch", "o_export", now)
-        self.phase = Phase.AWAY
+    def scrubbed(self, now: float, reexported: bytes | None = None) -> Depart:
+        """The scrub is confirmed. ``reexported``: the driver had to export the context again
+        (the device had moved on since the first export); that one travels."""
+        self._expect(Phase.SCRUB, "finish scrubbing")
+        if reexported is not None:
+            self._blob = reexported
+        self._step("o_cleanup", "start", now)
+        self.phase = Phase.DEPART
         req = TravelRequest(self._travel_id, self.buffer.offset, self.buffer.nbytes, self._offset, self._blob)
         self._blob = b""
-        return SendRequest(self._holder, req)
+        return Depart(self._holder, req)
+
+    def switched(self, now: float) -> AwaitReply:
+        """The MUX answered: the GPU is the holder's (it may already be working on it)."""
+        self._expect(Phase.DEPART, "finish switching to the holder")
+        self.phase = Phase.AWAY
+        return AwaitReply()
 
     def holder_replied(self, reply: TravelResult | TravelRefused, now: float) -> ImportContext:
         self._expect(Phase.AWAY, "take a holder's reply")
         if reply.travel_id != self._travel_id:
             raise ProtocolError(f"holder {self._holder}: reply to travel {reply.travel_id}, expected {self._travel_id}")
         remote = {k: v / 1e6 for k, v in reply.steps_ns.items()}
-        for name in ("dh_import", "dh_copy", "dh_export", "o_switch"):
+        for name in ("dh_import", "dh_switch", "dh_copy", "dh_export"):
             self._steps[name] = remote.get(name, 0.0)
-        away_ms = (now - self._marks["dh_switch"]) * 1e3
+        away_ms = (now - self._marks["o_cleanup"]) * 1e3  # the request left right after the scrub
         self._steps["tls"] = max(away_ms - remote.get("handler", 0.0), 0.0)
         self._marks["away"] = now
         if isinstance(reply, TravelRefused):
@@ -190,15 +211,22 @@ class OrchestratorTravel:
             raise ProtocolError(f"holder {self._holder}: chunk digest does not match its manifest")
         return chunk
 
-    def imported(self, now: float) -> Rotate:
+    def imported(self, now: float) -> AwaitGpu:
         self._expect(Phase.IMPORT, "finish importing")
         self._step("o_import", "away", now)
+        self.phase = Phase.HOMECOMING
+        return AwaitGpu()
+
+    def home(self, now: float) -> Rotate:
+        """The MUX has switched the GPU back (the holder asked before it replied)."""
+        self._expect(Phase.HOMECOMING, "take the GPU back")
+        self._step("o_switch", "o_import", now)
         self.phase = Phase.ROTATE
         return Rotate()
 
     def rotated(self, now: float) -> VerifyChunk | TravelReport:
         self._expect(Phase.ROTATE, "finish rotating")
-        self._step("o_rotate", "o_import", now)
+        self._step("o_rotate", "o_switch", now)
         if self._chunk is None:
             return self._finish(now, verify_ms=0.0)
         self.phase = Phase.VERIFY

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..crypto.pki import CohortPki
 from ..driver.driver import Driver
-from ..driver.link import register_with_host, request_switch
+from ..driver.link import PcieMuxClient, register_with_host
 from ..errors import BadInput, GputravelError, IllegalTransition, ProtocolError, TransportClosed
 from ..layout import Layout
 from ..messages import Bye, HolderHello, TravelRequest, Welcome
@@ -99,6 +99,7 @@ class DataHolder:
         self.dataset = Dataset(config.dataset_path, config.dataset_format)
         self.host = connect_unix(config.host_socket, "host")
         self.driver = Driver(register_with_host(self.host, config.name, config.layout))
+        self.mux = PcieMuxClient(self.host, config.name)
         # Manifest pieces must tile any buffer the orchestrator may have: buffers are whole
         # records, so pieces are at most one record.
         self.piece_bytes = min(PIECE_BYTES, config.layout.record_bytes)
@@ -117,7 +118,7 @@ class DataHolder:
         self.driver.probe(timeout=self.config.device_timeout)
 
     def switch(self, target: str) -> int:
-        return request_switch(self.host, target, self.config.device_timeout)
+        return self.mux.switch(target, self.config.device_timeout).elapsed_ns
 
     def join(self, host: str, port: int) -> OrchestratorAttestation:
         """Connect, attest the orchestrator against our policy (paper 4.5, CPU phase: every
@@ -161,19 +162,33 @@ class DataHolder:
         self.reattest_if_due()
         clock = time.perf_counter
         act = self.sm.on_request(req, clock())
-        if isinstance(act, ImportBlob):
+        if isinstance(act, ImportBlob):  # while the MUX switches the GPU to us
             self.driver.import_context(act.blob)
             act = self.sm.imported(clock())
-            assert isinstance(act, CopyChunk)
+        act = self._await_gpu(clock)
+        if isinstance(act, CopyChunk):
             act = self._copy(act, clock)
-            assert isinstance(act, ExportBlob)
+        if isinstance(act, ExportBlob):
             act = self.sm.exported(self.driver.export_context(), clock())
         assert isinstance(act, SwitchBack)
-        self.switch(ORCHESTRATOR)
-        reply = self.sm.switched_back(clock())
+        self.go_home(clock)
+
+    def _await_gpu(self, clock):
+        try:
+            self.mux.attached(self.config.device_timeout)
+        except GputravelError as exc:
+            return self.sm.attach_failed(f"the GPU never came: {type(exc).__name__}: {exc}", clock())
+        return self.sm.attached(clock())
+
+    def go_home(self, clock) -> None:
+        """Ask for the switch home, reply at once (the orchestrator imports while the MUX
+        switches), then take the host's answer."""
+        self.mux.request(ORCHESTRATOR)
+        reply = self.sm.switch_requested(clock())
         assert isinstance(reply, Reply)
         assert self.orchestrator is not None
         self.orchestrator.send(reply.message)
+        self.mux.switched(self.config.device_timeout)
 
     def _copy(self, act: CopyChunk, clock):
         try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..crypto.pki import CohortPki
-from ..driver.link import register_with_host, request_switch
+from ..driver.link import PcieMuxClient, register_with_host
 from ..driver.orchestrator import OrchestratorDriver
 from ..errors import BadInput, GputravelError, HolderLost, PeerTimeout, ProtocolError, RemoteError, TransportClosed
 from ..layout import Layout
@@ -64,6 +64,7 @@ class Orchestrator:
         self.config = config
         self.host = connect_unix(config.host_socket, "host")
         self.driver = OrchestratorDriver(register_with_host(self.host, NAME, config.layout))
+        self.mux = PcieMuxClient(self.host, NAME)
         self._device = StreamTransport(device_link, "device-link")
         self.holders: dict[str, Transport] = {}
         self.vram: mmap.mmap | None = None
@@ -89,7 +90,7 @@ class Orchestrator:
         self.travel_sm = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
 
     def switch(self, target: str) -> int:
-        return request_switch(self.host, target, self.config.device_timeout)
+        return self.mux.switch(target, self.config.device_timeout).elapsed_ns
 
     # ------------------------------------------------------------------ cohort
     def accept_holder(self, timeout: float) -> str:
@@ -155,12 +156,22 @@ class Orchestrator:
         act = sm.start(holder, dataset_offset, clock())
         conn = self.holders[holder]
         try:  # carry out each action the state machine hands back, and report its completion
-            drv.scrub(act.offset, act.nbytes, timeout=cfg.device_timeout)
-            sm.scrubbed(clock())
-            self.switch(sm.exported(drv.export_for_travel(), clock()).target)
-            reply = self._ask_holder(holder, conn, sm.switched(clock()).request)
+            scrub = drv.start_scrub(act.offset, act.nbytes, timeout=cfg.device_timeout)
+            sm.exported(drv.export_for_travel(), clock())  # while the device scrubs
+            depart = sm.scrubbed(clock(), drv.finish_scrub(scrub, timeout=cfg.device_timeout))
+            self.mux.request(holder)  # the context goes over TLS while the MUX switches
+            self._send_request(holder, conn, depart.request)
+            try:
+                self.mux.switched(cfg.device_timeout)
+            except GputravelError:  # the holder has the request but may never get the GPU:
+                self._drop(holder, conn)  # its state is unknown, so it is dropped (it may join again)
+                raise
+            sm.switched(clock())
+            reply = self._await_reply(holder, conn)
             drv.import_returned(sm.holder_replied(reply, clock()).blob)
             sm.imported(clock())
+            self.mux.attached(cfg.device_timeout)  # the holder asked for the switch home before replying
+            sm.home(clock())
             drv.rotate(timeout=cfg.device_timeout)
             nxt = sm.rotated(clock())
             if isinstance(nxt, VerifyChunk):
@@ -171,11 +182,17 @@ class Orchestrator:
             sm.abort()
             raise
 
-    def _ask_holder(self, holder: str, conn: Transport, request: object):
-        """Send the travel request; wait for the holder's result. A holder that dies, hangs or
-        sends garbage here is dropped (it may join again); the caller recovers the GPU."""
+    def _send_request(self, holder: str, conn: Transport, request: object) -> None:
         try:
             conn.send(request)
+        except (TransportClosed, PeerTimeout, ProtocolError) as exc:
+            self._drop(holder, conn)
+            raise HolderLost(holder, f"{type(exc).__name__}: {exc}") from None
+
+    def _await_reply(self, holder: str, conn: Transport):
+        """Wait for the holder's result. A holder that dies, hangs or sends garbage here is
+        dropped (it may join again); the caller recovers the GPU."""
+        try:
             while True:
                 msg = conn.recv(timeout=self.config.holder_timeout,
                                 expect=(TravelResult, TravelRefused, AttestChallenge)).message
@@ -184,9 +201,12 @@ class Orchestrator:
                 # The holder's attestation of us expired: answer (claims refreshed when this travel began).
                 conn.send(self.attester.answer(msg))
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
-            self.holders.pop(holder, None)
-            conn.close()
+            self._drop(holder, conn)
             raise HolderLost(holder, f"{type(exc).__name__}: {exc}") from None
+
+    def _drop(self, holder: str, conn: Transport) -> None:
+        self.holders.pop(holder, None)
+        conn.close()
 
     def _digest(self, verify: VerifyChunk) -> bytes:
         assert self.vram is not None
