@@ -640,3 +640,16 @@ def test_a_holder_cannot_grant_itself_a_window(cohort: Cohort) -> None:
         cohort.alice.copy_from_vram(other.offset, RECORD)
     assert gpu.vram_at(other.offset, RECORD) == private
     assert CANARY not in gpu.snoop()
+
+
+@pytest.mark.parametrize("nbytes", [4096, (1 << 20) + 3, 3 * 4096 + 1])
+def test_a_scrub_split_across_threads_zeroes_exactly_its_range(monkeypatch, nbytes: int) -> None:
+    """Large scrubs run on several threads; each piece must land, and nothing outside."""
+    from gputravel.device import core
+
+    monkeypatch.setattr(core, "FILL_SPLIT_BYTES", 4096)
+    monkeypatch.setattr(core, "_FILL_THREADS", 3)
+    mem = bytearray(b"\x5a") * (nbytes + 2)
+    core._fill(memoryview(mem)[1 : nbytes + 1], 0)
+    assert mem[0] == mem[-1] == 0x5A
+    assert mem[1 : nbytes + 1].count(0) == nbytes

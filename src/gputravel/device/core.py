@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -386,6 +387,13 @@ def _check_range(offset: int, nbytes: int, limit: int) -> None:
         raise DeviceError(f"VRAM range {offset:#x}+{nbytes} out of bounds")
 
 
+#: Buffers at least this large are filled by several threads: one core's stores do not
+#: reach the memory bandwidth (two threads scrubbed 512 MiB about 20% faster here).
+FILL_SPLIT_BYTES = 64 << 20
+_FILL_THREADS = max(1, min(os.cpu_count() or 1, 4))
+_fill_pool: ThreadPoolExecutor | None = None
+
+
 def _fill(view: memoryview, value: int) -> None:
     """memset through ctypes: runs at memory bandwidth and releases the GIL."""
     if len(view) == 0:
@@ -393,5 +401,20 @@ def _fill(view: memoryview, value: int) -> None:
     if view.readonly:
         raise DeviceError("VRAM is read-only")
     buf = (ctypes.c_char * len(view)).from_buffer(view)
-    ctypes.memset(ctypes.addressof(buf), value & 0xFF, len(view))
-    del buf
+    try:
+        base, n, byte = ctypes.addressof(buf), len(view), value & 0xFF
+        parts = _FILL_THREADS if n >= FILL_SPLIT_BYTES else 1
+        if parts == 1:
+            ctypes.memset(base, byte, n)
+            return
+        global _fill_pool
+        if _fill_pool is None:
+            _fill_pool = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="fill")
+        step = -(-n // parts)
+        pieces = [(base + off, min(step, n - off)) for off in range(0, n, step)]
+        helpers = [_fill_pool.submit(ctypes.memset, addr, byte, size) for addr, size in pieces[1:]]
+        ctypes.memset(pieces[0][0], byte, pieces[0][1])
+        for job in helpers:
+            job.result()
+    finally:
+        del buf

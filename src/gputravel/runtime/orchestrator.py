@@ -158,7 +158,8 @@ class Orchestrator:
         try:  # carry out each action the state machine hands back, and report its completion
             scrub = drv.start_scrub(act.offset, act.nbytes, timeout=cfg.device_timeout)
             sm.exported(drv.export_for_travel(), clock())  # while the device scrubs
-            depart = sm.scrubbed(clock(), drv.finish_scrub(scrub, timeout=cfg.device_timeout))
+            fresh = drv.finish_scrub(scrub, timeout=cfg.device_timeout)  # a new blob if the device moved on
+            depart = sm.scrubbed(clock(), fresh)
             self.mux.request(holder)  # the context goes over TLS while the MUX switches
             self._send_request(holder, conn, depart.request)
             try:
