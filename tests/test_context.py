@@ -13,7 +13,7 @@ import pytest
 
 from gputravel.context import CONTEXT_VERSION, DriverContext, pack_context, unpack_context
 from gputravel.driver.driver import Driver
-from gputravel.errors import ContextBlobError
+from gputravel.errors import ContextBlobError, GputravelError
 from gputravel.layout import Layout, PushChannel
 from gputravel.messages import KERNEL_LABELS, USER_LABELS
 from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu, leaks
@@ -373,3 +373,47 @@ def test_finish_scrub_returns_nothing_when_the_exported_context_still_holds(boot
     pending = orch.start_scrub(buf.offset, buf.nbytes)
     orch.export_for_travel()
     assert orch.finish_scrub(pending) is None
+
+
+# ============================================================================ imported while the device rotates
+def test_the_returned_context_is_imported_while_the_device_rotates(away) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    before = gpu.core.epoch
+    epoch = orch.start_rotation()
+    orch.import_returned(returned)  # checked against the epoch it left with, not the new one
+    assert orch.finish_rotation() == epoch == before + 1 == gpu.core.epoch
+    orch.copy_to_vram(memoryview(b"\x09" * RECORD), buf.offset, buffer_bytes=buf.nbytes)  # new keys work
+    assert gpu.vram_at(buf.offset, RECORD) == b"\x09" * RECORD
+    bob = holders["bob"]  # and the holder's kept ones do not
+    bob.import_context(returned)
+    gpu.switch("bob")
+    with pytest.raises(GputravelError):
+        bob.copy_to_vram(memoryview(b"\x0a" * RECORD), buf.offset, buffer_bytes=buf.nbytes, timeout=0.5)
+    gpu.switch(ORCHESTRATOR)
+
+
+def test_a_bad_returned_context_during_a_rotation_still_ends_in_the_new_epoch(away) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    orch.start_rotation()
+    with pytest.raises(ContextBlobError):
+        orch.import_returned(returned[:-1] + bytes([returned[-1] ^ 1]))
+    assert orch.away and orch.rotating
+    orch.finish_rotation()  # takes back what it exported, installs the new epoch
+    assert not orch.away and not orch.rotating and orch.key_epoch == gpu.core.epoch
+    orch.copy_to_vram(memoryview(b"\x0b" * RECORD), buf.offset, buffer_bytes=buf.nbytes)
+    assert gpu.vram_at(buf.offset, RECORD) == b"\x0b" * RECORD
+
+
+def test_rotations_do_not_overlap(booted) -> None:
+    from gputravel.errors import IllegalTransition
+
+    gpu, orch, holders, buf = booted
+    with pytest.raises(IllegalTransition, match="not-rotating"):
+        orch.finish_rotation()
+    orch.start_rotation()
+    with pytest.raises(IllegalTransition, match="rotating"):
+        orch.start_rotation()
+    with pytest.raises(IllegalTransition, match="rotating"):
+        orch.rotate()
+    orch.finish_rotation()
+    orch.rotate()

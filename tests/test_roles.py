@@ -19,13 +19,13 @@ from gputravel.roles.orchestrator import (
     STEPS,
     AwaitGpu,
     AwaitReply,
+    AwaitRotation,
     AwaitScrub,
     Buffer,
     Depart,
-    ImportContext,
     OrchestratorTravel,
     Phase,
-    Rotate,
+    RotateAndImport,
     ScrubBuffer,
     TravelReport,
     VerifyChunk,
@@ -68,8 +68,8 @@ def go_away(o: OrchestratorTravel, holder: str = "alice", offset: int = 0, blob:
 
 def come_home(o: OrchestratorTravel, result: TravelResult | TravelRefused):
     o.holder_replied(result, 3.0)
-    o.imported(3.25)
-    o.home(3.375)
+    o.home(3.125)
+    o.imported(3.375)
     return o.rotated(3.5)
 
 
@@ -79,9 +79,9 @@ def serve(h: HolderTravel, req: TravelRequest, returned: bytes = b"\x02returned"
         h.imported(100.25)
         copy = h.attached(100.375)
         h.copied(copy.nbytes, 101.25)
-        h.exported(returned, 101.5)
-    else:
-        assert h.attached(100.375) == SwitchBack()
+        h.switch_requested(101.375)
+        return over_tls(h.exported(returned, 101.625).message)
+    assert h.attached(100.375) == SwitchBack()
     return over_tls(h.switch_requested(101.625).message)
 
 
@@ -107,9 +107,9 @@ def test_a_travel_end_to_end_with_exact_timings() -> None:
     assert h.phase is HolderPhase.ATTACH
     copy = h.attached(100.375)
     assert copy == CopyChunk(BUFFER.offset, BUFFER.nbytes, 0, BUFFER.nbytes)
-    assert h.copied(copy.nbytes, 101.25) == ExportBlob()
-    assert h.exported(b"\x02returned", 101.5) == SwitchBack()
-    reply = h.switch_requested(101.625)
+    assert h.copied(copy.nbytes, 101.25) == SwitchBack()  # done with the device: the GPU goes home first
+    assert h.switch_requested(101.375) == ExportBlob()  # and the context is packed while it switches
+    reply = h.exported(b"\x02returned", 101.625)
     assert isinstance(reply, Reply) and h.phase is HolderPhase.IDLE
     result = over_tls(reply.message)
     assert isinstance(result, TravelResult)
@@ -118,9 +118,9 @@ def test_a_travel_end_to_end_with_exact_timings() -> None:
     assert result.chunk == ChunkInfo(0, BUFFER.nbytes, chunk_digest(DATASET[: BUFFER.nbytes], PIECE))
     assert result.nonzero_on_arrival == -1 and result.context == b"\x02returned"
 
-    assert o.holder_replied(result, 3.0) == ImportContext(b"\x02returned")
-    assert o.imported(3.25) == AwaitGpu()  # imported while the MUX switches the GPU home
-    assert o.home(3.375) == Rotate()
+    assert o.holder_replied(result, 3.0) == AwaitGpu()
+    assert o.home(3.125) == RotateAndImport(b"\x02returned")  # the device rotates while we import
+    assert o.imported(3.375) == AwaitRotation()
     verify = o.rotated(3.5)
     assert verify == VerifyChunk(BUFFER.offset, BUFFER.nbytes, PIECE)
     report = o.verified(chunk_digest(DATASET[: BUFFER.nbytes], PIECE), 4.0)
@@ -163,8 +163,8 @@ def test_arrival_audit_is_reported() -> None:
     h.attached(10.0)
     h.audited(0)
     h.copied(BUFFER.nbytes, 10.0)
-    h.exported(b"x", 10.0)
-    assert h.switch_requested(10.0).message.nonzero_on_arrival == 0
+    h.switch_requested(10.0)
+    assert h.exported(b"x", 10.0).message.nonzero_on_arrival == 0
 
 
 # ============================================================================ illegal transitions
@@ -242,7 +242,7 @@ def test_holder_takes_one_request_at_a_time() -> None:
         h.copied(PIECE, 1.0)  # before the GPU is ours
     h.attached(1.0)
     with pytest.raises(IllegalTransition):
-        h.switch_requested(1.0)  # before exporting
+        h.exported(BLOB, 1.0)  # before the switch home is asked for
 
 
 # ============================================================================ bad input
@@ -295,7 +295,7 @@ def test_reply_to_another_travel_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError, match="travel 8, expected 1"):
         o.holder_replied(stale, 3.0)
     assert o.phase is Phase.AWAY
-    assert isinstance(o.holder_replied(result, 3.0), ImportContext)  # the right reply still works
+    assert isinstance(o.holder_replied(result, 3.0), AwaitGpu)  # the right reply still works
 
 
 @pytest.mark.parametrize("lie", ["digest", "offset", "nbytes"])
@@ -366,9 +366,9 @@ def test_refused_travel_is_reported_without_a_chunk_or_verification() -> None:
     o = orchestrator_sm()
     req = go_away(o)
     refusal = over_tls(TravelRefused(req.travel_id, req.context, "disk on fire", {"handler": 500_000_000}))
-    assert o.holder_replied(refusal, 3.0) == ImportContext(BLOB)
-    o.imported(3.25)
-    o.home(3.375)
+    assert o.holder_replied(refusal, 3.0) == AwaitGpu()
+    assert o.home(3.125) == RotateAndImport(BLOB)
+    o.imported(3.375)
     report = o.rotated(3.5)
     assert isinstance(report, TravelReport)
     assert report.refused == "disk on fire" and report.chunk is None and report.verify_ms == 0.0
@@ -382,9 +382,9 @@ def test_failed_copy_is_a_refusal_with_the_exported_context() -> None:
     h.on_request(go_away(o), 1.0)
     h.imported(1.0)
     h.attached(1.0)
-    assert h.copy_failed("ChannelFaulted: user channel faulted", 2.0) == ExportBlob()
-    h.exported(b"\x03after-copy", 2.0)
-    refused = h.switch_requested(2.0).message
+    assert h.copy_failed("ChannelFaulted: user channel faulted", 2.0) == SwitchBack()
+    assert h.switch_requested(2.0) == ExportBlob()
+    refused = h.exported(b"\x03after-copy", 2.0).message
     assert isinstance(refused, TravelRefused)
     assert refused.context == b"\x03after-copy"  # the channel moved on: the new context goes home
     assert "ChannelFaulted" in refused.reason
@@ -432,13 +432,15 @@ def test_roles_drive_real_drivers_and_verify_vram() -> None:
         alice.copy_to_vram(memoryview(data)[copy.dataset_offset : copy.dataset_offset + copy.nbytes],
                            copy.buffer_offset, buffer_bytes=copy.buffer_bytes)
         h.copied(copy.nbytes, next(t))
-        h.exported(alice.export_context(), next(t))
-        reply = over_tls(h.switch_requested(next(t)).message)
-        orch.import_returned(o.holder_replied(reply, next(t)).blob)
-        o.imported(next(t))
+        h.switch_requested(next(t))
+        reply = over_tls(h.exported(alice.export_context(), next(t)).message)
+        o.holder_replied(reply, next(t))
         gpu.switch(ORCHESTRATOR)
-        o.home(next(t))
-        orch.rotate()
+        back = o.home(next(t))
+        orch.start_rotation()
+        orch.import_returned(back.blob)
+        o.imported(next(t))
+        orch.finish_rotation()
         verify = o.rotated(next(t))
         report = o.verified(chunk_digest(gpu.vram_at(verify.offset, verify.nbytes), PIECE), next(t))
         assert report.chunk.nbytes == min(buf.nbytes, len(data) - offset)
@@ -460,7 +462,7 @@ def test_travel_messages_do_not_print_the_context_blob() -> None:
     send = o.scrubbed(0.0)
     chunk = ChunkInfo(0, PIECE, b"\x00" * 32)
     texts = [repr(send), repr(send.request), repr(TravelResult(1, blob, chunk, {}, -1)),
-             repr(TravelRefused(1, blob, "no", {})), repr(ImportContext(blob)), repr(ImportBlob(blob))]
+             repr(TravelRefused(1, blob, "no", {})), repr(RotateAndImport(blob)), repr(ImportBlob(blob))]
     for text in texts:
         assert not leaks(text, keys), text[:80]
 
@@ -471,3 +473,20 @@ def test_a_context_exported_again_after_the_scrub_is_the_one_that_travels() -> N
     o.exported(BLOB, 0.25)
     depart = o.scrubbed(0.5, reexported=b"\x05fresh")
     assert depart.request.context == b"\x05fresh"
+
+
+def test_a_gpu_that_never_comes_is_a_refusal_that_still_returns_the_context() -> None:
+    o, h = orchestrator_sm(), holder_sm()
+    h.on_request(go_away(o), 1.0)
+    h.imported(1.5)
+    assert h.attach_failed("PeerTimeout: the host never said", 11.5) == SwitchBack()
+    assert h.switch_requested(11.5) == ExportBlob()  # it imported the context: pack it again
+    refused = h.exported(b"\x04repacked", 11.75).message
+    assert isinstance(refused, TravelRefused) and refused.context == b"\x04repacked"
+    assert "never said" in refused.reason and refused.steps_ns["dh_switch"] == 10_000_000_000
+
+    req = TravelRequest(9, BUFFER.offset, BUFFER.nbytes, len(DATASET), BLOB)  # refused on sight
+    assert h.on_request(req, 20.0) == HolderAwaitGpu()
+    assert h.attach_failed("PeerTimeout", 30.0) == SwitchBack()
+    refused = h.switch_requested(30.0).message  # never imported: the untouched context goes back
+    assert isinstance(refused, TravelRefused) and refused.context == BLOB and "outside" in refused.reason

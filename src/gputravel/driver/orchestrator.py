@@ -28,6 +28,7 @@ class OrchestratorDriver(Driver):
         self.key_epoch = -1  # survives export: the epoch the device is on
         self._exported: DriverContext | None = None
         self._kernel_issued = 0  # the last kernel release value submitted, confirmed or not
+        self._rotating: tuple[int, int] | None = None  # (epoch, release value) submitted, not finished
 
     # ------------------------------------------------------------------ boot (the orchestrator boots last)
     def establish_session(self, requester: SpdmRequester | None = None, timeout: float = 10.0) -> None:
@@ -158,17 +159,43 @@ class OrchestratorDriver(Driver):
         whether the device moved or not cannot be known, so the kernel channel is out of step
         until a new SPDM session, which wipes VRAM. Failing closed is the point.
         """
-        self._require_session("rotate keys")
         if self._exported is not None:
             raise IllegalTransition("orchestrator driver", "context-away", "rotate keys")
+        self.start_rotation(timeout)
+        return self.finish_rotation(timeout)
+
+    def start_rotation(self, timeout: float = 10.0) -> int:
+        """Submit the rotation; ``finish_rotation`` moves the driver and waits for the device.
+
+        A travel submits it as soon as the GPU is home and imports the returned context while
+        the device rotates: the rotation is kernel-channel work, whose keys never travel, and
+        it happens whatever the returned context turns out to be.
+        """
+        self._require_session("rotate keys")
+        if self._rotating is not None:
+            raise IllegalTransition("orchestrator driver", "rotating", "start another rotation")
         epoch = self.key_epoch + 1
         value = self._next_kernel_release()
         self.submit(PushChannel.KERNEL, RotateKeys(epoch=epoch, release=value, interrupt=True), timeout)
+        self._rotating = (epoch, value)
+        return epoch
+
+    def finish_rotation(self, timeout: float = 10.0) -> int:
+        """Install the new epoch's keys and wait for the device's confirmation. A context that
+        never came back in good order is taken back first (as ``abandon_travel``)."""
+        if self._rotating is None:
+            raise IllegalTransition("orchestrator driver", "not-rotating", "finish a rotation")
+        (epoch, value), self._rotating = self._rotating, None
+        self.abandon_travel()
         self._install(epoch)
         self.wait_release(PushChannel.KERNEL, value, timeout)
         # The device dropped whatever was pending on the user channel: continue from its get.
         self._resync()
         return epoch
+
+    @property
+    def rotating(self) -> bool:
+        return self._rotating is not None
 
     # ------------------------------------------------------------------ travel
     def export_for_travel(self) -> bytes:

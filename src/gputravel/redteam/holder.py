@@ -90,12 +90,13 @@ class MaliciousHolder(DataHolder):
         return act
 
     def _go_home(self, mode: str) -> bytes:
-        """Export (keeping a copy), hand back a blob (perhaps not that one), switch, reply."""
-        blob = self.driver.export_context()
+        """Ask for the switch home, export (keeping a copy), hand back a blob (perhaps not that one), reply."""
+        blob = self.go_home(time.perf_counter, returned=lambda b: self._returned(mode, self._keep_exported(b)))
+        return blob
+
+    def _keep_exported(self, blob: bytes) -> bytes:
         self.kept.append(blob)
         self.exported.append(blob)
-        self.sm.exported(self._returned(mode, blob), time.perf_counter())
-        self.go_home(time.perf_counter)
         return blob
 
     def _returned(self, mode: str, blob: bytes) -> bytes:

@@ -2,10 +2,10 @@
 
 The holder is essentially a server (paper 4.2): a travel request arrives while the PCIe MUX
 switches the GPU to it; it imports the context, waits until the host says the GPU is its
-own, copies the requested chunk through the driver copy API, exports the context, asks the
-host to switch the GPU back and, without waiting for that, replies (the orchestrator imports
-the context while the switch runs). A request it cannot serve is refused, but it still
-waits for the GPU and returns the context and the GPU.
+own, copies the requested chunk through the driver copy API, asks the host to switch the GPU
+back, exports the context while that runs and, without waiting for the switch, replies (the
+orchestrator imports the context while the switch goes on). A request it cannot serve is
+refused, but it still waits for the GPU and returns the context and the GPU.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class HolderTravel:
         self._marks: dict[str, float] = {}
         self._chunk: ChunkInfo | None = None
         self._arrival = -1
+        self._imported = False
 
     def _expect(self, phase: HolderPhase, action: str) -> None:
         if self.phase is not phase:
@@ -81,6 +82,7 @@ class HolderTravel:
     def on_request(self, req: TravelRequest, now: float) -> ImportBlob | AwaitGpu:
         self._expect(HolderPhase.IDLE, "take a travel request")
         self._req, self._marks, self._chunk, self._arrival, self._blob = req, {"start": now}, None, -1, b""
+        self._imported = False
         self._refusal = self._check(req)
         if self._refusal is not None:
             # Refuse without touching the context; still wait for the GPU (so the switch home
@@ -104,6 +106,7 @@ class HolderTravel:
     def imported(self, now: float) -> AwaitGpu:
         self._expect(HolderPhase.IMPORT, "finish importing")
         self._marks["dh_import"] = now
+        self._imported = True
         self.phase = HolderPhase.ATTACH
         return AwaitGpu()
 
@@ -112,70 +115,69 @@ class HolderTravel:
         self._expect(HolderPhase.ATTACH, "take the GPU")
         self._marks["dh_switch"] = now
         if self._refusal is not None:
-            for name in ("dh_copy", "dh_export"):
-                self._marks[name] = now
-            self.phase = HolderPhase.SWITCH
-            return SwitchBack()
+            return self._leave(now)
         req = self._req
         assert req is not None
         nbytes = min(req.buffer_bytes, self.dataset_bytes - req.dataset_offset)
         self.phase = HolderPhase.COPY
         return CopyChunk(req.buffer_offset, req.buffer_bytes, req.dataset_offset, nbytes)
 
-    def attach_failed(self, reason: str, now: float) -> ExportBlob | SwitchBack:
-        """The GPU never became ours: refuse, hand back the context (exported again if we
-        imported it) and ask for the switch home all the same."""
+    def attach_failed(self, reason: str, now: float) -> SwitchBack:
+        """The GPU never became ours: refuse, and hand back the context and (so the host's
+        view is consistent) ask for the switch home all the same."""
         self._expect(HolderPhase.ATTACH, "give up waiting for the GPU")
-        imported = self._refusal is None  # in this phase: unless refusing, we imported
         self._refusal = self._refusal or reason
-        for name in ("dh_switch", "dh_copy"):
-            self._marks[name] = now
-        if not imported:  # refusing already: the context is untouched
-            self._marks["dh_export"] = now
-            self.phase = HolderPhase.SWITCH
-            return SwitchBack()
-        self.phase = HolderPhase.EXPORT
-        return ExportBlob()
+        self._marks["dh_switch"] = now
+        return self._leave(now)
 
     def audited(self, nonzero: int) -> None:
         """Record what an arrival audit found in the buffer (non-zero bytes before copying)."""
         self._expect(HolderPhase.COPY, "record an arrival audit")
         self._arrival = nonzero
 
-    def copied(self, nbytes: int, now: float) -> ExportBlob:
+    def copied(self, nbytes: int, now: float) -> SwitchBack:
+        """The chunk is in VRAM: the GPU goes home at once; the context is packed meanwhile."""
         self._expect(HolderPhase.COPY, "finish copying")
         req = self._req
         assert req is not None
         digest = chunk_digest_from_manifest(self.manifest, req.dataset_offset, nbytes, self.piece_bytes)
         self._chunk = ChunkInfo(dataset_offset=req.dataset_offset, nbytes=nbytes, digest=digest)
-        self._marks["dh_copy"] = now
-        self.phase = HolderPhase.EXPORT
-        return ExportBlob()
+        return self._leave(now)
 
-    def copy_failed(self, reason: str, now: float) -> ExportBlob:
-        """The copy was refused locally or by the device: still export and go home."""
+    def copy_failed(self, reason: str, now: float) -> SwitchBack:
+        """The copy was refused locally or by the device: still go home with the context."""
         self._expect(HolderPhase.COPY, "fail a copy")
         self._refusal = reason
-        self._marks["dh_copy"] = now
-        self.phase = HolderPhase.EXPORT
-        return ExportBlob()
+        return self._leave(now)
 
-    def exported(self, blob: bytes, now: float) -> SwitchBack:
-        self._expect(HolderPhase.EXPORT, "finish exporting")
-        self._blob = blob
-        self._marks["dh_export"] = now
+    def _leave(self, now: float) -> SwitchBack:
+        self._marks["dh_copy"] = now
         self.phase = HolderPhase.SWITCH
         return SwitchBack()
 
-    def switch_requested(self, now: float) -> Reply:
-        """The switch home is asked for: reply now, the orchestrator imports while it runs."""
+    def switch_requested(self, now: float) -> ExportBlob | Reply:
+        """The switch home is asked for (we are done with the device): export the context
+        while the MUX switches, or, if we never took it, reply with it untouched."""
         self._expect(HolderPhase.SWITCH, "ask for the switch back")
+        self._marks["left"] = now
+        if not self._imported:
+            return self._reply(now)
+        self.phase = HolderPhase.EXPORT
+        return ExportBlob()
+
+    def exported(self, blob: bytes, now: float) -> Reply:
+        """The context is packed: reply now, the orchestrator imports while the MUX switches."""
+        self._expect(HolderPhase.EXPORT, "finish exporting")
+        self._blob = blob
+        return self._reply(now)
+
+    def _reply(self, now: float) -> Reply:
         m = self._marks
         steps = {
             "dh_import": m["dh_import"] - m["start"],
             "dh_switch": m["dh_switch"] - m["dh_import"],  # what the MUX made us wait, after importing
             "dh_copy": m["dh_copy"] - m["dh_switch"],
-            "dh_export": m["dh_export"] - m["dh_copy"],
+            "dh_export": now - m["left"],
             "handler": now - m["start"],
         }
         steps_ns = {k: int(v * 1e9) for k, v in steps.items()}

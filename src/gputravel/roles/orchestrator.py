@@ -4,13 +4,15 @@ Each method is an event (a step finished, a message arrived) with ``now`` passed
 returns the next action for the runtime to carry out. The machine checks the order of
 steps, validates what the holder sends back against its manifest, and times every step.
 
-Three steps of the paper's cycle overlap here, because nothing forces them to wait: the
-context is exported while the device scrubs (the scrub is kernel-channel work, the context
-is the user channel's), the context goes to the holder over TLS while the PCIe MUX switches
-the GPU to it, and the returned context is imported while the MUX switches the GPU home.
-So each step's figure is its share of the travel's critical path: ``dh_switch`` and
-``o_switch`` are only what the holder and the orchestrator still had to wait for the MUX,
-and ``o_export`` lies inside ``o_cleanup``.
+Steps of the paper's cycle overlap here where nothing forces them to wait: the context is
+exported while the device scrubs (the scrub is kernel-channel work, the context the user
+channel's), the context goes to the holder over TLS while the PCIe MUX switches the GPU to
+it, the holder exports while the MUX switches the GPU home, and the orchestrator imports
+the returned context while the device rotates (the rotation, again kernel-channel work,
+happens whatever comes back). So each step's figure is its share of the travel's critical
+path: ``dh_switch`` and ``o_switch`` are only what the holder and the orchestrator still had
+to wait for the MUX, ``o_rotate`` only what was left of the rotation after the import, and
+``o_export`` lies inside ``o_cleanup``.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ class Phase(Enum):
     SCRUB = "scrub"  # exported; waiting for the scrub to be confirmed
     DEPART = "depart"  # switch asked for and request sent; waiting for the MUX's reply
     AWAY = "away"
-    IMPORT = "import"
-    HOMECOMING = "homecoming"  # imported; waiting for the GPU to be home
-    ROTATE = "rotate"
+    HOMECOMING = "homecoming"  # the holder replied; waiting for the GPU to be home
+    IMPORT = "import"  # rotation submitted; importing the returned context meanwhile
+    ROTATE = "rotate"  # imported; waiting for the device to confirm the rotation
     VERIFY = "verify"
 
 
@@ -65,17 +67,19 @@ class AwaitReply:
 
 
 @dataclass(frozen=True)
-class ImportContext:
-    blob: bytes = field(repr=False)
-
-
-@dataclass(frozen=True)
 class AwaitGpu:
     pass
 
 
 @dataclass(frozen=True)
-class Rotate:
+class RotateAndImport:
+    """Submit the rotation, import ``blob`` while the device rotates, then finish it."""
+
+    blob: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class AwaitRotation:
     pass
 
 
@@ -184,7 +188,7 @@ class OrchestratorTravel:
         self.phase = Phase.AWAY
         return AwaitReply()
 
-    def holder_replied(self, reply: TravelResult | TravelRefused, now: float) -> ImportContext:
+    def holder_replied(self, reply: TravelResult | TravelRefused, now: float) -> AwaitGpu:
         self._expect(Phase.AWAY, "take a holder's reply")
         if reply.travel_id != self._travel_id:
             raise ProtocolError(f"holder {self._holder}: reply to travel {reply.travel_id}, expected {self._travel_id}")
@@ -199,8 +203,9 @@ class OrchestratorTravel:
         else:
             self._chunk = self._check_chunk(reply.chunk)
             self._arrival = reply.nonzero_on_arrival
-        self.phase = Phase.IMPORT
-        return ImportContext(reply.context)
+        self._blob = reply.context
+        self.phase = Phase.HOMECOMING
+        return AwaitGpu()
 
     def _check_chunk(self, chunk: ChunkInfo) -> ChunkInfo:
         hello = self.holders[self._holder]
@@ -211,22 +216,23 @@ class OrchestratorTravel:
             raise ProtocolError(f"holder {self._holder}: chunk digest does not match its manifest")
         return chunk
 
-    def imported(self, now: float) -> AwaitGpu:
-        self._expect(Phase.IMPORT, "finish importing")
-        self._step("o_import", "away", now)
-        self.phase = Phase.HOMECOMING
-        return AwaitGpu()
-
-    def home(self, now: float) -> Rotate:
-        """The MUX has switched the GPU back (the holder asked before it replied)."""
+    def home(self, now: float) -> RotateAndImport:
+        """The MUX has switched the GPU back (the holder asked before it exported)."""
         self._expect(Phase.HOMECOMING, "take the GPU back")
-        self._step("o_switch", "o_import", now)
+        self._step("o_switch", "away", now)
+        self.phase = Phase.IMPORT
+        blob, self._blob = self._blob, b""
+        return RotateAndImport(blob)
+
+    def imported(self, now: float) -> AwaitRotation:
+        self._expect(Phase.IMPORT, "finish importing")
+        self._step("o_import", "o_switch", now)
         self.phase = Phase.ROTATE
-        return Rotate()
+        return AwaitRotation()
 
     def rotated(self, now: float) -> VerifyChunk | TravelReport:
         self._expect(Phase.ROTATE, "finish rotating")
-        self._step("o_rotate", "o_switch", now)
+        self._step("o_rotate", "o_import", now)
         if self._chunk is None:
             return self._finish(now, verify_ms=0.0)
         self.phase = Phase.VERIFY

@@ -168,8 +168,6 @@ class DataHolder:
         act = self._await_gpu(clock)
         if isinstance(act, CopyChunk):
             act = self._copy(act, clock)
-        if isinstance(act, ExportBlob):
-            act = self.sm.exported(self.driver.export_context(), clock())
         assert isinstance(act, SwitchBack)
         self.go_home(clock)
 
@@ -180,15 +178,21 @@ class DataHolder:
             return self.sm.attach_failed(f"the GPU never came: {type(exc).__name__}: {exc}", clock())
         return self.sm.attached(clock())
 
-    def go_home(self, clock) -> None:
-        """Ask for the switch home, reply at once (the orchestrator imports while the MUX
-        switches), then take the host's answer."""
+    def go_home(self, clock, returned=None) -> bytes:
+        """Ask for the switch home, export the context while it runs, reply at once (the
+        orchestrator imports while the MUX switches), then take the host's answer.
+        ``returned`` (red team only) picks the blob handed back. Returns the exported blob."""
         self.mux.request(ORCHESTRATOR)
-        reply = self.sm.switch_requested(clock())
-        assert isinstance(reply, Reply)
+        act = self.sm.switch_requested(clock())
+        blob = b""
+        if isinstance(act, ExportBlob):
+            blob = self.driver.export_context()
+            act = self.sm.exported(returned(blob) if returned else blob, clock())
+        assert isinstance(act, Reply)
         assert self.orchestrator is not None
-        self.orchestrator.send(reply.message)
+        self.orchestrator.send(act.message)
         self.mux.switched(self.config.device_timeout)
+        return blob
 
     def _copy(self, act: CopyChunk, clock):
         try:

@@ -169,11 +169,13 @@ class Orchestrator:
                 raise
             sm.switched(clock())
             reply = self._await_reply(holder, conn)
-            drv.import_returned(sm.holder_replied(reply, clock()).blob)
+            sm.holder_replied(reply, clock())
+            self.mux.attached(cfg.device_timeout)  # the holder asked for the switch home before exporting
+            back = sm.home(clock())
+            drv.start_rotation(timeout=cfg.device_timeout)  # the device rotates while we import
+            drv.import_returned(back.blob)
             sm.imported(clock())
-            self.mux.attached(cfg.device_timeout)  # the holder asked for the switch home before replying
-            sm.home(clock())
-            drv.rotate(timeout=cfg.device_timeout)
+            drv.finish_rotation(timeout=cfg.device_timeout)
             nxt = sm.rotated(clock())
             if isinstance(nxt, VerifyChunk):
                 return sm.verified(self._digest(nxt) if cfg.verify else reply.chunk.digest, clock())
@@ -221,8 +223,11 @@ class Orchestrator:
         """A travel failed: take the GPU back and rotate, so whatever the holder kept is useless."""
         try:
             self.switch(NAME)
-            self.driver.abandon_travel()
-            self.driver.rotate(timeout=self.config.device_timeout)
+            if self.driver.rotating:  # submitted when the GPU came home: finish it (it takes the context back)
+                self.driver.finish_rotation(timeout=self.config.device_timeout)
+            else:
+                self.driver.abandon_travel()
+                self.driver.rotate(timeout=self.config.device_timeout)
         except GputravelError:
             pass  # the caller reports the original failure; the next travel will fail loudly
 
