@@ -18,8 +18,8 @@ from rich.table import Table
 from .errors import BadInput, GputravelError
 
 console = Console()
-STEP_NAMES = {"o_cleanup": "scrub", "o_export": "O export", "dh_switch": "switch to H", "dh_import": "H import",
-              "dh_copy": "H copy", "dh_export": "H export", "tls": "TLS", "o_switch": "switch to O",
+STEP_NAMES = {"o_cleanup": "scrub", "o_export": "O export (during the scrub)", "dh_switch": "switch to H (wait)", "dh_import": "H import",
+              "dh_copy": "H copy", "dh_export": "H export", "tls": "TLS", "o_switch": "switch to O (wait)",
               "o_import": "O import", "o_rotate": "rotate"}
 
 
