@@ -93,7 +93,8 @@ def travel_demo(
     total = holders * -(-dataset_mib // buffer_mib)
     console.print(f"[bold]gputravel travel[/bold]: {holders} holders x {dataset_mib} MiB, buffer {buffer_mib} MiB, "
                   f"{total} travels. Booting host, GPU, holders, then the orchestrator (paper 4.1)...")
-    table = _travel_table("Travels (ms; switch = to holder + back; context = exports, imports, rotation)")
+    table = _travel_table("Travels (ms, shares of the critical path; switch = waits for the MUX, to holder + back; "
+                          "context = imports, holder export, rotation; the orchestrator exports during the scrub)")
     reports: list[TravelReport] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
