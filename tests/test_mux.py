@@ -171,43 +171,15 @@ def test_waiting_for_the_gpu_with_a_request_unanswered_is_refused(client_and_hos
 
 
 # ============================================================================ the host's notices
-def test_the_host_tells_the_target_cvm_and_only_when_another_cvm_asked(tmp_path) -> None:
+def test_the_host_tells_the_target_cvm_and_only_when_another_cvm_asked(host_with_device) -> None:
     """A real host process loop (in a thread); the test plays the device and two CVMs."""
-    import os
-    import threading
-
     from gputravel.driver.link import register_with_host
-    from gputravel.host.process import HostConfig, HostProcess
-    from gputravel.messages import AttachCvm, DeviceAck, DeviceAttach
     from gputravel.testing import TEST_LAYOUT
     from gputravel.transport.stream import connect_unix
 
-    sock = str(tmp_path / "host.sock")
-    host = HostProcess(HostConfig(socket_path=sock))
-    threading.Thread(target=host.serve, daemon=True).start()
-    device = connect_unix(sock, "device")
-    bar = os.memfd_create("bar")
-    os.ftruncate(bar, 4096)
-    bell = os.eventfd(0)
-    device.send(DeviceAttach(serial="GPU-TEST", bar_bytes=4096), fds=(bar, bell))
-    attached: list[str] = []
-
-    def play_device() -> None:
-        while True:
-            try:
-                got = device.recv(timeout=10)
-            except Exception:
-                return
-            for fd in got.fds:
-                os.close(fd)
-            if isinstance(got.message, AttachCvm):
-                attached.append(got.message.cvm)
-                device.send(DeviceAck(cvm=got.message.cvm))
-
-    threading.Thread(target=play_device, daemon=True).start()
     links, clients = {}, {}
     for name in ("orchestrator", "alice"):
-        conn = connect_unix(sock, name)
+        conn = connect_unix(host_with_device.socket_path, name)
         links[name] = register_with_host(conn, name, TEST_LAYOUT)
         clients[name] = PcieMuxClient(conn, name)
     orch, alice = clients["orchestrator"], clients["alice"]
@@ -220,7 +192,7 @@ def test_the_host_tells_the_target_cvm_and_only_when_another_cvm_asked(tmp_path)
         alice.request("orchestrator")  # the holder sends it home...
         back = alice.switched(timeout=5)
         assert orch.attached(timeout=5).seq == back.seq > sent.seq  # ...and the orchestrator is told
-        assert attached == ["orchestrator", "alice", "orchestrator"]
+        assert host_with_device.attached == ["orchestrator", "alice", "orchestrator"]
         with pytest.raises(PeerTimeout):  # nothing more is on its way to anybody
             orch.attached(timeout=0.1)
         with pytest.raises(PeerTimeout):
@@ -228,4 +200,3 @@ def test_the_host_tells_the_target_cvm_and_only_when_another_cvm_asked(tmp_path)
     finally:
         for link in links.values():
             link.close()
-        device.close()

@@ -110,6 +110,17 @@ class HolderTravel:
         self.phase = HolderPhase.ATTACH
         return AwaitGpu()
 
+    def import_failed(self, reason: str, now: float) -> AwaitGpu:
+        """The context would not import (corrupted, another layout or token): refuse, and hand
+        it back untouched once the GPU has come and gone, as for any refusal."""
+        self._expect(HolderPhase.IMPORT, "fail an import")
+        req = self._req
+        assert req is not None
+        self._refusal, self._blob = reason, req.context
+        self._marks["dh_import"] = now
+        self.phase = HolderPhase.ATTACH
+        return AwaitGpu()
+
     def attached(self, now: float) -> CopyChunk | SwitchBack:
         """The host says the GPU is ours: copy (or, refusing, send it straight back)."""
         self._expect(HolderPhase.ATTACH, "take the GPU")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..crypto.pki import CohortPki
 from ..driver.driver import Driver
 from ..driver.link import PcieMuxClient, register_with_host
-from ..errors import BadInput, GputravelError, IllegalTransition, ProtocolError, TransportClosed
+from ..errors import BadInput, GputravelError, IllegalTransition, PeerTimeout, ProtocolError, TransportClosed
 from ..layout import Layout
 from ..messages import Bye, HolderHello, TravelRequest, Welcome
 from ..roles.holder import CopyChunk, ExportBlob, HolderTravel, ImportBlob, Reply, SwitchBack
@@ -163,8 +163,12 @@ class DataHolder:
         clock = time.perf_counter
         act = self.sm.on_request(req, clock())
         if isinstance(act, ImportBlob):  # while the MUX switches the GPU to us
-            self.driver.import_context(act.blob)
-            act = self.sm.imported(clock())
+            try:
+                self.driver.import_context(act.blob)
+            except GputravelError as exc:  # refuse; the error names what is wrong, never a value
+                self.sm.import_failed(f"{type(exc).__name__}: {exc}", clock())
+            else:
+                self.sm.imported(clock())
         act = self._await_gpu(clock)
         if isinstance(act, CopyChunk):
             act = self._copy(act, clock)
@@ -242,14 +246,32 @@ def serve(config: HolderConfig, control: Transport) -> None:
                     assert holder.orchestrator is not None
                     pace(holder.orchestrator, config.pace_mbit)
                     sel.register(holder.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
-            else:
-                try:
-                    msg = holder.orchestrator.recv(timeout=30).message
-                except TransportClosed:
-                    return
-                if isinstance(msg, Bye):
-                    return
-                if isinstance(msg, TravelRequest):
-                    holder.serve_travel(msg)
-                elif isinstance(msg, SendChunk):  # the centralised TLS baseline (paper 7.2)
-                    send_chunk(holder.dataset.view, holder.piece_bytes, holder.orchestrator, msg)
+            elif not _serve_orchestrator(holder, sel):
+                return
+
+
+def _serve_orchestrator(holder: DataHolder, sel: selectors.BaseSelector) -> bool:
+    """Take one message from the orchestrator. False: the cohort is over for this process.
+
+    An orchestrator that sends garbage or stalls mid-message is left (the connection is
+    dropped, and the holder stays up, out of the cohort, as after a refused join); it has been
+    attested, so this is a fault, not an attack we can do anything more about."""
+    conn = holder.orchestrator
+    assert conn is not None
+    try:
+        msg = conn.recv(timeout=30).message
+        if isinstance(msg, Bye):
+            return False
+        if isinstance(msg, TravelRequest):
+            holder.serve_travel(msg)
+        elif isinstance(msg, SendChunk):  # the centralised TLS baseline (paper 7.2)
+            send_chunk(holder.dataset.view, holder.piece_bytes, conn, msg)
+    except TransportClosed:
+        return False
+    except (ProtocolError, PeerTimeout) as exc:
+        print(f"{holder.config.name}: left the cohort: the orchestrator's link failed ({type(exc).__name__}: {exc})",
+              flush=True)
+        sel.unregister(conn.fileno())
+        conn.close()
+        holder.orchestrator = None
+    return True

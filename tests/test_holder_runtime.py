@@ -1,0 +1,67 @@
+"""The data holder's runtime (runtime/holder.py) against a real host loop and a stand-in
+device: what it does with a context it cannot import, and with an orchestrator link that
+carries garbage. Neither may take the holder process down or keep the GPU."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+
+import pytest
+
+from gputravel.driver.link import PcieMuxClient, register_with_host
+from gputravel.messages import TravelRefused, TravelRequest
+from gputravel.runtime.holder import ORCHESTRATOR, DataHolder, HolderConfig, _serve_orchestrator
+from gputravel.testing import TEST_LAYOUT
+from gputravel.transport.memory import memory_pair
+from gputravel.transport.stream import HEADER, StreamTransport, connect_unix
+
+
+@pytest.fixture
+def alice(tmp_path, host_with_device):
+    data = tmp_path / "alice.bin"
+    data.write_bytes(os.urandom(4 * TEST_LAYOUT.record_bytes))
+    holder = DataHolder(HolderConfig(name="alice", dataset_path=str(data), host_socket=host_with_device.socket_path,
+                                     pki_dir="", layout=TEST_LAYOUT, device_timeout=5))
+    holder.reattest_after_s = 1e9  # no attestation in this test: there is no orchestrator CVM
+    yield holder
+    holder.driver.link.close()
+
+
+@pytest.fixture
+def orchestrator_mux(host_with_device):
+    conn = connect_unix(host_with_device.socket_path, ORCHESTRATOR)
+    link = register_with_host(conn, ORCHESTRATOR, TEST_LAYOUT)
+    mux = PcieMuxClient(conn, ORCHESTRATOR)
+    mux.switch(ORCHESTRATOR, timeout=5)
+    yield mux
+    link.close()
+
+
+def test_a_context_that_will_not_import_is_refused_and_the_gpu_still_goes_home(alice, orchestrator_mux,
+                                                                               host_with_device) -> None:
+    ours, theirs = memory_pair("orchestrator", "alice")
+    alice.orchestrator = theirs
+    orchestrator_mux.request("alice")  # as a travel does: the request goes out while the MUX switches
+    orchestrator_mux.switched(timeout=5)
+    garbage = b"\x00not a context blob\xff" * 8
+    alice.serve_travel(TravelRequest(1, 0, 2 * alice.piece_bytes, 0, garbage))
+    reply = ours.recv(timeout=5).message
+    assert isinstance(reply, TravelRefused) and reply.travel_id == 1
+    assert reply.context == garbage  # handed back untouched
+    assert "ContextBlobError" in reply.reason and "corrupted" in reply.reason
+    assert orchestrator_mux.attached(timeout=5).target == ORCHESTRATOR  # and the GPU came home
+    assert host_with_device.attached == [ORCHESTRATOR, "alice", ORCHESTRATOR]
+    assert alice.sm.phase.value == "idle"  # ready for the next travel
+
+
+def test_garbage_from_the_orchestrator_leaves_the_cohort_but_not_the_process(alice) -> None:
+    raw, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    alice.orchestrator = StreamTransport(other, "orchestrator")
+    sel = selectors.DefaultSelector()
+    sel.register(alice.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
+    raw.sendall(HEADER.pack(4, 0) + b"\xc1\xc1\xc1\xc1")  # a frame whose payload is not a message
+    assert _serve_orchestrator(alice, sel) is True  # the process goes on (it may be told to join again)
+    assert alice.orchestrator is None and not sel.get_map()
+    raw.close()
