@@ -255,23 +255,36 @@ def _serve_orchestrator(holder: DataHolder, sel: selectors.BaseSelector) -> bool
 
     An orchestrator that sends garbage or stalls mid-message is left (the connection is
     dropped, and the holder stays up, out of the cohort, as after a refused join); it has been
-    attested, so this is a fault, not an attack we can do anything more about."""
+    attested, so this is a fault, not an attack we can do anything more about. So is a travel
+    that fails here (the host refusing the switch home, say): the orchestrator recovers the
+    GPU on its side, and this holder may be told to join again."""
     conn = holder.orchestrator
     assert conn is not None
     try:
         msg = conn.recv(timeout=30).message
-        if isinstance(msg, Bye):
-            return False
+    except TransportClosed:
+        return False
+    except (ProtocolError, PeerTimeout) as exc:
+        return _leave_after(holder, sel, f"the orchestrator's link failed ({type(exc).__name__}: {exc})")
+    if isinstance(msg, Bye):
+        return False
+    try:
         if isinstance(msg, TravelRequest):
             holder.serve_travel(msg)
         elif isinstance(msg, SendChunk):  # the centralised TLS baseline (paper 7.2)
             send_chunk(holder.dataset.view, holder.piece_bytes, conn, msg)
     except TransportClosed:
         return False
-    except (ProtocolError, PeerTimeout) as exc:
-        print(f"{holder.config.name}: left the cohort: the orchestrator's link failed ({type(exc).__name__}: {exc})",
-              flush=True)
-        sel.unregister(conn.fileno())
-        conn.close()
-        holder.orchestrator = None
+    except GputravelError as exc:
+        return _leave_after(holder, sel, f"{type(msg).__name__} failed ({type(exc).__name__}: {exc})")
+    return True
+
+
+def _leave_after(holder: DataHolder, sel: selectors.BaseSelector, why: str) -> bool:
+    conn = holder.orchestrator
+    assert conn is not None
+    print(f"{holder.config.name}: left the cohort: {why}", flush=True)
+    sel.unregister(conn.fileno())
+    conn.close()
+    holder.orchestrator = None
     return True
