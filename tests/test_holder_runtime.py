@@ -65,3 +65,23 @@ def test_garbage_from_the_orchestrator_leaves_the_cohort_but_not_the_process(ali
     assert _serve_orchestrator(alice, sel) is True  # the process goes on (it may be told to join again)
     assert alice.orchestrator is None and not sel.get_map()
     raw.close()
+
+
+def test_a_travel_that_fails_on_the_holders_side_leaves_the_cohort_but_not_the_process(alice, monkeypatch) -> None:
+    from gputravel.errors import ProtocolError
+    from gputravel.wire import encode
+
+    raw, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    alice.orchestrator = StreamTransport(other, "orchestrator")
+    sel = selectors.DefaultSelector()
+    sel.register(alice.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
+
+    def host_refuses(req):
+        raise ProtocolError("host could not switch the GPU to orchestrator: no such CVM")
+
+    monkeypatch.setattr(alice, "serve_travel", host_refuses)
+    body = encode(TravelRequest(1, 0, 2 * alice.piece_bytes, 0, b"ctx"))
+    raw.sendall(HEADER.pack(len(body), 0) + body)
+    assert _serve_orchestrator(alice, sel) is True
+    assert alice.orchestrator is None and not sel.get_map()
+    raw.close()
