@@ -328,7 +328,7 @@ class TravelResult:
 @message("travel.refused")
 @dataclass(frozen=True)
 class TravelRefused:
-    """The holder could not copy; it still switched back and returned the context."""
+    """The holder could not copy; it still sent the GPU home and returned the context."""
 
     travel_id: int
     context: bytes = field(repr=False)  # context blob: keys inside, never printed
