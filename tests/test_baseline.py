@@ -189,3 +189,28 @@ def test_token_bucket_fallback_paces_the_tls_connection(dataset) -> None:
         assert cohort.travel("h", 2 * MIB).chunk is not None
     if NETNS_OK:
         assert _namespaces() <= before
+
+
+def test_a_holder_that_breaks_the_exchange_is_lost_as_in_a_travel() -> None:
+    """It is dropped (the stream would be out of step) and reported HolderLost, which the
+    training loop treats as it treats a holder lost mid-travel; offline, it stays lost."""
+    from types import SimpleNamespace
+
+    from gputravel.errors import HolderLost
+    from gputravel.messages import HolderHello
+    from gputravel.runtime.baseline import BaselinePath
+
+    holder_end, orch_end = memory_pair("holder", "orchestrator")
+    hello = HolderHello("alice", 8, 8, (b"\x00" * 32,), "")
+    orch = SimpleNamespace(holders={"alice": orch_end}, config=SimpleNamespace(holder_timeout=1),
+                           travel_sm=SimpleNamespace(holders={"alice": hello}, buffer=SimpleNamespace(nbytes=8)))
+    path = BaselinePath(orch)
+    path._staging = bytearray(8)
+    holder_end.send(ChunkPiece(1, 5, b"abc"))  # out of order
+    with pytest.raises(HolderLost, match="'alice' lost during a baseline transfer.*does not follow"):
+        path._receive("alice", SendChunk(1, 0, 8))
+    assert "alice" not in orch.holders
+    with pytest.raises(HolderLost, match="offline"):
+        path.run("alice", 0)
+    with pytest.raises(BadInput, match="unknown holder 'bob'"):
+        path.run("bob", 0)

@@ -75,6 +75,6 @@ class HolderLost(RemoteError):
     taken the GPU back and rotated the keys; the partial chunk is never used; the holder is
     offline until it joins again."""
 
-    def __init__(self, holder: str, why: str) -> None:
-        super().__init__(f"holder {holder!r} lost during a travel: {why}")
+    def __init__(self, holder: str, why: str, during: str = "a travel") -> None:
+        super().__init__(f"holder {holder!r} lost during {during}: {why}")
         self.holder = holder

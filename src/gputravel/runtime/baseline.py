@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import BadInput, GputravelError, ProtocolError, RemoteError
+from ..errors import BadInput, GputravelError, HolderLost, ProtocolError, RemoteError
 from ..messages import ChunkInfo, HolderHello
 from ..roles.manifest import chunk_digest, chunk_digest_from_manifest
 from ..transport.base import Transport
@@ -163,7 +163,6 @@ class BaselinePath:
         req = SendChunk(self._ids, dataset_offset, chunk_bytes(hello, self._buffer.nbytes, dataset_offset))
         clock = time.perf_counter
         t0 = clock()
-        self.orch.holders[holder].send(req)
         read_ms = self._receive(holder, req) / 1e6
         t1 = clock()
         self._write(req.nbytes)
@@ -180,8 +179,10 @@ class BaselinePath:
     def _enrolled(self, holder: str) -> HolderHello:
         assert self.orch.travel_sm is not None, "the orchestrator has not booted"
         hello = self.orch.travel_sm.holders.get(holder)
-        if hello is None or holder not in self.orch.holders:
+        if hello is None:
             raise BadInput(f"unknown holder {holder!r} (enrolled: {', '.join(sorted(self.orch.holders)) or 'none'})")
+        if holder not in self.orch.holders:  # as for a travel: the training loop skips it
+            raise HolderLost(holder, "it is offline (not connected); it may join again", "a baseline transfer")
         if self._staging is None:
             self._staging = _prefaulted(self._buffer.nbytes)
         return hello
@@ -194,17 +195,19 @@ class BaselinePath:
                                           timeout=max(self.orch.config.device_timeout, 30.0))
 
     def _receive(self, holder: str, req: SendChunk) -> int:
-        """Take the pieces into the staging buffer; returns the holder's read time (ns). A holder
-        that breaks the exchange loses its connection (the stream would be out of step)."""
+        """Ask for the chunk and take the pieces into the staging buffer; returns the holder's
+        read time (ns). A holder that dies, hangs or breaks the exchange loses its connection
+        (the stream would be out of step) and is reported lost, as in a travel."""
         conn = self.orch.holders[holder]
         try:
+            conn.send(req)
             return _take_pieces(conn, req, self._staging, self.orch.config.holder_timeout)
         except HolderRefused:
             raise  # the exchange ended cleanly: the connection stays in step
-        except GputravelError:
+        except GputravelError as exc:
             self.orch.holders.pop(holder, None)
             conn.close()
-            raise
+            raise HolderLost(holder, f"{type(exc).__name__}: {exc}", "a baseline transfer") from None
 
     def _verify(self, hello: HolderHello, dataset_offset: int, nbytes: int) -> ChunkInfo:
         want = chunk_digest_from_manifest(hello.manifest, dataset_offset, nbytes, hello.piece_bytes)
