@@ -653,3 +653,44 @@ def test_a_scrub_split_across_threads_zeroes_exactly_its_range(monkeypatch, nbyt
     core._fill(memoryview(mem)[1 : nbytes + 1], 0)
     assert mem[0] == mem[-1] == 0x5A
     assert mem[1 : nbytes + 1].count(0) == nbytes
+
+
+# ============================================================================ RPC order and doorbell tokens
+def test_a_replayed_or_skipped_rpc_is_dropped_and_the_queue_goes_on(cohort: Cohort) -> None:
+    """The device answers only the next RPC sequence number: a request the host replays (old
+    bytes, old number) or one that skips ahead is dropped without an answer."""
+    gpu, orch = cohort.gpu, cohort.orch
+    sysmem = gpu.links[ORCHESTRATOR].sysmem
+    req = slice(TEST_LAYOUT.rpc_request_offset, TEST_LAYOUT.rpc_response_offset)
+    resp = slice(TEST_LAYOUT.rpc_response_offset, TEST_LAYOUT.rpc_response_offset + 4096)
+    orch.query_buffer(cohort.buf.offset)
+    old_request, old_seq = bytes(sysmem[req]), bar_u32(gpu, Bar0.RPC_GET)
+    orch.query_buffer(cohort.buf.offset)
+    answered, answer = bar_u32(gpu, Bar0.RPC_GET), bytes(sysmem[resp])
+    for seq, body in ((old_seq, old_request), (answered + 2, bytes(sysmem[req]))):
+        sysmem[req] = body
+        struct.pack_into(">I", sysmem, TEST_LAYOUT.rpc_request_offset, seq)  # the header's sequence number
+        U32.pack_into(gpu.bar, Bar0.RPC_PUT, seq)
+        faults = len(gpu.core.stats.faults)
+        gpu.core.service()
+        assert gpu.core.stats.faults[faults:] == ["rpc: ProtocolError"]
+        assert bar_u32(gpu, Bar0.RPC_GET) == answered and bytes(sysmem[resp]) == answer  # no answer
+    orch._rpc_tx = orch._rpc_rx = answered  # the driver's own numbering was never disturbed
+    assert orch.query_buffer(cohort.buf.offset).nbytes == cohort.buf.nbytes
+
+
+def test_a_doorbell_without_the_channels_token_is_ignored(cohort: Cohort) -> None:
+    """Work is run only when the doorbell register holds the channel's work submission token:
+    a ring with anything else there does nothing (no copy, no fault)."""
+    cohort.send("alice")
+    link = cohort.gpu.links["alice"]
+    before = cohort.vram()
+
+    def wrong_token(l) -> None:
+        U32.pack_into(cohort.gpu.bar, Bar0.doorbell(PushChannel.USER), 0xBADBAD)
+
+    link.before_service = wrong_token
+    with pytest.raises(PeerTimeout):
+        cohort.alice.copy_to_vram(memoryview(data_of(RECORD)), cohort.buf.offset, buffer_bytes=BUFFER, timeout=5)
+    assert cohort.vram() == before and cohort.gpu.core.stats.records_in == 0
+    assert cohort.gpu.core.stats.faults == [] and not cohort.alice.faulted(PushChannel.USER)

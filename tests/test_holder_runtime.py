@@ -85,3 +85,31 @@ def test_a_travel_that_fails_on_the_holders_side_leaves_the_cohort_but_not_the_p
     assert _serve_orchestrator(alice, sel) is True
     assert alice.orchestrator is None and not sel.get_map()
     raw.close()
+
+
+# ============================================================================ the orchestrator's door
+@pytest.mark.parametrize("named", ["h2", "h1"])
+def test_a_hello_must_name_the_holder_of_the_tls_certificate(named: str) -> None:
+    """h1, holding h1's certificate, cannot enrol as h2: the hello's name must be the
+    certificate's (the listener reports the peer from the verified certificate)."""
+    from types import SimpleNamespace
+
+    from gputravel.errors import ProtocolError
+    from gputravel.messages import Bye, HolderHello, Welcome
+    from gputravel.roles.orchestrator import Buffer, OrchestratorTravel
+    from gputravel.runtime.orchestrator import Orchestrator
+
+    ours, theirs = memory_pair("orchestrator", "h1")
+    orch = object.__new__(Orchestrator)  # only the door: no device, host or TLS needed
+    orch.listener = SimpleNamespace(accept=lambda timeout: (ours, "h1"))
+    orch.attester = SimpleNamespace(serve_challenge=lambda conn, driver, timeout: None)
+    orch.driver, orch.config, orch.holders = None, SimpleNamespace(tokenizer=""), {}
+    orch.travel_sm = OrchestratorTravel(Buffer(0, 4096))
+    theirs.send(HolderHello(named, 4096, 4096, (b"\x00" * 32,), ""))
+    if named == "h1":
+        assert orch.accept_holder(timeout=1) == "h1" and isinstance(theirs.recv(timeout=1).message, Welcome)
+        return
+    with pytest.raises(ProtocolError, match="did not introduce itself"):
+        orch.accept_holder(timeout=1)
+    assert isinstance(theirs.recv(timeout=1).message, Bye)
+    assert orch.holders == {} and orch.travel_sm.holders == {}

@@ -139,6 +139,9 @@ def test_create_refuses_duplicates_and_existing(tmp_path, cohort):
 def test_files_and_modes(cohort):
     d = cohort.directory
     assert (d / "ca.pem").is_file()
+    # The CA's private key is discarded once it has signed the members: only member keys remain.
+    assert sorted(p.name for p in d.iterdir() if p.suffix == ".key") == sorted(f"{n}.key" for n in MEMBERS)
+    assert not any(b"PRIVATE KEY" in (d / f).read_bytes() for f in ("ca.pem", *(f"{n}.pem" for n in MEMBERS)))
     for name in MEMBERS:
         assert (d / f"{name}.pem").is_file()
         assert stat.S_IMODE((d / f"{name}.key").stat().st_mode) == 0o600

@@ -197,23 +197,21 @@ class Driver:
             return  # forged, or stale from another epoch: ignore, the device's real one will come
         self._sem[channel] = max(self._sem[channel], value)
 
-    def wait_release(self, channel: PushChannel, value: int, timeout: float = 10.0, *,
-                     poll_s: float | None = None) -> None:
+    def wait_release(self, channel: PushChannel, value: int, timeout: float = 10.0, *, poll: bool = True) -> None:
         """Wait until the device released ``value``; a fault or a silent device is an error.
-        ``poll_s``: poll this long (yielding) before sleeping, instead of the link's default."""
-        self._wait(lambda: self.semaphore(channel) >= value, timeout, f"semaphore {value}", channel, poll_s)
+        ``poll=False``: sleep on the interrupt at once, without polling first."""
+        self._wait(lambda: self.semaphore(channel) >= value, timeout, f"semaphore {value}", channel, poll)
 
     def faulted(self, channel: PushChannel) -> bool:
         return U32.unpack_from(self.link.bar, Bar0.put(channel) + FAULT_REG)[0] != 0
 
     def _wait(self, ready: Callable[[], bool], timeout: float, what: str, channel: PushChannel | None = None,
-              poll_s: float | None = None) -> None:
+              poll: bool = True) -> None:
         deadline = self.clock() + timeout
         # Poll (yielding the CPU to anyone runnable) for a moment before sleeping on the
         # interrupt, as CUDA's yield scheduling does: most waits here are shorter than a
         # sleeping vCPU takes to wake, and yielding keeps the device's own vCPU free.
-        spin = self.link.spin_s and (self.link.spin_s if poll_s is None else poll_s)
-        spin_until = time.perf_counter() + spin
+        spin_until = time.perf_counter() + (self.link.spin_s if poll else 0.0)
         while not ready():
             if channel is not None and self.faulted(channel):
                 raise ChannelFaulted(f"{channel.name.lower()} channel faulted while waiting for {what}")

@@ -16,10 +16,6 @@ from ..messages import (ALL_LABELS, USER_LABELS, AllocBuffer, BufferInfo, Device
                         GetEvidence, GrantWindow, Memset, RotateKeys)
 from .driver import Driver
 
-#: A scrub wait sleeps at once instead of polling: the device fills large buffers on every
-#: core (device/core.py), and a polling orchestrator would take one of them.
-SCRUB_POLL_S = 0.0
-
 
 class OrchestratorDriver(Driver):
     def __init__(self, *args, **kwargs) -> None:
@@ -132,7 +128,9 @@ class OrchestratorDriver(Driver):
     def finish_scrub(self, value: int, timeout: float = 10.0) -> bytes | None:
         """Wait for the scrub. Returns None, or a fresh context blob when one exported during
         the scrub no longer matches the device, which must then travel instead."""
-        self.wait_release(PushChannel.KERNEL, value, timeout, poll_s=SCRUB_POLL_S)
+        # Sleep at once instead of polling: the device fills large buffers on every core
+        # (device/core.py), and a polling orchestrator would take one of them.
+        self.wait_release(PushChannel.KERNEL, value, timeout, poll=False)
         sent = self._exported
         if sent is None:
             self._resync()
