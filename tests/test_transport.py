@@ -456,6 +456,22 @@ def test_tls_wrong_server_name_is_refused(pki: Pki) -> None:
         t.join(5)
 
 
+def test_a_link_that_negotiates_less_than_tls_1_3_is_refused_on_both_ends(pki: Pki) -> None:
+    """The contexts are the caller's: if both would settle for TLS 1.2, the transport itself
+    still refuses the link."""
+    server_ctx, client_ctx = pki.server(), pki.client()
+    for ctx in (server_ctx, client_ctx):
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    with TlsListener("127.0.0.1", 0, server_ctx) as listener:
+        got: dict[str, object] = {}
+        t = in_thread(lambda: got.update(error=pytest.raises(ProtocolError, listener.accept, timeout=5).value))
+        with pytest.raises(ProtocolError, match="TLS 1.3 is required"):
+            connect_tls("127.0.0.1", listener.port, client_ctx, "holder", timeout=5)
+        t.join(5)
+    assert "TLS 1.3 is required" in str(got["error"])
+
+
 def test_tls_listener_requires_client_certificates(pki: Pki) -> None:
     ctx = pki.server()
     ctx.verify_mode = ssl.CERT_NONE

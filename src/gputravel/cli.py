@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -14,6 +13,7 @@ from rich.table import Table
 
 from .errors import GputravelError
 from .roles.orchestrator import STEPS, TravelReport
+from .cli_common import write_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GPU Travelling: confidential collaborative training with a travelling (emulated) H100 in CC mode.")
@@ -116,8 +116,7 @@ def travel_demo(
                   f"median fixed overhead {summary['median_fixed_ms']:.2f} ms (total - copy - scrub).")
     if json_path:
         payload = {"config": vars(cfg), "summary": summary, "travels": [_report_json(r) for r in reports]}
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(payload, indent=2))
+        write_json(json_path, payload)
         console.print(f"report written to {json_path}")
 
 
@@ -253,8 +252,7 @@ def bench_train(
 
 def _write_json(path: Optional[Path], result: dict) -> None:
     if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
+        write_json(path, result)
         console.print(f"results written to {path}")
 
 
@@ -267,7 +265,7 @@ def redteam(
     """Run every attack (paper section 6, and more) against a live local cohort and count the
     plaintext each attacker obtained. Exits 1 if any attack got plaintext or was not stopped."""
     from .redteam.attacks import ATTACKS
-    from .redteam.report import print_report, write_json
+    from .redteam.report import print_report
     from .redteam.run import run_redteam
 
     unknown = sorted(set(only or ()) - {a.name for a in ATTACKS})
@@ -279,10 +277,7 @@ def redteam(
     except GputravelError as exc:
         _fail(exc)
     print_report(report, console, evidence=evidence)
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(report, json_path)
-        console.print(f"results written to {json_path}")
+    _write_json(json_path, report.to_json())
     if report.failed:
         raise typer.Exit(1)
 

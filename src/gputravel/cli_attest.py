@@ -40,6 +40,7 @@ from gputravel.attest.roots import (
 from gputravel.attest.verifier import EmulatedGpuVerifier
 from gputravel.attest.firmware_process import FirmwareProcess
 from gputravel.errors import BadInput, GputravelError
+from gputravel.cli_common import write_json
 
 __all__ = ["attest_app", "pki_app"]
 
@@ -137,8 +138,7 @@ def attest_gpu(
     out = {"format": EVIDENCE_FORMAT, "emulated": True, "nonce": nonce.hex(),
            "evidence": base64.b64encode(evidence).decode("ascii"),
            "evidence_sha384": claims.evidence_digest.hex(), "claims": eat}
-    json_out.parent.mkdir(parents=True, exist_ok=True)
-    json_out.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(json_out, out)
     _print_claims("GPU attestation claims (emulated H100)", eat)
     console.print(f"wrote {escape(str(json_out))}")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 from pathlib import Path
 
 import typer
@@ -12,6 +11,7 @@ from rich.table import Table
 
 from .audit import AuditError, AuditSummary, Entry, entry_hash, verify_log
 from .errors import GputravelError
+from .cli_common import write_json
 
 audit_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="The orchestrator's hash-chained, signed log of travels.")
@@ -76,7 +76,7 @@ def verify(
         summary = verify_log(log, key.read_bytes(), holder, allow_truncated_tail=allow_truncated_tail)
     except (GputravelError, OSError) as exc:
         if json_out is not None:
-            json_out.write_text(json.dumps(_error_json(exc), indent=2))
+            write_json(json_out, _error_json(exc))
         console.print(f"[red]audit log verification failed:[/red] {exc}")
         raise typer.Exit(1) from None
     console.print(_table(summary))
@@ -84,4 +84,4 @@ def verify(
         console.print("[yellow]the torn final entry was ignored[/yellow]")
     console.print(f"[green]chain OK[/green] ({summary.count} entries, head {summary.head_hash.hex()[:16]})")
     if json_out is not None:
-        json_out.write_text(json.dumps(_summary_json(summary), indent=2))
+        write_json(json_out, _summary_json(summary))

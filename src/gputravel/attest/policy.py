@@ -63,9 +63,6 @@ class Policy:
     max_evidence_age_s: int = 3600
     gpu_reference_values: Path | None = None
 
-    def accepts_orchestrator(self, measurement: bytes) -> bool:
-        return measurement in self.orchestrator_measurements
-
     def check_gpu(self, claims: GpuClaims, now: datetime) -> None:
         """The GPU claims meet this policy at `now`, or AttestationError."""
         check_now(now)

@@ -34,6 +34,7 @@ from gputravel.attest.chain import (
 from gputravel.attest.errors import AttestationError, ClaimTracker
 from gputravel.attest.gpu import (
     DIGEST_BYTES,
+    MAX_OPAQUE_BYTES,
     NONCE_BYTES,
     GetMeasurements,
     GpuEvidence,
@@ -217,7 +218,7 @@ def _parse_report(p: ClaimTracker, response: Measurements) -> tuple[dict[int, by
         blocks[b.index] = b.digest
     opaque: dict[int, bytes] = {}
     for f in response.opaque:
-        if not 0 <= f.type <= 0xFFFF or f.type in opaque or len(f.value) > 0xFFFF:
+        if not 0 <= f.type <= 0xFFFF or f.type in opaque or len(f.value) > MAX_OPAQUE_BYTES:
             p.fail("format", "opaque fields must have unique u16 types and at most 65535 bytes")
         opaque[f.type] = f.value
     missing = [t.name for t in _REQUIRED_OPAQUE if t not in opaque]

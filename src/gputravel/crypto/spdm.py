@@ -53,9 +53,9 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
     decode_dss_signature,
     encode_dss_signature,
 )
-from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from gputravel.crypto.channel import _hkdf_expand
 from gputravel.errors import BadInput, IllegalTransition, IntegrityError, ProtocolError
 
 __all__ = [
@@ -178,14 +178,12 @@ _REQ_VERIFY = frozenset({"requester_verify"})
 
 # ----------------------------------------------------------------------------- key schedule
 def _extract(salt: bytes, ikm: bytes) -> bytes:
-    """HKDF-Extract (RFC 5869 section 2.2) over SHA-384."""
-    mac = hmac.HMAC(salt, hashes.SHA384())
-    mac.update(ikm)
-    return mac.finalize()
+    """HKDF-Extract (RFC 5869 section 2.2) over SHA-384: an HMAC keyed with the salt."""
+    return _mac(salt, ikm)
 
 
 def _expand(secret: bytes, info: bytes) -> bytes:
-    return HKDFExpand(algorithm=hashes.SHA384(), length=SECRET_BYTES, info=info).derive(secret)
+    return _hkdf_expand(hashes.SHA384(), secret, info, SECRET_BYTES)
 
 
 def _mac(key: bytes, data: bytes) -> bytes:

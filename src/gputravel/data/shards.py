@@ -74,6 +74,11 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """``atomic_write`` of a whole byte string: readers see the old file or the new one."""
+    atomic_write(path, lambda f: f.write(data))
+
+
 def _as_tokens(path: Path, tokens: np.ndarray | Sequence[int]) -> np.ndarray:
     """Check that `tokens` fit a version 1 shard and return them as little-endian uint16."""
     arr = np.asarray(tokens)

@@ -17,12 +17,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from ..errors import BadInput
-from .shards import atomic_write
+from .shards import atomic_write_bytes
 
 RECORD_NAME = "tokenizer.json"
 MAX_VOCAB = 65536  # shards store uint16 ids
@@ -160,12 +160,7 @@ def write_tokenizer_record(directory: Path | str, tok: Tokenizer | TokenizerReco
     """Write `tokenizer.json` for `tok` into `directory` (atomically); return its path."""
     record = tok if isinstance(tok, TokenizerRecord) else TokenizerRecord.of(tok)
     path = Path(directory) / RECORD_NAME
-    data = (json.dumps(asdict(record), indent=2) + "\n").encode()
-
-    def write(f: IO[bytes]) -> None:
-        f.write(data)
-
-    atomic_write(path, write)
+    atomic_write_bytes(path, (json.dumps(asdict(record), indent=2) + "\n").encode())
     return path
 
 

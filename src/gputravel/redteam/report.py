@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -21,16 +19,6 @@ def table(report: RedTeamReport) -> Table:
         t.add_row(r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained),
                   f"[{style}]{r.outcome}[/{style}]")
     return t
-
-
-def markdown(report: RedTeamReport) -> str:
-    """The same table in Markdown (docs/security.md pastes it)."""
-    lines = ["| attack | adversary | tried | stopped by | plaintext bytes obtained | outcome |",
-             "|---|---|---|---|---|---|"]
-    for r in report.attacks:
-        cells = (r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained), r.outcome)
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    return "\n".join(lines)
 
 
 def print_report(report: RedTeamReport, console: Console, *, evidence: bool = False) -> None:
@@ -54,6 +42,3 @@ def print_report(report: RedTeamReport, console: Console, *, evidence: bool = Fa
         f"[bold red]{bad} of {n} attacks NOT defeated: {', '.join(r.name for r in report.failed)}[/bold red]"
     console.print(verdict)
 
-
-def write_json(report: RedTeamReport, path: Path) -> None:
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")

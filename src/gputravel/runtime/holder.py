@@ -148,7 +148,8 @@ class DataHolder:
         """Paper 4.5: evidence has a lifetime. Once half the policy's age limit has passed since
         we last attested the orchestrator, we attest it again, on this connection, before we
         touch the context it sent (it answers the challenge while it waits for our result).
-        A refusal closes the connection (challenge_orchestrator) and stops this holder."""
+        A refusal closes the connection (challenge_orchestrator): this holder leaves the cohort
+        and stays up (serve's _serve_orchestrator)."""
         if time.monotonic() - self.attested_at < self.reattest_after_s:
             return  # the common case: no disk, no crypto on the travel path
         material = HolderMaterial.load(self.config.trust_dir)  # the policy as it is now

@@ -134,7 +134,9 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ the travel cycle
     def travel(self, holder: str, dataset_offset: int) -> TravelReport:
-        """One travel (paper Fig. 3), written to the signed travel log whatever its outcome."""
+        """One travel (paper Fig. 3), written to the signed travel log when it completes and
+        when a remote party (holder, host, device) makes it fail; a local error (a bug, an
+        exhausted counter) is raised without an entry."""
         before = self.driver.epoch or 0
         try:
             report = self._travel(holder, dataset_offset)

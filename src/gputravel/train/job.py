@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from ..data.shards import atomic_write_bytes
 from ..errors import BadInput
 from ..layout import MIB, PAGE, Layout
 from ..runtime.supervisor import Cohort, CohortConfig, HolderSpec
@@ -151,6 +152,4 @@ def _checkpoint(cfg: JobConfig, run_dir: Path) -> Path | None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    atomic_write_bytes(path, json.dumps(data, indent=2).encode())

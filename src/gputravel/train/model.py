@@ -172,12 +172,6 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         # LayerNorm keeps PyTorch's default (weight 1, bias 0), which is GPT-2's too
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; the tied matrix counts once. Position embeddings are left out
-        by default, as in the GPT-2 paper's counts."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
-
     def _check_idx(self, idx: torch.Tensor, what: str) -> None:
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
             raise BadInput(f"{what} must be a (batch, time) torch.long tensor of token ids")

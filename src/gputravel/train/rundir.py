@@ -17,23 +17,17 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from ..data.shards import atomic_write
+from ..data.shards import atomic_write_bytes
 from ..errors import BadInput
 from .model import GPT, GPTConfig
 
 CHECKPOINT_FORMAT = "gputravel-gpt-checkpoint-v1"
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
-    atomic_write(path, lambda f: f.write(data))
 
 
 def _scalar(value: object) -> object:
@@ -89,7 +83,7 @@ class RunDir:
                 f"report.json takes only JSON types ({e}); convert tensors with .item() "
                 "and paths with str()"
             ) from None
-        _atomic_write_bytes(self.report_path, (text + "\n").encode())
+        atomic_write_bytes(self.report_path, (text + "\n").encode())
         return self.report_path
 
     def read_report(self) -> dict:
@@ -152,7 +146,7 @@ class RunDir:
         writer = csv.DictWriter(buf, fieldnames=header, lineterminator="\n")
         writer.writeheader()
         writer.writerows(r for r in rows if int(r["step"]) < step)
-        _atomic_write_bytes(self.metrics_path, buf.getvalue().encode())
+        atomic_write_bytes(self.metrics_path, buf.getvalue().encode())
 
     # ------------------------------------------------------------------ plot
     def plot_losses(
@@ -189,14 +183,14 @@ class RunDir:
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
         target = self.path / out
-        _atomic_write_bytes(target, buf.getvalue())
+        atomic_write_bytes(target, buf.getvalue())
         return target
 
     # ------------------------------------------------------------------ sample
     def write_sample(self, text: str) -> Path:
         if not isinstance(text, str):
             raise BadInput(f"a sample must be str, got {type(text).__name__}; decode tokens first")
-        _atomic_write_bytes(self.sample_path, text.encode("utf-8", errors="replace"))
+        atomic_write_bytes(self.sample_path, text.encode("utf-8", errors="replace"))
         return self.sample_path
 
     # ------------------------------------------------------------------ checkpoint
@@ -228,7 +222,7 @@ class RunDir:
         }
         buf = io.BytesIO()
         torch.save(payload, buf)
-        _atomic_write_bytes(self.checkpoint_path, buf.getvalue())
+        atomic_write_bytes(self.checkpoint_path, buf.getvalue())
         return self.checkpoint_path
 
     @staticmethod
@@ -301,7 +295,3 @@ def load_checkpoint(
         raise BadInput(f"checkpoint {path} is missing its step or extra fields")
     return step, extra
 
-
-def finite_or_none(x: float) -> float | None:
-    """``x`` if finite, else None: for report fields that may be NaN after a divergence."""
-    return x if math.isfinite(x) else None

@@ -1,9 +1,10 @@
 """Which data holder the GPU travels to next, and where in its dataset.
 
 The scheduler is pure: per-holder token counts and a cursor state in, the next visit out. A
-visit moves at most one dataset buffer of tokens; the loader then reports how many tokens it
-consumed (whole B x T windows), and the holder's cursor advances by exactly that, so the next
-visit starts where training stopped and no token is skipped or repeated within an epoch.
+visit moves at most one dataset buffer of tokens, and the holder's cursor then moves past the
+whole visit: the loader trains on the whole B x T windows it holds (each needs B x T + 1
+tokens) and the tail that cannot fill one is skipped, so no token is repeated within an epoch
+and the next visit starts right after this one.
 
 Policies:
 - ``round_robin``: holders take turns in name order; a holder whose data is used up for this
