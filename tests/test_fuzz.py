@@ -587,6 +587,15 @@ def test_device_ignores_garbage_and_malformed_attaches_from_the_host() -> None:
         assert device._host_message() is True
         host.send(AttachCvm(cvm="alice", iova=0, nbytes=4096))  # no descriptors at all
         assert device._host_message() is True
+        device._segments = {}
+        for nbytes in (1 << 40, -1):  # more than the segment holds; nonsense
+            segment, irq = os.memfd_create("sysmem"), os.eventfd(0)
+            os.ftruncate(segment, 4096)
+            host.send(AttachCvm(cvm="alice", iova=0, nbytes=nbytes), fds=(segment, irq))
+            os.close(segment)
+            os.close(irq)
+            assert device._host_message() is True  # ignored, nothing mapped
+            assert device._segments == {}
         host.close()
         assert device._host_message() is False  # the host went away: power off
     finally:

@@ -113,3 +113,39 @@ def test_a_hello_must_name_the_holder_of_the_tls_certificate(named: str) -> None
         orch.accept_holder(timeout=1)
     assert isinstance(theirs.recv(timeout=1).message, Bye)
     assert orch.holders == {} and orch.travel_sm.holders == {}
+
+
+# ============================================================================ untrusted inputs to the host and device
+def test_the_host_outlives_a_cvm_that_hangs_up_before_its_answer(host_with_device) -> None:
+    from gputravel.messages import SwitchRequest
+
+    for _ in range(2):  # an error answer (unknown CVM) to a peer that already left, twice
+        gone = connect_unix(host_with_device.socket_path, "gone")
+        gone.send(SwitchRequest(target="nobody"))
+        gone.close()
+    conn = connect_unix(host_with_device.socket_path, ORCHESTRATOR)  # the host still serves
+    link = register_with_host(conn, ORCHESTRATOR, TEST_LAYOUT)
+    try:
+        assert PcieMuxClient(conn, ORCHESTRATOR).switch(ORCHESTRATOR, timeout=5).target == ORCHESTRATOR
+    finally:
+        link.close()
+
+
+def test_a_holder_push_with_an_out_of_range_release_faults_its_channel_not_the_device() -> None:
+    """A holder has the user keys during its travel, so what it pushes is input: a release
+    value that cannot be a semaphore value faults the channel; the device goes on."""
+    from gputravel.layout import PushChannel
+    from gputravel.messages import SemaphoreRelease
+    from gputravel.testing import InProcessGpu
+
+    gpu = InProcessGpu()
+    orch, holders = gpu.boot("alice")
+    gpu.switch("alice")
+    alice = holders["alice"]
+    alice.import_context(orch.export_for_travel())
+    alice.submit(PushChannel.USER, SemaphoreRelease(release=-1, interrupt=False))
+    assert alice.faulted(PushChannel.USER) and "out of range" in gpu.core.stats.faults[-1]
+    gpu.switch(ORCHESTRATOR)
+    orch.import_returned(alice.export_context())
+    orch.rotate()  # the rotation resets the faulted channel, as for any bad push
+    assert not orch.faulted(PushChannel.USER)

@@ -200,3 +200,16 @@ def test_the_host_tells_the_target_cvm_and_only_when_another_cvm_asked(host_with
     finally:
         for link in links.values():
             link.close()
+
+
+def test_a_late_reply_is_taken_for_the_request_it_answers(client_and_host) -> None:
+    """A switch whose reply times out stays pending: its late reply is matched to it, and the
+    next switch gets its own (the orchestrator's recovery switches home after a timeout)."""
+    client, host = client_and_host
+    client.request("alice")
+    with pytest.raises(PeerTimeout):
+        client.switched(timeout=0.05)
+    host.send(Switched(target="alice", elapsed_ns=1, seq=4))  # late
+    host.send(Switched(target="orchestrator", elapsed_ns=1, seq=5))
+    assert client.switch("orchestrator", timeout=1).seq == 5
+

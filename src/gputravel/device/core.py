@@ -300,6 +300,8 @@ class DeviceCore:
         raw = self._rx[PUSH_LABEL[channel]].decrypt(ciphertext)
         allowed = KERNEL_METHODS if channel is PushChannel.KERNEL else USER_METHODS
         push = decode(raw, expect=allowed)
+        if not 0 <= push.release < 1 << 64:  # a holder has the user keys: its pushes are input too
+            raise ProtocolError("semaphore release value out of range")
         self._execute(push)
         if push.release:
             self._release(channel, push.release)

@@ -112,8 +112,13 @@ class DeviceProcess:
             return True  # an attach without exactly a memory segment and an interrupt: ignored
         if isinstance(msg, AttachCvm):
             sysmem_fd, irq_fd = got.fds
-            view = self._map_segment(sysmem_fd, msg.nbytes)
-            os.close(sysmem_fd)
+            try:
+                view = self._map_segment(sysmem_fd, msg.nbytes)
+            except (OSError, ValueError, OverflowError):  # a size or descriptor that cannot be mapped
+                os.close(irq_fd)
+                return True
+            finally:
+                os.close(sysmem_fd)
             self._replace_window(view, msg.cvm, msg.iova, irq_fd)
         else:
             for fd in got.fds:

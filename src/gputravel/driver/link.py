@@ -103,11 +103,13 @@ class PcieMuxClient:
         """The reply to the oldest request not yet answered."""
         if not self._pending:
             raise ProtocolError("no switch request is waiting for a reply")
-        target = self._pending.popleft()
+        target = self._pending[0]  # answered in order; it stays pending if its reply is late
+        deadline = time.monotonic() + timeout
         reply = self._next(timeout, f"the switch to {target}")
         while isinstance(reply, Attached):
             self._keep(reply)
-            reply = self._next(timeout, f"the switch to {target}")
+            reply = self._next(deadline - time.monotonic(), f"the switch to {target}")
+        self._pending.popleft()
         if not isinstance(reply, Switched) or reply.target != target:
             raise ProtocolError(f"host could not switch the GPU to {target}: {getattr(reply, 'reason', reply)}")
         self._seq = max(self._seq, reply.seq)

@@ -138,7 +138,10 @@ class OrchestratorDriver(Driver):
         # Nothing honest moves the user channel between a rotation (which resynced it) and
         # here. If something did (say, a holder with kept keys while the host hid our kernel
         # work), the device ran it before the scrub: take the context back, continue from
-        # where the device is, and export again, as a scrub before the export would have.
+        # where the device is, and export again, as a scrub before the export would have. As
+        # then, only the positions are realigned: if the device decrypted pushes we never sent,
+        # our IV counters are behind its own and the holder's first push faults the channel
+        # (it fails closed; the next rotation resets it).
         get = self._get(PushChannel.USER)
         rpc = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
         if (get, rpc, rpc) == (sent.gpfifo_put, sent.rpc_tx_seq, sent.rpc_rx_seq):

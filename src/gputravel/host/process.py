@@ -113,35 +113,47 @@ class HostProcess:
             return False  # drop a peer that sends garbage or stalls mid-frame; keep serving the others
         msg = got.message
         try:
-            if isinstance(msg, DeviceAttach):
-                self._attach_device(peer, msg, got.fds)
-            elif isinstance(msg, RegisterCvm):
-                self._register(peer, msg, got.fds)
-            elif isinstance(msg, SwitchRequest):
-                self._serve_switch(peer, msg.target)
-            else:
-                peer.send(HostError(reason=f"unexpected message {type(msg).__name__}"))
-        except (BadInput, GputravelError) as exc:
-            peer.send(HostError(reason=str(exc)))
+            answer = self._answer(peer, msg, got.fds)
+        except GputravelError as exc:
+            answer = HostError(reason=str(exc)), ()
+        if answer is None:
+            return True
+        reply, fds = answer
+        try:
+            peer.send(reply, fds=fds)
+        except (TransportClosed, PeerTimeout):
+            return False  # the peer hung up (or stalled) before our answer: drop it, serve the others
+        if isinstance(reply, Switched):
+            self._notify(peer, reply)
         return True
+
+    def _answer(self, peer: Transport, msg: object, fds: tuple[int, ...]) -> tuple[object, tuple[int, ...]] | None:
+        """What to send back to ``peer`` (and with which descriptors); None: nothing."""
+        if isinstance(msg, DeviceAttach):
+            self._attach_device(peer, msg, fds)
+            return None
+        if isinstance(msg, RegisterCvm):
+            return self._register(peer, msg, fds)
+        _close(fds)  # nothing else carries descriptors we keep
+        if isinstance(msg, SwitchRequest):
+            return self._switch(msg.target, self._cvm_of.get(peer, "")), ()
+        return HostError(reason=f"unexpected message {type(msg).__name__}"), ()
 
     def _attach_device(self, peer: Transport, msg: DeviceAttach, fds: tuple[int, ...]) -> None:
         if len(fds) != 2:
+            _close(fds)
             raise BadInput("device attach needs BAR0 and doorbell descriptors")
         self.device, self._device_fds, self._bar_bytes = peer, (fds[0], fds[1]), msg.bar_bytes
 
-    def _register(self, peer: Transport, msg: RegisterCvm, fds: tuple[int, ...]) -> None:
-        if len(fds) != 2:
-            raise BadInput("CVM registration needs its sysmem and interrupt descriptors")
-        if self._device_fds is None:
-            for fd in fds:
-                os.close(fd)
-            raise BadInput("no device is attached yet")
+    def _register(self, peer: Transport, msg: RegisterCvm, fds: tuple[int, ...]) -> tuple[Registered, tuple[int, int]]:
+        if len(fds) != 2 or self._device_fds is None:
+            _close(fds)
+            raise BadInput("CVM registration needs its sysmem and interrupt descriptors" if len(fds) != 2
+                           else "no device is attached yet")
         reg = CvmRegistration(msg.cvm, msg.iova, msg.nbytes, fds[0], fds[1])
         old = self.mux.register(reg)
         if old is not None:
-            os.close(old.sysmem_fd)
-            os.close(old.irq_fd)
+            _close((old.sysmem_fd, old.irq_fd))
         if self._snooper:
             self._snooper.watch(reg)
         self._cvm_of[peer] = msg.cvm
@@ -149,22 +161,20 @@ class HostProcess:
         bar, doorbell = self._device_fds
         if self.adversary is not None:  # it hands out its own doorbell and relays (or not)
             doorbell = self.adversary.doorbell_for(reg)
-        peer.send(Registered(bar_bytes=self._bar_bytes), fds=(bar, doorbell))
+        return Registered(bar_bytes=self._bar_bytes), (bar, doorbell)
 
     def _forget(self, peer: Transport) -> None:
         cvm = self._cvm_of.pop(peer, None)
         if cvm is not None and self._conn_of.get(cvm) is peer:
             del self._conn_of[cvm]
 
-    def _serve_switch(self, peer: Transport, target: str) -> None:
-        """Switch, answer the CVM that asked, and tell the target it has the GPU (if it did not
-        ask itself): a holder imports the context while the switch runs, then waits for this."""
-        done = self._switch(target, self._cvm_of.get(peer, ""))
-        peer.send(done)
-        told = self._conn_of.get(target)
-        if told is not None and told is not peer:
+    def _notify(self, requester: Transport, done: Switched) -> None:
+        """Tell the CVM the GPU was switched to that it has it, if another CVM asked: a holder
+        imports the context while the switch runs, then waits for this."""
+        told = self._conn_of.get(done.target)
+        if told is not None and told is not requester:
             try:
-                told.send(Attached(target=target, elapsed_ns=done.elapsed_ns, seq=done.seq))
+                told.send(Attached(target=done.target, elapsed_ns=done.elapsed_ns, seq=done.seq))
             except GputravelError:
                 pass  # a CVM that went away: its connection is dropped when the selector sees it
 
@@ -207,3 +217,11 @@ def _adversary(config: HostConfig, host: HostProcess):
 
 def run_host(config: HostConfig) -> None:
     HostProcess(config).serve()
+
+
+def _close(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
