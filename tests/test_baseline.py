@@ -105,6 +105,8 @@ def test_link_settings_are_checked() -> None:
         check_link_config("none", 20.0, False)
     with pytest.raises(BadInput, match="positive"):
         check_link_config("auto", -1.0, False)
+    with pytest.raises(BadInput, match="at most"):  # what the links would refuse, refused before booting
+        check_link_config("token-bucket", 2e5, False)
     with pytest.raises(BadInput, match="tap"):
         check_link_config("netns", 20.0, True)
     assert resolve_link("auto", None) == LINK_NONE

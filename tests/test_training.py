@@ -140,6 +140,14 @@ def test_resuming_with_another_job_or_without_a_checkpoint_is_refused(tmp_path):
         run(replace(job, train=replace(job.train, lr=0.5), resume=True))
 
 
+def test_a_fresh_run_into_a_used_run_directory_starts_its_metrics_over(tmp_path):
+    job = JobConfig(train=replace(TINY, loader="local", steps=6), holders=holders(tmp_path), run_dir=str(tmp_path / "r"))
+    run(job)
+    run(job)  # not resumed: the same steps again, logged once
+    steps = [int(line.split(",")[0]) for line in (tmp_path / "r" / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps == list(range(6))
+
+
 class _LosesHolderOnce:
     """The local reference for a holder that dies in its first travel: that visit fails."""
 

@@ -32,8 +32,8 @@ class DemoConfig:
             raise BadInput("--holders must be between 1 and 16")
         if not 1 <= self.buffer_mib <= 1024:
             raise BadInput("--buffer-mib must be between 1 and 1024")
-        if not 0 <= self.dataset_mib <= 4096:
-            raise BadInput("--dataset-mib must be between 0 and 4096")
+        if not 1 <= self.dataset_mib <= 4096:  # an empty dataset has nothing to travel for
+            raise BadInput("--dataset-mib must be between 1 and 4096")
 
 
 def make_dataset(path: Path, nbytes: int, seed: bytes) -> None:
@@ -77,8 +77,6 @@ def run(config: DemoConfig, workdir: Path, on_travel: Callable[[TravelReport], N
 
 
 def summarise(reports: list[TravelReport]) -> dict:
-    if not reports:
-        return {"travels": 0}
     copied = sum(r.chunk.nbytes for r in reports if r.chunk)
     return {
         "travels": len(reports),

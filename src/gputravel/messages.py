@@ -107,9 +107,6 @@ class SemaphoreRelease:
     interrupt: bool
 
 
-PUSHES = (CopyToVram, CopyFromVram, Memset, RotateKeys, GrantWindow, SemaphoreRelease)
-
-
 # ============================================================================ RPC queue
 @message("rpc.device_info")
 @dataclass(frozen=True)

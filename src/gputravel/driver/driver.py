@@ -169,8 +169,8 @@ class Driver:
     def _get(self, channel: PushChannel) -> int:
         return U32.unpack_from(self.link.bar, Bar0.get(channel))[0]
 
-    def next_release(self, channel: PushChannel, ahead: int = 1) -> int:
-        return self._sem[channel] + ahead
+    def next_release(self, channel: PushChannel) -> int:
+        return self._sem[channel] + 1
 
     def semaphore(self, channel: PushChannel) -> int:
         """Latest authenticated value of the channel's tracking semaphore."""
@@ -231,7 +231,6 @@ class Driver:
         *,
         buffer_bytes: int,
         timeout: float = 30.0,
-        on_record: Callable[[int], None] | None = None,
     ) -> None:
         """Copy ``data`` into VRAM at ``dst_offset`` through the staging slots, pipelined.
 
@@ -258,8 +257,6 @@ class Driver:
             push = CopyToVram(src_iova=lay.iova(slot), nbytes=len(piece), dst_offset=dst_offset + k * rec,
                               release=base + k + 1, interrupt=True)
             self.submit(PushChannel.USER, push, timeout)
-            if on_record is not None:
-                on_record(len(piece))
         self.wait_release(PushChannel.USER, base + count, timeout)
 
     def copy_from_vram(self, src_offset: int, nbytes: int, *, timeout: float = 30.0) -> bytearray:

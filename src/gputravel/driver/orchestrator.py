@@ -24,7 +24,7 @@ class OrchestratorDriver(Driver):
         self.key_epoch = -1  # survives export: the epoch the device is on
         self._exported: DriverContext | None = None
         self._kernel_issued = 0  # the last kernel release value submitted, confirmed or not
-        self._rotating: tuple[int, int] | None = None  # (epoch, release value) submitted, not finished
+        self._rotating: int | None = None  # the release value of a rotation submitted, not finished
 
     # ------------------------------------------------------------------ boot (the orchestrator boots last)
     def establish_session(self, requester: SpdmRequester | None = None, timeout: float = 10.0) -> None:
@@ -84,11 +84,15 @@ class OrchestratorDriver(Driver):
 
     # ------------------------------------------------------------------ kernel channel
     def _kernel(self, push_factory, timeout: float) -> None:
-        self._require_session("use the kernel channel")
+        self.wait_release(PushChannel.KERNEL, self._submit_kernel(push_factory, timeout), timeout)
+        self._resync()
+
+    def _submit_kernel(self, push_factory, timeout: float, action: str = "use the kernel channel") -> int:
+        """Submit ``push_factory(release value)`` on the kernel channel; returns the value."""
+        self._require_session(action)
         value = self._next_kernel_release()
         self.submit(PushChannel.KERNEL, push_factory(value), timeout)
-        self.wait_release(PushChannel.KERNEL, value, timeout)
-        self._resync()
+        return value
 
     def _next_kernel_release(self) -> int:
         """A release value no kernel push ever used, even one whose confirmation never came.
@@ -119,11 +123,8 @@ class OrchestratorDriver(Driver):
         A travel exports the context in between: the scrub is kernel-channel work, the
         context the user channel's, so packing it need not wait for the device's memset.
         """
-        self._require_session("use the kernel channel")
-        value = self._next_kernel_release()
-        self.submit(PushChannel.KERNEL, Memset(offset=offset, nbytes=nbytes, value=0, release=value, interrupt=True),
-                    timeout)
-        return value
+        return self._submit_kernel(
+            lambda v: Memset(offset=offset, nbytes=nbytes, value=0, release=v, interrupt=True), timeout)
 
     def finish_scrub(self, value: int, timeout: float = 10.0) -> bytes | None:
         """Wait for the scrub. Returns None, or a fresh context blob when one exported during
@@ -175,10 +176,9 @@ class OrchestratorDriver(Driver):
         self._require_session("rotate keys")
         if self._rotating is not None:
             raise IllegalTransition("orchestrator driver", "rotating", "start another rotation")
-        epoch = self.key_epoch + 1
-        value = self._next_kernel_release()
-        self.submit(PushChannel.KERNEL, RotateKeys(epoch=epoch, release=value, interrupt=True), timeout)
-        self._rotating = (epoch, value)
+        epoch = self.key_epoch + 1  # key_epoch moves only when the rotation is finished
+        self._rotating = self._submit_kernel(lambda v: RotateKeys(epoch=epoch, release=v, interrupt=True), timeout,
+                                             "rotate keys")
         return epoch
 
     def finish_rotation(self, timeout: float = 10.0) -> int:
@@ -186,7 +186,8 @@ class OrchestratorDriver(Driver):
         never came back in good order is taken back first (as ``abandon_travel``)."""
         if self._rotating is None:
             raise IllegalTransition("orchestrator driver", "not-rotating", "finish a rotation")
-        (epoch, value), self._rotating = self._rotating, None
+        value, self._rotating = self._rotating, None
+        epoch = self.key_epoch + 1
         self.abandon_travel()
         self._install(epoch)
         self.wait_release(PushChannel.KERNEL, value, timeout)

@@ -173,13 +173,14 @@ def netem_available() -> bool:
 
 
 # ----------------------------------------------------------------------------- link shape
-def _check_bandwidth(bandwidth_mbit: float | None) -> None:
+def check_bandwidth(bandwidth_mbit: float | None) -> None:
+    """A cap in (0, MAX_BANDWIDTH_MBIT] Mbit/s, or None (uncapped); BadInput otherwise."""
     if bandwidth_mbit is None:
         return
     if isinstance(bandwidth_mbit, bool) or not isinstance(bandwidth_mbit, (int, float)):
         raise BadInput(f"bandwidth must be a number of Mbit/s or None, got {bandwidth_mbit!r}")
     if not math.isfinite(bandwidth_mbit) or not 0 < bandwidth_mbit <= MAX_BANDWIDTH_MBIT:
-        raise BadInput(f"bandwidth must be in (0, {MAX_BANDWIDTH_MBIT:g}] Mbit/s or None "
+        raise BadInput(f"bandwidth must be a positive number of Mbit/s, at most {MAX_BANDWIDTH_MBIT:g}, or None "
                        f"(uncapped), got {bandwidth_mbit!r}")
 
 
@@ -211,7 +212,7 @@ class LinkShape:
     latency_ms: float | None = None
 
     def __post_init__(self) -> None:
-        _check_bandwidth(self.bandwidth_mbit)
+        check_bandwidth(self.bandwidth_mbit)
         if (isinstance(self.delay_ms, bool) or not isinstance(self.delay_ms, (int, float))
                 or not math.isfinite(self.delay_ms) or not 0 <= self.delay_ms <= MAX_DELAY_MS):
             raise BadInput(f"delay must be in [0, {MAX_DELAY_MS:g}] ms, got {self.delay_ms!r}")
@@ -549,7 +550,7 @@ class TokenBucket:
     def from_mbit(cls, bandwidth_mbit: float, burst_bytes: int | None = None,
                   **kw: Callable) -> TokenBucket:
         """A bucket matching a netns link of the same cap (same default burst)."""
-        _check_bandwidth(bandwidth_mbit)
+        check_bandwidth(bandwidth_mbit)
         return cls(bandwidth_mbit * 1e6, burst_bytes or default_burst_bytes(bandwidth_mbit), **kw)
 
     def _refill(self) -> None:

@@ -19,7 +19,6 @@ root namespace: they are reached by Unix socket path, which namespaces do not ch
 
 from __future__ import annotations
 
-import math
 
 from ..errors import BadInput
 from ..net.shaped import (
@@ -28,6 +27,7 @@ from ..net.shaped import (
     LinkError,
     ShapedLinks,
     TokenBucket,
+    check_bandwidth,
     netns_available,
 )
 
@@ -42,9 +42,7 @@ def check_link_config(link: str, bandwidth_mbit: float | None, tap: bool) -> Non
     """Validate a cohort's link settings without building anything."""
     if link not in LINK_CHOICES:
         raise BadInput(f"link must be one of {', '.join(LINK_CHOICES)}, not {link!r}")
-    if bandwidth_mbit is not None and (isinstance(bandwidth_mbit, bool) or not isinstance(bandwidth_mbit, (int, float))
-                                       or not math.isfinite(bandwidth_mbit) or bandwidth_mbit <= 0):
-        raise BadInput(f"bandwidth must be a positive number of Mbit/s or None (uncapped), got {bandwidth_mbit!r}")
+    check_bandwidth(bandwidth_mbit)  # the same limits the links themselves apply, before anything boots
     if link == "none" and bandwidth_mbit is not None:
         raise BadInput("a bandwidth cap needs a link: use link 'auto', 'netns' or 'token-bucket', not 'none'")
     if tap and (link == "netns" or (link == "auto" and bandwidth_mbit is not None)):

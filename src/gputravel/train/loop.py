@@ -137,6 +137,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     start, resume, result = 0, None, TrainResult(losses=[])
     if resume_from is not None:
         start, resume, result = _resume(cfg, resume_from, model, optimizer, out)
+    elif out is not None:
+        out.truncate_metrics(0)  # a fresh run into a used directory: its metrics start over
     holder_of_batch = {"name": ""}
 
     def fetched(f: Fetched) -> None:
