@@ -103,7 +103,7 @@ def test_a_hello_must_name_the_holder_of_the_tls_certificate(named: str) -> None
     orch = object.__new__(Orchestrator)  # only the door: no device, host or TLS needed
     orch.listener = SimpleNamespace(accept=lambda timeout: (ours, "h1"))
     orch.attester = SimpleNamespace(serve_challenge=lambda conn, driver, timeout: None)
-    orch.driver, orch.config, orch.holders = None, SimpleNamespace(tokenizer=""), {}
+    orch.driver, orch.config, orch.holders = None, SimpleNamespace(tokenizer="", pace_mbit=None), {}
     orch.travel_sm = OrchestratorTravel(Buffer(0, 4096))
     theirs.send(HolderHello(named, 4096, 4096, (b"\x00" * 32,), ""))
     if named == "h1":

@@ -119,6 +119,9 @@ class Orchestrator:
             old.close()
         self.holders[peer] = conn
         conn.send(Welcome(cohort=NAME))
+        # Token-bucket links: each end paces itself, this link once, from its start (pacing
+        # the links of earlier joins again would hand each of them a fresh burst).
+        pace(conn, self.config.pace_mbit)
         return peer
 
     def await_holders(self, names: tuple[str, ...], timeout: float) -> dict[str, int]:
@@ -292,10 +295,7 @@ def serve(config: OrchestratorConfig, control: Transport, device_link: socket.so
                 return
             try:
                 if isinstance(cmd, AwaitHolders):
-                    sizes = orch.await_holders(cmd.names, cmd.timeout)
-                    for conn in orch.holders.values():  # token-bucket links: each end paces itself
-                        pace(conn, config.pace_mbit)
-                    control.send(Holders(dataset_bytes=sizes))
+                    control.send(Holders(dataset_bytes=orch.await_holders(cmd.names, cmd.timeout)))
                 elif isinstance(cmd, DoBaseline):
                     control.send(orch.baseline(cmd.holder, cmd.dataset_offset))
                 elif isinstance(cmd, DoTravel):

@@ -157,12 +157,12 @@ class Cohort:
             _member_dir(self.dir / "pki", member)
         host_sock = self._host_sock = str(self.dir / "host.sock")
         snoop = str(self.dir / "snoop.bin") if cfg.snoop else None
+        self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust)
         orchestrator = {"host_socket": host_sock, "pki_dir": str(self.dir / "pki" / "orchestrator"),
                         "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
                         "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer,
-                        "trust_dir": str(self.dir / "trust" / "orchestrator"), **self._device_timeout(),
+                        "trust_dir": str(self.trust.orchestrator_dir), **self._device_timeout(),
                         "audit_log": str(Path(cfg.audit_log).resolve()) if cfg.audit_log else str(self.dir / "audit.log")}
-        self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust)
         self._spawn("host", {"socket_path": host_sock, "snoop_path": snoop})
         dev_end, orch_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -296,7 +296,7 @@ class Cohort:
                                       "pki_dir": str(self.dir / "pki" / h.name), "layout": cfg.layout,
                                       "audit_arrival": cfg.audit_arrival, "dataset_format": h.format,
                                       "die_mid_copy_on_travel": h.die_mid_copy_on_travel,
-                                      "trust_dir": str(self.dir / "trust" / "holders" / h.name),
+                                      "trust_dir": str(self.trust.holder_dir(h.name)),
                                       "probe_at_boot": not late, **self._device_timeout()}, key=h.name)
 
     def _device_timeout(self) -> dict:
