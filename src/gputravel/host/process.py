@@ -14,7 +14,6 @@ on its own. An honest host has no adversary and these hooks do nothing.
 from __future__ import annotations
 
 import mmap
-import os
 import selectors
 import threading
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
 from ..messages import (Attached, AttachCvm, DeviceAck, DeviceAttach, HostError, RegisterCvm, Registered, SwitchRequest,
                         Switched)
-from ..transport.base import Transport
+from ..transport.base import Transport, close_fds
 from ..transport.stream import StreamTransport, listen_unix
 from .mux import CvmRegistration, PcieMux
 
@@ -134,26 +133,26 @@ class HostProcess:
             return None
         if isinstance(msg, RegisterCvm):
             return self._register(peer, msg, fds)
-        _close(fds)  # nothing else carries descriptors we keep
+        close_fds(fds)  # nothing else carries descriptors we keep
         if isinstance(msg, SwitchRequest):
             return self._switch(msg.target, self._cvm_of.get(peer, "")), ()
         return HostError(reason=f"unexpected message {type(msg).__name__}"), ()
 
     def _attach_device(self, peer: Transport, msg: DeviceAttach, fds: tuple[int, ...]) -> None:
         if len(fds) != 2:
-            _close(fds)
+            close_fds(fds)
             raise BadInput("device attach needs BAR0 and doorbell descriptors")
         self.device, self._device_fds, self._bar_bytes = peer, (fds[0], fds[1]), msg.bar_bytes
 
     def _register(self, peer: Transport, msg: RegisterCvm, fds: tuple[int, ...]) -> tuple[Registered, tuple[int, int]]:
         if len(fds) != 2 or self._device_fds is None:
-            _close(fds)
+            close_fds(fds)
             raise BadInput("CVM registration needs its sysmem and interrupt descriptors" if len(fds) != 2
                            else "no device is attached yet")
         reg = CvmRegistration(msg.cvm, msg.iova, msg.nbytes, fds[0], fds[1])
         old = self.mux.register(reg)
         if old is not None:
-            _close((old.sysmem_fd, old.irq_fd))
+            close_fds((old.sysmem_fd, old.irq_fd))
         if self._snooper:
             self._snooper.watch(reg)
         self._cvm_of[peer] = msg.cvm
@@ -217,11 +216,3 @@ def _adversary(config: HostConfig, host: HostProcess):
 
 def run_host(config: HostConfig) -> None:
     HostProcess(config).serve()
-
-
-def _close(fds: tuple[int, ...]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass

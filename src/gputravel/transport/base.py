@@ -8,6 +8,7 @@ owned by the caller (it must close them), mirroring SCM_RIGHTS semantics.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -75,3 +76,12 @@ def check_fds(name: str, fds: Sequence[int]) -> tuple[int, ...]:
         if type(fd) is not int or fd < 0:
             raise BadInput(f"{name}: descriptors must be non-negative ints")
     return out
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    """Close descriptors nobody will own (already-closed ones are skipped)."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

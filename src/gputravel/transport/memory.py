@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from gputravel import wire
 from gputravel.errors import PeerTimeout, ProtocolError, TransportClosed
-from gputravel.transport.base import Received, Transport, check_fds
+from gputravel.transport.base import Received, Transport, check_fds, close_fds
 
 __all__ = ["MemoryTransport", "memory_pair"]
 
@@ -69,7 +69,7 @@ class MemoryTransport(Transport):
         try:
             msg = wire.decode(data, expect=expect)
         except ProtocolError as e:
-            _close_all(fds)  # nobody will own them
+            close_fds(fds)  # nobody will own them
             raise ProtocolError(f"{self.name}: {e}") from None
         return Received(msg, fds)
 
@@ -90,15 +90,7 @@ class MemoryTransport(Transport):
             except queue.Empty:
                 break
             if item is not _CLOSED:
-                _close_all(item[1])
-
-
-def _close_all(fds: tuple[int, ...]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+                close_fds(item[1])
 
 
 def memory_pair(name_a: str = "a", name_b: str = "b") -> tuple[MemoryTransport, MemoryTransport]:

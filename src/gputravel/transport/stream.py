@@ -39,7 +39,7 @@ from typing import Protocol
 
 from gputravel import wire
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
-from gputravel.transport.base import MAX_FDS, Received, Transport, check_fds
+from gputravel.transport.base import MAX_FDS, Received, Transport, check_fds, close_fds
 
 class Pacer(Protocol):
     """What :meth:`StreamTransport.pace` needs of a token bucket."""
@@ -236,13 +236,13 @@ class StreamTransport(Transport):
                 expect: type | tuple[type, ...] | None) -> Received:
         # Framing is intact whatever happens here, so errors leave the transport usable.
         if truncated or len(fds) != want:
-            _close_fds(fds)
+            close_fds(fds)
             raise ProtocolError(f"{self.name}: frame announced {want} descriptor(s), "
                                 f"{'too many' if truncated else len(fds)} arrived")
         try:
             msg = wire.decode(payload, expect=expect)
         except ProtocolError as e:
-            _close_fds(fds)
+            close_fds(fds)
             raise ProtocolError(f"{self.name}: {e}") from None
         return Received(msg, fds)
 
@@ -303,7 +303,7 @@ class StreamTransport(Transport):
         self._truncated = False
 
     def _discard_frame(self) -> None:
-        _close_fds(self._fds)
+        close_fds(self._fds)
         if self._payload is not None:
             self._payload.release()
         self._reset_frame()
@@ -372,14 +372,6 @@ def _wait(poller: select.poll, deadline: float | None) -> bool:
         raise PeerTimeout("deadline passed")
     # Round up: never spin on a sub-millisecond remainder.
     return bool(poller.poll(math.ceil(min(remaining, _WAKE_SLICE) * 1000)))
-
-
-def _close_fds(fds: Sequence[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 # ----------------------------------------------------------------------------- AF_UNIX helpers
