@@ -30,6 +30,11 @@ class IllegalTransition(LocalError):
         self.action = action
 
 
+class EpochSpent(LocalError):
+    """A key epoch's user keys already reached a party: they may not reach another
+    (driver/epochs.py). The orchestrator must rotate before it exports or copies."""
+
+
 class CounterExhausted(LocalError):
     """An IV counter would wrap: the channel must be re-keyed before it is used again."""
 
@@ -64,6 +69,12 @@ class DeviceError(RemoteError):
 
 class PeerTimeout(RemoteError):
     """A peer did not answer in time (a dropped push, a holder that never returns the GPU)."""
+
+
+class TravelHalted(RemoteError):
+    """Fail closed: the orchestrator cannot show that the GPU moved to keys no holder had (a
+    rotation was not confirmed), so no context leaves and no data moves until a new SPDM
+    session re-keys and wipes the GPU. If that fails too, the cohort stops with this error."""
 
 
 class TransportClosed(RemoteError):

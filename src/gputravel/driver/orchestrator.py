@@ -2,7 +2,13 @@
 
 Only this driver can derive keys (from the session secret and a key epoch), scrub VRAM and
 rotate keys. The secret never leaves this object and the device; holders only ever receive
-the user channel's keys of the current epoch, inside a context blob.
+the user channel's keys of the current epoch, inside a context blob, and each epoch's keys
+reach one party at most (its :class:`EpochLedger`, driver/epochs.py).
+
+What the host can write (BAR0's get, put and RPC registers, the bounce buffers, interrupts)
+moves only positions here, never the ledger: a rotation counts only once the device confirmed
+it under the new kernel key; a rotation that cannot be submitted or confirmed halts travel
+until :meth:`OrchestratorDriver.rekey` opens a new SPDM session.
 """
 
 from __future__ import annotations
@@ -10,11 +16,12 @@ from __future__ import annotations
 from ..context import DriverContext, pack_context, unpack_context
 from ..crypto.channel import derive_epoch_keys
 from ..crypto.spdm import SpdmRequester
-from ..errors import ContextBlobError, IllegalTransition, ProtocolError
+from ..errors import ContextBlobError, GputravelError, IllegalTransition, ProtocolError
 from ..layout import U32, Bar0, PushChannel
 from ..messages import (ALL_LABELS, USER_LABELS, AllocBuffer, BufferInfo, DeviceInfo, Evidence, GetDeviceInfo,
                         GetEvidence, GrantWindow, Memset, RotateKeys)
-from .driver import Driver
+from .driver import ChannelKeys, Driver
+from .epochs import EpochLedger
 
 
 class OrchestratorDriver(Driver):
@@ -25,6 +32,7 @@ class OrchestratorDriver(Driver):
         self._exported: DriverContext | None = None
         self._kernel_issued = 0  # the last kernel release value submitted, confirmed or not
         self._rotating: int | None = None  # the release value of a rotation submitted, not finished
+        self.ledger = EpochLedger()
 
     # ------------------------------------------------------------------ boot (the orchestrator boots last)
     def establish_session(self, requester: SpdmRequester | None = None, timeout: float = 10.0) -> None:
@@ -32,11 +40,25 @@ class OrchestratorDriver(Driver):
         req = requester or SpdmRequester()
         if self.info is None:
             self.probe(timeout)
+        elif self.__session_secret is not None:  # re-keying: join the queue where the device is
+            self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
         req.handle_certificate(self.rpc(req.get_certificate(), encrypted=False, timeout=timeout))
         finish = req.handle_key_exchange_response(self.rpc(req.key_exchange(), encrypted=False, timeout=timeout))
         req.handle_finish_response(self.rpc(finish, encrypted=False, timeout=timeout))
+        # The device wiped VRAM and every channel (device/core.py, _wipe): start over with it.
         self.__session_secret = req.session_secret
+        self.keys = ChannelKeys()
+        self._put = dict.fromkeys(self._put, 0)
+        self._exported = None
+        self._rotating = None
+        self.ledger.new_session()
         self._install(0)
+
+    def rekey(self, requester: SpdmRequester | None = None, timeout: float = 10.0) -> None:
+        """Fail-closed recovery: a new SPDM session, which wipes VRAM and every channel on the
+        device and restarts the epochs from a new secret. No key any holder kept opens
+        anything after it. The dataset buffer must be allocated again."""
+        self.establish_session(requester, timeout)
 
     def _install(self, epoch: int) -> None:
         assert self.__session_secret is not None
@@ -81,6 +103,21 @@ class OrchestratorDriver(Driver):
         buf = self.alloc_buffer(nbytes, timeout)
         self._kernel(lambda v: GrantWindow(offset=buf.offset, nbytes=buf.nbytes, release=v, interrupt=True), timeout)
         return buf
+
+    # ------------------------------------------------------------------ the orchestrator's own copies
+    def copy_to_vram(self, data, dst_offset: int, *, buffer_bytes: int, timeout: float = 30.0) -> None:
+        """The orchestrator's own copy (the TLS baseline): never under an epoch a holder had."""
+        self.ledger.use_for_copy()
+        super().copy_to_vram(data, dst_offset, buffer_bytes=buffer_bytes, timeout=timeout)
+
+    def copy_from_vram(self, src_offset: int, nbytes: int, *, timeout: float = 30.0) -> bytearray:
+        self.ledger.use_for_copy()
+        return super().copy_from_vram(src_offset, nbytes, timeout=timeout)
+
+    @property
+    def epoch_fresh(self) -> bool:
+        """No party has had the current epoch's user keys: it may travel."""
+        return self.ledger.fresh
 
     # ------------------------------------------------------------------ kernel channel
     def _kernel(self, push_factory, timeout: float) -> None:
@@ -150,7 +187,9 @@ class OrchestratorDriver(Driver):
         self._adopt(sent)
         self._exported = None
         self._resync()
-        return self.export_for_travel()
+        # The same epoch to the same holder: the first blob never left (it leaves only after
+        # this confirmation), so this replaces it rather than exporting the epoch again.
+        return self._pack_export()
 
     def rotate(self, timeout: float = 10.0) -> int:
         """Move device and driver to the next key epoch; wait for the device to confirm.
@@ -177,8 +216,12 @@ class OrchestratorDriver(Driver):
         if self._rotating is not None:
             raise IllegalTransition("orchestrator driver", "rotating", "start another rotation")
         epoch = self.key_epoch + 1  # key_epoch moves only when the rotation is finished
-        self._rotating = self._submit_kernel(lambda v: RotateKeys(epoch=epoch, release=v, interrupt=True), timeout,
-                                             "rotate keys")
+        try:
+            self._rotating = self._submit_kernel(lambda v: RotateKeys(epoch=epoch, release=v, interrupt=True),
+                                                 timeout, "rotate keys")
+        except GputravelError as exc:  # say, the host made the ring look full (BAR0 get)
+            self.ledger.halt(f"the rotation to key epoch {epoch} could not be submitted ({type(exc).__name__})")
+            raise
         return epoch
 
     def finish_rotation(self, timeout: float = 10.0) -> int:
@@ -189,8 +232,13 @@ class OrchestratorDriver(Driver):
         value, self._rotating = self._rotating, None
         epoch = self.key_epoch + 1
         self.abandon_travel()
+        # Keys first (the confirmation comes under the new kernel key), but the ledger moves
+        # only once the device confirmed: until then the new epoch is not known to be in force.
+        self.ledger.halt(f"the rotation to key epoch {epoch} was not confirmed by the device")
         self._install(epoch)
         self.wait_release(PushChannel.KERNEL, value, timeout)
+        self.ledger.halted = None  # confirmed under the new kernel key, which only the device has
+        self.ledger.installed(epoch)
         # The device dropped whatever was pending on the user channel: continue from its get.
         self._resync()
         return epoch
@@ -201,7 +249,15 @@ class OrchestratorDriver(Driver):
 
     # ------------------------------------------------------------------ travel
     def export_for_travel(self) -> bytes:
+        """The current epoch's user context for one holder's travel; refused if any party had
+        that epoch before (EpochSpent) or travel is halted (TravelHalted)."""
         self._require_session("export the context")
+        if self._exported is not None:
+            raise IllegalTransition("orchestrator driver", "context-away", "export the context")
+        self.ledger.export()
+        return self._pack_export()
+
+    def _pack_export(self) -> bytes:
         self._exported = self._take_user_context()
         return pack_context(self._exported)
 
@@ -212,7 +268,7 @@ class OrchestratorDriver(Driver):
         sent = self._exported
         ctx = unpack_context(blob, layout=self.layout.digest(), epoch=sent.epoch)
         _check_same_keys(sent, ctx)
-        _check_not_stale(sent, ctx)
+        _check_consistent(sent, ctx)
         self._adopt(ctx)
         self._exported = None
         return ctx
@@ -244,15 +300,29 @@ def _check_same_keys(sent: DriverContext, back: DriverContext) -> None:
         raise ContextBlobError("returned context blob carries keys that were not exported")
 
 
-def _check_not_stale(sent: DriverContext, back: DriverContext) -> None:
+#: How far a travel may move the user semaphore or the RPC sequence: far more than any
+#: travel's pushes, far less than would bring a value near its wrap.
+MAX_ADVANCE = 1 << 32
+
+
+def _check_consistent(sent: DriverContext, back: DriverContext) -> None:
+    """What a holder's travel can have changed: message counters, positions and sequence
+    numbers, forward only and by a bounded amount. Channel counters change only when keys are
+    installed, which a travel never does: one moved either way (a holder trying to push the
+    orchestrator's IVs out of step with the device, which would fault every later travel) is
+    refused, as is anything going backwards (a stale blob)."""
     def counters(ctx: DriverContext) -> dict[str, tuple[int, int]]:
         return {s.label: (s.channel_counter, s.message_counter) for s in ctx.senders + ctx.receivers}
 
     before, after = counters(sent), counters(back)
-    if any(after[label] < before[label] for label in before):
+    if any(after[label][0] != before[label][0] for label in before):
+        raise ContextBlobError("returned context blob is inconsistent: a channel counter changed during the travel")
+    if any(after[label][1] < before[label][1] for label in before):
         raise ContextBlobError("returned context blob is stale: counters went backwards")
     if back.semaphore < sent.semaphore or back.rpc_tx_seq < sent.rpc_tx_seq:
         raise ContextBlobError("returned context blob is stale: semaphore or RPC sequence went backwards")
+    if back.semaphore - sent.semaphore > MAX_ADVANCE or back.rpc_tx_seq - sent.rpc_tx_seq > MAX_ADVANCE:
+        raise ContextBlobError("returned context blob is inconsistent: semaphore or RPC sequence moved too far")
 
 
 __all__ = ["OrchestratorDriver"]

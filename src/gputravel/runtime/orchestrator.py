@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import mmap
 import socket
 import time
@@ -18,7 +19,8 @@ from pathlib import Path
 from ..crypto.pki import CohortPki
 from ..driver.link import PcieMuxClient, register_with_host
 from ..driver.orchestrator import OrchestratorDriver
-from ..errors import BadInput, GputravelError, HolderLost, PeerTimeout, ProtocolError, RemoteError, TransportClosed
+from ..errors import (BadInput, ContextBlobError, GputravelError, HolderLost, PeerTimeout, ProtocolError, RemoteError,
+                      TransportClosed, TravelHalted)
 from ..layout import Layout
 from ..messages import Bye, HolderHello, TravelRefused, TravelResult, VramGrant, VramRequest, Welcome
 from ..roles.manifest import chunk_digest
@@ -36,6 +38,7 @@ from .travel_log import TravelLog
 from .trust import utcnow
 
 NAME = "orchestrator"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,22 @@ class Orchestrator:
         self.vram = mmap.mmap(grant.fds[0], grant.message.vram_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         buf = self.driver.alloc_dataset_buffer(self.config.buffer_bytes, timeout=self.config.device_timeout)
         self.travel_sm = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
+
+    def rekey(self) -> None:
+        """Fail-closed recovery: a new SPDM session with the GPU, verified as at boot. The device
+        wipes VRAM and every channel, so the dataset buffer is allocated and granted again.
+        Raises TravelHalted, naming the step, if the GPU cannot be re-keyed: the cohort stops."""
+        assert self.travel_sm is not None
+        try:
+            self.switch(NAME)
+            self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
+            buf = self.driver.alloc_dataset_buffer(self.config.buffer_bytes, timeout=self.config.device_timeout)
+        except GputravelError as exc:
+            raise TravelHalted(f"the GPU could not be re-keyed by a new SPDM session ({type(exc).__name__}: {exc}); "
+                               "no travel is possible: stop the cohort") from None
+        if (buf.offset, buf.nbytes) != (self.travel_sm.buffer.offset, self.travel_sm.buffer.nbytes):
+            raise TravelHalted("the re-keyed GPU placed the dataset buffer elsewhere: stop the cohort")
+        log.warning("re-keyed the GPU through a new SPDM session (VRAM wiped)")
 
     def switch(self, target: str) -> int:
         return self.mux.switch(target, self.config.device_timeout).elapsed_ns
@@ -157,6 +176,8 @@ class Orchestrator:
         clock = time.perf_counter
         if holder in sm.holders and holder not in self.holders:
             raise HolderLost(holder, "it is offline (not connected); it may join again")
+        if not drv.epoch_fresh:  # the orchestrator copied under it (baseline), or travel halted
+            self._fresh_epoch()
         self.attester.refresh(drv, utcnow(), cfg.device_timeout)  # GPU home: keep its claims fresh
         act = sm.start(holder, dataset_offset, clock())
         conn = self.holders[holder]
@@ -178,7 +199,7 @@ class Orchestrator:
             self.mux.attached(cfg.device_timeout)  # the holder asked for the switch home before exporting
             back = sm.home(clock())
             drv.start_rotation(timeout=cfg.device_timeout)  # the device rotates while we import
-            drv.import_returned(back.blob)
+            self._import(holder, conn, back.blob)
             sm.imported(clock())
             drv.finish_rotation(timeout=cfg.device_timeout)
             nxt = sm.rotated(clock())
@@ -186,8 +207,17 @@ class Orchestrator:
                 return sm.verified(self._digest(nxt) if cfg.verify else reply.chunk.digest, clock())
             return nxt
         except GputravelError:
-            self._recover()
             sm.abort()
+            self._recover()  # raises TravelHalted if the GPU can neither rotate nor be re-keyed
+            raise
+
+    def _import(self, holder: str, conn: Transport, blob: bytes) -> None:
+        """A holder that returns a context it could not have (keys, counters or positions it
+        did not get or could not reach) is dropped; the rotation under way recovers the GPU."""
+        try:
+            self.driver.import_returned(blob)
+        except ContextBlobError:
+            self._drop(holder, conn)
             raise
 
     def _send_request(self, holder: str, conn: Transport, request: object) -> None:
@@ -225,7 +255,9 @@ class Orchestrator:
             view.release()
 
     def _recover(self) -> None:
-        """A travel failed: take the GPU back and rotate, so whatever the holder kept is useless."""
+        """A travel failed: take the GPU back and rotate, so whatever the holder kept is useless.
+        If the device cannot be shown to have rotated, re-key it through a new SPDM session;
+        if that fails too, TravelHalted stops the cohort (the driver refuses every export)."""
         try:
             self.switch(NAME)
             if self.driver.rotating:  # submitted when the GPU came home: finish it (it takes the context back)
@@ -233,8 +265,21 @@ class Orchestrator:
             else:
                 self.driver.abandon_travel()
                 self.driver.rotate(timeout=self.config.device_timeout)
-        except GputravelError:
-            pass  # the caller reports the original failure; the next travel will fail loudly
+        except GputravelError as exc:
+            log.warning("recovery rotation failed (%s: %s): re-keying the GPU", type(exc).__name__, exc)
+            self.driver.abandon_travel()
+            self.rekey()
+
+    def _fresh_epoch(self) -> None:
+        """Before a travel: an epoch the orchestrator used itself, or a halt, is replaced by a
+        confirmed rotation, or else a new SPDM session (the driver refuses to export either)."""
+        if self.driver.ledger.halted is None:
+            try:
+                self.driver.rotate(timeout=self.config.device_timeout)
+                return
+            except GputravelError as exc:
+                log.warning("rotation before a travel failed (%s: %s): re-keying the GPU", type(exc).__name__, exc)
+        self.rekey()
 
     @functools.cached_property
     def baseline_path(self) -> BaselinePath:

@@ -1,0 +1,187 @@
+"""One key epoch's user keys reach one party (driver/epochs.py), whatever the host writes.
+
+The ledger alone, then the orchestrator driver on the in-process harness: the invariant is
+enforced where the keys live, so these tests drive the driver directly, as a runtime that
+forgets a step (or swallows a failure) would.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gputravel.driver.epochs import EpochLedger, EpochUse
+from gputravel.errors import EpochSpent, PeerTimeout, TravelHalted
+from gputravel.layout import U32, Bar0, PushChannel
+from gputravel.testing import ORCHESTRATOR, InProcessGpu
+
+RECORD = 64 * 1024
+
+
+# ============================================================================ the ledger alone
+def test_an_epoch_is_exported_once() -> None:
+    ledger = EpochLedger()
+    ledger.new_session()
+    assert ledger.export() == 0
+    with pytest.raises(EpochSpent, match="already exported"):
+        ledger.export()
+    ledger.installed(1)
+    assert ledger.export() == 1
+
+
+def test_the_orchestrator_never_shares_an_epoch_with_a_holder() -> None:
+    ledger = EpochLedger()
+    ledger.new_session()
+    ledger.use_for_copy()
+    ledger.use_for_copy()  # its own copies, as often as it likes
+    with pytest.raises(EpochSpent, match="used by the orchestrator"):
+        ledger.export()
+    ledger.installed(1)
+    ledger.export()
+    with pytest.raises(EpochSpent, match="exported to a holder"):
+        ledger.use_for_copy()
+
+
+def test_epochs_only_move_forward() -> None:
+    ledger = EpochLedger()
+    ledger.new_session()
+    ledger.installed(3)
+    for older in (3, 2, 0):
+        with pytest.raises(EpochSpent):
+            ledger.installed(older)
+    assert ledger.epoch == 3
+
+
+def test_a_halt_is_cleared_only_by_a_new_session() -> None:
+    ledger = EpochLedger()
+    ledger.new_session()
+    ledger.halt("the rotation was not confirmed")
+    ledger.halt("a second reason does not replace the first")
+    for act in (ledger.export, ledger.use_for_copy):
+        with pytest.raises(TravelHalted, match="not confirmed"):
+            act()
+    assert not ledger.fresh
+    ledger.new_session()
+    assert ledger.fresh and ledger.use is EpochUse.FRESH and ledger.session == 2
+
+
+# ============================================================================ the orchestrator driver
+@pytest.fixture
+def booted():
+    gpu = InProcessGpu()
+    orch, holders = gpu.boot("alice", "bob")
+    buf = orch.alloc_dataset_buffer(4 * RECORD)
+    return gpu, orch, holders, buf
+
+
+def test_the_driver_refuses_to_export_an_epoch_twice(booted) -> None:
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()
+    orch.import_returned(blob)  # the holder refused, say: the keys came back untouched
+    with pytest.raises(EpochSpent):
+        orch.export_for_travel()  # a runtime that skips the rotation still cannot export them
+    orch.rotate()
+    orch.export_for_travel()
+
+
+def test_a_baseline_copy_spends_the_epoch(booted) -> None:
+    """The orchestrator's own copy (the TLS baseline) may not be followed by an export of the
+    same epoch: the holder would open the orchestrator's bounce buffers with it."""
+    gpu, orch, holders, buf = booted
+    orch.copy_to_vram(memoryview(b"\x07" * RECORD), buf.offset, buffer_bytes=buf.nbytes)
+    assert not orch.epoch_fresh
+    with pytest.raises(EpochSpent, match="used by the orchestrator"):
+        orch.export_for_travel()
+    orch.rotate()
+    assert orch.epoch_fresh
+    orch.export_for_travel()
+
+
+def test_the_orchestrator_does_not_copy_under_an_exported_epoch(booted) -> None:
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()
+    orch.import_returned(blob)
+    with pytest.raises(EpochSpent, match="exported to a holder"):
+        orch.copy_to_vram(memoryview(b"\x07" * RECORD), buf.offset, buffer_bytes=buf.nbytes)
+
+
+def _forge_kernel_ring_full(gpu: InProcessGpu) -> None:
+    """The host writes BAR0: the kernel GPFIFO's get sits right after put (the ring looks full)."""
+    put = U32.unpack_from(gpu.bar, Bar0.put(PushChannel.KERNEL))[0]
+    U32.pack_into(gpu.bar, Bar0.get(PushChannel.KERNEL), (put + 1) % gpu.layout.gpfifo_entries)
+
+
+def test_a_forged_full_ring_halts_travel_until_a_new_session(booted) -> None:
+    """Issue 12, finding 1: the host fakes a full kernel ring so the rotation after mallory's
+    travel is never submitted. The same epoch used to be exported to the next holder."""
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()  # mallory's travel; it keeps these keys
+    orch.import_returned(blob)
+    _forge_kernel_ring_full(gpu)
+    with pytest.raises(PeerTimeout, match="GPFIFO space"):
+        orch.rotate()
+    U32.pack_into(gpu.bar, Bar0.get(PushChannel.KERNEL), U32.unpack_from(gpu.bar, Bar0.put(PushChannel.KERNEL))[0])
+    # A recovery that swallowed the failure and went on: the driver still refuses.
+    with pytest.raises(TravelHalted, match="could not be submitted"):
+        orch.export_for_travel()
+    with pytest.raises(TravelHalted):
+        orch.copy_to_vram(memoryview(b"\x07" * RECORD), buf.offset, buffer_bytes=buf.nbytes)
+    # The way out: a new SPDM session, which wipes VRAM.
+    gpu.vram[buf.offset : buf.offset + 4] = b"left"
+    orch.rekey()
+    assert bytes(gpu.vram[buf.offset : buf.offset + 4]) == bytes(4)
+    again = orch.alloc_dataset_buffer(4 * RECORD)
+    assert (again.offset, again.nbytes) == (buf.offset, buf.nbytes)
+    data = bytes(range(256)) * (RECORD // 256)
+    gpu.travel(holders["bob"], data, again)
+    assert gpu.vram_at(again.offset, RECORD) == data
+    assert orch.key_epoch == gpu.core.epoch == 1
+
+
+def test_an_unconfirmed_rotation_halts_travel(booted) -> None:
+    """The host drops the rotation's doorbell: the driver has the next epoch's keys, but the
+    device has not shown that it moved, so nothing leaves until a confirmed rotation."""
+    gpu, orch, holders, buf = booted
+    orch.import_returned(orch.export_for_travel())
+    link = gpu.links[ORCHESTRATOR]
+    link.before_service = lambda _: False
+    with pytest.raises(PeerTimeout, match="semaphore"):
+        orch.rotate(timeout=3)
+    link.before_service = None
+    with pytest.raises(TravelHalted, match="not confirmed"):
+        orch.export_for_travel()
+    orch.rekey()
+    assert orch.epoch_fresh
+    orch.alloc_dataset_buffer(4 * RECORD)
+    orch.export_for_travel()
+
+
+def test_a_confirmed_rotation_after_a_halt_resumes_travel(booted) -> None:
+    """The dropped rotation runs late (the host lets the doorbell through): the next rotation
+    is confirmed under a kernel key only the device has, so the device is provably on an
+    epoch no holder had, and travel resumes without a new session."""
+    gpu, orch, holders, buf = booted
+    orch.import_returned(orch.export_for_travel())
+    link = gpu.links[ORCHESTRATOR]
+    link.before_service = lambda _: False
+    with pytest.raises(PeerTimeout):
+        orch.rotate(timeout=3)
+    link.before_service = None
+    assert orch.rotate() == 2  # the device runs the pending rotation first, in order
+    assert gpu.core.epoch == orch.key_epoch == 2
+    data = b"\x5a" * RECORD
+    gpu.travel(holders["alice"], data, buf)
+    assert gpu.vram_at(buf.offset, RECORD) == data
+
+
+def test_rekey_joins_a_moved_rpc_queue(booted) -> None:
+    """A holder (or the host) moved the RPC queue: the new session still opens."""
+    gpu, orch, holders, buf = booted
+    blob = orch.export_for_travel()
+    gpu.switch("alice")
+    holders["alice"].import_context(blob)
+    holders["alice"].query_buffer(buf.offset)
+    holders["alice"].export_context()
+    gpu.switch(ORCHESTRATOR)
+    orch.abandon_travel()
+    orch.rekey()
+    assert orch.epoch_fresh and gpu.core.epoch == 0
