@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from gputravel.context import unpack_context
 from gputravel.driver.epochs import EpochLedger, EpochUse
-from gputravel.errors import EpochSpent, PeerTimeout, TravelHalted
-from gputravel.layout import U32, Bar0, PushChannel
-from gputravel.testing import ORCHESTRATOR, InProcessGpu
+from gputravel.errors import EpochSpent, GputravelError, PeerTimeout, TravelHalted
+from gputravel.layout import FAULT_REG, U32, Bar0, PushChannel
+from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu
 
 RECORD = 64 * 1024
 
@@ -185,3 +186,58 @@ def test_rekey_joins_a_moved_rpc_queue(booted) -> None:
     orch.abandon_travel()
     orch.rekey()
     assert orch.epoch_fresh and gpu.core.epoch == 0
+
+
+# ============================================================================ every register the host can write
+def _register(gpu: InProcessGpu, name: str) -> int:
+    if name.startswith("rpc"):
+        return {"rpc_get": Bar0.RPC_GET, "rpc_put": Bar0.RPC_PUT}[name]
+    channel = PushChannel.KERNEL if name.startswith("kernel") else PushChannel.USER
+    kind = name.split("_", 1)[1]
+    return {"get": Bar0.get(channel), "put": Bar0.put(channel), "fault": Bar0.put(channel) + FAULT_REG,
+            "doorbell": Bar0.doorbell(channel)}[kind]
+
+
+REGISTERS = ("kernel_get", "kernel_put", "kernel_fault", "kernel_doorbell", "user_get", "user_put", "user_fault",
+             "rpc_get", "rpc_put")
+
+
+@pytest.mark.parametrize("value", [0, 1, 7, 0xFFFFFFFF])
+@pytest.mark.parametrize("register", REGISTERS)
+def test_a_forged_register_at_the_rotation_never_lets_an_epoch_travel_twice(booted, register: str, value: int) -> None:
+    """The host writes any BAR0 register while the orchestrator rotates after a travel. The
+    worst it gets is a refused travel: either the rotation is confirmed (a fresh epoch) or the
+    driver refuses to export until a new session; a new session then restores travel."""
+    gpu, orch, holders, buf = booted
+    spent = orch.export_for_travel()
+    orch.import_returned(spent)
+    forged = _register(gpu, register)
+    link = gpu.links[ORCHESTRATOR]
+    link.before_service = lambda _: U32.pack_into(gpu.bar, forged, value)
+    U32.pack_into(gpu.bar, forged, value)
+    try:
+        orch.rotate(timeout=3)
+    except GputravelError:
+        pass
+    link.before_service = None
+    try:
+        blob = orch.export_for_travel()
+    except (EpochSpent, TravelHalted):
+        blob = None
+    else:  # the rotation went through: a new epoch, other keys
+        assert orch.key_epoch == gpu.core.epoch == 1
+        assert _user_keys(blob) != _user_keys(spent)
+        orch.import_returned(blob)
+    try:  # as the runtime recovers: rotate, or else re-key
+        orch.rotate()
+    except GputravelError:
+        orch.rekey()
+        buf = orch.alloc_dataset_buffer(4 * RECORD)
+    data = b"\x33" * RECORD
+    gpu.travel(holders["alice"], data, buf)
+    assert gpu.vram_at(buf.offset, RECORD) == data
+
+
+def _user_keys(blob: bytes) -> set[bytes]:
+    ctx = unpack_context(blob, layout=TEST_LAYOUT.digest())
+    return {s.key for s in ctx.senders + ctx.receivers}
