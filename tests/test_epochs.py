@@ -241,3 +241,13 @@ def test_a_forged_register_at_the_rotation_never_lets_an_epoch_travel_twice(boot
 def _user_keys(blob: bytes) -> set[bytes]:
     ctx = unpack_context(blob, layout=TEST_LAYOUT.digest())
     return {s.key for s in ctx.senders + ctx.receivers}
+
+
+def test_a_refused_context_is_a_lost_holder_the_training_loop_goes_on_without() -> None:
+    """The loader skips a HolderLost (train/loader.py); a refused context is one, and still a
+    ContextBlobError for whoever asks what went wrong."""
+    from gputravel.errors import ContextBlobError, ContextRefused, HolderLost
+
+    exc = ContextRefused("mallory", "a channel counter changed during the travel")
+    assert isinstance(exc, HolderLost) and isinstance(exc, ContextBlobError)
+    assert exc.holder == "mallory" and "channel counter" in str(exc)

@@ -89,3 +89,13 @@ class HolderLost(RemoteError):
     def __init__(self, holder: str, why: str, during: str = "a travel") -> None:
         super().__init__(f"holder {holder!r} lost during {during}: {why}")
         self.holder = holder
+
+
+class ContextRefused(HolderLost, ContextBlobError):
+    """A holder returned a context it could not have (keys, counters or positions it did not
+    get or could not reach): it is dropped, as a lost holder is, and the GPU is recovered by
+    the rotation under way, so training goes on without it."""
+
+    def __init__(self, holder: str, why: str) -> None:
+        super().__init__(holder, f"it returned a context that was refused: {why}")
+

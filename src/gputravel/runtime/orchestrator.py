@@ -19,7 +19,7 @@ from pathlib import Path
 from ..crypto.pki import CohortPki
 from ..driver.link import PcieMuxClient, register_with_host
 from ..driver.orchestrator import OrchestratorDriver
-from ..errors import (BadInput, ContextBlobError, GputravelError, HolderLost, PeerTimeout, ProtocolError, RemoteError,
+from ..errors import (BadInput, ContextBlobError, ContextRefused, GputravelError, HolderLost, PeerTimeout, ProtocolError, RemoteError,
                       TransportClosed, TravelHalted)
 from ..layout import Layout
 from ..messages import Bye, HolderHello, TravelRefused, TravelResult, VramGrant, VramRequest, Welcome
@@ -216,9 +216,9 @@ class Orchestrator:
         did not get or could not reach) is dropped; the rotation under way recovers the GPU."""
         try:
             self.driver.import_returned(blob)
-        except ContextBlobError:
+        except ContextBlobError as exc:
             self._drop(holder, conn)
-            raise
+            raise ContextRefused(holder, str(exc)) from None
 
     def _send_request(self, holder: str, conn: Transport, request: object) -> None:
         try:
