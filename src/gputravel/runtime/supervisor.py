@@ -491,7 +491,10 @@ def _typed(msg: Failed, where: str) -> GputravelError:
         cls = RemoteError
     try:
         return cls(f"{where}: {msg.reason}")
-    except TypeError:  # a class whose constructor wants more than a message (HolderLost)
+    except TypeError:  # a constructor that wants more than a message (HolderLost): the nearest
+        for base in cls.__mro__[1:]:  # type that takes one, with the kind named in the message
+            if issubclass(base, GputravelError) and base not in (errors.IllegalTransition, errors.HolderLost):
+                return base(f"{where}: {msg.kind}: {msg.reason}")
         return RemoteError(f"{where}: {msg.kind}: {msg.reason}")
 
 
