@@ -251,3 +251,55 @@ def test_a_refused_context_is_a_lost_holder_the_training_loop_goes_on_without() 
     exc = ContextRefused("mallory", "a channel counter changed during the travel")
     assert isinstance(exc, HolderLost) and isinstance(exc, ContextBlobError)
     assert exc.holder == "mallory" and "channel counter" in str(exc)
+
+
+@pytest.mark.parametrize("value", [17, 31, 1 << 20, 0xFFFFFFFF])
+def test_a_wild_user_get_stays_inside_the_user_ring(booted, value: int) -> None:
+    """The host writes a user `get` outside the ring right after a confirmed rotation (the
+    orchestrator resyncs from it). Found by review: the value went into the exported context
+    and the next user push was written over the kernel ring's slot, or crashed the holder with
+    a ValueError. Now it is brought into the ring: at worst a refused push."""
+    gpu, orch, holders, buf = booted
+    orch.import_returned(orch.export_for_travel())
+    link = gpu.links[ORCHESTRATOR]
+
+    def forge_after_service(_link) -> bool:
+        gpu.core.service()
+        U32.pack_into(gpu.bar, Bar0.get(PushChannel.USER), value)
+        return False  # serviced here already
+
+    link.before_service = forge_after_service
+    orch.rotate()
+    link.before_service = None
+    kernel_slots = bytes(gpu.sysmem(ORCHESTRATOR)[TEST_LAYOUT.pushbuf_offset(PushChannel.KERNEL, 0):
+                                                  TEST_LAYOUT.pushbuf_offset(PushChannel.KERNEL, 15)])
+    blob = orch.export_for_travel()
+    assert 0 <= unpack_context(blob, layout=TEST_LAYOUT.digest()).gpfifo_put < TEST_LAYOUT.gpfifo_entries
+    gpu.switch("alice")
+    alice = holders["alice"]
+    alice.import_context(blob)
+    try:
+        alice.copy_to_vram(memoryview(b"\x44" * RECORD), buf.offset, buffer_bytes=buf.nbytes, timeout=3)
+    except GputravelError:
+        pass  # a refused push is the worst
+    alice.export_context()
+    assert bytes(gpu.sysmem(ORCHESTRATOR)[TEST_LAYOUT.pushbuf_offset(PushChannel.KERNEL, 0):
+                                          TEST_LAYOUT.pushbuf_offset(PushChannel.KERNEL, 15)]) == kernel_slots
+
+
+def test_a_returned_context_outside_the_ring_or_with_rpc_rx_rolled_back_is_refused(booted) -> None:
+    import dataclasses
+
+    from gputravel.context import pack_context
+    from gputravel.errors import ContextBlobError
+
+    gpu, orch, holders, buf = booted
+    orch.query_buffer(buf.offset)
+    sent = orch.export_for_travel()
+    ctx = unpack_context(sent, layout=TEST_LAYOUT.digest())
+    for bad in (dataclasses.replace(ctx, gpfifo_put=TEST_LAYOUT.gpfifo_entries),
+                dataclasses.replace(ctx, rpc_rx_seq=ctx.rpc_rx_seq - 1)):
+        with pytest.raises(ContextBlobError):
+            orch.import_returned(pack_context(bad))
+        assert orch.away
+    orch.import_returned(sent)

@@ -167,7 +167,9 @@ class Driver:
         self.link.ring()
 
     def _get(self, channel: PushChannel) -> int:
-        return U32.unpack_from(self.link.bar, Bar0.get(channel))[0]
+        """The device's GPFIFO get, as BAR0 says: the host can write any value there, so it is
+        brought into the ring (a wild one only costs a refused push, never a write elsewhere)."""
+        return U32.unpack_from(self.link.bar, Bar0.get(channel))[0] % self.layout.gpfifo_entries
 
     def next_release(self, channel: PushChannel) -> int:
         return self._sem[channel] + 1
@@ -315,6 +317,8 @@ class Driver:
         # Validate before touching any state: a refused blob leaves this driver as it was.
         if self.info is not None and ctx.work_token != self.info.work_tokens[0]:
             raise ContextBlobError("context blob carries another work submission token")
+        if not 0 <= ctx.gpfifo_put < self.layout.gpfifo_entries:
+            raise ContextBlobError("context blob puts the user channel outside its GPFIFO ring")
         for state in ctx.senders:
             self.keys.tx[state.label] = Sender.from_state(state)
         for state in ctx.receivers:

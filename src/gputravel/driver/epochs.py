@@ -13,8 +13,14 @@ installed it after a rotation the device *confirmed* (a kernel semaphore under t
 key) or after a new SPDM session; nothing the host can write moves it.
 
 When a rotation cannot be shown to have happened, the ledger is *halted*: nothing is exported
-and nothing copied until a new SPDM session re-keys (and wipes) the GPU. A halt is never
-cleared by anything but :meth:`EpochLedger.new_session`.
+and nothing copied until the device confirms a later rotation (proof that it is on an epoch no
+party had: epochs only move forward, and their keys come from the session secret) or a new
+SPDM session re-keys (and wipes) the GPU. Nothing else clears a halt.
+
+What the ledger counts is data: the orchestrator's copies, and exports. The orchestrator's
+encrypted RPCs (device info, buffer placement, attestation evidence: nothing secret) also run
+under the user keys of the epoch it is about to export, so the holder of that epoch can read
+them from the host's snapshots; they are deliberately not counted.
 """
 
 from __future__ import annotations

@@ -319,9 +319,11 @@ def _check_consistent(sent: DriverContext, back: DriverContext) -> None:
         raise ContextBlobError("returned context blob is inconsistent: a channel counter changed during the travel")
     if any(after[label][1] < before[label][1] for label in before):
         raise ContextBlobError("returned context blob is stale: counters went backwards")
-    if back.semaphore < sent.semaphore or back.rpc_tx_seq < sent.rpc_tx_seq:
+    if back.semaphore < sent.semaphore or back.rpc_tx_seq < sent.rpc_tx_seq or back.rpc_rx_seq < sent.rpc_rx_seq:
         raise ContextBlobError("returned context blob is stale: semaphore or RPC sequence went backwards")
-    if back.semaphore - sent.semaphore > MAX_ADVANCE or back.rpc_tx_seq - sent.rpc_tx_seq > MAX_ADVANCE:
+    if any(after - before > MAX_ADVANCE for before, after in ((sent.semaphore, back.semaphore),
+                                                              (sent.rpc_tx_seq, back.rpc_tx_seq),
+                                                              (sent.rpc_rx_seq, back.rpc_rx_seq))):
         raise ContextBlobError("returned context blob is inconsistent: semaphore or RPC sequence moved too far")
 
 

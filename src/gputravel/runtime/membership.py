@@ -159,6 +159,8 @@ def _lend(orch: Orchestrator, holder: str) -> GpuLent:
     # Only between travels: the context is home, so the borrower gets the PCIe link but no key.
     if orch.driver.away:
         raise IllegalTransition(ORCHESTRATOR, "context-away", f"lend the GPU to {holder!r}")
+    if orch.driver.rotating or orch.driver.ledger.halted:  # the device may be on an epoch a holder had
+        raise IllegalTransition(ORCHESTRATOR, "not-rotated", f"lend the GPU to {holder!r}")
     if holder == ORCHESTRATOR:
         raise BadInput("the orchestrator cannot lend the GPU to itself")
     orch.switch(holder)

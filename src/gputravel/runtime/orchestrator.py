@@ -206,7 +206,7 @@ class Orchestrator:
             if isinstance(nxt, VerifyChunk):
                 return sm.verified(self._digest(nxt) if cfg.verify else reply.chunk.digest, clock())
             return nxt
-        except GputravelError:
+        except Exception:  # a bug too: whatever left, the GPU is recovered before anything else
             sm.abort()
             self._recover()  # raises TravelHalted if the GPU can neither rotate nor be re-keyed
             raise
