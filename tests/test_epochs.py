@@ -303,3 +303,25 @@ def test_a_returned_context_outside_the_ring_or_with_rpc_rx_rolled_back_is_refus
             orch.import_returned(pack_context(bad))
         assert orch.away
     orch.import_returned(sent)
+
+
+@pytest.mark.parametrize("state", ["rotating", "halted"])
+def test_the_gpu_is_not_lent_while_the_device_may_be_on_an_epoch_a_holder_had(booted, state: str) -> None:
+    """A booting holder borrows the GPU (runtime/membership.py): never while a rotation is
+    pending or travel is halted, when the device may still be on an epoch that holder had."""
+    from types import SimpleNamespace
+
+    from gputravel.errors import IllegalTransition
+    from gputravel.runtime.membership import _lend
+
+    gpu, orch, holders, buf = booted
+    orch.import_returned(orch.export_for_travel())
+    if state == "rotating":
+        orch.start_rotation()
+    else:
+        orch.ledger.halt("the rotation was not confirmed")
+    switched = []
+    fake = SimpleNamespace(driver=orch, switch=switched.append)
+    with pytest.raises(IllegalTransition, match="not-rotated"):
+        _lend(fake, "mallory")
+    assert switched == []
