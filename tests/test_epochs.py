@@ -25,7 +25,7 @@ def test_an_epoch_is_exported_once() -> None:
     assert ledger.export() == 0
     with pytest.raises(EpochSpent, match="already exported"):
         ledger.export()
-    ledger.installed(1)
+    ledger.rotated(1)
     assert ledger.export() == 1
 
 
@@ -36,7 +36,7 @@ def test_the_orchestrator_never_shares_an_epoch_with_a_holder() -> None:
     ledger.use_for_copy()  # its own copies, as often as it likes
     with pytest.raises(EpochSpent, match="used by the orchestrator"):
         ledger.export()
-    ledger.installed(1)
+    ledger.rotated(1)
     ledger.export()
     with pytest.raises(EpochSpent, match="exported to a holder"):
         ledger.use_for_copy()
@@ -45,14 +45,15 @@ def test_the_orchestrator_never_shares_an_epoch_with_a_holder() -> None:
 def test_epochs_only_move_forward() -> None:
     ledger = EpochLedger()
     ledger.new_session()
-    ledger.installed(3)
+    ledger.rotated(3)
     for older in (3, 2, 0):
         with pytest.raises(EpochSpent):
-            ledger.installed(older)
+            ledger.rotated(older)
     assert ledger.epoch == 3
 
 
-def test_a_halt_is_cleared_only_by_a_new_session() -> None:
+@pytest.mark.parametrize("cleared_by", ["new session", "confirmed rotation"])
+def test_a_halt_is_cleared_only_by_a_new_session_or_a_confirmed_rotation(cleared_by: str) -> None:
     ledger = EpochLedger()
     ledger.new_session()
     ledger.halt("the rotation was not confirmed")
@@ -61,8 +62,13 @@ def test_a_halt_is_cleared_only_by_a_new_session() -> None:
         with pytest.raises(TravelHalted, match="not confirmed"):
             act()
     assert not ledger.fresh
-    ledger.new_session()
-    assert ledger.fresh and ledger.use is EpochUse.FRESH and ledger.session == 2
+    if cleared_by == "new session":
+        ledger.new_session()
+        assert ledger.session == 2 and ledger.epoch == 0
+    else:
+        ledger.rotated(1)
+        assert ledger.session == 1 and ledger.epoch == 1
+    assert ledger.fresh and ledger.use is EpochUse.FRESH
 
 
 # ============================================================================ the orchestrator driver

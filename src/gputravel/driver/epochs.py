@@ -49,11 +49,12 @@ class EpochLedger:
         self.session += 1
         self.epoch, self.use, self.halted = 0, EpochUse.FRESH, None
 
-    def installed(self, epoch: int) -> None:
-        """The driver holds ``epoch``'s keys, which no party has had yet (rotations only move on)."""
+    def rotated(self, epoch: int) -> None:
+        """The device confirmed its rotation to ``epoch`` under the new kernel key: it is on
+        keys no party has had (epochs only move on), which also ends a halt."""
         if epoch <= self.epoch:
             raise EpochSpent(f"key epoch {epoch} is not newer than epoch {self.epoch}")
-        self.epoch, self.use = epoch, EpochUse.FRESH
+        self.epoch, self.use, self.halted = epoch, EpochUse.FRESH, None
 
     def halt(self, why: str) -> None:
         if self.halted is None:

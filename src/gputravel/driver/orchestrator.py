@@ -237,8 +237,7 @@ class OrchestratorDriver(Driver):
         self.ledger.halt(f"the rotation to key epoch {epoch} was not confirmed by the device")
         self._install(epoch)
         self.wait_release(PushChannel.KERNEL, value, timeout)
-        self.ledger.halted = None  # confirmed under the new kernel key, which only the device has
-        self.ledger.installed(epoch)
+        self.ledger.rotated(epoch)  # confirmed under the new kernel key, which only the device has
         # The device dropped whatever was pending on the user channel: continue from its get.
         self._resync()
         return epoch
