@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from gputravel.testing import InProcessGpu
 
 MIB = 1 << 20
 T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
+MEASURED = b"\x07" * 48  # what the launcher registered with the TDX module
 
 
 # ----------------------------------------------------------------------------- in process
@@ -67,8 +69,9 @@ def booted(world, *, max_age: int = 100, firmware_of: int = 0):
     link = gpu.add_cvm("orchestrator")
     gpu.switch("orchestrator")
     driver = OrchestratorDriver(link, clock=gpu.clock)
-    material = OrchestratorMaterial(store, gpus[0].reference_values(), enclave, max_age)
-    return gpu, driver, GpuAttester(material, b"\x07" * 48, tls)
+    material = OrchestratorMaterial(store, gpus[0].reference_values(), max_age)
+    # The quoting enclave stands in for the TDX module process (tests/test_tdx_module.py).
+    return gpu, driver, GpuAttester(material, lambda report_data: enclave.quote(MEASURED, report_data), tls)
 
 
 def test_attester_keeps_claims_fresh_with_the_clock_passed_in(world) -> None:
@@ -83,19 +86,22 @@ def test_attester_keeps_claims_fresh_with_the_clock_passed_in(world) -> None:
     assert second.nonce != first.nonce  # a fresh nonce, fresh evidence
 
 
-def test_holders_accept_what_the_attester_vouches_for_and_refuse_it_once_stale(world) -> None:
-    store, _, _, tls = world
+def test_holders_verify_the_gpu_evidence_relayed_for_their_own_nonce(world) -> None:
+    store, gpus, _, tls = world
     _, driver, attester = booted(world, max_age=100)
     attester.open_session(driver, T0, timeout=5)
     nonce = os.urandom(32)
-    evidence = attester.answer(AttestChallenge(nonce))
-    policy = Policy((attester.measurement,), GpuRequirements(), max_evidence_age_s=100)
-    got = attest_orchestrator(evidence, peer_cert_der=tls.cert_der, nonce=nonce, policy=policy, trust=store, now=T0)
-    assert got.cvm.measurement == attester.measurement and got.gpu.ueid == "GPU-T-0"
-    with pytest.raises(AttestationError) as err:  # what the refresh exists for
-        attest_orchestrator(evidence, peer_cert_der=tls.cert_der, nonce=nonce, policy=policy, trust=store,
-                            now=T0 + timedelta(seconds=101))
-    assert err.value.claim == "expired"
+    evidence = attester.answer(AttestChallenge(nonce), driver, T0, timeout=5)
+    policy = Policy((MEASURED,), GpuRequirements(), max_evidence_age_s=100)
+    reference = gpus[0].reference_values()
+    got = attest_orchestrator(evidence, peer_cert_der=tls.cert_der, nonce=nonce, policy=policy, trust=store,
+                              reference=reference, now=T0)
+    assert got.cvm.measurement == MEASURED and got.gpu.ueid == "GPU-T-0" and got.gpu.nonce == nonce
+    assert attester.claims is not None and attester.claims.nonce == nonce  # checked by the orchestrator too
+    with pytest.raises(AttestationError) as err:  # the same answer, replayed to a later challenge
+        attest_orchestrator(evidence, peer_cert_der=tls.cert_der, nonce=os.urandom(32), policy=policy, trust=store,
+                            reference=reference, now=T0)
+    assert err.value.claim == "binding"
 
 
 def test_a_gpu_failing_re_attestation_is_no_longer_vouched_for(world) -> None:
@@ -108,7 +114,15 @@ def test_a_gpu_failing_re_attestation_is_no_longer_vouched_for(world) -> None:
     assert err.value.claim == "cc_mode"
     assert attester.claims is None
     with pytest.raises(IllegalTransition, match="gpu-unattested"):
-        attester.answer(AttestChallenge(os.urandom(32)))
+        attester.answer(AttestChallenge(os.urandom(32)), driver, T0 + timedelta(seconds=60), timeout=5)
+
+
+def test_evidence_is_only_relayed_while_the_gpu_is_home(world) -> None:
+    _, driver, attester = booted(world)
+    attester.open_session(driver, T0, timeout=5)
+    driver.export_for_travel()  # the context is away: the GPU is on its way to a holder
+    with pytest.raises(IllegalTransition, match="context-away"):
+        attester.answer(AttestChallenge(os.urandom(32)), driver, T0, timeout=5)
 
 
 def test_evidence_signed_by_another_device_than_the_session_is_refused(world) -> None:
@@ -131,10 +145,14 @@ def test_each_process_gets_only_its_share_of_the_trust_material(tmp_path: Path) 
     trust = provision_cohort_trust(tmp_path / "trust", options=TrustOptions())
     trust = pin_orchestrator(trust, orchestrator=config, holders=("h1", "h2"), options=TrustOptions())
     files = {p.relative_to(trust.root).as_posix() for p in trust.root.rglob("*") if p.is_file()}
-    assert {f for f in files if f.endswith(".key")} == {"device/device-firmware.key",
-                                                         "orchestrator/quoting-enclave.key"}
+    # red team: orchestrator-self-quote. No quoting key on disk: the TDX module makes its own;
+    # the CPU-TEE root key is in the launcher's memory only, until it certifies that key.
+    assert {f for f in files if f.endswith(".key")} == {"device/device-firmware.key"}
+    assert not any(b"PRIVATE KEY" in p.read_bytes() for p in trust.orchestrator_dir.rglob("*") if p.is_file())
+    assert trust.tee_root is not None
     assert {f for f in files if f.startswith("holders/h1/")} == {
-        "holders/h1/gpu-vendor-root.pem", "holders/h1/tee-quoting-root.pem", "holders/h1/policy.json"}
+        "holders/h1/gpu-vendor-root.pem", "holders/h1/tee-quoting-root.pem", "holders/h1/policy.json",
+        "holders/h1/reference-values.json"}  # holders verify the GPU's evidence themselves
     assert Policy.load(trust.holder_dir("h2") / "policy.json").orchestrator_measurements == \
         (measure_orchestrator(config),) == trust.pinned
     # Placement (paths, addresses) is not measured; behaviour is.
@@ -185,6 +203,27 @@ def test_holders_attest_the_orchestrator_before_any_travel(datasets) -> None:
 
 
 @pytest.mark.integration
+def test_orchestrator_self_quote_the_live_tdx_module_quotes_only_the_launched_orchestrator(datasets) -> None:
+    """red team: orchestrator-self-quote, in a running cohort. The holders got quotes with the
+    measurement the launcher registered; a probe (this process, another pid and, isolated,
+    another uid) asking the same TDX module gets none, and the orchestrator's trust material
+    holds no private key at all."""
+    import json
+
+    from gputravel.attest.tdx_module import QuotingRefused, request_quote
+
+    with Cohort(config(datasets, ("h1",))) as cohort:
+        assert cohort.attestations["h1"].measurement == cohort.trust.pinned[0]
+        assert "tdx-module" in cohort.children and cohort.trust.tee_root is None  # root key gone
+        orchestrator_dir = cohort.trust.orchestrator_dir
+        assert not any(b"PRIVATE KEY" in p.read_bytes() for p in orchestrator_dir.rglob("*") if p.is_file())
+        socket_path = json.loads((orchestrator_dir / "attestation.json").read_text())["quoting_socket"]
+        with pytest.raises(QuotingRefused, match="not the CVM this module launched"):
+            request_quote(socket_path, os.urandom(64), timeout=10)
+        check_travel(cohort, datasets, "h1")  # and the orchestrator is still quoted
+
+
+@pytest.mark.integration
 def test_a_holder_whose_policy_pins_another_orchestrator_refuses_to_join(datasets) -> None:
     err = refusal(config(datasets, ("h1",), trust=TrustOptions(pinned_measurements=("ab" * 48,))))
     assert err.claim == "measurement" and "h1 did not join" in str(err)
@@ -198,13 +237,16 @@ def test_an_orchestrator_whose_config_changed_after_pinning_is_refused(datasets)
 
 
 @pytest.mark.integration
-def test_an_orchestrator_whose_code_changed_after_pinning_is_refused(datasets, tmp_path: Path,
+def test_an_orchestrator_whose_code_changed_after_pinning_is_refused(datasets, request: pytest.FixtureRequest,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import gputravel
 
     # The children run a copy of the package with one byte more in the orchestrator's code;
     # the supervisor (this process) pinned the code as it is here.
-    copy = tmp_path / "changed"
+    # Somewhere every party's uid can reach (tmp_path is closed to them: runtime/isolation.py).
+    copy = Path(tempfile.mkdtemp(prefix="gputravel-changed-"))
+    os.chmod(copy, 0o755)
+    request.addfinalizer(lambda: shutil.rmtree(copy, ignore_errors=True))
     shutil.copytree(Path(gputravel.__file__).parent, copy / "gputravel",
                     ignore=shutil.ignore_patterns("__pycache__", "demo_data"))
     with open(copy / "gputravel" / "runtime" / "orchestrator.py", "a") as f:

@@ -81,7 +81,7 @@ def test_fresh_evidence_verifies_and_claims_look_like_nvidias(verifier, device):
         assert key.startswith("x-nvidia-gpu-attestation-report-") and eat[key] is True
     assert eat["measres"] == "success" and eat[EAT.CC_MODE] == "on" and eat[EAT.EMULATED] is True
     assert eat["x-nvidia-gpu-driver-version"] == device.driver_version
-    # Claims travel (SignedClaims) through the wire codec unchanged.
+    # Claims travel through the wire codec unchanged.
     assert decode(encode(claims), expect=GpuClaims) == claims
 
 

@@ -1,4 +1,4 @@
-"""CVM quotes, RA-TLS binding, holder policies and the orchestrator's signed GPU claims."""
+"""CVM quotes, RA-TLS binding, holder policies, and the holder's own check of the GPU's evidence."""
 
 from __future__ import annotations
 
@@ -32,15 +32,15 @@ from gputravel.attest import (
     orchestrator_measurement,
     provision_gpu,
     report_data_for_tls,
-    sign_claims,
     verify_bound_quote,
     verify_ra_tls,
 )
+from gputravel.attest.chain import sign_p384
 from gputravel.attest.quote import Quote, canonical_json
 from gputravel.attest.ratls import quote_extension, spki_der
 from gputravel.attest.roots import GPU_VENDOR_ROOT_CN, TEE_QUOTING_ROOT_CN
 from gputravel.crypto.pki import _issue, _name, _new_key
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, TransportClosed
 from gputravel.wire import decode, encode
 
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=timezone.utc)
@@ -74,11 +74,8 @@ def policy(measurement):
 
 
 @pytest.fixture(scope="module")
-def gpu_claims(roots, trust):
-    device = provision_gpu(roots[0], now=NOW)
-    nonce = os.urandom(32)
-    evidence = encode(device.firmware().get_evidence(nonce))
-    return EmulatedGpuVerifier(trust, device.reference_values()).verify(evidence, nonce, NOW)
+def gpu(roots):
+    return provision_gpu(roots[0], now=NOW)
 
 
 @pytest.fixture(scope="module")
@@ -198,42 +195,94 @@ def test_certificate_without_a_quote_is_refused(trust, policy, orchestrator_tls)
 
 
 # ----------------------------------------------------------------------------- the exchange
-def test_holder_attests_orchestrator_and_its_gpu(trust, enclave, measurement, policy, gpu_claims, orchestrator_tls):
-    cert, key = orchestrator_tls
+def _answer(enclave, measurement, cert, nonce, gpu_evidence):
+    """What an orchestrator-side party that holds the TLS key and can get quotes sends."""
+    return answer_challenge(AttestChallenge(nonce), quote=lambda rd: enclave.quote(measurement, rd),
+                            tls_cert_der=cert, gpu_evidence=gpu_evidence)
+
+
+def test_holder_attests_orchestrator_and_its_gpu(trust, enclave, measurement, policy, gpu, orchestrator_tls):
+    cert, _ = orchestrator_tls
     nonce = os.urandom(32)
-    answer = answer_challenge(AttestChallenge(nonce), enclave=enclave, measurement=measurement,
-                              tls_cert_der=cert, tls_key=key, gpu=gpu_claims)
+    answer = _answer(enclave, measurement, cert, nonce, encode(gpu.firmware().get_evidence(nonce)))
     result = attest_orchestrator(answer, peer_cert_der=cert, nonce=nonce, policy=policy, trust=trust,
-                                 now=NOW + timedelta(minutes=1))
-    assert result.cvm.measurement == measurement and result.gpu == gpu_claims
+                                 reference=gpu.reference_values(), now=NOW + timedelta(minutes=1))
+    assert result.cvm.measurement == measurement and result.gpu.nonce == nonce and result.gpu.ueid == gpu.serial
     assert result.eat()["gpu"]["x-nvidia-overall-att-result"] is True
     # the quote alone verifies as a message bound to the handshake certificate
     assert verify_bound_quote(answer.quote, cert, nonce, policy, trust, NOW).measurement == measurement
-
-
-def test_signed_claims_refusals(trust, enclave, measurement, policy, gpu_claims, orchestrator_tls):
-    cert, key = orchestrator_tls
-    nonce = os.urandom(32)
-    answer = answer_challenge(AttestChallenge(nonce), enclave=enclave, measurement=measurement,
-                              tls_cert_der=cert, tls_key=key, gpu=gpu_claims)
-
-    def holder(evidence, *, nonce=nonce, policy=policy, now=NOW):
-        return attest_orchestrator(evidence, peer_cert_der=cert, nonce=nonce, policy=policy, trust=trust, now=now)
-
-    forged = dataclasses.replace(answer, signed_claims=sign_claims(gpu_claims, holder_nonce=nonce, key=_new_key()))
-    assert refused(holder, forged).claim == "signature"
-    other_nonce = os.urandom(32)
-    replayed = dataclasses.replace(answer, signed_claims=sign_claims(gpu_claims, holder_nonce=other_nonce, key=key))
-    assert refused(holder, replayed).claim == "nonce"
-    strict = Policy((measurement,), gpu=dataclasses.replace(policy.gpu, driver_versions=("999.1",)))
-    assert refused(holder, answer, policy=strict).claim == "policy"
-    assert refused(holder, answer, now=NOW + timedelta(hours=2)).claim == "expired"
-    cc_off = dataclasses.replace(gpu_claims, cc_mode=False)
-    assert refused(holder, dataclasses.replace(
-        answer, signed_claims=sign_claims(cc_off, holder_nonce=nonce, key=key))).claim == "cc_mode"
     with pytest.raises(BadInput):
-        answer_challenge(AttestChallenge(nonce), enclave=enclave, measurement=measurement,
-                         tls_cert_der=cert, tls_key=_new_key(), gpu=gpu_claims)
+        answer_challenge(AttestChallenge(b"short"), quote=lambda rd: b"", tls_cert_der=cert, gpu_evidence=b"")
+
+
+def _forgeries(gpu, nonce: bytes, now: datetime, trust) -> dict[str, tuple[bytes, str]]:
+    """GPU evidence an orchestrator-side party could present, and the claim that refuses each."""
+    genuine = gpu.firmware().get_evidence(nonce)
+    claims = EmulatedGpuVerifier(trust, gpu.reference_values()).verify(encode(genuine), nonce, now)
+    phantom = dataclasses.replace(claims, ueid="GPU-THAT-DOES-NOT-EXIST")
+    foreign = provision_gpu(Authority.self_signed(GPU_VENDOR_ROOT_CN, now=NOW), serial=gpu.serial, now=NOW)
+    body = bytearray(genuine.response)
+    body[-1] ^= 1
+    return {
+        "claims, no evidence (what the orchestrator used to sign)": (encode(phantom), "format"),
+        "a device not under the vendor root": (encode(foreign.firmware().get_evidence(nonce)), "chain"),
+        "a real GPU's evidence for another nonce": (encode(gpu.firmware().get_evidence(os.urandom(32))), "nonce"),
+        "a real GPU's evidence, edited": (encode(dataclasses.replace(genuine, response=bytes(body))), "signature"),
+        "the real chain, signed by another key": (encode(dataclasses.replace(genuine, signature=sign_p384(
+            _new_key(), genuine.request + genuine.response))), "signature"),
+        "a real GPU outside CC mode": (encode(gpu.firmware(cc_mode=False).get_evidence(nonce)), "cc_mode"),
+        "a real GPU with other firmware": (encode(gpu.firmware(measurements={
+            **dict(gpu.measurements), 1: b"\x01" * 48}).get_evidence(nonce)), "measurement"),
+    }
+
+
+def test_forged_gpu_claims_are_refused_by_the_holder(trust, enclave, measurement, policy, gpu, orchestrator_tls):
+    """red team: forged-gpu-claims. The review: anyone holding the orchestrator's TLS key and
+    the quoting key got a holder to accept claims for a GPU that does not exist. Here the
+    forging party has both (a genuine quote binding the TLS key and the holder's nonce, with
+    the pinned measurement); the holder verifies the GPU's own evidence for its nonce against
+    the vendor root and the reference values, and refuses every forgery."""
+    cert, _ = orchestrator_tls
+    nonce = os.urandom(32)
+    for what, (gpu_evidence, claim) in _forgeries(gpu, nonce, NOW, trust).items():
+        answer = _answer(enclave, measurement, cert, nonce, gpu_evidence)
+        err = refused(attest_orchestrator, answer, peer_cert_der=cert, nonce=nonce, policy=policy, trust=trust,
+                      reference=gpu.reference_values(), now=NOW)
+        assert err.claim == claim, what
+    # control: the same party relaying the real GPU's evidence for this nonce is accepted
+    answer = _answer(enclave, measurement, cert, nonce, encode(gpu.firmware().get_evidence(nonce)))
+    assert attest_orchestrator(answer, peer_cert_der=cert, nonce=nonce, policy=policy, trust=trust,
+                               reference=gpu.reference_values(), now=NOW).gpu.nonce == nonce
+
+
+def test_forged_gpu_claims_make_the_holder_runtime_hang_up(tmp_path, trust, enclave, measurement, policy, gpu,
+                                                           orchestrator_tls):
+    """red team: forged-gpu-claims, through the holder's runtime (challenge_orchestrator): it
+    sends its nonce, gets a genuine quote with evidence for another nonce, refuses, hangs up."""
+    import threading
+
+    from gputravel.runtime.attestation import challenge_orchestrator
+    from gputravel.runtime.trust import HolderMaterial
+    from gputravel.transport.stream import socketpair_transports
+
+    cert, _ = orchestrator_tls
+    holder_end, orchestrator_end = socketpair_transports("orchestrator", "holder")
+    holder_end.peer_certificate = lambda: cert  # what the TLS handshake would have shown
+
+    def forging_orchestrator() -> None:
+        challenge = orchestrator_end.recv(timeout=10, expect=AttestChallenge).message
+        stale = encode(gpu.firmware().get_evidence(os.urandom(32)))
+        orchestrator_end.send(_answer(enclave, measurement, cert, challenge.nonce, stale))
+
+    thread = threading.Thread(target=forging_orchestrator)
+    thread.start()
+    material = HolderMaterial(trust, policy, gpu.reference_values())
+    with pytest.raises(AttestationError) as err:
+        challenge_orchestrator(holder_end, material, timeout=10, now=lambda: NOW)
+    thread.join()
+    assert err.value.claim == "nonce"
+    with pytest.raises(TransportClosed):  # it hung up: no AttestAccepted, no hello, no data
+        orchestrator_end.recv(timeout=10)
 
 
 # ----------------------------------------------------------------------------- policy file

@@ -69,8 +69,8 @@ def test_host_view_holds_no_plaintext(datasets) -> None:
     with Cohort(cfg) as cohort:
         for holder, offset in plan(cohort.dataset_bytes, MIB):
             cohort.travel(holder, offset)
-        run_dir = cohort.dir
-    snooped = (run_dir / "snoop.bin").read_bytes()
+        run_dir, snoop = cohort.dir, cohort.snoop_path
+    snooped = snoop.read_bytes()
     tapped = (run_dir / "tap.bin").read_bytes()
     assert len(snooped) > 10 * MIB and len(tapped) > 1000  # the adversary really watched
     for i in (1, 2, 3):
@@ -102,7 +102,7 @@ def test_teardown_leaves_no_process_socket_or_directory(datasets) -> None:
     with cohort:
         pids = cohort.pids()
         run_dir = cohort.dir
-        assert len(pids) == 6  # host, device, 3 holders, orchestrator
+        assert len(pids) == 7  # host, TDX module, device, 3 holders, orchestrator
         cohort.travel("h2", 0)
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
@@ -134,11 +134,19 @@ def test_a_failing_child_tears_everything_down(datasets, tmp_path: Path) -> None
 
 
 def test_each_cvm_holds_only_its_own_tls_key(datasets, tmp_path: Path) -> None:
+    """Each member made its own key in its own directory; isolated (root), the key is 0600
+    and owned by that member's uid (tests/test_isolation.py probes it as every other party)."""
+    members = ("orchestrator", "h1", "h2", "h3")
     with Cohort(config(datasets, workdir=str(tmp_path))) as cohort:
         pki = cohort.dir / "pki"
         keys = {p.relative_to(pki).as_posix() for p in pki.rglob("*.key")}
+        owners = {m: (pki / m / f"{m}.key").stat() for m in members}
+        iso = cohort.isolation
         cohort.travel("h1", 0)  # and the cohort works with those keys only
-    assert keys == {f"{m}/{m}.key" for m in ("orchestrator", "h1", "h2", "h3")}
+    assert keys == {f"{m}/{m}.key" for m in members}
+    assert all(st.st_mode & 0o777 == 0o600 for st in owners.values())
+    if iso.on:
+        assert {m: st.st_uid for m, st in owners.items()} == {m: iso.uids[m] for m in members}
 
 
 def _holds(pid: int, name: str) -> bool:
@@ -181,7 +189,7 @@ def test_children_die_with_a_killed_supervisor(datasets, tmp_path: Path) -> None
     )
     sup = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in sup.stdout.readline().split()]
-    assert len(pids) == 4
+    assert len(pids) == 5  # host, TDX module, device, h1, orchestrator
     sup.send_signal(signal.SIGKILL)
     sup.wait()
     deadline = time.monotonic() + 10

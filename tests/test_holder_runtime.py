@@ -24,7 +24,7 @@ def alice(tmp_path, host_with_device):
     data.write_bytes(os.urandom(4 * TEST_LAYOUT.record_bytes))
     holder = DataHolder(HolderConfig(name="alice", dataset_path=str(data), host_socket=host_with_device.socket_path,
                                      pki_dir="", layout=TEST_LAYOUT, device_timeout=5))
-    holder.reattest_after_s = 1e9  # no attestation in this test: there is no orchestrator CVM
+    holder.attestation_valid_s = 1e9  # no attestation in this test: there is no orchestrator CVM
     yield holder
     holder.driver.link.close()
 
@@ -84,6 +84,26 @@ def test_a_travel_that_fails_on_the_holders_side_leaves_the_cohort_but_not_the_p
     raw.sendall(HEADER.pack(len(body), 0) + body)
     assert _serve_orchestrator(alice, sel) is True
     assert alice.orchestrator is None and not sel.get_map()
+    raw.close()
+
+
+def test_a_travel_past_the_attestation_age_limit_is_refused_before_the_context_is_touched(alice) -> None:
+    """The orchestrator asks a holder to re-attest (AttestDue) with the GPU home, once half the
+    holder's limit has passed. One that never asks gets no travel after the full limit: the
+    holder leaves (its process goes on) without importing the context it was sent."""
+    import time
+
+    from gputravel.wire import encode
+
+    raw, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    alice.orchestrator = StreamTransport(other, "orchestrator")
+    sel = selectors.DefaultSelector()
+    sel.register(alice.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
+    alice.attested_at, alice.attestation_valid_s = time.monotonic() - 11, 10.0
+    body = encode(TravelRequest(1, 0, 2 * alice.piece_bytes, 0, b"ctx"))
+    raw.sendall(HEADER.pack(len(body), 0) + body)
+    assert _serve_orchestrator(alice, sel) is True
+    assert alice.orchestrator is None and not sel.get_map() and alice.sm.phase.value == "idle"
     raw.close()
 
 

@@ -9,14 +9,14 @@ and Intel's and say so in their names. See docs/attestation.md for the chain of 
 from gputravel.attest.chain import CVM_QUOTE_OID, FWID_OID, verify_chain
 from gputravel.attest.errors import CLAIMS, AttestationError
 from gputravel.attest.exchange import (
+    AttestAccepted,
     AttestChallenge,
+    AttestDue,
     AttestEvidence,
     OrchestratorAttestation,
-    SignedClaims,
     answer_challenge,
     attest_orchestrator,
-    sign_claims,
-    verify_signed_claims,
+    verify_gpu_evidence,
 )
 from gputravel.attest.gpu import EmulatedGpuFirmware, GpuEvidence, ReferenceValues
 from gputravel.attest.policy import GpuRequirements, Policy
@@ -43,7 +43,9 @@ __all__ = [
     "CLAIMS",
     "CVM_QUOTE_OID",
     "FWID_OID",
+    "AttestAccepted",
     "AttestChallenge",
+    "AttestDue",
     "AttestEvidence",
     "AttestationError",
     "Authority",
@@ -60,7 +62,6 @@ __all__ = [
     "Quote",
     "QuoteClaims",
     "ReferenceValues",
-    "SignedClaims",
     "TrustStore",
     "Verifier",
     "answer_challenge",
@@ -73,10 +74,9 @@ __all__ = [
     "orchestrator_measurement",
     "provision_gpu",
     "report_data_for_tls",
-    "sign_claims",
     "spdm_chain_verifier",
     "verify_bound_quote",
     "verify_chain",
     "verify_ra_tls",
-    "verify_signed_claims",
+    "verify_gpu_evidence",
 ]

@@ -2,8 +2,10 @@
 
 Cohort PKI: one cohort CA (P-384, ecdsa-with-SHA384) signs a leaf per member (orchestrator,
 data holders, host). Every TLS connection in a cohort is mutually authenticated against that
-CA and the peer is named by its certificate CN. The CA private key is discarded after
-`create`, on purpose: nobody can mint a new member afterwards.
+CA and the peer is named by its certificate CN. `CohortPki.create` makes every key itself
+and discards the CA key after it, on purpose: nobody can mint a new member afterwards. A
+running cohort uses `CohortCa` instead: each member makes its own key (`member_csr`) and the
+CA, held only in the launcher's memory, signs the request.
 
 Device identity: the emulated GPU's signing key and its certificate chain, rooted in an
 emulated vendor root that says plainly it is not NVIDIA's. The real H100 chain has five
@@ -30,10 +32,13 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from gputravel.errors import BadInput, ProtocolError
 
 __all__ = [
+    "CohortCa",
     "CohortPki",
     "DeviceIdentity",
     "MemberIdentity",
+    "install_member_cert",
     "make_device_identity",
+    "member_csr",
     "peer_name",
 ]
 
@@ -258,15 +263,76 @@ def _member(
     name: str, ca_name: x509.Name, ca_key: ec.EllipticCurvePrivateKey, start: datetime, days: int
 ) -> MemberIdentity:
     key = _new_key()
-    cert = _issue(
-        subject=_name(name), public_key=key.public_key(), issuer=ca_name, issuer_key=ca_key,
+    cert = _leaf(name, key.public_key(), ca_name, ca_key, start, days)
+    return MemberIdentity(name, _cert_pem(cert), _key_pem(key))
+
+
+def _leaf(name: str, public_key: ec.EllipticCurvePublicKey, ca_name: x509.Name,
+          ca_key: ec.EllipticCurvePrivateKey, start: datetime, days: int) -> x509.Certificate:
+    return _issue(
+        subject=_name(name), public_key=public_key, issuer=ca_name, issuer_key=ca_key,
         not_before=start, days=days, is_ca=False,
         extensions=[
             (x509.SubjectAlternativeName([x509.DNSName(name)]), False),
             (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), False),
         ],
     )
-    return MemberIdentity(name, _cert_pem(cert), _key_pem(key))
+
+
+# ----------------------------------------------------------------------------- enrolment
+class CohortCa:
+    """A running launcher's cohort CA. Its key lives in this object only, never on disk:
+    members make their own keys (`member_csr`) and the CA signs their requests."""
+
+    def __init__(self, *, now: datetime | None = None, valid_days: int = 30) -> None:
+        self._start, self._days = _now(now), valid_days
+        self._key = _new_key()
+        self._name = _name("gputravel cohort CA")
+        self.cert_pem = _cert_pem(_issue(
+            subject=self._name, public_key=self._key.public_key(), issuer=self._name, issuer_key=self._key,
+            not_before=self._start, days=valid_days, is_ca=True,
+        ))
+
+    def __repr__(self) -> str:  # the key never shows
+        return "CohortCa()"
+
+    def issue(self, name: str, csr_pem: bytes) -> bytes:
+        """The certificate of member `name` for the P-384 key that signed `csr_pem`."""
+        _check_name(name)
+        try:
+            csr = x509.load_pem_x509_csr(csr_pem)
+        except ValueError:
+            raise BadInput(f"member {name!r}: the certificate request is not PEM") from None
+        key = csr.public_key()
+        if not csr.is_signature_valid or not isinstance(key, ec.EllipticCurvePublicKey) \
+                or not isinstance(key.curve, ec.SECP384R1):
+            raise BadInput(f"member {name!r}: the request is not self-signed by a P-384 key")
+        cns = [a.value for a in csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+        if cns != [name]:
+            raise BadInput(f"member {name!r}: the request names {cns!r}")
+        return _cert_pem(_leaf(name, key, self._name, self._key, self._start, self._days))
+
+
+def member_csr(directory: Path, name: str) -> bytes:
+    """Run by the member itself: its key, made in its own directory (0600) or, after a
+    restart, the one it made before; and a request to certify it (public material only)."""
+    path = Path(directory) / f"{_check_name(name)}.key"
+    if path.exists():
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise BadInput(f"{path} is not an EC private key")
+    else:
+        key = _new_key()
+        _write_private(path, _key_pem(key))
+    csr = x509.CertificateSigningRequestBuilder().subject_name(_name(name)).sign(key, hashes.SHA384())
+    return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def install_member_cert(directory: Path, name: str, cert_pem: bytes, ca_pem: bytes) -> None:
+    """Store what the CA sent back next to the key, so that `CohortPki.load` finds a member."""
+    directory = Path(directory)
+    (directory / f"{_check_name(name)}.pem").write_bytes(cert_pem)
+    (directory / CA_FILE).write_bytes(ca_pem)  # last: its presence marks a complete directory
 
 
 def _check_member(ident: MemberIdentity, ca_cert: x509.Certificate) -> None:

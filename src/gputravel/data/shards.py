@@ -56,6 +56,14 @@ class HolderTokens:
 
 
 # ----------------------------------------------------------------------------- writing
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask would race other threads)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    return 0o022
+
+
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write a file through a temporary sibling and os.replace, so a crash never leaves a
     half-written file under the final name (a reader would take it for a real shard)."""
@@ -64,6 +72,9 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     # The temporary name ends in .tmp, so list_shards never picks it up.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes it 0600; give it the mode open() would (a dataset is read by its
+        # holder's CVM, which runs under a uid of its own: runtime/isolation.py).
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

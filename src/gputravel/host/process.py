@@ -14,6 +14,7 @@ on its own. An honest host has no adversary and these hooks do nothing.
 from __future__ import annotations
 
 import mmap
+import os
 import selectors
 import threading
 import time
@@ -73,6 +74,8 @@ class HostProcess:
         self._device_fds: tuple[int, int] | None = None
         self._bar_bytes = 0
         self._listener = listen_unix(config.socket_path)
+        # CVMs of other uids connect to it; the directory it lies in decides who can reach it.
+        os.chmod(config.socket_path, 0o666)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._snooper = Snooper(config.snoop_path, config.snoop_limit_bytes) if config.snoop_path else None

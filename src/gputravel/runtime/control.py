@@ -50,6 +50,23 @@ class Failed:
     reason: str
 
 
+@message("ctl.enroll")
+@dataclass(frozen=True)
+class Enroll:
+    """A member asks the launcher's cohort CA to certify the key it made itself (a CSR:
+    public material only; the private key never leaves the member)."""
+
+    name: str
+    csr_pem: bytes
+
+
+@message("ctl.certified")
+@dataclass(frozen=True)
+class Certified:
+    cert_pem: bytes
+    ca_pem: bytes
+
+
 @message("ctl.shutdown")
 @dataclass(frozen=True)
 class Shutdown:

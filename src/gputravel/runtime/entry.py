@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import sys
 import traceback
+from pathlib import Path
 
-from ..errors import GputravelError
+from ..errors import GputravelError, ProtocolError
 from ..layout import Layout
 from ..transport.stream import StreamTransport
-from .control import Failed, Ready
+from .control import Certified, Enroll, Failed, Ready
+from .isolation import make_nondumpable
 
 
 def _config(cls, raw: dict):
@@ -24,11 +27,28 @@ def _config(cls, raw: dict):
     return cls(**raw)
 
 
+def _enroll(control: StreamTransport, name: str, pki_dir: str) -> None:
+    """Make this member's TLS key here, in its own directory, and have the launcher's cohort
+    CA certify it: only the request and the certificates cross the control link."""
+    from ..crypto.pki import install_member_cert, member_csr
+
+    control.send(Enroll(name=name, csr_pem=member_csr(Path(pki_dir), name)))
+    reply = control.recv(timeout=60).message
+    if not isinstance(reply, Certified):
+        raise ProtocolError(f"the launcher answered an enrolment with {type(reply).__name__}")
+    install_member_cert(Path(pki_dir), name, reply.cert_pem, reply.ca_pem)
+
+
 def main(argv: list[str]) -> int:
+    if os.environ.get("GPUTRAVEL_NONDUMPABLE") == "1":  # isolated: see runtime/isolation.py
+        make_nondumpable()
     role, payload, control_fd = argv[0], json.loads(argv[1]), int(argv[2])
     extra = socket.socket(fileno=int(argv[3])) if len(argv) > 3 else None
     control = StreamTransport(socket.socket(fileno=control_fd), "supervisor")
     try:
+        member = payload.pop("enroll", None)
+        if member is not None:
+            _enroll(control, member, payload["pki_dir"])
         if role == "host":
             from ..host.process import HostConfig, HostProcess
 
@@ -55,6 +75,10 @@ def main(argv: list[str]) -> int:
 
             assert extra is not None
             serve(_config(OrchestratorConfig, payload), control, extra)
+        elif role == "tdx-module":  # the emulated TDX module / quoting enclave (attest/tdx_module.py)
+            from ..attest.tdx_module import TdxModuleConfig, serve as serve_tdx_module
+
+            serve_tdx_module(TdxModuleConfig(**payload), control)
         elif role == "redteam-holder":  # a malicious holder (gputravel.redteam, tests and `gputravel redteam`)
             from ..redteam.holder import serve as serve_malicious
 

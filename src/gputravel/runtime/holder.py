@@ -24,7 +24,7 @@ from ..roles.manifest import PIECE_BYTES, piece_digests
 from ..transport.base import Transport
 from ..transport.stream import connect_unix
 from ..transport.tls import connect_tls
-from ..attest import OrchestratorAttestation
+from ..attest import AttestationError, AttestDue, OrchestratorAttestation
 from .attestation import challenge_orchestrator
 from .baseline import SendChunk, send_chunk
 from .control import JoinCohort, Ready, Shutdown
@@ -108,7 +108,7 @@ class DataHolder:
         self.orchestrator: Transport | None = None
         self.travels_served = 0
         self.attested_at = 0.0  # time.monotonic() of our last attestation of the orchestrator
-        self.reattest_after_s = 0.0  # half the policy's evidence age limit
+        self.attestation_valid_s = 0.0  # the policy's evidence age limit, when we last attested
 
     def boot(self) -> None:
         """Paper 4.1: set up the driver while this CVM has the GPU, before the orchestrator boots."""
@@ -130,7 +130,7 @@ class DataHolder:
         conn = connect_tls(host, port, ctx, server_hostname=ORCHESTRATOR)
         attestation = challenge_orchestrator(conn, material, timeout=30)  # closes conn if refused
         self.attested_at = time.monotonic()
-        self.reattest_after_s = material.policy.max_evidence_age_s / 2
+        self.attestation_valid_s = material.policy.max_evidence_age_s
         try:
             conn.send(HolderHello(self.config.name, self.dataset.size, self.piece_bytes, self.sm.manifest,
                                   self.dataset.tokenizer))
@@ -144,23 +144,30 @@ class DataHolder:
         self.orchestrator = conn
         return attestation
 
-    def reattest_if_due(self) -> None:
-        """Paper 4.5: evidence has a lifetime. Once half the policy's age limit has passed since
-        we last attested the orchestrator, we attest it again, on this connection, before we
-        touch the context it sent (it answers the challenge while it waits for our result).
-        A refusal closes the connection (challenge_orchestrator): this holder leaves the cohort
-        and stays up (serve's _serve_orchestrator)."""
-        if time.monotonic() - self.attested_at < self.reattest_after_s:
-            return  # the common case: no disk, no crypto on the travel path
+    def reattest(self) -> None:
+        """Paper 4.5: evidence has a lifetime. The orchestrator sends `AttestDue` between
+        travels, with the GPU home, once half our policy's age limit has passed (we told it
+        so when we last accepted it); we attest it again on this connection: a fresh quote and
+        fresh GPU evidence, both for a new nonce of ours. A refusal closes the connection
+        (challenge_orchestrator): this holder leaves the cohort and stays up."""
         material = HolderMaterial.load(self.config.trust_dir)  # the policy as it is now
-        self.reattest_after_s = material.policy.max_evidence_age_s / 2
         assert self.orchestrator is not None
         challenge_orchestrator(self.orchestrator, material, timeout=30)
         self.attested_at = time.monotonic()
+        self.attestation_valid_s = material.policy.max_evidence_age_s
         print(f"{self.config.name}: re-attested the orchestrator", flush=True)
 
+    def check_attested(self) -> None:
+        """Before we touch a context: our attestation of the orchestrator is within our
+        policy's age limit. An orchestrator that never asked us to re-attest is left."""
+        age = time.monotonic() - self.attested_at
+        if age > self.attestation_valid_s:
+            raise AttestationError("expired", f"our attestation of the orchestrator is {age:.0f} s old; the "
+                                              f"policy allows {self.attestation_valid_s:.0f} s and it did not "
+                                              "let us attest it again")
+
     def serve_travel(self, req: TravelRequest) -> None:
-        self.reattest_if_due()
+        self.check_attested()
         clock = time.perf_counter
         act = self.sm.on_request(req, clock())
         if isinstance(act, ImportBlob):  # while the MUX switches the GPU to us
@@ -270,7 +277,9 @@ def _serve_orchestrator(holder: DataHolder, sel: selectors.BaseSelector) -> bool
     if isinstance(msg, Bye):
         return False
     try:
-        if isinstance(msg, TravelRequest):
+        if isinstance(msg, AttestDue):  # between travels, with the GPU home
+            holder.reattest()
+        elif isinstance(msg, TravelRequest):
             holder.serve_travel(msg)
         elif isinstance(msg, SendChunk):  # the centralised TLS baseline (paper 7.2)
             send_chunk(holder.dataset.view, holder.piece_bytes, conn, msg)

@@ -91,6 +91,11 @@ class CohortLinks:
         """What to put before a member's argv so that it starts on its side of the link."""
         return self.shaped.exec_prefix(member) if self.shaped is not None else []
 
+    def netns_path(self, member: str) -> str | None:
+        """The file of a member's network namespace, for a child that enters it itself
+        (setns) before it drops root; None without namespaces."""
+        return f"/var/run/netns/{self.shaped.namespace(member)}" if self.shaped is not None else None
+
     @property
     def listen_host(self) -> str:
         """Where the orchestrator's TLS listener binds."""

@@ -67,8 +67,8 @@ class Joined:
 
     holder: str
     measurement: bytes  # the orchestrator measurement its quote carried (and the policy pins)
-    gpu_serial: str  # the GPU the orchestrator vouched for
-    gpu_verified_at: int  # when the orchestrator last verified that GPU (unix seconds)
+    gpu_serial: str  # the GPU whose evidence (for the holder's nonce) the holder verified
+    gpu_verified_at: int  # when the holder verified it (unix seconds)
 
 
 @message("ctl.member.lend")

@@ -28,7 +28,6 @@ from ..roles.orchestrator import Buffer, OrchestratorTravel, TravelReport, Verif
 from ..transport.base import Transport
 from ..transport.stream import StreamTransport, connect_unix
 from ..transport.tls import TlsListener
-from ..attest import AttestChallenge
 from .attestation import GpuAttester, orchestrator_attester
 from .baseline import BaselinePath, BaselineReport, BaselineSource, DoBaseline
 from .control import AwaitHolders, DoTravel, Failed, Holders, Ready, Shutdown, Train, TrainDone, TrainStep
@@ -54,7 +53,7 @@ class OrchestratorConfig:
     verify: bool = True
     tokenizer: str = ""  # when set, holders whose tokens were made by another tokenizer are refused
     pace_mbit: float | None = None  # token-bucket links: pace each holder connection to this rate
-    trust_dir: str = ""  # roots, GPU reference values, quoting enclave (runtime/trust.py); required
+    trust_dir: str = ""  # roots, GPU reference values, where its TDX module listens (runtime/trust.py); required
     audit_log: str = ""  # where the signed travel log goes (runtime/travel_log.py); "": none
 
 
@@ -179,6 +178,7 @@ class Orchestrator:
         if not drv.epoch_fresh:  # the orchestrator copied under it (baseline), or travel halted
             self._fresh_epoch()
         self.attester.refresh(drv, utcnow(), cfg.device_timeout)  # GPU home: keep its claims fresh
+        self._reattest(holder)  # GPU home: a holder whose attestation of us is due attests again
         act = sm.start(holder, dataset_offset, clock())
         conn = self.holders[holder]
         try:  # carry out each action the state machine hands back, and report its completion
@@ -227,17 +227,23 @@ class Orchestrator:
             self._drop(holder, conn)
             raise HolderLost(holder, f"{type(exc).__name__}: {exc}") from None
 
+    def _reattest(self, holder: str) -> None:
+        """Fresh GPU evidence needs the GPU home, so re-attestation happens here, before the
+        scrub; a holder that fails it (or refuses us) is dropped and may join again."""
+        conn = self.holders.get(holder)
+        if conn is None:
+            return  # sm.start says why there is no travel
+        try:
+            self.attester.reattest_if_due(conn, self.driver, self.config.holder_timeout)
+        except GputravelError as exc:
+            self._drop(holder, conn)
+            raise HolderLost(holder, f"{type(exc).__name__}: {exc}", during="its re-attestation") from None
+
     def _await_reply(self, holder: str, conn: Transport):
         """Wait for the holder's result. A holder that dies, hangs or sends garbage here is
         dropped (it may join again); the caller recovers the GPU."""
         try:
-            while True:
-                msg = conn.recv(timeout=self.config.holder_timeout,
-                                expect=(TravelResult, TravelRefused, AttestChallenge)).message
-                if not isinstance(msg, AttestChallenge):
-                    return msg
-                # The holder's attestation of us expired: answer (claims refreshed when this travel began).
-                conn.send(self.attester.answer(msg))
+            return conn.recv(timeout=self.config.holder_timeout, expect=(TravelResult, TravelRefused)).message
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
             self._drop(holder, conn)
             raise HolderLost(holder, f"{type(exc).__name__}: {exc}") from None

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import selectors
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,18 +22,24 @@ from pathlib import Path
 from typing import Callable
 
 from .. import errors
-from ..crypto.pki import CohortPki
+from ..crypto.pki import CohortCa
 from ..host.tap import TcpTap
 from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError, RemoteError, TransportClosed
 from ..layout import Layout
 from ..net.shaped import LinkError
 from ..transport.stream import StreamTransport
 from .baseline import BaselineReport, DoBaseline
-from .control import (AwaitHolders, DoTravel, Failed, Holders, JoinCohort, Ready, Shutdown, Train, TrainDone,
+from .control import (AwaitHolders, Certified, DoTravel, Enroll, Failed, Holders, JoinCohort, Ready, Shutdown, Train, TrainDone,
                       TrainStep, TravelReport)
 from .links import CohortLinks, check_link_config, resolve_link
+from .placement import Placement
+from .isolation import Isolation
 from .membership import AwaitDeparture, Joined, Leave, Left, LendGpu, ProbeGpu, Probed, ReclaimGpu
+from .quoting import KEY as TDX_MODULE, QuotingLaunch
 from .trust import CohortTrust, TrustOptions, attestation_error_from, pin_orchestrator, provision_cohort_trust
+
+
+SNOOP_FILE = Path("parties/host/snoop.bin")  # in the cohort directory: the host writes it in its own
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,12 @@ class CohortConfig:
     trust: TrustOptions = field(default_factory=TrustOptions)
     # Holders enrolled now (certificate, policy) that boot and join later: Cohort.add_holder.
     late_holders: tuple[HolderSpec, ...] = ()
+    # Each party under its own uid, non-dumpable (runtime/isolation.py): None (auto) whenever
+    # the launcher is root; False turns it off; True insists (BadInput without root).
+    isolate: bool | None = None
+    # Directories the orchestrator writes into (a training run directory): lent to its uid
+    # while the cohort runs, given back at close. Paths in them reach it however deep they lie.
+    output_dirs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = [h.name for h in self.holders]
@@ -101,13 +111,6 @@ class CohortConfig:
         return self.vram_bytes or self.buffer_bytes + (64 << 20)
 
 
-def _pdeathsig() -> None:
-    """Children die with the supervisor even if it is killed outright."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Child:
     role: str
@@ -131,6 +134,9 @@ class Cohort:
         self.attestations: dict[str, Joined] = {}  # what each holder verified when it last joined
         self._host_sock = ""
         self._join_port = 0
+        self.placement: Placement | None = None
+        self._ca: CohortCa | None = None  # in this process's memory only, never on disk
+        self._certs: dict[str, bytes] = {}  # what the CA issued (public)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Cohort:
@@ -147,31 +153,46 @@ class Cohort:
     def start(self) -> None:
         cfg = self.config
         self.dir = Path(tempfile.mkdtemp(prefix="gputravel-", dir=cfg.workdir))
+        place = self.placement = Placement(self.dir, cfg.isolate)
         names = tuple(h.name for h in cfg.holders)
-        # Late holders are enrolled now: the cohort CA's key is discarded once members exist.
         members = names + tuple(h.name for h in cfg.late_holders)
         self.links = CohortLinks.for_cohort(cfg.link, members, cfg.bandwidth_mbit)
         self.links.open()
-        CohortPki.create(self.dir / "pki", ("orchestrator",) + members)
+        # Each member makes its own key at boot and sends a request (_certify); the CA's key
+        # stays in this process until close, for late and restarted holders.
+        self._ca = CohortCa()
         for member in ("orchestrator",) + members:
-            _member_dir(self.dir / "pki", member)
-        host_sock = self._host_sock = str(self.dir / "host.sock")
-        snoop = str(self.dir / "snoop.bin") if cfg.snoop else None
-        self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust)
-        orchestrator = {"host_socket": host_sock, "pki_dir": str(self.dir / "pki" / "orchestrator"),
+            (self.dir / "pki" / member).mkdir(parents=True, mode=0o700)
+            place.own(self.dir / "pki" / member, member)
+        host_sock = self._host_sock = place.path(place.socket_dir / "host.sock")
+        snoop = place.path(self.snoop_path) if self.snoop_path else None
+        quoting = QuotingLaunch(place, self.dir)  # the orchestrator's TDX module (runtime/quoting.py)
+        self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust, quoting_socket=quoting.socket)
+        place.own(self.trust.device_dir, "device")
+        place.own(self.trust.orchestrator_dir, "orchestrator")
+        for out in cfg.output_dirs:
+            place.lend_dir("orchestrator", out)
+        audit = place.lend_file("orchestrator", cfg.audit_log) if cfg.audit_log else None
+        orchestrator = {"host_socket": host_sock, "pki_dir": place.path(self.dir / "pki" / "orchestrator"),
                         "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
                         "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer,
-                        "trust_dir": str(self.trust.orchestrator_dir), **self._device_timeout(),
-                        "audit_log": str(Path(cfg.audit_log).resolve()) if cfg.audit_log else str(self.dir / "audit.log")}
+                        "trust_dir": place.path(self.trust.orchestrator_dir), **self._device_timeout(),
+                        "audit_log": audit or place.path(self.audit_log_path)}
         self._spawn("host", {"socket_path": host_sock, "snoop_path": snoop})
+        self._spawn(TDX_MODULE, quoting.config)  # makes its quoting key; we certify it, then drop the root key
+        self.trust = quoting.certify(self.children[TDX_MODULE].control, self.trust, cfg.boot_timeout)
         dev_end, orch_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._spawn("device", {"host_socket": host_sock, "vram_bytes": cfg.device_vram, "layout": cfg.layout,
-                                   "gpu_dir": str(self.trust.device_dir)}, extra_fd=dev_end.fileno())
+                                   "gpu_dir": place.path(self.trust.device_dir)}, extra_fd=dev_end.fileno())
             for h in cfg.holders:  # each holder sets up its driver while it holds the GPU
                 self._spawn_holder(h)
-            self.trust = self._pin(orchestrator, members)  # just before it boots and measures itself
-            ready = self._spawn("orchestrator", self._launched(orchestrator), extra_fd=orch_end.fileno())
+            self.trust = self._pin(orchestrator, members)  # as late as possible before it boots
+            measured = quoting.measure_launch(self._launched(orchestrator), place.popen_kwargs("orchestrator", None))
+            ready = self._spawn("orchestrator", {**self._launched(orchestrator), "enroll": "orchestrator"},
+                                extra_fd=orch_end.fileno())
+            quoting.register(self.children[TDX_MODULE].control, self.children["orchestrator"].proc.pid,
+                             place.uid("orchestrator") if place.on else None, measured, cfg.boot_timeout)
         finally:
             dev_end.close()
             orch_end.close()
@@ -190,23 +211,42 @@ class Cohort:
         fds = [theirs.fileno()] + ([extra_fd] if extra_fd is not None else [])
         log = self.dir / f"{key}.log"
         prefix, config = self._on_link(role, key, config)
+        netns = self.links.netns_path(key) if prefix and self.placement.on else None
+        if netns is not None:
+            prefix = []  # the child enters the namespace itself, while still root (isolation.dropper)
         payload = json.dumps(config, default=_jsonable)
         argv = [*prefix, sys.executable, "-m", "gputravel.runtime.entry", role, payload, *map(str, fds)]
+        popen = {**self.placement.popen_kwargs(key, netns), **self._popen_extras(role, key)}
+        fds += popen.pop("pass_fds")
         with open(log, "wb") as logf:
-            proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                    preexec_fn=_pdeathsig)
+            proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, **popen)
         theirs.close()
         child = Child(role, proc, StreamTransport(ours, key), log)
         self.children[key] = child
         try:
             msg = child.control.recv(timeout=self.config.boot_timeout).message
+            if isinstance(msg, Enroll):
+                self._certify(key, config, child, msg)
+                msg = child.control.recv(timeout=self.config.boot_timeout).message
         except GputravelError as exc:
             raise RemoteError(f"{key} failed to boot: {exc}{self._log_tail(child)}") from None
         if isinstance(msg, Failed):
             raise _typed(msg, f"{key} failed to boot")
         if not isinstance(msg, Ready):
             raise RemoteError(f"{key} sent {type(msg).__name__} instead of ready")
+        self.placement.check(key, proc.pid)  # what it runs as, read back from /proc once it is up
         return msg
+
+    def _certify(self, key: str, config: dict, child: Child, msg: Enroll) -> None:
+        """Sign the key a member made itself; only the member this child was started as."""
+        if self._ca is None or msg.name != config.get("enroll"):
+            raise ProtocolError(f"{key} asked to be certified as {msg.name!r}")
+        self._certs[msg.name] = self._ca.issue(msg.name, msg.csr_pem)
+        child.control.send(Certified(cert_pem=self._certs[msg.name], ca_pem=self._ca.cert_pem))
+
+    def _popen_extras(self, role: str, key: str) -> dict:
+        """More Popen arguments for one child (the red team's colluders share their loot)."""
+        return {}
 
     def _on_link(self, role: str, key: str, config: dict) -> tuple[list[str], dict]:
         """Holders and the orchestrator start on their side of the cohort's link."""
@@ -250,6 +290,9 @@ class Cohort:
             self._tap.close()
             self._tap = None
         self._close_links()
+        self._ca = None  # nobody is certified any more
+        if self.placement is not None:
+            self.placement.close()  # lent outputs go back to their owners
         if self.dir is not None and self.config.workdir is None:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -273,8 +316,8 @@ class Cohort:
     # ------------------------------------------------------------------ trust and membership
     def _pin(self, orchestrator: dict, members: tuple[str, ...]) -> CohortTrust:
         """Holders' policies pin this orchestrator's measurement (runtime/trust.py). Done as
-        late as possible: a source file saved between this and the orchestrator measuring
-        itself would look like a changed orchestrator, and holders would refuse it."""
+        late as possible: a source file saved between this and the launch measurement
+        (runtime/quoting.py) would look like a changed orchestrator, and holders would refuse it."""
         from .orchestrator import OrchestratorConfig
 
         assert self.trust is not None
@@ -283,7 +326,10 @@ class Cohort:
             OrchestratorConfig(**self._launched(orchestrator))
         except TypeError as exc:
             raise BadInput(f"orchestrator configuration: {exc}") from None
-        return pin_orchestrator(self.trust, orchestrator=pinned, holders=members, options=self.config.trust)
+        trust = pin_orchestrator(self.trust, orchestrator=pinned, holders=members, options=self.config.trust)
+        for name in members:
+            self.placement.own(trust.holder_dir(name), name)
+        return trust
 
     def _launched(self, orchestrator: dict) -> dict:
         """What the orchestrator is started with: what was pinned, unless a test changes it."""
@@ -292,12 +338,15 @@ class Cohort:
     def _spawn_holder(self, h: HolderSpec, *, late: bool = False) -> Ready:
         assert self.dir is not None
         cfg = self.config
-        return self._spawn("holder", {"name": h.name, "dataset_path": h.dataset, "host_socket": self._host_sock,
-                                      "pki_dir": str(self.dir / "pki" / h.name), "layout": cfg.layout,
+        place = self.placement
+        return self._spawn("holder", {"name": h.name, "dataset_path": place.dataset(h.name, h.dataset),
+                                      "host_socket": self._host_sock,
+                                      "pki_dir": place.path(self.dir / "pki" / h.name), "layout": cfg.layout,
                                       "audit_arrival": cfg.audit_arrival, "dataset_format": h.format,
                                       "die_mid_copy_on_travel": h.die_mid_copy_on_travel,
-                                      "trust_dir": str(self.trust.holder_dir(h.name)),
-                                      "probe_at_boot": not late, **self._device_timeout()}, key=h.name)
+                                      "trust_dir": place.path(self.trust.holder_dir(h.name)),
+                                      "probe_at_boot": not late, **self._device_timeout(), "enroll": h.name},
+                           key=h.name)
 
     def _device_timeout(self) -> dict:
         t = self.config.device_timeout
@@ -437,6 +486,7 @@ class Cohort:
               on_step: Callable[[TrainStep], None] | None = None) -> dict:
         """Run a training job in the orchestrator CVM; returns its report (see train.loop.make_report)."""
         orch = self.children["orchestrator"]
+        run_dir, resume_checkpoint = (self.placement.output("orchestrator", p) for p in (run_dir, resume_checkpoint))
         orch.control.send(Train(config_json=config_json, run_dir=run_dir, resume_checkpoint=resume_checkpoint))
         while True:
             try:
@@ -455,31 +505,27 @@ class Cohort:
 
     @property
     def snoop_path(self) -> Path | None:
-        return self.dir / "snoop.bin" if self.dir is not None and self.config.snoop else None
+        return self.dir / SNOOP_FILE if self.dir is not None and self.config.snoop else None
 
     @property
     def audit_log_path(self) -> Path | None:
         """Where the orchestrator writes its signed travel log."""
         if self.config.audit_log:
             return Path(self.config.audit_log)
-        return self.dir / "audit.log" if self.dir is not None else None
+        return self.dir / "parties" / "orchestrator" / "audit.log" if self.dir is not None else None
 
     def orchestrator_certificate(self) -> bytes:
         """The orchestrator's cohort certificate (public): the key that signs the travel log."""
         assert self.dir is not None
-        return (self.dir / "pki" / "orchestrator.pem").read_bytes()
+        return self._certs["orchestrator"]
+
+    @property
+    def isolation(self) -> Isolation:
+        """The isolation this cohort got: on or off (and why), each party's uid and dumpability."""
+        return self.placement.isolation if self.placement is not None else Isolation(False, "not started")
 
     def pids(self) -> dict[str, int]:
         return {k: c.proc.pid for k, c in self.children.items()}
-
-
-def _member_dir(pki: Path, member: str) -> None:
-    """Each CVM gets only the cohort CA and its own certificate and key, never another's key."""
-    own = pki / member
-    own.mkdir(mode=0o700)
-    for name in ("ca.pem", f"{member}.pem", f"{member}.key"):
-        shutil.copy2(pki / name, own / name)
-    os.unlink(pki / f"{member}.key")
 
 
 def _typed(msg: Failed, where: str) -> GputravelError:

@@ -7,15 +7,15 @@ under its temporary directory:
                          provisioning is done: the root keys are deleted, like the cohort CA's)
     trust/device/        the provisioned GPU: 5-certificate chain, firmware key, state
                          -> the device process only
-    trust/orchestrator/  both root certificates, the GPU's reference values, the quoting
-                         enclave (key + chain) and the evidence age limit -> the orchestrator
-    trust/holders/NAME/  both root certificates and NAME's policy, which pins the
-                         orchestrator's measurement -> that holder only (written right
-                         before the orchestrator boots: `pin_orchestrator`)
+    trust/orchestrator/  both root certificates, the GPU's reference values, the evidence age
+                         limit and where its TDX module listens -> the orchestrator
+    trust/holders/NAME/  both root certificates, the GPU's reference values and NAME's policy,
+                         which pins the orchestrator's measurement -> that holder only
+                         (written right before the orchestrator boots: `pin_orchestrator`)
 
-No CVM ever gets a root's private key. The quoting-enclave key does sit in the orchestrator's
-directory: the emulated quoting enclave is told its measurement by the CVM it quotes, the
-stand-in's known weak point (docs/attestation.md).
+No CVM ever gets a root's private key, nor a quoting key: the TDX module (its own process,
+attest/tdx_module.py) makes its key itself, and the CPU-TEE root key stays in the launcher's
+memory only (`CohortTrust.tee_root`) until it has certified that key (runtime/quoting.py).
 """
 
 from __future__ import annotations
@@ -29,13 +29,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-
 from ..attest import (
     AttestationError,
-    EmulatedQuotingEnclave,
+    Authority,
     GpuDevice,
     GpuRequirements,
     Policy,
@@ -48,7 +44,7 @@ from ..attest import (
 )
 from ..attest.errors import CLAIMS
 from ..attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
-from ..crypto.pki import DeviceIdentity, _key_pem, _write_private
+from ..crypto.pki import DeviceIdentity
 from ..errors import BadInput
 
 if TYPE_CHECKING:
@@ -60,7 +56,6 @@ __all__ = ["CohortTrust", "DeviceMaterial", "HolderMaterial", "OrchestratorMater
 
 POLICY_FILE = "policy.json"
 REFERENCE_FILE = "reference-values.json"
-QE_KEY_FILE, QE_CHAIN_FILE = "quoting-enclave.key", "quoting-enclave-chain.pem"
 LIMITS_FILE = "attestation.json"
 #: Orchestrator settings that say where it runs, not what it does: left out of its measurement,
 #: so a holder can pin the code and configuration it inspected wherever the cohort is placed.
@@ -123,6 +118,8 @@ class CohortTrust:
     gpu_serial: str
     gpu_driver: str
     pinned: tuple[bytes, ...] = ()
+    # The CPU-TEE root, in the launcher's memory only, until it certifies the TDX module's key.
+    tee_root: Authority | None = field(default=None, repr=False, compare=False)
 
     @property
     def device_dir(self) -> Path:
@@ -136,18 +133,22 @@ class CohortTrust:
         return self.root / "holders" / name
 
 
-def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datetime | None = None) -> CohortTrust:
-    """Create the roots, the GPU and the quoting enclave; fill the device's and the
-    orchestrator's directories. Holders get theirs from `pin_orchestrator`."""
+def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datetime | None = None,
+                           quoting_socket: str = "") -> CohortTrust:
+    """Create the roots and the GPU; fill the device's and the orchestrator's directories
+    (`quoting_socket`: where the orchestrator's TDX module listens). The root keys leave the
+    disk here; the CPU-TEE root stays in the returned trust's memory for the TDX module's key.
+    Holders get their share from `pin_orchestrator`."""
     directory = Path(directory)
     roots = directory / "roots"
     init_roots(roots, now=now)
     gpu = _provision_device(directory, roots, options, now)
     gpu.save(directory / "device")
-    enclave = EmulatedQuotingEnclave.provision(load_authority(roots, "tee"), now=now)
-    _discard_root_keys(roots)  # nothing more is provisioned: nobody needs them again
-    _write_orchestrator(directory / "orchestrator", roots, gpu.reference_values(), enclave, options)
-    return CohortTrust(directory, gpu.serial, gpu.driver_version)
+    tee_root = load_authority(roots, "tee")
+    _discard_root_keys(roots)  # on disk, nobody needs them again
+    gpu.reference_values().save(roots / REFERENCE_FILE)  # what the vendor publishes: the launcher's copy
+    _write_orchestrator(directory / "orchestrator", roots, options, quoting_socket)
+    return CohortTrust(directory, gpu.serial, gpu.driver_version, tee_root=tee_root)
 
 
 def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, holders: tuple[str, ...],
@@ -157,7 +158,8 @@ def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, ho
     the orchestrator boots and measures itself: the two measurements are of the same files."""
     pinned = (tuple(bytes.fromhex(m) for m in options.pinned_measurements)
               if options.pinned_measurements is not None else (measure_orchestrator(orchestrator),))
-    policy = Policy(pinned, GpuRequirements(driver_versions=(trust.gpu_driver,)), options.max_evidence_age_s)
+    policy = Policy(pinned, GpuRequirements(driver_versions=(trust.gpu_driver,)), options.max_evidence_age_s,
+                    Path(REFERENCE_FILE))
     for name in holders:
         _write_holder(trust.holder_dir(name), trust.root / "roots", policy)
     return dataclasses.replace(trust, pinned=pinned)
@@ -181,23 +183,18 @@ def _discard_root_keys(roots: Path) -> None:
 
 def _private_dir(path: Path, roots: Path) -> None:
     path.mkdir(parents=True, mode=0o700)
-    for name in (GPU_ROOT_CERT, TEE_ROOT_CERT):
+    for name in (GPU_ROOT_CERT, TEE_ROOT_CERT, REFERENCE_FILE):
         shutil.copy2(roots / name, path / name)
 
 
-def _write_orchestrator(path: Path, roots: Path, reference: ReferenceValues, enclave: EmulatedQuotingEnclave,
-                        options: TrustOptions) -> None:
+def _write_orchestrator(path: Path, roots: Path, options: TrustOptions, quoting_socket: str) -> None:
     _private_dir(path, roots)
-    reference.save(path / REFERENCE_FILE)
-    _write_private(path / QE_KEY_FILE, _key_pem(enclave.key))
-    pem = b"".join(x509.load_der_x509_certificate(c).public_bytes(serialization.Encoding.PEM)
-                   for c in enclave.cert_chain)
-    (path / QE_CHAIN_FILE).write_bytes(pem)
-    (path / LIMITS_FILE).write_text(json.dumps({"max_evidence_age_s": options.max_evidence_age_s}) + "\n")
+    limits = {"max_evidence_age_s": options.max_evidence_age_s, "quoting_socket": quoting_socket}
+    (path / LIMITS_FILE).write_text(json.dumps(limits) + "\n")
 
 
 def _write_holder(path: Path, roots: Path, policy: Policy) -> None:
-    _private_dir(path, roots)
+    _private_dir(path, roots)  # the roots and the reference values: it verifies the GPU itself
     (path / POLICY_FILE).write_text(json.dumps(policy.to_json(), indent=2) + "\n")
 
 
@@ -221,13 +218,14 @@ class DeviceMaterial:
 
 @dataclass(frozen=True)
 class OrchestratorMaterial:
-    """What the orchestrator holds: the roots it trusts, the GPU's reference values, its
-    quoting enclave, and how old GPU claims may get before holders refuse them."""
+    """What the orchestrator holds: the roots it trusts, the GPU's reference values, how old
+    GPU claims may get before holders refuse them, and where its TDX module listens (it
+    holds no quoting key: attest/tdx_module.py)."""
 
     trust: TrustStore
     reference: ReferenceValues
-    enclave: EmulatedQuotingEnclave = field(repr=False)
     max_evidence_age_s: int
+    quoting_socket: str = ""
 
     @classmethod
     def load(cls, directory: str) -> OrchestratorMaterial:
@@ -235,24 +233,24 @@ class OrchestratorMaterial:
             raise BadInput("the orchestrator has no trust material (trust_dir is empty): it cannot attest the GPU")
         path = Path(directory)
         try:
-            key = serialization.load_pem_private_key((path / QE_KEY_FILE).read_bytes(), password=None)
-            chain = tuple(c.public_bytes(serialization.Encoding.DER)
-                          for c in x509.load_pem_x509_certificates((path / QE_CHAIN_FILE).read_bytes()))
             limits = json.loads((path / LIMITS_FILE).read_text())
         except (OSError, ValueError):
-            raise BadInput(f"{path}: quoting enclave or limits missing or unreadable") from None
-        if not isinstance(key, ec.EllipticCurvePrivateKey) or type(limits.get("max_evidence_age_s")) is not int:
-            raise BadInput(f"{path}: malformed quoting key or limits")
-        return cls(TrustStore.load(path), ReferenceValues.load(path / REFERENCE_FILE),
-                   EmulatedQuotingEnclave(key, chain), limits["max_evidence_age_s"])
+            raise BadInput(f"{path}: attestation limits missing or unreadable") from None
+        if not isinstance(limits, dict) or type(limits.get("max_evidence_age_s")) is not int or \
+                not isinstance(limits.get("quoting_socket", ""), str):
+            raise BadInput(f"{path}: malformed attestation limits")
+        return cls(TrustStore.load(path), ReferenceValues.load(path / REFERENCE_FILE), limits["max_evidence_age_s"],
+                   limits.get("quoting_socket", ""))
 
 
 @dataclass(frozen=True)
 class HolderMaterial:
-    """What a holder holds: the roots it trusts and its policy (the pinned orchestrator)."""
+    """What a holder holds: the roots it trusts, its policy (the pinned orchestrator) and the
+    GPU's reference values, to verify the GPU's own evidence."""
 
     trust: TrustStore
     policy: Policy
+    reference: ReferenceValues
 
     @classmethod
     def load(cls, directory: str) -> HolderMaterial:
@@ -260,7 +258,9 @@ class HolderMaterial:
             raise BadInput("this holder has no trust material (trust_dir is empty): it will not join an "
                            "orchestrator it cannot attest")
         path = Path(directory)
-        return cls(TrustStore.load(path), Policy.load(path / POLICY_FILE))
+        policy = Policy.load(path / POLICY_FILE)
+        return cls(TrustStore.load(path), policy,
+                   ReferenceValues.load(policy.gpu_reference_values or path / REFERENCE_FILE))
 
 
 # ----------------------------------------------------------------------------- errors across processes

@@ -123,7 +123,7 @@ def _run_travelling(cfg: JobConfig, run_dir: Path, on_step) -> dict:
     log, cert = _audit_paths(run_dir)
     cohort_cfg = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
                               buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
-                              audit_log=str(log))
+                              audit_log=str(log), output_dirs=(str(run_dir),))  # lent to the orchestrator's uid
     with Cohort(cohort_cfg) as cohort:
         cert.write_bytes(cohort.orchestrator_certificate())  # what holders verify the log with
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{k: getattr(m, k) for k in StepEvent.__dataclass_fields__})))

@@ -1,0 +1,305 @@
+"""The emulated TDX module and quoting enclave as its own OS process.
+
+A real TD cannot choose its own measurement: the TDX module measures the TD as it is built,
+and the quoting enclave signs only reports the module produced. The stand-in keeps that
+property with processes:
+
+- it makes its own quoting key, in this process, when it starts. The launcher (standing for
+  the CPU-TEE vendor, whose root key it holds until then) certifies the public key
+  (`QuotingKey` -> `QuotingKeyCertified`) and then discards its root key;
+- the launcher tells it which CVM it launched and that CVM's measurement, computed by the
+  launcher from the code and configuration it launched (`LaunchedCvm` -> `CvmRegistered`),
+  over the launcher's own control link. One module quotes for one CVM;
+- a CVM asks over a unix socket with report data only (`QuoteRequest`); nothing it sends can
+  name a measurement. The module signs only for the connection whose kernel-reported
+  credentials (SO_PEERCRED: pid and uid) are those of the launched CVM, and only while that
+  very process lives (a pidfd, so a recycled pid is not it). A request that comes before the
+  launch is registered is held, up to `hold_s`; every other peer is refused (`QuoteRefused`).
+
+``python -m gputravel.runtime.entry tdx-module CONFIG CONTROL_FD`` runs `serve`. `TdxModule`
+is the sans-IO core; `request_quote` is the CVM's side.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import selectors
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import cast
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from ..crypto.pki import _new_key
+from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError, RemoteError, TransportClosed
+from ..transport.stream import StreamTransport, connect_unix, listen_unix
+from ..wire import message
+from .quote import MEASUREMENT_BYTES, REPORT_DATA_BYTES, EmulatedQuotingEnclave
+
+__all__ = ["CvmRegistered", "Launch", "LaunchedCvm", "Peer", "QuoteRefused", "QuoteReply", "QuoteRequest",
+           "QuotingKey", "QuotingKeyCertified", "QuotingRefused", "TdxModule", "TdxModuleConfig",
+           "request_quote", "serve"]
+
+QUOTING_KEY_CN = "EMULATED TDX quoting key (not Intel)"
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+# ----------------------------------------------------------------------------- messages
+@message("attest.tdx.quote_request")
+@dataclass(frozen=True)
+class QuoteRequest:
+    """CVM -> module: quote me with this report data (nothing else can be asked)."""
+
+    report_data: bytes
+
+
+@message("attest.tdx.quote_reply")
+@dataclass(frozen=True)
+class QuoteReply:
+    quote: bytes
+
+
+@message("attest.tdx.quote_refused")
+@dataclass(frozen=True)
+class QuoteRefused:
+    reason: str
+
+
+@message("attest.tdx.quoting_key")
+@dataclass(frozen=True)
+class QuotingKey:
+    """Module -> launcher: the public quoting key it made (SubjectPublicKeyInfo DER)."""
+
+    public_key: bytes
+
+
+@message("attest.tdx.quoting_key_certified")
+@dataclass(frozen=True)
+class QuotingKeyCertified:
+    cert_chain: tuple[bytes, ...]  # quoting-key certificate, CPU-TEE root
+
+
+@message("attest.tdx.launched")
+@dataclass(frozen=True)
+class LaunchedCvm:
+    """Launcher -> module: the CVM it started, as the kernel names it, and its measurement."""
+
+    pid: int
+    uid: int
+    measurement: bytes
+
+
+@message("attest.tdx.registered")
+@dataclass(frozen=True)
+class CvmRegistered:
+    pid: int
+
+
+class QuotingRefused(RemoteError):
+    """The TDX module would not quote for this caller."""
+
+
+# ----------------------------------------------------------------------------- the core (sans-IO)
+@dataclass(frozen=True)
+class Peer:
+    """A caller as the kernel reports it (SO_PEERCRED at connect time)."""
+
+    pid: int
+    uid: int
+
+
+@dataclass(frozen=True)
+class Launch:
+    pid: int
+    uid: int
+    measurement: bytes
+
+
+@dataclass
+class TdxModule:
+    """Holds the quoting key; quotes (launch measurement, caller's report data) for the one
+    launched CVM. `decide` returns a quote, None (hold: not ready yet), or raises QuotingRefused."""
+
+    key: ec.EllipticCurvePrivateKey = field(default_factory=_new_key, repr=False)
+    cert_chain: tuple[bytes, ...] | None = None
+    launch: Launch | None = None
+    ended: bool = False  # the launched CVM's process is gone: nobody is quoted any more
+
+    def public_key_der(self) -> bytes:
+        return _spki(self.key.public_key())
+
+    def certified(self, chain: tuple[bytes, ...]) -> None:
+        if self.cert_chain is not None:
+            raise ProtocolError("the quoting key is certified once")
+        if not chain or _spki(x509.load_der_x509_certificate(chain[0]).public_key()) != self.public_key_der():
+            raise ProtocolError("the certificate is not for this module's quoting key")
+        self.cert_chain = tuple(chain)
+
+    def register(self, launch: Launch) -> None:
+        if self.launch is not None:
+            raise ProtocolError("this TDX module already quotes for a launched CVM (one CVM per module)")
+        if len(launch.measurement) != MEASUREMENT_BYTES or launch.pid <= 0:
+            raise ProtocolError("a launch needs a pid and a 48-byte measurement")
+        self.launch = launch
+
+    @property
+    def ready(self) -> bool:
+        return self.cert_chain is not None and self.launch is not None
+
+    def decide(self, peer: Peer, report_data: bytes) -> bytes | None:
+        if self.ended:
+            raise QuotingRefused("the CVM this module launched has ended")
+        if not self.ready:
+            return None
+        launch = cast(Launch, self.launch)
+        if peer.pid != launch.pid or peer.uid != launch.uid:
+            raise QuotingRefused(f"pid {peer.pid} (uid {peer.uid}) is not the CVM this module launched")
+        if len(report_data) != REPORT_DATA_BYTES:
+            raise QuotingRefused(f"report data must be {REPORT_DATA_BYTES} bytes")
+        return EmulatedQuotingEnclave(self.key, cast(tuple, self.cert_chain)).quote(launch.measurement, report_data)
+
+
+def _spki(key: object) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER,  # type: ignore[attr-defined]
+                            serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+# ----------------------------------------------------------------------------- the CVM's side
+def request_quote(socket_path: str, report_data: bytes, timeout: float = 30.0) -> bytes:
+    """Ask the TDX module for a quote over `report_data`; QuotingRefused if it will not."""
+    if not socket_path:
+        raise QuotingRefused("this CVM was launched without a TDX module: it cannot be quoted")
+    with connect_unix(socket_path, "tdx-module", timeout=timeout) as conn:
+        conn.send(QuoteRequest(report_data))
+        reply = conn.recv(timeout=timeout, expect=(QuoteReply, QuoteRefused)).message
+    if isinstance(reply, QuoteRefused):
+        raise QuotingRefused(f"the TDX module refused to quote: {reply.reason}")
+    assert isinstance(reply, QuoteReply)
+    return reply.quote
+
+
+# ----------------------------------------------------------------------------- the process
+@dataclass(frozen=True)
+class TdxModuleConfig:
+    socket_path: str
+    hold_s: float = 30.0  # how long a request may wait for the launch to be registered
+
+
+@dataclass
+class _Pending:
+    conn: StreamTransport
+    peer: Peer
+    report_data: bytes
+    deadline: float
+
+
+class _Server:
+    def __init__(self, core: TdxModule, listener: socket.socket, control: StreamTransport, hold_s: float) -> None:
+        self.core, self.listener, self.control, self.hold_s = core, listener, control, hold_s
+        self.pending: list[_Pending] = []
+        self.pidfd = -1
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(control.fileno(), selectors.EVENT_READ, "control")
+        self.sel.register(listener.fileno(), selectors.EVENT_READ, "listener")
+
+    def run(self) -> None:
+        while True:
+            deadlines = [p.deadline for p in self.pending]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            for key, _ in self.sel.select(timeout):
+                if key.data == "control" and not self._from_launcher():
+                    return
+                if key.data == "listener":
+                    self._accept()
+                elif isinstance(key.data, tuple):
+                    self._request(*key.data)
+            self._settle()
+
+    def _from_launcher(self) -> bool:
+        try:
+            msg = self.control.recv(timeout=5).message
+        except TransportClosed:
+            return False  # the launcher is gone: so is the module
+        if isinstance(msg, QuotingKeyCertified):
+            self.core.certified(msg.cert_chain)
+        elif isinstance(msg, LaunchedCvm):
+            self._register(msg)
+        else:
+            raise ProtocolError(f"the launcher sent {type(msg).__name__}")
+        return True
+
+    def _register(self, msg: LaunchedCvm) -> None:
+        try:
+            self.pidfd = os.pidfd_open(msg.pid)  # this process, not whoever gets its pid later
+        except OSError:
+            self.core.ended = True
+        self.core.register(Launch(msg.pid, msg.uid, msg.measurement))
+        self.control.send(CvmRegistered(pid=msg.pid))
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        conn = StreamTransport(sock, f"cvm-{pid}")
+        self.sel.register(conn.fileno(), selectors.EVENT_READ, (conn, Peer(pid, uid)))
+
+    def _request(self, conn: StreamTransport, peer: Peer) -> None:
+        self.sel.unregister(conn.fileno())  # one request per connection
+        try:
+            got = conn.recv(timeout=2, expect=QuoteRequest).message
+        except GputravelError:  # garbage, another message (a measurement asked for), a hang-up
+            conn.close()
+            return
+        assert isinstance(got, QuoteRequest)
+        self.pending.append(_Pending(conn, peer, got.report_data, time.monotonic() + self.hold_s))
+
+    def _settle(self) -> None:
+        if self.pidfd >= 0 and select.select([self.pidfd], [], [], 0)[0]:
+            self.core.ended = True  # a pidfd turns readable when its process exits
+        now, waiting = time.monotonic(), []
+        for p in self.pending:
+            try:
+                quote = self.core.decide(p.peer, p.report_data)
+                if quote is None and now >= p.deadline:
+                    raise QuotingRefused("no CVM launch was registered in time")
+            except QuotingRefused as exc:
+                self._reply(p.conn, QuoteRefused(reason=str(exc)))
+                continue
+            if quote is None:
+                waiting.append(p)
+            else:
+                self._reply(p.conn, QuoteReply(quote=quote))
+        self.pending = waiting
+
+    @staticmethod
+    def _reply(conn: StreamTransport, msg: object) -> None:
+        try:
+            conn.send(msg)
+        except (TransportClosed, PeerTimeout, ProtocolError):
+            pass
+        conn.close()
+
+
+def serve(config: TdxModuleConfig, control: StreamTransport) -> None:
+    """Make the quoting key, listen, hand the launcher the public key, serve until it hangs up."""
+    from ..runtime.control import Ready
+
+    if not config.socket_path:
+        raise BadInput("the TDX module needs a socket path")
+    core = TdxModule()
+    listener = listen_unix(config.socket_path)
+    os.chmod(config.socket_path, 0o666)  # any local process may ask; SO_PEERCRED decides who is quoted
+    listener.setblocking(False)
+    try:
+        control.send(Ready(role="tdx-module", detail={}))
+        control.send(QuotingKey(public_key=core.public_key_der()))
+        _Server(core, listener, control, config.hold_s).run()
+    finally:
+        listener.close()
