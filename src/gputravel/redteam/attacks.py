@@ -10,28 +10,39 @@ the verdict only reports what the real defences did.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from ..audit import Entry, read_log
 from ..errors import ChannelFaulted, ContextBlobError, GputravelError, PeerTimeout
 from ..roles.orchestrator import TravelReport
+from ..runtime.baseline import BaselineReport
 from .cohort import HolderLink, HostLink, RedTeamCohort
 from .messages import (
     ArmDrop,
     ArmExposePrefix,
+    ArmForgeGet,
     ArmRoute,
     ArmTamper,
+    AskQuote,
     DecryptCaptured,
     ExportRecords,
     ForceSwitch,
     HolderNews,
     HostNews,
+    ProbePaths,
+    ProbeTarget,
     SetTravelMode,
     UseKeptKeys,
 )
 
 ORCH = "orchestrator"
 ALICE, BOB, MALLORY = "alice", "bob", "mallory"
+# How long the forged kernel get stays: past the orchestrator's last try at a rotation (each
+# waits run.DEVICE_TIMEOUT = 2 s for room), not past the next travel's scrub (which waits 2 s too).
+FORGE_HOLD_S = {"home": 5.0, "taken": 3.0}  # the holder came home (rotation, retry); it never did (retry only)
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class Attack:
     adversary: str  # "host", "holder" or "host+holder"
     tried: str
     run: Callable[[Arena], Verdict]
+    needs_isolation: bool = False  # the defence is process isolation: only with it on (root) is the row run
 
 
 @dataclass(frozen=True)
@@ -84,15 +96,68 @@ class Arena:
         self.slots = cohort.config.layout.staging_slots
         self.audit = audit
         self._offset = {h.name: 0 for h in cohort.config.holders}
+        self.dropped: set[str] = set()  # holders the orchestrator dropped (offline until they rejoin)
+        self._log_at = 0  # how much of the orchestrator's log the attacks have seen
+        self._journal_at = 0  # how many entries of its signed travel log
 
-    def travel(self, holder: str) -> Outcome:
+    def _next_offset(self, holder: str) -> int:
         size = self.cohort.dataset_bytes[holder]
         offset = self._offset[holder]
         self._offset[holder] = (offset + self.buffer_bytes) % max(size - size % self.buffer_bytes, self.buffer_bytes)
+        return offset
+
+    def travel(self, holder: str) -> Outcome:
+        offset = self._next_offset(holder)
         try:
             return Outcome(holder, self.cohort.travel(holder, offset), None)
         except GputravelError as exc:
+            if f"holder {holder!r} lost" in str(exc):  # HolderLost, ContextRefused: its link was closed
+                self.dropped.add(holder)
             return Outcome(holder, None, exc)
+
+    def baseline(self, holder: str) -> tuple[BaselineReport | None, str]:
+        """The centralised TLS baseline: the orchestrator copies the chunk itself."""
+        try:
+            report = self.cohort.baseline(holder, self._next_offset(holder))
+        except GputravelError as exc:
+            return None, f"baseline transfer of {holder}'s chunk failed: {type(exc).__name__}: {exc}"
+        return report, (f"baseline transfer of {holder}'s chunk: the orchestrator wrote it into the dataset buffer "
+                        "with its own user-channel copy, and VRAM's digest matched the manifest")
+
+    def rejoin(self, holder: str) -> str:
+        """A dropped holder joins again (attesting the orchestrator afresh), as Cohort.rejoin."""
+        self.cohort.rejoin(holder)
+        self.dropped.discard(holder)
+        return f"{holder} joined the cohort again (attested the orchestrator afresh)"
+
+    def restore(self) -> list[str]:
+        """Leave the cohort as the next attack expects it: every dropped holder back in."""
+        return [self.rejoin(h) for h in sorted(self.dropped)]
+
+    def orchestrator_said(self) -> list[str]:
+        """The orchestrator's warnings since the last look (its log: a trusted party's account)."""
+        path = self.cohort.children["orchestrator"].log
+        with open(path, "rb") as f:
+            f.seek(self._log_at)
+            text = f.read()
+        self._log_at += len(text)
+        return [f"orchestrator: {line}" for line in text.decode("utf-8", "replace").splitlines()
+                if "re-key" in line or "rotation" in line]
+
+    def journal(self) -> list[str]:
+        """Entries of the orchestrator's signed travel log since the last look."""
+        return [_entry(e) for e in self.journal_entries()]
+
+    def journal_entries(self) -> list[Entry]:
+        path = self.cohort.audit_log_path
+        entries = read_log(path, allow_truncated_tail=True) if path is not None and path.exists() else []
+        fresh, self._journal_at = entries[self._journal_at :], len(entries)
+        return fresh
+
+    def look(self) -> None:
+        """Forget what the orchestrator logged so far (a new attack starts)."""
+        self.orchestrator_said()
+        self.journal()
 
     def carry_on(self, holder: str) -> tuple[bool, str]:
         """Does the cohort go on? A fault an attack left may cost one refused travel (DoS)."""
@@ -105,6 +170,15 @@ class Arena:
     def copy_push(self, record: int) -> int:
         """Index, within a holder's travel, of the user push that copies ``record``."""
         return record + (self.records if self.audit else 0)
+
+
+def _entry(e: Entry) -> str:
+    return f"travel log: {e.event.value} {e.chunk.holder}, key epoch {e.epoch_before} -> {e.epoch_after}"
+
+
+def _rekeyed(said: list[str]) -> bool:
+    """Did the orchestrator say it re-keyed the GPU through a new SPDM session?"""
+    return any("re-keyed the GPU through a new SPDM session" in line for line in said)
 
 
 def _events(news: HostNews | HolderNews, prefix: str) -> list[str]:
@@ -176,14 +250,17 @@ def drop_rotation(a: Arena) -> Verdict:
     a.host.order(ArmDrop(after_return_of=ALICE, kernel_rings=2))
     out = a.travel(ALICE)
     news = a.host.news()
+    said, journal = a.orchestrator_said(), a.journal()
     ok, after = a.carry_on(BOB)
     dropped = sum("dropped the orchestrator's doorbell" in e for e in news.events)
-    stopped = dropped == 2 and out.failed_with(PeerTimeout) and "semaphore" in str(out.error) and ok
+    stopped = (dropped == 2 and out.failed_with(PeerTimeout) and "semaphore" in str(out.error)
+               and _rekeyed(said) and ok)
     return Verdict(stopped, "the orchestrator waits for the rotation's confirmation (a kernel semaphore under the new "
-                   "key) with a timeout: it failed the travel with PeerTimeout instead of going on, tried to rotate "
-                   "again, and the next travel's scrub could only be confirmed after the device ran the pending "
-                   "rotations in order (the kernel channel's receiver-tracked IVs)",
-                   (*_events(news, "host"), out.describe(), after))
+                   "key) with a timeout: it failed the travel with PeerTimeout instead of going on; its recovery "
+                   "rotation went unheard too, so, unable to show the device had left alice's epoch, it re-keyed "
+                   "the GPU through a new SPDM session (VRAM and every channel wiped) before any other travel; "
+                   "the next travel verified under the new session's keys",
+                   (*_events(news, "host"), out.describe(), *said, *journal, after))
 
 
 def drop_scrub(a: Arena) -> Verdict:
@@ -202,14 +279,17 @@ def drop_scrub(a: Arena) -> Verdict:
 def wrong_cvm_for_orchestrator(a: Arena) -> Verdict:
     a.host.order(ArmRoute(ALICE, ORCH, dma=BOB, irq=BOB))
     out = a.travel(ALICE)
-    later = a.travel(BOB)
     news = a.host.news()
+    said, journal = a.orchestrator_said(), a.journal()
+    ok, after = a.carry_on(BOB)
     stopped = (_said(news, "mapped bob's memory") and out.failed_with(ChannelFaulted) and news.kernel_faults >= 1
-               and not later.verified)
+               and _rekeyed(said) and ok)
     return Verdict(stopped, "only the orchestrator holds kernel-channel keys: the rotation push the device read from "
-                   "bob's memory failed authentication and faulted the kernel channel; the orchestrator stopped "
-                   "(ChannelFaulted) and, by design, travels no more until a new session (denial of service, out of "
-                   "the threat model)", (*_events(news, "host"), out.describe(), "then: " + later.describe()))
+                   "bob's memory failed authentication and faulted the kernel channel (ChannelFaulted), so the "
+                   "rotation was never confirmed; the orchestrator halted travel and re-keyed the GPU through a new "
+                   "SPDM session (VRAM and every channel wiped, the dataset buffer granted again); the next travel "
+                   "verified under the new session's keys",
+                   (*_events(news, "host"), out.describe(), *said, *journal, after))
 
 
 # ----------------------------------------------------------------------------- malicious holder
@@ -255,25 +335,50 @@ def work_after_return(a: Arena) -> Verdict:
 def stale_context(a: Arena) -> Verdict:
     return _bad_blob(a, ("stale-epoch", "stale-counters"), "context blob validation: the orchestrator refused a blob "
                      "from another key epoch and one whose counters went backwards (ContextBlobError), took back the "
-                     "state it had exported, rotated, and went on")
+                     "state it had exported and dropped mallory (its connection closed; it joined again, attesting "
+                     "afresh); the rotation under way recovered the GPU and the cohort went on")
 
 
 def altered_context(a: Arena) -> Verdict:
     return _bad_blob(a, ("altered-keys", "corrupted"), "context blob validation: a blob carrying a key the orchestrator "
                      "did not export, and one failing its checksum, were refused (ContextBlobError); the orchestrator "
-                     "kept its own exported state, rotated, and went on")
+                     "kept its own exported state and dropped mallory (it joined again, attesting afresh); the "
+                     "rotation under way recovered the GPU and the cohort went on")
 
 
-def _bad_blob(a: Arena, modes: tuple[str, ...], why: str) -> Verdict:
-    evidence, refused = [], 0
+def holder_pushes_counters_forward(a: Arena) -> Verdict:
+    verdict = _bad_blob(a, ("counters-forward",), "context blob validation: a channel counter changes only when keys "
+                        "are installed, never during a travel, so a returned blob with one moved (either way) was "
+                        "refused (ContextBlobError) before the orchestrator adopted any of it; mallory was dropped "
+                        "(it joined again, attesting afresh), the rotation under way recovered the GPU without a "
+                        "re-key, and alice's and bob's travels verified", also=BOB)
+    moved = "a channel counter changed" in "\n".join(verdict.evidence)
+    return Verdict(verdict.stopped and moved, verdict.stopped_by, verdict.evidence)
+
+
+def _bad_blob(a: Arena, modes: tuple[str, ...], why: str, also: str = "") -> Verdict:
+    """Each bad blob is refused and mallory is dropped; it joins again for the next one. The GPU
+    is recovered by the rotation that started when it came home, not by a re-key."""
+    evidence, refused, dropped, rotated = [], 0, 0, 0
     for mode in modes:
         a.mallory.order(SetTravelMode(mode))
         out = a.travel(MALLORY)
         news = a.mallory.news()
-        evidence += [*_events(news, "mallory"), out.describe()]
+        entries = a.journal_entries()
+        evidence += [*_events(news, "mallory"), out.describe(), *map(_entry, entries)]
         refused += out.failed_with(ContextBlobError)
+        if out.error is not None and any(e.event.value == "aborted" and e.chunk.holder == MALLORY
+                                         and e.epoch_after == e.epoch_before + 1 for e in entries):
+            rotated += 1
+            evidence.append("the GPU was recovered by the rotation under way (a confirmed rotation, no re-key)")
+        if MALLORY in a.dropped:
+            dropped += 1
+            evidence.append(a.rejoin(MALLORY))
+    said = a.orchestrator_said()
     ok, after = a.carry_on(ALICE)
-    return Verdict(refused == len(modes) and ok, why, (*evidence, after))
+    ok_b, after_b = a.carry_on(also) if also else (True, "")
+    stopped = (refused == dropped == rotated == len(modes) and not _rekeyed(said) and ok and ok_b)
+    return Verdict(stopped, why, (*evidence, *said, after, *([after_b] if also else [])))
 
 
 def never_returns(a: Arena) -> Verdict:
@@ -306,53 +411,313 @@ def switch_after_rotation(a: Arena) -> Verdict:
 def drop_rotation_then_read(a: Arena) -> Verdict:
     a.host.order(ArmDrop(after_return_of=MALLORY, kernel_rings=2))
     own = a.travel(MALLORY)
+    said, journal = a.orchestrator_said(), a.journal()
     a.host.order(ForceSwitch(MALLORY, MALLORY, hide_kernel=True))
     first = a.mallory.order(UseKeptKeys(blobs=1, timeout=1.0), timeout=60)
     a.host.order(ForceSwitch(ORCH, ORCH, hide_kernel=False))
+    # mallory's attempt faulted the user channel: alice may refuse once, until a rotation resets it
     victim = a.travel(ALICE)
+    victims = [victim] if victim.verified else [victim, a.travel(ALICE)]
     a.host.order(ForceSwitch(MALLORY, MALLORY, hide_kernel=False))
     second = a.mallory.order(UseKeptKeys(blobs=1, timeout=1.0), timeout=60)
     a.host.order(ForceSwitch(ORCH, ORCH, hide_kernel=False))
     host = a.host.news()
     ok, after = a.carry_on(BOB)
-    stopped = own.failed_with(PeerTimeout) and victim.verified and second.bytes_read == 0 and ok
-    return Verdict(stopped, "the orchestrator did not go on without the rotation's confirmation (PeerTimeout); with the "
-                   "rotation suppressed mallory could read only its own chunk (scrub before its travel); alice's "
-                   "travel needed a confirmed scrub, which the in-order kernel channel gives only after the pending "
-                   "rotations ran, so alice's data was under keys mallory never had",
-                   (own.describe(), *_events(first, "mallory (rotation suppressed)"), victim.describe(),
-                    *_events(second, "mallory (after alice)"), *_events(host, "host"), after))
+    stopped = (own.failed_with(PeerTimeout) and _rekeyed(said) and first.attempts > 0 and first.bytes_read == 0
+               and victims[-1].verified and second.attempts > 0 and second.bytes_read == 0 and ok)
+    return Verdict(stopped, "the orchestrator did not go on without the rotation's confirmation (PeerTimeout); with "
+                   "the recovery rotation dropped too it could not show the device had left mallory's epoch, so it "
+                   "re-keyed the GPU through a new SPDM session (VRAM and every channel wiped) before the host could "
+                   "switch the GPU to mallory: mallory's still-unrotated keys belonged to a session the device no "
+                   "longer had and faulted; alice's chunk travelled under the new session's keys",
+                   (own.describe(), *said, *journal, *_events(first, "mallory (rotations dropped)"),
+                    *(v.describe() for v in victims), *_events(second, "mallory (after alice)"),
+                    *_events(host, "host"), after))
 
 
 def confirmation_substitution(a: Arena) -> Verdict:
     a.host.order(ArmDrop(after_return_of=BOB, kernel_rings=2))
-    victim = a.travel(BOB)  # its chunk stays in VRAM: the rotations after it never ran
+    victim = a.travel(BOB)  # before issue 12, its chunk stayed in VRAM: the rotations after it never ran
     a.host.order(ArmExposePrefix(entries=2))
     a.mallory.order(SetTravelMode("dump"))
     out = a.travel(MALLORY)
     news = a.mallory.order(SetTravelMode("honest"))
     host = a.host.news()
+    said = a.orchestrator_said()
     ok, after = a.carry_on(ALICE)
-    travelled = _said(host, "orchestrator asked for the GPU to go to mallory")
-    stopped = victim.failed_with(PeerTimeout) and not travelled and out.failed_with(PeerTimeout) and ok
-    return Verdict(stopped, "every kernel push waits for a release value never used before, so the confirmation "
-                   "of a pending rotation cannot stand in for the scrub's: the scrub was not confirmed, the "
-                   "orchestrator failed with PeerTimeout and never exported keys to mallory",
-                   (victim.describe(), *_events(host, "host"), out.describe(), *_events(news, "mallory"), after))
+    # The pending rotations the attack needs are gone: the orchestrator re-keyed when the second
+    # was not confirmed. Whatever then travelled to mallory, the buffer it was granted is zero.
+    pre_empted = _rekeyed(said) and _said(host, "nothing left to hold back")
+    stopped = (victim.failed_with(PeerTimeout) and pre_empted and out.verified
+               and news.bytes_read == a.buffer_bytes and news.nonzero_read == 0 and ok)
+    return Verdict(stopped, "fail-closed recovery: when neither the rotation after bob's travel nor its retry was "
+                   "confirmed, the orchestrator re-keyed the GPU through a new SPDM session (VRAM, bob's chunk "
+                   "included, and every channel wiped), so no pending rotation was left whose release could pass for "
+                   "the next scrub's; mallory's granted buffer read back all zero. (Every kernel push also waits for "
+                   "a release value never used before: tests/test_redteam.py, in process)",
+                   (victim.describe(), *said, *_events(host, "host"), out.describe(), *_events(news, "mallory"),
+                    after))
 
 
 def decrypt_snooped(a: Arena) -> Verdict:
     theirs = a.cohort.loot_dir / "decrypt-snooped" / "captured-alice.frames"
     ours = a.cohort.loot_dir / "decrypt-snooped" / "captured-mallory.frames"
-    a.host.order(ExportRecords(ALICE, str(theirs)))
-    a.host.order(ExportRecords(MALLORY, str(ours)))
-    news = a.mallory.order(DecryptCaptured(str(theirs)), timeout=300)
-    control = a.mallory.order(DecryptCaptured(str(ours)), timeout=300)
+    theirs, ours = a.cohort.child_path(theirs), a.cohort.child_path(ours)  # named as the colluders see them
+    a.host.order(ExportRecords(ALICE, theirs))
+    a.host.order(ExportRecords(MALLORY, ours))
+    news = a.mallory.order(DecryptCaptured(theirs), timeout=300)
+    control = a.mallory.order(DecryptCaptured(ours), timeout=300)
     stopped = news.attempts > 0 and news.decrypted == 0 and control.decrypted > 0
     return Verdict(stopped, "per-travel keys: alice's records were sealed under keys of her own travel's epoch, "
                    "derived from the session secret mallory never had; no key it kept opens them (control: the "
                    "same search opens mallory's own captured records)",
                    (*_events(news, "mallory"), *_events(control, "mallory, control on its own records")))
+
+
+def _decrypt(a: Arena, row: str, cvm: str, tag: str, newest: int = 0) -> HolderNews:
+    """The host hands mallory every staging record and push it captured from ``cvm``; mallory
+    tries every key it kept on each (or those of its ``newest`` blobs: the ones the row is
+    about; earlier rows tried the rest), at every plausible IV."""
+    path = a.cohort.child_path(a.cohort.loot_dir / row / f"captured-{cvm}-{tag}.frames")  # as the colluders name it
+    a.host.order(ExportRecords(cvm, path))
+    return a.mallory.order(DecryptCaptured(path, newest), timeout=300)
+
+
+def _handed(news: HostNews, cvm: str) -> int:
+    """How many staging records of ``cvm`` the host handed over (from its report)."""
+    for e in news.events:
+        if e.startswith("handed over ") and e.endswith(f" of {cvm}"):
+            return int(e.split()[2])
+    return 0
+
+
+# ----------------------------------------------------------------------------- key epochs (issue 12)
+def host_forges_gpfifo_get(a: Arena) -> Verdict:
+    a.host.order(ArmForgeGet(MALLORY, hold_s=FORGE_HOLD_S["home"]))
+    own = a.travel(MALLORY)  # mallory keeps the blob of this travel's epoch
+    host = a.host.news()
+    said, journal = a.orchestrator_said(), a.journal()
+    restored = a.restore()
+    victim = a.travel(ALICE)  # before the fix: under the very epoch mallory kept
+    news = _decrypt(a, "host-forges-gpfifo-get", ALICE, "victim", newest=2)  # the blobs of mallory's travel
+    control = _decrypt(a, "host-forges-gpfifo-get", MALLORY, "control")
+    handed = a.host.news()
+    ok, after = a.carry_on(BOB)
+    forged = _said(host, "forged BAR0's kernel GPFIFO get")
+    stopped = (forged and own.failed_with(PeerTimeout) and "GPFIFO space" in str(own.error) and _rekeyed(said)
+               and victim.verified and _handed(handed, ALICE) > 0 and news.attempts > 0 and news.decrypted == 0
+               and control.decrypted > 0 and ok)
+    return Verdict(stopped, "the epoch ledger (driver/epochs.py): the rotation after mallory's travel could not be "
+                   "submitted (no room in the forged ring: PeerTimeout), so travel halted instead of the epoch "
+                   "mallory kept travelling again; the recovery rotation met the same forged ring, so the "
+                   "orchestrator re-keyed the GPU through a new SPDM session (VRAM and every channel wiped, the "
+                   "forged get with them); alice's chunk then travelled under keys mallory never had, and no key it "
+                   "kept opened the host's captures of her bounce buffers (control: the same search opens mallory's "
+                   "own captures)",
+                   (*_events(host, "host"), own.describe(), *said, *journal, *restored, victim.describe(),
+                    *_events(handed, "host"), *_events(news, "mallory"),
+                    *_events(control, "mallory, control on its own records"), after))
+
+
+def collusion_after_failed_rotation(a: Arena) -> Verdict:
+    """Paper 6.3 with issue 12's finding: the host makes the recovery rotation fail after
+    mallory's travel, hoping alice's chunk then travels under the epoch mallory kept."""
+    row, evidence, good = "collusion-after-failed-rotation", [], True
+    for mode in ("refuse", "vanish"):  # quiet: the exported counters stay in step, so alice's travel would work
+        a.host.order(ArmForgeGet(MALLORY, hold_s=FORGE_HOLD_S["home" if mode == "refuse" else "taken"]))
+        a.mallory.order(SetTravelMode(mode))
+        own = a.travel(MALLORY)
+        mine = a.mallory.news()
+        host = a.host.news()
+        said, journal = a.orchestrator_said(), a.journal()
+        restored = a.restore()
+        victim = a.travel(ALICE)
+        news = _decrypt(a, row, ALICE, mode, newest=2)  # the blobs of mallory's travel (given, and returned)
+        handed = a.host.news()
+        evidence += [f"[mallory: {mode}]", *_events(mine, "mallory"), *_events(host, "host"), own.describe(),
+                     *said, *journal, *restored, victim.describe(), *_events(handed, "host"),
+                     *_events(news, "mallory")]
+        good = (good and own.error is not None and _said(host, "forged BAR0's kernel GPFIFO get") and _rekeyed(said)
+                and victim.verified and _handed(handed, ALICE) > 0 and news.attempts > 0 and news.decrypted == 0)
+    control = _decrypt(a, row, MALLORY, "control")
+    ok, after = a.carry_on(BOB)
+    stopped = good and control.decrypted > 0 and ok
+    return Verdict(stopped, "the epoch ledger: whether mallory refused or never answered, the recovery rotation could "
+                   "not be submitted (the host's forged kernel get), so the orchestrator halted travel and re-keyed "
+                   "the GPU through a new SPDM session before alice's travel; alice's chunk travelled under the new "
+                   "session's keys, which mallory never had: its kept keys opened none of the host's captures of "
+                   "alice's bounce buffers (control: the same search opens mallory's own captures)",
+                   (*evidence, *_events(control, "mallory, control on its own records"), after))
+
+
+def baseline_then_travel(a: Arena) -> Verdict:
+    base, base_said = a.baseline(ALICE)  # the orchestrator's own copy through its bounce buffers
+    own = a.travel(MALLORY)
+    entries = a.journal_entries()
+    news = _decrypt(a, "baseline-then-travel", ORCH, "baseline", newest=2)  # the blobs of mallory's travel
+    control = _decrypt(a, "baseline-then-travel", MALLORY, "control")
+    handed = a.host.news()
+    ok, after = a.carry_on(ALICE)
+    # A travel moves one epoch (the rotation after it); two: the orchestrator rotated away from
+    # the epoch of its own copy before it exported one to mallory.
+    rotated = [e for e in entries if e.chunk.holder == MALLORY and e.epoch_after == e.epoch_before + 2]
+    said = [f"the travel log shows mallory's travel began on key epoch {e.epoch_before}, the epoch of the "
+            f"baseline copy, and mallory was given epoch {e.epoch_before + 1}" for e in rotated]
+    stopped = (base is not None and own.verified and bool(rotated) and _handed(handed, ORCH) > 0
+               and news.attempts > 0 and news.decrypted == 0 and control.decrypted > 0 and ok)
+    return Verdict(stopped, "the epoch ledger: the orchestrator's own copy spent the epoch, which the driver then "
+                   "refuses to export (EpochSpent), so the orchestrator rotated to a fresh epoch before mallory's "
+                   "travel; no key mallory kept opened the host's captures of the orchestrator's bounce buffers "
+                   "(control: the same search opens mallory's own captures)",
+                   (base_said, own.describe(), *map(_entry, entries), *said, *_events(handed, "host"),
+                    *_events(news, "mallory"), *_events(control, "mallory, control on its own records"), after))
+
+
+# ----------------------------------------------------------------------------- process isolation
+PUBLIC = "(public)"  # /proc files any process may read: reported, not held against isolation
+PEEK_RANGE = 4 << 20  # bytes read from each interesting mapping or descriptor
+
+
+def _maps(pid: int) -> list[tuple[int, int, str]]:
+    """The launcher's (root's) view of a party's mappings: (start, end, name)."""
+    out = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) >= 2 and parts[1].startswith("r"):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            out.append((start, end, parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def _worth_reading(name: str) -> bool:
+    """Mappings that hold a party's secrets or data: memfds (VRAM, bounce buffers), datasets, heap."""
+    return name.startswith("/memfd:") or name.endswith(".bin") or name == "[heap]"
+
+
+def _targets_of(a: Arena, key: str, pid: int) -> list[ProbeTarget]:
+    """Everything of party ``key`` worth stealing, named as the attacker's process reaches it.
+    Where the attacker needs to know where to look (addresses, descriptor numbers), the
+    launcher reads them as root and tells it: the attacker is given more than it could learn."""
+    proc = f"/proc/{pid}"
+    t = [ProbeTarget(f"{key}'s {what} {PUBLIC}", f"{proc}/{what}", "read", ()) for what in ("cmdline", "status")]
+    t += [ProbeTarget(f"{key}'s {what}", f"{proc}/{what}", "read", ()) for what in ("maps", "environ")]
+    t += [ProbeTarget(f"{key}'s {what} directory", f"{proc}/{what}", "list", ()) for what in ("fd", "map_files")]
+    seen = set()
+    for start, end, name in _maps(pid):
+        if _worth_reading(name) and name not in seen:
+            seen.add(name)
+            t.append(ProbeTarget(f"{key}'s memory ({name or 'anonymous'})", f"{proc}/mem", "read",
+                                 ((start, min(end - start, PEEK_RANGE)),)))
+    for fd in sorted(os.listdir(f"{proc}/fd"), key=int):
+        try:
+            link = os.readlink(f"{proc}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith(("/memfd:", "/")) and not link.startswith(("/dev/", "/proc/")):
+            t.append(ProbeTarget(f"{key}'s descriptor {fd} ({link})", f"{proc}/fd/{fd}", "read", ()))
+    return t
+
+
+def _files_of(a: Arena, key: str) -> list[ProbeTarget]:
+    """A party's key files and dataset, by the paths the parties use (the cohort directory
+    through the launcher's descriptor), and a holder's dataset by its original path."""
+    c = a.cohort
+    paths: dict[str, Path] = {}
+    if key in ("orchestrator", ALICE, BOB, MALLORY):
+        paths[f"{key}'s TLS key"] = c.dir / "pki" / key / f"{key}.key"
+    if key == "device":
+        paths["the device's firmware key"] = c.trust.device_dir / "device-firmware.key"
+    t = [ProbeTarget(label, c.child_path(p), "read", ()) for label, p in paths.items()]
+    spec = {h.name: h for h in c.config.holders}.get(key)
+    if spec is not None:
+        t.append(ProbeTarget(f"{key}'s dataset by its path", spec.dataset, "read", ()))
+        for link in sorted((c.dir / "parties" / key / "dataset").glob("*")):
+            t.append(ProbeTarget(f"{key}'s dataset link", c.child_path(link), "read", ()))
+    return t
+
+
+#: The control: the attacker forks a dumpable copy of itself and reads it the same way.
+FORK_CONTROL = ProbeTarget("the same reads on a dumpable process of its own uid", "", "fork", ())
+
+
+def _probe_results(events: tuple[str, ...], note: str) -> tuple[list[str], list[str], int]:
+    """(denied, read, bytes read) among the probe events of one batch, public files left out."""
+    mine = [e for e in events if e.startswith(f"probe {note} ")]
+    denied = [e for e in mine if ": denied (" in e]
+    read = [e for e in mine if ": denied (" not in e and PUBLIC not in e]
+    got = sum(int(e.rsplit(": read ", 1)[1].split()[0]) for e in read if ": read " in e)
+    return denied, read, got
+
+
+def _isolation_row(a: Arena, attacker: str, victims: tuple[str, ...]) -> tuple[bool, list[str]]:
+    pids = a.cohort.pids()
+    targets = [t for key in victims for t in (*_targets_of(a, key, pids[key]), *_files_of(a, key))]
+    control = [FORK_CONTROL]
+    link = a.host if attacker == "host" else a.mallory
+    if attacker == "host":
+        link.order(ProbePaths(tuple(targets), "peer"))
+        link.order(ProbePaths(tuple(control), "control"))
+        events = link.news().events
+    else:
+        events = link.order(ProbePaths(tuple(targets), "peer"), timeout=120).events
+        events += link.order(ProbePaths(tuple(control), "control"), timeout=120).events
+    denied, read, got = _probe_results(events, "peer")
+    _, own, own_bytes = _probe_results(events, "control")
+    iso = a.cohort.isolation
+    uids = ", ".join(f"{k} {u}" for k, u in sorted(iso.uids.items()))
+    summary = [f"process isolation on: each party under its own uid ({uids}), non-dumpable",
+               f"{attacker}'s own process tried {len(denied) + len(read)} targets of "
+               f"{', '.join(victims)}: {len(denied)} denied, {len(read)} read ({got} bytes)",
+               f"control: the same /proc/PID/mem reads got {own_bytes} bytes from a dumpable fork of {attacker} "
+               "(same uid)"]
+    stopped = iso.on and bool(denied) and not read and got == 0 and own_bytes > 0
+    return stopped, [*summary, *(e for e in events if e.startswith("probe "))]
+
+
+def holder_reads_peer_memory(a: Arena) -> Verdict:
+    stopped, evidence = _isolation_row(a, MALLORY, (ALICE, BOB, ORCH, "device", "host", "tdx-module"))
+    return Verdict(stopped, "process isolation (runtime/isolation.py): mallory's process runs under a uid of its "
+                   "own with no groups, and every other party is non-dumpable under its own uid, so /proc refused "
+                   "mallory their memory, maps, environment and descriptors (the VRAM memfd included), and their "
+                   "key files and datasets lie in directories only their own uid may enter", tuple(evidence))
+
+
+def host_reads_cvm_memory(a: Arena) -> Verdict:
+    stopped, evidence = _isolation_row(a, "host", (ALICE, BOB, MALLORY, ORCH, "device", "tdx-module"))
+    return Verdict(stopped, "process isolation: the host process has only what it is handed (bounce buffers, BAR0, "
+                   "the MUX); every CVM, the device and the TDX module run under uids of their own, non-dumpable, "
+                   "so /proc refused the host their memory and descriptors (the VRAM memfd included) and their "
+                   "key files", tuple(evidence))
+
+
+def orchestrator_self_quote(a: Arena) -> Verdict:
+    """The host (which could then impersonate the orchestrator to holders it MITMs) and mallory
+    ask the TDX module for a quote over report data of their own: a TLS key of theirs."""
+    sock = a.cohort.child_path(a.cohort.dir / "tdx" / "quote.sock")
+    report = bytes(range(64))  # any report data of the attacker's choosing: a hash of its own TLS key
+    a.host.order(AskQuote(sock, report))
+    host = a.host.news()
+    mine = a.mallory.order(AskQuote(sock, report), timeout=60)
+    if a.cohort.isolation.on:
+        module = _targets_of(a, "tdx-module", a.cohort.pids()["tdx-module"])
+        peek = a.mallory.order(ProbePaths(tuple(module), "peer"), timeout=120)
+        denied, read, got = _probe_results(peek.events, "peer")
+        probed = (f"mallory tried {len(denied) + len(read)} targets of the TDX module's process: {len(denied)} "
+                  f"denied, {len(read)} read ({got} bytes)")
+    else:
+        denied, read, got = ["-"], [], 0
+        probed = "process isolation is off (not root): the TDX module's memory was not probed"
+    asked = [e for e in (*host.events, *mine.events) if e.startswith("asked the TDX module")]
+    refused = [e for e in asked if "QuotingRefused" in e and "is not the CVM this module launched" in e]
+    quoted = [e for e in asked if "got a quote" in e]
+    ok, after = a.carry_on(ALICE)
+    stopped = len(refused) == 2 and not quoted and bool(denied) and not read and got == 0 and ok
+    return Verdict(stopped, "the TDX module (attest/tdx_module.py, its own process): it quotes only for the pid and "
+                   "uid the launcher registered as the orchestrator it launched (SO_PEERCRED), over report data "
+                   "only, with the measurement the launcher computed; the host's and mallory's requests were "
+                   "refused (QuotingRefused), and its quoting key, in its own memory, was out of mallory's reach",
+                   (*_events(host, "host"), *_events(mine, "mallory"),
+                    probed, after))
 
 
 def snoop_everything(a: Arena) -> Verdict:
@@ -385,6 +750,9 @@ ATTACKS: tuple[Attack, ...] = (
            "counters rewound (checksum recomputed)", stale_context),
     Attack("altered-context", "holder", "mallory returned a context blob with a channel key replaced (checksum "
            "recomputed), then one with a byte flipped", altered_context),
+    Attack("holder-pushes-counters-forward", "holder", "mallory returned a context blob whose first sender's channel "
+           "counter it moved forward by one (checksum recomputed), to push the orchestrator's IVs out of step with "
+           "the device", holder_pushes_counters_forward),
     Attack("drop-rotation-then-read", "host+holder", "paper 6.3: the host dropped the rotation after mallory's travel, "
            "hid the pending kernel work and switched the GPU to mallory, which used its still-valid keys; after "
            "alice's travel the host switched to mallory again", drop_rotation_then_read),
@@ -396,11 +764,34 @@ ATTACKS: tuple[Attack, ...] = (
            "to mallory unasked; mallory used its kept keys to read the buffer and send RPCs", switch_after_rotation),
     Attack("decrypt-snooped", "host+holder", "the host handed mallory every staging record and push it captured from "
            "alice; mallory tried every key it kept at 32 IVs each", decrypt_snooped),
+    Attack("host-forges-gpfifo-get", "host+holder", "when mallory handed the GPU back, the host forged BAR0's kernel "
+           "GPFIFO get (put + 1) so the kernel ring looked full just as the orchestrator submitted the rotation; "
+           "then alice travelled, and mallory tried the keys of its travel on the host's captures of her bounce "
+           "buffers (before the fix the rotation was never submitted, recovery swallowed it, and alice's travel "
+           "exported mallory's epoch again)", host_forges_gpfifo_get),
+    Attack("collusion-after-failed-rotation", "host+holder", "mallory took a travel and refused it (then, a second "
+           "time, never answered); each time the host forged the kernel get so the rotation after it and the "
+           "recovery rotation could not be submitted; then alice travelled and mallory tried the keys of that "
+           "travel on the host's captures of alice's bounce buffers (the issue's probe read 262,144 of 262,144 bytes this "
+           "way before the fix)", collusion_after_failed_rotation),
+    Attack("baseline-then-travel", "host+holder", "alice's chunk went by the TLS baseline (the orchestrator's own "
+           "copy through its bounce buffers, which the host captured), then mallory travelled and tried the keys of "
+           "its travel on the host's captures of the orchestrator's bounce buffers",
+           baseline_then_travel),
+    Attack("holder-reads-peer-memory", "holder", "from its own process, mallory tried to read the memory "
+           "(/proc/PID/mem at the mappings that hold datasets, bounce buffers and VRAM), maps, environment and "
+           "descriptors (the VRAM memfd included) of alice, bob, the orchestrator, the device, the host and the TDX "
+           "module, and their key files and datasets (told where to look by the launcher)", holder_reads_peer_memory,
+           needs_isolation=True),
+    Attack("host-reads-cvm-memory", "host", "from the host process, the host tried the same on alice, bob, mallory, "
+           "the orchestrator, the device and the TDX module", host_reads_cvm_memory, needs_isolation=True),
+    Attack("orchestrator-self-quote", "host+holder", "the host and mallory each asked the TDX module for a quote over "
+           "report data of their own (binding a TLS key of theirs, to pass for the orchestrator), and mallory tried "
+           "to read the module's memory and descriptors, where its quoting key lives", orchestrator_self_quote),
     Attack("never-returns", "holder", "mallory took a travel, read the buffer, and then never switched the GPU back "
            "nor replied", never_returns),
     Attack("wrong-cvm-for-orchestrator", "host", "when alice handed the GPU back, mapped bob's bounce buffers instead "
-           "of the orchestrator's, so the orchestrator's rotation went to the wrong CVM (runs last: it stops the "
-           "cohort)", wrong_cvm_for_orchestrator),
+           "of the orchestrator's, so the orchestrator's rotation went to the wrong CVM", wrong_cvm_for_orchestrator),
     Attack("snoop-everything", "host", "read every CVM's bounce buffers (the snooper at boot, and a snapshot at every "
            "doorbell and every switch), every push it captured, and every TLS byte between holders and the "
            "orchestrator, throughout the run", snoop_everything),

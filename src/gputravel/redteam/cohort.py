@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from ..errors import RemoteError
@@ -41,10 +42,23 @@ class RedTeamCohort(Cohort):
             self.adversary_dir.mkdir(mode=0o700)
             layout = dataclasses.asdict(self.config.layout)
             (self.adversary_dir / "config.json").write_text(json.dumps({"layout": layout}))
-            config = {**config, "adversary_dir": str(self.adversary_dir), "snoop_limit_bytes": SNOOP_LIMIT}
+            self.loot_dir.mkdir(mode=0o777)
+            os.chmod(self.loot_dir, 0o777)  # the colluders' common stash (see _popen_extras)
+            self.placement.own(self.adversary_dir, "host", 0o711)
+            config = {**config, "adversary_dir": self.child_path(self.adversary_dir), "snoop_limit_bytes": SNOOP_LIMIT}
         elif role == "holder" and key in self.malicious:
-            role, config = "redteam-holder", {**config, "loot_dir": str(self.loot_dir)}
+            role, config = "redteam-holder", {**config, "loot_dir": self.child_path(self.loot_dir)}
         return super()._spawn(role, config, key=key, extra_fd=extra_fd)
+
+    def _popen_extras(self, role: str, key: str) -> dict:
+        # The host and the malicious holders collude: under their own uids, they still write
+        # into each other's loot directories.
+        return {"umask": 0} if role == "host" or key in self.malicious else {}
+
+    def child_path(self, path: Path) -> str:
+        """How the host and the malicious holders name a path in the cohort directory."""
+        assert self.placement is not None
+        return self.placement.path(path)
 
 
 class HostLink:

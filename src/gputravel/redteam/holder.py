@@ -6,7 +6,9 @@ given or exports (the keys inside them), and on orders from the red team's drive
 
 - dumps the dataset buffer while it holds the GPU, inside its window and outside it;
 - launches work with the keys it just returned, after handing the GPU back;
-- returns a stale or altered context blob, or never returns the GPU at all;
+- returns a stale or altered context blob (or one with a channel counter pushed forward),
+  refuses a travel on purpose, or never returns the GPU at all (having read the buffer, or
+  quietly: "vanish");
 - uses kept keys later, joining the device's queues where they stand (BAR0 tells it);
 - tries every kept key on ciphertext the host captured for it (collusion).
 
@@ -27,23 +29,26 @@ from ..crypto.channel import Receiver
 from ..errors import GputravelError, IntegrityError, TransportClosed
 from ..layout import SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
 from ..messages import Bye, CopyFromVram, TravelRequest
-from ..roles.holder import CopyChunk, ImportBlob
+from ..roles.holder import CopyChunk, HolderPhase, ImportBlob
 from ..runtime.control import JoinCohort, Ready, Shutdown
 from ..runtime.holder import DataHolder, HolderConfig
 from ..runtime.membership import join as join_cohort
 from ..transport.base import Transport
 from .loot import Loot, read_frames
 from .messages import (
+    AskQuote,
     DecryptCaptured,
     HolderNews,
     HolderQuery,
     MarkRow,
+    ProbePaths,
     SetTravelMode,
     UseKeptKeys,
 )
+from .peek import ask_quote, probe
 
-MODES = ("honest", "dump", "work-after-return", "stale-epoch", "stale-counters", "altered-keys", "corrupted",
-         "never-return")
+MODES = ("honest", "dump", "work-after-return", "stale-epoch", "stale-counters", "counters-forward", "altered-keys",
+         "corrupted", "refuse", "never-return", "vanish")
 MAX_IV_GUESSES = 32  # message counters tried per key and ciphertext
 # Which kept keys are worth trying on which captured ciphertext.
 LABELS_FOR = {"record": ("Lce00_h2d_user", "Lce00_d2h_user"), "push": ("Lwlc_h2d_user",)}
@@ -65,11 +70,17 @@ class MaliciousHolder(DataHolder):
         act = self._arrive(req)
         if mode in ("dump", "never-return"):
             self._dump_window(act)
-        if mode == "never-return":
-            self._news.event("kept the GPU: never switched back, never replied")
+        if mode in ("never-return", "vanish"):
+            quiet = " (and never used it: its keys' counters stay as exported)" if mode == "vanish" else ""
+            self._news.event("kept the GPU: never switched back, never replied" + quiet)
             self._snapshot()
             return
-        self._copy(act, time.perf_counter)
+        if mode == "refuse":  # quiet: no push, so the exported counters stay in step with the device
+            self.sm.copy_failed("mallory refuses this travel", time.perf_counter())
+            self._news.event("refused the travel on purpose without touching the GPU, and handed the GPU and "
+                             "context back")
+        else:
+            self._copy(act, time.perf_counter)
         if mode == "dump":
             self._dump_outside(req.buffer_offset, req.buffer_bytes)
         blob = self._go_home(mode)
@@ -104,10 +115,12 @@ class MaliciousHolder(DataHolder):
         if mode == "stale-epoch" and len(self.exported) > 1:
             self._news.event("returned the context blob of an earlier travel (older key epoch)")
             return self.exported[-2]
-        if mode in ("stale-counters", "altered-keys"):
+        if mode in ("stale-counters", "counters-forward", "altered-keys"):
             ctx = unpack_context(blob, layout=self.layout_digest)
-            forged = _rewound(ctx) if mode == "stale-counters" else _rekeyed(ctx)
-            what = "counters rewound" if mode == "stale-counters" else "a key replaced"
+            forge = {"stale-counters": _rewound, "counters-forward": _pushed_forward, "altered-keys": _rekeyed}[mode]
+            forged = forge(ctx)
+            what = {"stale-counters": "counters rewound", "altered-keys": "a key replaced",
+                    "counters-forward": "the channel counter of its first sender moved forward by one"}[mode]
             self._news.event(f"returned a context blob with {what}, checksum recomputed")
             return pack_context(forged)
         if mode == "corrupted":
@@ -213,9 +226,10 @@ class MaliciousHolder(DataHolder):
 
     # ------------------------------------------------------------------ collusion
     def decrypt_captured(self, order: DecryptCaptured) -> None:
-        """Every kept key, every plausible IV, on every ciphertext the host handed over."""
+        """Every kept key (or the newest ones), every plausible IV, on every ciphertext the host handed over."""
         frames = read_frames(Path(order.path))
-        states = _kept_states(self.kept, self.layout_digest)
+        blobs = self.kept[-order.newest :] if order.newest > 0 else self.kept
+        states = _kept_states(blobs, self.layout_digest)
         tried = won = 0
         for kind, ct in frames:
             for state in (s for s in states if s.label in LABELS_FOR.get(kind, ())):
@@ -227,7 +241,9 @@ class MaliciousHolder(DataHolder):
                         self.loot.keep("decrypted", plain)
         self._news.attempts += tried
         self._news.decrypted += won
-        self._news.event(f"tried {len(states)} kept keys x {MAX_IV_GUESSES} IVs on {len(frames)} captured "
+        epochs = sorted({unpack_context(b, layout=self.layout_digest).epoch for b in blobs})
+        self._news.event(f"tried {len(states)} kept keys (of {len(blobs)} blobs, key epochs "
+                         f"{', '.join(map(str, epochs))}) x {MAX_IV_GUESSES} IVs on {len(frames)} captured "
                          f"ciphertexts: {won} opened")
 
     # ------------------------------------------------------------------ loot and news
@@ -244,6 +260,14 @@ class MaliciousHolder(DataHolder):
 def _rewound(ctx: DriverContext) -> DriverContext:
     senders = tuple(dataclasses.replace(s, message_counter=0) for s in ctx.senders)
     return dataclasses.replace(ctx, senders=senders, semaphore=0)
+
+
+def _pushed_forward(ctx: DriverContext) -> DriverContext:
+    """Everything forward, as a travel may move it, except that one channel counter moves too:
+    the orchestrator's next IVs on that channel would no longer be the device's."""
+    first, *rest = ctx.senders
+    return dataclasses.replace(ctx, senders=(dataclasses.replace(first, channel_counter=first.channel_counter + 1),
+                                             *rest))
 
 
 def _rekeyed(ctx: DriverContext) -> DriverContext:
@@ -309,6 +333,8 @@ def _order(holder: MaliciousHolder, cmd: object, control: Transport, sel: select
     if isinstance(cmd, Shutdown):
         return False
     if isinstance(cmd, JoinCohort):
+        _forget_orchestrator(holder, sel)  # a link the orchestrator dropped, not yet noticed
+        holder.sm.phase = HolderPhase.IDLE  # whatever travel it walked away from (never-return)
         if join_cohort(holder, cmd, control):
             assert holder.orchestrator is not None
             sel.register(holder.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
@@ -321,10 +347,23 @@ def _order(holder: MaliciousHolder, cmd: object, control: Transport, sel: select
         holder.use_kept_keys(cmd)
     elif isinstance(cmd, DecryptCaptured):
         holder.decrypt_captured(cmd)
+    elif isinstance(cmd, ProbePaths):  # from this process, under mallory's own uid
+        for e in probe(cmd, holder.loot):
+            holder._news.event(e)
+    elif isinstance(cmd, AskQuote):
+        holder._news.event(ask_quote(cmd, holder.loot))
     elif not isinstance(cmd, HolderQuery):
         return True
     control.send(holder.news())
     return True
+
+
+def _forget_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -> None:
+    conn = holder.orchestrator
+    if conn is not None:
+        sel.unregister(conn.fileno())
+        conn.close()
+        holder.orchestrator = None
 
 
 def _from_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -> None:

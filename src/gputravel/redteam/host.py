@@ -47,14 +47,18 @@ from .loot import Loot, write_frames
 from .messages import (
     ArmDrop,
     ArmExposePrefix,
+    ArmForgeGet,
     ArmRoute,
     ArmTamper,
+    AskQuote,
     ExportRecords,
     ForceSwitch,
     HostNews,
     HostQuery,
     MarkRow,
+    ProbePaths,
 )
+from .peek import ask_quote, probe
 
 if TYPE_CHECKING:
     from ..host.mux import CvmRegistration, SwitchPlan
@@ -76,6 +80,12 @@ class _Drop:
     order: ArmDrop
     active: bool = False
     left: int = 0
+
+
+@dataclass
+class _ForgeGet:
+    order: ArmForgeGet
+    travelling: bool = False  # the GPU went to the victim: the next switch home fires it
 
 
 @dataclass
@@ -111,6 +121,8 @@ class HostAdversary:
         self._expose: ArmExposePrefix | None = None
         self._route: ArmRoute | None = None
         self._hidden_put: int | None = None
+        self._forge: _ForgeGet | None = None
+        self._forged_get: int | None = None  # the value we wrote into BAR0's kernel get, until the device rewrites it
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         sock_path = workdir / "adversary.sock"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -146,6 +158,12 @@ class HostAdversary:
             if requester == ORCHESTRATOR and target != ORCHESTRATOR:  # a travel starts
                 self._seen_put[USER] = self._reg32(Bar0.put(USER))
                 self._travel_base[target] = self._seen_put[USER]
+                if self._forge is not None and self._forge.order.victim == target:
+                    self._forge.travelling = True
+            forge = self._forge
+            if forge is not None and forge.travelling and target == ORCHESTRATOR:
+                self._forge = None
+                self._forge_kernel_get(requester, forge.order.hold_s)
             tamper = self._tamper
             if tamper is not None and tamper.order.kind == "replay" and requester == tamper.order.victim:
                 self._tamper = None
@@ -195,6 +213,12 @@ class HostAdversary:
         if isinstance(msg, ExportRecords):
             self._export_records(msg)
             return
+        if isinstance(msg, (ProbePaths, AskQuote)):  # from this process, under the host's own uid
+            with self._loot_lock:
+                events = probe(msg, self.loot) if isinstance(msg, ProbePaths) else [ask_quote(msg, self.loot)]
+            for e in events:
+                self._event(e)
+            return
         with self.lock:
             if isinstance(msg, ArmTamper):
                 self._tamper = _Tamper(msg)
@@ -204,6 +228,8 @@ class HostAdversary:
                 self._expose = msg
             elif isinstance(msg, ArmRoute):
                 self._route = msg
+            elif isinstance(msg, ArmForgeGet):
+                self._forge = _ForgeGet(msg)
             elif not isinstance(msg, (ForceSwitch, HostQuery)):
                 raise ProtocolError(f"unknown order {type(msg).__name__}")
         if isinstance(msg, ForceSwitch):
@@ -345,8 +371,39 @@ class HostAdversary:
         n = self.layout.gpfifo_entries
         get = self._reg32(Bar0.get(KERNEL))
         pending = (self._reg32(Bar0.put(KERNEL)) - get) % n
+        if pending <= entries:
+            self._event(f"found only {pending} pending kernel-channel entries when the orchestrator rang: nothing "
+                        "left to hold back")
+            return
         self._set32(Bar0.put(KERNEL), (get + entries) % n)
         self._event(f"let the device see only {entries} of {pending} pending kernel-channel entries")
+
+    def _forge_kernel_get(self, requester: str, hold_s: float) -> None:
+        """BAR0 get := put + 1: the orchestrator's driver finds no room in the kernel ring."""
+        n = self.layout.gpfifo_entries
+        real, put = self._reg32(Bar0.get(KERNEL)), self._reg32(Bar0.put(KERNEL))
+        forged = (put + 1) % n
+        self._set32(Bar0.get(KERNEL), forged)
+        self._forged_get = forged
+        self._event(f"{requester} asked for the GPU to go home: forged BAR0's kernel GPFIFO get ({real} -> {forged}, "
+                    "put + 1), so the kernel ring looks full to the orchestrator as it submits the rotation")
+        threading.Thread(target=self._unforge_kernel_get, args=(forged, real, time.monotonic() + hold_s),
+                         daemon=True, name="forged-get").start()
+
+    def _unforge_kernel_get(self, forged: int, real: int, deadline: float) -> None:
+        """Cover the tracks: at the deadline, the real get back, so the next travel finds room;
+        unless the device wrote get meanwhile (say, after a new SPDM session): then leave it."""
+        while time.monotonic() < deadline:
+            if self._reg32(Bar0.get(KERNEL)) != forged:
+                with self.lock:
+                    self._check_faults()  # reports that the device rewrote it
+                return
+            time.sleep(0.005)
+        with self.lock:
+            if self._reg32(Bar0.get(KERNEL)) == forged and self._forged_get == forged:
+                self._set32(Bar0.get(KERNEL), real)
+                self._forged_get = None
+                self._event(f"wrote the real kernel get ({real}) back into BAR0: the ring has room again")
 
     def _flip_step(self, tamper: _Tamper, cvm: str, fresh: list[int]) -> bool:
         """Flip a bit of the record of user push ``user_push`` before the device hears of it."""
@@ -426,6 +483,9 @@ class HostAdversary:
         self.loot.snapshot(f"sysmem-{cvm}", memoryview(self.mem[cvm]))
 
     def _check_faults(self) -> None:
+        if self._forged_get is not None and self._reg32(Bar0.get(KERNEL)) != self._forged_get:
+            self._forged_get = None
+            self._event("BAR0's kernel get no longer holds the forged value: the device rewrote it")
         for ch in PushChannel:
             up = self._reg32(Bar0.put(ch) + FAULT_REG) != 0
             if up and not self._fault_up[ch]:

@@ -60,6 +60,20 @@ class ArmExposePrefix:
     entries: int
 
 
+@message("redteam.host.forge_get")
+@dataclass(frozen=True)
+class ArmForgeGet:
+    """Once the orchestrator has sent the GPU to ``victim``, at the next switch back to the
+    orchestrator (asked by anyone), forge BAR0's kernel GPFIFO ``get`` to ``put + 1``: to the
+    orchestrator, which reads ``get`` to find room, the kernel ring then looks full just as it
+    submits the rotation after the travel. After ``hold_s`` seconds (once the orchestrator has
+    given up on the rotation and its retry) the host writes the real ``get`` back, unless the
+    device has written ``get`` since, so that the next travel finds room again."""
+
+    victim: str
+    hold_s: float
+
+
 @message("redteam.host.route")
 @dataclass(frozen=True)
 class ArmRoute:
@@ -112,7 +126,7 @@ class HostNews:
 @dataclass(frozen=True)
 class SetTravelMode:
     """How to behave on the next travel: honest, dump, work-after-return, stale-epoch,
-    stale-counters, altered-keys, corrupted, never-return."""
+    stale-counters, counters-forward, altered-keys, corrupted, refuse, never-return, vanish."""
 
     mode: str
 
@@ -130,9 +144,11 @@ class UseKeptKeys:
 @message("redteam.holder.decrypt")
 @dataclass(frozen=True)
 class DecryptCaptured:
-    """Try every kept key on the ciphertext the host captured (``path``, see ExportRecords)."""
+    """Try kept keys on the ciphertext the host captured (``path``, see ExportRecords): those
+    of every blob kept, or (``newest`` > 0) of the newest ``newest`` blobs only."""
 
     path: str
+    newest: int = 0
 
 
 @message("redteam.holder.query")
@@ -150,3 +166,36 @@ class HolderNews:
     nonzero_read: int  # how many of those were not zero
     decrypted: int  # ciphertexts it managed to decrypt with kept keys
     attempts: int
+
+
+# ----------------------------------------------------------------------------- both
+@message("redteam.probe.target")
+@dataclass(frozen=True)
+class ProbeTarget:
+    """Something of another party to try to read: ``how`` is "read" (open the path and read
+    ``ranges``, each (offset, length); none: from the start) or "list" (list a directory)."""
+
+    label: str
+    path: str
+    how: str
+    ranges: tuple[tuple[int, int], ...]
+
+
+@message("redteam.probe")
+@dataclass(frozen=True)
+class ProbePaths:
+    """Host or holder: from your own process (your uid), try to read each target; keep what
+    you get in your loot; report, for each, what you got (``probe LABEL: ...`` events)."""
+
+    targets: tuple[ProbeTarget, ...]
+    note: str  # what the row calls this batch, in the events
+
+
+@message("redteam.quote")
+@dataclass(frozen=True)
+class AskQuote:
+    """Host or holder: ask the TDX module at ``socket_path`` for a quote over ``report_data``
+    (binding a TLS key of your own choosing); keep whatever comes back in your loot."""
+
+    socket_path: str
+    report_data: bytes

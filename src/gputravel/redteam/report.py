@@ -15,7 +15,7 @@ def table(report: RedTeamReport) -> Table:
                     ("stopped by", {"ratio": 3}), ("plaintext bytes", {"justify": "right"}), ("outcome", {})):
         t.add_column(col, **kw)
     for r in report.attacks:
-        style = "green" if r.outcome == "defeated" else "bold red"
+        style = {"defeated": "green", "skipped": "yellow"}.get(r.outcome, "bold red")
         t.add_row(r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained),
                   f"[{style}]{r.outcome}[/{style}]")
     return t
@@ -27,7 +27,7 @@ def print_report(report: RedTeamReport, console: Console, *, evidence: bool = Fa
         console.print(table(report))
     for r in report.attacks:
         if console.width < 150:
-            style = "green" if r.outcome == "defeated" else "bold red"
+            style = {"defeated": "green", "skipped": "yellow"}.get(r.outcome, "bold red")
             console.print(f"[bold]{r.name}[/bold] ({r.adversary}): {r.plaintext_bytes_obtained} bytes of plaintext "
                           f"obtained, [{style}]{r.outcome}[/{style}]", highlight=False)
             console.print(f"  tried:      {r.tried}", highlight=False)
@@ -40,5 +40,8 @@ def print_report(report: RedTeamReport, console: Console, *, evidence: bool = Fa
     n, bad = len(report.attacks), len(report.failed)
     verdict = "[green]every attack defeated, 0 bytes of plaintext obtained[/green]" if not bad else \
         f"[bold red]{bad} of {n} attacks NOT defeated: {', '.join(r.name for r in report.failed)}[/bold red]"
+    if report.skipped:
+        verdict += (f" [yellow]({len(report.skipped)} not run, process isolation off: "
+                    f"{', '.join(r.name for r in report.skipped)})[/yellow]")
     console.print(verdict)
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import GputravelError, RemoteError
-from ..runtime.supervisor import CohortConfig, HolderSpec
+from ..runtime.supervisor import SNOOP_FILE, CohortConfig, HolderSpec
 from .attacks import ALICE, ATTACKS, BOB, MALLORY, Arena, Attack, Verdict
 from .canary import MARKER_BYTES, SPACING, Found, Needles, make_dataset, search
 from .cohort import HolderLink, HostLink, RedTeamCohort
@@ -27,6 +27,7 @@ DATASET_BYTES = 4 * MIB
 BUFFER_BYTES = 2 * MIB  # two records per chunk: mid-copy attacks have a record before and after
 DEVICE_TIMEOUT = 2.0  # a dropped push fails in seconds, not minutes
 HOLDER_TIMEOUT = 5.0  # how long the orchestrator waits for a holder to hand the GPU back
+SKIPPED = "not run"
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class AttackResult:
     tried: str
     stopped_by: str
     plaintext_bytes_obtained: int
-    outcome: str  # "defeated" or "FAILED"
+    outcome: str  # "defeated", "FAILED", or "skipped" (its defence is process isolation, which is off)
     marker_bytes: int  # of which: 16-byte markers found
     sample_bytes: int  # of which: 32-byte plain samples of the datasets found
     exposed_estimate_bytes: int  # each marker found stands for the 4 KiB of the dataset it marks
@@ -50,11 +51,16 @@ class RedTeamReport:
 
     @property
     def failed(self) -> tuple[AttackResult, ...]:
-        return tuple(r for r in self.attacks if r.outcome != "defeated")
+        return tuple(r for r in self.attacks if r.outcome == "FAILED")
+
+    @property
+    def skipped(self) -> tuple[AttackResult, ...]:
+        return tuple(r for r in self.attacks if r.outcome == "skipped")
 
     def to_json(self) -> dict:
         return {"attacks": [{**asdict(r), "evidence": list(r.evidence)} for r in self.attacks],
-                "defeated": len(self.attacks) - len(self.failed), "failed": len(self.failed)}
+                "defeated": len(self.attacks) - len(self.failed) - len(self.skipped), "failed": len(self.failed),
+                "skipped": [r.name for r in self.skipped]}
 
 
 class RedTeamAborted(RemoteError):
@@ -93,7 +99,12 @@ def _attack(tmp: Path, chosen: list[Attack],
         for attack in chosen:
             for link in (host, mallory):
                 link.begin(attack.name)
+            arena.look()  # what the orchestrator logged before is not this attack's evidence
             verdict = _run_one(attack, arena)
+            try:  # rows are independent: a holder the attack got dropped joins again
+                arena.restore()
+            except GputravelError:
+                pass  # it stays offline: the next attack that needs it says so
             verdicts.append(verdict)
             if on_result is not None:
                 on_result(attack, verdict)
@@ -103,6 +114,9 @@ def _attack(tmp: Path, chosen: list[Attack],
 
 
 def _run_one(attack: Attack, arena: Arena) -> Verdict:
+    iso = arena.cohort.isolation
+    if attack.needs_isolation and not iso.on:
+        return Verdict(False, f"{SKIPPED}: process isolation is off ({iso.reason}); run as root", ())
     try:
         return attack.run(arena)
     except GputravelError as exc:
@@ -121,6 +135,8 @@ def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, N
             control = f"control: the same search finds {own.total} bytes of mallory's own markers and samples in its loot"
             evidence += (control,)
     outcome = "defeated" if stopped and found.total == 0 else "FAILED"
+    if verdict.stopped_by.startswith(SKIPPED):
+        outcome = "skipped"
     return AttackResult(attack.name, attack.adversary, attack.tried, verdict.stopped_by, found.total, outcome,
                         found.marker_bytes, found.sample_bytes, found.marker_bytes // MARKER_BYTES * SPACING,
                         found.scanned_bytes, evidence)
@@ -130,7 +146,7 @@ def _view(attack: Attack, run_dir: Path) -> list[Path]:
     """Everything this attacker read during this attack (the whole run for snoop-everything)."""
     loot = run_dir / "adversary" / "loot"
     if attack.name == "snoop-everything":
-        return [p for p in (run_dir / "snoop.bin", run_dir / "tap.bin") if p.exists()] + sorted(loot.glob("*/host-*"))
+        return [p for p in (run_dir / SNOOP_FILE, run_dir / "tap.bin") if p.exists()] + sorted(loot.glob("*/host-*"))
     row = loot / attack.name
     files = sorted(row.glob("*")) if row.exists() else []
     if attack.adversary == "host":
@@ -149,8 +165,8 @@ def _victims(attack: Attack, needles: dict[str, Needles]) -> list[Needles]:
 
 def _watched(run_dir: Path, found: Found, needles: dict[str, Needles], tmp: Path) -> tuple[bool, tuple[str, ...]]:
     """The snoop row is only meaningful if the host really watched, and the scanner works."""
-    sizes = {name: (run_dir / name).stat().st_size if (run_dir / name).exists() else 0
-             for name in ("snoop.bin", "tap.bin")}
+    files = {"snoop.bin": run_dir / SNOOP_FILE, "tap.bin": run_dir / "tap.bin"}
+    sizes = {name: p.stat().st_size if p.exists() else 0 for name, p in files.items()}
     own = search([tmp / f"{h}.bin" for h in HOLDERS], needles.values())
     watched = sizes["snoop.bin"] > MIB and sizes["tap.bin"] > 1024 and found.scanned_bytes > 16 * MIB
     searched = (f"searched {found.scanned_bytes >> 20} MiB: the snooper's file ({sizes['snoop.bin'] >> 20} MiB), "
