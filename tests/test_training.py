@@ -70,6 +70,11 @@ def test_training_learns_and_writes_the_run_directory(both_runs):
         assert (run_dir / name).stat().st_size > 0, name
     assert json.loads((run_dir / "report.json").read_text())["losses"] == travelling["losses"]
     assert len((run_dir / "metrics.csv").read_text().strip().splitlines()) == TINY.steps + 1
+    iso = travelling["isolation"]  # the report says what kept the emulated CVMs apart
+    assert iso["on"] == (os.geteuid() == 0) and (iso["on"] or iso["reason"])
+    if iso["on"]:
+        assert all(p["dumpable"] is False for p in iso["parties"].values())
+        assert len({p["uid"] for p in iso["parties"].values()}) == len(iso["parties"])
 
 
 def test_a_holder_with_another_tokenizer_is_refused(tmp_path):

@@ -134,6 +134,11 @@ def _summary(report: dict, out: Path) -> None:
                   f"({report['travel_count']} fetches).")
     if report.get("sample"):
         console.print(Panel(report["sample"].strip() or "(empty)", title="sample", expand=False))
+    iso = report.get("isolation")
+    if iso is not None:  # a travelling run: what kept the emulated CVMs apart
+        parties = len(iso["parties"])
+        console.print(f"process isolation on: {parties} parties, each its own uid, non-dumpable" if iso["on"]
+                      else f"[yellow]process isolation OFF[/yellow]: {iso['reason']}")
     files = ", ".join(p.name for p in sorted(out.iterdir()) if p.is_file())
     console.print(f"run directory {out}: {files}")
 

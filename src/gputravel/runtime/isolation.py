@@ -56,6 +56,11 @@ class Isolation:
     def uids(self) -> dict[str, int]:
         return {k: p.uid for k, p in self.parties.items()}
 
+    def summary(self) -> dict:
+        """For reports: on or off (and why), and each party's uid and dumpability."""
+        return {"on": self.on, "reason": self.reason,
+                "parties": {k: {"uid": p.uid, "dumpable": p.dumpable} for k, p in self.parties.items()}}
+
 
 def make_nondumpable() -> None:
     """Called by each child first thing: /proc/PID/mem, maps and fd become root-only, even

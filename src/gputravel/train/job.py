@@ -128,8 +128,10 @@ def _run_travelling(cfg: JobConfig, run_dir: Path, on_step) -> dict:
         cert.write_bytes(cohort.orchestrator_certificate())  # what holders verify the log with
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{k: getattr(m, k) for k in StepEvent.__dataclass_fields__})))
         resume = _checkpoint(cfg, run_dir)
-        return cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()), on_step=relay,
-                            resume_checkpoint=str(resume.resolve()) if resume else "")
+        report = cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()), on_step=relay,
+                              resume_checkpoint=str(resume.resolve()) if resume else "")
+        report["isolation"] = cohort.isolation.summary()
+        return report
 
 
 def _audit_paths(run_dir: Path) -> tuple[Path, Path]:
