@@ -69,4 +69,15 @@ def unpack_context(blob: bytes, *, layout: str, epoch: int | None = None) -> Dri
         raise ContextBlobError("context blob is for another bounce-buffer layout")
     if epoch is not None and ctx.epoch != epoch:
         raise ContextBlobError(f"context blob is from key epoch {ctx.epoch}, expected epoch {epoch}")
+    _check_channels(ctx)
     return ctx
+
+
+def _check_channels(ctx: DriverContext) -> None:
+    """Each channel once, on its side: checks that compare blobs by label would otherwise look
+    at one copy of a channel while the driver installs another (review finding)."""
+    labels = [s.label for s in ctx.senders + ctx.receivers]
+    if len(labels) != len(set(labels)):
+        raise ContextBlobError("context blob carries a channel twice")
+    if any("_h2d_" not in s.label for s in ctx.senders) or any("_d2h_" not in s.label for s in ctx.receivers):
+        raise ContextBlobError("context blob carries a channel on the wrong side")

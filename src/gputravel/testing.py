@@ -31,9 +31,10 @@ before ``orchestrator``). Attack drills that want a late driver anyway build one
 ``Driver(gpu.add_cvm("mallory"), clock=gpu.clock)``.
 
 The host's powers are modelled by :meth:`InProcessGpu.switch` (the MUX), :meth:`snoop`
-(reading unprotected memory), direct writes to ``link.sysmem`` / ``gpu.bar``, and
+(reading unprotected memory), direct writes to ``link.sysmem`` / ``gpu.bar``,
 :attr:`FakeLink.before_service`, a hook run between the moment a CVM rings the doorbell and
-the moment the device services it (tamper with a staging slot, or drop the doorbell).
+the moment the device services it (tamper with a staging slot, or drop the doorbell), and
+:attr:`FakeLink.while_waiting`, run while a driver waits for an interrupt (a late device).
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class FakeLink:
         #: Called as ``hook(link)`` on every ring, before the device runs; return False to
         #: drop the doorbell. Tests use it to tamper between enqueue and service.
         self.before_service: Callable[[FakeLink], bool | None] | None = None
+        #: Called as ``hook(link)`` each time the driver waits for an interrupt (once per poll):
+        #: a late device (a dropped doorbell serviced while the driver waits, interrupts that
+        #: come late or never) is played from here, e.g. by calling ``link.gpu.core.service()``.
+        self.while_waiting: Callable[[FakeLink], None] | None = None
         self.rings = 0
         self.closed = False
         self.spin_s = 0.0  # the device runs in process, on ring(): nothing to poll for
@@ -105,7 +110,11 @@ class FakeLink:
         self.gpu.core.service()
 
     def wait_interrupt(self, timeout: float) -> bool:
-        """Nothing to wait for in process: the device already ran. Always True."""
+        """Nothing to wait for in process: the device already ran (unless ``while_waiting``
+        runs it late). Always True."""
+        hook = self.while_waiting
+        if hook is not None:
+            hook(self)
         return True
 
     def close(self) -> None:

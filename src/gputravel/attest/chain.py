@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import (
@@ -136,9 +136,24 @@ def verify_chain(
     Every certificate: DER, P-384 key, ecdsa-with-SHA384. Every link: signed by the next
     certificate, which is a CA allowed to sign certificates. The leaf is not a CA. The root
     is byte-for-byte one of `trusted_roots_der` and signed by itself. Every certificate is
-    valid at `now`. Failures raise AttestationError("chain") or ("expired").
+    valid at `now`. Failures raise AttestationError("chain") or ("expired"), a certificate
+    that cryptography parses only lazily and then finds malformed included.
     """
     check_now(now)
+    try:
+        return _verify_chain(chain_der, trusted_roots_der, now, what=what, length=length)
+    except MALFORMED_CERTIFICATE:
+        raise AttestationError("chain", f"{what} certificate chain holds a malformed certificate") from None
+
+
+#: What cryptography raises from a malformed certificate, some of it only when a field is
+#: first read (its parsing is lazy): a host that flips a byte of an unauthenticated chain
+#: must get a typed refusal, never an exception that ends the process.
+MALFORMED_CERTIFICATE = (ValueError, TypeError, UnsupportedAlgorithm, x509.DuplicateExtension, x509.InvalidVersion)
+
+
+def _verify_chain(chain_der: Sequence[bytes], trusted_roots_der: Sequence[bytes], now: datetime, *, what: str,
+                  length: int | None) -> x509.Certificate:
     certs = _parse(chain_der, what)
     if length is not None and len(certs) != length:
         raise AttestationError("chain", f"{what} chain has {len(certs)} certificates, expected {length}")
@@ -168,6 +183,8 @@ def leaf_fwid(leaf: x509.Certificate) -> bytes:
         ext = leaf.extensions.get_extension_for_oid(FWID_OID).value
     except x509.ExtensionNotFound:
         raise AttestationError("fwid", "firmware leaf certificate carries no FWID extension") from None
+    except MALFORMED_CERTIFICATE:
+        raise AttestationError("fwid", "firmware leaf certificate has malformed extensions") from None
     value = ext.value if isinstance(ext, x509.UnrecognizedExtension) else b""
     if len(value) != FWID_BYTES:
         raise AttestationError("fwid", f"firmware leaf FWID is not {FWID_BYTES} bytes")

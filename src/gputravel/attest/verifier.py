@@ -187,7 +187,7 @@ def spdm_chain_verifier(trust: TrustStore, now: datetime) -> Callable[[tuple[byt
 
     def verify(chain_der: tuple[bytes, ...]) -> ec.EllipticCurvePublicKey:
         leaf = verify_chain(chain_der, trust.gpu_roots, now, what="GPU", length=GPU_CHAIN_LENGTH)
-        return cast(ec.EllipticCurvePublicKey, leaf.public_key())  # verify_chain checked: P-384
+        return cast(ec.EllipticCurvePublicKey, leaf.public_key())  # verify_chain read it: P-384
 
     return verify
 

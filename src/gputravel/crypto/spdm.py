@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import constant_time, hashes, hmac
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import (
@@ -278,7 +278,7 @@ def load_leaf_key(chain_der: tuple[bytes, ...]) -> ec.EllipticCurvePublicKey:
     """
     try:
         return x509.load_der_x509_certificate(chain_der[0]).public_key()
-    except ValueError:
+    except (ValueError, UnsupportedAlgorithm):  # parsed lazily: a flipped byte can surface either
         raise ProtocolError("device leaf certificate is not valid DER") from None
 
 

@@ -72,6 +72,7 @@ class Driver:
         self.info: DeviceInfo | None = None
         self._put = {ch: 0 for ch in PushChannel}
         self._sem = {ch: 0 for ch in PushChannel}
+        self._issued = {ch: 0 for ch in PushChannel}  # the last release value handed out, confirmed or not
         self._rpc_tx = 0
         self._rpc_rx = 0
         self._sys = memoryview(link.sysmem)
@@ -172,7 +173,17 @@ class Driver:
         return U32.unpack_from(self.link.bar, Bar0.get(channel))[0] % self.layout.gpfifo_entries
 
     def next_release(self, channel: PushChannel) -> int:
-        return self._sem[channel] + 1
+        """A release value no push on ``channel`` was given before, confirmed or not: a push
+        whose doorbell the host held back may still run late, and its release must never pass
+        for a later push's (found by tests/test_epoch_invariants.py: a copy "confirmed" by an
+        earlier, timed-out copy's release while VRAM held the earlier data)."""
+        return self._reserve(channel, 1)
+
+    def _reserve(self, channel: PushChannel, count: int) -> int:
+        """Hand out ``count`` fresh release values; returns the first."""
+        first = max(self._issued[channel], self._sem[channel]) + 1
+        self._issued[channel] = first + count - 1
+        return first
 
     def semaphore(self, channel: PushChannel) -> int:
         """Latest authenticated value of the channel's tracking semaphore."""
@@ -248,8 +259,8 @@ class Driver:
         lay = self.layout
         rec, slots = lay.record_bytes, lay.staging_slots
         encrypt = self.keys.tx["Lce00_h2d_user"].encrypt_into
-        base = self._sem[PushChannel.USER]
         count = -(-len(data) // rec)
+        base = self._reserve(PushChannel.USER, count) - 1
         for k in range(count):
             if k >= slots:
                 self.wait_release(PushChannel.USER, base + k - slots + 1, timeout)
@@ -290,7 +301,8 @@ class Driver:
             epoch=self.epoch,
             senders=tuple(self.keys.tx[label].export_state() for label in USER_LABELS if "_h2d_" in label),
             receivers=tuple(self.keys.rx[label].export_state() for label in USER_LABELS if "_d2h_" in label),
-            semaphore=self._sem[PushChannel.USER],
+            # The next party's releases start above every value handed out here, confirmed or not.
+            semaphore=max(self._sem[PushChannel.USER], self._issued[PushChannel.USER]),
             gpfifo_put=self._put[PushChannel.USER],
             work_token=self.info.work_tokens[0] if self.info else 0,
             rpc_tx_seq=self._rpc_tx,
@@ -324,6 +336,7 @@ class Driver:
         for state in ctx.receivers:
             self.keys.rx[state.label] = Receiver.from_state(state)
         self._sem[PushChannel.USER] = ctx.semaphore
+        self._issued[PushChannel.USER] = max(self._issued[PushChannel.USER], ctx.semaphore)
         self._put[PushChannel.USER] = ctx.gpfifo_put
         self._rpc_tx, self._rpc_rx = ctx.rpc_tx_seq, ctx.rpc_rx_seq
         self.epoch = ctx.epoch

@@ -177,8 +177,14 @@ class Orchestrator:
             raise HolderLost(holder, "it is offline (not connected); it may join again")
         if not drv.epoch_fresh:  # the orchestrator copied under it (baseline), or travel halted
             self._fresh_epoch()
-        self.attester.refresh(drv, utcnow(), cfg.device_timeout)  # GPU home: keep its claims fresh
-        self._reattest(holder)  # GPU home: a holder whose attestation of us is due attests again
+        try:
+            self.attester.refresh(drv, utcnow(), cfg.device_timeout)  # GPU home: keep its claims fresh
+            self._reattest(holder)  # GPU home: a holder whose attestation of us is due attests again
+        except GputravelError:
+            # A dropped RPC leaves the encrypted RPC queue out of step until a rotation (or a
+            # re-key) resets it: without this, one dropped doorbell stalled every later travel.
+            self._recover()
+            raise
         act = sm.start(holder, dataset_offset, clock())
         conn = self.holders[holder]
         try:  # carry out each action the state machine hands back, and report its completion
