@@ -306,8 +306,11 @@ LAYOUT = "layout-digest"
 channel_states = OVERRIDES[ChannelState]
 contexts = st.builds(
     DriverContext, version=st.just(CONTEXT_VERSION), layout=st.just(LAYOUT), epoch=st.integers(0, 2**32),
-    senders=st.lists(channel_states, max_size=3).map(tuple),
-    receivers=st.lists(channel_states, max_size=3).map(tuple),
+    # Each channel once, on its side (context.py refuses anything else; mutations still try it).
+    senders=st.lists(channel_states.map(lambda c: dataclasses.replace(c, label=f"L_h2d_{c.label}")),
+                     max_size=3, unique_by=lambda c: c.label).map(tuple),
+    receivers=st.lists(channel_states.map(lambda c: dataclasses.replace(c, label=f"L_d2h_{c.label}")),
+                       max_size=3, unique_by=lambda c: c.label).map(tuple),
     semaphore=st.integers(0, 2**32), gpfifo_put=st.integers(0, 2**16), work_token=st.integers(0, 2**32),
     rpc_tx_seq=st.integers(0, 2**32), rpc_rx_seq=st.integers(0, 2**32),
 )
