@@ -147,9 +147,12 @@ def test_each_process_gets_only_its_share_of_the_trust_material(tmp_path: Path) 
     files = {p.relative_to(trust.root).as_posix() for p in trust.root.rglob("*") if p.is_file()}
     # red team: orchestrator-self-quote. No quoting key on disk: the TDX module makes its own;
     # the CPU-TEE root key is in the launcher's memory only, until it certifies that key.
-    assert {f for f in files if f.endswith(".key")} == {"device/device-firmware.key"}
-    assert not any(b"PRIVATE KEY" in p.read_bytes() for p in trust.orchestrator_dir.rglob("*") if p.is_file())
-    assert trust.tee_root is not None
+    # No firmware key either: the device makes its own at boot; the vendor's CA that certifies
+    # it is in the launcher's memory only.
+    assert {f for f in files if f.endswith(".key")} == set()
+    assert not any(b"PRIVATE KEY" in p.read_bytes() for p in trust.root.rglob("*") if p.is_file())
+    assert trust.tee_root is not None and trust.gpu_vendor is not None
+    assert {f for f in files if f.startswith("device/")} == {"device/device.json", "device/reference-values.json"}
     assert {f for f in files if f.startswith("holders/h1/")} == {
         "holders/h1/gpu-vendor-root.pem", "holders/h1/tee-quoting-root.pem", "holders/h1/policy.json",
         "holders/h1/reference-values.json"}  # holders verify the GPU's evidence themselves
@@ -221,6 +224,43 @@ def test_orchestrator_self_quote_the_live_tdx_module_quotes_only_the_launched_or
         with pytest.raises(QuotingRefused, match="not the CVM this module launched"):
             request_quote(socket_path, os.urandom(64), timeout=10)
         check_travel(cohort, datasets, "h1")  # and the orchestrator is still quoted
+
+
+@pytest.mark.integration
+def test_the_device_makes_its_firmware_key_and_the_vendor_ca_is_dropped_once_it_is_certified(
+        datasets, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device process makes its firmware key itself at boot; the launcher (the GPU
+    vendor) sees only its request and sends back the chain, then drops the CA that signed it.
+    Its evidence is signed with that key. (Isolated, the key file is the device uid's:
+    tests/test_isolation.py.)"""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from gputravel.attest.provision import GpuDevice
+    from gputravel.runtime.control import Certified, Enroll
+    from gputravel.transport.stream import StreamTransport
+
+    seen: list[object] = []
+    send, recv = StreamTransport.send, StreamTransport.recv
+    monkeypatch.setattr(StreamTransport, "send", lambda t, m, *a, **k: (seen.append(m), send(t, m, *a, **k))[1])
+    monkeypatch.setattr(StreamTransport, "recv",
+                        lambda t, *a, **k: (lambda got: (seen.append(got.message), got)[1])(recv(t, *a, **k)))
+    with Cohort(config(datasets, ("h1",))) as cohort:
+        assert cohort.trust.gpu_vendor is None and cohort.trust.tee_root is None
+        path = cohort.trust.device_dir / "device-firmware.key"
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        device = GpuDevice.load(cohort.trust.device_dir)
+        leaf = x509.load_der_x509_certificate(device.chain_der[0])
+        assert leaf.public_key().public_numbers() == key.public_key().public_numbers()
+        assert len(device.chain_der) == 5
+        wire = repr(seen).encode()
+        assert [m.name for m in seen if isinstance(m, Enroll)].count("device") == 1
+        assert any(isinstance(m, Certified) and m.cert_pem.count(b"BEGIN CERTIFICATE") == 4 for m in seen)
+        secret = key.private_numbers().private_value.to_bytes(48, "big")
+        assert b"PRIVATE KEY" not in wire and secret not in wire
+        # The evidence the holder verified at join was signed with that very key.
+        assert cohort.attestations["h1"].gpu_serial == device.serial
+        check_travel(cohort, datasets, "h1")
 
 
 @pytest.mark.integration

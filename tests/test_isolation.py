@@ -188,9 +188,9 @@ def test_members_make_their_own_keys_and_the_launcher_sees_only_public_material(
     from gputravel.runtime.control import Certified, Enroll
 
     cohort, spy = live
-    enrolled = {m.name for m in spy.seen if isinstance(m, Enroll)}
+    enrolled = {m.name for m in spy.seen if isinstance(m, Enroll) and m.name != "device"}  # the GPU: below
     assert enrolled == {"orchestrator", *HOLDERS}
-    assert sum(isinstance(m, Certified) for m in spy.seen) == len(enrolled)
+    assert sum(isinstance(m, Certified) for m in spy.seen) == len(enrolled) + 1
     wire = repr(spy.seen).encode()
     assert b"PRIVATE KEY" not in wire
     for member in enrolled:
@@ -204,6 +204,42 @@ def test_members_make_their_own_keys_and_the_launcher_sees_only_public_material(
     keys = {p.relative_to(cohort.dir / "pki").as_posix() for p in (cohort.dir / "pki").rglob("*")
             if p.is_file() and b"PRIVATE KEY" in p.read_bytes()}
     assert keys == {f"{m}/{m}.key" for m in enrolled}
+
+
+def test_the_device_makes_its_firmware_key_under_its_own_uid_and_the_launcher_sees_only_public_material(
+        live) -> None:
+    """The GPU's firmware key (the leaf of its 5-certificate chain) is created by the device's
+    uid in the device's directory; the launcher, standing for the vendor, got a request and
+    sent the chain back, and no launcher message or file carries that key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from gputravel.runtime.control import Certified, Enroll
+
+    cohort, spy = live
+    path = cohort.trust.device_dir / "device-firmware.key"
+    st = path.stat()
+    assert st.st_uid == cohort.isolation.uids["device"] and stat.S_IMODE(st.st_mode) == 0o600
+    # The launcher wrote only the public firmware state; the key and chain are the device's.
+    assert (cohort.trust.device_dir / "device.json").stat().st_uid == cohort.isolation.uids["device"]
+    assert (cohort.trust.device_dir / "device-chain.pem").stat().st_uid == cohort.isolation.uids["device"]
+    assert cohort.trust.gpu_vendor is None  # the vendor's CA is dropped once the device is certified
+    requests = [m for m in spy.seen if isinstance(m, Enroll) and m.name == "device"]
+    assert len(requests) == 1
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    csr = x509.load_pem_x509_csr(requests[0].csr_pem)
+    assert csr.public_key().public_numbers() == key.public_key().public_numbers()
+    chain = x509.load_pem_x509_certificates((cohort.trust.device_dir / "device-chain.pem").read_bytes())
+    assert len(chain) == 5 and chain[0].public_key().public_numbers() == key.public_key().public_numbers()
+    assert any(isinstance(m, Certified) and chain[0].public_bytes(serialization.Encoding.PEM) in m.cert_pem
+               for m in spy.seen)
+    wire = repr(spy.seen).encode()
+    secret = key.private_numbers().private_value.to_bytes(48, "big")
+    assert b"PRIVATE KEY" not in wire and secret not in wire and path.read_bytes() not in wire
+    # No other file of the cohort holds a GPU private key: its roots' keys are deleted.
+    holders = {p.relative_to(cohort.trust.root).as_posix() for p in cohort.trust.root.rglob("*")
+               if p.is_file() and b"PRIVATE KEY" in p.read_bytes()}
+    assert holders == {"device/device-firmware.key"}
 
 
 def test_a_lent_output_is_the_orchestrators_while_it_runs_and_given_back(live) -> None:

@@ -20,7 +20,7 @@ from gputravel.attest.exchange import (
 )
 from gputravel.attest.gpu import EmulatedGpuFirmware, GpuEvidence, ReferenceValues
 from gputravel.attest.policy import GpuRequirements, Policy
-from gputravel.attest.provision import GpuDevice, provision_gpu
+from gputravel.attest.provision import GpuDevice, GpuIssuer, enroll_gpu, issue_gpu_ca, provision_gpu
 from gputravel.attest.quote import (
     EmulatedQuoteVerifier,
     EmulatedQuotingEnclave,
@@ -56,6 +56,7 @@ __all__ = [
     "GpuClaims",
     "GpuDevice",
     "GpuEvidence",
+    "GpuIssuer",
     "GpuRequirements",
     "OrchestratorAttestation",
     "Policy",
@@ -66,8 +67,10 @@ __all__ = [
     "Verifier",
     "answer_challenge",
     "attest_orchestrator",
+    "enroll_gpu",
     "extract_quote",
     "init_roots",
+    "issue_gpu_ca",
     "load_authority",
     "make_ra_tls_certificate",
     "measure_code",

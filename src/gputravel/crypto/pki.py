@@ -39,7 +39,9 @@ __all__ = [
     "install_member_cert",
     "make_device_identity",
     "member_csr",
+    "own_key_request",
     "peer_name",
+    "requested_key",
 ]
 
 CA_FILE = "ca.pem"
@@ -298,25 +300,32 @@ class CohortCa:
 
     def issue(self, name: str, csr_pem: bytes) -> bytes:
         """The certificate of member `name` for the P-384 key that signed `csr_pem`."""
-        _check_name(name)
-        try:
-            csr = x509.load_pem_x509_csr(csr_pem)
-        except ValueError:
-            raise BadInput(f"member {name!r}: the certificate request is not PEM") from None
-        key = csr.public_key()
-        if not csr.is_signature_valid or not isinstance(key, ec.EllipticCurvePublicKey) \
-                or not isinstance(key.curve, ec.SECP384R1):
-            raise BadInput(f"member {name!r}: the request is not self-signed by a P-384 key")
-        cns = [a.value for a in csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
-        if cns != [name]:
-            raise BadInput(f"member {name!r}: the request names {cns!r}")
+        key = requested_key(csr_pem, _check_name(name), f"member {name!r}")
         return _cert_pem(_leaf(name, key, self._name, self._key, self._start, self._days))
 
 
-def member_csr(directory: Path, name: str) -> bytes:
-    """Run by the member itself: its key, made in its own directory (0600) or, after a
-    restart, the one it made before; and a request to certify it (public material only)."""
-    path = Path(directory) / f"{_check_name(name)}.key"
+def requested_key(csr_pem: bytes, common_name: str, who: str) -> ec.EllipticCurvePublicKey:
+    """Run by the issuer: the P-384 key that self-signed `csr_pem`, a request that names
+    `common_name` (BadInput otherwise; `who` names the requester in the message)."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError:
+        raise BadInput(f"{who}: the certificate request is not PEM") from None
+    key = csr.public_key()
+    if not csr.is_signature_valid or not isinstance(key, ec.EllipticCurvePublicKey) \
+            or not isinstance(key.curve, ec.SECP384R1):
+        raise BadInput(f"{who}: the request is not self-signed by a P-384 key")
+    cns = [a.value for a in csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if cns != [common_name]:
+        raise BadInput(f"{who}: the request names {cns!r}")
+    return key
+
+
+def own_key_request(path: Path, common_name: str) -> bytes:
+    """Run by the party itself: its key at `path`, made there (0600) or, after a restart,
+    the one it made before; and a request to certify it for `common_name` (public material
+    only: the private key never leaves the party)."""
+    path = Path(path)
     if path.exists():
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
         if not isinstance(key, ec.EllipticCurvePrivateKey):
@@ -324,8 +333,14 @@ def member_csr(directory: Path, name: str) -> bytes:
     else:
         key = _new_key()
         _write_private(path, _key_pem(key))
-    csr = x509.CertificateSigningRequestBuilder().subject_name(_name(name)).sign(key, hashes.SHA384())
+    csr = x509.CertificateSigningRequestBuilder().subject_name(_name(common_name)).sign(key, hashes.SHA384())
     return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def member_csr(directory: Path, name: str) -> bytes:
+    """Run by the member itself: its key, made in its own directory (0600) or, after a
+    restart, the one it made before; and a request to certify it (public material only)."""
+    return own_key_request(Path(directory) / f"{_check_name(name)}.key", name)
 
 
 def install_member_cert(directory: Path, name: str, cert_pem: bytes, ca_pem: bytes) -> None:

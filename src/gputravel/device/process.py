@@ -30,7 +30,7 @@ class DeviceConfig:
     vram_bytes: int
     layout: Layout
     serial: str = "GPU-EMU-0"
-    gpu_dir: str = ""  # the provisioned GPU (attest.GpuDevice): chain, firmware key, state
+    gpu_dir: str = ""  # the GPU's firmware state; the device makes its firmware key and stores its chain here
     poll_window: float = 0.005  # seconds of polling after the last work before sleeping
 
 

@@ -27,16 +27,23 @@ def _config(cls, raw: dict):
     return cls(**raw)
 
 
-def _enroll(control: StreamTransport, name: str, pki_dir: str) -> None:
-    """Make this member's TLS key here, in its own directory, and have the launcher's cohort
-    CA certify it: only the request and the certificates cross the control link."""
-    from ..crypto.pki import install_member_cert, member_csr
-
-    control.send(Enroll(name=name, csr_pem=member_csr(Path(pki_dir), name)))
+def _certified(control: StreamTransport, name: str, csr_pem: bytes) -> tuple[bytes, bytes]:
+    """Send the launcher a request for a key this process made; (certificate, CA) as PEM.
+    Only the request and the certificates cross the control link."""
+    control.send(Enroll(name=name, csr_pem=csr_pem))
     reply = control.recv(timeout=60).message
     if not isinstance(reply, Certified):
         raise ProtocolError(f"the launcher answered an enrolment with {type(reply).__name__}")
-    install_member_cert(Path(pki_dir), name, reply.cert_pem, reply.ca_pem)
+    return reply.cert_pem, reply.ca_pem
+
+
+def _enroll(control: StreamTransport, name: str, pki_dir: str) -> None:
+    """Make this member's TLS key here, in its own directory, and have the launcher's cohort
+    CA certify it."""
+    from ..crypto.pki import install_member_cert, member_csr
+
+    cert_pem, ca_pem = _certified(control, name, member_csr(Path(pki_dir), name))
+    install_member_cert(Path(pki_dir), name, cert_pem, ca_pem)
 
 
 def main(argv: list[str]) -> int:
@@ -61,7 +68,8 @@ def main(argv: list[str]) -> int:
 
             assert extra is not None
             config = _config(DeviceConfig, payload)
-            gpu = DeviceMaterial.load(config.gpu_dir)  # its 5-certificate chain and firmware key
+            # Its firmware key, made here; the launcher (the GPU vendor) issues its leaf certificate.
+            gpu = DeviceMaterial.enroll(config.gpu_dir, lambda csr: _certified(control, "device", csr))
             config = dataclasses.replace(config, serial=gpu.device.serial)
             dev = DeviceProcess(config, gpu.identity(), extra, firmware=gpu.device.firmware())
             control.send(Ready(role="device", detail={"vram_bytes": dev.config.vram_bytes}))

@@ -36,7 +36,8 @@ from .placement import Placement
 from .isolation import Isolation
 from .membership import AwaitDeparture, Joined, Leave, Left, LendGpu, ProbeGpu, Probed, ReclaimGpu
 from .quoting import KEY as TDX_MODULE, QuotingLaunch
-from .trust import CohortTrust, TrustOptions, attestation_error_from, pin_orchestrator, provision_cohort_trust
+from .trust import (CohortTrust, TrustOptions, attestation_error_from, certify_device, pin_orchestrator,
+                    provision_cohort_trust)
 
 
 SNOOP_FILE = Path("parties/host/snoop.bin")  # in the cohort directory: the host writes it in its own
@@ -238,8 +239,13 @@ class Cohort:
         return msg
 
     def _certify(self, key: str, config: dict, child: Child, msg: Enroll) -> None:
-        """Sign the key a member made itself; only the member this child was started as."""
-        if self._ca is None or msg.name != config.get("enroll"):
+        """Sign the key a member made itself; only the member this child was started as. The
+        device's firmware key is the GPU vendor's to certify, once (runtime/trust.py)."""
+        if child.role == "device" and msg.name == "device" and self.trust is not None:
+            self.trust, (cert_pem, ca_pem) = certify_device(self.trust, msg.csr_pem)
+            child.control.send(Certified(cert_pem=cert_pem, ca_pem=ca_pem))
+            return
+        if self._ca is None or child.role == "device" or msg.name != config.get("enroll"):
             raise ProtocolError(f"{key} asked to be certified as {msg.name!r}")
         self._certs[msg.name] = self._ca.issue(msg.name, msg.csr_pem)
         child.control.send(Certified(cert_pem=self._certs[msg.name], ca_pem=self._ca.cert_pem))

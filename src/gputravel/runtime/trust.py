@@ -5,8 +5,9 @@ under its temporary directory:
 
     trust/roots/         the emulated GPU-vendor and CPU-TEE roots (certificates only once
                          provisioning is done: the root keys are deleted, like the cohort CA's)
-    trust/device/        the provisioned GPU: 5-certificate chain, firmware key, state
-                         -> the device process only
+    trust/device/        the GPU's firmware state -> the device process only, which makes its
+                         firmware key there itself at boot and stores the 5-certificate chain
+                         the launcher (the vendor) issued it (`certify_device`)
     trust/orchestrator/  both root certificates, the GPU's reference values, the evidence age
                          limit and where its TDX module listens -> the orchestrator
     trust/holders/NAME/  both root certificates, the GPU's reference values and NAME's policy,
@@ -16,6 +17,9 @@ under its temporary directory:
 No CVM ever gets a root's private key, nor a quoting key: the TDX module (its own process,
 attest/tdx_module.py) makes its key itself, and the CPU-TEE root key stays in the launcher's
 memory only (`CohortTrust.tee_root`) until it has certified that key (runtime/quoting.py).
+Likewise no process but the device ever holds the GPU's firmware key: the vendor's per-device
+CA that signs it stays in the launcher's memory only (`CohortTrust.gpu_vendor`) until it has
+certified the key the device made, and is dropped then.
 """
 
 from __future__ import annotations
@@ -27,20 +31,22 @@ import shutil
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..attest import (
     AttestationError,
     Authority,
     GpuDevice,
+    GpuIssuer,
     GpuRequirements,
     Policy,
     ReferenceValues,
     TrustStore,
+    enroll_gpu,
     init_roots,
+    issue_gpu_ca,
     load_authority,
     orchestrator_measurement,
-    provision_gpu,
 )
 from ..attest.errors import CLAIMS
 from ..attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
@@ -51,7 +57,7 @@ if TYPE_CHECKING:
     from .orchestrator import OrchestratorConfig
 
 __all__ = ["CohortTrust", "DeviceMaterial", "HolderMaterial", "OrchestratorMaterial", "TrustOptions",
-           "attestation_error_from", "measure_orchestrator", "measured_config", "pin_orchestrator",
+           "attestation_error_from", "certify_device", "measure_orchestrator", "measured_config", "pin_orchestrator",
            "provision_cohort_trust", "utcnow"]
 
 POLICY_FILE = "policy.json"
@@ -120,6 +126,9 @@ class CohortTrust:
     pinned: tuple[bytes, ...] = ()
     # The CPU-TEE root, in the launcher's memory only, until it certifies the TDX module's key.
     tee_root: Authority | None = field(default=None, repr=False, compare=False)
+    # The GPU vendor's CA for this device, in the launcher's memory only, until it certifies
+    # the firmware key the device process made.
+    gpu_vendor: GpuIssuer | None = field(default=None, repr=False, compare=False)
 
     @property
     def device_dir(self) -> Path:
@@ -135,20 +144,30 @@ class CohortTrust:
 
 def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datetime | None = None,
                            quoting_socket: str = "") -> CohortTrust:
-    """Create the roots and the GPU; fill the device's and the orchestrator's directories
-    (`quoting_socket`: where the orchestrator's TDX module listens). The root keys leave the
-    disk here; the CPU-TEE root stays in the returned trust's memory for the TDX module's key.
-    Holders get their share from `pin_orchestrator`."""
+    """Create the roots and the GPU's CAs; fill the device's (firmware state, no key) and the
+    orchestrator's directories (`quoting_socket`: where the orchestrator's TDX module
+    listens). The root keys leave the disk here; the CPU-TEE root and the GPU's per-device CA
+    stay in the returned trust's memory, for the TDX module's key and the device's firmware
+    key (`certify_device`). Holders get their share from `pin_orchestrator`."""
     directory = Path(directory)
     roots = directory / "roots"
     init_roots(roots, now=now)
     gpu = _provision_device(directory, roots, options, now)
-    gpu.save(directory / "device")
+    gpu.save_state(directory / "device")
     tee_root = load_authority(roots, "tee")
     _discard_root_keys(roots)  # on disk, nobody needs them again
     gpu.reference_values().save(roots / REFERENCE_FILE)  # what the vendor publishes: the launcher's copy
     _write_orchestrator(directory / "orchestrator", roots, options, quoting_socket)
-    return CohortTrust(directory, gpu.serial, gpu.driver_version, tee_root=tee_root)
+    return CohortTrust(directory, gpu.serial, gpu.driver_version, tee_root=tee_root, gpu_vendor=gpu)
+
+
+def certify_device(trust: CohortTrust, csr_pem: bytes) -> tuple[CohortTrust, tuple[bytes, bytes]]:
+    """The vendor certifies the firmware key the device process made (its request `csr_pem`):
+    (the trust without the vendor's CA, which is dropped here; (chain, vendor root) as PEM)."""
+    if trust.gpu_vendor is None:
+        raise BadInput("the GPU vendor's CA is gone: nothing can certify a firmware key")
+    issued = trust.gpu_vendor.certify_request(csr_pem)
+    return dataclasses.replace(trust, gpu_vendor=None), issued
 
 
 def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, holders: tuple[str, ...],
@@ -165,15 +184,15 @@ def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, ho
     return dataclasses.replace(trust, pinned=pinned)
 
 
-def _provision_device(directory: Path, roots: Path, options: TrustOptions, now: datetime | None) -> GpuDevice:
+def _provision_device(directory: Path, roots: Path, options: TrustOptions, now: datetime | None) -> GpuIssuer:
     if options.gpu_vendor == "foreign":  # a vendor root that is in nobody's trust store
         foreign = directory / "foreign-roots"
         init_roots(foreign, now=now)
-        gpu = provision_gpu(load_authority(foreign, "gpu"), serial="GPU-FOREIGN-0", now=now,
-                            cc_mode=options.gpu_cc_mode)
+        gpu = issue_gpu_ca(load_authority(foreign, "gpu"), serial="GPU-FOREIGN-0", now=now,
+                           cc_mode=options.gpu_cc_mode)
         _discard_root_keys(foreign)
         return gpu
-    return provision_gpu(load_authority(roots, "gpu"), serial="GPU-EMU-0", now=now, cc_mode=options.gpu_cc_mode)
+    return issue_gpu_ca(load_authority(roots, "gpu"), serial="GPU-EMU-0", now=now, cc_mode=options.gpu_cc_mode)
 
 
 def _discard_root_keys(roots: Path) -> None:
@@ -206,10 +225,12 @@ class DeviceMaterial:
     device: GpuDevice
 
     @classmethod
-    def load(cls, directory: str) -> DeviceMaterial:
+    def enroll(cls, directory: str, certify: Callable[[bytes], tuple[bytes, bytes]]) -> DeviceMaterial:
+        """Run by the device process at boot: make its firmware key in `directory`, have the
+        vendor (the launcher) certify it over `certify` (attest.enroll_gpu)."""
         if not directory:
-            raise BadInput("the device has no provisioned identity (gpu_dir is empty)")
-        return cls(GpuDevice.load(Path(directory)))
+            raise BadInput("the device has no provisioned firmware state (gpu_dir is empty)")
+        return cls(enroll_gpu(Path(directory), certify))
 
     def identity(self) -> DeviceIdentity:
         # The SPDM responder signs with the firmware leaf key, under the 5-certificate chain.
