@@ -107,6 +107,27 @@ def test_a_travel_past_the_attestation_age_limit_is_refused_before_the_context_i
     raw.close()
 
 
+def test_no_baseline_chunk_leaves_past_the_attestation_age_limit(alice) -> None:
+    """The TLS baseline sends plaintext to the orchestrator: only within the holder's age limit
+    of its attestation, as a travel (review finding: SendChunk skipped the check)."""
+    import time
+
+    from gputravel.runtime.baseline import SendChunk
+
+    ours, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    alice.orchestrator = StreamTransport(other, "orchestrator")
+    sel = selectors.DefaultSelector()
+    sel.register(alice.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
+    alice.attested_at, alice.attestation_valid_s = time.monotonic() - 11, 10.0
+    orch = StreamTransport(ours, "alice")
+    orch.send(SendChunk(1, 0, alice.piece_bytes))
+    assert _serve_orchestrator(alice, sel) is True
+    assert alice.orchestrator is None and not sel.get_map()  # it left instead of sending
+    ours.settimeout(1)
+    assert ours.recv(1 << 20) == b""  # not one byte of the chunk: the link was closed
+    ours.close()
+
+
 # ============================================================================ the orchestrator's door
 @pytest.mark.parametrize("named", ["h2", "h1"])
 def test_a_hello_must_name_the_holder_of_the_tls_certificate(named: str) -> None:

@@ -141,17 +141,48 @@ def test_the_core_quotes_one_launch_and_only_for_a_living_cvm() -> None:
     core = TdxModule()
     with pytest.raises(ProtocolError):  # a certificate for another key
         core.certified((root.issue("q", _new_key().public_key(), is_ca=False), root.cert_der))
-    assert core.decide(Peer(10, 0), os.urandom(64)) is None  # not ready: held
+    assert core.decide(Peer(10, 0, 500), os.urandom(64)) is None  # not ready: held
     core.certified((root.issue("q", core.key.public_key(), is_ca=False), root.cert_der))
-    core.register(Launch(10, 0, MEASURED))
+    core.register(Launch(10, 0, MEASURED, 500))
     with pytest.raises(ProtocolError, match="one CVM per module"):
-        core.register(Launch(11, 0, MEASURED))
-    assert core.decide(Peer(10, 0), os.urandom(64))
+        core.register(Launch(11, 0, MEASURED, 600))
+    assert core.decide(Peer(10, 0, 500), os.urandom(64))
     with pytest.raises(QuotingRefused):
-        core.decide(Peer(10, 0), os.urandom(63))
+        core.decide(Peer(10, 0, 500), os.urandom(63))
+    # The launched pid, but another process: one that connected before the launch and held
+    # the connection while its pid went to the orchestrator (review finding), or one gone.
+    for other in (Peer(10, 0, 499), Peer(10, 0, None)):
+        with pytest.raises(QuotingRefused, match="another process"):
+            core.decide(other, os.urandom(64))
     core.ended = True  # its process exited (a pidfd said so): its pid may be someone else's now
     with pytest.raises(QuotingRefused, match="ended"):
-        core.decide(Peer(10, 0), os.urandom(64))
+        core.decide(Peer(10, 0, 500), os.urandom(64))
+
+
+def test_a_connection_made_before_the_launch_gets_no_quote_once_its_pid_is_reused(tmp_path) -> None:
+    """The attack the review found: a child connects and exits, its parent keeps the connected
+    socket, and the child's pid later goes to the orchestrator. The kernel's pidfd of whoever
+    connected (SO_PEERPIDFD) says that process exited, and its start time is gone with it."""
+    from gputravel.attest.tdx_module import _exited, process_start
+
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "q.sock"))
+    listener.listen(1)
+    held = socket.socket(socket.AF_UNIX)
+    pid = os.fork()
+    if pid == 0:  # the child connects the socket it shares with its parent, then exits
+        held.connect(str(tmp_path / "q.sock"))
+        os._exit(0)
+    os.waitpid(pid, 0)
+    accepted, _ = listener.accept()
+    assert _exited(accepted)
+    assert process_start(pid) is None
+    live = socket.socket(socket.AF_UNIX)
+    live.connect(str(tmp_path / "q.sock"))
+    accepted2, _ = listener.accept()
+    assert not _exited(accepted2) and process_start(os.getpid()) is not None
+    for sock in (listener, held, accepted, live, accepted2):
+        sock.close()
 
 
 def test_once_the_launched_cvm_has_ended_nobody_is_quoted(module) -> None:

@@ -47,6 +47,18 @@ __all__ = ["CvmRegistered", "Launch", "LaunchedCvm", "Peer", "QuoteRefused", "Qu
 
 QUOTING_KEY_CN = "EMULATED TDX quoting key (not Intel)"
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5: a pidfd of the process that connected
+
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), or None if no
+    such process. A pid names a process only together with its start: pids are reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])  # fields after "(comm)", from field 3
 
 
 # ----------------------------------------------------------------------------- messages
@@ -111,6 +123,7 @@ class Peer:
 
     pid: int
     uid: int
+    started: int | None = None  # its start time, read when the connection was accepted
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,7 @@ class Launch:
     pid: int
     uid: int
     measurement: bytes
+    started: int | None = None  # the launched process's start time, read at registration
 
 
 @dataclass
@@ -159,6 +173,10 @@ class TdxModule:
         launch = cast(Launch, self.launch)
         if peer.pid != launch.pid or peer.uid != launch.uid:
             raise QuotingRefused(f"pid {peer.pid} (uid {peer.uid}) is not the CVM this module launched")
+        if peer.started is None or peer.started != launch.started:
+            # The pid was reused: whoever connected is not the process that was launched
+            # (a connection made before the launch, held open, found by review).
+            raise QuotingRefused(f"pid {peer.pid} connected as another process than the CVM this module launched")
         if len(report_data) != REPORT_DATA_BYTES:
             raise QuotingRefused(f"report data must be {REPORT_DATA_BYTES} bytes")
         return EmulatedQuotingEnclave(self.key, cast(tuple, self.cert_chain)).quote(launch.measurement, report_data)
@@ -238,7 +256,7 @@ class _Server:
             self.pidfd = os.pidfd_open(msg.pid)  # this process, not whoever gets its pid later
         except OSError:
             self.core.ended = True
-        self.core.register(Launch(msg.pid, msg.uid, msg.measurement))
+        self.core.register(Launch(msg.pid, msg.uid, msg.measurement, process_start(msg.pid)))
         self.control.send(CvmRegistered(pid=msg.pid))
 
     def _accept(self) -> None:
@@ -246,11 +264,14 @@ class _Server:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return
+        except OSError:  # out of descriptors, say: drop this caller, keep serving
+            return
         pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         conn = StreamTransport(sock, f"cvm-{pid}")
-        self.sel.register(conn.fileno(), selectors.EVENT_READ, (conn, Peer(pid, uid)))
+        peer = Peer(pid, uid, None if _exited(sock) else process_start(pid))
+        self.sel.register(conn.fileno(), selectors.EVENT_READ, (conn, peer, sock))
 
-    def _request(self, conn: StreamTransport, peer: Peer) -> None:
+    def _request(self, conn: StreamTransport, peer: Peer, sock: socket.socket) -> None:
         self.sel.unregister(conn.fileno())  # one request per connection
         try:
             got = conn.recv(timeout=2, expect=QuoteRequest).message
@@ -258,6 +279,8 @@ class _Server:
             conn.close()
             return
         assert isinstance(got, QuoteRequest)
+        if _exited(sock):  # the process that connected is gone, whatever now has its pid
+            peer = Peer(peer.pid, peer.uid, None)
         self.pending.append(_Pending(conn, peer, got.report_data, time.monotonic() + self.hold_s))
 
     def _settle(self) -> None:
@@ -285,6 +308,20 @@ class _Server:
         except (TransportClosed, PeerTimeout, ProtocolError):
             pass
         conn.close()
+
+
+def _exited(sock: socket.socket) -> bool:
+    """Whether the process that connected ``sock`` has exited, by the pidfd the kernel took at
+    connect time (SO_PEERPIDFD): exact, where a pid alone may name a newer process. False
+    where the kernel has no SO_PEERPIDFD (the start-time check still applies)."""
+    try:
+        pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+    except OSError:
+        return False
+    try:
+        return bool(select.select([pidfd], [], [], 0)[0])  # a pidfd turns readable when its process exits
+    finally:
+        os.close(pidfd)
 
 
 def serve(config: TdxModuleConfig, control: StreamTransport) -> None:

@@ -282,6 +282,7 @@ def _serve_orchestrator(holder: DataHolder, sel: selectors.BaseSelector) -> bool
         elif isinstance(msg, TravelRequest):
             holder.serve_travel(msg)
         elif isinstance(msg, SendChunk):  # the centralised TLS baseline (paper 7.2)
+            holder.check_attested()  # plaintext leaves here: only to an orchestrator attested in time
             send_chunk(holder.dataset.view, holder.piece_bytes, conn, msg)
     except TransportClosed:
         return False

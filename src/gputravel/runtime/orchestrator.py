@@ -177,14 +177,7 @@ class Orchestrator:
             raise HolderLost(holder, "it is offline (not connected); it may join again")
         if not drv.epoch_fresh:  # the orchestrator copied under it (baseline), or travel halted
             self._fresh_epoch()
-        try:
-            self.attester.refresh(drv, utcnow(), cfg.device_timeout)  # GPU home: keep its claims fresh
-            self._reattest(holder)  # GPU home: a holder whose attestation of us is due attests again
-        except GputravelError:
-            # A dropped RPC leaves the encrypted RPC queue out of step until a rotation (or a
-            # re-key) resets it: without this, one dropped doorbell stalled every later travel.
-            self._recover()
-            raise
+        self._attest_before(holder)
         act = sm.start(holder, dataset_offset, clock())
         conn = self.holders[holder]
         try:  # carry out each action the state machine hands back, and report its completion
@@ -232,6 +225,18 @@ class Orchestrator:
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
             self._drop(holder, conn)
             raise HolderLost(holder, f"{type(exc).__name__}: {exc}") from None
+
+    def _attest_before(self, holder: str) -> None:
+        """With the GPU home, before a travel or a baseline transfer: fresh GPU claims, and the
+        holder re-attests us if its time has come."""
+        try:
+            self.attester.refresh(self.driver, utcnow(), self.config.device_timeout)
+            self._reattest(holder)
+        except GputravelError:
+            # A dropped RPC leaves the encrypted RPC queue out of step until a rotation (or a
+            # re-key) resets it: without this, one dropped doorbell stalled every later travel.
+            self._recover()
+            raise
 
     def _reattest(self, holder: str) -> None:
         """Fresh GPU evidence needs the GPU home, so re-attestation happens here, before the
@@ -300,6 +305,8 @@ class Orchestrator:
     def baseline(self, holder: str, dataset_offset: int) -> BaselineReport:
         """The centralised TLS baseline (paper 7.2): the holder sends the chunk over TLS and this
         CVM writes it into the dataset buffer; the GPU does not travel (see runtime/baseline.py)."""
+        if holder in self.holders:  # as before a travel (an offline holder is reported by run)
+            self._attest_before(holder)
         return self.baseline_path.run(holder, dataset_offset)
 
     def buffer_view(self) -> memoryview:
