@@ -10,183 +10,27 @@ the verdict only reports what the real defences did.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-
-from ..audit import Entry, read_log
-from ..errors import ChannelFaulted, ContextBlobError, GputravelError, PeerTimeout
-from ..roles.orchestrator import TravelReport
-from ..runtime.baseline import BaselineReport
-from .cohort import HolderLink, HostLink, RedTeamCohort
+from ..errors import ChannelFaulted, ContextBlobError, PeerTimeout
 from .messages import (
     ArmDrop,
     ArmExposePrefix,
     ArmForgeGet,
     ArmRoute,
     ArmTamper,
-    AskQuote,
     DecryptCaptured,
     ExportRecords,
     ForceSwitch,
     HolderNews,
     HostNews,
-    ProbePaths,
-    ProbeTarget,
     SetTravelMode,
     UseKeptKeys,
 )
+from .arena import ALICE, BOB, MALLORY, ORCH, Arena, Attack, Verdict, _entry, _events, _rekeyed, _said
+from .isolation_rows import holder_reads_peer_memory, host_reads_cvm_memory, orchestrator_self_quote
 
-ORCH = "orchestrator"
-ALICE, BOB, MALLORY = "alice", "bob", "mallory"
 # How long the forged kernel get stays: past the orchestrator's last try at a rotation (each
 # waits run.DEVICE_TIMEOUT = 2 s for room), not past the next travel's scrub (which waits 2 s too).
 FORGE_HOLD_S = {"home": 5.0, "taken": 3.0}  # the holder came home (rotation, retry); it never did (retry only)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    stopped: bool
-    stopped_by: str
-    evidence: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Attack:
-    name: str
-    adversary: str  # "host", "holder" or "host+holder"
-    tried: str
-    run: Callable[[Arena], Verdict]
-    needs_isolation: bool = False  # the defence is process isolation: only with it on (root) is the row run
-
-
-@dataclass(frozen=True)
-class Outcome:
-    holder: str
-    report: TravelReport | None
-    error: GputravelError | None
-
-    @property
-    def verified(self) -> bool:
-        return self.report is not None and self.report.chunk is not None
-
-    def failed_with(self, *kinds: type) -> bool:
-        return isinstance(self.error, kinds)
-
-    def describe(self) -> str:
-        if self.error is not None:
-            return f"travel to {self.holder} failed: {type(self.error).__name__}: {self.error}"
-        assert self.report is not None
-        if self.report.refused:
-            return f"{self.holder} refused the travel ({self.report.refused})"
-        audit = self.report.nonzero_on_arrival
-        seen = f"; its arrival audit found {audit} non-zero bytes" if audit >= 0 else ""
-        return f"travel to {self.holder} verified (digest of VRAM = manifest){seen}"
-
-
-class Arena:
-    """The live cohort and the attackers' links, as the attacks use them."""
-
-    def __init__(self, cohort: RedTeamCohort, host: HostLink, mallory: HolderLink, buffer_bytes: int,
-                 audit: bool) -> None:
-        self.cohort, self.host, self.mallory = cohort, host, mallory
-        self.buffer_bytes = buffer_bytes
-        self.records = buffer_bytes // cohort.config.layout.record_bytes
-        self.slots = cohort.config.layout.staging_slots
-        self.audit = audit
-        self._offset = {h.name: 0 for h in cohort.config.holders}
-        self.dropped: set[str] = set()  # holders the orchestrator dropped (offline until they rejoin)
-        self._log_at = 0  # how much of the orchestrator's log the attacks have seen
-        self._journal_at = 0  # how many entries of its signed travel log
-
-    def _next_offset(self, holder: str) -> int:
-        size = self.cohort.dataset_bytes[holder]
-        offset = self._offset[holder]
-        self._offset[holder] = (offset + self.buffer_bytes) % max(size - size % self.buffer_bytes, self.buffer_bytes)
-        return offset
-
-    def travel(self, holder: str) -> Outcome:
-        offset = self._next_offset(holder)
-        try:
-            return Outcome(holder, self.cohort.travel(holder, offset), None)
-        except GputravelError as exc:
-            if f"holder {holder!r} lost" in str(exc):  # HolderLost, ContextRefused: its link was closed
-                self.dropped.add(holder)
-            return Outcome(holder, None, exc)
-
-    def baseline(self, holder: str) -> tuple[BaselineReport | None, str]:
-        """The centralised TLS baseline: the orchestrator copies the chunk itself."""
-        try:
-            report = self.cohort.baseline(holder, self._next_offset(holder))
-        except GputravelError as exc:
-            return None, f"baseline transfer of {holder}'s chunk failed: {type(exc).__name__}: {exc}"
-        return report, (f"baseline transfer of {holder}'s chunk: the orchestrator wrote it into the dataset buffer "
-                        "with its own user-channel copy, and VRAM's digest matched the manifest")
-
-    def rejoin(self, holder: str) -> str:
-        """A dropped holder joins again (attesting the orchestrator afresh), as Cohort.rejoin."""
-        self.cohort.rejoin(holder)
-        self.dropped.discard(holder)
-        return f"{holder} joined the cohort again (attested the orchestrator afresh)"
-
-    def restore(self) -> list[str]:
-        """Leave the cohort as the next attack expects it: every dropped holder back in."""
-        return [self.rejoin(h) for h in sorted(self.dropped)]
-
-    def orchestrator_said(self) -> list[str]:
-        """The orchestrator's warnings since the last look (its log: a trusted party's account)."""
-        path = self.cohort.children["orchestrator"].log
-        with open(path, "rb") as f:
-            f.seek(self._log_at)
-            text = f.read()
-        self._log_at += len(text)
-        return [f"orchestrator: {line}" for line in text.decode("utf-8", "replace").splitlines()
-                if "re-key" in line or "rotation" in line]
-
-    def journal(self) -> list[str]:
-        """Entries of the orchestrator's signed travel log since the last look."""
-        return [_entry(e) for e in self.journal_entries()]
-
-    def journal_entries(self) -> list[Entry]:
-        path = self.cohort.audit_log_path
-        entries = read_log(path, allow_truncated_tail=True) if path is not None and path.exists() else []
-        fresh, self._journal_at = entries[self._journal_at :], len(entries)
-        return fresh
-
-    def look(self) -> None:
-        """Forget what the orchestrator logged so far (a new attack starts)."""
-        self.orchestrator_said()
-        self.journal()
-
-    def carry_on(self, holder: str) -> tuple[bool, str]:
-        """Does the cohort go on? A fault an attack left may cost one refused travel (DoS)."""
-        first = self.travel(holder)
-        if first.verified:
-            return True, "then: " + first.describe()
-        second = self.travel(holder)
-        return second.verified, f"then: {first.describe()}; then: {second.describe()}"
-
-    def copy_push(self, record: int) -> int:
-        """Index, within a holder's travel, of the user push that copies ``record``."""
-        return record + (self.records if self.audit else 0)
-
-
-def _entry(e: Entry) -> str:
-    return f"travel log: {e.event.value} {e.chunk.holder}, key epoch {e.epoch_before} -> {e.epoch_after}"
-
-
-def _rekeyed(said: list[str]) -> bool:
-    """Did the orchestrator say it re-keyed the GPU through a new SPDM session?"""
-    return any("re-keyed the GPU through a new SPDM session" in line for line in said)
-
-
-def _events(news: HostNews | HolderNews, prefix: str) -> list[str]:
-    return [f"{prefix}: {e}" for e in news.events if not e.startswith("switch:")]
-
-
-def _said(news: HostNews, text: str) -> bool:
-    return any(text in e for e in news.events)
 
 
 # ----------------------------------------------------------------------------- malicious host
@@ -571,153 +415,6 @@ def baseline_then_travel(a: Arena) -> Verdict:
                    "(control: the same search opens mallory's own captures)",
                    (base_said, own.describe(), *map(_entry, entries), *said, *_events(handed, "host"),
                     *_events(news, "mallory"), *_events(control, "mallory, control on its own records"), after))
-
-
-# ----------------------------------------------------------------------------- process isolation
-PUBLIC = "(public)"  # /proc files any process may read: reported, not held against isolation
-PEEK_RANGE = 4 << 20  # bytes read from each interesting mapping or descriptor
-
-
-def _maps(pid: int) -> list[tuple[int, int, str]]:
-    """The launcher's (root's) view of a party's mappings: (start, end, name)."""
-    out = []
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) >= 2 and parts[1].startswith("r"):
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            out.append((start, end, parts[5] if len(parts) > 5 else ""))
-    return out
-
-
-def _worth_reading(name: str) -> bool:
-    """Mappings that hold a party's secrets or data: memfds (VRAM, bounce buffers), datasets, heap."""
-    return name.startswith("/memfd:") or name.endswith(".bin") or name == "[heap]"
-
-
-def _targets_of(a: Arena, key: str, pid: int) -> list[ProbeTarget]:
-    """Everything of party ``key`` worth stealing, named as the attacker's process reaches it.
-    Where the attacker needs to know where to look (addresses, descriptor numbers), the
-    launcher reads them as root and tells it: the attacker is given more than it could learn."""
-    proc = f"/proc/{pid}"
-    t = [ProbeTarget(f"{key}'s {what} {PUBLIC}", f"{proc}/{what}", "read", ()) for what in ("cmdline", "status")]
-    t += [ProbeTarget(f"{key}'s {what}", f"{proc}/{what}", "read", ()) for what in ("maps", "environ")]
-    t += [ProbeTarget(f"{key}'s {what} directory", f"{proc}/{what}", "list", ()) for what in ("fd", "map_files")]
-    seen = set()
-    for start, end, name in _maps(pid):
-        if _worth_reading(name) and name not in seen:
-            seen.add(name)
-            t.append(ProbeTarget(f"{key}'s memory ({name or 'anonymous'})", f"{proc}/mem", "read",
-                                 ((start, min(end - start, PEEK_RANGE)),)))
-    for fd in sorted(os.listdir(f"{proc}/fd"), key=int):
-        try:
-            link = os.readlink(f"{proc}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith(("/memfd:", "/")) and not link.startswith(("/dev/", "/proc/")):
-            t.append(ProbeTarget(f"{key}'s descriptor {fd} ({link})", f"{proc}/fd/{fd}", "read", ()))
-    return t
-
-
-def _files_of(a: Arena, key: str) -> list[ProbeTarget]:
-    """A party's key files and dataset, by the paths the parties use (the cohort directory
-    through the launcher's descriptor), and a holder's dataset by its original path."""
-    c = a.cohort
-    paths: dict[str, Path] = {}
-    if key in ("orchestrator", ALICE, BOB, MALLORY):
-        paths[f"{key}'s TLS key"] = c.dir / "pki" / key / f"{key}.key"
-    if key == "device":
-        paths["the device's firmware key"] = c.trust.device_dir / "device-firmware.key"
-    t = [ProbeTarget(label, c.child_path(p), "read", ()) for label, p in paths.items()]
-    spec = {h.name: h for h in c.config.holders}.get(key)
-    if spec is not None:
-        t.append(ProbeTarget(f"{key}'s dataset by its path", spec.dataset, "read", ()))
-        for link in sorted((c.dir / "parties" / key / "dataset").glob("*")):
-            t.append(ProbeTarget(f"{key}'s dataset link", c.child_path(link), "read", ()))
-    return t
-
-
-#: The control: the attacker forks a dumpable copy of itself and reads it the same way.
-FORK_CONTROL = ProbeTarget("the same reads on a dumpable process of its own uid", "", "fork", ())
-
-
-def _probe_results(events: tuple[str, ...], note: str) -> tuple[list[str], list[str], int]:
-    """(denied, read, bytes read) among the probe events of one batch, public files left out."""
-    mine = [e for e in events if e.startswith(f"probe {note} ")]
-    denied = [e for e in mine if ": denied (" in e]
-    read = [e for e in mine if ": denied (" not in e and PUBLIC not in e]
-    got = sum(int(e.rsplit(": read ", 1)[1].split()[0]) for e in read if ": read " in e)
-    return denied, read, got
-
-
-def _isolation_row(a: Arena, attacker: str, victims: tuple[str, ...]) -> tuple[bool, list[str]]:
-    pids = a.cohort.pids()
-    targets = [t for key in victims for t in (*_targets_of(a, key, pids[key]), *_files_of(a, key))]
-    control = [FORK_CONTROL]
-    link = a.host if attacker == "host" else a.mallory
-    if attacker == "host":
-        link.order(ProbePaths(tuple(targets), "peer"))
-        link.order(ProbePaths(tuple(control), "control"))
-        events = link.news().events
-    else:
-        events = link.order(ProbePaths(tuple(targets), "peer"), timeout=120).events
-        events += link.order(ProbePaths(tuple(control), "control"), timeout=120).events
-    denied, read, got = _probe_results(events, "peer")
-    _, own, own_bytes = _probe_results(events, "control")
-    iso = a.cohort.isolation
-    uids = ", ".join(f"{k} {u}" for k, u in sorted(iso.uids.items()))
-    summary = [f"process isolation on: each party under its own uid ({uids}), non-dumpable",
-               f"{attacker}'s own process tried {len(denied) + len(read)} targets of "
-               f"{', '.join(victims)}: {len(denied)} denied, {len(read)} read ({got} bytes)",
-               f"control: the same /proc/PID/mem reads got {own_bytes} bytes from a dumpable fork of {attacker} "
-               "(same uid)"]
-    stopped = iso.on and bool(denied) and not read and got == 0 and own_bytes > 0
-    return stopped, [*summary, *(e for e in events if e.startswith("probe "))]
-
-
-def holder_reads_peer_memory(a: Arena) -> Verdict:
-    stopped, evidence = _isolation_row(a, MALLORY, (ALICE, BOB, ORCH, "device", "host", "tdx-module"))
-    return Verdict(stopped, "process isolation (runtime/isolation.py): mallory's process runs under a uid of its "
-                   "own with no groups, and every other party is non-dumpable under its own uid, so /proc refused "
-                   "mallory their memory, maps, environment and descriptors (the VRAM memfd included), and their "
-                   "key files and datasets lie in directories only their own uid may enter", tuple(evidence))
-
-
-def host_reads_cvm_memory(a: Arena) -> Verdict:
-    stopped, evidence = _isolation_row(a, "host", (ALICE, BOB, MALLORY, ORCH, "device", "tdx-module"))
-    return Verdict(stopped, "process isolation: the host process has only what it is handed (bounce buffers, BAR0, "
-                   "the MUX); every CVM, the device and the TDX module run under uids of their own, non-dumpable, "
-                   "so /proc refused the host their memory and descriptors (the VRAM memfd included) and their "
-                   "key files", tuple(evidence))
-
-
-def orchestrator_self_quote(a: Arena) -> Verdict:
-    """The host (which could then impersonate the orchestrator to holders it MITMs) and mallory
-    ask the TDX module for a quote over report data of their own: a TLS key of theirs."""
-    sock = a.cohort.child_path(a.cohort.dir / "tdx" / "quote.sock")
-    report = bytes(range(64))  # any report data of the attacker's choosing: a hash of its own TLS key
-    a.host.order(AskQuote(sock, report))
-    host = a.host.news()
-    mine = a.mallory.order(AskQuote(sock, report), timeout=60)
-    if a.cohort.isolation.on:
-        module = _targets_of(a, "tdx-module", a.cohort.pids()["tdx-module"])
-        peek = a.mallory.order(ProbePaths(tuple(module), "peer"), timeout=120)
-        denied, read, got = _probe_results(peek.events, "peer")
-        probed = (f"mallory tried {len(denied) + len(read)} targets of the TDX module's process: {len(denied)} "
-                  f"denied, {len(read)} read ({got} bytes)")
-    else:
-        denied, read, got = ["-"], [], 0
-        probed = "process isolation is off (not root): the TDX module's memory was not probed"
-    asked = [e for e in (*host.events, *mine.events) if e.startswith("asked the TDX module")]
-    refused = [e for e in asked if "QuotingRefused" in e and "is not the CVM this module launched" in e]
-    quoted = [e for e in asked if "got a quote" in e]
-    ok, after = a.carry_on(ALICE)
-    stopped = len(refused) == 2 and not quoted and bool(denied) and not read and got == 0 and ok
-    return Verdict(stopped, "the TDX module (attest/tdx_module.py, its own process): it quotes only for the pid and "
-                   "uid the launcher registered as the orchestrator it launched (SO_PEERCRED), over report data "
-                   "only, with the measurement the launcher computed; the host's and mallory's requests were "
-                   "refused (QuotingRefused), and its quoting key, in its own memory, was out of mallory's reach",
-                   (*_events(host, "host"), *_events(mine, "mallory"),
-                    probed, after))
 
 
 def snoop_everything(a: Arena) -> Verdict:

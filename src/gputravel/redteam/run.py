@@ -17,7 +17,8 @@ from pathlib import Path
 
 from ..errors import GputravelError, RemoteError
 from ..runtime.supervisor import SNOOP_FILE, CohortConfig, HolderSpec
-from .attacks import ALICE, ATTACKS, BOB, MALLORY, Arena, Attack, Verdict
+from .arena import ALICE, BOB, MALLORY, Arena, Attack, Verdict
+from .attacks import ATTACKS
 from .canary import MARKER_BYTES, SPACING, Found, Needles, make_dataset, search
 from .cohort import HolderLink, HostLink, RedTeamCohort
 
