@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 import secrets
+import signal
 import stat
 import sys
 from dataclasses import dataclass, field
@@ -193,9 +194,14 @@ def dropper(uid: int, *, netns: str | None, reach: dict[str, tuple[str, ...]]) -
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-        _check(_libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+        die_with_parent()
 
     return run
+
+
+def die_with_parent() -> None:
+    """A Popen preexec_fn step: the child is killed if the launcher dies, even outright."""
+    _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
 
 
 def private_env(home: str) -> dict[str, str]:

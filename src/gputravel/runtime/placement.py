@@ -15,7 +15,6 @@ path is handed over as is, and nothing changes owner.
 from __future__ import annotations
 
 import os
-import signal
 import warnings
 from pathlib import Path
 
@@ -25,13 +24,6 @@ from .isolation import Isolation
 
 # What a child needs from a descriptor the launcher opened for it; never followed by the launcher.
 _PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
-
-
-def _pdeathsig() -> None:
-    """Children die with the supervisor even if it is killed outright."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class Placement:
@@ -105,7 +97,7 @@ class Placement:
         """preexec_fn, env, cwd and the extra descriptors for `key`'s Popen."""
         home = self.party_dir(key)
         if not self.on:
-            return {"preexec_fn": _pdeathsig, "pass_fds": self._fds.get(key, [])}
+            return {"preexec_fn": isolation.die_with_parent, "pass_fds": self._fds.get(key, [])}
         env = {**os.environ, **isolation.private_env(self.path(home)), "GPUTRAVEL_NONDUMPABLE": "1"}
         return {"preexec_fn": isolation.dropper(self.uid(key), netns=netns, reach=self.reach), "env": env,
                 "cwd": str(home), "pass_fds": [self._root_fd, *self._fds.get(key, [])]}
