@@ -83,7 +83,8 @@ class EpochLedger:
 
     def _check_not_halted(self, action: str) -> None:
         if self.halted is not None:
-            raise TravelHalted(f"cannot {action}: {self.halted}; the GPU must be re-keyed by a new SPDM session")
+            raise TravelHalted(f"cannot {action}: {self.halted}; until the device confirms a rotation or a new SPDM "
+                                "session re-keys the GPU")
 
 
 __all__ = ["EpochLedger", "EpochUse"]
