@@ -183,7 +183,7 @@ class GpuIssuer(_FirmwareState):
 
 def enroll_gpu(directory: Path, certify: Callable[[bytes], tuple[bytes, bytes]]) -> GpuDevice:
     """Run by the device itself at boot, in the directory whose firmware state the vendor
-    wrote: make its firmware key there (0600; after a restart, the one it made before), have
+    wrote: make its firmware key there (0600), have
     the vendor certify it (`certify`: request -> (chain without the root, root), PEM), store
     the chain and return the device. Only the request and certificates leave this process."""
     directory = Path(directory)

@@ -262,9 +262,7 @@ class _Server:
     def _accept(self) -> None:
         try:
             sock, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:  # out of descriptors, say: drop this caller, keep serving
+        except OSError:  # nobody there after all, or out of descriptors: drop this caller, keep serving
             return
         pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         conn = StreamTransport(sock, f"cvm-{pid}")

@@ -24,7 +24,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..attest import (
     AttestAccepted,
@@ -52,7 +51,7 @@ from ..attest.tdx_module import request_quote
 from ..crypto.pki import CohortPki, MemberIdentity
 from ..crypto.spdm import SpdmRequester
 from ..driver.orchestrator import OrchestratorDriver
-from ..errors import BadInput, GputravelError, IllegalTransition, ProtocolError
+from ..errors import GputravelError, IllegalTransition, ProtocolError
 from ..transport.stream import StreamTransport
 from ..wire import decode
 from .trust import HolderMaterial, OrchestratorMaterial, utcnow
@@ -68,18 +67,14 @@ MIN_REATTEST_S = 1.0  # however often a holder asks, the orchestrator re-attests
 
 @dataclass(frozen=True)
 class TlsIdentity:
-    """The orchestrator's cohort TLS certificate and key: what its quotes bind."""
+    """The orchestrator's cohort TLS certificate: what its quotes bind (the TDX module signs,
+    so the attester needs no private key)."""
 
     cert_der: bytes
-    key: ec.EllipticCurvePrivateKey = field(repr=False)
 
     @classmethod
     def of_member(cls, member: MemberIdentity) -> TlsIdentity:
-        key = serialization.load_pem_private_key(member.key_pem, password=None)
-        if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise BadInput(f"the TLS key of {member.name} is not an EC key")
-        cert = x509.load_pem_x509_certificate(member.cert_pem).public_bytes(serialization.Encoding.DER)
-        return cls(cert, key)
+        return cls(x509.load_pem_x509_certificate(member.cert_pem).public_bytes(serialization.Encoding.DER))
 
 
 class GpuAttester:
