@@ -89,7 +89,8 @@ class Arena:
         try:
             return Outcome(holder, self.cohort.travel(holder, offset), None)
         except GputravelError as exc:
-            if f"holder {holder!r} lost" in str(exc):  # HolderLost, ContextRefused: its link was closed
+            # HolderLost or ContextRefused; across the control link only the message tells (supervisor._typed)
+            if f"holder {holder!r} lost" in str(exc):
                 self.dropped.add(holder)
             return Outcome(holder, None, exc)
 

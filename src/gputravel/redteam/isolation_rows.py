@@ -30,7 +30,7 @@ def _worth_reading(name: str) -> bool:
     return name.startswith("/memfd:") or name.endswith(".bin") or name == "[heap]"
 
 
-def _targets_of(a: Arena, key: str, pid: int) -> list[ProbeTarget]:
+def _targets_of(key: str, pid: int) -> list[ProbeTarget]:
     """Everything of party ``key`` worth stealing, named as the attacker's process reaches it.
     Where the attacker needs to know where to look (addresses, descriptor numbers), the
     launcher reads them as root and tells it: the attacker is given more than it could learn."""
@@ -87,7 +87,7 @@ def _probe_results(events: tuple[str, ...], note: str) -> tuple[list[str], list[
 
 def _isolation_row(a: Arena, attacker: str, victims: tuple[str, ...]) -> tuple[bool, list[str]]:
     pids = a.cohort.pids()
-    targets = [t for key in victims for t in (*_targets_of(a, key, pids[key]), *_files_of(a, key))]
+    targets = [t for key in victims for t in (*_targets_of(key, pids[key]), *_files_of(a, key))]
     control = [FORK_CONTROL]
     link = a.host if attacker == "host" else a.mallory
     if attacker == "host":
@@ -135,7 +135,7 @@ def orchestrator_self_quote(a: Arena) -> Verdict:
     host = a.host.news()
     mine = a.mallory.order(AskQuote(sock, report), timeout=60)
     if a.cohort.isolation.on:
-        module = _targets_of(a, "tdx-module", a.cohort.pids()["tdx-module"])
+        module = _targets_of("tdx-module", a.cohort.pids()["tdx-module"])
         peek = a.mallory.order(ProbePaths(tuple(module), "peer"), timeout=120)
         denied, read, got = _probe_results(peek.events, "peer")
         probed = (f"mallory tried {len(denied) + len(read)} targets of the TDX module's process: {len(denied)} "
