@@ -70,10 +70,6 @@ CVMS = (HOME, *HOLDERS)
 MAGIC = b"\xa7\xc3EPOCH-SECRET\x00\xff"  # planted in every secret chunk; random data never holds it
 assert len(MAGIC) == 16
 
-#: Known gaps in the code under test, tolerated by the machine until fixed (pin each with a
-#: strict xfail test). Empty: "stale_user_release" and "spdm_certificate_errors" are fixed.
-KNOWN_GAPS: set[str] = set()  # both found so far are fixed (see the regression tests at the end)
-
 SIZES = st.sampled_from([16, 1000, RECORD - 1, RECORD, RECORD + 17, 2 * RECORD + 5, 3 * RECORD, BUFFER])
 
 # ---------------------------------------------------------------------------- the host's reach
@@ -124,7 +120,6 @@ HOST_ACTIONS = st.one_of(
 BEHAVIOURS = ("honest", "honest", "audit", "refuse", "vanish", "die_mid_copy", "stale", "altered", "forward",
               "too_far", "channel_counter", "backwards", "other_keys", "old_blob", "empty",
               "duplicate_labels", "swapped_groups")
-ALLOWED = tuple(b for b in BEHAVIOURS if b not in KNOWN_GAPS)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -219,8 +214,6 @@ class Violation(AssertionError):
 
 # ---------------------------------------------------------------------------- the machine
 class EpochMachine(RuleBasedStateMachine):
-    behaviours: tuple[str, ...] = ALLOWED
-
     # ------------------------------------------------------------------ set-up
     @initialize()
     def boot(self) -> None:
@@ -564,15 +557,15 @@ class EpochMachine(RuleBasedStateMachine):
                 raise Violation("(c) a travel was reported done but the device is not on a fresh epoch")
 
     # ------------------------------------------------------------------ rules: travels
-    @rule(name=st.sampled_from(HONEST), size=SIZES, behaviour=st.sampled_from(ALLOWED), fault=IN_TRAVEL)
+    @rule(name=st.sampled_from(HONEST), size=SIZES, behaviour=st.sampled_from(BEHAVIOURS), fault=IN_TRAVEL)
     def honest_travel(self, name, size, behaviour, fault) -> None:
         self._arm(fault)
-        self._run_travel(name, size, behaviour if behaviour in self.behaviours else "honest", FAITHFUL)
+        self._run_travel(name, size, behaviour, FAITHFUL)
 
     @rule(size=SIZES, behaviour=st.sampled_from(BEHAVIOURS), fault=IN_TRAVEL)
     def mallory_travels(self, size, behaviour, fault) -> None:
         self._arm(fault)
-        self._run_travel(MALLORY, size, behaviour if behaviour in self.behaviours else "honest", FAITHFUL)
+        self._run_travel(MALLORY, size, behaviour, FAITHFUL)
 
     @rule(name=st.sampled_from(HOLDERS), size=SIZES, behaviour=st.sampled_from(("honest", "refuse", "vanish", "stale")),
           careless=st.builds(Careless, st.booleans(), st.booleans(), st.booleans()))
@@ -601,15 +594,9 @@ class EpochMachine(RuleBasedStateMachine):
             return
         self.outcomes["copy: ok"] += 1
         self._orch_moves_data(keys)
-        if self.gpu.vram_at(self.buf.offset, size) != chunk and not self._stale_releases_possible():
+        if self.gpu.vram_at(self.buf.offset, size) != chunk:
             raise Violation("(c) the orchestrator's copy returned but VRAM does not hold its chunk")
         self.claim = None
-
-    def _stale_releases_possible(self) -> bool:
-        """Known gap "stale_user_release": after one of its copies timed out in this epoch, the
-        orchestrator's next copy may be confirmed by the late one's release (same value)."""
-        ledger = self.orch.ledger
-        return "stale_user_release" in KNOWN_GAPS and self.tainted == (ledger.session, ledger.epoch)
 
     @rule(act=st.sampled_from(["read", "rpc", "rotate", "rotate", "careless_rotate", "rekey"]),
           nbytes=st.sampled_from([16, RECORD + 3, BUFFER]))
@@ -630,7 +617,7 @@ class EpochMachine(RuleBasedStateMachine):
                     self.tainted = (orch.ledger.session, orch.ledger.epoch)
                     raise
                 self._orch_moves_data(keys)
-                if bytes(data) != self.gpu.vram_at(self.buf.offset, nbytes) and not self._stale_releases_possible():
+                if bytes(data) != self.gpu.vram_at(self.buf.offset, nbytes):
                     raise Violation("(c) the orchestrator read back something VRAM does not hold")
             elif act == "rpc":
                 orch.query_buffer(self.buf.offset, timeout=T)

@@ -228,8 +228,8 @@ def test_a_forged_register_at_the_rotation_never_lets_an_epoch_travel_twice(boot
     link.before_service = None
     try:
         blob = orch.export_for_travel()
-    except (EpochSpent, TravelHalted):
-        blob = None
+    except (EpochSpent, TravelHalted):  # refused only while the spent epoch stands, or halted
+        assert orch.ledger.halted or orch.ledger.epoch == 0
     else:  # the rotation went through: a new epoch, other keys
         assert orch.key_epoch == gpu.core.epoch == 1
         assert _user_keys(blob) != _user_keys(spent)
@@ -249,14 +249,14 @@ def _user_keys(blob: bytes) -> set[bytes]:
     return {s.key for s in ctx.senders + ctx.receivers}
 
 
-def test_a_refused_context_is_a_lost_holder_the_training_loop_goes_on_without() -> None:
-    """The loader skips a HolderLost (train/loader.py); a refused context is one, and still a
-    ContextBlobError for whoever asks what went wrong."""
+def test_a_refused_context_is_both_a_lost_holder_and_a_context_blob_error() -> None:
+    """The loader skips a HolderLost (train/loader.py), so a refused context must be one; and
+    still a ContextBlobError for whoever asks what went wrong."""
     from gputravel.errors import ContextBlobError, ContextRefused, HolderLost
 
     exc = ContextRefused("mallory", "a channel counter changed during the travel")
     assert isinstance(exc, HolderLost) and isinstance(exc, ContextBlobError)
-    assert exc.holder == "mallory" and "channel counter" in str(exc)
+    assert exc.holder == "mallory"
 
 
 @pytest.mark.parametrize("value", [17, 31, 1 << 20, 0xFFFFFFFF])
