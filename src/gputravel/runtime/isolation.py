@@ -136,17 +136,19 @@ def _needed_paths() -> list[str]:
 
 def interpreter_reach() -> dict[str, tuple[str, ...]]:
     """Directories others cannot search on the way to this interpreter and its packages,
-    with the entries under each that a child needs. BadInput where a tmpfs cannot help: a
-    second closed directory further down, or a needed directory closed itself."""
+    with the entries under each that a child needs. A needed directory closed itself (a
+    checkout in a 0700 `mktemp -d`, on sys.path) shows all its entries. BadInput where a tmpfs
+    cannot help: a second closed directory further down."""
     cover: dict[str, set[str]] = {}
     for path in _needed_paths():
         closed = _closed(path)
         if not closed:
             continue
         top = closed[0]
-        if len(closed) > 1 or top == Path(path):
+        if len(closed) > 1:
             raise BadInput(f"other users cannot reach {path} (closed: {', '.join(map(str, closed))})")
-        cover.setdefault(str(top), set()).add(Path(path).relative_to(top).parts[0])
+        entries = os.listdir(top) if top == Path(path) else [Path(path).relative_to(top).parts[0]]
+        cover.setdefault(str(top), set()).update(entries)
     return {d: tuple(sorted(e)) for d, e in cover.items()}
 
 
