@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gputravel.errors import BadInput
 from gputravel.runtime import isolation
 from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec
 from gputravel.transport.stream import StreamTransport
@@ -269,3 +270,26 @@ def test_the_lent_travel_log_goes_back_to_its_owner(tmp_path: Path) -> None:
         cert = cohort.orchestrator_certificate()
     assert log.stat().st_uid == os.geteuid()
     assert verify_log(log, cert).head_seq == 0
+
+
+def test_a_checkout_in_a_closed_directory_is_covered_not_refused(monkeypatch) -> None:
+    """A checkout in a 0700 directory (`mktemp -d`) is itself on sys.path: the children's
+    mount namespace shows all of it, and isolation stays on. Before, it turned isolation off."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path sits under a 0700 directory of its own
+    monkeypatch.setattr(isolation, "_needed_paths", lambda: needed)
+    closed = base / "checkout"
+    (closed / ".venv" / "bin").mkdir(parents=True)
+    (closed / "src").mkdir()
+    closed.chmod(0o700)
+    base.chmod(0o755)
+    needed = [str(closed), str(closed / "src"), str(closed / ".venv" / "bin")]
+    try:
+        assert isolation.interpreter_reach()[str(closed)] == (".venv", "src")
+        (closed / "src").chmod(0o700)  # a second closed directory below: a tmpfs cannot help
+        with pytest.raises(BadInput, match="cannot reach"):
+            isolation.interpreter_reach()
+    finally:
+        shutil.rmtree(base)
