@@ -22,8 +22,8 @@ from gputravel.transport.stream import StreamTransport
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(os.geteuid() != 0, reason="process isolation needs root (the launcher gives each party its "
-                       f"own uid); as uid {os.geteuid()} the cohort runs without it"),
+    pytest.mark.skipif(bool(isolation.unavailable()), reason=f"process isolation is off here: "
+                       f"{isolation.unavailable()}"),
 ]
 MIB = 1 << 20
 HOLDERS = ("h1", "h2")

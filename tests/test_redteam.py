@@ -10,7 +10,6 @@ the row fails (see docs/security.md, "Do the tests fail when a defence is off?")
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from typer.testing import CliRunner
 
 from gputravel.cli import app
 from gputravel.redteam.attacks import ATTACKS
+from gputravel.runtime import isolation
 
 pytestmark = pytest.mark.integration
 
@@ -135,7 +135,7 @@ ISOLATED = {a.name for a in ATTACKS if a.needs_isolation}
 def test_attack_is_defeated(run, name: str) -> None:
     _, _, report = run
     row = _row(report, name)
-    if name in ISOLATED and os.geteuid() != 0:
+    if name in ISOLATED and isolation.unavailable():
         assert row["outcome"] == "skipped", row
         pytest.skip("process isolation needs root: the row is not run")
     adversary, must_show = EXPECTED[name]
@@ -153,7 +153,7 @@ def test_cli_prints_the_table_writes_json_and_exits_zero(run) -> None:
     assert code == 0, output
     assert "every attack defeated, 0 bytes of plaintext obtained" in output
     skipped = set(report["skipped"])
-    assert skipped == (ISOLATED if os.geteuid() != 0 else set())
+    assert skipped == (ISOLATED if isolation.unavailable() else set())
     assert report["failed"] == 0 and report["defeated"] == len(ATTACKS) - len(skipped)
     for row in report["attacks"]:
         assert {"name", "adversary", "tried", "stopped_by", "plaintext_bytes_obtained", "outcome"} <= set(row)

@@ -92,6 +92,18 @@ def read_party(pid: int) -> PartyIsolation:
     return PartyIsolation(uid, gid, groups, dumpable=None if uid == 0 else status.stat().st_uid == uid)
 
 
+def unavailable() -> str:
+    """Why a cohort started now in auto mode would run without isolation ("": it would not)."""
+    on, reason = decide(None)
+    if not on:
+        return reason
+    try:
+        interpreter_reach()
+    except BadInput as exc:
+        return f"this Python cannot run under another uid: {exc}"
+    return ""
+
+
 # ----------------------------------------------------------------------------- uids
 def _uids_in_use() -> set[int]:
     used = set()
