@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from gputravel.data.demo import demo_holders
+from gputravel.data.shakespeare import demo_holders
 from gputravel.data.shards import load_tokens
 from gputravel.train.loader import LocalSource, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig

@@ -21,7 +21,7 @@ class HostWithDevice:
 @pytest.fixture
 def host_with_device(tmp_path):
     from gputravel.host.process import HostConfig, HostProcess
-    from gputravel.messages import AttachCvm, DeviceAck, DeviceAttach
+    from gputravel.protocol.host import AttachCvm, DeviceAck, DeviceAttach
     from gputravel.transport.stream import connect_unix
 
     sock = str(tmp_path / "host.sock")

@@ -10,7 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from gputravel.attest.quote import orchestrator_measurement
-from gputravel.cli_attest import attest_app, pki_app
+from gputravel.cli.attest import attest_app, pki_app
 
 runner = CliRunner()
 app = typer.Typer()

@@ -26,13 +26,13 @@ from gputravel.attest import (
 from gputravel.crypto.pki import CohortPki
 from gputravel.driver.orchestrator import OrchestratorDriver
 from gputravel.errors import IllegalTransition, PeerTimeout, RemoteError
-from gputravel.layout import Layout
-from gputravel.messages import GetEvidence
-from gputravel.roles.manifest import chunk_digest
-from gputravel.runtime.attestation import GpuAttester, TlsIdentity
-from gputravel.runtime.orchestrator import OrchestratorConfig
-from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec
-from gputravel.runtime.trust import (
+from gputravel.protocol.layout import Layout
+from gputravel.protocol.rpc import GetEvidence
+from gputravel.protocol.manifest import chunk_digest
+from gputravel.orchestrator.attester import GpuAttester, TlsIdentity
+from gputravel.orchestrator.cvm import OrchestratorConfig
+from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.cohort.trust import (
     CohortTrust,
     OrchestratorMaterial,
     TrustOptions,
@@ -237,7 +237,7 @@ def test_the_device_makes_its_firmware_key_and_the_vendor_ca_is_dropped_once_it_
     from cryptography.hazmat.primitives import serialization
 
     from gputravel.attest.provision import GpuDevice
-    from gputravel.runtime.control import Certified, Enroll
+    from gputravel.protocol.control import Certified, Enroll
     from gputravel.transport.stream import StreamTransport
 
     seen: list[object] = []
@@ -283,13 +283,13 @@ def test_an_orchestrator_whose_code_changed_after_pinning_is_refused(datasets, r
 
     # The children run a copy of the package with one byte more in the orchestrator's code;
     # the supervisor (this process) pinned the code as it is here.
-    # Somewhere every party's uid can reach (tmp_path is closed to them: runtime/isolation.py).
+    # Somewhere every party's uid can reach (tmp_path is closed to them: cohort/isolation.py).
     copy = Path(tempfile.mkdtemp(prefix="gputravel-changed-"))
     os.chmod(copy, 0o755)
     request.addfinalizer(lambda: shutil.rmtree(copy, ignore_errors=True))
     shutil.copytree(Path(gputravel.__file__).parent, copy / "gputravel",
                     ignore=shutil.ignore_patterns("__pycache__", "demo_data"))
-    with open(copy / "gputravel" / "runtime" / "orchestrator.py", "a") as f:
+    with open(copy / "gputravel" / "orchestrator" / "cvm.py", "a") as f:
         f.write("\n# changed after the holders inspected it\n")
     monkeypatch.setenv("PYTHONPATH", str(copy))
     err = refusal(config(datasets, ("h1",)))

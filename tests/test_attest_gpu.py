@@ -31,7 +31,7 @@ from gputravel.attest.roots import GPU_VENDOR_ROOT_CN, TEE_QUOTING_ROOT_CN
 from gputravel.attest.verifier import EAT, spdm_chain_verifier
 from gputravel.crypto.spdm import SpdmRequester, SpdmResponder
 from gputravel.errors import BadInput, RemoteError
-from gputravel.wire import decode, encode
+from gputravel.protocol.codec import decode, encode
 
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=timezone.utc)
 

@@ -41,7 +41,7 @@ from gputravel.attest.ratls import quote_extension, spki_der
 from gputravel.attest.roots import GPU_VENDOR_ROOT_CN, TEE_QUOTING_ROOT_CN
 from gputravel.crypto.pki import _issue, _name, _new_key
 from gputravel.errors import BadInput, TransportClosed
-from gputravel.wire import decode, encode
+from gputravel.protocol.codec import decode, encode
 
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=timezone.utc)
 CONFIG = {"holders": 3, "buffer_mib": 8, "model": "gpt2-tiny"}
@@ -261,8 +261,8 @@ def test_forged_gpu_claims_make_the_holder_runtime_hang_up(tmp_path, trust, encl
     sends its nonce, gets a genuine quote with evidence for another nonce, refuses, hangs up."""
     import threading
 
-    from gputravel.runtime.attestation import challenge_orchestrator
-    from gputravel.runtime.trust import HolderMaterial
+    from gputravel.orchestrator.attester import challenge_orchestrator
+    from gputravel.cohort.trust import HolderMaterial
     from gputravel.transport.stream import socketpair_transports
 
     cert, _ = orchestrator_tls

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from gputravel import wire
-from gputravel.audit import (
+from gputravel.protocol import codec as wire
+from gputravel.orchestrator.audit import (
     GENESIS_HASH,
     AuditError,
     AuditEvent,
@@ -26,7 +26,7 @@ from gputravel.audit import (
     read_log,
     verify_log,
 )
-from gputravel.cli_audit import audit_app
+from gputravel.cli.audit import audit_app
 from gputravel.crypto.pki import CohortPki, MemberIdentity
 from gputravel.errors import BadInput, ProtocolError
 

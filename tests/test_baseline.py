@@ -16,8 +16,8 @@ import pytest
 
 from gputravel.errors import BadInput, ProtocolError
 from gputravel.net import LINK_NETNS, LINK_TOKEN_BUCKET, netns_available
-from gputravel.roles.manifest import chunk_digest
-from gputravel.runtime.baseline import (
+from gputravel.protocol.manifest import chunk_digest
+from gputravel.orchestrator.baseline import (
     PIECE_BYTES,
     ChunkPiece,
     ChunkSent,
@@ -27,8 +27,8 @@ from gputravel.runtime.baseline import (
     refusal,
     send_chunk,
 )
-from gputravel.runtime.links import LINK_NONE, check_link_config, resolve_link
-from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.cohort.links import LINK_NONE, check_link_config, resolve_link
+from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
 from gputravel.transport.memory import memory_pair
 from gputravel.transport.stream import socketpair_transports
 
@@ -199,8 +199,8 @@ def test_a_holder_that_breaks_the_exchange_is_lost_as_in_a_travel() -> None:
     from types import SimpleNamespace
 
     from gputravel.errors import HolderLost
-    from gputravel.messages import HolderHello
-    from gputravel.runtime.baseline import BaselinePath
+    from gputravel.protocol.travel import HolderHello
+    from gputravel.orchestrator.baseline import BaselinePath
 
     holder_end, orch_end = memory_pair("holder", "orchestrator")
     hello = HolderHello("alice", 8, 8, (b"\x00" * 32,), "")

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gputravel.bench.compare import paper_speedup, parse_bandwidths, tie_breaks
-from gputravel.cli import app
+from gputravel.cli.app import app
 from gputravel.errors import BadInput
 from gputravel.net import LINK_NETNS, LINK_TOKEN_BUCKET
 

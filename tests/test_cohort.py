@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from gputravel.demo import plan
+from gputravel.jobs.travel import plan
 from gputravel.errors import BadInput
-from gputravel.roles.manifest import chunk_digest
-from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.protocol.manifest import chunk_digest
+from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
 
 pytestmark = pytest.mark.integration
 MIB = 1 << 20
@@ -181,7 +181,7 @@ def test_children_die_with_a_killed_supervisor(datasets, tmp_path: Path) -> None
     path = datasets["h1"][0]
     script = (
         "import sys, time\n"
-        "from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec\n"
+        "from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec\n"
         f"c = Cohort(CohortConfig(holders=(HolderSpec('h1', {path!r}),), buffer_bytes={MIB}, workdir={str(tmp_path)!r}))\n"
         "c.start()\n"
         "print(' '.join(str(p) for p in c.pids().values()), flush=True)\n"
@@ -203,7 +203,7 @@ def test_children_die_with_a_killed_supervisor(datasets, tmp_path: Path) -> None
 def test_records_smaller_than_a_mib_and_several_per_buffer_verify(tmp_path: Path) -> None:
     """Manifest pieces follow the record size; the orchestrator must hash VRAM with the
     holder's piece size, not a default (a buffer of three 512 KiB records)."""
-    from gputravel.layout import Layout
+    from gputravel.protocol.layout import Layout
 
     data = make_data(tmp_path / "h.bin", 4 * MIB, 1)
     cfg = CohortConfig(holders=(HolderSpec("h1", str(tmp_path / "h.bin")),), buffer_bytes=3 * 512 * 1024,
@@ -233,7 +233,7 @@ def test_a_holder_killed_mid_copy_is_dropped_and_can_rejoin(datasets) -> None:
         report = cohort.travel("h1", MIB)
         assert report.chunk is not None and report.chunk.digest == chunk_digest(datasets["h1"][1][MIB : 2 * MIB])
         # Every attempt is in the orchestrator's signed log, the failed ones as aborted.
-        from gputravel.audit import verify_log
+        from gputravel.orchestrator.audit import verify_log
 
         log = verify_log(cohort.audit_log_path, cohort.orchestrator_certificate())
         assert [(e.event, e.holder) for e in log.entries] == [

@@ -11,11 +11,12 @@ import dataclasses
 
 import pytest
 
-from gputravel.context import CONTEXT_VERSION, DriverContext, pack_context, unpack_context
+from gputravel.driver.context import CONTEXT_VERSION, DriverContext, pack_context, unpack_context
 from gputravel.driver.driver import Driver
 from gputravel.errors import ContextBlobError, GputravelError
-from gputravel.layout import Layout, PushChannel
-from gputravel.messages import KERNEL_LABELS, USER_LABELS, SemaphoreRelease
+from gputravel.protocol.layout import Layout, PushChannel
+from gputravel.crypto.labels import KERNEL_LABELS, USER_LABELS
+from gputravel.protocol.push import SemaphoreRelease
 from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu, leaks
 
 RECORD = TEST_LAYOUT.record_bytes
@@ -376,7 +377,7 @@ def test_a_context_exported_during_the_scrub_is_exported_again_if_the_user_chann
     """If anything moved the user channel between the export and the scrub's confirmation,
     the exported context no longer matches the device: a fresh one, continuing from where
     the device is, must travel instead (as if the scrub had come first)."""
-    from gputravel.layout import U32, Bar0
+    from gputravel.protocol.layout import U32, Bar0
 
     gpu, orch, holders, buf = booted
     pending = orch.start_scrub(buf.offset, buf.nbytes)

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from gputravel.context import pack_context, unpack_context
+from gputravel.driver.context import pack_context, unpack_context
 from gputravel.crypto.channel import KeyMaterial, Sender, derive_epoch_keys
 from gputravel.driver.driver import Driver
 from gputravel.driver.orchestrator import OrchestratorDriver
 from gputravel.errors import BadInput, ChannelFaulted, IllegalTransition, IntegrityError, PeerTimeout
-from gputravel.layout import GPFIFO_ENTRY, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
-from gputravel.messages import KERNEL_LABELS, USER_LABELS
+from gputravel.protocol.layout import GPFIFO_ENTRY, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
+from gputravel.crypto.labels import KERNEL_LABELS, USER_LABELS
 from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu
 
 USER = PushChannel.USER
@@ -566,7 +566,7 @@ def test_rotation_realigns_the_user_channel(cohort: Cohort, desync: str) -> None
     gpu = cohort.gpu
     if desync == "holder-vanished":
         # Alice copies, then never returns the context: the orchestrator abandons and rotates,
-        # exactly what runtime/orchestrator.py _recover does.
+        # exactly what orchestrator/cvm.py _recover does.
         cohort.send("alice")
         cohort.alice.copy_to_vram(memoryview(data_of(RECORD)), cohort.buf.offset, buffer_bytes=BUFFER)
         gpu.switch(ORCHESTRATOR)
@@ -626,7 +626,7 @@ def test_copies_need_a_granted_window() -> None:
 
 
 def test_a_holder_cannot_grant_itself_a_window(cohort: Cohort) -> None:
-    from gputravel.messages import GrantWindow
+    from gputravel.protocol.push import GrantWindow
 
     gpu = cohort.gpu
     other = cohort.orch.alloc_buffer(RECORD)

@@ -5,7 +5,7 @@ harness. It interleaves
 
 - travels by honest holders (alice, bob) and by mallory, who keeps every context blob she is
   sent and uses them later, with the host's help; the orchestrator's side mirrors
-  runtime/orchestrator.py ``_travel`` / ``_recover`` / ``_fresh_epoch`` / ``rekey`` (with
+  orchestrator/cvm.py ``_travel`` / ``_recover`` / ``_fresh_epoch`` / ``rekey`` (with
   ``verify`` off, so nothing but the drivers stands between a travel and its report), and a
   *careless* variant that skips the rotation, the fresh-epoch check or the recovery, as a
   runtime with a bug would: the driver's ledger is what must hold then;
@@ -47,13 +47,20 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from gputravel.context import pack_context, unpack_context
+from gputravel.driver.context import pack_context, unpack_context
 from gputravel.driver.epochs import EpochLedger, EpochUse
 from gputravel.driver.orchestrator import OrchestratorDriver
-from gputravel.errors import (ContextBlobError, ContextRefused, EpochSpent, GputravelError, HolderLost,
-                              TravelHalted)
-from gputravel.layout import FAULT_REG, GPFIFO_ENTRY, U32, Bar0, PushChannel
-from gputravel.messages import USER_LABELS, SemaphoreRelease
+from gputravel.errors import (
+    ContextBlobError,
+    ContextRefused,
+    EpochSpent,
+    GputravelError,
+    HolderLost,
+    TravelHalted,
+)
+from gputravel.protocol.layout import FAULT_REG, GPFIFO_ENTRY, U32, Bar0, PushChannel
+from gputravel.crypto.labels import USER_LABELS
+from gputravel.protocol.push import SemaphoreRelease
 from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu
 
 USER, KERNEL = PushChannel.USER, PushChannel.KERNEL
@@ -199,7 +206,7 @@ def tamper_blob(blob: bytes, how: str, old: bytes | None) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class Careless:
-    """How a buggy runtime cuts corners; all False: runtime/orchestrator.py as written."""
+    """How a buggy runtime cuts corners; all False: orchestrator/cvm.py as written."""
     skip_fresh: bool = False  # export without replacing a spent or halted epoch first
     skip_rotation: bool = False  # take the context back, do not rotate
     swallow: bool = False  # on failure: take the context back, nothing else
@@ -408,7 +415,7 @@ class EpochMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the runtime's orchestrator
     def rekey(self) -> None:
-        """runtime/orchestrator.py Orchestrator.rekey."""
+        """orchestrator/cvm.py Orchestrator.rekey."""
         self.claim = None  # the device wipes VRAM
         try:
             self.mux(HOME)
@@ -420,7 +427,7 @@ class EpochMachine(RuleBasedStateMachine):
             raise TravelHalted("the re-keyed GPU placed the dataset buffer elsewhere")
 
     def recover(self) -> None:
-        """runtime/orchestrator.py Orchestrator._recover."""
+        """orchestrator/cvm.py Orchestrator._recover."""
         orch = self.orch
         try:
             self.mux(HOME)
@@ -434,7 +441,7 @@ class EpochMachine(RuleBasedStateMachine):
             self.rekey()
 
     def fresh_epoch(self) -> None:
-        """runtime/orchestrator.py Orchestrator._fresh_epoch."""
+        """orchestrator/cvm.py Orchestrator._fresh_epoch."""
         if self.orch.ledger.halted is None:
             try:
                 self.orch.rotate(timeout=T)
@@ -444,7 +451,7 @@ class EpochMachine(RuleBasedStateMachine):
         self.rekey()
 
     def travel(self, name: str, chunk: bytes, behaviour: str, careless: Careless) -> str:
-        """runtime/orchestrator.py Orchestrator._travel (verify off). Returns the holder's
+        """orchestrator/cvm.py Orchestrator._travel (verify off). Returns the holder's
         answer ("ok" or "refused"); raises what the runtime raises."""
         orch, buf = self.orch, self.buf
         if not careless.skip_fresh and not orch.epoch_fresh:
@@ -488,7 +495,7 @@ class EpochMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ holders
     def holder_travels(self, name: str, blob: bytes, chunk: bytes, behaviour: str):
-        """runtime/holder.py serve_travel, with a misbehaviour. Returns (answer, blob back)."""
+        """holder/cvm.py serve_travel, with a misbehaviour. Returns (answer, blob back)."""
         drv, buf = self.drivers[name], self.buf
         if drv.has_context:  # a previous travel it vanished from
             drv.export_context()
@@ -852,7 +859,7 @@ def test_the_machine_catches_channel_state_smuggled_in_a_duplicate(monkeypatch) 
     """Without the one-channel-once check on context blobs, the machine finds an invariant
     broken ((d), counters out of step, before the check existed; with unique release values it
     meets (a) first: keys of one side installed as the other's)."""
-    from gputravel import context
+    from gputravel.driver import context
 
     monkeypatch.setattr(context, "_check_channels", lambda ctx: None)
     with pytest.raises(AssertionError, match=r"^\([a-d]\)"):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from gputravel.context import unpack_context
+from gputravel.driver.context import unpack_context
 from gputravel.driver.epochs import EpochLedger, EpochUse
 from gputravel.errors import EpochSpent, GputravelError, PeerTimeout, TravelHalted
-from gputravel.layout import FAULT_REG, U32, Bar0, PushChannel
+from gputravel.protocol.layout import FAULT_REG, U32, Bar0, PushChannel
 from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu
 
 RECORD = 64 * 1024
@@ -296,7 +296,7 @@ def test_a_wild_user_get_stays_inside_the_user_ring(booted, value: int) -> None:
 def test_a_returned_context_outside_the_ring_or_with_rpc_rx_rolled_back_is_refused(booted) -> None:
     import dataclasses
 
-    from gputravel.context import pack_context
+    from gputravel.driver.context import pack_context
     from gputravel.errors import ContextBlobError
 
     gpu, orch, holders, buf = booted
@@ -313,12 +313,12 @@ def test_a_returned_context_outside_the_ring_or_with_rpc_rx_rolled_back_is_refus
 
 @pytest.mark.parametrize("state", ["rotating", "halted"])
 def test_the_gpu_is_not_lent_while_the_device_may_be_on_an_epoch_a_holder_had(booted, state: str) -> None:
-    """A booting holder borrows the GPU (runtime/membership.py): never while a rotation is
+    """A booting holder borrows the GPU (orchestrator/membership.py): never while a rotation is
     pending or travel is halted, when the device may still be on an epoch that holder had."""
     from types import SimpleNamespace
 
     from gputravel.errors import IllegalTransition
-    from gputravel.runtime.membership import _lend
+    from gputravel.orchestrator.membership import _lend
 
     gpu, orch, holders, buf = booted
     orch.import_returned(orch.export_for_travel())

@@ -1,6 +1,6 @@
 """Fuzzing every decoder and blob parser: malformed input only ever raises a typed error.
 
-The registry in :mod:`gputravel.wire` is enumerated, so a new message is fuzzed as soon as it
+The registry in :mod:`gputravel.protocol.codec` is enumerated, so a new message is fuzzed as soon as it
 is registered: a valid instance of each is derived from its field annotations, encoded, then
 mutated (bit flips, truncations, extensions, type-confused fields). Whatever comes in,
 ``decode`` returns a valid message or raises ProtocolError; ``unpack_context`` raises
@@ -34,34 +34,18 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import gputravel
-from gputravel import wire
-from gputravel.audit import AuditEvent, ChunkId, Entry
-from gputravel.context import (
+from gputravel.protocol import codec as wire
+from gputravel.orchestrator.audit import AuditEvent, ChunkId, Entry
+from gputravel.driver.context import (
     CONTEXT_VERSION,
     DriverContext,
     SealedContext,
     pack_context,
     unpack_context,
 )
-from gputravel.crypto.channel import (
-    IV_BYTES,
-    KEY_BYTES,
-    MAX_MESSAGE_COUNTER,
-    ChannelState,
-)
-from gputravel.errors import (
-    ContextBlobError,
-    PeerTimeout,
-    ProtocolError,
-    TransportClosed,
-)
-from gputravel.messages import (
-    DeviceAttach,
-    HostError,
-    RegisterCvm,
-    Registered,
-    SwitchRequest,
-)
+from gputravel.crypto.channel import IV_BYTES, KEY_BYTES, MAX_MESSAGE_COUNTER, ChannelState
+from gputravel.errors import ContextBlobError, PeerTimeout, ProtocolError, TransportClosed
+from gputravel.protocol.host import DeviceAttach, HostError, RegisterCvm, Registered, SwitchRequest
 from gputravel.transport.stream import HEADER, StreamTransport, connect_unix
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -306,7 +290,7 @@ LAYOUT = "layout-digest"
 channel_states = OVERRIDES[ChannelState]
 contexts = st.builds(
     DriverContext, version=st.just(CONTEXT_VERSION), layout=st.just(LAYOUT), epoch=st.integers(0, 2**32),
-    # Each channel once, on its side (context.py refuses anything else; mutations still try it).
+    # Each channel once, on its side (driver/context.py refuses anything else; mutations still try it).
     senders=st.lists(channel_states.map(lambda c: dataclasses.replace(c, label=f"L_h2d_{c.label}")),
                      max_size=3, unique_by=lambda c: c.label).map(tuple),
     receivers=st.lists(channel_states.map(lambda c: dataclasses.replace(c, label=f"L_d2h_{c.label}")),
@@ -578,7 +562,7 @@ def test_device_ignores_garbage_and_malformed_attaches_from_the_host() -> None:
     import socket
 
     from gputravel.device.process import DeviceProcess
-    from gputravel.messages import AttachCvm
+    from gputravel.protocol.host import AttachCvm
     from gputravel.transport.stream import StreamTransport
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,4 +1,4 @@
-"""The data holder's runtime (runtime/holder.py) against a real host loop and a stand-in
+"""The data holder's runtime (holder/cvm.py) against a real host loop and a stand-in
 device: what it does with a context it cannot import, and with an orchestrator link that
 carries garbage. Neither may take the holder process down or keep the GPU."""
 
@@ -11,8 +11,8 @@ import socket
 import pytest
 
 from gputravel.driver.link import PcieMuxClient, register_with_host
-from gputravel.messages import TravelRefused, TravelRequest
-from gputravel.runtime.holder import ORCHESTRATOR, DataHolder, HolderConfig, _serve_orchestrator
+from gputravel.protocol.travel import TravelRefused, TravelRequest
+from gputravel.holder.cvm import ORCHESTRATOR, DataHolder, HolderConfig, _serve_orchestrator
 from gputravel.testing import TEST_LAYOUT
 from gputravel.transport.memory import memory_pair
 from gputravel.transport.stream import HEADER, StreamTransport, connect_unix
@@ -69,7 +69,7 @@ def test_garbage_from_the_orchestrator_leaves_the_cohort_but_not_the_process(ali
 
 def test_a_travel_that_fails_on_the_holders_side_leaves_the_cohort_but_not_the_process(alice, monkeypatch) -> None:
     from gputravel.errors import ProtocolError
-    from gputravel.wire import encode
+    from gputravel.protocol.codec import encode
 
     raw, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     alice.orchestrator = StreamTransport(other, "orchestrator")
@@ -93,7 +93,7 @@ def test_a_travel_past_the_attestation_age_limit_is_refused_before_the_context_i
     holder leaves (its process goes on) without importing the context it was sent."""
     import time
 
-    from gputravel.wire import encode
+    from gputravel.protocol.codec import encode
 
     raw, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     alice.orchestrator = StreamTransport(other, "orchestrator")
@@ -112,7 +112,7 @@ def test_no_baseline_chunk_leaves_past_the_attestation_age_limit(alice) -> None:
     of its attestation, as a travel (review finding: SendChunk skipped the check)."""
     import time
 
-    from gputravel.runtime.baseline import SendChunk
+    from gputravel.orchestrator.baseline import SendChunk
 
     ours, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     alice.orchestrator = StreamTransport(other, "orchestrator")
@@ -136,9 +136,9 @@ def test_a_hello_must_name_the_holder_of_the_tls_certificate(named: str) -> None
     from types import SimpleNamespace
 
     from gputravel.errors import ProtocolError
-    from gputravel.messages import Bye, HolderHello, Welcome
-    from gputravel.roles.orchestrator import Buffer, OrchestratorTravel
-    from gputravel.runtime.orchestrator import Orchestrator
+    from gputravel.protocol.travel import Bye, HolderHello, Welcome
+    from gputravel.orchestrator.machine import Buffer, OrchestratorTravel
+    from gputravel.orchestrator.cvm import Orchestrator
 
     ours, theirs = memory_pair("orchestrator", "h1")
     orch = object.__new__(Orchestrator)  # only the door: no device, host or TLS needed
@@ -158,7 +158,7 @@ def test_a_hello_must_name_the_holder_of_the_tls_certificate(named: str) -> None
 
 # ============================================================================ untrusted inputs to the host and device
 def test_the_host_outlives_a_cvm_that_hangs_up_before_its_answer(host_with_device) -> None:
-    from gputravel.messages import SwitchRequest
+    from gputravel.protocol.host import SwitchRequest
 
     for _ in range(2):  # an error answer (unknown CVM) to a peer that already left, twice
         gone = connect_unix(host_with_device.socket_path, "gone")
@@ -175,8 +175,8 @@ def test_the_host_outlives_a_cvm_that_hangs_up_before_its_answer(host_with_devic
 def test_a_holder_push_with_an_out_of_range_release_faults_its_channel_not_the_device() -> None:
     """A holder has the user keys during its travel, so what it pushes is input: a release
     value that cannot be a semaphore value faults the channel; the device goes on."""
-    from gputravel.layout import PushChannel
-    from gputravel.messages import SemaphoreRelease
+    from gputravel.protocol.layout import PushChannel
+    from gputravel.protocol.push import SemaphoreRelease
     from gputravel.testing import InProcessGpu
 
     gpu = InProcessGpu()

@@ -1,4 +1,4 @@
-"""Process isolation of a live cohort (runtime/isolation.py): each party under its own uid,
+"""Process isolation of a live cohort (cohort/isolation.py): each party under its own uid,
 non-dumpable, its key files its own. Every probe runs as a real process under the uid of a
 live party (red team: holder-reads-peer-memory, host-reads-cvm-memory), next to a control
 showing the same probe does read what isolation does not protect."""
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from gputravel.errors import BadInput
-from gputravel.runtime import isolation
-from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.cohort import isolation
+from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
 from gputravel.transport.stream import StreamTransport
 
 pytestmark = [
@@ -186,7 +186,7 @@ def test_members_make_their_own_keys_and_the_launcher_sees_only_public_material(
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
-    from gputravel.runtime.control import Certified, Enroll
+    from gputravel.protocol.control import Certified, Enroll
 
     cohort, spy = live
     enrolled = {m.name for m in spy.seen if isinstance(m, Enroll) and m.name != "device"}  # the GPU: below
@@ -215,7 +215,7 @@ def test_the_device_makes_its_firmware_key_under_its_own_uid_and_the_launcher_se
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
-    from gputravel.runtime.control import Certified, Enroll
+    from gputravel.protocol.control import Certified, Enroll
 
     cohort, spy = live
     path = cohort.trust.device_dir / "device-firmware.key"
@@ -260,7 +260,7 @@ def test_isolation_off_on_request_runs_as_the_launcher(tmp_path: Path) -> None:
 
 
 def test_the_lent_travel_log_goes_back_to_its_owner(tmp_path: Path) -> None:
-    from gputravel.audit import verify_log
+    from gputravel.orchestrator.audit import verify_log
 
     (tmp_path / "d.bin").write_bytes(os.urandom(MIB))
     log = tmp_path / "audit.log"

@@ -6,7 +6,7 @@ import pytest
 
 from gputravel.errors import BadInput
 from gputravel.host.mux import CvmRegistration, PcieMux, SwitchPlan
-from gputravel.layout import SYSMEM_IOVA
+from gputravel.protocol.layout import SYSMEM_IOVA
 
 
 def reg(cvm: str, fd: int = 10, nbytes: int = 1 << 20) -> CvmRegistration:
@@ -88,7 +88,7 @@ def test_register_refuses_a_nameless_or_empty_registration(bad: CvmRegistration)
 # notice the client takes as the one it waits for.
 from gputravel.driver.link import PcieMuxClient  # noqa: E402
 from gputravel.errors import PeerTimeout, ProtocolError  # noqa: E402
-from gputravel.messages import Attached, HostError, SwitchRequest, Switched  # noqa: E402
+from gputravel.protocol.host import Attached, HostError, SwitchRequest, Switched  # noqa: E402
 from gputravel.transport.memory import memory_pair  # noqa: E402
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gputravel.cli import app
+from gputravel.cli.app import app
 from gputravel.redteam.attacks import ATTACKS
-from gputravel.runtime import isolation
+from gputravel.cohort import isolation
 
 pytestmark = pytest.mark.integration
 
@@ -177,7 +177,7 @@ def test_a_pending_rotation_cannot_confirm_the_scrub_in_process() -> None:
     import os
 
     from gputravel.errors import PeerTimeout
-    from gputravel.layout import U32, Bar0, PushChannel
+    from gputravel.protocol.layout import U32, Bar0, PushChannel
     from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu
 
     gpu = InProcessGpu()

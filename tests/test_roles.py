@@ -11,11 +11,19 @@ import hashlib
 import pytest
 
 from gputravel.errors import BadInput, IllegalTransition, ProtocolError
-from gputravel.messages import ChunkInfo, HolderHello, TravelRefused, TravelRequest, TravelResult
-from gputravel.roles.holder import AwaitGpu as HolderAwaitGpu
-from gputravel.roles.holder import CopyChunk, ExportBlob, HolderPhase, HolderTravel, ImportBlob, Reply, SwitchBack
-from gputravel.roles.manifest import chunk_digest, chunk_digest_from_manifest, piece_digests
-from gputravel.roles.orchestrator import (
+from gputravel.protocol.travel import ChunkInfo, HolderHello, TravelRefused, TravelRequest, TravelResult
+from gputravel.holder.machine import AwaitGpu as HolderAwaitGpu
+from gputravel.holder.machine import (
+    CopyChunk,
+    ExportBlob,
+    HolderPhase,
+    HolderTravel,
+    ImportBlob,
+    Reply,
+    SwitchBack,
+)
+from gputravel.protocol.manifest import chunk_digest, chunk_digest_from_manifest, piece_digests
+from gputravel.orchestrator.machine import (
     STEPS,
     AwaitGpu,
     AwaitReply,
@@ -31,7 +39,7 @@ from gputravel.roles.orchestrator import (
     VerifyChunk,
 )
 from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu, leaks
-from gputravel.wire import decode, encode
+from gputravel.protocol.codec import decode, encode
 
 PIECE = 4096
 BUFFER = Buffer(offset=0x2000, nbytes=4 * PIECE)
@@ -452,7 +460,7 @@ def test_travel_messages_do_not_print_the_context_blob() -> None:
     gpu = InProcessGpu()
     orch, _ = gpu.boot()
     blob = orch.export_for_travel()
-    from gputravel.context import unpack_context
+    from gputravel.driver.context import unpack_context
 
     ctx = unpack_context(blob, layout=TEST_LAYOUT.digest())
     keys = [b for s in ctx.senders + ctx.receivers for b in (s.key, s.iv_mask)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from gputravel.cli_data import data_app
+from gputravel.cli.data import data_app
 from gputravel.data import (
     ByteTokenizer,
     demo_holders,

@@ -1,4 +1,4 @@
-"""The emulated TDX module as its own process (attest/tdx_module.py, runtime/quoting.py).
+"""The emulated TDX module as its own process (attest/tdx_module.py, cohort/quoting.py).
 
 red team: orchestrator-self-quote. The review found the measurement self-quoted: the quoting
 key sat in the orchestrator's trust directory and the measurement was whatever the caller
@@ -21,18 +21,12 @@ import pytest
 
 from gputravel.attest import Authority, EmulatedQuoteVerifier, TrustStore
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
-from gputravel.attest.tdx_module import (
-    Launch,
-    Peer,
-    QuotingRefused,
-    TdxModule,
-    request_quote,
-)
+from gputravel.attest.tdx_module import Launch, Peer, QuotingRefused, TdxModule, request_quote
 from gputravel.crypto.pki import _new_key
 from gputravel.errors import ProtocolError, TransportClosed
-from gputravel.runtime.control import Ready
-from gputravel.runtime.quoting import QuotingLaunch
-from gputravel.runtime.trust import CohortTrust
+from gputravel.protocol.control import Ready
+from gputravel.cohort.quoting import QuotingLaunch
+from gputravel.cohort.trust import CohortTrust
 from gputravel.transport.stream import HEADER, StreamTransport, connect_unix
 
 MEASURED = bytes(range(48))  # what the launcher measured
@@ -49,7 +43,7 @@ class Module:
         self.socket = str(tmp_path / "quote.sock")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         config = json.dumps({"socket_path": self.socket, "hold_s": hold_s})
-        self.proc = subprocess.Popen([sys.executable, "-m", "gputravel.runtime.entry", "tdx-module", config,
+        self.proc = subprocess.Popen([sys.executable, "-m", "gputravel.cohort.entry", "tdx-module", config,
                                       str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.control = StreamTransport(ours, "tdx-module")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from gputravel.errors import BadInput, HolderLost, RemoteError
-from gputravel.runtime import isolation
-from gputravel.train.job import JobConfig, run
+from gputravel.cohort import isolation
+from gputravel.jobs.training import JobConfig, run
 from gputravel.train.loop import TrainConfig
 
 pytestmark = pytest.mark.integration
@@ -79,7 +79,7 @@ def test_training_learns_and_writes_the_run_directory(both_runs):
 
 
 def test_a_holder_with_another_tokenizer_is_refused(tmp_path):
-    from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec
+    from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
     from gputravel.data.shards import write_shard
     import numpy as np
 
@@ -113,7 +113,7 @@ def _kill_our_orchestrator() -> None:
             ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == os.getpid() and b"gputravel.runtime.entry" in argv and b"orchestrator" in argv:
+        if ppid == os.getpid() and b"gputravel.cohort.entry" in argv and b"orchestrator" in argv:
             os.kill(int(pid), signal.SIGKILL)
 
 
@@ -172,8 +172,8 @@ class _LosesHolderOnce:
 
 def test_a_holder_killed_mid_copy_is_dropped_and_its_partial_chunk_never_trained_on(tmp_path):
     from gputravel.data.shards import load_tokens
-    from gputravel.runtime.supervisor import Cohort, CohortConfig, HolderSpec
-    from gputravel.train.job import layout_for, resolve
+    from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+    from gputravel.jobs.training import layout_for, resolve
     from gputravel.train.loader import LocalSource
     from gputravel.train.loop import train
 
@@ -197,7 +197,7 @@ def test_a_holder_killed_mid_copy_is_dropped_and_its_partial_chunk_never_trained
 
 
 def test_every_travel_is_in_the_orchestrators_signed_log(both_runs):
-    from gputravel.audit import verify_log
+    from gputravel.orchestrator.audit import verify_log
 
     tmp, travelling, _ = both_runs
     run_dir = tmp / "travelling"

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from gputravel import wire
+from gputravel.protocol import codec as wire
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.transport import (
     Received,
@@ -34,7 +34,7 @@ from gputravel.transport import (
     socketpair_transports,
 )
 from gputravel.transport.stream import HEADER
-from gputravel.wire import message
+from gputravel.protocol.codec import message
 
 
 @message("test.transport.ping")

@@ -1,4 +1,4 @@
-"""gputravel.wire: round trips, strict rejections that never leak values, fuzzing."""
+"""gputravel.protocol.codec: round trips, strict rejections that never leak values, fuzzing."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputravel import wire
+from gputravel.protocol import codec as wire
 from gputravel.errors import BadInput, ProtocolError
-from gputravel.wire import decode, encode, message
+from gputravel.protocol.codec import decode, encode, message
 
 SECRET = b"\x13SECRET-KEY-MATERIAL-7f3a9c\x37"
 SECRET_TEXT = "SECRET-PLAINTEXT-c0ffee"

@@ -42,17 +42,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from .crypto.pki import DeviceIdentity, make_device_identity
-from .crypto.spdm import SpdmResponder
-from .device.core import DeviceCore, DmaWindow
-from .driver.driver import Driver
-from .driver.orchestrator import OrchestratorDriver
-from .errors import BadInput, GputravelError, IllegalTransition
-from .layout import SYSMEM_IOVA, Bar0, Layout
-from .messages import BufferInfo
+from gputravel.crypto.pki import DeviceIdentity, make_device_identity
+from gputravel.crypto.spdm import SpdmResponder
+from gputravel.device.core import DeviceCore, DmaWindow
+from gputravel.driver.driver import Driver
+from gputravel.driver.orchestrator import OrchestratorDriver
+from gputravel.errors import BadInput, GputravelError, IllegalTransition
+from gputravel.protocol.layout import SYSMEM_IOVA, Bar0, Layout
+from gputravel.protocol.rpc import BufferInfo
 
 if TYPE_CHECKING:
-    from .attest.provision import GpuDevice
+    from gputravel.attest.provision import GpuDevice
 
 __all__ = ["FakeClock", "FakeLink", "InProcessGpu", "ORCHESTRATOR", "TEST_LAYOUT", "leaks", "renderings"]
 

@@ -35,7 +35,7 @@ from gputravel.attest.ratls import report_data_for_tls, spki_der, verify_bound_q
 from gputravel.attest.roots import TrustStore
 from gputravel.attest.verifier import EmulatedGpuVerifier, GpuClaims
 from gputravel.errors import BadInput
-from gputravel.wire import message
+from gputravel.protocol.codec import message
 
 __all__ = [
     "AttestAccepted",

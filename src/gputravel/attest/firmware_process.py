@@ -13,11 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..errors import GputravelError, ProtocolError, TransportClosed
-from ..messages import Evidence, GetEvidence
-from ..transport.stream import StreamTransport
-from ..wire import encode
-from .provision import GpuDevice
+from gputravel.errors import GputravelError, ProtocolError, TransportClosed
+from gputravel.protocol.rpc import Evidence, GetEvidence
+from gputravel.transport.stream import StreamTransport
+from gputravel.protocol.codec import encode
+from gputravel.attest.provision import GpuDevice
 
 
 class FirmwareProcess:

@@ -1,6 +1,6 @@
 """GPU evidence, H100-style: a GET_MEASUREMENTS exchange signed by the firmware leaf key.
 
-Wire format (msgpack, through gputravel.wire; no home-made framing):
+Wire format (msgpack, through gputravel.protocol.codec; no home-made framing):
 
     GpuEvidence {request, response, signature, cert_chain}
       request   = encode(GetMeasurements{nonce: 32 bytes})
@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from gputravel.attest.chain import SIGNATURE_BYTES, leaf_fwid, sha384, sign_p384
 from gputravel.errors import BadInput
-from gputravel.wire import decode, encode, message
+from gputravel.protocol.codec import decode, encode, message
 
 __all__ = [
     "DIGEST_BYTES",

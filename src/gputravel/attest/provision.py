@@ -34,12 +34,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from gputravel.attest.chain import FWID_OID
-from gputravel.attest.gpu import (
-    EmulatedGpuFirmware,
-    ReferenceValues,
-    default_measurements,
-    fwid_of,
-)
+from gputravel.attest.gpu import EmulatedGpuFirmware, ReferenceValues, default_measurements, fwid_of
 from gputravel.attest.roots import Authority
 from gputravel.crypto.pki import (
     DEVICE_VALID_DAYS,

@@ -28,19 +28,13 @@ import msgpack
 from cryptography.hazmat.primitives.asymmetric import ec
 
 import gputravel
-from gputravel.attest.chain import (
-    check_now,
-    sha384,
-    sign_p384,
-    verify_chain,
-    verify_p384,
-)
+from gputravel.attest.chain import check_now, sha384, sign_p384, verify_chain, verify_p384
 from gputravel.attest.errors import AttestationError, ClaimTracker
 from gputravel.attest.roots import Authority, TrustStore
 from gputravel.attest.verifier import Verifier
 from gputravel.crypto.pki import _new_key
 from gputravel.errors import BadInput, ProtocolError
-from gputravel.wire import decode, encode, message
+from gputravel.protocol.codec import decode, encode, message
 
 __all__ = [
     "MEASUREMENT_BYTES",

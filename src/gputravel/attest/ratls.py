@@ -29,11 +29,7 @@ from gputravel.attest.chain import CVM_QUOTE_OID, check_now, sha384
 from gputravel.attest.errors import AttestationError
 from gputravel.attest.gpu import NONCE_BYTES
 from gputravel.attest.policy import Policy
-from gputravel.attest.quote import (
-    EmulatedQuoteVerifier,
-    EmulatedQuotingEnclave,
-    QuoteClaims,
-)
+from gputravel.attest.quote import EmulatedQuoteVerifier, EmulatedQuotingEnclave, QuoteClaims
 from gputravel.attest.roots import TrustStore
 from gputravel.crypto.pki import _issue, _name, _new_key, _now
 from gputravel.errors import BadInput

@@ -16,7 +16,7 @@ property with processes:
   very process lives (a pidfd, so a recycled pid is not it). A request that comes before the
   launch is registered is held, up to `hold_s`; every other peer is refused (`QuoteRefused`).
 
-``python -m gputravel.runtime.entry tdx-module CONFIG CONTROL_FD`` runs `serve`. `TdxModule`
+``python -m gputravel.cohort.entry tdx-module CONFIG CONTROL_FD`` runs `serve`. `TdxModule`
 is the sans-IO core; `request_quote` is the CVM's side.
 """
 
@@ -35,11 +35,18 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from ..crypto.pki import _new_key
-from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError, RemoteError, TransportClosed
-from ..transport.stream import StreamTransport, connect_unix, listen_unix
-from ..wire import message
-from .quote import MEASUREMENT_BYTES, REPORT_DATA_BYTES, EmulatedQuotingEnclave
+from gputravel.crypto.pki import _new_key
+from gputravel.errors import (
+    BadInput,
+    GputravelError,
+    PeerTimeout,
+    ProtocolError,
+    RemoteError,
+    TransportClosed,
+)
+from gputravel.transport.stream import StreamTransport, connect_unix, listen_unix
+from gputravel.protocol.codec import message
+from gputravel.attest.quote import MEASUREMENT_BYTES, REPORT_DATA_BYTES, EmulatedQuotingEnclave
 
 __all__ = ["CvmRegistered", "Launch", "LaunchedCvm", "Peer", "QuoteRefused", "QuoteReply", "QuoteRequest",
            "QuotingKey", "QuotingKeyCertified", "QuotingRefused", "TdxModule", "TdxModuleConfig",
@@ -324,7 +331,7 @@ def _exited(sock: socket.socket) -> bool:
 
 def serve(config: TdxModuleConfig, control: StreamTransport) -> None:
     """Make the quoting key, listen, hand the launcher the public key, serve until it hangs up."""
-    from ..runtime.control import Ready
+    from gputravel.protocol.control import Ready
 
     if not config.socket_path:
         raise BadInput("the TDX module needs a socket path")

@@ -23,14 +23,7 @@ from typing import Generic, TypeVar, cast
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from gputravel.attest.chain import (
-    check_now,
-    common_name,
-    leaf_fwid,
-    sha384,
-    verify_chain,
-    verify_p384,
-)
+from gputravel.attest.chain import check_now, common_name, leaf_fwid, sha384, verify_chain, verify_p384
 from gputravel.attest.errors import AttestationError, ClaimTracker
 from gputravel.attest.gpu import (
     DIGEST_BYTES,
@@ -44,7 +37,7 @@ from gputravel.attest.gpu import (
 )
 from gputravel.attest.roots import TrustStore
 from gputravel.errors import BadInput, ProtocolError
-from gputravel.wire import decode, message
+from gputravel.protocol.codec import decode, message
 
 __all__ = ["EAT", "GPU_CHAIN_LENGTH", "EmulatedGpuVerifier", "GpuClaims", "Verifier"]
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ..errors import BadInput, RemoteError
-from ..net.shaped import LINK_NETNS, check_rate
-from ..runtime.links import resolve_link
-from ..runtime.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.errors import BadInput, RemoteError
+from gputravel.net.shaped import LINK_NETNS, check_rate
+from gputravel.cohort.links import resolve_link
+from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
 
 MIB = 1 << 20
 HOLDER = "holder-1"
@@ -81,7 +81,7 @@ class CompareConfig:
 
 
 def link_kind(link: str) -> str:
-    """The link the whole grid runs on: what a capped cohort would get (runtime/links.py)."""
+    """The link the whole grid runs on: what a capped cohort would get (cohort/links.py)."""
     if link not in ("auto", "netns", "token-bucket"):
         raise BadInput(f"--link must be auto, netns or token-bucket, not {link!r}")
     return resolve_link(link, bandwidth_mbit=1.0)

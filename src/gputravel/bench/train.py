@@ -20,12 +20,12 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ..errors import BadInput
-from ..net.shaped import LINK_NETNS
-from ..runtime.supervisor import Cohort, CohortConfig, HolderSpec
-from ..train.job import JobConfig, default_holders, layout_for, resolve
-from ..train.loop import TrainConfig
-from .compare import link_kind, machine
+from gputravel.errors import BadInput
+from gputravel.net.shaped import LINK_NETNS
+from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.jobs.training import JobConfig, default_holders, layout_for, resolve
+from gputravel.train.loop import TrainConfig
+from gputravel.bench.compare import link_kind, machine
 
 SOURCES = ("travelling", "baseline")
 

@@ -16,10 +16,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from ..crypto.channel import KeyMaterial, Receiver, Sender
-from ..errors import BadInput
-from ..roles.orchestrator import STEPS
-from ..runtime.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.crypto.channel import KeyMaterial, Receiver, Sender
+from gputravel.errors import BadInput
+from gputravel.orchestrator.machine import STEPS
+from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
 
 MIB = 1 << 20
 

@@ -1,9 +1,9 @@
 """Training data: llm.c token shards, tokenizers, text preparation and the demo holders."""
 
-from .demo import demo_holders
-from .prepare import PrepareResult, prepare
-from .shards import HolderTokens, list_shards, load_tokens, read_shard, write_shard
-from .tokenizer import (
+from gputravel.data.shakespeare import demo_holders
+from gputravel.data.prepare import PrepareResult, prepare
+from gputravel.data.shards import HolderTokens, list_shards, load_tokens, read_shard, write_shard
+from gputravel.data.tokenizer import (
     ByteTokenizer,
     Gpt2Tokenizer,
     Tokenizer,

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BadInput
-from .shards import MAX_TOKENS, SHARD_GLOB, write_shard
-from .tokenizer import RECORD_NAME, Tokenizer, get_tokenizer, write_tokenizer_record
+from gputravel.errors import BadInput
+from gputravel.data.shards import MAX_TOKENS, SHARD_GLOB, write_shard
+from gputravel.data.tokenizer import RECORD_NAME, Tokenizer, get_tokenizer, write_tokenizer_record
 
 PROGRESS_MIN_FILES = 10  # below this a progress bar only flickers
 

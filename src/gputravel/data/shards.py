@@ -21,10 +21,10 @@ from typing import IO, TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import BadInput
+from gputravel.errors import BadInput
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from gputravel.data.tokenizer import Tokenizer
 
 MAGIC = 20240520
 VERSION = 1  # llm.c: version 1 = uint16 tokens (GPT-2); version 2 = uint32 tokens (Llama 3)
@@ -73,7 +73,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp makes it 0600; give it the mode open() would (a dataset is read by its
-        # holder's CVM, which runs under a uid of its own: runtime/isolation.py).
+        # holder's CVM, which runs under a uid of its own: cohort/isolation.py).
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -204,7 +204,7 @@ def load_tokens(path: Path | str, tokenizer: str | Tokenizer | None = None) -> H
 
 def _load_shards(directory: Path, shards: list[Path], tokenizer: str | Tokenizer | None) -> HolderTokens:
     # Imported here: the tokenizer module builds on this one (it writes its record atomically).
-    from .tokenizer import resolve_record
+    from gputravel.data.tokenizer import resolve_record
 
     record = resolve_record(directory, tokenizer)
     parts = []
@@ -217,8 +217,8 @@ def _load_shards(directory: Path, shards: list[Path], tokenizer: str | Tokenizer
 
 def _load_text(path: Path, tokenizer: str | Tokenizer | None) -> HolderTokens:
     # Imported here: prepare and tokenizer build on this module, which stays free of cycles.
-    from .prepare import encode_files, text_files
-    from .tokenizer import default_tokenizer, get_tokenizer
+    from gputravel.data.prepare import encode_files, text_files
+    from gputravel.data.tokenizer import default_tokenizer, get_tokenizer
 
     if tokenizer is None:
         tok = default_tokenizer()

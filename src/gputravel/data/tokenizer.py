@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadInput
-from .shards import atomic_write_bytes
+from gputravel.errors import BadInput
+from gputravel.data.shards import atomic_write_bytes
 
 RECORD_NAME = "tokenizer.json"
 MAX_VOCAB = 65536  # shards store uint16 ids

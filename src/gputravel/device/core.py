@@ -23,33 +23,44 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ..crypto.channel import Receiver, Sender, derive_epoch_keys
-from ..crypto.spdm import SpdmResponder
-from ..errors import DeviceError, GputravelError, IntegrityError, ProtocolError
-from ..layout import FAULT_REG, GPFIFO_ENTRY, RPC_HEADER, PAGE, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, Layout, PushChannel
-from ..messages import (
-    ALL_LABELS,
-    PUSH_LABEL,
-    SEM_LABEL,
+from gputravel.crypto.channel import Receiver, Sender, derive_epoch_keys
+from gputravel.crypto.spdm import SpdmResponder
+from gputravel.errors import DeviceError, GputravelError, IntegrityError, ProtocolError
+from gputravel.protocol.layout import (
+    FAULT_REG,
+    GPFIFO_ENTRY,
+    RPC_HEADER,
+    PAGE,
+    SEMAPHORE_HEADER,
+    TAG_BYTES,
+    U32,
+    Bar0,
+    Layout,
+    PushChannel,
+)
+from gputravel.crypto.labels import ALL_LABELS, PUSH_LABEL, SEM_LABEL
+from gputravel.protocol.rpc import (
     AllocBuffer,
     BufferInfo,
-    CopyFromVram,
-    CopyToVram,
     DeviceInfo,
     Evidence,
     GetDeviceInfo,
     GetEvidence,
+    QueryBuffer,
+    RpcError,
+)
+from gputravel.protocol.push import (
+    CopyFromVram,
+    CopyToVram,
     GrantWindow,
     Memset,
-    QueryBuffer,
     RotateKeys,
-    RpcError,
     SemaphoreRelease,
 )
-from ..wire import decode, encode
+from gputravel.protocol.codec import decode, encode
 
 if TYPE_CHECKING:
-    from ..attest.gpu import EmulatedGpuFirmware
+    from gputravel.attest.gpu import EmulatedGpuFirmware
 
 USER_METHODS = (CopyToVram, CopyFromVram, SemaphoreRelease)
 KERNEL_METHODS = (Memset, RotateKeys, GrantWindow, SemaphoreRelease)
@@ -187,7 +198,7 @@ class DeviceCore:
         )
 
     def _spdm_step(self, request: object) -> object:
-        from ..crypto import spdm
+        from gputravel.crypto import spdm
 
         if isinstance(request, spdm.GetCertificate):
             if self._session_secret is not None:

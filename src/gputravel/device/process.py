@@ -14,14 +14,15 @@ import socket
 import time
 from dataclasses import dataclass
 
-from ..attest.gpu import EmulatedGpuFirmware
-from ..crypto.pki import DeviceIdentity
-from ..crypto.spdm import SpdmResponder
-from ..errors import PeerTimeout, ProtocolError, TransportClosed
-from ..layout import Bar0, Layout
-from ..messages import AttachCvm, DeviceAck, DeviceAttach, VramGrant, VramRequest
-from ..transport.stream import StreamTransport, connect_unix
-from .core import DeviceCore, DmaWindow
+from gputravel.attest.gpu import EmulatedGpuFirmware
+from gputravel.crypto.pki import DeviceIdentity
+from gputravel.crypto.spdm import SpdmResponder
+from gputravel.errors import PeerTimeout, ProtocolError, TransportClosed
+from gputravel.protocol.layout import Bar0, Layout
+from gputravel.protocol.host import AttachCvm, DeviceAck, DeviceAttach
+from gputravel.protocol.device import VramGrant, VramRequest
+from gputravel.transport.stream import StreamTransport, connect_unix
+from gputravel.device.core import DeviceCore, DmaWindow
 
 
 @dataclass(frozen=True)

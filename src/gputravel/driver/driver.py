@@ -12,9 +12,9 @@ import struct
 import time
 from typing import Callable
 
-from ..context import CONTEXT_VERSION, DriverContext, pack_context, unpack_context
-from ..crypto.channel import Receiver, Sender
-from ..errors import (
+from gputravel.driver.context import CONTEXT_VERSION, DriverContext, pack_context, unpack_context
+from gputravel.crypto.channel import Receiver, Sender
+from gputravel.errors import (
     BadInput,
     ChannelFaulted,
     ContextBlobError,
@@ -24,21 +24,22 @@ from ..errors import (
     PeerTimeout,
     ProtocolError,
 )
-from ..layout import FAULT_REG, GPFIFO_ENTRY, RPC_HEADER, PUSH_SLOT_BYTES, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
-from ..messages import (
-    PUSH_LABEL,
-    SEM_LABEL,
-    USER_LABELS,
-    BufferInfo,
-    CopyFromVram,
-    CopyToVram,
-    DeviceInfo,
-    GetDeviceInfo,
-    QueryBuffer,
-    RpcError,
+from gputravel.protocol.layout import (
+    FAULT_REG,
+    GPFIFO_ENTRY,
+    RPC_HEADER,
+    PUSH_SLOT_BYTES,
+    SEMAPHORE_HEADER,
+    TAG_BYTES,
+    U32,
+    Bar0,
+    PushChannel,
 )
-from ..wire import decode, encode
-from .link import DeviceLink
+from gputravel.crypto.labels import PUSH_LABEL, SEM_LABEL, USER_LABELS
+from gputravel.protocol.rpc import BufferInfo, DeviceInfo, GetDeviceInfo, QueryBuffer, RpcError
+from gputravel.protocol.push import CopyFromVram, CopyToVram
+from gputravel.protocol.codec import decode, encode
+from gputravel.driver.link import DeviceLink
 
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..errors import EpochSpent, TravelHalted
+from gputravel.errors import EpochSpent, TravelHalted
 
 
 class EpochUse(Enum):

@@ -15,10 +15,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ..errors import PeerTimeout, ProtocolError
-from ..layout import SYSMEM_IOVA, Layout
-from ..messages import Attached, HostError, RegisterCvm, Registered, SwitchRequest, Switched
-from ..transport.base import Transport
+from gputravel.errors import PeerTimeout, ProtocolError
+from gputravel.protocol.layout import SYSMEM_IOVA, Layout
+from gputravel.protocol.host import Attached, HostError, RegisterCvm, Registered, SwitchRequest, Switched
+from gputravel.transport.base import Transport
 
 
 @dataclass

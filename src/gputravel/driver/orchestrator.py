@@ -13,15 +13,16 @@ until :meth:`OrchestratorDriver.rekey` opens a new SPDM session.
 
 from __future__ import annotations
 
-from ..context import DriverContext, pack_context, unpack_context
-from ..crypto.channel import derive_epoch_keys
-from ..crypto.spdm import SpdmRequester
-from ..errors import ContextBlobError, GputravelError, IllegalTransition, ProtocolError
-from ..layout import U32, Bar0, PushChannel
-from ..messages import (ALL_LABELS, USER_LABELS, AllocBuffer, BufferInfo, DeviceInfo, Evidence, GetDeviceInfo,
-                        GetEvidence, GrantWindow, Memset, RotateKeys)
-from .driver import ChannelKeys, Driver
-from .epochs import EpochLedger
+from gputravel.driver.context import DriverContext, pack_context, unpack_context
+from gputravel.crypto.channel import derive_epoch_keys
+from gputravel.crypto.spdm import SpdmRequester
+from gputravel.errors import ContextBlobError, GputravelError, IllegalTransition, ProtocolError
+from gputravel.protocol.layout import U32, Bar0, PushChannel
+from gputravel.crypto.labels import ALL_LABELS, USER_LABELS
+from gputravel.protocol.rpc import AllocBuffer, BufferInfo, DeviceInfo, Evidence, GetDeviceInfo, GetEvidence
+from gputravel.protocol.push import GrantWindow, Memset, RotateKeys
+from gputravel.driver.driver import ChannelKeys, Driver
+from gputravel.driver.epochs import EpochLedger
 
 
 class OrchestratorDriver(Driver):

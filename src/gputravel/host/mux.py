@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import BadInput
+from gputravel.errors import BadInput
 
 
 @dataclass(frozen=True)

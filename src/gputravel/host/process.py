@@ -21,12 +21,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
-from ..messages import (Attached, AttachCvm, DeviceAck, DeviceAttach, HostError, RegisterCvm, Registered, SwitchRequest,
-                        Switched)
-from ..transport.base import Transport, close_fds
-from ..transport.stream import StreamTransport, listen_unix
-from .mux import CvmRegistration, PcieMux
+from gputravel.errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
+from gputravel.protocol.host import (
+    Attached,
+    AttachCvm,
+    DeviceAck,
+    DeviceAttach,
+    HostError,
+    RegisterCvm,
+    Registered,
+    SwitchRequest,
+    Switched,
+)
+from gputravel.transport.base import Transport, close_fds
+from gputravel.transport.stream import StreamTransport, listen_unix
+from gputravel.host.mux import CvmRegistration, PcieMux
 
 
 @dataclass(frozen=True)
@@ -212,7 +221,7 @@ class HostProcess:
 def _adversary(config: HostConfig, host: HostProcess):
     if not config.adversary_dir:
         return None
-    from ..redteam.host import HostAdversary  # only the red team's host imports it
+    from gputravel.redteam.host import HostAdversary  # only the red team's host imports it
 
     return HostAdversary(Path(config.adversary_dir), host)
 

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..errors import BadInput, LocalError
+from gputravel.errors import BadInput, LocalError
 
 LINK_NETNS = "netns-tc"
 LINK_TOKEN_BUCKET = "token-bucket"

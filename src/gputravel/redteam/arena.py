@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..audit import Entry, read_log
-from ..errors import GputravelError
-from ..roles.orchestrator import TravelReport
-from ..runtime.baseline import BaselineReport
-from .cohort import HolderLink, HostLink, RedTeamCohort
-from .messages import HolderNews, HostNews
+from gputravel.orchestrator.audit import Entry, read_log
+from gputravel.errors import GputravelError
+from gputravel.orchestrator.machine import TravelReport
+from gputravel.orchestrator.baseline import BaselineReport
+from gputravel.redteam.cohort import HolderLink, HostLink, RedTeamCohort
+from gputravel.redteam.messages import HolderNews, HostNews
 
 ORCH = "orchestrator"
 ALICE, BOB, MALLORY = "alice", "bob", "mallory"

@@ -10,8 +10,8 @@ the verdict only reports what the real defences did.
 
 from __future__ import annotations
 
-from ..errors import ChannelFaulted, ContextBlobError, PeerTimeout
-from .messages import (
+from gputravel.errors import ChannelFaulted, ContextBlobError, PeerTimeout
+from gputravel.redteam.messages import (
     ArmDrop,
     ArmExposePrefix,
     ArmForgeGet,
@@ -25,8 +25,24 @@ from .messages import (
     SetTravelMode,
     UseKeptKeys,
 )
-from .arena import ALICE, BOB, MALLORY, ORCH, Arena, Attack, Verdict, _entry, _events, _rekeyed, _said
-from .isolation_rows import holder_reads_peer_memory, host_reads_cvm_memory, orchestrator_self_quote
+from gputravel.redteam.arena import (
+    ALICE,
+    BOB,
+    MALLORY,
+    ORCH,
+    Arena,
+    Attack,
+    Verdict,
+    _entry,
+    _events,
+    _rekeyed,
+    _said,
+)
+from gputravel.redteam.isolation_rows import (
+    holder_reads_peer_memory,
+    host_reads_cvm_memory,
+    orchestrator_self_quote,
+)
 
 # How long the forged kernel get stays: past the orchestrator's last try at a rotation (each
 # waits run.DEVICE_TIMEOUT = 2 s for room), not past the next travel's scrub (which waits 2 s too).

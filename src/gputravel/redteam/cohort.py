@@ -8,10 +8,10 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import RemoteError
-from ..runtime.supervisor import Cohort, CohortConfig
-from ..transport.stream import connect_unix
-from .messages import HolderNews, HolderQuery, HostNews, HostQuery, MarkRow
+from gputravel.errors import RemoteError
+from gputravel.cohort.supervisor import Cohort, CohortConfig
+from gputravel.transport.stream import connect_unix
+from gputravel.redteam.messages import HolderNews, HolderQuery, HostNews, HostQuery, MarkRow
 
 SNOOP_LIMIT = 48 << 20  # the plain snooper's file; the adversary's own snapshots come on top
 

@@ -24,18 +24,19 @@ import selectors
 import time
 from pathlib import Path
 
-from ..context import DriverContext, pack_context, unpack_context
-from ..crypto.channel import Receiver
-from ..errors import GputravelError, IntegrityError, TransportClosed
-from ..layout import SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
-from ..messages import Bye, CopyFromVram, TravelRequest
-from ..roles.holder import CopyChunk, HolderPhase, ImportBlob
-from ..runtime.control import JoinCohort, Ready, Shutdown
-from ..runtime.holder import DataHolder, HolderConfig
-from ..runtime.membership import join as join_cohort
-from ..transport.base import Transport
-from .loot import Loot, read_frames
-from .messages import (
+from gputravel.driver.context import DriverContext, pack_context, unpack_context
+from gputravel.crypto.channel import Receiver
+from gputravel.errors import GputravelError, IntegrityError, TransportClosed
+from gputravel.protocol.layout import SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
+from gputravel.protocol.travel import Bye, TravelRequest
+from gputravel.protocol.push import CopyFromVram
+from gputravel.holder.machine import CopyChunk, HolderPhase, ImportBlob
+from gputravel.protocol.control import JoinCohort, Ready, Shutdown
+from gputravel.holder.cvm import DataHolder, HolderConfig
+from gputravel.orchestrator.membership import join as join_cohort
+from gputravel.transport.base import Transport
+from gputravel.redteam.loot import Loot, read_frames
+from gputravel.redteam.messages import (
     AskQuote,
     DecryptCaptured,
     HolderNews,
@@ -45,7 +46,7 @@ from .messages import (
     SetTravelMode,
     UseKeptKeys,
 )
-from .peek import ask_quote, probe
+from gputravel.redteam.peek import ask_quote, probe
 
 MODES = ("honest", "dump", "work-after-return", "stale-epoch", "stale-counters", "counters-forward", "altered-keys",
          "corrupted", "refuse", "never-return", "vanish")
@@ -311,8 +312,8 @@ class _News:
 
 # ----------------------------------------------------------------------------- the process
 def serve(payload: dict, control: Transport) -> None:
-    """``python -m gputravel.runtime.entry redteam-holder CONFIG CONTROL_FD``."""
-    from ..runtime.entry import _config
+    """``python -m gputravel.cohort.entry redteam-holder CONFIG CONTROL_FD``."""
+    from gputravel.cohort.entry import _config
 
     loot_dir = Path(payload.pop("loot_dir"))
     holder = MaliciousHolder(_config(HolderConfig, payload), loot_dir)

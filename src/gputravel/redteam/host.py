@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import GputravelError, ProtocolError, TransportClosed
-from ..layout import (
+from gputravel.errors import GputravelError, ProtocolError, TransportClosed
+from gputravel.protocol.layout import (
     FAULT_REG,
     GPFIFO_ENTRY,
     SEMAPHORE_RECORD_BYTES,
@@ -42,9 +42,9 @@ from ..layout import (
     Layout,
     PushChannel,
 )
-from ..transport.stream import StreamTransport
-from .loot import Loot, write_frames
-from .messages import (
+from gputravel.transport.stream import StreamTransport
+from gputravel.redteam.loot import Loot, write_frames
+from gputravel.redteam.messages import (
     ArmDrop,
     ArmExposePrefix,
     ArmForgeGet,
@@ -58,11 +58,11 @@ from .messages import (
     MarkRow,
     ProbePaths,
 )
-from .peek import ask_quote, probe
+from gputravel.redteam.peek import ask_quote, probe
 
 if TYPE_CHECKING:
-    from ..host.mux import CvmRegistration, SwitchPlan
-    from ..host.process import HostProcess
+    from gputravel.host.mux import CvmRegistration, SwitchPlan
+    from gputravel.host.process import HostProcess
 
 ORCHESTRATOR = "orchestrator"
 USER, KERNEL = PushChannel.USER, PushChannel.KERNEL

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .arena import ALICE, BOB, MALLORY, ORCH, Arena, Verdict, _events
-from .messages import AskQuote, ProbePaths, ProbeTarget
+from gputravel.redteam.arena import ALICE, BOB, MALLORY, ORCH, Arena, Verdict, _events
+from gputravel.redteam.messages import AskQuote, ProbePaths, ProbeTarget
 
 PUBLIC = "(public)"  # /proc files any process may read: reported, not held against isolation
 PEEK_RANGE = 4 << 20  # bytes read from each interesting mapping or descriptor
@@ -112,7 +112,7 @@ def _isolation_row(a: Arena, attacker: str, victims: tuple[str, ...]) -> tuple[b
 
 def holder_reads_peer_memory(a: Arena) -> Verdict:
     stopped, evidence = _isolation_row(a, MALLORY, (ALICE, BOB, ORCH, "device", "host", "tdx-module"))
-    return Verdict(stopped, "process isolation (runtime/isolation.py): mallory's process runs under a uid of its "
+    return Verdict(stopped, "process isolation (cohort/isolation.py): mallory's process runs under a uid of its "
                    "own with no groups, and every other party is non-dumpable under its own uid, so /proc refused "
                    "mallory their memory, maps, environment and descriptors (the VRAM memfd included), and their "
                    "key files and datasets lie in directories only their own uid may enter", tuple(evidence))

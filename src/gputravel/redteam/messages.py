@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..wire import message
+from gputravel.protocol.codec import message
 
 
 @message("redteam.mark_row")

@@ -4,7 +4,7 @@ host-reads-cvm-memory and orchestrator-self-quote).
 
 Both the malicious host and the malicious holder run these from their own process, under the
 uid the launcher gave it, so what they get is what process isolation lets through
-(runtime/isolation.py). Whatever is read goes to the loot, which the red team searches for
+(cohort/isolation.py). Whatever is read goes to the loot, which the red team searches for
 the holders' markers; the events say, per target, "denied" or how many bytes were read.
 """
 
@@ -15,9 +15,9 @@ import errno
 import os
 import time
 
-from ..errors import GputravelError
-from .loot import Loot
-from .messages import AskQuote, ProbePaths, ProbeTarget
+from gputravel.errors import GputravelError
+from gputravel.redteam.loot import Loot
+from gputravel.redteam.messages import AskQuote, ProbePaths, ProbeTarget
 
 MAX_READ = 4 << 20  # per range: enough to hold a record's worth of markers
 
@@ -84,7 +84,7 @@ def _fork_control(loot: Loot) -> str:
 
 
 def ask_quote(order: AskQuote, loot: Loot) -> str:
-    from ..attest.tdx_module import request_quote
+    from gputravel.attest.tdx_module import request_quote
 
     try:
         quote = request_quote(order.socket_path, order.report_data, timeout=10)

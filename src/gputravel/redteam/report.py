@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .run import RedTeamReport
+from gputravel.redteam.run import RedTeamReport
 
 
 def table(report: RedTeamReport) -> Table:

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import GputravelError, RemoteError
-from ..runtime.supervisor import SNOOP_FILE, CohortConfig, HolderSpec
-from .arena import ALICE, BOB, MALLORY, Arena, Attack, Verdict
-from .attacks import ATTACKS
-from .canary import MARKER_BYTES, SPACING, Found, Needles, make_dataset, search
-from .cohort import HolderLink, HostLink, RedTeamCohort
+from gputravel.errors import GputravelError, RemoteError
+from gputravel.cohort.supervisor import SNOOP_FILE, CohortConfig, HolderSpec
+from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Attack, Verdict
+from gputravel.redteam.attacks import ATTACKS
+from gputravel.redteam.canary import MARKER_BYTES, SPACING, Found, Needles, make_dataset, search
+from gputravel.redteam.cohort import HolderLink, HostLink, RedTeamCohort
 
 MIB = 1 << 20
 HOLDERS = (ALICE, BOB, MALLORY)

@@ -21,8 +21,8 @@ from typing import Callable, Iterator, Mapping, Protocol
 import numpy as np
 import torch
 
-from ..errors import BadInput, HolderLost, ProtocolError
-from .schedule import LoaderState, Scheduler, Visit
+from gputravel.errors import BadInput, HolderLost, ProtocolError
+from gputravel.train.schedule import LoaderState, Scheduler, Visit
 
 TOKEN_BYTES = 2  # llm.c shards hold uint16 tokens
 

@@ -17,11 +17,11 @@ from typing import Callable
 
 import torch
 
-from ..errors import BadInput
-from .loader import ChunkSource, Fetched, TravellingLoader
-from .schedule import POLICIES, LoaderState
+from gputravel.errors import BadInput
+from gputravel.train.loader import ChunkSource, Fetched, TravellingLoader
+from gputravel.train.schedule import POLICIES, LoaderState
 
-LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (runtime/baseline.py)
+LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (orchestrator/baseline.py)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class TrainResult:
 def sample_tokenizer(name: str):
     """The tokenizer to decode the final sample with, or None where it cannot load (GPT-2 BPE
     offline without its encoding file): the run then simply has no sample."""
-    from ..data.tokenizer import get_tokenizer
+    from gputravel.data.tokenizer import get_tokenizer
 
     try:
         return get_tokenizer(name)
@@ -110,7 +110,7 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 
 
 def build_model(cfg: TrainConfig, device: str):
-    from .model import GPT, GPTConfig
+    from gputravel.train.model import GPT, GPTConfig
 
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
@@ -127,8 +127,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     With `resume_from` (a checkpoint of the same job), training continues from the checkpoint's
     step with its model, optimizer and per-holder cursors: the losses are the ones an
     uninterrupted run would have had, and no window is trained on twice."""
-    from .model import pick_device
-    from .rundir import RunDir
+    from gputravel.train.model import pick_device
+    from gputravel.train.rundir import RunDir
 
     torch.set_num_threads(cfg.threads)
     device = pick_device()
@@ -198,7 +198,7 @@ def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult) -> dict:
 
 
 def _resume(cfg: TrainConfig, path: Path, model, optimizer, out) -> tuple[int, LoaderState, TrainResult]:
-    from .rundir import load_checkpoint
+    from gputravel.train.rundir import load_checkpoint
 
     step, extra = load_checkpoint(path, model, optimizer)
     if extra.get("config") != cfg.to_dict():

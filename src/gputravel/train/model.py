@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import BadInput
+from gputravel.errors import BadInput
 
 #: Targets equal to this value are left out of the loss (padding, or positions not to train).
 IGNORE_INDEX = -1

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..data.shards import atomic_write_bytes
-from ..errors import BadInput
-from .model import GPT, GPTConfig
+from gputravel.data.shards import atomic_write_bytes
+from gputravel.errors import BadInput
+from gputravel.train.model import GPT, GPTConfig
 
 CHECKPOINT_FORMAT = "gputravel-gpt-checkpoint-v1"
 

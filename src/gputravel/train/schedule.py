@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from ..errors import BadInput, HolderLost
+from gputravel.errors import BadInput, HolderLost
 
 POLICIES = ("round_robin", "proportional")
 

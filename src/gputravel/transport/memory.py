@@ -1,6 +1,6 @@
 """An in-process transport pair for tests: two queues, but the real codec and fd semantics.
 
-Messages are encoded on send and decoded on recv so tests exercise :mod:`gputravel.wire`
+Messages are encoded on send and decoded on recv so tests exercise :mod:`gputravel.protocol.codec`
 exactly as a socket would. Descriptors are ``os.dup``-ed on send, like SCM_RIGHTS, so the
 receiver owns fresh descriptors and the sender may close its own.
 """
@@ -12,7 +12,7 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from gputravel import wire
+from gputravel.protocol import codec as wire
 from gputravel.errors import PeerTimeout, ProtocolError, TransportClosed
 from gputravel.transport.base import Received, Transport, check_fds, close_fds
 

@@ -1,6 +1,6 @@
 """Length-prefixed message frames over any connected stream socket (AF_UNIX, TCP, TLS).
 
-Frame layout: a 5-byte header, then the payload (one :mod:`gputravel.wire` message)::
+Frame layout: a 5-byte header, then the payload (one :mod:`gputravel.protocol.codec` message)::
 
     +----------------------+-----------+----------------------+
     | length: u32 big-end. | nfds: u8  | payload (length B)   |
@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from gputravel import wire
+from gputravel.protocol import codec as wire
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.transport.base import MAX_FDS, Received, Transport, check_fds, close_fds
 

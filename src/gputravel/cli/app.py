@@ -1,0 +1,291 @@
+"""Command line: `gputravel demo` (training), `gputravel travel` (travels only), `gputravel bench ...`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gputravel.errors import GputravelError
+from gputravel.orchestrator.machine import STEPS, TravelReport
+from gputravel.cli.common import write_json
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="GPU Travelling: confidential collaborative training with a travelling (emulated) H100 in CC mode.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (numbers live here, never in tests).")
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+
+def _mount() -> None:
+    from gputravel.cli.attest import attest_app, pki_app
+    from gputravel.cli.audit import audit_app
+    from gputravel.cli.data import data_app
+    from gputravel.cli.train import demo
+
+    app.command(name="demo")(demo)
+    app.add_typer(data_app, name="data")
+    app.add_typer(pki_app, name="pki")
+    app.add_typer(attest_app, name="attest")
+    app.add_typer(audit_app, name="audit")
+
+
+_mount()
+
+SHORT = {"o_cleanup": "scrub", "o_export": "O exp", "dh_switch": "→H sw", "dh_import": "H imp", "dh_copy": "H copy",
+         "dh_export": "H exp", "tls": "TLS", "o_switch": "→O sw", "o_import": "O imp", "o_rotate": "rotate"}
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(1)
+
+
+# Columns of the per-travel table, grouped so it fits a terminal: the two PCIe switches (what
+# was waited for them), the context steps (imports, the holder's export, the rotation's
+# remainder) and the TLS round trip each get one column. The orchestrator's export runs
+# inside the scrub, so it is not added again: the columns add up to the total.
+CONTEXT_STEPS = ("dh_import", "dh_export", "o_import", "o_rotate")
+
+
+def _travel_table(title: str) -> Table:
+    table = Table(title=title, show_lines=False, pad_edge=False)
+    for col in ("#", "holder", "chunk", "MiB", "scrub", "switch", "TLS", "context", "copy", "total", "GB/s", "digest"):
+        table.add_column(col, justify="right")
+    return table
+
+
+def _row(r: TravelReport) -> list[str]:
+    n = r.chunk.nbytes if r.chunk else 0
+    st = r.steps_ms
+    gbps = n / (st["dh_copy"] / 1e3) / 1e9 if st["dh_copy"] else 0.0
+    ok = "[green]ok[/green]" if r.chunk else "[yellow]refused[/yellow]"
+    chunk = f"@{r.chunk.dataset_offset >> 20}M" if r.chunk else "-"
+    cells = (st["o_cleanup"], st["dh_switch"] + st["o_switch"], st["tls"], sum(st[s] for s in CONTEXT_STEPS), st["dh_copy"], r.total_ms)
+    return [str(r.travel_id), r.holder, chunk, f"{n / (1 << 20):.0f}", *(f"{c:.2f}" for c in cells), f"{gbps:.2f}", ok]
+
+
+@app.command(name="travel")
+def travel_demo(
+    holders: int = typer.Option(3, help="Number of data holders (one CVM process each)."),
+    dataset_mib: int = typer.Option(24, help="Size of each holder's synthetic dataset, MiB."),
+    buffer_mib: int = typer.Option(8, help="Dataset buffer in the GPU's protected memory, MiB."),
+    seed: int = typer.Option(0, help="Seed of the synthetic datasets."),
+    workdir: Optional[Path] = typer.Option(None, help="Where the synthetic datasets are written (default: runs/demo); the report goes to --json."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the travel reports as JSON here."),
+) -> None:
+    """Travels only, no training: every chunk verified by digest.
+
+    A whole local cohort moves every holder's synthetic dataset through the GPU once, with a
+    table of where the time went in each travel."""
+    from gputravel.jobs.travel import DemoConfig, run, summarise
+
+    try:
+        cfg = DemoConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed)
+    except GputravelError as exc:
+        _fail(exc)
+    out = workdir or Path("runs/demo")
+    total = holders * -(-dataset_mib // buffer_mib)
+    console.print(f"[bold]gputravel travel[/bold]: {holders} holders x {dataset_mib} MiB, buffer {buffer_mib} MiB, "
+                  f"{total} travels. Booting host, GPU, holders, then the orchestrator (paper 4.1)...")
+    table = _travel_table("Travels (ms, shares of the critical path; switch = waits for the MUX, to holder + back; "
+                          "context = imports, holder export, rotation; the orchestrator exports during the scrub)")
+    reports: list[TravelReport] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("travelling", total=total)
+
+        def on_travel(r: TravelReport) -> None:
+            reports.append(r)
+            table.add_row(*_row(r))
+            progress.update(task, advance=1, description=f"GPU back from {r.holder}")
+
+        try:
+            run(cfg, out, on_travel)
+        except GputravelError as exc:
+            _fail(exc)
+    console.print(table)
+    summary = summarise(reports)
+    console.print(f"{summary['verified']}/{summary['travels']} chunks verified by digest, "
+                  f"{summary['bytes'] / (1 << 20):.0f} MiB moved; median travel {summary['median_total_ms']:.2f} ms, "
+                  f"median fixed overhead {summary['median_fixed_ms']:.2f} ms (total - copy - scrub).")
+    if json_path:
+        payload = {"config": vars(cfg), "summary": summary, "travels": [_report_json(r) for r in reports]}
+        write_json(json_path, payload)
+        console.print(f"report written to {json_path}")
+
+
+def _report_json(r: TravelReport) -> dict:
+    return {"travel_id": r.travel_id, "holder": r.holder, "steps_ms": r.steps_ms, "total_ms": r.total_ms,
+            "verify_ms": r.verify_ms, "refused": r.refused,
+            "chunk": None if r.chunk is None else {"dataset_offset": r.chunk.dataset_offset, "nbytes": r.chunk.nbytes,
+                                                   "digest": r.chunk.digest.hex()}}
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter("sizes are comma-separated integers (MiB), e.g. 4,8,16") from None
+
+
+@bench_app.command("travel")
+def bench_travel(
+    sizes: str = typer.Option("4,8,16,32,64,128,256,512", help="Buffer sizes in MiB, comma separated."),
+    repeat: int = typer.Option(5, help="Timed travels per size (after one warm-up); medians are reported."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """The paper's Table 1 for this system: per-step time of a travel at each buffer size."""
+    from gputravel.bench.travel import run
+
+    size_list = _sizes(sizes)
+    table = Table(title="GPU Travelling overheads (medians, ms) — paper Table 1 layout")
+    for col in ("MiB", *(SHORT[s] for s in STEPS), "total", "fixed", "copy GB/s"):
+        table.add_column(col, justify="right")
+
+    def on_row(row: dict) -> None:
+        st = row["steps_ms"]
+        table.add_row(str(row["size_mib"]), *(f"{st[s]:.2f}" for s in STEPS), f"{row['total_ms']:.2f}",
+                      f"{row['fixed_ms']:.2f}", f"{row['copy_gbps']:.2f}")
+        console.print(f"  {row['size_mib']} MiB done: copy {row['copy_gbps']:.2f} GB/s, fixed {row['fixed_ms']:.2f} ms")
+
+    try:
+        with console.status("measuring the crypto limit and booting cohorts..."):
+            result = run(size_list, repeat, on_row=on_row)
+    except GputravelError as exc:
+        _fail(exc)
+    console.print(table)
+    limit = result["crypto_limit_gbps"]
+    last = result["rows"][-1]
+    console.print(f"crypto limit (one core, encrypt + decrypt): {limit:.2f} GB/s; at {last['size_mib']} MiB copy "
+                  f"throughput is {last['copy_gbps'] / limit:.2f} x the limit, fixed overhead {last['fixed_ms']:.2f} ms, "
+                  f"scrub {last['steps_ms']['o_cleanup'] / last['steps_ms']['dh_copy'] * 100:.1f}% of the copy.")
+    _write_json(json_path, result)
+
+
+@bench_app.command("compare")
+def bench_compare(
+    sizes: str = typer.Option("4,8,16,32,64,128,256,512", help="Buffer sizes in MiB, comma separated."),
+    bandwidths: str = typer.Option("4,20,100,500,uncapped", help="Link caps in Mbit/s, comma separated; 'uncapped' for none."),
+    repeat: int = typer.Option(3, help="Timed transmissions per method and cell (after a warm-up); medians are reported."),
+    link: str = typer.Option("auto", help="auto (netns-tc where namespaces work, else token-bucket), netns or token-bucket."),
+    max_transfer_s: float = typer.Option(25.0, help="Baseline transfers longer than this (size/rate) are not run but "
+                                                    "extrapolated from the largest size measured at that bandwidth."),
+    link_check_s: float = typer.Option(2.0, help="netns-tc: a raw TCP transfer this long through each capped link (0: none)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw a figure like the paper's Figure 6 here (PNG)."),
+) -> None:
+    """GPU Travelling vs the centralised TLS baseline on capped links (paper 7.2, Figure 6)."""
+    from gputravel.bench import compare
+
+    try:
+        cfg = compare.CompareConfig(tuple(_sizes(sizes)), compare.parse_bandwidths(bandwidths), repeat, link,
+                                    max_transfer_s, link_check_s)
+        with console.status("booting a cohort per cell and measuring both methods..."):
+            result = compare.run(cfg, on_cell=lambda c: console.print(
+                f"  {c['size_mib']} MiB @ {compare.bandwidth_label(c['bandwidth_mbit'])}: travel {c['travel_ms']:.1f} ms, "
+                f"baseline {'~' if c['extrapolated'] else ''}{c['baseline_ms']:.1f} ms"))
+    except GputravelError as exc:
+        _fail(exc)
+    _print_compare(result)
+    if plot_path:
+        console.print(f"figure written to {compare.plot(result, plot_path)}")
+    _write_json(json_path, result)
+
+
+def _print_compare(result: dict) -> None:
+    from gputravel.bench import compare
+
+    table = Table(title=f"Time per transmission (medians; link: {result['link']})")
+    for col in compare.COLUMNS:
+        table.add_column(col, justify="right")
+    for row in compare.table_rows(result):
+        table.add_row(*row)
+    console.print(table)
+    console.print("  rate chk: the baseline's TLS time / (size/cap); the target is within 15 % (OFF: outside).")
+    for t in result["tie_breaks"]:
+        slower = ", ".join(map(str, t["baseline_faster_at_mib"])) or "no size"
+        console.print(f"  {compare.bandwidth_label(t['bandwidth_mbit'])}: baseline faster at {slower}; "
+                      f"travelling faster from {t['travel_faster_from_mib']} MiB up")
+    for c in result["link_checks"]:
+        console.print(f"  raw TCP through the {c['bandwidth_mbit']:g} Mbit/s link: {c['measured_mbit']:.1f} Mbit/s, "
+                      f"time {c['ratio']:.3f} x size/cap ({'ok' if c['ok'] else 'OFF'})")
+    if any(c["extrapolated"] for c in result["cells"]):
+        console.print(f"  ~: not run (transfer over {result['max_transfer_s']:g} s), extrapolated linearly in size.")
+
+
+@bench_app.command("train")
+def bench_train(
+    bandwidths: str = typer.Option("4,20,100,500,uncapped", help="Link caps in Mbit/s, comma separated; 'uncapped' for none."),
+    steps: int = typer.Option(600, help="Training steps per run (a small GPT-2: 4 layers, 128 wide)."),
+    buffer_kib: int = typer.Option(128, help="Dataset buffer, KiB."),
+    holders: int = typer.Option(3, help="Data holders; the shipped Shakespeare is dealt among them."),
+    link: str = typer.Option("auto", help="auto (netns-tc where namespaces work, else token-bucket), netns or token-bucket."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """The paper's Table 2: the same training fed by travelling and by the TLS baseline."""
+    from gputravel.bench import compare, train
+
+    try:
+        cfg = train.TrainBenchConfig(compare.parse_bandwidths(bandwidths), link=link, holders=holders,
+                                     train=train.bench_train_config(steps, buffer_kib << 10))
+        with console.status("training twice per bandwidth (travelling, then the baseline)..."):
+            result = train.run(cfg, on_row=lambda r: console.print(f"  {compare.bandwidth_label(r['bandwidth_mbit'])} done"))
+    except GputravelError as exc:
+        _fail(exc)
+    table = Table(title=f"Training and transmission, s (link: {result['link']}); TLS: baseline, GT: GPU Travelling")
+    for col in ("Mbit/s", "TLS train", "TLS Tx", "TLS %", "GT train", "GT Tx", "GT %", "Tx #", "same"):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        b, o = r["baseline"], r["travelling"]
+        table.add_row(compare.bandwidth_label(r["bandwidth_mbit"]), f"{b['training_s']:.2f}", f"{b['tx_s']:.3f}",
+                      f"{b['tx_share']:.2%}", f"{o['training_s']:.2f}", f"{o['tx_s']:.3f}", f"{o['tx_share']:.2%}",
+                      str(o["fetches"]), "yes" if r["same_losses"] else "NO")
+    console.print(table)
+    _write_json(json_path, result)
+
+
+def _write_json(path: Optional[Path], result: dict) -> None:
+    if path:
+        write_json(path, result)
+        console.print(f"results written to {path}")
+
+
+@app.command("redteam")
+def redteam(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    only: Optional[list[str]] = typer.Option(None, "--only", help="Run only this attack (repeatable)."),
+    evidence: bool = typer.Option(False, "--evidence", help="Also print what was observed in each attack."),
+) -> None:
+    """Run every attack (paper section 6, and more) against a live local cohort and count the
+    plaintext each attacker obtained. Exits 1 if any attack got plaintext or was not stopped."""
+    from gputravel.redteam.attacks import ATTACKS
+    from gputravel.redteam.report import print_report
+    from gputravel.redteam.run import run_redteam
+
+    unknown = sorted(set(only or ()) - {a.name for a in ATTACKS})
+    if unknown:
+        _fail(f"unknown attack {', '.join(unknown)}; choose from: {', '.join(a.name for a in ATTACKS)}")
+    show = lambda a, v: console.print(f"  {a.name}: {'stopped' if v.stopped else '[red]NOT stopped[/red]'}")
+    try:
+        report = run_redteam(only=tuple(only or ()), on_result=show)
+    except GputravelError as exc:
+        _fail(exc)
+    print_report(report, console, evidence=evidence)
+    _write_json(json_path, report.to_json())
+    if report.failed:
+        raise typer.Exit(1)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+

@@ -1,0 +1,87 @@
+"""`gputravel audit verify`: check the orchestrator's signed travel log (see gputravel.orchestrator.audit)."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gputravel.orchestrator.audit import AuditError, AuditSummary, Entry, entry_hash, verify_log
+from gputravel.errors import GputravelError
+from gputravel.cli.common import write_json
+
+audit_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                        help="The orchestrator's hash-chained, signed log of travels.")
+console = Console()
+
+
+@audit_app.callback()
+def _group() -> None:
+    """The orchestrator's hash-chained, signed log of travels."""
+    # A callback keeps `verify` a named subcommand even while it is the only one.
+
+
+def _when(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(summary: AuditSummary) -> Table:
+    who = summary.holder or "every holder"
+    table = Table(title=f"travels of {who}", pad_edge=False)
+    for col in ("seq", "time (UTC)", "event", "holder", "offset", "bytes", "epoch", "chunk digest", "hash"):
+        table.add_column(col, justify="right" if col in ("seq", "offset", "bytes") else "left")
+    for e in summary.entries:
+        color = {"travel": "green", "refused": "yellow", "aborted": "red"}[e.event.value]
+        table.add_row(str(e.seq), _when(e.time), f"[{color}]{e.event.value}[/{color}]", e.holder,
+                      str(e.chunk.dataset_offset), str(e.chunk.nbytes), f"{e.epoch_before}→{e.epoch_after}",
+                      e.chunk_digest.hex()[:16] or "-", entry_hash(e).hex()[:16])
+    return table
+
+
+def _entry_json(e: Entry) -> dict[str, object]:
+    return {"seq": e.seq, "time": e.time, "event": e.event.value, "holder": e.holder,
+            "dataset_offset": e.chunk.dataset_offset, "nbytes": e.chunk.nbytes,
+            "epoch_before": e.epoch_before, "epoch_after": e.epoch_after,
+            "chunk_digest": e.chunk_digest.hex(), "prev_hash": e.prev_hash.hex(), "hash": entry_hash(e).hex()}
+
+
+def _summary_json(s: AuditSummary) -> dict[str, object]:
+    return {"ok": True, "count": s.count, "head": {"seq": s.head_seq, "hash": s.head_hash.hex(),
+                                                   "signature": s.head_signature.hex()},
+            "holder": s.holder, "truncated_tail": s.truncated_tail,
+            "entries": [_entry_json(e) for e in s.entries]}
+
+
+def _error_json(exc: Exception) -> dict[str, object]:
+    out: dict[str, object] = {"ok": False, "error": str(exc)}
+    if isinstance(exc, AuditError):
+        out.update(failure=exc.failure.value, seq=exc.seq)
+    return out
+
+
+@audit_app.command()
+def verify(
+    log: Path = typer.Argument(..., help="The audit log file the orchestrator writes."),
+    key: Path = typer.Option(..., "--key", help="The orchestrator's certificate or public key (PEM)."),
+    holder: str | None = typer.Option(None, "--holder", help="Show only this holder's entries."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the result as JSON here."),
+    allow_truncated_tail: bool = typer.Option(False, "--allow-truncated-tail",
+                                              help="Verify the intact prefix of a log whose last entry is torn."),
+) -> None:
+    """Check the hash chain, every signature and seq contiguity; list the holder's travels."""
+    try:
+        summary = verify_log(log, key.read_bytes(), holder, allow_truncated_tail=allow_truncated_tail)
+    except (GputravelError, OSError) as exc:
+        if json_out is not None:
+            write_json(json_out, _error_json(exc))
+        console.print(f"[red]audit log verification failed:[/red] {exc}")
+        raise typer.Exit(1) from None
+    console.print(_table(summary))
+    if summary.truncated_tail:
+        console.print("[yellow]the torn final entry was ignored[/yellow]")
+    console.print(f"[green]chain OK[/green] ({summary.count} entries, head {summary.head_hash.hex()[:16]})")
+    if json_out is not None:
+        write_json(json_out, _summary_json(summary))

@@ -1,0 +1,54 @@
+"""`gputravel data ...`: turn a holder's text into llm.c token shards."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from gputravel.errors import GputravelError
+
+data_app = typer.Typer(no_args_is_help=True, help="Training data: tokenize holders' text into llm.c shards.")
+console = Console()
+
+
+class TokenizerChoice(str, enum.Enum):
+    auto = "auto"
+    bytes = "bytes"
+    gpt2 = "gpt2"
+
+
+@data_app.callback()
+def _data() -> None:
+    """Training data: tokenize holders' text into llm.c shards."""
+    # A callback keeps `prepare` a named subcommand even while it is the only one.
+
+
+@data_app.command()
+def prepare(
+    inputs: list[Path] = typer.Option(..., "--input", "-i",
+                                      help="A text file or a directory of .txt files; repeat for more."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the shards and tokenizer.json."),
+    tokenizer: TokenizerChoice = typer.Option(TokenizerChoice.auto, help="auto = gpt2 when available offline, "
+                                              "else bytes."),
+    shard_tokens: int = typer.Option(10**8, min=1, help="Tokens per shard (llm.c uses 10^8)."),
+    overwrite: bool = typer.Option(False, help="Replace the shards already in --out."),
+) -> None:
+    """Tokenize text into llm.c shards (each document preceded by end-of-text, as llm.c does)."""
+    from gputravel.data.prepare import prepare as run_prepare
+    from gputravel.data.tokenizer import get_tokenizer
+
+    try:
+        tok = get_tokenizer(tokenizer.value)
+        result = run_prepare(inputs, out, tok, shard_tokens, progress=True, overwrite=overwrite)
+    except GputravelError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")  # escape: "gputravel[bpe]" is no markup
+        raise typer.Exit(1) from None
+    shards = f"{len(result.shards)} shard{'s' if len(result.shards) != 1 else ''}"
+    console.print(escape(f"prepared {result.files} files: {result.tokens:,} tokens in {shards} in {result.out} "
+                         f"(tokenizer {result.tokenizer}, vocab {tok.vocab_size})"))
+    if result.skipped:
+        console.print(f"[yellow]skipped {len(result.skipped)} empty files[/yellow]")

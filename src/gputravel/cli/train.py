@@ -1,0 +1,148 @@
+"""`gputravel demo`: the local cohort trains GPT-2 on travelled data, with a live view."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gputravel.errors import BadInput, GputravelError
+from gputravel.cli.common import write_json
+
+console = Console()
+STEP_NAMES = {"o_cleanup": "scrub", "o_export": "O export (during the scrub)", "dh_switch": "switch to H (wait)", "dh_import": "H import",
+              "dh_copy": "H copy", "dh_export": "H export", "tls": "TLS", "o_switch": "switch to O (wait)",
+              "o_import": "O import", "o_rotate": "rotate"}
+
+
+def _holder_data(items: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise BadInput(f"--holder-data takes NAME=PATH (shards directory, one .bin shard or text), got {item!r}")
+        out.append((name, path))
+    return tuple(out)
+
+
+def demo(
+    holders: int = typer.Option(3, help="Data holders (one CVM process each); the demo data is split among them."),
+    holder_data: list[str] = typer.Option([], "--holder-data", help="NAME=PATH of a holder's llm.c shards or text (repeatable; replaces the demo data)."),
+    steps: int = typer.Option(300, help="Training steps."),
+    batch: int = typer.Option(8, help="Batch size B."),
+    seq_len: int = typer.Option(64, help="Sequence length T."),
+    buffer_mib: float = typer.Option(0.0625, help="Dataset buffer in the GPU's protected memory, MiB (a multiple of 4 KiB)."),
+    schedule: str = typer.Option("round_robin", help="Which holder the GPU visits next: round_robin or proportional."),
+    seed: int = typer.Option(0, help="Seed of the model initialisation and the sample."),
+    loader: str = typer.Option("travelling", help="travelling (GPU travels to holders) or local (same tokens from disk: the G2 reference)."),
+    threads: int = typer.Option(2, help="CPU threads for training (same value, same losses)."),
+    run_dir: Optional[Path] = typer.Option(None, help="Where report.json, metrics.csv, loss.png, the checkpoint and the sample go (default runs/<time>)."),
+    checkpoint_every: int = typer.Option(100, help="Save a checkpoint every N steps (and at the end); 0: only at the end."),
+    resume: bool = typer.Option(False, help="Continue the run in --run-dir from its checkpoint (same options as the first run)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
+) -> None:
+    """Train GPT-2 on the holders' data, fed by a travelling GPU.
+
+    A whole local cohort runs (host, GPU, orchestrator, data holders as processes); the
+    orchestrator trains on each chunk the GPU brings back from a holder."""
+    from gputravel.jobs.training import JobConfig, default_holders, run
+    from gputravel.train.loop import TrainConfig
+
+    if resume and run_dir is None:
+        _fail(BadInput("--resume needs the --run-dir of the run to continue"))
+    out = run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    try:
+        cfg = JobConfig(
+            train=TrainConfig(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * (1 << 20)),
+                              schedule=schedule, seed=seed, loader=loader, threads=threads,
+                              checkpoint_every=checkpoint_every),
+            holders=_holder_data(holder_data) if holder_data else default_holders(holders, out),
+            run_dir=str(out), resume=resume)
+    except GputravelError as exc:
+        _fail(exc)
+    names = ", ".join(n for n, _ in cfg.holders)
+    console.print(f"[bold]gputravel demo[/bold]: GPT-2 ({cfg.train.n_layer} layers, {cfg.train.n_embd} wide), "
+                  f"{steps} steps of {batch}x{seq_len} tokens, {loader} loader, holders: {names}; "
+                  f"buffer {cfg.train.buffer_bytes >> 10} KiB in the GPU's protected memory.")
+    if loader == "travelling":
+        console.print("Booting host, GPU, holders, then the orchestrator (paper 4.1)...")
+    view = _LiveView(steps)
+    try:
+        with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
+            report = run(cfg, on_step=lambda e: view.update(e, live))
+    except GputravelError as exc:
+        _fail(exc)
+    _summary(report, out)
+    if json_path:
+        write_json(json_path, report)
+        console.print(f"report also written to {json_path}")
+
+
+class _LiveView:
+    def __init__(self, steps: int) -> None:
+        self.progress = Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                                 TimeElapsedColumn())
+        self.task = self.progress.add_task("train", total=steps)
+        self.last = None
+        self._shown = 0.0
+
+    def update(self, event, live: Live) -> None:
+        self.last = event
+        self.progress.update(self.task, completed=event.step + 1)
+        now = time.monotonic()
+        if now - self._shown > 0.1:  # redraw at most ten times a second
+            self._shown = now
+            live.update(self.render())
+
+    def render(self):
+        table = Table.grid(padding=(0, 2))
+        for _ in range(6):
+            table.add_column(justify="right")
+        e = self.last
+        if e is None:
+            table.add_row("loss", "-", "tokens/s", "-", "GPU last at", "-")
+        else:
+            table.add_row("loss", f"{e.loss:.4f}", "tokens/s", f"{e.tokens_per_s:,.0f}", "GPU last at", e.holder)
+            table.add_row("step", str(e.step + 1), "travels", str(e.travels), "time travelling", f"{e.stall_share:.2%}")
+        return Panel(Group(self.progress, table), title="GPU Travelling: training", expand=False)
+
+
+def _summary(report: dict, out: Path) -> None:
+    from gputravel.orchestrator.machine import STEPS
+
+    med = report.get("travel_median_steps_ms") or {}
+    travels = [t for t in report["travels"] if "total_ms" in t]
+    if med and travels:
+        table = Table(title=f"A travel, step by step\n(median ms of {len(travels)})")
+        table.add_column("step")
+        table.add_column("ms", justify="right")
+        for key in [k for k in STEPS if k in med] or sorted(med):  # a baseline run has its own steps
+            table.add_row(STEP_NAMES.get(key, key), f"{med[key]:.2f}")
+        totals = sorted(t["total_ms"] for t in travels)
+        table.add_row("[bold]total[/bold]", f"[bold]{totals[len(totals) // 2]:.2f}[/bold]")
+        console.print(table)
+    console.print(f"loss {report['loss_before']:.3f} -> {report['loss_after']:.3f} (means of the first and last 10 steps); "
+                  f"data stall {report['stall_share']:.2%} of {report['wall_s']:.1f} s "
+                  f"({report['travel_count']} fetches).")
+    if report.get("sample"):
+        console.print(Panel(report["sample"].strip() or "(empty)", title="sample", expand=False))
+    iso = report.get("isolation")
+    if iso is not None:  # a travelling run: what kept the emulated CVMs apart
+        parties = len(iso["parties"])
+        console.print(f"process isolation on: {parties} parties, each its own uid, non-dumpable" if iso["on"]
+                      else f"[yellow]process isolation OFF[/yellow]: {iso['reason']}")
+    files = ", ".join(p.name for p in sorted(out.iterdir()) if p.is_file())
+    console.print(f"run directory {out}: {files}")
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(1)

@@ -1,0 +1,1 @@
+"""Launching a cohort: the supervisor that owns every process, links, trust setup, isolation."""

@@ -1,0 +1,211 @@
+"""Where each party of one local cohort runs: its uid, its own directory, the descriptors and
+paths it is handed (cohort/isolation.py says why and how each is isolated).
+
+The cohort directory, for the launcher:
+
+    sockets/            the host's listening socket (owned by the host, searchable by all)
+    parties/KEY/        one per party, 0700 and owned by it: its HOME and caches, the links
+                        to its dataset (holders), the default travel log (orchestrator)
+    pki/, trust/        each party's share in a subdirectory owned by that party
+
+With isolation off (not root, or CohortConfig.isolate=False) the same layout is used, every
+path is handed over as is, and nothing changes owner.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+from gputravel.errors import BadInput, GputravelError
+from gputravel.cohort import isolation
+from gputravel.cohort.isolation import Isolation
+
+# What a child needs from a descriptor the launcher opened for it; never followed by the launcher.
+_PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
+
+
+class Placement:
+    def __init__(self, directory: Path, isolate: bool | None) -> None:
+        self.dir = directory
+        on, reason = isolation.decide(isolate)
+        self.reach: dict[str, tuple[str, ...]] = {}
+        if on:
+            try:
+                self.reach = isolation.interpreter_reach()
+            except BadInput as exc:
+                if isolate:
+                    raise
+                on, reason = False, f"this Python cannot run under another uid: {exc}"
+        if not on and isolate is None:
+            warnings.warn(f"process isolation is off: {reason}. Parties can read each other's memory and "
+                          "files; tests/test_isolation.py skips its checks.", RuntimeWarning, stacklevel=4)
+        self.isolation = Isolation(on, reason)
+        self._base = isolation.allocate_block() if on else 0
+        self._uids: dict[str, int] = {}
+        self._fds: dict[str, list[int]] = {}  # descriptors handed to one party (datasets, lent outputs)
+        self._lent: list[tuple[Path, int, int, int]] = []  # (path, descriptor, former uid, former gid)
+        self._root_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if on else -1
+        if on:
+            os.chmod(directory, 0o711)  # searchable, not listable: each party finds only its own
+        for sub in ("parties", "sockets"):
+            (directory / sub).mkdir(mode=0o711)
+
+    @property
+    def on(self) -> bool:
+        return self.isolation.on
+
+    # ------------------------------------------------------------------ ids and paths
+    def uid(self, key: str) -> int:
+        if key not in self._uids:
+            self._uids[key] = self._base + 1 + len(self._uids)
+            if len(self._uids) >= isolation.BLOCK:
+                raise BadInput(f"a cohort has at most {isolation.BLOCK - 1} parties")
+        return self._uids[key]
+
+    @property
+    def root_fd(self) -> int:
+        """The descriptor of the cohort directory every child is handed (-1: isolation off)."""
+        return self._root_fd
+
+    def path(self, p: Path) -> str:
+        """How a child names a path in the cohort directory: through the launcher's
+        descriptor, so that the directories above the cohort need not be open to it."""
+        if not self.on:
+            return str(p)
+        return f"/proc/self/fd/{self._root_fd}/{Path(p).relative_to(self.dir)}"
+
+    def own(self, path: Path, key: str, mode: int = 0o700) -> Path:
+        """Hand a file or tree of the cohort directory to one party."""
+        if self.on:
+            isolation.give(path, self.uid(key), mode)
+        return path
+
+    def party_dir(self, key: str) -> Path:
+        d = self.dir / "parties" / key
+        d.mkdir(mode=0o700, exist_ok=True)
+        return self.own(d, key)
+
+    @property
+    def socket_dir(self) -> Path:
+        """The host listens here; every party may search it, only the host writes."""
+        return self.own(self.dir / "sockets", "host", 0o711)
+
+    # ------------------------------------------------------------------ starting a child
+    def popen_kwargs(self, key: str, netns: str | None) -> dict:
+        """preexec_fn, env, cwd and the extra descriptors for `key`'s Popen."""
+        home = self.party_dir(key)
+        if not self.on:
+            return {"preexec_fn": isolation.die_with_parent, "pass_fds": self._fds.get(key, [])}
+        env = {**os.environ, **isolation.private_env(self.path(home)), "GPUTRAVEL_NONDUMPABLE": "1"}
+        return {"preexec_fn": isolation.dropper(self.uid(key), netns=netns, reach=self.reach), "env": env,
+                "cwd": str(home), "pass_fds": [self._root_fd, *self._fds.get(key, [])]}
+
+    def check(self, key: str, pid: int) -> None:
+        """Read back what the child got; a party that is not isolated as planned stops the cohort."""
+        try:
+            got = isolation.read_party(pid)
+        except (OSError, KeyError, ValueError):
+            return  # it already ended: the caller sees that on its control link
+        self.isolation.parties[key] = got
+        if self.on and (got.uid != self.uid(key) or got.groups or got.dumpable is not False):
+            raise GputravelError(f"{key} is not isolated: uid {got.uid} (planned {self.uid(key)}), "
+                                 f"groups {list(got.groups)}, dumpable {got.dumpable}")
+
+    def _hand(self, key: str, path: Path) -> int:
+        fd = os.open(path, _PATH_FLAGS)
+        self._fds.setdefault(key, []).append(fd)
+        return fd
+
+    # ------------------------------------------------------------------ inputs
+    def dataset(self, key: str, path: str) -> str:
+        """A holder's dataset, handed over as a descriptor and named by a link in its own
+        directory that keeps the file name (a shard's .bin) and a shard's tokenizer.json."""
+        if not self.on:
+            return path
+        source = Path(path).resolve()
+        if not source.exists():
+            raise BadInput(f"dataset of holder {key!r} does not exist: {path}")
+        closed = isolation.readable_by_others(source)
+        if closed is not None:
+            raise BadInput(f"dataset of holder {key!r}: {closed} is not readable by other users, so not by "
+                           f"the holder's uid {self.uid(key)}: make it readable (chmod o+r, o+x for directories) "
+                           "or run the cohort with isolate=False")
+        links = self.party_dir(key) / "dataset"
+        links.mkdir(exist_ok=True)
+        extra = [source.parent / "tokenizer.json"] if source.is_file() else []
+        for item in [source, *(p for p in extra if p.is_file())]:
+            link = links / item.name
+            link.unlink(missing_ok=True)
+            link.symlink_to(f"/proc/self/fd/{self._hand(key, item)}")
+        self.own(links, key)
+        return self.path(links / source.name)
+
+    # ------------------------------------------------------------------ outputs
+    def lend_dir(self, key: str, path: str) -> None:
+        """A directory `key` writes into (a training run directory) is its own while the
+        cohort runs, and goes back to its owner at `close`."""
+        if not self.on:
+            return
+        p = Path(path).resolve()
+        p.mkdir(parents=True, exist_ok=True)
+        self._lend(key, p)
+
+    def lend_file(self, key: str, path: str) -> str:
+        """A file `key` writes (the travel log) outside every lent directory: created empty
+        if missing and lent like a directory; the child opens it again through /proc."""
+        if not self.on:
+            return path
+        p = Path(path).resolve()
+        inside = self._inside_lent(p)
+        if inside is not None:
+            return inside
+        if not p.parent.is_dir():
+            raise BadInput(f"{p.parent} does not exist")
+        os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        return f"/proc/self/fd/{self._lend(key, p)}"
+
+    def _lend(self, key: str, p: Path) -> int:
+        st = p.stat()
+        fd = self._hand(key, p)
+        self._lent.append((p, fd, st.st_uid, st.st_gid))
+        isolation.give(p, self.uid(key))
+        return fd
+
+    def _inside_lent(self, p: Path) -> str | None:
+        for lent, fd, _, _ in self._lent:
+            if lent.is_dir() and (p == lent or lent in p.parents):
+                rel = p.relative_to(lent)
+                return f"/proc/self/fd/{fd}" + ("" if rel == Path(".") else f"/{rel}")
+        return None
+
+    def output(self, key: str, path: str) -> str:
+        """How `key` names a path it writes or reads later (a run directory, a checkpoint)."""
+        if not self.on or not path:
+            return path
+        p = Path(path).resolve()
+        inside = self._inside_lent(p)
+        if inside is not None:
+            return inside
+        closed = isolation.unreachable(p)
+        if closed is not None:
+            raise BadInput(f"{key} (uid {self.uid(key)}) cannot reach {p}: {closed} is closed to other users. "
+                           "Lend it with CohortConfig.output_dirs, pick a path other users can reach, or "
+                           "run the cohort with isolate=False")
+        return path
+
+    def close(self) -> None:
+        """Give lent outputs back to their owners; close every descriptor. Never raises."""
+        for path, _, uid, gid in self._lent:
+            try:
+                for p in [path, *(path.rglob("*") if path.is_dir() else ())]:
+                    os.chown(p, uid, gid, follow_symlinks=False)
+            except OSError as exc:
+                warnings.warn(f"could not give {path} back to uid {uid}: {exc}", RuntimeWarning, stacklevel=3)
+        self._lent.clear()
+        for fd in [self._root_fd, *(f for fds in self._fds.values() for f in fds)]:
+            if fd >= 0:
+                os.close(fd)
+        self._fds.clear()
+        self._root_fd = -1

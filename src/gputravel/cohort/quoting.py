@@ -1,0 +1,101 @@
+"""The launcher's side of the emulated TDX module (attest/tdx_module.py).
+
+The supervisor starts the module as a child of its own, before the orchestrator, and then:
+
+1. certifies the quoting key the module made, with the CPU-TEE root key it kept in memory
+   since provisioning, and drops that key (`certify`);
+2. measures the orchestrator it is about to launch: the configuration it hands it and the
+   `gputravel` package that interpreter, with that environment and working directory, will
+   import (`measure_launch`; a child on another PYTHONPATH runs other code, and is measured
+   as such);
+3. once the orchestrator is started, tells the module its pid, uid and that measurement over
+   the module's control link (`register`). The orchestrator never names a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from gputravel.attest import orchestrator_measurement
+from gputravel.attest.tdx_module import (
+    QUOTING_KEY_CN,
+    CvmRegistered,
+    LaunchedCvm,
+    QuotingKey,
+    QuotingKeyCertified,
+)
+from gputravel.errors import BadInput, ProtocolError
+from gputravel.transport.stream import StreamTransport
+from gputravel.cohort.trust import CohortTrust, measured_config
+
+if TYPE_CHECKING:
+    from gputravel.cohort.placement import Placement
+
+__all__ = ["KEY", "QuotingLaunch"]
+
+KEY = "tdx-module"  # the child's key and role in the supervisor
+_FIND_PACKAGE = ("import importlib.util as u; s = u.find_spec('gputravel'); "
+                 "print(s.submodule_search_locations[0] if s and s.submodule_search_locations else '')")
+
+
+class QuotingLaunch:
+    """Where the module listens, and the launcher's three steps with it."""
+
+    def __init__(self, place: Placement, directory: Path, *, hold_s: float = 30.0) -> None:
+        home = directory / "tdx"
+        home.mkdir(mode=0o711)
+        place.own(home, KEY, 0o711)  # the module binds here; others may only reach the socket
+        self.socket = place.path(home / "quote.sock")  # one name for the module and the orchestrator
+        self.config = {"socket_path": self.socket, "hold_s": hold_s}
+
+    @staticmethod
+    def certify(control: StreamTransport, trust: CohortTrust, timeout: float) -> CohortTrust:
+        """Issue the module's quoting-key certificate under the CPU-TEE root; the root key is
+        dropped here (the returned trust no longer holds it)."""
+        if trust.tee_root is None:
+            raise BadInput("the CPU-TEE root key is gone: nothing can certify a quoting key")
+        msg = control.recv(timeout=timeout, expect=QuotingKey).message
+        assert isinstance(msg, QuotingKey)
+        try:
+            key = serialization.load_der_public_key(msg.public_key)
+        except ValueError:
+            raise ProtocolError("the TDX module sent a malformed quoting key") from None
+        if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp384r1":
+            raise ProtocolError("the TDX module's quoting key is not a P-384 key")
+        cert = trust.tee_root.issue(QUOTING_KEY_CN, key, is_ca=False, days=365)
+        control.send(QuotingKeyCertified(cert_chain=(cert, trust.tee_root.cert_der)))
+        return dataclasses.replace(trust, tee_root=None)
+
+    @staticmethod
+    def measure_launch(config: dict, popen: dict) -> bytes:
+        """The measurement of an orchestrator started with `config` and the Popen arguments
+        `popen` (uid, environment, working directory): its measured configuration, and the
+        package that interpreter will import there."""
+        from gputravel.orchestrator.cvm import OrchestratorConfig
+
+        kwargs = {k: popen[k] for k in ("preexec_fn", "env", "cwd", "pass_fds") if k in popen}
+        try:
+            found = subprocess.run([sys.executable, "-c", _FIND_PACKAGE], capture_output=True, text=True,
+                                   timeout=60, check=True, stdin=subprocess.DEVNULL, **kwargs).stdout.strip()
+        except (subprocess.SubprocessError, OSError) as exc:
+            raise BadInput(f"cannot find the package the orchestrator would run: {exc}") from None
+        if not found:
+            raise BadInput("the orchestrator's interpreter finds no gputravel package")
+        measured = measured_config(OrchestratorConfig(**config))
+        return orchestrator_measurement(measured, package_dir=Path(found))
+
+    @staticmethod
+    def register(control: StreamTransport, pid: int, uid: int | None, measurement: bytes, timeout: float) -> None:
+        """Tell the module which process it quotes for and with what measurement."""
+        control.send(LaunchedCvm(pid=pid, uid=os.geteuid() if uid is None else uid, measurement=measurement))
+        reply = control.recv(timeout=timeout, expect=CvmRegistered).message
+        if not isinstance(reply, CvmRegistered) or reply.pid != pid:
+            raise ProtocolError("the TDX module did not register the orchestrator")

@@ -1,0 +1,298 @@
+"""A cohort's trust material (paper 4.5): who gets which part of the chain of trust.
+
+The supervisor stands for the hardware vendors and the launcher. For each cohort it creates,
+under its temporary directory:
+
+    trust/roots/         the emulated GPU-vendor and CPU-TEE roots (certificates only once
+                         provisioning is done: the root keys are deleted, like the cohort CA's)
+    trust/device/        the GPU's firmware state -> the device process only, which makes its
+                         firmware key there itself at boot and stores the 5-certificate chain
+                         the launcher (the vendor) issued it (`certify_device`)
+    trust/orchestrator/  both root certificates, the GPU's reference values, the evidence age
+                         limit and where its TDX module listens -> the orchestrator
+    trust/holders/NAME/  both root certificates, the GPU's reference values and NAME's policy,
+                         which pins the orchestrator's measurement -> that holder only
+                         (written right before the orchestrator boots: `pin_orchestrator`)
+
+No CVM ever gets a root's private key, nor a quoting key: the TDX module (its own process,
+attest/tdx_module.py) makes its key itself, and the CPU-TEE root key stays in the launcher's
+memory only (`CohortTrust.tee_root`) until it has certified that key (cohort/quoting.py).
+Likewise no process but the device ever holds the GPU's firmware key: the vendor's per-device
+CA that signs it stays in the launcher's memory only (`CohortTrust.gpu_vendor`) until it has
+certified the key the device made, and is dropped then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from gputravel.attest import (
+    AttestationError,
+    Authority,
+    GpuDevice,
+    GpuIssuer,
+    GpuRequirements,
+    Policy,
+    ReferenceValues,
+    TrustStore,
+    enroll_gpu,
+    init_roots,
+    issue_gpu_ca,
+    load_authority,
+    orchestrator_measurement,
+)
+from gputravel.attest.errors import CLAIMS
+from gputravel.attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
+from gputravel.crypto.pki import DeviceIdentity
+from gputravel.errors import BadInput
+
+if TYPE_CHECKING:
+    from gputravel.orchestrator.cvm import OrchestratorConfig
+
+__all__ = ["CohortTrust", "DeviceMaterial", "HolderMaterial", "OrchestratorMaterial", "TrustOptions",
+           "attestation_error_from", "certify_device", "measure_orchestrator", "measured_config", "pin_orchestrator",
+           "provision_cohort_trust", "utcnow"]
+
+POLICY_FILE = "policy.json"
+REFERENCE_FILE = "reference-values.json"
+LIMITS_FILE = "attestation.json"
+#: Orchestrator settings that say where it runs, not what it does: left out of its measurement,
+#: so a holder can pin the code and configuration it inspected wherever the cohort is placed.
+#: Every other field is measured (an unknown new field is measured: failing closed).
+PLACEMENT_FIELDS = frozenset({"host_socket", "pki_dir", "trust_dir", "listen_host", "listen_port", "pace_mbit",
+                              "audit_log"})
+GPU_VENDORS = ("cohort", "foreign")
+_HEX96 = re.compile(r"[0-9a-f]{96}")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+# ----------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class TrustOptions:
+    """How the supervisor provisions a cohort's chain of trust. The defaults give an honest
+    cohort; each other value breaks one link on purpose, to show that it is refused."""
+
+    max_evidence_age_s: int = 3600  # holders' limit on the age of the orchestrator's GPU attestation
+    # Measurements (hex) the holders' policies accept; None: the orchestrator being launched.
+    pinned_measurements: tuple[str, ...] | None = None
+    # Orchestrator configuration changes made *after* the holders pinned it (field, value).
+    orchestrator_changes: tuple[tuple[str, object], ...] = ()
+    gpu_vendor: str = "cohort"  # "foreign": the GPU chains to a vendor root nobody trusts
+    gpu_cc_mode: bool = True
+
+    def __post_init__(self) -> None:
+        if type(self.max_evidence_age_s) is not int or self.max_evidence_age_s < 2:
+            raise BadInput("max_evidence_age_s must be an integer of at least 2 seconds")
+        if self.gpu_vendor not in GPU_VENDORS:
+            raise BadInput(f"gpu_vendor must be one of {GPU_VENDORS}, not {self.gpu_vendor!r}")
+        for m in self.pinned_measurements or ():
+            if not isinstance(m, str) or not _HEX96.fullmatch(m):
+                raise BadInput("pinned measurements must be 96 lower-case hex characters each")
+        for change in self.orchestrator_changes:
+            if not (isinstance(change, tuple) and len(change) == 2 and isinstance(change[0], str)):
+                raise BadInput("orchestrator_changes must be (field name, value) pairs")
+
+
+# ----------------------------------------------------------------------------- measurement
+def measured_config(config: OrchestratorConfig) -> dict[str, object]:
+    """The part of the orchestrator's configuration its measurement covers (JSON-ready)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in PLACEMENT_FIELDS}
+
+
+def measure_orchestrator(config: OrchestratorConfig) -> bytes:
+    """48 bytes: the code this process runs (the installed gputravel package) and its config."""
+    return orchestrator_measurement(measured_config(config))
+
+
+# ----------------------------------------------------------------------------- provisioning
+@dataclass(frozen=True)
+class CohortTrust:
+    """Where each process's share of the trust material lies, and what the holders pinned
+    (empty until `pin_orchestrator`)."""
+
+    root: Path
+    gpu_serial: str
+    gpu_driver: str
+    pinned: tuple[bytes, ...] = ()
+    # The CPU-TEE root, in the launcher's memory only, until it certifies the TDX module's key.
+    tee_root: Authority | None = field(default=None, repr=False, compare=False)
+    # The GPU vendor's CA for this device, in the launcher's memory only, until it certifies
+    # the firmware key the device process made.
+    gpu_vendor: GpuIssuer | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def device_dir(self) -> Path:
+        return self.root / "device"
+
+    @property
+    def orchestrator_dir(self) -> Path:
+        return self.root / "orchestrator"
+
+    def holder_dir(self, name: str) -> Path:
+        return self.root / "holders" / name
+
+
+def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datetime | None = None,
+                           quoting_socket: str = "") -> CohortTrust:
+    """Create the roots and the GPU's CAs; fill the device's (firmware state, no key) and the
+    orchestrator's directories (`quoting_socket`: where the orchestrator's TDX module
+    listens). The root keys leave the disk here; the CPU-TEE root and the GPU's per-device CA
+    stay in the returned trust's memory, for the TDX module's key and the device's firmware
+    key (`certify_device`). Holders get their share from `pin_orchestrator`."""
+    directory = Path(directory)
+    roots = directory / "roots"
+    init_roots(roots, now=now)
+    gpu = _provision_device(directory, roots, options, now)
+    gpu.save_state(directory / "device")
+    tee_root = load_authority(roots, "tee")
+    _discard_root_keys(roots)  # on disk, nobody needs them again
+    gpu.reference_values().save(roots / REFERENCE_FILE)  # what the vendor publishes: the launcher's copy
+    _write_orchestrator(directory / "orchestrator", roots, options, quoting_socket)
+    return CohortTrust(directory, gpu.serial, gpu.driver_version, tee_root=tee_root, gpu_vendor=gpu)
+
+
+def certify_device(trust: CohortTrust, csr_pem: bytes) -> tuple[CohortTrust, tuple[bytes, bytes]]:
+    """The vendor certifies the firmware key the device process made (its request `csr_pem`):
+    (the trust without the vendor's CA, which is dropped here; (chain, vendor root) as PEM)."""
+    if trust.gpu_vendor is None:
+        raise BadInput("the GPU vendor's CA is gone: nothing can certify a firmware key")
+    issued = trust.gpu_vendor.certify_request(csr_pem)
+    return dataclasses.replace(trust, gpu_vendor=None), issued
+
+
+def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, holders: tuple[str, ...],
+                     options: TrustOptions) -> CohortTrust:
+    """Write each holder's policy, pinning the measurement of `orchestrator` with the code
+    this process runs (or options.pinned_measurements). The supervisor calls it right before
+    the orchestrator boots and measures itself: the two measurements are of the same files."""
+    pinned = (tuple(bytes.fromhex(m) for m in options.pinned_measurements)
+              if options.pinned_measurements is not None else (measure_orchestrator(orchestrator),))
+    policy = Policy(pinned, GpuRequirements(driver_versions=(trust.gpu_driver,)), options.max_evidence_age_s,
+                    Path(REFERENCE_FILE))
+    for name in holders:
+        _write_holder(trust.holder_dir(name), trust.root / "roots", policy)
+    return dataclasses.replace(trust, pinned=pinned)
+
+
+def _provision_device(directory: Path, roots: Path, options: TrustOptions, now: datetime | None) -> GpuIssuer:
+    if options.gpu_vendor == "foreign":  # a vendor root that is in nobody's trust store
+        foreign = directory / "foreign-roots"
+        init_roots(foreign, now=now)
+        gpu = issue_gpu_ca(load_authority(foreign, "gpu"), serial="GPU-FOREIGN-0", now=now,
+                           cc_mode=options.gpu_cc_mode)
+        _discard_root_keys(foreign)
+        return gpu
+    return issue_gpu_ca(load_authority(roots, "gpu"), serial="GPU-EMU-0", now=now, cc_mode=options.gpu_cc_mode)
+
+
+def _discard_root_keys(roots: Path) -> None:
+    for name in (GPU_ROOT_KEY, TEE_ROOT_KEY):
+        (roots / name).unlink()
+
+
+def _private_dir(path: Path, roots: Path) -> None:
+    path.mkdir(parents=True, mode=0o700)
+    for name in (GPU_ROOT_CERT, TEE_ROOT_CERT, REFERENCE_FILE):
+        shutil.copy2(roots / name, path / name)
+
+
+def _write_orchestrator(path: Path, roots: Path, options: TrustOptions, quoting_socket: str) -> None:
+    _private_dir(path, roots)
+    limits = {"max_evidence_age_s": options.max_evidence_age_s, "quoting_socket": quoting_socket}
+    (path / LIMITS_FILE).write_text(json.dumps(limits) + "\n")
+
+
+def _write_holder(path: Path, roots: Path, policy: Policy) -> None:
+    _private_dir(path, roots)  # the roots and the reference values: it verifies the GPU itself
+    (path / POLICY_FILE).write_text(json.dumps(policy.to_json(), indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- each process's share
+@dataclass(frozen=True)
+class DeviceMaterial:
+    """What the device process holds: its SPDM identity and its attestation firmware."""
+
+    device: GpuDevice
+
+    @classmethod
+    def enroll(cls, directory: str, certify: Callable[[bytes], tuple[bytes, bytes]]) -> DeviceMaterial:
+        """Run by the device process at boot: make its firmware key in `directory`, have the
+        vendor (the launcher) certify it over `certify` (attest.enroll_gpu)."""
+        if not directory:
+            raise BadInput("the device has no provisioned firmware state (gpu_dir is empty)")
+        return cls(enroll_gpu(Path(directory), certify))
+
+    def identity(self) -> DeviceIdentity:
+        # The SPDM responder signs with the firmware leaf key, under the 5-certificate chain.
+        return DeviceIdentity(self.device.leaf_key, self.device.chain_der)
+
+
+@dataclass(frozen=True)
+class OrchestratorMaterial:
+    """What the orchestrator holds: the roots it trusts, the GPU's reference values, how old
+    GPU claims may get before holders refuse them, and where its TDX module listens (it
+    holds no quoting key: attest/tdx_module.py)."""
+
+    trust: TrustStore
+    reference: ReferenceValues
+    max_evidence_age_s: int
+    quoting_socket: str = ""
+
+    @classmethod
+    def load(cls, directory: str) -> OrchestratorMaterial:
+        if not directory:
+            raise BadInput("the orchestrator has no trust material (trust_dir is empty): it cannot attest the GPU")
+        path = Path(directory)
+        try:
+            limits = json.loads((path / LIMITS_FILE).read_text())
+        except (OSError, ValueError):
+            raise BadInput(f"{path}: attestation limits missing or unreadable") from None
+        if not isinstance(limits, dict) or type(limits.get("max_evidence_age_s")) is not int or \
+                not isinstance(limits.get("quoting_socket", ""), str):
+            raise BadInput(f"{path}: malformed attestation limits")
+        return cls(TrustStore.load(path), ReferenceValues.load(path / REFERENCE_FILE), limits["max_evidence_age_s"],
+                   limits.get("quoting_socket", ""))
+
+
+@dataclass(frozen=True)
+class HolderMaterial:
+    """What a holder holds: the roots it trusts, its policy (the pinned orchestrator) and the
+    GPU's reference values, to verify the GPU's own evidence."""
+
+    trust: TrustStore
+    policy: Policy
+    reference: ReferenceValues
+
+    @classmethod
+    def load(cls, directory: str) -> HolderMaterial:
+        if not directory:
+            raise BadInput("this holder has no trust material (trust_dir is empty): it will not join an "
+                           "orchestrator it cannot attest")
+        path = Path(directory)
+        policy = Policy.load(path / POLICY_FILE)
+        return cls(TrustStore.load(path), policy,
+                   ReferenceValues.load(policy.gpu_reference_values or path / REFERENCE_FILE))
+
+
+# ----------------------------------------------------------------------------- errors across processes
+_REASON = re.compile(r"attestation failed \[(\w+)\]: (.*)", re.DOTALL)
+
+
+def attestation_error_from(kind: str, reason: str, where: str) -> AttestationError | None:
+    """Rebuild the AttestationError a child reported (control `Failed`), claim included."""
+    if kind != "AttestationError":
+        return None
+    found = _REASON.search(reason)
+    if found is None or found.group(1) not in CLAIMS:
+        return None
+    return AttestationError(found.group(1), f"{where}: {found.group(2)}")

@@ -1,0 +1,33 @@
+"""The demo holders: nine Shakespeare plays shipped with the package, three per holder
+(see demo_data/shakespeare/PROVENANCE.md for where they come from)."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from gputravel.errors import BadInput
+
+HOLDERS = ("tragedies", "comedies", "histories")
+
+
+def demo_root() -> Path:
+    """The installed `demo_data/shakespeare` directory."""
+    root = resources.files("gputravel") / "demo_data" / "shakespeare"
+    # Holders read plain files, so the data must be on disk (a normal or editable install),
+    # not inside a zip archive.
+    path = Path(str(root))
+    if not path.is_dir():
+        raise BadInput(f"the demo data is missing from the installed package (looked in {path}); "
+                       "reinstall gputravel from a source tree that includes gputravel/demo_data")
+    return path
+
+
+def demo_holders() -> dict[str, Path]:
+    """{"tragedies": dir, "comedies": dir, "histories": dir}, each a directory of .txt plays."""
+    root = demo_root()
+    holders = {name: root / name for name in HOLDERS}
+    missing = [str(p) for p in holders.values() if not p.is_dir()]
+    if missing:
+        raise BadInput(f"demo holder directories are missing: {', '.join(missing)}; reinstall gputravel")
+    return holders

@@ -1,0 +1,83 @@
+"""The context blob: everything a driver needs to talk to the device from another CVM.
+
+What it carries mirrors what the paper migrates (5.2, 5.3): the keys and IV state of the
+channels used for the copy, the tracking semaphore, the GPFIFO put offset and the work
+submission token, the RPC tx/rx sequence numbers, and the key epoch. It is a versioned,
+typed msgpack document wrapped with a checksum so that corruption is caught before any
+field is trusted. The blob holds keys: it only ever crosses TLS, and it is never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from gputravel.crypto.channel import ChannelState
+from gputravel.errors import ContextBlobError, ProtocolError
+from gputravel.protocol.codec import decode, encode, message
+
+CONTEXT_VERSION = 1
+
+message("crypto.channel_state")(ChannelState)
+
+
+@message("context.v1")
+@dataclass(frozen=True)
+class DriverContext:
+    version: int
+    layout: str  # Layout.digest(): slots must sit at the same IOVAs in both CVMs
+    epoch: int
+    senders: tuple[ChannelState, ...]  # directions this driver encrypts (h2d)
+    receivers: tuple[ChannelState, ...]  # directions this driver decrypts (d2h)
+    semaphore: int  # last user tracking-semaphore value observed
+    gpfifo_put: int
+    work_token: int
+    rpc_tx_seq: int  # last RPC request sequence number sent
+    rpc_rx_seq: int  # last RPC response sequence number accepted
+
+    def __repr__(self) -> str:  # keys live in senders/receivers: never print them
+        return f"DriverContext(v{self.version}, epoch={self.epoch}, put={self.gpfifo_put})"
+
+
+@message("context.sealed")
+@dataclass(frozen=True)
+class SealedContext:
+    body: bytes
+    sha256: bytes
+
+
+def pack_context(ctx: DriverContext) -> bytes:
+    body = encode(ctx)
+    return encode(SealedContext(body=body, sha256=hashlib.sha256(body).digest()))
+
+
+def unpack_context(blob: bytes, *, layout: str, epoch: int | None = None) -> DriverContext:
+    """Decode and validate a blob; raise ContextBlobError naming what is wrong (never a value)."""
+    try:
+        sealed = decode(blob, expect=SealedContext)
+    except ProtocolError as exc:
+        raise ContextBlobError(f"context blob is corrupted: {exc}") from None
+    if hashlib.sha256(sealed.body).digest() != sealed.sha256:
+        raise ContextBlobError("context blob is corrupted: checksum mismatch")
+    try:
+        ctx = decode(sealed.body, expect=DriverContext)
+    except ProtocolError as exc:
+        raise ContextBlobError(f"context blob is corrupted: {exc}") from None
+    if ctx.version != CONTEXT_VERSION:
+        raise ContextBlobError(f"context blob version {ctx.version} is not supported (want {CONTEXT_VERSION})")
+    if ctx.layout != layout:
+        raise ContextBlobError("context blob is for another bounce-buffer layout")
+    if epoch is not None and ctx.epoch != epoch:
+        raise ContextBlobError(f"context blob is from key epoch {ctx.epoch}, expected epoch {epoch}")
+    _check_channels(ctx)
+    return ctx
+
+
+def _check_channels(ctx: DriverContext) -> None:
+    """Each channel once, on its side: checks that compare blobs by label would otherwise look
+    at one copy of a channel while the driver installs another (review finding)."""
+    labels = [s.label for s in ctx.senders + ctx.receivers]
+    if len(labels) != len(set(labels)):
+        raise ContextBlobError("context blob carries a channel twice")
+    if any("_h2d_" not in s.label for s in ctx.senders) or any("_d2h_" not in s.label for s in ctx.receivers):
+        raise ContextBlobError("context blob carries a channel on the wrong side")

@@ -1,0 +1,157 @@
+"""The training job behind `gputravel demo`: a local cohort whose GPU travels to each data
+holder for the next chunk of tokens while the orchestrator trains GPT-2 on what arrived.
+
+``loader="travelling"`` runs the training loop inside the orchestrator CVM (the only place the
+dataset buffer in VRAM can be read); ``loader="local"`` runs the same loop here on the same
+holders' tokens read from disk, in the same order: the reference for paper goal G2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from gputravel.data.shards import atomic_write_bytes
+from gputravel.errors import BadInput
+from gputravel.protocol.layout import MIB, PAGE, Layout
+from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.train.loop import StepEvent, TrainConfig, make_report, train
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    train: TrainConfig
+    holders: tuple[tuple[str, str], ...]  # (name, path to shards or text)
+    run_dir: str
+    resume: bool = False  # continue from run_dir/checkpoint.pt (after a crash or a kill)
+
+    def __post_init__(self) -> None:
+        if not self.holders:
+            raise BadInput("a training job needs at least one data holder")
+        for name, path in self.holders:
+            if not Path(path).exists():
+                raise BadInput(f"data of holder {name!r} not found: {path}")
+
+
+def layout_for(buffer_bytes: int) -> Layout:
+    """Bounce-buffer records of 1 MiB, or smaller when the dataset buffer itself is smaller."""
+    if buffer_bytes <= 0 or buffer_bytes % PAGE:
+        raise BadInput(f"the dataset buffer must be a positive multiple of {PAGE} bytes (got {buffer_bytes})")
+    record = MIB
+    while buffer_bytes % record:
+        record //= 2
+    return Layout(record_bytes=record)
+
+
+def default_holders(count: int, workdir: Path) -> tuple[tuple[str, str], ...]:
+    """The shipped Shakespeare: three presses (tragedies, comedies, histories); for another
+    count, the plays are dealt to `count` holders in turn."""
+    from gputravel.data.shakespeare import demo_holders
+
+    presses = demo_holders()
+    if count == len(presses):
+        return tuple((name, str(path)) for name, path in presses.items())
+    plays = sorted(p for d in presses.values() for p in Path(d).glob("*.txt"))
+    if not 1 <= count <= len(plays):
+        raise BadInput(f"--holders must be between 1 and {len(plays)} with the demo data (one play each at least)")
+    out = []
+    for i in range(count):
+        d = workdir / "holders" / f"holder-{i + 1}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        for play in plays[i::count]:
+            shutil.copyfile(play, d / play.name)
+        out.append((f"holder-{i + 1}", str(d)))
+    return tuple(out)
+
+
+def tokenizer_of(path: str) -> str:
+    """Which tokenizer a holder's data is (or will be) tokenized with, without reading its data."""
+    from gputravel.data.tokenizer import default_tokenizer, resolve_record
+
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    if p.suffix == ".bin" or any(folder.glob("*.bin")):
+        return resolve_record(folder, None).name  # the record, or GPT-2 as llm.c's own scripts write
+    return default_tokenizer().name  # text, tokenized when the holder loads it
+
+
+def resolve(cfg: JobConfig) -> JobConfig:
+    """Fix the tokenizer and vocabulary from the holders' data; every holder must agree."""
+    from gputravel.data.tokenizer import KNOWN
+
+    names = {name: tokenizer_of(path) for name, path in cfg.holders}
+    first = next(iter(names.values()))
+    odd = {n: t for n, t in names.items() if t != first}
+    if odd:
+        raise BadInput(f"holders disagree on the tokenizer: {names}; prepare every holder's data with the same one")
+    if first not in KNOWN:
+        raise BadInput(f"unknown tokenizer {first!r} in the holders' tokenizer.json: known are {', '.join(KNOWN)}")
+    return replace(cfg, train=replace(cfg.train, tokenizer=first, vocab_size=KNOWN[first].vocab_size))
+
+
+def run(cfg: JobConfig, on_step: Callable[[StepEvent], None] | None = None) -> dict:
+    """Run the job; writes the run directory and returns the report."""
+    cfg = resolve(cfg)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.train.loader == "local":
+        report = _run_local(cfg, run_dir, on_step)
+    else:
+        report = _run_travelling(cfg, run_dir, on_step)
+    report["holders"] = {name: path for name, path in cfg.holders}
+    _write_json(run_dir / "report.json", report)
+    return report
+
+
+def _run_local(cfg: JobConfig, run_dir: Path, on_step) -> dict:
+    from gputravel.data.shards import load_tokens
+    from gputravel.train.loader import LocalSource
+    from gputravel.train.loop import sample_tokenizer
+
+    tokens = {name: load_tokens(path).tokens for name, path in cfg.holders}
+    result = train(cfg.train, LocalSource(tokens), run_dir=run_dir, on_step=on_step,
+                   resume_from=_checkpoint(cfg, run_dir), tokenizer=sample_tokenizer(cfg.train.tokenizer))
+    return make_report(cfg.train, result)
+
+
+def _run_travelling(cfg: JobConfig, run_dir: Path, on_step) -> dict:
+    t = cfg.train
+    log, cert = _audit_paths(run_dir)
+    cohort_cfg = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
+                              buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
+                              audit_log=str(log), output_dirs=(str(run_dir),))  # lent to the orchestrator's uid
+    with Cohort(cohort_cfg) as cohort:
+        cert.write_bytes(cohort.orchestrator_certificate())  # what holders verify the log with
+        relay = None if on_step is None else (lambda m: on_step(StepEvent(**{k: getattr(m, k) for k in StepEvent.__dataclass_fields__})))
+        resume = _checkpoint(cfg, run_dir)
+        report = cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()), on_step=relay,
+                              resume_checkpoint=str(resume.resolve()) if resume else "")
+        report["isolation"] = cohort.isolation.summary()
+        return report
+
+
+def _audit_paths(run_dir: Path) -> tuple[Path, Path]:
+    """The travel log and the certificate of the orchestrator that signs it. Each cohort has
+    its own orchestrator key, so a resumed run starts a log of its own next to the first."""
+    k = 0
+    while (run_dir / (f"audit-{k}.log" if k else "audit.log")).exists():
+        k += 1
+    suffix = f"-{k}" if k else ""
+    return run_dir / f"audit{suffix}.log", run_dir / f"orchestrator{suffix}.pem"
+
+
+def _checkpoint(cfg: JobConfig, run_dir: Path) -> Path | None:
+    if not cfg.resume:
+        return None
+    path = run_dir / "checkpoint.pt"
+    if not path.is_file():
+        raise BadInput(f"nothing to resume: {path} does not exist (run without --resume first)")
+    return path
+
+
+def _write_json(path: Path, data: dict) -> None:
+    atomic_write_bytes(path, json.dumps(data, indent=2).encode())

@@ -1,0 +1,211 @@
+"""The chain of trust at run time (paper 4.5), around the pure checks of `gputravel.attest`.
+
+GPU phase, in the orchestrator at boot (:class:`GpuAttester`): the SPDM handshake accepts
+only a device whose 5-certificate chain reaches the trusted GPU-vendor root; then, inside
+that session, the device's evidence for a fresh nonce is verified against the reference
+values, and must be signed by the very device that holds the session.
+
+CPU phase, when a holder joins (:func:`challenge_orchestrator` / :meth:`GpuAttester.answer`):
+right after the TLS handshake the holder sends a fresh nonce; the orchestrator asks the GPU,
+inside its SPDM session, for evidence on that very nonce, checks it as at boot, and answers
+with that evidence as the device signed it plus a quote from its TDX module (its own process,
+which knows the orchestrator's measurement from the launcher) binding its TLS key and the
+nonce. The holder verifies both itself against its roots, reference values and policy before
+it sends anything else, then tells the orchestrator when to ask it again (`AttestAccepted`).
+
+Re-attestation (:meth:`GpuAttester.reattest_if_due`): fresh GPU evidence needs the GPU home,
+so the orchestrator, at the start of a travel to a holder whose attestation is due, sends
+`AttestDue` and serves its challenge like a join's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from gputravel.attest import (
+    AttestAccepted,
+    AttestationError,
+    AttestChallenge,
+    AttestDue,
+    AttestEvidence,
+    EmulatedGpuVerifier,
+    GpuClaims,
+    GpuEvidence,
+    OrchestratorAttestation,
+    answer_challenge,
+    attest_orchestrator,
+    spdm_chain_verifier,
+)
+from gputravel.attest.tdx_module import request_quote
+from gputravel.crypto.pki import CohortPki, MemberIdentity
+from gputravel.crypto.spdm import SpdmRequester
+from gputravel.driver.orchestrator import OrchestratorDriver
+from gputravel.errors import GputravelError, IllegalTransition, ProtocolError
+from gputravel.transport.stream import StreamTransport
+from gputravel.protocol.codec import decode
+from gputravel.cohort.trust import HolderMaterial, OrchestratorMaterial, utcnow
+
+if TYPE_CHECKING:
+    from gputravel.orchestrator.cvm import OrchestratorConfig
+
+__all__ = ["GpuAttester", "TlsIdentity", "challenge_orchestrator", "orchestrator_attester"]
+
+NONCE_BYTES = 32
+MIN_REATTEST_S = 1.0  # however often a holder asks, the orchestrator re-attests at most this often
+
+
+@dataclass(frozen=True)
+class TlsIdentity:
+    """The orchestrator's cohort TLS certificate: what its quotes bind (the TDX module signs,
+    so the attester needs no private key)."""
+
+    cert_der: bytes
+
+    @classmethod
+    def of_member(cls, member: MemberIdentity) -> TlsIdentity:
+        return cls(x509.load_pem_x509_certificate(member.cert_pem).public_bytes(serialization.Encoding.DER))
+
+
+class GpuAttester:
+    """The orchestrator's side of the chain: attests the GPU, and relays its evidence for each
+    holder's own nonce with a quote from the TDX module (holders verify both themselves).
+
+    Keeps the claims of the last successful attestation. They are dropped before every new
+    attempt, so a GPU that fails attestation is not relayed for until it passes again.
+    """
+
+    def __init__(self, material: OrchestratorMaterial, quote: Callable[[bytes], bytes], identity: TlsIdentity, *,
+                 rng: Callable[[int], bytes] = os.urandom) -> None:
+        self.material = material
+        self.quote = quote  # report data -> quote, from the TDX module (never a measurement of ours)
+        self.identity = identity
+        self.claims: GpuClaims | None = None
+        self._rng = rng
+        self._session_leaf: bytes | None = None
+        # When each holder's link is due for re-attestation (time.monotonic()).
+        self._due: weakref.WeakKeyDictionary[StreamTransport, float] = weakref.WeakKeyDictionary()
+
+    @property
+    def refresh_after_s(self) -> int:
+        # Half the holders' limit: what a joining holder receives is never close to expiring.
+        return max(1, self.material.max_evidence_age_s // 2)
+
+    # ------------------------------------------------------------------ GPU phase
+    def open_session(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> GpuClaims:
+        """SPDM only with a device chaining to the trusted vendor root; then attest it."""
+        requester = SpdmRequester(verify_chain=spdm_chain_verifier(self.material.trust, now))
+        driver.establish_session(requester, timeout=timeout)
+        self._session_leaf = requester.device_chain[0]
+        return self.attest(driver, now, timeout)
+
+    def attest(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> GpuClaims:
+        """Ask the device for evidence on a fresh nonce inside the session and verify it."""
+        return self._evidence(driver, self._rng(NONCE_BYTES), now, timeout)[0]
+
+    def _evidence(self, driver: OrchestratorDriver, nonce: bytes, now: datetime,
+                  timeout: float) -> tuple[GpuClaims, bytes]:
+        """The device's evidence for `nonce` (inside the session), verified; the claims kept."""
+        if self._session_leaf is None:
+            raise IllegalTransition("gpu attester", "no-session", "attest the GPU")
+        self.claims = None
+        blob = driver.get_evidence(nonce, timeout=timeout)
+        claims = EmulatedGpuVerifier(self.material.trust, self.material.reference).verify(blob, nonce, now)
+        evidence = cast(GpuEvidence, decode(blob, expect=GpuEvidence))  # verified: decodes
+        if evidence.cert_chain[0] != self._session_leaf:
+            raise AttestationError("chain", "the evidence is signed by another device than the one "
+                                            "holding the SPDM session")
+        self.claims = claims
+        return claims, blob
+
+    def stale(self, now: datetime) -> bool:
+        claims = self.claims
+        return claims is None or int(now.timestamp()) - claims.verified_at >= self.refresh_after_s
+
+    def refresh(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> bool:
+        """Re-attest if the claims are stale and the GPU is home (context not away).
+        Returns whether it re-attested; raises AttestationError if the GPU now fails."""
+        if not self.stale(now) or driver.away:
+            return False
+        self.attest(driver, now, timeout)
+        return True
+
+    # ------------------------------------------------------------------ CPU phase
+    def answer(self, challenge: AttestChallenge, driver: OrchestratorDriver, now: datetime,
+               timeout: float) -> AttestEvidence:
+        """GPU evidence for the holder's own nonce, asked inside our session and checked as at
+        boot, relayed as the device signed it; and our TDX module's quote binding our TLS key
+        and that nonce. Only with the GPU home, and never for a GPU that failed attestation."""
+        if self.claims is None:
+            raise IllegalTransition("gpu attester", "gpu-unattested", "vouch for the GPU")
+        if driver.away:
+            raise IllegalTransition("gpu attester", "context-away", "ask the GPU for evidence")
+        if not isinstance(challenge.nonce, bytes) or len(challenge.nonce) != NONCE_BYTES:
+            raise ProtocolError(f"a challenge nonce must be {NONCE_BYTES} bytes")
+        _, blob = self._evidence(driver, challenge.nonce, now, timeout)
+        return answer_challenge(challenge, quote=self.quote, tls_cert_der=self.identity.cert_der, gpu_evidence=blob)
+
+    def serve_challenge(self, conn: StreamTransport, driver: OrchestratorDriver, timeout: float) -> None:
+        """A holder's challenge comes first (on joining, or after `AttestDue`): answer it with
+        fresh evidence, then learn when it wants to attest us again (or that it refused us:
+        it hangs up, and this raises)."""
+        challenge = conn.recv(timeout=timeout, expect=AttestChallenge).message
+        assert isinstance(challenge, AttestChallenge)
+        self.refresh(driver, utcnow(), timeout)  # a GPU that failed before gets one more try
+        conn.send(self.answer(challenge, driver, utcnow(), timeout))
+        accepted = conn.recv(timeout=timeout, expect=AttestAccepted).message
+        assert isinstance(accepted, AttestAccepted)
+        self._due[conn] = time.monotonic() + max(MIN_REATTEST_S, float(accepted.reattest_after_s))
+
+    def reattest_if_due(self, conn: StreamTransport, driver: OrchestratorDriver, timeout: float) -> bool:
+        """Before a travel, with the GPU home: a holder whose attestation of us is due attests
+        again now (fresh GPU evidence cannot be had once the GPU is away)."""
+        due = self._due.get(conn)
+        if due is None or time.monotonic() < due:
+            return False
+        conn.send(AttestDue())
+        self.serve_challenge(conn, driver, timeout)
+        return True
+
+
+# ----------------------------------------------------------------------------- holder
+def challenge_orchestrator(conn: StreamTransport, material: HolderMaterial, *, timeout: float,
+                           now: Callable[[], datetime] = utcnow,
+                           rng: Callable[[int], bytes] = os.urandom) -> OrchestratorAttestation:
+    """Attest the orchestrator on a fresh TLS connection before anything else is sent.
+
+    The GPU is verified here, from its own evidence for our nonce: the orchestrator only
+    relays it. On success the orchestrator is told to ask again after half the policy's age
+    limit. On any failure the connection is closed (nothing of ours went out but the nonce)
+    and the error, an AttestationError naming the claim when the evidence was refused, is raised."""
+    try:
+        nonce = rng(NONCE_BYTES)
+        conn.send(AttestChallenge(nonce))
+        evidence = conn.recv(timeout=timeout, expect=AttestEvidence).message
+        assert isinstance(evidence, AttestEvidence)
+        verified = attest_orchestrator(evidence, peer_cert_der=conn.peer_certificate(), nonce=nonce,
+                                       policy=material.policy, trust=material.trust,
+                                       reference=material.reference, now=now())
+        conn.send(AttestAccepted(reattest_after_s=material.policy.max_evidence_age_s / 2))
+        return verified
+    except GputravelError:
+        conn.close()
+        raise
+
+
+def orchestrator_attester(config: OrchestratorConfig) -> GpuAttester:
+    """The orchestrator's attester: its trust material, its TDX module, its TLS identity. It
+    does not measure itself: the module quotes the measurement the launcher registered."""
+    material = OrchestratorMaterial.load(config.trust_dir)
+    return GpuAttester(material, partial(request_quote, material.quoting_socket),
+                       TlsIdentity.of_member(CohortPki.load(Path(config.pki_dir)).member("orchestrator")))

@@ -1,0 +1,399 @@
+"""The orchestrator CVM: boots last, owns the session with the GPU, runs travels.
+
+:class:`Orchestrator` is the travelling engine (used by the demo, benchmarks and training);
+:func:`serve` is the process main loop that the supervisor drives over its control link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import mmap
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gputravel.crypto.pki import CohortPki
+from gputravel.driver.link import PcieMuxClient, register_with_host
+from gputravel.driver.orchestrator import OrchestratorDriver
+from gputravel.errors import (
+    BadInput,
+    ContextBlobError,
+    ContextRefused,
+    GputravelError,
+    HolderLost,
+    PeerTimeout,
+    ProtocolError,
+    RemoteError,
+    TransportClosed,
+    TravelHalted,
+)
+from gputravel.protocol.layout import Layout
+from gputravel.protocol.travel import Bye, HolderHello, TravelRefused, TravelResult, Welcome
+from gputravel.protocol.device import VramGrant, VramRequest
+from gputravel.protocol.manifest import chunk_digest
+from gputravel.orchestrator.machine import Buffer, OrchestratorTravel, TravelReport, VerifyChunk
+from gputravel.transport.base import Transport
+from gputravel.transport.stream import StreamTransport, connect_unix
+from gputravel.transport.tls import TlsListener
+from gputravel.orchestrator.attester import GpuAttester, orchestrator_attester
+from gputravel.orchestrator.baseline import BaselinePath, BaselineReport, BaselineSource, DoBaseline
+from gputravel.protocol.control import (
+    AwaitHolders,
+    DoTravel,
+    Failed,
+    Holders,
+    Ready,
+    Shutdown,
+    Train,
+    TrainDone,
+    TrainStep,
+)
+from gputravel.cohort.links import pace
+from gputravel.orchestrator.membership import ORCHESTRATOR_COMMANDS, orchestrator_command
+from gputravel.orchestrator.travel_log import TravelLog
+from gputravel.cohort.trust import utcnow
+
+NAME = "orchestrator"
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    host_socket: str
+    pki_dir: str
+    layout: Layout
+    buffer_bytes: int
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    holder_timeout: float = 60.0
+    device_timeout: float = 10.0
+    verify: bool = True
+    tokenizer: str = ""  # when set, holders whose tokens were made by another tokenizer are refused
+    pace_mbit: float | None = None  # token-bucket links: pace each holder connection to this rate
+    trust_dir: str = ""  # roots, GPU reference values, where its TDX module listens (cohort/trust.py); required
+    audit_log: str = ""  # where the signed travel log goes (orchestrator/travel_log.py); "": none
+
+
+class Orchestrator:
+    """The travelling engine. One dataset buffer in VRAM, one travel at a time."""
+
+    def __init__(self, config: OrchestratorConfig, device_link: socket.socket) -> None:
+        if config.buffer_bytes <= 0 or config.buffer_bytes % config.layout.record_bytes:
+            raise BadInput("the dataset buffer must be a positive multiple of the record size (1 MiB by default)")
+        self.config = config
+        self.host = connect_unix(config.host_socket, "host")
+        self.driver = OrchestratorDriver(register_with_host(self.host, NAME, config.layout))
+        self.mux = PcieMuxClient(self.host, NAME)
+        self._device = StreamTransport(device_link, "device-link")
+        self.holders: dict[str, Transport] = {}
+        self.vram: mmap.mmap | None = None
+        self.travel_sm: OrchestratorTravel | None = None
+        pki = CohortPki.load(config.pki_dir)
+        self.listener = TlsListener(config.listen_host, config.listen_port, pki.server_context(NAME))
+        self.travel_log = TravelLog(config.audit_log, pki.member(NAME).key_pem) if config.audit_log else None
+
+    # ------------------------------------------------------------------ boot
+    def boot(self) -> None:
+        """Paper 4.1: the orchestrator boots last, attests and keys the GPU, allocates its buffer."""
+        self.switch(NAME)
+        # Paper 4.5, GPU phase: SPDM only with a GPU under the trusted vendor root, then its
+        # evidence verified; an AttestationError (naming the claim) stops the boot here.
+        self.attester: GpuAttester = orchestrator_attester(self.config)
+        self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
+        self._device.send(VramRequest())
+        grant = self._device.recv(timeout=self.config.device_timeout)
+        if not isinstance(grant.message, VramGrant) or len(grant.fds) != 1:
+            raise ProtocolError("device did not grant VRAM")
+        self.vram = mmap.mmap(grant.fds[0], grant.message.vram_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        buf = self.driver.alloc_dataset_buffer(self.config.buffer_bytes, timeout=self.config.device_timeout)
+        self.travel_sm = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
+
+    def rekey(self) -> None:
+        """Fail-closed recovery: a new SPDM session with the GPU, verified as at boot. The device
+        wipes VRAM and every channel, so the dataset buffer is allocated and granted again.
+        Raises TravelHalted, naming the step, if the GPU cannot be re-keyed: the cohort stops."""
+        assert self.travel_sm is not None
+        try:
+            self.switch(NAME)
+            self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
+            buf = self.driver.alloc_dataset_buffer(self.config.buffer_bytes, timeout=self.config.device_timeout)
+        except GputravelError as exc:
+            raise TravelHalted(f"the GPU could not be re-keyed by a new SPDM session ({type(exc).__name__}: {exc}); "
+                               "no travel is possible: stop the cohort") from None
+        if (buf.offset, buf.nbytes) != (self.travel_sm.buffer.offset, self.travel_sm.buffer.nbytes):
+            raise TravelHalted("the re-keyed GPU placed the dataset buffer elsewhere: stop the cohort")
+        log.warning("re-keyed the GPU through a new SPDM session (VRAM wiped)")
+
+    def switch(self, target: str) -> int:
+        return self.mux.switch(target, self.config.device_timeout).elapsed_ns
+
+    # ------------------------------------------------------------------ cohort
+    def accept_holder(self, timeout: float) -> str:
+        conn, peer = self.listener.accept(timeout=timeout)
+        try:  # paper 4.5, CPU phase: the holder attests us before it says anything else
+            self.attester.serve_challenge(conn, self.driver, timeout)
+            hello = conn.recv(timeout=timeout).message
+        except GputravelError:
+            conn.close()
+            raise
+        if not isinstance(hello, HolderHello) or hello.holder != peer:
+            conn.send(Bye(reason="the first message must be a hello naming the certificate's holder"))
+            conn.close()
+            raise ProtocolError(f"holder {peer!r} did not introduce itself correctly")
+        want = self.config.tokenizer
+        if want and hello.tokenizer != want:
+            reason = (f"holder {peer!r} tokenized its data with {hello.tokenizer or 'no tokenizer (raw bytes)'!r}, "
+                      f"this cohort trains on {want!r} tokens: re-run `gputravel data prepare --tokenizer {want}`")
+            conn.send(Bye(reason=reason))
+            conn.close()
+            raise BadInput(reason)
+        assert self.travel_sm is not None
+        self.travel_sm.enrol(hello)
+        old = self.holders.pop(peer, None)
+        if old is not None:
+            old.close()
+        self.holders[peer] = conn
+        conn.send(Welcome(cohort=NAME))
+        # Token-bucket links: each end paces itself, this link once, from its start (pacing
+        # the links of earlier joins again would hand each of them a fresh burst).
+        pace(conn, self.config.pace_mbit)
+        return peer
+
+    def await_holders(self, names: tuple[str, ...], timeout: float) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        while not set(names) <= set(self.holders):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(names) - set(self.holders))
+                raise PeerTimeout(f"holders did not join in {timeout:g} s: {', '.join(missing)}")
+            self.accept_holder(left)
+        assert self.travel_sm is not None
+        return {n: self.travel_sm.holders[n].dataset_bytes for n in self.holders}
+
+    # ------------------------------------------------------------------ the travel cycle
+    def travel(self, holder: str, dataset_offset: int) -> TravelReport:
+        """One travel (paper Fig. 3), written to the signed travel log when it completes and
+        when a remote party (holder, host, device) makes it fail; a local error (a bug, an
+        exhausted counter) is raised without an entry."""
+        before = self.driver.epoch or 0
+        try:
+            report = self._travel(holder, dataset_offset)
+        except RemoteError:
+            if self.travel_log is not None:
+                self.travel_log.aborted(holder, dataset_offset, before, self.driver.epoch or 0)
+            raise
+        if self.travel_log is not None:
+            self.travel_log.travelled(report, dataset_offset, before, self.driver.epoch or 0)
+        return report
+
+    def _travel(self, holder: str, dataset_offset: int) -> TravelReport:
+        sm, drv, cfg = self.travel_sm, self.driver, self.config
+        assert sm is not None
+        clock = time.perf_counter
+        if holder in sm.holders and holder not in self.holders:
+            raise HolderLost(holder, "it is offline (not connected); it may join again")
+        if not drv.epoch_fresh:  # the orchestrator copied under it (baseline), or travel halted
+            self._fresh_epoch()
+        self._attest_before(holder)
+        act = sm.start(holder, dataset_offset, clock())
+        conn = self.holders[holder]
+        try:  # carry out each action the state machine hands back, and report its completion
+            scrub = drv.start_scrub(act.offset, act.nbytes, timeout=cfg.device_timeout)
+            sm.exported(drv.export_for_travel(), clock())  # while the device scrubs
+            fresh = drv.finish_scrub(scrub, timeout=cfg.device_timeout)  # a new blob if the device moved on
+            depart = sm.scrubbed(clock(), fresh)
+            self.mux.request(holder)  # the context goes over TLS while the MUX switches
+            self._send_request(holder, conn, depart.request)
+            try:
+                self.mux.switched(cfg.device_timeout)
+            except GputravelError:  # the holder has the request but may never get the GPU:
+                self._drop(holder, conn)  # its state is unknown, so it is dropped (it may join again)
+                raise
+            sm.switched(clock())
+            reply = self._await_reply(holder, conn)
+            sm.holder_replied(reply, clock())
+            self.mux.attached(cfg.device_timeout)  # the holder asked for the switch home before exporting
+            back = sm.home(clock())
+            drv.start_rotation(timeout=cfg.device_timeout)  # the device rotates while we import
+            self._import(holder, conn, back.blob)
+            sm.imported(clock())
+            drv.finish_rotation(timeout=cfg.device_timeout)
+            nxt = sm.rotated(clock())
+            if isinstance(nxt, VerifyChunk):
+                return sm.verified(self._digest(nxt) if cfg.verify else reply.chunk.digest, clock())
+            return nxt
+        except Exception:  # a bug too: whatever left, the GPU is recovered before anything else
+            sm.abort()
+            self._recover()  # raises TravelHalted if the GPU can neither rotate nor be re-keyed
+            raise
+
+    def _import(self, holder: str, conn: Transport, blob: bytes) -> None:
+        """A holder that returns a context it could not have (keys, counters or positions it
+        did not get or could not reach) is dropped; the rotation under way recovers the GPU."""
+        try:
+            self.driver.import_returned(blob)
+        except ContextBlobError as exc:
+            self._drop(holder, conn)
+            raise ContextRefused(holder, str(exc)) from None
+
+    def _send_request(self, holder: str, conn: Transport, request: object) -> None:
+        try:
+            conn.send(request)
+        except (TransportClosed, PeerTimeout, ProtocolError) as exc:
+            self._drop(holder, conn)
+            raise HolderLost(holder, f"{type(exc).__name__}: {exc}") from None
+
+    def _attest_before(self, holder: str) -> None:
+        """With the GPU home, before a travel or a baseline transfer: fresh GPU claims, and the
+        holder re-attests us if its time has come."""
+        try:
+            self.attester.refresh(self.driver, utcnow(), self.config.device_timeout)
+            self._reattest(holder)
+        except GputravelError:
+            # A dropped RPC leaves the encrypted RPC queue out of step until a rotation (or a
+            # re-key) resets it: without this, one dropped doorbell stalled every later travel.
+            self._recover()
+            raise
+
+    def _reattest(self, holder: str) -> None:
+        """Fresh GPU evidence needs the GPU home, so re-attestation happens here, before the
+        scrub; a holder that fails it (or refuses us) is dropped and may join again."""
+        conn = self.holders.get(holder)
+        if conn is None:
+            return  # sm.start says why there is no travel
+        try:
+            self.attester.reattest_if_due(conn, self.driver, self.config.holder_timeout)
+        except GputravelError as exc:
+            self._drop(holder, conn)
+            raise HolderLost(holder, f"{type(exc).__name__}: {exc}", during="its re-attestation") from None
+
+    def _await_reply(self, holder: str, conn: Transport):
+        """Wait for the holder's result. A holder that dies, hangs or sends garbage here is
+        dropped (it may join again); the caller recovers the GPU."""
+        try:
+            return conn.recv(timeout=self.config.holder_timeout, expect=(TravelResult, TravelRefused)).message
+        except (TransportClosed, PeerTimeout, ProtocolError) as exc:
+            self._drop(holder, conn)
+            raise HolderLost(holder, f"{type(exc).__name__}: {exc}") from None
+
+    def _drop(self, holder: str, conn: Transport) -> None:
+        self.holders.pop(holder, None)
+        conn.close()
+
+    def _digest(self, verify: VerifyChunk) -> bytes:
+        assert self.vram is not None
+        view = memoryview(self.vram)[verify.offset : verify.offset + verify.nbytes]
+        try:
+            return chunk_digest(view, verify.piece_bytes)
+        finally:
+            view.release()
+
+    def _recover(self) -> None:
+        """A travel failed: take the GPU back and rotate, so whatever the holder kept is useless.
+        If the device cannot be shown to have rotated, re-key it through a new SPDM session;
+        if that fails too, TravelHalted stops the cohort (the driver refuses every export)."""
+        try:
+            self.switch(NAME)
+            if self.driver.rotating:  # submitted when the GPU came home: finish it (it takes the context back)
+                self.driver.finish_rotation(timeout=self.config.device_timeout)
+            else:
+                self.driver.abandon_travel()
+                self.driver.rotate(timeout=self.config.device_timeout)
+        except GputravelError as exc:
+            log.warning("recovery rotation failed (%s: %s): re-keying the GPU", type(exc).__name__, exc)
+            self.driver.abandon_travel()
+            self.rekey()
+
+    def _fresh_epoch(self) -> None:
+        """Before a travel: an epoch the orchestrator used itself, or a halt, is replaced by a
+        confirmed rotation, or else a new SPDM session (the driver refuses to export either)."""
+        if self.driver.ledger.halted is None:
+            try:
+                self.driver.rotate(timeout=self.config.device_timeout)
+                return
+            except GputravelError as exc:
+                log.warning("rotation before a travel failed (%s: %s): re-keying the GPU", type(exc).__name__, exc)
+        self.rekey()
+
+    @functools.cached_property
+    def baseline_path(self) -> BaselinePath:
+        return BaselinePath(self)
+
+    def baseline(self, holder: str, dataset_offset: int) -> BaselineReport:
+        """The centralised TLS baseline (paper 7.2): the holder sends the chunk over TLS and this
+        CVM writes it into the dataset buffer; the GPU does not travel (see orchestrator/baseline.py)."""
+        if holder in self.holders:  # as before a travel (an offline holder is reported by run)
+            self._attest_before(holder)
+        return self.baseline_path.run(holder, dataset_offset)
+
+    def buffer_view(self) -> memoryview:
+        """Read-only view of the dataset buffer (what a training kernel on the GPU reads)."""
+        assert self.vram is not None and self.travel_sm is not None
+        b = self.travel_sm.buffer
+        return memoryview(self.vram)[b.offset : b.offset + b.nbytes]
+
+    def close(self) -> None:
+        for conn in self.holders.values():
+            try:
+                conn.send(Bye(reason="cohort shutting down"))
+            except GputravelError:
+                pass
+            conn.close()
+        self.listener.close()
+        self.host.close()
+        if self.travel_log is not None:
+            self.travel_log.close()
+
+
+def run_training(orch: Orchestrator, cmd: Train, control: Transport) -> dict:
+    """Train inside this CVM on batches the GPU fetched by travelling; stream each step out."""
+    from gputravel.train.loader import TravelSource
+    from gputravel.train.loop import TrainConfig, make_report, sample_tokenizer, train
+
+    cfg = TrainConfig(**json.loads(cmd.config_json))
+    if cfg.buffer_bytes != orch.config.buffer_bytes:
+        raise BadInput(f"the job wants a {cfg.buffer_bytes}-byte buffer, this cohort has {orch.config.buffer_bytes}")
+    if orch.config.tokenizer and cfg.tokenizer != orch.config.tokenizer:
+        raise BadInput(f"the job trains on {cfg.tokenizer!r} tokens, this cohort holds {orch.config.tokenizer!r} tokens")
+    assert orch.travel_sm is not None
+    sizes = {name: orch.travel_sm.holders[name].dataset_bytes for name in orch.holders}
+    source = BaselineSource(orch, sizes) if cfg.loader == "baseline" else TravelSource(orch, sizes)
+    result = train(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
+                   on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
+                   resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
+                   tokenizer=sample_tokenizer(cfg.tokenizer))
+    return make_report(cfg, result)
+
+
+def serve(config: OrchestratorConfig, control: Transport, device_link: socket.socket) -> None:
+    orch = Orchestrator(config, device_link)
+    orch.boot()
+    control.send(Ready(role=NAME, detail={"port": orch.listener.port}))
+    try:
+        while True:
+            cmd = control.recv().message
+            if isinstance(cmd, Shutdown):
+                return
+            try:
+                if isinstance(cmd, AwaitHolders):
+                    control.send(Holders(dataset_bytes=orch.await_holders(cmd.names, cmd.timeout)))
+                elif isinstance(cmd, DoBaseline):
+                    control.send(orch.baseline(cmd.holder, cmd.dataset_offset))
+                elif isinstance(cmd, DoTravel):
+                    control.send(orch.travel(cmd.holder, cmd.dataset_offset))
+                elif isinstance(cmd, ORCHESTRATOR_COMMANDS):  # join and leave (orchestrator/membership.py)
+                    control.send(orchestrator_command(orch, cmd))
+                elif isinstance(cmd, Train):
+                    control.send(TrainDone(report_json=json.dumps(run_training(orch, cmd, control))))
+                else:
+                    control.send(Failed(kind="ProtocolError", reason=f"unknown command {type(cmd).__name__}"))
+            except GputravelError as exc:
+                control.send(Failed(kind=type(exc).__name__, reason=str(exc)))
+    finally:
+        orch.close()
+
+

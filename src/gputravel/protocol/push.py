@@ -1,0 +1,79 @@
+"""Push-buffer methods: what a driver encrypts into a push buffer for the device to execute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gputravel.protocol.codec import message
+
+
+@message("push.copy_to_vram")
+@dataclass(frozen=True)
+class CopyToVram:
+    """Decrypt one record from a staging slot (IOVA) into VRAM at ``dst_offset``."""
+
+    src_iova: int
+    nbytes: int
+    dst_offset: int
+    release: int  # tracking-semaphore value to release afterwards (0: none)
+    interrupt: bool
+
+
+@message("push.copy_from_vram")
+@dataclass(frozen=True)
+class CopyFromVram:
+    """Encrypt ``nbytes`` of VRAM at ``src_offset`` into a staging slot (IOVA)."""
+
+    src_offset: int
+    nbytes: int
+    dst_iova: int
+    release: int
+    interrupt: bool
+
+
+@message("push.memset")
+@dataclass(frozen=True)
+class Memset:
+    """Scrub: fill a VRAM range with ``value`` (kernel channel only)."""
+
+    offset: int
+    nbytes: int
+    value: int
+    release: int
+    interrupt: bool
+
+
+@message("push.rotate")
+@dataclass(frozen=True)
+class RotateKeys:
+    """Move every channel to the keys of ``epoch`` (kernel channel only).
+
+    Also clears a faulted user channel and discards its pending GPFIFO entries: after a
+    rotation the device and the orchestrator agree on fresh counters again.
+    """
+
+    epoch: int
+    release: int
+    interrupt: bool
+
+
+@message("push.grant_window")
+@dataclass(frozen=True)
+class GrantWindow:
+    """Open the VRAM range the user channel may copy to and from (kernel channel only).
+
+    The orchestrator grants exactly the dataset buffer, so a holder holding the user keys
+    can reach that buffer and nothing else of protected memory (model, other allocations).
+    """
+
+    offset: int
+    nbytes: int
+    release: int
+    interrupt: bool
+
+
+@message("push.semaphore")
+@dataclass(frozen=True)
+class SemaphoreRelease:
+    release: int
+    interrupt: bool
