@@ -22,8 +22,7 @@ import argparse
 
 import torch
 
-from gputravel.data.shakespeare import demo_holders
-from gputravel.data.shards import load_tokens
+from gputravel.data import load_tokens, shakespeare_holders
 from gputravel.train.loader import LocalSource, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig
 
@@ -38,7 +37,7 @@ def main() -> None:
     B, T = args.batch, args.seq_len
 
     # --- the data: holders' token streams (in a cohort: TravelSource over the travelling GPU)
-    holders = {name: load_tokens(path) for name, path in demo_holders().items()}
+    holders = {name: load_tokens(path) for name, path in shakespeare_holders().items()}
     source = LocalSource({name: h.tokens for name, h in holders.items()})
     vocab = next(iter(holders.values())).vocab_size
 

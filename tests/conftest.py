@@ -22,7 +22,7 @@ class HostWithDevice:
 def host_with_device(tmp_path):
     from gputravel.host.process import HostConfig, HostProcess
     from gputravel.protocol.host import AttachCvm, DeviceAck, DeviceAttach
-    from gputravel.transport.stream import connect_unix
+    from gputravel.transport.unix import connect_unix
 
     sock = str(tmp_path / "host.sock")
     host = HostProcess(HostConfig(socket_path=sock))

@@ -31,10 +31,11 @@ from gputravel.protocol.rpc import GetEvidence
 from gputravel.protocol.manifest import chunk_digest
 from gputravel.orchestrator.attester import GpuAttester, TlsIdentity
 from gputravel.orchestrator.cvm import OrchestratorConfig
-from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.local import Cohort
+from gputravel.attest.material import OrchestratorMaterial
 from gputravel.cohort.trust import (
     CohortTrust,
-    OrchestratorMaterial,
     TrustOptions,
     measure_orchestrator,
     pin_orchestrator,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
 from datetime import datetime, timedelta, timezone
@@ -11,6 +10,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID, SignatureAlgorithmOID
+from msgspec import structs
 
 from gputravel.attest import (
     FWID_OID,
@@ -147,7 +147,7 @@ def test_tampered_report_byte_is_refused(verifier, device):
     ev = device.firmware().get_evidence(nonce)
     response = bytearray(ev.response)
     response[len(response) // 2] ^= 0x01
-    err = refused(verifier, encode(dataclasses.replace(ev, response=bytes(response))), nonce)
+    err = refused(verifier, encode(structs.replace(ev, response=bytes(response))), nonce)
     assert err.claim == "signature" and err.claims[EAT.SIGNATURE] is False
 
 

@@ -13,6 +13,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
+from msgspec import structs
 
 import gputravel
 from gputravel.attest import (
@@ -39,7 +40,7 @@ from gputravel.attest.chain import sign_p384
 from gputravel.attest.quote import Quote, canonical_json
 from gputravel.attest.ratls import quote_extension, spki_der
 from gputravel.attest.roots import GPU_VENDOR_ROOT_CN, TEE_QUOTING_ROOT_CN
-from gputravel.crypto.pki import _issue, _name, _new_key
+from gputravel.crypto.certs import issue_certificate as _issue, new_key as _new_key, subject_name as _name
 from gputravel.errors import BadInput, TransportClosed
 from gputravel.protocol.codec import decode, encode
 
@@ -146,7 +147,7 @@ def test_tampered_foreign_and_expired_quotes_are_refused(roots, trust, enclave, 
     quote = decode(enclave.quote(measurement, report_data), expect=Quote)
     body = bytearray(quote.body)
     body[-1] ^= 1
-    tampered = encode(dataclasses.replace(quote, body=bytes(body)))
+    tampered = encode(structs.replace(quote, body=bytes(body)))
     assert refused(verifier.verify, tampered, report_data, NOW).claim == "signature"
     foreign = EmulatedQuotingEnclave.provision(Authority.self_signed(TEE_QUOTING_ROOT_CN, now=NOW), now=NOW)
     assert refused(verifier.verify, foreign.quote(measurement, report_data), report_data, NOW).claim == "chain"
@@ -219,7 +220,7 @@ def _forgeries(gpu, nonce: bytes, now: datetime, trust) -> dict[str, tuple[bytes
     """GPU evidence an orchestrator-side party could present, and the claim that refuses each."""
     genuine = gpu.firmware().get_evidence(nonce)
     claims = EmulatedGpuVerifier(trust, gpu.reference_values()).verify(encode(genuine), nonce, now)
-    phantom = dataclasses.replace(claims, ueid="GPU-THAT-DOES-NOT-EXIST")
+    phantom = structs.replace(claims, ueid="GPU-THAT-DOES-NOT-EXIST")
     foreign = provision_gpu(Authority.self_signed(GPU_VENDOR_ROOT_CN, now=NOW), serial=gpu.serial, now=NOW)
     body = bytearray(genuine.response)
     body[-1] ^= 1
@@ -227,8 +228,8 @@ def _forgeries(gpu, nonce: bytes, now: datetime, trust) -> dict[str, tuple[bytes
         "claims, no evidence (what the orchestrator used to sign)": (encode(phantom), "format"),
         "a device not under the vendor root": (encode(foreign.firmware().get_evidence(nonce)), "chain"),
         "a real GPU's evidence for another nonce": (encode(gpu.firmware().get_evidence(os.urandom(32))), "nonce"),
-        "a real GPU's evidence, edited": (encode(dataclasses.replace(genuine, response=bytes(body))), "signature"),
-        "the real chain, signed by another key": (encode(dataclasses.replace(genuine, signature=sign_p384(
+        "a real GPU's evidence, edited": (encode(structs.replace(genuine, response=bytes(body))), "signature"),
+        "the real chain, signed by another key": (encode(structs.replace(genuine, signature=sign_p384(
             _new_key(), genuine.request + genuine.response))), "signature"),
         "a real GPU outside CC mode": (encode(gpu.firmware(cc_mode=False).get_evidence(nonce)), "cc_mode"),
         "a real GPU with other firmware": (encode(gpu.firmware(measurements={
@@ -261,9 +262,9 @@ def test_forged_gpu_claims_make_the_holder_runtime_hang_up(tmp_path, trust, encl
     sends its nonce, gets a genuine quote with evidence for another nonce, refuses, hangs up."""
     import threading
 
-    from gputravel.orchestrator.attester import challenge_orchestrator
-    from gputravel.cohort.trust import HolderMaterial
-    from gputravel.transport.stream import socketpair_transports
+    from gputravel.attest.material import HolderMaterial
+    from gputravel.holder.attestation import challenge_orchestrator
+    from gputravel.transport.unix import socketpair_transports
 
     cert, _ = orchestrator_tls
     holder_end, orchestrator_end = socketpair_transports("orchestrator", "holder")

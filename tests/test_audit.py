@@ -248,9 +248,9 @@ def test_the_other_valid_signature_of_an_entry_is_refused(tmp_path: Path, orch: 
             "581a0db248b0a77aecec196accc52973", 16)
 
     def malleate(record: dict) -> dict:
-        sig = record["f"]["signature"]
+        sig = record["signature"]
         s = int.from_bytes(sig[48:], "big")
-        record["f"]["signature"] = sig[:48] + (n - s).to_bytes(48, "big")
+        record["signature"] = sig[:48] + (n - s).to_bytes(48, "big")
         return record
 
     data, _ = good_log
@@ -260,16 +260,16 @@ def test_the_other_valid_signature_of_an_entry_is_refused(tmp_path: Path, orch: 
 
 def test_a_non_canonical_encoding_of_a_signed_entry_is_refused(tmp_path: Path, orch: MemberIdentity,
                                                                good_log) -> None:
-    # Same entry, fields in another order: it decodes to the same Entry but hashes differently.
+    # Same entry, fields (and tag) in another order: it decodes to the same Entry but hashes differently.
     def reorder(record: dict) -> dict:
-        inner = msgpack.unpackb(record["f"]["entry"], raw=False)
-        inner["f"] = dict(reversed(list(inner["f"].items())))
-        record["f"]["entry"] = msgpack.packb(inner, use_bin_type=True)
+        inner = msgpack.unpackb(record["entry"], raw=False)
+        inner = dict(reversed(list(inner.items())))
+        record["entry"] = msgpack.packb(inner, use_bin_type=True)
         return record
 
     data, entries = good_log
     bad = rewrite_record(data, 1, reorder)
-    assert wire.decode(msgpack.unpackb(bad[records(bad)[1][0] + 4:records(bad)[1][1]], raw=False)["f"]["entry"]) \
+    assert wire.decode(msgpack.unpackb(bad[records(bad)[1][0] + 4:records(bad)[1][1]], raw=False)["entry"]) \
         == entries[1]
     error = failure_of(tmp_path, bad, orch.cert_pem)
     assert (error.failure, error.seq) == (Failure.MALFORMED, 1)

@@ -11,26 +11,33 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from gputravel.errors import BadInput, ProtocolError
+from gputravel.errors import BadInput, HolderLost, ProtocolError
+from gputravel.holder.baseline import PIECE_BYTES, refusal, send_chunk
 from gputravel.net import LINK_NETNS, LINK_TOKEN_BUCKET, netns_available
-from gputravel.protocol.manifest import chunk_digest
+from gputravel.net.pace import pace
 from gputravel.orchestrator.baseline import (
-    PIECE_BYTES,
-    ChunkPiece,
-    ChunkSent,
+    BaselinePath,
+    ChunkReceipt,
     HolderRefused,
-    SendChunk,
+    Received,
+    Store,
     _take_pieces,
-    refusal,
-    send_chunk,
 )
+from gputravel.protocol.control import BaselineReport
+from gputravel.protocol.manifest import chunk_digest
+from gputravel.protocol.travel import ChunkInfo, ChunkPiece, ChunkRefused, ChunkSent, HolderHello, SendChunk
+from gputravel.train.loader import BaselineSource
+from gputravel.train.schedule import Visit
 from gputravel.cohort.links import LINK_NONE, check_link_config, resolve_link
-from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.local import Cohort
 from gputravel.transport.memory import memory_pair
-from gputravel.transport.stream import socketpair_transports
+from gputravel.transport.unix import socketpair_transports
 
 MIB = 1 << 20
 NETNS_OK, NETNS_WHY = netns_available()
@@ -69,6 +76,46 @@ def test_refusal_and_out_of_order_pieces_are_errors() -> None:
         _take_pieces(orch_end, SendChunk(3, 0, 8), bytearray(8), timeout=1)
 
 
+def test_the_receipt_takes_pieces_in_order_and_nothing_else() -> None:
+    """The orchestrator's piece accounting, with no transport: what each answer leads to."""
+    receipt = ChunkReceipt(SendChunk(4, 0, 8), "alice")
+    assert receipt.on_message(ChunkPiece(4, 0, b"abcde")) == Store(0, b"abcde")
+    assert receipt.on_message(ChunkPiece(4, 5, b"fgh")) == Store(5, b"fgh")
+    assert receipt.on_message(ChunkSent(4, 8, 123)) == Received(123)
+    bad = [(ChunkPiece(5, 0, b"a"), ProtocolError, "answer to baseline transfer 5, expected 4"),
+           (ChunkPiece(4, 0, b""), ProtocolError, "does not follow"),  # empty
+           (ChunkPiece(4, 0, b"x" * 9), ProtocolError, "does not follow"),  # past the bytes asked for
+           (ChunkPiece(4, 1, b"x"), ProtocolError, "does not follow"),  # out of order
+           (ChunkSent(4, 8, 0), ProtocolError, "sent 0 bytes, announced 8"),  # early
+           (ChunkRefused(4, "no"), HolderRefused, "alice refused to send its chunk: no")]
+    for msg, error, match in bad:
+        with pytest.raises(error, match=match):
+            ChunkReceipt(SendChunk(4, 0, 8), "alice").on_message(msg)
+    receipt = ChunkReceipt(SendChunk(4, 0, 8), "alice")
+    receipt.on_message(ChunkPiece(4, 0, b"x" * 8))
+    with pytest.raises(ProtocolError, match="announced 9"):
+        receipt.on_message(ChunkSent(4, 9, 0))
+
+
+def test_a_baseline_source_fetches_through_the_engines_baseline_transfer() -> None:
+    """Training fed the baseline way: the same visits and buffer as travels (train/loader.py)."""
+    tokens = np.arange(16, dtype=np.uint16)
+    asked = []
+
+    class Engine:
+        def baseline(self, holder: str, dataset_offset: int) -> BaselineReport:
+            asked.append((holder, dataset_offset))
+            return BaselineReport(1, holder, ChunkInfo(dataset_offset, 8, b""), {}, 0.0, 0.0)
+
+        def buffer_view(self) -> memoryview:
+            return memoryview(tokens.tobytes())
+
+    source = BaselineSource(Engine(), {"alice": 32})
+    assert source.sizes() == {"alice": 16}
+    assert list(source.fetch(Visit("alice", 2, 4))) == [0, 1, 2, 3]
+    assert asked == [("alice", 4)] and source.last_report.holder == "alice"
+
+
 # ----------------------------------------------------------------------------- pacing (unit)
 class FakeBucket:
     burst_bytes = 4096
@@ -94,6 +141,16 @@ def test_a_paced_transport_pays_for_every_byte_once_before_it_leaves() -> None:
     assert sum(bucket.paid) < a.bytes_sent
     a.close()
     b.close()
+
+
+def test_each_party_paces_its_end_only_with_a_rate_and_a_stream() -> None:
+    paced = []
+    pace(SimpleNamespace(pace=paced.append), None)
+    assert paced == []
+    pace(SimpleNamespace(pace=paced.append), 20.0)
+    assert len(paced) == 1
+    with pytest.raises(BadInput, match="cannot be paced"):
+        pace(object(), 20.0)
 
 
 # ----------------------------------------------------------------------------- link settings (unit)
@@ -196,12 +253,6 @@ def test_token_bucket_fallback_paces_the_tls_connection(dataset) -> None:
 def test_a_holder_that_breaks_the_exchange_is_lost_as_in_a_travel() -> None:
     """It is dropped (the stream would be out of step) and reported HolderLost, which the
     training loop treats as it treats a holder lost mid-travel; offline, it stays lost."""
-    from types import SimpleNamespace
-
-    from gputravel.errors import HolderLost
-    from gputravel.protocol.travel import HolderHello
-    from gputravel.orchestrator.baseline import BaselinePath
-
     holder_end, orch_end = memory_pair("holder", "orchestrator")
     hello = HolderHello("alice", 8, 8, (b"\x00" * 32,), "")
     orch = SimpleNamespace(holders={"alice": orch_end}, config=SimpleNamespace(holder_timeout=1),

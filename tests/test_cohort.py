@@ -10,7 +10,8 @@ import pytest
 from gputravel.jobs.travel import plan
 from gputravel.errors import BadInput
 from gputravel.protocol.manifest import chunk_digest
-from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.local import Cohort
 
 pytestmark = pytest.mark.integration
 MIB = 1 << 20
@@ -181,7 +182,8 @@ def test_children_die_with_a_killed_supervisor(datasets, tmp_path: Path) -> None
     path = datasets["h1"][0]
     script = (
         "import sys, time\n"
-        "from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec\n"
+        "from gputravel.cohort.config import CohortConfig, HolderSpec\n"
+        "from gputravel.cohort.local import Cohort\n"
         f"c = Cohort(CohortConfig(holders=(HolderSpec('h1', {path!r}),), buffer_bytes={MIB}, workdir={str(tmp_path)!r}))\n"
         "c.start()\n"
         "print(' '.join(str(p) for p in c.pids().values()), flush=True)\n"

@@ -7,15 +7,14 @@ refused with ContextBlobError, before any field is trusted and without echoing a
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
+from msgspec import structs
 
 from gputravel.driver.context import CONTEXT_VERSION, DriverContext, pack_context, unpack_context
 from gputravel.driver.driver import Driver
 from gputravel.errors import ContextBlobError, GputravelError
 from gputravel.protocol.layout import Layout, PushChannel
-from gputravel.crypto.labels import KERNEL_LABELS, USER_LABELS
+from gputravel.crypto.labels import KERNEL_LABELS, KEYS, USER_LABELS, Direction, Privilege, direction_of, is_h2d
 from gputravel.protocol.push import SemaphoreRelease
 from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu, leaks
 
@@ -50,9 +49,9 @@ def secrets_of(ctx: DriverContext) -> list[bytes]:
 def with_state(ctx: DriverContext, label: str, **changes) -> DriverContext:
     """A copy of ``ctx`` where the channel state ``label`` has ``changes``."""
     def edit(group):
-        return tuple(dataclasses.replace(s, **changes) if s.label == label else s for s in group)
+        return tuple(structs.replace(s, **changes) if s.label == label else s for s in group)
 
-    return dataclasses.replace(ctx, senders=edit(ctx.senders), receivers=edit(ctx.receivers))
+    return structs.replace(ctx, senders=edit(ctx.senders), receivers=edit(ctx.receivers))
 
 
 @pytest.fixture
@@ -197,7 +196,7 @@ def test_returned_blob_with_other_key_bytes_is_refused(away, label: str, field: 
 def test_returned_blob_with_a_missing_channel_is_refused(away, label: str) -> None:
     gpu, orch, holders, buf, sent, returned = away
     ctx = ctx_of(returned)
-    fewer = dataclasses.replace(
+    fewer = structs.replace(
         ctx,
         senders=tuple(s for s in ctx.senders if s.label != label),
         receivers=tuple(s for s in ctx.receivers if s.label != label),
@@ -211,17 +210,53 @@ def test_returned_blob_with_a_missing_channel_is_refused(away, label: str) -> No
 def test_blob_smuggling_an_extra_kernel_channel_is_refused(away) -> None:
     gpu, orch, holders, buf, sent, returned = away
     ctx = ctx_of(returned)
-    extra = dataclasses.replace(ctx.senders[0], label="Lwlc_h2d_kernel")
-    smuggled = dataclasses.replace(ctx, senders=ctx.senders + (extra,))
+    extra = structs.replace(ctx.senders[0], label="Lwlc_h2d_kernel")
+    smuggled = structs.replace(ctx, senders=ctx.senders + (extra,))
     with pytest.raises(ContextBlobError):
         orch.import_returned(pack_context(smuggled))
     with pytest.raises(ContextBlobError):
         holders["alice"].import_context(pack_context(smuggled))
 
 
+def test_every_key_label_names_its_own_record() -> None:
+    """The label strings are HKDF inputs and never change; their records say the same thing."""
+    for label, key in KEYS.items():
+        assert label == key.label == f"L{key.keyspace}_{key.direction.value}_{key.privilege.value}"
+    assert USER_LABELS == tuple(k for k in KEYS if KEYS[k].privilege is Privilege.USER)
+    assert KERNEL_LABELS == ("Lwlc_h2d_kernel", "Llcic_d2h_kernel")
+    assert [is_h2d(k) for k in USER_LABELS] == [True, False, True, False, True, False]
+    assert direction_of("Lce00_d2h_user") is Direction.D2H and direction_of("Lfoo_h2d_user") is None
+    with pytest.raises(KeyError):
+        is_h2d("Lfoo_h2d_user")  # a key is never installed on a guessed side
+
+
+def test_a_channel_on_the_wrong_side_is_refused(away) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    ctx = ctx_of(returned)
+    swapped = structs.replace(ctx, senders=ctx.senders[:-1] + ctx.receivers[:1],
+                              receivers=ctx.receivers[1:] + ctx.senders[-1:])
+    with pytest.raises(ContextBlobError, match="wrong side"):
+        ctx_of(pack_context(swapped))
+    with pytest.raises(ContextBlobError, match="wrong side"):
+        orch.import_returned(pack_context(swapped))
+    with pytest.raises(ContextBlobError, match="wrong side"):
+        holders["alice"].import_context(pack_context(swapped))
+
+
+def test_a_channel_this_build_does_not_derive_is_refused_by_both_importers(away) -> None:
+    gpu, orch, holders, buf, sent, returned = away
+    ctx = ctx_of(returned)
+    for stranger in ("Lfoo_h2d_user", "Lfoo_d2h_user"):  # what the label seems to say counts for nothing
+        renamed = structs.replace(ctx, senders=(structs.replace(ctx.senders[0], label=stranger),) + ctx.senders[1:])
+        with pytest.raises(ContextBlobError):
+            orch.import_returned(pack_context(renamed))
+        with pytest.raises(ContextBlobError):
+            holders["alice"].import_context(pack_context(renamed))
+
+
 #: Labels whose message counters moved before the export (the copy engine's move only with
 #: copies, which the orchestrator may not make in an epoch it exports).
-MOVED = tuple(label for label in USER_LABELS if not label.startswith("Lce00"))
+MOVED = tuple(label for label in USER_LABELS if KEYS[label].keyspace != "ce00")
 
 
 @pytest.mark.parametrize("label", MOVED)
@@ -251,7 +286,7 @@ def test_returned_blob_with_a_channel_counter_moved_either_way_is_refused(away, 
 @pytest.mark.parametrize("field", ["semaphore", "rpc_tx_seq"])
 def test_returned_blob_with_semaphore_or_rpc_moved_too_far_is_refused(away, field: str) -> None:
     gpu, orch, holders, buf, sent, returned = away
-    far = pack_context(dataclasses.replace(ctx_of(returned), **{field: getattr(ctx_of(sent), field) + (1 << 40)}))
+    far = pack_context(structs.replace(ctx_of(returned), **{field: getattr(ctx_of(sent), field) + (1 << 40)}))
     with pytest.raises(ContextBlobError, match="too far"):
         orch.import_returned(far)
 
@@ -261,7 +296,7 @@ def test_returned_blob_with_semaphore_or_rpc_rolled_back_is_refused(away, field:
     gpu, orch, holders, buf, sent, returned = away
     was = getattr(ctx_of(sent), field)
     assert was > 0
-    rolled = pack_context(dataclasses.replace(ctx_of(returned), **{field: was - 1}))
+    rolled = pack_context(structs.replace(ctx_of(returned), **{field: was - 1}))
     with pytest.raises(ContextBlobError, match="stale"):
         orch.import_returned(rolled)
 
@@ -280,7 +315,7 @@ def test_blob_for_another_layout_is_refused(booted) -> None:
     stranger = Driver(other.add_cvm("stranger"), clock=other.clock)
     with pytest.raises(ContextBlobError, match="layout"):
         stranger.import_context(blob)
-    relabelled = pack_context(dataclasses.replace(ctx_of(blob), layout=other.layout.digest()))
+    relabelled = pack_context(structs.replace(ctx_of(blob), layout=other.layout.digest()))
     with pytest.raises(ContextBlobError, match="layout"):
         holders["alice"].import_context(relabelled)
     with pytest.raises(ContextBlobError, match="layout"):
@@ -290,7 +325,7 @@ def test_blob_for_another_layout_is_refused(booted) -> None:
 def test_blob_of_another_version_is_refused(booted) -> None:
     gpu, orch, holders, buf = booted
     blob = orch.export_for_travel()
-    future = pack_context(dataclasses.replace(ctx_of(blob), version=CONTEXT_VERSION + 1))
+    future = pack_context(structs.replace(ctx_of(blob), version=CONTEXT_VERSION + 1))
     with pytest.raises(ContextBlobError, match="version"):
         holders["alice"].import_context(future)
 
@@ -298,7 +333,7 @@ def test_blob_of_another_version_is_refused(booted) -> None:
 def test_blob_with_another_work_token_is_refused_and_changes_nothing(away) -> None:
     gpu, orch, holders, buf, sent, returned = away
     ctx = ctx_of(returned)
-    forged = pack_context(dataclasses.replace(ctx, work_token=ctx.work_token ^ 0x2))
+    forged = pack_context(structs.replace(ctx, work_token=ctx.work_token ^ 0x2))
     with pytest.raises(ContextBlobError, match="token"):
         holders["alice"].import_context(forged)
     assert not holders["alice"].has_context
@@ -337,10 +372,10 @@ def test_error_messages_show_no_key_bytes(away) -> None:
         returned[: len(returned) // 2] + bytes([returned[len(returned) // 2] ^ 1]) + returned[len(returned) // 2 + 1 :],
         pack_context(with_state(ctx, ctx.senders[0].label, key=alien_key)),
         pack_context(with_state(ctx, ctx.receivers[0].label, channel_counter=0)),
-        pack_context(dataclasses.replace(ctx, layout="0" * 16)),
-        pack_context(dataclasses.replace(ctx, version=99)),
-        pack_context(dataclasses.replace(ctx, epoch=ctx.epoch + 1)),
-        pack_context(dataclasses.replace(ctx, senders=ctx.senders[1:])),
+        pack_context(structs.replace(ctx, layout="0" * 16)),
+        pack_context(structs.replace(ctx, version=99)),
+        pack_context(structs.replace(ctx, epoch=ctx.epoch + 1)),
+        pack_context(structs.replace(ctx, senders=ctx.senders[1:])),
     ]
     messages = []
     for blob in bad_blobs:

@@ -9,16 +9,17 @@ have worked without the defence.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import struct
 from dataclasses import dataclass
 
 import pytest
+from msgspec import structs
 
 from gputravel.driver.context import pack_context, unpack_context
 from gputravel.crypto.channel import KeyMaterial, Sender, derive_epoch_keys
 from gputravel.driver.driver import Driver
+from gputravel.device import memory
 from gputravel.driver.orchestrator import OrchestratorDriver
 from gputravel.errors import BadInput, ChannelFaulted, IllegalTransition, IntegrityError, PeerTimeout
 from gputravel.protocol.layout import GPFIFO_ENTRY, SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
@@ -321,8 +322,8 @@ def kept(request, cohort: Cohort):
         blob = returned
     else:
         ctx = unpack_context(returned, layout=TEST_LAYOUT.digest())
-        reset = lambda group: tuple(dataclasses.replace(s, message_counter=0) for s in group)  # noqa: E731
-        blob = pack_context(dataclasses.replace(
+        reset = lambda group: tuple(structs.replace(s, message_counter=0) for s in group)  # noqa: E731
+        blob = pack_context(structs.replace(
             ctx, senders=reset(ctx.senders), receivers=reset(ctx.receivers),
             gpfifo_put=bar_u32(cohort.gpu, Bar0.put(USER)), rpc_tx_seq=0, rpc_rx_seq=0,
         ))
@@ -645,12 +646,10 @@ def test_a_holder_cannot_grant_itself_a_window(cohort: Cohort) -> None:
 @pytest.mark.parametrize("nbytes", [4096, (1 << 20) + 3, 3 * 4096 + 1])
 def test_a_scrub_split_across_threads_zeroes_exactly_its_range(monkeypatch, nbytes: int) -> None:
     """Large scrubs run on several threads; each piece must land, and nothing outside."""
-    from gputravel.device import core
-
-    monkeypatch.setattr(core, "FILL_SPLIT_BYTES", 4096)
-    monkeypatch.setattr(core, "_FILL_THREADS", 3)
+    monkeypatch.setattr(memory, "FILL_SPLIT_BYTES", 4096)
+    monkeypatch.setattr(memory, "_FILL_THREADS", 3)
     mem = bytearray(b"\x5a") * (nbytes + 2)
-    core._fill(memoryview(mem)[1 : nbytes + 1], 0)
+    memory.fill(memoryview(mem)[1 : nbytes + 1], 0)
     assert mem[0] == mem[-1] == 0x5A
     assert mem[1 : nbytes + 1].count(0) == nbytes
 

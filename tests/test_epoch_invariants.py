@@ -46,6 +46,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
+from msgspec import structs
 
 from gputravel.driver.context import pack_context, unpack_context
 from gputravel.driver.epochs import EpochLedger, EpochUse
@@ -176,18 +177,18 @@ def tamper_blob(blob: bytes, how: str, old: bytes | None) -> bytes:
         first = ctx.senders[0].label
 
         def one(group):
-            return tuple(dataclasses.replace(s, **changes) if s.label == first else s for s in group)
+            return tuple(structs.replace(s, **changes) if s.label == first else s for s in group)
 
-        return pack_context(dataclasses.replace(ctx, senders=one(ctx.senders), receivers=one(ctx.receivers)))
+        return pack_context(structs.replace(ctx, senders=one(ctx.senders), receivers=one(ctx.receivers)))
 
     s0 = ctx.senders[0]
     if how == "forward":  # allowed: forward, and by less than 2**32
-        fwd = lambda g: tuple(dataclasses.replace(s, message_counter=s.message_counter + 3) for s in g)  # noqa: E731
-        return pack_context(dataclasses.replace(ctx, senders=fwd(ctx.senders), receivers=fwd(ctx.receivers),
+        fwd = lambda g: tuple(structs.replace(s, message_counter=s.message_counter + 3) for s in g)  # noqa: E731
+        return pack_context(structs.replace(ctx, senders=fwd(ctx.senders), receivers=fwd(ctx.receivers),
                                                 semaphore=ctx.semaphore + 1000, rpc_tx_seq=ctx.rpc_tx_seq + 5,
                                                 rpc_rx_seq=ctx.rpc_rx_seq + 5))
     if how == "too_far":
-        return pack_context(dataclasses.replace(ctx, semaphore=ctx.semaphore + (1 << 32) + 1))
+        return pack_context(structs.replace(ctx, semaphore=ctx.semaphore + (1 << 32) + 1))
     if how == "channel_counter":
         return edit(channel_counter=s0.channel_counter + 1)
     if how == "backwards":
@@ -197,10 +198,10 @@ def tamper_blob(blob: bytes, how: str, old: bytes | None) -> bytes:
     if how == "duplicate_labels":
         # The checked copies of the h2d states ride in `receivers` (the check merges the two
         # groups, last one wins); the ones the orchestrator adopts into its senders are moved.
-        moved = tuple(dataclasses.replace(s, channel_counter=s.channel_counter + 5) for s in ctx.senders)
-        return pack_context(dataclasses.replace(ctx, senders=moved, receivers=ctx.receivers + ctx.senders))
+        moved = tuple(structs.replace(s, channel_counter=s.channel_counter + 5) for s in ctx.senders)
+        return pack_context(structs.replace(ctx, senders=moved, receivers=ctx.receivers + ctx.senders))
     if how == "swapped_groups":
-        return pack_context(dataclasses.replace(ctx, senders=ctx.receivers, receivers=ctx.senders))
+        return pack_context(structs.replace(ctx, senders=ctx.receivers, receivers=ctx.senders))
     raise AssertionError(how)
 
 

@@ -294,7 +294,7 @@ def test_a_wild_user_get_stays_inside_the_user_ring(booted, value: int) -> None:
 
 
 def test_a_returned_context_outside_the_ring_or_with_rpc_rx_rolled_back_is_refused(booted) -> None:
-    import dataclasses
+    from msgspec import structs
 
     from gputravel.driver.context import pack_context
     from gputravel.errors import ContextBlobError
@@ -303,8 +303,8 @@ def test_a_returned_context_outside_the_ring_or_with_rpc_rx_rolled_back_is_refus
     orch.query_buffer(buf.offset)
     sent = orch.export_for_travel()
     ctx = unpack_context(sent, layout=TEST_LAYOUT.digest())
-    for bad in (dataclasses.replace(ctx, gpfifo_put=TEST_LAYOUT.gpfifo_entries),
-                dataclasses.replace(ctx, rpc_rx_seq=ctx.rpc_rx_seq - 1)):
+    for bad in (structs.replace(ctx, gpfifo_put=TEST_LAYOUT.gpfifo_entries),
+                structs.replace(ctx, rpc_rx_seq=ctx.rpc_rx_seq - 1)):
         with pytest.raises(ContextBlobError):
             orch.import_returned(pack_context(bad))
         assert orch.away
@@ -318,7 +318,7 @@ def test_the_gpu_is_not_lent_while_the_device_may_be_on_an_epoch_a_holder_had(bo
     from types import SimpleNamespace
 
     from gputravel.errors import IllegalTransition
-    from gputravel.orchestrator.membership import _lend
+    from gputravel.orchestrator.membership import Membership
 
     gpu, orch, holders, buf = booted
     orch.import_returned(orch.export_for_travel())
@@ -329,5 +329,5 @@ def test_the_gpu_is_not_lent_while_the_device_may_be_on_an_epoch_a_holder_had(bo
     switched = []
     fake = SimpleNamespace(driver=orch, switch=switched.append)
     with pytest.raises(IllegalTransition, match="not-rotated"):
-        _lend(fake, "mallory")
+        Membership(fake).lend("mallory")
     assert switched == []

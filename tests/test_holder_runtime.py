@@ -12,10 +12,13 @@ import pytest
 
 from gputravel.driver.link import PcieMuxClient, register_with_host
 from gputravel.protocol.travel import TravelRefused, TravelRequest
-from gputravel.holder.cvm import ORCHESTRATOR, DataHolder, HolderConfig, _serve_orchestrator
+from gputravel.holder.cvm import DataHolder, HolderConfig, _serve_orchestrator
+from gputravel.holder.steps import Attest, Attested
+from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.testing import TEST_LAYOUT
 from gputravel.transport.memory import memory_pair
-from gputravel.transport.stream import HEADER, StreamTransport, connect_unix
+from gputravel.transport.stream import HEADER, StreamTransport
+from gputravel.transport.unix import connect_unix
 
 
 @pytest.fixture
@@ -24,9 +27,16 @@ def alice(tmp_path, host_with_device):
     data.write_bytes(os.urandom(4 * TEST_LAYOUT.record_bytes))
     holder = DataHolder(HolderConfig(name="alice", dataset_path=str(data), host_socket=host_with_device.socket_path,
                                      pki_dir="", layout=TEST_LAYOUT, device_timeout=5))
-    holder.attestation_valid_s = 1e9  # no attestation in this test: there is no orchestrator CVM
+    attested(holder, age_s=0, valid_s=1e9)  # no attestation in this test: there is no orchestrator CVM
     yield holder
     holder.driver.link.close()
+
+
+def attested(holder: DataHolder, age_s: float, valid_s: float) -> None:
+    """As if the holder had attested the orchestrator ``age_s`` ago, under a policy allowing ``valid_s``."""
+    then = holder._clock() - age_s
+    holder.sm.handle(Attest(joining=False), then)
+    holder.sm.handle(Attested(valid_s), then)
 
 
 @pytest.fixture
@@ -91,15 +101,13 @@ def test_a_travel_past_the_attestation_age_limit_is_refused_before_the_context_i
     """The orchestrator asks a holder to re-attest (AttestDue) with the GPU home, once half the
     holder's limit has passed. One that never asks gets no travel after the full limit: the
     holder leaves (its process goes on) without importing the context it was sent."""
-    import time
-
     from gputravel.protocol.codec import encode
 
     raw, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     alice.orchestrator = StreamTransport(other, "orchestrator")
     sel = selectors.DefaultSelector()
     sel.register(alice.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
-    alice.attested_at, alice.attestation_valid_s = time.monotonic() - 11, 10.0
+    attested(alice, age_s=11, valid_s=10.0)
     body = encode(TravelRequest(1, 0, 2 * alice.piece_bytes, 0, b"ctx"))
     raw.sendall(HEADER.pack(len(body), 0) + body)
     assert _serve_orchestrator(alice, sel) is True
@@ -110,15 +118,13 @@ def test_a_travel_past_the_attestation_age_limit_is_refused_before_the_context_i
 def test_no_baseline_chunk_leaves_past_the_attestation_age_limit(alice) -> None:
     """The TLS baseline sends plaintext to the orchestrator: only within the holder's age limit
     of its attestation, as a travel (review finding: SendChunk skipped the check)."""
-    import time
-
-    from gputravel.orchestrator.baseline import SendChunk
+    from gputravel.protocol.travel import SendChunk
 
     ours, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     alice.orchestrator = StreamTransport(other, "orchestrator")
     sel = selectors.DefaultSelector()
     sel.register(alice.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
-    alice.attested_at, alice.attestation_valid_s = time.monotonic() - 11, 10.0
+    attested(alice, age_s=11, valid_s=10.0)
     orch = StreamTransport(ours, "alice")
     orch.send(SendChunk(1, 0, alice.piece_bytes))
     assert _serve_orchestrator(alice, sel) is True
@@ -143,7 +149,7 @@ def test_a_hello_must_name_the_holder_of_the_tls_certificate(named: str) -> None
     ours, theirs = memory_pair("orchestrator", "h1")
     orch = object.__new__(Orchestrator)  # only the door: no device, host or TLS needed
     orch.listener = SimpleNamespace(accept=lambda timeout: (ours, "h1"))
-    orch.attester = SimpleNamespace(serve_challenge=lambda conn, driver, timeout: None)
+    orch.attester = SimpleNamespace(serve_challenge=lambda conn, driver, timeout, now: None)
     orch.driver, orch.config, orch.holders = None, SimpleNamespace(tokenizer="", pace_mbit=None), {}
     orch.travel_sm = OrchestratorTravel(Buffer(0, 4096))
     theirs.send(HolderHello(named, 4096, 4096, (b"\x00" * 32,), ""))

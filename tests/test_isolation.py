@@ -17,7 +17,8 @@ import pytest
 
 from gputravel.errors import BadInput
 from gputravel.cohort import isolation
-from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.local import Cohort
 from gputravel.transport.stream import StreamTransport
 
 pytestmark = [

@@ -175,7 +175,7 @@ def test_the_host_tells_the_target_cvm_and_only_when_another_cvm_asked(host_with
     """A real host process loop (in a thread); the test plays the device and two CVMs."""
     from gputravel.driver.link import register_with_host
     from gputravel.testing import TEST_LAYOUT
-    from gputravel.transport.stream import connect_unix
+    from gputravel.transport.unix import connect_unix
 
     links, clients = {}, {}
     for name in ("orchestrator", "alice"):
@@ -213,3 +213,89 @@ def test_a_late_reply_is_taken_for_the_request_it_answers(client_and_host) -> No
     host.send(Switched(target="orchestrator", elapsed_ns=1, seq=5))
     assert client.switch("orchestrator", timeout=1).seq == 5
 
+
+
+
+# ============================================================================ the host's hooks
+def test_an_honest_host_hands_out_the_device_doorbell_and_maps_the_target() -> None:
+    from gputravel.host.hooks import NoHooks
+
+    alice = reg("alice")
+    assert NoHooks().on_register(alice, doorbell=7) == 7
+    assert NoHooks().on_switch("orchestrator", SwitchPlan(previous=None, target=alice)) == (alice, alice)
+
+
+def test_the_host_hands_out_and_routes_what_its_hooks_decide(tmp_path) -> None:
+    """What the red team's hypervisor builds on (host/hooks.py): the doorbell a CVM gets and
+    where a switch maps DMA and routes the interrupt are the hooks' to decide."""
+    import os
+    import threading
+
+    from gputravel.driver.link import register_with_host
+    from gputravel.host.hooks import NoHooks
+    from gputravel.host.process import HostConfig, HostProcess
+    from gputravel.protocol.host import AttachCvm, DeviceAck, DeviceAttach
+    from gputravel.testing import TEST_LAYOUT
+    from gputravel.transport.unix import connect_unix
+
+    class Misroute(NoHooks):
+        def __init__(self) -> None:
+            self.served, self.regs, self.asked = False, {}, []
+            self.bell = os.eventfd(0, os.EFD_NONBLOCK)
+
+        def on_serve(self, host, sel) -> None:
+            self.served = isinstance(host, HostProcess)
+
+        def on_register(self, reg, doorbell):
+            self.regs[reg.cvm] = reg
+            return self.bell
+
+        def on_switch(self, requester, plan):
+            self.asked.append((requester, plan.target.cvm))
+            home = self.regs["orchestrator"]
+            return home, home  # the device stays on the orchestrator's memory, whoever asked
+
+    hooks = Misroute()
+    sock = str(tmp_path / "host.sock")
+    host = HostProcess(HostConfig(socket_path=sock), hooks=hooks)
+    threading.Thread(target=host.serve, daemon=True).start()
+    device = connect_unix(sock, "device")
+    bar, bell = os.memfd_create("bar"), os.eventfd(0, os.EFD_NONBLOCK)
+    os.ftruncate(bar, 8192)
+    device.send(DeviceAttach(serial="GPU-TEST", bar_bytes=8192), fds=(bar, bell))
+    attached: list[str] = []
+
+    def play_device() -> None:
+        while True:
+            try:
+                got = device.recv(timeout=30)
+            except Exception:
+                return
+            for fd in got.fds:
+                os.close(fd)
+            if isinstance(got.message, AttachCvm):
+                attached.append(got.message.cvm)
+                device.send(DeviceAck(cvm=got.message.cvm))
+
+    threading.Thread(target=play_device, daemon=True).start()
+    links, conns = {}, {}
+    try:
+        for name in ("orchestrator", "alice"):
+            conns[name] = connect_unix(sock, name)
+            links[name] = register_with_host(conns[name], name, TEST_LAYOUT)
+        assert hooks.served
+        for link in links.values():  # each CVM rings the hook's doorbell, not the device's
+            link.ring()
+        assert os.eventfd_read(hooks.bell) == 2
+        with pytest.raises(BlockingIOError):
+            os.eventfd_read(bell)
+        client = PcieMuxClient(conns["orchestrator"], "orchestrator")
+        assert client.switch("alice", timeout=5).target == "alice"  # the MUX believes it went to alice...
+        assert hooks.asked == [("orchestrator", "alice")]
+        assert attached == ["orchestrator"]  # ...the device was mapped where the hook said
+    finally:
+        for link in links.values():
+            link.close()
+        device.close()
+        for fd in (bar, bell, hooks.bell):
+            os.close(fd)

@@ -13,7 +13,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from gputravel.crypto.pki import CohortPki, MemberIdentity, make_device_identity, peer_name
+from gputravel.crypto.device_identity import make_device_identity
+from gputravel.crypto.pki import CohortPki, MemberIdentity, peer_name
 from gputravel.errors import BadInput
 
 MEMBERS = ("orchestrator", "holder-1", "host")

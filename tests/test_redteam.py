@@ -16,7 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from gputravel.cli.app import app
+from gputravel.holder.cvm import DataHolder
 from gputravel.redteam.attacks import ATTACKS
+from gputravel.redteam.holder import MaliciousHolder
 from gputravel.cohort import isolation
 
 pytestmark = pytest.mark.integration
@@ -204,3 +206,12 @@ def test_a_pending_rotation_cannot_confirm_the_scrub_in_process() -> None:
     assert orch.rotate() == 3  # once the host relents, everything runs in order
     orch.scrub(buf.offset, buf.nbytes)
     assert gpu.vram_at(buf.offset, buf.nbytes) == bytes(buf.nbytes)
+
+
+def test_the_malicious_holder_misbehaves_only_through_the_public_dispatch() -> None:
+    """Issue 13: the red team uses public APIs only. Mallory's travels run the honest holder's
+    machine and dispatch; it replaces some entries of ``ACTIONS`` and overrides no private
+    method of DataHolder."""
+    assert set(MaliciousHolder.ACTIONS) == set(DataHolder.ACTIONS)
+    private = {n for n in vars(DataHolder) if n.startswith("_") and not n.startswith("__")}
+    assert not private & set(vars(MaliciousHolder))

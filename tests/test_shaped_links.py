@@ -29,6 +29,7 @@ from gputravel.net import (
     transfer,
 )
 from gputravel.net import shaped
+from gputravel.net.iproute import run_iproute
 
 NETNS_OK, NETNS_WHY = netns_available()
 needs_netns = pytest.mark.skipif(not NETNS_OK, reason=f"shaped links unavailable: {NETNS_WHY}")
@@ -123,7 +124,7 @@ def test_failed_setup_leaves_nothing(monkeypatch):
     def broken(ns, dev, shape):
         raise LinkError("tc qdisc add failed (exit 2): injected")
 
-    monkeypatch.setattr(shaped, "_shape_device", broken)
+    monkeypatch.setattr(shaped, "shape_device", broken)
     links = ShapedLinks(["alice", "bob"], bandwidth_mbit=20)
     with pytest.raises(LinkError, match="injected"):
         links.open()
@@ -176,7 +177,7 @@ def test_delay_puts_netem_above_tbf():
 @pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2 not installed")
 def test_link_error_names_the_command_and_its_stderr():
     with pytest.raises(LinkError, match=r"ip netns delete gt-0-none-0x failed .*: \S"):
-        shaped._cmd(["ip", "netns", "delete", "gt-0-none-0x"])
+        run_iproute(["ip", "netns", "delete", "gt-0-none-0x"])
 
 
 # ----------------------------------------------------------------------------- bad input

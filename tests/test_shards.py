@@ -13,12 +13,12 @@ from typer.testing import CliRunner
 from gputravel.cli.data import data_app
 from gputravel.data import (
     ByteTokenizer,
-    demo_holders,
     list_shards,
     load_tokens,
     prepare,
     read_shard,
     read_tokenizer_record,
+    shakespeare_holders,
     write_shard,
     write_tokenizer_record,
 )
@@ -243,8 +243,8 @@ def test_prepare_with_a_progress_bar_over_many_files(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- demo data
-def test_demo_holders_ship_three_plays_each_without_license_boilerplate() -> None:
-    holders = demo_holders()
+def test_the_shipped_shakespeare_holders_have_three_plays_each_without_license_boilerplate() -> None:
+    holders = shakespeare_holders()
     assert list(holders) == ["tragedies", "comedies", "histories"]
     for directory in holders.values():
         plays = sorted(directory.glob("*.txt"))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 
 import pytest
+from msgspec import structs
 
-from gputravel.crypto.pki import make_device_identity
+from gputravel.crypto.device_identity import make_device_identity
 from gputravel.crypto.spdm import (
     Certificate,
     Finish,
@@ -113,7 +113,7 @@ def test_deterministic_rng_reproduces_session():
 def test_tampered_signature_rejected():
     req, rsp = SpdmRequester(), responder()
     msg = up_to_kex_response(req, rsp)
-    bad = dataclasses.replace(msg, signature=flip(msg.signature, 10))
+    bad = structs.replace(msg, signature=flip(msg.signature, 10))
     with pytest.raises(IntegrityError):
         req.handle_key_exchange_response(bad)
     assert req.state == "failed"
@@ -125,7 +125,7 @@ def test_malformed_signature_rejected():
     req, rsp = SpdmRequester(), responder()
     msg = up_to_kex_response(req, rsp)
     with pytest.raises(IntegrityError):
-        req.handle_key_exchange_response(dataclasses.replace(msg, signature=msg.signature[:95]))
+        req.handle_key_exchange_response(structs.replace(msg, signature=msg.signature[:95]))
 
 
 def test_wrong_device_key_rejected():
@@ -157,7 +157,7 @@ def test_tampered_responder_verify_rejected():
     req, rsp = SpdmRequester(), responder()
     msg = up_to_kex_response(req, rsp)
     with pytest.raises(IntegrityError):
-        req.handle_key_exchange_response(dataclasses.replace(msg, responder_verify=flip(msg.responder_verify)))
+        req.handle_key_exchange_response(structs.replace(msg, responder_verify=flip(msg.responder_verify)))
 
 
 def test_tampered_public_key_rejected():
@@ -168,7 +168,7 @@ def test_tampered_public_key_rejected():
     other.handle_certificate(responder().handle(other.get_certificate()))
     with pytest.raises(IntegrityError):
         req.handle_key_exchange_response(
-            dataclasses.replace(msg, responder_public=other.key_exchange().requester_public)
+            structs.replace(msg, responder_public=other.key_exchange().requester_public)
         )
 
 

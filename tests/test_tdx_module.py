@@ -22,12 +22,13 @@ import pytest
 from gputravel.attest import Authority, EmulatedQuoteVerifier, TrustStore
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
 from gputravel.attest.tdx_module import Launch, Peer, QuotingRefused, TdxModule, request_quote
-from gputravel.crypto.pki import _new_key
+from gputravel.crypto.certs import new_key as _new_key
 from gputravel.errors import ProtocolError, TransportClosed
 from gputravel.protocol.control import Ready
 from gputravel.cohort.quoting import QuotingLaunch
 from gputravel.cohort.trust import CohortTrust
-from gputravel.transport.stream import HEADER, StreamTransport, connect_unix
+from gputravel.transport.stream import HEADER, StreamTransport
+from gputravel.transport.unix import connect_unix
 
 MEASURED = bytes(range(48))  # what the launcher measured
 # A CVM stand-in: asks the module for a quote over the report data it is given, prints the outcome.

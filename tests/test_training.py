@@ -14,12 +14,19 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from gputravel.errors import BadInput, HolderLost, RemoteError
 from gputravel.cohort import isolation
-from gputravel.jobs.training import JobConfig, run
-from gputravel.train.loop import TrainConfig
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.local import Cohort
+from gputravel.data.holder_tokens import load_tokens
+from gputravel.data.shards import write_shard
+from gputravel.errors import BadInput, HolderLost, RemoteError
+from gputravel.jobs.training import TrainingJobConfig, layout_for, resolve, run_training_job
+from gputravel.orchestrator.audit import verify_log
+from gputravel.train.loader import LocalSource
+from gputravel.train.loop import TrainConfig, train
 
 pytestmark = pytest.mark.integration
 
@@ -46,8 +53,8 @@ def holders(tmp: Path) -> tuple[tuple[str, str], ...]:
 def both_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("g2")
     hs = holders(tmp)
-    travelling = run(JobConfig(train=TINY, holders=hs, run_dir=str(tmp / "travelling")))
-    local = run(JobConfig(train=replace(TINY, loader="local"), holders=hs, run_dir=str(tmp / "local")))
+    travelling = run_training_job(TrainingJobConfig(train=TINY, holders=hs, run_dir=str(tmp / "travelling")))
+    local = run_training_job(TrainingJobConfig(train=replace(TINY, loader="local"), holders=hs, run_dir=str(tmp / "local")))
     return tmp, travelling, local
 
 
@@ -79,10 +86,6 @@ def test_training_learns_and_writes_the_run_directory(both_runs):
 
 
 def test_a_holder_with_another_tokenizer_is_refused(tmp_path):
-    from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
-    from gputravel.data.shards import write_shard
-    import numpy as np
-
     good, odd = tmp_path / "good", tmp_path / "odd"
     for d, name in ((good, "bytes"), (odd, "gpt2")):
         d.mkdir()
@@ -98,7 +101,7 @@ def test_a_holder_with_another_tokenizer_is_refused(tmp_path):
 
 def test_bad_job_input_is_refused(tmp_path):
     with pytest.raises(BadInput, match="not found"):
-        JobConfig(train=TINY, holders=(("ghost", str(tmp_path / "nope")),), run_dir=str(tmp_path))
+        TrainingJobConfig(train=TINY, holders=(("ghost", str(tmp_path / "nope")),), run_dir=str(tmp_path))
     with pytest.raises(BadInput, match="--steps"):
         TrainConfig(steps=0)
     with pytest.raises(BadInput, match="--loader"):
@@ -119,7 +122,7 @@ def _kill_our_orchestrator() -> None:
 
 def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(both_runs, tmp_path):
     _, uninterrupted, _ = both_runs
-    job = JobConfig(train=replace(TINY, checkpoint_every=2), holders=holders(tmp_path), run_dir=str(tmp_path / "run"))
+    job = TrainingJobConfig(train=replace(TINY, checkpoint_every=2), holders=holders(tmp_path), run_dir=str(tmp_path / "run"))
 
     def crash_early(event) -> None:
         # Early, so the orchestrator (which does not wait for us) cannot finish all 48 steps
@@ -128,8 +131,8 @@ def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(both_runs, tm
             _kill_our_orchestrator()
 
     with pytest.raises(RemoteError):
-        run(job, on_step=crash_early)
-    resumed = run(replace(job, resume=True))
+        run_training_job(job, on_step=crash_early)
+    resumed = run_training_job(replace(job, resume=True))
     # Model, optimizer and per-holder cursors came back: every loss is the one an uninterrupted
     # run had, so each window was trained on exactly once and none was skipped.
     assert resumed["losses"] == uninterrupted["losses"]
@@ -138,18 +141,18 @@ def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(both_runs, tm
 
 
 def test_resuming_with_another_job_or_without_a_checkpoint_is_refused(tmp_path):
-    job = JobConfig(train=replace(TINY, loader="local", steps=10), holders=holders(tmp_path), run_dir=str(tmp_path / "r"))
+    job = TrainingJobConfig(train=replace(TINY, loader="local", steps=10), holders=holders(tmp_path), run_dir=str(tmp_path / "r"))
     with pytest.raises(BadInput, match="nothing to resume"):
-        run(replace(job, resume=True))
-    run(job)
+        run_training_job(replace(job, resume=True))
+    run_training_job(job)
     with pytest.raises(BadInput, match="another job.*lr"):
-        run(replace(job, train=replace(job.train, lr=0.5), resume=True))
+        run_training_job(replace(job, train=replace(job.train, lr=0.5), resume=True))
 
 
 def test_a_fresh_run_into_a_used_run_directory_starts_its_metrics_over(tmp_path):
-    job = JobConfig(train=replace(TINY, loader="local", steps=6), holders=holders(tmp_path), run_dir=str(tmp_path / "r"))
-    run(job)
-    run(job)  # not resumed: the same steps again, logged once
+    job = TrainingJobConfig(train=replace(TINY, loader="local", steps=6), holders=holders(tmp_path), run_dir=str(tmp_path / "r"))
+    run_training_job(job)
+    run_training_job(job)  # not resumed: the same steps again, logged once
     steps = [int(line.split(",")[0]) for line in (tmp_path / "r" / "metrics.csv").read_text().splitlines()[1:]]
     assert steps == list(range(6))
 
@@ -171,13 +174,7 @@ class _LosesHolderOnce:
 
 
 def test_a_holder_killed_mid_copy_is_dropped_and_its_partial_chunk_never_trained_on(tmp_path):
-    from gputravel.data.shards import load_tokens
-    from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
-    from gputravel.jobs.training import layout_for, resolve
-    from gputravel.train.loader import LocalSource
-    from gputravel.train.loop import train
-
-    job = resolve(JobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run")))
+    job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run")))
     specs = tuple(HolderSpec(n, p, "tokens", die_mid_copy_on_travel=1 if n == "west" else 0) for n, p in job.holders)
     cfg = CohortConfig(holders=specs, buffer_bytes=TINY.buffer_bytes, layout=layout_for(TINY.buffer_bytes),
                        tokenizer=job.train.tokenizer)
@@ -197,8 +194,6 @@ def test_a_holder_killed_mid_copy_is_dropped_and_its_partial_chunk_never_trained
 
 
 def test_every_travel_is_in_the_orchestrators_signed_log(both_runs):
-    from gputravel.orchestrator.audit import verify_log
-
     tmp, travelling, _ = both_runs
     run_dir = tmp / "travelling"
     cert = (run_dir / "orchestrator.pem").read_bytes()

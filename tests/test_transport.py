@@ -34,18 +34,14 @@ from gputravel.transport import (
     socketpair_transports,
 )
 from gputravel.transport.stream import HEADER
-from gputravel.protocol.codec import message
+from gputravel.protocol.codec import Message
 
 
-@message("test.transport.ping")
-@dataclass(frozen=True)
-class Ping:
+class Ping(Message, tag="test.transport.ping"):
     seq: int
 
 
-@message("test.transport.blob")
-@dataclass(frozen=True)
-class Blob:
+class Blob(Message, tag="test.transport.blob"):
     data: bytes
 
 

@@ -42,12 +42,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from gputravel.crypto.pki import DeviceIdentity, make_device_identity
+from gputravel.crypto.device_identity import DeviceIdentity, make_device_identity
 from gputravel.crypto.spdm import SpdmResponder
-from gputravel.device.core import DeviceCore, DmaWindow
+from gputravel.device.core import DeviceCore
+from gputravel.device.memory import DmaWindow
 from gputravel.driver.driver import Driver
 from gputravel.driver.orchestrator import OrchestratorDriver
 from gputravel.errors import BadInput, GputravelError, IllegalTransition
+from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.layout import SYSMEM_IOVA, Bar0, Layout
 from gputravel.protocol.rpc import BufferInfo
 
@@ -56,7 +58,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FakeClock", "FakeLink", "InProcessGpu", "ORCHESTRATOR", "TEST_LAYOUT", "leaks", "renderings"]
 
-ORCHESTRATOR = "orchestrator"
 #: Small records and few slots, so multi-record copies and slot reuse happen with little data.
 TEST_LAYOUT = Layout(record_bytes=64 * 1024, staging_slots=4, gpfifo_entries=16)
 

@@ -35,7 +35,7 @@ from gputravel.attest.ratls import report_data_for_tls, spki_der, verify_bound_q
 from gputravel.attest.roots import TrustStore
 from gputravel.attest.verifier import EmulatedGpuVerifier, GpuClaims
 from gputravel.errors import BadInput
-from gputravel.protocol.codec import message
+from gputravel.protocol.codec import Message
 
 __all__ = [
     "AttestAccepted",
@@ -49,30 +49,22 @@ __all__ = [
 ]
 
 
-@message("attest.challenge")
-@dataclass(frozen=True)
-class AttestChallenge:
+class AttestChallenge(Message, tag="attest.challenge"):
     nonce: bytes
 
 
-@message("attest.evidence")
-@dataclass(frozen=True)
-class AttestEvidence:
+class AttestEvidence(Message, tag="attest.evidence"):
     quote: bytes
     gpu_evidence: bytes  # encoded GpuEvidence, signed by the GPU for the holder's nonce
 
 
-@message("attest.accepted")
-@dataclass(frozen=True)
-class AttestAccepted:
+class AttestAccepted(Message, tag="attest.accepted"):
     """Holder -> orchestrator: verified; ask again (`AttestDue`) after this many seconds."""
 
     reattest_after_s: float
 
 
-@message("attest.due")
-@dataclass(frozen=True)
-class AttestDue:
+class AttestDue(Message, tag="attest.due"):
     pass
 
 

@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from gputravel.attest.chain import SIGNATURE_BYTES, leaf_fwid, sha384, sign_p384
 from gputravel.errors import BadInput
-from gputravel.protocol.codec import decode, encode, message
+from gputravel.protocol.codec import Message, decode, encode
 
 __all__ = [
     "DIGEST_BYTES",
@@ -69,37 +69,27 @@ class OpaqueType(IntEnum):
 
 
 # ----------------------------------------------------------------------------- messages
-@message("attest.gpu.get_measurements")
-@dataclass(frozen=True)
-class GetMeasurements:
+class GetMeasurements(Message, tag="attest.gpu.get_measurements"):
     nonce: bytes
 
 
-@message("attest.gpu.block")
-@dataclass(frozen=True)
-class MeasurementBlock:
+class MeasurementBlock(Message, tag="attest.gpu.block"):
     index: int
     digest: bytes
 
 
-@message("attest.gpu.opaque")
-@dataclass(frozen=True)
-class OpaqueField:
+class OpaqueField(Message, tag="attest.gpu.opaque"):
     type: int
     value: bytes
 
 
-@message("attest.gpu.measurements")
-@dataclass(frozen=True)
-class Measurements:
+class Measurements(Message, tag="attest.gpu.measurements"):
     responder_nonce: bytes
     blocks: tuple[MeasurementBlock, ...]
     opaque: tuple[OpaqueField, ...]
 
 
-@message("attest.gpu.evidence")
-@dataclass(frozen=True)
-class GpuEvidence:
+class GpuEvidence(Message, tag="attest.gpu.evidence"):
     request: bytes
     response: bytes
     signature: bytes

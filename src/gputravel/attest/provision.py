@@ -36,14 +36,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from gputravel.attest.chain import FWID_OID
 from gputravel.attest.gpu import EmulatedGpuFirmware, ReferenceValues, default_measurements, fwid_of
 from gputravel.attest.roots import Authority
-from gputravel.crypto.pki import (
-    DEVICE_VALID_DAYS,
-    _key_pem,
-    _new_key,
-    _write_private,
-    own_key_request,
-    requested_key,
-)
+from gputravel.crypto.certs import key_pem as _key_pem, new_key as _new_key, own_key_request, requested_key
+from gputravel.crypto.certs import write_private as _write_private
+from gputravel.crypto.device_identity import DEVICE_VALID_DAYS
 from gputravel.errors import BadInput
 
 __all__ = ["GpuDevice", "GpuIssuer", "enroll_gpu", "issue_gpu_ca", "provision_gpu"]

@@ -32,9 +32,9 @@ from gputravel.attest.chain import check_now, sha384, sign_p384, verify_chain, v
 from gputravel.attest.errors import AttestationError, ClaimTracker
 from gputravel.attest.roots import Authority, TrustStore
 from gputravel.attest.verifier import Verifier
-from gputravel.crypto.pki import _new_key
+from gputravel.crypto.certs import new_key as _new_key
 from gputravel.errors import BadInput, ProtocolError
-from gputravel.protocol.codec import decode, encode, message
+from gputravel.protocol.codec import Message, decode, encode
 
 __all__ = [
     "MEASUREMENT_BYTES",
@@ -88,17 +88,13 @@ def orchestrator_measurement(config: Mapping[str, object], *, package_dir: Path 
 
 
 # ----------------------------------------------------------------------------- quote
-@message("attest.cvm.quote_body")
-@dataclass(frozen=True)
-class QuoteBody:
+class QuoteBody(Message, tag="attest.cvm.quote_body"):
     tee: str
     mr_td: bytes
     report_data: bytes
 
 
-@message("attest.cvm.quote")
-@dataclass(frozen=True)
-class Quote:
+class Quote(Message, tag="attest.cvm.quote"):
     body: bytes
     signature: bytes
     cert_chain: tuple[bytes, ...]  # quoting-key certificate, quoting root
@@ -148,15 +144,13 @@ _ON_FAIL = {"format": (CVM.PARSED, False), "chain": (CVM.CHAIN, False), "expired
             "binding": (CVM.BOUND, False)}
 
 
-@message("attest.cvm.claims")
-@dataclass(frozen=True)
-class QuoteClaims:
+class QuoteClaims(Message, tag="attest.cvm.claims"):
     tee: str
     measurement: bytes
     report_data: bytes
     quote_digest: bytes
     verified_at: int
-    emulated: bool = True
+    emulated: bool
 
     def eat(self) -> dict[str, object]:
         return {CVM.OVERALL: True, CVM.TEE: self.tee, "iat": self.verified_at, CVM.PARSED: True,
@@ -199,7 +193,7 @@ class EmulatedQuoteVerifier(Verifier[QuoteClaims]):
         p.ok(CVM.ACCEPTED)
         if not hmac.compare_digest(body.report_data, challenge):
             p.fail("binding", "quote report data does not bind the expected TLS key and nonce")
-        return QuoteClaims(body.tee, body.mr_td, body.report_data, sha384(bytes(evidence)), int(now.timestamp()))
+        return QuoteClaims(body.tee, body.mr_td, body.report_data, sha384(bytes(evidence)), int(now.timestamp()), True)
 
 
 def _decode(p: ClaimTracker, data: bytes, cls: type[M]) -> M:

@@ -31,7 +31,7 @@ from gputravel.attest.gpu import NONCE_BYTES
 from gputravel.attest.policy import Policy
 from gputravel.attest.quote import EmulatedQuoteVerifier, EmulatedQuotingEnclave, QuoteClaims
 from gputravel.attest.roots import TrustStore
-from gputravel.crypto.pki import _issue, _name, _new_key, _now
+from gputravel.crypto.certs import issue_certificate as _issue, new_key as _new_key, subject_name as _name, utc_now as _now
 from gputravel.errors import BadInput
 
 __all__ = [

@@ -18,16 +18,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from gputravel.crypto.pki import (
-    DEVICE_VALID_DAYS,
-    VENDOR_ROOT_CN,
-    _issue,
-    _key_pem,
-    _name,
-    _new_key,
-    _now,
-    _write_private,
-)
+from gputravel.crypto.certs import issue_certificate as _issue, key_pem as _key_pem, new_key as _new_key
+from gputravel.crypto.certs import subject_name as _name, utc_now as _now, write_private as _write_private
+from gputravel.crypto.device_identity import DEVICE_VALID_DAYS, VENDOR_ROOT_CN
 from gputravel.errors import BadInput
 
 __all__ = [

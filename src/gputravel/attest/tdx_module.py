@@ -35,7 +35,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from gputravel.crypto.pki import _new_key
+from gputravel.crypto.certs import new_key as _new_key
 from gputravel.errors import (
     BadInput,
     GputravelError,
@@ -44,8 +44,10 @@ from gputravel.errors import (
     RemoteError,
     TransportClosed,
 )
-from gputravel.transport.stream import StreamTransport, connect_unix, listen_unix
-from gputravel.protocol.codec import message
+from gputravel.transport.stream import StreamTransport
+from gputravel.transport.unix import connect_unix, listen_unix
+from gputravel.protocol.codec import Message
+from gputravel.protocol.control import Ready
 from gputravel.attest.quote import MEASUREMENT_BYTES, REPORT_DATA_BYTES, EmulatedQuotingEnclave
 
 __all__ = ["CvmRegistered", "Launch", "LaunchedCvm", "Peer", "QuoteRefused", "QuoteReply", "QuoteRequest",
@@ -69,43 +71,31 @@ def process_start(pid: int) -> int | None:
 
 
 # ----------------------------------------------------------------------------- messages
-@message("attest.tdx.quote_request")
-@dataclass(frozen=True)
-class QuoteRequest:
+class QuoteRequest(Message, tag="attest.tdx.quote_request"):
     """CVM -> module: quote me with this report data (nothing else can be asked)."""
 
     report_data: bytes
 
 
-@message("attest.tdx.quote_reply")
-@dataclass(frozen=True)
-class QuoteReply:
+class QuoteReply(Message, tag="attest.tdx.quote_reply"):
     quote: bytes
 
 
-@message("attest.tdx.quote_refused")
-@dataclass(frozen=True)
-class QuoteRefused:
+class QuoteRefused(Message, tag="attest.tdx.quote_refused"):
     reason: str
 
 
-@message("attest.tdx.quoting_key")
-@dataclass(frozen=True)
-class QuotingKey:
+class QuotingKey(Message, tag="attest.tdx.quoting_key"):
     """Module -> launcher: the public quoting key it made (SubjectPublicKeyInfo DER)."""
 
     public_key: bytes
 
 
-@message("attest.tdx.quoting_key_certified")
-@dataclass(frozen=True)
-class QuotingKeyCertified:
+class QuotingKeyCertified(Message, tag="attest.tdx.quoting_key_certified"):
     cert_chain: tuple[bytes, ...]  # quoting-key certificate, CPU-TEE root
 
 
-@message("attest.tdx.launched")
-@dataclass(frozen=True)
-class LaunchedCvm:
+class LaunchedCvm(Message, tag="attest.tdx.launched"):
     """Launcher -> module: the CVM it started, as the kernel names it, and its measurement."""
 
     pid: int
@@ -113,9 +103,7 @@ class LaunchedCvm:
     measurement: bytes
 
 
-@message("attest.tdx.registered")
-@dataclass(frozen=True)
-class CvmRegistered:
+class CvmRegistered(Message, tag="attest.tdx.registered"):
     pid: int
 
 
@@ -331,8 +319,6 @@ def _exited(sock: socket.socket) -> bool:
 
 def serve(config: TdxModuleConfig, control: StreamTransport) -> None:
     """Make the quoting key, listen, hand the launcher the public key, serve until it hangs up."""
-    from gputravel.protocol.control import Ready
-
     if not config.socket_path:
         raise BadInput("the TDX module needs a socket path")
     core = TdxModule()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hmac
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Generic, TypeVar, cast
 
@@ -37,7 +36,7 @@ from gputravel.attest.gpu import (
 )
 from gputravel.attest.roots import TrustStore
 from gputravel.errors import BadInput, ProtocolError
-from gputravel.protocol.codec import decode, message
+from gputravel.protocol.codec import Message, decode
 
 __all__ = ["EAT", "GPU_CHAIN_LENGTH", "EmulatedGpuVerifier", "GpuClaims", "Verifier"]
 
@@ -75,9 +74,7 @@ class Verifier(ABC, Generic[C]):
         the 64-byte expected report data for a CVM quote."""
 
 
-@message("attest.gpu.claims")
-@dataclass(frozen=True)
-class GpuClaims:
+class GpuClaims(Message, tag="attest.gpu.claims"):
     """A verified GPU's claims (only produced when every check passed)."""
 
     nonce: bytes
@@ -90,7 +87,7 @@ class GpuClaims:
     cc_mode: bool
     measurement_result: str  # "success"
     verified_at: int  # unix seconds, the `now` it was verified at
-    emulated: bool = True
+    emulated: bool
 
     def eat(self) -> dict[str, object]:
         return {
@@ -153,7 +150,7 @@ class EmulatedGpuVerifier(Verifier[GpuClaims]):
         return GpuClaims(
             nonce=challenge, evidence_digest=digest, ueid=_serial(ev.cert_chain),
             hwmodel=HWMODEL, driver_version=driver, vbios_version=vbios, fwid=fwid, cc_mode=True,
-            measurement_result="success", verified_at=int(now.timestamp()),
+            measurement_result="success", verified_at=int(now.timestamp()), emulated=True,
         )
 
     def _check_measurements(self, p: ClaimTracker, blocks: dict[int, bytes], driver: str, vbios: str) -> None:

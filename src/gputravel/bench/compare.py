@@ -29,9 +29,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from gputravel.errors import BadInput, RemoteError
-from gputravel.net.shaped import LINK_NETNS, check_rate
+from gputravel.net import LINK_NETNS, check_rate
 from gputravel.cohort.links import resolve_link
-from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.local import Cohort
 
 MIB = 1 << 20
 HOLDER = "holder-1"

@@ -21,9 +21,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from gputravel.errors import BadInput
-from gputravel.net.shaped import LINK_NETNS
-from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
-from gputravel.jobs.training import JobConfig, default_holders, layout_for, resolve
+from gputravel.net import LINK_NETNS
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.local import Cohort
+from gputravel.jobs.training import TrainingJobConfig, default_holders, layout_for, resolve
 from gputravel.train.loop import TrainConfig
 from gputravel.bench.compare import link_kind, machine
 
@@ -64,7 +65,7 @@ def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) 
     result = {"link": kind, "machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "config": cfg.train.to_dict(), "rows": []}
     with tempfile.TemporaryDirectory(prefix="gputravel-train-bench-", dir=cfg.workdir) as tmp:
-        job = resolve(JobConfig(train=cfg.train, holders=default_holders(cfg.holders, Path(tmp)), run_dir=tmp))
+        job = resolve(TrainingJobConfig(train=cfg.train, holders=default_holders(cfg.holders, Path(tmp)), run_dir=tmp))
         for bw in cfg.bandwidths:
             runs = {src: _one(job, kind, bw, src, cfg.workdir) for src in SOURCES}
             row = _row(bw, runs)
@@ -74,7 +75,7 @@ def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) 
     return result
 
 
-def _one(job: JobConfig, kind: str, bw: float | None, source: str, workdir: str | None) -> dict:
+def _one(job: TrainingJobConfig, kind: str, bw: float | None, source: str, workdir: str | None) -> dict:
     t = replace(job.train, loader=source)
     holders = tuple(HolderSpec(name, path, "tokens") for name, path in job.holders)
     cohort_cfg = CohortConfig(holders=holders, buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes),

@@ -18,8 +18,9 @@ from typing import Callable
 
 from gputravel.crypto.channel import KeyMaterial, Receiver, Sender
 from gputravel.errors import BadInput
-from gputravel.orchestrator.machine import STEPS
-from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.protocol.control import STEPS
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.local import Cohort
 
 MIB = 1 << 20
 

@@ -1,4 +1,6 @@
-"""Command line: `gputravel demo` (training), `gputravel travel` (travels only), `gputravel bench ...`."""
+"""Command line: `gputravel demo` (the training job), `gputravel travel` (the travel job: travels
+only), `gputravel bench ...`, `gputravel redteam`; `data`, `pki`, `attest` and `audit` live in
+their own modules."""
 
 from __future__ import annotations
 
@@ -11,9 +13,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gputravel.errors import GputravelError
-from gputravel.orchestrator.machine import STEPS, TravelReport
+from gputravel.bench import codec as codec_bench, compare, travel as travel_bench
+from gputravel.cli.attest import attest_app, pki_app
+from gputravel.cli.audit import audit_app
 from gputravel.cli.common import write_json
+from gputravel.cli.data import data_app
+from gputravel.cli.train import training_job
+from gputravel.errors import GputravelError
+from gputravel.jobs.travel import TravelJobConfig, run_travel_job, summarise
+from gputravel.protocol.control import STEPS, TravelReport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GPU Travelling: confidential collaborative training with a travelling (emulated) H100 in CC mode.")
@@ -22,20 +30,11 @@ app.add_typer(bench_app, name="bench")
 console = Console()
 
 
-def _mount() -> None:
-    from gputravel.cli.attest import attest_app, pki_app
-    from gputravel.cli.audit import audit_app
-    from gputravel.cli.data import data_app
-    from gputravel.cli.train import demo
-
-    app.command(name="demo")(demo)
-    app.add_typer(data_app, name="data")
-    app.add_typer(pki_app, name="pki")
-    app.add_typer(attest_app, name="attest")
-    app.add_typer(audit_app, name="audit")
-
-
-_mount()
+app.command(name="demo")(training_job)
+app.add_typer(data_app, name="data")
+app.add_typer(pki_app, name="pki")
+app.add_typer(attest_app, name="attest")
+app.add_typer(audit_app, name="audit")
 
 SHORT = {"o_cleanup": "scrub", "o_export": "O exp", "dh_switch": "→H sw", "dh_import": "H imp", "dh_copy": "H copy",
          "dh_export": "H exp", "tls": "TLS", "o_switch": "→O sw", "o_import": "O imp", "o_rotate": "rotate"}
@@ -71,7 +70,7 @@ def _row(r: TravelReport) -> list[str]:
 
 
 @app.command(name="travel")
-def travel_demo(
+def travel_job(
     holders: int = typer.Option(3, help="Number of data holders (one CVM process each)."),
     dataset_mib: int = typer.Option(24, help="Size of each holder's synthetic dataset, MiB."),
     buffer_mib: int = typer.Option(8, help="Dataset buffer in the GPU's protected memory, MiB."),
@@ -83,10 +82,8 @@ def travel_demo(
 
     A whole local cohort moves every holder's synthetic dataset through the GPU once, with a
     table of where the time went in each travel."""
-    from gputravel.jobs.travel import DemoConfig, run, summarise
-
     try:
-        cfg = DemoConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed)
+        cfg = TravelJobConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed)
     except GputravelError as exc:
         _fail(exc)
     out = workdir or Path("runs/demo")
@@ -106,7 +103,7 @@ def travel_demo(
             progress.update(task, advance=1, description=f"GPU back from {r.holder}")
 
         try:
-            run(cfg, out, on_travel)
+            run_travel_job(cfg, out, on_travel)
         except GputravelError as exc:
             _fail(exc)
     console.print(table)
@@ -141,8 +138,6 @@ def bench_travel(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
 ) -> None:
     """The paper's Table 1 for this system: per-step time of a travel at each buffer size."""
-    from gputravel.bench.travel import run
-
     size_list = _sizes(sizes)
     table = Table(title="GPU Travelling overheads (medians, ms) — paper Table 1 layout")
     for col in ("MiB", *(SHORT[s] for s in STEPS), "total", "fixed", "copy GB/s"):
@@ -156,7 +151,7 @@ def bench_travel(
 
     try:
         with console.status("measuring the crypto limit and booting cohorts..."):
-            result = run(size_list, repeat, on_row=on_row)
+            result = travel_bench.run(size_list, repeat, on_row=on_row)
     except GputravelError as exc:
         _fail(exc)
     console.print(table)
@@ -181,8 +176,6 @@ def bench_compare(
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw a figure like the paper's Figure 6 here (PNG)."),
 ) -> None:
     """GPU Travelling vs the centralised TLS baseline on capped links (paper 7.2, Figure 6)."""
-    from gputravel.bench import compare
-
     try:
         cfg = compare.CompareConfig(tuple(_sizes(sizes)), compare.parse_bandwidths(bandwidths), repeat, link,
                                     max_transfer_s, link_check_s)
@@ -199,8 +192,6 @@ def bench_compare(
 
 
 def _print_compare(result: dict) -> None:
-    from gputravel.bench import compare
-
     table = Table(title=f"Time per transmission (medians; link: {result['link']})")
     for col in compare.COLUMNS:
         table.add_column(col, justify="right")
@@ -229,7 +220,7 @@ def bench_train(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
 ) -> None:
     """The paper's Table 2: the same training fed by travelling and by the TLS baseline."""
-    from gputravel.bench import compare, train
+    from gputravel.bench import train  # lazy: imports torch (about a second), which the other commands do without
 
     try:
         cfg = train.TrainBenchConfig(compare.parse_bandwidths(bandwidths), link=link, holders=holders,
@@ -250,6 +241,22 @@ def bench_train(
     _write_json(json_path, result)
 
 
+@bench_app.command("codec")
+def bench_codec(
+    repeat: int = typer.Option(15, help="Timed samples per message; medians are reported."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """Encode and decode time of the travel path's messages (the wire codec)."""
+    table = Table(title="Wire codec, travel path (medians, µs per call)")
+    for col in ("message", "bytes", "encode", "decode", "round trip"):
+        table.add_column(col, justify="right")
+    result = codec_bench.run(repeat, on_row=lambda r: table.add_row(
+        r["message"], str(r["bytes"]), f"{r['encode_us']:.2f}", f"{r['decode_us']:.2f}", f"{r['round_trip_us']:.2f}"))
+    console.print(table)
+    console.print(f"codec: {result['codec']}")
+    _write_json(json_path, result)
+
+
 def _write_json(path: Optional[Path], result: dict) -> None:
     if path:
         write_json(path, result)
@@ -264,9 +271,10 @@ def redteam(
 ) -> None:
     """Run every attack (paper section 6, and more) against a live local cohort and count the
     plaintext each attacker obtained. Exits 1 if any attack got plaintext or was not stopped."""
-    from gputravel.redteam.attacks import ATTACKS
-    from gputravel.redteam.report import print_report
-    from gputravel.redteam.run import run_redteam
+    # The command line is the red team's only door: no other command loads it (tests/test_architecture.py).
+    from gputravel.redteam.attacks import ATTACKS  # lazy: only `gputravel redteam` loads the red team
+    from gputravel.redteam.report import print_report  # lazy: as above
+    from gputravel.redteam.run import run_redteam  # lazy: as above
 
     unknown = sorted(set(only or ()) - {a.name for a in ATTACKS})
     if unknown:

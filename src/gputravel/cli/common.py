@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gputravel.data.shards import atomic_write_bytes
+from gputravel.files import atomic_write_bytes
 
 
 def write_json(path: Path, data: object) -> None:

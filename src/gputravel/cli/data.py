@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from gputravel.data.prepare import prepare as run_prepare
+from gputravel.data.tokenizer import get_tokenizer
 from gputravel.errors import GputravelError
 
 data_app = typer.Typer(no_args_is_help=True, help="Training data: tokenize holders' text into llm.c shards.")
@@ -38,9 +40,6 @@ def prepare(
     overwrite: bool = typer.Option(False, help="Replace the shards already in --out."),
 ) -> None:
     """Tokenize text into llm.c shards (each document preceded by end-of-text, as llm.c does)."""
-    from gputravel.data.prepare import prepare as run_prepare
-    from gputravel.data.tokenizer import get_tokenizer
-
     try:
         tok = get_tokenizer(tokenizer.value)
         result = run_prepare(inputs, out, tok, shard_tokens, progress=True, overwrite=overwrite)

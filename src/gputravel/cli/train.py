@@ -1,4 +1,5 @@
-"""`gputravel demo`: the local cohort trains GPT-2 on travelled data, with a live view."""
+"""`gputravel demo`: the training job (jobs/training.py), a local cohort training GPT-2 on
+travelled data, with a live view."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gputravel.errors import BadInput, GputravelError
 from gputravel.cli.common import write_json
+from gputravel.errors import BadInput, GputravelError
+from gputravel.protocol.control import STEPS
 
 console = Console()
 STEP_NAMES = {"o_cleanup": "scrub", "o_export": "O export (during the scrub)", "dh_switch": "switch to H (wait)", "dh_import": "H import",
@@ -33,7 +35,7 @@ def _holder_data(items: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def demo(
+def training_job(
     holders: int = typer.Option(3, help="Data holders (one CVM process each); the demo data is split among them."),
     holder_data: list[str] = typer.Option([], "--holder-data", help="NAME=PATH of a holder's llm.c shards or text (repeatable; replaces the demo data)."),
     steps: int = typer.Option(300, help="Training steps."),
@@ -53,14 +55,15 @@ def demo(
 
     A whole local cohort runs (host, GPU, orchestrator, data holders as processes); the
     orchestrator trains on each chunk the GPU brings back from a holder."""
-    from gputravel.jobs.training import JobConfig, default_holders, run
-    from gputravel.train.loop import TrainConfig
+    # Both import torch (about a second), which `gputravel --help` and the other commands do without.
+    from gputravel.jobs.training import TrainingJobConfig, default_holders, run_training_job  # lazy: torch
+    from gputravel.train.loop import TrainConfig  # lazy: torch
 
     if resume and run_dir is None:
         _fail(BadInput("--resume needs the --run-dir of the run to continue"))
     out = run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
-        cfg = JobConfig(
+        cfg = TrainingJobConfig(
             train=TrainConfig(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * (1 << 20)),
                               schedule=schedule, seed=seed, loader=loader, threads=threads,
                               checkpoint_every=checkpoint_every),
@@ -77,7 +80,7 @@ def demo(
     view = _LiveView(steps)
     try:
         with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
-            report = run(cfg, on_step=lambda e: view.update(e, live))
+            report = run_training_job(cfg, on_step=lambda e: view.update(e, live))
     except GputravelError as exc:
         _fail(exc)
     _summary(report, out)
@@ -116,8 +119,6 @@ class _LiveView:
 
 
 def _summary(report: dict, out: Path) -> None:
-    from gputravel.orchestrator.machine import STEPS
-
     med = report.get("travel_median_steps_ms") or {}
     travels = [t for t in report["travels"] if "total_ms" in t]
     if med and travels:

@@ -1,7 +1,9 @@
 """Process entry point: ``python -m gputravel.cohort.entry ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``.
 
 The supervisor starts every trust domain through here; each reports Ready (or Failed) over
-its control link, then serves until told to stop or its peers go away.
+its control link, then serves until told to stop or its peers go away. The roles are the
+production ones (host, device, holder, orchestrator, tdx-module); another entry module (a
+party spec's ``entry``) reuses :func:`run_party` and :func:`load_config` for roles of its own.
 """
 
 from __future__ import annotations
@@ -12,16 +14,20 @@ import os
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
+from gputravel.crypto.pki import install_member_cert, member_csr
 from gputravel.errors import GputravelError, ProtocolError
 from gputravel.protocol.layout import Layout
 from gputravel.transport.stream import StreamTransport
 from gputravel.protocol.control import Certified, Enroll, Failed, Ready
 from gputravel.cohort.isolation import make_nondumpable
+from gputravel.attest.material import DeviceMaterial
 
 
-def _config(cls, raw: dict):
+def load_config(cls, raw: dict):
+    """A role's configuration from the JSON the supervisor passed (its layout rebuilt)."""
     if isinstance(raw.get("layout"), dict):
         raw = {**raw, "layout": Layout(**raw["layout"])}
     return cls(**raw)
@@ -40,13 +46,17 @@ def _certified(control: StreamTransport, name: str, csr_pem: bytes) -> tuple[byt
 def _enroll(control: StreamTransport, name: str, pki_dir: str) -> None:
     """Make this member's TLS key here, in its own directory, and have the launcher's cohort
     CA certify it."""
-    from gputravel.crypto.pki import install_member_cert, member_csr
-
     cert_pem, ca_pem = _certified(control, name, member_csr(Path(pki_dir), name))
     install_member_cert(Path(pki_dir), name, cert_pem, ca_pem)
 
 
-def main(argv: list[str]) -> int:
+# How an entry module serves a role: (role, its configuration, the control link, the extra socket).
+ServeRole = Callable[[str, dict, StreamTransport, socket.socket | None], None]
+
+
+def run_party(argv: list[str], serve_role: ServeRole) -> int:
+    """``ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``: enrol if asked, then ``serve_role`` until it
+    returns; a failure goes back to the supervisor as Failed. Every entry module runs this."""
     if os.environ.get("GPUTRAVEL_NONDUMPABLE") == "1":  # isolated: see cohort/isolation.py
         make_nondumpable()
     role, payload, control_fd = argv[0], json.loads(argv[1]), int(argv[2])
@@ -56,43 +66,7 @@ def main(argv: list[str]) -> int:
         member = payload.pop("enroll", None)
         if member is not None:
             _enroll(control, member, payload["pki_dir"])
-        if role == "host":
-            from gputravel.host.process import HostConfig, HostProcess
-
-            host = HostProcess(_config(HostConfig, payload))
-            control.send(Ready(role="host", detail={}))
-            host.serve()
-        elif role == "device":
-            from gputravel.device.process import DeviceConfig, DeviceProcess
-            from gputravel.cohort.trust import DeviceMaterial
-
-            assert extra is not None
-            config = _config(DeviceConfig, payload)
-            # Its firmware key, made here; the launcher (the GPU vendor) issues its leaf certificate.
-            gpu = DeviceMaterial.enroll(config.gpu_dir, lambda csr: _certified(control, "device", csr))
-            config = dataclasses.replace(config, serial=gpu.device.serial)
-            dev = DeviceProcess(config, gpu.identity(), extra, firmware=gpu.device.firmware())
-            control.send(Ready(role="device", detail={"vram_bytes": dev.config.vram_bytes}))
-            dev.serve()
-        elif role == "holder":
-            from gputravel.holder.cvm import HolderConfig, serve
-
-            serve(_config(HolderConfig, payload), control)
-        elif role == "orchestrator":
-            from gputravel.orchestrator.cvm import OrchestratorConfig, serve
-
-            assert extra is not None
-            serve(_config(OrchestratorConfig, payload), control, extra)
-        elif role == "tdx-module":  # the emulated TDX module / quoting enclave (attest/tdx_module.py)
-            from gputravel.attest.tdx_module import TdxModuleConfig, serve as serve_tdx_module
-
-            serve_tdx_module(TdxModuleConfig(**payload), control)
-        elif role == "redteam-holder":  # a malicious holder (gputravel.redteam, tests and `gputravel redteam`)
-            from gputravel.redteam.holder import serve as serve_malicious
-
-            serve_malicious(payload, control)
-        else:
-            raise SystemExit(f"unknown role {role!r}")
+        serve_role(role, payload, control, extra)
     except GputravelError as exc:
         traceback.print_exc()
         try:
@@ -101,6 +75,48 @@ def main(argv: list[str]) -> int:
             pass
         return 1
     return 0
+
+
+# Each role's module is imported inside its branch: a process imports only the code of the
+# role it runs (the device never loads the orchestrator, a holder never loads the host).
+def _serve(role: str, payload: dict, control: StreamTransport, extra: socket.socket | None) -> None:
+    if role == "host":
+        from gputravel.host.process import HostConfig, HostProcess  # lazy: only this role's code
+
+        host = HostProcess(load_config(HostConfig, payload))
+        control.send(Ready(role="host", detail={}))
+        host.serve()
+    elif role == "device":
+        from gputravel.device.process import DeviceConfig, DeviceProcess  # lazy: only this role's code
+
+        assert extra is not None
+        config = load_config(DeviceConfig, payload)
+        # Its firmware key, made here; the launcher (the GPU vendor) issues its leaf certificate.
+        gpu = DeviceMaterial.enroll(config.gpu_dir, lambda csr: _certified(control, "device", csr))
+        config = dataclasses.replace(config, serial=gpu.device.serial)
+        dev = DeviceProcess(config, gpu.identity(), extra, firmware=gpu.device.firmware())
+        control.send(Ready(role="device", detail={"vram_bytes": dev.config.vram_bytes}))
+        dev.serve()
+    elif role == "holder":
+        from gputravel.holder.cvm import HolderConfig, serve  # lazy: only this role's code
+
+        serve(load_config(HolderConfig, payload), control)
+    elif role == "orchestrator":
+        from gputravel.orchestrator.cvm import OrchestratorConfig  # lazy: only this role's code
+        from gputravel.orchestrator.process import serve  # lazy: only this role's code
+
+        assert extra is not None
+        serve(load_config(OrchestratorConfig, payload), control, extra)
+    elif role == "tdx-module":  # the emulated TDX module / quoting enclave (attest/tdx_module.py)
+        from gputravel.attest.tdx_module import TdxModuleConfig, serve as serve_tdx_module  # lazy: only this role's code
+
+        serve_tdx_module(TdxModuleConfig(**payload), control)
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+def main(argv: list[str]) -> int:
+    return run_party(argv, _serve)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import gputravel
 from gputravel.errors import BadInput
 
 UID_LOW, UID_HIGH, BLOCK = 0x4000_0000, 0x7FFF_0000, 64  # far above any distribution's users
@@ -138,8 +139,6 @@ def _closed(path: str | Path) -> list[Path]:
 
 
 def _needed_paths() -> list[str]:
-    import gputravel
-
     paths = [sys.executable, sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(gputravel.__file__),
              *(p for p in sys.path if p and os.path.isdir(p)),
              *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.isdir(p))]

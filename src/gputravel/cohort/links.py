@@ -9,7 +9,7 @@ Three kinds, and every result names the one it ran on (:attr:`CohortLinks.kind`)
 * ``"token-bucket"`` (:data:`~gputravel.net.shaped.LINK_TOKEN_BUCKET`): every process stays on
   loopback and each end of each holder<->orchestrator TLS connection paces what it sends with
   its own :class:`~gputravel.net.shaped.TokenBucket` (the fallback where namespaces are
-  unavailable).
+  unavailable; each party paces itself with net/pace.py).
 * ``"none"``: loopback, no cap (what a cohort did before links existed).
 
 ``link="auto"`` picks netns-tc when there is a cap and namespaces work, the token bucket when
@@ -19,22 +19,20 @@ root namespace: they are reached by Unix socket path, which namespaces do not ch
 
 from __future__ import annotations
 
-
 from gputravel.errors import BadInput
-from gputravel.net.shaped import (
+from gputravel.net import (
     LINK_NETNS,
     LINK_TOKEN_BUCKET,
     LinkError,
     ShapedLinks,
-    TokenBucket,
     check_bandwidth,
     netns_available,
 )
+from gputravel.protocol.parties import ORCHESTRATOR
 
 LINK_NONE = "none"
 #: What a cohort may be asked for (``CohortConfig.link``).
 LINK_CHOICES = ("auto", "netns", "token-bucket", "none")
-ORCHESTRATOR = "orchestrator"
 LOOPBACK = "127.0.0.1"
 
 
@@ -111,12 +109,3 @@ class CohortLinks:
         """The rate each TLS end paces itself to (token-bucket links only)."""
         return self.bandwidth_mbit if self.kind == LINK_TOKEN_BUCKET else None
 
-
-def pace(conn: object, pace_mbit: float | None) -> None:
-    """Give one end of a TLS connection its own token bucket (one per direction, as a duplex
-    link has); nothing when there is no rate to keep."""
-    if pace_mbit is None:
-        return
-    if not hasattr(conn, "pace"):
-        raise BadInput(f"{conn!r} cannot be paced: only stream transports can")
-    conn.pace(TokenBucket.from_mbit(pace_mbit))

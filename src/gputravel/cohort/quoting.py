@@ -33,6 +33,7 @@ from gputravel.attest.tdx_module import (
     QuotingKeyCertified,
 )
 from gputravel.errors import BadInput, ProtocolError
+from gputravel.orchestrator.cvm import OrchestratorConfig
 from gputravel.transport.stream import StreamTransport
 from gputravel.cohort.trust import CohortTrust, measured_config
 
@@ -79,8 +80,6 @@ class QuotingLaunch:
         """The measurement of an orchestrator started with `config` and the Popen arguments
         `popen` (uid, environment, working directory): its measured configuration, and the
         package that interpreter will import there."""
-        from gputravel.orchestrator.cvm import OrchestratorConfig
-
         kwargs = {k: popen[k] for k in ("preexec_fn", "env", "cwd", "pass_fds") if k in popen}
         try:
             found = subprocess.run([sys.executable, "-c", _FIND_PACKAGE], capture_output=True, text=True,

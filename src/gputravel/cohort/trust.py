@@ -20,6 +20,8 @@ memory only (`CohortTrust.tee_root`) until it has certified that key (cohort/quo
 Likewise no process but the device ever holds the GPU's firmware key: the vendor's per-device
 CA that signs it stays in the launcher's memory only (`CohortTrust.gpu_vendor`) until it has
 certified the key the device made, and is dropped then.
+
+Each party loads its own share with attest/material.py.
 """
 
 from __future__ import annotations
@@ -29,40 +31,30 @@ import json
 import re
 import shutil
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from gputravel.attest import (
-    AttestationError,
     Authority,
-    GpuDevice,
     GpuIssuer,
     GpuRequirements,
     Policy,
-    ReferenceValues,
-    TrustStore,
-    enroll_gpu,
     init_roots,
     issue_gpu_ca,
     load_authority,
     orchestrator_measurement,
 )
-from gputravel.attest.errors import CLAIMS
+from gputravel.attest.material import LIMITS_FILE, POLICY_FILE, REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
-from gputravel.crypto.pki import DeviceIdentity
 from gputravel.errors import BadInput
 
 if TYPE_CHECKING:
     from gputravel.orchestrator.cvm import OrchestratorConfig
 
-__all__ = ["CohortTrust", "DeviceMaterial", "HolderMaterial", "OrchestratorMaterial", "TrustOptions",
-           "attestation_error_from", "certify_device", "measure_orchestrator", "measured_config", "pin_orchestrator",
-           "provision_cohort_trust", "utcnow"]
+__all__ = ["CohortTrust", "TrustOptions", "certify_device", "measure_orchestrator", "measured_config",
+           "pin_orchestrator", "provision_cohort_trust"]
 
-POLICY_FILE = "policy.json"
-REFERENCE_FILE = "reference-values.json"
-LIMITS_FILE = "attestation.json"
 #: Orchestrator settings that say where it runs, not what it does: left out of its measurement,
 #: so a holder can pin the code and configuration it inspected wherever the cohort is placed.
 #: Every other field is measured (an unknown new field is measured: failing closed).
@@ -70,10 +62,6 @@ PLACEMENT_FIELDS = frozenset({"host_socket", "pki_dir", "trust_dir", "listen_hos
                               "audit_log"})
 GPU_VENDORS = ("cohort", "foreign")
 _HEX96 = re.compile(r"[0-9a-f]{96}")
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 # ----------------------------------------------------------------------------- options
@@ -215,84 +203,3 @@ def _write_orchestrator(path: Path, roots: Path, options: TrustOptions, quoting_
 def _write_holder(path: Path, roots: Path, policy: Policy) -> None:
     _private_dir(path, roots)  # the roots and the reference values: it verifies the GPU itself
     (path / POLICY_FILE).write_text(json.dumps(policy.to_json(), indent=2) + "\n")
-
-
-# ----------------------------------------------------------------------------- each process's share
-@dataclass(frozen=True)
-class DeviceMaterial:
-    """What the device process holds: its SPDM identity and its attestation firmware."""
-
-    device: GpuDevice
-
-    @classmethod
-    def enroll(cls, directory: str, certify: Callable[[bytes], tuple[bytes, bytes]]) -> DeviceMaterial:
-        """Run by the device process at boot: make its firmware key in `directory`, have the
-        vendor (the launcher) certify it over `certify` (attest.enroll_gpu)."""
-        if not directory:
-            raise BadInput("the device has no provisioned firmware state (gpu_dir is empty)")
-        return cls(enroll_gpu(Path(directory), certify))
-
-    def identity(self) -> DeviceIdentity:
-        # The SPDM responder signs with the firmware leaf key, under the 5-certificate chain.
-        return DeviceIdentity(self.device.leaf_key, self.device.chain_der)
-
-
-@dataclass(frozen=True)
-class OrchestratorMaterial:
-    """What the orchestrator holds: the roots it trusts, the GPU's reference values, how old
-    GPU claims may get before holders refuse them, and where its TDX module listens (it
-    holds no quoting key: attest/tdx_module.py)."""
-
-    trust: TrustStore
-    reference: ReferenceValues
-    max_evidence_age_s: int
-    quoting_socket: str = ""
-
-    @classmethod
-    def load(cls, directory: str) -> OrchestratorMaterial:
-        if not directory:
-            raise BadInput("the orchestrator has no trust material (trust_dir is empty): it cannot attest the GPU")
-        path = Path(directory)
-        try:
-            limits = json.loads((path / LIMITS_FILE).read_text())
-        except (OSError, ValueError):
-            raise BadInput(f"{path}: attestation limits missing or unreadable") from None
-        if not isinstance(limits, dict) or type(limits.get("max_evidence_age_s")) is not int or \
-                not isinstance(limits.get("quoting_socket", ""), str):
-            raise BadInput(f"{path}: malformed attestation limits")
-        return cls(TrustStore.load(path), ReferenceValues.load(path / REFERENCE_FILE), limits["max_evidence_age_s"],
-                   limits.get("quoting_socket", ""))
-
-
-@dataclass(frozen=True)
-class HolderMaterial:
-    """What a holder holds: the roots it trusts, its policy (the pinned orchestrator) and the
-    GPU's reference values, to verify the GPU's own evidence."""
-
-    trust: TrustStore
-    policy: Policy
-    reference: ReferenceValues
-
-    @classmethod
-    def load(cls, directory: str) -> HolderMaterial:
-        if not directory:
-            raise BadInput("this holder has no trust material (trust_dir is empty): it will not join an "
-                           "orchestrator it cannot attest")
-        path = Path(directory)
-        policy = Policy.load(path / POLICY_FILE)
-        return cls(TrustStore.load(path), policy,
-                   ReferenceValues.load(policy.gpu_reference_values or path / REFERENCE_FILE))
-
-
-# ----------------------------------------------------------------------------- errors across processes
-_REASON = re.compile(r"attestation failed \[(\w+)\]: (.*)", re.DOTALL)
-
-
-def attestation_error_from(kind: str, reason: str, where: str) -> AttestationError | None:
-    """Rebuild the AttestationError a child reported (control `Failed`), claim included."""
-    if kind != "AttestationError":
-        return None
-    found = _REASON.search(reason)
-    if found is None or found.group(1) not in CLAIMS:
-        return None
-    return AttestationError(found.group(1), f"{where}: {found.group(2)}")

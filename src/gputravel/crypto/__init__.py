@@ -1,11 +1,13 @@
 """Cryptography for gputravel.
 
 * `channel` - the AES-256-GCM channel recipe (the only AES-GCM user in the project).
+* `labels`  - the per-channel key labels of an epoch, each with its direction and privilege.
 * `spdm`    - SPDM-style key exchange between the orchestrator's driver and the device.
-* `pki`     - cohort certificates for TLS 1.3 and the emulated device identity.
+* `pki`, `certs`, `device_identity` - cohort certificates for TLS 1.3 and the emulated device identity.
 
-The channel API is re-exported here because nearly every layer needs it; `spdm` and `pki`
-are imported as submodules by the few places that use them.
+The public channel API is re-exported here because nearly every layer needs it; the IV and
+nonce helpers behind it (build_iv, gcm_nonce) stay in `channel`, where its tests reach them.
+The other submodules are imported by the few places that use them.
 """
 
 from gputravel.crypto.channel import (
@@ -18,9 +20,7 @@ from gputravel.crypto.channel import (
     KeyMaterial,
     Receiver,
     Sender,
-    build_iv,
     derive_epoch_keys,
-    gcm_nonce,
 )
 
 __all__ = [
@@ -33,7 +33,5 @@ __all__ = [
     "KeyMaterial",
     "Receiver",
     "Sender",
-    "build_iv",
     "derive_epoch_keys",
-    "gcm_nonce",
 ]

@@ -19,14 +19,16 @@ is explained next to the code that does it.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Self
 
+import msgspec
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
+from msgspec.structs import force_setattr
 
 from gputravel.errors import BadInput, CounterExhausted, IntegrityError
 
@@ -146,24 +148,34 @@ def derive_epoch_keys(
 
 
 # ----------------------------------------------------------------------------- state
-@dataclass(frozen=True)
-class ChannelState:
+class ChannelState(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t",
+                   tag="crypto.channel_state"):
     """One direction of one channel as a context blob carries it.
 
     `message_counter` is the last counter used (0 = nothing sent yet on this channel counter).
+    A wire message configured as protocol.codec.Message is (this package may not import it):
+    driver/context.py registers it with the codec.
     """
 
     label: str
-    key: bytes = field(repr=False)
-    iv_mask: bytes = field(repr=False)
+    key: bytes  # secret: left out of repr
+    iv_mask: bytes  # secret: left out of repr
     channel_counter: int
     message_counter: int
 
     def __post_init__(self) -> None:
         _check_label(self.label)
-        object.__setattr__(self, "key", _exact_bytes(self.key, KEY_BYTES, "key"))
-        object.__setattr__(self, "iv_mask", _exact_bytes(self.iv_mask, IV_BYTES, "iv_mask"))
+        force_setattr(self, "key", _exact_bytes(self.key, KEY_BYTES, "key"))
+        force_setattr(self, "iv_mask", _exact_bytes(self.iv_mask, IV_BYTES, "iv_mask"))
         _check_counters(self.channel_counter, self.message_counter, MAX_MESSAGE_COUNTER)
+
+    def __repr__(self) -> str:
+        return (f"ChannelState(label={self.label!r}, channel_counter={self.channel_counter!r}, "
+                f"message_counter={self.message_counter!r})")
+
+    def __rich_repr__(self) -> Iterator[tuple[str, object]]:
+        yield from (("label", self.label), ("channel_counter", self.channel_counter),
+                    ("message_counter", self.message_counter))
 
 
 def _check_counters(channel_counter: int, message_counter: int, max_message_counter: int) -> None:

@@ -1,4 +1,4 @@
-"""The demo holders: nine Shakespeare plays shipped with the package, three per holder
+"""The shipped Shakespeare, the default training data (`gputravel demo`): nine plays, three per holder
 (see demo_data/shakespeare/PROVENANCE.md for where they come from)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from gputravel.errors import BadInput
 HOLDERS = ("tragedies", "comedies", "histories")
 
 
-def demo_root() -> Path:
+def shakespeare_root() -> Path:
     """The installed `demo_data/shakespeare` directory."""
     root = resources.files("gputravel") / "demo_data" / "shakespeare"
     # Holders read plain files, so the data must be on disk (a normal or editable install),
@@ -23,9 +23,9 @@ def demo_root() -> Path:
     return path
 
 
-def demo_holders() -> dict[str, Path]:
+def shakespeare_holders() -> dict[str, Path]:
     """{"tragedies": dir, "comedies": dir, "histories": dir}, each a directory of .txt plays."""
-    root = demo_root()
+    root = shakespeare_root()
     holders = {name: root / name for name in HOLDERS}
     missing = [str(p) for p in holders.values() if not p.is_dir()]
     if missing:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from gputravel.errors import BadInput
-from gputravel.data.shards import atomic_write_bytes
+from gputravel.files import atomic_write_bytes
 
 RECORD_NAME = "tokenizer.json"
 MAX_VOCAB = 65536  # shards store uint16 ids

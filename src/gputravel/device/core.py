@@ -1,8 +1,8 @@
 """The emulated confidential GPU's firmware: GSP RPC queue, work-launch channels, copy engines.
 
-Sans-IO: memory comes in as buffers (VRAM, BAR0, and whatever DMA window the PCIe MUX maps),
-no sockets, no clocks. The device process (``device.process``) owns the descriptors and calls
-:meth:`DeviceCore.service` whenever the doorbell rings.
+Sans-IO: memory comes in as buffers (VRAM, BAR0, and whatever DMA window the PCIe MUX maps,
+see ``device.memory``), no sockets, no clocks. The device process (``device.process``) owns the
+descriptors and calls :meth:`DeviceCore.service` whenever the doorbell rings.
 
 What it enforces, as H100 CC does:
 - every push and copy record is authenticated with receiver-tracked IVs (replays fail);
@@ -16,15 +16,14 @@ What it enforces, as H100 CC does:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from gputravel.crypto.channel import Receiver, Sender, derive_epoch_keys
-from gputravel.crypto.spdm import SpdmResponder
+from gputravel.crypto.spdm import Finish, GetCertificate, SpdmResponder
+from gputravel.device.memory import DmaFault, DmaWindow, check_range, dma_view, fill
 from gputravel.errors import DeviceError, GputravelError, IntegrityError, ProtocolError
 from gputravel.protocol.layout import (
     FAULT_REG,
@@ -38,7 +37,7 @@ from gputravel.protocol.layout import (
     Layout,
     PushChannel,
 )
-from gputravel.crypto.labels import ALL_LABELS, PUSH_LABEL, SEM_LABEL
+from gputravel.crypto.labels import ALL_LABELS, PUSH_LABEL, SEM_LABEL, is_h2d
 from gputravel.protocol.rpc import (
     AllocBuffer,
     BufferInfo,
@@ -64,17 +63,6 @@ if TYPE_CHECKING:
 
 USER_METHODS = (CopyToVram, CopyFromVram, SemaphoreRelease)
 KERNEL_METHODS = (Memset, RotateKeys, GrantWindow, SemaphoreRelease)
-
-
-class DmaFault(DeviceError):
-    """The device touched an IOVA that the IOMMU (the PCIe MUX) does not map right now."""
-
-
-@dataclass
-class DmaWindow:
-    cvm: str
-    iova: int
-    view: memoryview
 
 
 @dataclass
@@ -129,11 +117,7 @@ class DeviceCore:
         self._dma = window
 
     def _dma_view(self, iova: int, nbytes: int) -> memoryview:
-        win = self._dma
-        if win is None or iova < win.iova or iova + nbytes > win.iova + len(win.view) or nbytes < 0:
-            raise DmaFault(f"DMA fault at IOVA {iova:#x} (+{nbytes})")
-        start = iova - win.iova
-        return win.view[start : start + nbytes]
+        return dma_view(self._dma, iova, nbytes)
 
     # ------------------------------------------------------------------ doorbell
     def service(self) -> None:
@@ -198,9 +182,7 @@ class DeviceCore:
         )
 
     def _spdm_step(self, request: object) -> object:
-        from gputravel.crypto import spdm
-
-        if isinstance(request, spdm.GetCertificate):
+        if isinstance(request, GetCertificate):
             if self._session_secret is not None:
                 self._wipe()  # a new owner: nothing of the old session may survive
             self._spdm = self._responder_factory()
@@ -211,7 +193,7 @@ class DeviceCore:
         except GputravelError:
             self._spdm = None
             raise
-        if isinstance(request, spdm.Finish):
+        if isinstance(request, Finish):
             self._session_secret = self._spdm.session_secret
             self._install_epoch(0)
         return reply
@@ -254,14 +236,14 @@ class DeviceCore:
         for label, material in keys.items():
             live = self._rx.get(label) or self._tx.get(label)
             counter = live.channel_counter if live is not None else 1
-            if "_h2d_" in label:
+            if is_h2d(label):
                 self._rx[label] = Receiver(material, channel_counter=counter)
             else:
                 self._tx[label] = Sender(material, channel_counter=counter)
         self._epoch = epoch
 
     def _wipe(self) -> None:
-        _fill(self.vram, 0)
+        fill(self.vram, 0)
         self._session_secret = None
         self._rx.clear()
         self._tx.clear()
@@ -324,12 +306,12 @@ class DeviceCore:
         elif isinstance(push, CopyFromVram):
             self._copy_out(push)
         elif isinstance(push, Memset):
-            _check_range(push.offset, push.nbytes, len(self.vram))
-            _fill(self.vram[push.offset : push.offset + push.nbytes], push.value)
+            check_range(push.offset, push.nbytes, len(self.vram))
+            fill(self.vram[push.offset : push.offset + push.nbytes], push.value)
         elif isinstance(push, RotateKeys):
             self._rotate(push.epoch)
         elif isinstance(push, GrantWindow):
-            _check_range(push.offset, push.nbytes, len(self.vram))
+            check_range(push.offset, push.nbytes, len(self.vram))
             self._user_window = (push.offset, push.nbytes)
 
     def _check_user_window(self, offset: int, nbytes: int) -> None:
@@ -337,7 +319,7 @@ class DeviceCore:
         if self._user_window is None:
             raise DeviceError("no VRAM window is granted to the user channel")
         start, size = self._user_window
-        _check_range(offset - start, nbytes, size)
+        check_range(offset - start, nbytes, size)
 
     def _copy_in(self, push: CopyToVram) -> None:
         if not 0 < push.nbytes <= self.layout.record_bytes:
@@ -393,41 +375,3 @@ class DeviceCore:
 
     def faulted(self, channel: PushChannel) -> bool:
         return channel in self._faulted
-
-
-def _check_range(offset: int, nbytes: int, limit: int) -> None:
-    if offset < 0 or nbytes < 0 or offset + nbytes > limit:
-        raise DeviceError(f"VRAM range {offset:#x}+{nbytes} out of bounds")
-
-
-#: Buffers at least this large are filled by several threads: one core's stores do not
-#: reach the memory bandwidth (two threads scrubbed 512 MiB about 20% faster here).
-FILL_SPLIT_BYTES = 64 << 20
-_FILL_THREADS = max(1, min(os.cpu_count() or 1, 4))
-_fill_pool: ThreadPoolExecutor | None = None
-
-
-def _fill(view: memoryview, value: int) -> None:
-    """memset through ctypes: runs at memory bandwidth and releases the GIL."""
-    if len(view) == 0:
-        return
-    if view.readonly:
-        raise DeviceError("VRAM is read-only")
-    buf = (ctypes.c_char * len(view)).from_buffer(view)
-    try:
-        base, n, byte = ctypes.addressof(buf), len(view), value & 0xFF
-        parts = _FILL_THREADS if n >= FILL_SPLIT_BYTES else 1
-        if parts == 1:
-            ctypes.memset(base, byte, n)
-            return
-        global _fill_pool
-        if _fill_pool is None:
-            _fill_pool = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="fill")
-        step = -(-n // parts)
-        pieces = [(base + off, min(step, n - off)) for off in range(0, n, step)]
-        helpers = [_fill_pool.submit(ctypes.memset, addr, byte, size) for addr, size in pieces[1:]]
-        ctypes.memset(pieces[0][0], byte, pieces[0][1])
-        for job in helpers:
-            job.result()
-    finally:
-        del buf

@@ -15,14 +15,16 @@ import time
 from dataclasses import dataclass
 
 from gputravel.attest.gpu import EmulatedGpuFirmware
-from gputravel.crypto.pki import DeviceIdentity
+from gputravel.crypto.device_identity import DeviceIdentity
 from gputravel.crypto.spdm import SpdmResponder
 from gputravel.errors import PeerTimeout, ProtocolError, TransportClosed
 from gputravel.protocol.layout import Bar0, Layout
 from gputravel.protocol.host import AttachCvm, DeviceAck, DeviceAttach
 from gputravel.protocol.device import VramGrant, VramRequest
-from gputravel.transport.stream import StreamTransport, connect_unix
-from gputravel.device.core import DeviceCore, DmaWindow
+from gputravel.transport.stream import StreamTransport
+from gputravel.transport.unix import connect_unix
+from gputravel.device.core import DeviceCore
+from gputravel.device.memory import DmaWindow
 
 
 @dataclass(frozen=True)

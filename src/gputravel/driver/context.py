@@ -10,20 +10,18 @@ field is trusted. The blob holds keys: it only ever crosses TLS, and it is never
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 from gputravel.crypto.channel import ChannelState
+from gputravel.crypto.labels import Direction, direction_of
 from gputravel.errors import ContextBlobError, ProtocolError
-from gputravel.protocol.codec import decode, encode, message
+from gputravel.protocol.codec import Message, decode, encode, register
 
 CONTEXT_VERSION = 1
 
-message("crypto.channel_state")(ChannelState)
+register(ChannelState)  # tagged "crypto.channel_state" in crypto/, which may not import the codec
 
 
-@message("context.v1")
-@dataclass(frozen=True)
-class DriverContext:
+class DriverContext(Message, tag="context.v1"):
     version: int
     layout: str  # Layout.digest(): slots must sit at the same IOVAs in both CVMs
     epoch: int
@@ -39,9 +37,7 @@ class DriverContext:
         return f"DriverContext(v{self.version}, epoch={self.epoch}, put={self.gpfifo_put})"
 
 
-@message("context.sealed")
-@dataclass(frozen=True)
-class SealedContext:
+class SealedContext(Message, tag="context.sealed"):
     body: bytes
     sha256: bytes
 
@@ -79,5 +75,9 @@ def _check_channels(ctx: DriverContext) -> None:
     labels = [s.label for s in ctx.senders + ctx.receivers]
     if len(labels) != len(set(labels)):
         raise ContextBlobError("context blob carries a channel twice")
-    if any("_h2d_" not in s.label for s in ctx.senders) or any("_d2h_" not in s.label for s in ctx.receivers):
+    # A label this build does not derive has no side to check here; the importers refuse it
+    # (Driver.import_context and OrchestratorDriver.import_returned want exactly USER_LABELS).
+    wrong = [s for s in ctx.senders if direction_of(s.label) is Direction.D2H]
+    wrong += [r for r in ctx.receivers if direction_of(r.label) is Direction.H2D]
+    if wrong:
         raise ContextBlobError("context blob carries a channel on the wrong side")

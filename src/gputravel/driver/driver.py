@@ -35,7 +35,7 @@ from gputravel.protocol.layout import (
     Bar0,
     PushChannel,
 )
-from gputravel.crypto.labels import PUSH_LABEL, SEM_LABEL, USER_LABELS
+from gputravel.crypto.labels import PUSH_LABEL, SEM_LABEL, USER_LABELS, is_h2d
 from gputravel.protocol.rpc import BufferInfo, DeviceInfo, GetDeviceInfo, QueryBuffer, RpcError
 from gputravel.protocol.push import CopyFromVram, CopyToVram
 from gputravel.protocol.codec import decode, encode
@@ -55,7 +55,7 @@ class ChannelKeys:
         for label, material in keys.items():
             live = self.tx.get(label) or self.rx.get(label)
             chan = live.channel_counter if live is not None else 1
-            if "_h2d_" in label:
+            if is_h2d(label):
                 self.tx[label] = Sender(material, channel_counter=chan)
             else:
                 self.rx[label] = Receiver(material, channel_counter=chan)
@@ -86,7 +86,7 @@ class Driver:
         in BAR0): the queue's state is the device's, whoever used it last.
         """
         if self.epoch is None:
-            self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
+            self._join_rpc_queue()
         info = self.rpc(GetDeviceInfo(), encrypted=False, timeout=timeout)
         if not isinstance(info, DeviceInfo):
             raise ProtocolError("device did not answer GET_DEVICE_INFO")
@@ -94,6 +94,23 @@ class Driver:
             raise ProtocolError("device uses another bounce-buffer layout")
         self.info = info
         return info
+
+    def _join_rpc_queue(self) -> None:
+        self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
+
+    def join_queues_where_they_stand(self) -> None:
+        """Take the user channel's GPFIFO put and the RPC sequence numbers from BAR0 (the
+        device's get pointers) instead of from the context imported, as probe does for the RPC
+        queue at boot: for a driver picking up queues that others moved since its context was
+        exported. No honest travel needs it (a context blob carries where its queues stand).
+
+        Public because it moves only this CVM's own driver state, nothing the device or the
+        orchestrator trusts: a data holder controls its own CVM and could set these anyway
+        (the red team's malicious holder does, to use keys it kept), so offering it weakens no
+        check; the device's push and RPC authentication is what stands in its way.
+        """
+        self._put[PushChannel.USER] = self._get(PushChannel.USER)
+        self._join_rpc_queue()
 
     @property
     def has_context(self) -> bool:
@@ -300,8 +317,8 @@ class Driver:
             version=CONTEXT_VERSION,
             layout=self.layout.digest(),
             epoch=self.epoch,
-            senders=tuple(self.keys.tx[label].export_state() for label in USER_LABELS if "_h2d_" in label),
-            receivers=tuple(self.keys.rx[label].export_state() for label in USER_LABELS if "_d2h_" in label),
+            senders=tuple(self.keys.tx[label].export_state() for label in USER_LABELS if is_h2d(label)),
+            receivers=tuple(self.keys.rx[label].export_state() for label in USER_LABELS if not is_h2d(label)),
             # The next party's releases start above every value handed out here, confirmed or not.
             semaphore=max(self._sem[PushChannel.USER], self._issued[PushChannel.USER]),
             gpfifo_put=self._put[PushChannel.USER],

@@ -11,9 +11,12 @@ import mmap
 import os
 import selectors
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gputravel.crypto.pki import CohortPki
+from gputravel.data.holder_tokens import load_tokens
 from gputravel.driver.driver import Driver
 from gputravel.driver.link import PcieMuxClient, register_with_host
 from gputravel.errors import (
@@ -25,22 +28,26 @@ from gputravel.errors import (
     TransportClosed,
 )
 from gputravel.protocol.layout import Layout
-from gputravel.protocol.travel import Bye, HolderHello, TravelRequest, Welcome
-from gputravel.holder.machine import CopyChunk, ExportBlob, HolderTravel, ImportBlob, Reply, SwitchBack
+from gputravel.protocol.parties import ORCHESTRATOR
+from gputravel.protocol.travel import Bye, HolderHello, SendChunk, TravelRequest
+from gputravel.holder.machine import Deadlines, HolderTravel
+from gputravel.holder.steps import (
+    Attached, Attest, Attested, AuditArrival, Audited, AwaitGpu, AwaitSwitchHome, BaselineAsked, Challenge, CheckBuffer,
+    Copied, CopyChunk, ExportBlob, Exported, Granted, HelloAnswered, ImportBlob, Imported, Introduce, Replied, Reply,
+    Request, StepFailed, SwitchAsked, SwitchBack, SwitchedHome,
+)
 from gputravel.protocol.manifest import PIECE_BYTES, piece_digests
 from gputravel.transport.base import Transport
-from gputravel.transport.stream import connect_unix
+from gputravel.transport.unix import connect_unix
 from gputravel.transport.tls import connect_tls
-from gputravel.attest import AttestationError, AttestDue, OrchestratorAttestation
-from gputravel.orchestrator.attester import challenge_orchestrator
-from gputravel.orchestrator.baseline import SendChunk, send_chunk
+from gputravel.attest import AttestDue, OrchestratorAttestation
+from gputravel.holder.attestation import challenge_orchestrator
+from gputravel.holder.baseline import send_chunk
 from gputravel.protocol.control import JoinCohort, Ready, Shutdown
-from gputravel.cohort.links import pace
-from gputravel.orchestrator.membership import HOLDER_COMMANDS, holder_command
-from gputravel.orchestrator.membership import join as join_cohort
-from gputravel.cohort.trust import HolderMaterial
-
-ORCHESTRATOR = "orchestrator"
+from gputravel.net.pace import pace
+from gputravel.holder.membership import HOLDER_COMMANDS, holder_command
+from gputravel.holder.membership import join as join_cohort
+from gputravel.attest.material import HolderMaterial
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,8 @@ class HolderConfig:
     host_socket: str
     pki_dir: str
     layout: Layout
-    device_timeout: float = 30.0
+    device_timeout: float = 30.0  # the host's MUX and the device, each step of a travel
+    orchestrator_timeout: float = 30.0  # an attestation exchange, the answer to a join, one whole message
     audit_arrival: bool = False  # read the buffer back on arrival and count non-zero bytes
     dataset_format: str = "raw"  # "raw": the file's bytes; "tokens": llm.c shards or text, as uint16 tokens
     # Fault injection for tests and the red team: on this travel (1-based), die half-way
@@ -89,8 +97,6 @@ class Dataset:
                 self._map = mmap.mmap(f.fileno(), self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
 
     def _load_tokens(self, path: str) -> None:
-        from gputravel.data.shards import load_tokens
-
         loaded = load_tokens(path)
         data = loaded.tokens.astype("<u2", copy=False).tobytes()
         self.tokenizer = loaded.tokenizer
@@ -101,6 +107,8 @@ class Dataset:
 
 
 class DataHolder:
+    _clock = staticmethod(time.perf_counter)  # the one clock the machine is told: step timings, attestation ages
+
     def __init__(self, config: HolderConfig) -> None:
         self.config = config
         self.dataset = Dataset(config.dataset_path, config.dataset_format)
@@ -110,12 +118,13 @@ class DataHolder:
         # Manifest pieces must tile any buffer the orchestrator may have: buffers are whole
         # records, so pieces are at most one record.
         self.piece_bytes = min(PIECE_BYTES, config.layout.record_bytes)
+        deadlines = Deadlines(device=config.device_timeout, orchestrator=config.orchestrator_timeout)
         self.sm = HolderTravel(config.name, self.dataset.size, piece_digests(self.dataset.view, self.piece_bytes),
-                               self.piece_bytes)
+                               self.piece_bytes, deadlines, config.audit_arrival)
         self.orchestrator: Transport | None = None
+        self.attestation: OrchestratorAttestation | None = None  # our last one of the orchestrator
         self.travels_served = 0
-        self.attested_at = 0.0  # time.monotonic() of our last attestation of the orchestrator
-        self.attestation_valid_s = 0.0  # the policy's evidence age limit, when we last attested
+        self._policy: HolderMaterial | None = None  # what the attestation under way checks against
 
     def boot(self) -> None:
         """Paper 4.1: set up the driver while this CVM has the GPU, before the orchestrator boots."""
@@ -127,29 +136,24 @@ class DataHolder:
     def switch(self, target: str) -> int:
         return self.mux.switch(target, self.config.device_timeout).elapsed_ns
 
+    # ------------------------------------------------------------------ what the orchestrator asks of us
     def join(self, host: str, port: int) -> OrchestratorAttestation:
         """Connect, attest the orchestrator against our policy (paper 4.5, CPU phase: every
         join, rejoins included), and only then introduce ourselves."""
         if self.orchestrator is not None:
             raise IllegalTransition(self.config.name, "joined", "join again before leaving")
-        material = HolderMaterial.load(self.config.trust_dir)
+        self._policy = HolderMaterial.load(self.config.trust_dir)
         ctx = CohortPki.load(self.config.pki_dir).client_context(self.config.name)
-        conn = connect_tls(host, port, ctx, server_hostname=ORCHESTRATOR)
-        attestation = challenge_orchestrator(conn, material, timeout=30)  # closes conn if refused
-        self.attested_at = time.monotonic()
-        self.attestation_valid_s = material.policy.max_evidence_age_s
+        self.orchestrator = connect_tls(host, port, ctx, server_hostname=ORCHESTRATOR)
         try:
-            conn.send(HolderHello(self.config.name, self.dataset.size, self.piece_bytes, self.sm.manifest,
-                                  self.dataset.tokenizer))
-            answer = conn.recv(timeout=30).message
-            if not isinstance(answer, Welcome):
-                why = f": {answer.reason}" if isinstance(answer, Bye) else ""
-                raise ProtocolError(f"orchestrator did not welcome us{why}")
-        except GputravelError:
-            conn.close()
+            self._run(Attest(joining=True))
+        except BaseException:
+            self.orchestrator.close()
+            self.orchestrator = None
+            self.sm.abort()
             raise
-        self.orchestrator = conn
-        return attestation
+        assert self.attestation is not None
+        return self.attestation
 
     def reattest(self) -> None:
         """Paper 4.5: evidence has a lifetime. The orchestrator sends `AttestDue` between
@@ -157,88 +161,114 @@ class DataHolder:
         so when we last accepted it); we attest it again on this connection: a fresh quote and
         fresh GPU evidence, both for a new nonce of ours. A refusal closes the connection
         (challenge_orchestrator): this holder leaves the cohort and stays up."""
-        material = HolderMaterial.load(self.config.trust_dir)  # the policy as it is now
-        assert self.orchestrator is not None
-        challenge_orchestrator(self.orchestrator, material, timeout=30)
-        self.attested_at = time.monotonic()
-        self.attestation_valid_s = material.policy.max_evidence_age_s
+        self._policy = HolderMaterial.load(self.config.trust_dir)  # the policy as it is now
+        self._run(Attest(joining=False))
         print(f"{self.config.name}: re-attested the orchestrator", flush=True)
 
-    def check_attested(self) -> None:
-        """Before we touch a context: our attestation of the orchestrator is within our
-        policy's age limit. An orchestrator that never asked us to re-attest is left."""
-        age = time.monotonic() - self.attested_at
-        if age > self.attestation_valid_s:
-            raise AttestationError("expired", f"our attestation of the orchestrator is {age:.0f} s old; the "
-                                              f"policy allows {self.attestation_valid_s:.0f} s and it did not "
-                                              "let us attest it again")
-
     def serve_travel(self, req: TravelRequest) -> None:
-        self.check_attested()
-        clock = time.perf_counter
-        act = self.sm.on_request(req, clock())
-        if isinstance(act, ImportBlob):  # while the MUX switches the GPU to us
-            try:
-                self.driver.import_context(act.blob)
-            except GputravelError as exc:  # refuse; the error names what is wrong, never a value
-                self.sm.import_failed(f"{type(exc).__name__}: {exc}", clock())
-            else:
-                self.sm.imported(clock())
-        act = self._await_gpu(clock)
-        if isinstance(act, CopyChunk):
-            act = self._copy(act, clock)
-        assert isinstance(act, SwitchBack)
-        self.go_home(clock)
+        self._run(Request(req))
 
-    def _await_gpu(self, clock):
-        try:
-            self.mux.attached(self.config.device_timeout)
-        except GputravelError as exc:
-            return self.sm.attach_failed(f"the GPU never came: {type(exc).__name__}: {exc}", clock())
-        return self.sm.attached(clock())
-
-    def go_home(self, clock, returned=None) -> bytes:
-        """Ask for the switch home, export the context while it runs, reply at once (the
-        orchestrator imports while the MUX switches), then take the host's answer.
-        ``returned`` (red team only) picks the blob handed back. Returns the exported blob."""
-        self.mux.request(ORCHESTRATOR)
-        act = self.sm.switch_requested(clock())
-        blob = b""
-        if isinstance(act, ExportBlob):
-            blob = self.driver.export_context()
-            act = self.sm.exported(returned(blob) if returned else blob, clock())
-        assert isinstance(act, Reply)
+    def send_baseline(self, msg: SendChunk) -> None:
+        """The centralised TLS baseline (paper 7.2): plaintext leaves here, so only to an
+        orchestrator attested within our policy's age limit (the machine checks)."""
+        self.sm.handle(BaselineAsked(), self._clock())
         assert self.orchestrator is not None
-        self.orchestrator.send(act.message)
-        self.mux.switched(self.config.device_timeout)
-        return blob
+        send_chunk(self.dataset.view, self.piece_bytes, self.orchestrator, msg)
 
-    def _copy(self, act: CopyChunk, clock):
-        try:
-            if self.config.audit_arrival:  # in here: a fault during the audit refuses the travel too
-                self.sm.audited(self._audit(act))
-            info = self.driver.query_buffer(act.buffer_offset, timeout=self.config.device_timeout)
-            if info.nbytes < act.buffer_bytes:
-                raise BadInput(f"the device buffer holds {info.nbytes} bytes, the request claims {act.buffer_bytes}")
-            chunk = self.dataset.view[act.dataset_offset : act.dataset_offset + act.nbytes]
-            self.travels_served += 1
-            if self.travels_served == self.config.die_mid_copy_on_travel:
-                self._die_mid_copy(chunk, act.buffer_offset, info.nbytes)
-            self.driver.copy_to_vram(chunk, act.buffer_offset, buffer_bytes=info.nbytes, timeout=self.config.device_timeout)
-        except GputravelError as exc:
-            return self.sm.copy_failed(f"{type(exc).__name__}: {exc}", clock())
-        return self.sm.copied(act.nbytes, clock())
+    # ------------------------------------------------------------------ the loop
+    def _run(self, event: object) -> None:
+        now = self._clock()
+        self._drive(self.sm.handle(event, now), now)
 
-    def _die_mid_copy(self, chunk: memoryview, buffer_offset: int, buffer_bytes: int) -> None:
+    def _drive(self, act: object, now: float) -> None:
+        """Carry out each action the machine returns (through ``ACTIONS``, which a subclass may
+        replace) and tell it how each ended, reading the clock once a turn, until it has
+        nothing more to do. A step's GputravelError is the machine's to judge; any other
+        exception leaves the machine where it was and goes up."""
+        while act is not None:
+            try:
+                event = self.ACTIONS[type(act)](self, act, self.sm.time_left(now))
+            except GputravelError as exc:
+                now = self._clock()
+                act = self._failed(exc, now)
+                continue
+            now = self._clock()
+            act = self.sm.handle(event, now)
+
+    def _failed(self, exc: GputravelError, now: float) -> object:
+        """A step failed. A wait that ran to its deadline is the machine's to judge; any other
+        failure refuses the travel where the machine still can (the error names what is
+        wrong, never a value), and otherwise goes up."""
+        act = self.sm.on_timeout(now) if isinstance(exc, PeerTimeout) else None
+        if act is not None:
+            return act
+        if not self.sm.accepts(StepFailed):
+            raise exc
+        return self.sm.handle(StepFailed(f"{type(exc).__name__}: {exc}"), now)
+
+    # ------------------------------------------------------------------ one step each
+    def _challenge(self, act: Challenge, timeout: float | None) -> Attested:
+        assert self.orchestrator is not None and self._policy is not None
+        self.attestation = challenge_orchestrator(self.orchestrator, self._policy, timeout=timeout)  # closes the link if refused
+        return Attested(self._policy.policy.max_evidence_age_s)
+
+    def _introduce(self, act: Introduce, timeout: float | None) -> HelloAnswered:
+        assert self.orchestrator is not None
+        self.orchestrator.send(HolderHello(self.config.name, self.dataset.size, self.piece_bytes, self.sm.manifest,
+                                           self.dataset.tokenizer))
+        return HelloAnswered(self.orchestrator.recv(timeout=timeout).message)
+
+    def _import_blob(self, act: ImportBlob, timeout: float | None) -> Imported:
+        self.driver.import_context(act.blob)  # while the MUX switches the GPU to us
+        return Imported()
+
+    def _attach(self, act: AwaitGpu, timeout: float | None) -> Attached:
+        self.mux.attached(timeout)
+        return Attached()
+
+    def _audit(self, act: AuditArrival, timeout: float | None) -> Audited:
+        data = self.driver.copy_from_vram(act.buffer_offset, act.buffer_bytes, timeout=timeout)
+        return Audited(act.buffer_bytes - data.count(0))
+
+    def _check_buffer(self, act: CheckBuffer, timeout: float | None) -> Granted:
+        return Granted(self.driver.query_buffer(act.buffer_offset, timeout=timeout).nbytes)
+
+    def _copy_chunk(self, act: CopyChunk, timeout: float | None) -> Copied:
+        chunk = self.dataset.view[act.dataset_offset : act.dataset_offset + act.nbytes]
+        self.travels_served += 1
+        if self.travels_served == self.config.die_mid_copy_on_travel:
+            self._die_mid_copy(chunk, act.buffer_offset, act.granted_bytes, timeout)
+        self.driver.copy_to_vram(chunk, act.buffer_offset, buffer_bytes=act.granted_bytes, timeout=timeout)
+        return Copied(act.nbytes)
+
+    def _die_mid_copy(self, chunk: memoryview, buffer_offset: int, buffer_bytes: int, timeout: float | None) -> None:
         half = len(chunk) // 2
         if half:
-            self.driver.copy_to_vram(chunk[:half], buffer_offset, buffer_bytes=buffer_bytes,
-                                     timeout=self.config.device_timeout)
+            self.driver.copy_to_vram(chunk[:half], buffer_offset, buffer_bytes=buffer_bytes, timeout=timeout)
         os._exit(70)  # no goodbye, no context back: the GPU is left with half a chunk
 
-    def _audit(self, act: CopyChunk) -> int:
-        data = self.driver.copy_from_vram(act.buffer_offset, act.buffer_bytes, timeout=self.config.device_timeout)
-        return act.buffer_bytes - data.count(0)
+    def _switch_back(self, act: SwitchBack, timeout: float | None) -> SwitchAsked:
+        self.mux.request(ORCHESTRATOR)
+        return SwitchAsked()
+
+    def _export_blob(self, act: ExportBlob, timeout: float | None) -> Exported:
+        return Exported(self.driver.export_context())
+
+    def _send_reply(self, act: Reply, timeout: float | None) -> Replied:
+        assert self.orchestrator is not None
+        self.orchestrator.send(act.message)
+        return Replied()
+
+    def _await_switch_home(self, act: AwaitSwitchHome, timeout: float | None) -> SwitchedHome:
+        self.mux.switched(timeout)
+        return SwitchedHome()
+
+    #: How each action the machine returns is carried out: one IO step, reporting one event.
+    ACTIONS: dict[type, Callable[[Any, Any, float | None], object]] = {
+        Challenge: _challenge, Introduce: _introduce, ImportBlob: _import_blob, AwaitGpu: _attach,
+        AuditArrival: _audit, CheckBuffer: _check_buffer, CopyChunk: _copy_chunk, SwitchBack: _switch_back,
+        ExportBlob: _export_blob, Reply: _send_reply, AwaitSwitchHome: _await_switch_home,
+    }
 
 
 def serve(config: HolderConfig, control: Transport) -> None:
@@ -276,7 +306,7 @@ def _serve_orchestrator(holder: DataHolder, sel: selectors.BaseSelector) -> bool
     conn = holder.orchestrator
     assert conn is not None
     try:
-        msg = conn.recv(timeout=30).message
+        msg = conn.recv(timeout=holder.sm.deadlines.orchestrator).message  # once it is arriving, a whole one
     except TransportClosed:
         return False
     except (ProtocolError, PeerTimeout) as exc:
@@ -289,8 +319,7 @@ def _serve_orchestrator(holder: DataHolder, sel: selectors.BaseSelector) -> bool
         elif isinstance(msg, TravelRequest):
             holder.serve_travel(msg)
         elif isinstance(msg, SendChunk):  # the centralised TLS baseline (paper 7.2)
-            holder.check_attested()  # plaintext leaves here: only to an orchestrator attested in time
-            send_chunk(holder.dataset.view, holder.piece_bytes, conn, msg)
+            holder.send_baseline(msg)
     except TransportClosed:
         return False
     except GputravelError as exc:
@@ -305,4 +334,5 @@ def _leave_after(holder: DataHolder, sel: selectors.BaseSelector, why: str) -> b
     sel.unregister(conn.fileno())
     conn.close()
     holder.orchestrator = None
+    holder.sm.abort()  # whatever travel or attestation was under way on that link is over
     return True

@@ -1,98 +1,151 @@
-"""A data holder's side of one travel, as a sans-IO state machine.
+"""A data holder's side of the cohort, as a sans-IO state machine (protocol/machine.py).
 
-The holder is essentially a server (paper 4.2): a travel request arrives while the PCIe MUX
-switches the GPU to it; it imports the context, waits until the host says the GPU is its
-own, copies the requested chunk through the driver copy API, asks the host to switch the GPU
-back, exports the context while that runs and, without waiting for the switch, replies (the
-orchestrator imports the context while the switch goes on). A request it cannot serve is
-refused, but it still waits for the GPU and returns the context and the GPU.
+The holder is essentially a server (paper 4.2). It attests the orchestrator on every join
+and whenever told its evidence is due, and touches a context only while that attestation is
+within its policy's age limit. A travel request arrives while the PCIe MUX switches the GPU
+to it; it imports the context, waits until the GPU is its own, checks the granted buffer,
+copies the chunk through the driver copy API, asks for the switch back, exports the context
+while that runs and replies at once (the orchestrator imports while the switch goes on), then
+waits for the switch. A request it cannot serve, or a step that fails or runs past its
+deadline before the copy is done, is refused; the context and the GPU still go back.
+
+What it is told (events) and what it asks for (actions) are in holder/steps.py; this module
+is the order they come in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
-from gputravel.errors import IllegalTransition
-from gputravel.protocol.travel import ChunkInfo, TravelRefused, TravelRequest, TravelResult
+from gputravel.attest import AttestationError
+from gputravel.errors import ProtocolError
+from gputravel.holder.steps import (
+    Attached, Attest, Attested, AuditArrival, Audited, AwaitGpu, AwaitSwitchHome, BaselineAsked, Challenge, CheckBuffer,
+    Copied, CopyChunk, ExportBlob, Exported, Granted, HelloAnswered, ImportBlob, Imported, Introduce, Replied, Reply,
+    Request, StepFailed, SwitchAsked, SwitchBack, SwitchedHome,
+)
+from gputravel.protocol.machine import TimedOut, TravelMachine
 from gputravel.protocol.manifest import chunk_digest_from_manifest
+from gputravel.protocol.travel import Bye, ChunkInfo, TravelRefused, TravelRequest, TravelResult, Welcome
 
 
 class HolderPhase(Enum):
     IDLE = "idle"
+    ATTEST = "attest"  # attesting the orchestrator (joining, or after it said AttestDue)
+    WELCOME = "welcome"  # joining: introduced ourselves, waiting to be welcomed
     IMPORT = "import"
     ATTACH = "attach"  # waiting for the GPU to be ours
+    AUDIT = "audit"  # reading the buffer back on arrival
+    GRANT = "grant"  # asking the device how large the granted buffer is
     COPY = "copy"
+    SWITCH = "switch"  # asking for the switch home
     EXPORT = "export"
-    SWITCH = "switch"
+    REPLY = "reply"
+    HOMEWARD = "homeward"  # replied; waiting for the MUX to switch the GPU home
+    ERROR = "error"
 
 
 @dataclass(frozen=True)
-class ImportBlob:
-    blob: bytes = field(repr=False)
+class Deadlines:
+    """Seconds each wait may take (HolderConfig sets them)."""
+
+    device: float = 30.0  # the host's MUX and the device, during a travel
+    orchestrator: float = 30.0  # an attestation exchange, the answer to a join
 
 
-@dataclass(frozen=True)
-class AwaitGpu:
-    pass
+P = HolderPhase
+_REFUSABLE = {(p, e): (P.SWITCH,) for p in (P.ATTACH, P.AUDIT, P.GRANT, P.COPY) for e in (StepFailed, TimedOut)}
 
 
-@dataclass(frozen=True)
-class CopyChunk:
-    buffer_offset: int
-    buffer_bytes: int
-    dataset_offset: int
-    nbytes: int
+class HolderTravel(TravelMachine):
+    IDLE, ERROR = P.IDLE, P.ERROR
+    TABLE = {
+        (P.IDLE, Attest): (P.ATTEST,),
+        (P.IDLE, BaselineAsked): (P.IDLE,),
+        (P.IDLE, Request): (P.IMPORT, P.ATTACH),  # ATTACH: refused on sight
+        (P.ATTEST, Attested): (P.WELCOME, P.IDLE),  # WELCOME: joining
+        (P.WELCOME, HelloAnswered): (P.IDLE,),
+        (P.IMPORT, Imported): (P.ATTACH,),
+        (P.IMPORT, StepFailed): (P.ATTACH,),  # refused, the context untouched
+        (P.ATTACH, Attached): (P.AUDIT, P.GRANT, P.SWITCH),  # SWITCH: refusing
+        (P.AUDIT, Audited): (P.GRANT,),
+        (P.GRANT, Granted): (P.COPY, P.SWITCH),
+        (P.COPY, Copied): (P.SWITCH,),
+        **_REFUSABLE,
+        (P.SWITCH, SwitchAsked): (P.EXPORT, P.REPLY),  # REPLY: never imported, nothing to export
+        (P.EXPORT, Exported): (P.REPLY,),
+        (P.REPLY, Replied): (P.HOMEWARD,),
+        (P.HOMEWARD, SwitchedHome): (P.IDLE,),
+    }
 
-
-@dataclass(frozen=True)
-class ExportBlob:
-    pass
-
-
-@dataclass(frozen=True)
-class SwitchBack:
-    pass
-
-
-@dataclass(frozen=True)
-class Reply:
-    message: TravelResult | TravelRefused
-
-
-class HolderTravel:
-    def __init__(self, name: str, dataset_bytes: int, manifest: tuple[bytes, ...], piece_bytes: int) -> None:
+    def __init__(self, name: str, dataset_bytes: int, manifest: tuple[bytes, ...], piece_bytes: int,
+                 deadlines: Deadlines = Deadlines(), audit_arrival: bool = False) -> None:
+        d = deadlines
+        super().__init__(f"holder {name}", {P.ATTEST: d.orchestrator, P.WELCOME: d.orchestrator, P.ATTACH: d.device,
+                                             P.AUDIT: d.device, P.GRANT: d.device, P.COPY: d.device,
+                                             P.HOMEWARD: d.device})
         self.name = name
         self.dataset_bytes = dataset_bytes
         self.manifest = manifest
         self.piece_bytes = piece_bytes
-        self.phase = HolderPhase.IDLE
+        self.deadlines = deadlines
+        self.audit_arrival = audit_arrival  # read the buffer back on arrival and count non-zero bytes
+        self._attested_at, self._valid_s = 0.0, 0.0  # our last attestation of the orchestrator
+        self._joining = False
+        self._forget()
+
+    def _forget(self) -> None:
         self._req: TravelRequest | None = None
         self._refusal: str | None = None
-        self._blob: bytes = b""
+        self._blob = b""
         self._marks: dict[str, float] = {}
         self._chunk: ChunkInfo | None = None
         self._arrival = -1
         self._imported = False
 
-    def _expect(self, phase: HolderPhase, action: str) -> None:
-        if self.phase is not phase:
-            raise IllegalTransition(f"holder {self.name}", self.phase.value, action)
+    # ------------------------------------------------------------------ attestation of the orchestrator
+    def _on_attest(self, ev: Attest, now: float):
+        self._joining = ev.joining
+        return P.ATTEST, Challenge()
 
-    def on_request(self, req: TravelRequest, now: float) -> ImportBlob | AwaitGpu:
-        self._expect(HolderPhase.IDLE, "take a travel request")
-        self._req, self._marks, self._chunk, self._arrival, self._blob = req, {"start": now}, None, -1, b""
-        self._imported = False
+    def _on_attested(self, ev: Attested, now: float):
+        self._attested_at, self._valid_s = now, ev.valid_s
+        return (P.WELCOME, Introduce()) if self._joining else (P.IDLE, None)
+
+    def _on_answer(self, ev: HelloAnswered, now: float):
+        if not isinstance(ev.message, Welcome):
+            why = f": {ev.message.reason}" if isinstance(ev.message, Bye) else ""
+            raise ProtocolError(f"orchestrator did not welcome us{why}")
+        return P.IDLE, None
+
+    def _check_attested(self, now: float) -> None:
+        """Before we touch a context or send plaintext: our attestation of the orchestrator is
+        within our policy's age limit. An orchestrator that never asked us to re-attest is left."""
+        age = now - self._attested_at
+        if age > self._valid_s:
+            raise AttestationError("expired", f"our attestation of the orchestrator is {age:.0f} s old; the "
+                                              f"policy allows {self._valid_s:.0f} s and it did not "
+                                              "let us attest it again")
+
+    def _on_baseline(self, ev: BaselineAsked, now: float):
+        self._check_attested(now)
+        return P.IDLE, None
+
+    # ------------------------------------------------------------------ a travel
+    def _on_request(self, ev: Request, now: float):
+        self._check_attested(now)
+        req = ev.request
+        self._forget()
+        self._req, self._marks = req, {"start": now}
         self._refusal = self._check(req)
         if self._refusal is not None:
             # Refuse without touching the context; still wait for the GPU (so the switch home
             # comes after the switch here), then hand back the untouched context and the link.
             self._blob = req.context
             self._marks["dh_import"] = now
-            self.phase = HolderPhase.ATTACH
-            return AwaitGpu()
-        self.phase = HolderPhase.IMPORT
-        return ImportBlob(req.context)
+            return P.ATTACH, AwaitGpu()
+        return P.IMPORT, ImportBlob(req.context)
 
     def _check(self, req: TravelRequest) -> str | None:
         if self.dataset_bytes == 0:
@@ -103,84 +156,84 @@ class HolderTravel:
             return f"dataset offset {req.dataset_offset} is outside holder {self.name}'s dataset"
         return None
 
-    def imported(self, now: float) -> AwaitGpu:
-        self._expect(HolderPhase.IMPORT, "finish importing")
+    def _on_imported(self, ev: Imported, now: float):
         self._marks["dh_import"] = now
         self._imported = True
-        self.phase = HolderPhase.ATTACH
-        return AwaitGpu()
+        return P.ATTACH, AwaitGpu()
 
-    def import_failed(self, reason: str, now: float) -> AwaitGpu:
-        """The context would not import (corrupted, another layout or token): refuse, and hand
-        it back untouched once the GPU has come and gone, as for any refusal."""
-        self._expect(HolderPhase.IMPORT, "fail an import")
-        req = self._req
-        assert req is not None
-        self._refusal, self._blob = reason, req.context
-        self._marks["dh_import"] = now
-        self.phase = HolderPhase.ATTACH
-        return AwaitGpu()
-
-    def attached(self, now: float) -> CopyChunk | SwitchBack:
-        """The host says the GPU is ours: copy (or, refusing, send it straight back)."""
-        self._expect(HolderPhase.ATTACH, "take the GPU")
+    def _on_attached(self, ev: Attached, now: float):
+        """The host says the GPU is ours: audit, check the buffer, copy (or, refusing, go home)."""
         self._marks["dh_switch"] = now
         if self._refusal is not None:
             return self._leave(now)
-        req = self._req
-        assert req is not None
+        req = self._request
+        if self.audit_arrival:
+            return P.AUDIT, AuditArrival(req.buffer_offset, req.buffer_bytes)
+        return P.GRANT, CheckBuffer(req.buffer_offset)
+
+    def _on_audited(self, ev: Audited, now: float):
+        self._arrival = ev.nonzero
+        return P.GRANT, CheckBuffer(self._request.buffer_offset)
+
+    def _on_granted(self, ev: Granted, now: float):
+        req = self._request
+        if ev.nbytes < req.buffer_bytes:
+            self._refusal = f"BadInput: the device buffer holds {ev.nbytes} bytes, the request claims {req.buffer_bytes}"
+            return self._leave(now)
         nbytes = min(req.buffer_bytes, self.dataset_bytes - req.dataset_offset)
-        self.phase = HolderPhase.COPY
-        return CopyChunk(req.buffer_offset, req.buffer_bytes, req.dataset_offset, nbytes)
+        return P.COPY, CopyChunk(req.buffer_offset, req.buffer_bytes, req.dataset_offset, nbytes, ev.nbytes)
 
-    def attach_failed(self, reason: str, now: float) -> SwitchBack:
-        """The GPU never became ours: refuse, and hand back the context and (so the host's
-        view is consistent) ask for the switch home all the same."""
-        self._expect(HolderPhase.ATTACH, "give up waiting for the GPU")
-        self._refusal = self._refusal or reason
-        self._marks["dh_switch"] = now
-        return self._leave(now)
-
-    def audited(self, nonzero: int) -> None:
-        """Record what an arrival audit found in the buffer (non-zero bytes before copying)."""
-        self._expect(HolderPhase.COPY, "record an arrival audit")
-        self._arrival = nonzero
-
-    def copied(self, nbytes: int, now: float) -> SwitchBack:
+    def _on_copied(self, ev: Copied, now: float):
         """The chunk is in VRAM: the GPU goes home at once; the context is packed meanwhile."""
-        self._expect(HolderPhase.COPY, "finish copying")
-        req = self._req
-        assert req is not None
-        digest = chunk_digest_from_manifest(self.manifest, req.dataset_offset, nbytes, self.piece_bytes)
-        self._chunk = ChunkInfo(dataset_offset=req.dataset_offset, nbytes=nbytes, digest=digest)
+        req = self._request
+        digest = chunk_digest_from_manifest(self.manifest, req.dataset_offset, ev.nbytes, self.piece_bytes)
+        self._chunk = ChunkInfo(dataset_offset=req.dataset_offset, nbytes=ev.nbytes, digest=digest)
         return self._leave(now)
 
-    def copy_failed(self, reason: str, now: float) -> SwitchBack:
-        """The copy was refused locally or by the device: still go home with the context."""
-        self._expect(HolderPhase.COPY, "fail a copy")
-        self._refusal = reason
+    def _on_failed(self, ev: StepFailed, now: float):
+        """A step failed (import, the GPU's arrival, the copy): refuse; still go home with the context."""
+        if self._phase is P.IMPORT:  # the untouched context goes back, once the GPU has come and gone
+            self._refusal, self._blob = ev.reason, self._request.context
+            self._marks["dh_import"] = now
+            return P.ATTACH, AwaitGpu()
+        if self._phase is P.ATTACH:  # and, so the host's view is consistent, the switch home all the same
+            self._refusal = self._refusal or f"the GPU never came: {ev.reason}"
+            self._marks["dh_switch"] = now
+        else:
+            self._refusal = ev.reason
         return self._leave(now)
 
-    def _leave(self, now: float) -> SwitchBack:
+    def _on_timeout(self, ev: TimedOut, now: float):
+        return self._on_failed(StepFailed(f"PeerTimeout: the {self._phase.value} step took over {ev.waited_s:g} s"), now)
+
+    def _leave(self, now: float):
         self._marks["dh_copy"] = now
-        self.phase = HolderPhase.SWITCH
-        return SwitchBack()
+        return P.SWITCH, SwitchBack()
 
-    def switch_requested(self, now: float) -> ExportBlob | Reply:
+    def _on_switch_asked(self, ev: SwitchAsked, now: float):
         """The switch home is asked for (we are done with the device): export the context
         while the MUX switches, or, if we never took it, reply with it untouched."""
-        self._expect(HolderPhase.SWITCH, "ask for the switch back")
         self._marks["left"] = now
         if not self._imported:
-            return self._reply(now)
-        self.phase = HolderPhase.EXPORT
-        return ExportBlob()
+            return P.REPLY, self._reply(now)
+        return P.EXPORT, ExportBlob()
 
-    def exported(self, blob: bytes, now: float) -> Reply:
+    def _on_exported(self, ev: Exported, now: float):
         """The context is packed: reply now, the orchestrator imports while the MUX switches."""
-        self._expect(HolderPhase.EXPORT, "finish exporting")
-        self._blob = blob
-        return self._reply(now)
+        self._blob = ev.blob
+        return P.REPLY, self._reply(now)
+
+    def _on_replied(self, ev: Replied, now: float):
+        return P.HOMEWARD, AwaitSwitchHome()
+
+    def _on_home(self, ev: SwitchedHome, now: float):
+        self._forget()
+        return P.IDLE, None
+
+    @property
+    def _request(self) -> TravelRequest:
+        assert self._req is not None
+        return self._req
 
     def _reply(self, now: float) -> Reply:
         m = self._marks
@@ -192,9 +245,15 @@ class HolderTravel:
             "handler": now - m["start"],
         }
         steps_ns = {k: int(v * 1e9) for k, v in steps.items()}
-        req = self._req
-        assert req is not None
-        self.phase = HolderPhase.IDLE
+        req = self._request
         if self._refusal is not None or self._chunk is None:
             return Reply(TravelRefused(req.travel_id, self._blob, self._refusal or "copy failed", steps_ns))
         return Reply(TravelResult(req.travel_id, self._blob, self._chunk, steps_ns, self._arrival))
+
+    HANDLERS = {
+        Attest: _on_attest, Attested: _on_attested, HelloAnswered: _on_answer,
+        BaselineAsked: _on_baseline, Request: _on_request, Imported: _on_imported, Attached: _on_attached,
+        Audited: _on_audited, Granted: _on_granted, Copied: _on_copied, StepFailed: _on_failed,
+        TimedOut: _on_timeout, SwitchAsked: _on_switch_asked, Exported: _on_exported, Replied: _on_replied,
+        SwitchedHome: _on_home,
+    }

@@ -5,10 +5,9 @@ endpoint, and switches the GPU on request. It never holds a descriptor of VRAM. 
 hypervisor it can read every CVM's unprotected memory; with ``snoop`` set it does exactly
 that, continuously, so tests can prove that what it sees holds no plaintext.
 
-With ``adversary_dir`` set it is the red team's malicious hypervisor
-(:mod:`gputravel.redteam.host`): the hooks below let it interpose on doorbell writes, route a
-switch to the wrong CVM or split a CVM's DMA mapping from its interrupt, and switch the GPU
-on its own. An honest host has no adversary and these hooks do nothing.
+What it hands out and where a switch goes pass through its hooks (:mod:`gputravel.host.hooks`):
+an honest host's do nothing; a malicious hypervisor's may hand each CVM a doorbell of its own,
+route a switch to the wrong CVM, or split a CVM's DMA mapping from its interrupt.
 """
 
 from __future__ import annotations
@@ -34,7 +33,9 @@ from gputravel.protocol.host import (
     Switched,
 )
 from gputravel.transport.base import Transport, close_fds
-from gputravel.transport.stream import StreamTransport, listen_unix
+from gputravel.transport.stream import StreamTransport
+from gputravel.transport.unix import listen_unix
+from gputravel.host.hooks import HostHooks, NoHooks
 from gputravel.host.mux import CvmRegistration, PcieMux
 
 
@@ -44,7 +45,6 @@ class HostConfig:
     snoop_path: str | None = None  # where the snooper appends what it reads
     snoop_limit_bytes: int = 256 << 20
     switch_timeout: float = 10.0
-    adversary_dir: str | None = None  # red team only: the malicious hypervisor's work directory
 
 
 class Snooper(threading.Thread):
@@ -76,8 +76,9 @@ class Snooper(threading.Thread):
 
 
 class HostProcess:
-    def __init__(self, config: HostConfig) -> None:
+    def __init__(self, config: HostConfig, hooks: HostHooks | None = None) -> None:
         self.config = config
+        self.hooks: HostHooks = hooks if hooks is not None else NoHooks()
         self.mux = PcieMux()
         self.device: Transport | None = None
         self._device_fds: tuple[int, int] | None = None
@@ -90,13 +91,11 @@ class HostProcess:
         self._snooper = Snooper(config.snoop_path, config.snoop_limit_bytes) if config.snoop_path else None
         self._cvm_of: dict[Transport, str] = {}  # which CVM registered over which connection
         self._conn_of: dict[str, Transport] = {}  # and the other way: where to tell a CVM it has the GPU
-        self.adversary = _adversary(config, self)
 
     def serve(self) -> None:
         if self._snooper:
             self._snooper.start()
-        if self.adversary is not None:
-            self.adversary.start(self._sel)
+        self.hooks.on_serve(self, self._sel)
         try:
             while True:
                 for key, _ in self._sel.select():
@@ -104,7 +103,7 @@ class HostProcess:
                         conn, _ = self._listener.accept()
                         peer = StreamTransport(conn, "peer")
                         self._sel.register(peer.fileno(), selectors.EVENT_READ, peer)
-                    elif callable(key.data):  # the adversary's own endpoints
+                    elif callable(key.data):  # the hooks' own endpoints
                         key.data()
                     elif not self._serve_one(key.data):
                         self._sel.unregister(key.data.fileno())
@@ -170,9 +169,7 @@ class HostProcess:
         self._cvm_of[peer] = msg.cvm
         self._conn_of[msg.cvm] = peer
         bar, doorbell = self._device_fds
-        if self.adversary is not None:  # it hands out its own doorbell and relays (or not)
-            doorbell = self.adversary.doorbell_for(reg)
-        return Registered(bar_bytes=self._bar_bytes), (bar, doorbell)
+        return Registered(bar_bytes=self._bar_bytes), (bar, self.hooks.on_register(reg, doorbell))
 
     def _forget(self, peer: Transport) -> None:
         cvm = self._cvm_of.pop(peer, None)
@@ -192,9 +189,7 @@ class HostProcess:
     def _switch(self, target: str, requester: str = "") -> Switched:
         started = time.perf_counter_ns()
         plan = self.mux.switch(target)
-        dma = irq = plan.target
-        if self.adversary is not None:  # it may route the DMA mapping and the interrupt elsewhere
-            dma, irq = self.adversary.route(requester, plan)
+        dma, irq = self.hooks.on_switch(requester, plan)
         self.attach(dma, irq)
         return Switched(target=target, elapsed_ns=time.perf_counter_ns() - started, seq=self.mux.switches)
 
@@ -216,14 +211,6 @@ class HostProcess:
     @property
     def bar_bytes(self) -> int:
         return self._bar_bytes
-
-
-def _adversary(config: HostConfig, host: HostProcess):
-    if not config.adversary_dir:
-        return None
-    from gputravel.redteam.host import HostAdversary  # only the red team's host imports it
-
-    return HostAdversary(Path(config.adversary_dir), host)
 
 
 def run_host(config: HostConfig) -> None:

@@ -1,4 +1,4 @@
-"""The training job behind `gputravel demo`: a local cohort whose GPU travels to each data
+"""The training job (the `gputravel demo` command): a local cohort whose GPU travels to each data
 holder for the next chunk of tokens while the orchestrator trains GPT-2 on what arrived.
 
 ``loader="travelling"`` runs the training loop inside the orchestrator CVM (the only place the
@@ -14,15 +14,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from gputravel.data.shards import atomic_write_bytes
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.local import Cohort
+from gputravel.data.holder_tokens import load_tokens
+from gputravel.data.shakespeare import shakespeare_holders
+from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
+from gputravel.files import atomic_write_bytes
 from gputravel.protocol.layout import MIB, PAGE, Layout
-from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
-from gputravel.train.loop import StepEvent, TrainConfig, make_report, train
+from gputravel.train.loader import LocalSource
+from gputravel.train.loop import StepEvent, TrainConfig, make_report, sample_tokenizer, train
 
 
 @dataclass(frozen=True)
-class JobConfig:
+class TrainingJobConfig:
     train: TrainConfig
     holders: tuple[tuple[str, str], ...]  # (name, path to shards or text)
     run_dir: str
@@ -49,9 +54,7 @@ def layout_for(buffer_bytes: int) -> Layout:
 def default_holders(count: int, workdir: Path) -> tuple[tuple[str, str], ...]:
     """The shipped Shakespeare: three presses (tragedies, comedies, histories); for another
     count, the plays are dealt to `count` holders in turn."""
-    from gputravel.data.shakespeare import demo_holders
-
-    presses = demo_holders()
+    presses = shakespeare_holders()
     if count == len(presses):
         return tuple((name, str(path)) for name, path in presses.items())
     plays = sorted(p for d in presses.values() for p in Path(d).glob("*.txt"))
@@ -70,8 +73,6 @@ def default_holders(count: int, workdir: Path) -> tuple[tuple[str, str], ...]:
 
 def tokenizer_of(path: str) -> str:
     """Which tokenizer a holder's data is (or will be) tokenized with, without reading its data."""
-    from gputravel.data.tokenizer import default_tokenizer, resolve_record
-
     p = Path(path)
     folder = p if p.is_dir() else p.parent
     if p.suffix == ".bin" or any(folder.glob("*.bin")):
@@ -79,10 +80,8 @@ def tokenizer_of(path: str) -> str:
     return default_tokenizer().name  # text, tokenized when the holder loads it
 
 
-def resolve(cfg: JobConfig) -> JobConfig:
+def resolve(cfg: TrainingJobConfig) -> TrainingJobConfig:
     """Fix the tokenizer and vocabulary from the holders' data; every holder must agree."""
-    from gputravel.data.tokenizer import KNOWN
-
     names = {name: tokenizer_of(path) for name, path in cfg.holders}
     first = next(iter(names.values()))
     odd = {n: t for n, t in names.items() if t != first}
@@ -93,7 +92,7 @@ def resolve(cfg: JobConfig) -> JobConfig:
     return replace(cfg, train=replace(cfg.train, tokenizer=first, vocab_size=KNOWN[first].vocab_size))
 
 
-def run(cfg: JobConfig, on_step: Callable[[StepEvent], None] | None = None) -> dict:
+def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None] | None = None) -> dict:
     """Run the job; writes the run directory and returns the report."""
     cfg = resolve(cfg)
     run_dir = Path(cfg.run_dir)
@@ -107,18 +106,14 @@ def run(cfg: JobConfig, on_step: Callable[[StepEvent], None] | None = None) -> d
     return report
 
 
-def _run_local(cfg: JobConfig, run_dir: Path, on_step) -> dict:
-    from gputravel.data.shards import load_tokens
-    from gputravel.train.loader import LocalSource
-    from gputravel.train.loop import sample_tokenizer
-
+def _run_local(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
     tokens = {name: load_tokens(path).tokens for name, path in cfg.holders}
     result = train(cfg.train, LocalSource(tokens), run_dir=run_dir, on_step=on_step,
                    resume_from=_checkpoint(cfg, run_dir), tokenizer=sample_tokenizer(cfg.train.tokenizer))
     return make_report(cfg.train, result)
 
 
-def _run_travelling(cfg: JobConfig, run_dir: Path, on_step) -> dict:
+def _run_travelling(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
     t = cfg.train
     log, cert = _audit_paths(run_dir)
     cohort_cfg = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
@@ -144,7 +139,7 @@ def _audit_paths(run_dir: Path) -> tuple[Path, Path]:
     return run_dir / f"audit{suffix}.log", run_dir / f"orchestrator{suffix}.pem"
 
 
-def _checkpoint(cfg: JobConfig, run_dir: Path) -> Path | None:
+def _checkpoint(cfg: TrainingJobConfig, run_dir: Path) -> Path | None:
     if not cfg.resume:
         return None
     path = run_dir / "checkpoint.pt"

@@ -1,4 +1,5 @@
-"""The embedded default job: a whole local cohort moving every holder's dataset through the GPU.
+"""The travel job (the `gputravel travel` command): a whole local cohort moving every holder's
+dataset through the GPU, without training.
 
 Each holder gets a deterministic synthetic dataset (seeded bytes). The GPU travels to the
 holders round robin; every chunk is verified by digest on the orchestrator side; each travel
@@ -14,14 +15,15 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from gputravel.errors import BadInput
-from gputravel.orchestrator.machine import STEPS, TravelReport
-from gputravel.cohort.supervisor import Cohort, CohortConfig, HolderSpec
+from gputravel.protocol.control import STEPS, TravelReport
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.local import Cohort
 
 MIB = 1 << 20
 
 
 @dataclass(frozen=True)
-class DemoConfig:
+class TravelJobConfig:
     holders: int = 3
     dataset_mib: int = 24
     buffer_mib: int = 8
@@ -59,11 +61,13 @@ def plan(dataset_bytes: dict[str, int], buffer_bytes: int) -> Iterator[tuple[str
                 del cursors[name]
 
 
-def run(config: DemoConfig, workdir: Path, on_travel: Callable[[TravelReport], None]) -> list[TravelReport]:
+def run_travel_job(config: TravelJobConfig, workdir: Path,
+                   on_travel: Callable[[TravelReport], None]) -> list[TravelReport]:
     workdir.mkdir(parents=True, exist_ok=True)
     specs = []
     for i in range(1, config.holders + 1):
         path = workdir / f"holder-{i}.bin"
+        # The seed's "gputravel-demo" prefix stays: it fixes the datasets (and their digests).
         make_dataset(path, config.dataset_mib * MIB, f"gputravel-demo/{config.seed}/{i}".encode())
         specs.append(HolderSpec(f"holder-{i}", str(path)))
     cohort_cfg = CohortConfig(holders=tuple(specs), buffer_bytes=config.buffer_mib * MIB)

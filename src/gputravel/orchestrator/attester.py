@@ -5,9 +5,10 @@ only a device whose 5-certificate chain reaches the trusted GPU-vendor root; the
 that session, the device's evidence for a fresh nonce is verified against the reference
 values, and must be signed by the very device that holds the session.
 
-CPU phase, when a holder joins (:func:`challenge_orchestrator` / :meth:`GpuAttester.answer`):
-right after the TLS handshake the holder sends a fresh nonce; the orchestrator asks the GPU,
-inside its SPDM session, for evidence on that very nonce, checks it as at boot, and answers
+CPU phase, when a holder joins (:meth:`GpuAttester.answer`; the holder's side is in
+holder/attestation.py): right after the TLS handshake the holder sends a fresh nonce; the
+orchestrator asks the GPU, inside its SPDM session, for evidence on that very nonce, checks
+it as at boot, and answers
 with that evidence as the device signed it plus a quote from its TDX module (its own process,
 which knows the orchestrator's measurement from the launcher) binding its TLS key and the
 nonce. The holder verifies both itself against its roots, reference values and policy before
@@ -21,7 +22,6 @@ so the orchestrator, at the start of a travel to a holder whose attestation is d
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,26 +42,25 @@ from gputravel.attest import (
     EmulatedGpuVerifier,
     GpuClaims,
     GpuEvidence,
-    OrchestratorAttestation,
     answer_challenge,
-    attest_orchestrator,
     spdm_chain_verifier,
 )
+from gputravel.attest.gpu import NONCE_BYTES
+from gputravel.attest.material import OrchestratorMaterial, utcnow
 from gputravel.attest.tdx_module import request_quote
 from gputravel.crypto.pki import CohortPki, MemberIdentity
 from gputravel.crypto.spdm import SpdmRequester
 from gputravel.driver.orchestrator import OrchestratorDriver
-from gputravel.errors import GputravelError, IllegalTransition, ProtocolError
+from gputravel.errors import IllegalTransition, ProtocolError
 from gputravel.transport.stream import StreamTransport
 from gputravel.protocol.codec import decode
-from gputravel.cohort.trust import HolderMaterial, OrchestratorMaterial, utcnow
+from gputravel.protocol.parties import ORCHESTRATOR
 
 if TYPE_CHECKING:
     from gputravel.orchestrator.cvm import OrchestratorConfig
 
-__all__ = ["GpuAttester", "TlsIdentity", "challenge_orchestrator", "orchestrator_attester"]
+__all__ = ["GpuAttester", "TlsIdentity", "orchestrator_attester"]
 
-NONCE_BYTES = 32
 MIN_REATTEST_S = 1.0  # however often a holder asks, the orchestrator re-attests at most this often
 
 
@@ -93,7 +92,7 @@ class GpuAttester:
         self.claims: GpuClaims | None = None
         self._rng = rng
         self._session_leaf: bytes | None = None
-        # When each holder's link is due for re-attestation (time.monotonic()).
+        # When each holder's link is due for re-attestation, on the shell's clock (its `now`).
         self._due: weakref.WeakKeyDictionary[StreamTransport, float] = weakref.WeakKeyDictionary()
 
     @property
@@ -155,52 +154,29 @@ class GpuAttester:
         _, blob = self._evidence(driver, challenge.nonce, now, timeout)
         return answer_challenge(challenge, quote=self.quote, tls_cert_der=self.identity.cert_der, gpu_evidence=blob)
 
-    def serve_challenge(self, conn: StreamTransport, driver: OrchestratorDriver, timeout: float) -> None:
+    def serve_challenge(self, conn: StreamTransport, driver: OrchestratorDriver, timeout: float, now: float) -> None:
         """A holder's challenge comes first (on joining, or after `AttestDue`): answer it with
         fresh evidence, then learn when it wants to attest us again (or that it refused us:
-        it hangs up, and this raises)."""
+        it hangs up, and this raises). ``now`` is the shell's monotonic clock as the exchange
+        starts: the next one falls due that long after it, never later than the holder asked."""
         challenge = conn.recv(timeout=timeout, expect=AttestChallenge).message
         assert isinstance(challenge, AttestChallenge)
         self.refresh(driver, utcnow(), timeout)  # a GPU that failed before gets one more try
         conn.send(self.answer(challenge, driver, utcnow(), timeout))
         accepted = conn.recv(timeout=timeout, expect=AttestAccepted).message
         assert isinstance(accepted, AttestAccepted)
-        self._due[conn] = time.monotonic() + max(MIN_REATTEST_S, float(accepted.reattest_after_s))
+        self._due[conn] = now + max(MIN_REATTEST_S, float(accepted.reattest_after_s))
 
-    def reattest_if_due(self, conn: StreamTransport, driver: OrchestratorDriver, timeout: float) -> bool:
-        """Before a travel, with the GPU home: a holder whose attestation of us is due attests
-        again now (fresh GPU evidence cannot be had once the GPU is away)."""
+    def reattest_if_due(self, conn: StreamTransport, driver: OrchestratorDriver, timeout: float, now: float) -> bool:
+        """Before a travel, with the GPU home: a holder whose attestation of us is due at
+        ``now`` (the shell's monotonic clock) attests again now (fresh GPU evidence cannot be
+        had once the GPU is away)."""
         due = self._due.get(conn)
-        if due is None or time.monotonic() < due:
+        if due is None or now < due:
             return False
         conn.send(AttestDue())
-        self.serve_challenge(conn, driver, timeout)
+        self.serve_challenge(conn, driver, timeout, now)
         return True
-
-
-# ----------------------------------------------------------------------------- holder
-def challenge_orchestrator(conn: StreamTransport, material: HolderMaterial, *, timeout: float,
-                           now: Callable[[], datetime] = utcnow,
-                           rng: Callable[[int], bytes] = os.urandom) -> OrchestratorAttestation:
-    """Attest the orchestrator on a fresh TLS connection before anything else is sent.
-
-    The GPU is verified here, from its own evidence for our nonce: the orchestrator only
-    relays it. On success the orchestrator is told to ask again after half the policy's age
-    limit. On any failure the connection is closed (nothing of ours went out but the nonce)
-    and the error, an AttestationError naming the claim when the evidence was refused, is raised."""
-    try:
-        nonce = rng(NONCE_BYTES)
-        conn.send(AttestChallenge(nonce))
-        evidence = conn.recv(timeout=timeout, expect=AttestEvidence).message
-        assert isinstance(evidence, AttestEvidence)
-        verified = attest_orchestrator(evidence, peer_cert_der=conn.peer_certificate(), nonce=nonce,
-                                       policy=material.policy, trust=material.trust,
-                                       reference=material.reference, now=now())
-        conn.send(AttestAccepted(reattest_after_s=material.policy.max_evidence_age_s / 2))
-        return verified
-    except GputravelError:
-        conn.close()
-        raise
 
 
 def orchestrator_attester(config: OrchestratorConfig) -> GpuAttester:
@@ -208,4 +184,4 @@ def orchestrator_attester(config: OrchestratorConfig) -> GpuAttester:
     does not measure itself: the module quotes the measurement the launcher registered."""
     material = OrchestratorMaterial.load(config.trust_dir)
     return GpuAttester(material, partial(request_quote, material.quoting_socket),
-                       TlsIdentity.of_member(CohortPki.load(Path(config.pki_dir)).member("orchestrator")))
+                       TlsIdentity.of_member(CohortPki.load(Path(config.pki_dir)).member(ORCHESTRATOR)))

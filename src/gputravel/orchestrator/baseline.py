@@ -13,31 +13,27 @@ Three steps are timed, as the paper breaks the baseline down:
   arrived, less the holder's reading;
 * ``gpu_write``: the orchestrator's encrypted copy into VRAM.
 
-The chunk crosses in pieces of :data:`PIECE_BYTES` (one frame each, far under the stream
-transport's 64 MiB frame limit), into a staging buffer the orchestrator allocates once.
+The chunk crosses in pieces (one frame each, far under the stream transport's 64 MiB frame
+limit; the holder's side, holder/baseline.py, picks their size) into a staging buffer the
+orchestrator allocates once. Which pieces are accepted is decided by :class:`ChunkReceipt`,
+sans-IO; :func:`_take_pieces` only carries messages to it and bytes out of it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gputravel.errors import BadInput, GputravelError, HolderLost, ProtocolError, RemoteError
-from gputravel.protocol.travel import ChunkInfo, HolderHello
+from gputravel.protocol.control import BaselineReport
 from gputravel.protocol.manifest import chunk_digest, chunk_digest_from_manifest
+from gputravel.protocol.travel import ChunkInfo, ChunkPiece, ChunkRefused, ChunkSent, HolderHello, SendChunk
 from gputravel.transport.base import Transport
-from gputravel.protocol.codec import message
 
 if TYPE_CHECKING:
     from gputravel.orchestrator.cvm import Orchestrator
 
-#: Bytes per ChunkPiece frame. Small enough that the receiving transport reuses one buffer
-#: for every frame (it keeps buffers up to 1 MiB) and that reading, sending and receiving
-#: overlap: 8 MiB uncapped took 65 ms in 4 MiB frames, 25 ms in 1 MiB or 256 KiB frames.
-PIECE_BYTES = 256 << 10
-STEPS = ("read", "tls", "gpu_write")
 _PAGE = 4096
 
 
@@ -45,93 +41,7 @@ class HolderRefused(RemoteError):
     """The holder would not send the chunk asked for (its reason is in the message)."""
 
 
-# ----------------------------------------------------------------------------- messages
-@message("baseline.send_chunk")
-@dataclass(frozen=True)
-class SendChunk:
-    """Orchestrator -> holder over TLS: send me these bytes of your dataset."""
-
-    travel_id: int
-    dataset_offset: int
-    nbytes: int
-
-
-@message("baseline.piece")
-@dataclass(frozen=True)
-class ChunkPiece:
-    """Holder -> orchestrator: the next piece of the chunk, in order."""
-
-    travel_id: int
-    offset: int  # within the chunk
-    data: bytes
-
-
-@message("baseline.sent")
-@dataclass(frozen=True)
-class ChunkSent:
-    """Holder -> orchestrator: the whole chunk has been sent."""
-
-    travel_id: int
-    nbytes: int
-    read_ns: int  # time the holder spent reading its dataset
-
-
-@message("baseline.refused")
-@dataclass(frozen=True)
-class ChunkRefused:
-    travel_id: int
-    reason: str
-
-
-@message("ctl.baseline")
-@dataclass(frozen=True)
-class DoBaseline:
-    """Supervisor -> orchestrator: fill the dataset buffer the baseline way."""
-
-    holder: str
-    dataset_offset: int
-
-
-@message("report.baseline")
-@dataclass(frozen=True)
-class BaselineReport:
-    travel_id: int
-    holder: str
-    chunk: ChunkInfo  # digest checked against the holder's manifest over what VRAM holds
-    steps_ms: dict[str, float]  # read, tls, gpu_write
-    total_ms: float  # request sent to GPU write done (verification not included, as for a travel)
-    verify_ms: float
-
-
-# ----------------------------------------------------------------------------- holder side
-def refusal(req: SendChunk, dataset_bytes: int, piece_bytes: int) -> str | None:
-    """Why a holder will not serve ``req``, or None."""
-    if req.nbytes <= 0:
-        return f"a chunk must not be empty (asked for {req.nbytes} bytes)"
-    if req.dataset_offset % piece_bytes or not 0 <= req.dataset_offset < dataset_bytes:
-        return f"dataset offset {req.dataset_offset} is not a {piece_bytes}-byte piece boundary inside the dataset"
-    if req.dataset_offset + req.nbytes > dataset_bytes:
-        return f"{req.nbytes} bytes at {req.dataset_offset} reach past the end of the {dataset_bytes}-byte dataset"
-    return None
-
-
-def send_chunk(dataset: memoryview, piece_bytes: int, conn: Transport, req: SendChunk) -> None:
-    """Serve one SendChunk: read the chunk piece by piece and send each piece over TLS."""
-    reason = refusal(req, len(dataset), piece_bytes)
-    if reason is not None:
-        conn.send(ChunkRefused(req.travel_id, reason))
-        return
-    read_ns = 0
-    for start in range(0, req.nbytes, PIECE_BYTES):
-        t0 = time.perf_counter_ns()
-        lo = req.dataset_offset + start
-        data = bytes(dataset[lo : lo + min(PIECE_BYTES, req.nbytes - start)])
-        read_ns += time.perf_counter_ns() - t0
-        conn.send(ChunkPiece(req.travel_id, start, data))
-    conn.send(ChunkSent(req.travel_id, req.nbytes, read_ns))
-
-
-# ----------------------------------------------------------------------------- orchestrator side
+# ----------------------------------------------------------------------------- piece accounting (sans-IO)
 def chunk_bytes(hello: HolderHello, buffer_bytes: int, dataset_offset: int) -> int:
     """How many bytes a baseline transfer at ``dataset_offset`` moves (as much as a travel would)."""
     if hello.dataset_bytes == 0:
@@ -142,6 +52,51 @@ def chunk_bytes(hello: HolderHello, buffer_bytes: int, dataset_offset: int) -> i
     return min(buffer_bytes, hello.dataset_bytes - dataset_offset)
 
 
+@dataclass(frozen=True)
+class Store:
+    """Write ``data`` into the staging buffer at ``offset`` (within the chunk)."""
+
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Received:
+    """The whole chunk is in the staging buffer; the holder spent ``read_ns`` reading it."""
+
+    read_ns: int
+
+
+class ChunkReceipt:
+    """Which answers to one SendChunk are accepted, sans-IO: pieces of this transfer only, in
+    order, none empty, none past the bytes asked for, and a ChunkSent only once exactly those
+    bytes arrived. Anything else raises (the stream is then out of step); a refusal raises
+    HolderRefused (the exchange ended cleanly)."""
+
+    def __init__(self, req: SendChunk, peer: str) -> None:
+        self.req = req
+        self.peer = peer  # named in errors
+        self.got = 0
+
+    def on_message(self, msg: ChunkPiece | ChunkSent | ChunkRefused) -> Store | Received:
+        req = self.req
+        if msg.travel_id != req.travel_id:
+            raise ProtocolError(f"{self.peer}: answer to baseline transfer {msg.travel_id}, expected {req.travel_id}")
+        if isinstance(msg, ChunkRefused):
+            raise HolderRefused(f"{self.peer} refused to send its chunk: {msg.reason}")
+        if isinstance(msg, ChunkSent):
+            if msg.nbytes != req.nbytes or self.got != req.nbytes:
+                raise ProtocolError(f"{self.peer}: sent {self.got} bytes, announced {msg.nbytes}, "
+                                    f"{req.nbytes} were asked")
+            return Received(msg.read_ns)
+        if msg.offset != self.got or self.got + len(msg.data) > req.nbytes or not msg.data:
+            raise ProtocolError(f"{self.peer}: piece of {len(msg.data)} bytes at {msg.offset} does not follow "
+                                f"the {self.got} bytes received of {req.nbytes}")
+        self.got += len(msg.data)
+        return Store(msg.offset, msg.data)
+
+
+# ----------------------------------------------------------------------------- the transfer
 def _prefaulted(nbytes: int) -> bytearray:
     """A staging buffer whose pages are already mapped (first touch is not the transfer's cost)."""
     buf = bytearray(nbytes)
@@ -223,53 +178,12 @@ class BaselinePath:
 
 
 def _take_pieces(conn: Transport, req: SendChunk, staging: bytearray, timeout: float) -> int:
-    got = 0
+    """Carry the holder's answers to a ChunkReceipt and its pieces into ``staging``; returns
+    the holder's read time (ns)."""
+    receipt = ChunkReceipt(req, conn.name)
     while True:
         msg = conn.recv(timeout=timeout, expect=(ChunkPiece, ChunkSent, ChunkRefused)).message
-        if msg.travel_id != req.travel_id:
-            raise ProtocolError(f"{conn.name}: answer to baseline transfer {msg.travel_id}, expected {req.travel_id}")
-        if isinstance(msg, ChunkRefused):
-            raise HolderRefused(f"{conn.name} refused to send its chunk: {msg.reason}")
-        if isinstance(msg, ChunkSent):
-            if msg.nbytes != req.nbytes or got != req.nbytes:
-                raise ProtocolError(f"{conn.name}: sent {got} bytes, announced {msg.nbytes}, {req.nbytes} were asked")
-            return msg.read_ns
-        if msg.offset != got or got + len(msg.data) > req.nbytes or not msg.data:
-            raise ProtocolError(f"{conn.name}: piece of {len(msg.data)} bytes at {msg.offset} does not follow "
-                                f"the {got} bytes received of {req.nbytes}")
-        staging[got : got + len(msg.data)] = msg.data
-        got += len(msg.data)
-
-
-# ----------------------------------------------------------------------------- training
-class _BaselineEngine:
-    """Looks like the travelling engine to TravelSource, but fills the buffer the baseline way."""
-
-    def __init__(self, orch: Orchestrator) -> None:
-        self.orch = orch
-
-    def travel(self, holder: str, dataset_offset: int) -> BaselineReport:
-        return self.orch.baseline(holder, dataset_offset)
-
-    def buffer_view(self) -> memoryview:
-        return self.orch.buffer_view()
-
-
-class BaselineSource:
-    """A training loader source fed by the centralised TLS baseline instead of travels: the
-    same visits, the same buffer, the same bytes; only the way they reach VRAM differs."""
-
-    def __init__(self, orch: Orchestrator, dataset_bytes: Mapping[str, int]) -> None:
-        from gputravel.train.loader import TravelSource
-
-        self._inner = TravelSource(_BaselineEngine(orch), dataset_bytes)
-
-    def sizes(self) -> Mapping[str, int]:
-        return self._inner.sizes()
-
-    def fetch(self, visit):
-        return self._inner.fetch(visit)
-
-    @property
-    def last_report(self) -> BaselineReport | None:
-        return self._inner.last_report
+        act = receipt.on_message(msg)
+        if isinstance(act, Received):
+            return act.read_ns
+        staging[act.offset : act.offset + len(act.data)] = act.data

@@ -1,20 +1,20 @@
 """The orchestrator CVM: boots last, owns the session with the GPU, runs travels.
 
-:class:`Orchestrator` is the travelling engine (used by the demo, benchmarks and training);
-:func:`serve` is the process main loop that the supervisor drives over its control link.
+:class:`Orchestrator` is the travelling engine (used by the demo, benchmarks and training):
+it carries out the actions its travel machine (orchestrator/machine.py) returns, one IO step
+each. The process main loop that the supervisor drives is orchestrator/process.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import logging
 import mmap
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 from gputravel.crypto.pki import CohortPki
 from gputravel.driver.link import PcieMuxClient, register_with_host
@@ -35,29 +35,25 @@ from gputravel.protocol.layout import Layout
 from gputravel.protocol.travel import Bye, HolderHello, TravelRefused, TravelResult, Welcome
 from gputravel.protocol.device import VramGrant, VramRequest
 from gputravel.protocol.manifest import chunk_digest
-from gputravel.orchestrator.machine import Buffer, OrchestratorTravel, TravelReport, VerifyChunk
+from gputravel.protocol.parties import ORCHESTRATOR
+from gputravel.orchestrator.machine import (
+    AwaitGpu, AwaitReply, AwaitRotation, AwaitScrub, AwaitSwitch, Buffer, Deadlines, ExportContext, Exported, Home,
+    ImportContext, Imported, OrchestratorTravel, Replied, RequestSent, Rotated, RotationStarted, Scrubbed,
+    ScrubStarted, SendRequest, Start, StartRotation, StartScrub, SwitchAsked, Switched, SwitchTo, Verified,
+    VerifyChunk,
+)
 from gputravel.transport.base import Transport
-from gputravel.transport.stream import StreamTransport, connect_unix
+from gputravel.transport.stream import StreamTransport
+from gputravel.transport.unix import connect_unix
 from gputravel.transport.tls import TlsListener
 from gputravel.orchestrator.attester import GpuAttester, orchestrator_attester
-from gputravel.orchestrator.baseline import BaselinePath, BaselineReport, BaselineSource, DoBaseline
-from gputravel.protocol.control import (
-    AwaitHolders,
-    DoTravel,
-    Failed,
-    Holders,
-    Ready,
-    Shutdown,
-    Train,
-    TrainDone,
-    TrainStep,
-)
-from gputravel.cohort.links import pace
-from gputravel.orchestrator.membership import ORCHESTRATOR_COMMANDS, orchestrator_command
+from gputravel.orchestrator.baseline import BaselinePath
+from gputravel.protocol.control import BaselineReport, TravelReport
+from gputravel.net.pace import pace
 from gputravel.orchestrator.travel_log import TravelLog
-from gputravel.cohort.trust import utcnow
+from gputravel.attest.material import utcnow
 
-NAME = "orchestrator"
+NAME = ORCHESTRATOR
 log = logging.getLogger(__name__)
 
 
@@ -80,6 +76,8 @@ class OrchestratorConfig:
 
 class Orchestrator:
     """The travelling engine. One dataset buffer in VRAM, one travel at a time."""
+
+    _clock = staticmethod(time.perf_counter)  # the one clock the machine is told (step timings, deadlines)
 
     def __init__(self, config: OrchestratorConfig, device_link: socket.socket) -> None:
         if config.buffer_bytes <= 0 or config.buffer_bytes % config.layout.record_bytes:
@@ -110,7 +108,8 @@ class Orchestrator:
             raise ProtocolError("device did not grant VRAM")
         self.vram = mmap.mmap(grant.fds[0], grant.message.vram_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         buf = self.driver.alloc_dataset_buffer(self.config.buffer_bytes, timeout=self.config.device_timeout)
-        self.travel_sm = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
+        deadlines = Deadlines(device=self.config.device_timeout, holder=self.config.holder_timeout)
+        self.travel_sm = OrchestratorTravel(Buffer(buf.offset, buf.nbytes), deadlines, verify=self.config.verify)
 
     def rekey(self) -> None:
         """Fail-closed recovery: a new SPDM session with the GPU, verified as at boot. The device
@@ -135,7 +134,7 @@ class Orchestrator:
     def accept_holder(self, timeout: float) -> str:
         conn, peer = self.listener.accept(timeout=timeout)
         try:  # paper 4.5, CPU phase: the holder attests us before it says anything else
-            self.attester.serve_challenge(conn, self.driver, timeout)
+            self.attester.serve_challenge(conn, self.driver, timeout, self._clock())
             hello = conn.recv(timeout=timeout).message
         except GputravelError:
             conn.close()
@@ -191,62 +190,115 @@ class Orchestrator:
         return report
 
     def _travel(self, holder: str, dataset_offset: int) -> TravelReport:
-        sm, drv, cfg = self.travel_sm, self.driver, self.config
+        """Carry out each action the machine returns, telling it when each is done (the clock
+        read once a turn), until it reports: the order of the cycle is the machine's. Whatever
+        fails once the travel started (a bug too), the GPU is recovered before anything else."""
+        sm, drv = self.travel_sm, self.driver
         assert sm is not None
-        clock = time.perf_counter
         if holder in sm.holders and holder not in self.holders:
             raise HolderLost(holder, "it is offline (not connected); it may join again")
         if not drv.epoch_fresh:  # the orchestrator copied under it (baseline), or travel halted
             self._fresh_epoch()
         self._attest_before(holder)
-        act = sm.start(holder, dataset_offset, clock())
-        conn = self.holders[holder]
-        try:  # carry out each action the state machine hands back, and report its completion
-            scrub = drv.start_scrub(act.offset, act.nbytes, timeout=cfg.device_timeout)
-            sm.exported(drv.export_for_travel(), clock())  # while the device scrubs
-            fresh = drv.finish_scrub(scrub, timeout=cfg.device_timeout)  # a new blob if the device moved on
-            depart = sm.scrubbed(clock(), fresh)
-            self.mux.request(holder)  # the context goes over TLS while the MUX switches
-            self._send_request(holder, conn, depart.request)
-            try:
-                self.mux.switched(cfg.device_timeout)
-            except GputravelError:  # the holder has the request but may never get the GPU:
-                self._drop(holder, conn)  # its state is unknown, so it is dropped (it may join again)
-                raise
-            sm.switched(clock())
-            reply = self._await_reply(holder, conn)
-            sm.holder_replied(reply, clock())
-            self.mux.attached(cfg.device_timeout)  # the holder asked for the switch home before exporting
-            back = sm.home(clock())
-            drv.start_rotation(timeout=cfg.device_timeout)  # the device rotates while we import
-            self._import(holder, conn, back.blob)
-            sm.imported(clock())
-            drv.finish_rotation(timeout=cfg.device_timeout)
-            nxt = sm.rotated(clock())
-            if isinstance(nxt, VerifyChunk):
-                return sm.verified(self._digest(nxt) if cfg.verify else reply.chunk.digest, clock())
-            return nxt
-        except Exception:  # a bug too: whatever left, the GPU is recovered before anything else
+        now = self._clock()
+        try:
+            act = sm.handle(Start(holder, dataset_offset), now)
+        except Exception:
+            sm.abort()  # refused before anything moved: nothing to recover
+            raise
+        try:
+            while not isinstance(act, TravelReport):
+                try:
+                    event = self.ACTIONS[type(act)](self, act, sm.time_left(now))
+                except PeerTimeout:
+                    sm.on_timeout(self._clock())  # past its deadline, the machine gives the travel up
+                    raise
+                now = self._clock()
+                act = sm.handle(event, now)
+            return act
+        except Exception:
             sm.abort()
             self._recover()  # raises TravelHalted if the GPU can neither rotate nor be re-keyed
             raise
 
-    def _import(self, holder: str, conn: Transport, blob: bytes) -> None:
+    # ------------------------------------------------------------------ one step each
+    def _start_scrub(self, act: StartScrub, timeout: float | None) -> ScrubStarted:
+        return ScrubStarted(self.driver.start_scrub(act.offset, act.nbytes, timeout=timeout))
+
+    def _export(self, act: ExportContext, timeout: float | None) -> Exported:
+        return Exported(self.driver.export_for_travel())  # while the device scrubs
+
+    def _await_scrub(self, act: AwaitScrub, timeout: float | None) -> Scrubbed:
+        return Scrubbed(self.driver.finish_scrub(act.release, timeout=timeout))  # a new blob if the device moved on
+
+    def _switch_to(self, act: SwitchTo, timeout: float | None) -> SwitchAsked:
+        self.mux.request(act.holder)
+        return SwitchAsked()
+
+    def _send_request(self, act: SendRequest, timeout: float | None) -> RequestSent:
+        try:
+            self.holders[act.holder].send(act.request)
+        except (TransportClosed, PeerTimeout, ProtocolError) as exc:
+            self._drop(act.holder)
+            raise HolderLost(act.holder, f"{type(exc).__name__}: {exc}") from None
+        return RequestSent()
+
+    def _await_switch(self, act: AwaitSwitch, timeout: float | None) -> Switched:
+        try:
+            self.mux.switched(timeout)
+        except GputravelError:  # the holder has the request but may never get the GPU:
+            self._drop(act.holder)  # its state is unknown, so it is dropped (it may join again)
+            raise
+        return Switched()
+
+    def _await_reply(self, act: AwaitReply, timeout: float | None) -> Replied:
+        """A holder that dies, hangs or sends garbage here is dropped (it may join again)."""
+        try:
+            reply = self.holders[act.holder].recv(timeout=timeout, expect=(TravelResult, TravelRefused)).message
+        except (TransportClosed, PeerTimeout, ProtocolError) as exc:
+            self._drop(act.holder)
+            raise HolderLost(act.holder, f"{type(exc).__name__}: {exc}") from None
+        return Replied(reply)
+
+    def _await_gpu(self, act: AwaitGpu, timeout: float | None) -> Home:
+        self.mux.attached(timeout)  # the holder asked for the switch home before it exported
+        return Home()
+
+    def _start_rotation(self, act: StartRotation, timeout: float | None) -> RotationStarted:
+        self.driver.start_rotation(timeout=timeout)
+        return RotationStarted()
+
+    def _import(self, act: ImportContext, timeout: float | None) -> Imported:
         """A holder that returns a context it could not have (keys, counters or positions it
         did not get or could not reach) is dropped; the rotation under way recovers the GPU."""
         try:
-            self.driver.import_returned(blob)
+            self.driver.import_returned(act.blob)
         except ContextBlobError as exc:
-            self._drop(holder, conn)
-            raise ContextRefused(holder, str(exc)) from None
+            self._drop(act.holder)
+            raise ContextRefused(act.holder, str(exc)) from None
+        return Imported()
 
-    def _send_request(self, holder: str, conn: Transport, request: object) -> None:
+    def _await_rotation(self, act: AwaitRotation, timeout: float | None) -> Rotated:
+        self.driver.finish_rotation(timeout=timeout)
+        return Rotated()
+
+    def _verify(self, act: VerifyChunk, timeout: float | None) -> Verified:
+        """The digest of what VRAM holds; the machine compares it with the holder's manifest."""
+        assert self.vram is not None
+        view = memoryview(self.vram)[act.offset : act.offset + act.nbytes]
         try:
-            conn.send(request)
-        except (TransportClosed, PeerTimeout, ProtocolError) as exc:
-            self._drop(holder, conn)
-            raise HolderLost(holder, f"{type(exc).__name__}: {exc}") from None
+            return Verified(chunk_digest(view, act.piece_bytes))
+        finally:
+            view.release()
 
+    #: How each action the machine returns is carried out: one IO step, reporting one event.
+    ACTIONS: dict[type, Callable[[Any, Any, float | None], object]] = {
+        StartScrub: _start_scrub, ExportContext: _export, AwaitScrub: _await_scrub, SwitchTo: _switch_to,
+        SendRequest: _send_request, AwaitSwitch: _await_switch, AwaitReply: _await_reply, AwaitGpu: _await_gpu,
+        StartRotation: _start_rotation, ImportContext: _import, AwaitRotation: _await_rotation, VerifyChunk: _verify,
+    }
+
+    # ------------------------------------------------------------------ around a travel
     def _attest_before(self, holder: str) -> None:
         """With the GPU home, before a travel or a baseline transfer: fresh GPU claims, and the
         holder re-attests us if its time has come."""
@@ -264,33 +316,17 @@ class Orchestrator:
         scrub; a holder that fails it (or refuses us) is dropped and may join again."""
         conn = self.holders.get(holder)
         if conn is None:
-            return  # sm.start says why there is no travel
+            return  # the machine's Start says why there is no travel
         try:
-            self.attester.reattest_if_due(conn, self.driver, self.config.holder_timeout)
+            self.attester.reattest_if_due(conn, self.driver, self.config.holder_timeout, self._clock())
         except GputravelError as exc:
-            self._drop(holder, conn)
+            self._drop(holder)
             raise HolderLost(holder, f"{type(exc).__name__}: {exc}", during="its re-attestation") from None
 
-    def _await_reply(self, holder: str, conn: Transport):
-        """Wait for the holder's result. A holder that dies, hangs or sends garbage here is
-        dropped (it may join again); the caller recovers the GPU."""
-        try:
-            return conn.recv(timeout=self.config.holder_timeout, expect=(TravelResult, TravelRefused)).message
-        except (TransportClosed, PeerTimeout, ProtocolError) as exc:
-            self._drop(holder, conn)
-            raise HolderLost(holder, f"{type(exc).__name__}: {exc}") from None
-
-    def _drop(self, holder: str, conn: Transport) -> None:
-        self.holders.pop(holder, None)
-        conn.close()
-
-    def _digest(self, verify: VerifyChunk) -> bytes:
-        assert self.vram is not None
-        view = memoryview(self.vram)[verify.offset : verify.offset + verify.nbytes]
-        try:
-            return chunk_digest(view, verify.piece_bytes)
-        finally:
-            view.release()
+    def _drop(self, holder: str) -> None:
+        conn = self.holders.pop(holder, None)
+        if conn is not None:
+            conn.close()
 
     def _recover(self) -> None:
         """A travel failed: take the GPU back and rotate, so whatever the holder kept is useless.
@@ -347,53 +383,3 @@ class Orchestrator:
         self.host.close()
         if self.travel_log is not None:
             self.travel_log.close()
-
-
-def run_training(orch: Orchestrator, cmd: Train, control: Transport) -> dict:
-    """Train inside this CVM on batches the GPU fetched by travelling; stream each step out."""
-    from gputravel.train.loader import TravelSource
-    from gputravel.train.loop import TrainConfig, make_report, sample_tokenizer, train
-
-    cfg = TrainConfig(**json.loads(cmd.config_json))
-    if cfg.buffer_bytes != orch.config.buffer_bytes:
-        raise BadInput(f"the job wants a {cfg.buffer_bytes}-byte buffer, this cohort has {orch.config.buffer_bytes}")
-    if orch.config.tokenizer and cfg.tokenizer != orch.config.tokenizer:
-        raise BadInput(f"the job trains on {cfg.tokenizer!r} tokens, this cohort holds {orch.config.tokenizer!r} tokens")
-    assert orch.travel_sm is not None
-    sizes = {name: orch.travel_sm.holders[name].dataset_bytes for name in orch.holders}
-    source = BaselineSource(orch, sizes) if cfg.loader == "baseline" else TravelSource(orch, sizes)
-    result = train(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
-                   on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
-                   resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
-                   tokenizer=sample_tokenizer(cfg.tokenizer))
-    return make_report(cfg, result)
-
-
-def serve(config: OrchestratorConfig, control: Transport, device_link: socket.socket) -> None:
-    orch = Orchestrator(config, device_link)
-    orch.boot()
-    control.send(Ready(role=NAME, detail={"port": orch.listener.port}))
-    try:
-        while True:
-            cmd = control.recv().message
-            if isinstance(cmd, Shutdown):
-                return
-            try:
-                if isinstance(cmd, AwaitHolders):
-                    control.send(Holders(dataset_bytes=orch.await_holders(cmd.names, cmd.timeout)))
-                elif isinstance(cmd, DoBaseline):
-                    control.send(orch.baseline(cmd.holder, cmd.dataset_offset))
-                elif isinstance(cmd, DoTravel):
-                    control.send(orch.travel(cmd.holder, cmd.dataset_offset))
-                elif isinstance(cmd, ORCHESTRATOR_COMMANDS):  # join and leave (orchestrator/membership.py)
-                    control.send(orchestrator_command(orch, cmd))
-                elif isinstance(cmd, Train):
-                    control.send(TrainDone(report_json=json.dumps(run_training(orch, cmd, control))))
-                else:
-                    control.send(Failed(kind="ProtocolError", reason=f"unknown command {type(cmd).__name__}"))
-            except GputravelError as exc:
-                control.send(Failed(kind=type(exc).__name__, reason=str(exc)))
-    finally:
-        orch.close()
-
-

@@ -1,8 +1,10 @@
-"""The orchestrator's side of one travel (paper Fig. 3) as a sans-IO state machine.
+"""The orchestrator's side of one travel (paper Fig. 3) as a sans-IO state machine
+(protocol/machine.py: the transition table, the sticky error phase, the deadlines).
 
-Each method is an event (a step finished, a message arrived) with ``now`` passed in; each
-returns the next action for the runtime to carry out. The machine checks the order of
-steps, validates what the holder sends back against its manifest, and times every step.
+Each event (a step finished, a message arrived) comes with ``now``; each returns the next
+action for the runtime to carry out, one IO step each, so the order of the cycle is written
+here only. The machine checks the order of steps, validates what the holder sends back
+against its manifest, times every step and gives each wait its deadline.
 
 Steps of the paper's cycle overlap here where nothing forces them to wait: the context is
 exported while the device scrubs (the scrub is kernel-channel work, the context the user
@@ -20,50 +22,141 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from gputravel.errors import BadInput, IllegalTransition, ProtocolError
+from gputravel.errors import BadInput, ProtocolError
+from gputravel.protocol.control import STEPS, TravelReport
+from gputravel.protocol.machine import TravelMachine
 from gputravel.protocol.travel import ChunkInfo, HolderHello, TravelRefused, TravelRequest, TravelResult
-from gputravel.protocol.codec import message
 from gputravel.protocol.manifest import chunk_digest_from_manifest
-
-#: Step names of the paper's Table 1, in cycle order.
-STEPS = ("o_cleanup", "o_export", "dh_switch", "dh_import", "dh_copy", "dh_export", "tls", "o_switch", "o_import", "o_rotate")
 
 
 class Phase(Enum):
     IDLE = "idle"
-    CLEANUP = "cleanup"  # the device scrubs; the context is being exported meanwhile
+    CLEANUP = "cleanup"  # submitting the scrub
+    EXPORT = "export"  # the device scrubs; the context is exported meanwhile
     SCRUB = "scrub"  # exported; waiting for the scrub to be confirmed
-    DEPART = "depart"  # switch asked for and request sent; waiting for the MUX's reply
-    AWAY = "away"
+    DEPART = "depart"  # asking the MUX to switch the GPU to the holder
+    SEND = "send"  # sending the request while the MUX switches
+    SWITCH = "switch"  # waiting for the MUX's reply
+    AWAY = "away"  # waiting for the holder's reply
     HOMECOMING = "homecoming"  # the holder replied; waiting for the GPU to be home
+    START_ROTATION = "start-rotation"
     IMPORT = "import"  # rotation submitted; importing the returned context meanwhile
     ROTATE = "rotate"  # imported; waiting for the device to confirm the rotation
     VERIFY = "verify"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each wait may take (OrchestratorConfig sets them)."""
+
+    device: float = 10.0  # the device and the host's MUX
+    holder: float = 60.0  # a holder's reply to its travel request
+
+
+# ----------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Start:
+    holder: str
+    dataset_offset: int
+
+
+@dataclass(frozen=True)
+class ScrubStarted:
+    release: int  # the kernel-channel semaphore value that confirms it
+
+
+@dataclass(frozen=True)
+class Exported:
+    blob: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Scrubbed:
+    reexported: bytes | None = field(default=None, repr=False)  # the device moved on: this context travels
+
+
+@dataclass(frozen=True)
+class SwitchAsked:
+    pass
+
+
+@dataclass(frozen=True)
+class RequestSent:
+    pass
+
+
+@dataclass(frozen=True)
+class Switched:
+    """The MUX answered: the GPU is the holder's (it may already be working on it)."""
+
+
+@dataclass(frozen=True)
+class Replied:
+    reply: TravelResult | TravelRefused
+
+
+@dataclass(frozen=True)
+class Home:
+    """The MUX has switched the GPU back (the holder asked before it exported)."""
+
+
+@dataclass(frozen=True)
+class RotationStarted:
+    pass
+
+
+@dataclass(frozen=True)
+class Imported:
+    pass
+
+
+@dataclass(frozen=True)
+class Rotated:
+    pass
+
+
+@dataclass(frozen=True)
+class Verified:
+    digest: bytes  # of what the device holds; it must equal the holder's manifest entry
 
 
 # ----------------------------------------------------------------------------- actions
 @dataclass(frozen=True)
-class ScrubBuffer:
+class StartScrub:
     offset: int
     nbytes: int
 
 
 @dataclass(frozen=True)
-class AwaitScrub:
+class ExportContext:
     pass
 
 
 @dataclass(frozen=True)
-class Depart:
-    """Ask the MUX to switch the GPU to ``holder`` and, without waiting, send the request."""
+class AwaitScrub:
+    release: int
 
+
+@dataclass(frozen=True)
+class SwitchTo:
+    holder: str
+
+
+@dataclass(frozen=True)
+class SendRequest:
     holder: str
     request: TravelRequest
 
 
 @dataclass(frozen=True)
+class AwaitSwitch:
+    holder: str  # a holder that has the request but may never get the GPU is in an unknown state
+
+
+@dataclass(frozen=True)
 class AwaitReply:
-    pass
+    holder: str
 
 
 @dataclass(frozen=True)
@@ -72,9 +165,13 @@ class AwaitGpu:
 
 
 @dataclass(frozen=True)
-class RotateAndImport:
-    """Submit the rotation, import ``blob`` while the device rotates, then finish it."""
+class StartRotation:
+    pass
 
+
+@dataclass(frozen=True)
+class ImportContext:
+    holder: str
     blob: bytes = field(repr=False)
 
 
@@ -90,17 +187,9 @@ class VerifyChunk:
     piece_bytes: int  # the holder's manifest pieces: the digest is computed over pieces this size
 
 
-@message("report.travel")
-@dataclass(frozen=True)
-class TravelReport:
-    travel_id: int
-    holder: str
-    chunk: ChunkInfo | None  # None when the holder refused
-    steps_ms: dict[str, float]
-    total_ms: float
-    verify_ms: float
-    refused: str | None
-    nonzero_on_arrival: int  # what the holder's arrival audit found (-1: not audited)
+#: Every action the machine returns but its report: each is one IO step the runtime carries out.
+ACTIONS = (StartScrub, ExportContext, AwaitScrub, SwitchTo, SendRequest, AwaitSwitch, AwaitReply, AwaitGpu,
+           StartRotation, ImportContext, AwaitRotation, VerifyChunk)
 
 
 @dataclass(frozen=True)
@@ -109,16 +198,44 @@ class Buffer:
     nbytes: int
 
 
-class OrchestratorTravel:
-    """One dataset buffer, travels one at a time."""
+P = Phase
 
-    def __init__(self, buffer: Buffer) -> None:
+
+class OrchestratorTravel(TravelMachine):
+    """One dataset buffer, travels one at a time. A travel ends with a TravelReport."""
+
+    IDLE, ERROR = P.IDLE, P.ERROR
+    TABLE = {
+        (P.IDLE, Start): (P.CLEANUP,),
+        (P.CLEANUP, ScrubStarted): (P.EXPORT,),
+        (P.EXPORT, Exported): (P.SCRUB,),
+        (P.SCRUB, Scrubbed): (P.DEPART,),
+        (P.DEPART, SwitchAsked): (P.SEND,),
+        (P.SEND, RequestSent): (P.SWITCH,),
+        (P.SWITCH, Switched): (P.AWAY,),
+        (P.AWAY, Replied): (P.HOMECOMING,),
+        (P.HOMECOMING, Home): (P.START_ROTATION,),
+        (P.START_ROTATION, RotationStarted): (P.IMPORT,),
+        (P.IMPORT, Imported): (P.ROTATE,),
+        (P.ROTATE, Rotated): (P.VERIFY, P.IDLE),  # IDLE: refused (nothing to verify) or not verifying
+        (P.VERIFY, Verified): (P.IDLE,),
+    }
+
+    def __init__(self, buffer: Buffer, deadlines: Deadlines = Deadlines(), verify: bool = True) -> None:
+        d = deadlines
+        super().__init__("orchestrator", {P.CLEANUP: d.device, P.SCRUB: d.device, P.SWITCH: d.device,
+                                          P.AWAY: d.holder, P.HOMECOMING: d.device, P.START_ROTATION: d.device,
+                                          P.ROTATE: d.device})
         self.buffer = buffer
+        self.verify = verify  # False: the holder's digest is taken on trust (no read-back of VRAM)
         self.holders: dict[str, HolderHello] = {}
-        self.phase = Phase.IDLE
         self._travel_id = 0
+        self._forget()
+
+    def _forget(self) -> None:
         self._holder = ""
         self._offset = 0
+        self._release = 0  # the scrub's confirmation value
         self._marks: dict[str, float] = {}
         self._steps: dict[str, float] = {}
         self._chunk: ChunkInfo | None = None
@@ -138,12 +255,8 @@ class OrchestratorTravel:
         return min(self.buffer.nbytes, self.holders[holder].dataset_bytes - offset)
 
     # ------------------------------------------------------------------ events
-    def _expect(self, phase: Phase, action: str) -> None:
-        if self.phase is not phase:
-            raise IllegalTransition("orchestrator", self.phase.value, action)
-
-    def start(self, holder: str, dataset_offset: int, now: float) -> ScrubBuffer:
-        self._expect(Phase.IDLE, "start a travel")
+    def _on_start(self, ev: Start, now: float):
+        holder, dataset_offset = ev.holder, ev.dataset_offset
         hello = self.holders.get(holder)
         if hello is None:
             known = ", ".join(sorted(self.holders)) or "none"
@@ -155,41 +268,43 @@ class OrchestratorTravel:
         if dataset_offset % hello.piece_bytes or not 0 <= dataset_offset < hello.dataset_bytes:
             raise BadInput(f"dataset offset {dataset_offset} is not a chunk start of holder {holder!r}: chunks start "
                            f"on a {hello.piece_bytes}-byte piece boundary inside its {hello.dataset_bytes}-byte dataset")
+        self._forget()
         self._travel_id += 1
         self._holder, self._offset = holder, dataset_offset
         self._marks = {"start": now}
-        self._steps, self._chunk, self._refused, self._arrival = {}, None, None, -1
-        self.phase = Phase.CLEANUP
-        return ScrubBuffer(self.buffer.offset, self.buffer.nbytes)
+        return P.CLEANUP, StartScrub(self.buffer.offset, self.buffer.nbytes)
 
-    def exported(self, blob: bytes, now: float) -> AwaitScrub:
+    def _on_scrub_started(self, ev: ScrubStarted, now: float):
+        self._release = ev.release
+        return P.EXPORT, ExportContext()
+
+    def _on_exported(self, ev: Exported, now: float):
         """The context is packed (while the device scrubs); it leaves only after the scrub."""
-        self._expect(Phase.CLEANUP, "finish exporting")
-        self._blob = blob
+        self._blob = ev.blob
         self._step("o_export", "start", now)
-        self.phase = Phase.SCRUB
-        return AwaitScrub()
+        return P.SCRUB, AwaitScrub(self._release)
 
-    def scrubbed(self, now: float, reexported: bytes | None = None) -> Depart:
+    def _on_scrubbed(self, ev: Scrubbed, now: float):
         """The scrub is confirmed. ``reexported``: the driver had to export the context again
         (the device had moved on since the first export); that one travels."""
-        self._expect(Phase.SCRUB, "finish scrubbing")
-        if reexported is not None:
-            self._blob = reexported
+        if ev.reexported is not None:
+            self._blob = ev.reexported
         self._step("o_cleanup", "start", now)
-        self.phase = Phase.DEPART
+        return P.DEPART, SwitchTo(self._holder)  # the context goes over TLS while the MUX switches
+
+    def _on_switch_asked(self, ev: SwitchAsked, now: float):
         req = TravelRequest(self._travel_id, self.buffer.offset, self.buffer.nbytes, self._offset, self._blob)
         self._blob = b""
-        return Depart(self._holder, req)
+        return P.SEND, SendRequest(self._holder, req)
 
-    def switched(self, now: float) -> AwaitReply:
-        """The MUX answered: the GPU is the holder's (it may already be working on it)."""
-        self._expect(Phase.DEPART, "finish switching to the holder")
-        self.phase = Phase.AWAY
-        return AwaitReply()
+    def _on_sent(self, ev: RequestSent, now: float):
+        return P.SWITCH, AwaitSwitch(self._holder)
 
-    def holder_replied(self, reply: TravelResult | TravelRefused, now: float) -> AwaitGpu:
-        self._expect(Phase.AWAY, "take a holder's reply")
+    def _on_switched(self, ev: Switched, now: float):
+        return P.AWAY, AwaitReply(self._holder)
+
+    def _on_replied(self, ev: Replied, now: float):
+        reply = ev.reply
         if reply.travel_id != self._travel_id:
             raise ProtocolError(f"holder {self._holder}: reply to travel {reply.travel_id}, expected {self._travel_id}")
         remote = {k: v / 1e6 for k, v in reply.steps_ns.items()}
@@ -204,8 +319,7 @@ class OrchestratorTravel:
             self._chunk = self._check_chunk(reply.chunk)
             self._arrival = reply.nonzero_on_arrival
         self._blob = reply.context
-        self.phase = Phase.HOMECOMING
-        return AwaitGpu()
+        return P.HOMECOMING, AwaitGpu()  # the holder asked for the switch home before exporting
 
     def _check_chunk(self, chunk: ChunkInfo) -> ChunkInfo:
         hello = self.holders[self._holder]
@@ -216,48 +330,43 @@ class OrchestratorTravel:
             raise ProtocolError(f"holder {self._holder}: chunk digest does not match its manifest")
         return chunk
 
-    def home(self, now: float) -> RotateAndImport:
-        """The MUX has switched the GPU back (the holder asked before it exported)."""
-        self._expect(Phase.HOMECOMING, "take the GPU back")
+    def _on_home(self, ev: Home, now: float):
         self._step("o_switch", "away", now)
-        self.phase = Phase.IMPORT
+        return P.START_ROTATION, StartRotation()  # the device rotates while we import
+
+    def _on_rotation_started(self, ev: RotationStarted, now: float):
         blob, self._blob = self._blob, b""
-        return RotateAndImport(blob)
+        return P.IMPORT, ImportContext(self._holder, blob)
 
-    def imported(self, now: float) -> AwaitRotation:
-        self._expect(Phase.IMPORT, "finish importing")
+    def _on_imported(self, ev: Imported, now: float):
         self._step("o_import", "o_switch", now)
-        self.phase = Phase.ROTATE
-        return AwaitRotation()
+        return P.ROTATE, AwaitRotation()
 
-    def rotated(self, now: float) -> VerifyChunk | TravelReport:
-        self._expect(Phase.ROTATE, "finish rotating")
+    def _on_rotated(self, ev: Rotated, now: float):
         self._step("o_rotate", "o_import", now)
-        if self._chunk is None:
-            return self._finish(now, verify_ms=0.0)
-        self.phase = Phase.VERIFY
-        return VerifyChunk(self.buffer.offset, self._chunk.nbytes, self.holders[self._holder].piece_bytes)
+        if self._chunk is None or not self.verify:
+            return P.IDLE, self._finish(verify_ms=0.0)
+        return P.VERIFY, VerifyChunk(self.buffer.offset, self._chunk.nbytes, self.holders[self._holder].piece_bytes)
 
-    def verified(self, digest: bytes, now: float) -> TravelReport:
-        """The digest of what the device holds; it must equal the holder's manifest entry."""
-        self._expect(Phase.VERIFY, "verify a chunk")
+    def _on_verified(self, ev: Verified, now: float):
         assert self._chunk is not None
-        if digest != self._chunk.digest:
-            self.phase = Phase.IDLE
+        if ev.digest != self._chunk.digest:
             raise ProtocolError(f"travel {self._travel_id}: VRAM does not hold the chunk holder {self._holder} described")
-        return self._finish(now, verify_ms=(now - self._marks["o_rotate"]) * 1e3)
-
-    def abort(self) -> None:
-        """A step failed: the runtime has recovered the GPU; forget this travel."""
-        self.phase = Phase.IDLE
+        return P.IDLE, self._finish(verify_ms=(now - self._marks["o_rotate"]) * 1e3)
 
     # ------------------------------------------------------------------ helpers
     def _step(self, name: str, since: str, now: float) -> None:
         self._steps[name] = (now - self._marks[since]) * 1e3
         self._marks[name] = now
 
-    def _finish(self, now: float, verify_ms: float) -> TravelReport:
-        self.phase = Phase.IDLE
+    def _finish(self, verify_ms: float) -> TravelReport:
         total = (self._marks["o_rotate"] - self._marks["start"]) * 1e3
         steps = {name: self._steps.get(name, 0.0) for name in STEPS}
         return TravelReport(self._travel_id, self._holder, self._chunk, steps, total, verify_ms, self._refused, self._arrival)
+
+    HANDLERS = {
+        Start: _on_start, ScrubStarted: _on_scrub_started, Exported: _on_exported, Scrubbed: _on_scrubbed,
+        SwitchAsked: _on_switch_asked, RequestSent: _on_sent, Switched: _on_switched, Replied: _on_replied,
+        Home: _on_home, RotationStarted: _on_rotation_started, Imported: _on_imported, Rotated: _on_rotated,
+        Verified: _on_verified,
+    }

@@ -1,226 +1,202 @@
-"""Joining and leaving a running cohort (paper 4.5, last paragraph), over the control links.
+"""The orchestrator's side of joining and leaving a running cohort (paper 4.5, last paragraph).
 
-- **Join** (every time, first join or rejoin): the holder attests the orchestrator afresh
-  (orchestrator/attester.py) and reports `Joined` with what it verified, or `Failed` and stays
-  up, free to try again.
 - **Late join**: a holder booted after the orchestrator must probe the GPU while it holds
   it, but its probe moves the device's RPC queue. So the orchestrator lends the GPU
-  (`LendGpu`: only between travels, with no keys exported), the holder probes (`ProbeGpu`),
-  and the orchestrator takes the GPU back (`ReclaimGpu`): it rejoins the RPC queue and proves
-  with an encrypted RPC that the device still holds its session.
-- **Leave**: the holder tells the orchestrator `Bye` over their TLS link and closes it
-  (`Leave`); the orchestrator reads that goodbye (`AwaitDeparture`) and drops the link, so
-  the holder is offline until it joins again. Its enrolment (manifest) is kept.
+  (`LendGpu`: only between travels, with no keys exported), the holder probes (its side:
+  holder/membership.py), and the orchestrator takes the GPU back (`ReclaimGpu`): it rejoins
+  the RPC queue and proves with an encrypted RPC that the device still holds its session.
+- **Leave**: the holder tells the orchestrator `Bye` over their TLS link and closes it; the
+  orchestrator reads that goodbye (`AwaitDeparture`) and drops the link, so the holder is
+  offline until it joins again. Its enrolment (manifest) is kept.
 
-The supervisor drives the order; the orchestrator and the holders act on their own links.
+:class:`Lending` decides, sans-IO (facts and ``now`` in, actions out, the departure deadline
+inside); :class:`Membership` carries its actions out on the MUX, the driver and the links.
+The supervisor drives the order (cohort/client.py).
 """
 
 from __future__ import annotations
 
-import selectors
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gputravel.errors import BadInput, GputravelError, IllegalTransition, ProtocolError, TransportClosed
+from gputravel.errors import BadInput, IllegalTransition, ProtocolError, TransportClosed
+from gputravel.protocol.control import AwaitDeparture, Departed, GpuLent, GpuReclaimed, LendGpu, ReclaimGpu
+from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.travel import Bye
-from gputravel.protocol.codec import message
-from gputravel.protocol.control import Failed, JoinCohort
 
 if TYPE_CHECKING:
-    from gputravel.transport.base import Transport
-    from gputravel.holder.cvm import DataHolder
     from gputravel.orchestrator.cvm import Orchestrator
 
-__all__ = [
-    "HOLDER_COMMANDS",
-    "ORCHESTRATOR_COMMANDS",
-    "AwaitDeparture",
-    "Departed",
-    "GpuLent",
-    "GpuReclaimed",
-    "Joined",
-    "Leave",
-    "Left",
-    "LendGpu",
-    "ProbeGpu",
-    "Probed",
-    "ReclaimGpu",
-    "holder_command",
-    "join",
-    "orchestrator_command",
-]
-
-ORCHESTRATOR = "orchestrator"
-
-
-# ----------------------------------------------------------------------------- control messages
-@message("ctl.member.joined")
-@dataclass(frozen=True)
-class Joined:
-    """Holder -> supervisor: attested the orchestrator and was welcomed."""
-
-    holder: str
-    measurement: bytes  # the orchestrator measurement its quote carried (and the policy pins)
-    gpu_serial: str  # the GPU whose evidence (for the holder's nonce) the holder verified
-    gpu_verified_at: int  # when the holder verified it (unix seconds)
-
-
-@message("ctl.member.lend")
-@dataclass(frozen=True)
-class LendGpu:
-    holder: str
-
-
-@message("ctl.member.lent")
-@dataclass(frozen=True)
-class GpuLent:
-    holder: str
-
-
-@message("ctl.member.probe")
-@dataclass(frozen=True)
-class ProbeGpu:
-    pass
-
-
-@message("ctl.member.probed")
-@dataclass(frozen=True)
-class Probed:
-    holder: str
-
-
-@message("ctl.member.reclaim")
-@dataclass(frozen=True)
-class ReclaimGpu:
-    pass
-
-
-@message("ctl.member.reclaimed")
-@dataclass(frozen=True)
-class GpuReclaimed:
-    pass
-
-
-@message("ctl.member.leave")
-@dataclass(frozen=True)
-class Leave:
-    reason: str
-
-
-@message("ctl.member.left")
-@dataclass(frozen=True)
-class Left:
-    holder: str
-
-
-@message("ctl.member.await_departure")
-@dataclass(frozen=True)
-class AwaitDeparture:
-    holder: str
-    timeout: float
-
-
-@message("ctl.member.departed")
-@dataclass(frozen=True)
-class Departed:
-    holder: str
-    reason: str
-
+__all__ = ["ORCHESTRATOR_COMMANDS", "GpuState", "Lending", "Membership"]
 
 ORCHESTRATOR_COMMANDS = (LendGpu, ReclaimGpu, AwaitDeparture)
-HOLDER_COMMANDS = (ProbeGpu, Leave)
 
 
-def _failed(exc: GputravelError) -> Failed:
-    return Failed(kind=type(exc).__name__, reason=str(exc))
+# ----------------------------------------------------------------------------- the core (sans-IO)
+@dataclass(frozen=True)
+class GpuState:
+    """What the driver says about the GPU when a lend is asked for."""
+
+    away: bool  # the context is with a holder (a travel is under way)
+    rotating: bool  # a key rotation was submitted and not confirmed
+    halted: bool  # travel is halted: the device may be on an epoch a holder had
 
 
-# ----------------------------------------------------------------------------- orchestrator side
-def orchestrator_command(orch: Orchestrator, cmd: object) -> object:
-    """Carry out one membership command; errors propagate (the serve loop reports them)."""
-    if isinstance(cmd, LendGpu):
-        return _lend(orch, cmd.holder)
-    if isinstance(cmd, ReclaimGpu):
-        orch.switch(ORCHESTRATOR)
-        orch.driver.reclaim_rpc_queue(timeout=orch.config.device_timeout)
+@dataclass(frozen=True)
+class SwitchTo:
+    """Have the PCIe MUX switch the GPU to ``target``."""
+
+    target: str
+
+
+@dataclass(frozen=True)
+class RejoinRpcQueue:
+    """Take the device's RPC queue back after a borrower moved it, and prove the session."""
+
+
+@dataclass(frozen=True)
+class AwaitBye:
+    """Read the holder's goodbye on its link, until ``Lending.next_deadline()``."""
+
+    holder: str
+
+
+@dataclass(frozen=True)
+class DropLink:
+    """Close the holder's link and forget it (its enrolment stays)."""
+
+    holder: str
+
+
+class Lending:
+    """Who has the GPU between travels, and whose departure is awaited.
+
+    Idle, lent to a booting holder (from `LendGpu` until `ReclaimGpu` is done), or awaiting a
+    departure (until the goodbye, the link closing, or the deadline). Lending again while lent
+    and reclaiming when idle are allowed, as they always were: the supervisor orders them.
+    """
+
+    def __init__(self) -> None:
+        self.lent_to: str | None = None
+        self.departing: str | None = None
+        self._deadline: float | None = None
+
+    @property
+    def phase(self) -> str:
+        if self.departing is not None:
+            return "awaiting-departure"
+        return f"lent-to-{self.lent_to}" if self.lent_to is not None else "idle"
+
+    def lend(self, holder: str, gpu: GpuState) -> SwitchTo:
+        # Only between travels: the context is home, so the borrower gets the PCIe link but no key.
+        if gpu.away:
+            raise IllegalTransition(ORCHESTRATOR, "context-away", f"lend the GPU to {holder!r}")
+        if gpu.rotating or gpu.halted:  # the device may be on an epoch a holder had
+            raise IllegalTransition(ORCHESTRATOR, "not-rotated", f"lend the GPU to {holder!r}")
+        if holder == ORCHESTRATOR:
+            raise BadInput("the orchestrator cannot lend the GPU to itself")
+        self.lent_to = holder  # from here the GPU may be the holder's, even if the switch fails
+        return SwitchTo(holder)
+
+    def lent(self, holder: str) -> GpuLent:
+        return GpuLent(holder=holder)
+
+    def reclaim(self) -> tuple[SwitchTo, RejoinRpcQueue]:
+        return SwitchTo(ORCHESTRATOR), RejoinRpcQueue()
+
+    def reclaimed(self) -> GpuReclaimed:
+        """Both reclaim actions were carried out: the GPU is home, its session proven."""
+        self.lent_to = None
         return GpuReclaimed()
-    if isinstance(cmd, AwaitDeparture):
-        return _await_departure(orch, cmd.holder, cmd.timeout)
-    raise ProtocolError(f"not a membership command: {type(cmd).__name__}")
+
+    def await_departure(self, holder: str, connected: bool, timeout: float, now: float) -> AwaitBye:
+        if not connected:
+            raise BadInput(f"holder {holder!r} is not connected")
+        self.departing, self._deadline = holder, now + timeout
+        return AwaitBye(holder)
+
+    def next_deadline(self) -> float | None:
+        return self._deadline
+
+    def departed(self, reason: str) -> tuple[DropLink, Departed]:
+        """The holder said goodbye (or closed its link: ``reason`` says which)."""
+        holder = self._end_departure()
+        return DropLink(holder), Departed(holder=holder, reason=reason)
+
+    def on_timeout(self, now: float) -> DropLink | None:
+        """No goodbye by the deadline (None before it): the link is dropped all the same."""
+        if self._deadline is None or now < self._deadline:
+            return None
+        return DropLink(self._end_departure())
+
+    def link_failed(self) -> DropLink:
+        """The link broke while we waited (garbage, a transport error): it is dropped."""
+        return DropLink(self._end_departure())
+
+    def _end_departure(self) -> str:
+        holder = self.departing
+        if holder is None:
+            raise IllegalTransition(ORCHESTRATOR, self.phase, "take a departure")
+        self.departing, self._deadline = None, None
+        return holder
 
 
-def _lend(orch: Orchestrator, holder: str) -> GpuLent:
-    # Only between travels: the context is home, so the borrower gets the PCIe link but no key.
-    if orch.driver.away:
-        raise IllegalTransition(ORCHESTRATOR, "context-away", f"lend the GPU to {holder!r}")
-    if orch.driver.rotating or orch.driver.ledger.halted:  # the device may be on an epoch a holder had
-        raise IllegalTransition(ORCHESTRATOR, "not-rotated", f"lend the GPU to {holder!r}")
-    if holder == ORCHESTRATOR:
-        raise BadInput("the orchestrator cannot lend the GPU to itself")
-    orch.switch(holder)
-    return GpuLent(holder=holder)
+# ----------------------------------------------------------------------------- the shell
+class Membership:
+    """Carries out :class:`Lending`'s actions for one orchestrator; the serve loop
+    (orchestrator/process.py) keeps one for the orchestrator's life, so the lending state
+    lasts from one command to the next."""
 
+    def __init__(self, orch: Orchestrator, core: Lending | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.orch = orch
+        self.core = core if core is not None else Lending()
+        self._clock = clock
 
-def _await_departure(orch: Orchestrator, holder: str, timeout: float) -> Departed:
-    conn = orch.holders.get(holder)
-    if conn is None:
-        raise BadInput(f"holder {holder!r} is not connected")
-    try:
-        msg = conn.recv(timeout=timeout, expect=Bye).message
-        reason = msg.reason if isinstance(msg, Bye) else ""
-    except TransportClosed:
-        reason = "closed its connection"
-    finally:
-        # Whatever it sent, it is offline now: the link is dropped, the enrolment kept.
-        orch.holders.pop(holder, None)
-        conn.close()
-    return Departed(holder=holder, reason=reason)
+    def command(self, cmd: object) -> object:
+        """Carry out one membership command; errors propagate (the serve loop reports them)."""
+        if isinstance(cmd, LendGpu):
+            return self.lend(cmd.holder)
+        if isinstance(cmd, ReclaimGpu):
+            return self.reclaim()
+        if isinstance(cmd, AwaitDeparture):
+            return self.await_departure(cmd.holder, cmd.timeout)
+        raise ProtocolError(f"not a membership command: {type(cmd).__name__}")
 
+    def lend(self, holder: str) -> GpuLent:
+        drv = self.orch.driver
+        act = self.core.lend(holder, GpuState(drv.away, drv.rotating, bool(drv.ledger.halted)))
+        self.orch.switch(act.target)
+        return self.core.lent(holder)
 
-# ----------------------------------------------------------------------------- holder side
-def join(holder: DataHolder, cmd: JoinCohort, control: Transport) -> bool:
-    """Attest the orchestrator and join; report Joined or Failed. A failure leaves the holder
-    up and out of the cohort (it may be told to join again)."""
-    try:
-        att = holder.join(cmd.host, cmd.port)
-    except GputravelError as exc:
-        control.send(_failed(exc))
-        return False
-    control.send(Joined(holder=holder.config.name, measurement=att.cvm.measurement,
-                        gpu_serial=att.gpu.ueid, gpu_verified_at=att.gpu.verified_at))
-    return True
+    def reclaim(self) -> GpuReclaimed:
+        home, _ = self.core.reclaim()
+        self.orch.switch(home.target)
+        self.orch.driver.reclaim_rpc_queue(timeout=self.orch.config.device_timeout)
+        return self.core.reclaimed()
 
+    def await_departure(self, holder: str, timeout: float) -> Departed:
+        act = self.core.await_departure(holder, holder in self.orch.holders, timeout, self._clock())
+        conn = self.orch.holders[act.holder]
+        deadline = self.core.next_deadline()
+        assert deadline is not None
+        try:
+            msg = conn.recv(timeout=max(deadline - self._clock(), 0.0), expect=Bye).message
+            reason = msg.reason if isinstance(msg, Bye) else ""
+        except TransportClosed:
+            reason = "closed its connection"
+        except BaseException:
+            # Whatever it sent, it is offline now: the link is dropped, the enrolment kept.
+            self._drop(self.core.on_timeout(self._clock()) or self.core.link_failed())
+            raise
+        drop, departed = self.core.departed(reason)
+        self._drop(drop)
+        return departed
 
-def holder_command(holder: DataHolder, cmd: object, control: Transport, sel: selectors.BaseSelector) -> None:
-    try:
-        if isinstance(cmd, ProbeGpu):
-            reply: object = _probe(holder)
-        elif isinstance(cmd, Leave):
-            reply = _leave(holder, cmd.reason, sel)
-        else:
-            raise ProtocolError(f"not a membership command: {type(cmd).__name__}")
-    except GputravelError as exc:
-        reply = _failed(exc)
-    control.send(reply)
+    def _drop(self, act: DropLink) -> None:
+        conn = self.orch.holders.pop(act.holder, None)
+        if conn is not None:
+            conn.close()
 
-
-def _probe(holder: DataHolder) -> Probed:
-    """The orchestrator lent us the GPU: set up the driver (paper 4.1), then hand it back."""
-    name = holder.config.name
-    holder.switch(name)
-    holder.driver.probe(timeout=holder.config.device_timeout)
-    holder.switch(ORCHESTRATOR)
-    return Probed(holder=name)
-
-
-def _leave(holder: DataHolder, reason: str, sel: selectors.BaseSelector) -> Left:
-    conn = holder.orchestrator
-    if conn is None:
-        raise IllegalTransition(holder.config.name, "not-joined", "leave the cohort")
-    holder.orchestrator = None
-    sel.unregister(conn.fileno())
-    try:
-        conn.send(Bye(reason=reason or "leaving the cohort"))
-    finally:
-        conn.close()
-    return Left(holder=holder.config.name)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from gputravel.orchestrator.audit import AuditLog, ChunkId
-from gputravel.orchestrator.machine import TravelReport
+from gputravel.protocol.control import TravelReport
 
 
 class TravelLog:

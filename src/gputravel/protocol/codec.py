@@ -1,97 +1,178 @@
-"""Typed protocol messages carried as msgpack.
+"""Typed protocol messages carried as msgpack, by msgspec.
 
-Every message is a frozen dataclass registered under a unique tag with ``@message("tag")``.
+Every message is a frozen msgspec Struct with a unique tag::
 
-Encoding (documented, stable): a msgpack map ``{"t": tag, "f": {field_name: value}}``.
-Nested registered dataclasses are encoded as their field map only (``{field_name: value}``),
-because the receiving side knows their class from the type hint. ``bytes`` travel as msgpack
-``bin`` (``use_bin_type=True``), enums travel as their value, tuples as arrays.
+    class CopyToVram(Message, tag="push.copy_to_vram"):
+        src_iova: int
+        ...
 
-Decoding is strict: unknown tag, missing or extra field, wrong type, bad tuple length or an
-enum value outside the enum all raise :class:`ProtocolError`. Error messages name the tag and
-the field path but never the offending value, because values may be secret (keys, blobs).
+Structs defined where this package may not be imported (crypto/: the channel state, the SPDM
+messages) use the same configuration and are added with :func:`register`.
 
-Each class's type hints are turned into a per-field plan of small converter closures the first
-time the class is used (or at registration when its hints already resolve), so the hot path
-does no ``typing`` introspection: it is one ``packb``/``unpackb`` plus one call per field.
+Encoding (documented, stable): a msgpack map ``{"t": tag, field_name: value, ...}``, the tag
+first, then every field in declaration order (none is ever left out). A nested message is a
+map of the same form, tag included. ``bytes`` travel as msgpack ``bin``, ``str`` as ``str``,
+``int`` as the smallest msgpack int, ``float`` as float64, ``bool`` and ``None`` as themselves,
+enums (IntEnum, StrEnum) as their value, tuples as arrays and ``dict[str, X]`` as maps. Field
+types are limited to exactly these (``X | None`` is the only union), and messages take no
+defaults, so that a missing field is always an error.
+
+Decoding is strict: an unknown tag, a missing or extra field, a wrong type (``bool`` is not an
+``int``; an ``int`` is accepted for a ``float``), a tuple of the wrong length or an enum value
+outside the enum all raise :class:`ProtocolError`, and so does a nested message under another
+message's tag (a nested map without a tag is read as the class its field declares). Error
+messages name the tag and the field path but never the offending value, because values may be
+secret (keys, blobs): msgspec's own messages quote some values (enum values, tags, invariants'
+messages), so they are rebuilt from what they say about types and positions only; an unknown
+tag is not echoed either. Encoding checks the field types too (:class:`BadInput`), by
+decoding what it encoded: a sender finds its own mistakes as the receiver would see them (so
+an enum field holding the plain value of a member passes: on the wire they are the same).
+
+Fields whose values are secret are named in ``secret=(...)`` on the class line and left out
+of ``repr`` (and of rich's pretty printing).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+import re
+import threading
 import types
 import typing
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
-import msgpack
+import msgspec
 
 from gputravel.errors import BadInput, ProtocolError
 
-__all__ = ["MAX_FRAME_BYTES", "message", "encode", "decode", "tag_of", "registered"]
+__all__ = ["MAX_FRAME_BYTES", "Message", "register", "encode", "decode", "tag_of", "registered"]
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 """Largest encoded message (and transport frame payload) accepted anywhere."""
 
+TAG_FIELD = "t"
+
 _CLASS_BY_TAG: dict[str, type] = {}
 _TAG_BY_CLASS: dict[type, str] = {}
-_PLANS: dict[type, _Plan] = {}
-
-
-class _Reject(Exception):
-    """Internal: a value does not fit its type. Carries a path, never the value."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.path: list[str] = []
-
-
-class _Conv(NamedTuple):
-    """How one type hint is turned into msgpack-native data and back."""
-
-    enc: Callable[[Any], Any]
-    dec: Callable[[Any], Any]
-
-
-class _Plan(NamedTuple):
-    """Compiled per-class field plan: (name, converter) in declaration order."""
-
-    cls: type
-    tag: str
-    fields: tuple[tuple[str, _Conv], ...]
-    names: frozenset[str]
+_UNCHECKED: list[type] = []  # registered, field types not yet resolvable (forward references)
+_DECODER: msgspec.msgpack.Decoder | None = None  # over every registered class; None: rebuild
+_LOCK = threading.Lock()
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 # ----------------------------------------------------------------------------- registration
-def message(tag: str) -> Callable[[type], type]:
-    """Class decorator: register a frozen dataclass as a wire message under ``tag``."""
-    if not isinstance(tag, str) or not tag:
-        raise BadInput("message tag must be a non-empty string")
+class _MessageMeta(msgspec.StructMeta):
+    """Registers each subclass of :class:`Message` under its tag when its class is created."""
 
-    def register(cls: type) -> type:
-        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-            raise TypeError(f"@message({tag!r}) needs a dataclass, got {cls!r}")
-        if not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
-            raise TypeError(f"@message({tag!r}): {cls.__qualname__} must be frozen")
-        if tag in _CLASS_BY_TAG:
-            raise BadInput(f"message tag {tag!r} already registered by "
-                           f"{_CLASS_BY_TAG[tag].__qualname__}")
-        if cls in _TAG_BY_CLASS:
-            raise BadInput(f"{cls.__qualname__} already registered as {_TAG_BY_CLASS[cls]!r}")
-        _CLASS_BY_TAG[tag] = cls
-        _TAG_BY_CLASS[cls] = tag
-        try:
-            _plan(cls)  # fail at import time on unsupported field types
-        except NameError:
-            pass  # forward reference to a class defined later: compile on first use
-        except TypeError:
-            del _CLASS_BY_TAG[tag], _TAG_BY_CLASS[cls]
-            raise
+    def __new__(mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], *,
+                secret: tuple[str, ...] = (), **config: Any) -> type:
+        is_message = any(isinstance(b, _MessageMeta) for b in bases)  # not Message itself
+        if is_message and not isinstance(config.get("tag"), str):
+            raise TypeError(f"message {name} needs tag=\"...\" on its class line")
+        if secret:
+            namespace = {**_hiding(frozenset(secret)), **namespace}  # a class's own repr wins
+        cls = super().__new__(mcls, name, bases, namespace, **config)
+        if is_message:
+            unknown = set(secret) - set(cls.__struct_fields__)
+            if unknown:
+                raise TypeError(f"message {name}: secret names no field {sorted(unknown)[0]}")
+            register(cls)
         return cls
 
-    return register
+
+class Message(msgspec.Struct, metaclass=_MessageMeta, frozen=True, forbid_unknown_fields=True,
+              tag_field=TAG_FIELD):
+    """Base of every wire message: ``class X(Message, tag="area.name", secret=("key",)):``."""
+
+
+def _hiding(secret: frozenset[str]) -> dict[str, Any]:
+    """``__repr__`` and ``__rich_repr__`` that leave the secret fields out."""
+
+    def shown(self: msgspec.Struct) -> list[tuple[str, Any]]:
+        return [(n, getattr(self, n)) for n in self.__struct_fields__ if n not in secret]
+
+    def __repr__(self: msgspec.Struct) -> str:
+        return f"{type(self).__name__}({', '.join(f'{n}={v!r}' for n, v in shown(self))})"
+
+    def __rich_repr__(self: msgspec.Struct) -> Any:
+        yield from shown(self)
+
+    return {"__repr__": __repr__, "__rich_repr__": __rich_repr__}
+
+
+def register(cls: type) -> type:
+    """Register a Struct as a wire message under its tag (done for every :class:`Message`).
+
+    For structs that cannot subclass :class:`Message` (crypto/ may not import this package):
+    they must be configured as it is (frozen, forbid_unknown_fields, tag_field "t", a tag)."""
+    global _DECODER
+    _check_config(cls)
+    tag = cls.__struct_config__.tag
+    with _LOCK:
+        if tag in _CLASS_BY_TAG:
+            raise BadInput(f"message tag {tag!r} already registered by {_CLASS_BY_TAG[tag].__qualname__}")
+        if cls in _TAG_BY_CLASS:
+            raise BadInput(f"{cls.__qualname__} already registered as {_TAG_BY_CLASS[cls]!r}")
+        try:
+            _check_fields(cls)  # fail at import time on unsupported field types
+        except NameError:
+            _UNCHECKED.append(cls)  # a forward reference to a later class: checked before use
+        _CLASS_BY_TAG[tag] = cls
+        _TAG_BY_CLASS[cls] = tag
+        _DECODER = None
+    return cls
+
+
+def _check_config(cls: type) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        raise TypeError(f"a message must be a msgspec Struct, got {cls!r}")
+    c, name = cls.__struct_config__, cls.__qualname__
+    if not isinstance(c.tag, str) or not c.tag or c.tag_field != TAG_FIELD:
+        raise TypeError(f"{name}: a message needs a non-empty str tag in field {TAG_FIELD!r}")
+    if not c.frozen:
+        raise TypeError(f"message {name} must be frozen")
+    if not c.forbid_unknown_fields or c.array_like:
+        raise TypeError(f"message {name} must be a map that forbids unknown fields")
+    if cls.__struct_defaults__:
+        raise TypeError(f"message {name} may not have defaults: a missing field must be an error")
+    if cls.__struct_encode_fields__ != cls.__struct_fields__:
+        raise TypeError(f"message {name} may not rename fields on the wire")
+
+
+def _check_fields(cls: type) -> None:
+    hints = typing.get_type_hints(cls)
+    for name in cls.__struct_fields__:
+        try:
+            _check_hint(hints[name])
+        except TypeError as e:
+            raise TypeError(f"{cls.__qualname__}.{name}: {e}") from None
+
+
+def _check_hint(hint: Any) -> None:
+    """Refuse (TypeError) any type outside the documented encoding."""
+    if hint in (type(None), None, int, float, str, bytes, bool):
+        return
+    if isinstance(hint, type):
+        if issubclass(hint, (enum.IntEnum, enum.StrEnum)):
+            return
+        if issubclass(hint, msgspec.Struct):
+            if hint not in _TAG_BY_CLASS:
+                raise TypeError(f"nested struct {hint.__qualname__} must be a registered message")
+            return
+        raise TypeError(f"unsupported field type {hint.__qualname__}")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if len(args) != 2 or type(None) not in args:
+            raise TypeError(f"only X | None unions are supported, got {hint!r}")
+        return _check_hint(args[0] if args[1] is type(None) else args[1])
+    if origin is tuple:
+        for arg in args[:1] if len(args) == 2 and args[1] is Ellipsis else args:
+            if arg != ():  # tuple[()] spelled the old way
+                _check_hint(arg)
+        return
+    if origin is dict and args and args[0] is str:
+        return _check_hint(args[1])
+    raise TypeError(f"unsupported field type {hint!r}")
 
 
 def tag_of(cls: type) -> str:
@@ -110,287 +191,91 @@ def registered(tag: str) -> type:
         raise BadInput(f"no message registered under tag {tag!r}") from None
 
 
-# ----------------------------------------------------------------------------- plan compiler
-def _plan(cls: type) -> _Plan:
-    plan = _PLANS.get(cls)
-    if plan is None:
-        plan = _PLANS[cls] = _compile_class(cls)
-    return plan
+def _decoder() -> msgspec.msgpack.Decoder:
+    decoder = _DECODER
+    return decoder if decoder is not None else _build_decoder()
 
 
-def _compile_class(cls: type) -> _Plan:
-    hints = typing.get_type_hints(cls)
-    convs = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            raise TypeError(f"{cls.__qualname__}.{f.name}: init=False fields cannot travel")
-        try:
-            convs.append((f.name, _compile(hints[f.name])))
-        except TypeError as e:
-            raise TypeError(f"{cls.__qualname__}.{f.name}: {e}") from None
-    for name, hint in hints.items():
-        if isinstance(hint, dataclasses.InitVar):
-            raise TypeError(f"{cls.__qualname__}.{name}: InitVar fields cannot travel")
-    fields = tuple(convs)
-    return _Plan(cls, _TAG_BY_CLASS[cls], fields, frozenset(n for n, _ in fields))
+def _build_decoder() -> msgspec.msgpack.Decoder:
+    """One decoder over the union of every registered message: the tag picks the class."""
+    global _DECODER
+    with _LOCK:
+        while _UNCHECKED:
+            cls = _UNCHECKED[0]
+            try:
+                _check_fields(cls)
+            except (NameError, TypeError):
+                # Unusable: unregister it, so that it breaks only itself, not every decode.
+                del _CLASS_BY_TAG[_TAG_BY_CLASS.pop(cls)]
+                raise
+            finally:
+                _UNCHECKED.pop(0)
+        if _DECODER is None:
+            _DECODER = msgspec.msgpack.Decoder(typing.Union[tuple(_CLASS_BY_TAG.values())])  # type: ignore[misc]
+        return _DECODER
 
 
-def _compile(hint: Any) -> _Conv:
-    """Turn one resolved type hint into a converter pair, or raise TypeError."""
-    if hint is type(None) or hint is None:
-        return _Conv(_none, _none)
-    scalar = _SCALARS.get(hint)
-    if scalar is not None:
-        return scalar
-    if isinstance(hint, type):
-        if issubclass(hint, enum.IntEnum):
-            return _enum_conv(hint, int)
-        if issubclass(hint, enum.StrEnum):
-            return _enum_conv(hint, str)
-        if dataclasses.is_dataclass(hint):
-            if hint not in _TAG_BY_CLASS:
-                raise TypeError(f"nested dataclass {hint.__qualname__} must be @message-registered")
-            return _dataclass_conv(hint)
-        raise TypeError(f"unsupported field type {hint.__qualname__}")
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        others = [a for a in args if a is not type(None)]
-        if len(others) != 1 or len(args) != 2:
-            raise TypeError(f"only X | None unions are supported, got {hint!r}")
-        return _optional_conv(_compile(others[0]))
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return _var_tuple_conv(_compile(args[0]))
-        if args == ((),):  # tuple[()] spelled the old way
-            args = ()
-        return _fixed_tuple_conv(tuple(_compile(a) for a in args))
-    if origin is dict:
-        if not args or args[0] is not str:
-            raise TypeError(f"only dict[str, X] is supported, got {hint!r}")
-        return _dict_conv(_compile(args[1]))
-    raise TypeError(f"unsupported field type {hint!r}")
+# ----------------------------------------------------------------------------- errors without values
+_AT = re.compile(r" - at (`key` in )?`\$([^`]*)`$")
+_REASONS: tuple[tuple[re.Pattern[str], Any], ...] = (
+    # msgspec names types here (ours, and msgpack's), never values.
+    (re.compile(r"Expected `([^`]{1,80})`, got `([^`]{1,40})`"), lambda m: f"expected {m[1]}, got {m[2]}"),
+    (re.compile(r"Expected `array` of length (\d+), got (\d+)"), lambda m: f"expected {m[1]} items, got {m[2]}"),
+    (re.compile(r"Object missing required field `(\w+)`"), lambda m: f"missing field {m[1]}"),
+    # A key, not a value: echoed (a bounded prefix) to debug a sender's schema mismatch.
+    (re.compile(r"Object contains unknown field `(.*)`", re.S), lambda m: f"unexpected extra field {m[1][:64]!r}"),
+    (re.compile(r"Invalid enum value .*", re.S), lambda m: "value is not a member of the enum"),
+    (re.compile(r"Invalid value .*", re.S), lambda m: "wrong message tag"),
+)
 
 
-# ----------------------------------------------------------------------------- scalar converters
-def _none(v: Any) -> None:
-    if v is not None:
-        raise _Reject(f"expected None, got {type(v).__name__}")
-    return None
+class _Envelope(msgspec.Struct):
+    t: str  # only the tag; every other key is skipped
 
 
-def _exact(t: type) -> Callable[[Any], Any]:
-    # Decoded msgpack values are exactly these builtin types; subclasses never appear.
-    name = t.__name__
-
-    def check(v: Any) -> Any:
-        if type(v) is not t:
-            raise _Reject(f"expected {name}, got {type(v).__name__}")
-        return v
-
-    return check
+_PEEK = msgspec.msgpack.Decoder(_Envelope)
 
 
-def _enc_int(v: Any) -> int:
-    # bool is an int subclass but a different protocol type: refuse it.
-    if type(v) is int:
-        return v
-    if isinstance(v, int) and not isinstance(v, bool):
-        return int(v)
-    raise _Reject(f"expected int, got {type(v).__name__}")
-
-
-def _float(v: Any) -> float:
-    # An int is an acceptable float (msgpack peers may pack 1.0 as 1); bool is not.
-    t = type(v)
-    if t is float:
-        return v
-    if t is int or (isinstance(v, (int, float)) and not isinstance(v, bool)):
-        return float(v)
-    raise _Reject(f"expected float, got {t.__name__}")
-
-
-def _enc_str(v: Any) -> str:
-    if type(v) is str:
-        return v
-    if isinstance(v, str):
-        return str(v)  # plain str for StrEnum members or other subclasses
-    raise _Reject(f"expected str, got {type(v).__name__}")
-
-
-def _enc_bytes(v: Any) -> Any:
-    # Accept bytes-like on the way out to avoid a copy; it always decodes as bytes.
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        return v
-    raise _Reject(f"expected bytes, got {type(v).__name__}")
-
-
-_SCALARS: dict[Any, _Conv] = {
-    int: _Conv(_enc_int, _exact(int)),
-    float: _Conv(_float, _float),
-    str: _Conv(_enc_str, _exact(str)),
-    bytes: _Conv(_enc_bytes, _exact(bytes)),
-    bool: _Conv(_exact(bool), _exact(bool)),
-}
-
-
-# ----------------------------------------------------------------------------- composite converters
-def _enum_conv(cls: type[enum.Enum], base: type) -> _Conv:
-    name = cls.__qualname__
-
-    def enc(v: Any) -> Any:
-        if not isinstance(v, cls):
-            raise _Reject(f"expected {name}, got {type(v).__name__}")
-        return base(v.value)
-
-    def dec(v: Any) -> Any:
-        if type(v) is not base:
-            raise _Reject(f"expected {name} ({base.__name__}), got {type(v).__name__}")
-        try:
-            return cls(v)
-        except ValueError:
-            raise _Reject(f"value is not a member of {name}") from None
-
-    return _Conv(enc, dec)
-
-
-def _optional_conv(inner: _Conv) -> _Conv:
-    ienc, idec = inner
-
-    def enc(v: Any) -> Any:
-        return None if v is None else ienc(v)
-
-    def dec(v: Any) -> Any:
-        return None if v is None else idec(v)
-
-    return _Conv(enc, dec)
-
-
-def _at(path: str, conv: Callable[[Any], Any], v: Any) -> Any:
-    """Run a converter, prefixing the path on rejection (slow path only)."""
+def _known_tag(data: bytes | bytearray | memoryview) -> str | None:
+    """The message's tag if it is a registered one (slow path: errors only)."""
     try:
-        return conv(v)
-    except _Reject as r:
-        r.path.insert(0, path)
-        raise
+        tag = _PEEK.decode(data).t
+    except Exception:  # malformed, or nested beyond the recursion limit
+        return None
+    return tag if tag in _CLASS_BY_TAG else None
 
 
-def _var_tuple_conv(inner: _Conv) -> _Conv:
-    ienc, idec = inner
-
-    def run(conv: Callable[[Any], Any], v: Any) -> tuple[Any, ...]:
-        try:
-            return tuple([conv(e) for e in v])
-        except _Reject as r:
-            # Recompute the index only on failure: keeps the happy path a list comprehension.
-            for i, e in enumerate(v):
-                _at(f"[{i}]", conv, e)
-            raise r
-
-    def enc(v: Any) -> Any:
-        if not isinstance(v, tuple):
-            raise _Reject(f"expected tuple, got {type(v).__name__}")
-        return run(ienc, v)
-
-    def dec(v: Any) -> Any:
-        if type(v) is not tuple:
-            raise _Reject(f"expected array, got {type(v).__name__}")
-        return run(idec, v)
-
-    return _Conv(enc, dec)
+def _explain(data: bytes | bytearray | memoryview, exc: Exception) -> str:
+    """What was wrong and where, rebuilt so that no value of the message can appear."""
+    tag = _known_tag(data)
+    if isinstance(exc, msgspec.ValidationError):
+        text = str(exc)
+        at = _AT.search(text)
+        path = "" if at is None else at[2].lstrip(".").replace("[...]", "[*]")
+        reason = _reason(text[: at.start()] if at else text, exc)
+        if at is not None and at[1]:
+            reason += " (a map key)"
+    elif isinstance(exc, msgspec.DecodeError):
+        path, reason = "", f"malformed message ({type(exc).__name__})"
+    else:  # an invariant of __post_init__ that is not a ValueError or TypeError
+        path, reason = "", f"rejected ({type(exc).__name__})"
+    if path == TAG_FIELD:
+        return "unknown message tag" if tag is None else f"message {tag}: malformed tag"
+    if tag is None:
+        return reason if reason.startswith("malformed") else f"malformed message: {reason}"
+    where = f"message {tag}: field {path}" if path else f"message {tag}"
+    return f"{where}: {reason}"
 
 
-def _fixed_tuple_conv(items: tuple[_Conv, ...]) -> _Conv:
-    n = len(items)
-    encs = tuple(c.enc for c in items)
-    decs = tuple(c.dec for c in items)
-
-    def run(convs: tuple[Callable[[Any], Any], ...], v: Any) -> tuple[Any, ...]:
-        if len(v) != n:
-            raise _Reject(f"expected {n} items, got {len(v)}")
-        return tuple([_at(f"[{i}]", c, e) for i, (c, e) in enumerate(zip(convs, v))])
-
-    def enc(v: Any) -> Any:
-        if not isinstance(v, tuple):
-            raise _Reject(f"expected tuple, got {type(v).__name__}")
-        return run(encs, v)
-
-    def dec(v: Any) -> Any:
-        if type(v) is not tuple:
-            raise _Reject(f"expected array, got {type(v).__name__}")
-        return run(decs, v)
-
-    return _Conv(enc, dec)
-
-
-def _dict_conv(inner: _Conv) -> _Conv:
-    ienc, idec = inner
-
-    def run(conv: Callable[[Any], Any], v: dict[Any, Any]) -> dict[str, Any]:
-        out = {}
-        for k, e in v.items():
-            if type(k) is not str:
-                # Keys can be data too: name the key's type, not the key.
-                raise _Reject(f"expected str key, got {type(k).__name__}")
-            out[k] = _at("[*]", conv, e)
-        return out
-
-    def enc(v: Any) -> Any:
-        if not isinstance(v, dict):
-            raise _Reject(f"expected dict, got {type(v).__name__}")
-        return run(ienc, v)
-
-    def dec(v: Any) -> Any:
-        if type(v) is not dict:
-            raise _Reject(f"expected map, got {type(v).__name__}")
-        return run(idec, v)
-
-    return _Conv(enc, dec)
-
-
-def _dataclass_conv(cls: type) -> _Conv:
-    # The nested plan is looked up at call time so forward and self references work.
-    def enc(v: Any) -> Any:
-        if type(v) is not cls:
-            raise _Reject(f"expected {cls.__qualname__}, got {type(v).__name__}")
-        return _encode_fields(_plan(cls), v)
-
-    def dec(v: Any) -> Any:
-        return _decode_fields(_plan(cls), v)
-
-    return _Conv(enc, dec)
-
-
-# ----------------------------------------------------------------------------- field maps
-def _encode_fields(plan: _Plan, msg: Any) -> dict[str, Any]:
-    out = {}
-    for name, conv in plan.fields:
-        out[name] = _at(name, conv.enc, getattr(msg, name))
-    return out
-
-
-def _decode_fields(plan: _Plan, raw: Any) -> Any:
-    if type(raw) is not dict:
-        raise _Reject(f"expected field map, got {type(raw).__name__}")
-    if len(raw) != len(plan.fields) or raw.keys() != plan.names:
-        missing = sorted(plan.names - raw.keys())
-        if missing:
-            raise _Reject(f"missing field {missing[0]}")
-        extra = sorted(str(k)[:64] for k in raw.keys() - plan.names)
-        raise _Reject(f"unexpected extra field {extra[0]!r}")
-    kwargs = {}
-    for name, conv in plan.fields:
-        kwargs[name] = _at(name, conv.dec, raw[name])
-    try:
-        return plan.cls(**kwargs)
-    except Exception as e:  # __post_init__ invariants; its message may quote values
-        raise _Reject(f"rejected by {plan.cls.__qualname__} ({type(e).__name__})") from None
-
-
-def _where(tag: str, r: _Reject) -> str:
-    if r.path:
-        return f"message {tag}: field {'.'.join(r.path).replace('.[', '[')}: {r.reason}"
-    return f"message {tag}: {r.reason}"
+def _reason(text: str, exc: Exception) -> str:
+    cause = exc.__cause__
+    if cause is not None:  # raised by a __post_init__: its message may quote values
+        return f"rejected ({type(cause).__name__})"
+    for pattern, say in _REASONS:
+        m = pattern.fullmatch(text)
+        if m is not None:
+            return say(m)
+    return "invalid value"
 
 
 # ----------------------------------------------------------------------------- public codec
@@ -400,15 +285,16 @@ def encode(msg: object) -> bytes:
     tag = _TAG_BY_CLASS.get(cls)
     if tag is None:
         raise BadInput(f"{cls.__qualname__} is not a registered message")
-    plan = _plan(cls)
+    decoder = _decoder()  # outside the try: a broken registration is not the message's fault
     try:
-        fields = _encode_fields(plan, msg)
-    except _Reject as r:
-        raise BadInput(_where(tag, r)) from None
-    try:
-        return msgpack.packb({"t": tag, "f": fields}, use_bin_type=True)
-    except (OverflowError, ValueError, TypeError) as e:  # e.g. int beyond 64 bits
+        data = _ENCODER.encode(msg)
+    except (OverflowError, ValueError, TypeError) as e:  # e.g. an int beyond 64 bits, a set
         raise BadInput(f"message {tag}: cannot pack ({type(e).__name__})") from None
+    try:
+        decoder.decode(data)
+    except Exception as e:  # the receiver would refuse it: say so here, in the same words
+        raise BadInput(_explain(data, e)) from None
+    return data
 
 
 def decode(data: bytes | bytearray | memoryview, *,
@@ -417,28 +303,16 @@ def decode(data: bytes | bytearray | memoryview, *,
     n = len(data)
     if n > MAX_FRAME_BYTES:
         raise ProtocolError(f"message of {n} bytes exceeds {MAX_FRAME_BYTES}")
+    decoder = _decoder()  # outside the try: a broken registration is not the peer's fault
     try:
-        # Every length limit is bounded by the input size, so a lying length prefix inside a
-        # small frame cannot make msgpack allocate more than the frame itself; msgpack also
-        # bounds nesting depth (StackError). Arrays decode as tuples to match tuple fields.
-        top = msgpack.unpackb(data, use_list=False, raw=False, strict_map_key=True,
-                              max_str_len=n, max_bin_len=n, max_array_len=n,
-                              max_map_len=n, max_ext_len=n)
-    except Exception as e:  # any malformed input, whatever msgpack chose to raise
-        raise ProtocolError(f"malformed message ({type(e).__name__})") from None
-    if type(top) is not dict or len(top) != 2 or type(top.get("t")) is not str or "f" not in top:
-        raise ProtocolError("malformed message: expected {t: tag, f: fields}")
-    tag = top["t"]
-    cls = _CLASS_BY_TAG.get(tag)
-    if cls is None:
-        # Tags are protocol vocabulary, not secrets: echo (a bounded prefix) to debug mismatches.
-        raise ProtocolError(f"unknown message tag {tag[:64]!r}")
-    if expect is not None and not _expected(cls, expect):
-        raise ProtocolError(f"unexpected message {tag}; expected {_names(expect)}")
-    try:
-        return _decode_fields(_plan(cls), top["f"])
-    except _Reject as r:
-        raise ProtocolError(_where(tag, r)) from None
+        # msgspec checks every declared length against the bytes left before allocating, so
+        # a lying length prefix inside a small frame costs nothing.
+        msg = decoder.decode(data)
+    except Exception as e:  # any malformed input, whatever msgspec or an invariant raised
+        raise ProtocolError(_explain(data, e)) from None
+    if expect is not None and not _expected(type(msg), expect):
+        raise ProtocolError(f"unexpected message {_TAG_BY_CLASS[type(msg)]}; expected {_names(expect)}")
+    return msg
 
 
 def _expected(cls: type, expect: type | tuple[type, ...]) -> bool:

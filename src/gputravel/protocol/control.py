@@ -3,56 +3,72 @@ of the threat model: the supervisor stands for whoever launches each CVM)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from gputravel.protocol.codec import Message
+from gputravel.protocol.travel import ChunkInfo
 
-from gputravel.orchestrator.machine import TravelReport  # noqa: F401  (re-exported: travels are reported as is)
-from gputravel.protocol.codec import message
+#: Step names of the paper's Table 1, in cycle order (the keys of a TravelReport's steps).
+STEPS = ("o_cleanup", "o_export", "dh_switch", "dh_import", "dh_copy", "dh_export", "tls", "o_switch", "o_import", "o_rotate")
 
 
-@message("ctl.ready")
-@dataclass(frozen=True)
-class Ready:
+class Ready(Message, tag="ctl.ready"):
     role: str
     detail: dict[str, int]
 
 
-@message("ctl.join")
-@dataclass(frozen=True)
-class JoinCohort:
+class JoinCohort(Message, tag="ctl.join"):
     host: str
     port: int
 
 
-@message("ctl.await_holders")
-@dataclass(frozen=True)
-class AwaitHolders:
+class AwaitHolders(Message, tag="ctl.await_holders"):
     names: tuple[str, ...]
     timeout: float
 
 
-@message("ctl.holders")
-@dataclass(frozen=True)
-class Holders:
+class Holders(Message, tag="ctl.holders"):
     dataset_bytes: dict[str, int]
 
 
-@message("ctl.travel")
-@dataclass(frozen=True)
-class DoTravel:
+class DoTravel(Message, tag="ctl.travel"):
     holder: str
     dataset_offset: int
 
 
-@message("ctl.failed")
-@dataclass(frozen=True)
-class Failed:
+# A travel is reported to the supervisor as the orchestrator's machine made it.
+class TravelReport(Message, tag="report.travel"):
+    travel_id: int
+    holder: str
+    chunk: ChunkInfo | None  # None when the holder refused
+    steps_ms: dict[str, float]
+    total_ms: float
+    verify_ms: float
+    refused: str | None
+    nonzero_on_arrival: int  # what the holder's arrival audit found (-1: not audited)
+
+
+# The centralised TLS baseline (paper 7.2; orchestrator/baseline.py), reported like a travel.
+class DoBaseline(Message, tag="ctl.baseline"):
+    """Supervisor -> orchestrator: fill the dataset buffer the baseline way."""
+
+    holder: str
+    dataset_offset: int
+
+
+class BaselineReport(Message, tag="report.baseline"):
+    travel_id: int
+    holder: str
+    chunk: ChunkInfo  # digest checked against the holder's manifest over what VRAM holds
+    steps_ms: dict[str, float]  # read, tls, gpu_write
+    total_ms: float  # request sent to GPU write done (verification not included, as for a travel)
+    verify_ms: float
+
+
+class Failed(Message, tag="ctl.failed"):
     kind: str  # the error class name
     reason: str
 
 
-@message("ctl.enroll")
-@dataclass(frozen=True)
-class Enroll:
+class Enroll(Message, tag="ctl.enroll"):
     """A member asks the launcher's cohort CA to certify the key it made itself (a CSR:
     public material only; the private key never leaves the member)."""
 
@@ -60,25 +76,73 @@ class Enroll:
     csr_pem: bytes
 
 
-@message("ctl.certified")
-@dataclass(frozen=True)
-class Certified:
+class Certified(Message, tag="ctl.certified"):
     cert_pem: bytes
     ca_pem: bytes
 
 
-@message("ctl.shutdown")
-@dataclass(frozen=True)
-class Shutdown:
+# ----------------------------------------------------------------------------- membership
+# Joining and leaving a running cohort (paper 4.5): the supervisor drives the order
+# (holder/membership.py, orchestrator/membership.py).
+class Joined(Message, tag="ctl.member.joined"):
+    """Holder -> supervisor: attested the orchestrator and was welcomed."""
+
+    holder: str
+    measurement: bytes  # the orchestrator measurement its quote carried (and the policy pins)
+    gpu_serial: str  # the GPU whose evidence (for the holder's nonce) the holder verified
+    gpu_verified_at: int  # when the holder verified it (unix seconds)
+
+
+class LendGpu(Message, tag="ctl.member.lend"):
+    holder: str
+
+
+class GpuLent(Message, tag="ctl.member.lent"):
+    holder: str
+
+
+class ProbeGpu(Message, tag="ctl.member.probe"):
+    pass
+
+
+class Probed(Message, tag="ctl.member.probed"):
+    holder: str
+
+
+class ReclaimGpu(Message, tag="ctl.member.reclaim"):
+    pass
+
+
+class GpuReclaimed(Message, tag="ctl.member.reclaimed"):
+    pass
+
+
+class Leave(Message, tag="ctl.member.leave"):
+    reason: str
+
+
+class Left(Message, tag="ctl.member.left"):
+    holder: str
+
+
+class AwaitDeparture(Message, tag="ctl.member.await_departure"):
+    holder: str
+    timeout: float
+
+
+class Departed(Message, tag="ctl.member.departed"):
+    holder: str
+    reason: str
+
+
+class Shutdown(Message, tag="ctl.shutdown"):
     pass
 
 
 
 # Training is driven over the control link; configs and reports are JSON text because they
 # are nested and heterogeneous, and never cross a trust boundary.
-@message("ctl.train")
-@dataclass(frozen=True)
-class Train:
+class Train(Message, tag="ctl.train"):
     """Run a training job inside the orchestrator CVM, fed by travels (the TravellingLoader)."""
 
     config_json: str
@@ -86,9 +150,7 @@ class Train:
     resume_checkpoint: str  # a checkpoint of this job to continue from; "" to start afresh
 
 
-@message("ctl.train_step")
-@dataclass(frozen=True)
-class TrainStep:
+class TrainStep(Message, tag="ctl.train_step"):
     """One optimizer step done (streamed to the supervisor for the live view)."""
 
     step: int
@@ -100,7 +162,5 @@ class TrainStep:
     elapsed_s: float
 
 
-@message("ctl.train_done")
-@dataclass(frozen=True)
-class TrainDone:
+class TrainDone(Message, tag="ctl.train_done"):
     report_json: str

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from gputravel.protocol.codec import message
+from gputravel.protocol.codec import Message
 
 
-@message("device.vram_request")
-@dataclass(frozen=True)
-class VramRequest:
+class VramRequest(Message, tag="device.vram_request"):
     """Orchestrator -> device over their private link: the VRAM window for running kernels."""
 
 
-@message("device.vram")
-@dataclass(frozen=True)
-class VramGrant:
+class VramGrant(Message, tag="device.vram"):
     """fds: [VRAM memfd]. Emulates kernels the orchestrator launches reading protected memory."""
 
     vram_bytes: int

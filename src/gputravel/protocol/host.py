@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from gputravel.protocol.codec import message
+from gputravel.protocol.codec import Message
 
 
-@message("host.device_attach")
-@dataclass(frozen=True)
-class DeviceAttach:
+class DeviceAttach(Message, tag="host.device_attach"):
     """Device -> host at power-on. fds: [BAR0 memfd, doorbell eventfd]. Never VRAM."""
 
     serial: str
     bar_bytes: int
 
 
-@message("host.register")
-@dataclass(frozen=True)
-class RegisterCvm:
+class RegisterCvm(Message, tag="host.register"):
     """CVM -> host: save my DMA mappings and interrupt endpoint. fds: [sysmem memfd, irq eventfd]."""
 
     cvm: str
@@ -26,23 +20,17 @@ class RegisterCvm:
     nbytes: int
 
 
-@message("host.registered")
-@dataclass(frozen=True)
-class Registered:
+class Registered(Message, tag="host.registered"):
     """Host -> CVM. fds: [BAR0 memfd, doorbell eventfd]: BAR mappings stay in every CVM."""
 
     bar_bytes: int
 
 
-@message("host.switch")
-@dataclass(frozen=True)
-class SwitchRequest:
+class SwitchRequest(Message, tag="host.switch"):
     target: str
 
 
-@message("host.switched")
-@dataclass(frozen=True)
-class Switched:
+class Switched(Message, tag="host.switched"):
     """Host -> the CVM that asked. ``seq`` numbers the MUX's switches: an ``Attached`` with a
     lower number is older than this switch. ``elapsed_ns``: the MUX's own time to re-route."""
 
@@ -51,9 +39,7 @@ class Switched:
     seq: int
 
 
-@message("host.attached")
-@dataclass(frozen=True)
-class Attached:
+class Attached(Message, tag="host.attached"):
     """Host -> the CVM the GPU was just switched to, when another CVM asked for the switch.
 
     The orchestrator hands its context over while the MUX switches, so the holder learns
@@ -66,15 +52,11 @@ class Attached:
     seq: int
 
 
-@message("host.error")
-@dataclass(frozen=True)
-class HostError:
+class HostError(Message, tag="host.error"):
     reason: str
 
 
-@message("host.attach_cvm")
-@dataclass(frozen=True)
-class AttachCvm:
+class AttachCvm(Message, tag="host.attach_cvm"):
     """Host -> device: drop current DMA mappings, map these. fds: [sysmem memfd, irq eventfd]."""
 
     cvm: str
@@ -82,7 +64,5 @@ class AttachCvm:
     nbytes: int
 
 
-@message("host.ack")
-@dataclass(frozen=True)
-class DeviceAck:
+class DeviceAck(Message, tag="host.ack"):
     cvm: str

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from gputravel.protocol.codec import message
+from gputravel.protocol.codec import Message
 
 
-@message("push.copy_to_vram")
-@dataclass(frozen=True)
-class CopyToVram:
+class CopyToVram(Message, tag="push.copy_to_vram"):
     """Decrypt one record from a staging slot (IOVA) into VRAM at ``dst_offset``."""
 
     src_iova: int
@@ -19,9 +15,7 @@ class CopyToVram:
     interrupt: bool
 
 
-@message("push.copy_from_vram")
-@dataclass(frozen=True)
-class CopyFromVram:
+class CopyFromVram(Message, tag="push.copy_from_vram"):
     """Encrypt ``nbytes`` of VRAM at ``src_offset`` into a staging slot (IOVA)."""
 
     src_offset: int
@@ -31,9 +25,7 @@ class CopyFromVram:
     interrupt: bool
 
 
-@message("push.memset")
-@dataclass(frozen=True)
-class Memset:
+class Memset(Message, tag="push.memset"):
     """Scrub: fill a VRAM range with ``value`` (kernel channel only)."""
 
     offset: int
@@ -43,9 +35,7 @@ class Memset:
     interrupt: bool
 
 
-@message("push.rotate")
-@dataclass(frozen=True)
-class RotateKeys:
+class RotateKeys(Message, tag="push.rotate"):
     """Move every channel to the keys of ``epoch`` (kernel channel only).
 
     Also clears a faulted user channel and discards its pending GPFIFO entries: after a
@@ -57,9 +47,7 @@ class RotateKeys:
     interrupt: bool
 
 
-@message("push.grant_window")
-@dataclass(frozen=True)
-class GrantWindow:
+class GrantWindow(Message, tag="push.grant_window"):
     """Open the VRAM range the user channel may copy to and from (kernel channel only).
 
     The orchestrator grants exactly the dataset buffer, so a holder holding the user keys
@@ -72,8 +60,6 @@ class GrantWindow:
     interrupt: bool
 
 
-@message("push.semaphore")
-@dataclass(frozen=True)
-class SemaphoreRelease:
+class SemaphoreRelease(Message, tag="push.semaphore"):
     release: int
     interrupt: bool

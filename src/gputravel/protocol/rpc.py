@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from gputravel.crypto import spdm as _spdm
-from gputravel.protocol.codec import message
+from gputravel.protocol.codec import Message, register
 
 
-@message("rpc.device_info")
-@dataclass(frozen=True)
-class GetDeviceInfo:
+class GetDeviceInfo(Message, tag="rpc.device_info"):
     pass
 
 
-@message("rpc.device_info.reply")
-@dataclass(frozen=True)
-class DeviceInfo:
+class DeviceInfo(Message, tag="rpc.device_info.reply"):
     serial: str
     vram_bytes: int
     layout_digest: str
@@ -24,34 +18,24 @@ class DeviceInfo:
     work_tokens: tuple[int, int]  # work submission tokens of the USER and KERNEL channels
 
 
-@message("rpc.alloc")
-@dataclass(frozen=True)
-class AllocBuffer:
+class AllocBuffer(Message, tag="rpc.alloc"):
     nbytes: int
 
 
-@message("rpc.query")
-@dataclass(frozen=True)
-class QueryBuffer:
+class QueryBuffer(Message, tag="rpc.query"):
     offset: int
 
 
-@message("rpc.buffer")
-@dataclass(frozen=True)
-class BufferInfo:
+class BufferInfo(Message, tag="rpc.buffer"):
     offset: int
     nbytes: int
 
 
-@message("rpc.error")
-@dataclass(frozen=True)
-class RpcError:
+class RpcError(Message, tag="rpc.error"):
     reason: str
 
 
-@message("rpc.get_evidence")
-@dataclass(frozen=True)
-class GetEvidence:
+class GetEvidence(Message, tag="rpc.get_evidence"):
     """GET_MEASUREMENTS over the session: the device's signed evidence for ``nonce`` (32 bytes).
 
     Encrypted RPC only: the orchestrator asks inside the SPDM session it just opened, so the
@@ -60,14 +44,13 @@ class GetEvidence:
     nonce: bytes
 
 
-@message("rpc.evidence")
-@dataclass(frozen=True)
-class Evidence:
+class Evidence(Message, tag="rpc.evidence"):
     blob: bytes  # an encoded attest.GpuEvidence
 
 
-# SPDM messages are the sans-IO dataclasses of crypto.spdm; registering them lets the same
-# plaintext RPC slot carry them before a session exists.
+# SPDM messages are the sans-IO structs of crypto.spdm (tagged "spdm.<name>" there, since
+# crypto/ may not import this package); registering them lets the same plaintext RPC slot
+# carry them before a session exists.
 for _cls in (_spdm.GetCertificate, _spdm.Certificate, _spdm.KeyExchange, _spdm.KeyExchangeResponse,
              _spdm.Finish, _spdm.FinishResponse):
-    message(f"spdm.{_cls.__name__}")(_cls)
+    register(_cls)

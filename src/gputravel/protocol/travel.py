@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from gputravel.protocol.codec import message
+from gputravel.protocol.codec import Message
 
 
-@message("travel.hello")
-@dataclass(frozen=True)
-class HolderHello:
+class HolderHello(Message, tag="travel.hello"):
     """Holder -> orchestrator on joining: its dataset's size and manifest (SHA-256 per piece),
     and the tokenizer its tokens were made with ("" for a dataset of raw bytes)."""
 
@@ -20,37 +16,29 @@ class HolderHello:
     tokenizer: str
 
 
-@message("travel.welcome")
-@dataclass(frozen=True)
-class Welcome:
+class Welcome(Message, tag="travel.welcome"):
     cohort: str
 
 
-@message("travel.request")
-@dataclass(frozen=True)
-class TravelRequest:
+class TravelRequest(Message, tag="travel.request", secret=("context",)):
     """Orchestrator -> holder: the GPU is switched to you; fill ``buffer`` from ``offset``."""
 
     travel_id: int
     buffer_offset: int
     buffer_bytes: int
     dataset_offset: int
-    context: bytes = field(repr=False)  # context blob: keys inside, never printed
+    context: bytes  # context blob: keys inside, never printed
 
 
-@message("travel.chunk")
-@dataclass(frozen=True)
-class ChunkInfo:
+class ChunkInfo(Message, tag="travel.chunk"):
     dataset_offset: int
     nbytes: int
     digest: bytes  # SHA-256 over the SHA-256 of each piece of the chunk
 
 
-@message("travel.result")
-@dataclass(frozen=True)
-class TravelResult:
+class TravelResult(Message, tag="travel.result", secret=("context",)):
     travel_id: int
-    context: bytes = field(repr=False)  # context blob: keys inside, never printed
+    context: bytes  # context blob: keys inside, never printed
     chunk: ChunkInfo
     steps_ns: dict[str, int]  # dh_import, dh_copy, dh_export, o_switch, handler
     #: Non-zero bytes the holder found in the buffer on arrival (-1: not checked). A holder
@@ -58,18 +46,44 @@ class TravelResult:
     nonzero_on_arrival: int
 
 
-@message("travel.refused")
-@dataclass(frozen=True)
-class TravelRefused:
+class TravelRefused(Message, tag="travel.refused", secret=("context",)):
     """The holder could not copy; it still sent the GPU home and returned the context."""
 
     travel_id: int
-    context: bytes = field(repr=False)  # context blob: keys inside, never printed
+    context: bytes  # context blob: keys inside, never printed
     reason: str
     steps_ns: dict[str, int]
 
 
-@message("travel.bye")
-@dataclass(frozen=True)
-class Bye:
+class Bye(Message, tag="travel.bye"):
+    reason: str
+
+
+# The centralised TLS baseline (paper 7.2): the chunk itself crosses this link, in order.
+class SendChunk(Message, tag="baseline.send_chunk"):
+    """Orchestrator -> holder over TLS: send me these bytes of your dataset."""
+
+    travel_id: int
+    dataset_offset: int
+    nbytes: int
+
+
+class ChunkPiece(Message, tag="baseline.piece"):
+    """Holder -> orchestrator: the next piece of the chunk, in order."""
+
+    travel_id: int
+    offset: int  # within the chunk
+    data: bytes
+
+
+class ChunkSent(Message, tag="baseline.sent"):
+    """Holder -> orchestrator: the whole chunk has been sent."""
+
+    travel_id: int
+    nbytes: int
+    read_ns: int  # time the holder spent reading its dataset
+
+
+class ChunkRefused(Message, tag="baseline.refused"):
+    travel_id: int
     reason: str

@@ -14,12 +14,10 @@ from dataclasses import dataclass
 
 from gputravel.orchestrator.audit import Entry, read_log
 from gputravel.errors import GputravelError
-from gputravel.orchestrator.machine import TravelReport
-from gputravel.orchestrator.baseline import BaselineReport
+from gputravel.protocol.control import BaselineReport, TravelReport
 from gputravel.redteam.cohort import HolderLink, HostLink, RedTeamCohort
 from gputravel.redteam.messages import HolderNews, HostNews
 
-ORCH = "orchestrator"
 ALICE, BOB, MALLORY = "alice", "bob", "mallory"
 
 
@@ -89,7 +87,7 @@ class Arena:
         try:
             return Outcome(holder, self.cohort.travel(holder, offset), None)
         except GputravelError as exc:
-            # HolderLost or ContextRefused; across the control link only the message tells (supervisor._typed)
+            # HolderLost or ContextRefused; across the control link only the message tells (cohort.client.error_from)
             if f"holder {holder!r} lost" in str(exc):
                 self.dropped.add(holder)
             return Outcome(holder, None, exc)
@@ -125,7 +123,7 @@ class Arena:
 
     def journal(self) -> list[str]:
         """Entries of the orchestrator's signed travel log since the last look."""
-        return [_entry(e) for e in self.journal_entries()]
+        return [log_line(e) for e in self.journal_entries()]
 
     def journal_entries(self) -> list[Entry]:
         path = self.cohort.audit_log_path
@@ -151,18 +149,21 @@ class Arena:
         return record + (self.records if self.audit else 0)
 
 
-def _entry(e: Entry) -> str:
+def log_line(e: Entry) -> str:
+    """An entry of the signed travel log, as a line of evidence."""
     return f"travel log: {e.event.value} {e.chunk.holder}, key epoch {e.epoch_before} -> {e.epoch_after}"
 
 
-def _rekeyed(said: list[str]) -> bool:
+def rekeyed(said: list[str]) -> bool:
     """Did the orchestrator say it re-keyed the GPU through a new SPDM session?"""
     return any("re-keyed the GPU through a new SPDM session" in line for line in said)
 
 
-def _events(news: HostNews | HolderNews, prefix: str) -> list[str]:
+def news_lines(news: HostNews | HolderNews, prefix: str) -> list[str]:
+    """What an attacker reported, as lines of evidence (the host's switch notes left out)."""
     return [f"{prefix}: {e}" for e in news.events if not e.startswith("switch:")]
 
 
-def _said(news: HostNews, text: str) -> bool:
+def host_said(news: HostNews, text: str) -> bool:
+    """Did the host report something containing ``text``?"""
     return any(text in e for e in news.events)

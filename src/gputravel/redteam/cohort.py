@@ -9,11 +9,14 @@ import os
 from pathlib import Path
 
 from gputravel.errors import RemoteError
-from gputravel.cohort.supervisor import Cohort, CohortConfig
-from gputravel.transport.stream import connect_unix
+from gputravel.cohort.config import CohortConfig
+from gputravel.cohort.local import Cohort
+from gputravel.cohort.supervisor import PartySpec
+from gputravel.transport.unix import connect_unix
 from gputravel.redteam.messages import HolderNews, HolderQuery, HostNews, HostQuery, MarkRow
 
 SNOOP_LIMIT = 48 << 20  # the plain snooper's file; the adversary's own snapshots come on top
+ENTRY = "gputravel.redteam.entry"  # serves the adversaries' roles (redteam/entry.py)
 
 
 class AdversaryError(RemoteError):
@@ -21,11 +24,12 @@ class AdversaryError(RemoteError):
 
 
 class RedTeamCohort(Cohort):
-    """Every process is the real one, except that the host runs the adversary hooks and the
-    holders named ``malicious`` run :mod:`gputravel.redteam.holder`."""
+    """Every process is the real one, except that the host runs the adversary's hooks
+    (:mod:`gputravel.redteam.host`) and the holders named ``malicious`` run
+    :mod:`gputravel.redteam.holder`: both started through the red team's own entry module."""
 
     def __init__(self, config: CohortConfig, malicious: tuple[str, ...]) -> None:
-        super().__init__(config)
+        super().__init__(config, launch=self._adversarial)
         self.malicious = malicious
 
     @property
@@ -37,23 +41,28 @@ class RedTeamCohort(Cohort):
     def loot_dir(self) -> Path:
         return self.adversary_dir / "loot"
 
-    def _spawn(self, role: str, config: dict, *, key: str | None = None, extra_fd: int | None = None):
-        if role == "host":
-            self.adversary_dir.mkdir(mode=0o700)
-            layout = dataclasses.asdict(self.config.layout)
-            (self.adversary_dir / "config.json").write_text(json.dumps({"layout": layout}))
-            self.loot_dir.mkdir(mode=0o777)
-            os.chmod(self.loot_dir, 0o777)  # the colluders' common stash (see _popen_extras)
-            self.placement.own(self.adversary_dir, "host", 0o711)
-            config = {**config, "adversary_dir": self.child_path(self.adversary_dir), "snoop_limit_bytes": SNOOP_LIMIT}
-        elif role == "holder" and key in self.malicious:
-            role, config = "redteam-holder", {**config, "loot_dir": self.child_path(self.loot_dir)}
-        return super()._spawn(role, config, key=key, extra_fd=extra_fd)
+    def _adversarial(self, spec: PartySpec) -> PartySpec:
+        """The supervisor's spec for a party, turned into the adversary's where it is one. The
+        host and the malicious holders collude: under their own uids, they still write into
+        each other's loot directories (umask 0)."""
+        if spec.role == "host":
+            self._prepare_host()
+            config = {**spec.config, "adversary_dir": self.child_path(self.adversary_dir),
+                      "snoop_limit_bytes": SNOOP_LIMIT}
+            return dataclasses.replace(spec, config=config, entry=ENTRY, umask=0)
+        if spec.role == "holder" and spec.key in self.malicious:
+            config = {**spec.config, "loot_dir": self.child_path(self.loot_dir)}
+            return dataclasses.replace(spec, config=config, entry=ENTRY, umask=0)
+        return spec
 
-    def _popen_extras(self, role: str, key: str) -> dict:
-        # The host and the malicious holders collude: under their own uids, they still write
-        # into each other's loot directories.
-        return {"umask": 0} if role == "host" or key in self.malicious else {}
+    def _prepare_host(self) -> None:
+        """The malicious host's work directory: its layout, and the colluders' common stash."""
+        self.adversary_dir.mkdir(mode=0o700)
+        layout = dataclasses.asdict(self.config.layout)
+        (self.adversary_dir / "config.json").write_text(json.dumps({"layout": layout}))
+        self.loot_dir.mkdir(mode=0o777)
+        os.chmod(self.loot_dir, 0o777)  # the colluders' common stash (umask 0 for what they write)
+        self.placement.own(self.adversary_dir, "host", 0o711)
 
     def child_path(self, path: Path) -> str:
         """How the host and the malicious holders name a path in the cohort directory."""

@@ -18,23 +18,23 @@ which the driver scans for other holders' data.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import selectors
-import time
 from pathlib import Path
 
-from gputravel.driver.context import DriverContext, pack_context, unpack_context
-from gputravel.crypto.channel import Receiver
+from msgspec import structs
+
+from gputravel.cohort.entry import load_config
+from gputravel.driver.context import pack_context, unpack_context
 from gputravel.errors import GputravelError, IntegrityError, TransportClosed
-from gputravel.protocol.layout import SEMAPHORE_HEADER, TAG_BYTES, U32, Bar0, PushChannel
+from gputravel.protocol.layout import SEMAPHORE_HEADER, TAG_BYTES, PushChannel
 from gputravel.protocol.travel import Bye, TravelRequest
 from gputravel.protocol.push import CopyFromVram
-from gputravel.holder.machine import CopyChunk, HolderPhase, ImportBlob
+from gputravel.holder.steps import CopyChunk, ExportBlob, Exported, StepFailed, SwitchBack
 from gputravel.protocol.control import JoinCohort, Ready, Shutdown
 from gputravel.holder.cvm import DataHolder, HolderConfig
-from gputravel.orchestrator.membership import join as join_cohort
+from gputravel.holder.membership import join as join_cohort
 from gputravel.transport.base import Transport
+from gputravel.redteam.forgery import FORGERIES, kept_states, try_open
 from gputravel.redteam.loot import Loot, read_frames
 from gputravel.redteam.messages import (
     AskQuote,
@@ -55,56 +55,74 @@ MAX_IV_GUESSES = 32  # message counters tried per key and ciphertext
 LABELS_FOR = {"record": ("Lce00_h2d_user", "Lce00_d2h_user"), "push": ("Lwlc_h2d_user",)}
 
 
+class _WalkedAway(Exception):
+    """Mallory stops in the middle of a travel, keeping the GPU. Not a GputravelError, so the
+    holder's dispatch loop does not hand it to the travel machine: it goes up to
+    :meth:`MaliciousHolder.serve_travel`, and the machine stays mid-travel until ``abort()``."""
+
+
 class MaliciousHolder(DataHolder):
+    """A DataHolder whose travels run through the same machine and the same dispatch; only
+    some steps of its ``ACTIONS`` misbehave, as the red team's orders say."""
+
     def __init__(self, config: HolderConfig, loot_dir: Path) -> None:
         super().__init__(config)
         self.loot = Loot(loot_dir, "holder")
         self.kept: list[bytes] = []  # every blob given or exported, oldest first
         self.exported: list[bytes] = []  # the blobs it exported at the end of its travels
-        self.mode = "honest"
+        self.mode = "honest"  # what the next travel does
         self.buffer: tuple[int, int] | None = None
         self._news = _News()
+        self._misbehaving = "honest"  # what the travel under way does
+        self._exported_now = b""  # what the travel under way exported (b"": nothing yet)
 
     # ------------------------------------------------------------------ travels
     def serve_travel(self, req: TravelRequest) -> None:
-        mode, self.mode = self.mode, "honest"
-        act = self._arrive(req)
+        self._misbehaving, self.mode = self.mode, "honest"
+        self._exported_now = b""
+        self.kept.append(req.context)  # as nobody honest would
+        self.buffer = (req.buffer_offset, req.buffer_bytes)
+        try:
+            super().serve_travel(req)
+        except _WalkedAway:
+            pass  # the GPU stays here; the machine is reset when the red team has it join again
+        else:
+            if self._misbehaving == "work-after-return":
+                self._work_after_return(self._exported_now)
+        self._snapshot()
+
+    def _at_copy(self, act: CopyChunk, timeout: float | None) -> object:
+        """The GPU is ours and the buffer granted: dump it, walk away, refuse, or copy."""
+        mode = self._misbehaving
         if mode in ("dump", "never-return"):
             self._dump_window(act)
         if mode in ("never-return", "vanish"):
             quiet = " (and never used it: its keys' counters stay as exported)" if mode == "vanish" else ""
             self._news.event("kept the GPU: never switched back, never replied" + quiet)
-            self._snapshot()
-            return
+            raise _WalkedAway
         if mode == "refuse":  # quiet: no push, so the exported counters stay in step with the device
-            self.sm.copy_failed("mallory refuses this travel", time.perf_counter())
             self._news.event("refused the travel on purpose without touching the GPU, and handed the GPU and "
                              "context back")
-        else:
-            self._copy(act, time.perf_counter)
-        if mode == "dump":
-            self._dump_outside(req.buffer_offset, req.buffer_bytes)
-        blob = self._go_home(mode)
-        if mode == "work-after-return":
-            self._work_after_return(blob)
-        self._snapshot()
+            return StepFailed("mallory refuses this travel")
+        return DataHolder.ACTIONS[CopyChunk](self, act, timeout)
 
-    def _arrive(self, req: TravelRequest) -> CopyChunk:
-        """As an honest holder: keep the blob (as nobody honest would), import it."""
-        self.kept.append(req.context)
-        self.buffer = (req.buffer_offset, req.buffer_bytes)
-        act = self.sm.on_request(req, time.perf_counter())
-        assert isinstance(act, ImportBlob)
-        self.driver.import_context(act.blob)
-        self.sm.imported(time.perf_counter())
-        act = self._await_gpu(time.perf_counter)
-        assert isinstance(act, CopyChunk)
-        return act
+    def _before_switch_back(self, act: SwitchBack, timeout: float | None) -> object:
+        """Copied (or not): with the GPU still ours, try the rest of VRAM first."""
+        if self._misbehaving == "dump":
+            assert self.buffer is not None
+            self._dump_outside(*self.buffer)
+        return DataHolder.ACTIONS[SwitchBack](self, act, timeout)
 
-    def _go_home(self, mode: str) -> bytes:
-        """Ask for the switch home, export (keeping a copy), hand back a blob (perhaps not that one), reply."""
-        blob = self.go_home(time.perf_counter, returned=lambda b: self._returned(mode, self._keep_exported(b)))
-        return blob
+    def _export_and_pick(self, act: ExportBlob, timeout: float | None) -> Exported:
+        """Export (keeping a copy), and hand back a blob: perhaps not that one."""
+        exported = DataHolder.ACTIONS[ExportBlob](self, act, timeout)
+        assert isinstance(exported, Exported)
+        self._exported_now = self._keep_exported(exported.blob)
+        return Exported(self._returned(self._misbehaving, exported.blob))
+
+    #: The honest holder's steps, but for these three (holder/cvm.py carries each out).
+    ACTIONS = {**DataHolder.ACTIONS, CopyChunk: _at_copy, SwitchBack: _before_switch_back,
+               ExportBlob: _export_and_pick}
 
     def _keep_exported(self, blob: bytes) -> bytes:
         self.kept.append(blob)
@@ -116,12 +134,9 @@ class MaliciousHolder(DataHolder):
         if mode == "stale-epoch" and len(self.exported) > 1:
             self._news.event("returned the context blob of an earlier travel (older key epoch)")
             return self.exported[-2]
-        if mode in ("stale-counters", "counters-forward", "altered-keys"):
-            ctx = unpack_context(blob, layout=self.layout_digest)
-            forge = {"stale-counters": _rewound, "counters-forward": _pushed_forward, "altered-keys": _rekeyed}[mode]
-            forged = forge(ctx)
-            what = {"stale-counters": "counters rewound", "altered-keys": "a key replaced",
-                    "counters-forward": "the channel counter of its first sender moved forward by one"}[mode]
+        if mode in FORGERIES:
+            forge, what = FORGERIES[mode]
+            forged = forge(unpack_context(blob, layout=self.layout_digest))
             self._news.event(f"returned a context blob with {what}, checksum recomputed")
             return pack_context(forged)
         if mode == "corrupted":
@@ -171,13 +186,11 @@ class MaliciousHolder(DataHolder):
         """
         drv = self.driver
         drv.import_context(blob)
-        bar = drv.link.bar
-        drv._put[PushChannel.USER] = U32.unpack_from(bar, Bar0.get(PushChannel.USER))[0]
-        drv._rpc_tx = drv._rpc_rx = U32.unpack_from(bar, Bar0.RPC_GET)[0]
+        drv.join_queues_where_they_stand()
         _, chan, msg, _ = SEMAPHORE_HEADER.unpack_from(drv.link.sysmem, self.config.layout.semaphore_offset(PushChannel.USER))
         if chan:
             for table, label in ((drv.keys.tx, "Lwlc_h2d_user"), (drv.keys.rx, "Llcic_d2h_user")):
-                state = dataclasses.replace(table[label].export_state(), channel_counter=chan, message_counter=msg)
+                state = structs.replace(table[label].export_state(), channel_counter=chan, message_counter=msg)
                 table[label] = type(table[label]).from_state(state)
         try:
             attempt()
@@ -197,7 +210,7 @@ class MaliciousHolder(DataHolder):
                                                       release=value, interrupt=True), timeout)
             drv.wait_release(PushChannel.USER, value, timeout)
             ct = bytes(drv.link.sysmem[slot : slot + n + TAG_BYTES])
-            plain = next((p for m in range(1, 2 * MAX_IV_GUESSES) if (p := _try_open(rx, m, ct)) is not None), None)
+            plain = next((p for m in range(1, 2 * MAX_IV_GUESSES) if (p := try_open(rx, m, ct)) is not None), None)
             if plain is None:
                 raise IntegrityError("no IV opens the record")
             out += plain
@@ -230,13 +243,13 @@ class MaliciousHolder(DataHolder):
         """Every kept key (or the newest ones), every plausible IV, on every ciphertext the host handed over."""
         frames = read_frames(Path(order.path))
         blobs = self.kept[-order.newest :] if order.newest > 0 else self.kept
-        states = _kept_states(blobs, self.layout_digest)
+        states = kept_states(blobs, self.layout_digest)
         tried = won = 0
         for kind, ct in frames:
             for state in (s for s in states if s.label in LABELS_FOR.get(kind, ())):
                 for message in range(1, MAX_IV_GUESSES + 1):
                     tried += 1
-                    plain = _try_open(state, message, ct)
+                    plain = try_open(state, message, ct)
                     if plain is not None:
                         won += 1
                         self.loot.keep("decrypted", plain)
@@ -253,43 +266,13 @@ class MaliciousHolder(DataHolder):
         for blob in self.kept:
             self.loot.keep("blobs", blob)
 
+    def event(self, text: str) -> None:
+        """Something for the next news."""
+        self._news.event(text)
+
     def news(self) -> HolderNews:
         news, self._news = self._news.message(), _News()
         return news
-
-
-def _rewound(ctx: DriverContext) -> DriverContext:
-    senders = tuple(dataclasses.replace(s, message_counter=0) for s in ctx.senders)
-    return dataclasses.replace(ctx, senders=senders, semaphore=0)
-
-
-def _pushed_forward(ctx: DriverContext) -> DriverContext:
-    """Everything forward, as a travel may move it, except that one channel counter moves too:
-    the orchestrator's next IVs on that channel would no longer be the device's."""
-    first, *rest = ctx.senders
-    return dataclasses.replace(ctx, senders=(dataclasses.replace(first, channel_counter=first.channel_counter + 1),
-                                             *rest))
-
-
-def _rekeyed(ctx: DriverContext) -> DriverContext:
-    first, *rest = ctx.senders
-    return dataclasses.replace(ctx, senders=(dataclasses.replace(first, key=os.urandom(32)), *rest))
-
-
-def _kept_states(blobs: list[bytes], layout: str) -> list:
-    out = []
-    for blob in blobs:
-        ctx = unpack_context(blob, layout=layout)
-        out.extend(ctx.senders + ctx.receivers)
-    return out
-
-
-def _try_open(state, message: int, ct: bytes) -> bytes | None:
-    try:
-        rx = Receiver.from_state(dataclasses.replace(state, message_counter=0))
-        return rx.accept_at(message, state.channel_counter, ct)
-    except GputravelError:
-        return None
 
 
 class _News:
@@ -312,11 +295,9 @@ class _News:
 
 # ----------------------------------------------------------------------------- the process
 def serve(payload: dict, control: Transport) -> None:
-    """``python -m gputravel.cohort.entry redteam-holder CONFIG CONTROL_FD``."""
-    from gputravel.cohort.entry import _config
-
+    """``python -m gputravel.redteam.entry holder CONFIG CONTROL_FD``."""
     loot_dir = Path(payload.pop("loot_dir"))
-    holder = MaliciousHolder(_config(HolderConfig, payload), loot_dir)
+    holder = MaliciousHolder(load_config(HolderConfig, payload), loot_dir)
     holder.boot()
     control.send(Ready(role=holder.config.name, detail={"dataset_bytes": holder.dataset.size}))
     sel = selectors.DefaultSelector()
@@ -335,7 +316,7 @@ def _order(holder: MaliciousHolder, cmd: object, control: Transport, sel: select
         return False
     if isinstance(cmd, JoinCohort):
         _forget_orchestrator(holder, sel)  # a link the orchestrator dropped, not yet noticed
-        holder.sm.phase = HolderPhase.IDLE  # whatever travel it walked away from (never-return)
+        holder.sm.abort()  # whatever travel it walked away from (never-return)
         if join_cohort(holder, cmd, control):
             assert holder.orchestrator is not None
             sel.register(holder.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
@@ -350,9 +331,9 @@ def _order(holder: MaliciousHolder, cmd: object, control: Transport, sel: select
         holder.decrypt_captured(cmd)
     elif isinstance(cmd, ProbePaths):  # from this process, under mallory's own uid
         for e in probe(cmd, holder.loot):
-            holder._news.event(e)
+            holder.event(e)
     elif isinstance(cmd, AskQuote):
-        holder._news.event(ask_quote(cmd, holder.loot))
+        holder.event(ask_quote(cmd, holder.loot))
     elif not isinstance(cmd, HolderQuery):
         return True
     control.send(holder.news())
@@ -376,7 +357,7 @@ def _from_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -> 
         sel.unregister(conn.fileno())
         conn.close()
         holder.orchestrator = None
-        holder._news.event("the orchestrator dropped the connection")
+        holder.event("the orchestrator dropped the connection")
         return
     if isinstance(msg, Bye):
         return

@@ -1,7 +1,8 @@
 """The malicious hypervisor: what the host can do with the PCIe MUX and unprotected memory.
 
-It runs inside the host process (``HostConfig.adversary_dir``) and uses only what a real
-hypervisor has (paper 3.1, 6.2):
+It runs inside the host process as its hooks (:mod:`gputravel.host.hooks`; started by
+``python -m gputravel.redteam.entry host``) and uses only what a real hypervisor has (paper
+3.1, 6.2), through :class:`~gputravel.redteam.bus.HostBus`:
 
 - every CVM's unprotected memory (bounce buffers), read *and* write: it holds the memfds;
 - BAR0, read and write (GPFIFO entries, ``put``, fault flags): it holds the descriptor;
@@ -18,31 +19,23 @@ from the red team's driver over ``adversary.sock`` (:mod:`gputravel.redteam.mess
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import mmap
-import os
 import queue
 import selectors
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gputravel.errors import GputravelError, ProtocolError, TransportClosed
-from gputravel.protocol.layout import (
-    FAULT_REG,
-    GPFIFO_ENTRY,
-    SEMAPHORE_RECORD_BYTES,
-    SYSMEM_IOVA,
-    U32,
-    Bar0,
-    Layout,
-    PushChannel,
-)
+from gputravel.host.mux import CvmRegistration, SwitchPlan
+from gputravel.host.process import HostProcess
+from gputravel.protocol.parties import ORCHESTRATOR
+from gputravel.protocol.layout import FAULT_REG, Bar0, Layout, PushChannel
 from gputravel.transport.stream import StreamTransport
+from gputravel.redteam.bus import Doorbells, HostBus
 from gputravel.redteam.loot import Loot, write_frames
 from gputravel.redteam.messages import (
     ArmDrop,
@@ -60,13 +53,7 @@ from gputravel.redteam.messages import (
 )
 from gputravel.redteam.peek import ask_quote, probe
 
-if TYPE_CHECKING:
-    from gputravel.host.mux import CvmRegistration, SwitchPlan
-    from gputravel.host.process import HostProcess
-
-ORCHESTRATOR = "orchestrator"
 USER, KERNEL = PushChannel.USER, PushChannel.KERNEL
-MAX_RECORDS = 32  # staging-slot captures kept per CVM for ExportRecords
 
 
 @dataclass
@@ -88,31 +75,20 @@ class _ForgeGet:
     travelling: bool = False  # the GPU went to the victim: the next switch home fires it
 
 
-@dataclass
-class _Captures:
-    pushes: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (channel, index) -> ciphertext
-    records: dict[bytes, bytes] = field(default_factory=dict)  # digest -> staging slot content
-
-
 class HostAdversary:
-    def __init__(self, workdir: Path, host: HostProcess) -> None:
+    """The host's hooks (host.hooks.HostHooks), and the orders it takes from the red team."""
+
+    def __init__(self, workdir: Path) -> None:
         cfg = json.loads((workdir / "config.json").read_text())
         self.layout = Layout(**cfg["layout"])
-        self.host = host
+        self.bus = HostBus(self.layout)
+        self.host: HostProcess | None = None  # the host process whose hooks these are, once it serves
         self.loot = Loot(workdir / "loot", "host")
         self.lock = threading.RLock()  # the adversary's state; never held for long (the relay needs it)
         self._loot_lock = threading.Lock()  # the loot files and captured records (the snapshot worker)
         self._snaps: queue.Queue[str] = queue.Queue()  # CVMs whose bounce buffers to snapshot
-        self._push_log: list[bytes] = []
         self._orch_kernel_put = 0  # the kernel put the orchestrator last announced with a doorbell
         self._last_user_cvm = ""  # whose bounce buffers hold the user channel's latest semaphore
-        self.regs: dict[str, CvmRegistration] = {}
-        self.mem: dict[str, mmap.mmap] = {}
-        self._bells: dict[int, str] = {}
-        self._caps: dict[str, _Captures] = {}
-        self._bar: mmap.mmap | None = None
-        self._seen_put = {USER: 0, KERNEL: 0}
-        self._travel_base: dict[str, int] = {}
         self._fault_up = {USER: False, KERNEL: False}
         self._faults = {USER: 0, KERNEL: 0}
         self._events: list[str] = []
@@ -123,7 +99,7 @@ class HostAdversary:
         self._hidden_put: int | None = None
         self._forge: _ForgeGet | None = None
         self._forged_get: int | None = None  # the value we wrote into BAR0's kernel get, until the device rewrites it
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._bells = Doorbells(self._on_ring)
         sock_path = workdir / "adversary.sock"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(str(sock_path))
@@ -131,23 +107,22 @@ class HostAdversary:
         self._sel: selectors.BaseSelector | None = None
 
     # ------------------------------------------------------------------ host hooks
-    def start(self, sel: selectors.BaseSelector) -> None:
+    def on_serve(self, host: HostProcess, sel: selectors.BaseSelector) -> None:
+        self.host = self.bus.host = host
         self._sel = sel
         sel.register(self._listener, selectors.EVENT_READ, self._accept)
-        threading.Thread(target=self._relay, daemon=True, name="doorbell-relay").start()
+        self._bells.start()
         threading.Thread(target=self._snapshotter, daemon=True, name="snapshots").start()
 
-    def doorbell_for(self, reg: CvmRegistration) -> int:
-        """A CVM registers: map its memory read-write, give it a doorbell of ours."""
-        bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    def on_register(self, reg: CvmRegistration, doorbell: int) -> int:
+        """A CVM registers: map its memory read-write, give it a doorbell of ours (the relay
+        rings the device's, or not)."""
         mem = mmap.mmap(reg.sysmem_fd, reg.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         with self.lock:
-            self.regs[reg.cvm], self.mem[reg.cvm], self._bells[bell] = reg, mem, reg.cvm
-            self._caps.setdefault(reg.cvm, _Captures())
-        os.write(self._wake_w, b"x")
-        return bell
+            self.bus.add(reg, mem)
+        return self._bells.new(reg.cvm)
 
-    def route(self, requester: str, plan: SwitchPlan) -> tuple[CvmRegistration, CvmRegistration]:
+    def on_switch(self, requester: str, plan: SwitchPlan) -> tuple[CvmRegistration, CvmRegistration]:
         """A CVM asked for a switch: note it, snapshot, and route it as ordered."""
         target = plan.target.cvm
         with self.lock:
@@ -156,8 +131,8 @@ class HostAdversary:
                 self._snaps.put(cvm)
             self._event(f"switch: {requester or 'someone'} asked for the GPU to go to {target}")
             if requester == ORCHESTRATOR and target != ORCHESTRATOR:  # a travel starts
-                self._seen_put[USER] = self._reg32(Bar0.put(USER))
-                self._travel_base[target] = self._seen_put[USER]
+                self.bus.seen_put[USER] = self.bus.reg32(Bar0.put(USER))
+                self.bus.travel_base[target] = self.bus.seen_put[USER]
                 if self._forge is not None and self._forge.order.victim == target:
                     self._forge.travelling = True
             forge = self._forge
@@ -167,7 +142,7 @@ class HostAdversary:
             tamper = self._tamper
             if tamper is not None and tamper.order.kind == "replay" and requester == tamper.order.victim:
                 self._tamper = None
-                self._capture(requester, USER)  # whatever the relay has not looked at yet
+                self.bus.capture(requester, USER)  # whatever the relay has not looked at yet
                 self._replay(requester, tamper.order.user_push)  # the victim is done: the device is idle
             drop = self._drop
             if drop is not None and not drop.active and requester == drop.order.after_return_of and target == ORCHESTRATOR:
@@ -178,7 +153,7 @@ class HostAdversary:
                 self._route = None
                 self._event(f"{requester} asked for the GPU to go to {target}: mapped {order.dma}'s memory, "
                             f"routed {order.irq}'s interrupt")
-                return self.regs[order.dma], self.regs[order.irq]
+                return self.bus.regs[order.dma], self.bus.regs[order.irq]
         return plan.target, plan.target
 
     # ------------------------------------------------------------------ orders
@@ -239,33 +214,24 @@ class HostAdversary:
         with self.lock:
             self._check_faults()
             if order.hide_kernel:
-                self._hidden_put = self._reg32(Bar0.put(KERNEL))
-                get = self._reg32(Bar0.get(KERNEL))
-                pending = (self._hidden_put - get) % self.layout.gpfifo_entries
-                self._set32(Bar0.put(KERNEL), get)
+                get, self._hidden_put, pending = self.bus.pending_kernel()
+                self.bus.set32(Bar0.put(KERNEL), get)
                 self._event(f"hid {pending} pending kernel-channel entries from the device")
             elif self._hidden_put is not None:
-                self._set32(Bar0.put(KERNEL), self._hidden_put)
+                self.bus.set32(Bar0.put(KERNEL), self._hidden_put)
                 self._hidden_put = None
                 self._event("let the device see the pending kernel-channel entries again")
             if self.host.mux.current:
                 self._snaps.put(self.host.mux.current)
-            self._hand_over_semaphore(order.dma)
+            if self._last_user_cvm and self._last_user_cvm != order.dma:  # collusion: see HostBus
+                self.bus.hand_over_semaphore(self._last_user_cvm, order.dma)
         self.host.mux.switch(order.dma)
-        self.host.attach(self.regs[order.dma], self.regs[order.irq])
+        self.host.attach(self.bus.regs[order.dma], self.bus.regs[order.irq])
         self._event(f"switched the GPU to {order.dma} unasked (interrupt to {order.irq})")
-
-    def _hand_over_semaphore(self, to: str) -> None:
-        """Collusion: copy the user channel's latest semaphore record (its IV index is plain
-        text) into the bounce buffers of the CVM the GPU goes to."""
-        src = self._last_user_cvm
-        if src and src != to:
-            off = self.layout.semaphore_offset(USER)
-            self.mem[to][off : off + SEMAPHORE_RECORD_BYTES] = self.mem[src][off : off + SEMAPHORE_RECORD_BYTES]
 
     def _export_records(self, order: ExportRecords) -> None:
         self._snaps.join()
-        caps = self._caps[order.cvm]
+        caps = self.bus.caps[order.cvm]
         with self._loot_lock:
             frames = [("record", r) for r in caps.records.values() if r.count(0) < len(r)]
         with self.lock:
@@ -283,47 +249,21 @@ class HostAdversary:
         return news
 
     # ------------------------------------------------------------------ the doorbell relay
-    def _relay(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._wake_r, selectors.EVENT_READ, None)
-        known: set[int] = set()
-        while True:
-            for key, _ in sel.select():
-                if key.data is None:
-                    self._learn_bells(sel, known)
-                    continue
-                try:
-                    os.eventfd_read(key.fd)
-                except BlockingIOError:
-                    continue
-                self._on_ring(key.data)
-
-    def _learn_bells(self, sel: selectors.BaseSelector, known: set[int]) -> None:
-        try:
-            os.read(self._wake_r, 4096)
-        except BlockingIOError:
-            pass
-        with self.lock:
-            fresh = {fd: cvm for fd, cvm in self._bells.items() if fd not in known}
-        for fd, cvm in fresh.items():
-            sel.register(fd, selectors.EVENT_READ, cvm)
-            known.add(fd)
-
     def _on_ring(self, cvm: str) -> None:
         """A CVM rang: capture its new pushes, decide whether the device hears of it; the
         snapshot of its bounce buffers is taken aside, so the relay stays fast."""
         with self.lock:
-            fresh = {ch: self._capture(cvm, ch) for ch in PushChannel}
+            fresh = {ch: self.bus.capture(cvm, ch) for ch in PushChannel}
             if fresh[USER]:
                 self._last_user_cvm = cvm
             announced = False
             if cvm == ORCHESTRATOR:  # did the orchestrator announce kernel work with this doorbell?
-                put = self._reg32(Bar0.put(KERNEL))
+                put = self.bus.reg32(Bar0.put(KERNEL))
                 announced, self._orch_kernel_put = put != self._orch_kernel_put, put
             self._check_faults()
             forward = self._decide(cvm, fresh, announced)
         if forward:
-            os.eventfd_write(self.host.device_fds[1], 1)
+            self.bus.ring_device()
         self._snaps.put(cvm)
 
     def _snapshotter(self) -> None:
@@ -335,15 +275,15 @@ class HostAdversary:
                 done += 1
             with self._loot_lock:
                 for cvm in cvms:
-                    self._snapshot(cvm)
-                    self._capture_records(cvm)
+                    self.loot.snapshot(f"sysmem-{cvm}", memoryview(self.bus.mem[cvm]))
+                    self.bus.capture_records(cvm)
                 self._flush_pushes()
             for _ in range(done):
                 self._snaps.task_done()
 
     def _flush_pushes(self) -> None:
         with self.lock:
-            pushes, self._push_log = self._push_log, []
+            pushes = self.bus.take_pushes()
         for ct in pushes:
             self.loot.keep("pushes", ct)
 
@@ -368,22 +308,19 @@ class HostAdversary:
         return True
 
     def _expose_prefix(self, entries: int) -> None:
-        n = self.layout.gpfifo_entries
-        get = self._reg32(Bar0.get(KERNEL))
-        pending = (self._reg32(Bar0.put(KERNEL)) - get) % n
+        get, _, pending = self.bus.pending_kernel()
         if pending <= entries:
             self._event(f"found only {pending} pending kernel-channel entries when the orchestrator rang: nothing "
                         "left to hold back")
             return
-        self._set32(Bar0.put(KERNEL), (get + entries) % n)
+        self.bus.set32(Bar0.put(KERNEL), (get + entries) % self.layout.gpfifo_entries)
         self._event(f"let the device see only {entries} of {pending} pending kernel-channel entries")
 
     def _forge_kernel_get(self, requester: str, hold_s: float) -> None:
         """BAR0 get := put + 1: the orchestrator's driver finds no room in the kernel ring."""
-        n = self.layout.gpfifo_entries
-        real, put = self._reg32(Bar0.get(KERNEL)), self._reg32(Bar0.put(KERNEL))
-        forged = (put + 1) % n
-        self._set32(Bar0.get(KERNEL), forged)
+        real, put, _ = self.bus.pending_kernel()
+        forged = (put + 1) % self.layout.gpfifo_entries
+        self.bus.set32(Bar0.get(KERNEL), forged)
         self._forged_get = forged
         self._event(f"{requester} asked for the GPU to go home: forged BAR0's kernel GPFIFO get ({real} -> {forged}, "
                     "put + 1), so the kernel ring looks full to the orchestrator as it submits the rotation")
@@ -394,26 +331,26 @@ class HostAdversary:
         """Cover the tracks: at the deadline, the real get back, so the next travel finds room;
         unless the device wrote get meanwhile (say, after a new SPDM session): then leave it."""
         while time.monotonic() < deadline:
-            if self._reg32(Bar0.get(KERNEL)) != forged:
+            if self.bus.reg32(Bar0.get(KERNEL)) != forged:
                 with self.lock:
                     self._check_faults()  # reports that the device rewrote it
                 return
             time.sleep(0.005)
         with self.lock:
-            if self._reg32(Bar0.get(KERNEL)) == forged and self._forged_get == forged:
-                self._set32(Bar0.get(KERNEL), real)
+            if self.bus.reg32(Bar0.get(KERNEL)) == forged and self._forged_get == forged:
+                self.bus.set32(Bar0.get(KERNEL), real)
                 self._forged_get = None
                 self._event(f"wrote the real kernel get ({real}) back into BAR0: the ring has room again")
 
     def _flip_step(self, tamper: _Tamper, cvm: str, fresh: list[int]) -> bool:
         """Flip a bit of the record of user push ``user_push`` before the device hears of it."""
         n = self.layout.gpfifo_entries
-        base = self._travel_base.get(cvm, 0)
+        base = self.bus.travel_base.get(cvm, 0)
         rel = {(i - base) % n for i in fresh}
         target = tamper.order.user_push
         if target in rel:
             self._tamper = None
-            self._flip(cvm, tamper.order.staging_slot, target, (base + target) % n)
+            self._flip(cvm, tamper.order.staging_slot, target)
             return True
         if target - 1 in rel:
             tamper.held = True
@@ -421,73 +358,36 @@ class HostAdversary:
             return False
         return True
 
-    def _flip(self, cvm: str, slot: int, push: int, index: int) -> None:
-        off = self.layout.staging_slot_offset(slot) + 1000
-        self.mem[cvm][off] ^= 0x80
-        late = (self._reg32(Bar0.get(USER)) - self._travel_base.get(cvm, 0)) % self.layout.gpfifo_entries > push
+    def _flip(self, cvm: str, slot: int, push: int) -> None:
+        self.bus.flip_record(cvm, slot)
+        late = (self.bus.reg32(Bar0.get(USER)) - self.bus.travel_base.get(cvm, 0)) % self.layout.gpfifo_entries > push
         self._event(f"flipped one ciphertext bit of the record in {cvm}'s staging slot {slot} (user push {push})"
                     + (" - too late, the device had already taken it" if late else ""))
 
     def _replay(self, cvm: str, push: int) -> None:
         """Write a push captured in this travel back as a new entry and ring the doorbell."""
         n = self.layout.gpfifo_entries
-        old = self._caps[cvm].pushes.get((USER, (self._travel_base.get(cvm, 0) + push) % n))
+        old = self.bus.caps[cvm].pushes.get((USER, (self.bus.travel_base.get(cvm, 0) + push) % n))
         if old is None:
             self._event(f"could not replay: push {push} of {cvm} was not captured")
             return
-        index = self._reg32(Bar0.put(USER)) % n
-        slot = self.layout.pushbuf_offset(USER, index)
-        self.mem[cvm][slot : slot + len(old)] = old
-        GPFIFO_ENTRY.pack_into(self._bar_map(), Bar0.gpfifo_entry(self.layout, USER, index),
-                               self.layout.iova(slot), len(old), 0)
-        self._set32(Bar0.put(USER), (index + 1) % n)
-        self._seen_put[USER] = (index + 1) % n
-        os.eventfd_write(self.host.device_fds[1], 1)
+        index = self.bus.append_user_push(cvm, old)
+        self.bus.ring_device()
         self._event(f"wrote {cvm}'s captured user push {push} back as a new entry (same epoch, same channel) "
                     "and rang the doorbell")
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and self._reg32(Bar0.get(USER)) % n == index:
-            if self._reg32(Bar0.put(USER) + FAULT_REG):
+        while time.monotonic() < deadline and self.bus.reg32(Bar0.get(USER)) % n == index:
+            if self.bus.reg32(Bar0.put(USER) + FAULT_REG):
                 break
             time.sleep(0.005)
 
     # ------------------------------------------------------------------ looking
-    def _capture(self, cvm: str, channel: PushChannel) -> list[int]:
-        """Pushes appended on ``channel`` since the last look: captured; their GPFIFO indices."""
-        n = self.layout.gpfifo_entries
-        put, last = self._reg32(Bar0.put(channel)) % n, self._seen_put[channel]
-        fresh = [(last + i) % n for i in range((put - last) % n)]
-        self._seen_put[channel] = put
-        mem, bar = self.mem[cvm], self._bar_map()
-        for index in fresh:
-            iova, length, _ = GPFIFO_ENTRY.unpack_from(bar, Bar0.gpfifo_entry(self.layout, channel, index))
-            start = iova - SYSMEM_IOVA
-            if 0 <= start and start + length <= len(mem) and length <= 4096:
-                ct = bytes(mem[start : start + length])
-                self._caps[cvm].pushes[(int(channel), index)] = ct
-                self._push_log.append(ct)
-        return fresh
-
-    def _capture_records(self, cvm: str) -> None:
-        lay, mem, caps = self.layout, self.mem[cvm], self._caps[cvm]
-        for slot in range(lay.staging_slots):
-            off = lay.staging_slot_offset(slot)
-            record = bytes(mem[off : off + lay.staging_slot_bytes])
-            digest = hashlib.blake2b(record, digest_size=16).digest()
-            if digest not in caps.records:
-                caps.records[digest] = record
-                while len(caps.records) > MAX_RECORDS:
-                    caps.records.pop(next(iter(caps.records)))
-
-    def _snapshot(self, cvm: str) -> None:
-        self.loot.snapshot(f"sysmem-{cvm}", memoryview(self.mem[cvm]))
-
     def _check_faults(self) -> None:
-        if self._forged_get is not None and self._reg32(Bar0.get(KERNEL)) != self._forged_get:
+        if self._forged_get is not None and self.bus.reg32(Bar0.get(KERNEL)) != self._forged_get:
             self._forged_get = None
             self._event("BAR0's kernel get no longer holds the forged value: the device rewrote it")
         for ch in PushChannel:
-            up = self._reg32(Bar0.put(ch) + FAULT_REG) != 0
+            up = self.bus.reg32(Bar0.put(ch) + FAULT_REG) != 0
             if up and not self._fault_up[ch]:
                 self._faults[ch] += 1
                 self._event(f"BAR0: the device raised the {ch.name.lower()} channel's fault flag")
@@ -496,18 +396,3 @@ class HostAdversary:
     def _event(self, text: str) -> None:
         with self.lock:
             self._events.append(text)
-
-    # ------------------------------------------------------------------ BAR0
-    def _bar_map(self) -> mmap.mmap:
-        if self._bar is None:
-            fds = self.host.device_fds
-            assert fds is not None
-            self._bar = mmap.mmap(fds[0], self.host.bar_bytes, flags=mmap.MAP_SHARED,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return self._bar
-
-    def _reg32(self, offset: int) -> int:
-        return U32.unpack_from(self._bar_map(), offset)[0]
-
-    def _set32(self, offset: int, value: int) -> None:
-        U32.pack_into(self._bar_map(), offset, value)

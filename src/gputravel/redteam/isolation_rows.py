@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gputravel.redteam.arena import ALICE, BOB, MALLORY, ORCH, Arena, Verdict, _events
+from gputravel.protocol.parties import ORCHESTRATOR as ORCH
+from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Verdict, news_lines
 from gputravel.redteam.messages import AskQuote, ProbePaths, ProbeTarget
 
 PUBLIC = "(public)"  # /proc files any process may read: reported, not held against isolation
@@ -152,5 +153,5 @@ def orchestrator_self_quote(a: Arena) -> Verdict:
                    "uid the launcher registered as the orchestrator it launched (SO_PEERCRED), over report data "
                    "only, with the measurement the launcher computed; the host's and mallory's requests were "
                    "refused (QuotingRefused), and its quoting key, in its own memory, was out of mallory's reach",
-                   (*_events(host, "host"), *_events(mine, "mallory"),
+                   (*news_lines(host, "host"), *news_lines(mine, "mallory"),
                     probed, after))

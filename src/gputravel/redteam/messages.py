@@ -9,23 +9,17 @@ loot files, which the driver scans.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from gputravel.protocol.codec import message
+from gputravel.protocol.codec import Message
 
 
-@message("redteam.mark_row")
-@dataclass(frozen=True)
-class MarkRow:
+class MarkRow(Message, tag="redteam.mark_row"):
     """From now on, put what you read in the loot of this attack."""
 
     row: str
 
 
 # ----------------------------------------------------------------------------- host orders
-@message("redteam.host.tamper")
-@dataclass(frozen=True)
-class ArmTamper:
+class ArmTamper(Message, tag="redteam.host.tamper"):
     """During ``victim``'s next travel (pushes counted from 0 from the switch to it):
 
     - ``flip``: when it submits user push ``user_push``, flip a bit of the record in
@@ -40,9 +34,7 @@ class ArmTamper:
     staging_slot: int
 
 
-@message("redteam.host.drop")
-@dataclass(frozen=True)
-class ArmDrop:
+class ArmDrop(Message, tag="redteam.host.drop"):
     """Once ``after_return_of`` has asked for the GPU to go back to the orchestrator (at once
     if it is empty), drop every doorbell until ``kernel_rings`` doorbells of the orchestrator
     that announced kernel-channel work have been dropped."""
@@ -51,18 +43,14 @@ class ArmDrop:
     kernel_rings: int
 
 
-@message("redteam.host.expose")
-@dataclass(frozen=True)
-class ArmExposePrefix:
+class ArmExposePrefix(Message, tag="redteam.host.expose"):
     """On the orchestrator's next doorbell that announces kernel work, let the device see
     only the first ``entries`` pending kernel entries (BAR0 ``put`` rewritten)."""
 
     entries: int
 
 
-@message("redteam.host.forge_get")
-@dataclass(frozen=True)
-class ArmForgeGet:
+class ArmForgeGet(Message, tag="redteam.host.forge_get"):
     """Once the orchestrator has sent the GPU to ``victim``, at the next switch back to the
     orchestrator (asked by anyone), forge BAR0's kernel GPFIFO ``get`` to ``put + 1``: to the
     orchestrator, which reads ``get`` to find room, the kernel ring then looks full just as it
@@ -74,9 +62,7 @@ class ArmForgeGet:
     hold_s: float
 
 
-@message("redteam.host.route")
-@dataclass(frozen=True)
-class ArmRoute:
+class ArmRoute(Message, tag="redteam.host.route"):
     """The next switch to ``target`` that ``requester`` asks for maps ``dma``'s memory and
     routes ``irq``'s interrupt instead (the reply still says ``target``)."""
 
@@ -86,9 +72,7 @@ class ArmRoute:
     irq: str
 
 
-@message("redteam.host.switch")
-@dataclass(frozen=True)
-class ForceSwitch:
+class ForceSwitch(Message, tag="redteam.host.switch"):
     """Switch the GPU now, unasked. ``hide_kernel``: first make the device's pending
     kernel-channel work invisible (BAR0 put := get); switching without it restores it."""
 
@@ -97,24 +81,18 @@ class ForceSwitch:
     hide_kernel: bool
 
 
-@message("redteam.host.records")
-@dataclass(frozen=True)
-class ExportRecords:
+class ExportRecords(Message, tag="redteam.host.records"):
     """Write every staging record and push captured from ``cvm`` so far to ``path``."""
 
     cvm: str
     path: str
 
 
-@message("redteam.host.query")
-@dataclass(frozen=True)
-class HostQuery:
+class HostQuery(Message, tag="redteam.host.query"):
     pass
 
 
-@message("redteam.host.news")
-@dataclass(frozen=True)
-class HostNews:
+class HostNews(Message, tag="redteam.host.news"):
     events: tuple[str, ...]  # since the last report
     user_faults: int  # device fault flags the host saw raised in BAR0, since the last report
     kernel_faults: int
@@ -122,18 +100,14 @@ class HostNews:
 
 
 # ----------------------------------------------------------------------------- holder orders
-@message("redteam.holder.mode")
-@dataclass(frozen=True)
-class SetTravelMode:
+class SetTravelMode(Message, tag="redteam.holder.mode"):
     """How to behave on the next travel: honest, dump, work-after-return, stale-epoch,
     stale-counters, counters-forward, altered-keys, corrupted, refuse, never-return, vanish."""
 
     mode: str
 
 
-@message("redteam.holder.kept")
-@dataclass(frozen=True)
-class UseKeptKeys:
+class UseKeptKeys(Message, tag="redteam.holder.kept"):
     """With each context blob kept so far (newest first, at most ``blobs``), join the device's
     queues where they stand and read the dataset buffer, and ask an encrypted RPC."""
 
@@ -141,25 +115,19 @@ class UseKeptKeys:
     timeout: float
 
 
-@message("redteam.holder.decrypt")
-@dataclass(frozen=True)
-class DecryptCaptured:
+class DecryptCaptured(Message, tag="redteam.holder.decrypt"):
     """Try kept keys on the ciphertext the host captured (``path``, see ExportRecords): those
     of every blob kept, or (``newest`` > 0) of the newest ``newest`` blobs only."""
 
     path: str
-    newest: int = 0
+    newest: int
 
 
-@message("redteam.holder.query")
-@dataclass(frozen=True)
-class HolderQuery:
+class HolderQuery(Message, tag="redteam.holder.query"):
     pass
 
 
-@message("redteam.holder.news")
-@dataclass(frozen=True)
-class HolderNews:
+class HolderNews(Message, tag="redteam.holder.news"):
     events: tuple[str, ...]  # since the last report
     errors: tuple[str, ...]  # the typed errors its attempts ended in (class names)
     bytes_read: int  # bytes it read back from the device (decrypted), any holder's
@@ -169,9 +137,7 @@ class HolderNews:
 
 
 # ----------------------------------------------------------------------------- both
-@message("redteam.probe.target")
-@dataclass(frozen=True)
-class ProbeTarget:
+class ProbeTarget(Message, tag="redteam.probe.target"):
     """Something of another party to try to read: ``how`` is "read" (open the path and read
     ``ranges``, each (offset, length); none: from the start) or "list" (list a directory)."""
 
@@ -181,9 +147,7 @@ class ProbeTarget:
     ranges: tuple[tuple[int, int], ...]
 
 
-@message("redteam.probe")
-@dataclass(frozen=True)
-class ProbePaths:
+class ProbePaths(Message, tag="redteam.probe"):
     """Host or holder: from your own process (your uid), try to read each target; keep what
     you get in your loot; report, for each, what you got (``probe LABEL: ...`` events)."""
 
@@ -191,9 +155,7 @@ class ProbePaths:
     note: str  # what the row calls this batch, in the events
 
 
-@message("redteam.quote")
-@dataclass(frozen=True)
-class AskQuote:
+class AskQuote(Message, tag="redteam.quote"):
     """Host or holder: ask the TDX module at ``socket_path`` for a quote over ``report_data``
     (binding a TLS key of your own choosing); keep whatever comes back in your loot."""
 

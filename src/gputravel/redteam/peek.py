@@ -15,6 +15,7 @@ import errno
 import os
 import time
 
+from gputravel.attest.tdx_module import request_quote
 from gputravel.errors import GputravelError
 from gputravel.redteam.loot import Loot
 from gputravel.redteam.messages import AskQuote, ProbePaths, ProbeTarget
@@ -84,8 +85,6 @@ def _fork_control(loot: Loot) -> str:
 
 
 def ask_quote(order: AskQuote, loot: Loot) -> str:
-    from gputravel.attest.tdx_module import request_quote
-
     try:
         quote = request_quote(order.socket_path, order.report_data, timeout=10)
     except (GputravelError, OSError) as exc:

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gputravel.errors import GputravelError, RemoteError
-from gputravel.cohort.supervisor import SNOOP_FILE, CohortConfig, HolderSpec
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.supervisor import SNOOP_FILE
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Attack, Verdict
 from gputravel.redteam.attacks import ATTACKS
 from gputravel.redteam.canary import MARKER_BYTES, SPACING, Found, Needles, make_dataset, search

@@ -6,6 +6,8 @@ B*T further on. Where the tokens come from is a :class:`ChunkSource`:
 
 - :class:`TravelSource` makes the GPU travel to the holder and reads the dataset buffer in the
   GPU's protected memory (the orchestrator CVM's view of VRAM);
+- :class:`BaselineSource` fills the same buffer the centralised TLS baseline's way (paper 7.2:
+  the holder sends its chunk over TLS, the orchestrator writes it into VRAM), no travelling;
 - :class:`LocalSource` reads the same holders' tokens straight from disk, with no travelling:
   the reference that shows travelling does not change what the model learns (paper goal G2).
 
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from gputravel.errors import BadInput, HolderLost, ProtocolError
+from gputravel.protocol.control import BaselineReport
 from gputravel.train.schedule import LoaderState, Scheduler, Visit
 
 TOKEN_BYTES = 2  # llm.c shards hold uint16 tokens
@@ -85,6 +88,44 @@ class TravelSource:
         if chunk.nbytes < visit.ntokens * TOKEN_BYTES:
             raise ProtocolError(f"holder {visit.holder} moved {chunk.nbytes} bytes, {visit.ntokens * TOKEN_BYTES} were asked")
         return np.frombuffer(self.engine.buffer_view(), dtype=np.uint16, count=visit.ntokens)
+
+
+class BaselineEngine(Protocol):
+    """What BaselineSource needs of the orchestrator: a baseline transfer, then read the buffer."""
+
+    def baseline(self, holder: str, dataset_offset: int) -> BaselineReport: ...
+    def buffer_view(self) -> memoryview: ...
+
+
+class _BaselineEngine:
+    """Looks like the travelling engine to TravelSource, but fills the buffer the baseline way."""
+
+    def __init__(self, engine: BaselineEngine) -> None:
+        self.engine = engine
+
+    def travel(self, holder: str, dataset_offset: int) -> BaselineReport:
+        return self.engine.baseline(holder, dataset_offset)
+
+    def buffer_view(self) -> memoryview:
+        return self.engine.buffer_view()
+
+
+class BaselineSource:
+    """A training loader source fed by the centralised TLS baseline instead of travels: the
+    same visits, the same buffer, the same bytes; only the way they reach VRAM differs."""
+
+    def __init__(self, engine: BaselineEngine, dataset_bytes: Mapping[str, int]) -> None:
+        self._inner = TravelSource(_BaselineEngine(engine), dataset_bytes)
+
+    def sizes(self) -> Mapping[str, int]:
+        return self._inner.sizes()
+
+    def fetch(self, visit: Visit) -> np.ndarray:
+        return self._inner.fetch(visit)
+
+    @property
+    def last_report(self) -> BaselineReport | None:
+        return self._inner.last_report
 
 
 class TravellingLoader:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +18,11 @@ from typing import Callable
 
 import torch
 
+from gputravel.data.tokenizer import get_tokenizer
 from gputravel.errors import BadInput
 from gputravel.train.loader import ChunkSource, Fetched, TravellingLoader
+from gputravel.train.model import GPT, GPTConfig, pick_device
+from gputravel.train.rundir import RunDir, load_checkpoint
 from gputravel.train.schedule import POLICIES, LoaderState
 
 LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (orchestrator/baseline.py)
@@ -93,8 +97,6 @@ class TrainResult:
 def sample_tokenizer(name: str):
     """The tokenizer to decode the final sample with, or None where it cannot load (GPT-2 BPE
     offline without its encoding file): the run then simply has no sample."""
-    from gputravel.data.tokenizer import get_tokenizer
-
     try:
         return get_tokenizer(name)
     except BadInput:
@@ -110,8 +112,6 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 
 
 def build_model(cfg: TrainConfig, device: str):
-    from gputravel.train.model import GPT, GPTConfig
-
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
                           n_head=cfg.n_head, n_embd=cfg.n_embd)).to(device)
@@ -127,9 +127,6 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     With `resume_from` (a checkpoint of the same job), training continues from the checkpoint's
     step with its model, optimizer and per-holder cursors: the losses are the ones an
     uninterrupted run would have had, and no window is trained on twice."""
-    from gputravel.train.model import pick_device
-    from gputravel.train.rundir import RunDir
-
     torch.set_num_threads(cfg.threads)
     device = pick_device()
     model, optimizer = build_model(cfg, device)
@@ -198,8 +195,6 @@ def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult) -> dict:
 
 
 def _resume(cfg: TrainConfig, path: Path, model, optimizer, out) -> tuple[int, LoaderState, TrainResult]:
-    from gputravel.train.rundir import load_checkpoint
-
     step, extra = load_checkpoint(path, model, optimizer)
     if extra.get("config") != cfg.to_dict():
         diff = sorted(k for k, v in cfg.to_dict().items() if (extra.get("config") or {}).get(k) != v)
@@ -224,8 +219,6 @@ def _sample(model, cfg: TrainConfig, device: str, tokenizer) -> str:
 
 def make_report(cfg: TrainConfig, result: TrainResult) -> dict:
     """The run's report.json: config, per-step losses, travels with timings, stall share."""
-    import statistics
-
     losses = result.losses
     head = losses[: min(10, len(losses))]
     tail = losses[-min(10, len(losses)):]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from gputravel.data.shards import atomic_write_bytes
+from gputravel.files import atomic_write_bytes
 from gputravel.errors import BadInput
 from gputravel.train.model import GPT, GPTConfig
 

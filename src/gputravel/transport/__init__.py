@@ -2,13 +2,8 @@
 
 from gputravel.transport.base import MAX_FDS, Received, Transport
 from gputravel.transport.memory import MemoryTransport, memory_pair
-from gputravel.transport.stream import (
-    StreamTransport,
-    accept_unix,
-    connect_unix,
-    listen_unix,
-    socketpair_transports,
-)
+from gputravel.transport.stream import StreamTransport
+from gputravel.transport.unix import accept_unix, connect_unix, listen_unix, socketpair_transports
 from gputravel.transport.tls import TlsListener, connect_tls
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The transport interface: typed wire messages (plus optional file descriptors) between peers.
 
 A transport moves registered :mod:`gputravel.protocol.codec` messages; encoding and decoding happen
-inside it, so callers only ever see dataclasses. File descriptors received are new descriptors
+inside it, so callers only ever see message structs. File descriptors received are new descriptors
 owned by the caller (it must close them), mirroring SCM_RIGHTS semantics.
 """
 

@@ -18,16 +18,14 @@ partial state and resume on the next call instead of desynchronising the stream.
 
 ``close`` never calls ``shutdown``: that would also cut the connection for any other process
 holding a copy of the socket (after fork or fd passing). Instead, waits are sliced
-(``_WAKE_SLICE``) and every socket call re-checks the closed flag, so a thread blocked in recv
-notices a close from another thread within one slice.
+(:mod:`.deadline`) and every socket call re-checks the closed flag, so a thread blocked in recv
+notices a close from another thread within one slice. AF_UNIX endpoints (listen, accept,
+connect, socket pairs) are in :mod:`.unix`.
 """
 
 from __future__ import annotations
 
 import array
-import errno
-import math
-import os
 import select
 import socket
 import ssl
@@ -40,6 +38,8 @@ from typing import Protocol
 from gputravel.protocol import codec as wire
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.transport.base import MAX_FDS, Received, Transport, check_fds, close_fds
+from gputravel.transport.deadline import wait_ready
+
 
 class Pacer(Protocol):
     """What :meth:`StreamTransport.pace` needs of a token bucket."""
@@ -49,13 +49,11 @@ class Pacer(Protocol):
     def throttle(self, nbytes: int) -> float: ...
 
 
-__all__ = ["StreamTransport", "Pacer", "HEADER", "socketpair_transports", "connect_unix",
-           "listen_unix", "accept_unix"]
+__all__ = ["StreamTransport", "Pacer", "HEADER"]
 
 HEADER = struct.Struct(">IB")  # payload length, descriptor count
 _ANCBUF = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 _RETAIN = 1 << 20  # receive buffers up to this size are kept and reused between frames
-_WAKE_SLICE = 0.05  # longest single poll: bounds how late a blocked thread sees close()
 _CLOSED_ERRORS = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
                   ssl.SSLEOFError, ssl.SSLZeroReturnError)
 
@@ -100,7 +98,7 @@ class StreamTransport(Transport):
 
     def pace(self, bucket: Pacer | None) -> None:
         """Keep what this end sends to ``bucket``'s rate (the in-process fallback link, a
-        :class:`gputravel.net.shaped.TokenBucket`); None stops pacing. Bytes are paid for
+        :class:`gputravel.net.TokenBucket`); None stops pacing. Bytes are paid for
         before they leave, at most one burst (and 64 KiB) per socket write, each byte once."""
         with self._send_lock:
             self._pacer = bucket
@@ -161,7 +159,7 @@ class StreamTransport(Transport):
 
     def _wait_send(self, poller: select.poll, deadline: float | None) -> None:
         try:
-            _wait(poller, deadline)
+            wait_ready(poller, deadline)
         except PeerTimeout:
             # The frame may be half written (and TLS state mid-record): the stream is unusable.
             self._fail(PeerTimeout(f"{self.name}: peer stopped reading; transport closed"))
@@ -261,10 +259,10 @@ class StreamTransport(Transport):
                     else:
                         n = self._sock.recv_into(view)
             except (BlockingIOError, ssl.SSLWantReadError):
-                _wait(self._rpoll, deadline)
+                wait_ready(self._rpoll, deadline)
                 continue
             except ssl.SSLWantWriteError:
-                _wait(self._wpoll, deadline)
+                wait_ready(self._wpoll, deadline)
                 continue
             except ssl.SSLError as e:
                 if isinstance(e, _CLOSED_ERRORS):
@@ -360,74 +358,3 @@ class StreamTransport(Transport):
             if not self._closed:
                 self._close_socket()
         raise error
-
-
-def _wait(poller: select.poll, deadline: float | None) -> bool:
-    """Wait until ``poller`` fires (True) or the wait ends early (False, caller retries);
-    raises PeerTimeout once ``deadline`` has passed."""
-    if deadline is None:
-        return bool(poller.poll(_WAKE_SLICE * 1000))
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise PeerTimeout("deadline passed")
-    # Round up: never spin on a sub-millisecond remainder.
-    return bool(poller.poll(math.ceil(min(remaining, _WAKE_SLICE) * 1000)))
-
-
-# ----------------------------------------------------------------------------- AF_UNIX helpers
-def socketpair_transports(name_a: str = "a", name_b: str = "b") -> tuple[StreamTransport,
-                                                                          StreamTransport]:
-    """Two connected transports over ``socket.socketpair(AF_UNIX)`` (fd passing works)."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    return StreamTransport(a, name_a), StreamTransport(b, name_b)
-
-
-def listen_unix(path: str | os.PathLike[str], backlog: int = 16) -> socket.socket:
-    """A listening AF_UNIX socket at ``path``. A stale socket file is not removed for you."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(os.fspath(path))
-        sock.listen(backlog)
-    except OSError as e:
-        sock.close()
-        stale = e.errno == errno.EADDRINUSE
-        hint = " (remove the stale socket file if no one is listening)" if stale else ""
-        raise BadInput(f"cannot listen on {os.fspath(path)!r}: {e.strerror}{hint}") from None
-    return sock
-
-
-def accept_unix(listener: socket.socket, name: str, *,
-                timeout: float | None = None) -> StreamTransport:
-    """Accept one connection on a :func:`listen_unix` socket (PeerTimeout after ``timeout``)."""
-    poller = select.poll()
-    poller.register(listener.fileno(), select.POLLIN)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        try:
-            ready = _wait(poller, deadline)
-        except PeerTimeout:
-            raise PeerTimeout(f"{name}: no connection within {timeout}s") from None
-        if not ready:
-            continue  # the listener may be blocking: only accept once poll says a client waits
-        try:
-            conn, _ = listener.accept()
-        except (BlockingIOError, InterruptedError):
-            continue  # another acceptor won the race on a non-blocking listener
-        return StreamTransport(conn, name)
-
-
-def connect_unix(path: str | os.PathLike[str], name: str, *,
-                 timeout: float = 10.0) -> StreamTransport:
-    """Connect to a :func:`listen_unix` socket."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(os.fspath(path))
-    except TimeoutError:
-        sock.close()
-        raise PeerTimeout(f"{name}: connect to {os.fspath(path)!r} timed out") from None
-    except OSError as e:
-        sock.close()
-        raise TransportClosed(f"{name}: cannot connect to {os.fspath(path)!r}: "
-                              f"{e.strerror or type(e).__name__}") from None
-    return StreamTransport(sock, name)

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
-from gputravel.transport.stream import StreamTransport, _wait
+from gputravel.transport.deadline import wait_ready as _wait
+from gputravel.transport.stream import StreamTransport
 
 __all__ = ["connect_tls", "TlsListener"]
 

@@ -1,0 +1,115 @@
+"""`gputravel bench codec`: encode and decode time of the messages a travel sends.
+
+The travel path's messages, at the sizes a travel gives them: the push-buffer methods, the
+travel request and result with a context blob of about 1 KiB, the sealed context itself, a
+holder's hello with a manifest of 512 digests and a 256 KiB piece of the TLS baseline. Each
+is encoded and decoded ``number`` times per sample, ``repeat`` samples; medians per call.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import msgpack
+import msgspec
+
+from gputravel.crypto.channel import IV_BYTES, KEY_BYTES, ChannelState
+from gputravel.crypto.labels import USER_LABELS
+from gputravel.driver.context import CONTEXT_VERSION, DriverContext, SealedContext, pack_context
+from gputravel.protocol import codec
+from gputravel.protocol.push import CopyFromVram, CopyToVram, GrantWindow, Memset, RotateKeys, SemaphoreRelease
+from gputravel.protocol.travel import ChunkInfo, ChunkPiece, HolderHello, TravelRequest, TravelResult
+
+KIB = 1 << 10
+
+
+def _channel(label: str) -> ChannelState:
+    return ChannelState(label=label, key=os.urandom(KEY_BYTES), iv_mask=os.urandom(IV_BYTES),
+                        channel_counter=3, message_counter=1 << 20)
+
+
+def driver_context() -> DriverContext:
+    """A context blob's body as the orchestrator exports it: the six user channels (kernel
+    channels never travel)."""
+    senders = tuple(_channel(label) for label in USER_LABELS if "_h2d_" in label)
+    receivers = tuple(_channel(label) for label in USER_LABELS if "_d2h_" in label)
+    return DriverContext(version=CONTEXT_VERSION, layout="0" * 64, epoch=7, senders=senders,
+                         receivers=receivers, semaphore=1 << 30, gpfifo_put=4096, work_token=1 << 31,
+                         rpc_tx_seq=1 << 20, rpc_rx_seq=1 << 20)
+
+
+def messages() -> dict[str, object]:
+    """The travel path's messages, named for the report."""
+    blob = pack_context(driver_context())
+    steps = {name: 1_000_000 for name in ("dh_import", "dh_copy", "dh_export", "o_switch", "handler")}
+    return {
+        "CopyToVram": CopyToVram(src_iova=1 << 32, nbytes=1 << 20, dst_offset=1 << 30, release=1 << 20, interrupt=True),
+        "CopyFromVram": CopyFromVram(src_offset=1 << 30, nbytes=1 << 20, dst_iova=1 << 32, release=1 << 20,
+                                     interrupt=False),
+        "Memset": Memset(offset=1 << 30, nbytes=1 << 28, value=0, release=1 << 20, interrupt=True),
+        "RotateKeys": RotateKeys(epoch=8, release=1 << 20, interrupt=True),
+        "GrantWindow": GrantWindow(offset=1 << 30, nbytes=1 << 28, release=1 << 20, interrupt=True),
+        "SemaphoreRelease": SemaphoreRelease(release=1 << 20, interrupt=True),
+        "DriverContext": driver_context(),
+        "SealedContext": codec.decode(blob, expect=SealedContext),
+        "TravelRequest": TravelRequest(travel_id=42, buffer_offset=1 << 30, buffer_bytes=1 << 28,
+                                       dataset_offset=1 << 33, context=blob),
+        "TravelResult": TravelResult(travel_id=42, context=blob,
+                                     chunk=ChunkInfo(dataset_offset=1 << 33, nbytes=1 << 28, digest=os.urandom(32)),
+                                     steps_ns=steps, nonzero_on_arrival=0),
+        "HolderHello": HolderHello(holder="alice", dataset_bytes=512 << 20, piece_bytes=1 << 20,
+                                   manifest=tuple(os.urandom(32) for _ in range(512)), tokenizer="gpt2"),
+        "ChunkPiece": ChunkPiece(travel_id=42, offset=1 << 20, data=os.urandom(256 * KIB)),
+    }
+
+
+def _median_us(call: Callable[[], object], number: int, repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter_ns()
+        for _ in range(number):
+            call()
+        samples.append((time.perf_counter_ns() - t0) / number / 1e3)
+    return statistics.median(samples)
+
+
+def _number(nbytes: int) -> int:
+    # About the same bytes per sample for every message, so big ones do not dominate the run.
+    return max(20, min(5000, (4 << 20) // max(nbytes, 1)))
+
+
+def run(repeat: int = 15, on_row: Callable[[dict], None] | None = None) -> dict:
+    """Median encode and decode time per message (microseconds), and its encoded size."""
+    rows = []
+    for name, msg in messages().items():
+        data = codec.encode(msg)
+        cls = type(msg)
+        number = _number(len(data))
+        assert codec.decode(data, expect=cls) == msg
+        encode_us = _median_us(lambda: codec.encode(msg), number, repeat)
+        decode_us = _median_us(lambda: codec.decode(data, expect=cls), number, repeat)
+        row = {"message": name, "bytes": len(data), "encode_us": encode_us, "decode_us": decode_us,
+               "round_trip_us": encode_us + decode_us}
+        rows.append(row)
+        if on_row:
+            on_row(row)
+    return {
+        "codec": _codec_name(),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
+                   f"{platform.python_implementation()} {platform.python_version()}",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "repeat": repeat,
+        "rows": rows,
+    }
+
+
+def _codec_name() -> str:
+    # Names what was measured, so before/after files of a codec change say which is which.
+    if hasattr(codec, "Message"):
+        return f"msgspec {msgspec.__version__}"
+    return f"hand-written typed codec on msgpack {'.'.join(map(str, msgpack.version))}"

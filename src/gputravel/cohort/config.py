@@ -1,0 +1,84 @@
+"""What a local cohort is made of: its data holders and how the supervisor runs it.
+
+A :class:`CohortConfig` is checked when it is made (unique names, datasets that exist, a
+buffer of whole records, a link the machine can give), so nothing starts on a bad one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gputravel.cohort.links import check_link_config
+from gputravel.cohort.trust import TrustOptions
+from gputravel.errors import BadInput
+from gputravel.protocol.layout import Layout
+
+
+@dataclass(frozen=True)
+class HolderSpec:
+    name: str
+    dataset: str
+    format: str = "raw"  # "raw" bytes, or "tokens": llm.c shards (a directory or one .bin) or text
+    die_mid_copy_on_travel: int = 0  # fault injection (tests, red team): see HolderConfig
+
+
+@dataclass(frozen=True)
+class CohortConfig:
+    holders: tuple[HolderSpec, ...]
+    buffer_bytes: int
+    vram_bytes: int = 0  # 0: buffer plus 64 MiB
+    layout: Layout = field(default_factory=Layout)
+    workdir: str | None = None
+    snoop: bool = False  # the host records every CVM's unprotected memory (snoop.bin)
+    tap: bool = False  # holders reach the orchestrator through a recording TCP tap (tap.bin)
+    audit_arrival: bool = False
+    tokenizer: str = ""  # for training: the tokenizer every holder's tokens must come from
+    # The orchestrator's signed travel log (orchestrator/travel_log.py); None: audit.log in the
+    # cohort's directory (gone with it unless `workdir` is set).
+    audit_log: str | None = None
+    boot_timeout: float = 60.0
+    travel_timeout: float = 120.0
+    # How long the orchestrator and holders wait for the device (a semaphore, an RPC, a switch);
+    # None: their own defaults. The red team makes it small so dropped pushes time out quickly.
+    device_timeout: float | None = None
+    # The holder<->orchestrator links (cohort/links.py): a cap per link and direction in
+    # Mbit/s (None: uncapped), and the kind: "auto" (netns-tc when capped and namespaces work,
+    # else the in-process token bucket; no shaping when uncapped), "netns", "token-bucket", "none".
+    bandwidth_mbit: float | None = None
+    link: str = "auto"
+    # The chain of trust (cohort/trust.py): the defaults give an honest cohort; tests break one
+    # link on purpose to see it refused.
+    trust: TrustOptions = field(default_factory=TrustOptions)
+    # Holders enrolled now (certificate, policy) that boot and join later: Cohort.add_holder.
+    late_holders: tuple[HolderSpec, ...] = ()
+    # Each party under its own uid, non-dumpable (cohort/isolation.py): None (auto) whenever
+    # the launcher is root; False turns it off; True insists (BadInput without root).
+    isolate: bool | None = None
+    # Directories the orchestrator writes into (a training run directory): lent to its uid
+    # while the cohort runs, given back at close. Paths in them reach it however deep they lie.
+    output_dirs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [h.name for h in self.holders]
+        if not names:
+            raise BadInput("a cohort needs at least one data holder")
+        names += [h.name for h in self.late_holders]
+        if len(set(names)) != len(names):
+            raise BadInput("data holder names must be unique")
+        if "orchestrator" in names:
+            raise BadInput("'orchestrator' is reserved and cannot name a data holder")
+        if self.buffer_bytes <= 0 or self.buffer_bytes % self.layout.record_bytes:
+            raise BadInput(f"buffer size must be a positive multiple of {self.layout.record_bytes} bytes")
+        for h in self.holders + self.late_holders:
+            if h.format not in ("raw", "tokens"):
+                raise BadInput(f"dataset format of holder {h.name!r} must be 'raw' or 'tokens', not {h.format!r}")
+            exists = Path(h.dataset).is_file() if h.format == "raw" else Path(h.dataset).exists()
+            if not exists:
+                raise BadInput(f"dataset of holder {h.name!r} not found: {h.dataset}")
+
+        check_link_config(self.link, self.bandwidth_mbit, self.tap)
+
+    @property
+    def device_vram(self) -> int:
+        return self.vram_bytes or self.buffer_bytes + (64 << 20)

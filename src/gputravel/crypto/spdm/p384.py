@@ -1,0 +1,92 @@
+"""The P-384 operations of the handshake: ephemeral ECDH keys drawn from the injected rng,
+the responder's deterministic ECDSA signature (RFC 6979) in raw ``r || s`` form, and the
+device's leaf key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import (
+    Prehashed,
+    decode_dss_signature,
+    encode_dss_signature,
+)
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from gputravel.errors import BadInput, IntegrityError, ProtocolError
+
+SIGNATURE_BYTES = 96  # raw r || s, 48 bytes each
+_SCALAR_BYTES = 48
+# Order of the P-384 group (SEC 2 / FIPS 186-4), to turn rng bytes into a private scalar.
+_P384_ORDER = int(
+    "ffffffffffffffffffffffffffffffffffffffffffffffffc7634d81f4372ddf581a0db248b0a77aecec196accc52973",
+    16,
+)
+
+Rng = Callable[[int], bytes]
+ChainVerifier = Callable[[tuple[bytes, ...]], ec.EllipticCurvePublicKey]
+
+
+def draw(rng: Rng, n: int) -> bytes:
+    out = rng(n)
+    if not isinstance(out, bytes) or len(out) != n:
+        raise BadInput(f"rng must return exactly {n} bytes")
+    return out
+
+
+def ephemeral_key(rng: Rng) -> ec.EllipticCurvePrivateKey:
+    # Drawn from the injected rng (not generate_private_key) so sessions are reproducible in
+    # tests. 64 bytes reduced mod n-1 keeps the modulo bias below 2**-128.
+    scalar = int.from_bytes(draw(rng, 64), "big") % (_P384_ORDER - 1) + 1
+    return ec.derive_private_key(scalar, ec.SECP384R1())
+
+
+def public_bytes(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.public_key().public_bytes(Encoding.X962, PublicFormat.UncompressedPoint)
+
+
+def load_point(data: bytes) -> ec.EllipticCurvePublicKey:
+    # Uncompressed only (0x04 || X || Y): what the message format promises.
+    if not isinstance(data, bytes) or len(data) != 1 + 2 * _SCALAR_BYTES or data[0] != 4:
+        raise ProtocolError("public key is not an uncompressed P-384 point")
+    try:
+        return ec.EllipticCurvePublicKey.from_encoded_point(ec.SECP384R1(), data)
+    except ValueError:
+        raise ProtocolError("public key is not a valid P-384 point") from None
+
+
+def sign(key: ec.EllipticCurvePrivateKey, digest: bytes) -> bytes:
+    der = key.sign(digest, ec.ECDSA(Prehashed(hashes.SHA384()), deterministic_signing=True))
+    r, s = decode_dss_signature(der)
+    return r.to_bytes(_SCALAR_BYTES, "big") + s.to_bytes(_SCALAR_BYTES, "big")
+
+
+def verify(key: ec.EllipticCurvePublicKey, signature: bytes, digest: bytes) -> None:
+    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+        raise IntegrityError("device signature is malformed")
+    r = int.from_bytes(signature[:_SCALAR_BYTES], "big")
+    s = int.from_bytes(signature[_SCALAR_BYTES:], "big")
+    try:
+        key.verify(encode_dss_signature(r, s), digest, ec.ECDSA(Prehashed(hashes.SHA384())))
+    except InvalidSignature:
+        raise IntegrityError("device signature does not verify") from None
+
+
+def is_p384(key: object) -> bool:
+    return isinstance(key, ec.EllipticCurvePublicKey) and isinstance(key.curve, ec.SECP384R1)
+
+
+def load_leaf_key(chain_der: tuple[bytes, ...]) -> ec.EllipticCurvePublicKey:
+    """Default `verify_chain`: takes the leaf's public key and checks NOTHING else.
+
+    This is the attestation seam: a real verifier checks the chain against a trusted vendor
+    root (and the FWID, measurements...) and is passed to SpdmRequester as `verify_chain`.
+    """
+    try:
+        return x509.load_der_x509_certificate(chain_der[0]).public_key()
+    except (ValueError, UnsupportedAlgorithm):  # parsed lazily: a flipped byte can surface either
+        raise ProtocolError("device leaf certificate is not valid DER") from None

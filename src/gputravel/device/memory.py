@@ -1,0 +1,72 @@
+"""The emulated GPU's memory: the DMA window the PCIe MUX maps, and VRAM scrubs.
+
+The device reaches CVM memory only through the one window the IOMMU (the PCIe MUX) maps at
+the moment; anything outside it is a :class:`DmaFault`. Scrubbing VRAM (a new SPDM session,
+a Memset) runs at memory bandwidth through :func:`fill`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from gputravel.errors import DeviceError
+
+
+class DmaFault(DeviceError):
+    """The device touched an IOVA that the IOMMU (the PCIe MUX) does not map right now."""
+
+
+@dataclass
+class DmaWindow:
+    cvm: str
+    iova: int
+    view: memoryview
+
+
+def dma_view(win: DmaWindow | None, iova: int, nbytes: int) -> memoryview:
+    """The bytes at ``iova`` in the mapped window; DmaFault unless all of them are mapped."""
+    if win is None or iova < win.iova or iova + nbytes > win.iova + len(win.view) or nbytes < 0:
+        raise DmaFault(f"DMA fault at IOVA {iova:#x} (+{nbytes})")
+    start = iova - win.iova
+    return win.view[start : start + nbytes]
+
+
+def check_range(offset: int, nbytes: int, limit: int) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > limit:
+        raise DeviceError(f"VRAM range {offset:#x}+{nbytes} out of bounds")
+
+
+#: Buffers at least this large are filled by several threads: one core's stores do not
+#: reach the memory bandwidth (two threads scrubbed 512 MiB about 20% faster here).
+FILL_SPLIT_BYTES = 64 << 20
+_FILL_THREADS = max(1, min(os.cpu_count() or 1, 4))
+_fill_pool: ThreadPoolExecutor | None = None
+
+
+def fill(view: memoryview, value: int) -> None:
+    """memset through ctypes: runs at memory bandwidth and releases the GIL."""
+    if len(view) == 0:
+        return
+    if view.readonly:
+        raise DeviceError("VRAM is read-only")
+    buf = (ctypes.c_char * len(view)).from_buffer(view)
+    try:
+        base, n, byte = ctypes.addressof(buf), len(view), value & 0xFF
+        parts = _FILL_THREADS if n >= FILL_SPLIT_BYTES else 1
+        if parts == 1:
+            ctypes.memset(base, byte, n)
+            return
+        global _fill_pool
+        if _fill_pool is None:
+            _fill_pool = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="fill")
+        step = -(-n // parts)
+        pieces = [(base + off, min(step, n - off)) for off in range(0, n, step)]
+        helpers = [_fill_pool.submit(ctypes.memset, addr, byte, size) for addr, size in pieces[1:]]
+        ctypes.memset(pieces[0][0], byte, pieces[0][1])
+        for job in helpers:
+            job.result()
+    finally:
+        del buf

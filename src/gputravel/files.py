@@ -1,0 +1,44 @@
+"""Whole-or-nothing file writes, shared by every layer that leaves files behind (shards and
+their tokenizer record, a training run's directory, the command line's ``--json``)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask would race other threads)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    return 0o022
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a file through a temporary sibling and os.replace, so a crash never leaves a
+    half-written file under the final name (a reader would take it for a real shard)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The temporary name ends in .tmp, so data/shards.py list_shards never picks it up.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        # mkstemp makes it 0600; give it the mode open() would (a dataset is read by its
+        # holder's CVM, which runs under a uid of its own: cohort/isolation.py).
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """``atomic_write`` of a whole byte string: readers see the old file or the new one."""
+    atomic_write(path, lambda f: f.write(data))

@@ -1,0 +1,117 @@
+"""A data holder's side of joining and leaving a running cohort (paper 4.5, last paragraph).
+
+- **Join** (every time, first join or rejoin): the holder attests the orchestrator afresh
+  (holder/attestation.py) and reports `Joined` with what it verified, or `Failed` and stays
+  up, free to try again.
+- **Late join**: a holder booted after the orchestrator probes the GPU (paper 4.1) while
+  the orchestrator lends it (orchestrator/membership.py), then hands it back (`ProbeGpu`).
+- **Leave**: the holder tells the orchestrator `Bye` over their TLS link and closes it
+  (`Leave`); it stays up, out of the cohort, until it joins again.
+
+:func:`plan` decides, sans-IO (a command and what the holder is in, actions out);
+:func:`holder_command` carries the actions out. The supervisor drives the order.
+"""
+
+from __future__ import annotations
+
+import selectors
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gputravel.attest import OrchestratorAttestation
+from gputravel.errors import GputravelError, IllegalTransition, ProtocolError
+from gputravel.protocol.control import Failed, JoinCohort, Joined, Leave, Left, ProbeGpu, Probed
+from gputravel.protocol.parties import ORCHESTRATOR
+from gputravel.protocol.travel import Bye
+
+if TYPE_CHECKING:
+    from gputravel.holder.cvm import DataHolder
+    from gputravel.transport.base import Transport
+
+__all__ = ["HOLDER_COMMANDS", "holder_command", "join", "joined", "plan"]
+
+HOLDER_COMMANDS = (ProbeGpu, Leave)
+
+
+# ----------------------------------------------------------------------------- the core (sans-IO)
+@dataclass(frozen=True)
+class SwitchTo:
+    """Have the PCIe MUX switch the GPU to ``target``."""
+
+    target: str
+
+
+@dataclass(frozen=True)
+class ProbeDriver:
+    """Set up the driver on the GPU we hold (paper 4.1)."""
+
+
+@dataclass(frozen=True)
+class SayGoodbye:
+    """Stop reading the orchestrator's link, send it ``bye`` and close it."""
+
+    bye: Bye
+
+
+def plan(cmd: object, name: str, joined: bool) -> tuple[object, ...]:
+    """The actions a membership command asks of holder ``name``, its reply to the supervisor last.
+    ``joined``: whether it has a link to the orchestrator."""
+    if isinstance(cmd, ProbeGpu):  # the orchestrator lent us the GPU: probe, then hand it back
+        return SwitchTo(name), ProbeDriver(), SwitchTo(ORCHESTRATOR), Probed(holder=name)
+    if isinstance(cmd, Leave):
+        if not joined:
+            raise IllegalTransition(name, "not-joined", "leave the cohort")
+        return SayGoodbye(Bye(reason=cmd.reason or "leaving the cohort")), Left(holder=name)
+    raise ProtocolError(f"not a membership command: {type(cmd).__name__}")
+
+
+def joined(name: str, att: OrchestratorAttestation) -> Joined:
+    """What the supervisor is told of a join: what this holder verified."""
+    return Joined(holder=name, measurement=att.cvm.measurement, gpu_serial=att.gpu.ueid,
+                  gpu_verified_at=att.gpu.verified_at)
+
+
+def _failed(exc: GputravelError) -> Failed:
+    return Failed(kind=type(exc).__name__, reason=str(exc))
+
+
+# ----------------------------------------------------------------------------- the shell
+def join(holder: DataHolder, cmd: JoinCohort, control: Transport) -> bool:
+    """Attest the orchestrator and join; report Joined or Failed. A failure leaves the holder
+    up and out of the cohort (it may be told to join again)."""
+    try:
+        att = holder.join(cmd.host, cmd.port)
+    except GputravelError as exc:
+        control.send(_failed(exc))
+        return False
+    control.send(joined(holder.config.name, att))
+    return True
+
+
+def holder_command(holder: DataHolder, cmd: object, control: Transport, sel: selectors.BaseSelector) -> None:
+    """Carry out one membership command and report its reply (or Failed) to the supervisor."""
+    try:
+        *actions, reply = plan(cmd, holder.config.name, holder.orchestrator is not None)
+        for act in actions:
+            _carry_out(holder, act, sel)
+    except GputravelError as exc:
+        reply = _failed(exc)
+    control.send(reply)
+
+
+def _carry_out(holder: DataHolder, act: object, sel: selectors.BaseSelector) -> None:
+    if isinstance(act, SwitchTo):
+        holder.switch(act.target)
+    elif isinstance(act, ProbeDriver):
+        holder.driver.probe(timeout=holder.config.device_timeout)
+    elif isinstance(act, SayGoodbye):
+        conn = holder.orchestrator
+        assert conn is not None
+        holder.orchestrator = None
+        sel.unregister(conn.fileno())
+        try:
+            conn.send(act.bye)
+        finally:
+            conn.close()
+    else:
+        raise AssertionError(f"not a membership action: {act!r}")

@@ -1,0 +1,121 @@
+"""Network namespaces: whether they work here, and deleting them (a crashed run's too).
+
+Every namespace we create is named gt-<owner pid, hex>-<random>-<index><member>, so that
+:func:`cleanup_stale` can tell a crashed run's leftovers (owner dead) from a live run's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import signal
+import time
+
+from gputravel.errors import BadInput
+from gputravel.net.iproute import LinkError, run_iproute
+
+NS_PREFIX = "gt-"
+_NS_RE = re.compile(r"^gt-([0-9a-f]+)-")
+BRIDGE = "gt-br"  # the hub's bridge (also built by the probe)
+
+
+def _list_namespaces() -> list[str]:
+    # Lines look like "name" or "name (id: 3)".
+    out = run_iproute(["ip", "netns", "list"]).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _namespace_pids(ns: str) -> list[int]:
+    out = run_iproute(["ip", "netns", "pids", ns], check=False).stdout
+    return [int(tok) for tok in out.split() if tok.isdigit()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def delete_namespace(ns: str) -> None:
+    """Kill what still runs inside, then delete. A process left inside would keep the
+    namespace (and its veths) alive after its name is gone."""
+    pids = _namespace_pids(ns)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    # Re-ask the kernel rather than probing pids: a killed child of ours stays a zombie
+    # until reaped, yet it has already left the namespace.
+    deadline = time.monotonic() + 5.0
+    while pids and _namespace_pids(ns) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run_iproute(["ip", "netns", "delete", ns])
+
+
+def cleanup_stale(prefix: str = NS_PREFIX) -> list[str]:
+    """Delete namespaces named by an earlier run whose owner process is dead.
+
+    Only names that start with ``prefix`` and follow our pattern are touched, and a live
+    owner's namespaces are left alone, so concurrent runs do not tear each other down.
+    Returns the names deleted."""
+    if not prefix.startswith(NS_PREFIX):
+        raise BadInput(f"prefix must start with {NS_PREFIX!r}, got {prefix!r}")
+    removed = []
+    for ns in _list_namespaces():
+        m = _NS_RE.match(ns)
+        if not ns.startswith(prefix) or m is None or _pid_alive(int(m.group(1), 16)):
+            continue
+        delete_namespace(ns)
+        removed.append(ns)
+    return removed
+
+
+# ----------------------------------------------------------------------------- probe
+@functools.cache
+def netns_available() -> tuple[bool, str]:
+    """Whether ShapedLinks can work here, and why not: checks root, the tools, and actually
+    builds a throwaway namespace with a bridge, a veth pair and a tbf qdisc."""
+    if os.geteuid() != 0:
+        return False, "network namespaces need root (euid is not 0)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"{tool!r} (iproute2) is not installed"
+    ns = f"{NS_PREFIX}{os.getpid():x}-probe"
+    try:
+        run_iproute(["ip", "netns", "add", ns])
+    except LinkError as e:
+        return False, f"cannot create a network namespace: {e}"
+    try:
+        run_iproute(["ip", "-n", ns, "link", "add", "gt-a", "type", "veth", "peer", "name", "gt-b"])
+        run_iproute(["ip", "-n", ns, "link", "add", BRIDGE, "type", "bridge"])
+        run_iproute(["tc", "-n", ns, "qdisc", "add", "dev", "gt-a", "root", "tbf", "rate", "20mbit",
+                     "burst", "32768", "latency", "100ms"])
+    except LinkError as e:
+        return False, f"veth, bridge or tc tbf unavailable: {e}"
+    finally:
+        run_iproute(["ip", "netns", "delete", ns], check=False)
+    return True, "network namespaces, veth, bridge and tc tbf are available"
+
+
+@functools.cache
+def netem_available() -> bool:
+    """Whether the kernel has sch_netem, needed only for ``delay_ms`` > 0."""
+    if not netns_available()[0]:
+        return False
+    ns = f"{NS_PREFIX}{os.getpid():x}-probenetem"
+    try:
+        run_iproute(["ip", "netns", "add", ns])
+        run_iproute(["ip", "-n", ns, "link", "add", "gt-a", "type", "veth", "peer", "name", "gt-b"])
+        run_iproute(["tc", "-n", ns, "qdisc", "add", "dev", "gt-a", "root", "netem", "delay", "1ms"])
+        return True
+    except LinkError:
+        return False
+    finally:
+        run_iproute(["ip", "netns", "delete", ns], check=False)

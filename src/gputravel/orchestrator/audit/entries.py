@@ -1,0 +1,104 @@
+"""What the travel log holds: entries, the records that carry them, and how a log fails.
+
+File format: one record per entry, appended in order::
+
+    +---------------------------+------------------------------------------------+
+    | length: u32 big-endian    | msgpack record {entry: bytes, signature: bytes} |
+    +---------------------------+------------------------------------------------+
+
+``entry`` holds the encoded entry (the bytes that are hashed); ``signature`` is raw ``r || s``
+(48 bytes each, low-s; see :mod:`.signature`). An entry's hash is SHA-384 over its encoding,
+and every entry carries the hash of the one before it (48 zero bytes for seq 0).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import struct
+
+from gputravel.errors import BadInput, ProtocolError
+from gputravel.protocol.codec import Message, encode
+
+HASH_BYTES = 48  # SHA-384
+GENESIS_HASH = bytes(HASH_BYTES)  # the prev_hash of seq 0
+MAX_DIGEST_BYTES = 64
+MAX_RECORD_BYTES = 16 * 1024  # an entry is a few hundred bytes: anything longer is corruption
+LENGTH = struct.Struct(">I")  # the length prefix of every record
+
+
+class AuditEvent(enum.StrEnum):
+    TRAVEL = "travel"  # the chunk was copied and verified
+    REFUSED = "refused"  # the holder could not copy, returned the context
+    ABORTED = "aborted"  # the travel failed; the orchestrator took the GPU back and rotated
+
+
+class Failure(enum.StrEnum):
+    """How a log failed to verify (the text reads after "audit log: ... at seq N")."""
+
+    TRUNCATED = "truncated final entry"
+    MALFORMED = "malformed entry"
+    SEQUENCE = "seq gap"
+    CHAIN = "hash chain broken"
+    SIGNATURE = "bad signature"
+    HEAD = "known head missing"
+
+
+class AuditError(ProtocolError):
+    """The log does not verify; ``failure`` says how and ``seq`` where (the record's position)."""
+
+    def __init__(self, failure: Failure, seq: int, detail: str) -> None:
+        super().__init__(f"audit log: {failure} at seq {seq}: {detail}")
+        self.failure = failure
+        self.seq = seq
+
+
+# ----------------------------------------------------------------------------- entries
+class ChunkId(Message, tag="audit.chunk"):
+    holder: str
+    dataset_offset: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if not self.holder:
+            raise BadInput("a chunk id needs the holder's name")
+        if self.dataset_offset < 0 or self.nbytes < 0:
+            raise BadInput("chunk offset and size must be non-negative")
+
+
+class Entry(Message, tag="audit.entry"):
+    seq: int
+    time: float  # seconds since the epoch, as the caller's clock said
+    event: AuditEvent
+    chunk: ChunkId
+    epoch_before: int
+    epoch_after: int
+    chunk_digest: bytes  # empty when nothing was copied
+    prev_hash: bytes
+
+    def __post_init__(self) -> None:
+        if self.seq < 0:
+            raise BadInput("seq must be non-negative")
+        if not math.isfinite(self.time) or self.time < 0:
+            raise BadInput("time must be a finite, non-negative number of seconds")
+        if self.epoch_before < 0 or self.epoch_after < 0:
+            raise BadInput("key epochs must be non-negative")
+        if len(self.chunk_digest) > MAX_DIGEST_BYTES:
+            raise BadInput(f"a chunk digest is at most {MAX_DIGEST_BYTES} bytes")
+        if len(self.prev_hash) != HASH_BYTES:
+            raise BadInput(f"prev_hash must be {HASH_BYTES} bytes")
+
+    @property
+    def holder(self) -> str:
+        return self.chunk.holder
+
+
+class Record(Message, tag="audit.record"):
+    entry: bytes  # the encoded Entry: exactly the bytes that are hashed
+    signature: bytes
+
+
+def entry_hash(entry: Entry) -> bytes:
+    """SHA-384 over the entry's encoding (what the next entry's prev_hash must be)."""
+    return hashlib.sha384(encode(entry)).digest()

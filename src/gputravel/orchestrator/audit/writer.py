@@ -1,0 +1,139 @@
+"""The orchestrator's writer of the travel log: sign each entry and append it durably.
+
+Each record is written with one ``write`` and ``fsync``-ed, so a crash loses at most the
+entry being written (its torn remains read as a truncated final entry, see :mod:`.verify`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from gputravel.errors import BadInput
+from gputravel.orchestrator.audit.entries import GENESIS_HASH, LENGTH, AuditEvent, ChunkId, Entry, Record
+from gputravel.orchestrator.audit.signature import load_signer, sign_head
+from gputravel.orchestrator.audit.verify import intact_length, verify_log
+from gputravel.protocol.codec import encode
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _fsync_dir(path: Path) -> None:
+    # A new file's directory entry must be durable too, or a crash can lose the whole log.
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AuditLog:
+    """The orchestrator's writer. One writer per file; ``append`` is thread-safe."""
+
+    def __init__(self, path: Path, key: ec.EllipticCurvePrivateKey, fd: int, next_seq: int,
+                 prev_hash: bytes) -> None:
+        self.path = path
+        self._key = key
+        self._fd = fd
+        self._next_seq = next_seq
+        self._prev = prev_hash
+        self._lock = threading.Lock()
+        self._broken = False
+
+    def __repr__(self) -> str:  # the signing key never shows
+        return f"AuditLog({os.fspath(self.path)!r}, next_seq={self._next_seq})"
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str],
+               signing_key: bytes | ec.EllipticCurvePrivateKey) -> AuditLog:
+        """Start a new, empty log; refuses to overwrite an existing file."""
+        key, p = load_signer(signing_key), Path(path)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            raise BadInput(f"audit log {os.fspath(p)!r} already exists (use AuditLog.open)") from None
+        _fsync_dir(p)
+        return cls(p, key, fd, 0, GENESIS_HASH)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], signing_key: bytes | ec.EllipticCurvePrivateKey, *,
+             repair_truncated_tail: bool = False) -> AuditLog:
+        """Continue an existing log after verifying it with the signer's own public key.
+
+        A torn final record (crash mid-write) is refused unless ``repair_truncated_tail``,
+        which cuts it off so that new entries follow the last intact one.
+        """
+        key, p = load_signer(signing_key), Path(path)
+        summary = verify_log(p, key.public_key(), allow_truncated_tail=repair_truncated_tail)
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        if summary.truncated_tail:
+            os.ftruncate(fd, intact_length(p))
+            os.fsync(fd)
+        return cls(p, key, fd, summary.head_seq + 1, summary.head_hash)
+
+    @property
+    def head(self) -> tuple[int, bytes]:
+        """(seq, hash) of the last entry; (-1, GENESIS_HASH) when empty."""
+        with self._lock:
+            return self._next_seq - 1, self._prev
+
+    def append(self, event: AuditEvent | str, chunk: ChunkId, *, time: float, epoch_before: int,
+               epoch_after: int, chunk_digest: bytes = b"") -> Entry:
+        """Sign and durably append one entry (written and fsync-ed before this returns)."""
+        with self._lock:
+            if self._fd < 0:
+                raise BadInput("the audit log is closed")
+            if self._broken:
+                raise BadInput("a write to the audit log failed: reopen it with repair_truncated_tail=True")
+            entry = self._next_entry(event, chunk, time, epoch_before, epoch_after, chunk_digest)
+            raw = encode(entry)
+            digest = hashlib.sha384(raw).digest()
+            payload = encode(Record(entry=raw, signature=sign_head(self._key, entry.seq, digest)))
+            try:
+                _write_all(self._fd, LENGTH.pack(len(payload)) + payload)
+                os.fsync(self._fd)
+            except OSError:
+                self._broken = True  # a partial record may be on disk: no entry may follow it
+                raise
+            self._next_seq, self._prev = entry.seq + 1, digest
+            return entry
+
+    def _next_entry(self, event: AuditEvent | str, chunk: ChunkId, time: float, epoch_before: int,
+                    epoch_after: int, chunk_digest: bytes) -> Entry:
+        try:
+            event = AuditEvent(event)
+        except ValueError:
+            raise BadInput(f"unknown audit event {event!r}") from None
+        if type(chunk) is not ChunkId:
+            raise BadInput("chunk must be a ChunkId")
+        if not isinstance(time, (int, float)) or isinstance(time, bool):
+            raise BadInput("time must be a number of seconds")
+        if not isinstance(chunk_digest, (bytes, bytearray, memoryview)):
+            raise BadInput("chunk_digest must be bytes")  # bytes(n) would make n zero bytes
+        try:
+            entry = Entry(self._next_seq, float(time), event, chunk, epoch_before, epoch_after,
+                          bytes(chunk_digest), self._prev)
+        except TypeError:  # __post_init__ compared a value of the wrong type
+            raise BadInput("key epochs must be ints") from None
+        encode(entry)  # type-checks every field (BadInput) before anything is signed
+        return entry
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> AuditLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,45 @@
+"""The red team's entry point: ``python -m gputravel.redteam.entry ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``.
+
+The red-team cohort (:mod:`gputravel.redteam.cohort`) starts its adversaries through here,
+in place of the production entry (``PartySpec.entry``):
+
+- ``host``: the malicious hypervisor, the production host loop with the adversary as its
+  hooks (:mod:`gputravel.redteam.host`; its work directory is ``adversary_dir``);
+- ``holder``: the malicious data holder (:mod:`gputravel.redteam.holder`).
+
+Starting, enrolling and reporting a failure are the production entry's
+(:func:`gputravel.cohort.entry.run_party`), so an adversary boots the way its honest twin does.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from gputravel.cohort.entry import load_config, run_party
+from gputravel.host.process import HostConfig, HostProcess
+from gputravel.protocol.control import Ready
+from gputravel.redteam.holder import serve as serve_holder
+from gputravel.redteam.host import HostAdversary
+from gputravel.transport.stream import StreamTransport
+
+
+def _serve(role: str, payload: dict, control: StreamTransport, extra: socket.socket | None) -> None:
+    if role == "host":
+        adversary = HostAdversary(Path(payload.pop("adversary_dir")))
+        host = HostProcess(load_config(HostConfig, payload), hooks=adversary)
+        control.send(Ready(role="host", detail={}))
+        host.serve()
+    elif role == "holder":
+        serve_holder(payload, control)
+    else:
+        raise SystemExit(f"unknown red-team role {role!r}")
+
+
+def main(argv: list[str]) -> int:
+    return run_party(argv, _serve)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

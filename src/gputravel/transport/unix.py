@@ -1,0 +1,76 @@
+"""AF_UNIX endpoints for stream transports: socket pairs, listeners, accept and connect.
+
+Only AF_UNIX transports carry descriptors (SCM_RIGHTS); see :mod:`.stream` for the framing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import time
+
+from gputravel.errors import BadInput, PeerTimeout, TransportClosed
+from gputravel.transport.deadline import wait_ready
+from gputravel.transport.stream import StreamTransport
+
+__all__ = ["socketpair_transports", "listen_unix", "accept_unix", "connect_unix"]
+
+
+def socketpair_transports(name_a: str = "a", name_b: str = "b") -> tuple[StreamTransport,
+                                                                          StreamTransport]:
+    """Two connected transports over ``socket.socketpair(AF_UNIX)`` (fd passing works)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return StreamTransport(a, name_a), StreamTransport(b, name_b)
+
+
+def listen_unix(path: str | os.PathLike[str], backlog: int = 16) -> socket.socket:
+    """A listening AF_UNIX socket at ``path``. A stale socket file is not removed for you."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(os.fspath(path))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        stale = e.errno == errno.EADDRINUSE
+        hint = " (remove the stale socket file if no one is listening)" if stale else ""
+        raise BadInput(f"cannot listen on {os.fspath(path)!r}: {e.strerror}{hint}") from None
+    return sock
+
+
+def accept_unix(listener: socket.socket, name: str, *,
+                timeout: float | None = None) -> StreamTransport:
+    """Accept one connection on a :func:`listen_unix` socket (PeerTimeout after ``timeout``)."""
+    poller = select.poll()
+    poller.register(listener.fileno(), select.POLLIN)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            ready = wait_ready(poller, deadline)
+        except PeerTimeout:
+            raise PeerTimeout(f"{name}: no connection within {timeout}s") from None
+        if not ready:
+            continue  # the listener may be blocking: only accept once poll says a client waits
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            continue  # another acceptor won the race on a non-blocking listener
+        return StreamTransport(conn, name)
+
+
+def connect_unix(path: str | os.PathLike[str], name: str, *,
+                 timeout: float = 10.0) -> StreamTransport:
+    """Connect to a :func:`listen_unix` socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(os.fspath(path))
+    except TimeoutError:
+        sock.close()
+        raise PeerTimeout(f"{name}: connect to {os.fspath(path)!r} timed out") from None
+    except OSError as e:
+        sock.close()
+        raise TransportClosed(f"{name}: cannot connect to {os.fspath(path)!r}: "
+                              f"{e.strerror or type(e).__name__}") from None
+    return StreamTransport(sock, name)
