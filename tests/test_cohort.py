@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from gputravel.errors import BadInput
 from gputravel.protocol.manifest import chunk_digest
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
+from gputravel.cohort.supervisor import TRUSTED_ROLES, PartySpec, Supervisor
 
 pytestmark = pytest.mark.integration
 MIB = 1 << 20
@@ -241,3 +243,28 @@ def test_a_holder_killed_mid_copy_is_dropped_and_can_rejoin(datasets) -> None:
         assert [(e.event, e.holder) for e in log.entries] == [
             ("aborted", "h1"), ("travel", "h2"), ("aborted", "h1"), ("travel", "h1")]
         assert log.entries[0].epoch_after == log.entries[0].epoch_before + 1  # recovery rotated the keys
+
+
+def test_a_launch_hook_cannot_change_a_trusted_party_nor_who_a_party_is(datasets) -> None:
+    """The orchestrator is measured (and holders pin it) before it starts, so a launch hook
+    that changed how it starts would run code or configuration the holders never accepted.
+    A hook may start an untrusted party (the host, a holder) another way, as the red team
+    does, but never under another name or enrolment."""
+    def launched(spec: PartySpec, **changes) -> PartySpec:
+        hook = lambda s: dataclasses.replace(s, **changes)  # noqa: E731
+        return Supervisor(config(datasets), launch=hook)._launched_as(spec)
+
+    orchestrator = PartySpec("orchestrator", "orchestrator", {"verify": True, "enroll": "orchestrator"})
+    for role in TRUSTED_ROLES:
+        spec = dataclasses.replace(orchestrator, role=role, key=role)
+        with pytest.raises(BadInput, match="trusted"):
+            launched(spec, config={**spec.config, "verify": False})
+        with pytest.raises(BadInput, match="trusted"):
+            launched(spec, entry="somewhere.else")
+        assert launched(spec) == spec
+    holder = PartySpec("holder", "mallory", {"name": "mallory", "enroll": "mallory"})
+    with pytest.raises(BadInput, match="who 'mallory' is"):
+        launched(holder, config={**holder.config, "enroll": "alice"})
+    with pytest.raises(BadInput, match="who 'mallory' is"):
+        launched(holder, key="alice")
+    assert launched(holder, entry="gputravel.redteam.entry").entry == "gputravel.redteam.entry"

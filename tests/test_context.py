@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 from msgspec import structs
 
-from gputravel.driver.context import CONTEXT_VERSION, DriverContext, pack_context, unpack_context
+from gputravel.driver.context import CONTEXT_VERSION, DriverContext, SealedContext, pack_context, unpack_context
+from gputravel.protocol.codec import decode
 from gputravel.driver.driver import Driver
 from gputravel.errors import ContextBlobError, GputravelError
 from gputravel.protocol.layout import Layout, PushChannel
@@ -355,6 +356,12 @@ def test_repr_of_a_context_shows_no_key_bytes(booted) -> None:
     texts = [repr(ctx), str(ctx), f"{ctx!r}", f"{ctx}", repr([ctx]), repr({"ctx": ctx})]
     texts += [repr(s) for s in states(ctx)]
     for text in texts:
+        assert not leaks(text, secrets), text
+    # The sealed blob's body is the encoded context, keys and all.
+    blob = pack_context(ctx)
+    sealed = decode(blob)
+    assert isinstance(sealed, SealedContext) and leaks(blob.hex(), secrets)
+    for text in (repr(sealed), str(sealed), repr([sealed])):
         assert not leaks(text, secrets), text
     # Control: the check would catch a key dumped the way a default dataclass repr does.
     assert leaks(repr(ctx.senders[0].key), secrets)

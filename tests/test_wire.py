@@ -295,6 +295,12 @@ def test_encode_rejects_wrong_types_without_value() -> None:
         encode(replace(sample(), inner=Ping(1)))  # another message where an Inner belongs
     with pytest.raises(BadInput, match="cannot pack"):
         encode(Ping(2**70))
+    # What packs but would come back as something else: the bytes would not be canonical.
+    for wrong in (dict(ints=[1, 2]), dict(ints={1}), dict(inner={"blob": b"", "n": 1}),
+                  dict(inners=[Inner(b"", 1)])):
+        with pytest.raises(BadInput, match="does not hold its declared type"):
+            encode(replace(sample(), **wrong))
+    assert decode(encode(replace(sample(), b=bytearray(b"x")))) == replace(sample(), b=b"x")  # same bytes
     with pytest.raises(BadInput, match="not a registered message"):
         encode(object())
 

@@ -39,6 +39,7 @@ from gputravel.transport.stream import StreamTransport
 
 SNOOP_FILE = Path("parties/host/snoop.bin")  # in the cohort directory: the host writes it in its own
 PRODUCTION_ENTRY = "gputravel.cohort.entry"
+TRUSTED_ROLES = ("orchestrator", "device", TDX_MODULE)  # a launch hook starts these only as they are
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,21 @@ class Supervisor:
 
     def _spawn(self, role: str, config: dict, *, key: str | None = None, extra_fd: int | None = None) -> Ready:
         spec = PartySpec(role, key or role, config)
-        return self._start_party(self.launch(spec) if self.launch is not None else spec, extra_fd)
+        return self._start_party(self._launched_as(spec), extra_fd)
+
+    def _launched_as(self, spec: PartySpec) -> PartySpec:
+        """The launch hook's spec for a party. It may start an untrusted party (the host, a holder)
+        another way, but never change who a party is (its certificate's name), nor anything of a
+        trusted party: the orchestrator was measured, and holders pinned, before it starts."""
+        if self.launch is None:
+            return spec
+        out = self.launch(spec)
+        if (out.role, out.key, out.config.get("enroll")) != (spec.role, spec.key, spec.config.get("enroll")):
+            raise BadInput(f"the launch hook may not change who {spec.key!r} is (role, name, enrolment)")
+        if spec.role in TRUSTED_ROLES and out != spec:
+            raise BadInput(f"the launch hook may not change how the {spec.role} starts: it is trusted "
+                           f"({', '.join(TRUSTED_ROLES)} start as the launcher measured them)")
+        return out
 
     def _start_party(self, spec: PartySpec, extra_fd: int | None) -> Ready:
         assert self.dir is not None

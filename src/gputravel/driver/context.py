@@ -37,7 +37,7 @@ class DriverContext(Message, tag="context.v1"):
         return f"DriverContext(v{self.version}, epoch={self.epoch}, put={self.gpfifo_put})"
 
 
-class SealedContext(Message, tag="context.sealed"):
+class SealedContext(Message, tag="context.sealed", secret=("body",)):
     body: bytes
     sha256: bytes
 

@@ -25,8 +25,14 @@ messages name the tag and the field path but never the offending value, because 
 secret (keys, blobs): msgspec's own messages quote some values (enum values, tags, invariants'
 messages), so they are rebuilt from what they say about types and positions only; an unknown
 tag is not echoed either. Encoding checks the field types too (:class:`BadInput`), by
-decoding what it encoded: a sender finds its own mistakes as the receiver would see them (so
-an enum field holding the plain value of a member passes: on the wire they are the same).
+decoding what it encoded and comparing: a sender finds its own mistakes as the receiver would
+see them, and a field that packs but does not come back equal (a list for a tuple, a dict for
+a nested message) is refused (an enum field holding the plain value of a member passes: on
+the wire they are the same, and they compare equal).
+
+One message may have more than one decodable encoding (fields in any order; a nested map with
+or without its tag). Whatever is hashed or signed as encoded bytes must therefore be checked
+by re-encoding and comparing, as the travel log's verifier does (orchestrator/audit/verify.py).
 
 Fields whose values are secret are named in ``secret=(...)`` on the class line and left out
 of ``repr`` (and of rich's pretty printing).
@@ -291,9 +297,14 @@ def encode(msg: object) -> bytes:
     except (OverflowError, ValueError, TypeError) as e:  # e.g. an int beyond 64 bits, a set
         raise BadInput(f"message {tag}: cannot pack ({type(e).__name__})") from None
     try:
-        decoder.decode(data)
+        back = decoder.decode(data)
     except Exception as e:  # the receiver would refuse it: say so here, in the same words
         raise BadInput(_explain(data, e)) from None
+    # msgspec packs any sequence as an array and any mapping as a map, so a list where a tuple
+    # is declared, or a plain dict where a nested message is, round-trips into something
+    # else: refuse what does not come back equal (the bytes would not be canonical).
+    if back != msg:
+        raise BadInput(f"message {tag}: a field does not hold its declared type")
     return data
 
 
