@@ -214,11 +214,19 @@ class Orchestrator:
                     sm.on_timeout(self._clock())  # past its deadline, the machine gives the travel up
                     raise
                 now = self._clock()
-                act = sm.handle(event, now)
+                act = self._handle(event, now, holder)
             return act
         except Exception:
             sm.abort()
             self._recover()  # raises TravelHalted if the GPU can neither rotate nor be re-keyed
+            raise
+
+    def _handle(self, event: object, now: float, holder: str) -> object:
+        try:
+            return self.travel_sm.handle(event, now)
+        except ProtocolError:
+            if isinstance(event, Replied):  # the holder broke the protocol (another travel's reply,
+                self._drop(holder)          # a chunk unlike its manifest): its link is out of step
             raise
 
     # ------------------------------------------------------------------ one step each
