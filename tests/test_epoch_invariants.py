@@ -60,7 +60,7 @@ from gputravel.errors import (
     TravelHalted,
 )
 from gputravel.protocol.layout import FAULT_REG, GPFIFO_ENTRY, U32, Bar0, PushChannel
-from gputravel.crypto.labels import USER_LABELS
+from gputravel.crypto.labels import USER_LABELS, is_h2d
 from gputravel.protocol.push import SemaphoreRelease
 from gputravel.testing import ORCHESTRATOR, TEST_LAYOUT, InProcessGpu
 
@@ -773,8 +773,8 @@ class EpochMachine(RuleBasedStateMachine):
         if core._session_secret is None or core._session_secret != session_secret(orch):
             return
         for label in USER_LABELS:
-            mine = orch.keys.tx.get(label) if "_h2d_" in label else orch.keys.rx.get(label)
-            device = core._rx.get(label) if "_h2d_" in label else core._tx.get(label)
+            mine = orch.keys.tx.get(label) if is_h2d(label) else orch.keys.rx.get(label)
+            device = core._rx.get(label) if is_h2d(label) else core._tx.get(label)
             if mine is not None and device is not None and mine.channel_counter != device.channel_counter:
                 raise Violation(f"(d) the orchestrator's {label} channel counter ({mine.channel_counter}) is not "
                                 f"the device's ({device.channel_counter})")
@@ -851,8 +851,8 @@ def test_a_returned_context_cannot_smuggle_channel_state_past_the_checks(how: st
     orch.import_returned(sent)
     orch.rotate()
     for label in USER_LABELS:
-        mine = orch.keys.tx[label] if "_h2d_" in label else orch.keys.rx[label]
-        device = gpu.core._rx[label] if "_h2d_" in label else gpu.core._tx[label]
+        mine = orch.keys.tx[label] if is_h2d(label) else orch.keys.rx[label]
+        device = gpu.core._rx[label] if is_h2d(label) else gpu.core._tx[label]
         assert mine.channel_counter == device.channel_counter
 
 

@@ -19,7 +19,7 @@ import msgpack
 import msgspec
 
 from gputravel.crypto.channel import IV_BYTES, KEY_BYTES, ChannelState
-from gputravel.crypto.labels import USER_LABELS
+from gputravel.crypto.labels import USER_LABELS, is_h2d
 from gputravel.driver.context import CONTEXT_VERSION, DriverContext, SealedContext, pack_context
 from gputravel.protocol import codec
 from gputravel.protocol.push import CopyFromVram, CopyToVram, GrantWindow, Memset, RotateKeys, SemaphoreRelease
@@ -36,8 +36,8 @@ def _channel(label: str) -> ChannelState:
 def driver_context() -> DriverContext:
     """A context blob's body as the orchestrator exports it: the six user channels (kernel
     channels never travel)."""
-    senders = tuple(_channel(label) for label in USER_LABELS if "_h2d_" in label)
-    receivers = tuple(_channel(label) for label in USER_LABELS if "_d2h_" in label)
+    senders = tuple(_channel(label) for label in USER_LABELS if is_h2d(label))
+    receivers = tuple(_channel(label) for label in USER_LABELS if not is_h2d(label))
     return DriverContext(version=CONTEXT_VERSION, layout="0" * 64, epoch=7, senders=senders,
                          receivers=receivers, semaphore=1 << 30, gpfifo_put=4096, work_token=1 << 31,
                          rpc_tx_seq=1 << 20, rpc_rx_seq=1 << 20)
