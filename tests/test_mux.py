@@ -225,16 +225,14 @@ def test_an_honest_host_hands_out_the_device_doorbell_and_maps_the_target() -> N
     assert NoHooks().on_switch("orchestrator", SwitchPlan(previous=None, target=alice)) == (alice, alice)
 
 
-def test_the_host_hands_out_and_routes_what_its_hooks_decide(tmp_path) -> None:
+def test_the_host_hands_out_and_routes_what_its_hooks_decide(make_host) -> None:
     """What the red team's hypervisor builds on (host/hooks.py): the doorbell a CVM gets and
     where a switch maps DMA and routes the interrupt are the hooks' to decide."""
     import os
-    import threading
 
     from gputravel.driver.link import register_with_host
     from gputravel.host.hooks import NoHooks
-    from gputravel.host.process import HostConfig, HostProcess
-    from gputravel.protocol.host import AttachCvm, DeviceAck, DeviceAttach
+    from gputravel.host.process import HostProcess
     from gputravel.testing import TEST_LAYOUT
     from gputravel.transport.unix import connect_unix
 
@@ -256,28 +254,8 @@ def test_the_host_hands_out_and_routes_what_its_hooks_decide(tmp_path) -> None:
             return home, home  # the device stays on the orchestrator's memory, whoever asked
 
     hooks = Misroute()
-    sock = str(tmp_path / "host.sock")
-    host = HostProcess(HostConfig(socket_path=sock), hooks=hooks)
-    threading.Thread(target=host.serve, daemon=True).start()
-    device = connect_unix(sock, "device")
-    bar, bell = os.memfd_create("bar"), os.eventfd(0, os.EFD_NONBLOCK)
-    os.ftruncate(bar, 8192)
-    device.send(DeviceAttach(serial="GPU-TEST", bar_bytes=8192), fds=(bar, bell))
-    attached: list[str] = []
-
-    def play_device() -> None:
-        while True:
-            try:
-                got = device.recv(timeout=30)
-            except Exception:
-                return
-            for fd in got.fds:
-                os.close(fd)
-            if isinstance(got.message, AttachCvm):
-                attached.append(got.message.cvm)
-                device.send(DeviceAck(cvm=got.message.cvm))
-
-    threading.Thread(target=play_device, daemon=True).start()
+    host = make_host(hooks)
+    sock, bell, attached = host.socket_path, host.bell, host.attached
     links, conns = {}, {}
     try:
         for name in ("orchestrator", "alice"):
@@ -296,6 +274,4 @@ def test_the_host_hands_out_and_routes_what_its_hooks_decide(tmp_path) -> None:
     finally:
         for link in links.values():
             link.close()
-        device.close()
-        for fd in (bar, bell, hooks.bell):
-            os.close(fd)
+        os.close(hooks.bell)  # the host and its device are closed by make_host
