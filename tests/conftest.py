@@ -64,3 +64,69 @@ def make_host(tmp_path):
 @pytest.fixture
 def host_with_device(make_host):
     return make_host()
+
+
+# ----------------------------------------------------------------------------- torch.distributed ranks
+def _rank_main(target, rank: int, world: int, port: int, args: tuple, results) -> None:
+    """One rank in a child process: join a gloo group on 127.0.0.1, run `target`, report."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # the ranks share this machine's cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        results.put((rank, "ok", target(rank, world, *args)))
+    except BaseException as err:  # reported to the parent, which fails the test
+        import traceback
+        results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def run_ranks():
+    """`run_ranks(target, world, *args, timeout=...)`: the list of each rank's return value.
+
+    `target(rank, world, *args)` is a module-level function of a test file; it runs in `world`
+    processes joined by torch.distributed (gloo, env://). Children come from a forkserver that
+    imported torch once, so each launch costs a fork, not an interpreter start."""
+    import multiprocessing
+    import queue
+    import socket
+    import time
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "gputravel.ddp"])
+
+    def run(target, world: int, *args, timeout: float = 60.0) -> list:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_rank_main, args=(target, r, world, port, args, results), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        got: dict[int, tuple[str, object]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(got) < world:
+                try:
+                    rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not finish in {timeout} s") from None
+                got[rank] = (status, value)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        failed = {r: v for r, (s, v) in got.items() if s != "ok"}
+        assert not failed, "\n".join(f"rank {r}: {v}" for r, v in sorted(failed.items()))
+        return [got[r][1] for r in range(world)]
+
+    return run

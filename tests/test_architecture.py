@@ -35,6 +35,7 @@ FLOORS = {
     "device": 3,
     "host": 3,
     "train": 3,
+    "ddp": 3,  # data-parallel training between GPU TEEs: takes attestation as callbacks
     "holder": 4,  # the trust domains: neither imports the other
     "orchestrator": 4,
     "cohort": 5,  # launching: starts the trust domains' processes

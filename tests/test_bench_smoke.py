@@ -68,3 +68,20 @@ def test_train_smoke(tmp_path: Path) -> None:
     for source in ("travelling", "baseline"):
         assert set(row[source]) >= {"training_s", "tx_s", "tx_share", "fetches"}
         assert row[source]["fetches"] >= 1
+
+
+@pytest.mark.integration
+def test_ddp_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "ddp.json"
+    res = CliRunner().invoke(app, ["bench", "ddp", "--gpus", "1,2", "--models", "small", "--iters", "1",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    assert [(r["gpus"], r["model"]) for r in result["rows"]] == [(1, "small"), (2, "small")]
+    for row in result["rows"]:
+        assert row["params"] > 0
+        for figure in ("iter_ms", "allreduce_ms"):
+            assert set(row[figure]) == {"plain", "encrypted_naive", "encrypted"}
+            assert all(v > 0 for v in row[figure].values())
+    bad = CliRunner().invoke(app, ["bench", "ddp", "--gpus", "0", "--models", "small"])
+    assert bad.exit_code == 1 and "GPU counts" in bad.output

@@ -51,6 +51,15 @@ class IntegrityError(RemoteError):
         super().__init__(what)
 
 
+class PeerAttestationError(RemoteError):
+    """A rank of a data-parallel job refused another's evidence before any gradient moved: the
+    evidence did not verify, or did not carry the key the rank offered (ddp/keys.py)."""
+
+    def __init__(self, what: str, *, refused: tuple[tuple[int, int], ...] = ()) -> None:
+        super().__init__(what)
+        self.refused = refused  # (refusing rank, refused rank) pairs, as far as this rank knows
+
+
 class ProtocolError(RemoteError):
     """A message or blob could not be decoded or is not valid in this protocol state."""
 

@@ -257,6 +257,43 @@ def bench_codec(
     _write_json(json_path, result)
 
 
+@bench_app.command("ddp")
+def bench_ddp(
+    gpus: str = typer.Option("1,2,4", help="GPU counts (rank processes), comma separated."),
+    models: str = typer.Option("small,base", help="Models, comma separated: small, base."),
+    iters: int = typer.Option(5, help="Timed iterations per method (after a warm-up); medians are reported."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """Data-parallel training with the ring all-reduce sealed at every hop: plain DDP, the naive
+    encrypted ring and the pipelined one (iteration and all-reduce medians, ms)."""
+    from gputravel.bench import ddp as ddp_bench  # lazy: torch and torch.distributed
+
+    table = Table(title="DDP between GPU TEEs (medians, ms; emulated GPUs are CPU processes)")
+    # it: a whole training iteration; ar: the gradient all-reduce alone; x: encrypted / plain.
+    for col in ("G", "model", "it plain", "it naive", "it enc", "it x", "ar plain", "ar naive", "ar enc", "ar x"):
+        table.add_column(col, justify="right")
+
+    def row(r: dict) -> None:
+        it, ar = r["iter_ms"], r["allreduce_ms"]
+        table.add_row(str(r["gpus"]), r["model"], f"{it['plain']:.1f}",
+                      f"{it['encrypted_naive']:.1f}", f"{it['encrypted']:.1f}",
+                      f"{it['encrypted'] / it['plain']:.2f}", f"{ar['plain']:.2f}", f"{ar['encrypted_naive']:.2f}",
+                      f"{ar['encrypted']:.2f}", f"{ar['encrypted'] / max(ar['plain'], 1e-9):.2f}")
+        console.print(f"  {r['gpus']} GPU(s), {r['model']} ({r['params']:,} parameters): done")
+
+    try:
+        counts = tuple(int(x) for x in gpus.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter("--gpus takes comma-separated integers, e.g. 1,2,4") from None
+    try:
+        result = ddp_bench.run(counts, tuple(m.strip() for m in models.split(",") if m.strip()),
+                               iters, on_row=row)
+    except GputravelError as exc:
+        _fail(exc)
+    console.print(table)
+    _write_json(json_path, result)
+
+
 def _write_json(path: Optional[Path], result: dict) -> None:
     if path:
         write_json(path, result)

@@ -1,0 +1,191 @@
+"""`gputravel bench ddp`: what sealing every hop of the ring all-reduce costs (issue 14).
+
+For each GPU count G and model, G rank processes join one torch.distributed group (gloo on
+CPU, env:// on 127.0.0.1) and train the same GPT-2 data-parallel, three ways:
+
+- ``plain``: DDP without a hook (gloo's own all-reduce, nothing sealed);
+- ``encrypted_naive``: the ring of ddp/ring.py, each hop sealed whole, sent, opened, in turn
+  (what the DDP characterization of GPU TEEs measured);
+- ``encrypted``: the same ring pipelined in records, sealing and opening overlapped with the
+  transfers (Fastrack's ideas), its buckets overlapped with the backward pass.
+
+``iter_ms`` is the median of whole training iterations (forward, backward with the gradient
+exchange, optimizer step); ``allreduce_ms`` the median of the gradient exchange alone, on a
+flat tensor the size of the model's gradients. Each rank gets its keys from an ECDHE bound to
+an emulated TDX quote (ddp/keys.py); that set-up is not timed.
+
+Emulation: the "GPUs" are CPU processes sharing this machine's cores, and the links between
+them are loopback TCP, so the sealing competes with the training for the same cores; on
+H100s the crypto runs on the CPU beside GPUs that compute, and the links are NVLink or a
+network. The ratios, not the milliseconds, are what carries over.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import torch
+import torch.distributed as dist
+from cryptography.hazmat.primitives import serialization
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gputravel.attest import Authority, EmulatedQuoteVerifier, EmulatedQuotingEnclave, TrustStore
+from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
+from gputravel.bench.compare import machine
+from gputravel.crypto.certs import key_pem
+from gputravel.ddp import Ring, RingHookState, encrypted_allreduce_hook, establish_pair_keys
+from gputravel.ddp.keys import REPORT_DATA_BYTES
+from gputravel.errors import BadInput
+from gputravel.train.model import GPT, GPTConfig
+
+#: The models of the sweep (GPT-2 shapes, sized for a CPU): about 0.3M and 3.3M parameters.
+MODELS = {
+    "small": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64),
+    "base": GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=4, n_embd=256),
+}
+METHODS = ("plain", "encrypted_naive", "encrypted")
+BATCH = 4
+MEASURED = b"\x5a" * 48  # the rank CVMs' measurement, as the verifier accepts it (emulated)
+_QUOTE_PAD = bytes(64 - REPORT_DATA_BYTES)  # a quote carries 64 bytes of report data
+
+
+class _RankTee:
+    """A rank's CVM: its emulated TDX quoting enclave, and the verifier every rank runs."""
+
+    def __init__(self, root_cert: bytes, root_key: bytes) -> None:
+        root = Authority(root_cert, serialization.load_pem_private_key(root_key, password=None))
+        self.enclave = EmulatedQuotingEnclave.provision(root)
+        self.verifier = EmulatedQuoteVerifier(TrustStore((), (root_cert,)), [MEASURED])
+
+    def attest(self, data: bytes) -> bytes:
+        return self.enclave.quote(MEASURED, data + _QUOTE_PAD)
+
+    def verify(self, peer: int, evidence: bytes, data: bytes) -> None:
+        self.verifier.verify(evidence, data + _QUOTE_PAD, datetime.now(UTC))
+
+
+def _median_ms(run: Callable[[], None], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        run()
+    samples = []
+    for _ in range(iters):
+        dist.barrier()  # every rank starts the sample together
+        t0 = time.perf_counter()
+        run()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+
+
+def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes, bytes]) -> dict:
+    """One rank's share of one (G, model) cell; rank 0's figures are the cell's."""
+    cfg = MODELS[model_name]
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch, as DDP's shards
+    x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=gen)
+    tee = _RankTee(*root)
+    iter_ms, allreduce_ms = {}, {}
+    params = sum(p.numel() for p in GPT(cfg).parameters())
+    flat = torch.randn(params, generator=gen)
+    for method in METHODS:
+        torch.manual_seed(0)  # the same initial weights for every method (DDP also broadcasts rank 0's)
+        ddp = DDP(GPT(cfg))
+        state = None
+        if method != "plain":
+            # Each ring gets keys of its own: a direction's key serves one channel, once.
+            keys = establish_pair_keys(tee.attest, tee.verify) if world > 1 else None
+            ring = Ring("naive" if method == "encrypted_naive" else "pipelined", keys=keys)
+            state = RingHookState(ring, overlap=method == "encrypted")
+            ddp.register_comm_hook(state, encrypted_allreduce_hook)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        iter_ms[method] = _median_ms(lambda: _iteration(ddp, opt, x, y), 3, iters)
+        if method == "plain":
+            exchange = lambda: dist.all_reduce(flat)  # noqa: E731
+        else:
+            exchange = lambda r=state.ring: r.all_reduce(flat)  # noqa: E731
+        allreduce_ms[method] = _median_ms(exchange, 2, iters)
+        if state is not None:
+            state.close()
+    return {"gpus": world, "model": model_name, "params": params, "iter_ms": iter_ms, "allreduce_ms": allreduce_ms}
+
+
+def _rank_main(rank: int, world: int, port: int, args: tuple, results) -> None:
+    torch.set_num_threads(1)  # the ranks share this machine's cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    try:
+        row = _cell(rank, world, *args)
+        results.put((rank, "ok", row))
+    except BaseException as err:  # reported to the parent, which stops the benchmark
+        results.put((rank, "error", f"{type(err).__name__}: {err}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cell(world: int, model_name: str, iters: int, root: tuple[bytes, bytes], timeout: float = 600.0) -> dict:
+    """Start `world` rank processes for one cell and return rank 0's row."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, (model_name, iters, root), results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, object]] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(got) < world:
+            rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            got[rank] = (status, value)
+            if status == "error":
+                raise BadInput(f"rank {rank} of {world} ({model_name}) failed: {value}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return got[0][1]
+
+
+def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
+        on_row: Callable[[dict], None] | None = None) -> dict:
+    """The sweep: one row per (GPU count, model)."""
+    if not gpus or any(g < 1 or g > 8 for g in gpus):
+        raise BadInput("--gpus must be GPU counts from 1 to 8, e.g. 1,2,4")
+    unknown = [m for m in models if m not in MODELS]
+    if not models or unknown:
+        raise BadInput(f"--models must name models of {', '.join(MODELS)}; unknown: {', '.join(unknown)}")
+    if iters < 1:
+        raise BadInput("--iters must be at least 1")
+    quoting_root = Authority.self_signed(TEE_QUOTING_ROOT_CN)  # the emulated CPU-TEE root, for this run
+    root = (quoting_root.cert_der, key_pem(quoting_root.key))
+    rows = []
+    for model_name in models:
+        for world in gpus:
+            row = run_cell(world, model_name, iters, root)
+            rows.append(row)
+            if on_row:
+                on_row(row)
+    return {"machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"), "iters": iters,
+            "rows": rows,
+            # G2 with several GPUs needs travelling GPUs per rank, which are not built yet (issue 14).
+            "g2_identical": None}

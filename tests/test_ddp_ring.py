@@ -1,0 +1,241 @@
+"""The ring all-reduce between GPU TEEs (ddp/ring.py) and its DDP hook (ddp/hook.py), run by
+real gloo ranks in child processes (the `run_ranks` fixture of conftest.py).
+
+What it shows: the plain ring equals itself bit for bit and gloo's all_reduce to float
+tolerance; the sealed variants give the plain ring's bits; DDP trained with the hook matches
+DDP without one; a tampered, replayed or dropped record is a typed error on its receiver that
+stops the all-reduce (and, through the hook, the step); what a rank sends holds no plaintext.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gputravel.ddp import Ring, RingHookState, TorchPointToPoint, encrypted_allreduce_hook, establish_pair_keys
+from gputravel.ddp.ring import record_aad
+from gputravel.errors import BadInput, ChannelFaulted, IntegrityError, PeerTimeout, TransportClosed
+
+SIZES = (1, 2, 5, 100_003, 300_000)  # one element, fewer than ranks, uneven segments, many records
+RECORD = 40_000  # bytes: 10 000 float32 per record, so the larger sizes travel as several
+# 16 bytes no sum of zeros can hide: rank 0 sends them, every other rank adds zeros.
+CANARY = torch.tensor([1234.5678, -8765.4321, 3.14159e-3, 2.71828e7], dtype=torch.float32)
+
+
+def _keys(group=None):
+    # Attestation is test_ddp_keys.py's subject: here the evidence is the report data itself.
+    def verify(peer: int, evidence: bytes, report_data: bytes) -> None:
+        if evidence != report_data:
+            raise ValueError("evidence does not carry the report data")
+    return establish_pair_keys(lambda report_data: report_data, verify, group=group)
+
+
+def _input(rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(1000 * rank + n))
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+class Wire:
+    """A rank's side of the wire, as the untrusted host sees and touches it: it records every
+    byte sent and, at send number `at`, tampers with, replays or drops a record."""
+
+    def __init__(self, inner: TorchPointToPoint, fault: str | None = None, at: int = -1) -> None:
+        self.inner, self.fault, self.at = inner, fault, at
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.sent: list[bytes] = []
+
+    def isend(self, buf, dst):
+        data = buf.view(torch.uint8).numpy().tobytes()
+        index, _ = len(self.sent), self.sent.append(data)
+        if index == self.at and self.fault == "drop":
+            return _Done()
+        if index == self.at and self.fault == "tamper":
+            flipped = bytearray(data)
+            flipped[len(flipped) // 2] ^= 0x01
+            buf = torch.frombuffer(flipped, dtype=torch.uint8)
+        if index == self.at and self.fault == "replay":
+            buf = torch.frombuffer(bytearray(self.sent[index - 1]), dtype=torch.uint8)  # the record before
+        return self.inner.isend(buf, dst)
+
+    def irecv(self, buf, src):
+        return self.inner.irecv(buf, src)
+
+
+class _Done:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+# ----------------------------------------------------------------------------- in one process
+class _Alone:
+    rank, world_size = 0, 1
+
+
+def test_a_ring_of_one_returns_the_tensor_unchanged_and_refuses_what_it_cannot_reduce() -> None:
+    ring = Ring("pipelined", p2p=_Alone())
+    x = torch.arange(10, dtype=torch.float32)
+    assert ring.all_reduce(x) is x and torch.equal(x, torch.arange(10, dtype=torch.float32))
+    for bad in (torch.arange(10), torch.ones(4, 4).t(), "not a tensor"):
+        with pytest.raises(BadInput):
+            ring.all_reduce(bad)
+    with pytest.raises(BadInput, match="unknown ring variant"):
+        Ring("fast", p2p=_Alone())
+
+
+def test_a_record_aad_names_its_place() -> None:
+    places = [(op, hop, seg, rec, 0, 1) for op in (0, 1) for hop in range(4) for seg in range(3) for rec in range(3)]
+    places += [(0, 0, 0, 0, 1, 0), (0, 0, 0, 0, 1, 2)]
+    assert len({record_aad(*p) for p in places}) == len(places)
+
+
+# ----------------------------------------------------------------------------- ranks
+def agree(rank: int, world: int) -> dict:
+    """Every variant on every size; DDP with and without the hook; a tamper at the very end."""
+    rings = {"plain": Ring("plain", record_bytes=64 * 1024),
+             "naive": Ring("naive", keys=_keys()),
+             "pipelined": Ring("pipelined", keys=_keys(), record_bytes=RECORD)}
+    out: dict = {"sums": {}}
+    for n in SIZES:
+        x = _input(rank, n)
+        plain = rings["plain"].all_reduce(x.clone())
+        assert torch.equal(rings["plain"].all_reduce(x.clone()), plain), "the plain ring differs from itself"
+        gloo = x.clone()
+        dist.all_reduce(gloo)
+        assert torch.allclose(plain, gloo, rtol=1e-5, atol=1e-5), "the plain ring disagrees with gloo"
+        for variant in ("naive", "pipelined"):
+            assert torch.equal(rings[variant].all_reduce(x.clone()), plain), f"{variant} differs from plain"
+        out["sums"][n] = _digest(plain)
+
+    out["ddp"] = ddp_matches(rank, world)
+
+    # The last record of the last hop, tampered: only its receiver has anything left to check.
+    wire = Wire(TorchPointToPoint(), "tamper" if rank == 0 else None, at=2 * (world - 1) * 3 - 1)  # 3 records a hop
+    ring = Ring("pipelined", keys=_keys(), record_bytes=40_000, p2p=wire, timeout_s=5)
+    try:
+        ring.all_reduce(_input(rank, 30_000 * world))
+        out["tamper"] = "completed"
+    except IntegrityError as err:
+        out["tamper"] = f"IntegrityError: {err}"
+    dist.barrier()  # the receiver stays until its own last sends have reached the next rank
+    return out
+
+
+def ddp_matches(rank: int, world: int) -> float:
+    """Largest parameter difference between DDP without a hook and DDP with each ring's hook."""
+    trained = {name: _train(rank, world, name) for name in (None, "plain", "naive", "pipelined")}
+    return max(float((trained[None] - trained[name]).abs().max()) for name in ("plain", "naive", "pipelined"))
+
+
+def _train(rank: int, world: int, variant: str | None, steps: int = 3, fault: str | None = None,
+           states: list | None = None) -> torch.Tensor:
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # a few buckets, overlapping backward
+    state = None
+    if variant is not None:
+        group = dist.new_group(backend="gloo")  # the ring's own: never in DDP's way
+        wire = Wire(TorchPointToPoint(group), fault, at=0 if rank == 0 else -1)
+        state = RingHookState(Ring(variant, keys=None if variant == "plain" else _keys(group),
+                                   record_bytes=512, group=group, p2p=wire, timeout_s=2))
+        ddp.register_comm_hook(state, encrypted_allreduce_hook)
+        if states is not None:
+            states.append(state)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(100 + rank)
+    try:
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        if state is not None:
+            state.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_rings_agree_with_each_other_with_gloo_and_under_ddp(run_ranks, world: int) -> None:
+    results = run_ranks(agree, world, timeout=60)
+    assert all(r["sums"] == results[0]["sums"] for r in results)  # every rank holds the same bits
+    assert all(r["ddp"] < 1e-6 for r in results), [r["ddp"] for r in results]
+    assert results[1]["tamper"].startswith("IntegrityError") and "from rank 0" in results[1]["tamper"]
+    assert [r["tamper"] for i, r in enumerate(results) if i != 1] == ["completed"] * (world - 1)
+
+
+def faults(rank: int, world: int) -> dict:
+    """Rank 0's sends to rank 1 tampered with, replayed or dropped; each case on a group of its own,
+    so that a send or receive left pending by a broken ring cannot meet the next case's."""
+    k = 3  # records per hop in the pipelined ring: 90 000 float32 = 2 segments of 3 records
+    cases = [("naive", "drop", 0), ("naive", "tamper", 1), ("naive", "replay", 1),
+             ("pipelined", "tamper", k + 1), ("pipelined", "replay", k + 1), ("pipelined", "drop", k + 1)]
+    out = {}
+    for variant, fault, at in cases:
+        group = dist.new_group(backend="gloo")
+        wire = Wire(TorchPointToPoint(group), fault if rank == 0 else None, at)
+        ring = Ring(variant, keys=_keys(group), record_bytes=60_000, group=group, p2p=wire, timeout_s=2)
+        x = _input(rank, 90_000)
+        try:
+            ring.all_reduce(x)
+            seen = "completed"
+        except (IntegrityError, PeerTimeout, TransportClosed) as err:
+            seen = type(err).__name__
+            with pytest.raises(ChannelFaulted):
+                ring.all_reduce(x)  # the step stays stopped: the ring does not turn again
+        out[f"{variant} {fault}"] = seen
+    return out
+
+
+def test_a_tampered_replayed_or_dropped_record_stops_the_all_reduce(run_ranks) -> None:
+    sender, receiver = run_ranks(faults, 2, timeout=60)
+    assert set(receiver.values()) == {"IntegrityError"}, receiver
+    # The sender finishes its part, except where it waits in vain for the receiver, which
+    # stopped at the record the dropped one's successor took the place of.
+    assert sender == {case: "PeerTimeout" if case == "naive drop" else "completed" for case in receiver}, sender
+
+
+def canary(rank: int, world: int) -> dict:
+    sent = {}
+    for variant in ("plain", "naive", "pipelined"):
+        x = CANARY.repeat(25_000) if rank == 0 else torch.zeros(100_000)
+        wire = Wire(TorchPointToPoint())
+        ring = Ring(variant, keys=None if variant == "plain" else _keys(), record_bytes=RECORD, p2p=wire)
+        ring.all_reduce(x)
+        assert torch.equal(x, CANARY.repeat(25_000))
+        everything = b"".join(wire.sent)
+        sent[variant] = (len(everything), everything.count(CANARY.numpy().tobytes()))
+    return sent
+
+
+def test_what_a_rank_sends_holds_no_gradient_plaintext(run_ranks) -> None:
+    for sent in run_ranks(canary, 2, timeout=60):
+        assert sent["plain"][1] > 0  # the canary is there to be found in the clear
+        assert sent["naive"][0] > 0 and sent["naive"][1] == 0
+        assert sent["pipelined"][0] > 0 and sent["pipelined"][1] == 0
+
+
+def ddp_fault(rank: int, world: int) -> tuple[str, str]:
+    states: list[RingHookState] = []
+    try:
+        _train(rank, world, "pipelined", steps=1, fault="tamper", states=states)
+    except RuntimeError as err:  # DDP re-raises the hook's error from backward, as a RuntimeError
+        return str(err), type(states[0].failure).__name__  # the typed error, kept by the hook
+    return "trained", ""
+
+
+def test_a_tampered_bucket_stops_the_ddp_step(run_ranks) -> None:
+    (_, sender_failure), (receiver, receiver_failure) = run_ranks(ddp_fault, 2, timeout=60)
+    assert "failed authentication" in receiver and receiver_failure == "IntegrityError", receiver
+    # The sender waits for a receiver that stopped, or finds that it left.
+    assert sender_failure in ("PeerTimeout", "TransportClosed"), sender_failure
+
