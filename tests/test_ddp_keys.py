@@ -18,7 +18,7 @@ from gputravel.attest import Authority, EmulatedQuoteVerifier, EmulatedQuotingEn
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
 from gputravel.crypto.certs import key_pem
 from gputravel.ddp import PairKeys, Ring, establish_pair_keys, pair_label, report_data
-from gputravel.ddp.keys import REPORT_DATA_BYTES, all_gather_bytes
+from gputravel.ddp.keys import REPORT_DATA_BYTES, _accept, _Refused, all_gather_bytes
 from gputravel.errors import BadInput, PeerAttestationError
 from gputravel.protocol.codec import decode, encode
 from gputravel.protocol.ddp import KeyShare
@@ -181,3 +181,15 @@ def test_pair_keys_keep_secrets_out_of_repr_and_hand_each_direction_out_once() -
         keys.sender(1)
     with pytest.raises(BadInput, match="no key"):
         keys.material(1, 1)
+
+
+def test_a_job_must_name_itself_and_a_verifier_that_answers_false_refuses() -> None:
+    """Without a context, evidence made for one job would pass in every job of the same size
+    (the wire could pair ranks of two jobs); a verifier returning False must not mean yes."""
+    with pytest.raises(BadInput, match="non-empty"):
+        establish_pair_keys(lambda d: d, lambda *a: None, context=b"")
+    key = _attacker_key()
+    share = encode(KeyShare(rank=1, world_size=2, public_key=key, evidence=b"junk"))
+    with pytest.raises(_Refused, match="refused"):
+        _accept(1, 2, share, CONTEXT, lambda *a: False)
+    _accept(1, 2, share, CONTEXT, lambda *a: None)  # control: a verifier that does not raise accepts

@@ -10,6 +10,8 @@ stops the all-reduce (and, through the hook, the step); what a rank sends holds 
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ def _keys(group=None):
     def verify(peer: int, evidence: bytes, report_data: bytes) -> None:
         if evidence != report_data:
             raise ValueError("evidence does not carry the report data")
-    return establish_pair_keys(lambda report_data: report_data, verify, group=group)
+    return establish_pair_keys(lambda report_data: report_data, verify, group=group, context=b"test ring")
 
 
 def _input(rank: int, n: int) -> torch.Tensor:
@@ -92,6 +94,60 @@ def test_a_record_aad_names_its_place() -> None:
     places = [(op, hop, seg, rec, 0, 1) for op in (0, 1) for hop in range(4) for seg in range(3) for rec in range(3)]
     places += [(0, 0, 0, 0, 1, 0), (0, 0, 0, 0, 1, 2)]
     assert len({record_aad(*p) for p in places}) == len(places)
+
+
+class _Stalled:
+    """A two-rank link whose operations never complete until released: a ring caught mid-hop."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def isend(self, buf, dst):
+        return self
+
+    def irecv(self, buf, src):
+        return self
+
+    def wait(self, timeout=None) -> bool:
+        self.release.wait(10)
+        return False  # answers instead of raising: the buffer never arrived
+
+
+def test_a_second_caller_breaks_the_ring_instead_of_reusing_its_ivs() -> None:
+    """Two all-reduces at once on one ring would seal under the same counters (nonce reuse)."""
+    link = _Stalled()
+    ring = Ring("plain", p2p=link, timeout_s=5)
+    first: list[BaseException] = []
+    worker = threading.Thread(target=lambda: first.extend(_raised(ring, torch.ones(8))))
+    worker.start()
+    while not ring._busy.locked():
+        time.sleep(0.001)
+    with pytest.raises(ChannelFaulted, match="one tensor at a time"):
+        ring.all_reduce(torch.ones(8))
+    link.release.set()
+    worker.join(10)
+    assert first and isinstance(first[0], PeerTimeout)  # a wait answered False: a timeout, not a sum
+    with pytest.raises(ChannelFaulted):
+        ring.all_reduce(torch.ones(8))
+
+
+def _raised(ring: Ring, tensor: torch.Tensor) -> list[BaseException]:
+    try:
+        ring.all_reduce(tensor)
+    except BaseException as err:  # noqa: BLE001 (handed back to the test)
+        return [err]
+    return []
+
+
+def test_a_closed_hook_fails_later_buckets() -> None:
+    state = RingHookState(Ring("plain", p2p=_Alone()))
+    state.close()
+    fut = torch.futures.Future()
+    state.submit(torch.ones(4), fut)
+    with pytest.raises(ChannelFaulted):
+        fut.wait()
 
 
 # ----------------------------------------------------------------------------- ranks

@@ -89,7 +89,7 @@ def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
     opt.step()
 
 
-def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes, bytes]) -> dict:
+def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes, bytes], context: bytes) -> dict:
     """One rank's share of one (G, model) cell; rank 0's figures are the cell's."""
     cfg = MODELS[model_name]
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes,
         state = None
         if method != "plain":
             # Each ring gets keys of its own: a direction's key serves one channel, once.
-            keys = establish_pair_keys(tee.attest, tee.verify) if world > 1 else None
+            keys = establish_pair_keys(tee.attest, tee.verify, context=context + method.encode()) if world > 1 else None
             ring = Ring("naive" if method == "encrypted_naive" else "pipelined", keys=keys)
             state = RingHookState(ring, overlap=method == "encrypted")
             ddp.register_comm_hook(state, encrypted_allreduce_hook)
@@ -135,6 +135,11 @@ def _rank_main(rank: int, world: int, port: int, args: tuple, results) -> None:
         dist.destroy_process_group()
 
 
+def _job_context(world: int, model_name: str) -> bytes:
+    # Names this cell and is fresh per run: quotes made for one cell are refused in any other.
+    return f"gputravel bench ddp/{world}/{model_name}/{os.urandom(16).hex()}/".encode()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -146,7 +151,8 @@ def run_cell(world: int, model_name: str, iters: int, root: tuple[bytes, bytes],
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, (model_name, iters, root), results), daemon=True)
+    context = _job_context(world, model_name)  # one for the whole cell: every rank must share it
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, (model_name, iters, root, context), results), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -1,7 +1,7 @@
 """The encrypted ring as a DDP communication hook.
 
     group = dist.new_group(backend="gloo")  # the ring's own, out of DDP's way
-    keys = establish_pair_keys(attest, verify, group=group)
+    keys = establish_pair_keys(attest, verify, group=group, context=b"job 42/ranks 0-3/" + shared_nonce)
     state = RingHookState(Ring("pipelined", keys=keys, group=group))
     model.register_comm_hook(state, encrypted_allreduce_hook)
 
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gputravel.ddp.ring import Ring
+from gputravel.errors import ChannelFaulted
 
 __all__ = ["RingHookState", "encrypted_allreduce_hook"]
 
@@ -41,6 +42,7 @@ class RingHookState:
         self.failure: BaseException | None = None  # the first error that stopped a step
         self._worker: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"RingHookState(ring={self.ring!r}, overlap={self.overlap})"
@@ -50,6 +52,9 @@ class RingHookState:
             self._reduce_into(bucket, fut)
             return
         with self._lock:
+            if self._closed:
+                fut.set_exception(ChannelFaulted("the hook's ring was closed"))
+                return
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp-ring")
             self._worker.submit(self._reduce_into, bucket, fut)
@@ -65,11 +70,13 @@ class RingHookState:
         fut.set_result(tensor)
 
     def close(self) -> None:
-        """Stop the worker thread (after the buckets already handed to it)."""
+        """Stop the worker thread (after the buckets already handed to it); later buckets fail.
+        Held under the lock throughout, so no second worker can start while the first drains."""
         with self._lock:
-            worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.shutdown(wait=True)
+            self._closed = True
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
 
 
 def encrypted_allreduce_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -99,6 +100,7 @@ class PairKeys:
         self._keys = MappingProxyType(dict(keys))
         self.evidence_digests = evidence_digests  # SHA-384 of each rank's evidence, by rank
         self._claimed: set[tuple[int, int]] = set()
+        self._claim_lock = threading.Lock()  # two threads must not both pass the check below
 
     def __repr__(self) -> str:
         return f"PairKeys(rank={self.rank}, world_size={self.world_size}, pairs={sorted(self._keys)})"
@@ -127,20 +129,28 @@ class PairKeys:
         # nonces, which breaks AES-GCM. So each direction seals one channel only; a second
         # ring over the same ranks needs new keys (establish_pair_keys again).
         keys = self.material(sender, receiver)
-        if (sender, receiver) in self._claimed:
-            raise BadInput(f"the key {sender} -> {receiver} already serves a channel; establish new keys")
-        self._claimed.add((sender, receiver))
+        with self._claim_lock:
+            if (sender, receiver) in self._claimed:
+                raise BadInput(f"the key {sender} -> {receiver} already serves a channel; establish new keys")
+            self._claimed.add((sender, receiver))
         return keys
 
 
 def establish_pair_keys(attest: Attest, verify: Verify, *, group: dist.ProcessGroup | None = None,
-                        context: bytes = b"", exchange: Exchange | None = None) -> PairKeys:
+                        context: bytes, exchange: Exchange | None = None) -> PairKeys:
     """Run steps 1-5 above with every rank of `group`; collective: every rank must call it.
 
-    Raises PeerAttestationError on every rank if any rank refused any peer.
+    `context` names this job, this group and this establishment (a job id, the group's global
+    ranks, a fresh nonce all ranks share): evidence made for one context is refused in any
+    other, so the wire cannot pair ranks of two jobs or groups of the same size.
+
+    A rank that refuses a peer raises PeerAttestationError. On an honest wire every rank then
+    raises it too (each tells the others what it refused); the verdicts are not authenticated,
+    so a hostile wire can hide one and let the other ranks go on to a ring that then times out:
+    liveness, never a key shared with a peer a rank refused.
     """
-    if not isinstance(context, bytes):
-        raise BadInput("context must be bytes")
+    if not isinstance(context, bytes) or not context:
+        raise BadInput("context must be non-empty bytes naming this job and group")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     gather = exchange if exchange is not None else (lambda mine: all_gather_bytes(mine, group))
     private = ec.generate_private_key(_CURVE)
@@ -197,7 +207,8 @@ def _accept(peer: int, world_size: int, data: bytes, context: bytes,
         raise _Refused("its public key is not a P-384 point") from None
     expected = report_data(peer, world_size, share.public_key, context)
     try:
-        verify(peer, share.evidence, expected)
+        if verify(peer, share.evidence, expected) is False:  # a verifier that answers instead of raising
+            raise ValueError("the verifier answered False")
     except Exception as err:  # the verifier's refusal, whatever its type, refuses the peer
         claim = getattr(err, "claim", None)  # an AttestationError names the failed claim
         raise _Refused(f"its evidence was refused ({type(err).__name__}"

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import threading
 from datetime import timedelta
 from typing import Protocol
 
@@ -142,6 +143,7 @@ class Ring:
         self._op = 0  # all-reduces done: the first field of every record's AAD
         self._slab = torch.empty(0, dtype=torch.uint8)  # send, receive and scratch buffers
         self._broken: str | None = None
+        self._busy = threading.Lock()  # one all-reduce at a time: two would seal under the same IVs
         self._abandoned: tuple[dict, dict] = ({}, {})  # a failed all-reduce's pending operations
 
     def __repr__(self) -> str:
@@ -158,6 +160,15 @@ class Ring:
             raise BadInput("the ring reduces a contiguous CPU floating-point tensor")
         if self.world_size == 1 or tensor.numel() == 0:
             return tensor
+        if not self._busy.acquire(blocking=False):
+            self._broken = "a concurrent all_reduce"
+            raise ChannelFaulted("the ring reduces one tensor at a time: a second caller broke it")
+        try:
+            return self._all_reduce(tensor)
+        finally:
+            self._busy.release()
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._broken is not None:
             raise ChannelFaulted(f"the ring stopped after {self._broken}; establish new keys and a new ring")
         op, self._op = self._op, self._op + 1
@@ -181,11 +192,13 @@ class Ring:
 
     def _wait(self, work: Work, what: str) -> None:
         try:
-            work.wait(self._timeout)
+            done = work.wait(self._timeout)
         except RuntimeError as err:  # gloo reports a timeout and a dead peer alike
             if any(word in str(err).lower() for word in ("timed out", "timeout")):
                 raise PeerTimeout(f"ring: {what} did not complete in {self._timeout.total_seconds():g} s") from None
             raise TransportClosed(f"ring: {what} failed: the link to a peer broke") from None
+        if done is False:  # a transport that answers instead of raising: the buffer is not there
+            raise PeerTimeout(f"ring: {what} did not complete in {self._timeout.total_seconds():g} s")
 
 
 class _Pass:
