@@ -6,7 +6,6 @@ world size and job, or every rank refuses to start.
 from __future__ import annotations
 
 import hashlib
-from datetime import datetime, timezone
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ import torch.distributed as dist
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from gputravel.attest import Authority, EmulatedQuoteVerifier, EmulatedQuotingEnclave, TrustStore
+from gputravel.attest import Authority
+from gputravel.attest.quote import EmulatedRankTee
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
 from gputravel.crypto.certs import key_pem
 from gputravel.ddp import PairKeys, Ring, establish_pair_keys, pair_label, report_data
@@ -24,7 +24,6 @@ from gputravel.protocol.codec import decode, encode
 from gputravel.protocol.ddp import KeyShare
 
 MEASURED = b"\x07" * 48  # the rank CVMs' measurement, as the verifier accepts it
-QUOTE_PAD = bytes(64 - REPORT_DATA_BYTES)  # a quote carries 64 bytes of report data
 CONTEXT = b"job 42"
 
 
@@ -42,20 +41,10 @@ def test_the_report_data_names_the_rank_the_group_the_job_and_the_key() -> None:
 
 
 # ----------------------------------------------------------------------------- ranks
-class Tee:
-    """A rank's CVM: its emulated TDX quoting enclave, and the verifier every rank runs."""
-
-    def __init__(self, root_cert: bytes, root_key: bytes, foreign: bool = False) -> None:
-        root = Authority(root_cert, serialization.load_pem_private_key(root_key, password=None))
-        self.enclave = EmulatedQuotingEnclave.provision(
-            Authority.self_signed(TEE_QUOTING_ROOT_CN) if foreign else root)
-        self.verifier = EmulatedQuoteVerifier(TrustStore((), (root_cert,)), [MEASURED])
-
-    def attest(self, data: bytes) -> bytes:
-        return self.enclave.quote(MEASURED, data + QUOTE_PAD)
-
-    def verify(self, peer: int, evidence: bytes, data: bytes) -> None:
-        self.verifier.verify(evidence, data + QUOTE_PAD, datetime.now(timezone.utc))
+def Tee(root_cert: bytes, root_key: bytes, foreign: bool = False) -> EmulatedRankTee:
+    """A rank's CVM; a foreign one's quoting key chains to a root nobody trusts."""
+    root = Authority(root_cert, serialization.load_pem_private_key(root_key, password=None))
+    return EmulatedRankTee(Authority.self_signed(TEE_QUOTING_ROOT_CN) if foreign else root, root_cert, MEASURED)
 
 
 def _rewrite(share: bytes, **changes) -> bytes:

@@ -20,7 +20,7 @@ import hmac
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -41,6 +41,7 @@ __all__ = [
     "REPORT_DATA_BYTES",
     "TEE",
     "EmulatedQuoteVerifier",
+    "EmulatedRankTee",
     "EmulatedQuotingEnclave",
     "Quote",
     "QuoteBody",
@@ -201,3 +202,24 @@ def _decode(p: ClaimTracker, data: bytes, cls: type[M]) -> M:
         return cast(M, decode(data, expect=cls))
     except (ProtocolError, TypeError):
         p.fail("format", "quote could not be decoded")
+
+
+class EmulatedRankTee:
+    """A data-parallel rank's CVM as ddp/keys.py needs it: its own emulated quoting enclave
+    (`attest`) and the quote verifier every rank runs on its peers (`verify`). Report data
+    shorter than a quote's 64 bytes is padded with zeros, on both sides alike."""
+
+    def __init__(self, enclave_root: Authority, trusted_root_cert: bytes, measurement: bytes) -> None:
+        self.measurement = measurement
+        self.enclave = EmulatedQuotingEnclave.provision(enclave_root)
+        self.verifier = EmulatedQuoteVerifier(TrustStore((), (trusted_root_cert,)), [measurement])
+
+    @staticmethod
+    def _padded(data: bytes) -> bytes:
+        return data + bytes(REPORT_DATA_BYTES - len(data))
+
+    def attest(self, data: bytes) -> bytes:
+        return self.enclave.quote(self.measurement, self._padded(data))
+
+    def verify(self, peer: int, evidence: bytes, data: bytes) -> None:
+        self.verifier.verify(evidence, self._padded(data), datetime.now(timezone.utc))

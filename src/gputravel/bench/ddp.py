@@ -35,12 +35,12 @@ import torch.distributed as dist
 from cryptography.hazmat.primitives import serialization
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gputravel.attest import Authority, EmulatedQuoteVerifier, EmulatedQuotingEnclave, TrustStore
+from gputravel.attest import Authority
+from gputravel.attest.quote import EmulatedRankTee
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
 from gputravel.bench.compare import machine
 from gputravel.crypto.certs import key_pem
 from gputravel.ddp import Ring, RingHookState, encrypted_allreduce_hook, establish_pair_keys
-from gputravel.ddp.keys import REPORT_DATA_BYTES
 from gputravel.errors import BadInput
 from gputravel.train.model import GPT, GPTConfig
 
@@ -52,22 +52,6 @@ MODELS = {
 METHODS = ("plain", "encrypted_naive", "encrypted")
 BATCH = 4
 MEASURED = b"\x5a" * 48  # the rank CVMs' measurement, as the verifier accepts it (emulated)
-_QUOTE_PAD = bytes(64 - REPORT_DATA_BYTES)  # a quote carries 64 bytes of report data
-
-
-class _RankTee:
-    """A rank's CVM: its emulated TDX quoting enclave, and the verifier every rank runs."""
-
-    def __init__(self, root_cert: bytes, root_key: bytes) -> None:
-        root = Authority(root_cert, serialization.load_pem_private_key(root_key, password=None))
-        self.enclave = EmulatedQuotingEnclave.provision(root)
-        self.verifier = EmulatedQuoteVerifier(TrustStore((), (root_cert,)), [MEASURED])
-
-    def attest(self, data: bytes) -> bytes:
-        return self.enclave.quote(MEASURED, data + _QUOTE_PAD)
-
-    def verify(self, peer: int, evidence: bytes, data: bytes) -> None:
-        self.verifier.verify(evidence, data + _QUOTE_PAD, datetime.now(UTC))
 
 
 def _median_ms(run: Callable[[], None], warmup: int, iters: int) -> float:
@@ -96,7 +80,9 @@ def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes,
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch, as DDP's shards
     x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=gen)
-    tee = _RankTee(*root)
+    root_cert, root_key = root
+    authority = Authority(root_cert, serialization.load_pem_private_key(root_key, password=None))
+    tee = EmulatedRankTee(authority, root_cert, MEASURED)
     iter_ms, allreduce_ms = {}, {}
     params = sum(p.numel() for p in GPT(cfg).parameters())
     flat = torch.randn(params, generator=gen)
