@@ -20,6 +20,7 @@ from gputravel.errors import BadInput, HolderLost, ProtocolError
 from gputravel.holder.baseline import PIECE_BYTES, refusal, send_chunk
 from gputravel.net import LINK_NETNS, LINK_TOKEN_BUCKET, netns_available
 from gputravel.net.pace import pace
+from gputravel.orchestrator.cvm import Orchestrator
 from gputravel.orchestrator.baseline import (
     BaselinePath,
     ChunkReceipt,
@@ -257,6 +258,7 @@ def test_a_holder_that_breaks_the_exchange_is_lost_as_in_a_travel() -> None:
     hello = HolderHello("alice", 8, 8, (b"\x00" * 32,), "")
     orch = SimpleNamespace(holders={"alice": orch_end}, config=SimpleNamespace(holder_timeout=1),
                            travel_sm=SimpleNamespace(holders={"alice": hello}, buffer=SimpleNamespace(nbytes=8)))
+    orch.drop = lambda name: Orchestrator.drop(orch, name)  # the real one, on this link
     path = BaselinePath(orch)
     path._staging = bytearray(8)
     holder_end.send(ChunkPiece(1, 5, b"abc"))  # out of order

@@ -11,6 +11,7 @@ import pytest
 from gputravel.errors import BadInput, IllegalTransition, PeerTimeout, ProtocolError
 from gputravel.holder.membership import ProbeDriver, SayGoodbye, plan
 from gputravel.holder.membership import SwitchTo as HolderSwitchTo
+from gputravel.orchestrator.cvm import Orchestrator
 from gputravel.orchestrator.membership import (
     AwaitBye,
     DropLink,
@@ -77,8 +78,11 @@ def _orchestrator(**holders) -> SimpleNamespace:
     switched: list[str] = []
     driver = SimpleNamespace(away=False, rotating=False, ledger=SimpleNamespace(halted=None), reclaimed=[],
                              reclaim_rpc_queue=lambda timeout: driver.reclaimed.append(timeout))
-    return SimpleNamespace(driver=driver, switch=switched.append, switched=switched, holders=dict(holders),
+    links = dict(holders)
+    orch = SimpleNamespace(driver=driver, switch=switched.append, switched=switched, holders=links,
                            config=SimpleNamespace(device_timeout=7.0))
+    orch.drop = lambda name: Orchestrator.drop(orch, name)  # the real one, on these links
+    return orch
 
 
 def test_the_shell_lends_and_reclaims_on_the_mux_and_the_driver() -> None:

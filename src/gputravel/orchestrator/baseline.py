@@ -160,8 +160,7 @@ class BaselinePath:
         except HolderRefused:
             raise  # the exchange ended cleanly: the connection stays in step
         except GputravelError as exc:
-            self.orch.holders.pop(holder, None)
-            conn.close()
+            self.orch.drop(holder)
             raise HolderLost(holder, f"{type(exc).__name__}: {exc}", "a baseline transfer") from None
 
     def _verify(self, hello: HolderHello, dataset_offset: int, nbytes: int) -> ChunkInfo:

@@ -151,7 +151,12 @@ class Orchestrator:
             conn.close()
             raise BadInput(reason)
         assert self.travel_sm is not None
-        self.travel_sm.enrol(hello)
+        try:
+            self.travel_sm.enrol(hello)
+        except GputravelError as exc:  # a bad manifest or piece size: refused like any bad hello
+            conn.send(Bye(reason=str(exc)))
+            conn.close()
+            raise
         old = self.holders.pop(peer, None)
         if old is not None:
             old.close()
@@ -226,7 +231,7 @@ class Orchestrator:
             return self.travel_sm.handle(event, now)
         except ProtocolError:
             if isinstance(event, Replied):  # the holder broke the protocol (another travel's reply,
-                self._drop(holder)          # a chunk unlike its manifest): its link is out of step
+                self.drop(holder)          # a chunk unlike its manifest): its link is out of step
             raise
 
     # ------------------------------------------------------------------ one step each
@@ -247,7 +252,7 @@ class Orchestrator:
         try:
             self.holders[act.holder].send(act.request)
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
-            self._drop(act.holder)
+            self.drop(act.holder)
             raise HolderLost(act.holder, f"{type(exc).__name__}: {exc}") from None
         return RequestSent()
 
@@ -255,7 +260,7 @@ class Orchestrator:
         try:
             self.mux.switched(timeout)
         except GputravelError:  # the holder has the request but may never get the GPU:
-            self._drop(act.holder)  # its state is unknown, so it is dropped (it may join again)
+            self.drop(act.holder)  # its state is unknown, so it is dropped (it may join again)
             raise
         return Switched()
 
@@ -264,7 +269,7 @@ class Orchestrator:
         try:
             reply = self.holders[act.holder].recv(timeout=timeout, expect=(TravelResult, TravelRefused)).message
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
-            self._drop(act.holder)
+            self.drop(act.holder)
             raise HolderLost(act.holder, f"{type(exc).__name__}: {exc}") from None
         return Replied(reply)
 
@@ -282,7 +287,7 @@ class Orchestrator:
         try:
             self.driver.import_returned(act.blob)
         except ContextBlobError as exc:
-            self._drop(act.holder)
+            self.drop(act.holder)
             raise ContextRefused(act.holder, str(exc)) from None
         return Imported()
 
@@ -328,10 +333,11 @@ class Orchestrator:
         try:
             self.attester.reattest_if_due(conn, self.driver, self.config.holder_timeout, self._clock())
         except GputravelError as exc:
-            self._drop(holder)
+            self.drop(holder)
             raise HolderLost(holder, f"{type(exc).__name__}: {exc}", during="its re-attestation") from None
 
-    def _drop(self, holder: str) -> None:
+    def drop(self, holder: str) -> None:
+        """Close a holder's link and forget it (it may join again)."""
         conn = self.holders.pop(holder, None)
         if conn is not None:
             conn.close()

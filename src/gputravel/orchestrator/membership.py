@@ -196,7 +196,5 @@ class Membership:
         return departed
 
     def _drop(self, act: DropLink) -> None:
-        conn = self.orch.holders.pop(act.holder, None)
-        if conn is not None:
-            conn.close()
+        self.orch.drop(act.holder)
 
