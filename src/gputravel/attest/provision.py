@@ -36,8 +36,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from gputravel.attest.chain import FWID_OID
 from gputravel.attest.gpu import EmulatedGpuFirmware, ReferenceValues, default_measurements, fwid_of
 from gputravel.attest.roots import Authority
-from gputravel.crypto.certs import key_pem as _key_pem, new_key as _new_key, own_key_request, requested_key
-from gputravel.crypto.certs import write_private as _write_private
+from gputravel.crypto.certs import key_pem, new_key, own_key_request, requested_key
+from gputravel.crypto.certs import write_private
 from gputravel.crypto.device_identity import DEVICE_VALID_DAYS
 from gputravel.errors import BadInput
 
@@ -106,7 +106,7 @@ class GpuDevice(_FirmwareState):
     def save(self, directory: Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        _write_private(directory / KEY_FILE, _key_pem(self.leaf_key))
+        write_private(directory / KEY_FILE, key_pem(self.leaf_key))
         (directory / CHAIN_FILE).write_bytes(_pem(self.chain_der))
         self.save_state(directory)  # last: device.json marks a complete directory
 
@@ -217,4 +217,4 @@ def provision_gpu(vendor: Authority, **options: Any) -> GpuDevice:
     """Issue a device's 5-certificate chain under `vendor` and set up its firmware state, its
     firmware key made here too (options: those of `issue_gpu_ca`; for a device that makes its
     own key, see `enroll_gpu`)."""
-    return issue_gpu_ca(vendor, **options).device(_new_key())
+    return issue_gpu_ca(vendor, **options).device(new_key())

@@ -32,7 +32,7 @@ from gputravel.attest.chain import check_now, sha384, sign_p384, verify_chain, v
 from gputravel.attest.errors import AttestationError, ClaimTracker
 from gputravel.attest.roots import Authority, TrustStore
 from gputravel.attest.verifier import Verifier
-from gputravel.crypto.certs import new_key as _new_key
+from gputravel.crypto.certs import new_key
 from gputravel.errors import BadInput, ProtocolError
 from gputravel.protocol.codec import Message, decode, encode
 
@@ -110,7 +110,7 @@ class EmulatedQuotingEnclave:
 
     @classmethod
     def provision(cls, tee_root: Authority, *, now: datetime | None = None, days: int = 365) -> EmulatedQuotingEnclave:
-        key = _new_key()
+        key = new_key()
         cert = tee_root.issue("EMULATED TDX quoting key (not Intel)", key.public_key(), is_ca=False,
                               now=now, days=days)
         return cls(key, (cert, tee_root.cert_der))

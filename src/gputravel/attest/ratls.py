@@ -31,7 +31,7 @@ from gputravel.attest.gpu import NONCE_BYTES
 from gputravel.attest.policy import Policy
 from gputravel.attest.quote import EmulatedQuoteVerifier, EmulatedQuotingEnclave, QuoteClaims
 from gputravel.attest.roots import TrustStore
-from gputravel.crypto.certs import issue_certificate as _issue, new_key as _new_key, subject_name as _name, utc_now as _now
+from gputravel.crypto.certs import issue_certificate, new_key, subject_name, utc_now
 from gputravel.errors import BadInput
 
 __all__ = [
@@ -98,13 +98,13 @@ def make_ra_tls_certificate(
 ) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
     """A fresh TLS key and self-signed certificate whose extension holds a quote over
     (this certificate's SPKI, nonce). Returns (certificate DER, private key)."""
-    key = _new_key()
+    key = new_key()
     spki = key.public_key().public_bytes(serialization.Encoding.DER,
                                          serialization.PublicFormat.SubjectPublicKeyInfo)
     quote = enclave.quote(measurement, report_data_for_tls(spki, nonce))
-    name = _name(common_name)
-    cert = _issue(subject=name, public_key=key.public_key(), issuer=name, issuer_key=key,
-                  not_before=_now(now), days=days, is_ca=False, extensions=[
+    name = subject_name(common_name)
+    cert = issue_certificate(subject=name, public_key=key.public_key(), issuer=name, issuer_key=key,
+                  not_before=utc_now(now), days=days, is_ca=False, extensions=[
                       (x509.SubjectAlternativeName([x509.DNSName(common_name)]), False),
                       (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False),
                       (quote_extension(quote), False)])

@@ -18,8 +18,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from gputravel.crypto.certs import issue_certificate as _issue, key_pem as _key_pem, new_key as _new_key
-from gputravel.crypto.certs import subject_name as _name, utc_now as _now, write_private as _write_private
+from gputravel.crypto.certs import issue_certificate, key_pem, new_key
+from gputravel.crypto.certs import subject_name, utc_now, write_private
 from gputravel.crypto.device_identity import DEVICE_VALID_DAYS, VENDOR_ROOT_CN
 from gputravel.errors import BadInput
 
@@ -59,10 +59,10 @@ class Authority:
     @classmethod
     def self_signed(cls, common_name: str, *, now: datetime | None = None,
                     days: int = DEVICE_VALID_DAYS) -> Authority:
-        key = _new_key()
-        name = _name(common_name)
-        cert = _issue(subject=name, public_key=key.public_key(), issuer=name, issuer_key=key,
-                      not_before=_now(now), days=days, is_ca=True)
+        key = new_key()
+        name = subject_name(common_name)
+        cert = issue_certificate(subject=name, public_key=key.public_key(), issuer=name, issuer_key=key,
+                      not_before=utc_now(now), days=days, is_ca=True)
         return cls(cert.public_bytes(_DER), key)
 
     def issue(
@@ -78,15 +78,15 @@ class Authority:
     ) -> bytes:
         """A P-384, ecdsa-with-SHA384 certificate for `public_key`, as DER."""
         extra = [x509.NameAttribute(x509.NameOID.SERIAL_NUMBER, serial)] if serial else []
-        cert = _issue(subject=_name(common_name, *extra), public_key=public_key,
-                      issuer=self.cert.subject, issuer_key=self.key, not_before=_now(now),
+        cert = issue_certificate(subject=subject_name(common_name, *extra), public_key=public_key,
+                      issuer=self.cert.subject, issuer_key=self.key, not_before=utc_now(now),
                       days=days, is_ca=is_ca, extensions=extensions)
         return cert.public_bytes(_DER)
 
     def child(self, common_name: str, *, now: datetime | None = None,
               days: int = DEVICE_VALID_DAYS, serial: str | None = None) -> Authority:
         """A new intermediate CA (fresh key) issued by this one."""
-        key = _new_key()
+        key = new_key()
         der = self.issue(common_name, key.public_key(), is_ca=True, now=now, days=days, serial=serial)
         return Authority(der, key)
 
@@ -125,7 +125,7 @@ def init_roots(directory: Path, *, now: datetime | None = None, days: int = DEVI
     for which, cn in (("gpu", GPU_VENDOR_ROOT_CN), ("tee", TEE_QUOTING_ROOT_CN)):
         auth = Authority.self_signed(cn, now=now, days=days)
         cert_name, key_name = _FILES[which]
-        _write_private(directory / key_name, _key_pem(auth.key))
+        write_private(directory / key_name, key_pem(auth.key))
         (directory / cert_name).write_bytes(auth.cert.public_bytes(_PEM))
     return TrustStore.load(directory)
 

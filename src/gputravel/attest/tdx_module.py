@@ -35,7 +35,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from gputravel.crypto.certs import new_key as _new_key
+from gputravel.crypto.certs import new_key
 from gputravel.errors import (
     BadInput,
     GputravelError,
@@ -134,7 +134,7 @@ class TdxModule:
     """Holds the quoting key; quotes (launch measurement, caller's report data) for the one
     launched CVM. `decide` returns a quote, None (hold: not ready yet), or raises QuotingRefused."""
 
-    key: ec.EllipticCurvePrivateKey = field(default_factory=_new_key, repr=False)
+    key: ec.EllipticCurvePrivateKey = field(default_factory=new_key, repr=False)
     cert_chain: tuple[bytes, ...] | None = None
     launch: Launch | None = None
     ended: bool = False  # the launched CVM's process is gone: nobody is quoted any more

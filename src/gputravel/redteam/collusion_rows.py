@@ -7,7 +7,7 @@ of issue 12 (the epoch ledger, driver/epochs.py).
 from __future__ import annotations
 
 from gputravel.errors import PeerTimeout
-from gputravel.protocol.parties import ORCHESTRATOR as ORCH
+from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Verdict, host_said, log_line, news_lines, rekeyed
 from gputravel.redteam.messages import (
     ArmDrop,
@@ -32,7 +32,7 @@ def switch_after_rotation(a: Arena) -> Verdict:
     victim = a.travel(ALICE)
     a.host.order(ForceSwitch(MALLORY, MALLORY, hide_kernel=False))
     news = a.mallory.order(UseKeptKeys(blobs=2, timeout=1.0), timeout=60)
-    a.host.order(ForceSwitch(ORCH, ORCH, hide_kernel=False))
+    a.host.order(ForceSwitch(ORCHESTRATOR, ORCHESTRATOR, hide_kernel=False))
     host = a.host.news()
     ok, after = a.carry_on(BOB)
     stopped = victim.verified and news.attempts > 0 and news.bytes_read == 0 and ok
@@ -48,13 +48,13 @@ def drop_rotation_then_read(a: Arena) -> Verdict:
     said, journal = a.orchestrator_said(), a.journal()
     a.host.order(ForceSwitch(MALLORY, MALLORY, hide_kernel=True))
     first = a.mallory.order(UseKeptKeys(blobs=1, timeout=1.0), timeout=60)
-    a.host.order(ForceSwitch(ORCH, ORCH, hide_kernel=False))
+    a.host.order(ForceSwitch(ORCHESTRATOR, ORCHESTRATOR, hide_kernel=False))
     # mallory's attempt faulted the user channel: alice may refuse once, until a rotation resets it
     victim = a.travel(ALICE)
     victims = [victim] if victim.verified else [victim, a.travel(ALICE)]
     a.host.order(ForceSwitch(MALLORY, MALLORY, hide_kernel=False))
     second = a.mallory.order(UseKeptKeys(blobs=1, timeout=1.0), timeout=60)
-    a.host.order(ForceSwitch(ORCH, ORCH, hide_kernel=False))
+    a.host.order(ForceSwitch(ORCHESTRATOR, ORCHESTRATOR, hide_kernel=False))
     host = a.host.news()
     ok, after = a.carry_on(BOB)
     stopped = (own.failed_with(PeerTimeout) and rekeyed(said) and first.attempts > 0 and first.bytes_read == 0
@@ -188,7 +188,7 @@ def baseline_then_travel(a: Arena) -> Verdict:
     base, base_said = a.baseline(ALICE)  # the orchestrator's own copy through its bounce buffers
     own = a.travel(MALLORY)
     entries = a.journal_entries()
-    news = _decrypt(a, "baseline-then-travel", ORCH, "baseline", newest=2)  # the blobs of mallory's travel
+    news = _decrypt(a, "baseline-then-travel", ORCHESTRATOR, "baseline", newest=2)  # the blobs of mallory's travel
     control = _decrypt(a, "baseline-then-travel", MALLORY, "control")
     handed = a.host.news()
     ok, after = a.carry_on(ALICE)
@@ -197,7 +197,7 @@ def baseline_then_travel(a: Arena) -> Verdict:
     rotated = [e for e in entries if e.chunk.holder == MALLORY and e.epoch_after == e.epoch_before + 2]
     said = [f"the travel log shows mallory's travel began on key epoch {e.epoch_before}, the epoch of the "
             f"baseline copy, and mallory was given epoch {e.epoch_before + 1}" for e in rotated]
-    stopped = (base is not None and own.verified and bool(rotated) and _handed(handed, ORCH) > 0
+    stopped = (base is not None and own.verified and bool(rotated) and _handed(handed, ORCHESTRATOR) > 0
                and news.attempts > 0 and news.decrypted == 0 and control.decrypted > 0 and ok)
     return Verdict(stopped, "the epoch ledger: the orchestrator's own copy spent the epoch, which the driver then "
                    "refuses to export (EpochSpent), so the orchestrator rotated to a fresh epoch before mallory's "

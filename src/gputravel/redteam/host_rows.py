@@ -6,7 +6,7 @@ elsewhere, drops doorbells, and watches everything (:mod:`gputravel.redteam.host
 from __future__ import annotations
 
 from gputravel.errors import ChannelFaulted, PeerTimeout
-from gputravel.protocol.parties import ORCHESTRATOR as ORCH
+from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.redteam.arena import ALICE, BOB, Arena, Verdict, host_said, news_lines, rekeyed
 from gputravel.redteam.messages import ArmDrop, ArmRoute, ArmTamper
 
@@ -43,7 +43,7 @@ def flip_ciphertext(a: Arena) -> Verdict:
 
 
 def wrong_cvm_during_travel(a: Arena) -> Verdict:
-    a.host.order(ArmRoute(ORCH, ALICE, dma=BOB, irq=BOB))
+    a.host.order(ArmRoute(ORCHESTRATOR, ALICE, dma=BOB, irq=BOB))
     out = a.travel(ALICE)
     news = a.host.news()
     ok_b, after_b = a.carry_on(BOB)
@@ -56,7 +56,7 @@ def wrong_cvm_during_travel(a: Arena) -> Verdict:
 
 
 def split_dma_irq(a: Arena) -> Verdict:
-    a.host.order(ArmRoute(ORCH, ALICE, dma=ALICE, irq=BOB))
+    a.host.order(ArmRoute(ORCHESTRATOR, ALICE, dma=ALICE, irq=BOB))
     out = a.travel(ALICE)
     news = a.host.news()
     ok, after = a.carry_on(BOB)
@@ -98,7 +98,7 @@ def drop_scrub(a: Arena) -> Verdict:
 
 
 def wrong_cvm_for_orchestrator(a: Arena) -> Verdict:
-    a.host.order(ArmRoute(ALICE, ORCH, dma=BOB, irq=BOB))
+    a.host.order(ArmRoute(ALICE, ORCHESTRATOR, dma=BOB, irq=BOB))
     out = a.travel(ALICE)
     news = a.host.news()
     said, journal = a.orchestrator_said(), a.journal()

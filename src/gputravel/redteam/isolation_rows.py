@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gputravel.protocol.parties import ORCHESTRATOR as ORCH
+from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Verdict, news_lines
 from gputravel.redteam.messages import AskQuote, ProbePaths, ProbeTarget
 
@@ -112,7 +112,7 @@ def _isolation_row(a: Arena, attacker: str, victims: tuple[str, ...]) -> tuple[b
 
 
 def holder_reads_peer_memory(a: Arena) -> Verdict:
-    stopped, evidence = _isolation_row(a, MALLORY, (ALICE, BOB, ORCH, "device", "host", "tdx-module"))
+    stopped, evidence = _isolation_row(a, MALLORY, (ALICE, BOB, ORCHESTRATOR, "device", "host", "tdx-module"))
     return Verdict(stopped, "process isolation (cohort/isolation.py): mallory's process runs under a uid of its "
                    "own with no groups, and every other party is non-dumpable under its own uid, so /proc refused "
                    "mallory their memory, maps, environment and descriptors (the VRAM memfd included), and their "
@@ -120,7 +120,7 @@ def holder_reads_peer_memory(a: Arena) -> Verdict:
 
 
 def host_reads_cvm_memory(a: Arena) -> Verdict:
-    stopped, evidence = _isolation_row(a, "host", (ALICE, BOB, MALLORY, ORCH, "device", "tdx-module"))
+    stopped, evidence = _isolation_row(a, "host", (ALICE, BOB, MALLORY, ORCHESTRATOR, "device", "tdx-module"))
     return Verdict(stopped, "process isolation: the host process has only what it is handed (bounce buffers, BAR0, "
                    "the MUX); every CVM, the device and the TDX module run under uids of their own, non-dumpable, "
                    "so /proc refused the host their memory and descriptors (the VRAM memfd included) and their "

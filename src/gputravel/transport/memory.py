@@ -12,7 +12,7 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from gputravel.protocol import codec as wire
+from gputravel.protocol import codec
 from gputravel.errors import PeerTimeout, ProtocolError, TransportClosed
 from gputravel.transport.base import Received, Transport, check_fds, close_fds
 
@@ -37,10 +37,10 @@ class MemoryTransport(Transport):
 
     def send(self, message: object, fds: Sequence[int] = ()) -> None:
         fds = check_fds(self.name, fds)
-        data = wire.encode(message)
-        if len(data) > wire.MAX_FRAME_BYTES:
+        data = codec.encode(message)
+        if len(data) > codec.MAX_FRAME_BYTES:
             raise ProtocolError(f"{self.name}: message of {len(data)} bytes exceeds "
-                                f"{wire.MAX_FRAME_BYTES}")
+                                f"{codec.MAX_FRAME_BYTES}")
         with self._lock:
             if self._closed:
                 raise TransportClosed(f"{self.name}: transport is closed")
@@ -67,7 +67,7 @@ class MemoryTransport(Transport):
             raise TransportClosed(f"{self.name}: peer has closed")
         data, fds = item
         try:
-            msg = wire.decode(data, expect=expect)
+            msg = codec.decode(data, expect=expect)
         except ProtocolError as e:
             close_fds(fds)  # nobody will own them
             raise ProtocolError(f"{self.name}: {e}") from None

@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from gputravel.protocol import codec as wire
+from gputravel.protocol import codec
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.transport.base import MAX_FDS, Received, Transport, check_fds, close_fds
 from gputravel.transport.deadline import wait_ready
@@ -109,10 +109,10 @@ class StreamTransport(Transport):
         fds = check_fds(self.name, fds)
         if fds and not self._unix:
             raise BadInput(f"{self.name}: descriptors can only travel over AF_UNIX sockets")
-        data = wire.encode(message)
-        if len(data) > wire.MAX_FRAME_BYTES:
+        data = codec.encode(message)
+        if len(data) > codec.MAX_FRAME_BYTES:
             raise ProtocolError(f"{self.name}: message of {len(data)} bytes exceeds "
-                                f"{wire.MAX_FRAME_BYTES}")
+                                f"{codec.MAX_FRAME_BYTES}")
         # One buffer, one write: header and payload leave in the same segment / TLS record.
         frame = HEADER.pack(len(data), len(fds)) + data
         with self._send_lock:
@@ -203,10 +203,10 @@ class StreamTransport(Transport):
         while self._hdr_got < HEADER.size:
             self._hdr_got += self._read_some(self._hdr_view[self._hdr_got:], deadline)
         length, nfds = HEADER.unpack(self._hdr)
-        if length > wire.MAX_FRAME_BYTES:
+        if length > codec.MAX_FRAME_BYTES:
             # We cannot skip that much safely; the stream is lost.
             self._fail(ProtocolError(f"{self.name}: frame of {length} bytes exceeds "
-                                     f"{wire.MAX_FRAME_BYTES}"))
+                                     f"{codec.MAX_FRAME_BYTES}"))
         if nfds and not self._unix:
             self._fail(ProtocolError(f"{self.name}: frame claims descriptors on a non-unix socket"))
         if length <= len(self._buf):
@@ -238,7 +238,7 @@ class StreamTransport(Transport):
             raise ProtocolError(f"{self.name}: frame announced {want} descriptor(s), "
                                 f"{'too many' if truncated else len(fds)} arrived")
         try:
-            msg = wire.decode(payload, expect=expect)
+            msg = codec.decode(payload, expect=expect)
         except ProtocolError as e:
             close_fds(fds)
             raise ProtocolError(f"{self.name}: {e}") from None

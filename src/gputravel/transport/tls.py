@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
-from gputravel.transport.deadline import wait_ready as _wait
+from gputravel.transport.deadline import wait_ready
 from gputravel.transport.stream import StreamTransport
 
 __all__ = ["connect_tls", "TlsListener"]
@@ -75,7 +75,7 @@ class TlsListener:
             if self._closed:  # closed from another thread while we waited
                 raise TransportClosed(f"tls listener :{self.port}: closed")
             try:
-                _wait(self._poll, deadline)
+                wait_ready(self._poll, deadline)
             except PeerTimeout:
                 raise PeerTimeout(f"tls listener :{self.port}: no client within {timeout}s") \
                     from None
