@@ -26,7 +26,7 @@ from typing import Callable
 from gputravel.attest.errors import CLAIMS, AttestationError
 from gputravel.attest.gpu import ReferenceValues
 from gputravel.attest.policy import Policy
-from gputravel.attest.provision import GpuDevice, enroll_gpu
+from gputravel.attest.provision import REFERENCE_FILE, GpuDevice, enroll_gpu
 from gputravel.attest.roots import TrustStore
 from gputravel.crypto.device_identity import DeviceIdentity
 from gputravel.errors import BadInput
@@ -35,7 +35,6 @@ __all__ = ["LIMITS_FILE", "POLICY_FILE", "REFERENCE_FILE", "DeviceMaterial", "Ho
            "OrchestratorMaterial", "attestation_error_from", "utcnow"]
 
 POLICY_FILE = "policy.json"
-REFERENCE_FILE = "reference-values.json"
 LIMITS_FILE = "attestation.json"
 
 

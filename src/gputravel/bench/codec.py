@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 
-import msgpack
 import msgspec
 
 from gputravel.crypto.channel import IV_BYTES, KEY_BYTES, ChannelState
@@ -99,17 +98,10 @@ def run(repeat: int = 15, on_row: Callable[[dict], None] | None = None) -> dict:
         if on_row:
             on_row(row)
     return {
-        "codec": _codec_name(),
+        "codec": f"msgspec {msgspec.__version__}",
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
                    f"{platform.python_implementation()} {platform.python_version()}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "repeat": repeat,
         "rows": rows,
     }
-
-
-def _codec_name() -> str:
-    # Names what was measured, so before/after files of a codec change say which is which.
-    if hasattr(codec, "Message"):
-        return f"msgspec {msgspec.__version__}"
-    return f"hand-written typed codec on msgpack {'.'.join(map(str, msgpack.version))}"

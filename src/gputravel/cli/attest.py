@@ -12,7 +12,6 @@ import binascii
 import json
 import os
 from collections.abc import Mapping
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +36,7 @@ from gputravel.attest.roots import (
     init_roots,
     load_authority,
 )
+from gputravel.attest.material import utcnow
 from gputravel.attest.verifier import EmulatedGpuVerifier
 from gputravel.attest.firmware_process import FirmwareProcess
 from gputravel.errors import BadInput, GputravelError
@@ -77,10 +77,6 @@ def _print_claims(title: str, claims: Mapping[str, object]) -> None:
         style = "green" if good else "red" if bad else ""
         table.add_row(key, f"[{style}]{escape(shown)}[/{style}]" if style else escape(shown))
     console.print(table)
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 # ----------------------------------------------------------------------------- pki
@@ -131,7 +127,7 @@ def attest_gpu(
     except GputravelError as e:
         raise _bad_input(e) from None
     try:
-        claims = EmulatedGpuVerifier(trust, reference).verify(evidence, nonce, _now())
+        claims = EmulatedGpuVerifier(trust, reference).verify(evidence, nonce, utcnow())
     except AttestationError as e:
         raise _refused(e) from None
     eat = claims.eat()
@@ -191,7 +187,7 @@ def attest_verify(
         ref = _reference(reference, pol)
     except BadInput as e:
         raise _bad_input(e) from None
-    now = _now()
+    now = utcnow()
     try:
         claims = EmulatedGpuVerifier(trust, ref).verify(data, expected, now)
         pol.check_gpu(claims, now)

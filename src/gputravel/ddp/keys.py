@@ -20,7 +20,8 @@ hop must be sealed by the sender and opened by the receiver. The keys for that c
 5. For each pair {i, j}: secret = HKDF-SHA384(ECDH(i, j), info = both ranks, the world size,
    the context and both evidences' digests); then the project's one channel recipe
    (crypto/channel.derive_epoch_keys) turns it into one AES-256-GCM key and IV mask per
-   direction, i -> j and j -> i. The private key is dropped once the secrets are derived.
+   direction, i -> j and j -> i. The ephemeral private key is a local of establish_pair_keys,
+   never stored or returned.
 
 This module verifies nothing itself: attestation lives on the same floor (attest/), so the
 caller passes its verifier in. The `exchange` seam lets a test stand in for a MITM.
@@ -184,7 +185,6 @@ def establish_pair_keys(attest: Attest, verify: Verify, *, group: dist.ProcessGr
         derived = derive_epoch_keys(secret, _KEY_EPOCH, [pair_label(lo, hi), pair_label(hi, lo)])
         keys[(lo, hi)] = derived[pair_label(lo, hi)]
         keys[(hi, lo)] = derived[pair_label(hi, lo)]
-    del private  # ephemeral: nothing can re-derive these secrets once this returns
     return PairKeys(rank, world_size, keys, digests)
 
 

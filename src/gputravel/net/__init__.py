@@ -17,7 +17,7 @@ live set-up.
 
 from gputravel.net.bucket import LINK_TOKEN_BUCKET, PacedSocket, TokenBucket, paced_socket
 from gputravel.net.iproute import LinkError
-from gputravel.net.measure import RateCheck, Transfer, check_rate, measure_rate, transfer
+from gputravel.net.measure import RateCheck, Transfer, check_rate, transfer
 from gputravel.net.namespaces import cleanup_stale, netem_available, netns_available
 from gputravel.net.shaped import LINK_NETNS, ShapedLinks
 from gputravel.net.tc import LinkShape, check_bandwidth, default_burst_bytes
@@ -36,7 +36,6 @@ __all__ = [
     "check_rate",
     "cleanup_stale",
     "default_burst_bytes",
-    "measure_rate",
     "netem_available",
     "netns_available",
     "paced_socket",

@@ -90,15 +90,6 @@ def transfer(links: ShapedLinks, src: str, dst: str, nbytes: int, *,
                     client.stdout.decode().strip(), digest)
 
 
-def measure_rate(links: ShapedLinks, src: str, dst: str, nbytes: int) -> float:
-    """Goodput of one real TCP transfer from ``src`` to ``dst``, in Mbit/s (10^6 bit/s)."""
-    t = transfer(links, src, dst, nbytes)
-    if not t.intact:
-        raise LinkError(f"transfer {src}->{dst} arrived damaged ({t.received_bytes} of "
-                        f"{t.sent_bytes} bytes, digests differ)")
-    return t.mbit_per_s
-
-
 @dataclass(frozen=True)
 class RateCheck:
     """A capped transfer against the issue's target: time within ``tolerance`` of size/cap."""
