@@ -99,9 +99,8 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> Iterator[str]:
         names = [a.name for a in node.names]
     else:
         base = node.module or ""
-        if node.level:  # relative: resolve against the importing module's package
-            here = module.split(".") if modules()[module].name == "__init__.py" else module.split(".")[:-1]
-            base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+        if node.level:  # the project imports absolutely; a relative import is refused outright
+            raise AssertionError(f"{module}:{node.lineno}: relative import; write `from gputravel.... import ...`")
         names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
     for name in names:
         if name.split(".")[0] != ROOT:
@@ -198,6 +197,14 @@ def redteam_reached() -> dict[str, list[str]]:
         if imp.module == REDTEAM_DOOR and imp.in_function:
             continue  # the `gputravel redteam` command itself
         found[f"redteam: {imp.module} -> {imp.target}"].append(imp.where)
+    # A module started by name (`python -m gputravel.redteam.entry`) is reached without an import.
+    for module, path in modules().items():
+        if package_of(module) == REDTEAM:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value.startswith(f"{ROOT}.{REDTEAM}"):
+                found[f"redteam by name: {module} -> {node.value}"].append(f"{module}:{node.lineno}")
     return found
 
 
