@@ -1,8 +1,9 @@
 """Whole-or-nothing file writes, shared by every layer that leaves files behind (shards and
-their tokenizer record, a training run's directory, the command line's ``--json``)."""
+their tokenizer record, a training run's directory and report, the command line's ``--json``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -42,3 +43,8 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """``atomic_write`` of a whole byte string: readers see the old file or the new one."""
     atomic_write(path, lambda f: f.write(data))
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write ``data`` as indented JSON, creating the directory, whole or not at all."""
+    atomic_write_bytes(Path(path), (json.dumps(data, indent=2) + "\n").encode())

@@ -16,7 +16,7 @@ from rich.table import Table
 from gputravel.bench import codec as codec_bench, compare, travel as travel_bench
 from gputravel.cli.attest import attest_app, pki_app
 from gputravel.cli.audit import audit_app
-from gputravel.cli.common import write_json
+from gputravel.files import write_json
 from gputravel.cli.data import data_app
 from gputravel.cli.train import training_job
 from gputravel.errors import GputravelError

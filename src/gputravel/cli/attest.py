@@ -40,7 +40,7 @@ from gputravel.attest.material import utcnow
 from gputravel.attest.verifier import EmulatedGpuVerifier
 from gputravel.attest.firmware_process import FirmwareProcess
 from gputravel.errors import BadInput, GputravelError
-from gputravel.cli.common import write_json
+from gputravel.files import write_json
 
 __all__ = ["attest_app", "pki_app"]
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from gputravel.orchestrator.audit import AuditError, AuditSummary, Entry, entry_hash, verify_log
 from gputravel.errors import GputravelError
-from gputravel.cli.common import write_json
+from gputravel.files import write_json
 
 audit_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="The orchestrator's hash-chained, signed log of travels.")

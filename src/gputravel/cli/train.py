@@ -15,7 +15,7 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gputravel.cli.common import write_json
+from gputravel.files import write_json
 from gputravel.errors import BadInput, GputravelError
 from gputravel.protocol.control import STEPS
 

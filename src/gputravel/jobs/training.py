@@ -20,7 +20,7 @@ from gputravel.data.holder_tokens import load_tokens
 from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
-from gputravel.files import atomic_write_bytes
+from gputravel.files import write_json
 from gputravel.protocol.layout import MIB, PAGE, Layout
 from gputravel.train.loader import LocalSource
 from gputravel.train.loop import StepEvent, TrainConfig, make_report, sample_tokenizer, train
@@ -102,7 +102,7 @@ def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None
     else:
         report = _run_travelling(cfg, run_dir, on_step)
     report["holders"] = {name: path for name, path in cfg.holders}
-    _write_json(run_dir / "report.json", report)
+    write_json(run_dir / "report.json", report)
     return report
 
 
@@ -148,5 +148,3 @@ def _checkpoint(cfg: TrainingJobConfig, run_dir: Path) -> Path | None:
     return path
 
 
-def _write_json(path: Path, data: dict) -> None:
-    atomic_write_bytes(path, json.dumps(data, indent=2).encode())
