@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from gputravel.errors import BadInput, GputravelError, HolderLost, ProtocolError, RemoteError
 from gputravel.protocol.control import BaselineReport
-from gputravel.protocol.manifest import chunk_digest, chunk_digest_from_manifest
+from gputravel.protocol.manifest import chunk_digest, chunk_digest_from_manifest, chunk_nbytes
 from gputravel.protocol.travel import ChunkInfo, ChunkPiece, ChunkRefused, ChunkSent, HolderHello, SendChunk
 from gputravel.transport.base import Transport
 
@@ -42,16 +42,6 @@ class HolderRefused(RemoteError):
 
 
 # ----------------------------------------------------------------------------- piece accounting (sans-IO)
-def chunk_bytes(hello: HolderHello, buffer_bytes: int, dataset_offset: int) -> int:
-    """How many bytes a baseline transfer at ``dataset_offset`` moves (as much as a travel would)."""
-    if hello.dataset_bytes == 0:
-        raise BadInput(f"holder {hello.holder!r} has an empty dataset: nothing to send")
-    if dataset_offset % hello.piece_bytes or not 0 <= dataset_offset < hello.dataset_bytes:
-        raise BadInput(f"dataset offset {dataset_offset} is not a chunk start of holder {hello.holder!r}: chunks start "
-                       f"on a {hello.piece_bytes}-byte piece boundary inside its {hello.dataset_bytes}-byte dataset")
-    return min(buffer_bytes, hello.dataset_bytes - dataset_offset)
-
-
 @dataclass(frozen=True)
 class Store:
     """Write ``data`` into the staging buffer at ``offset`` (within the chunk)."""
@@ -115,7 +105,8 @@ class BaselinePath:
     def run(self, holder: str, dataset_offset: int) -> BaselineReport:
         hello = self._enrolled(holder)
         self._ids += 1
-        req = SendChunk(self._ids, dataset_offset, chunk_bytes(hello, self._buffer.nbytes, dataset_offset))
+        nbytes = chunk_nbytes(holder, hello.dataset_bytes, hello.piece_bytes, dataset_offset, self._buffer.nbytes)
+        req = SendChunk(self._ids, dataset_offset, nbytes)
         clock = time.perf_counter
         t0 = clock()
         read_ms = self._receive(holder, req) / 1e6

@@ -26,7 +26,7 @@ from gputravel.errors import BadInput, ProtocolError
 from gputravel.protocol.control import STEPS, TravelReport
 from gputravel.protocol.machine import TravelMachine
 from gputravel.protocol.travel import ChunkInfo, HolderHello, TravelRefused, TravelRequest, TravelResult
-from gputravel.protocol.manifest import chunk_digest_from_manifest
+from gputravel.protocol.manifest import chunk_digest_from_manifest, chunk_nbytes
 
 
 class Phase(Enum):
@@ -251,8 +251,10 @@ class OrchestratorTravel(TravelMachine):
             raise ProtocolError(f"holder {hello.holder}: manifest does not match the dataset size")
         self.holders[hello.holder] = hello
 
-    def expected_nbytes(self, holder: str, offset: int) -> int:
-        return min(self.buffer.nbytes, self.holders[holder].dataset_bytes - offset)
+    def chunk_nbytes(self, holder: str, offset: int) -> int:
+        """The bytes of `holder`'s chunk at `offset` (BadInput if no chunk starts there)."""
+        hello = self.holders[holder]
+        return chunk_nbytes(holder, hello.dataset_bytes, hello.piece_bytes, offset, self.buffer.nbytes)
 
     # ------------------------------------------------------------------ events
     def _on_start(self, ev: Start, now: float):
@@ -261,13 +263,7 @@ class OrchestratorTravel(TravelMachine):
         if hello is None:
             known = ", ".join(sorted(self.holders)) or "none"
             raise BadInput(f"unknown holder {holder!r} (enrolled: {known})")
-        if hello.dataset_bytes == 0:
-            raise BadInput(f"holder {holder!r} has an empty dataset: nothing to travel for")
-        # A chunk may start at any manifest piece boundary inside the dataset (training resumes
-        # mid-dataset); its digest is then checkable from the manifest.
-        if dataset_offset % hello.piece_bytes or not 0 <= dataset_offset < hello.dataset_bytes:
-            raise BadInput(f"dataset offset {dataset_offset} is not a chunk start of holder {holder!r}: chunks start "
-                           f"on a {hello.piece_bytes}-byte piece boundary inside its {hello.dataset_bytes}-byte dataset")
+        self.chunk_nbytes(holder, dataset_offset)  # refuses a chunk that does not start a piece
         self._forget()
         self._travel_id += 1
         self._holder, self._offset = holder, dataset_offset
@@ -323,7 +319,7 @@ class OrchestratorTravel(TravelMachine):
 
     def _check_chunk(self, chunk: ChunkInfo) -> ChunkInfo:
         hello = self.holders[self._holder]
-        want = self.expected_nbytes(self._holder, self._offset)
+        want = self.chunk_nbytes(self._holder, self._offset)
         if chunk.dataset_offset != self._offset or chunk.nbytes != want:
             raise ProtocolError(f"holder {self._holder}: copied {chunk.nbytes} bytes at {chunk.dataset_offset}, asked {want} at {self._offset}")
         if chunk.digest != chunk_digest_from_manifest(hello.manifest, self._offset, want, hello.piece_bytes):

@@ -32,3 +32,15 @@ def chunk_digest_from_manifest(manifest: tuple[bytes, ...], offset: int, nbytes:
 def chunk_digest(data: memoryview | bytes, piece_bytes: int = PIECE_BYTES) -> bytes:
     """Digest of a chunk computed from its bytes (what the orchestrator does over VRAM)."""
     return hashlib.sha256(b"".join(piece_digests(data, piece_bytes))).digest()
+
+
+def chunk_nbytes(holder: str, dataset_bytes: int, piece_bytes: int, dataset_offset: int, buffer_bytes: int) -> int:
+    """How many bytes a chunk starting at ``dataset_offset`` holds: a travel's or a baseline
+    transfer's. A chunk may start at any manifest piece boundary inside the dataset (training
+    resumes mid-dataset), so its digest is checkable from the manifest."""
+    if dataset_bytes == 0:
+        raise BadInput(f"holder {holder!r} has an empty dataset: nothing to copy")
+    if dataset_offset % piece_bytes or not 0 <= dataset_offset < dataset_bytes:
+        raise BadInput(f"dataset offset {dataset_offset} is not a chunk start of holder {holder!r}: chunks start "
+                       f"on a {piece_bytes}-byte piece boundary inside its {dataset_bytes}-byte dataset")
+    return min(buffer_bytes, dataset_bytes - dataset_offset)
