@@ -83,5 +83,10 @@ def test_ddp_smoke(tmp_path: Path) -> None:
         for figure in ("iter_ms", "allreduce_ms"):
             assert set(row[figure]) == {"plain", "encrypted_naive", "encrypted"}
             assert all(v > 0 for v in row[figure].values())
+    # G2 for the hook, measured in this run: the plain ring equals itself bit for bit, agrees with gloo.
+    assert result["g2_identical"] is True, result["g2"]
+    assert [(c["gpus"], c["model"]) for c in result["g2"]] == [(1, "small"), (2, "small")]
+    assert all(c["ring_repeats_bitwise"] and c["hook_losses_repeat_bitwise"] and c["ring_agrees_with_gloo"]
+               for c in result["g2"])
     bad = CliRunner().invoke(app, ["bench", "ddp", "--gpus", "0", "--models", "small"])
     assert bad.exit_code == 1 and "GPU counts" in bad.output

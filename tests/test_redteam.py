@@ -108,6 +108,11 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
                                             "travel to alice failed: ChannelFaulted",
                                             "re-keyed the GPU through a new SPDM session",
                                             "travel log: aborted alice", "then: travel to bob verified")),
+    "host-carries-allreduce": ("host", ("encrypted: the host carried", "encrypted-naive: the host carried",
+                                        "0 bytes of the canary gradient found", "control: the host carried",
+                                        "flip: host: flipped bit", "replay: host: delivered the record before",
+                                        "drop: host: dropped record", "rank 1's step stopped: IntegrityError",
+                                        "its parameters never moved", "rank 0's step completed with the right sum")),
     "snoop-everything": ("host", ("the TLS tap", "control: the same search finds")),
 }
 

@@ -14,6 +14,13 @@ exchange, optimizer step); ``allreduce_ms`` the median of the gradient exchange 
 flat tensor the size of the model's gradients. Each rank gets its keys from an ECDHE bound to
 an emulated TDX quote (ddp/keys.py); that set-up is not timed.
 
+``g2_identical`` is issue 14's G2 for the hook, measured in the same run on every rank of
+every cell (``g2`` gives each cell's checks): without encryption the hook's own ring equals
+itself bit for bit (the same all-reduce twice, the same on every rank, and DDP trained twice
+from the same seed through the hook gives the same losses, bit for bit), and it agrees with
+gloo's all_reduce to float tolerance. (Travelling against ``--loader local`` with several
+GPUs needs a travelling GPU per rank, which is not built yet.)
+
 Emulation: the "GPUs" are CPU processes sharing this machine's cores, and the links between
 them are loopback TCP, so the sealing competes with the training for the same cores; on
 H100s the crypto runs on the CPU beside GPUs that compute, and the links are NVLink or a
@@ -52,6 +59,8 @@ MODELS = {
 METHODS = ("plain", "encrypted_naive", "encrypted")
 BATCH = 4
 MEASURED = b"\x5a" * 48  # the rank CVMs' measurement, as the verifier accepts it (emulated)
+G2_STEPS = 3  # training steps of each of the two runs compared
+G2_TOLERANCE = 1e-5  # rtol and atol of the ring against gloo (the sum's order differs)
 
 
 def _median_ms(run: Callable[[], None], warmup: int, iters: int) -> float:
@@ -105,7 +114,50 @@ def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes,
         allreduce_ms[method] = _median_ms(exchange, 2, iters)
         if state is not None:
             state.close()
-    return {"gpus": world, "model": model_name, "params": params, "iter_ms": iter_ms, "allreduce_ms": allreduce_ms}
+    return {"gpus": world, "model": model_name, "params": params, "iter_ms": iter_ms, "allreduce_ms": allreduce_ms,
+            "g2": _g2(rank, cfg, x, y, params)}
+
+
+def _g2(rank: int, cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor, params: int) -> dict:
+    """The hook's plain ring against itself and against gloo, on fresh data; every rank's
+    verdict is combined (MIN), so rank 0's answer holds for all."""
+    data = torch.randn(params, generator=torch.Generator().manual_seed(4242 + rank))
+    ring = Ring("plain")
+    first, again = ring.all_reduce(data.clone()), ring.all_reduce(data.clone())
+    rank0 = first.clone()
+    dist.broadcast(rank0, 0)
+    gloo = data.clone()
+    dist.all_reduce(gloo)
+    losses = [_hook_losses(cfg, x, y) for _ in range(2)]
+    checks = {"ring_repeats_bitwise": torch.equal(first, again), "ring_same_on_every_rank": torch.equal(first, rank0),
+              "hook_losses_repeat_bitwise": losses[0] == losses[1],
+              "ring_agrees_with_gloo": torch.allclose(first, gloo, rtol=G2_TOLERANCE, atol=G2_TOLERANCE)}
+    flags = torch.tensor([int(v) for v in checks.values()], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    diff = torch.tensor([float((first - gloo).abs().max())], dtype=torch.float64)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    out = {name: bool(v) for name, v in zip(checks, flags.tolist())}
+    return {**out, "max_abs_diff_vs_gloo": float(diff), "identical": all(out.values())}
+
+
+def _hook_losses(cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """Losses of G2_STEPS steps of DDP through the hook's plain ring, from seed 0."""
+    torch.manual_seed(0)
+    ddp = DDP(GPT(cfg))
+    state = RingHookState(Ring("plain"))
+    ddp.register_comm_hook(state, encrypted_allreduce_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    losses = []
+    try:
+        for _ in range(G2_STEPS):
+            opt.zero_grad(set_to_none=True)
+            _, loss = ddp(x, y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        state.close()
+    return losses
 
 
 def _rank_main(rank: int, world: int, port: int, args: tuple, results) -> None:
@@ -170,14 +222,13 @@ def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
         raise BadInput("--iters must be at least 1")
     quoting_root = Authority.self_signed(TEE_QUOTING_ROOT_CN)  # the emulated CPU-TEE root, for this run
     root = (quoting_root.cert_der, key_pem(quoting_root.key))
-    rows = []
+    rows, g2 = [], []
     for model_name in models:
         for world in gpus:
             row = run_cell(world, model_name, iters, root)
+            g2.append({"gpus": world, "model": model_name, **row.pop("g2")})
             rows.append(row)
             if on_row:
                 on_row(row)
     return {"machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"), "iters": iters,
-            "rows": rows,
-            # G2 with several GPUs needs travelling GPUs per rank, which are not built yet (issue 14).
-            "g2_identical": None}
+            "rows": rows, "g2_identical": all(c["identical"] for c in g2), "g2": g2}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gputravel.orchestrator.audit import Entry, read_log
 from gputravel.errors import GputravelError
 from gputravel.protocol.control import BaselineReport, TravelReport
+from gputravel.redteam.canary import Found
 from gputravel.redteam.cohort import HolderLink, HostLink, RedTeamCohort
 from gputravel.redteam.messages import HolderNews, HostNews
 
@@ -26,6 +27,9 @@ class Verdict:
     stopped: bool
     stopped_by: str
     evidence: tuple[str, ...]
+    # What a row whose secrets are not the holders' datasets found of its own canaries (the
+    # all-reduce row's gradients), counted with what the holders' search finds in its loot.
+    plaintext: Found | None = None
 
 
 @dataclass(frozen=True)

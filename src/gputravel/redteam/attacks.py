@@ -1,6 +1,6 @@
 """The attacks, each driven against the live cohort, each judged by what was observed: the
 table of every row (:data:`ATTACKS`); the rows themselves are in host_rows, holder_rows,
-collusion_rows and isolation_rows.
+collusion_rows, isolation_rows and ddp_rows.
 
 An attack returns a :class:`Verdict`: whether the defence it names was *seen* to act (a
 typed error from the orchestrator, a fault flag the host read in BAR0, an attacker's read
@@ -22,6 +22,7 @@ from gputravel.redteam.collusion_rows import (
     host_forges_gpfifo_get,
     switch_after_rotation,
 )
+from gputravel.redteam.ddp_rows import host_carries_allreduce
 from gputravel.redteam.holder_rows import (
     altered_context,
     dump_vram,
@@ -114,6 +115,10 @@ ATTACKS: tuple[Attack, ...] = (
            "nor replied", never_returns),
     Attack("wrong-cvm-for-orchestrator", "host", "when alice handed the GPU back, mapped bob's bounce buffers instead "
            "of the orchestrator's, so the orchestrator's rotation went to the wrong CVM", wrong_cvm_for_orchestrator),
+    Attack("host-carries-allreduce", "host", "carried every record of a DDP step's encrypted ring all-reduce "
+           "between 3 data-parallel ranks (rank 0's gradient a canary), recorded it all and searched it for the "
+           "gradient; then flipped a bit of, replayed the record before in place of, and dropped one record rank 0 "
+           "sent rank 1 in the last hop", host_carries_allreduce),
     Attack("snoop-everything", "host", "read every CVM's bounce buffers (the snooper at boot, and a snapshot at every "
            "doorbell and every switch), every push it captured, and every TLS byte between holders and the "
            "orchestrator, throughout the run", snoop_everything),

@@ -128,6 +128,8 @@ def _run_one(attack: Attack, arena: Arena) -> Verdict:
 def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, Needles], tmp: Path) -> AttackResult:
     files, victims = _view(attack, run_dir), _victims(attack, needles)
     found = search(files, victims)
+    if verdict.plaintext is not None:  # the row's own canaries (the all-reduce row's gradient)
+        found += verdict.plaintext
     stopped, evidence = verdict.stopped, verdict.evidence
     if attack.name == "snoop-everything":
         stopped, evidence = _watched(run_dir, found, needles, tmp)
