@@ -15,6 +15,13 @@ smallest size of every bandwidth is always measured. Travels are always measured
 The rate check: at every measured capped cell, the baseline's transfer time against size/cap
 (``"rate_agreement"``; the target is within 15 %). With netns-tc links, each capped
 bandwidth also gets one raw TCP transfer through the same shaped link (``"link_checks"``).
+
+Hardware (``CompareConfig.hardware``, protocol/hardware.py): both methods run on the profile's
+hardware, so under ``paper-h100`` the switches, the copy, the baseline's read and write and the
+context exchange cost at least the paper's Table 1 times, while the baseline's transfer still
+crosses the real capped link. Each cell is set beside the paper's Figure 6 (``"paper"``,
+estimated: bench/paper.py), the 512 MiB cells beside Table 2 (``"table_2"``), and each link
+gets a tie-break fitted over the sizes measured (``"tie_break_estimates"``).
 """
 
 from __future__ import annotations
@@ -33,29 +40,15 @@ from gputravel.net import LINK_NETNS, check_rate
 from gputravel.cohort.links import resolve_link
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
+from gputravel.bench import paper
+from gputravel.bench.paper import paper_speedup  # noqa: F401  (the paper's estimate, where callers look for it)
+from gputravel.protocol.hardware import EMULATED, hardware_profile
 
 MIB = 1 << 20
 HOLDER = "holder-1"
 RATE_TOLERANCE = 0.15
 WARMUP_BYTES = MIB  # the baseline's warm-up moves one record-sized chunk, not a whole buffer
 
-#: The paper's Table 1, total time of one travel (ms) per buffer size (MiB).
-PAPER_TRAVEL_MS = {4: 333.673, 8: 338.642, 16: 348.360, 32: 387.671, 64: 412.204, 128: 497.589,
-                   256: 652.282, 512: 978.969}
-#: The paper's Table 2, baseline transmission time (s) of one 512 MiB buffer per bandwidth
-#: (None: uncapped, which reached about 1 Gbit/s there).
-PAPER_BASELINE_512_S = {4.0: 1115.88, 20.0: 230.84, 100.0: 60.36, 500.0: 15.86, None: 7.34}
-
-
-def paper_speedup(size_mib: int, bandwidth_mbit: float | None) -> float | None:
-    """The paper's speedup at a cell, estimated from its text: Figure 6's bars are not given as
-    numbers, so the baseline is Table 2's 512 MiB time scaled linearly to the size (the paper:
-    the baseline "fluctuates linearly") and the travel is Table 1's total. None off the grid."""
-    travel = PAPER_TRAVEL_MS.get(size_mib)
-    key = None if bandwidth_mbit is None else float(bandwidth_mbit)
-    if travel is None or key not in PAPER_BASELINE_512_S:
-        return None
-    return PAPER_BASELINE_512_S[key] * 1e3 * size_mib / 512 / travel
 
 
 @dataclass(frozen=True)
@@ -67,6 +60,7 @@ class CompareConfig:
     max_transfer_s: float = 25.0  # longer baseline transfers (size/rate) are extrapolated
     link_check_s: float = 2.0  # netns-tc: a raw TCP transfer of about this long per cap; 0: none
     workdir: str | None = None
+    hardware: str = EMULATED  # protocol/hardware.py: the hardware both methods stand for
 
     def __post_init__(self) -> None:
         if not self.sizes_mib or any(not 1 <= s <= 4096 for s in self.sizes_mib):
@@ -79,6 +73,7 @@ class CompareConfig:
             raise BadInput("--link must be auto, netns or token-bucket")
         if self.max_transfer_s <= 0:
             raise BadInput("--max-transfer-s must be positive")
+        hardware_profile(self.hardware)  # BadInput for an unknown profile
 
 
 def link_kind(link: str) -> str:
@@ -97,13 +92,17 @@ def run(cfg: CompareConfig, *, on_cell: Callable[[dict], None] | None = None) ->
     kind = link_kind(cfg.link)
     sizes = sorted(set(cfg.sizes_mib))
     result = {"link": kind, "machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-              "repeat": cfg.repeat, "max_transfer_s": cfg.max_transfer_s, "cells": [], "link_checks": []}
+              "repeat": cfg.repeat, "max_transfer_s": cfg.max_transfer_s, "cells": [], "link_checks": [],
+              "hardware": hardware_profile(cfg.hardware).to_json()}
     with tempfile.TemporaryDirectory(prefix="gputravel-compare-", dir=cfg.workdir) as tmp:
         data = {s: _dataset(Path(tmp), s) for s in sizes}
         for bw in cfg.bandwidths:
             cells = _bandwidth(cfg, kind, bw, sizes, data, result["link_checks"], on_cell)
             result["cells"].extend(cells)
     result["tie_breaks"] = tie_breaks(result["cells"], cfg.bandwidths)
+    result["tie_break_estimates"] = [{"bandwidth_mbit": bw, "size_mib": paper.tie_break_mib(result["cells"], bw)}
+                                     for bw in cfg.bandwidths]
+    result["table_2"] = paper.table_2(result["cells"])  # the 512 MiB cells beside the paper's Table 2
     return result
 
 
@@ -113,7 +112,7 @@ def _bandwidth(cfg: CompareConfig, kind: str, bw: float | None, sizes: list[int]
     ref: dict | None = None  # the largest size measured at this bandwidth
     for size in sizes:
         measure = ref is None or transfer_s(size, bw) <= cfg.max_transfer_s
-        with Cohort(_cohort_config(kind, bw, size, data[size], cfg.workdir)) as cohort:
+        with Cohort(_cohort_config(kind, bw, size, data[size], cfg)) as cohort:
             if bw is not None and kind == LINK_NETNS and cfg.link_check_s > 0 and not checks_done(checks, bw):
                 checks.append(_link_check(cohort, bw, cfg.link_check_s))
             travel = _travels(cohort, cfg.repeat)
@@ -131,11 +130,11 @@ def checks_done(checks: list, bw: float | None) -> bool:
     return any(c["bandwidth_mbit"] == bw for c in checks)
 
 
-def _cohort_config(kind: str, bw: float | None, size: int, dataset: str, workdir: str | None) -> CohortConfig:
+def _cohort_config(kind: str, bw: float | None, size: int, dataset: str, cfg: CompareConfig) -> CohortConfig:
     link = "netns" if kind == LINK_NETNS else "token-bucket"
     timeout = 120.0 + 2 * transfer_s(min(size, 4), bw)  # per 4 MiB piece of a baseline transfer
     return CohortConfig(holders=(HolderSpec(HOLDER, dataset),), buffer_bytes=size * MIB, bandwidth_mbit=bw,
-                        link=link, workdir=workdir, travel_timeout=timeout)
+                        link=link, workdir=cfg.workdir, travel_timeout=timeout, hardware=cfg.hardware)
 
 
 def _travels(cohort: Cohort, repeat: int) -> dict:
@@ -172,8 +171,8 @@ def _cell(size: int, bw: float | None, travel: dict, base: dict) -> dict:
         agreement = {"expected_ms": expected_ms, "measured_ms": base["steps_ms"]["tls"], "ratio": ratio,
                      "ok": abs(ratio - 1) <= RATE_TOLERANCE}
     speedup = base["total_ms"] / travel["total_ms"]
-    paper = paper_speedup(size, bw)
-    return {
+    estimate = paper_speedup(size, bw)
+    cell = {
         "size_mib": size,
         "bandwidth_mbit": bw,
         "travel_ms": travel["total_ms"],
@@ -185,9 +184,10 @@ def _cell(size: int, bw: float | None, travel: dict, base: dict) -> dict:
         "extrapolated": base["extrapolated"],
         "extrapolated_from_mib": base["from_mib"],
         "rate_agreement": agreement,
-        "paper_speedup_estimate": paper,
-        "at_least_paper": None if paper is None else speedup >= paper,
+        "paper_speedup_estimate": estimate,
+        "at_least_paper": None if estimate is None else speedup >= estimate,
     }
+    return {**cell, "paper": paper.against_paper(cell)}  # Figure 6, cell by cell (estimated: bench/paper.py)
 
 
 def _link_check(cohort: Cohort, bw: float, seconds: float) -> dict:

@@ -19,9 +19,15 @@ from gputravel.cli.audit import audit_app
 from gputravel.files import write_json
 from gputravel.cli.data import data_app
 from gputravel.cli.train import training_job
+from gputravel.cli.tables import bench_tables
+from gputravel.cli.hardware import hardware_option, print_against_paper
+from gputravel.cli.plan import plan_command
+from gputravel.cli.scale import bench_scale
+from gputravel.cli.train_bench import bench_fl_sweep, bench_train
 from gputravel.errors import GputravelError
 from gputravel.jobs.travel import TravelJobConfig, run_travel_job, summarise
 from gputravel.protocol.control import STEPS, TravelReport
+from gputravel.protocol.hardware import hardware_profile
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GPU Travelling: confidential collaborative training with a travelling (emulated) H100 in CC mode.")
@@ -35,6 +41,11 @@ app.add_typer(data_app, name="data")
 app.add_typer(pki_app, name="pki")
 app.add_typer(attest_app, name="attest")
 app.add_typer(audit_app, name="audit")
+bench_app.command("tables")(bench_tables)
+app.command("plan")(plan_command)
+bench_app.command("scale")(bench_scale)
+bench_app.command("train")(bench_train)
+bench_app.command("fl-sweep")(bench_fl_sweep)
 
 SHORT = {"o_cleanup": "scrub", "o_export": "O exp", "dh_switch": "→H sw", "dh_import": "H imp", "dh_copy": "H copy",
          "dh_export": "H exp", "tls": "TLS", "o_switch": "→O sw", "o_import": "O imp", "o_rotate": "rotate"}
@@ -77,13 +88,14 @@ def travel_job(
     seed: int = typer.Option(0, help="Seed of the synthetic datasets."),
     workdir: Optional[Path] = typer.Option(None, help="Where the synthetic datasets are written (default: runs/demo); the report goes to --json."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the travel reports as JSON here."),
+    hardware: str = hardware_option(),
 ) -> None:
     """Travels only, no training: every chunk verified by digest.
 
     A whole local cohort moves every holder's synthetic dataset through the GPU once, with a
     table of where the time went in each travel."""
     try:
-        cfg = TravelJobConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed)
+        cfg = TravelJobConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed, hardware=hardware)
     except GputravelError as exc:
         _fail(exc)
     out = workdir or Path("runs/demo")
@@ -112,7 +124,8 @@ def travel_job(
                   f"{summary['bytes'] / (1 << 20):.0f} MiB moved; median travel {summary['median_total_ms']:.2f} ms, "
                   f"median fixed overhead {summary['median_fixed_ms']:.2f} ms (total - copy - scrub).")
     if json_path:
-        payload = {"config": vars(cfg), "summary": summary, "travels": [_report_json(r) for r in reports]}
+        payload = {"config": vars(cfg), "summary": summary, "travels": [_report_json(r) for r in reports],
+                   "hardware": hardware_profile(cfg.hardware).to_json()}
         write_json(json_path, payload)
         console.print(f"report written to {json_path}")
 
@@ -136,6 +149,7 @@ def bench_travel(
     sizes: str = typer.Option("4,8,16,32,64,128,256,512", help="Buffer sizes in MiB, comma separated."),
     repeat: int = typer.Option(5, help="Timed travels per size (after one warm-up); medians are reported."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    hardware: str = hardware_option(),
 ) -> None:
     """The paper's Table 1 for this system: per-step time of a travel at each buffer size."""
     size_list = _sizes(sizes)
@@ -150,15 +164,17 @@ def bench_travel(
         console.print(f"  {row['size_mib']} MiB done: copy {row['copy_gbps']:.2f} GB/s, fixed {row['fixed_ms']:.2f} ms")
 
     try:
-        with console.status("measuring the crypto limit and booting cohorts..."):
-            result = travel_bench.run(size_list, repeat, on_row=on_row)
+        with console.status("measuring the crypto and pipeline limits and booting cohorts..."):
+            result = travel_bench.run(size_list, repeat, on_row=on_row, hardware=hardware)
     except GputravelError as exc:
         _fail(exc)
     console.print(table)
-    limit = result["crypto_limit_gbps"]
+    limit, pipe = result["crypto_limit_gbps"], result["pipeline_limit_gbps"]
     last = result["rows"][-1]
-    console.print(f"crypto limit (one core, encrypt + decrypt): {limit:.2f} GB/s; at {last['size_mib']} MiB copy "
-                  f"throughput is {last['copy_gbps'] / limit:.2f} x the limit, fixed overhead {last['fixed_ms']:.2f} ms, "
+    console.print(f"pipeline limit (two cores, the slower of seal and open while both run): {pipe:.2f} GB/s; crypto "
+                  f"limit (one core, encrypt + decrypt): {limit:.2f} GB/s; at {last['size_mib']} MiB copy throughput "
+                  f"is {last['copy_gbps'] / pipe:.2f} x the pipeline limit ({last['copy_gbps'] / limit:.2f} x the crypto "
+                  f"limit), fixed overhead {last['fixed_ms']:.2f} ms, "
                   f"scrub {last['steps_ms']['o_cleanup'] / last['steps_ms']['dh_copy'] * 100:.1f}% of the copy.")
     _write_json(json_path, result)
 
@@ -174,11 +190,12 @@ def bench_compare(
     link_check_s: float = typer.Option(2.0, help="netns-tc: a raw TCP transfer this long through each capped link (0: none)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw a figure like the paper's Figure 6 here (PNG)."),
+    hardware: str = hardware_option(),
 ) -> None:
     """GPU Travelling vs the centralised TLS baseline on capped links (paper 7.2, Figure 6)."""
     try:
         cfg = compare.CompareConfig(tuple(_sizes(sizes)), compare.parse_bandwidths(bandwidths), repeat, link,
-                                    max_transfer_s, link_check_s)
+                                    max_transfer_s, link_check_s, hardware=hardware)
         with console.status("booting a cohort per cell and measuring both methods..."):
             result = compare.run(cfg, on_cell=lambda c: console.print(
                 f"  {c['size_mib']} MiB @ {compare.bandwidth_label(c['bandwidth_mbit'])}: travel {c['travel_ms']:.1f} ms, "
@@ -186,6 +203,7 @@ def bench_compare(
     except GputravelError as exc:
         _fail(exc)
     _print_compare(result)
+    print_against_paper(console, result)
     if plot_path:
         console.print(f"figure written to {compare.plot(result, plot_path)}")
     _write_json(json_path, result)
@@ -208,37 +226,6 @@ def _print_compare(result: dict) -> None:
                       f"time {c['ratio']:.3f} x size/cap ({'ok' if c['ok'] else 'OFF'})")
     if any(c["extrapolated"] for c in result["cells"]):
         console.print(f"  ~: not run (transfer over {result['max_transfer_s']:g} s), extrapolated linearly in size.")
-
-
-@bench_app.command("train")
-def bench_train(
-    bandwidths: str = typer.Option("4,20,100,500,uncapped", help="Link caps in Mbit/s, comma separated; 'uncapped' for none."),
-    steps: int = typer.Option(600, help="Training steps per run (a small GPT-2: 4 layers, 128 wide)."),
-    buffer_kib: int = typer.Option(128, help="Dataset buffer, KiB."),
-    holders: int = typer.Option(3, help="Data holders; the shipped Shakespeare is dealt among them."),
-    link: str = typer.Option("auto", help="auto (netns-tc where namespaces work, else token-bucket), netns or token-bucket."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
-) -> None:
-    """The paper's Table 2: the same training fed by travelling and by the TLS baseline."""
-    from gputravel.bench import train  # lazy: imports torch (about a second), which the other commands do without
-
-    try:
-        cfg = train.TrainBenchConfig(compare.parse_bandwidths(bandwidths), link=link, holders=holders,
-                                     train=train.bench_train_config(steps, buffer_kib << 10))
-        with console.status("training twice per bandwidth (travelling, then the baseline)..."):
-            result = train.run(cfg, on_row=lambda r: console.print(f"  {compare.bandwidth_label(r['bandwidth_mbit'])} done"))
-    except GputravelError as exc:
-        _fail(exc)
-    table = Table(title=f"Training and transmission, s (link: {result['link']}); TLS: baseline, GT: GPU Travelling")
-    for col in ("Mbit/s", "TLS train", "TLS Tx", "TLS %", "GT train", "GT Tx", "GT %", "Tx #", "same"):
-        table.add_column(col, justify="right")
-    for r in result["rows"]:
-        b, o = r["baseline"], r["travelling"]
-        table.add_row(compare.bandwidth_label(r["bandwidth_mbit"]), f"{b['training_s']:.2f}", f"{b['tx_s']:.3f}",
-                      f"{b['tx_share']:.2%}", f"{o['training_s']:.2f}", f"{o['tx_s']:.3f}", f"{o['tx_share']:.2%}",
-                      str(o["fetches"]), "yes" if r["same_losses"] else "NO")
-    console.print(table)
-    _write_json(json_path, result)
 
 
 @bench_app.command("codec")

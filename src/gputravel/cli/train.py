@@ -18,6 +18,7 @@ from rich.table import Table
 from gputravel.files import write_json
 from gputravel.errors import BadInput, GputravelError
 from gputravel.protocol.control import STEPS
+from gputravel.cli.hardware import hardware_option
 
 console = Console()
 STEP_NAMES = {"o_cleanup": "scrub", "o_export": "O export (during the scrub)", "dh_switch": "switch to H (wait)", "dh_import": "H import",
@@ -50,6 +51,7 @@ def training_job(
     checkpoint_every: int = typer.Option(100, help="Save a checkpoint every N steps (and at the end); 0: only at the end."),
     resume: bool = typer.Option(False, help="Continue the run in --run-dir from its checkpoint (same options as the first run)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
+    hardware: str = hardware_option(),
 ) -> None:
     """Train GPT-2 on the holders' data, fed by a travelling GPU.
 
@@ -68,7 +70,7 @@ def training_job(
                               schedule=schedule, seed=seed, loader=loader, threads=threads,
                               checkpoint_every=checkpoint_every),
             holders=_holder_data(holder_data) if holder_data else default_holders(holders, out),
-            run_dir=str(out), resume=resume)
+            run_dir=str(out), resume=resume, hardware=hardware)
     except GputravelError as exc:
         _fail(exc)
     names = ", ".join(n for n, _ in cfg.holders)

@@ -12,6 +12,7 @@ from pathlib import Path
 from gputravel.cohort.links import check_link_config
 from gputravel.cohort.trust import TrustOptions
 from gputravel.errors import BadInput
+from gputravel.protocol.hardware import EMULATED, hardware_profile
 from gputravel.protocol.layout import Layout
 
 
@@ -58,6 +59,10 @@ class CohortConfig:
     # Directories the orchestrator writes into (a training run directory): lent to its uid
     # while the cohort runs, given back at close. Paths in them reach it however deep they lie.
     output_dirs: tuple[str, ...] = ()
+    # The hardware the cohort stands for (protocol/hardware.py): "emulated" injects nothing;
+    # "paper-h100" holds the switches, the copy, the baseline's read and write and the context
+    # exchange to the paper's measured times. Never a security input.
+    hardware: str = EMULATED
 
     def __post_init__(self) -> None:
         names = [h.name for h in self.holders]
@@ -78,6 +83,7 @@ class CohortConfig:
                 raise BadInput(f"dataset of holder {h.name!r} not found: {h.dataset}")
 
         check_link_config(self.link, self.bandwidth_mbit, self.tap)
+        hardware_profile(self.hardware)  # BadInput for an unknown profile
 
     @property
     def device_vram(self) -> int:

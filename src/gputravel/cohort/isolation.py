@@ -30,7 +30,8 @@ from typing import Callable
 import gputravel
 from gputravel.errors import BadInput
 
-UID_LOW, UID_HIGH, BLOCK = 0x4000_0000, 0x7FFF_0000, 64  # far above any distribution's users
+# far above any distribution's users; a block of 1024 uids per cohort: up to 1023 parties
+UID_LOW, UID_HIGH, BLOCK = 0x4000_0000, 0x7FFF_0000, 1024
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
 _CLONE_NEWNS, _CLONE_NEWNET = 0x20000, 0x40000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 1 << 14, 1 << 18

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +36,15 @@ from gputravel.errors import BadInput, GputravelError, ProtocolError, RemoteErro
 from gputravel.host.tap import TcpTap
 from gputravel.net import LinkError
 from gputravel.orchestrator.cvm import OrchestratorConfig
+from gputravel.protocol.hardware import EMULATED
 from gputravel.protocol.control import Certified, Enroll, Failed, Ready, Shutdown
 from gputravel.transport.stream import StreamTransport
 
 SNOOP_FILE = Path("parties/host/snoop.bin")  # in the cohort directory: the host writes it in its own
 PRODUCTION_ENTRY = "gputravel.cohort.entry"
 TRUSTED_ROLES = ("orchestrator", "device", TDX_MODULE)  # a launch hook starts these only as they are
+# Holders booting at once: every core busy, the last well within its enrolment timeout.
+BOOT_WINDOW = min(32, max(4, 2 * (os.cpu_count() or 1)))
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ class Supervisor:
         cfg = self.config
         orchestrator, quoting = self._provision()
         snoop = self.placement.path(self.snoop_path) if self.snoop_path else None
-        self._spawn("host", {"socket_path": self._host_sock, "snoop_path": snoop})
+        self._spawn("host", {"socket_path": self._host_sock, "snoop_path": snoop, **self._hardware()})
         self._spawn(TDX_MODULE, quoting.config)  # makes its quoting key; we certify it, then drop the root key
         self.trust = quoting.certify(self.children[TDX_MODULE].control, self.trust, cfg.boot_timeout)
         self.port = self._boot_gpu_side(orchestrator, quoting)
@@ -122,7 +127,7 @@ class Supervisor:
         orchestrator = {"host_socket": self._host_sock, "pki_dir": place.path(self.dir / "pki" / "orchestrator"),
                         "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
                         "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer,
-                        "trust_dir": place.path(self.trust.orchestrator_dir), **self._device_timeout(),
+                        "trust_dir": place.path(self.trust.orchestrator_dir), **self._device_timeout(), **self._hardware(),
                         "audit_log": audit or place.path(self.audit_log_path)}
         return orchestrator, quoting
 
@@ -134,8 +139,7 @@ class Supervisor:
         try:
             self._spawn("device", {"host_socket": self._host_sock, "vram_bytes": cfg.device_vram, "layout": cfg.layout,
                                    "gpu_dir": place.path(self.trust.device_dir)}, extra_fd=dev_end.fileno())
-            for h in cfg.holders:  # each holder sets up its driver while it holds the GPU
-                self.spawn_holder(h)
+            self._boot_holders()  # each holder sets up its driver while it holds the GPU
             self.trust = self._pin(orchestrator, self.members)  # as late as possible before it boots
             measured = quoting.measure_launch(self._launched(orchestrator), place.popen_kwargs("orchestrator", None))
             ready = self._spawn("orchestrator", {**self._launched(orchestrator), "enroll": "orchestrator"},
@@ -152,24 +156,42 @@ class Supervisor:
         """Every holder of the cohort: those that boot now, then the late ones."""
         return tuple(h.name for h in self.config.holders + self.config.late_holders)
 
+    def _boot_holders(self) -> None:
+        """BOOT_WINDOW holders start at once, loading and making their keys in parallel; their GPU
+        probes (paper 4.1) stay one at a time: a holder probes once certified, and the next is
+        certified only once the one before it is Ready."""
+        started: deque[tuple[str, dict, Child]] = deque()
+        for h in self.config.holders:
+            spec = self._launched_as(PartySpec("holder", h.name, self._holder_config(h, late=False)))
+            started.append(self._launch(spec, None))
+            if len(started) >= BOOT_WINDOW:
+                self._await_up(*started.popleft())
+        while started:
+            self._await_up(*started.popleft())
+
     def spawn_holder(self, h: HolderSpec, *, late: bool = False) -> Ready:
         """Start a holder CVM (a late or restarted one does its probe when it is lent the GPU)."""
+        return self._spawn("holder", self._holder_config(h, late), key=h.name)
+
+    def _holder_config(self, h: HolderSpec, late: bool) -> dict:
         assert self.dir is not None
         cfg = self.config
         place = self.placement
-        return self._spawn("holder", {"name": h.name, "dataset_path": place.dataset(h.name, h.dataset),
-                                      "host_socket": self._host_sock,
-                                      "pki_dir": place.path(self.dir / "pki" / h.name), "layout": cfg.layout,
-                                      "audit_arrival": cfg.audit_arrival, "dataset_format": h.format,
-                                      "die_mid_copy_on_travel": h.die_mid_copy_on_travel,
-                                      "trust_dir": place.path(self.trust.holder_dir(h.name)),
-                                      "probe_at_boot": not late, **self._device_timeout(), "enroll": h.name},
-                           key=h.name)
+        return {"name": h.name, "dataset_path": place.dataset(h.name, h.dataset), "host_socket": self._host_sock,
+                "pki_dir": place.path(self.dir / "pki" / h.name), "layout": cfg.layout,
+                "audit_arrival": cfg.audit_arrival, "dataset_format": h.format,
+                "die_mid_copy_on_travel": h.die_mid_copy_on_travel,
+                "trust_dir": place.path(self.trust.holder_dir(h.name)),
+                "probe_at_boot": not late, **self._device_timeout(), **self._hardware(), "enroll": h.name}
 
     def forget(self, name: str) -> None:
         """Drop the record of a party whose process has ended (before it starts again)."""
         child = self.children.pop(name)
         child.control.close()
+
+    def _hardware(self) -> dict:
+        """The hardware profile for the host, the holders and the orchestrator (none: emulated)."""
+        return {} if self.config.hardware == EMULATED else {"hardware": self.config.hardware}
 
     def _device_timeout(self) -> dict:
         t = self.config.device_timeout
@@ -194,6 +216,10 @@ class Supervisor:
         return out
 
     def _start_party(self, spec: PartySpec, extra_fd: int | None) -> Ready:
+        return self._await_up(*self._launch(spec, extra_fd))
+
+    def _launch(self, spec: PartySpec, extra_fd: int | None) -> tuple[str, dict, Child]:
+        """Start a party's process (it is ours to stop from here on); what _await_up needs."""
         assert self.dir is not None
         key = spec.key
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -214,8 +240,11 @@ class Supervisor:
         theirs.close()
         child = Child(spec.role, proc, StreamTransport(ours, key), log)
         self.children[key] = child
+        return key, config, child
+
+    def _await_up(self, key: str, config: dict, child: Child) -> Ready:
         msg = self._await_ready(key, config, child)
-        self.placement.check(key, proc.pid)  # what it runs as, read back from /proc once it is up
+        self.placement.check(key, child.proc.pid)  # what it runs as, read back from /proc once it is up
         return msg
 
     def _await_ready(self, key: str, config: dict, child: Child) -> Ready:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from gputravel.protocol.hardware import EMULATED, HardwareProfile, hardware_profile, hold_until
 from gputravel.protocol.travel import ChunkPiece, ChunkRefused, ChunkSent, SendChunk
 from gputravel.transport.base import Transport
 
@@ -30,17 +31,23 @@ def refusal(req: SendChunk, dataset_bytes: int, piece_bytes: int) -> str | None:
     return None
 
 
-def send_chunk(dataset: memoryview, piece_bytes: int, conn: Transport, req: SendChunk) -> None:
-    """Serve one SendChunk: read the chunk piece by piece and send each piece over TLS."""
+def send_chunk(dataset: memoryview, piece_bytes: int, conn: Transport, req: SendChunk,
+               profile: HardwareProfile = hardware_profile(EMULATED)) -> None:
+    """Serve one SendChunk: read the chunk piece by piece and send each piece over TLS. Under a
+    hardware profile the first ``x`` bytes are read no sooner than the profile's rate allows
+    since the first read began (one deadline for the whole chunk, so the sleeps' overshoots
+    do not add up over thousands of pieces)."""
     reason = refusal(req, len(dataset), piece_bytes)
     if reason is not None:
         conn.send(ChunkRefused(req.travel_id, reason))
         return
     read_ns = 0
+    began = time.perf_counter()
     for start in range(0, req.nbytes, PIECE_BYTES):
         t0 = time.perf_counter_ns()
         lo = req.dataset_offset + start
         data = bytes(dataset[lo : lo + min(PIECE_BYTES, req.nbytes - start)])
+        hold_until(began, profile.read_s(start + len(data)))
         read_ns += time.perf_counter_ns() - t0
         conn.send(ChunkPiece(req.travel_id, start, data))
     conn.send(ChunkSent(req.travel_id, req.nbytes, read_ns))

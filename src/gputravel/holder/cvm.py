@@ -45,6 +45,7 @@ from gputravel.holder.attestation import challenge_orchestrator
 from gputravel.holder.baseline import send_chunk
 from gputravel.protocol.control import JoinCohort, Ready, Shutdown
 from gputravel.net.pace import pace
+from gputravel.protocol.hardware import EMULATED, at_least, hardware_profile
 from gputravel.holder.membership import HOLDER_COMMANDS, holder_command
 from gputravel.holder.membership import join as join_cohort
 from gputravel.attest.material import HolderMaterial
@@ -67,6 +68,7 @@ class HolderConfig:
     pace_mbit: float | None = None  # token-bucket links: pace what we send the orchestrator to this rate
     trust_dir: str = ""  # the roots and this holder's policy (cohort/trust.py); required to join
     probe_at_boot: bool = True  # False: a late holder, probing when the orchestrator lends it the GPU
+    hardware: str = "emulated"  # protocol/hardware.py: floors on the copy and the baseline's reads
 
 
 class Dataset:
@@ -108,10 +110,12 @@ class Dataset:
 
 class DataHolder:
     _clock = staticmethod(time.perf_counter)  # the one clock the machine is told: step timings, attestation ages
+    profile = hardware_profile(EMULATED)  # set per cohort in __init__; tests' bare shells keep this one
 
     def __init__(self, config: HolderConfig) -> None:
         self.config = config
         self.dataset = Dataset(config.dataset_path, config.dataset_format)
+        self.profile = hardware_profile(config.hardware)
         self.host = connect_unix(config.host_socket, "host")
         self.driver = Driver(register_with_host(self.host, config.name, config.layout))
         self.mux = PcieMuxClient(self.host, config.name)
@@ -173,7 +177,7 @@ class DataHolder:
         orchestrator attested within our policy's age limit (the machine checks)."""
         self.sm.handle(BaselineAsked(), self._clock())
         assert self.orchestrator is not None
-        send_chunk(self.dataset.view, self.piece_bytes, self.orchestrator, msg)
+        send_chunk(self.dataset.view, self.piece_bytes, self.orchestrator, msg, self.profile)
 
     # ------------------------------------------------------------------ the loop
     def _run(self, event: object) -> None:
@@ -238,7 +242,8 @@ class DataHolder:
         self.travels_served += 1
         if self.travels_served == self.config.die_mid_copy_on_travel:
             self._die_mid_copy(chunk, act.buffer_offset, act.granted_bytes, timeout)
-        self.driver.copy_to_vram(chunk, act.buffer_offset, buffer_bytes=act.granted_bytes, timeout=timeout)
+        with at_least(self.profile.copy_s(act.nbytes)):  # the hardware's dataset read, then GPU write
+            self.driver.copy_to_vram(chunk, act.buffer_offset, buffer_bytes=act.granted_bytes, timeout=timeout)
         return Copied(act.nbytes)
 
     def _die_mid_copy(self, chunk: memoryview, buffer_offset: int, buffer_bytes: int, timeout: float | None) -> None:

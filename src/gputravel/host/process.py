@@ -37,6 +37,7 @@ from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import listen_unix
 from gputravel.host.hooks import HostHooks, NoHooks
 from gputravel.host.mux import CvmRegistration, PcieMux
+from gputravel.protocol.hardware import hardware_profile, hold_until
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class HostConfig:
     snoop_path: str | None = None  # where the snooper appends what it reads
     snoop_limit_bytes: int = 256 << 20
     switch_timeout: float = 10.0
+    hardware: str = "emulated"  # protocol/hardware.py: a profile may hold each switch for its hardware's time
 
 
 class Snooper(threading.Thread):
@@ -80,6 +82,7 @@ class HostProcess:
         self.config = config
         self.hooks: HostHooks = hooks if hooks is not None else NoHooks()
         self.mux = PcieMux()
+        self.profile = hardware_profile(config.hardware)
         self.device: Transport | None = None
         self._device_fds: tuple[int, int] | None = None
         self._bar_bytes = 0
@@ -191,6 +194,7 @@ class HostProcess:
         plan = self.mux.switch(target)
         dma, irq = self.hooks.on_switch(requester, plan)
         self.attach(dma, irq)
+        hold_until(started / 1e9, self.profile.switch_s(target))  # the MUX is busy as long as the hardware's switch
         return Switched(target=target, elapsed_ns=time.perf_counter_ns() - started, seq=self.mux.switches)
 
     def attach(self, dma: CvmRegistration, irq: CvmRegistration) -> None:

@@ -21,6 +21,7 @@ from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
 from gputravel.files import write_json
+from gputravel.protocol.hardware import hardware_profile
 from gputravel.protocol.layout import MIB, PAGE, Layout
 from gputravel.train.loader import LocalSource
 from gputravel.train.loop import StepEvent, TrainConfig, make_report, sample_tokenizer, train
@@ -32,8 +33,10 @@ class TrainingJobConfig:
     holders: tuple[tuple[str, str], ...]  # (name, path to shards or text)
     run_dir: str
     resume: bool = False  # continue from run_dir/checkpoint.pt (after a crash or a kill)
+    hardware: str = "emulated"  # protocol/hardware.py: the hardware the cohort stands for
 
     def __post_init__(self) -> None:
+        hardware_profile(self.hardware)  # BadInput for an unknown profile
         if not self.holders:
             raise BadInput("a training job needs at least one data holder")
         for name, path in self.holders:
@@ -118,7 +121,8 @@ def _run_travelling(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
     log, cert = _audit_paths(run_dir)
     cohort_cfg = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
                               buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
-                              audit_log=str(log), output_dirs=(str(run_dir),))  # lent to the orchestrator's uid
+                              audit_log=str(log), output_dirs=(str(run_dir),),  # lent to the orchestrator's uid
+                              hardware=cfg.hardware)
     with Cohort(cohort_cfg) as cohort:
         cert.write_bytes(cohort.orchestrator_certificate())  # what holders verify the log with
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{k: getattr(m, k) for k in StepEvent.__dataclass_fields__})))
@@ -126,6 +130,7 @@ def _run_travelling(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
         report = cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()), on_step=relay,
                               resume_checkpoint=str(resume.resolve()) if resume else "")
         report["isolation"] = cohort.isolation.summary()
+        report["hardware"] = hardware_profile(cfg.hardware).to_json()
         return report
 
 

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from gputravel.errors import BadInput
+from gputravel.protocol.hardware import hardware_profile
 from gputravel.protocol.control import STEPS, TravelReport
+from gputravel.protocol.layout import Layout
+from gputravel.cohort import capacity
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 
@@ -28,14 +31,16 @@ class TravelJobConfig:
     dataset_mib: int = 24
     buffer_mib: int = 8
     seed: int = 0
+    hardware: str = "emulated"  # protocol/hardware.py
 
     def __post_init__(self) -> None:
-        if not 1 <= self.holders <= 16:
-            raise BadInput("--holders must be between 1 and 16")
+        if not 1 <= self.holders <= capacity.MAX_HOLDERS:  # what this machine carries: run_travel_job
+            raise BadInput(f"--holders must be between 1 and {capacity.MAX_HOLDERS}")
         if not 1 <= self.buffer_mib <= 1024:
             raise BadInput("--buffer-mib must be between 1 and 1024")
         if not 1 <= self.dataset_mib <= 4096:  # an empty dataset has nothing to travel for
             raise BadInput("--dataset-mib must be between 1 and 4096")
+        hardware_profile(self.hardware)  # BadInput for an unknown profile
 
 
 def make_dataset(path: Path, nbytes: int, seed: bytes) -> None:
@@ -63,6 +68,7 @@ def plan(dataset_bytes: dict[str, int], buffer_bytes: int) -> Iterator[tuple[str
 
 def run_travel_job(config: TravelJobConfig, workdir: Path,
                    on_travel: Callable[[TravelReport], None]) -> list[TravelReport]:
+    capacity.check(config.holders, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=config.dataset_mib * MIB)
     workdir.mkdir(parents=True, exist_ok=True)
     specs = []
     for i in range(1, config.holders + 1):
@@ -70,7 +76,7 @@ def run_travel_job(config: TravelJobConfig, workdir: Path,
         # The seed's "gputravel-demo" prefix stays: it fixes the datasets (and their digests).
         make_dataset(path, config.dataset_mib * MIB, f"gputravel-demo/{config.seed}/{i}".encode())
         specs.append(HolderSpec(f"holder-{i}", str(path)))
-    cohort_cfg = CohortConfig(holders=tuple(specs), buffer_bytes=config.buffer_mib * MIB)
+    cohort_cfg = CohortConfig(holders=tuple(specs), buffer_bytes=config.buffer_mib * MIB, hardware=config.hardware)
     reports = []
     with Cohort(cohort_cfg) as cohort:
         for holder, offset in plan(cohort.dataset_bytes, cohort_cfg.buffer_bytes):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from gputravel.errors import BadInput, GputravelError, HolderLost, ProtocolError, RemoteError
 from gputravel.protocol.control import BaselineReport
+from gputravel.protocol.hardware import at_least
 from gputravel.protocol.manifest import chunk_digest, chunk_digest_from_manifest, chunk_nbytes
 from gputravel.protocol.travel import ChunkInfo, ChunkPiece, ChunkRefused, ChunkSent, HolderHello, SendChunk
 from gputravel.transport.base import Transport
@@ -136,7 +137,7 @@ class BaselinePath:
     def _write(self, nbytes: int) -> None:
         """The orchestrator's own encrypted copy into the dataset buffer (bounce buffers, CE)."""
         buf = self._buffer
-        with memoryview(self._staging) as staging:
+        with memoryview(self._staging) as staging, at_least(self.orch.profile.write_s(nbytes)):  # the hardware's write
             self.orch.driver.copy_to_vram(staging[:nbytes], buf.offset, buffer_bytes=buf.nbytes,
                                           timeout=max(self.orch.config.device_timeout, 30.0))
 

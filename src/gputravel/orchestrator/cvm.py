@@ -19,18 +19,9 @@ from typing import Any
 from gputravel.crypto.pki import CohortPki
 from gputravel.driver.link import PcieMuxClient, register_with_host
 from gputravel.driver.orchestrator import OrchestratorDriver
-from gputravel.errors import (
-    BadInput,
-    ContextBlobError,
-    ContextRefused,
-    GputravelError,
-    HolderLost,
-    PeerTimeout,
-    ProtocolError,
-    RemoteError,
-    TransportClosed,
-    TravelHalted,
-)
+from gputravel.errors import (BadInput, ContextBlobError, ContextRefused, GputravelError, HolderLost, PeerTimeout,
+                              ProtocolError, RemoteError, TransportClosed, TravelHalted)
+from gputravel.protocol.hardware import EMULATED, hardware_profile, hold_exchange
 from gputravel.protocol.layout import Layout
 from gputravel.protocol.travel import Bye, HolderHello, TravelRefused, TravelResult, Welcome
 from gputravel.protocol.device import VramGrant, VramRequest
@@ -72,12 +63,14 @@ class OrchestratorConfig:
     pace_mbit: float | None = None  # token-bucket links: pace each holder connection to this rate
     trust_dir: str = ""  # roots, GPU reference values, where its TDX module listens (cohort/trust.py); required
     audit_log: str = ""  # where the signed travel log goes (orchestrator/travel_log.py); "": none
+    hardware: str = "emulated"  # protocol/hardware.py: floors on the context exchange and the baseline's write
 
 
 class Orchestrator:
     """The travelling engine. One dataset buffer in VRAM, one travel at a time."""
 
     _clock = staticmethod(time.perf_counter)  # the one clock the machine is told (step timings, deadlines)
+    profile, _request_sent = hardware_profile(EMULATED), 0.0  # set per cohort in __init__; tests' bare shells keep these
 
     def __init__(self, config: OrchestratorConfig, device_link: socket.socket) -> None:
         if config.buffer_bytes <= 0 or config.buffer_bytes % config.layout.record_bytes:
@@ -87,6 +80,7 @@ class Orchestrator:
         self.driver = OrchestratorDriver(register_with_host(self.host, NAME, config.layout))
         self.mux = PcieMuxClient(self.host, NAME)
         self._device = StreamTransport(device_link, "device-link")
+        self.profile, self._request_sent = hardware_profile(config.hardware), 0.0
         self.holders: dict[str, Transport] = {}
         self.vram: mmap.mmap | None = None
         self.travel_sm: OrchestratorTravel | None = None
@@ -250,6 +244,7 @@ class Orchestrator:
 
     def _send_request(self, act: SendRequest, timeout: float | None) -> RequestSent:
         try:
+            self._request_sent = self._clock()
             self.holders[act.holder].send(act.request)
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
             self.drop(act.holder)
@@ -271,6 +266,7 @@ class Orchestrator:
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
             self.drop(act.holder)
             raise HolderLost(act.holder, f"{type(exc).__name__}: {exc}") from None
+        hold_exchange(self.profile, self._request_sent, reply.steps_ns.get("handler", 0) / 1e9, clock=self._clock)  # the hardware's TLS
         return Replied(reply)
 
     def _await_gpu(self, act: AwaitGpu, timeout: float | None) -> Home:
