@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(if $(wildcard /opt/wheels),--find-links /opt/wheels) -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet $(if $(wildcard /opt/wheels),--find-links /opt/wheels) -c constraints.txt -e '.[dev,fl]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -41,6 +41,7 @@ FLOORS = {
     "cohort": 5,  # launching: starts the trust domains' processes
     "jobs": 6,  # jobs on the engine
     "bench": 6,
+    "fl": 6,  # the federated-learning baseline: launches Flower's processes on the cohort's links
     "redteam": 6,
     "cli": 7,
     # The in-process harness of the tests wires the real device and drivers together: above
@@ -52,6 +53,7 @@ SAME_FLOOR = {
     ("protocol", "crypto"): "messages carry channel state and SPDM payloads",
     ("device", "attest"): "the emulated GPU runs its attestation firmware (attest/gpu.py)",
     ("bench", "jobs"): "the training benchmark times the training job",
+    ("bench", "fl"): "the training benchmark runs the FedAvg baseline",
 }
 REDTEAM = "redteam"
 #: The one module outside the red team that may reach it, and only inside its command.

@@ -58,16 +58,20 @@ def test_compare_smoke(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_train_smoke(tmp_path: Path) -> None:
     out = tmp_path / "train.json"
+    fig = tmp_path / "train.png"
     res = CliRunner().invoke(app, ["bench", "train", "--bandwidths", "100", "--steps", "3", "--buffer-kib", "64", "--holders", "1",
-                                   "--json", str(out)])
+                                   "--eval-batches", "1", "--json", str(out), "--plot", str(fig)])
     assert res.exit_code == 0, res.output
     result = json.loads(out.read_text())
     assert result["link"] in (LINK_NETNS, LINK_TOKEN_BUCKET)
-    (row,) = result["rows"]
-    assert row["bandwidth_mbit"] == 100.0 and row["same_losses"] is True
-    for source in ("travelling", "baseline"):
-        assert set(row[source]) >= {"training_s", "tx_s", "tx_share", "fetches"}
-        assert row[source]["fetches"] >= 1
+    assert [(r["method"], r["bandwidth_mbit"]) for r in result["rows"]] == [("travel", 100.0), ("tls", 100.0)]
+    assert result["checks"] == [{"bandwidth_mbit": 100.0, "same_losses": True}]
+    for row in result["rows"]:
+        assert set(row) >= {"training_s", "tx_s", "tx_share", "fetches", "bytes_over_link", "holder_compute_s",
+                            "final_loss", "rounds", "framework"}
+        assert row["fetches"] >= 1 and row["holder_compute_s"] == 0 and row["rounds"] is None
+        assert (row["bytes_over_link"] is None) == (result["link"] == LINK_TOKEN_BUCKET)
+    assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.integration

@@ -1,14 +1,21 @@
-"""`gputravel bench train`: the paper's Table 2 for this system.
+"""`gputravel bench train`: the paper's Table 2 for this system, and federated learning beside it.
 
-The same training job (GPT-2 on the holders' tokens, same seed, same schedule) runs once fed
-by GPU Travelling and once fed by the centralised TLS baseline, on links of each bandwidth.
-Training runs inside the orchestrator CVM either way; only the way each chunk reaches the
-dataset buffer differs (``TrainConfig.loader``: "travelling" or "baseline").
+The same training job (GPT-2 on the holders' tokens, same seed, same schedule, same number
+of training tokens) runs once per method and bandwidth, on links of that bandwidth:
 
-Reported per bandwidth and method, as the paper's Table 2: transmission time (the loader's
-waits for data: travels, or baseline transfers), training time (the rest of the run), and
-the transmission share of the whole. Since both methods put the same bytes in the buffer,
-the losses must be identical; the result says whether they were.
+* ``travel``: GPU Travelling feeds the training loop inside the orchestrator CVM;
+* ``tls``: the centralised TLS baseline feeds the same loop (paper 7.2): the holders send
+  their chunks over TLS. Both put the same bytes in the buffer, so their losses must be
+  identical (goal G2); the result says whether they were;
+* ``fl``: FedAvg on a real Flower deployment (gputravel/fl/): the holders train locally on
+  their own compute and the model goes over the links every round.
+
+Reported per method and bandwidth (docs/benchmarks.md): ``tx_s``, the time the run waited on
+the link (the loader's waits for data; for FL see fl/run.py), ``training_s`` (the rest),
+``bytes_over_link`` (counted on the holders' links by the kernel; None on token-bucket links,
+which have no wire to count), ``holder_compute_s`` (0 unless the holders train),
+``final_loss`` (the final model on the same held-out tokens, bench/holdout.py), and for FL
+``rounds`` and ``framework``.
 """
 
 from __future__ import annotations
@@ -20,29 +27,44 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gputravel.errors import BadInput
-from gputravel.net import LINK_NETNS
+import torch
+
+from gputravel.bench import holdout
+from gputravel.bench.compare import link_kind, machine
+from gputravel.bench.train_report import PAPER_TABLE2, check_pair, fl_row, method_row
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
+from gputravel.errors import BadInput
+from gputravel.fl.config import FedAvgConfig, framework
+from gputravel.fl.local import evaluate, gpt_config, load_arrays
+from gputravel.fl.run import FlJob, check as check_fl, run_fedavg
 from gputravel.jobs.training import TrainingJobConfig, default_holders, layout_for, resolve
+from gputravel.net import LINK_NETNS
+from gputravel.net.counters import bytes_between, link_bytes
+from gputravel.protocol.hardware import EMULATED, hardware_profile
 from gputravel.train.loop import TrainConfig
-from gputravel.bench.compare import link_kind, machine
+from gputravel.train.model import GPT
+from gputravel.train.rundir import load_checkpoint
 
-SOURCES = ("travelling", "baseline")
-
-#: The paper's Table 2 (llm.c GPT-2, one 512 MiB transmission): training (s), Tx (s), Tx share.
-PAPER_TABLE2 = {
-    4.0: {"baseline": (1230.00, 1115.88, 0.47568), "travelling": (1230.26, 1.01, 0.00082)},
-    20.0: {"baseline": (1231.39, 230.84, 0.15787), "travelling": (1229.39, 1.03, 0.00084)},
-    100.0: {"baseline": (1231.17, 60.36, 0.04674), "travelling": (1230.57, 1.02, 0.00083)},
-    500.0: {"baseline": (1230.73, 15.86, 0.01272), "travelling": (1229.67, 0.98, 0.00080)},
-    None: {"baseline": (1229.36, 7.34, 0.00594), "travelling": (1231.46, 0.98, 0.00079)},
-}
+METHODS = ("travel", "tls", "fl")
+SOURCE = {"travel": "travelling", "tls": "baseline"}  # the training loader of each centralised method
+__all__ = ["METHODS", "PAPER_TABLE2", "TrainBenchConfig", "bench_train_config", "parse_methods", "run"]
 
 
-def bench_train_config(steps: int = 600, buffer_bytes: int = 128 << 10) -> TrainConfig:
-    """The job both methods feed: a small GPT-2 (4 layers, 128 wide), no sample at the end."""
-    return TrainConfig(steps=steps, buffer_bytes=buffer_bytes, n_layer=4, n_head=4, n_embd=128, sample_tokens=0)
+def bench_train_config(steps: int = 600, buffer_bytes: int = 128 << 10, *, n_layer: int = 4, n_embd: int = 128,
+                       n_head: int = 4) -> TrainConfig:
+    """The job every method runs: a small GPT-2 (4 layers, 128 wide), no sample at the end."""
+    return TrainConfig(steps=steps, buffer_bytes=buffer_bytes, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                       sample_tokens=0)
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """'travel,tls,fl' -> ("travel", "tls", "fl"), in that order, each once."""
+    asked = [m.strip().lower() for m in text.split(",") if m.strip()]
+    bad = [m for m in asked if m not in METHODS]
+    if bad or not asked:
+        raise BadInput(f"--methods takes {', '.join(METHODS)} (comma separated), got {text!r}")
+    return tuple(m for m in METHODS if m in asked)
 
 
 @dataclass(frozen=True)
@@ -52,51 +74,99 @@ class TrainBenchConfig:
     holders: int = 3  # the shipped Shakespeare presses, one holder each
     link: str = "auto"
     workdir: str | None = None
+    methods: tuple[str, ...] = ("travel", "tls")
+    fl: FedAvgConfig = field(default_factory=FedAvgConfig)
+    eval_batches: int = 4  # held-out batches per holder, for final_loss
+    holder_tokens: int | None = None  # cut every holder's training tokens to this many
+    iid: bool = False  # deal the holders' tokens out again, mixed (the FL loss-gap control)
+    hardware: str = EMULATED  # protocol/hardware.py: travel and tls runs only (FedAvg moves no GPU)
 
     def __post_init__(self) -> None:
         if not self.bandwidths or any(b is not None and not 0 < b <= 100_000 for b in self.bandwidths):
             raise BadInput("bandwidths must be in (0, 100000] Mbit/s, or 'uncapped'")
         if self.link not in ("auto", "netns", "token-bucket"):
             raise BadInput("--link must be auto, netns or token-bucket")
+        if not self.methods or any(m not in METHODS for m in self.methods):
+            raise BadInput(f"--methods takes {', '.join(METHODS)}")
+        hardware_profile(self.hardware)  # BadInput for an unknown profile
+        if not 1 <= self.eval_batches <= 256:
+            raise BadInput("--eval-batches must be between 1 and 256")
+        if self.holder_tokens is not None and self.holder_tokens < 1:
+            raise BadInput("--holder-tokens must be positive")
 
 
 def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) -> dict:
     kind = link_kind(cfg.link)
+    if "fl" in cfg.methods:
+        framework()  # Flower is installed, before anything starts
+        if kind != LINK_NETNS:
+            raise BadInput("the FL baseline runs Flower's processes on netns-tc links, which are not available "
+                           "here (root, iproute2 and sch_tbf are needed): run without fl, or where namespaces work")
     result = {"link": kind, "machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-              "config": cfg.train.to_dict(), "rows": []}
+              "methods": list(cfg.methods), "config": cfg.train.to_dict(), "fl_config": cfg.fl.to_dict(),
+              "eval_batches": cfg.eval_batches, "holder_tokens": cfg.holder_tokens, "iid": cfg.iid,
+              "hardware": hardware_profile(cfg.hardware).to_json(), "rows": [], "checks": []}
     with tempfile.TemporaryDirectory(prefix="gputravel-train-bench-", dir=cfg.workdir) as tmp:
-        job = resolve(TrainingJobConfig(train=cfg.train, holders=default_holders(cfg.holders, Path(tmp)), run_dir=tmp))
-        for bw in cfg.bandwidths:
-            runs = {src: _one(job, kind, bw, src, cfg.workdir) for src in SOURCES}
-            row = _row(bw, runs)
-            result["rows"].append(row)
-            if on_row is not None:
-                on_row(row)
+        job, data = _prepare(cfg, Path(tmp))
+        fedavg = check_fl(_fl_job(cfg, job, data, None, Path(tmp))) if "fl" in cfg.methods else None
+        result.update(config=job.train.to_dict(), holders_train_tokens=data.train_tokens,
+                      fl_plan=None if fedavg is None else fedavg.to_dict())
+        for i, bw in enumerate(cfg.bandwidths):
+            rows = {}
+            for method in cfg.methods:
+                where = Path(tmp) / f"run-{i}-{method}"
+                if method == "fl":
+                    rep = run_fedavg(_fl_job(cfg, job, data, bw, where), fedavg)
+                    rows[method] = fl_row(bw, rep, _final_loss(job.train, data, fl_model=rep["model_path"]))
+                else:
+                    rep, moved = _centralised(job, data, kind, bw, method, where, cfg)
+                    rows[method] = method_row(method, bw, rep, moved,
+                                              _final_loss(job.train, data, checkpoint=where / "checkpoint.pt"))
+                result["rows"].append(rows[method])
+                if on_row is not None:
+                    on_row(rows[method])
+            result["checks"].append(check_pair(bw, rows))
     return result
 
 
-def _one(job: TrainingJobConfig, kind: str, bw: float | None, source: str, workdir: str | None) -> dict:
-    t = replace(job.train, loader=source)
+def _prepare(cfg: TrainBenchConfig, tmp: Path) -> tuple[TrainingJobConfig, holdout.HeldOut]:
+    t = cfg.train
+    data = holdout.prepare(default_holders(cfg.holders, tmp), tmp, batch=t.batch, seq_len=t.seq_len,
+                           eval_batches=cfg.eval_batches, holder_tokens=cfg.holder_tokens, iid=cfg.iid)
+    job = resolve(TrainingJobConfig(train=t, holders=tuple(data.holders.items()), run_dir=str(tmp)))
+    return job, data
+
+
+def _fl_job(cfg: TrainBenchConfig, job: TrainingJobConfig, data: holdout.HeldOut, bw: float | None,
+            where: Path) -> FlJob:
+    return FlJob(job.train, cfg.fl, data.holders, bw, where)
+
+
+def _centralised(job: TrainingJobConfig, data: holdout.HeldOut, kind: str, bw: float | None, method: str,
+                 where: Path, cfg: TrainBenchConfig) -> tuple[dict, dict | None]:
+    """One travelling or TLS run; its report, and the bytes its holders' links carried
+    during training (None on token-bucket links)."""
+    t = replace(job.train, loader=SOURCE[method])
+    where.mkdir(parents=True)
     holders = tuple(HolderSpec(name, path, "tokens") for name, path in job.holders)
     cohort_cfg = CohortConfig(holders=holders, buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes),
-                              tokenizer=t.tokenizer, bandwidth_mbit=bw,
-                              link="netns" if kind == LINK_NETNS else "token-bucket", workdir=workdir)
+                              tokenizer=t.tokenizer, bandwidth_mbit=bw, output_dirs=(str(where),),
+                              link="netns" if kind == LINK_NETNS else "token-bucket", workdir=cfg.workdir,
+                              hardware=cfg.hardware)
     with Cohort(cohort_cfg) as cohort:
-        return cohort.train(json.dumps(t.to_dict()))
+        shaped = cohort.links.shaped
+        before = link_bytes(shaped) if shaped is not None else None
+        report = cohort.train(json.dumps(t.to_dict()), str(where.resolve()))
+        moved = bytes_between(before, link_bytes(shaped)) if shaped is not None else None
+    return report, moved
 
 
-def summarise(report: dict) -> dict:
-    """Table 2's columns from one training report: transmission = the loader's waits for data."""
-    tx = report["stall_s"]
-    wall = report["wall_s"]
-    return {"training_s": wall - tx, "tx_s": tx, "tx_share": tx / wall if wall else 0.0,
-            "fetches": report["travel_count"], "final_loss": report["final_loss"]}
-
-
-def _row(bw: float | None, runs: dict[str, dict]) -> dict:
-    row = {"bandwidth_mbit": bw, **{src: summarise(rep) for src, rep in runs.items()}}
-    row["same_losses"] = runs["travelling"]["losses"] == runs["baseline"]["losses"]
-    paper = PAPER_TABLE2.get(None if bw is None else float(bw))
-    row["paper"] = None if paper is None else {
-        src: {"training_s": v[0], "tx_s": v[1], "tx_share": v[2]} for src, v in paper.items()}
-    return row
+def _final_loss(t: TrainConfig, data: holdout.HeldOut, *, checkpoint: Path | None = None,
+                fl_model: str | None = None) -> float:
+    """The final model on the held-out tokens, the same way for every method."""
+    model = GPT(gpt_config(t))
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, model)
+    else:
+        load_arrays(model, torch.load(fl_model, map_location="cpu", weights_only=True))
+    return evaluate(model, data.eval_tokens, t.batch, t.seq_len, t.threads)

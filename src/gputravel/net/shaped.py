@@ -90,6 +90,14 @@ class ShapedLinks:
         """The IPv4 address the other members use to reach ``member``."""
         return self._addr[self._known(member)]
 
+    def hub_device(self, member: str) -> str:
+        """The hub's end of a holder's veth (in the hub's namespace): its counters count
+        every frame of that holder's link, both directions (net/counters.py)."""
+        i = self.members.index(self._known(member))
+        if i == 0:
+            raise BadInput(f"{member!r} is the hub: it has no link of its own")
+        return f"gt-h{i}"
+
     def exec_prefix(self, member: str) -> list[str]:
         """Prepend to an argv to run it inside ``member``'s namespace."""
         return ["ip", "netns", "exec", self.namespace(member)]
@@ -151,8 +159,8 @@ class ShapedLinks:
         run_iproute(["ip", "-n", hub, "addr", "add", f"{self._addr[self.hub]}/{_PREFIX_LEN}",
               "dev", BRIDGE])
         run_iproute(["ip", "-n", hub, "link", "set", BRIDGE, "up"])
-        for i, m in enumerate(self.members[1:], start=1):
-            self._wire_holder(m, f"gt-h{i}")
+        for m in self.members[1:]:
+            self._wire_holder(m, self.hub_device(m))
 
     def _wire_holder(self, member: str, hub_dev: str) -> None:
         hub, ns = self._ns[self.hub], self._ns[member]

@@ -1,0 +1,60 @@
+"""The Flower ClientApp: one holder's local round of FedAvg, on the holder's own compute.
+
+Each holder's SuperNode starts it (through its SuperExec) in the holder's namespace, one
+process per round, as Flower's subprocess isolation does. Its SuperNode was started with
+``--node-config 'holder="NAME" index=I data="PATH"'`` (fl/deploy.py): the holder's name,
+its place in the sorted holder list, and where its training tokens lie, which never leave
+this process. Where the previous round stopped in the holder's data is kept in the
+Context's state, which Flower carries from round to round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from gputravel.data.holder_tokens import load_tokens
+from gputravel.fl.local import local_train, schedule_config
+from gputravel.train.loop import TrainConfig
+
+app = ClientApp()
+STATE = "gputravel"
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    config = msg.content["config"]
+    cfg = TrainConfig(**json.loads(str(config["train-json"])))
+    holder, index = str(context.node_config["holder"]), int(context.node_config["index"])
+    tokens = load_tokens(str(context.node_config["data"])).tokens
+    rnd, steps = int(config["server-round"]), int(config["local-steps"])
+    first = int(context.state[STATE]["next-window"]) if STATE in context.state else 0
+    # Tells the benchmark this holder is mid-round (it may be told to drop out now).
+    (Path(str(config["progress-dir"])) / f"{holder}-round-{rnd}").touch()
+    started = time.time()
+    result = local_train(cfg, msg.content["arrays"].to_torch_state_dict(), tokens, first_window=first, steps=steps,
+                         schedule=schedule_config(cfg, int(config["holder-steps"])),
+                         schedule_offset=(rnd - 1) * steps, threads=int(config["holder-threads"]))
+    context.state[STATE] = MetricRecord({"next-window": result.next_window})
+    metrics = MetricRecord({"num-examples": steps * cfg.batch * cfg.seq_len, "holder-index": index,
+                            "compute-s": result.compute_s, "cpu-s": result.cpu_s,
+                            "loss-first": result.losses[0], "loss-last": result.losses[-1],
+                            # when this process started, and its steps began and ended (epoch s):
+                            # where the round's time went (fl/run.py)
+                            "t-process": process_started_at(), "t-train-start": started, "t-train-end": time.time()})
+    return Message(content=RecordDict({"arrays": ArrayRecord(torch_state_dict=result.arrays), "metrics": metrics}),
+                   reply_to=msg)
+
+
+def process_started_at() -> float:
+    """When this ClientApp process started (epoch s, to 10 ms): /proc's start time after boot."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))

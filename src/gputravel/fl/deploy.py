@@ -1,0 +1,228 @@
+"""The supervisor of one Flower deployment: it owns the links and every Flower process.
+
+Layout (the cohort's links, cohort/links.py, netns-tc only)::
+
+    orchestrator's namespace: flower-superlink (TLS, the hub's address) -> its SuperExec -> the ServerApp
+                              `flwr run` (submits the app, then exits)
+    holder i's namespace:     flower-supernode -> its SuperExec -> one ClientApp per round
+
+Every SuperNode reaches the SuperLink over its holder's capped link; that is all the traffic
+the links carry, and what net/counters.py counts. Each process gets its own FLWR_HOME under
+the deployment's directory, and PATH starts with this interpreter's bin directory, where the
+Flower commands lie (the SuperLink and SuperNodes start their SuperExecs by name).
+
+Nothing is left behind: each direct child dies with this process (PR_SET_PDEATHSIG), Flower's
+own children watch their parent's pid, ``close`` stops the children (TERM, then KILL), and
+deleting the namespaces kills whatever still runs inside them (net/namespaces.py). A SIGTERM
+to this process is turned into an exception while the deployment runs, so ``close`` runs
+then too; after a SIGKILL, the next run's links delete the dead run's namespaces (and what
+still runs in them) before they build their own (net/shaped.py, cleanup_stale).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from gputravel.cohort.isolation import die_with_parent
+from gputravel.cohort.links import CohortLinks
+from gputravel.errors import BadInput, LocalError, RemoteError
+from gputravel.fl.bundle import CONNECTION, write_app, write_cli_config, write_tls
+from gputravel.net import LINK_NETNS, LinkError, netns_available
+from gputravel.net.counters import LinkBytes, link_bytes
+from gputravel.net.iproute import run_iproute
+from gputravel.protocol.parties import ORCHESTRATOR
+
+PORT = 9092  # the SuperLink's one HTTPS port (Fleet, Control and Runtime APIs), on the hub's address
+BOOT_TIMEOUT_S = 60.0
+_READY = "Application startup complete"
+
+
+class Terminated(LocalError):
+    """This process was asked to stop (SIGTERM) while the deployment ran."""
+
+
+class FlowerDeployment:
+    """SuperLink, SuperNodes and their links; use as a context manager."""
+
+    def __init__(self, holders: Mapping[str, str], bandwidth_mbit: float | None, directory: Path) -> None:
+        ok, why = netns_available()
+        if not ok:
+            raise LinkError(f"the FL baseline runs Flower's processes in the links' network namespaces, but {why}")
+        self.holders = dict(sorted(holders.items()))
+        if not self.holders:
+            raise BadInput("a Flower deployment needs at least one holder")
+        self.links = CohortLinks(LINK_NETNS, tuple(self.holders), bandwidth_mbit)
+        self.dir = directory
+        self.children: dict[str, subprocess.Popen] = {}
+        self._logs: dict[str, Path] = {}
+        self._old_term = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> FlowerDeployment:
+        self._catch_term()
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.links.open()
+        host = self.links.listen_host
+        self.ca, cert, key = write_tls(self.dir / "tls", host)
+        write_cli_config(self._home("cli"), f"{host}:{PORT}", self.ca)
+        self._spawn(ORCHESTRATOR, "superlink", ["flower-superlink", "--ssl-ca-certfile", str(self.ca),
+                                                "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                                                "--host", host, "--port", str(PORT), "--isolation", "subprocess",
+                                                "--disable-runtime-dependency-installation"])
+        self._await_log("superlink", _READY)
+        for index, (name, data) in enumerate(self.holders.items()):
+            node_config = f'holder="{name}" index={index} data="{data}"'
+            self._spawn(name, name, ["flower-supernode", "--root-certificates", str(self.ca),
+                                     "--superlink", f"{host}:{PORT}", "--isolation", "subprocess",
+                                     "--node-config", node_config])
+
+    def close(self) -> None:
+        """Stop every process (TERM, then KILL after 5 s), then delete the namespaces, which
+        kills what Flower started inside them; a namespace left behind raises LinkError."""
+        try:
+            for proc in self.children.values():
+                if proc.poll() is None:
+                    proc.terminate()
+            deadline = time.monotonic() + 5
+            for proc in self.children.values():
+                try:
+                    proc.wait(timeout=max(0.01, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self.children.clear()
+            self.links.close()  # kills whatever Flower started that still runs inside
+        finally:
+            self._restore_term()
+
+    # ------------------------------------------------------------------ processes
+    def _home(self, who: str) -> Path:
+        home = self.dir / "home" / who
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+
+    def _env(self, who: str) -> dict[str, str]:
+        bindir = str(Path(sys.executable).parent)
+        return {**os.environ, "FLWR_HOME": str(self._home(who)), "PATH": f"{bindir}:{os.environ.get('PATH', '')}",
+                "PYTHONUNBUFFERED": "1"}
+
+    def _argv(self, member: str, argv: list[str]) -> list[str]:
+        return [*self.links.prefix(member), str(Path(sys.executable).parent / argv[0]), *argv[1:]]
+
+    def _spawn(self, member: str, key: str, argv: list[str]) -> None:
+        log = self.dir / f"{key}.log"
+        self._logs[key] = log
+        with open(log, "wb") as f:
+            self.children[key] = subprocess.Popen(self._argv(member, argv), env=self._env(key), stdin=subprocess.DEVNULL,
+                                                  stdout=f, stderr=f, preexec_fn=die_with_parent, cwd=self.dir)
+
+    def _await_log(self, key: str, line: str) -> None:
+        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        while line not in self._logs[key].read_text(errors="replace"):
+            if self.children[key].poll() is not None:
+                raise RemoteError(f"{key} exited while starting:{self.log_tail(key)}")
+            if time.monotonic() > deadline:
+                raise RemoteError(f"{key} did not start in {BOOT_TIMEOUT_S:g} s:{self.log_tail(key)}")
+            time.sleep(0.1)
+
+    def log_tail(self, key: str, lines: int = 15) -> str:
+        try:
+            text = self._logs[key].read_text(errors="replace").strip().splitlines()[-lines:]
+        except (KeyError, OSError):
+            return ""
+        return ("\n  " + "\n  ".join(text)) if text else ""
+
+    # ------------------------------------------------------------------ the run
+    def submit(self, app_dir: Path, job_path: Path) -> str:
+        """`flwr run` from the orchestrator's namespace; the run's id."""
+        write_app(app_dir)
+        argv = self._argv(ORCHESTRATOR, ["flwr", "run", str(app_dir), CONNECTION, "--format", "json",
+                                         "--run-config", f'job="{job_path}"'])
+        done = subprocess.run(argv, env=self._env("cli"), capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, cwd=self.dir)
+        try:
+            reply = json.loads(done.stdout[done.stdout.index("{"):])
+        except ValueError:
+            reply = {}
+        if done.returncode != 0 or not reply.get("success"):
+            why = reply.get("error-message") or done.stderr.strip() or done.stdout.strip()
+            raise RemoteError(f"`flwr run` failed: {why}{self.log_tail('superlink')}")
+        return str(reply["run-id"])
+
+    def wait(self, status_path: Path, timeout_s: float, on_poll: Callable[[], None] | None = None) -> dict:
+        """Until the ServerApp writes its status; RemoteError if a Flower process dies or the
+        time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while not status_path.exists():
+            for key in ("superlink",):
+                if self.children[key].poll() is not None:
+                    raise RemoteError(f"the SuperLink exited during the run:{self.log_tail(key)}")
+            if time.monotonic() > deadline:
+                raise RemoteError(f"the FedAvg run did not finish in {timeout_s:g} s:{self.log_tail('superlink')}")
+            if on_poll is not None:
+                on_poll()
+            time.sleep(0.2)
+        return json.loads(status_path.read_text())
+
+    def runs(self) -> list[dict]:
+        """`flwr ls`: Flower's own account of the runs (status, its traffic count, compute time)."""
+        argv = self._argv(ORCHESTRATOR, ["flwr", "ls", CONNECTION, "--format", "json"])
+        done = subprocess.run(argv, env=self._env("cli"), capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, cwd=self.dir)
+        try:
+            return json.loads(done.stdout[done.stdout.index("{"):]).get("runs", [])
+        except ValueError:
+            return []
+
+    def link_bytes(self) -> dict[str, LinkBytes]:
+        assert self.links.shaped is not None
+        return link_bytes(self.links.shaped)
+
+    def drop(self, holder: str, mode: str) -> None:
+        """Make a holder drop out now. crash: every process in its namespace is killed
+        outright (no goodbye; Flower notices the missing heartbeats). leave: its SuperNode is
+        stopped (it tells the SuperLink it is leaving)."""
+        if mode == "leave":
+            self.children[holder].terminate()
+            return
+        assert self.links.shaped is not None
+        ns = self.links.shaped.namespace(holder)
+        for pid in run_iproute(["ip", "netns", "pids", ns], check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+    # ------------------------------------------------------------------ SIGTERM
+    def _catch_term(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers; its owner cleans up then
+
+        def term(signum, frame):
+            raise Terminated("stopped by SIGTERM; the Flower deployment was taken down")
+
+        self._old_term = signal.signal(signal.SIGTERM, term)
+
+    def _restore_term(self) -> None:
+        if self._old_term is not None:
+            signal.signal(signal.SIGTERM, self._old_term)
+            self._old_term = None

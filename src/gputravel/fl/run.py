@@ -1,0 +1,152 @@
+"""One FedAvg job on a Flower deployment, from the checks before it starts to its report.
+
+The report's times, comparable with a training run's (train.loop.make_report):
+
+* ``wall_s``: FedAvg's rounds, first to last (Flower's ``strategy.start`` in the ServerApp);
+  the deployment's start-up and `flwr run` are ``setup_s``, as a cohort's boot is not counted.
+* ``tx_s``: per round, the round's time minus its slowest holder's local compute, summed:
+  what the rounds spent on anything but the holders' compute, i.e. the model going down and
+  the update coming up over the capped links, plus Flower's own round trip (a SuperNode's
+  poll, a ClientApp process starting). ``tx_floor_s`` is the link's share alone: the bytes
+  counted on the busiest holder link over its cap.
+* ``training_s``: ``wall_s - tx_s``, the compute on the critical path (the slowest holder of
+  each round, and the SuperLink's averaging).
+* ``holder_compute_s``: every holder's local compute, summed over holders and rounds (wall
+  time of the local steps; ``holder_cpu_s``: their CPU time).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from gputravel.data.holder_tokens import load_tokens
+from gputravel.errors import RemoteError
+from gputravel.fl.config import FedAvgConfig, FedAvgPlan, drop_target, framework, plan
+from gputravel.fl.deploy import FlowerDeployment
+from gputravel.files import write_json
+from gputravel.net.counters import bytes_between
+from gputravel.train.loop import TrainConfig
+
+CONNECT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class FlJob:
+    train: TrainConfig
+    fl: FedAvgConfig
+    holders: Mapping[str, str]  # name -> the holder's training tokens (what its ClientApp reads)
+    bandwidth_mbit: float | None
+    workdir: Path
+
+
+def check(job: FlJob) -> FedAvgPlan:
+    """Everything that can be wrong with the job, before any process or namespace exists."""
+    framework()  # Flower is installed
+    sizes = {name: len(load_tokens(path)) for name, path in sorted(job.holders.items())}
+    return plan(job.fl, steps=job.train.steps, batch=job.train.batch, seq_len=job.train.seq_len, holder_tokens=sizes)
+
+
+def run_fedavg(job: FlJob, fedavg: FedAvgPlan | None = None) -> dict:
+    """Run the job; the report (see the module docstring), with the final weights' path."""
+    fedavg = fedavg or check(job)
+    out, progress = job.workdir / "out", job.workdir / "progress"
+    out.mkdir(parents=True, exist_ok=True)
+    progress.mkdir(exist_ok=True)
+    job_path = job.workdir / "job.json"
+    write_json(job_path, {"train": job.train.to_dict(), "plan": fedavg.to_dict(), "fl": job.fl.to_dict(),
+                          "out_dir": str(out), "progress_dir": str(progress), "connect_timeout_s": CONNECT_TIMEOUT_S})
+    dropper = _Dropper(job.fl, progress)
+    t0 = time.perf_counter()
+    with FlowerDeployment(job.holders, job.bandwidth_mbit, job.workdir / "deployment") as deployment:
+        before = deployment.link_bytes()
+        run_id = deployment.submit(job.workdir / "app", job_path)
+        status = deployment.wait(out / "status.json", CONNECT_TIMEOUT_S + 60 + job.fl.round_timeout_s * fedavg.rounds,
+                                 on_poll=lambda: dropper.poll(deployment))
+        moved = bytes_between(before, deployment.link_bytes())
+        total_s = time.perf_counter() - t0
+        flower = next((r for r in deployment.runs() if r.get("run-id") == run_id), {})
+    if status.get("status") != "done":
+        raise RemoteError(f"the FedAvg ServerApp failed: {status.get('reason', status)}")
+    record = json.loads((out / "rounds.json").read_text())
+    return _report(job, fedavg, record, moved, total_s, flower, dropper, out / "model.pt")
+
+
+class _Dropper:
+    """Makes the planned holder drop out once its ClientApp has started that round's steps."""
+
+    def __init__(self, fl: FedAvgConfig, progress: Path) -> None:
+        self.mode = fl.drop_mode
+        self.target = drop_target(fl.drop) if fl.drop else None
+        self.marker = progress / f"{self.target[0]}-round-{self.target[1]}" if self.target else None
+        self.done_at: float | None = None
+
+    def poll(self, deployment: FlowerDeployment) -> None:
+        if self.target and self.done_at is None and self.marker.exists():
+            deployment.drop(self.target[0], self.mode)
+            self.done_at = time.time()
+
+
+def _report(job: FlJob, fedavg: FedAvgPlan, record: dict, moved: dict, total_s: float, flower: dict,
+            dropper: _Dropper, model: Path) -> dict:
+    names = list(fedavg.holders)  # sorted; a reply's holder-index points into it
+    rounds = [_round(r, names) for r in record["rounds"]]
+    tx = sum(r["tx_s"] for r in rounds)
+    wall = record["wall_s"]
+    cap = job.bandwidth_mbit
+    busiest = max(b.total for b in moved.values())
+    return {
+        "framework": framework(), "plan": fedavg.to_dict(), "fl": job.fl.to_dict(),
+        "rounds": len(rounds), "round_log": rounds, "wall_s": wall, "tx_s": tx, "training_s": wall - tx,
+        "setup_s": total_s - wall, "tx_floor_s": None if cap is None else busiest * 8 / (cap * 1e6),
+        "holder_compute_s": sum(h["compute_s"] for r in rounds for h in r["holders"]),
+        "holder_cpu_s": sum(h["cpu_s"] for r in rounds for h in r["holders"]),
+        "holder_compute_by_holder_s": {n: sum(h["compute_s"] for r in rounds for h in r["holders"] if h["holder"] == n)
+                                       for n in names},
+        "bytes_over_link": sum(b.total for b in moved.values()),
+        "bytes_by_holder": {n: {"up": b.up, "down": b.down} for n, b in moved.items()},
+        "flower_counted_bytes": (flower.get("network-traffic") or {}).get("total-bytes"),
+        "phases_s": _phases(rounds), "drop": _drop(dropper, rounds), "model_path": str(model),
+    }
+
+
+def _round(r: dict, names: list[str]) -> dict:
+    holders = [_holder_round(x, r, names) for x in r["replies"]]
+    wall = r["end"] - r["start"]
+    slowest = max((h["compute_s"] for h in holders), default=0.0)
+    return {"round": r["round"], "wall_s": wall, "tx_s": wall - slowest, "sampled": len(r["sampled_nodes"]),
+            "replied": [h["holder"] for h in holders], "holders": holders, "failures": r["failures"],
+            "missing_nodes": r["missing_nodes"]}
+
+
+def _holder_round(x: dict, r: dict, names: list[str]) -> dict:
+    """One holder's round, in phases: until its ClientApp process started (the SuperNode's
+    poll, the model coming down the link, the SuperExec starting it), the ClientApp's start
+    (Python, Flower and torch imports, the FAB, the holder's data), its local steps, and
+    until the round ended (the update going up, the ServerApp's poll; the slowest holder's)."""
+    return {"holder": names[int(x["holder-index"])], "node": x["node"], "compute_s": x["compute-s"],
+            "cpu_s": x["cpu-s"], "loss_first": x["loss-first"], "loss_last": x["loss-last"],
+            "phases_s": {"to_clientapp": x["t-process"] - r["start"], "clientapp_start": x["t-train-start"] - x["t-process"],
+                         "local_steps": x["t-train-end"] - x["t-train-start"], "to_round_end": r["end"] - x["t-train-end"]}}
+
+
+def _phases(rounds: list[dict]) -> dict:
+    """Each phase of a holder's round, the mean over holders and rounds (s)."""
+    entries = [h["phases_s"] for r in rounds for h in r["holders"]]
+    return {k: sum(e[k] for e in entries) / len(entries) for k in entries[0]} if entries else {}
+
+
+def _drop(dropper: _Dropper, rounds: list[dict]) -> dict | None:
+    """What Flower did about the holder that dropped out: the round's failures, and who took
+    part in the rounds after."""
+    if dropper.target is None:
+        return None
+    holder, at = dropper.target
+    this = next((r for r in rounds if r["round"] == at), None)
+    return {"holder": holder, "round": at, "mode": dropper.mode, "dropped": dropper.done_at is not None,
+            "round_replied": None if this is None else this["replied"],
+            "flower_failures": None if this is None else this["failures"],
+            "later_rounds_replied": {r["round"]: r["replied"] for r in rounds if r["round"] > at}}
