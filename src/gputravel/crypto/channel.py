@@ -26,6 +26,7 @@ from typing import Self
 import msgspec
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 from msgspec.structs import force_setattr
@@ -328,6 +329,37 @@ class Receiver(_Endpoint):
             raise IntegrityError() from None
         except (ValueError, TypeError) as exc:
             raise BadInput(f"decrypt_into: {exc}") from None
+        self._channel, self._message = channel, message
+
+    def decrypt_once_into(self, data, out, piece, aad: bytes | None = None) -> None:
+        """:meth:`decrypt_into` for ciphertext||tag that others may rewrite while it is read
+        (a staging slot): each byte of ``data`` is read once, the tag first, then the
+        ciphertext a piece at a time into ``piece`` (a small private buffer, as a copy engine
+        DMAs a record in). The tag check and the decryption read only those copies, so the
+        bytes decrypted are the bytes the tag covers, however often AES-GCM reads its input.
+        Same recipe and contract as decrypt_into: ``out`` private, zeroed on failure.
+        """
+        nbytes = len(data) - TAG_BYTES
+        src, dst, own = memoryview(data), memoryview(out), memoryview(piece)
+        if nbytes < 0 or len(out) < nbytes or len(piece) == 0 or dst.readonly or own.readonly:
+            raise BadInput("decrypt_once_into: data shorter than a tag, out too short or read-only, or no piece buffer")
+        tag, (channel, message) = bytes(src[nbytes:]), self._next_pair()
+        try:
+            opener = Cipher(algorithms.AES(self._keys.key), modes.GCM(self._nonce(channel, message), tag)).decryptor()
+            opener.authenticate_additional_data(aad or b"")
+            for start in range(0, nbytes, len(own)):
+                size = min(len(own), nbytes - start)
+                own[:size] = src[start : start + size]
+                opener.update_into(own[:size], dst[start : start + size])
+            opener.finalize()
+        except (InvalidTag, ValueError, TypeError) as exc:
+            _zero(dst)  # whatever was decrypted into it is unverified
+            if isinstance(exc, InvalidTag):
+                raise IntegrityError() from None
+            raise BadInput(f"decrypt_once_into: {exc}") from None
+        except BaseException:
+            _zero(dst)  # whatever else stopped it, no unverified plaintext stays behind
+            raise
         self._channel, self._message = channel, message
 
     def accept_at(self, message_counter: int, channel_counter: int, data, aad: bytes | None = None) -> bytes:

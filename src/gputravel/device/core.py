@@ -6,8 +6,11 @@ descriptors and calls :meth:`DeviceCore.service` whenever the doorbell rings.
 
 What it enforces, as H100 CC does:
 - every push and copy record is authenticated with receiver-tracked IVs (replays fail);
-- a tag failure writes nothing to VRAM (records decrypt into a private scratch buffer first)
-  and faults that channel until the orchestrator rotates keys through the kernel channel;
+- a copy record is read out of the host-writable staging slot once, a piece at a time into
+  the device's own memory, and verified and decrypted from those copies only (no byte changes
+  between the check and the use); a tag failure writes nothing to VRAM (records decrypt into
+  a private scratch buffer first) and faults that channel until the orchestrator rotates keys
+  through the kernel channel;
 - the kernel channel's keys are never exported, so only the orchestrator can scrub or rotate;
 - a new SPDM session wipes VRAM and all channel state (the last CVM to boot owns the GPU);
 - attestation evidence (GET_MEASUREMENTS, signed by the firmware leaf key) is answered only
@@ -23,8 +26,8 @@ from typing import TYPE_CHECKING, Callable
 
 from gputravel.crypto.channel import Receiver, Sender, derive_epoch_keys
 from gputravel.crypto.spdm import Finish, GetCertificate, SpdmResponder
-from gputravel.device.memory import DmaFault, DmaWindow, check_range, dma_view, fill
-from gputravel.errors import DeviceError, GputravelError, IntegrityError, ProtocolError
+from gputravel.device.memory import PIECE_BYTES, DmaFault, DmaWindow, check_range, dma_view, fill, open_record
+from gputravel.errors import DeviceError, GputravelError, ProtocolError
 from gputravel.protocol.layout import (
     FAULT_REG,
     GPFIFO_ENTRY,
@@ -105,6 +108,7 @@ class DeviceCore:
         self._next_alloc = 0
         self._user_window: tuple[int, int] | None = None
         self._dma: DmaWindow | None = None
+        self._piece = bytearray(min(PIECE_BYTES, layout.record_bytes))  # a record's DMA reads land here
         self._scratch = bytearray(layout.record_bytes)
         self._tokens = {ch: int.from_bytes(rng(4), "little") | 1 for ch in PushChannel}
         #: Called at once when work asks for an interrupt (the process signals the CVM's eventfd).
@@ -270,7 +274,7 @@ class DeviceCore:
             get = self._get[channel]
             try:
                 interrupt = self._run_entry(channel, get)
-            except (IntegrityError, ProtocolError, DeviceError) as exc:
+            except GputravelError as exc:  # IntegrityError, ProtocolError, DeviceError, and any other of ours
                 self._fault(channel, exc)
                 return
             self._get[channel] = (get + 1) % entries
@@ -326,11 +330,11 @@ class DeviceCore:
             raise DeviceError("copy record size out of range")
         self._check_user_window(push.dst_offset, push.nbytes)
         record = self._dma_view(push.src_iova, push.nbytes + TAG_BYTES)
-        scratch = memoryview(self._scratch)[: push.nbytes]
-        # Decrypt into the device's private scratch first: the tag is only known at the end,
-        # and unauthenticated bytes must never reach protected memory.
-        self._rx["Lce00_h2d_user"].decrypt_into(record, scratch)
-        self.vram[push.dst_offset : push.dst_offset + push.nbytes] = scratch
+        # Read into the device's own memory and verified there, decrypted into the private
+        # scratch: the tag is only known at the end, and unauthenticated bytes must never
+        # reach protected memory.
+        plain = open_record(self._rx["Lce00_h2d_user"], record, self._piece, self._scratch)
+        self.vram[push.dst_offset : push.dst_offset + push.nbytes] = plain
         self.stats.records_in += 1
 
     def _copy_out(self, push: CopyFromVram) -> None:

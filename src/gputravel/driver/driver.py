@@ -295,6 +295,7 @@ class Driver:
         self._require_context("copy")
         lay = self.layout
         out = bytearray(nbytes)
+        inbound = bytearray(lay.staging_slot_bytes)
         decrypt = self.keys.rx["Lce00_d2h_user"].decrypt_into
         for start in range(0, nbytes, lay.record_bytes):
             n = min(lay.record_bytes, nbytes - start)
@@ -303,7 +304,11 @@ class Driver:
             self.submit(PushChannel.USER, CopyFromVram(src_offset=src_offset + start, nbytes=n, dst_iova=lay.iova(slot),
                                                        release=value, interrupt=True), timeout)
             self.wait_release(PushChannel.USER, value, timeout)
-            decrypt(self._sys[slot : slot + n + TAG_BYTES], memoryview(out)[start : start + n])
+            # The slot is host-writable: read it once into our own memory, verify and decrypt
+            # from there, so the bytes decrypted are the bytes the tag covered.
+            sealed = memoryview(inbound)[: n + TAG_BYTES]
+            sealed[:] = self._sys[slot : slot + n + TAG_BYTES]
+            decrypt(sealed, memoryview(out)[start : start + n])
         return out
 
     # ------------------------------------------------------------------ context migration
