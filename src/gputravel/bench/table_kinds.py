@@ -55,14 +55,6 @@ def pct(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x * 100:.{digits}f} %"
 
 
-def ms_or_s(ms: float) -> str:
-    return f"{ms:.1f} ms" if ms < 1000 else f"{ms / 1e3:.1f} s"
-
-
-def speedup(x: float) -> str:
-    return f"{x:.2f}x" if x < 10 else f"{x:,.0f}x"
-
-
 def link_label(bw: float | None) -> str:
     return "uncapped" if bw is None else f"{bw:g} Mbit/s"
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import statistics
 
-from gputravel.bench.table_kinds import STEP_NAMES, Source, Table, link_label, ms_or_s, num, pct, speedup
+from gputravel.bench.compare import fmt_ms, fmt_speedup
+from gputravel.bench.table_kinds import STEP_NAMES, Source, Table, link_label, num, pct
 from gputravel.errors import BadInput
 
 
@@ -29,14 +30,14 @@ def _mark(cell: dict) -> str:
 
 def compare_time(src: Source) -> Table:
     """`bench compare`: time per transmission, travel / baseline."""
-    return _grid(src, lambda c: f"{ms_or_s(c['travel_ms'])} / {_mark(c)}{ms_or_s(c['baseline_ms'])}")
+    return _grid(src, lambda c: f"{fmt_ms(c['travel_ms'])} / {_mark(c)}{fmt_ms(c['baseline_ms'])}")
 
 
 def compare_speedup(src: Source) -> Table:
     """`bench compare`: speedup (baseline / travel), with the paper's estimate in parentheses."""
     def text(c: dict) -> str:
         paper = c.get("paper_speedup_estimate")
-        return f"{_mark(c)}{speedup(c['speedup'])}" + ("" if paper is None else f" ({speedup(paper)})")
+        return f"{_mark(c)}{fmt_speedup(c['speedup'])}" + ("" if paper is None else f" ({fmt_speedup(paper)})")
     return _grid(src, text)
 
 
@@ -47,7 +48,7 @@ def compare_targets(src: Source) -> Table:
     ahead = [c for c in judged if c["speedup"] >= c["paper_speedup_estimate"]]
     low = min(judged, key=lambda c: c["speedup"] / c["paper_speedup_estimate"], default=None)
     margin = "-" if low is None else (f"lowest margin: {low['size_mib']} MiB at {link_label(low['bandwidth_mbit'])}, "
-                                      f"{speedup(low['speedup'])} vs {speedup(low['paper_speedup_estimate'])}")
+                                      f"{fmt_speedup(low['speedup'])} vs {fmt_speedup(low['paper_speedup_estimate'])}")
     slower = [c for c in cells if c["speedup"] < 1]
     where = ", ".join(f"{c['size_mib']} MiB at {link_label(c['bandwidth_mbit'])}" for c in slower)
     ratios = [c["rate_agreement"]["ratio"] for c in cells if c.get("rate_agreement")]

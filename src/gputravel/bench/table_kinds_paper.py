@@ -7,7 +7,8 @@ here. See table_kinds.py for how a kind is written.
 
 from __future__ import annotations
 
-from gputravel.bench.table_kinds import STEP_NAMES, Source, Table, link_label, num, pct, speedup
+from gputravel.bench.compare import fmt_speedup
+from gputravel.bench.table_kinds import STEP_NAMES, Source, Table, link_label, num, pct
 from gputravel.errors import BadInput
 
 EMULATED = "emulated"
@@ -71,10 +72,10 @@ def compare_profiles(src: Source) -> Table:
         if (size, bw) not in common:
             return "-"
         cells = [a[size, bw] for a in at]
-        shown = [("~" if c.get("extrapolated") else "") + speedup(c["speedup"]) for c in cells]
+        shown = [("~" if c.get("extrapolated") else "") + fmt_speedup(c["speedup"]) for c in cells]
         shown = [s if i == 0 and files[0][0] == EMULATED else f"**{s}**" for i, s in enumerate(shown)]
         paper = cells[-1].get("paper_speedup_estimate")
-        return " / ".join(shown) + ("" if paper is None else f" ({speedup(paper)})")
+        return " / ".join(shown) + ("" if paper is None else f" ({fmt_speedup(paper)})")
 
     body = tuple((str(s), *(text(s, bw) for bw in bws)) for s in sizes)
     return Table(("MiB", *(link_label(bw) for bw in bws)), body, "r")
