@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -28,13 +27,12 @@ from gputravel.errors import GputravelError
 from gputravel.jobs.travel import TravelJobConfig, run_travel_job, summarise
 from gputravel.protocol.control import STEPS, TravelReport
 from gputravel.protocol.hardware import hardware_profile
+from gputravel.cli.output import console, fail, numeric_table, write_results
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GPU Travelling: confidential collaborative training with a travelling (emulated) H100 in CC mode.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (numbers live here, never in tests).")
 app.add_typer(bench_app, name="bench")
-console = Console()
-
 
 app.command(name="demo")(training_job)
 app.add_typer(data_app, name="data")
@@ -51,11 +49,6 @@ SHORT = {"o_cleanup": "scrub", "o_export": "O exp", "dh_switch": "→H sw", "dh_
          "dh_export": "H exp", "tls": "TLS", "o_switch": "→O sw", "o_import": "O imp", "o_rotate": "rotate"}
 
 
-def _fail(exc: Exception) -> None:
-    console.print(f"[red]error:[/red] {exc}")
-    raise typer.Exit(1)
-
-
 # Columns of the per-travel table, grouped so it fits a terminal: the two PCIe switches (what
 # was waited for them), the context steps (imports, the holder's export, the rotation's
 # remainder) and the TLS round trip each get one column. The orchestrator's export runs
@@ -64,10 +57,8 @@ CONTEXT_STEPS = ("dh_import", "dh_export", "o_import", "o_rotate")
 
 
 def _travel_table(title: str) -> Table:
-    table = Table(title=title, show_lines=False, pad_edge=False)
-    for col in ("#", "holder", "chunk", "MiB", "scrub", "switch", "TLS", "context", "copy", "total", "GB/s", "digest"):
-        table.add_column(col, justify="right")
-    return table
+    columns = ("#", "holder", "chunk", "MiB", "scrub", "switch", "TLS", "context", "copy", "total", "GB/s", "digest")
+    return numeric_table(title, columns, show_lines=False, pad_edge=False)
 
 
 def _row(r: TravelReport) -> list[str]:
@@ -97,7 +88,7 @@ def travel_job(
     try:
         cfg = TravelJobConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed, hardware=hardware)
     except GputravelError as exc:
-        _fail(exc)
+        fail(exc)
     out = workdir or Path("runs/demo")
     total = holders * -(-dataset_mib // buffer_mib)
     console.print(f"[bold]gputravel travel[/bold]: {holders} holders x {dataset_mib} MiB, buffer {buffer_mib} MiB, "
@@ -117,7 +108,7 @@ def travel_job(
         try:
             run_travel_job(cfg, out, on_travel)
         except GputravelError as exc:
-            _fail(exc)
+            fail(exc)
     console.print(table)
     summary = summarise(reports)
     console.print(f"{summary['verified']}/{summary['travels']} chunks verified by digest, "
@@ -153,9 +144,8 @@ def bench_travel(
 ) -> None:
     """The paper's Table 1 for this system: per-step time of a travel at each buffer size."""
     size_list = _sizes(sizes)
-    table = Table(title="GPU Travelling overheads (medians, ms) — paper Table 1 layout")
-    for col in ("MiB", *(SHORT[s] for s in STEPS), "total", "fixed", "copy GB/s"):
-        table.add_column(col, justify="right")
+    table = numeric_table("GPU Travelling overheads (medians, ms) — paper Table 1 layout",
+                          ("MiB", *(SHORT[s] for s in STEPS), "total", "fixed", "copy GB/s"))
 
     def on_row(row: dict) -> None:
         st = row["steps_ms"]
@@ -167,7 +157,7 @@ def bench_travel(
         with console.status("measuring the crypto and pipeline limits and booting cohorts..."):
             result = travel_bench.run(size_list, repeat, on_row=on_row, hardware=hardware)
     except GputravelError as exc:
-        _fail(exc)
+        fail(exc)
     console.print(table)
     limit, pipe = result["crypto_limit_gbps"], result["pipeline_limit_gbps"]
     last = result["rows"][-1]
@@ -176,7 +166,7 @@ def bench_travel(
                   f"is {last['copy_gbps'] / pipe:.2f} x the pipeline limit ({last['copy_gbps'] / limit:.2f} x the crypto "
                   f"limit), fixed overhead {last['fixed_ms']:.2f} ms, "
                   f"scrub {last['steps_ms']['o_cleanup'] / last['steps_ms']['dh_copy'] * 100:.1f}% of the copy.")
-    _write_json(json_path, result)
+    write_results(json_path, result)
 
 
 @bench_app.command("compare")
@@ -201,18 +191,16 @@ def bench_compare(
                 f"  {c['size_mib']} MiB @ {compare.bandwidth_label(c['bandwidth_mbit'])}: travel {c['travel_ms']:.1f} ms, "
                 f"baseline {'~' if c['extrapolated'] else ''}{c['baseline_ms']:.1f} ms"))
     except GputravelError as exc:
-        _fail(exc)
+        fail(exc)
     _print_compare(result)
-    print_against_paper(console, result)
+    print_against_paper(result)
     if plot_path:
         console.print(f"figure written to {compare.plot(result, plot_path)}")
-    _write_json(json_path, result)
+    write_results(json_path, result)
 
 
 def _print_compare(result: dict) -> None:
-    table = Table(title=f"Time per transmission (medians; link: {result['link']})")
-    for col in compare.COLUMNS:
-        table.add_column(col, justify="right")
+    table = numeric_table(f"Time per transmission (medians; link: {result['link']})", compare.COLUMNS)
     for row in compare.table_rows(result):
         table.add_row(*row)
     console.print(table)
@@ -234,14 +222,13 @@ def bench_codec(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
 ) -> None:
     """Encode and decode time of the travel path's messages (the wire codec)."""
-    table = Table(title="Wire codec, travel path (medians, µs per call)")
-    for col in ("message", "bytes", "encode", "decode", "round trip"):
-        table.add_column(col, justify="right")
+    table = numeric_table("Wire codec, travel path (medians, µs per call)",
+                          ("message", "bytes", "encode", "decode", "round trip"))
     result = codec_bench.run(repeat, on_row=lambda r: table.add_row(
         r["message"], str(r["bytes"]), f"{r['encode_us']:.2f}", f"{r['decode_us']:.2f}", f"{r['round_trip_us']:.2f}"))
     console.print(table)
     console.print(f"codec: {result['codec']}")
-    _write_json(json_path, result)
+    write_results(json_path, result)
 
 
 @bench_app.command("ddp")
@@ -276,15 +263,10 @@ def bench_ddp(
         result = ddp_bench.run(counts, tuple(m.strip() for m in models.split(",") if m.strip()),
                                iters, on_row=row)
     except GputravelError as exc:
-        _fail(exc)
+        fail(exc)
     console.print(table)
-    _write_json(json_path, result)
+    write_results(json_path, result)
 
-
-def _write_json(path: Optional[Path], result: dict) -> None:
-    if path:
-        write_json(path, result)
-        console.print(f"results written to {path}")
 
 
 @app.command("redteam")
@@ -302,14 +284,14 @@ def redteam(
 
     unknown = sorted(set(only or ()) - {a.name for a in ATTACKS})
     if unknown:
-        _fail(f"unknown attack {', '.join(unknown)}; choose from: {', '.join(a.name for a in ATTACKS)}")
+        fail(f"unknown attack {', '.join(unknown)}; choose from: {', '.join(a.name for a in ATTACKS)}")
     show = lambda a, v: console.print(f"  {a.name}: {'stopped' if v.stopped else '[red]NOT stopped[/red]'}")
     try:
         report = run_redteam(only=tuple(only or ()), on_result=show)
     except GputravelError as exc:
-        _fail(exc)
+        fail(exc)
     print_report(report, console, evidence=evidence)
-    _write_json(json_path, report.to_json())
+    write_results(json_path, report.to_json())
     if report.failed:
         raise typer.Exit(1)
 

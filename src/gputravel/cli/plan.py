@@ -8,16 +8,14 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from gputravel.bench import plan as model
 from gputravel.cli.hardware import hardware_option
 from gputravel.errors import BadInput, GputravelError
 from gputravel.files import write_json
 from gputravel.protocol.hardware import EMULATED
+from gputravel.cli.output import console, numeric_table
 
-console = Console()
 #: Where benchmark JSONs measured on this machine are kept (the first that exist are read).
 RESULT_DIRS = (Path("docs/results"), Path("docs/benchmarks-data"))
 
@@ -116,9 +114,9 @@ def _print(out: dict) -> None:
                   f"{inp['epochs']} epoch(s), buffer {model.fmt_bytes(inp['buffer_bytes'])}, link {bw} "
                   f"(goodput {out['constants']['goodput_mbit']:.1f} Mbit/s), hardware {inp['hardware']}; training "
                   f"{model.fmt_duration(out['training_s'])} at {inp['tokens_per_s_used']:,.0f} tokens/s.")
-    table = Table(title="Predicted transmission (the training waits for it)")
-    for col in ("method", "per transmission", "transmissions", "transmission", "share of training", "bytes over the link"):
-        table.add_column(col, justify="right")
+    table = numeric_table("Predicted transmission (the training waits for it)",
+                          ("method", "per transmission", "transmissions", "transmission", "share of training",
+                           "bytes over the link"))
     for name, label in (("travelling", "GPU Travelling"), ("baseline", "TLS baseline"), ("fl", "FL (a model)")):
         m = out.get(name)
         if m is None:

@@ -6,14 +6,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from gputravel.bench import scale
 from gputravel.errors import GputravelError
 from gputravel.files import write_json
+from gputravel.cli.output import console, numeric_table
 
-console = Console()
 COLUMNS = ("holders", "median ms", "p90 ms", "fixed ms", "x 1 holder", "same holder ms", "boot s", "RSS MiB",
            "private MiB")
 
@@ -28,9 +26,7 @@ def bench_scale(
 ) -> None:
     """Travel time, fixed overhead, boot time and memory per holder, as the number of holders grows."""
     command = f"gputravel bench scale --holders {holders} --travels {travels} --buffer-mib {buffer_mib}"
-    table = Table(title="GPU Travelling with more holders (round robin; medians unless named)")
-    for col in COLUMNS:
-        table.add_column(col, justify="right")
+    table = numeric_table("GPU Travelling with more holders (round robin; medians unless named)", COLUMNS)
     try:
         counts = scale.parse_holders(holders)
         with console.status("booting a cohort per row..."):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -19,8 +19,8 @@ from gputravel.files import write_json
 from gputravel.errors import BadInput, GputravelError
 from gputravel.protocol.control import STEPS
 from gputravel.cli.hardware import hardware_option
+from gputravel.cli.output import console, fail
 
-console = Console()
 STEP_NAMES = {"o_cleanup": "scrub", "o_export": "O export (during the scrub)", "dh_switch": "switch to H (wait)", "dh_import": "H import",
               "dh_copy": "H copy", "dh_export": "H export", "tls": "TLS", "o_switch": "switch to O (wait)",
               "o_import": "O import", "o_rotate": "rotate"}
@@ -62,7 +62,7 @@ def training_job(
     from gputravel.train.loop import TrainConfig  # lazy: torch
 
     if resume and run_dir is None:
-        _fail(BadInput("--resume needs the --run-dir of the run to continue"))
+        fail(BadInput("--resume needs the --run-dir of the run to continue"))
     out = run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
         cfg = TrainingJobConfig(
@@ -72,7 +72,7 @@ def training_job(
             holders=_holder_data(holder_data) if holder_data else default_holders(holders, out),
             run_dir=str(out), resume=resume, hardware=hardware)
     except GputravelError as exc:
-        _fail(exc)
+        fail(exc)
     names = ", ".join(n for n, _ in cfg.holders)
     console.print(f"[bold]gputravel demo[/bold]: GPT-2 ({cfg.train.n_layer} layers, {cfg.train.n_embd} wide), "
                   f"{steps} steps of {batch}x{seq_len} tokens, {loader} loader, holders: {names}; "
@@ -84,7 +84,7 @@ def training_job(
         with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
             report = run_training_job(cfg, on_step=lambda e: view.update(e, live))
     except GputravelError as exc:
-        _fail(exc)
+        fail(exc)
     _summary(report, out)
     if json_path:
         write_json(json_path, report)
@@ -146,6 +146,3 @@ def _summary(report: dict, out: Path) -> None:
     console.print(f"run directory {out}: {files}")
 
 
-def _fail(exc: Exception) -> None:
-    console.print(f"[red]error:[/red] {exc}")
-    raise typer.Exit(1)

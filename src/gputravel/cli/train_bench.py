@@ -7,26 +7,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from gputravel.bench import compare
 from gputravel.cli.hardware import hardware_option
 from gputravel.errors import GputravelError
-from gputravel.files import write_json
-
-console = Console()
+from gputravel.cli.output import console, fail, numeric_table, write_results
 
 
-def _fail(exc: Exception) -> None:
-    console.print(f"[red]error:[/red] {exc}")
-    raise typer.Exit(1)
-
-
-def _write_json(path: Optional[Path], result: dict) -> None:
-    if path is not None:
-        write_json(path, result)
-        console.print(f"results written to {path}")
 
 
 def bench_train(
@@ -64,10 +51,9 @@ def bench_train(
             result = train.run(cfg, on_row=lambda r: console.print(
                 f"  {compare.bandwidth_label(r['bandwidth_mbit'])} {r['method']} done"))
     except GputravelError as exc:
-        _fail(exc)
-    table = Table(title=f"Training and transmission (link: {result['link']}); final loss on held-out tokens")
-    for col in train_report.COLUMNS:
-        table.add_column(col, justify="right")
+        fail(exc)
+    table = numeric_table(f"Training and transmission (link: {result['link']}); final loss on held-out tokens",
+                          train_report.COLUMNS)
     for row in train_report.table_rows(result):
         table.add_row(*row)
     console.print(table)
@@ -83,7 +69,7 @@ def bench_train(
                           f"averaged {', '.join(drop['round_replied'] or [])}; Flower reported: {failures}")
     if plot_path:
         console.print(f"figure written to {train_report.plot(result, plot_path)}")
-    _write_json(json_path, result)
+    write_results(json_path, result)
 
 
 def bench_fl_sweep(
@@ -107,11 +93,11 @@ def bench_fl_sweep(
                 f"  {c['holder_tokens']} tokens/holder, {c['n_layer']}x{c['n_embd']}: "
                 + ", ".join(f"{m} {r['bytes_over_link']:,} B" for m, r in c["rows"].items())))
     except (GputravelError, ValueError) as exc:
-        _fail(exc)
+        fail(exc)
     for name, m in result["crossover"].get("models", {}).items():
         console.print(f"  {name} ({m['params']:,} params): FedAvg moves fewer bytes than TLS above "
                       f"{m['tls_parity_holder_tokens']:,.0f} tokens/holder, than travelling above "
                       f"{m['travel_parity_holder_tokens']:,.0f}")
     if plot_path:
         console.print(f"figure written to {fl_sweep.plot(result, plot_path)}")
-    _write_json(json_path, result)
+    write_results(json_path, result)
