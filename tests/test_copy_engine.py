@@ -209,6 +209,24 @@ def test_a_batch_lands_exactly_as_one_record_at_a_time(gpu) -> None:
     assert gpu.core.stats.records_in == 8 and gpu.core.stats.faults == []
 
 
+def test_any_error_of_ours_while_opening_a_record_faults_the_channel(gpu, monkeypatch) -> None:
+    """Review (issue 17): the device's loop faults the channel on any of the project's errors
+    (here a BadInput out of the record's opening), not only on a bad tag: nothing is written,
+    the channel is faulted, and the device goes on serving instead of dying."""
+    from gputravel.device import core as device_core  # lazy: patched for this test only
+
+    orch, alice, buf = boot(gpu)
+
+    def refuse(*args):
+        raise BadInput("simulated")
+
+    monkeypatch.setattr(device_core, "open_record", refuse)
+    with pytest.raises(ChannelFaulted):
+        alice.copy_to_vram(memoryview(data_of(RECORD)), buf.offset, buffer_bytes=buf.nbytes)
+    assert gpu.vram_at(buf.offset, BUFFER) == bytes(BUFFER)
+    assert gpu.core.faulted(USER) and gpu.core.stats.records_in == 0
+
+
 def test_a_tampered_record_in_a_batch_writes_nothing_of_it_or_after_it(gpu) -> None:
     orch, alice, buf = boot(gpu)
     data = data_of(6 * RECORD)
