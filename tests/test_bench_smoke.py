@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gputravel.bench.compare import paper_speedup, parse_bandwidths, tie_breaks
+from gputravel.bench.compare import parse_bandwidths, tie_breaks
+from gputravel.bench.paper import paper_speedup
 from gputravel.cli.app import app
 from gputravel.errors import BadInput
 from gputravel.net import LINK_NETNS, LINK_TOKEN_BUCKET

@@ -41,7 +41,6 @@ from gputravel.cohort.links import resolve_link
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 from gputravel.bench import paper
-from gputravel.bench.paper import paper_speedup  # noqa: F401  (the paper's estimate, where callers look for it)
 from gputravel.protocol.hardware import EMULATED, hardware_profile
 
 MIB = 1 << 20
@@ -171,7 +170,7 @@ def _cell(size: int, bw: float | None, travel: dict, base: dict) -> dict:
         agreement = {"expected_ms": expected_ms, "measured_ms": base["steps_ms"]["tls"], "ratio": ratio,
                      "ok": abs(ratio - 1) <= RATE_TOLERANCE}
     speedup = base["total_ms"] / travel["total_ms"]
-    estimate = paper_speedup(size, bw)
+    estimate = paper.paper_speedup(size, bw)
     cell = {
         "size_mib": size,
         "bandwidth_mbit": bw,

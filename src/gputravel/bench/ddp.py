@@ -30,6 +30,7 @@ network. The ratios, not the milliseconds, are what carries over.
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import os
 import socket
 import statistics
@@ -198,7 +199,11 @@ def run_cell(world: int, model_name: str, iters: int, root: tuple[bytes, bytes],
     try:
         deadline = time.monotonic() + timeout
         while len(got) < world:
-            rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            try:
+                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise BadInput(f"{world - len(got)} of {world} ranks ({model_name}) said nothing within {timeout:.0f} s "
+                               "(died, or hung)") from None
             got[rank] = (status, value)
             if status == "error":
                 raise BadInput(f"rank {rank} of {world} ({model_name}) failed: {value}")

@@ -31,7 +31,6 @@ from gputravel.protocol.hardware import EMULATED, PAPER_H100, TABLE_2, TABLE_2_B
 MIB = 1 << 20
 TIB = 1 << 40
 #: The paper's uncapped link "reaches around 1 Gbps" (paper 7.4).
-PAPER_UNCAPPED_MBIT = 1000.0
 #: "the keys and contexts were small (about 16 KiB)" (paper 7.1): what a travel sends over the link.
 PAPER_CONTEXT_BYTES = 16 * 1024
 SOURCES = ("auto", "results", "paper")

@@ -16,7 +16,6 @@ that has not run for a while pays to start cold (the scale section of docs/bench
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -24,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from gputravel.bench.compare import machine
 from gputravel.cohort import capacity
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
@@ -45,10 +45,6 @@ def parse_holders(text: str) -> list[int]:
         raise BadInput(f"--holders: each count must be between 1 and {capacity.MAX_HOLDERS}")
     return counts
 
-
-def machine() -> str:
-    return (f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
-            f"{platform.python_implementation()} {platform.python_version()}")
 
 
 def run(holders: list[int], travels: int, buffer_mib: int = 1, *, command: str = "",

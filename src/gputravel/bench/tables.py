@@ -141,7 +141,7 @@ def data_line(source: str, src: tk.Source) -> str:
         facts.append(_span(dates[0], dates[-1]))
     # A file without the block predates the profiles: it ran emulated, which is worth saying
     # only beside a file that names its profile.
-    profiles = list(dict.fromkeys(_hardware(d["hardware"]) if d.get("hardware") else "emulated" for d in datas))
+    profiles = list(dict.fromkeys(tp.profile_of(d) for d in datas))
     if any(d.get("hardware") for d in datas):
         facts.append("hardware profile " + ", ".join(profiles))
     return where + ("; " + "; ".join(facts) if facts else "") + "."
@@ -160,11 +160,6 @@ def _span(first: str, last: str) -> str:
         return f"{first.removesuffix(' UTC')} to {last[11:]}"
     return f"{first} to {last}"
 
-
-def _hardware(value: object) -> str:
-    if isinstance(value, dict):
-        return str(value.get("name") or value.get("profile") or "unnamed")
-    return str(value)
 
 
 # ----------------------------------------------------------------------------- the document

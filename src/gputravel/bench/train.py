@@ -103,7 +103,7 @@ def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) 
             raise BadInput("the FL baseline runs Flower's processes on netns-tc links, which are not available "
                            "here (root, iproute2 and sch_tbf are needed): run without fl, or where namespaces work")
     result = {"link": kind, "machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-              "methods": list(cfg.methods), "config": cfg.train.to_dict(), "fl_config": cfg.fl.to_dict(),
+              "methods": list(cfg.methods), "fl_config": cfg.fl.to_dict(),
               "eval_batches": cfg.eval_batches, "holder_tokens": cfg.holder_tokens, "iid": cfg.iid,
               "hardware": hardware_profile(cfg.hardware).to_json(), "rows": [], "checks": []}
     with tempfile.TemporaryDirectory(prefix="gputravel-train-bench-", dir=cfg.workdir) as tmp:

@@ -9,8 +9,7 @@ import typer
 
 from gputravel.bench import scale
 from gputravel.errors import GputravelError
-from gputravel.files import write_json
-from gputravel.cli.output import console, numeric_table
+from gputravel.cli.output import console, fail, numeric_table, write_results
 
 COLUMNS = ("holders", "median ms", "p90 ms", "fixed ms", "x 1 holder", "same holder ms", "boot s", "RSS MiB",
            "private MiB")
@@ -33,8 +32,7 @@ def bench_scale(
             result = scale.run(counts, travels, buffer_mib, command=command, on_row=lambda r: console.print(
                 f"  {r['holders']} holders: median {r['median_ms']:.2f} ms, booted in {r['boot_s']:.1f} s"))
     except GputravelError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1)
+        fail(exc)
     for r in result["rows"]:
         ratio = f"{r['vs_1_holder']:.2f}" if r["vs_1_holder"] else "-"
         table.add_row(str(r["holders"]), f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}", f"{r['fixed_ms']:.2f}", ratio,
@@ -44,6 +42,4 @@ def bench_scale(
     loads = ", ".join(f"{r['loadavg'][0]:.1f}" for r in result["rows"])
     console.print(f"target: the median at 64 holders within 1.2 x that of 1 holder. {result['machine']}; "
                   f"1-minute load at each row's start: {loads}")
-    if json_path:
-        write_json(json_path, {**result, "command": f"{command} --json {json_path}"})
-        console.print(f"results written to {json_path}")
+    write_results(json_path, {**result, "command": f"{command} --json {json_path}"})

@@ -97,7 +97,10 @@ class FlowerDeployment:
 
     def close(self) -> None:
         """Stop every process (TERM, then KILL after 5 s), then delete the namespaces, which
-        kills what Flower started inside them; a namespace left behind raises LinkError."""
+        kills what Flower started inside them; a namespace left behind raises LinkError. A
+        second SIGTERM meanwhile is ignored, so it cannot cut the teardown short."""
+        if self._old_term is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             for proc in self.children.values():
                 if proc.poll() is None:
@@ -206,7 +209,7 @@ class FlowerDeployment:
             return
         assert self.links.shaped is not None
         ns = self.links.shaped.namespace(holder)
-        for pid in run_iproute(["ip", "netns", "pids", ns], check=False).stdout.split():
+        for pid in run_iproute(["ip", "netns", "pids", ns]).stdout.split():
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
