@@ -295,8 +295,8 @@ class Driver:
         self._require_context("copy")
         lay = self.layout
         out = bytearray(nbytes)
-        inbound = bytearray(lay.staging_slot_bytes)
-        decrypt = self.keys.rx["Lce00_d2h_user"].decrypt_into
+        piece = bytearray(lay.record_bytes)  # our own memory, where each record is read into once
+        open_once = self.keys.rx["Lce00_d2h_user"].decrypt_once_into
         for start in range(0, nbytes, lay.record_bytes):
             n = min(lay.record_bytes, nbytes - start)
             slot = lay.staging_slot_offset(0)
@@ -304,11 +304,9 @@ class Driver:
             self.submit(PushChannel.USER, CopyFromVram(src_offset=src_offset + start, nbytes=n, dst_iova=lay.iova(slot),
                                                        release=value, interrupt=True), timeout)
             self.wait_release(PushChannel.USER, value, timeout)
-            # The slot is host-writable: read it once into our own memory, verify and decrypt
-            # from there, so the bytes decrypted are the bytes the tag covered.
-            sealed = memoryview(inbound)[: n + TAG_BYTES]
-            sealed[:] = self._sys[slot : slot + n + TAG_BYTES]
-            decrypt(sealed, memoryview(out)[start : start + n])
+            # The slot is host-writable: the device's way of opening a record (each byte read
+            # once into our own memory, only that copy verified and decrypted).
+            open_once(self._sys[slot : slot + n + TAG_BYTES], memoryview(out)[start : start + n], piece)
         return out
 
     # ------------------------------------------------------------------ context migration
