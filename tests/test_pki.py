@@ -14,7 +14,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from gputravel.crypto.device_identity import make_device_identity
-from gputravel.crypto.pki import CohortPki, MemberIdentity, peer_name
+from cryptography.hazmat.primitives import serialization
+
+from gputravel.crypto.certs import cert_pem, issue_certificate, key_pem, subject_name
+from gputravel.crypto.pki import CohortPki, MemberIdentity, peer_name, pin_peers, self_signed_member
 from gputravel.errors import BadInput
 
 MEMBERS = ("orchestrator", "holder-1", "host")
@@ -214,3 +217,53 @@ def test_device_identity():
     assert ident.root_der == ident.chain_der[-1]
     with pytest.raises(BadInput):
         make_device_identity(serial="bad serial!")
+
+
+# ----------------------------------------------------------------------------- pinned peers (service/)
+def _pinned(tmp_path, name):
+    d = tmp_path / name
+    d.mkdir()
+    pem = self_signed_member(d, name)
+    return d, pem
+
+
+def test_pinned_members_meet_and_an_unpinned_one_is_refused(tmp_path):
+    """Deployed parties trust exactly the certificates they pinned: a holder the orchestrator
+    pinned gets in; one with a certificate of its own for the same name does not."""
+    o_dir, o_pem = _pinned(tmp_path, "orchestrator")
+    h_dir, h_pem = _pinned(tmp_path, "north")
+    (tmp_path / "impostor").mkdir()
+    impostor_dir, _ = _pinned(tmp_path / "impostor", "north")
+    pin_peers(o_dir, "orchestrator", [h_pem])
+    pin_peers(h_dir, "north", [o_pem])
+    pin_peers(impostor_dir, "north", [o_pem])
+    server = CohortPki.load(o_dir).server_context("orchestrator")
+    assert run_tls(server, CohortPki.load(h_dir).client_context("north"), "orchestrator") == ("north", "orchestrator")
+    s, c = run_tls(server, CohortPki.load(impostor_dir).client_context("north"), "orchestrator")
+    assert isinstance(s, ssl.SSLError) and isinstance(c, Exception)
+
+
+def test_a_pinned_self_signed_certificate_cannot_issue_another(tmp_path):
+    """A pinned holder's key is not a CA: a certificate it signs for another name is refused."""
+    o_dir, o_pem = _pinned(tmp_path, "orchestrator")
+    h_dir, h_pem = _pinned(tmp_path, "north")
+    pin_peers(o_dir, "orchestrator", [h_pem])
+    forged_dir = tmp_path / "forged"
+    forged_dir.mkdir()
+    h_key = serialization.load_pem_private_key((h_dir / "north.key").read_bytes(), password=None)
+    key = ec.generate_private_key(ec.SECP384R1())
+    cert = issue_certificate(subject=subject_name("south"), public_key=key.public_key(), issuer=subject_name("north"),
+                             issuer_key=h_key, not_before=datetime.now(timezone.utc), days=1, is_ca=False,
+                             extensions=[(x509.SubjectAlternativeName([x509.DNSName("south")]), False)])
+    (forged_dir / "south.pem").write_bytes(cert_pem(cert) + h_pem)
+    (forged_dir / "south.key").write_bytes(key_pem(key))
+    (forged_dir / "ca.pem").write_bytes(h_pem + o_pem)
+    client = CohortPki.load(forged_dir).client_context("south")
+    s, c = run_tls(CohortPki.load(o_dir).server_context("orchestrator"), client, "orchestrator")
+    assert isinstance(s, ssl.SSLError), s
+
+
+def test_a_restarted_member_keeps_its_pinned_identity(tmp_path):
+    d, pem = _pinned(tmp_path, "north")
+    assert self_signed_member(d, "north") == pem
+    assert stat.S_IMODE((d / "north.key").stat().st_mode) == 0o600

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from gputravel.crypto.pki import install_member_cert, member_csr
+from gputravel.crypto.pki import install_member_cert, member_csr, self_signed_member
 from gputravel.errors import GputravelError, ProtocolError
 from gputravel.protocol.layout import Layout
 from gputravel.transport.stream import StreamTransport
@@ -66,6 +66,9 @@ def run_party(argv: list[str], serve_role: ServeRole) -> int:
         member = payload.pop("enroll", None)
         if member is not None:
             _enroll(control, member, payload["pki_dir"])
+        pinned = payload.pop("self_sign", None)  # a deployed member (service/): its peers pin its certificate
+        if pinned is not None:
+            self_signed_member(Path(payload["pki_dir"]), pinned)
         serve_role(role, payload, control, extra)
     except GputravelError as exc:
         traceback.print_exc()
@@ -89,7 +92,7 @@ def _serve(role: str, payload: dict, control: StreamTransport, extra: socket.soc
     elif role == "device":
         from gputravel.device.process import DeviceConfig, DeviceProcess  # lazy: only this role's code
 
-        assert extra is not None
+        # extra: the orchestrator's link, inherited; None when the device listens on config.link_socket
         config = load_config(DeviceConfig, payload)
         # Its firmware key, made here; the launcher (the GPU vendor) issues its leaf certificate.
         gpu = DeviceMaterial.enroll(config.gpu_dir, lambda csr: _certified(control, "device", csr))

@@ -46,6 +46,8 @@ __all__ = [
     "install_member_cert",
     "member_csr",
     "peer_name",
+    "pin_peers",
+    "self_signed_member",
 ]
 
 CA_FILE = "ca.pem"
@@ -139,7 +141,9 @@ class CohortPki:
         directory = Path(directory)
         try:
             ca_pem = (directory / CA_FILE).read_bytes()
-            ca_cert = x509.load_pem_x509_certificate(ca_pem)
+            # One cohort CA, or (a deployed party: service/) the self-signed certificates of the
+            # peers it pinned: every certificate in the file is a trust anchor.
+            anchors = x509.load_pem_x509_certificates(ca_pem)
         except (OSError, ValueError):
             raise BadInput(f"{directory / CA_FILE} is missing or not a PEM certificate") from None
         members: dict[str, MemberIdentity] = {}
@@ -150,7 +154,7 @@ class CohortPki:
                 continue
             _check_name(name)
             ident = MemberIdentity(name, cert_path.read_bytes(), key_path.read_bytes())
-            _check_member(ident, ca_cert)
+            _check_member(ident, anchors)
             members[name] = ident
         return cls(directory, ca_pem, members)
 
@@ -238,21 +242,73 @@ def install_member_cert(directory: Path, name: str, cert_pem: bytes, ca_pem: byt
     (directory / CA_FILE).write_bytes(ca_pem)  # last: its presence marks a complete directory
 
 
-def _check_member(ident: MemberIdentity, ca_cert: x509.Certificate) -> None:
-    """A loaded member must be issued by this CA and its key must match its certificate."""
+def _check_member(ident: MemberIdentity, anchors: list[x509.Certificate]) -> None:
+    """A loaded member must be issued by one of the trust anchors (the cohort CA, or itself when
+    self-signed and pinned) and its key must match its certificate."""
     try:
         cert = x509.load_pem_x509_certificate(ident.cert_pem)
         key = serialization.load_pem_private_key(ident.key_pem, password=None)
     except (ValueError, TypeError):
         raise BadInput(f"member {ident.name!r}: certificate or key is not readable PEM") from None
-    try:
-        cert.verify_directly_issued_by(ca_cert)
-    except (ValueError, TypeError, InvalidSignature):
+    if not any(_issued_by(cert, anchor) for anchor in anchors):
         raise BadInput(f"member {ident.name!r}: certificate is not issued by this cohort CA") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise BadInput(f"member {ident.name!r}: key is not an EC private key")
     if key.public_key().public_numbers() != cert.public_key().public_numbers():
         raise BadInput(f"member {ident.name!r}: private key does not match its certificate")
+
+
+def _issued_by(cert: x509.Certificate, anchor: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(anchor)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- pinned peers
+def self_signed_member(directory: Path, name: str, *, now: datetime | None = None, valid_days: int = 365) -> bytes:
+    """Run by a deployed member itself (service/): its key, made in its own directory (0600) or
+    the one it made before, and a certificate it signs itself, which its peers pin (the
+    consortium exchanges these, not a CA). Returns the certificate (PEM, public). Until
+    `pin_peers` runs, the member trusts only itself."""
+    directory = Path(directory)
+    key_path = directory / f"{_check_name(name)}.key"
+    own_key_request(key_path, name)  # makes the key once; the request itself is not needed
+    key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    cert_path = directory / f"{name}.pem"
+    if cert_path.exists() and _same_key(cert_path.read_bytes(), key):
+        pem = cert_path.read_bytes()  # a restart keeps its identity: peers pinned this one
+    else:
+        own = subject_name(name)
+        pem = cert_pem(_leaf(name, key.public_key(), own, key, utc_now(now), valid_days))
+        cert_path.write_bytes(pem)
+    bundle = (directory / CA_FILE).read_bytes() if (directory / CA_FILE).exists() else b""
+    if pem not in bundle:  # peers pinned before this member first started, and itself
+        (directory / CA_FILE).write_bytes(pem + bundle)
+    return pem
+
+
+def pin_peers(directory: Path, name: str, peers: Iterable[bytes]) -> None:
+    """Trust exactly this member's own certificate and the peers' (PEM): the new ca.pem."""
+    directory = Path(directory)
+    own = (directory / f"{_check_name(name)}.pem").read_bytes()
+    bundle = [own] + [p for p in peers if p != own]
+    for pem in bundle:
+        try:
+            x509.load_pem_x509_certificate(pem)
+        except ValueError:
+            raise BadInput(f"a pinned certificate for {name!r} is not PEM") from None
+    (directory / CA_FILE).write_bytes(b"".join(bundle))
+
+
+def _same_key(cert_pem_bytes: bytes, key: ec.EllipticCurvePrivateKey) -> bool:
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem_bytes)
+    except ValueError:
+        return False
+    return cert.public_key().public_numbers() == key.public_key().public_numbers()
 
 
 def peer_name(ssl_socket: ssl.SSLSocket | ssl.SSLObject) -> str:
