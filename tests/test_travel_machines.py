@@ -44,7 +44,7 @@ RESULT = TravelResult(1, BLOB, ChunkInfo(0, BUFFER.nbytes, DIGEST), {}, -1)
 
 def orchestrator(deadlines: om.Deadlines = om.Deadlines()) -> OrchestratorTravel:
     o = OrchestratorTravel(BUFFER, deadlines)
-    o.enrol(HolderHello("alice", len(DATASET), PIECE, piece_digests(DATASET, PIECE), ""))
+    o.enrol(HolderHello("alice", len(DATASET), PIECE, piece_digests(DATASET, PIECE), "", True))
     return o
 
 
@@ -386,7 +386,7 @@ def holder_shell(clock: Clock, monkeypatch, **mux) -> holder_cvm.DataHolder:
     h.driver = Calls(copy_from_vram=lambda off, n, timeout: bytes(n),
                      query_buffer=SimpleNamespace(nbytes=BUFFER.nbytes), export_context=b"\x02back")
     h.mux = Calls(**mux)
-    h.orchestrator, h.attestation, h.travels_served = None, None, 0
+    h.orchestrator, h.attestation, h.travels_served, h.probed = None, None, 0, True
     h._policy, h._clock = None, clock
     link = Calls(recv=SimpleNamespace(message=Welcome("orchestrator")))
     material = SimpleNamespace(policy=SimpleNamespace(max_evidence_age_s=600))

@@ -57,6 +57,15 @@ class QuotingLaunch:
         self.socket = place.path(home / "quote.sock")  # one name for the module and the orchestrator
         self.config = {"socket_path": self.socket, "hold_s": hold_s}
 
+    @classmethod
+    def at(cls, socket_path: str, *, hold_s: float = 30.0) -> QuotingLaunch:
+        """A module listening at `socket_path` in a directory the caller made (a deployed
+        orchestrator's service: service/members.py)."""
+        launch = cls.__new__(cls)
+        launch.socket = socket_path
+        launch.config = {"socket_path": socket_path, "hold_s": hold_s}
+        return launch
+
     @staticmethod
     def certify(control: StreamTransport, trust: CohortTrust, timeout: float) -> CohortTrust:
         """Issue the module's quoting-key certificate under the CPU-TEE root; the root key is

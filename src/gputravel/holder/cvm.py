@@ -29,7 +29,7 @@ from gputravel.errors import (
 )
 from gputravel.protocol.layout import Layout
 from gputravel.protocol.parties import ORCHESTRATOR
-from gputravel.protocol.travel import Bye, HolderHello, SendChunk, TravelRequest
+from gputravel.protocol.travel import Bye, HolderHello, ProbeDone, ProbeNow, SendChunk, TravelRequest
 from gputravel.holder.machine import Deadlines, HolderTravel
 from gputravel.holder.steps import (
     Attached, Attest, Attested, AuditArrival, Audited, AwaitGpu, AwaitSwitchHome, BaselineAsked, Challenge, CheckBuffer,
@@ -128,6 +128,7 @@ class DataHolder:
         self.orchestrator: Transport | None = None
         self.attestation: OrchestratorAttestation | None = None  # our last one of the orchestrator
         self.travels_served = 0
+        self.probed = False  # set up our driver on the GPU yet (paper 4.1): at boot, or on a lent GPU
         self._policy: HolderMaterial | None = None  # what the attestation under way checks against
 
     def boot(self) -> None:
@@ -136,6 +137,7 @@ class DataHolder:
             return  # a late holder: it probes when the orchestrator lends it the GPU (orchestrator/membership.py)
         self.switch(self.config.name)
         self.driver.probe(timeout=self.config.device_timeout)
+        self.probed = True
 
     def switch(self, target: str) -> int:
         return self.mux.switch(target, self.config.device_timeout).elapsed_ns
@@ -219,8 +221,23 @@ class DataHolder:
     def _introduce(self, act: Introduce, timeout: float | None) -> HelloAnswered:
         assert self.orchestrator is not None
         self.orchestrator.send(HolderHello(self.config.name, self.dataset.size, self.piece_bytes, self.sm.manifest,
-                                           self.dataset.tokenizer))
-        return HelloAnswered(self.orchestrator.recv(timeout=timeout).message)
+                                           self.dataset.tokenizer, probed=self.probed))
+        answer = self.orchestrator.recv(timeout=timeout).message
+        if isinstance(answer, ProbeNow) and not self.probed:  # a late holder: probe on the lent GPU first
+            self._probe_lent_gpu()
+            self.orchestrator.send(ProbeDone(holder=self.config.name))
+            answer = self.orchestrator.recv(timeout=timeout).message
+        return HelloAnswered(answer)
+
+    def _probe_lent_gpu(self) -> None:
+        """Paper 4.1 for a late holder: the orchestrator lent us the GPU between travels (no key
+        is exported then); probe it and switch it back, whatever the probe did."""
+        try:
+            self.switch(self.config.name)
+            self.driver.probe(timeout=self.config.device_timeout)
+            self.probed = True
+        finally:
+            self.switch(ORCHESTRATOR)
 
     def _import_blob(self, act: ImportBlob, timeout: float | None) -> Imported:
         self.driver.import_context(act.blob)  # while the MUX switches the GPU to us

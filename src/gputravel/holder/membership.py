@@ -104,6 +104,7 @@ def _carry_out(holder: DataHolder, act: object, sel: selectors.BaseSelector) -> 
         holder.switch(act.target)
     elif isinstance(act, ProbeDriver):
         holder.driver.probe(timeout=holder.config.device_timeout)
+        holder.probed = True
     elif isinstance(act, SayGoodbye):
         conn = holder.orchestrator
         assert conn is not None

@@ -125,7 +125,10 @@ class Orchestrator:
         return self.mux.switch(target, self.config.device_timeout).elapsed_ns
 
     # ------------------------------------------------------------------ cohort
-    def accept_holder(self, timeout: float) -> str:
+    def accept_holder(self, timeout: float, probe: Callable[[str, Transport], None] | None = None) -> str:
+        """Admit one holder: it attests us, introduces itself, and is welcomed. A late holder
+        (its hello says it has not probed the GPU) is lent the GPU first through ``probe``
+        (orchestrator/membership.py); without one it is refused."""
         conn, peer = self.listener.accept(timeout=timeout)
         try:  # paper 4.5, CPU phase: the holder attests us before it says anything else
             self.attester.serve_challenge(conn, self.driver, timeout, self._clock())
@@ -151,6 +154,8 @@ class Orchestrator:
             conn.send(Bye(reason=str(exc)))
             conn.close()
             raise
+        if not hello.probed:
+            self._probe_first(peer, conn, probe)
         old = self.holders.pop(peer, None)
         if old is not None:
             old.close()
@@ -161,14 +166,27 @@ class Orchestrator:
         pace(conn, self.config.pace_mbit)
         return peer
 
-    def await_holders(self, names: tuple[str, ...], timeout: float) -> dict[str, int]:
+    @staticmethod
+    def _probe_first(peer: str, conn: Transport, probe: Callable[[str, Transport], None] | None) -> None:
+        if probe is None:
+            conn.send(Bye(reason="the GPU cannot be lent for a probe here: boot before the orchestrator"))
+            conn.close()
+            raise BadInput(f"holder {peer!r} has not probed the GPU and cannot be lent it now")
+        try:
+            probe(peer, conn)
+        except BaseException:
+            conn.close()
+            raise
+
+    def await_holders(self, names: tuple[str, ...], timeout: float,
+                      probe: Callable[[str, Transport], None] | None = None) -> dict[str, int]:
         deadline = time.monotonic() + timeout
         while not set(names) <= set(self.holders):
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(names) - set(self.holders))
                 raise PeerTimeout(f"holders did not join in {timeout:g} s: {', '.join(missing)}")
-            self.accept_holder(left)
+            self.accept_holder(left, probe)
         assert self.travel_sm is not None
         return {n: self.travel_sm.holders[n].dataset_bytes for n in self.holders}
 

@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING
 from gputravel.errors import BadInput, IllegalTransition, ProtocolError, TransportClosed
 from gputravel.protocol.control import AwaitDeparture, Departed, GpuLent, GpuReclaimed, LendGpu, ReclaimGpu
 from gputravel.protocol.parties import ORCHESTRATOR
-from gputravel.protocol.travel import Bye
+from gputravel.protocol.travel import Bye, ProbeDone, ProbeNow
 
 if TYPE_CHECKING:
     from gputravel.orchestrator.cvm import Orchestrator
+    from gputravel.transport.base import Transport
 
 __all__ = ["ORCHESTRATOR_COMMANDS", "GpuState", "Lending", "Membership"]
 
@@ -170,6 +171,19 @@ class Membership:
         act = self.core.lend(holder, GpuState(drv.away, drv.rotating, bool(drv.ledger.halted)))
         self.orch.switch(act.target)
         return self.core.lent(holder)
+
+    def probe_over(self, holder: str, conn: Transport) -> None:
+        """A late holder that joined by itself (a deployed service: no launcher orders the
+        lend): lend it the GPU between travels, let it probe over its own link (ProbeNow ->
+        ProbeDone), and take the GPU back whatever happened."""
+        self.lend(holder)
+        try:
+            conn.send(ProbeNow())
+            done = conn.recv(timeout=self.orch.config.holder_timeout, expect=ProbeDone).message
+            if not isinstance(done, ProbeDone) or done.holder != holder:
+                raise ProtocolError(f"holder {holder!r} answered the lent GPU with something else")
+        finally:
+            self.reclaim()
 
     def reclaim(self) -> GpuReclaimed:
         home, _ = self.core.reclaim()

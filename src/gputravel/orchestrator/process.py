@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import select
 import socket
 from pathlib import Path
 
@@ -25,10 +27,55 @@ from gputravel.protocol.control import (
     TrainDone,
     TrainStep,
 )
+from gputravel.protocol.travel import Bye
 from gputravel.transport.base import Transport
 
+log = logging.getLogger(__name__)
 
-def run_training(orch: Orchestrator, cmd: Train, control: Transport) -> dict:
+
+class Admitting:
+    """The engine training travels with: before each travel, with the GPU home, it admits the
+    holders waiting at the listener (late, or back after leaving: paper 4.5) and drops those
+    that said goodbye, so a deployed cohort changes membership while it trains."""
+
+    def __init__(self, orch: Orchestrator, membership: Membership) -> None:
+        self.orch, self.membership = orch, membership
+
+    def travel(self, holder: str, dataset_offset: int) -> object:
+        self.admit_waiting()
+        return self.orch.travel(holder, dataset_offset)
+
+    def buffer_view(self) -> memoryview:
+        return self.orch.buffer_view()
+
+    def online(self) -> set[str]:
+        return set(self.orch.holders)
+
+    def admit_waiting(self) -> None:
+        for name in [n for n, conn in self.orch.holders.items() if _readable(conn.fileno())]:
+            self._departure(name)  # between travels a holder only ever says goodbye
+        while _readable(self.orch.listener.fileno()):
+            try:
+                name = self.orch.accept_holder(self.orch.config.holder_timeout, self.membership.probe_over)
+                log.info("admitted holder %s", name)
+            except GputravelError as exc:  # that holder stays out; training goes on with the others
+                log.warning("a holder could not join: %s: %s", type(exc).__name__, exc)
+
+    def _departure(self, name: str) -> None:
+        try:
+            msg = self.orch.holders[name].recv(timeout=1).message
+            why = msg.reason if isinstance(msg, Bye) else f"sent {type(msg).__name__} between travels"
+        except GputravelError as exc:
+            why = type(exc).__name__
+        log.info("holder %s left: %s", name, why)
+        self.orch.drop(name)
+
+
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership: Membership | None = None) -> dict:
     """Train inside this CVM on batches the GPU fetched by travelling; stream each step out."""
     # Here, not at the top: training needs torch, which a cohort that only travels never loads.
     from gputravel.train.loader import BaselineSource, TravelSource  # lazy: torch, for training only
@@ -41,7 +88,8 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport) -> dict:
         raise BadInput(f"the job trains on {cfg.tokenizer!r} tokens, this cohort holds {orch.config.tokenizer!r} tokens")
     assert orch.travel_sm is not None
     sizes = {name: orch.travel_sm.holders[name].dataset_bytes for name in orch.holders}
-    source = BaselineSource(orch, sizes) if cfg.loader == "baseline" else TravelSource(orch, sizes)
+    engine = Admitting(orch, membership if membership is not None else Membership(orch))
+    source = BaselineSource(orch, sizes) if cfg.loader == "baseline" else TravelSource(engine, sizes)
     result = train(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
                    on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
                    resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
@@ -61,7 +109,8 @@ def serve(config: OrchestratorConfig, control: Transport, device_link: socket.so
                 return
             try:
                 if isinstance(cmd, AwaitHolders):
-                    control.send(Holders(dataset_bytes=orch.await_holders(cmd.names, cmd.timeout)))
+                    joined = orch.await_holders(cmd.names, cmd.timeout, membership.probe_over)
+                    control.send(Holders(dataset_bytes=joined))
                 elif isinstance(cmd, DoBaseline):
                     control.send(orch.baseline(cmd.holder, cmd.dataset_offset))
                 elif isinstance(cmd, DoTravel):
@@ -69,7 +118,7 @@ def serve(config: OrchestratorConfig, control: Transport, device_link: socket.so
                 elif isinstance(cmd, ORCHESTRATOR_COMMANDS):  # join and leave (orchestrator/membership.py)
                     control.send(membership.command(cmd))
                 elif isinstance(cmd, Train):
-                    control.send(TrainDone(report_json=json.dumps(run_training(orch, cmd, control))))
+                    control.send(TrainDone(report_json=json.dumps(run_training(orch, cmd, control, membership))))
                 else:
                     control.send(Failed(kind="ProtocolError", reason=f"unknown command {type(cmd).__name__}"))
             except GputravelError as exc:

@@ -14,10 +14,22 @@ class HolderHello(Message, tag="travel.hello"):
     piece_bytes: int
     manifest: tuple[bytes, ...]
     tokenizer: str
+    # False: this holder booted after the orchestrator and has not probed the GPU (paper 4.1).
+    # The orchestrator then lends it the GPU between travels (ProbeNow) before welcoming it.
+    probed: bool
 
 
 class Welcome(Message, tag="travel.welcome"):
     cohort: str
+
+
+class ProbeNow(Message, tag="travel.probe_now"):
+    """Orchestrator -> a late holder, between travels, with no key exported: the MUX may switch
+    the GPU to you now; probe it, hand it back, then say ProbeDone."""
+
+
+class ProbeDone(Message, tag="travel.probe_done"):
+    holder: str
 
 
 class TravelRequest(Message, tag="travel.request", secret=("context",)):

@@ -79,6 +79,11 @@ class TravelSource:
     def sizes(self) -> Mapping[str, int]:
         return self._sizes
 
+    def online(self) -> set[str]:
+        """Holders the engine can travel to now (one that left and came back is again)."""
+        online = getattr(self.engine, "online", None)  # an engine that admits holders while training says so
+        return set(online()) if online is not None else set(self._sizes)
+
     def fetch(self, visit: Visit) -> np.ndarray:
         report = self.engine.travel(visit.holder, visit.token_offset * TOKEN_BYTES)
         self.last_report = report
@@ -149,6 +154,7 @@ class TravellingLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
+            self._rejoined()
             before = self.state
             visit, after = self.scheduler.next_visit(before)
             if after.epoch != before.epoch:  # a new epoch began: resume points belong to it
@@ -168,6 +174,12 @@ class TravellingLoader:
                 self.state = done if j + 1 == n else replace(before, skip=j + 1)
                 yield self._window(tokens, j)
             self.state = done
+
+    def _rejoined(self) -> None:
+        """A holder lost in a travel that has joined again is scheduled again, from its cursor."""
+        online = getattr(self.source, "online", None)
+        if online is not None and self.scheduler.offline:
+            self.scheduler.offline -= online()
 
     def _fetch(self, visit: Visit) -> np.ndarray:
         t0 = time.perf_counter()
