@@ -16,7 +16,10 @@ process (the CLI and in-process tests). In a cohort the vendor and the device ar
 the launcher, standing for the vendor, makes the three CAs above the leaf (`issue_gpu_ca`)
 and writes the public firmware state (`GpuIssuer.save_state`); the device process makes its
 firmware key itself at boot and sends a certificate request (`enroll_gpu`), which the
-vendor signs with the per-device CA's key (`GpuIssuer.certify_request`), held in memory only.
+vendor signs with the per-device CA's key (`GpuIssuer.certify_request`), held in memory.
+A per-party service keeps the vendor apart in time instead: `cohort init` saves one device's
+issuer (`GpuIssuer.save`) in the GPU's state directory, and the gpu service, at its first
+start, certifies the key its device made and deletes the issuer (`GpuIssuer.discard`).
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ from gputravel.crypto.certs import key_pem, new_key, own_key_request, requested_
 from gputravel.crypto.certs import write_private
 from gputravel.crypto.device_identity import DEVICE_VALID_DAYS
 from gputravel.errors import BadInput
+from gputravel.files import atomic_write_bytes, write_json
 
 __all__ = ["GpuDevice", "GpuIssuer", "enroll_gpu", "issue_gpu_ca", "provision_gpu"]
 
 CHAIN_FILE, KEY_FILE = "device-chain.pem", "device-firmware.key"
 STATE_FILE, REFERENCE_FILE = "device.json", "reference-values.json"
+ISSUER_KEY, ISSUER_CHAIN, ISSUER_STATE = "vendor-ca.key", "vendor-chain.pem", "vendor.json"
 DEFAULT_DRIVER, DEFAULT_VBIOS = "550.54.15-emulated", "96.00.9F.00.04-emulated"
 _SERIAL_RE = re.compile(r"[A-Za-z0-9-]{1,64}")
 
@@ -55,6 +60,36 @@ def _leaf_cn(serial: str) -> str:
 
 def _pem(chain_der: tuple[bytes, ...]) -> bytes:
     return b"".join(x509.load_der_x509_certificate(d).public_bytes(serialization.Encoding.PEM) for d in chain_der)
+
+
+def _der_chain(pem: bytes) -> tuple[bytes, ...]:
+    return tuple(c.public_bytes(serialization.Encoding.DER) for c in x509.load_pem_x509_certificates(pem))
+
+
+def _private_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError("not an EC key")
+    return key
+
+
+def _matches(cert_der: bytes, key: ec.EllipticCurvePrivateKey) -> bool:
+    public = x509.load_der_x509_certificate(cert_der).public_key()
+    return isinstance(public, ec.EllipticCurvePublicKey) and \
+        public.public_numbers() == key.public_key().public_numbers()
+
+
+def _parse_state(state: dict[str, Any]) -> tuple[str, tuple[tuple[int, bytes], ...], str, str, bool]:
+    """(serial, measurements, driver, vbios, cc_mode) from what `_FirmwareState._state` wrote;
+    ValueError, TypeError or KeyError when it is not that."""
+    serial, driver, vbios, cc_mode = (state["serial"], state["driver_version"], state["vbios_version"],
+                                      state["cc_mode"])
+    if not isinstance(serial, str) or not _SERIAL_RE.fullmatch(serial):
+        raise ValueError("serial")
+    if not isinstance(driver, str) or not isinstance(vbios, str) or not isinstance(cc_mode, bool):
+        raise TypeError("versions or cc_mode")
+    measurements = {int(k): bytes.fromhex(v) for k, v in state["measurements"].items()}
+    return serial, tuple(sorted(measurements.items())), driver, vbios, cc_mode
 
 
 class _FirmwareState:
@@ -70,15 +105,17 @@ class _FirmwareState:
     def reference_values(self) -> ReferenceValues:
         return ReferenceValues.of(dict(self.measurements), self.driver_version, self.vbios_version)
 
+    def _state(self) -> dict[str, Any]:
+        return {"serial": self.serial, "driver_version": self.driver_version,
+                "vbios_version": self.vbios_version, "cc_mode": self.cc_mode,
+                "measurements": {str(i): d.hex() for i, d in self.measurements}}
+
     def save_state(self, directory: Path) -> None:
         """device.json and reference-values.json (no key, no chain)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {"serial": self.serial, "driver_version": self.driver_version,
-                 "vbios_version": self.vbios_version, "cc_mode": self.cc_mode,
-                 "measurements": {str(i): d.hex() for i, d in self.measurements}}
         self.reference_values().save(directory / REFERENCE_FILE)
-        (directory / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        (directory / STATE_FILE).write_text(json.dumps(self._state(), indent=2) + "\n")
 
 
 @dataclass(frozen=True)
@@ -118,30 +155,25 @@ class GpuDevice(_FirmwareState):
     def load(cls, directory: Path) -> GpuDevice:
         directory = Path(directory)
         try:
-            state = json.loads((directory / STATE_FILE).read_text())
-            pem = (directory / CHAIN_FILE).read_bytes()
-            key = serialization.load_pem_private_key((directory / KEY_FILE).read_bytes(), password=None)
-            chain = tuple(c.public_bytes(serialization.Encoding.DER)
-                          for c in x509.load_pem_x509_certificates(pem))
-            measurements = {int(k): bytes.fromhex(v) for k, v in state["measurements"].items()}
-            device = cls(state["serial"], chain, key, tuple(sorted(measurements.items())),  # type: ignore[arg-type]
-                         state["driver_version"], state["vbios_version"], bool(state["cc_mode"]))
+            serial, measurements, driver, vbios, cc_mode = _parse_state(
+                json.loads((directory / STATE_FILE).read_text()))
+            chain = _der_chain((directory / CHAIN_FILE).read_bytes())
+            key = _private_key(directory / KEY_FILE)
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             raise BadInput(f"{directory} does not hold a readable emulated GPU device") from None
-        if not isinstance(key, ec.EllipticCurvePrivateKey) or len(chain) != 5:
+        if len(chain) != 5:
             raise BadInput(f"{directory}: device key or certificate chain is malformed")
-        leaf = x509.load_der_x509_certificate(chain[0]).public_key()
-        if not isinstance(leaf, ec.EllipticCurvePublicKey) or \
-                leaf.public_numbers() != key.public_key().public_numbers():
+        if not _matches(chain[0], key):
             raise BadInput(f"{directory}: the firmware key does not match the leaf certificate")
-        return device
+        return cls(serial, chain, key, measurements, driver, vbios, cc_mode)
 
 
 @dataclass(frozen=True)
 class GpuIssuer(_FirmwareState):
     """The vendor's side of one device whose firmware key is not certified yet: the
     per-device CA (its key signs the firmware leaf) under the provisioner ICA, the identity
-    CA and the vendor root, and the firmware state the vendor vouches for. Memory only."""
+    CA and the vendor root, and the firmware state the vendor vouches for. In memory, or
+    saved for one gpu service to use once (`save`, `load`, `discard`)."""
 
     ca: Authority = field(repr=False)
     chain_der: tuple[bytes, ...]  # per-device cert, provisioner ICA, identity CA, vendor root
@@ -169,6 +201,52 @@ class GpuIssuer(_FirmwareState):
     def device(self, leaf_key: ec.EllipticCurvePrivateKey) -> GpuDevice:
         return GpuDevice(self.serial, self.certify(leaf_key.public_key()), leaf_key, self.measurements,
                          self.driver_version, self.vbios_version, self.cc_mode)
+
+    # ------------------------------------------------------------------ files
+    def save(self, directory: Path) -> None:
+        """The per-device CA's key (0600), its chain up to the vendor root and the firmware
+        state, for a gpu service to certify the firmware key its device makes at first start."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        write_private(directory / ISSUER_KEY, key_pem(self.ca.key))
+        atomic_write_bytes(directory / ISSUER_CHAIN, _pem(self.chain_der))
+        # `now` pins certificate times (tests); None means "when the leaf is issued".
+        extra = {"days": self.days, "now": self.now.isoformat() if self.now is not None else None}
+        write_json(directory / ISSUER_STATE, {**self._state(), **extra})  # last: marks a complete directory
+
+    @staticmethod
+    def exists(directory: Path) -> bool:
+        return (Path(directory) / ISSUER_STATE).exists() and (Path(directory) / ISSUER_KEY).exists()
+
+    @classmethod
+    def load(cls, directory: Path) -> GpuIssuer:
+        directory = Path(directory)
+        try:
+            state = json.loads((directory / ISSUER_STATE).read_text())
+            serial, measurements, driver, vbios, cc_mode = _parse_state(state)
+            days, now = state["days"], state["now"]
+            now = datetime.fromisoformat(now) if now is not None else None
+            chain = _der_chain((directory / ISSUER_CHAIN).read_bytes())
+            key = _private_key(directory / ISSUER_KEY)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            raise BadInput(f"{directory} does not hold a readable GPU vendor CA (already used?)") from None
+        if type(days) is not int or days < 1 or len(chain) != 4:
+            raise BadInput(f"{directory}: the GPU vendor CA's validity or certificate chain is malformed")
+        if not _matches(chain[0], key):
+            raise BadInput(f"{directory}: the GPU vendor CA's key does not match its certificate")
+        return cls(Authority(chain[0], key), chain, serial, measurements, driver, vbios, cc_mode, now, days)
+
+    @staticmethod
+    def discard(directory: Path) -> None:
+        """Delete what `save` wrote, key first: used once, so that nothing on this machine can
+        later certify another firmware key as this GPU. The directory goes too if now empty."""
+        directory = Path(directory)
+        for name in (ISSUER_KEY, ISSUER_STATE, ISSUER_CHAIN):
+            (directory / name).unlink(missing_ok=True)
+        try:
+            directory.rmdir()
+        except OSError:
+            pass  # missing already, or holds files that are not ours: leave them
 
 
 def enroll_gpu(directory: Path, certify: Callable[[bytes], tuple[bytes, bytes]]) -> GpuDevice:

@@ -3,26 +3,36 @@
 It owns VRAM (a memfd it hands only to the orchestrator, over their private link), BAR0 and
 the doorbell (handed to the host, which maps them into every CVM), and whatever DMA window
 and interrupt endpoint the host's PCIe MUX attached last.
+
+The private link comes one of two ways. Launched by the supervisor, the device inherits it (a
+socket pair). As a service, it listens on `link_socket` and takes as its link each connection
+from `link_uid` (the orchestrator's uid, by SO_PEERCRED), a newer one replacing the older: a
+restarted orchestrator reconnects, and its new SPDM session wipes VRAM as a first one does.
+Any other uid (the host, a holder) is hung up on before it can ask for VRAM. With link_uid -1
+(no isolation: every party runs as one uid) there is no uid boundary, as for the local cohort.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import selectors
 import socket
+import stat
+import struct
 import time
 from dataclasses import dataclass
 
 from gputravel.attest.gpu import EmulatedGpuFirmware
 from gputravel.crypto.device_identity import DeviceIdentity
 from gputravel.crypto.spdm import SpdmResponder
-from gputravel.errors import PeerTimeout, ProtocolError, TransportClosed
+from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.protocol.layout import Bar0, Layout
 from gputravel.protocol.host import AttachCvm, DeviceAck, DeviceAttach
 from gputravel.protocol.device import VramGrant, VramRequest
 from gputravel.transport.stream import StreamTransport
-from gputravel.transport.unix import connect_unix
+from gputravel.transport.unix import connect_unix, listen_unix
 from gputravel.device.core import DeviceCore
 from gputravel.device.memory import DmaWindow
 
@@ -35,6 +45,29 @@ class DeviceConfig:
     serial: str = "GPU-EMU-0"
     gpu_dir: str = ""  # the GPU's firmware state; the device makes its firmware key and stores its chain here
     poll_window: float = 0.005  # seconds of polling after the last work before sleeping
+    link_socket: str = ""  # listen here for the orchestrator's link instead of inheriting it
+    link_uid: int = -1  # the only uid whose connection becomes the link; -1: any (no isolation)
+
+
+log = logging.getLogger(__name__)
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_LISTENER = "link-listener"
+
+
+def _listen_link(path: str) -> socket.socket:
+    """The link's listener at `path`, replacing the socket a previous device left there (its
+    boot lock, held by the gpu service, keeps two devices from sharing a path)."""
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    listener = listen_unix(path)
+    # Not 0600: when isolated the orchestrator runs under a uid of its own. Who may connect
+    # is not what matters; whose connection becomes the link is (the SO_PEERCRED check).
+    os.chmod(path, 0o666)
+    listener.setblocking(False)
+    return listener
 
 
 def _memfd(name: str, size: int, populate: bool) -> tuple[int, mmap.mmap]:
@@ -45,8 +78,11 @@ def _memfd(name: str, size: int, populate: bool) -> tuple[int, mmap.mmap]:
 
 
 class DeviceProcess:
-    def __init__(self, config: DeviceConfig, identity: DeviceIdentity, orchestrator_link: socket.socket,
+    def __init__(self, config: DeviceConfig, identity: DeviceIdentity,
+                 orchestrator_link: socket.socket | None = None,
                  firmware: EmulatedGpuFirmware | None = None) -> None:
+        if (orchestrator_link is None) == (not config.link_socket):
+            raise BadInput("the device takes its orchestrator link either inherited or on link_socket: one of them")
         self.config = config
         # VRAM is populated up front: real VRAM is physically there, and first-touch page
         # faults would otherwise be charged to the first travel.
@@ -65,7 +101,12 @@ class DeviceProcess:
         self._irq_fd: int | None = None
         self._segments: dict[tuple[int, int, int], tuple[mmap.mmap, memoryview]] = {}
         self.host = connect_unix(config.host_socket, "host")
-        self.orchestrator = StreamTransport(orchestrator_link, "orchestrator-link")
+        self.orchestrator: StreamTransport | None = None
+        self.listener: socket.socket | None = None
+        if orchestrator_link is not None:
+            self.orchestrator = StreamTransport(orchestrator_link, "orchestrator-link")
+        else:  # listening before the service says it is up, so the orchestrator can connect at once
+            self.listener = _listen_link(config.link_socket)
 
     def _interrupt(self) -> None:
         if self._irq_fd is not None:
@@ -76,7 +117,17 @@ class DeviceProcess:
         sel = selectors.DefaultSelector()
         sel.register(self.doorbell, selectors.EVENT_READ, "doorbell")
         sel.register(self.host.fileno(), selectors.EVENT_READ, "host")
-        sel.register(self.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
+        if self.orchestrator is not None:
+            sel.register(self.orchestrator.fileno(), selectors.EVENT_READ, self.orchestrator)
+        if self.listener is not None:
+            sel.register(self.listener.fileno(), selectors.EVENT_READ, _LISTENER)
+        try:
+            self._loop(sel)
+        finally:
+            if self.listener is not None:
+                self.listener.close()
+
+    def _loop(self, sel: selectors.BaseSelector) -> None:
         last_work = 0.0
         while True:
             # Like GPU firmware (and KVM halt-polling), keep polling for a moment after work
@@ -98,7 +149,9 @@ class DeviceProcess:
                 elif key.data == "host":
                     if not self._host_message():
                         return
-                else:
+                elif key.data == _LISTENER:
+                    self._accept_link(sel)
+                elif key.data is self.orchestrator:  # not a link replaced earlier in this batch
                     self._orchestrator_message(sel)
 
     def _host_message(self) -> bool:
@@ -152,15 +205,42 @@ class DeviceProcess:
         if old_irq is not None:
             os.close(old_irq)
 
-    def _orchestrator_message(self, sel: selectors.BaseSelector) -> None:
+    def _accept_link(self, sel: selectors.BaseSelector) -> None:
+        assert self.listener is not None
         try:
-            got = self.orchestrator.recv(timeout=10)
-        except TransportClosed:
-            sel.unregister(self.orchestrator.fileno())
+            sock, _ = self.listener.accept()
+        except OSError:  # gone before we looked, or out of descriptors: keep serving
             return
-        for fd in got.fds:
-            os.close(fd)
-        if isinstance(got.message, VramRequest):
-            self.orchestrator.send(VramGrant(vram_bytes=len(self.vram)), fds=(self.vram_fd,))
+        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        if self.config.link_uid >= 0 and uid != self.config.link_uid:
+            log.warning("device: refused a link from pid %d uid %d (only uid %d holds the link)",
+                        pid, uid, self.config.link_uid)
+            sock.close()
+            return
+        self._drop_link(sel)
+        self.orchestrator = StreamTransport(sock, "orchestrator-link")
+        sel.register(self.orchestrator.fileno(), selectors.EVENT_READ, self.orchestrator)
+
+    def _drop_link(self, sel: selectors.BaseSelector) -> None:
+        if self.orchestrator is not None:
+            sel.unregister(self.orchestrator.fileno())
+            self.orchestrator.close()
+            self.orchestrator = None
+
+    def _orchestrator_message(self, sel: selectors.BaseSelector) -> None:
+        link = self.orchestrator
+        assert link is not None
+        try:
+            got = link.recv(timeout=10)
+            for fd in got.fds:
+                os.close(fd)
+            if isinstance(got.message, VramRequest):
+                link.send(VramGrant(vram_bytes=len(self.vram)), fds=(self.vram_fd,))
+        except TransportClosed:
+            self._drop_link(sel)  # the orchestrator is gone; the device serves on (and, listening, waits)
+        except (ProtocolError, PeerTimeout):
+            if self.listener is None:
+                raise  # an inherited link cannot be replaced: as before, the device stops
+            self._drop_link(sel)  # a listening device drops a broken link; a reconnect brings a new one
 
 
