@@ -43,6 +43,7 @@ FLOORS = {
     "bench": 6,
     "fl": 6,  # the federated-learning baseline: launches Flower's processes on the cohort's links
     "redteam": 6,
+    "service": 6,  # one party as a service of its own, from its TOML file: starts the engine of cohort/
     "cli": 7,
     # The in-process harness of the tests wires the real device and drivers together: above
     # every package, so nothing in src may import it.

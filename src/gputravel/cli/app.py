@@ -22,6 +22,7 @@ from gputravel.cli.tables import bench_tables
 from gputravel.cli.hardware import hardware_option, print_against_paper
 from gputravel.cli.plan import plan_command
 from gputravel.cli.scale import bench_scale
+from gputravel.cli.service import cohort_app, serve_command, status_command
 from gputravel.cli.train_bench import bench_fl_sweep, bench_train
 from gputravel.errors import GputravelError
 from gputravel.jobs.travel import TravelJobConfig, run_travel_job, summarise
@@ -39,6 +40,9 @@ app.add_typer(data_app, name="data")
 app.add_typer(pki_app, name="pki")
 app.add_typer(attest_app, name="attest")
 app.add_typer(audit_app, name="audit")
+app.add_typer(cohort_app, name="cohort")
+app.command("serve")(serve_command)
+app.command("status")(status_command)
 bench_app.command("tables")(bench_tables)
 app.command("plan")(plan_command)
 bench_app.command("scale")(bench_scale)

@@ -1,0 +1,117 @@
+"""`gputravel cohort init`, `gputravel serve ROLE --config FILE` and `gputravel status --config
+FILE`: a cohort as a consortium deploys it, one service per party (issue 16, docs/deploy.md)."""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+from typing import NoReturn, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from gputravel.errors import GputravelError
+from gputravel.service.config import load_service
+from gputravel.service.init import init_cohort
+from gputravel.service.status import cohort_status
+
+__all__ = ["cohort_app", "serve_command", "status_command"]
+
+cohort_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                         help="A cohort as a consortium deploys it: one config file and one service per party.")
+console = Console()
+
+
+class Role(str, enum.Enum):
+    host = "host"
+    gpu = "gpu"
+    holder = "holder"
+    orchestrator = "orchestrator"
+
+
+def _fail(exc: Exception) -> NoReturn:
+    console.print(f"[red]error:[/red] {escape(str(exc))}")  # escape: paths and lists are no markup
+    raise typer.Exit(1)
+
+
+@cohort_app.callback()
+def _cohort() -> None:
+    """A cohort as a consortium deploys it: one config file and one service per party."""
+    # A callback keeps `init` a named subcommand even while it is the only one.
+
+
+def _holder(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise typer.BadParameter(f"expected NAME=PATH, got {text!r}", param_hint="--holder")
+    return name, path
+
+
+@cohort_app.command("init")
+def init(
+    directory: Path = typer.Argument(..., help="A new (or empty) directory for the cohort's files."),
+    holders: list[str] = typer.Option(..., "--holder", help="A data holder: NAME=PATH of its data; repeat."),
+    gpus: int = typer.Option(1, min=1, help="GPUs to configure (gpu-0.toml, ...); the orchestrator uses gpu-0."),
+    steps: Optional[int] = typer.Option(None, min=1, help="Training steps of the job (default 20)."),
+    buffer_kib: Optional[int] = typer.Option(None, min=4, help="The dataset buffer in the GPU, KiB (default 256)."),
+) -> None:
+    """Write one config file per party, the public trust anchors and empty state directories."""
+    pairs = [_holder(h) for h in holders]
+    try:
+        written = init_cohort(directory, pairs, gpus=gpus, steps=steps,
+                              buffer_bytes=None if buffer_kib is None else buffer_kib << 10)
+    except GputravelError as exc:
+        _fail(exc)
+    root = written[0].parent
+    console.print(escape(f"cohort written to {root}:"), soft_wrap=True)
+    for path in written:
+        console.print(f"  {escape(path.name)}", soft_wrap=True)
+    console.print("  trust/ (public trust anchors), public/, run/, state/ (one private directory per party)")
+    console.print(escape("start each party with `gputravel serve ROLE --config FILE` (docs/deploy.md)"), soft_wrap=True)
+
+
+def serve_command(
+    role: Role = typer.Argument(..., help="Which party this service is: host, gpu, holder or orchestrator."),
+    config: Path = typer.Option(..., "--config", help="That party's TOML file, written by `gputravel cohort init`."),
+) -> None:
+    """Run one party in the foreground until SIGTERM or SIGINT (the orchestrator: until its job ends)."""
+    from gputravel.service.serve import serve  # lazy: loads the party's engine (torch for the orchestrator)
+
+    try:
+        code = serve(role.value, Path(config))
+    except GputravelError as exc:
+        _fail(exc)
+    raise typer.Exit(code or 0)
+
+
+def _status_table(found: dict) -> Table:
+    table = Table(title=f"status of {found['party']} ({found['config']})", show_header=False, pad_edge=False)
+    table.add_column("what")
+    table.add_column("value")
+    for name, state in found["services"].items():
+        table.add_row(name, "[green]up[/green]" if state == "up" else escape(state))
+    for key, value in found.items():
+        if key not in ("services", "party", "config", "running"):
+            shown = value if isinstance(value, str) else json.dumps(value)
+            table.add_row(escape(key), escape(shown))
+    return table
+
+
+def status_command(
+    config: Path = typer.Option(..., "--config", help="Any party's TOML file."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """What this party may know: which services are up, the members, where the GPU is, the travels."""
+    try:
+        found = cohort_status(load_service(config))
+    except GputravelError as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps(found, indent=2))
+        return
+    console.print(_status_table(found))
+    if not found["running"]:
+        console.print("nothing is running: start the services with `gputravel serve ROLE --config FILE`")

@@ -1,0 +1,348 @@
+"""One TOML file per party (issue 16): its schema, how it is read, and what is checked before
+a service starts.
+
+Every model forbids unknown keys and is strict about types, so a typo or a quoted number is an
+error instead of a silent default. Every error is a BadInput naming the file, the key (dotted,
+e.g. ``job.steps``) and what was expected. No model has a field for a private key: each
+service makes its keys in its own state directory (docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
+from pydantic import field_validator, model_validator
+
+from gputravel.attest.policy import GpuRequirements, Policy
+from gputravel.attest.provision import REFERENCE_FILE
+from gputravel.data.tokenizer import KNOWN
+from gputravel.errors import BadInput
+from gputravel.protocol.layout import MIB, PAGE, Layout
+from gputravel.train.schedule import POLICIES
+
+if TYPE_CHECKING:  # train.loop imports torch: only job_train_config loads it
+    from gputravel.train.loop import TrainConfig
+
+__all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
+           "PolicySection", "ServiceConfig", "check_before_start", "job_train_config", "load_service", "validate_service",
+           "PARTIES"]
+
+PARTIES = ("host", "gpu", "orchestrator", "holder")
+NAME_PATTERN = r"^[a-z0-9-]{1,32}$"
+HEX96_PATTERN = r"^[0-9a-f]{96}$"
+_KEYED = re.compile(r"^[a-z_.]+: ")
+_FLAG = re.compile(r"--([a-z-]+)")
+_SHOULD = re.compile(r"^(\w+) should (be|match|have) (.*)$", re.DOTALL)
+
+
+def _absolute(value: str) -> str:
+    if not os.path.isabs(value):
+        raise ValueError(f"an absolute path, got {value!r}")
+    return value
+
+
+def _power_of_two(value: int) -> int:
+    if value & (value - 1) or not PAGE <= value <= 64 * MIB:
+        raise ValueError(f"a power of two between {PAGE} and {64 * MIB}, got {value}")
+    return value
+
+
+AbsPath = Annotated[str, AfterValidator(_absolute)]
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+Seconds = Annotated[float, Field(gt=0)]
+Hardware = Literal["emulated", "paper-h100"]  # protocol/hardware.py PROFILES (a test keeps them equal)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class _Service(_Section):
+    """What every party's file has; `source` is the file it was read from (for error messages)."""
+
+    _source: str = PrivateAttr(default="<config>")
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+
+# ----------------------------------------------------------------------------- sections
+class LayoutSection(_Section):
+    """protocol/layout.Layout: identical in the GPU and every CVM."""
+
+    record_bytes: Annotated[int, AfterValidator(_power_of_two)] = MIB
+    staging_slots: Annotated[int, Field(ge=2, le=256)] = 8
+    gpfifo_entries: Annotated[int, Field(ge=4, le=4096)] = 64
+
+    def to_layout(self) -> Layout:
+        return Layout(self.record_bytes, self.staging_slots, self.gpfifo_entries)
+
+
+class PolicySection(_Section):
+    """A holder's attestation policy: the orchestrator and the GPU evidence it accepts."""
+
+    orchestrator_measurements: Annotated[list[Annotated[str, Field(pattern=HEX96_PATTERN)]], Field(min_length=1)]
+    gpu_driver_versions: list[str] = []  # empty: any
+    max_evidence_age_s: Annotated[int, Field(ge=2)] = 3600
+
+    def to_policy(self, trust_dir: str) -> Policy:
+        """The attest/ policy, checking the GPU against the reference values in `trust_dir`."""
+        return Policy(tuple(bytes.fromhex(m) for m in self.orchestrator_measurements),
+                      GpuRequirements(driver_versions=tuple(self.gpu_driver_versions)), self.max_evidence_age_s,
+                      Path(trust_dir) / REFERENCE_FILE)
+
+
+class JobSection(_Section):
+    """The training job (train/loop.TrainConfig's fields, travelling loader) and its run directory."""
+
+    steps: Annotated[int, Field(gt=0)] = 20
+    batch: Annotated[int, Field(gt=0)] = 4
+    seq_len: Annotated[int, Field(gt=0)] = 64
+    buffer_bytes: Annotated[int, Field(gt=0, multiple_of=PAGE)] = 256 << 10
+    schedule: str = "round_robin"
+    seed: int = 0
+    lr: Annotated[float, Field(gt=0, lt=1)] = 1e-3
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    warmup_steps: Annotated[int, Field(ge=0)] = 2
+    n_layer: Annotated[int, Field(gt=0)] = 2
+    n_head: Annotated[int, Field(gt=0)] = 2
+    n_embd: Annotated[int, Field(gt=0)] = 64
+    vocab_size: Annotated[int, Field(gt=0)] = 257
+    tokenizer: str = "bytes"
+    threads: Annotated[int, Field(gt=0)] = 1
+    checkpoint_every: Annotated[int, Field(ge=0)] = 5
+    sample_tokens: Annotated[int, Field(ge=0)] = 0
+    run_dir: AbsPath
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"one of {', '.join(POLICIES)}, got {value!r}")
+        return value
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, value: str) -> str:
+        if value not in KNOWN:
+            raise ValueError(f"one of {', '.join(KNOWN)}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _model_shape(self) -> JobSection:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd: expected a multiple of n_head ({self.n_head}), got {self.n_embd}")
+        return self
+
+
+# ----------------------------------------------------------------------------- the parties
+class HostService(_Service):
+    party: Literal["host"]
+    state_dir: AbsPath
+    socket: AbsPath
+    hardware: Hardware = "emulated"
+
+
+class GpuService(_Service):
+    party: Literal["gpu"]
+    index: Annotated[int, Field(ge=0)] = 0
+    state_dir: AbsPath
+    host_socket: AbsPath
+    link_socket: AbsPath  # where the orchestrator takes its private link (VRAM grants)
+    boot_lock: AbsPath  # held while a CVM probes the GPU at boot (paper 4.1: one at a time)
+    vram_bytes: Annotated[int, Field(gt=0)]
+    layout: LayoutSection
+
+    @property
+    def serial(self) -> str:
+        return f"GPU-EMU-{self.index}"
+
+
+class OrchestratorService(_Service):
+    party: Literal["orchestrator"]
+    state_dir: AbsPath
+    host_socket: AbsPath
+    gpu_link_socket: AbsPath
+    boot_lock: AbsPath
+    trust_dir: AbsPath
+    public_dir: AbsPath
+    listen_host: str = "127.0.0.1"
+    listen_port: Port
+    holders: Annotated[list[Name], Field(min_length=1)]  # the member holders, by name
+    hardware: Hardware = "emulated"
+    device_timeout: Seconds = 10.0
+    holder_timeout: Seconds = 60.0
+    max_evidence_age_s: Annotated[int, Field(ge=2)] = 3600
+    layout: LayoutSection
+    job: JobSection
+
+    @field_validator("holders")
+    @classmethod
+    def _holders(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"unique member names, got {value}")
+        if "orchestrator" in value:
+            raise ValueError("member names other than 'orchestrator'")
+        return value
+
+    @model_validator(mode="after")
+    def _buffer_fits_layout(self) -> OrchestratorService:
+        if self.job.buffer_bytes % self.layout.record_bytes:
+            raise ValueError(f"job.buffer_bytes: expected a multiple of layout.record_bytes "
+                             f"({self.layout.record_bytes}), got {self.job.buffer_bytes}")
+        return self
+
+
+class HolderService(_Service):
+    party: Literal["holder"]
+    name: Name
+    state_dir: AbsPath
+    host_socket: AbsPath
+    boot_lock: AbsPath
+    trust_dir: AbsPath
+    public_dir: AbsPath
+    data: AbsPath
+    format: Literal["raw", "tokens"] = "tokens"
+    orchestrator_host: str = "127.0.0.1"
+    orchestrator_port: Port
+    hardware: Hardware = "emulated"
+    device_timeout: Seconds = 30.0
+    layout: LayoutSection
+    policy: PolicySection
+
+    @field_validator("name")
+    @classmethod
+    def _not_orchestrator(cls, value: str) -> str:
+        if value == "orchestrator":
+            raise ValueError("a member name other than 'orchestrator'")
+        return value
+
+
+ServiceConfig = Union[HostService, GpuService, OrchestratorService, HolderService]
+_ANY = TypeAdapter(Annotated[ServiceConfig, Field(discriminator="party")])
+
+
+# ----------------------------------------------------------------------------- reading
+def _read_toml(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise BadInput(f"{path}: not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{path}: cannot be read ({exc.__class__.__name__})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise BadInput(f"{path}: not valid TOML: {exc}") from None
+
+
+def _explain(err: dict) -> str:
+    """One pydantic error as `key: expected ..., got ...`."""
+    kind, loc = err["type"], [str(part) for part in err["loc"]]
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        got = f", got {err['input'].get('party')!r}" if "party" in err["input"] else " (missing)"
+        return f"party: expected one of {', '.join(map(repr, PARTIES))}{got}"
+    key = ".".join(loc[1:])  # loc[0] is the party's tag
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        return f"{key}: unknown key"
+    if kind == "missing":
+        return f"{key}: missing (required)"
+    if kind == "value_error" and _KEYED.match(msg):  # a check across keys names its key itself
+        return f"{key}.{msg}" if key else msg
+    got = "" if kind == "value_error" else f", got {err['input']!r}"
+    return f"{key}: expected {_expectation(msg)}{got}"
+
+
+def _expectation(msg: str) -> str:
+    """pydantic's "String should match pattern 'p'" as "a string matching pattern 'p'"."""
+    found = _SHOULD.match(msg)
+    if found is None:
+        return msg
+    subject, verb, rest = found.group(1).lower(), found.group(2), found.group(3)
+    if verb == "be":
+        return rest
+    return f"a {subject} {'matching' if verb == 'match' else 'with'} {rest}"
+
+
+def validate_service(raw: dict, source: str, party: str | None = None) -> ServiceConfig:
+    """Validate a parsed config (a dict) read from `source`; errors name source and key."""
+    if party is not None and raw.get("party") != party:
+        raise BadInput(f"{source}: party: expected {party!r} (the role being started), got {raw.get('party')!r}")
+    try:
+        cfg = _ANY.validate_python(raw)
+    except ValidationError as exc:
+        raise BadInput("\n".join(f"{source}: {_explain(e)}" for e in exc.errors())) from None
+    cfg._source = source
+    return cfg
+
+
+def load_service(path: str | Path, party: str | None = None) -> ServiceConfig:
+    """Read and validate one party's TOML file; `party` given: it must be that party's."""
+    path = Path(path)
+    return validate_service(_read_toml(path), str(path), party)
+
+
+def job_train_config(job: JobSection) -> TrainConfig:
+    """The train/loop configuration of `job` (the travelling loader)."""
+    from gputravel.train.loop import TrainConfig  # lazy: train.loop imports torch
+
+    fields = job.model_dump(exclude={"run_dir"})
+    try:
+        return TrainConfig(**fields)
+    except BadInput as exc:  # TrainConfig names --a-flag; a config file has job.a_flag
+        raise BadInput(_FLAG.sub(lambda m: "job." + m.group(1).replace("-", "_"), str(exc))) from None
+
+
+# ----------------------------------------------------------------------------- before starting
+def _paths(cfg: ServiceConfig) -> list[tuple[str, str, str]]:
+    """(key, path, what must exist) for each path the service needs before it starts."""
+    checks = [("state_dir", os.path.dirname(cfg.state_dir), "directory")]
+    for key in ("socket", "host_socket", "link_socket", "gpu_link_socket", "boot_lock"):
+        if hasattr(cfg, key):
+            checks.append((key, os.path.dirname(getattr(cfg, key)), "directory"))
+    for key in ("trust_dir", "public_dir"):
+        if hasattr(cfg, key):
+            checks.append((key, getattr(cfg, key), "directory"))
+    if isinstance(cfg, HolderService):
+        checks.append(("data", cfg.data, "file" if cfg.format == "raw" else "path"))
+    return checks
+
+
+def _port_free(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be listened on, or None. SO_REUSEADDR as the real listener."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host!r} ({exc.strerror or exc})"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            return f"{host}:{port} is not free ({exc.strerror or exc})"
+    return None
+
+
+def check_before_start(cfg: ServiceConfig) -> None:
+    """What can be checked before anything starts, beyond the schema; BadInput names file and key."""
+    problems = []
+    for key, path, kind in _paths(cfg):
+        ok = {"directory": os.path.isdir, "file": os.path.isfile, "path": os.path.exists}[kind](path)
+        if not ok:
+            problems.append(f"{key}: expected an existing {kind} {path!r}")
+    if isinstance(cfg, OrchestratorService):
+        why = _port_free(cfg.listen_host, cfg.listen_port)
+        if why:
+            problems.append(f"listen_port: expected a free port: {why}")
+    if problems:
+        raise BadInput("\n".join(f"{cfg.source}: {p}" for p in problems))

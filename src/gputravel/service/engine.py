@@ -1,0 +1,23 @@
+"""From a party's service config to the engine's own configuration."""
+
+from __future__ import annotations
+
+import os
+
+from gputravel.orchestrator.cvm import OrchestratorConfig
+from gputravel.service.config import OrchestratorService
+
+__all__ = ["orchestrator_engine_config"]
+
+
+def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_dir: str) -> OrchestratorConfig:
+    """The orchestrator engine's configuration. `cohort init` measures it with placeholder
+    placement (pki_dir, trust_dir, ... are cohort.trust.PLACEMENT_FIELDS, not measured), so
+    the measurement the holders pin equals the one the running service reports."""
+    return OrchestratorConfig(
+        host_socket=cfg.host_socket, pki_dir=pki_dir, layout=cfg.layout.to_layout(),
+        buffer_bytes=cfg.job.buffer_bytes, listen_host=cfg.listen_host, listen_port=cfg.listen_port,
+        holder_timeout=cfg.holder_timeout, device_timeout=cfg.device_timeout,
+        # As the demo (jobs/training.py): holders whose tokens came from another tokenizer are refused.
+        tokenizer=cfg.job.tokenizer,
+        trust_dir=trust_dir, audit_log=os.path.join(cfg.state_dir, "audit.log"), hardware=cfg.hardware)

@@ -1,0 +1,212 @@
+"""`gputravel cohort init`: one config file per party, the public trust anchors, and each
+party's empty state directory (issue 16; docs/deploy.md).
+
+    D/host.toml  D/gpu-K.toml  D/orchestrator.toml  D/holder-NAME.toml
+    D/trust/     the emulated GPU-vendor and CPU-TEE root certificates, the GPU's reference values
+    D/public/    empty: each member publishes its TLS certificate here on first start
+    D/run/       empty: sockets and lock files
+    D/state/P/   (0700) party P's state; empty but for the emulated hardware's vendor material:
+                 state/gpu-K/vendor/ (the vendor's per-device CA, used once by the gpu service)
+                 state/orchestrator/platform/ (the CPU-TEE root, certifying its TDX module's key)
+
+Init stands for the hardware vendors and the consortium's agreement, as cohort/trust.py does
+for the supervisor. No config holds a key; the root keys leave the disk here, but for the
+two vendor stand-ins above, which only the emulated hardware reads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+
+import tomli_w
+
+from gputravel.attest import GpuIssuer, init_roots, issue_gpu_ca, load_authority
+from gputravel.attest.provision import REFERENCE_FILE
+from gputravel.attest.roots import GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
+from gputravel.cohort.trust import measure_orchestrator
+from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
+from gputravel.errors import BadInput
+from gputravel.files import atomic_write_bytes
+from gputravel.protocol.layout import MIB, PAGE
+from gputravel.service.config import (
+    NAME_PATTERN,
+    GpuService,
+    HolderService,
+    HostService,
+    JobSection,
+    LayoutSection,
+    OrchestratorService,
+    PolicySection,
+    ServiceConfig,
+    validate_service,
+)
+from gputravel.service.engine import orchestrator_engine_config
+
+__all__ = ["init_cohort", "write_service"]
+
+VRAM_MARGIN = 64 * MIB  # the GPU's memory beyond the dataset buffer, as the supervisor gives it
+_NAME = re.compile(NAME_PATTERN)
+
+
+# ----------------------------------------------------------------------------- checks first
+def _check_target(directory: Path) -> None:
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise BadInput(f"{directory} exists and is not an empty directory; cohort init writes a new one")
+
+
+def _check_holders(holders: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    if not holders:
+        raise BadInput("a cohort needs at least one holder: --holder NAME=PATH")
+    checked: list[tuple[str, str]] = []
+    for name, path in holders:
+        if not _NAME.match(name) or name == "orchestrator":
+            raise BadInput(f"--holder {name}=...: a name is 1-32 of a-z, 0-9 and '-', and not 'orchestrator'")
+        if name in dict(checked):
+            raise BadInput(f"--holder {name}=...: given twice")
+        if not os.path.exists(path):
+            raise BadInput(f"--holder {name}={path}: no such file or directory")
+        checked.append((name, os.path.abspath(path)))
+    return checked
+
+
+def _tokenizer_of(path: str) -> str:
+    """Which tokenizer a holder's data is (or will be) tokenized with (as jobs/training.py)."""
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    if p.suffix == ".bin" or any(folder.glob("*.bin")):
+        return resolve_record(folder, None).name
+    return default_tokenizer().name
+
+
+def _job_tokenizer(holders: list[tuple[str, str]]) -> str:
+    names = {name: _tokenizer_of(path) for name, path in holders}
+    if len(set(names.values())) != 1:
+        raise BadInput(f"holders disagree on the tokenizer: {names}; prepare every holder's data with the same one")
+    return next(iter(names.values()))
+
+
+def _record_bytes(buffer_bytes: int) -> int:
+    """Bounce-buffer records of 1 MiB, or smaller where the dataset buffer is (jobs/training.py)."""
+    if buffer_bytes <= 0 or buffer_bytes % PAGE:
+        raise BadInput(f"the dataset buffer must be a positive multiple of {PAGE} bytes (got {buffer_bytes})")
+    record = MIB
+    while buffer_bytes % record:
+        record //= 2
+    return record
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- writing
+def write_service(path: Path, cfg: ServiceConfig) -> Path:
+    """Write `cfg` as TOML, after checking it reads back to the same config."""
+    data = cfg.model_dump(mode="python")
+    text = tomli_w.dumps(data)
+    if validate_service(tomllib.loads(text), str(path)).model_dump(mode="python") != data:
+        raise AssertionError(f"{path}: the config does not survive a round trip through TOML")
+    header = (f"# gputravel {cfg.party} service, written by `gputravel cohort init`.\n"
+              "# Every key is explained in docs/deploy.md. Nothing here is secret: keys live in state_dir.\n\n")
+    atomic_write_bytes(path, (header + text).encode())
+    return path
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700, parents=True)
+    path.chmod(0o700)  # whatever the umask
+    return path
+
+
+def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
+    """The emulated vendors: both roots in trust/, one GPU CA per GPU in its vendor/ dir, the
+    CPU-TEE root in the orchestrator's platform/ dir; then the root keys leave trust/."""
+    trust = d / "trust"
+    init_roots(trust)
+    gpu_root = load_authority(trust, "gpu")
+    issuers = [issue_gpu_ca(gpu_root, serial=f"GPU-EMU-{k}") for k in range(gpus)]
+    for k, issuer in enumerate(issuers):
+        issuer.save(d / "state" / f"gpu-{k}" / "vendor")
+    platform = _private_dir(d / "state" / "orchestrator" / "platform")
+    for name in (TEE_ROOT_CERT, TEE_ROOT_KEY):
+        shutil.copy2(trust / name, platform / name)  # the key keeps its 0600
+    for name in (GPU_ROOT_KEY, TEE_ROOT_KEY):
+        (trust / name).unlink()
+    issuers[0].reference_values().save(trust / REFERENCE_FILE)  # what the vendor publishes
+    return issuers
+
+
+def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], job: JobSection,
+             port: int) -> list[tuple[Path, ServiceConfig]]:
+    run, state = d / "run", d / "state"
+    host_sock, layout = str(run / "host.sock"), LayoutSection(record_bytes=_record_bytes(job.buffer_bytes))
+    shared = {"trust_dir": str(d / "trust"), "public_dir": str(d / "public"), "host_socket": host_sock}
+    out: list[tuple[Path, ServiceConfig]] = [
+        (d / "host.toml", HostService(party="host", state_dir=str(state / "host"), socket=host_sock))]
+    for k in range(len(issuers)):
+        out.append((d / f"gpu-{k}.toml", GpuService(
+            party="gpu", index=k, state_dir=str(state / f"gpu-{k}"), host_socket=host_sock,
+            link_socket=str(run / f"gpu-{k}.sock"), boot_lock=str(run / f"gpu-{k}.lock"),
+            vram_bytes=job.buffer_bytes + VRAM_MARGIN, layout=layout)))
+    orch = OrchestratorService(
+        party="orchestrator", state_dir=str(state / "orchestrator"), gpu_link_socket=str(run / "gpu-0.sock"),
+        boot_lock=str(run / "gpu-0.lock"), listen_port=port, holders=[n for n, _ in holders], layout=layout,
+        job=job, **shared)
+    out.append((d / "orchestrator.toml", orch))
+    # What each holder pins: this orchestrator's code and configuration (placement left out).
+    measurement = measure_orchestrator(orchestrator_engine_config(orch, pki_dir="", trust_dir="")).hex()
+    policy = PolicySection(orchestrator_measurements=[measurement],
+                           gpu_driver_versions=sorted({i.driver_version for i in issuers}))
+    for name, data in holders:
+        out.append((d / f"holder-{name}.toml", HolderService(
+            party="holder", name=name, state_dir=str(state / f"holder-{name}"), boot_lock=str(run / "gpu-0.lock"),
+            data=data, orchestrator_port=port, layout=layout, policy=policy, **shared)))
+    return out
+
+
+def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gpus: int = 1,
+                steps: int | None = None, buffer_bytes: int | None = None) -> list[Path]:
+    """Write a new cohort directory (see the module's docstring); returns the config files."""
+    d = Path(directory).resolve()
+    _check_target(d)
+    checked = _check_holders(holders)
+    if type(gpus) is not int or gpus < 1:
+        raise BadInput(f"--gpus: expected a positive integer, got {gpus!r}")
+    if steps is not None and (type(steps) is not int or steps < 1):
+        raise BadInput(f"--steps: expected a positive integer, got {steps!r}")
+    if buffer_bytes is not None:
+        _record_bytes(buffer_bytes)
+    tokenizer = _job_tokenizer(checked)
+    overrides = {k: v for k, v in (("steps", steps), ("buffer_bytes", buffer_bytes)) if v is not None}
+    job = JobSection(run_dir=str(d / "run-dir"), tokenizer=tokenizer, vocab_size=KNOWN[tokenizer].vocab_size,
+                     **overrides)
+    port = _free_port("127.0.0.1")
+    made = not d.exists()
+    try:
+        for sub in ("public", "run"):
+            (d / sub).mkdir(parents=True)
+        for party in ("host", *(f"gpu-{k}" for k in range(gpus)), "orchestrator",
+                      *(f"holder-{n}" for n, _ in checked)):
+            _private_dir(d / "state" / party)
+        issuers = _provision(d, gpus)
+        return [write_service(path, cfg) for path, cfg in _configs(d, checked, issuers, job, port)]
+    except BaseException:
+        _undo(d, made)
+        raise
+
+
+def _undo(d: Path, made: bool) -> None:
+    """A failed init leaves nothing half-written: the directory as it was (empty or absent)."""
+    if made:
+        shutil.rmtree(d, ignore_errors=True)
+        return
+    for child in d.iterdir():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()

@@ -1,0 +1,247 @@
+"""The cohort's members as services: a data holder and the orchestrator.
+
+Trust between them is pinned, not issued: each makes its TLS key in its own state directory
+on first start and publishes only its certificate in the cohort's public directory (which
+stands for the consortium exchanging certificates out of band). The orchestrator trusts the
+holders named in its config; a holder trusts the orchestrator's certificate, and above all
+the attestation it checks on every join against its own policy.
+
+Boot order (paper 4.1) is kept by the GPU's boot lock: a holder that takes it probes the GPU
+at boot; once the orchestrator holds it (for its whole life), a holder joins late and probes
+on the GPU the orchestrator lends it between travels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from gputravel.attest.material import LIMITS_FILE, POLICY_FILE, REFERENCE_FILE
+from gputravel.attest.roots import GPU_ROOT_CERT, TEE_ROOT_CERT, load_authority
+from gputravel.cohort.quoting import QuotingLaunch
+from gputravel.cohort.trust import CohortTrust
+from gputravel.crypto.pki import pin_peers
+from gputravel.errors import BadInput, GputravelError
+from gputravel.files import write_json
+from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, TrainDone,
+                                        TrainStep, Train)
+from gputravel.service.config import HolderService, OrchestratorService, job_train_config
+from gputravel.service.engine import orchestrator_engine_config
+from gputravel.service.party import PartyChild, Stopping, log, private_dir, publish, unix_listening, wait_for
+
+BOOT_TIMEOUT = 120.0
+ORCHESTRATOR = "orchestrator"
+
+
+# ----------------------------------------------------------------------------- shared
+def _trust_dir(state: Path, trust: str, extra: dict[str, dict]) -> Path:
+    """This party's share of the trust material, from the public anchors and its own config."""
+    out = private_dir(state / "trust")
+    for name in (GPU_ROOT_CERT, TEE_ROOT_CERT, REFERENCE_FILE):
+        (out / name).write_bytes((Path(trust) / name).read_bytes())
+    for name, content in extra.items():
+        (out / name).write_text(json.dumps(content, indent=2) + "\n")
+    return out
+
+
+def _gpu_socket(boot_lock: str) -> str:
+    """The GPU's private-link socket lies beside its boot lock (run/gpu-K.sock, run/gpu-K.lock):
+    it is up once that socket answers."""
+    return str(Path(boot_lock).with_suffix(".sock"))
+
+
+def _try_lock(path: str) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+# ----------------------------------------------------------------------------- holder
+def serve_holder(cfg: HolderService, stop: Stopping) -> int:
+    name = cfg.name
+    state = private_dir(cfg.state_dir)
+    gpu = _gpu_socket(cfg.boot_lock)
+    for what, path in (("the host", cfg.host_socket), ("the GPU", gpu)):
+        wait_for(name, f"{what} at {path}", lambda p=path: unix_listening(p), stop)
+    policy = dataclasses.replace(cfg.policy.to_policy(""), gpu_reference_values=Path(REFERENCE_FILE))  # beside it
+    trust = _trust_dir(state, cfg.trust_dir, {POLICY_FILE: policy.to_json()})
+    pki = private_dir(state / "pki")
+    lock = _try_lock(cfg.boot_lock)  # None: the orchestrator has the GPU, we join late
+    config = {"name": name, "dataset_path": cfg.data, "host_socket": cfg.host_socket, "pki_dir": str(pki),
+              "layout": cfg.layout.to_layout(), "dataset_format": cfg.format, "trust_dir": str(trust),
+              "probe_at_boot": lock is not None, "hardware": cfg.hardware, "device_timeout": cfg.device_timeout,
+              "self_sign": name}
+    child = PartyChild("holder", config)
+    try:
+        ready = child.ready(BOOT_TIMEOUT)
+        if lock is not None:
+            os.close(lock)  # probed: the next CVM may take the GPU
+        publish(pki / f"{name}.pem", Path(cfg.public_dir) / f"holder-{name}.pem")
+        log(name, "up", dataset_bytes=ready.detail.get("dataset_bytes"), late=lock is None)
+        if not _join(cfg, child, pki, stop):
+            return _leave_and_stop(name, child, joined=False)
+        while child.alive() and not stop():
+            time.sleep(0.2)
+        if stop():
+            return _leave_and_stop(name, child, joined=True)
+        log(name, "exited", status=child.proc.returncode, why="the cohort is over")
+        return child.proc.returncode or 0
+    finally:
+        child.close()
+
+
+def _join(cfg: HolderService, child: PartyChild, pki: Path, stop: Stopping) -> bool:
+    """Pin the orchestrator's certificate, then join (attesting it) until it works or we stop."""
+    cert = Path(cfg.public_dir) / "orchestrator.pem"
+    wait_for(cfg.name, f"the orchestrator's certificate at {cert}", cert.exists, stop)
+    said = 0.0
+    while not stop():
+        pin_peers(pki, cfg.name, [cert.read_bytes()])  # as published now (a restarted orchestrator keeps its key)
+        child.control.send(JoinCohort(host=cfg.orchestrator_host, port=cfg.orchestrator_port))
+        reply = child.control.recv(timeout=BOOT_TIMEOUT).message
+        if isinstance(reply, Joined):
+            log(cfg.name, "joined", measurement=reply.measurement.hex(), gpu=reply.gpu_serial)
+            return True
+        if isinstance(reply, Failed) and (reply.kind.startswith("Attestation") or reply.kind == "BadInput"):
+            log(cfg.name, "refused", why=f"{reply.kind}: {reply.reason}")  # our policy or config said no: final
+            return False
+        if time.monotonic() - said >= 5:
+            why = f"{reply.kind}: {reply.reason}" if isinstance(reply, Failed) else type(reply).__name__
+            log(cfg.name, "waiting", waiting_for=f"the orchestrator at {cfg.orchestrator_host}:{cfg.orchestrator_port}",
+                last=why)
+            said = time.monotonic()
+        time.sleep(1)
+    return False
+
+
+def _leave_and_stop(name: str, child: PartyChild, joined: bool) -> int:
+    """SIGTERM: leave the cohort first (a goodbye the orchestrator reads), then stop."""
+    if joined and child.alive():
+        try:
+            child.control.send(Leave(reason="service stopped"))
+            reply = child.control.recv(timeout=30).message
+            log(name, "left" if isinstance(reply, Left) else "leave-failed", reply=type(reply).__name__)
+        except GputravelError as exc:
+            log(name, "leave-failed", why=type(exc).__name__)
+    child.stop()
+    log(name, "stopped")
+    return 0
+
+
+# ----------------------------------------------------------------------------- orchestrator
+def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
+    state = private_dir(cfg.state_dir)
+    gpu = cfg.gpu_link_socket
+    for what, path in (("the host", cfg.host_socket), ("the GPU", gpu)):
+        wait_for(ORCHESTRATOR, f"{what} at {path}", lambda p=path: unix_listening(p), stop)
+    lock = _hold_boot_lock(cfg.boot_lock, stop)  # held for our whole life: later holders join late
+    pki = private_dir(state / "pki")
+    certs = {h: Path(cfg.public_dir) / f"holder-{h}.pem" for h in cfg.holders}
+    for h, path in certs.items():
+        wait_for(ORCHESTRATOR, f"holder {h}'s certificate at {path}", path.exists, stop)
+    (pki / "ca.pem").write_bytes(b"".join(p.read_bytes() for p in certs.values()))  # pinned holders
+    tdx, link, child = None, None, None
+    try:
+        tdx, quoting = _start_tdx_module(state)
+        trust = _trust_dir(state, cfg.trust_dir, {LIMITS_FILE: {"max_evidence_age_s": cfg.max_evidence_age_s,
+                                                                "quoting_socket": quoting.socket}})
+        engine = orchestrator_engine_config(cfg, pki_dir=str(pki), trust_dir=str(trust))
+        measured = QuotingLaunch.measure_launch(_as_dict(engine), {})
+        link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        link.connect(gpu)  # our private link to the GPU: VRAM grants
+        child = PartyChild(ORCHESTRATOR, {**_as_dict(engine), "self_sign": ORCHESTRATOR}, extra=link)
+        quoting.register(tdx.control, child.proc.pid, None, measured, BOOT_TIMEOUT)
+        ready = child.ready(BOOT_TIMEOUT)
+        publish(pki / f"{ORCHESTRATOR}.pem", Path(cfg.public_dir) / "orchestrator.pem")
+        log(ORCHESTRATOR, "up", port=ready.detail.get("port"), measurement=measured.hex())
+        return _run_job(cfg, child, state, stop)
+    finally:
+        for c in (child, tdx):
+            if c is not None:
+                c.close()
+        if link is not None:
+            link.close()
+        os.close(lock)
+
+
+def _hold_boot_lock(path: str, stop: Stopping) -> int:
+    fd: list[int | None] = [None]
+
+    def taken() -> bool:
+        fd[0] = _try_lock(path)
+        return fd[0] is not None
+
+    wait_for(ORCHESTRATOR, f"the GPU's boot lock {path} (a holder is probing)", taken, stop)
+    assert fd[0] is not None
+    return fd[0]
+
+
+def _start_tdx_module(state: Path) -> tuple[PartyChild, QuotingLaunch]:
+    """The orchestrator's TDX module (its CPU's quoting enclave): it makes a quoting key at each
+    start, which the platform's provisioning key (a stand-in in our state directory) certifies."""
+    home = private_dir(state / "tdx")
+    quoting = QuotingLaunch.at(str(home / "quote.sock"))
+    tdx = PartyChild("tdx-module", quoting.config, says_shutdown=False)
+    tdx.ready(BOOT_TIMEOUT)
+    platform = CohortTrust(state, "", "", tee_root=load_authority(state / "platform", "tee"))
+    QuotingLaunch.certify(tdx.control, platform, BOOT_TIMEOUT)
+    return tdx, quoting
+
+
+def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Stopping) -> int:
+    """Wait for every holder named in the config to join, then train (resuming from the run
+    directory's checkpoint when there is one), streaming progress to the log and status.json."""
+    status = state / "status.json"
+    write_json(status, {"phase": "admitting", "members": [], "step": 0})
+    child.control.send(AwaitHolders(names=tuple(cfg.holders), timeout=3600.0))
+    log(ORCHESTRATOR, "waiting", waiting_for=f"holders {', '.join(cfg.holders)} to join")
+    joined = child.control.recv(timeout=3700.0).message
+    if not isinstance(joined, Holders):
+        raise BadInput(f"the holders did not join: {getattr(joined, 'reason', type(joined).__name__)}")
+    log(ORCHESTRATOR, "admitted", holders=sorted(joined.dataset_bytes))
+    run_dir = Path(cfg.job.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = run_dir / "checkpoint.pt"
+    train = job_train_config(cfg.job)
+    child.control.send(Train(config_json=json.dumps(train.to_dict()), run_dir=str(run_dir),
+                             resume_checkpoint=str(checkpoint) if checkpoint.exists() else ""))
+    while not stop():
+        msg = child.control.recv(timeout=cfg.holder_timeout + 60).message
+        if isinstance(msg, TrainStep):
+            write_json(status, {"phase": "training", "members": sorted(joined.dataset_bytes), "step": msg.step,
+                                "loss": msg.loss, "travels": msg.travels, "gpu_at": msg.holder})
+            if msg.step % 5 == 0:
+                log(ORCHESTRATOR, "step", step=msg.step, loss=round(msg.loss, 4))
+        elif isinstance(msg, TrainDone):
+            report = json.loads(msg.report_json)
+            write_json(run_dir / "report.json", report)
+            write_json(status, {"phase": "done", "members": sorted(joined.dataset_bytes), "step": train.steps})
+            _publish_log(cfg, state)
+            log(ORCHESTRATOR, "trained", steps=train.steps, run_dir=str(run_dir))
+            return 0
+        elif isinstance(msg, Failed):
+            log(ORCHESTRATOR, "failed", kind=msg.kind, why=msg.reason)
+            return 1
+    log(ORCHESTRATOR, "stopping", why="signal")
+    return 0
+
+
+def _publish_log(cfg: OrchestratorService, state: Path) -> None:
+    """The signed travel log, for every holder to check its own travels (`gputravel status`):
+    public, since it holds chunk names, offsets and digests, never data or keys."""
+    log_path = state / "audit.log"
+    if log_path.exists():
+        publish(log_path, Path(cfg.public_dir) / "audit.log")
+
+
+def _as_dict(config: object) -> dict:
+    return dataclasses.asdict(config)

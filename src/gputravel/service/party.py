@@ -1,0 +1,150 @@
+"""What every `gputravel serve ...` shares: structured logs, waiting for peers, and the one
+child process a service owns (its party, started through cohort/entry.py like the supervisor
+starts it, with a control link to this service).
+
+A service is its own party's launcher: it stands where the supervisor stands for a local
+cohort, for one party only. It never holds another party's secret.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gputravel.errors import BadInput, GputravelError, RemoteError
+from gputravel.protocol.control import Enroll, Failed, Ready, Shutdown
+from gputravel.transport.stream import StreamTransport
+
+ENTRY = "gputravel.cohort.entry"
+
+
+def log(party: str, event: str, **fields: object) -> None:
+    """One JSON line on stderr per event. Callers pass names, paths and counts, never a key."""
+    line = {"ts": round(time.time(), 3), "party": party, "event": event, **fields}
+    print(json.dumps(line, default=str), file=sys.stderr, flush=True)
+
+
+def wait_for(party: str, what: str, ready: Callable[[], bool], stop: Callable[[], bool],
+             every: float = 0.2, say_every: float = 5.0) -> None:
+    """Poll ``ready`` until it holds, saying what we wait for now and then; BadInput if stopped."""
+    said = 0.0
+    while not ready():
+        if stop():
+            raise BadInput(f"stopped while waiting for {what}")
+        if time.monotonic() - said >= say_every:
+            log(party, "waiting", waiting_for=what)
+            said = time.monotonic()
+        time.sleep(every)
+
+
+def unix_listening(path: str) -> bool:
+    """Something accepts connections at this Unix socket path (a peer service is up)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+class Stopping:
+    """SIGTERM and SIGINT set a flag the service reads between steps (a clean shutdown)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._set)
+
+    def _set(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+class PartyChild:
+    """The party's process: ``python -m gputravel.cohort.entry ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``.
+    Its output goes to this service's stderr."""
+
+    def __init__(self, role: str, config: dict, *, extra: socket.socket | None = None,
+                 says_shutdown: bool = True) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = [theirs.fileno()] + ([extra.fileno()] if extra is not None else [])
+        payload = json.dumps(config, default=_jsonable)
+        argv = [sys.executable, "-m", ENTRY, role, payload, *map(str, fds)]
+        self.proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.role = role
+        self.control = StreamTransport(ours, role)
+        self._says_shutdown = says_shutdown  # the TDX module knows no Shutdown: it ends with its control link
+
+    def ready(self, timeout: float, certify: Callable[[Enroll], None] | None = None) -> Ready:
+        """Its first words: an enrolment (``certify`` answers it), then Ready or Failed."""
+        try:
+            msg = self.control.recv(timeout=timeout).message
+            if isinstance(msg, Enroll):
+                if certify is None:
+                    raise RemoteError(f"the {self.role} asked to be certified; nothing here certifies it")
+                certify(msg)
+                msg = self.control.recv(timeout=timeout).message
+        except GputravelError as exc:
+            raise RemoteError(f"the {self.role} failed to start: {exc}") from None
+        if isinstance(msg, Failed):
+            raise RemoteError(f"the {self.role} failed to start: {msg.kind}: {msg.reason}")
+        if not isinstance(msg, Ready):
+            raise RemoteError(f"the {self.role} sent {type(msg).__name__} instead of ready")
+        return msg
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace: float = 5.0) -> int:
+        """Shutdown, then terminate, then kill: it never outlives its service."""
+        try:
+            if self._says_shutdown:
+                self.control.send(Shutdown())
+            else:
+                self.control.close()
+        except GputravelError:
+            pass
+        for step in (lambda: None, self.proc.terminate, self.proc.kill):
+            step()
+            try:
+                return self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                continue
+        return self.proc.wait()
+
+    def close(self) -> None:
+        if self.alive():
+            self.stop()
+        self.control.close()
+
+
+def private_dir(path: str | Path) -> Path:
+    """A state directory only its party reads (0700), made on first start."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(p, 0o700)
+    return p
+
+
+def publish(src: Path, dest: Path) -> None:
+    """Put a public file where peers look for it, whole or not at all."""
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp.write_bytes(src.read_bytes())
+    os.replace(tmp, dest)
+
+
+def _jsonable(obj: object) -> object:
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    raise TypeError(f"cannot pass {type(obj).__name__} to a child process")

@@ -1,0 +1,87 @@
+"""`gputravel serve host|gpu|holder|orchestrator --config FILE`: one party, in the foreground.
+
+Each service waits for the peers it needs (saying what it waits for), starts its party's
+process, and stops it cleanly on SIGTERM or SIGINT. The holder and orchestrator services are
+in service/members.py; the host and the GPU, which stand for the cloud's hardware, are here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gputravel.attest.provision import GpuIssuer
+from gputravel.errors import BadInput
+from gputravel.protocol.control import Certified, Enroll
+from gputravel.service.config import GpuService, HostService, check_before_start, load_service
+from gputravel.service.members import serve_holder, serve_orchestrator
+from gputravel.service.party import PartyChild, Stopping, log, private_dir, unix_listening, wait_for
+
+BOOT_TIMEOUT = 120.0
+
+
+def serve(role: str, config_path: Path) -> int:
+    """Run one party until it is done or told to stop; the exit status."""
+    cfg = load_service(config_path, {"gpu": "gpu"}.get(role, role))
+    check_before_start(cfg)
+    stop = Stopping()
+    run = {"host": serve_host, "gpu": serve_gpu, "holder": serve_holder, "orchestrator": serve_orchestrator}[role]
+    return run(cfg, stop)
+
+
+def serve_host(cfg: HostService, stop: Stopping) -> int:
+    """The untrusted host: its PCIe MUX and the socket every CVM and the GPU register at."""
+    private_dir(cfg.state_dir)
+    if os.path.exists(cfg.socket) and not unix_listening(cfg.socket):
+        os.unlink(cfg.socket)  # a stale socket from a host that died; a live one is refused below
+    child = PartyChild("host", {"socket_path": cfg.socket, "hardware": cfg.hardware})
+    try:
+        child.ready(BOOT_TIMEOUT)
+        log("host", "up", socket=cfg.socket)
+        return _until_stopped("host", child, stop)
+    finally:
+        child.close()
+
+
+def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
+    """The confidential GPU: it makes its firmware key on first start, which the vendor's
+    per-device CA (its stand-in in the GPU's state directory) certifies once and is then gone."""
+    name = f"gpu-{cfg.index}"
+    state = private_dir(cfg.state_dir)
+    wait_for(name, f"the host at {cfg.host_socket}", lambda: unix_listening(cfg.host_socket), stop)
+    firmware, vendor = state / "firmware", state / "vendor"
+    if not firmware.exists():  # first start: the firmware state the vendor vouches for
+        GpuIssuer.load(vendor).save_state(private_dir(firmware))
+    config = {"host_socket": cfg.host_socket, "vram_bytes": cfg.vram_bytes, "layout": cfg.layout.to_layout(),
+              "serial": cfg.serial, "gpu_dir": str(firmware), "link_socket": cfg.link_socket}
+    child = PartyChild("device", config)
+    try:
+        child.ready(BOOT_TIMEOUT, lambda msg: _certify_firmware(child, vendor, msg))
+        log(name, "up", serial=cfg.serial, link=cfg.link_socket)
+        return _until_stopped(name, child, stop)
+    finally:
+        child.close()
+
+
+def _certify_firmware(child: PartyChild, vendor: Path, msg: Enroll) -> None:
+    if msg.name != "device" or not GpuIssuer.exists(vendor):
+        raise BadInput(f"the GPU asked to be certified, but its vendor material at {vendor} is gone")
+    cert_pem, ca_pem = GpuIssuer.load(vendor).certify_request(msg.csr_pem)
+    child.control.send(Certified(cert_pem=cert_pem, ca_pem=ca_pem))
+    GpuIssuer.discard(vendor)  # certified once: nobody can certify another key for this GPU
+
+
+def _until_stopped(party: str, child: PartyChild, stop: Stopping) -> int:
+    """Serve until a signal (a clean stop: 0) or the party's process ends (its status)."""
+    while child.alive() and not stop():
+        try:
+            child.proc.wait(timeout=0.2)
+        except Exception:  # noqa: BLE001 - TimeoutExpired: keep serving
+            continue
+    if stop():
+        log(party, "stopping", why="signal")
+        child.stop()
+        return 0
+    code = child.proc.returncode
+    log(party, "exited", status=code)
+    return code

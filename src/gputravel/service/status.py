@@ -1,0 +1,115 @@
+"""`gputravel status --config FILE`: what the party whose config this is may know, read from
+what it can see without asking anyone: which services are up (the sockets and listeners of
+this machine), which members published a certificate, its own state directory's status.json
+(written by its service), and for a holder the travels to it in the orchestrator's signed
+travel log, when the log is published next to the orchestrator's certificate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from gputravel.errors import GputravelError
+from gputravel.orchestrator.audit import verify_log
+from gputravel.service.config import GpuService, HolderService, HostService, OrchestratorService, ServiceConfig
+
+__all__ = ["STATUS_FILE", "cohort_status", "party_name"]
+
+STATUS_FILE = "status.json"  # in a service's state_dir: {"members", "gpu_at", "travels", "step", "phase"}
+PUBLIC_LOG, ORCHESTRATOR_CERT = "audit.log", "orchestrator.pem"
+_LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::")
+
+
+def party_name(cfg: ServiceConfig) -> str:
+    if isinstance(cfg, GpuService):
+        return f"gpu-{cfg.index}"
+    if isinstance(cfg, HolderService):
+        return f"holder-{cfg.name}"
+    return cfg.party
+
+
+# ----------------------------------------------------------------------------- what is up
+def _bound_unix_paths() -> set[str] | None:
+    """Paths of the Unix sockets bound in this network namespace (None: unreadable)."""
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    return {fields[7] for fields in (line.split() for line in lines) if len(fields) > 7}
+
+
+def _unix_up(path: str, bound: set[str] | None) -> bool:
+    # A socket file alone may be left over from a crash; bound means a live process holds it.
+    return path in bound if bound is not None else Path(path).is_socket()
+
+
+def _tcp_listening(port: int) -> bool:
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for fields in (line.split() for line in lines):
+            if len(fields) > 3 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
+def _services(cfg: ServiceConfig) -> dict[str, str]:
+    bound = _bound_unix_paths()
+    host_sock = cfg.socket if isinstance(cfg, HostService) else cfg.host_socket
+    up = {"host": _unix_up(host_sock, bound)}
+    if isinstance(cfg, GpuService):
+        up[party_name(cfg)] = _unix_up(cfg.link_socket, bound)
+    if isinstance(cfg, OrchestratorService):
+        up["gpu-0"] = _unix_up(cfg.gpu_link_socket, bound)
+        up["orchestrator"] = _tcp_listening(cfg.listen_port)
+    if isinstance(cfg, HolderService):  # the GPU's link socket lies beside its boot lock (run/gpu-K.*)
+        up[Path(cfg.boot_lock).stem] = _unix_up(str(Path(cfg.boot_lock).with_suffix(".sock")), bound)
+        if cfg.orchestrator_host not in _LOCAL:  # another machine's listener: not visible here
+            return {**{k: "up" if v else "down" for k, v in up.items()}, "orchestrator": "remote"}
+        up["orchestrator"] = _tcp_listening(cfg.orchestrator_port)
+    return {k: "up" if v else "down" for k, v in up.items()}
+
+
+# ----------------------------------------------------------------------------- what is known
+def _published(public_dir: str) -> list[str]:
+    """Members that published their TLS certificate (public/NAME.pem) on first start."""
+    return sorted(p.stem for p in Path(public_dir).glob("*.pem")) if os.path.isdir(public_dir) else []
+
+
+def _own_status(state_dir: str) -> dict:
+    try:
+        found = json.loads((Path(state_dir) / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _my_travels(cfg: HolderService) -> dict:
+    """The travels to this holder in the published log, checked against the orchestrator's
+    certificate (hash chain and signatures); a torn last entry (being written) is skipped."""
+    log, cert = Path(cfg.public_dir) / PUBLIC_LOG, Path(cfg.public_dir) / ORCHESTRATOR_CERT
+    if not (log.exists() and cert.exists()):
+        return {"log": "not published"}
+    try:
+        summary = verify_log(log, cert.read_bytes(), cfg.name, allow_truncated_tail=True)
+    except (GputravelError, OSError) as exc:
+        return {"log": f"does not verify: {exc}"}
+    travels = [e for e in summary.entries if e.event.value == "travel"]
+    return {"log": f"verified, {summary.count} entries", "my_travels": len(travels),
+            "my_bytes": sum(e.chunk.nbytes for e in travels)}
+
+
+def cohort_status(cfg: ServiceConfig) -> dict:
+    """Everything `gputravel status` shows for the party of `cfg`, as JSON-ready data."""
+    out: dict = {"config": cfg.source, "party": party_name(cfg), "services": _services(cfg)}
+    if isinstance(cfg, (OrchestratorService, HolderService)):
+        out["published"] = _published(cfg.public_dir)
+    out.update({k: v for k, v in _own_status(cfg.state_dir).items() if k not in out})
+    if isinstance(cfg, HolderService):
+        out.update(_my_travels(cfg))
+    out["running"] = any(v == "up" for v in out["services"].values())
+    return out

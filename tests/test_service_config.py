@@ -1,0 +1,267 @@
+"""Issue 16: `gputravel cohort init` and the per-party TOML files: what init writes, that each
+file reads back, and that every mistake in a file is refused naming the file, the key and what
+was expected, before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import tomllib
+from pathlib import Path
+
+import pytest
+import tomli_w
+from typer.testing import CliRunner
+
+from gputravel.attest import load_authority
+from gputravel.attest.provision import GpuIssuer, REFERENCE_FILE
+from gputravel.attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
+from gputravel.cohort.trust import measure_orchestrator
+from gputravel.errors import BadInput
+from gputravel.protocol.hardware import PROFILES
+from gputravel.service.config import (
+    GpuService,
+    HolderService,
+    HostService,
+    OrchestratorService,
+    check_before_start,
+    job_train_config,
+    load_service,
+)
+from gputravel.service.engine import orchestrator_engine_config
+from gputravel.service.init import init_cohort
+from gputravel.service.status import cohort_status
+
+PARTIES = {"host.toml": HostService, "gpu-0.toml": GpuService, "orchestrator.toml": OrchestratorService,
+           "holder-north.toml": HolderService, "holder-south.toml": HolderService}
+
+
+@pytest.fixture(scope="module")
+def cohort(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("cohort")
+    for name in ("north", "south"):
+        (base / f"{name}.txt").write_text(f"the {name} holder's text\n" * 50)
+    init_cohort(base / "D", [("north", str(base / "north.txt")), ("south", str(base / "south.txt"))])
+    return base / "D"
+
+
+def _rewrite(src: Path, dst: Path, change) -> Path:
+    """A copy of the config `src` at `dst`, changed by `change(dict)`."""
+    data = tomllib.loads(src.read_text())
+    change(data)
+    dst.write_text(tomli_w.dumps(data))
+    return dst
+
+
+def _keys(table: dict, prefix: str = "") -> list[str]:
+    return [k for key, value in table.items()
+            for k in ([f"{prefix}{key}"] + (_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else []))]
+
+
+# ----------------------------------------------------------------------------- init
+def test_init_writes_one_file_per_party_and_each_reads_back(cohort: Path) -> None:
+    assert sorted(p.name for p in cohort.glob("*.toml")) == sorted(PARTIES)
+    for name, model in PARTIES.items():
+        cfg = load_service(cohort / name)
+        assert isinstance(cfg, model) and cfg.source == str(cohort / name)
+        assert cfg.state_dir == str(cohort / "state" / name.removesuffix(".toml"))
+        assert stat.S_IMODE(os.stat(cfg.state_dir).st_mode) == 0o700
+    orch = load_service(cohort / "orchestrator.toml", "orchestrator")
+    north = load_service(cohort / "holder-north.toml", "holder")
+    assert orch.holders == ["north", "south"] and north.orchestrator_port == orch.listen_port
+    assert north.data.endswith("north.txt") and os.path.isabs(north.data)
+    assert {p.name for p in (cohort / "trust").iterdir()} == {GPU_ROOT_CERT, TEE_ROOT_CERT, REFERENCE_FILE}
+    assert not any((cohort / "public").iterdir()) and not any((cohort / "run").iterdir())
+
+
+def test_holders_pin_the_orchestrator_init_configured(cohort: Path) -> None:
+    orch = load_service(cohort / "orchestrator.toml")
+    # Placement is not measured: the running service's own paths give the same measurement.
+    running = orchestrator_engine_config(orch, pki_dir="/anywhere/pki", trust_dir=orch.trust_dir)
+    for name in ("north", "south"):
+        policy = load_service(cohort / f"holder-{name}.toml").policy
+        assert policy.orchestrator_measurements == [measure_orchestrator(running).hex()]
+        assert policy.gpu_driver_versions and policy.to_policy(orch.trust_dir).gpu_reference_values.exists()
+
+
+def test_only_the_hardware_stand_ins_hold_a_private_key(cohort: Path) -> None:
+    allowed = (cohort / "state" / "gpu-0" / "vendor", cohort / "state" / "orchestrator" / "platform")
+    keyed = [p for p in cohort.rglob("*") if p.is_file() and b"PRIVATE KEY" in p.read_bytes()]
+    assert keyed and all(p.parent in allowed for p in keyed), keyed
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in keyed)
+    for config in cohort.glob("*.toml"):  # no key, and no key's name, in any config
+        text = config.read_text()
+        assert "BEGIN" not in text and not any("key" in k for k in _keys(tomllib.loads(text)))
+    # What the emulated hardware needs from them: the GPU's CA and the CPU-TEE root.
+    issuer = GpuIssuer.load(allowed[0])
+    assert issuer.serial == "GPU-EMU-0"
+    assert load_authority(allowed[1], "tee").cert_der
+    assert not (cohort / "trust" / GPU_ROOT_KEY).exists() and not (cohort / "trust" / TEE_ROOT_KEY).exists()
+
+
+def test_init_refuses_a_used_directory_bad_holders_and_leaves_nothing(tmp_path: Path) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("text\n")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("")
+    with pytest.raises(BadInput, match="not an empty directory"):
+        init_cohort(tmp_path / "used", [("north", str(data))])
+    for holders, match in (([], "at least one holder"), ([("North", str(data))], "a name is"),
+                           ([("orchestrator", str(data))], "not 'orchestrator'"),
+                           ([("a", str(data)), ("a", str(data))], "given twice"),
+                           ([("a", str(tmp_path / "missing"))], "no such file")):
+        with pytest.raises(BadInput, match=match):
+            init_cohort(tmp_path / "new", holders)
+        assert not (tmp_path / "new").exists()
+
+
+def test_gpus_get_a_file_each_with_its_own_serial_and_sockets(tmp_path: Path) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("text\n" * 10)
+    written = init_cohort(tmp_path / "D", [("north", str(data))], gpus=2, steps=3, buffer_bytes=64 << 10)
+    gpus = [load_service(p) for p in written if p.name.startswith("gpu-")]
+    assert [g.serial for g in gpus] == ["GPU-EMU-0", "GPU-EMU-1"]
+    assert len({g.link_socket for g in gpus}) == 2 and gpus[1].vram_bytes > 64 << 10
+    assert GpuIssuer.load(tmp_path / "D" / "state" / "gpu-1" / "vendor").serial == "GPU-EMU-1"
+    job = load_service(tmp_path / "D" / "orchestrator.toml").job
+    assert (job.steps, job.buffer_bytes) == (3, 64 << 10)
+
+
+# ----------------------------------------------------------------------------- refused files
+@pytest.mark.parametrize("change, expected", [
+    (lambda d: d["job"].update(steps="ten"), "job.steps: expected a valid integer, got 'ten'"),
+    (lambda d: d["job"].update(lr=2.0), "job.lr: expected less than 1, got 2.0"),
+    (lambda d: d.update(holders=[]), "holders: expected a list with at least 1 item"),
+    (lambda d: d["job"].update(stpes=10), "job.stpes: unknown key"),
+    (lambda d: d.update(listen_port=70000), "listen_port: expected less than or equal to 65535, got 70000"),
+    (lambda d: d.update(state_dir="state"), "state_dir: expected an absolute path, got 'state'"),
+    (lambda d: d.update(hardware="a100"), "hardware: expected 'emulated' or 'paper-h100', got 'a100'"),
+    (lambda d: d["layout"].update(record_bytes=5000), "layout.record_bytes: expected a power of two"),
+    (lambda d: d["job"].update(buffer_bytes=4096), "job.buffer_bytes: expected a multiple of layout.record_bytes"),
+    (lambda d: d["job"].update(n_head=3), "job.n_embd: expected a multiple of n_head (3), got 64"),
+    (lambda d: d["job"].update(schedule="random"), "job.schedule: expected one of round_robin, proportional"),
+    (lambda d: d.update(holders=["north", "north"]), "holders: expected unique member names"),
+    (lambda d: d.pop("listen_port"), "listen_port: missing (required)"),
+    (lambda d: d.update(party="gpus"), "party: expected one of 'host', 'gpu', 'orchestrator', 'holder', got 'gpus'"),
+])
+def test_a_wrong_key_is_refused_naming_file_key_and_expectation(cohort: Path, tmp_path: Path, change,
+                                                                 expected: str) -> None:
+    bad = _rewrite(cohort / "orchestrator.toml", tmp_path / "orchestrator.toml", change)
+    with pytest.raises(BadInput) as caught:
+        load_service(bad)
+    assert f"{bad}: {expected}" in str(caught.value)
+
+
+def test_a_missing_file_bad_toml_and_the_wrong_party_are_refused(cohort: Path, tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match=f"{tmp_path / 'none.toml'}: not found"):
+        load_service(tmp_path / "none.toml")
+    (tmp_path / "bad.toml").write_text('party = "host"\nstate_dir = \n')
+    with pytest.raises(BadInput, match=r"bad.toml: not valid TOML: .*line 2"):
+        load_service(tmp_path / "bad.toml")
+    with pytest.raises(BadInput, match=r"host.toml: party: expected 'gpu' \(the role being started\), got 'host'"):
+        load_service(cohort / "host.toml", "gpu")
+
+
+def test_a_holder_policy_must_pin_a_measurement(cohort: Path, tmp_path: Path) -> None:
+    bad = _rewrite(cohort / "holder-north.toml", tmp_path / "h.toml",
+                   lambda d: d["policy"].update(orchestrator_measurements=["ab" * 10]))
+    with pytest.raises(BadInput, match=r"h.toml: policy.orchestrator_measurements.0: expected a string matching"):
+        load_service(bad)
+
+
+def test_before_start_a_missing_data_path_and_a_port_in_use_are_refused(cohort: Path, tmp_path: Path) -> None:
+    for name in PARTIES:
+        check_before_start(load_service(cohort / name))  # a fresh cohort is ready to start
+    gone = _rewrite(cohort / "holder-north.toml", tmp_path / "holder.toml",
+                    lambda d: d.update(data=str(tmp_path / "gone")))
+    with pytest.raises(BadInput, match=f"{gone}: data: expected an existing path '{tmp_path / 'gone'}'"):
+        check_before_start(load_service(gone))
+    orch = load_service(cohort / "orchestrator.toml")
+    with socket.socket() as busy:
+        busy.bind((orch.listen_host, orch.listen_port))
+        busy.listen()
+        with pytest.raises(BadInput, match=f"orchestrator.toml: listen_port: expected a free port: "
+                                           f"127.0.0.1:{orch.listen_port} is not free"):
+            check_before_start(orch)
+
+
+def test_the_job_becomes_the_training_configuration(cohort: Path) -> None:
+    job = load_service(cohort / "orchestrator.toml").job
+    train = job_train_config(job)
+    assert (train.steps, train.buffer_bytes, train.tokenizer, train.loader) == \
+        (job.steps, job.buffer_bytes, "bytes", "travelling")
+
+
+def test_the_hardware_choices_are_the_profiles() -> None:
+    assert set(HostService.model_fields["hardware"].annotation.__args__) == set(PROFILES)
+
+
+# ----------------------------------------------------------------------------- status and the command line
+def test_status_of_a_fresh_cohort_says_nothing_is_running(cohort: Path) -> None:
+    for name in PARTIES:
+        found = cohort_status(load_service(cohort / name))
+        assert not found["running"] and set(found["services"].values()) == {"down"}
+    north = cohort_status(load_service(cohort / "holder-north.toml"))
+    assert north["published"] == [] and north["log"] == "not published"
+    assert set(north["services"]) == {"host", "gpu-0", "orchestrator"}
+
+
+def test_cohort_init_and_status_on_the_command_line(tmp_path: Path) -> None:
+    from gputravel.cli.app import app
+
+    data = tmp_path / "data.txt"
+    data.write_text("text\n" * 10)
+    runner = CliRunner()
+    done = runner.invoke(app, ["cohort", "init", str(tmp_path / "D"), "--holder", f"north={data}",
+                               "--steps", "4"])
+    assert done.exit_code == 0, done.output
+    assert "holder-north.toml" in done.output and (tmp_path / "D" / "orchestrator.toml").exists()
+    again = runner.invoke(app, ["cohort", "init", str(tmp_path / "D"), "--holder", f"north={data}"])
+    assert again.exit_code == 1 and "not an empty directory" in again.output
+    shown = runner.invoke(app, ["status", "--config", str(tmp_path / "D" / "host.toml")])
+    assert shown.exit_code == 0 and "nothing is running" in shown.output
+    as_json = runner.invoke(app, ["status", "--config", str(tmp_path / "D" / "orchestrator.toml"), "--json"])
+    assert as_json.exit_code == 0 and json.loads(as_json.output)["running"] is False
+    bad = runner.invoke(app, ["cohort", "init", str(tmp_path / "E"), "--holder", "north"])
+    assert bad.exit_code != 0 and "NAME=PATH" in bad.output
+
+
+def test_a_holder_counts_its_travels_in_the_published_signed_log(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    from gputravel.crypto.certs import key_pem, new_key
+    from gputravel.orchestrator.audit import AuditLog, ChunkId
+
+    data = tmp_path / "data.txt"
+    data.write_text("text\n" * 10)
+    init_cohort(tmp_path / "D", [("north", str(data)), ("south", str(data))])
+    public, key = tmp_path / "D" / "public", new_key()
+    log = AuditLog.create(public / "audit.log", key_pem(key))
+    for i, holder in enumerate(("north", "south", "north")):
+        log.append("travel", ChunkId(holder, i << 12, 4096), time=1.0, epoch_before=i, epoch_after=i + 1,
+                   chunk_digest=bytes(32))
+    log.close()
+    (public / "orchestrator.pem").write_bytes(key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    north = load_service(tmp_path / "D" / "holder-north.toml")
+    Path(north.state_dir, "status.json").write_text(json.dumps({"phase": "training", "running": "not mine"}))
+    found = cohort_status(north)
+    assert (found["my_travels"], found["my_bytes"], found["published"]) == (2, 8192, ["orchestrator"])
+    assert found["phase"] == "training" and found["running"] is False  # its own keys win over status.json's
+    (public / "orchestrator.pem").write_bytes(new_key().public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    assert cohort_status(north)["log"].startswith("does not verify")
+
+
+def test_status_sees_a_live_socket_but_not_a_leftover_file(tmp_path: Path) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("text\n")
+    init_cohort(tmp_path / "D", [("north", str(data))])
+    host = load_service(tmp_path / "D" / "host.toml")
+    with socket.socket(socket.AF_UNIX) as live:
+        live.bind(host.socket)
+        live.listen()
+        assert cohort_status(host)["services"] == {"host": "up"} and cohort_status(host)["running"]
+    assert Path(host.socket).exists() and cohort_status(host)["services"] == {"host": "down"}  # left over

@@ -1,0 +1,139 @@
+"""Issue 16, as docs/deploy.md tells it: five shells, one party each.
+
+`gputravel cohort init`, then `gputravel serve host`, `serve gpu`, two `serve holder` and
+`serve orchestrator`, each its own process started in its own way. The orchestrator trains a
+few steps and exits 0; one holder is stopped with SIGTERM mid-run, started again, and rejoins
+(a late join: it probes on the GPU the orchestrator lends it between travels). Nothing is
+left running, and each party's private keys lie only in its own state directory, mode 0600.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gputravel.data.shakespeare import shakespeare_holders
+from gputravel.orchestrator.audit import verify_log
+from gputravel.service.init import init_cohort
+
+pytestmark = pytest.mark.integration
+
+GPUTRAVEL = [sys.executable, "-c", "import sys; from gputravel.cli.app import app; sys.exit(app())"]
+
+
+class Shell:
+    """One terminal: a `gputravel serve` in the foreground, its stderr kept."""
+
+    def __init__(self, d: Path, role: str, config: str, tag: str) -> None:
+        self.log = d / f"{tag}.log"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([*GPUTRAVEL, "serve", role, "--config", str(d / config)],
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+    def said(self, event: str) -> int:
+        return sum(1 for e in self.events() if e.get("event") == event)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+def _until(cond, timeout: float, what: str, shells: list[Shell]) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        died = [s.log.name for s in shells if s.proc.poll() not in (None, 0)]
+        if time.monotonic() > deadline or died:
+            tails = "\n".join(f"--- {s.log.name}\n" + s.log.read_text(errors="replace")[-2500:] for s in shells)
+            raise AssertionError(f"{'failed: ' + ', '.join(died) if died else 'timed out'} waiting for {what}\n{tails}")
+        time.sleep(0.2)
+
+
+def _status(d: Path) -> dict:
+    try:
+        return json.loads((d / "state" / "orchestrator" / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_five_shells_train_and_a_holder_leaves_and_rejoins(tmp_path: Path) -> None:
+    presses = shakespeare_holders()
+    d = tmp_path / "cohort"
+    init_cohort(d, [("north", str(presses["tragedies"])), ("south", str(presses["comedies"]))],
+                steps=1200, buffer_bytes=16 << 10)
+    shells: list[Shell] = []
+    try:
+        shells.append(Shell(tmp_path, "host", "cohort/host.toml", "host"))
+        shells.append(Shell(tmp_path, "gpu", "cohort/gpu-0.toml", "gpu"))
+        north = Shell(tmp_path, "holder", "cohort/holder-north.toml", "north")
+        south = Shell(tmp_path, "holder", "cohort/holder-south.toml", "south")
+        shells += [north, south]
+        _until(lambda: north.said("up") and south.said("up"), 90, "both holders up", shells)
+        orch = Shell(tmp_path, "orchestrator", "cohort/orchestrator.toml", "orchestrator")
+        shells.append(orch)
+        _until(lambda: _status(d).get("step", 0) >= 20, 180, "training under way", shells)
+
+        assert south.stop() == 0  # SIGTERM: it leaves the cohort, then stops
+        assert south.said("left") == 1, south.log.read_text()
+        south_again = Shell(tmp_path, "holder", "cohort/holder-south.toml", "south-again")
+        shells.append(south_again)
+        _until(lambda: south_again.said("joined") == 1, 120, "south to rejoin", shells)
+        assert any(e.get("late") for e in south_again.events() if e.get("event") == "up")
+        rejoined_at = next(e["ts"] for e in south_again.events() if e.get("event") == "joined")
+
+        assert orch.proc.wait(timeout=300) == 0, orch.log.read_text()[-3000:]
+        run_dir = d / "run-dir"
+        assert (run_dir / "report.json").exists() and (run_dir / "checkpoint.pt").exists()
+        assert _status(d)["phase"] == "done"
+        # The signed travel log (published for the holders) shows travels to south after it rejoined.
+        log = verify_log(d / "public" / "audit.log", (d / "public" / "orchestrator.pem").read_bytes(), "south")
+        assert any(e.time > rejoined_at and e.event == "travel" for e in log.entries), log.entries
+    finally:
+        codes = [s.stop() for s in reversed(shells)]
+    assert all(c == 0 for c in codes), codes
+    _no_process_left(tmp_path)
+    _keys_only_in_own_state(d)
+
+
+def _no_process_left(root: Path) -> None:
+    """No process still names this cohort on its command line."""
+    left = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(root).encode() in cmd:
+            left.append(pid)
+    assert not left, f"processes left behind: {left}"
+
+
+def _keys_only_in_own_state(d: Path) -> None:
+    owners: dict[str, list[Path]] = {}
+    for path in d.rglob("*"):
+        if path.is_file() and b"PRIVATE KEY" in path.read_bytes():
+            assert path.is_relative_to(d / "state"), f"a private key outside a state directory: {path}"
+            assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
+            owners.setdefault(path.relative_to(d / "state").parts[0], []).append(path)
+    for party in ("orchestrator", "holder-north", "holder-south", "gpu-0"):
+        assert owners.get(party), f"{party} made no key of its own"
+    assert not list((d / "state" / "gpu-0").rglob("vendor/*.key")), "the GPU vendor's CA outlived its one use"
