@@ -130,3 +130,14 @@ def run_ranks():
         return [got[r][1] for r in range(world)]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def searchable_tmp(tmp_path_factory):
+    """As root, deployed services run each party under its own account, which must reach the
+    cohort directory: let other accounts search (not list) pytest's temporary directories."""
+    base = tmp_path_factory.getbasetemp()
+    if os.geteuid() == 0:
+        for d in (base.parent, base):
+            os.chmod(d, 0o711)
+    return base

@@ -38,9 +38,16 @@ PARTIES = {"host.toml": HostService, "gpu-0.toml": GpuService, "orchestrator.tom
            "holder-north.toml": HolderService, "holder-south.toml": HolderService}
 
 
+@pytest.fixture(autouse=True)
+def _reachable(searchable_tmp, tmp_path):
+    """init refuses, as root, a directory the parties' accounts could not reach."""
+    os.chmod(tmp_path, 0o711)
+
+
 @pytest.fixture(scope="module")
 def cohort(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("cohort")
+    os.chmod(base, 0o711)  # reachable by the parties' accounts (see _reachable)
     for name in ("north", "south"):
         (base / f"{name}.txt").write_text(f"the {name} holder's text\n" * 50)
     init_cohort(base / "D", [("north", str(base / "north.txt")), ("south", str(base / "south.txt"))])

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -73,7 +76,18 @@ def _status(d: Path) -> dict:
         return {}
 
 
-def test_five_shells_train_and_a_holder_leaves_and_rejoins(tmp_path: Path) -> None:
+@pytest.fixture
+def where() -> Path:
+    """As root the parties run under their own accounts, which must reach the cohort directory:
+    pytest's own temporary directories are root's alone."""
+    base = Path(tempfile.mkdtemp(prefix="gputravel-deploy-"))
+    os.chmod(base, 0o711)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_five_shells_train_and_a_holder_leaves_and_rejoins(where: Path) -> None:
+    tmp_path = where
     presses = shakespeare_holders()
     d = tmp_path / "cohort"
     init_cohort(d, [("north", str(presses["tragedies"])), ("south", str(presses["comedies"]))],
@@ -107,7 +121,8 @@ def test_five_shells_train_and_a_holder_leaves_and_rejoins(tmp_path: Path) -> No
         assert any(e.time > rejoined_at and e.event == "travel" for e in log.entries), log.entries
     finally:
         codes = [s.stop() for s in reversed(shells)]
-    assert all(c == 0 for c in codes), codes
+    assert all(c == 0 for c in codes), [(s.log.name, c, s.log.read_text()[-1500:]) for s, c in zip(reversed(shells), codes)
+                                        if c != 0]
     _no_process_left(tmp_path)
     _keys_only_in_own_state(d)
 
@@ -136,4 +151,9 @@ def _keys_only_in_own_state(d: Path) -> None:
             owners.setdefault(path.relative_to(d / "state").parts[0], []).append(path)
     for party in ("orchestrator", "holder-north", "holder-south", "gpu-0"):
         assert owners.get(party), f"{party} made no key of its own"
+        if os.geteuid() == 0:  # each party's own account owns the keys it made
+            uid = tomllib.loads((d / f"{party}.toml").read_text())["uid"]
+            made = [k for k in owners[party] if not k.is_relative_to(d / "state" / party / "vendor")
+                    and not k.is_relative_to(d / "state" / party / "platform")]
+            assert made and all(k.stat().st_uid == uid for k in made), [(k, k.stat().st_uid, uid) for k in made]
     assert not list((d / "state" / "gpu-0").rglob("vendor/*.key")), "the GPU vendor's CA outlived its one use"

@@ -47,6 +47,9 @@ class HostConfig:
     snoop_limit_bytes: int = 256 << 20
     switch_timeout: float = 10.0
     hardware: str = "emulated"  # protocol/hardware.py: a profile may hold each switch for its hardware's time
+    # A deployed host (service/) outlives its GPU: a restarted GPU attaches again. The launcher's
+    # host stops with the GPU, as the cohort does.
+    outlive_device: bool = False
 
 
 class Snooper(threading.Thread):
@@ -113,11 +116,19 @@ class HostProcess:
                         self._forget(key.data)
                         key.data.close()
                         if key.data is self.device:
-                            return  # the GPU is gone: nothing left to multiplex
+                            if not self.config.outlive_device:
+                                return  # the GPU is gone: nothing left to multiplex
+                            self._device_gone()
         finally:
             if self._snooper:
                 self._snooper.stop()
                 self._snooper.join(timeout=1)
+
+    def _device_gone(self) -> None:
+        """Forget the GPU that left (its BAR0 and doorbell with it) until one attaches again."""
+        for fd in self._device_fds or ():
+            os.close(fd)
+        self.device, self._device_fds, self._bar_bytes = None, None, 0
 
     def _serve_one(self, peer: Transport) -> bool:
         try:

@@ -64,8 +64,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+Uid = Annotated[int, Field(ge=-1)]  # -1: the party runs as whoever starts its service
+
+
 class _Service(_Section):
-    """What every party's file has; `source` is the file it was read from (for error messages)."""
+    """What every party's file has; `source` is the file it was read from (for error messages).
+    `uid`: the account its party's process runs under when the service starts as root (init
+    picks one per party when it runs as root; -1: no separate account)."""
+
+    uid: Uid = -1
 
     _source: str = PrivateAttr(default="<config>")
 
@@ -160,6 +167,7 @@ class GpuService(_Service):
     boot_lock: AbsPath  # held while a CVM probes the GPU at boot (paper 4.1: one at a time)
     vram_bytes: Annotated[int, Field(gt=0)]
     layout: LayoutSection
+    orchestrator_uid: Uid = -1  # the only peer the GPU hands VRAM to on its link (-1: any local process)
 
     @property
     def serial(self) -> str:
@@ -183,6 +191,7 @@ class OrchestratorService(_Service):
     max_evidence_age_s: Annotated[int, Field(ge=2)] = 3600
     layout: LayoutSection
     job: JobSection
+    tdx_uid: Uid = -1  # its TDX module's own account (the module stands for the CPU)
 
     @field_validator("holders")
     @classmethod

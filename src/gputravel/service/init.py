@@ -29,6 +29,7 @@ import tomli_w
 from gputravel.attest import GpuIssuer, init_roots, issue_gpu_ca, load_authority
 from gputravel.attest.provision import REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
+from gputravel.cohort import isolation
 from gputravel.cohort.trust import measure_orchestrator
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
@@ -149,17 +150,19 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
     run, state = d / "run", d / "state"
     host_sock, layout = str(run / "host.sock"), LayoutSection(record_bytes=_record_bytes(job.buffer_bytes))
     shared = {"trust_dir": str(d / "trust"), "public_dir": str(d / "public"), "host_socket": host_sock}
+    uid = _uids(len(issuers), [n for n, _ in holders])
     out: list[tuple[Path, ServiceConfig]] = [
-        (d / "host.toml", HostService(party="host", state_dir=str(state / "host"), socket=host_sock))]
+        (d / "host.toml", HostService(party="host", state_dir=str(state / "host"), socket=host_sock, uid=uid["host"]))]
     for k in range(len(issuers)):
         out.append((d / f"gpu-{k}.toml", GpuService(
             party="gpu", index=k, state_dir=str(state / f"gpu-{k}"), host_socket=host_sock,
             link_socket=str(run / f"gpu-{k}.sock"), boot_lock=str(run / f"gpu-{k}.lock"),
-            vram_bytes=job.buffer_bytes + VRAM_MARGIN, layout=layout)))
+            vram_bytes=job.buffer_bytes + VRAM_MARGIN, layout=layout, uid=uid[f"gpu-{k}"],
+            orchestrator_uid=uid["orchestrator"])))
     orch = OrchestratorService(
         party="orchestrator", state_dir=str(state / "orchestrator"), gpu_link_socket=str(run / "gpu-0.sock"),
         boot_lock=str(run / "gpu-0.lock"), listen_port=port, holders=[n for n, _ in holders], layout=layout,
-        job=job, **shared)
+        job=job, uid=uid["orchestrator"], tdx_uid=uid["tdx-module"], **shared)
     out.append((d / "orchestrator.toml", orch))
     # What each holder pins: this orchestrator's code and configuration (placement left out).
     measurement = measure_orchestrator(orchestrator_engine_config(orch, pki_dir="", trust_dir="")).hex()
@@ -168,8 +171,19 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
     for name, data in holders:
         out.append((d / f"holder-{name}.toml", HolderService(
             party="holder", name=name, state_dir=str(state / f"holder-{name}"), boot_lock=str(run / "gpu-0.lock"),
-            data=data, orchestrator_port=port, layout=layout, policy=policy, **shared)))
+            data=data, orchestrator_port=port, layout=layout, policy=policy, uid=uid[f"holder-{name}"], **shared)))
     return out
+
+
+def _uids(gpus: int, holders: list[str]) -> dict[str, int]:
+    """One account per party when init runs as root (a free block, as the supervisor's); -1
+    for all otherwise: the services then run as whoever starts them, with no uid boundary."""
+    parties = ["host", "orchestrator", "tdx-module", *(f"gpu-{k}" for k in range(gpus)),
+               *(f"holder-{n}" for n in holders)]
+    if not isolation.decide(None)[0]:
+        return dict.fromkeys(parties, -1)
+    base = isolation.allocate_block()
+    return {party: base + 1 + i for i, party in enumerate(parties)}
 
 
 def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gpus: int = 1,
@@ -177,6 +191,10 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
     """Write a new cohort directory (see the module's docstring); returns the config files."""
     d = Path(directory).resolve()
     _check_target(d)
+    closed = isolation.unreachable(d.parent) if isolation.decide(None)[0] else None
+    if closed is not None:  # as root each party runs under its own account, which must reach D
+        raise BadInput(f"{d}: each party's account must reach it, but others cannot search {closed}; "
+                       "choose a directory under one they can (or chmod o+x it)")
     checked = _check_holders(holders)
     if type(gpus) is not int or gpus < 1:
         raise BadInput(f"--gpus: expected a positive integer, got {gpus!r}")
@@ -193,6 +211,7 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
     try:
         for sub in ("public", "run"):
             (d / sub).mkdir(parents=True)
+        os.chmod(d / "run", 0o1777)  # each party binds its own socket here; sticky: none removes another's
         for party in ("host", *(f"gpu-{k}" for k in range(gpus)), "orchestrator",
                       *(f"holder-{n}" for n, _ in checked)):
             _private_dir(d / "state" / party)

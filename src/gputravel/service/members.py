@@ -23,6 +23,7 @@ from pathlib import Path
 
 from gputravel.attest.material import LIMITS_FILE, POLICY_FILE, REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_CERT, TEE_ROOT_CERT, load_authority
+from gputravel.cohort import isolation
 from gputravel.cohort.quoting import QuotingLaunch
 from gputravel.cohort.trust import CohortTrust
 from gputravel.crypto.pki import pin_peers
@@ -32,7 +33,8 @@ from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohor
                                         TrainStep, Train)
 from gputravel.service.config import HolderService, OrchestratorService, job_train_config
 from gputravel.service.engine import orchestrator_engine_config
-from gputravel.service.party import PartyChild, Stopping, log, private_dir, publish, unix_listening, wait_for
+from gputravel.service.party import (PartyChild, Stopping, log, own_state, private_dir, publish, unix_listening,
+                                     wait_for)
 
 BOOT_TIMEOUT = 120.0
 ORCHESTRATOR = "orchestrator"
@@ -80,7 +82,9 @@ def serve_holder(cfg: HolderService, stop: Stopping) -> int:
               "layout": cfg.layout.to_layout(), "dataset_format": cfg.format, "trust_dir": str(trust),
               "probe_at_boot": lock is not None, "hardware": cfg.hardware, "device_timeout": cfg.device_timeout,
               "self_sign": name}
-    child = PartyChild("holder", config)
+    home = private_dir(state / "home")
+    own_state(state, cfg.uid)
+    child = PartyChild("holder", config, uid=cfg.uid, home=home)
     try:
         ready = child.ready(BOOT_TIMEOUT)
         if lock is not None:
@@ -151,15 +155,19 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
     (pki / "ca.pem").write_bytes(b"".join(p.read_bytes() for p in certs.values()))  # pinned holders
     tdx, link, child = None, None, None
     try:
-        tdx, quoting = _start_tdx_module(state)
+        tdx, quoting = _start_tdx_module(cfg, state)
         trust = _trust_dir(state, cfg.trust_dir, {LIMITS_FILE: {"max_evidence_age_s": cfg.max_evidence_age_s,
                                                                 "quoting_socket": quoting.socket}})
         engine = orchestrator_engine_config(cfg, pki_dir=str(pki), trust_dir=str(trust))
+        home = private_dir(state / "home")
+        own_state(state, cfg.uid, root_only=("platform",))  # the TEE provisioning stand-in is ours alone
+        run_dir = private_dir(cfg.job.run_dir)
+        own_state(run_dir, cfg.uid)
+        child_args = {"uid": cfg.uid, "home": home}
         measured = QuotingLaunch.measure_launch(_as_dict(engine), {})
-        link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        link.connect(gpu)  # our private link to the GPU: VRAM grants
-        child = PartyChild(ORCHESTRATOR, {**_as_dict(engine), "self_sign": ORCHESTRATOR}, extra=link)
-        quoting.register(tdx.control, child.proc.pid, None, measured, BOOT_TIMEOUT)
+        link = _gpu_link(gpu, cfg.uid)
+        child = PartyChild(ORCHESTRATOR, {**_as_dict(engine), "self_sign": ORCHESTRATOR}, extra=link, **child_args)
+        quoting.register(tdx.control, child.proc.pid, cfg.uid if cfg.uid >= 0 else None, measured, BOOT_TIMEOUT)
         ready = child.ready(BOOT_TIMEOUT)
         publish(pki / f"{ORCHESTRATOR}.pem", Path(cfg.public_dir) / "orchestrator.pem")
         log(ORCHESTRATOR, "up", port=ready.detail.get("port"), measurement=measured.hex())
@@ -185,12 +193,33 @@ def _hold_boot_lock(path: str, stop: Stopping) -> int:
     return fd[0]
 
 
-def _start_tdx_module(state: Path) -> tuple[PartyChild, QuotingLaunch]:
-    """The orchestrator's TDX module (its CPU's quoting enclave): it makes a quoting key at each
-    start, which the platform's provisioning key (a stand-in in our state directory) certifies."""
-    home = private_dir(state / "tdx")
+def _gpu_link(path: str, uid: int) -> socket.socket:
+    """Our private link to the GPU (VRAM grants), connected as the orchestrator's account: the
+    device checks the peer's uid, which the kernel records at connect."""
+    link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if uid < 0:
+        link.connect(path)
+        return link
+    os.setegid(uid)
+    os.seteuid(uid)
+    try:
+        link.connect(path)
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+    return link
+
+
+def _start_tdx_module(cfg: OrchestratorService, state: Path) -> tuple[PartyChild, QuotingLaunch]:
+    """The orchestrator's TDX module (its CPU's quoting enclave, under its own account): it makes
+    a quoting key at each start, which the platform's provisioning key (a stand-in in our state
+    directory) certifies. Its directory is searchable, so the orchestrator reaches its socket."""
+    home = state.parent / f"{state.name}-tdx"
+    home.mkdir(mode=0o711, exist_ok=True)
+    if cfg.tdx_uid >= 0:
+        isolation.give(home, cfg.tdx_uid, 0o711)
     quoting = QuotingLaunch.at(str(home / "quote.sock"))
-    tdx = PartyChild("tdx-module", quoting.config, says_shutdown=False)
+    tdx = PartyChild("tdx-module", quoting.config, says_shutdown=False, uid=cfg.tdx_uid, home=home)
     tdx.ready(BOOT_TIMEOUT)
     platform = CohortTrust(state, "", "", tee_root=load_authority(state / "platform", "tee"))
     QuotingLaunch.certify(tdx.control, platform, BOOT_TIMEOUT)
@@ -209,7 +238,6 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
         raise BadInput(f"the holders did not join: {getattr(joined, 'reason', type(joined).__name__)}")
     log(ORCHESTRATOR, "admitted", holders=sorted(joined.dataset_bytes))
     run_dir = Path(cfg.job.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = run_dir / "checkpoint.pt"
     train = job_train_config(cfg.job)
     child.control.send(Train(config_json=json.dumps(train.to_dict()), run_dir=str(run_dir),

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gputravel.cohort import isolation
 from gputravel.errors import BadInput, GputravelError, RemoteError
 from gputravel.protocol.control import Enroll, Failed, Ready, Shutdown
 from gputravel.transport.stream import StreamTransport
@@ -75,12 +76,12 @@ class PartyChild:
     Its output goes to this service's stderr."""
 
     def __init__(self, role: str, config: dict, *, extra: socket.socket | None = None,
-                 says_shutdown: bool = True) -> None:
+                 says_shutdown: bool = True, uid: int = -1, home: Path | None = None) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [theirs.fileno()] + ([extra.fileno()] if extra is not None else [])
         payload = json.dumps(config, default=_jsonable)
         argv = [sys.executable, "-m", ENTRY, role, payload, *map(str, fds)]
-        self.proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, **_as_account(uid, home))
         theirs.close()
         self.role = role
         self.control = StreamTransport(ours, role)
@@ -127,6 +128,31 @@ class PartyChild:
         if self.alive():
             self.stop()
         self.control.close()
+
+
+def _as_account(uid: int, home: Path | None) -> dict:
+    """Popen arguments: the party under its own uid, non-dumpable, with its own HOME, as the
+    supervisor starts an isolated party (cohort/isolation.py); -1: as we run, dying with us."""
+    if uid < 0:
+        return {"preexec_fn": isolation.die_with_parent}
+    if os.geteuid() != 0:
+        raise BadInput(f"the config names uid {uid} for this party: start its service as root")
+    assert home is not None
+    env = {**os.environ, **isolation.private_env(str(home)), "GPUTRAVEL_NONDUMPABLE": "1"}
+    return {"preexec_fn": isolation.dropper(uid, netns=None, reach=isolation.interpreter_reach()), "env": env,
+            "cwd": str(home)}
+
+
+def own_state(state: Path, uid: int, *, root_only: tuple[str, ...] = ()) -> Path:
+    """A party's state directory belongs to its account (0700); `root_only` entries (the
+    emulated vendors' material, which only this service reads) stay root's."""
+    if uid < 0:
+        return state
+    isolation.give(state, uid, 0o700)
+    for name in root_only:
+        if (state / name).exists():
+            isolation.give(state / name, 0, 0o700)
+    return state
 
 
 def private_dir(path: str | Path) -> Path:

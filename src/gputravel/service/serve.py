@@ -15,7 +15,7 @@ from gputravel.errors import BadInput
 from gputravel.protocol.control import Certified, Enroll
 from gputravel.service.config import GpuService, HostService, check_before_start, load_service
 from gputravel.service.members import serve_holder, serve_orchestrator
-from gputravel.service.party import PartyChild, Stopping, log, private_dir, unix_listening, wait_for
+from gputravel.service.party import PartyChild, Stopping, log, own_state, private_dir, unix_listening, wait_for
 
 BOOT_TIMEOUT = 120.0
 
@@ -34,7 +34,10 @@ def serve_host(cfg: HostService, stop: Stopping) -> int:
     private_dir(cfg.state_dir)
     if os.path.exists(cfg.socket) and not unix_listening(cfg.socket):
         os.unlink(cfg.socket)  # a stale socket from a host that died; a live one is refused below
-    child = PartyChild("host", {"socket_path": cfg.socket, "hardware": cfg.hardware})
+    home = private_dir(Path(cfg.state_dir) / "home")
+    own_state(Path(cfg.state_dir), cfg.uid)
+    config = {"socket_path": cfg.socket, "hardware": cfg.hardware, "outlive_device": True}
+    child = PartyChild("host", config, uid=cfg.uid, home=home)
     try:
         child.ready(BOOT_TIMEOUT)
         log("host", "up", socket=cfg.socket)
@@ -53,8 +56,11 @@ def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
     if not firmware.exists():  # first start: the firmware state the vendor vouches for
         GpuIssuer.load(vendor).save_state(private_dir(firmware))
     config = {"host_socket": cfg.host_socket, "vram_bytes": cfg.vram_bytes, "layout": cfg.layout.to_layout(),
-              "serial": cfg.serial, "gpu_dir": str(firmware), "link_socket": cfg.link_socket}
-    child = PartyChild("device", config)
+              "serial": cfg.serial, "gpu_dir": str(firmware), "link_socket": cfg.link_socket,
+              "link_uid": cfg.orchestrator_uid}
+    home = private_dir(state / "home")
+    own_state(state, cfg.uid, root_only=("vendor",))  # the device never reads its vendor's CA
+    child = PartyChild("device", config, uid=cfg.uid, home=home)
     try:
         child.ready(BOOT_TIMEOUT, lambda msg: _certify_firmware(child, vendor, msg))
         log(name, "up", serial=cfg.serial, link=cfg.link_socket)
