@@ -157,3 +157,28 @@ def _keys_only_in_own_state(d: Path) -> None:
                     and not k.is_relative_to(d / "state" / party / "platform")]
             assert made and all(k.stat().st_uid == uid for k in made), [(k, k.stat().st_uid, uid) for k in made]
     assert not list((d / "state" / "gpu-0").rglob("vendor/*.key")), "the GPU vendor's CA outlived its one use"
+
+
+def test_the_orchestrator_may_start_before_its_holders(where: Path) -> None:
+    """Any order: an orchestrator up first waits for the holders' certificates, then for their
+    joins; holders that find the GPU's boot lock taken join late and probe on the lent GPU."""
+    presses = shakespeare_holders()
+    d = where / "cohort"
+    init_cohort(d, [("north", str(presses["tragedies"])), ("south", str(presses["histories"]))],
+                steps=40, buffer_bytes=16 << 10)
+    shells: list[Shell] = []
+    try:
+        shells.append(Shell(where, "orchestrator", "cohort/orchestrator.toml", "orchestrator"))
+        shells.append(Shell(where, "host", "cohort/host.toml", "host"))
+        shells.append(Shell(where, "gpu", "cohort/gpu-0.toml", "gpu"))
+        orch = shells[0]
+        _until(lambda: any("certificate" in e.get("waiting_for", "") for e in orch.events()), 60,
+               "the orchestrator to wait for the holders", shells)
+        shells += [Shell(where, "holder", f"cohort/holder-{n}.toml", n) for n in ("north", "south")]
+        assert orch.proc.wait(timeout=240) == 0, orch.log.read_text()[-3000:]
+        for holder in shells[3:]:
+            assert holder.said("joined") == 1
+    finally:
+        codes = [s.stop() for s in reversed(shells)]
+    assert all(c == 0 for c in codes), codes
+    _no_process_left(where)
