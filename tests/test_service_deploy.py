@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from gputravel.cohort import isolation
 from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.orchestrator.audit import verify_log
 from gputravel.service.init import init_cohort
@@ -104,6 +105,8 @@ def test_five_shells_train_and_a_holder_leaves_and_rejoins(where: Path) -> None:
         shells.append(orch)
         _until(lambda: _status(d).get("step", 0) >= 20, 180, "training under way", shells)
 
+        if os.geteuid() == 0:
+            assert _vram_to_a_stranger(d) is False  # the GPU's link: only the orchestrator's uid gets VRAM
         assert south.stop() == 0  # SIGTERM: it leaves the cohort, then stops
         assert south.said("left") == 1, south.log.read_text()
         south_again = Shell(tmp_path, "holder", "cohort/holder-south.toml", "south-again")
@@ -157,6 +160,11 @@ def _keys_only_in_own_state(d: Path) -> None:
                     and not k.is_relative_to(d / "state" / party / "platform")]
             assert made and all(k.stat().st_uid == uid for k in made), [(k, k.stat().st_uid, uid) for k in made]
     assert not list((d / "state" / "gpu-0").rglob("vendor/*.key")), "the GPU vendor's CA outlived its one use"
+    assert not list((d / "state" / "orchestrator" / "platform").glob("*.key")), "the TEE root outlived its one use"
+    assert owners.get("orchestrator-tdx"), "the TDX module keeps no quoting key of its own"
+    if os.geteuid() == 0:
+        tdx_uid = tomllib.loads((d / "orchestrator.toml").read_text())["tdx_uid"]
+        assert all(k.stat().st_uid == tdx_uid for k in owners["orchestrator-tdx"])
 
 
 def test_the_orchestrator_may_start_before_its_holders(where: Path) -> None:
@@ -182,3 +190,29 @@ def test_the_orchestrator_may_start_before_its_holders(where: Path) -> None:
         codes = [s.stop() for s in reversed(shells)]
     assert all(c == 0 for c in codes), codes
     _no_process_left(where)
+
+
+_STRANGER = """
+import os, socket, sys
+from gputravel.protocol.device import VramGrant, VramRequest
+from gputravel.transport.stream import StreamTransport
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+link = StreamTransport(s, "stranger")
+try:
+    link.send(VramRequest())
+    got = link.recv(timeout=5)
+    print("GRANTED" if isinstance(got.message, VramGrant) else "OTHER")
+except Exception as exc:
+    print("REFUSED", type(exc).__name__)
+"""
+
+
+def _vram_to_a_stranger(d: Path) -> bool:
+    """Another account (nobody) asks the running GPU for VRAM on its link: True if it got it.
+    (The control, the same ask under the orchestrator's uid, is tests/test_service_device.py's.)"""
+    drop = isolation.dropper(65534, netns=None, reach=isolation.interpreter_reach())  # as a party is started
+    out = subprocess.run([sys.executable, "-c", _STRANGER, str(d / "run" / "gpu-0.sock")], capture_output=True,
+                         text=True, timeout=60, preexec_fn=drop)
+    assert out.stdout.startswith(("GRANTED", "REFUSED", "OTHER")), out.stderr
+    return out.stdout.startswith("GRANTED")

@@ -193,3 +193,13 @@ def test_the_link_comes_one_way_or_the_other(tmp_path: Path) -> None:
         DeviceProcess(DeviceConfig(**{**config.__dict__, "link_socket": str(tmp_path / "l.sock")}), identity, a)
     a.close()
     b.close()
+
+
+def test_without_a_uid_to_check_only_our_own_user_may_connect(tmp_path: Path) -> None:
+    """Not isolated (link_uid -1), the link's socket is 0600: no other local account reaches
+    VRAM through it (the review found it 0666 with no check)."""
+    dev = Running(tmp_path, -1)
+    try:
+        assert stat.S_IMODE(os.stat(dev.link_path).st_mode) == 0o600
+    finally:
+        dev.stop()

@@ -28,6 +28,7 @@ import selectors
 import socket
 import struct
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -35,7 +36,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from gputravel.crypto.certs import new_key
+from gputravel.crypto.certs import new_key, own_key_request
+from gputravel.files import atomic_write_bytes
 from gputravel.errors import (
     BadInput,
     GputravelError,
@@ -201,6 +203,9 @@ def request_quote(socket_path: str, report_data: bytes, timeout: float = 30.0) -
 class TdxModuleConfig:
     socket_path: str
     hold_s: float = 30.0  # how long a request may wait for the launch to be registered
+    # A deployed module (service/) keeps its quoting key and chain here, so the platform's
+    # provisioning key certifies it once and is then gone; "": a fresh key per start.
+    key_dir: str = ""
 
 
 @dataclass
@@ -214,6 +219,7 @@ class _Pending:
 class _Server:
     def __init__(self, core: TdxModule, listener: socket.socket, control: StreamTransport, hold_s: float) -> None:
         self.core, self.listener, self.control, self.hold_s = core, listener, control, hold_s
+        self.key_dir: Path | None = None  # where a deployed module keeps its certified chain
         self.pending: list[_Pending] = []
         self.pidfd = -1
         self.sel = selectors.DefaultSelector()
@@ -240,6 +246,9 @@ class _Server:
             return False  # the launcher is gone: so is the module
         if isinstance(msg, QuotingKeyCertified):
             self.core.certified(msg.cert_chain)
+            if self.key_dir is not None:  # kept: the next start needs no certifier
+                atomic_write_bytes(self.key_dir / CHAIN_FILE, b"".join(
+                    x509.load_der_x509_certificate(c).public_bytes(serialization.Encoding.PEM) for c in msg.cert_chain))
         elif isinstance(msg, LaunchedCvm):
             self._register(msg)
         else:
@@ -317,17 +326,40 @@ def _exited(sock: socket.socket) -> bool:
         os.close(pidfd)
 
 
+KEY_FILE, CHAIN_FILE = "quoting.key", "quoting-chain.pem"
+
+
+def _kept_module(directory: Path) -> TdxModule:
+    """The module with the quoting key it made in `directory` (0700, its own), made there now
+    if absent; certified already when the chain it stored is for that key."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    own_key_request(directory / KEY_FILE, QUOTING_KEY_CN)  # makes the key once
+    key = serialization.load_pem_private_key((directory / KEY_FILE).read_bytes(), password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise BadInput(f"{directory / KEY_FILE} is not an EC private key")
+    core = TdxModule(key=key)
+    chain_path = directory / CHAIN_FILE
+    if chain_path.exists():
+        chain = tuple(c.public_bytes(serialization.Encoding.DER)
+                      for c in x509.load_pem_x509_certificates(chain_path.read_bytes()))
+        core.certified(chain)  # ProtocolError if it is not for this key
+    return core
+
+
 def serve(config: TdxModuleConfig, control: StreamTransport) -> None:
     """Make the quoting key, listen, hand the launcher the public key, serve until it hangs up."""
     if not config.socket_path:
         raise BadInput("the TDX module needs a socket path")
-    core = TdxModule()
+    core = _kept_module(Path(config.key_dir)) if config.key_dir else TdxModule()
     listener = listen_unix(config.socket_path)
     os.chmod(config.socket_path, 0o666)  # any local process may ask; SO_PEERCRED decides who is quoted
     listener.setblocking(False)
     try:
-        control.send(Ready(role="tdx-module", detail={}))
-        control.send(QuotingKey(public_key=core.public_key_der()))
-        _Server(core, listener, control, config.hold_s).run()
+        control.send(Ready(role="tdx-module", detail={"certified": int(core.cert_chain is not None)}))
+        if core.cert_chain is None:
+            control.send(QuotingKey(public_key=core.public_key_der()))
+        server = _Server(core, listener, control, config.hold_s)
+        server.key_dir = Path(config.key_dir) if config.key_dir else None
+        server.run()
     finally:
         listener.close()

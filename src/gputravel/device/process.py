@@ -54,7 +54,7 @@ _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _LISTENER = "link-listener"
 
 
-def _listen_link(path: str) -> socket.socket:
+def _listen_link(path: str, uid_checked: bool) -> socket.socket:
     """The link's listener at `path`, replacing the socket a previous device left there (its
     boot lock, held by the gpu service, keeps two devices from sharing a path)."""
     try:
@@ -63,9 +63,10 @@ def _listen_link(path: str) -> socket.socket:
     except FileNotFoundError:
         pass
     listener = listen_unix(path)
-    # Not 0600: when isolated the orchestrator runs under a uid of its own. Who may connect
-    # is not what matters; whose connection becomes the link is (the SO_PEERCRED check).
-    os.chmod(path, 0o666)
+    # Isolated, the orchestrator runs under a uid of its own: anyone may connect, and the
+    # SO_PEERCRED check decides whose connection becomes the link. Without a uid to check,
+    # only our own user may connect at all (0600): never every local account.
+    os.chmod(path, 0o666 if uid_checked else 0o600)
     listener.setblocking(False)
     return listener
 
@@ -106,7 +107,7 @@ class DeviceProcess:
         if orchestrator_link is not None:
             self.orchestrator = StreamTransport(orchestrator_link, "orchestrator-link")
         else:  # listening before the service says it is up, so the orchestrator can connect at once
-            self.listener = _listen_link(config.link_socket)
+            self.listener = _listen_link(config.link_socket, config.link_uid >= 0)
 
     def _interrupt(self) -> None:
         if self._irq_fd is not None:

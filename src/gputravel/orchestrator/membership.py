@@ -176,8 +176,8 @@ class Membership:
         """A late holder that joined by itself (a deployed service: no launcher orders the
         lend): lend it the GPU between travels, let it probe over its own link (ProbeNow ->
         ProbeDone), and take the GPU back whatever happened."""
-        self.lend(holder)
         try:
+            self.lend(holder)  # a switch the host fails leaves the GPU maybe lent: reclaimed below
             conn.send(ProbeNow())
             done = conn.recv(timeout=self.orch.config.holder_timeout, expect=ProbeDone).message
             if not isinstance(done, ProbeDone) or done.holder != holder:

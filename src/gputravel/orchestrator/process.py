@@ -54,7 +54,9 @@ class Admitting:
     def admit_waiting(self) -> None:
         for name in [n for n, conn in self.orch.holders.items() if _readable(conn.fileno())]:
             self._departure(name)  # between travels a holder only ever says goodbye
-        while _readable(self.orch.listener.fileno()):
+        # One admission per travel at most: a stream of connections (a non-member's that never
+        # finish their handshake, say) delays each travel by one handshake, never starves them.
+        if _readable(self.orch.listener.fileno()):
             try:
                 name = self.orch.accept_holder(self.orch.config.holder_timeout, self.membership.probe_over)
                 log.info("admitted holder %s", name)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from gputravel.attest.material import LIMITS_FILE, POLICY_FILE, REFERENCE_FILE
-from gputravel.attest.roots import GPU_ROOT_CERT, TEE_ROOT_CERT, load_authority
+from gputravel.attest.roots import GPU_ROOT_CERT, TEE_ROOT_CERT, TEE_ROOT_KEY, load_authority
 from gputravel.cohort import isolation
 from gputravel.cohort.quoting import QuotingLaunch
 from gputravel.cohort.trust import CohortTrust
@@ -58,7 +58,7 @@ def _gpu_socket(boot_lock: str) -> str:
 
 
 def _try_lock(path: str) -> int | None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # only the services (root) take it
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -219,11 +219,23 @@ def _start_tdx_module(cfg: OrchestratorService, state: Path) -> tuple[PartyChild
     if cfg.tdx_uid >= 0:
         isolation.give(home, cfg.tdx_uid, 0o711)
     quoting = QuotingLaunch.at(str(home / "quote.sock"))
-    tdx = PartyChild("tdx-module", quoting.config, says_shutdown=False, uid=cfg.tdx_uid, home=home)
-    tdx.ready(BOOT_TIMEOUT)
-    platform = CohortTrust(state, "", "", tee_root=load_authority(state / "platform", "tee"))
-    QuotingLaunch.certify(tdx.control, platform, BOOT_TIMEOUT)
+    config = {**quoting.config, "key_dir": str(home / "key")}  # it keeps its quoting key there (0700)
+    tdx = PartyChild("tdx-module", config, says_shutdown=False, uid=cfg.tdx_uid, home=home)
+    if not tdx.ready(BOOT_TIMEOUT).detail.get("certified"):
+        _certify_quoting_key(tdx, state / "platform")
     return tdx, quoting
+
+
+def _certify_quoting_key(tdx: PartyChild, platform: Path) -> None:
+    """First start: the platform's provisioning stand-in (the CPU-TEE root) certifies the key the
+    module made, once; it is then deleted, so nobody (this service's operator included) can
+    certify another quoting key and quote a measurement of their choosing."""
+    if not (platform / TEE_ROOT_KEY).exists():
+        raise BadInput(f"the TDX module has no certified quoting key and the platform's provisioning key at "
+                       f"{platform} is gone (used once already): initialise the cohort again")
+    authority = CohortTrust(platform, "", "", tee_root=load_authority(platform, "tee"))
+    QuotingLaunch.certify(tdx.control, authority, BOOT_TIMEOUT)
+    (platform / TEE_ROOT_KEY).unlink()
 
 
 def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Stopping) -> int:
