@@ -34,7 +34,7 @@ from gputravel.protocol.control import (
     ReclaimGpu,
 )
 from gputravel.protocol.parties import ORCHESTRATOR
-from gputravel.protocol.travel import Bye
+from gputravel.protocol.travel import Bye, ProbeDone, ProbeNow
 from gputravel.transport.memory import memory_pair
 
 HOME = GpuState(away=False, rotating=False, halted=False)
@@ -93,6 +93,35 @@ def test_the_shell_lends_and_reclaims_on_the_mux_and_the_driver() -> None:
     assert orch.switched == ["bob", ORCHESTRATOR] and orch.driver.reclaimed == [7.0]
     with pytest.raises(ProtocolError, match="not a membership command"):
         membership.command(ProbeGpu())
+
+
+@pytest.mark.parametrize("answer", ["bob", "mallory", None])
+def test_a_late_holder_probes_over_its_own_link_and_the_gpu_comes_back_whatever_it_says(answer) -> None:
+    """A deployed holder's late join: lent the GPU between travels, told ProbeNow on its link;
+    a ProbeDone naming another holder, or silence, is an error, and the GPU is reclaimed anyway."""
+    orch = _orchestrator()
+    orch.config.holder_timeout = 0.2
+    ours, theirs = memory_pair()
+    if answer is not None:
+        theirs.send(ProbeDone(holder=answer))
+    membership = Membership(orch)
+    if answer == "bob":
+        membership.probe_over("bob", ours)
+    else:
+        with pytest.raises((ProtocolError, PeerTimeout)):
+            membership.probe_over("bob", ours)
+    assert isinstance(theirs.recv(timeout=1).message, ProbeNow)
+    assert orch.switched == ["bob", ORCHESTRATOR] and orch.driver.reclaimed == [7.0]
+    assert membership.core.lent_to is None
+
+
+def test_a_late_probe_is_refused_while_the_context_is_away_and_the_gpu_still_comes_home() -> None:
+    orch = _orchestrator()
+    orch.driver.away = True  # a travel is under way: the holder would get the PCIe link with keys out
+    ours, theirs = memory_pair()
+    with pytest.raises(IllegalTransition):
+        Membership(orch).probe_over("bob", ours)
+    assert orch.switched == [ORCHESTRATOR]  # never to bob; the reclaim switches home
 
 
 def test_a_departing_holder_is_dropped_whatever_it_does() -> None:
