@@ -148,7 +148,7 @@ def test_gpus_get_a_file_each_with_its_own_serial_and_sockets(tmp_path: Path) ->
     (lambda d: d["layout"].update(record_bytes=5000), "layout.record_bytes: expected a power of two"),
     (lambda d: d["job"].update(buffer_bytes=4096), "job.buffer_bytes: expected a multiple of layout.record_bytes"),
     (lambda d: d["job"].update(n_head=3), "job.n_embd: expected a multiple of n_head (3), got 64"),
-    (lambda d: d["job"].update(schedule="random"), "job.schedule: expected one of round_robin, proportional"),
+    (lambda d: d["job"].update(schedule="random"), "job.schedule: expected 'round_robin' or 'proportional', got 'random'"),
     (lambda d: d.update(holders=["north", "north"]), "holders: expected unique member names"),
     (lambda d: d.pop("listen_port"), "listen_port: missing (required)"),
     (lambda d: d.update(party="gpus"), "party: expected one of 'host', 'gpu', 'orchestrator', 'holder', got 'gpus'"),

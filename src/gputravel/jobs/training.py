@@ -22,7 +22,7 @@ from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
 from gputravel.files import write_json
 from gputravel.protocol.hardware import hardware_profile
-from gputravel.protocol.layout import MIB, PAGE, Layout
+from gputravel.protocol.layout import Layout, record_bytes_for
 from gputravel.train.loader import LocalSource
 from gputravel.train.loop import StepEvent, TrainConfig, make_report, sample_tokenizer, train
 
@@ -46,12 +46,7 @@ class TrainingJobConfig:
 
 def layout_for(buffer_bytes: int) -> Layout:
     """Bounce-buffer records of 1 MiB, or smaller when the dataset buffer itself is smaller."""
-    if buffer_bytes <= 0 or buffer_bytes % PAGE:
-        raise BadInput(f"the dataset buffer must be a positive multiple of {PAGE} bytes (got {buffer_bytes})")
-    record = MIB
-    while buffer_bytes % record:
-        record //= 2
-    return Layout(record_bytes=record)
+    return Layout(record_bytes=record_bytes_for(buffer_bytes))
 
 
 def default_holders(count: int, workdir: Path) -> tuple[tuple[str, str], ...]:

@@ -36,6 +36,17 @@ class PushChannel(IntEnum):
     KERNEL = 1
 
 
+def record_bytes_for(buffer_bytes: int) -> int:
+    """Bounce-buffer records of 1 MiB, or smaller where the dataset buffer is: the largest power
+    of two up to 1 MiB that tiles it (a buffer is whole records)."""
+    if buffer_bytes <= 0 or buffer_bytes % PAGE:
+        raise BadInput(f"the dataset buffer must be a positive multiple of {PAGE} bytes (got {buffer_bytes})")
+    record = MIB
+    while buffer_bytes % record:
+        record //= 2
+    return record
+
+
 @dataclass(frozen=True)
 class Layout:
     """Sizes that fix every slot's address. Must be identical in the device and all CVMs."""

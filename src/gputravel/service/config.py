@@ -114,7 +114,7 @@ class JobSection(_Section):
     batch: Annotated[int, Field(gt=0)] = 4
     seq_len: Annotated[int, Field(gt=0)] = 64
     buffer_bytes: Annotated[int, Field(gt=0, multiple_of=PAGE)] = 256 << 10
-    schedule: str = "round_robin"
+    schedule: Literal[tuple(POLICIES)] = "round_robin"  # type: ignore[valid-type]
     seed: int = 0
     lr: Annotated[float, Field(gt=0, lt=1)] = 1e-3
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
@@ -123,25 +123,11 @@ class JobSection(_Section):
     n_head: Annotated[int, Field(gt=0)] = 2
     n_embd: Annotated[int, Field(gt=0)] = 64
     vocab_size: Annotated[int, Field(gt=0)] = 257
-    tokenizer: str = "bytes"
+    tokenizer: Literal[tuple(KNOWN)] = "bytes"  # type: ignore[valid-type]
     threads: Annotated[int, Field(gt=0)] = 1
     checkpoint_every: Annotated[int, Field(ge=0)] = 5
     sample_tokens: Annotated[int, Field(ge=0)] = 0
     run_dir: AbsPath
-
-    @field_validator("schedule")
-    @classmethod
-    def _schedule(cls, value: str) -> str:
-        if value not in POLICIES:
-            raise ValueError(f"one of {', '.join(POLICIES)}, got {value!r}")
-        return value
-
-    @field_validator("tokenizer")
-    @classmethod
-    def _tokenizer(cls, value: str) -> str:
-        if value not in KNOWN:
-            raise ValueError(f"one of {', '.join(KNOWN)}, got {value!r}")
-        return value
 
     @model_validator(mode="after")
     def _model_shape(self) -> JobSection:

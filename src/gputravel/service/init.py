@@ -34,7 +34,7 @@ from gputravel.cohort.trust import measure_orchestrator
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
 from gputravel.files import atomic_write_bytes
-from gputravel.protocol.layout import MIB, PAGE
+from gputravel.protocol.layout import MIB, record_bytes_for
 from gputravel.service.config import (
     NAME_PATTERN,
     GpuService,
@@ -93,13 +93,11 @@ def _job_tokenizer(holders: list[tuple[str, str]]) -> str:
 
 
 def _record_bytes(buffer_bytes: int) -> int:
-    """Bounce-buffer records of 1 MiB, or smaller where the dataset buffer is (jobs/training.py)."""
-    if buffer_bytes <= 0 or buffer_bytes % PAGE:
-        raise BadInput(f"the dataset buffer must be a positive multiple of {PAGE} bytes (got {buffer_bytes})")
-    record = MIB
-    while buffer_bytes % record:
-        record //= 2
-    return record
+    """Bounce-buffer records as the demo picks them (protocol/layout.py), as --buffer-kib's error."""
+    try:
+        return record_bytes_for(buffer_bytes)
+    except BadInput as exc:
+        raise BadInput(f"--buffer-kib: {exc}") from None
 
 
 def _free_port(host: str) -> int:
