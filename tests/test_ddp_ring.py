@@ -4,7 +4,10 @@ real gloo ranks in child processes (the `run_ranks` fixture of conftest.py).
 What it shows: the plain ring equals itself bit for bit and gloo's all_reduce to float
 tolerance; the sealed variants give the plain ring's bits; DDP trained with the hook matches
 DDP without one; a tampered, replayed or dropped record is a typed error on its receiver that
-stops the all-reduce (and, through the hook, the step); what a rank sends holds no plaintext.
+stops the all-reduce (and, through the hook, the step); what a rank sends holds no plaintext;
+a record's AAD names each of (all-reduce, hop, segment, record, sender, receiver), both in
+record_aad and in what the ring actually seals (a ring of threads, in process), so a record
+moved by any one field fails authentication (docs/security.md row 37).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gputravel.ddp import Ring, RingHookState, TorchPointToPoint, encrypted_allreduce_hook, establish_pair_keys
+from gputravel.crypto.channel import KeyMaterial, Receiver, Sender, derive_epoch_keys
+from gputravel.ddp import (PairKeys, Ring, RingHookState, TorchPointToPoint, encrypted_allreduce_hook,
+                           establish_pair_keys, pair_label)
 from gputravel.ddp.ring import record_aad
 from gputravel.errors import BadInput, ChannelFaulted, IntegrityError, PeerTimeout, TransportClosed
 
@@ -94,6 +99,140 @@ def test_a_record_aad_names_its_place() -> None:
     places = [(op, hop, seg, rec, 0, 1) for op in (0, 1) for hop in range(4) for seg in range(3) for rec in range(3)]
     places += [(0, 0, 0, 0, 1, 0), (0, 0, 0, 0, 1, 2)]
     assert len({record_aad(*p) for p in places}) == len(places)
+
+
+# A record's place: (all-reduce, hop, segment, record, sender, receiver), record_aad's order.
+FIELDS = ("all-reduce", "hop", "segment", "record", "sender", "receiver")
+PLACE = (7, 3, 2, 5, 1, 2)
+
+
+def _material(*pairs: tuple[int, int]) -> dict[tuple[int, int], KeyMaterial]:
+    # The project's own recipe: one key and IV mask per direction, labelled as ddp/keys.py does.
+    labels = {pair_label(i, j): (i, j) for i, j in pairs}
+    return {labels[label]: km for label, km in derive_epoch_keys(b"s" * 32, 0, labels).items()}
+
+
+def _moved(place: tuple[int, ...], field: int) -> tuple[int, ...]:
+    return place[:field] + (place[field] + 1,) + place[field + 1:]
+
+
+def _open_only_at(receiver: Receiver, sealed: bytes, place: tuple[int, ...]) -> bytes:
+    """Each single-field move of `place` fails authentication; then `place` itself opens.
+
+    The Receiver advances only on success, so every try meets the same expected IV: what fails
+    is the AAD alone, and the record still opens afterwards where it belongs (the control)."""
+    for field in range(len(FIELDS)):
+        with pytest.raises(IntegrityError):
+            receiver.decrypt(sealed, record_aad(*_moved(place, field)))
+    sender, receiver_rank = place[4], place[5]
+    with pytest.raises(IntegrityError):  # reflected back: sender and receiver swapped
+        receiver.decrypt(sealed, record_aad(*place[:4], receiver_rank, sender))
+    return receiver.decrypt(sealed, record_aad(*place))
+
+
+@pytest.mark.parametrize("field", range(len(FIELDS)), ids=FIELDS)
+def test_a_record_sealed_for_one_place_fails_where_one_field_differs(field: int) -> None:
+    """docs/security.md row 37: the AAD names all six fields. Drop any one from record_aad and
+    the moved record below opens, so this test fails for that field."""
+    keys = _material((1, 2))[(1, 2)]
+    sealed = Sender(keys).encrypt(b"sixteen byte sum", record_aad(*PLACE))
+    receiver = Receiver(keys)
+    with pytest.raises(IntegrityError):
+        receiver.decrypt(sealed, record_aad(*_moved(PLACE, field)))
+    assert receiver.decrypt(sealed, record_aad(*PLACE)) == b"sixteen byte sum"  # the control
+
+
+class _Mailboxes:
+    """In-process wire for a ring of threads: every record sent, per (sender, receiver), in order."""
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[int, int], list[bytes]] = {}
+        self.arrived = threading.Condition()
+
+    def end(self, rank: int, world_size: int) -> _End:
+        return _End(self, rank, world_size)
+
+
+class _End:
+    def __init__(self, boxes: _Mailboxes, rank: int, world_size: int) -> None:
+        self.boxes, self.rank, self.world_size = boxes, rank, world_size
+        self.posted: dict[int, int] = {}  # receives posted per source: the next record's index
+
+    def isend(self, buf, dst):
+        with self.boxes.arrived:
+            self.boxes.sent.setdefault((self.rank, dst), []).append(buf.view(torch.uint8).numpy().tobytes())
+            self.boxes.arrived.notify_all()
+        return _Done()
+
+    def irecv(self, buf, src):
+        index = self.posted.get(src, 0)
+        self.posted[src] = index + 1
+        return _Arrival(self.boxes, (src, self.rank), index, buf)
+
+
+class _Arrival:
+    def __init__(self, boxes: _Mailboxes, link: tuple[int, int], index: int, buf: torch.Tensor) -> None:
+        self.boxes, self.link, self.index, self.buf = boxes, link, index, buf
+
+    def wait(self, timeout=None) -> bool:
+        box = self.boxes
+        with box.arrived:
+            if not box.arrived.wait_for(lambda: len(box.sent.get(self.link, ())) > self.index,
+                                        timeout.total_seconds() if timeout else 5):
+                return False
+            data = box.sent[self.link][self.index]
+        self.buf.view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return True
+
+
+def _expected_places(world: int, op: int, sender: int, records: list[int]) -> list[tuple[int, ...]]:
+    """What `sender` seals, in order: the textbook ring. Scatter-reduce hop h sends segment
+    sender - h, all-gather hop h sends sender + 1 - (h - world + 1); every record of a segment."""
+    places = []
+    for hop in range(2 * (world - 1)):
+        segment = (sender - hop) % world if hop < world - 1 else (sender + 1 - (hop - world + 1)) % world
+        places += [(op, hop, segment, k, sender, (sender + 1) % world) for k in range(records[segment])]
+    return places
+
+
+@pytest.mark.parametrize("variant", ["naive", "pipelined"])
+def test_the_ring_seals_each_record_for_its_own_place_and_only_there(variant: str) -> None:
+    """The ring's own send and land, three ranks on threads, two all-reduces: every record on the
+    wire opens under record_aad of exactly its place (all-reduce, hop, segment, record, sender,
+    receiver) and fails under each single-field move of it. A call site that stopped naming a
+    field (say segment 0 for every record) fails here; the ring's receiving side must build the
+    same AAD or the all-reduce itself fails."""
+    world, n, record_bytes = 3, 100, 64  # segments of 34, 33, 33 float32: 3 records each when pipelined
+    keys = _material(*[(i, (i + 1) % world) for i in range(world)])
+    boxes = _Mailboxes()
+    rings = [Ring(variant, keys=PairKeys(r, world, keys, ()), record_bytes=record_bytes,
+                  p2p=boxes.end(r, world), timeout_s=5) for r in range(world)]
+    inputs = [_input(r, n) for r in range(world)]
+    results: dict[int, list] = {}
+
+    def rank(r: int) -> None:
+        try:
+            results[r] = [rings[r].all_reduce(inputs[r].clone()) for _ in range(2)]
+        except BaseException as err:  # noqa: BLE001 (handed back to the test)
+            results[r] = [err]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    total = inputs[0] + inputs[1] + inputs[2]  # the ring's order: the receiver adds what arrives
+    for r in range(world):
+        assert len(results.get(r, ())) == 2 and all(torch.allclose(x, total, atol=1e-5) for x in results[r]), results[r]
+
+    records = [3, 3, 3] if variant == "pipelined" else [1, 1, 1]
+    for sender in range(world):
+        link = (sender, (sender + 1) % world)
+        places = [p for op in (0, 1) for p in _expected_places(world, op, sender, records)]
+        assert len(boxes.sent[link]) == len(places)
+        receiver = Receiver(keys[link])
+        for sealed, place in zip(boxes.sent[link], places, strict=True):
+            _open_only_at(receiver, sealed, place)
 
 
 class _Stalled:
