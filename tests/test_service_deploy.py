@@ -216,3 +216,38 @@ def _vram_to_a_stranger(d: Path) -> bool:
                          text=True, timeout=60, preexec_fn=drop)
     assert out.stdout.startswith(("GRANTED", "REFUSED", "OTHER")), out.stderr
     return out.stdout.startswith("GRANTED")
+
+
+def test_a_restarted_orchestrator_resumes_and_its_holders_come_back(where: Path) -> None:
+    """The orchestrator is stopped mid-run and started again: it resumes from the run
+    directory's checkpoint; the holders' CVMs end with the old cohort, and their services boot
+    new ones that join the new orchestrator. The signed travel log continues across both."""
+    presses = shakespeare_holders()
+    d = where / "cohort"
+    init_cohort(d, [("north", str(presses["tragedies"])), ("south", str(presses["comedies"]))],
+                steps=1200, buffer_bytes=16 << 10)
+    shells: list[Shell] = []
+    try:
+        shells += [Shell(where, "host", "cohort/host.toml", "host"), Shell(where, "gpu", "cohort/gpu-0.toml", "gpu")]
+        holders = [Shell(where, "holder", f"cohort/holder-{n}.toml", n) for n in ("north", "south")]
+        shells += holders
+        _until(lambda: all(h.said("up") for h in holders), 90, "both holders up", shells)
+        first = Shell(where, "orchestrator", "cohort/orchestrator.toml", "orchestrator")
+        shells.append(first)
+        _until(lambda: _status(d).get("step", 0) >= 30, 180, "training under way", shells)
+        assert first.stop() == 0
+        stopped_at = _status(d)["step"]
+        _until(lambda: all(h.said("rejoining") for h in holders), 60, "the holders to boot again", shells)
+        again = Shell(where, "orchestrator", "cohort/orchestrator.toml", "orchestrator-again")
+        shells.append(again)
+        assert again.proc.wait(timeout=300) == 0, again.log.read_text()[-3000:]
+        steps = [e["step"] for e in again.events() if e.get("event") == "step"]
+        assert steps and steps[0] > 5 and steps[0] >= stopped_at - 5, (stopped_at, steps[:3])  # resumed, not restarted
+        assert _status(d)["phase"] == "done"
+        for h in holders:
+            assert h.proc.wait(timeout=60) == 0 and h.said("joined") == 2
+        verify_log(d / "public" / "audit.log", (d / "public" / "orchestrator.pem").read_bytes())
+    finally:
+        codes = [s.stop() for s in reversed(shells)]
+    assert all(c == 0 for c in codes), codes
+    _no_process_left(where)

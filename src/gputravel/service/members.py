@@ -28,7 +28,7 @@ from gputravel.cohort.quoting import QuotingLaunch
 from gputravel.cohort.trust import CohortTrust
 from gputravel.crypto.pki import pin_peers
 from gputravel.errors import BadInput, GputravelError
-from gputravel.files import write_json
+from gputravel.files import atomic_write_bytes, write_json
 from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, TrainDone,
                                         TrainStep, Train)
 from gputravel.service.config import HolderService, OrchestratorService, job_train_config
@@ -38,6 +38,7 @@ from gputravel.service.party import (PartyChild, Stopping, log, own_state, priva
 
 BOOT_TIMEOUT = 120.0
 ORCHESTRATOR = "orchestrator"
+DONE_FILE = "job-done"  # in the public directory: the orchestrator finished the job
 
 
 # ----------------------------------------------------------------------------- shared
@@ -69,6 +70,9 @@ def _try_lock(path: str) -> int | None:
 
 # ----------------------------------------------------------------------------- holder
 def serve_holder(cfg: HolderService, stop: Stopping) -> int:
+    """Serve this holder until the job is done (the orchestrator published so) or we are
+    stopped. If the orchestrator goes away first (it crashed, or was restarted), the holder's
+    CVM ends with that cohort; a new one boots and joins the orchestrator when it is back."""
     name = cfg.name
     state = private_dir(cfg.state_dir)
     gpu = _gpu_socket(cfg.boot_lock)
@@ -77,29 +81,44 @@ def serve_holder(cfg: HolderService, stop: Stopping) -> int:
     policy = dataclasses.replace(cfg.policy.to_policy(""), gpu_reference_values=Path(REFERENCE_FILE))  # beside it
     trust = _trust_dir(state, cfg.trust_dir, {POLICY_FILE: policy.to_json()})
     pki = private_dir(state / "pki")
+    home = private_dir(state / "home")
+    own_state(state, cfg.uid)
+    while True:
+        outcome = _serve_holder_once(cfg, pki, trust, home, stop)
+        if outcome is not None:
+            return outcome
+        log(name, "rejoining", why="the orchestrator went away before the job was done")
+
+
+def _serve_holder_once(cfg: HolderService, pki: Path, trust: Path, home: Path, stop: Stopping) -> int | None:
+    """One holder CVM, from boot to its end: the exit status, or None to boot another."""
+    name = cfg.name
     lock = _try_lock(cfg.boot_lock)  # None: the orchestrator has the GPU, we join late
     config = {"name": name, "dataset_path": cfg.data, "host_socket": cfg.host_socket, "pki_dir": str(pki),
               "layout": cfg.layout.to_layout(), "dataset_format": cfg.format, "trust_dir": str(trust),
               "probe_at_boot": lock is not None, "hardware": cfg.hardware, "device_timeout": cfg.device_timeout,
               "self_sign": name}
-    home = private_dir(state / "home")
-    own_state(state, cfg.uid)
     child = PartyChild("holder", config, uid=cfg.uid, home=home)
     try:
         ready = child.ready(BOOT_TIMEOUT)
         if lock is not None:
             os.close(lock)  # probed: the next CVM may take the GPU
+            lock = None
         publish(pki / f"{name}.pem", Path(cfg.public_dir) / f"holder-{name}.pem")
-        log(name, "up", dataset_bytes=ready.detail.get("dataset_bytes"), late=lock is None)
+        log(name, "up", dataset_bytes=ready.detail.get("dataset_bytes"), late=config["probe_at_boot"] is False)
         if not _join(cfg, child, pki, stop):
             return _leave_and_stop(name, child, joined=False)
         while child.alive() and not stop():
             time.sleep(0.2)
         if stop():
             return _leave_and_stop(name, child, joined=True)
-        log(name, "exited", status=child.proc.returncode, why="the cohort is over")
+        if not (Path(cfg.public_dir) / DONE_FILE).exists():
+            return None
+        log(name, "exited", status=child.proc.returncode, why="the job is done")
         return child.proc.returncode or 0
     finally:
+        if lock is not None:
+            os.close(lock)
         child.close()
 
 
@@ -147,6 +166,7 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
     gpu = cfg.gpu_link_socket
     for what, path in (("the host", cfg.host_socket), ("the GPU", gpu)):
         wait_for(ORCHESTRATOR, f"{what} at {path}", lambda p=path: unix_listening(p), stop)
+    (Path(cfg.public_dir) / DONE_FILE).unlink(missing_ok=True)  # a job under way again (resumed)
     lock = _hold_boot_lock(cfg.boot_lock, stop)  # held for our whole life: later holders join late
     pki = private_dir(state / "pki")
     certs = {h: Path(cfg.public_dir) / f"holder-{h}.pem" for h in cfg.holders}
@@ -219,6 +239,8 @@ def _start_tdx_module(cfg: OrchestratorService, state: Path) -> tuple[PartyChild
     if cfg.tdx_uid >= 0:
         isolation.give(home, cfg.tdx_uid, 0o711)
     quoting = QuotingLaunch.at(str(home / "quote.sock"))
+    if os.path.exists(quoting.socket) and not unix_listening(quoting.socket):
+        os.unlink(quoting.socket)  # left by a module that stopped with its orchestrator
     config = {**quoting.config, "key_dir": str(home / "key")}  # it keeps its quoting key there (0700)
     tdx = PartyChild("tdx-module", config, says_shutdown=False, uid=cfg.tdx_uid, home=home)
     if not tdx.ready(BOOT_TIMEOUT).detail.get("certified"):
@@ -266,6 +288,7 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
             write_json(run_dir / "report.json", report)
             write_json(status, {"phase": "done", "members": sorted(joined.dataset_bytes), "step": train.steps})
             _publish_log(cfg, state)
+            atomic_write_bytes(Path(cfg.public_dir) / DONE_FILE, b"done\n")  # holders end with the cohort
             log(ORCHESTRATOR, "trained", steps=train.steps, run_dir=str(run_dir))
             return 0
         elif isinstance(msg, Failed):
