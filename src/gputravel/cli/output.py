@@ -9,6 +9,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gputravel.files import write_json
@@ -17,7 +18,7 @@ console = Console()
 
 
 def fail(exc: Exception) -> NoReturn:
-    console.print(f"[red]error:[/red] {exc}")
+    console.print(f"[red]error:[/red] {escape(str(exc))}")  # escape: paths and lists are no markup
     raise typer.Exit(1)
 
 

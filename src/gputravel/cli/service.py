@@ -6,13 +6,13 @@ from __future__ import annotations
 import enum
 import json
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gputravel.cli.output import console, fail
 from gputravel.errors import GputravelError
 from gputravel.service.config import load_service
 from gputravel.service.init import init_cohort
@@ -22,7 +22,6 @@ __all__ = ["cohort_app", "serve_command", "status_command"]
 
 cohort_app = typer.Typer(no_args_is_help=True, add_completion=False,
                          help="A cohort as a consortium deploys it: one config file and one service per party.")
-console = Console()
 
 
 class Role(str, enum.Enum):
@@ -30,11 +29,6 @@ class Role(str, enum.Enum):
     gpu = "gpu"
     holder = "holder"
     orchestrator = "orchestrator"
-
-
-def _fail(exc: Exception) -> NoReturn:
-    console.print(f"[red]error:[/red] {escape(str(exc))}")  # escape: paths and lists are no markup
-    raise typer.Exit(1)
 
 
 @cohort_app.callback()
@@ -64,7 +58,7 @@ def init(
         written = init_cohort(directory, pairs, gpus=gpus, steps=steps,
                               buffer_bytes=None if buffer_kib is None else buffer_kib << 10)
     except GputravelError as exc:
-        _fail(exc)
+        fail(exc)
     root = written[0].parent
     console.print(escape(f"cohort written to {root}:"), soft_wrap=True)
     for path in written:
@@ -83,7 +77,7 @@ def serve_command(
     try:
         code = serve(role.value, Path(config))
     except GputravelError as exc:
-        _fail(exc)
+        fail(exc)
     raise typer.Exit(code or 0)
 
 
@@ -108,7 +102,7 @@ def status_command(
     try:
         found = cohort_status(load_service(config))
     except GputravelError as exc:
-        _fail(exc)
+        fail(exc)
     if as_json:
         print(json.dumps(found, indent=2))
         return

@@ -22,7 +22,7 @@ BOOT_TIMEOUT = 120.0
 
 def serve(role: str, config_path: Path) -> int:
     """Run one party until it is done or told to stop; the exit status."""
-    cfg = load_service(config_path, {"gpu": "gpu"}.get(role, role))
+    cfg = load_service(config_path, role)  # BadInput if the file is another party's
     check_before_start(cfg)
     stop = Stopping()
     run = {"host": serve_host, "gpu": serve_gpu, "holder": serve_holder, "orchestrator": serve_orchestrator}[role]
