@@ -67,8 +67,8 @@ def host_with_device(make_host):
 
 
 # ----------------------------------------------------------------------------- torch.distributed ranks
-def _rank_main(target, rank: int, world: int, port: int, args: tuple, results) -> None:
-    """One rank in a child process: join a gloo group on 127.0.0.1, run `target`, report."""
+def _rank_main(target, rank: int, world: int, port: int, args: tuple):
+    """One rank in a child process: join a gloo group on 127.0.0.1, run `target`."""
     from datetime import timedelta
 
     import torch
@@ -78,10 +78,7 @@ def _rank_main(target, rank: int, world: int, port: int, args: tuple, results) -
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        results.put((rank, "ok", target(rank, world, *args)))
-    except BaseException as err:  # reported to the parent, which fails the test
-        import traceback
-        results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        return target(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
@@ -91,43 +88,21 @@ def run_ranks():
     """`run_ranks(target, world, *args, timeout=...)`: the list of each rank's return value.
 
     `target(rank, world, *args)` is a module-level function of a test file; it runs in `world`
-    processes joined by torch.distributed (gloo, env://). Children come from a forkserver that
-    imported torch once, so each launch costs a fork, not an interpreter start."""
-    import multiprocessing
-    import queue
-    import socket
-    import time
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "gputravel.ddp"])
+    processes joined by torch.distributed (gloo, env://), started by gputravel.ddp.launch.
+    Children come from a forkserver that imported torch once, so each launch costs a fork,
+    not an interpreter start. A rank that raises, dies or hangs fails the test, named."""
+    from gputravel.ddp.launch import ProcessFailed, ProcessesSilent, free_port, run_processes
 
     def run(target, world: int, *args, timeout: float = 60.0) -> list:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        results = ctx.Queue()
-        procs = [ctx.Process(target=_rank_main, args=(target, r, world, port, args, results), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        got: dict[int, tuple[str, object]] = {}
-        deadline = time.monotonic() + timeout
+        port = free_port()
         try:
-            while len(got) < world:
-                try:
-                    rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not finish in {timeout} s") from None
-                got[rank] = (status, value)
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        failed = {r: v for r, (s, v) in got.items() if s != "ok"}
-        assert not failed, "\n".join(f"rank {r}: {v}" for r, v in sorted(failed.items()))
-        return [got[r][1] for r in range(world)]
+            return run_processes([(_rank_main, (target, r, world, port, args)) for r in range(world)], timeout,
+                                 names=[f"rank {r}" for r in range(world)], method="forkserver",
+                                 preload=["torch", "torch.distributed", "gputravel.ddp"], grace=5.0)
+        except ProcessFailed as err:
+            raise AssertionError(f"{err}\n{err.details}") from None
+        except ProcessesSilent as err:
+            raise AssertionError(str(err)) from None
 
     return run
 

@@ -29,10 +29,7 @@ network. The ratios, not the milliseconds, are what carries over.
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -49,6 +46,7 @@ from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
 from gputravel.bench.compare import machine
 from gputravel.crypto.certs import key_pem
 from gputravel.ddp import Ring, RingHookState, encrypted_allreduce_hook, establish_pair_keys
+from gputravel.ddp.launch import free_port, run_processes
 from gputravel.errors import BadInput
 from gputravel.train.model import GPT, GPTConfig
 
@@ -161,15 +159,13 @@ def _hook_losses(cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor) -> list[float
     return losses
 
 
-def _rank_main(rank: int, world: int, port: int, args: tuple, results) -> None:
+def _rank_main(rank: int, world: int, port: int, args: tuple) -> dict:
+    """One rank, in its own process (ddp/launch.py): join the cell's gloo group, run the cell."""
     torch.set_num_threads(1)  # the ranks share this machine's cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
-        row = _cell(rank, world, *args)
-        results.put((rank, "ok", row))
-    except BaseException as err:  # reported to the parent, which stops the benchmark
-        results.put((rank, "error", f"{type(err).__name__}: {err}"))
+        return _cell(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
@@ -179,40 +175,15 @@ def _job_context(world: int, model_name: str) -> bytes:
     return f"gputravel bench ddp/{world}/{model_name}/{os.urandom(16).hex()}/".encode()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cell(world: int, model_name: str, iters: int, root: tuple[bytes, bytes], timeout: float = 600.0) -> dict:
-    """Start `world` rank processes for one cell and return rank 0's row."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
+    """Start `world` rank processes for one cell and return rank 0's row. A rank that fails,
+    dies or hangs stops the benchmark (ProcessFailed, ProcessesSilent), named with its cell."""
+    port = free_port()
     context = _job_context(world, model_name)  # one for the whole cell: every rank must share it
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, (model_name, iters, root, context), results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple[str, object]] = {}
-    try:
-        deadline = time.monotonic() + timeout
-        while len(got) < world:
-            try:
-                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise BadInput(f"{world - len(got)} of {world} ranks ({model_name}) said nothing within {timeout:.0f} s "
-                               "(died, or hung)") from None
-            got[rank] = (status, value)
-            if status == "error":
-                raise BadInput(f"rank {rank} of {world} ({model_name}) failed: {value}")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return got[0][1]
+    args = (model_name, iters, root, context)
+    rows = run_processes([(_rank_main, (r, world, port, args)) for r in range(world)], timeout,
+                         names=[f"rank {r} of {world} ({model_name})" for r in range(world)])
+    return rows[0]
 
 
 def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,

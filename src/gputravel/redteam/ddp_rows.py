@@ -23,11 +23,7 @@ weight, while the other ranks' steps completed with the right sum.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
-import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +33,7 @@ import torch
 from gputravel.attest import Authority
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
 from gputravel.crypto.certs import key_pem
+from gputravel.ddp.launch import free_port, run_processes
 from gputravel.errors import BadInput, RemoteError
 from gputravel.redteam.arena import Arena, Verdict
 from gputravel.redteam.canary import Found
@@ -123,7 +120,7 @@ def carry(out_dir: Path, *, sealed: bool = True, world: int = WORLD, only: tuple
     gradient = canary_gradient(world * RECORDS_PER_HOP * per_record)
     root = Authority.self_signed(TEE_QUOTING_ROOT_CN)  # the emulated CPU-TEE quoting root of this run
     hops = 2 * (world - 1)
-    plan = Plan(world=world, port=_free_port(), cases=chosen, gradient=gradient.numpy().tobytes(),
+    plan = Plan(world=world, port=free_port(), cases=chosen, gradient=gradient.numpy().tobytes(),
                 record_bytes=RECORD_BYTES, fault_at=(hops - 1) * RECORDS_PER_HOP + 1,
                 context=f"gputravel redteam {ROW}/{os.urandom(16).hex()}/".encode(),
                 root=(root.cert_der, key_pem(root.key)), out_dir=str(out_dir), timeout_s=TIMEOUT_S)
@@ -143,42 +140,56 @@ class RowNotRun(RemoteError):
 
 
 def _launch(plan: Plan) -> dict[tuple[int, str], dict]:
-    """Run the processes to the end; every one is ended here, whatever happens."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "gputravel.redteam.ddp_wire"])
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, plan, results), daemon=True) for r in range(plan.world)]
-    procs.append(ctx.Process(target=host_main, args=(plan, results), daemon=True))
-    expected = (plan.world + 1) * len(plan.cases)
-    got: dict[tuple[int, str], dict] = {}
+    """Run the processes to the end (ddp/launch.py ends every one, whatever happens)."""
+    targets = [(_rank, (r, plan)) for r in range(plan.world)] + [(_host, (plan,))]
+    names = [f"rank {r}" for r in range(plan.world)] + ["the host"]
     try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while len(got) < expected:
-            try:
-                _, who, case, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RowNotRun(f"the ranks and the host did not finish in {LAUNCH_TIMEOUT_S:g} s") from None
-            if "failed" in value:
-                raise RowNotRun(f"{'the host' if who == plan.world else f'rank {who}'} failed: {value['failed']}")
-            got[(who, case)] = value
-    finally:
-        for p in procs:
-            if p.pid is None:  # never started
-                continue
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results.close()
-    return got
+        answers = run_processes(targets, LAUNCH_TIMEOUT_S, names=names, method="forkserver",
+                                preload=["torch", "torch.distributed", "gputravel.redteam.ddp_wire"], grace=5.0)
+    except RemoteError as err:  # a process failed, died or hung: the row was not carried out
+        raise RowNotRun(str(err)) from err
+    return {(who, case): value for sent in answers for _, who, case, value in sent}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, plan: Plan) -> list[tuple]:
+    return _answers(rank_main, rank, plan)
+
+
+def _host(plan: Plan) -> list[tuple]:
+    return _answers(host_main, plan)
+
+
+class _Left(Exception):
+    """Raised where a ddp_wire process would end itself (_leave), to hand its answers back."""
+
+
+class _Answers:
+    """Stands in for the queue ddp_wire's processes put their per-case answers in; the
+    launcher sends them back as the process's one result, then ends the process."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def put(self, item: tuple) -> None:
+        self.sent.append(item)
+
+    def close(self) -> None:
+        pass
+
+    def join_thread(self) -> None:
+        raise _Left  # _leave's os._exit is not reached: the launcher's own exit takes over
+
+
+def _answers(main, *args) -> list[tuple]:
+    out = _Answers()
+    try:
+        main(*args, out)
+    except _Left:
+        pass
+    failed = [value["failed"] for *_, value in out.sent if "failed" in value]
+    if failed:  # raised, so that the launcher names this process and stops the row at once
+        raise RowNotRun(failed[0])
+    return out.sent
 
 
 # ----------------------------------------------------------------------------- judging it
