@@ -25,7 +25,9 @@ import pytest
 from gputravel.cohort import isolation
 from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.orchestrator.audit import verify_log
+from gputravel.service.config import load_service
 from gputravel.service.init import init_cohort
+from gputravel.service.status import cohort_status
 
 pytestmark = pytest.mark.integration
 
@@ -122,6 +124,10 @@ def test_five_shells_train_and_a_holder_leaves_and_rejoins(where: Path) -> None:
         # The signed travel log (published for the holders) shows travels to south after it rejoined.
         log = verify_log(d / "public" / "audit.log", (d / "public" / "orchestrator.pem").read_bytes(), "south")
         assert any(e.time > rejoined_at and e.event == "travel" for e in log.entries), log.entries
+        # `gputravel status` for a holder: the job as published, and its own travels from the signed log.
+        seen = cohort_status(load_service(d / "holder-north.toml"))
+        assert seen["phase"] == "done" and seen["members"] == ["north", "south"] and seen["my_travels"] > 0, seen
+        assert "loss" not in seen  # the model's, not the holders'
     finally:
         codes = [s.stop() for s in reversed(shells)]
     assert all(c == 0 for c in codes), [(s.log.name, c, s.log.read_text()[-1500:]) for s, c in zip(reversed(shells), codes)

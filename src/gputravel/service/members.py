@@ -264,7 +264,7 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
     """Wait for every holder named in the config to join, then train (resuming from the run
     directory's checkpoint when there is one), streaming progress to the log and status.json."""
     status = state / "status.json"
-    write_json(status, {"phase": "admitting", "members": [], "step": 0})
+    _say_status(cfg, status, {"phase": "admitting", "members": [], "step": 0})
     child.control.send(AwaitHolders(names=tuple(cfg.holders), timeout=3600.0))
     log(ORCHESTRATOR, "waiting", waiting_for=f"holders {', '.join(cfg.holders)} to join")
     joined = child.control.recv(timeout=3700.0).message
@@ -279,14 +279,14 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
     while not stop():
         msg = child.control.recv(timeout=cfg.holder_timeout + 60).message
         if isinstance(msg, TrainStep):
-            write_json(status, {"phase": "training", "members": sorted(joined.dataset_bytes), "step": msg.step,
-                                "loss": msg.loss, "travels": msg.travels, "gpu_at": msg.holder})
+            _say_status(cfg, status, {"phase": "training", "members": sorted(joined.dataset_bytes),
+                                      "step": msg.step, "loss": msg.loss, "travels": msg.travels, "gpu_at": msg.holder})
             if msg.step % 5 == 0:
                 log(ORCHESTRATOR, "step", step=msg.step, loss=round(msg.loss, 4))
         elif isinstance(msg, TrainDone):
             report = json.loads(msg.report_json)
             write_json(run_dir / "report.json", report)
-            write_json(status, {"phase": "done", "members": sorted(joined.dataset_bytes), "step": train.steps})
+            _say_status(cfg, status, {"phase": "done", "members": sorted(joined.dataset_bytes), "step": train.steps})
             _publish_log(cfg, state)
             atomic_write_bytes(Path(cfg.public_dir) / DONE_FILE, b"done\n")  # holders end with the cohort
             log(ORCHESTRATOR, "trained", steps=train.steps, run_dir=str(run_dir))
@@ -296,6 +296,16 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
             return 1
     log(ORCHESTRATOR, "stopping", why="signal")
     return 0
+
+
+PUBLIC_STATUS = ("phase", "members", "step", "travels", "gpu_at")  # what every party may know
+
+
+def _say_status(cfg: OrchestratorService, path: Path, status: dict) -> None:
+    """The job's state: all of it in our state directory, and what any party may know (no
+    loss: that is the model's) in the public directory, for `gputravel status`."""
+    write_json(path, status)
+    write_json(Path(cfg.public_dir) / "status.json", {k: v for k, v in status.items() if k in PUBLIC_STATUS})
 
 
 def _publish_log(cfg: OrchestratorService, state: Path) -> None:

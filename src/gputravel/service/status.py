@@ -109,6 +109,8 @@ def cohort_status(cfg: ServiceConfig) -> dict:
     if isinstance(cfg, (OrchestratorService, HolderService)):
         out["published"] = _published(cfg.public_dir)
     out.update({k: v for k, v in _own_status(cfg.state_dir).items() if k not in out})
+    if isinstance(cfg, HolderService):  # the job as the orchestrator publishes it: members, the GPU, travels
+        out.update({k: v for k, v in _own_status(cfg.public_dir).items() if k not in out})
     if isinstance(cfg, HolderService):
         out.update(_my_travels(cfg))
     out["running"] = any(v == "up" for v in out["services"].values())
