@@ -33,6 +33,14 @@ def load_config(cls, raw: dict):
     return cls(**raw)
 
 
+def jsonable(obj: object) -> object:
+    """json.dumps' default for a party's configuration (its dataclasses, the layout): the launchers'
+    side of load_config."""
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    raise TypeError(f"cannot pass {type(obj).__name__} to a child process")
+
+
 def _certified(control: StreamTransport, name: str, csr_pem: bytes) -> tuple[bytes, bytes]:
     """Send the launcher a request for a key this process made; (certificate, CA) as PEM.
     Only the request and the certificates cross the control link."""

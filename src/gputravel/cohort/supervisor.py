@@ -9,7 +9,6 @@ command after that are the client's (cohort/client.py); cohort/local.py puts the
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gputravel.cohort.client import error_from
+from gputravel.cohort.entry import jsonable
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.isolation import Isolation
 from gputravel.cohort.links import CohortLinks, resolve_link
@@ -229,7 +229,7 @@ class Supervisor:
         netns = self.links.netns_path(key) if prefix and self.placement.on else None
         if netns is not None:
             prefix = []  # the child enters the namespace itself, while still root (isolation.dropper)
-        payload = json.dumps(config, default=_jsonable)
+        payload = json.dumps(config, default=jsonable)
         argv = [*prefix, sys.executable, "-m", spec.entry, spec.role, payload, *map(str, fds)]
         popen = self.placement.popen_kwargs(key, netns)
         if spec.umask is not None:
@@ -402,9 +402,3 @@ def _wait(proc: subprocess.Popen, deadline: float) -> None:
         proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
     except subprocess.TimeoutExpired:
         pass
-
-
-def _jsonable(obj: object) -> object:
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.asdict(obj)
-    raise TypeError(f"cannot pass {type(obj).__name__} to a child process")

@@ -27,14 +27,15 @@ from gputravel.cohort import isolation
 from gputravel.cohort.quoting import QuotingLaunch
 from gputravel.cohort.trust import CohortTrust
 from gputravel.crypto.pki import pin_peers
-from gputravel.errors import BadInput, GputravelError
+from gputravel.cohort.client import error_from
+from gputravel.errors import BadInput, GputravelError, ProtocolError
 from gputravel.files import atomic_write_bytes, write_json
 from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, TrainDone,
                                         TrainStep, Train)
 from gputravel.service.config import HolderService, OrchestratorService, job_train_config
 from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.party import (PartyChild, Stopping, log, own_state, private_dir, publish, unix_listening,
-                                     wait_for)
+                                     wait_for, wait_for_sockets)
 
 BOOT_TIMEOUT = 120.0
 ORCHESTRATOR = "orchestrator"
@@ -76,8 +77,7 @@ def serve_holder(cfg: HolderService, stop: Stopping) -> int:
     name = cfg.name
     state = private_dir(cfg.state_dir)
     gpu = _gpu_socket(cfg.boot_lock)
-    for what, path in (("the host", cfg.host_socket), ("the GPU", gpu)):
-        wait_for(name, f"{what} at {path}", lambda p=path: unix_listening(p), stop)
+    wait_for_sockets(name, {"the host": cfg.host_socket, "the GPU": gpu}, stop)
     policy = dataclasses.replace(cfg.policy.to_policy(""), gpu_reference_values=Path(REFERENCE_FILE))  # beside it
     trust = _trust_dir(state, cfg.trust_dir, {POLICY_FILE: policy.to_json()})
     pki = private_dir(state / "pki")
@@ -164,8 +164,7 @@ def _leave_and_stop(name: str, child: PartyChild, joined: bool) -> int:
 def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
     state = private_dir(cfg.state_dir)
     gpu = cfg.gpu_link_socket
-    for what, path in (("the host", cfg.host_socket), ("the GPU", gpu)):
-        wait_for(ORCHESTRATOR, f"{what} at {path}", lambda p=path: unix_listening(p), stop)
+    wait_for_sockets(ORCHESTRATOR, {"the host": cfg.host_socket, "the GPU": gpu}, stop)
     (Path(cfg.public_dir) / DONE_FILE).unlink(missing_ok=True)  # a job under way again (resumed)
     lock = _hold_boot_lock(cfg.boot_lock, stop)  # held for our whole life: later holders join late
     pki = private_dir(state / "pki")
@@ -268,8 +267,10 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
     child.control.send(AwaitHolders(names=tuple(cfg.holders), timeout=3600.0))
     log(ORCHESTRATOR, "waiting", waiting_for=f"holders {', '.join(cfg.holders)} to join")
     joined = child.control.recv(timeout=3700.0).message
+    if isinstance(joined, Failed):
+        raise error_from(joined, "the holders did not join")
     if not isinstance(joined, Holders):
-        raise BadInput(f"the holders did not join: {getattr(joined, 'reason', type(joined).__name__)}")
+        raise ProtocolError(f"the orchestrator answered AwaitHolders with {type(joined).__name__}")
     log(ORCHESTRATOR, "admitted", holders=sorted(joined.dataset_bytes))
     run_dir = Path(cfg.job.run_dir)
     checkpoint = run_dir / "checkpoint.pt"

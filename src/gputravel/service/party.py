@@ -8,7 +8,6 @@ cohort, for one party only. It never holds another party's secret.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -20,6 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gputravel.cohort import isolation
+from gputravel.cohort.client import error_from
+from gputravel.cohort.entry import jsonable
+from gputravel.files import atomic_write_bytes
 from gputravel.errors import BadInput, GputravelError, RemoteError
 from gputravel.protocol.control import Enroll, Failed, Ready, Shutdown
 from gputravel.transport.stream import StreamTransport
@@ -79,7 +81,7 @@ class PartyChild:
                  says_shutdown: bool = True, uid: int = -1, home: Path | None = None) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [theirs.fileno()] + ([extra.fileno()] if extra is not None else [])
-        payload = json.dumps(config, default=_jsonable)
+        payload = json.dumps(config, default=jsonable)
         argv = [sys.executable, "-m", ENTRY, role, payload, *map(str, fds)]
         self.proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, **_as_account(uid, home))
         theirs.close()
@@ -99,7 +101,7 @@ class PartyChild:
         except GputravelError as exc:
             raise RemoteError(f"the {self.role} failed to start: {exc}") from None
         if isinstance(msg, Failed):
-            raise RemoteError(f"the {self.role} failed to start: {msg.kind}: {msg.reason}")
+            raise error_from(msg, f"the {self.role} failed to start")  # typed, as the supervisor raises it
         if not isinstance(msg, Ready):
             raise RemoteError(f"the {self.role} sent {type(msg).__name__} instead of ready")
         return msg
@@ -165,12 +167,10 @@ def private_dir(path: str | Path) -> Path:
 
 def publish(src: Path, dest: Path) -> None:
     """Put a public file where peers look for it, whole or not at all."""
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    tmp.write_bytes(src.read_bytes())
-    os.replace(tmp, dest)
+    atomic_write_bytes(dest, src.read_bytes())
 
 
-def _jsonable(obj: object) -> object:
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.asdict(obj)
-    raise TypeError(f"cannot pass {type(obj).__name__} to a child process")
+def wait_for_sockets(party: str, sockets: dict[str, str], stop: Callable[[], bool]) -> None:
+    """Wait until each peer (what it is -> its socket) answers, saying which one we wait for."""
+    for what, path in sockets.items():
+        wait_for(party, f"{what} at {path}", lambda p=path: unix_listening(p), stop)

@@ -8,6 +8,7 @@ in service/members.py; the host and the GPU, which stand for the cloud's hardwar
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 from gputravel.attest.provision import GpuIssuer
@@ -82,7 +83,7 @@ def _until_stopped(party: str, child: PartyChild, stop: Stopping) -> int:
     while child.alive() and not stop():
         try:
             child.proc.wait(timeout=0.2)
-        except Exception:  # noqa: BLE001 - TimeoutExpired: keep serving
+        except subprocess.TimeoutExpired:  # still serving
             continue
     if stop():
         log(party, "stopping", why="signal")
