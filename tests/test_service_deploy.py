@@ -89,21 +89,28 @@ def where() -> Path:
     shutil.rmtree(base, ignore_errors=True)
 
 
-def test_five_shells_train_and_a_holder_leaves_and_rejoins(where: Path) -> None:
-    tmp_path = where
+def _init(where: Path, south: str, steps: int) -> Path:
+    """A cohort of two presses of the shipped Shakespeare (north: the tragedies) in `where`."""
     presses = shakespeare_holders()
-    d = tmp_path / "cohort"
-    init_cohort(d, [("north", str(presses["tragedies"])), ("south", str(presses["comedies"]))],
-                steps=1200, buffer_bytes=16 << 10)
+    d = where / "cohort"
+    init_cohort(d, [("north", str(presses["tragedies"])), ("south", str(presses[south]))],
+                steps=steps, buffer_bytes=16 << 10)
+    return d
+
+
+def _serve(where: Path, party: str, tag: str | None = None) -> Shell:
+    """`gputravel serve ROLE --config cohort/PARTY.toml` in a shell of its own."""
+    return Shell(where, party.split("-")[0], f"cohort/{party}.toml", tag or party.removeprefix("holder-"))
+
+
+def test_five_shells_train_and_a_holder_leaves_and_rejoins(where: Path) -> None:
+    d = _init(where, "comedies", 1200)
     shells: list[Shell] = []
     try:
-        shells.append(Shell(tmp_path, "host", "cohort/host.toml", "host"))
-        shells.append(Shell(tmp_path, "gpu", "cohort/gpu-0.toml", "gpu"))
-        north = Shell(tmp_path, "holder", "cohort/holder-north.toml", "north")
-        south = Shell(tmp_path, "holder", "cohort/holder-south.toml", "south")
-        shells += [north, south]
+        north, south = _serve(where, "holder-north"), _serve(where, "holder-south")
+        shells += [_serve(where, "host"), _serve(where, "gpu-0"), north, south]
         _until(lambda: north.said("up") and south.said("up"), 90, "both holders up", shells)
-        orch = Shell(tmp_path, "orchestrator", "cohort/orchestrator.toml", "orchestrator")
+        orch = _serve(where, "orchestrator")
         shells.append(orch)
         _until(lambda: _status(d).get("step", 0) >= 20, 180, "training under way", shells)
 
@@ -111,7 +118,7 @@ def test_five_shells_train_and_a_holder_leaves_and_rejoins(where: Path) -> None:
             assert _vram_to_a_stranger(d) is False  # the GPU's link: only the orchestrator's uid gets VRAM
         assert south.stop() == 0  # SIGTERM: it leaves the cohort, then stops
         assert south.said("left") == 1, south.log.read_text()
-        south_again = Shell(tmp_path, "holder", "cohort/holder-south.toml", "south-again")
+        south_again = _serve(where, "holder-south", "south-again")
         shells.append(south_again)
         _until(lambda: south_again.said("joined") == 1, 120, "south to rejoin", shells)
         assert any(e.get("late") for e in south_again.events() if e.get("event") == "up")
@@ -132,7 +139,7 @@ def test_five_shells_train_and_a_holder_leaves_and_rejoins(where: Path) -> None:
         codes = [s.stop() for s in reversed(shells)]
     assert all(c == 0 for c in codes), [(s.log.name, c, s.log.read_text()[-1500:]) for s, c in zip(reversed(shells), codes)
                                         if c != 0]
-    _no_process_left(tmp_path)
+    _no_process_left(where)
     _keys_only_in_own_state(d)
 
 
@@ -176,19 +183,14 @@ def _keys_only_in_own_state(d: Path) -> None:
 def test_the_orchestrator_may_start_before_its_holders(where: Path) -> None:
     """Any order: an orchestrator up first waits for the holders' certificates, then for their
     joins; holders that find the GPU's boot lock taken join late and probe on the lent GPU."""
-    presses = shakespeare_holders()
-    d = where / "cohort"
-    init_cohort(d, [("north", str(presses["tragedies"])), ("south", str(presses["histories"]))],
-                steps=40, buffer_bytes=16 << 10)
+    _init(where, "histories", 40)
     shells: list[Shell] = []
     try:
-        shells.append(Shell(where, "orchestrator", "cohort/orchestrator.toml", "orchestrator"))
-        shells.append(Shell(where, "host", "cohort/host.toml", "host"))
-        shells.append(Shell(where, "gpu", "cohort/gpu-0.toml", "gpu"))
+        shells += [_serve(where, "orchestrator"), _serve(where, "host"), _serve(where, "gpu-0")]
         orch = shells[0]
         _until(lambda: any("certificate" in e.get("waiting_for", "") for e in orch.events()), 60,
                "the orchestrator to wait for the holders", shells)
-        shells += [Shell(where, "holder", f"cohort/holder-{n}.toml", n) for n in ("north", "south")]
+        shells += [_serve(where, f"holder-{n}") for n in ("north", "south")]
         assert orch.proc.wait(timeout=240) == 0, orch.log.read_text()[-3000:]
         for holder in shells[3:]:
             assert holder.said("joined") == 1
@@ -228,23 +230,20 @@ def test_a_restarted_orchestrator_resumes_and_its_holders_come_back(where: Path)
     """The orchestrator is stopped mid-run and started again: it resumes from the run
     directory's checkpoint; the holders' CVMs end with the old cohort, and their services boot
     new ones that join the new orchestrator. The signed travel log continues across both."""
-    presses = shakespeare_holders()
-    d = where / "cohort"
-    init_cohort(d, [("north", str(presses["tragedies"])), ("south", str(presses["comedies"]))],
-                steps=1200, buffer_bytes=16 << 10)
+    d = _init(where, "comedies", 1200)
     shells: list[Shell] = []
     try:
-        shells += [Shell(where, "host", "cohort/host.toml", "host"), Shell(where, "gpu", "cohort/gpu-0.toml", "gpu")]
-        holders = [Shell(where, "holder", f"cohort/holder-{n}.toml", n) for n in ("north", "south")]
+        shells += [_serve(where, "host"), _serve(where, "gpu-0")]
+        holders = [_serve(where, f"holder-{n}") for n in ("north", "south")]
         shells += holders
         _until(lambda: all(h.said("up") for h in holders), 90, "both holders up", shells)
-        first = Shell(where, "orchestrator", "cohort/orchestrator.toml", "orchestrator")
+        first = _serve(where, "orchestrator")
         shells.append(first)
         _until(lambda: _status(d).get("step", 0) >= 30, 180, "training under way", shells)
         assert first.stop() == 0
         stopped_at = _status(d)["step"]
         _until(lambda: all(h.said("rejoining") for h in holders), 60, "the holders to boot again", shells)
-        again = Shell(where, "orchestrator", "cohort/orchestrator.toml", "orchestrator-again")
+        again = _serve(where, "orchestrator", "orchestrator-again")
         shells.append(again)
         assert again.proc.wait(timeout=300) == 0, again.log.read_text()[-3000:]
         steps = [e["step"] for e in again.events() if e.get("event") == "step"]
