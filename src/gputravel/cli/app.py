@@ -25,7 +25,7 @@ from gputravel.cli.scale import bench_scale
 from gputravel.cli.service import cohort_app, serve_command, status_command
 from gputravel.cli.train_bench import bench_fl_sweep, bench_train
 from gputravel.errors import GputravelError
-from gputravel.jobs.travel import TravelJobConfig, run_travel_job, summarise
+from gputravel.jobs.travel import Travel, TravelJobConfig, run_travels, summarise
 from gputravel.protocol.control import STEPS, TravelReport
 from gputravel.protocol.hardware import hardware_profile
 from gputravel.cli.output import console, fail, numeric_table, write_results
@@ -60,19 +60,22 @@ SHORT = {"o_cleanup": "scrub", "o_export": "O exp", "dh_switch": "→H sw", "dh_
 CONTEXT_STEPS = ("dh_import", "dh_export", "o_import", "o_rotate")
 
 
-def _travel_table(title: str) -> Table:
+def _travel_table(title: str, gpus: int) -> Table:
     columns = ("#", "holder", "chunk", "MiB", "scrub", "switch", "TLS", "context", "copy", "total", "GB/s", "digest")
+    columns = ("gpu", *columns) if gpus > 1 else columns  # travel ids (#) are each GPU's own
     return numeric_table(title, columns, show_lines=False, pad_edge=False)
 
 
-def _row(r: TravelReport) -> list[str]:
+def _row(t: Travel, gpus: int) -> list[str]:
+    r = t.report
     n = r.chunk.nbytes if r.chunk else 0
     st = r.steps_ms
     gbps = n / (st["dh_copy"] / 1e3) / 1e9 if st["dh_copy"] else 0.0
     ok = "[green]ok[/green]" if r.chunk else "[yellow]refused[/yellow]"
     chunk = f"@{r.chunk.dataset_offset >> 20}M" if r.chunk else "-"
     cells = (st["o_cleanup"], st["dh_switch"] + st["o_switch"], st["tls"], sum(st[s] for s in CONTEXT_STEPS), st["dh_copy"], r.total_ms)
-    return [str(r.travel_id), r.holder, chunk, f"{n / (1 << 20):.0f}", *(f"{c:.2f}" for c in cells), f"{gbps:.2f}", ok]
+    row = [str(r.travel_id), r.holder, chunk, f"{n / (1 << 20):.0f}", *(f"{c:.2f}" for c in cells), f"{gbps:.2f}", ok]
+    return [str(t.gpu), *row] if gpus > 1 else row
 
 
 @app.command(name="travel")
@@ -84,45 +87,57 @@ def travel_job(
     workdir: Optional[Path] = typer.Option(None, help="Where the synthetic datasets are written (default: runs/demo); the report goes to --json."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the travel reports as JSON here."),
     hardware: str = hardware_option(),
+    gpus: int = typer.Option(1, help="GPUs travelling at the same time, each to its own share of the holders."),
 ) -> None:
     """Travels only, no training: every chunk verified by digest.
 
     A whole local cohort moves every holder's synthetic dataset through the GPU once, with a
-    table of where the time went in each travel."""
+    table of where the time went in each travel. With --gpus N, N single-GPU cohorts travel in
+    parallel, each to its own share of the holders."""
     try:
-        cfg = TravelJobConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed, hardware=hardware)
+        cfg = TravelJobConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed, hardware=hardware,
+                              gpus=gpus)
     except GputravelError as exc:
         fail(exc)
     out = workdir or Path("runs/demo")
     total = holders * -(-dataset_mib // buffer_mib)
+    on = f"{gpus} GPUs in parallel" if gpus > 1 else "one GPU"
     console.print(f"[bold]gputravel travel[/bold]: {holders} holders x {dataset_mib} MiB, buffer {buffer_mib} MiB, "
-                  f"{total} travels. Booting host, GPU, holders, then the orchestrator (paper 4.1)...")
+                  f"{total} travels on {on}. Booting host, GPU, holders, then the orchestrator (paper 4.1)...")
     table = _travel_table("Travels (ms, shares of the critical path; switch = waits for the MUX, to holder + back; "
-                          "context = imports, holder export, rotation; the orchestrator exports during the scrub)")
-    reports: list[TravelReport] = []
+                          "context = imports, holder export, rotation; the orchestrator exports during the scrub)", gpus)
+    travels: list[Travel] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task("travelling", total=total)
 
-        def on_travel(r: TravelReport) -> None:
-            reports.append(r)
-            table.add_row(*_row(r))
-            progress.update(task, advance=1, description=f"GPU back from {r.holder}")
+        def on_travel(t: Travel) -> None:
+            travels.append(t)
+            table.add_row(*_row(t, gpus))
+            progress.update(task, advance=1, description=f"GPU {t.gpu} back from {t.holder}" if gpus > 1
+                            else f"GPU back from {t.holder}")
 
         try:
-            run_travel_job(cfg, out, on_travel)
+            run_travels(cfg, out, on_travel)
         except GputravelError as exc:
             fail(exc)
     console.print(table)
-    summary = summarise(reports)
+    summary = summarise([t.report for t in travels])
     console.print(f"{summary['verified']}/{summary['travels']} chunks verified by digest, "
                   f"{summary['bytes'] / (1 << 20):.0f} MiB moved; median travel {summary['median_total_ms']:.2f} ms, "
                   f"median fixed overhead {summary['median_fixed_ms']:.2f} ms (total - copy - scrub).")
     if json_path:
-        payload = {"config": vars(cfg), "summary": summary, "travels": [_report_json(r) for r in reports],
+        summary["wall_s"] = max(t.end_s for t in travels)  # from the common start to the last travel's end
+        payload = {"config": vars(cfg), "summary": summary, "travels": [_travel_json(t) for t in travels],
                    "hardware": hardware_profile(cfg.hardware).to_json()}
         write_json(json_path, payload)
         console.print(f"report written to {json_path}")
+
+
+def _travel_json(t: Travel) -> dict:
+    """A travel's report, with the GPU that made it and when (seconds from the job's start)."""
+    return {"gpu": t.gpu, **_report_json(t.report), "dataset_offset": t.dataset_offset, "start_s": t.start_s,
+            "end_s": t.end_s}
 
 
 def _report_json(r: TravelReport) -> dict:

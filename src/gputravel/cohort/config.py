@@ -63,6 +63,12 @@ class CohortConfig:
     # "paper-h100" holds the switches, the copy, the baseline's read and write and the context
     # exchange to the paper's measured times. Never a security input.
     hardware: str = EMULATED
+    # Several GPUs (cohort/gpus.py): every GPU chains to one GPU vendor root and every TDX quote
+    # to one CPU-TEE root, as in reality. `roots_dir` holds those roots with their keys (made by
+    # the multi-GPU launcher, which deletes it once every cohort has booted); "": this cohort
+    # makes fresh roots of its own. `gpu_index` k names this cohort's device GPU-EMU-k.
+    roots_dir: str = ""
+    gpu_index: int = 0
 
     def __post_init__(self) -> None:
         names = [h.name for h in self.holders]
@@ -82,6 +88,10 @@ class CohortConfig:
             if not exists:
                 raise BadInput(f"dataset of holder {h.name!r} not found: {h.dataset}")
 
+        if type(self.gpu_index) is not int or self.gpu_index < 0:
+            raise BadInput(f"gpu_index must be a non-negative integer, not {self.gpu_index!r}")
+        if self.roots_dir and not Path(self.roots_dir).is_dir():
+            raise BadInput(f"roots directory not found: {self.roots_dir}")
         check_link_config(self.link, self.bandwidth_mbit, self.tap)
         hardware_profile(self.hardware)  # BadInput for an unknown profile
 

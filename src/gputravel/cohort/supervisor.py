@@ -118,7 +118,9 @@ class Supervisor:
             place.own(self.dir / "pki" / member, member)
         self._host_sock = place.path(place.socket_dir / "host.sock")
         quoting = QuotingLaunch(place, self.dir)  # the orchestrator's TDX module (cohort/quoting.py)
-        self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust, quoting_socket=quoting.socket)
+        self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust, quoting_socket=quoting.socket,
+                                            roots_from=Path(cfg.roots_dir) if cfg.roots_dir else None,
+                                            gpu_index=cfg.gpu_index)
         place.own(self.trust.device_dir, "device")
         place.own(self.trust.orchestrator_dir, "orchestrator")
         for out in cfg.output_dirs:

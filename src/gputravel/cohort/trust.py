@@ -4,7 +4,9 @@ The supervisor stands for the hardware vendors and the launcher. For each cohort
 under its temporary directory:
 
     trust/roots/         the emulated GPU-vendor and CPU-TEE roots (certificates only once
-                         provisioning is done: the root keys are deleted, like the cohort CA's)
+                         provisioning is done: the root keys are deleted, like the cohort CA's).
+                         With several GPUs (cohort/gpus.py) the cohorts share one set of roots:
+                         each copies only the certificates, and reads the keys where they lie
     trust/device/        the GPU's firmware state -> the device process only, which makes its
                          firmware key there itself at boot and stores the 5-certificate chain
                          the launcher (the vendor) issued it (`certify_device`)
@@ -131,22 +133,42 @@ class CohortTrust:
 
 
 def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datetime | None = None,
-                           quoting_socket: str = "") -> CohortTrust:
-    """Create the roots and the GPU's CAs; fill the device's (firmware state, no key) and the
-    orchestrator's directories (`quoting_socket`: where the orchestrator's TDX module
-    listens). The root keys leave the disk here; the CPU-TEE root and the GPU's per-device CA
-    stay in the returned trust's memory, for the TDX module's key and the device's firmware
-    key (`certify_device`). Holders get their share from `pin_orchestrator`."""
+                           quoting_socket: str = "", roots_from: Path | None = None,
+                           gpu_index: int = 0) -> CohortTrust:
+    """Create the roots (or take those in `roots_from`, shared by several GPUs' cohorts) and
+    the GPU's CAs (its serial GPU-EMU-`gpu_index`); fill the device's (firmware state, no key)
+    and the orchestrator's directories (`quoting_socket`: where the orchestrator's TDX module
+    listens). The root keys leave the disk here (shared ones are never copied in); the CPU-TEE
+    root and the GPU's per-device CA stay in the returned trust's memory, for the TDX module's
+    key and the device's firmware key (`certify_device`). Holders get their share from
+    `pin_orchestrator`."""
     directory = Path(directory)
     roots = directory / "roots"
-    init_roots(roots, now=now)
-    gpu = _provision_device(directory, roots, options, now)
+    keys = _take_roots(roots, roots_from, now)
+    gpu = _provision_device(directory, keys, options, now, gpu_index)
     gpu.save_state(directory / "device")
-    tee_root = load_authority(roots, "tee")
-    _discard_root_keys(roots)  # on disk, nobody needs them again
+    tee_root = load_authority(keys, "tee")
+    if keys == roots:
+        _discard_root_keys(roots)  # on disk, nobody needs them again
     gpu.reference_values().save(roots / REFERENCE_FILE)  # what the vendor publishes: the launcher's copy
     _write_orchestrator(directory / "orchestrator", roots, options, quoting_socket)
     return CohortTrust(directory, gpu.serial, gpu.driver_version, tee_root=tee_root, gpu_vendor=gpu)
+
+
+def _take_roots(roots: Path, shared: Path | None, now: datetime | None) -> Path:
+    """Fill `roots` with the root certificates; where the root keys are read from. Shared roots'
+    certificates are copied, their keys only read where they lie (their owner deletes them):
+    no copy of a root key is ever written into the cohort."""
+    if shared is None:
+        init_roots(roots, now=now)
+        return roots
+    shared = Path(shared)
+    for which in ("gpu", "tee"):
+        load_authority(shared, which)  # BadInput unless each certificate comes with its key
+    roots.mkdir(parents=True)
+    for name in (GPU_ROOT_CERT, TEE_ROOT_CERT):
+        shutil.copyfile(shared / name, roots / name)
+    return shared
 
 
 def certify_device(trust: CohortTrust, csr_pem: bytes) -> tuple[CohortTrust, tuple[bytes, bytes]]:
@@ -172,15 +194,17 @@ def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, ho
     return dataclasses.replace(trust, pinned=pinned)
 
 
-def _provision_device(directory: Path, roots: Path, options: TrustOptions, now: datetime | None) -> GpuIssuer:
+def _provision_device(directory: Path, roots: Path, options: TrustOptions, now: datetime | None,
+                      index: int) -> GpuIssuer:
     if options.gpu_vendor == "foreign":  # a vendor root that is in nobody's trust store
         foreign = directory / "foreign-roots"
         init_roots(foreign, now=now)
-        gpu = issue_gpu_ca(load_authority(foreign, "gpu"), serial="GPU-FOREIGN-0", now=now,
+        gpu = issue_gpu_ca(load_authority(foreign, "gpu"), serial=f"GPU-FOREIGN-{index}", now=now,
                            cc_mode=options.gpu_cc_mode)
         _discard_root_keys(foreign)
         return gpu
-    return issue_gpu_ca(load_authority(roots, "gpu"), serial="GPU-EMU-0", now=now, cc_mode=options.gpu_cc_mode)
+    return issue_gpu_ca(load_authority(roots, "gpu"), serial=f"GPU-EMU-{index}", now=now,
+                        cc_mode=options.gpu_cc_mode)
 
 
 def _discard_root_keys(roots: Path) -> None:

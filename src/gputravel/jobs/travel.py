@@ -4,12 +4,20 @@ dataset through the GPU, without training.
 Each holder gets a deterministic synthetic dataset (seeded bytes). The GPU travels to the
 holders round robin; every chunk is verified by digest on the orchestrator side; each travel
 is reported with where its time went.
+
+With several GPUs (issue 14, paper 9) the holders are partitioned among them
+(train/schedule.partition) and each GPU, a single-GPU cohort of its own (cohort/gpus.py),
+travels round robin over its share in a thread of its own, at the same time as the others.
+Each travel is recorded with its GPU and when it ran; the first failure stops every GPU.
 """
 
 from __future__ import annotations
 
 import hashlib
+import resource
 import statistics
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -20,7 +28,9 @@ from gputravel.protocol.control import STEPS, TravelReport
 from gputravel.protocol.layout import Layout
 from gputravel.cohort import capacity
 from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.gpus import GpuCohorts
 from gputravel.cohort.local import Cohort
+from gputravel.train.schedule import partition
 
 MIB = 1 << 20
 
@@ -32,6 +42,7 @@ class TravelJobConfig:
     buffer_mib: int = 8
     seed: int = 0
     hardware: str = "emulated"  # protocol/hardware.py
+    gpus: int = 1  # each GPU a single-GPU cohort travelling to its own share of the holders
 
     def __post_init__(self) -> None:
         if not 1 <= self.holders <= capacity.MAX_HOLDERS:  # what this machine carries: run_travel_job
@@ -41,6 +52,23 @@ class TravelJobConfig:
         if not 1 <= self.dataset_mib <= 4096:  # an empty dataset has nothing to travel for
             raise BadInput("--dataset-mib must be between 1 and 4096")
         hardware_profile(self.hardware)  # BadInput for an unknown profile
+        if type(self.gpus) is not int or not 1 <= self.gpus <= self.holders:
+            raise BadInput(f"--gpus must be between 1 and the number of holders ({self.holders}): each GPU "
+                           f"travels to holders of its own, got {self.gpus!r}")
+
+
+@dataclass(frozen=True)
+class Travel:
+    """One travel as the job saw it: the GPU that went to `holder` for the chunk at
+    `dataset_offset`, when (seconds from the job's one common start, perf_counter), and what
+    the orchestrator reported."""
+
+    gpu: int
+    holder: str
+    dataset_offset: int
+    start_s: float
+    end_s: float
+    report: TravelReport
 
 
 def make_dataset(path: Path, nbytes: int, seed: bytes) -> None:
@@ -68,7 +96,55 @@ def plan(dataset_bytes: dict[str, int], buffer_bytes: int) -> Iterator[tuple[str
 
 def run_travel_job(config: TravelJobConfig, workdir: Path,
                    on_travel: Callable[[TravelReport], None]) -> list[TravelReport]:
-    capacity.check(config.holders, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=config.dataset_mib * MIB)
+    """The orchestrators' reports of every travel (run_travels has when and on which GPU)."""
+    return [t.report for t in run_travels(config, workdir, lambda t: on_travel(t.report))]
+
+
+def run_travels(config: TravelJobConfig, workdir: Path, on_travel: Callable[[Travel], None]) -> list[Travel]:
+    """Every chunk of every holder once, on `config.gpus` GPUs; each travel is handed to
+    `on_travel` (one call at a time) as it ends. The first typed error of any GPU stops them all
+    and is raised."""
+    check_capacity(config)
+    base = CohortConfig(holders=_datasets(config, workdir), buffer_bytes=config.buffer_mib * MIB,
+                        hardware=config.hardware)
+    log = _Log(on_travel)
+    if config.gpus == 1:
+        with Cohort(base) as cohort:
+            log.start()
+            _travel_share(0, cohort, log, threading.Event())
+        return log.travels
+    shares = partition({h.name: Path(h.dataset).stat().st_size for h in base.holders}, config.gpus)
+    with GpuCohorts(base, shares) as gpus:
+        log.start()
+        _in_parallel(gpus.cohorts, log)
+    return log.travels
+
+
+def check_capacity(config: TravelJobConfig) -> None:
+    """BadInput, naming the limit, if this machine cannot carry the job: every holder as one
+    cohort would (capacity.check), and each further GPU's cohort beside it (its device, whose
+    VRAM is populated, host, TDX module and orchestrator; the launcher's descriptors for it)."""
+    sysmem, dataset = Layout().sysmem_bytes, config.dataset_mib * MIB
+    capacity.check(config.holders, sysmem_bytes=sysmem, dataset_bytes=dataset)
+    extra = config.gpus - 1
+    if not extra:
+        return
+    vram_mib = config.buffer_mib + 64  # CohortConfig.device_vram
+    per_gpu = 4 * capacity.PROCESS_MIB + vram_mib
+    need = config.holders * capacity.mib_per_holder(sysmem, dataset) + config.gpus * per_gpu + capacity.RESERVE_MIB
+    have = capacity.available_mib()
+    if have is not None and need > have:
+        raise BadInput(f"{config.gpus} GPUs with {config.holders} holders need about {need} MiB of memory "
+                       f"({per_gpu} MiB per GPU: its VRAM and four processes), above the {have} MiB this machine "
+                       "has available (MemAvailable): use fewer GPUs, holders or smaller datasets")
+    fds = capacity.fds_needed(config.holders) + extra * capacity.FDS_BASE
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < fds:
+        raise BadInput(f"{config.gpus} GPUs with {config.holders} holders need about {fds} open files in this "
+                       f"process, above its limit of {soft} (RLIMIT_NOFILE): raise it (ulimit -n {fds})")
+
+
+def _datasets(config: TravelJobConfig, workdir: Path) -> tuple[HolderSpec, ...]:
     workdir.mkdir(parents=True, exist_ok=True)
     specs = []
     for i in range(1, config.holders + 1):
@@ -76,14 +152,64 @@ def run_travel_job(config: TravelJobConfig, workdir: Path,
         # The seed's "gputravel-demo" prefix stays: it fixes the datasets (and their digests).
         make_dataset(path, config.dataset_mib * MIB, f"gputravel-demo/{config.seed}/{i}".encode())
         specs.append(HolderSpec(f"holder-{i}", str(path)))
-    cohort_cfg = CohortConfig(holders=tuple(specs), buffer_bytes=config.buffer_mib * MIB, hardware=config.hardware)
-    reports = []
-    with Cohort(cohort_cfg) as cohort:
-        for holder, offset in plan(cohort.dataset_bytes, cohort_cfg.buffer_bytes):
-            report = cohort.travel(holder, offset)
-            reports.append(report)
-            on_travel(report)
-    return reports
+    return tuple(specs)
+
+
+class _Log:
+    """The travels of every GPU, in the order they ended, timed from one common start."""
+
+    def __init__(self, on_travel: Callable[[Travel], None]) -> None:
+        self.travels: list[Travel] = []
+        self.on_travel = on_travel
+        self.t0 = 0.0
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def record(self, travel: Travel) -> None:
+        with self._lock:  # the callback draws a table: one GPU at a time
+            self.travels.append(travel)
+            self.on_travel(travel)
+
+
+def _travel_share(gpu: int, cohort: Cohort, log: _Log, stop: threading.Event) -> None:
+    """Round robin over this GPU's own holders until every chunk has travelled, or `stop`."""
+    for holder, offset in plan(cohort.dataset_bytes, cohort.config.buffer_bytes):
+        if stop.is_set():
+            return
+        start = log.now()
+        report = cohort.travel(holder, offset)
+        log.record(Travel(gpu, holder, offset, start, log.now(), report))
+
+
+def _in_parallel(cohorts: list[Cohort], log: _Log) -> None:
+    """One thread per GPU; the first failure stops the others (each ends its travel in flight)
+    and is raised here, once every thread is done."""
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def run(gpu: int, cohort: Cohort) -> None:
+        try:
+            _travel_share(gpu, cohort, log, stop)
+        except BaseException as exc:  # handed to the main thread, which raises it
+            failures.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=run, args=(k, c), name=f"travel-gpu-{k}", daemon=True)
+               for k, c in enumerate(cohorts)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        stop.set()  # an interrupted launcher stops every GPU too
+    if failures:
+        raise failures[0]
 
 
 def summarise(reports: list[TravelReport]) -> dict:

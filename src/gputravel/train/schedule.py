@@ -118,3 +118,22 @@ class Scheduler:
     def windows_in(self, ntokens: int) -> int:
         """How many (x, y) windows a visit of ntokens yields: y needs one token past x."""
         return (ntokens - 1) // self.window
+
+
+def partition(sizes: Mapping[str, int], gpus: int) -> tuple[tuple[str, ...], ...]:
+    """Which holders each of `gpus` GPUs travels to (paper 9: with data parallelism a GPU
+    travels only to the holders whose data it needs). Every holder goes to exactly one GPU, so a
+    holder serves one GPU at a time and each of its chunks reaches one rank only. Largest
+    dataset first, each to the GPU with the fewest bytes so far (ties: lower index), so the
+    ranks' shares are balanced; names break size ties, so every caller gets the same answer."""
+    if type(gpus) is not int or gpus < 1:
+        raise BadInput(f"--gpus must be a positive integer, got {gpus!r}")
+    if len(sizes) < gpus:
+        raise BadInput(f"{gpus} GPUs need at least {gpus} data holders (one each at least), got {len(sizes)}")
+    loads = [0] * gpus
+    shares: list[list[str]] = [[] for _ in range(gpus)]
+    for name, size in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+        k = min(range(gpus), key=lambda i: (loads[i], i))
+        shares[k].append(name)
+        loads[k] += size
+    return tuple(tuple(sorted(s)) for s in shares)

@@ -1,0 +1,150 @@
+"""Several GPUs on one machine: G single-GPU cohorts that share one set of vendor roots.
+
+NVIDIA CC passes one confidential GPU to one CVM, so each GPU gets a cohort stack of its own
+(host route, device, TDX module, orchestrator: a rank) and travels only to its share of the
+holders (paper 9). In reality every GPU chains to one GPU vendor root and every TDX quote to
+one CPU-TEE root: :class:`GpuCohorts` makes those roots once, in a 0700 directory of its own,
+hands them to each cohort (CohortConfig.roots_dir; each copies the certificates and certifies
+its GPU and TDX module with the keys) and deletes them, keys included, as soon as every cohort
+has booted, or on any failure.
+
+    with GpuCohorts(base, partition(sizes, gpus)) as gpus:
+        gpus.cohorts[gpus.gpu_of("alice")].travel("alice", 0)
+
+Cohorts boot one after another: each picks its uid block among the uids that running
+processes hold (cohort/isolation.py), so a booted cohort's block is never picked again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from gputravel.attest import init_roots
+from gputravel.cohort.config import CohortConfig
+from gputravel.cohort.local import Cohort
+from gputravel.cohort.supervisor import Launch
+from gputravel.errors import BadInput
+
+__all__ = ["GpuCohorts", "PerGpu"]
+
+# Given a GPU's index and the config made for its cohort, the config to boot it with (a rank's
+# own audit log, run directory). It may not change the cohort's holders, roots or GPU index.
+PerGpu = Callable[[int, CohortConfig], CohortConfig]
+
+
+class GpuCohorts:
+    """G running single-GPU cohorts, one per share of the holders. Use as a context manager."""
+
+    def __init__(self, base: CohortConfig, shares: tuple[tuple[str, ...], ...], *,
+                 per_gpu: PerGpu | None = None, launch: Launch | None = None) -> None:
+        self.base = base
+        self.shares = _checked_shares(base, shares)
+        self.per_gpu = per_gpu
+        self.launch = launch
+        self.cohorts: list[Cohort] = []
+        self.roots_dir: Path | None = None  # while the cohorts boot; None once deleted
+        self._gpu = {name: k for k, share in enumerate(self.shares) for name in share}
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> GpuCohorts:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Make the roots, boot every GPU's cohort in turn, delete the roots. On any failure the
+        cohorts already started are closed and the error goes on."""
+        try:
+            self.roots_dir = Path(tempfile.mkdtemp(prefix="gputravel-roots-", dir=self.base.workdir))  # 0700
+            init_roots(self.roots_dir)
+            for config in self._configs():
+                cohort = Cohort(config, launch=self.launch)
+                self.cohorts.append(cohort)  # before it starts: close() stops what it started
+                cohort.start()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._drop_roots()
+
+    def _configs(self) -> list[CohortConfig]:
+        """Each GPU's cohort config, all checked before any boots."""
+        specs = {h.name: h for h in self.base.holders}
+        configs = []
+        for k, share in enumerate(self.shares):
+            pinned = {"holders": tuple(specs[n] for n in share), "roots_dir": str(self.roots_dir), "gpu_index": k}
+            config = dataclasses.replace(self.base, **pinned)
+            if self.per_gpu is not None:
+                config = self.per_gpu(k, config)
+                if any(getattr(config, f) != v for f, v in pinned.items()):
+                    raise BadInput(f"the per-GPU hook may not change GPU {k}'s holders, roots or index")
+            configs.append(config)
+        _check_outputs(configs)
+        return configs
+
+    def _drop_roots(self) -> None:
+        if self.roots_dir is not None:
+            shutil.rmtree(self.roots_dir, ignore_errors=True)
+            self.roots_dir = None
+
+    def close(self) -> None:
+        """Stop every cohort, the last started first (lent outputs go back in the reverse
+        order they were lent); never raises."""
+        while self.cohorts:
+            cohort = self.cohorts.pop()
+            try:
+                cohort.close()
+            except Exception:  # Cohort.close should not raise; one that does must not keep the rest running
+                pass
+        self._drop_roots()
+
+    # ------------------------------------------------------------------ looking at it
+    def gpu_of(self, holder: str) -> int:
+        """The GPU whose cohort `holder` belongs to."""
+        try:
+            return self._gpu[holder]
+        except KeyError:
+            raise BadInput(f"{holder!r} is not a data holder of these GPUs") from None
+
+    def cohort_of(self, holder: str) -> Cohort:
+        return self.cohorts[self.gpu_of(holder)]
+
+
+def _checked_shares(base: CohortConfig, shares: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:
+    """BadInput unless every holder of `base` is in exactly one share and no share is empty."""
+    shares = tuple(tuple(s) for s in shares)
+    if not shares:
+        raise BadInput("several GPUs need at least one share of holders")
+    if base.late_holders:
+        raise BadInput("late holders are not supported with several GPUs yet: enrol them in a share")
+    names = [h.name for h in base.holders]
+    placed = [n for s in shares for n in s]
+    if any(not s for s in shares):
+        raise BadInput("every GPU needs at least one data holder: an empty share was given")
+    doubled = sorted({n for n in placed if placed.count(n) > 1})
+    if doubled:
+        raise BadInput(f"a holder serves one GPU only: {', '.join(doubled)} in several shares")
+    unknown, missing = sorted(set(placed) - set(names)), sorted(set(names) - set(placed))
+    if unknown or missing:
+        raise BadInput(f"the shares must hold every data holder once: unknown {unknown}, missing {missing}")
+    return shares
+
+
+def _check_outputs(configs: list[CohortConfig]) -> None:
+    """Each orchestrator writes its own audit log and output directories: two would mix their
+    logs' signed records, and isolated, a directory lent to one rank's uid is closed to the next."""
+    logs = [str(Path(c.audit_log).resolve()) for c in configs if c.audit_log]
+    if len(set(logs)) != len(logs):
+        raise BadInput("each GPU's orchestrator needs an audit log of its own: set them with the per-GPU hook")
+    dirs = [(k, Path(d).resolve()) for k, c in enumerate(configs) for d in c.output_dirs]
+    for k, a in dirs:
+        for j, b in dirs:
+            if k < j and (a == b or a in b.parents or b in a.parents):
+                raise BadInput(f"GPUs {k} and {j} would share the output directory {b}: give each its own "
+                               "with the per-GPU hook")
