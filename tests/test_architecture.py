@@ -55,6 +55,7 @@ SAME_FLOOR = {
     ("device", "attest"): "the emulated GPU runs its attestation firmware (attest/gpu.py)",
     ("bench", "jobs"): "the training benchmark times the training job",
     ("bench", "fl"): "the training benchmark runs the FedAvg baseline",
+    ("train", "ddp"): "data-parallel training wraps its model in the encrypted ring's DDP hook",
 }
 REDTEAM = "redteam"
 #: The one module outside the red team that may reach it, and only inside its command.

@@ -4,6 +4,9 @@
 batches read from the dataset buffer in the GPU's protected memory) and ``--loader local``
 (batches read from disk): with the same seed, order and thread count, their losses are
 bit-identical on CPU (paper goal G2).
+
+With `ranks` (train/ranks.py) the same loop is one rank of a data-parallel job: its model in
+DDP over the encrypted ring, its batches from its own source, rank 0 writing the run directory.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from gputravel.data.tokenizer import get_tokenizer
 from gputravel.errors import BadInput
 from gputravel.train.loader import ChunkSource, Fetched, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig, pick_device
-from gputravel.train.rundir import RunDir, load_checkpoint
+from gputravel.train.ranks import DataParallel, Ranks
+from gputravel.train.rundir import RunDir, _read_checkpoint, load_checkpoint
 from gputravel.train.schedule import POLICIES, LoaderState
 
 LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (orchestrator/baseline.py)
@@ -121,21 +125,58 @@ def build_model(cfg: TrainConfig, device: str):
 
 def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
           on_step: Callable[[StepEvent], None] | None = None, resume_from: Path | None = None,
-          tokenizer=None) -> TrainResult:
+          tokenizer=None, ranks: Ranks | None = None) -> TrainResult:
     """Train for cfg.steps; `tokenizer` (encode/decode) is only used for the final text sample.
 
     With `resume_from` (a checkpoint of the same job), training continues from the checkpoint's
     step with its model, optimizer and per-holder cursors: the losses are the ones an
-    uninterrupted run would have had, and no window is trained on twice."""
+    uninterrupted run would have had, and no window is trained on twice.
+
+    With `ranks`, this process is one rank of a data-parallel job (every rank calls `train` with
+    the same cfg and its own `source`): the gradients are averaged over the ranks through the
+    encrypted ring, which the ranks key by attesting one another before any gradient moves
+    (PeerAttestationError if one refuses another). Each rank's result holds its own batch
+    losses and travels, so rank 0's report is rank 0's losses. Only rank 0 writes `run_dir`
+    (the other ranks ignore it) and samples; its checkpoints hold every rank's loader state,
+    and a resume needs the same number of ranks, each loading the same checkpoint. A failed
+    all-reduce stops the step with its typed error (IntegrityError, ChannelFaulted, ...)."""
     torch.set_num_threads(cfg.threads)
     device = pick_device()
     model, optimizer = build_model(cfg, device)
-    out = RunDir(run_dir) if run_dir is not None else None
+    lead = ranks is None or ranks.rank == 0
+    out = RunDir(run_dir) if run_dir is not None and lead else None
     start, resume, result = 0, None, TrainResult(losses=[])
     if resume_from is not None:
-        start, resume, result = _resume(cfg, resume_from, model, optimizer, out)
-    elif out is not None:
-        out.truncate_metrics(0)  # a fresh run into a used directory: its metrics start over
+        start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks)
+    dp = DataParallel.open(ranks) if ranks is not None else None  # the ranks attest one another here
+    try:
+        if out is not None:
+            # A fresh run into a used directory starts its metrics over; a resumed one trains
+            # the steps after its checkpoint again (an earlier attempt may have logged them).
+            out.truncate_metrics(start)
+        step_model = dp.wrap(model) if dp is not None else model  # `model` stays the bare GPT
+        loader = _loop(cfg, source, device, model, step_model, optimizer, start, resume, result, out, dp, on_step)
+        final = _extra(cfg, loader.state, result, dp)  # collective with ranks: every rank gathers
+    finally:
+        if dp is not None:
+            dp.close()
+    result.stall_seconds = loader.stall_seconds
+    result.state = loader.state.to_dict()
+    result.lost = list(loader.lost)
+    if cfg.sample_tokens and tokenizer is not None and lead:
+        result.sample = _sample(model, cfg, device, tokenizer)
+    if out is not None:
+        out.save_checkpoint(model, optimizer, cfg.steps, final)
+        out.plot_losses(list(range(1, len(result.losses) + 1)), result.losses, title=f"GPT-2 loss ({cfg.loader} loader)")
+        if result.sample:
+            out.write_sample(result.sample)
+    return result
+
+
+def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model, optimizer, start: int,
+          resume: LoaderState | None, result: TrainResult, out: RunDir | None, dp: DataParallel | None,
+          on_step) -> TravellingLoader:
+    """Steps start..cfg.steps; returns the loader (its state and stalls are the run's)."""
     holder_of_batch = {"name": ""}
 
     def fetched(f: Fetched) -> None:
@@ -157,9 +198,12 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
         x, y = next(batches)
         for group in optimizer.param_groups:
             group["lr"] = _lr(cfg, step)
-        _, loss = model(x, y)
+        _, loss = step_model(x, y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if dp is not None:
+            dp.backward(loss)  # the gradients' all-reduce runs in here, over the ring
+        else:
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         value = loss.item()
@@ -168,33 +212,43 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
         event = StepEvent(step=step, loss=value, tokens_per_s=cfg.batch * cfg.seq_len / (now - t0),
                           holder=holder_of_batch["name"], travels=loader.fetches,
                           stall_share=loader.stall_seconds / (now - t_start), elapsed_s=now - t_start)
+        checkpoint = bool(cfg.checkpoint_every) and (step + 1) % cfg.checkpoint_every == 0
+        if checkpoint and (out is not None or dp is not None):
+            extra = _extra(cfg, loader.state, result, dp)  # with ranks a collective: every rank gathers
         if out is not None:
             out.append_metrics(dataclasses.asdict(event))
-            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                out.save_checkpoint(model, optimizer, step + 1, _extra(cfg, loader.state, result))
+            if checkpoint:
+                out.save_checkpoint(model, optimizer, step + 1, extra)
         if on_step is not None:
             on_step(event)
     result.wall_seconds = time.perf_counter() - t_start
-    result.stall_seconds = loader.stall_seconds
-    result.state = loader.state.to_dict()
-    result.lost = list(loader.lost)
-    if cfg.sample_tokens and tokenizer is not None:
-        result.sample = _sample(model, cfg, device, tokenizer)
-    if out is not None:
-        out.save_checkpoint(model, optimizer, cfg.steps, _extra(cfg, loader.state, result))
-        out.plot_losses(list(range(1, len(result.losses) + 1)), result.losses, title=f"GPT-2 loss ({cfg.loader} loader)")
-        if result.sample:
-            out.write_sample(result.sample)
-    return result
+    return loader
 
 
-def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult) -> dict:
-    """What a checkpoint carries besides the model and optimizer: enough to resume exactly."""
-    return {"config": cfg.to_dict(), "loader": state.to_dict(), "losses": list(result.losses),
-            "travels": list(result.travels)}
+def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataParallel | None) -> dict:
+    """What a checkpoint carries besides the model and optimizer: enough to resume exactly.
+    With ranks also every rank's loader state, losses and travels, gathered (a collective:
+    every rank calls this at the same step); "losses" and "travels" stay rank 0's."""
+    extra = {"config": cfg.to_dict(), "losses": list(result.losses), "travels": list(result.travels)}
+    if dp is None:
+        extra["loader"] = state.to_dict()
+        return extra
+    ranks = dp.gather({"loader": state.to_dict(), "losses": list(result.losses), "travels": list(result.travels)})
+    extra.update(world_size=len(ranks), loaders=[r.pop("loader") for r in ranks], rank_results=ranks)
+    return extra
 
 
-def _resume(cfg: TrainConfig, path: Path, model, optimizer, out) -> tuple[int, LoaderState, TrainResult]:
+def checkpoint_world_size(path: Path) -> int:
+    """How many ranks the job that wrote the checkpoint had (1 for a job without ranks)."""
+    extra = _read_checkpoint(Path(path)).get("extra")
+    world = extra.get("world_size", 1) if isinstance(extra, dict) else None
+    if type(world) is not int or world < 1:
+        raise BadInput(f"checkpoint {path} is inconsistent (no world size); start the run afresh")
+    return world
+
+
+def _resume(cfg: TrainConfig, path: Path, model, optimizer,
+            ranks: Ranks | None) -> tuple[int, LoaderState, TrainResult]:
     step, extra = load_checkpoint(path, model, optimizer)
     if extra.get("config") != cfg.to_dict():
         diff = sorted(k for k, v in cfg.to_dict().items() if (extra.get("config") or {}).get(k) != v)
@@ -202,10 +256,26 @@ def _resume(cfg: TrainConfig, path: Path, model, optimizer, out) -> tuple[int, L
                        "resume with the job's own settings")
     if not 0 < step <= cfg.steps or len(extra.get("losses", ())) != step:
         raise BadInput(f"checkpoint {path} is inconsistent (step {step}); start the run afresh")
-    if out is not None:
-        out.truncate_metrics(step)
-    result = TrainResult(losses=list(extra["losses"]), travels=list(extra.get("travels", ())))
-    return step, LoaderState.from_dict(extra["loader"]), result
+    loader, mine = _rank_share(path, extra, step, ranks)
+    result = TrainResult(losses=list(mine["losses"]), travels=list(mine.get("travels", ())))
+    return step, LoaderState.from_dict(loader), result
+
+
+def _rank_share(path: Path, extra: dict, step: int, ranks: Ranks | None) -> tuple[dict, dict]:
+    """This rank's loader state, and its losses and travels, in the checkpoint; the job's rank
+    count must be the checkpoint's."""
+    rank, world = (0, 1) if ranks is None else (ranks.rank, ranks.world_size)
+    if "loaders" not in extra:  # a checkpoint of a job without ranks
+        if world != 1:
+            raise BadInput(f"checkpoint {path} is of a job of 1 rank; resume it with 1 rank, not {world}")
+        return extra["loader"], extra
+    stored, loaders, results = extra.get("world_size"), extra["loaders"], extra.get("rank_results")
+    if stored != world:
+        raise BadInput(f"checkpoint {path} is of a job of {stored} ranks; resume it with {stored} ranks, not {world}")
+    whole = isinstance(loaders, list) and isinstance(results, list) and len(loaders) == len(results) == world
+    if not whole or any(not isinstance(r, dict) or len(r.get("losses", ())) != step for r in results):
+        raise BadInput(f"checkpoint {path} is inconsistent (its ranks' states); start the run afresh")
+    return loaders[rank], results[rank]
 
 
 def _sample(model, cfg: TrainConfig, device: str, tokenizer) -> str:

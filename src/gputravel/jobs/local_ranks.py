@@ -1,0 +1,100 @@
+"""`--loader local` with N ranks: the data-parallel reference for paper goal G2 (issue 14).
+
+N rank processes on this machine, each reading its own share of the holders' tokens from
+disk, train one model through the same loop the travelling ranks run in their orchestrator
+CVMs (train/loop.py with train/ranks.py): DDP over the encrypted ring, the ranks keyed by
+attesting one another. With the same seed, shares and thread count, the travelling ranks and
+these give bit-identical losses.
+
+Each rank's TEE is emulated (attest/quote.py, EmulatedRankTee): the parent makes one quoting
+root for the job and hands each rank the root's certificate and key (a rank provisions its
+own quoting enclave under it); all ranks run one measurement, the only one they accept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+
+from gputravel.attest import Authority
+from gputravel.attest.quote import EmulatedRankTee
+from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
+from gputravel.crypto.certs import key_pem
+from gputravel.data.holder_tokens import load_tokens
+from gputravel.ddp.launch import free_port, run_processes
+from gputravel.errors import BadInput
+from gputravel.train.loader import LocalSource
+from gputravel.train.loop import TrainConfig, checkpoint_world_size, make_report, sample_tokenizer, train
+from gputravel.train.ranks import Ranks
+
+__all__ = ["MEASUREMENT", "run_local_ranks"]
+
+#: The rank CVMs' measurement (emulated): every rank quotes it, every rank accepts only it.
+MEASUREMENT = hashlib.sha384(b"gputravel local rank cvm v1").digest()
+DEFAULT_TIMEOUT_S = 4 * 3600.0  # the whole job; a rank silent that long is hung
+
+
+@dataclass(frozen=True)
+class _RankJob:
+    """What one rank process needs; picklable (sent to a spawned process)."""
+
+    cfg: TrainConfig
+    world_size: int
+    port: int
+    share: tuple[tuple[str, str], ...]  # (holder name, path of its tokens)
+    run_dir: str | None  # rank 0 only
+    resume_from: str | None
+    root: tuple[bytes, bytes]  # the quoting root's certificate (DER) and key (PEM)
+    context: bytes
+
+
+def run_local_ranks(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]], run_dir: Path, *,
+                    resume_from: Path | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+    """Train with len(shares) local ranks, rank k on the holders of shares[k]; rank 0's report
+    (train.loop.make_report: rank 0's losses), with "gpus" (the rank count), "shares" (each
+    rank's holder names) and "rank_losses" (every rank's own losses, by rank).
+
+    Rank 0 alone writes `run_dir`. A rank that fails, dies or hangs stops the job:
+    gputravel.ddp.launch.ProcessFailed (naming the rank and its error, e.g. a
+    PeerAttestationError) or ProcessesSilent; every rank process is ended either way."""
+    shares = tuple(tuple((str(n), str(p)) for n, p in share) for share in shares)
+    if not shares or any(not share for share in shares):
+        raise BadInput("every rank needs a share of at least one holder")
+    if resume_from is not None and (found := checkpoint_world_size(resume_from)) != len(shares):
+        raise BadInput(f"checkpoint {resume_from} is of a job of {found} ranks; resume it with {found} ranks, "
+                       f"not {len(shares)}")
+    authority = Authority.self_signed(TEE_QUOTING_ROOT_CN)  # this job's emulated quoting root
+    port = free_port()
+    # Names this job and is fresh: quotes made for it are refused in any other (ddp/keys.py).
+    context = b"gputravel local ranks/" + os.urandom(32)
+    jobs = [_RankJob(cfg, len(shares), port, share, str(run_dir) if k == 0 else None,
+                     str(resume_from) if resume_from is not None else None,
+                     (authority.cert_der, key_pem(authority.key)), context) for k, share in enumerate(shares)]
+    reports = run_processes([(_rank_main, (k, job)) for k, job in enumerate(jobs)], timeout,
+                            names=[f"rank {k} of {len(shares)}" for k in range(len(shares))])
+    report = reports[0]
+    report["gpus"] = len(shares)
+    report["shares"] = [[name for name, _ in share] for share in shares]
+    report["rank_losses"] = [r["losses"] for r in reports]
+    return report
+
+
+def _rank_main(rank: int, job: _RankJob) -> dict:
+    """One rank, in a process of its own: its share's tokens, its emulated TEE, the loop."""
+    # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(rank),
+                      WORLD_SIZE=str(job.world_size))
+    cfg = job.cfg
+    tokens = {name: load_tokens(path, cfg.tokenizer).tokens for name, path in job.share}
+    cert, key = job.root
+    tee = EmulatedRankTee(Authority(cert, serialization.load_pem_private_key(key, password=None)), cert, MEASUREMENT)
+    ranks = Ranks(rank=rank, world_size=job.world_size, attest=tee.attest, verify=tee.verify, context=job.context)
+    result = train(cfg, LocalSource(tokens), run_dir=Path(job.run_dir) if job.run_dir else None,
+                   resume_from=Path(job.resume_from) if job.resume_from else None,
+                   tokenizer=sample_tokenizer(cfg.tokenizer) if rank == 0 else None, ranks=ranks)
+    return make_report(cfg, result)

@@ -1,0 +1,183 @@
+"""The training loop as one rank of a data-parallel job (train/ranks.py, issue 14), and its
+local N-rank runner (jobs/local_ranks.py), the `--loader local` reference of G2 with N ranks:
+deterministic to the bit, resumable to the bit, and stopped before training by a refused peer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gputravel.ddp.launch import ProcessFailed, free_port, run_processes
+from gputravel.errors import BadInput
+from gputravel.jobs.local_ranks import run_local_ranks
+from gputravel.train.loader import LocalSource
+from gputravel.train.loop import TrainConfig, train
+from gputravel.train.ranks import Ranks
+
+TEXTS = {
+    "north": "Now is the winter of our discontent made glorious summer by this sun of York. " * 12,
+    "south": "If music be the food of love, play on; give me excess of it, that, surfeiting. " * 10,
+    "west": "When shall we three meet again in thunder, lightning, or in rain? " * 14,
+}
+TINY = TrainConfig(steps=8, batch=2, seq_len=16, buffer_bytes=1024, n_layer=1, n_head=2, n_embd=32,
+                   threads=1, sample_tokens=0, warmup_steps=2, checkpoint_every=4)
+STOP_AT = 4  # the stopped run's last step: its checkpoint is the one resumed
+
+
+def _shares(tmp: Path) -> list[list[tuple[str, str]]]:
+    paths = {}
+    for name, text in TEXTS.items():
+        (tmp / f"{name}.txt").write_text(text)
+        paths[name] = str(tmp / f"{name}.txt")
+    return [[("north", paths["north"])], [("south", paths["south"]), ("west", paths["west"])]]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ranks")
+    shares = _shares(tmp)
+    return tmp, shares, run_local_ranks(TINY, shares, tmp / "run", timeout=60)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stopping_rank(rank: int, world: int, port: int, shares, run_dir: str, refuse: bool) -> None:
+    """A rank of a test job: stops (as if killed) after step STOP_AT, or refuses its peer."""
+    from gputravel.data.holder_tokens import load_tokens
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+    def stop(event) -> None:
+        if event.step + 1 == STOP_AT:
+            raise _Stop("stopped on purpose")
+
+    def verify(peer: int, evidence: bytes, data: bytes) -> None:
+        if (refuse and rank == 1) or evidence != b"quote of " + data:
+            raise ValueError("not the measurement this rank trusts")
+
+    ranks = Ranks(rank=rank, world_size=world, attest=lambda data: b"quote of " + data, verify=verify,
+                  context=b"test job", timeout_s=30)
+    tokens = {name: load_tokens(path, TINY.tokenizer).tokens for name, path in shares[rank]}
+    train(TINY, LocalSource(tokens), run_dir=Path(run_dir) if rank == 0 else None, on_step=stop, ranks=ranks)
+
+
+def _tampered_rank(rank: int, world: int, port: int, shares) -> str:
+    """A rank of a job whose host flips one bit of rank 1's third ring record: what it raised."""
+    from gputravel.data.holder_tokens import load_tokens
+    from gputravel.ddp import ring
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    real, sent = ring.TorchPointToPoint.isend, []
+
+    def tampering(self, buf, dst):
+        sent.append(dst)
+        if rank == 1 and len(sent) == 3:
+            buf[0] = buf[0] ^ 1
+        return real(self, buf, dst)
+
+    ring.TorchPointToPoint.isend = tampering
+    ranks = Ranks(rank=rank, world_size=world, attest=lambda data: data, verify=lambda *a: None,
+                  context=b"test job", timeout_s=20)
+    tokens = {name: load_tokens(path, TINY.tokenizer).tokens for name, path in shares[rank]}
+    try:
+        train(TINY, LocalSource(tokens), ranks=ranks)
+    except Exception as err:  # the test wants the type each rank saw
+        return type(err).__name__
+    return "trained"
+
+
+def _run_test_job(shares, run_dir: Path, refuse: bool) -> None:
+    port = free_port()
+    run_processes([(_stopping_rank, (r, 2, port, shares, str(run_dir), refuse)) for r in range(2)], 60,
+                  names=["rank 0", "rank 1"])
+
+
+def test_two_local_ranks_give_bit_identical_losses_run_after_run(two_ranks):
+    tmp, shares, first = two_ranks
+    again = run_local_ranks(TINY, shares, tmp / "again", timeout=60)
+    assert len(first["losses"]) == TINY.steps
+    assert first["losses"] == again["losses"] and first["rank_losses"] == again["rank_losses"]
+    assert first["rank_losses"][0] == first["losses"] != first["rank_losses"][1]  # each rank its own batches
+    assert first["gpus"] == 2 and first["shares"] == [["north"], ["south", "west"]]
+    assert {t["holder"] for t in first["travels"]} == {"north"}  # rank 0's report is rank 0's
+    assert (tmp / "run" / "checkpoint.pt").is_file()
+    assert len((tmp / "run" / "metrics.csv").read_text().splitlines()) == 1 + TINY.steps  # rank 0's alone
+
+
+def test_a_stopped_job_resumes_from_its_checkpoint_bit_for_bit(two_ranks, tmp_path):
+    _, shares, uninterrupted = two_ranks
+    with pytest.raises(ProcessFailed, match="_Stop"):
+        _run_test_job(shares, tmp_path / "run", refuse=False)
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    assert checkpoint.is_file()
+    resumed = run_local_ranks(TINY, shares, tmp_path / "run", resume_from=checkpoint, timeout=60)
+    assert resumed["losses"] == uninterrupted["losses"]
+    assert resumed["rank_losses"] == uninterrupted["rank_losses"]
+    assert resumed["loader_state"] == uninterrupted["loader_state"]
+
+
+def test_resuming_with_another_number_of_ranks_is_refused(two_ranks, tmp_path):
+    tmp, shares, _ = two_ranks
+    checkpoint = tmp_path / "checkpoint.pt"
+    shutil.copyfile(tmp / "run" / "checkpoint.pt", checkpoint)
+    with pytest.raises(BadInput, match="2 ranks"):
+        run_local_ranks(TINY, [shares[0] + shares[1]], tmp_path / "one", resume_from=checkpoint)
+    one = Ranks(rank=0, world_size=1, attest=bytes, verify=lambda *a: None, context=b"job")
+    for ranks in (None, one):  # the loop refuses it too, before it joins any group
+        with pytest.raises(BadInput, match="2 ranks"):
+            train(TINY, LocalSource({}), resume_from=checkpoint, ranks=ranks)
+
+
+def test_a_rank_that_refuses_its_peer_stops_the_job_before_any_step(two_ranks, tmp_path):
+    _, shares, _ = two_ranks
+    with pytest.raises(ProcessFailed) as err:
+        _run_test_job(shares, tmp_path / "run", refuse=True)
+    assert err.value.error.startswith("PeerAttestationError")
+    assert not (tmp_path / "run" / "metrics.csv").exists() and not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_a_tampered_gradient_record_stops_the_step_with_its_typed_error(two_ranks):
+    _, shares, _ = two_ranks
+    port = free_port()
+    seen = run_processes([(_tampered_rank, (r, 2, port, shares)) for r in range(2)], 60, names=["rank 0", "rank 1"])
+    # Rank 0 opened the tampered record; rank 1 then lost its peer mid-ring. Neither trained
+    # on, and neither saw DDP's RuntimeError: the ring's own errors come through.
+    assert seen[0] == "IntegrityError"
+    assert seen[1] in ("TransportClosed", "PeerTimeout", "ChannelFaulted")
+
+
+@pytest.mark.parametrize("bad", [dict(rank=2), dict(rank=-1), dict(world_size=0), dict(context=b""),
+                                 dict(variant="plain"), dict(attest=None), dict(timeout_s=0)])
+def test_bad_ranks_are_refused(bad):
+    args = dict(rank=0, world_size=2, attest=bytes, verify=lambda *a: None, context=b"job") | bad
+    with pytest.raises(BadInput):
+        Ranks(**args)
+
+
+def _wrapped_rank(rank: int, world: int, port: int) -> list[float]:
+    """A rank whose model starts from its own seed: its first weights after DataParallel.wrap."""
+    import torch
+
+    from gputravel.train.ranks import DataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.manual_seed(100 + rank)
+    model = torch.nn.Linear(4, 2)
+    ranks = Ranks(rank=rank, world_size=world, attest=lambda data: data, verify=lambda *a: None,
+                  context=b"test job", timeout_s=20)
+    with DataParallel.open(ranks) as dp:
+        dp.wrap(model)
+        return model.weight.detach().flatten().tolist()
+
+
+def test_wrapping_broadcasts_no_parameter():
+    """DDP's start-up broadcast would send rank 0's weights over gloo in the clear: it is off,
+    so two ranks that start from different weights still hold their own after wrapping."""
+    port = free_port()
+    got = run_processes([(_wrapped_rank, (r, 2, port)) for r in range(2)], 60, names=["rank 0", "rank 1"])
+    assert got[0] != got[1]
