@@ -116,3 +116,28 @@ def searchable_tmp(tmp_path_factory):
         for d in (base.parent, base):
             os.chmod(d, 0o711)
     return base
+
+
+@pytest.fixture
+def kill_orchestrators():
+    """SIGKILL orchestrator CVM processes this test's cohorts started (a crash, not a
+    shutdown): every one, or the first `limit` found."""
+    import signal
+    from pathlib import Path
+
+    def kill(limit: int | None = None) -> int:
+        killed = 0
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == os.getpid() and b"gputravel.cohort.entry" in argv and b"orchestrator" in argv:
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+                if limit is not None and killed >= limit:
+                    break
+        return killed
+
+    return kill

@@ -9,8 +9,6 @@ give bit-identical losses.
 from __future__ import annotations
 
 import json
-import os
-import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,19 +106,7 @@ def test_bad_job_input_is_refused(tmp_path):
         TrainConfig(loader="carrier-pigeon")
 
 
-def _kill_our_orchestrator() -> None:
-    """SIGKILL the orchestrator CVM process this test's cohort started (a crash, not a shutdown)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"gputravel.cohort.entry" in argv and b"orchestrator" in argv:
-            os.kill(int(pid), signal.SIGKILL)
-
-
-def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(both_runs, tmp_path):
+def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(both_runs, tmp_path, kill_orchestrators):
     _, uninterrupted, _ = both_runs
     job = TrainingJobConfig(train=replace(TINY, checkpoint_every=2), holders=holders(tmp_path), run_dir=str(tmp_path / "run"))
 
@@ -128,7 +114,7 @@ def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(both_runs, tm
         # Early, so the orchestrator (which does not wait for us) cannot finish all 48 steps
         # before the kill lands; wherever it is by then, it has checkpointed recently.
         if event.step == 3:
-            _kill_our_orchestrator()
+            kill_orchestrators()
 
     with pytest.raises(RemoteError):
         run_training_job(job, on_step=crash_early)

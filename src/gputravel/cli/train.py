@@ -52,6 +52,7 @@ def training_job(
     resume: bool = typer.Option(False, help="Continue the run in --run-dir from its checkpoint (same options as the first run)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
     hardware: str = hardware_option(),
+    gpus: int = typer.Option(1, help="GPUs (data-parallel ranks, one orchestrator CVM each); each travels to its share of the holders."),
 ) -> None:
     """Train GPT-2 on the holders' data, fed by a travelling GPU.
 
@@ -70,15 +71,21 @@ def training_job(
                               schedule=schedule, seed=seed, loader=loader, threads=threads,
                               checkpoint_every=checkpoint_every),
             holders=_holder_data(holder_data) if holder_data else default_holders(holders, out),
-            run_dir=str(out), resume=resume, hardware=hardware)
+            run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus)
     except GputravelError as exc:
         fail(exc)
     names = ", ".join(n for n, _ in cfg.holders)
     console.print(f"[bold]gputravel demo[/bold]: GPT-2 ({cfg.train.n_layer} layers, {cfg.train.n_embd} wide), "
                   f"{steps} steps of {batch}x{seq_len} tokens, {loader} loader, holders: {names}; "
                   f"buffer {cfg.train.buffer_bytes >> 10} KiB in the GPU's protected memory.")
+    if gpus > 1:
+        from gputravel.jobs.training import shares_of  # lazy: torch, as above
+
+        shares = "; ".join(f"GPU {k}: {', '.join(s)}" for k, s in enumerate(shares_of(cfg)))
+        console.print(f"{gpus} GPUs train as the ranks of one data-parallel job (encrypted ring all-reduce); {shares}.")
     if loader == "travelling":
-        console.print("Booting host, GPU, holders, then the orchestrator (paper 4.1)...")
+        console.print("Booting host, GPU, holders, then the orchestrator (paper 4.1)..." if gpus == 1 else
+                      "Booting each GPU's host route, GPU, holders and orchestrator rank (paper 4.1, 9)...")
     view = _LiveView(steps)
     try:
         with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
@@ -137,6 +144,9 @@ def _summary(report: dict, out: Path) -> None:
                   f"({report['travel_count']} fetches).")
     if report.get("sample"):
         console.print(Panel(report["sample"].strip() or "(empty)", title="sample", expand=False))
+    for r in report.get("ranks", ()):
+        console.print(f"GPU {r['gpu']}: {r['travel_count']} fetches from {', '.join(r['holders'])}; "
+                      f"its last batch loss {r['final_loss']:.3f}; travel log {r['audit_log']}")
     iso = report.get("isolation")
     if iso is not None:  # a travelling run: what kept the emulated CVMs apart
         parties = len(iso["parties"])

@@ -12,6 +12,7 @@ import json
 import selectors
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from gputravel import errors
@@ -41,6 +42,17 @@ from gputravel.protocol.control import (
     TravelReport,
 )
 from gputravel.transport.stream import StreamTransport
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """An orchestrator's place in a data-parallel job: its rank, how many there are, where
+    rank 0 listens ("host:port") and the job's context the ranks' pair keys are bound to."""
+
+    rank: int = 0
+    world_size: int = 1
+    master: str = ""
+    context: bytes = b""
 
 
 class Parties(Protocol):
@@ -177,11 +189,15 @@ class CohortClient:
         return reply
 
     def train(self, config_json: str, run_dir: str = "", resume_checkpoint: str = "",
-              on_step: Callable[[TrainStep], None] | None = None) -> dict:
+              on_step: Callable[[TrainStep], None] | None = None, rank: RankPlace | None = None) -> dict:
         """Run a training job in the orchestrator CVM; returns its report (see train.loop.make_report).
-        The paths are as the orchestrator's process names them (Placement.output)."""
+        The paths are as the orchestrator's process names them (Placement.output); `rank`: its
+        place in a data-parallel job (None: it trains alone)."""
         control = self.parties.control(ORCHESTRATOR)
-        control.send(Train(config_json=config_json, run_dir=run_dir, resume_checkpoint=resume_checkpoint))
+        place = rank if rank is not None else RankPlace()
+        control.send(Train(config_json=config_json, run_dir=run_dir, resume_checkpoint=resume_checkpoint,
+                           rank=place.rank, world_size=place.world_size, master=place.master,
+                           ranks_context=place.context))
         while True:
             try:
                 msg = control.recv(timeout=self.config.travel_timeout + 30).message

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from gputravel.cohort.client import CohortClient
+from gputravel.cohort.client import CohortClient, RankPlace
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.isolation import Isolation
 from gputravel.cohort.links import CohortLinks
@@ -95,11 +95,12 @@ class Cohort:
         return self.client.travel(holder, dataset_offset)
 
     def train(self, config_json: str, run_dir: str = "", resume_checkpoint: str = "",
-              on_step: Callable[[TrainStep], None] | None = None) -> dict:
-        """Run a training job in the orchestrator CVM; returns its report (see train.loop.make_report)."""
+              on_step: Callable[[TrainStep], None] | None = None, rank: RankPlace | None = None) -> dict:
+        """Run a training job in the orchestrator CVM; returns its report (see train.loop.make_report).
+        `rank`: this cohort's GPU as one rank of a data-parallel job (cohort/gpus.py)."""
         place = self.supervisor.placement
-        run_dir, resume_checkpoint = (place.output("orchestrator", p) for p in (run_dir, resume_checkpoint))
-        return self.client.train(config_json, run_dir, resume_checkpoint, on_step)
+        run_dir, resume_checkpoint = place.output("orchestrator", run_dir), place.stage("orchestrator", resume_checkpoint)
+        return self.client.train(config_json, run_dir, resume_checkpoint, on_step, rank)
 
     # ------------------------------------------------------------------ what callers look at
     @property

@@ -15,6 +15,7 @@ path is handed over as is, and nothing changes owner.
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -194,6 +195,20 @@ class Placement:
                            "Lend it with CohortConfig.output_dirs, pick a path other users can reach, or "
                            "run the cohort with isolate=False")
         return path
+
+    def stage(self, key: str, path: str) -> str:
+        """How `key` names a file it only reads (a checkpoint to resume from): inside what it
+        was lent, through that; elsewhere, a copy in its own directory, so the directories
+        above the file need not be open to it (a rank other than 0 is lent no run directory)."""
+        if not self.on or not path:
+            return path
+        inside = self._inside_lent(Path(path).resolve())
+        if inside is not None:
+            return inside
+        copy = self.party_dir(key) / Path(path).name
+        shutil.copyfile(path, copy)
+        self.own(copy, key, 0o600)
+        return self.path(copy)
 
     def close(self) -> None:
         """Give lent outputs back to their owners; close every descriptor. Never raises."""

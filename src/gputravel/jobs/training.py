@@ -9,10 +9,18 @@ holders' tokens read from disk, in the same order: the reference for paper goal 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
+
+from gputravel.cohort.client import RankPlace
+from gputravel.cohort.gpus import GpuCohorts
+from gputravel.ddp.launch import free_port
+from gputravel.jobs.local_ranks import run_local_ranks
+from gputravel.train.schedule import partition
 
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
@@ -34,11 +42,14 @@ class TrainingJobConfig:
     run_dir: str
     resume: bool = False  # continue from run_dir/checkpoint.pt (after a crash or a kill)
     hardware: str = "emulated"  # protocol/hardware.py: the hardware the cohort stands for
+    gpus: int = 1  # data-parallel ranks, one GPU each (issue 14); each travels to its share of holders
 
     def __post_init__(self) -> None:
         hardware_profile(self.hardware)  # BadInput for an unknown profile
         if not self.holders:
             raise BadInput("a training job needs at least one data holder")
+        if type(self.gpus) is not int or not 1 <= self.gpus <= len(self.holders):
+            raise BadInput(f"--gpus must be between 1 and the number of holders ({len(self.holders)}), got {self.gpus!r}")
         for name, path in self.holders:
             if not Path(path).exists():
                 raise BadInput(f"data of holder {name!r} not found: {path}")
@@ -95,7 +106,9 @@ def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None
     cfg = resolve(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.train.loader == "local":
+    if cfg.gpus > 1:
+        report = _run_ranks(cfg, run_dir, on_step)
+    elif cfg.train.loader == "local":
         report = _run_local(cfg, run_dir, on_step)
     else:
         report = _run_travelling(cfg, run_dir, on_step)
@@ -129,14 +142,15 @@ def _run_travelling(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
         return report
 
 
-def _audit_paths(run_dir: Path) -> tuple[Path, Path]:
+def _audit_paths(run_dir: Path, stem: str = "") -> tuple[Path, Path]:
     """The travel log and the certificate of the orchestrator that signs it. Each cohort has
-    its own orchestrator key, so a resumed run starts a log of its own next to the first."""
+    its own orchestrator key, so a resumed run starts a log of its own next to the first;
+    `stem` names the GPU whose orchestrator it is, with several ("gpu-1-")."""
     k = 0
-    while (run_dir / (f"audit-{k}.log" if k else "audit.log")).exists():
+    while (run_dir / (f"{stem}audit-{k}.log" if k else f"{stem}audit.log")).exists():
         k += 1
     suffix = f"-{k}" if k else ""
-    return run_dir / f"audit{suffix}.log", run_dir / f"orchestrator{suffix}.pem"
+    return run_dir / f"{stem}audit{suffix}.log", run_dir / f"{stem}orchestrator{suffix}.pem"
 
 
 def _checkpoint(cfg: TrainingJobConfig, run_dir: Path) -> Path | None:
@@ -148,3 +162,95 @@ def _checkpoint(cfg: TrainingJobConfig, run_dir: Path) -> Path | None:
     return path
 
 
+
+
+# ----------------------------------------------------------------------------- several GPUs
+def shares_of(cfg: TrainingJobConfig) -> tuple[tuple[str, ...], ...]:
+    """Which holders each GPU travels to: balanced by the bytes of their data on disk, the same
+    answer for the travelling run and its local reference (G2)."""
+    return partition({name: _data_bytes(Path(path)) for name, path in cfg.holders}, cfg.gpus)
+
+
+def _data_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _run_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
+    shares = shares_of(cfg)
+    paths = dict(cfg.holders)
+    if cfg.train.loader == "local":
+        report = run_local_ranks(cfg.train, [[(n, paths[n]) for n in share] for share in shares], run_dir,
+                                 resume_from=_checkpoint(cfg, run_dir))
+    elif cfg.train.loader == "travelling":
+        report = _run_travelling_ranks(cfg, run_dir, on_step, shares)
+    else:
+        raise BadInput(f"--gpus {cfg.gpus} trains with the travelling or the local loader, not {cfg.train.loader!r}")
+    report["gpus"] = cfg.gpus
+    report["shares"] = [list(s) for s in shares]
+    return report
+
+
+def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares) -> dict:
+    """One cohort per GPU (cohort/gpus.py), all training at once as the ranks of one job; rank
+    0 writes the run directory and streams its steps. Any rank failing stops them all."""
+    t = cfg.train
+    logs = [_audit_paths(run_dir, f"gpu-{k}-") for k in range(cfg.gpus)]
+    base = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
+                        buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
+                        output_dirs=(str(run_dir),), hardware=cfg.hardware)
+
+    def per_gpu(k: int, c: CohortConfig) -> CohortConfig:
+        # Only rank 0 writes into the run directory; each rank signs its own travel log.
+        return replace(c, audit_log=str(logs[k][0]), output_dirs=c.output_dirs if k == 0 else ())
+
+    place = RankPlace(world_size=cfg.gpus, master=f"127.0.0.1:{free_port()}",
+                      context=b"gputravel demo ranks/" + os.urandom(32))
+    resume = _checkpoint(cfg, run_dir)
+    with GpuCohorts(base, shares, per_gpu=per_gpu) as gpus:
+        for k, cohort in enumerate(gpus.cohorts):
+            logs[k][1].write_bytes(cohort.orchestrator_certificate())
+        relay = None if on_step is None else (lambda m: on_step(StepEvent(**{f: getattr(m, f) for f in StepEvent.__dataclass_fields__})))
+
+        def rank(k: int) -> dict:
+            return gpus.cohorts[k].train(json.dumps(t.to_dict()), str(run_dir.resolve()) if k == 0 else "",
+                                         str(resume.resolve()) if resume else "", on_step=relay if k == 0 else None,
+                                         rank=replace(place, rank=k))
+
+        reports = _all_ranks(gpus, rank)
+        report = reports[0]
+        report["ranks"] = [{"gpu": k, "holders": list(shares[k]), "travel_count": r["travel_count"],
+                            "final_loss": r["final_loss"], "stall_share": r["stall_share"],
+                            "audit_log": logs[k][0].name} for k, r in enumerate(reports)]
+        report["isolation"] = gpus.cohorts[0].isolation.summary()
+        report["hardware"] = hardware_profile(cfg.hardware).to_json()
+        return report
+
+
+def _all_ranks(gpus: GpuCohorts, rank: Callable[[int], dict]) -> list[dict]:
+    """Run `rank(k)` for every GPU at once. The first failure closes every cohort, so ranks
+    blocked in a collective with the failed one stop at once too, and is raised as it was."""
+    n = len(gpus.cohorts)
+    out: list[dict | None] = [None] * n
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run(k: int) -> None:
+        try:
+            out[k] = rank(k)
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            with lock:
+                failures.append(exc)
+                first = len(failures) == 1
+            if first:
+                gpus.close()
+
+    threads = [threading.Thread(target=run, args=(k,), name=f"rank-{k}", daemon=True) for k in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if failures:
+        raise failures[0]
+    return [r for r in out if r is not None]

@@ -9,8 +9,14 @@ import dataclasses
 import json
 import logging
 import select
+import os
 import socket
+from functools import partial
 from pathlib import Path
+
+from gputravel.attest.material import OrchestratorMaterial
+from gputravel.attest.rank import QuotingRankTee
+from gputravel.attest.tdx_module import request_quote
 
 from gputravel.errors import BadInput, GputravelError
 from gputravel.orchestrator.cvm import NAME, Orchestrator, OrchestratorConfig
@@ -95,8 +101,27 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     result = train(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
                    on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
                    resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
-                   tokenizer=sample_tokenizer(cfg.tokenizer))
+                   tokenizer=sample_tokenizer(cfg.tokenizer), ranks=_ranks(orch, cmd))
     return make_report(cfg, result)
+
+
+def _ranks(orch: Orchestrator, cmd: Train):
+    """This CVM as one rank of a data-parallel job (issue 14), or None to train alone. Its
+    peers are checked against its own TDX module's measurement and its own trusted roots
+    (attest/rank.py) before any gradient moves; the launcher only says where rank 0 listens."""
+    if cmd.world_size == 1 and cmd.rank == 0:
+        return None
+    from gputravel.train.ranks import Ranks  # lazy: torch, for training only
+
+    host, _, port = cmd.master.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= cmd.rank < cmd.world_size:
+        raise BadInput(f"rank {cmd.rank} of {cmd.world_size} with rank 0 at {cmd.master!r}: expected host:port")
+    # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank.
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
+    material = OrchestratorMaterial.load(orch.config.trust_dir)
+    tee = QuotingRankTee(partial(request_quote, material.quoting_socket), material.trust)
+    return Ranks(rank=cmd.rank, world_size=cmd.world_size, attest=tee.attest, verify=tee.verify,
+                 context=cmd.ranks_context)
 
 
 def serve(config: OrchestratorConfig, control: Transport, device_link: socket.socket) -> None:

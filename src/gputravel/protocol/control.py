@@ -148,6 +148,13 @@ class Train(Message, tag="ctl.train"):
     config_json: str
     run_dir: str  # "" for none
     resume_checkpoint: str  # a checkpoint of this job to continue from; "" to start afresh
+    # Data parallelism (issue 14): this orchestrator's rank among `world_size` (one per GPU),
+    # where rank 0 listens for torch.distributed ("host:port", env:// style), and the job's
+    # context that the ranks' pair keys are bound to. world_size 1: train alone, as ever.
+    rank: int
+    world_size: int
+    master: str
+    ranks_context: bytes
 
 
 class TrainStep(Message, tag="ctl.train_step"):

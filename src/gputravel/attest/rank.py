@@ -1,0 +1,69 @@
+"""A data-parallel rank's orchestrator CVM as ddp/keys.py needs it: evidence from its own TDX
+module, and the check it runs on every peer rank before any gradient moves (issue 14).
+
+A peer is accepted when its quote chains to a CPU-TEE root this CVM trusts (its trust
+material, provisioned by the launcher: the same vendor root for every rank), is signed by the
+quoting key that chain certifies, binds the report data that peer must carry for its place in
+the group, and names *the same measurement as this CVM's own quote*: every rank runs the same
+orchestrator code and measured configuration, so a rank launched with other code or another
+job's settings is refused. The measurement comes from the TDX module, never from the peer or
+from this process's own idea of itself.
+
+Report data shorter than a quote's 64 bytes is zero-padded, on both sides alike (as in
+attest/quote.EmulatedRankTee, the stand-in the benchmarks use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+from gputravel.attest.quote import REPORT_DATA_BYTES, EmulatedQuoteVerifier, Quote, QuoteBody
+from gputravel.attest.roots import TrustStore
+from gputravel.errors import BadInput, ProtocolError
+from gputravel.protocol.codec import decode
+
+__all__ = ["QuotingRankTee"]
+
+Clock = Callable[[], datetime]
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _padded(data: bytes) -> bytes:
+    if len(data) > REPORT_DATA_BYTES:
+        raise BadInput(f"report data longer than {REPORT_DATA_BYTES} bytes")
+    return data + bytes(REPORT_DATA_BYTES - len(data))
+
+
+class QuotingRankTee:
+    """`attest` and `verify` for establish_pair_keys, backed by a TDX module (`quote`: report
+    data -> quote) and the roots in `trust`."""
+
+    def __init__(self, quote: Callable[[bytes], bytes], trust: TrustStore, *, clock: Clock = _utcnow) -> None:
+        self._quote, self._trust, self._clock = quote, trust, clock
+        self._verifier: EmulatedQuoteVerifier | None = None
+
+    def attest(self, data: bytes) -> bytes:
+        evidence = self._quote(_padded(data))
+        if self._verifier is None:
+            self._verifier = self._verifier_for(evidence, data)
+        return evidence
+
+    def verify(self, peer: int, evidence: bytes, data: bytes) -> None:
+        if self._verifier is None:  # ddp/keys attests before it verifies; fail closed otherwise
+            raise BadInput("a rank verifies its peers only after its own TDX module has quoted it")
+        self._verifier.verify(evidence, _padded(data), self._clock())
+
+    def _verifier_for(self, own: bytes, data: bytes) -> EmulatedQuoteVerifier:
+        """Peers must carry this CVM's own measurement: read it from the module's quote, and
+        check that quote as a peer's would be (a module with a key outside the roots fails here)."""
+        try:
+            measurement = decode(decode(own, expect=Quote).body, expect=QuoteBody).mr_td
+        except (ProtocolError, TypeError):
+            raise ProtocolError("the TDX module's quote could not be decoded") from None
+        verifier = EmulatedQuoteVerifier(self._trust, [measurement])
+        verifier.verify(own, _padded(data), self._clock())
+        return verifier

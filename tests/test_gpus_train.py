@@ -1,0 +1,127 @@
+"""Several GPUs training as the ranks of one data-parallel job (issue 14), end to end through
+real cohort processes: one cohort stack per GPU (its host route, device, TDX module and
+orchestrator rank), each travelling to its own share of the holders, the ranks' gradients
+summed over the encrypted ring between their CVMs.
+
+G2 carries over: with the same seed, GPU count and thread count, the travelling ranks and the
+local ranks (the same shares read from disk) give bit-identical losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gputravel.cohort.client import RankPlace
+from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.gpus import GpuCohorts
+from gputravel.ddp.launch import free_port
+from gputravel.errors import BadInput, GputravelError, PeerAttestationError
+from gputravel.jobs.training import (
+    TrainingJobConfig,
+    default_holders,
+    layout_for,
+    resolve,
+    run_training_job,
+    shares_of,
+)
+from gputravel.orchestrator.audit import verify_log
+from gputravel.train.loop import TrainConfig
+
+pytestmark = pytest.mark.integration
+
+TINY = TrainConfig(steps=16, batch=4, seq_len=32, buffer_bytes=4096, n_layer=1, n_head=2, n_embd=32,
+                   threads=1, sample_tokens=0, warmup_steps=4)
+
+
+def holders(tmp: Path) -> tuple[tuple[str, str], ...]:
+    """The shipped plays dealt to four holders: two GPUs get two each."""
+    return default_holders(4, tmp)
+
+
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpus")
+    os.chmod(tmp, 0o755)  # the ranks' CVMs run under uids of their own when the suite is root
+    hs = holders(tmp)
+    travelling = run_training_job(TrainingJobConfig(train=TINY, holders=hs, run_dir=str(tmp / "travelling"), gpus=2))
+    local = run_training_job(TrainingJobConfig(train=replace(TINY, loader="local"), holders=hs,
+                                               run_dir=str(tmp / "local"), gpus=2))
+    return tmp, hs, travelling, local
+
+
+def test_two_travelling_gpus_and_two_local_ranks_give_bit_identical_losses(two_gpus):
+    _, _, travelling, local = two_gpus
+    assert len(travelling["losses"]) == TINY.steps
+    assert travelling["losses"] == local["losses"]
+    assert travelling["gpus"] == local["gpus"] == 2
+    assert travelling["shares"] == local["shares"]
+
+
+def test_each_gpu_travels_only_to_its_own_holders_and_signs_its_own_log(two_gpus):
+    tmp, _, travelling, _ = two_gpus
+    run_dir = tmp / "travelling"
+    shares = [set(s) for s in travelling["shares"]]
+    assert shares[0].isdisjoint(shares[1]) and len(shares[0] | shares[1]) == 4
+    for rank in travelling["ranks"]:
+        k = rank["gpu"]
+        assert rank["travel_count"] > 0
+        cert = (run_dir / f"gpu-{k}-orchestrator.pem").read_bytes()
+        summary = verify_log(run_dir / rank["audit_log"], cert)
+        assert summary.count == rank["travel_count"]
+        assert {e.holder for e in summary.entries} <= shares[k]  # this GPU went to its share only
+    # Rank 0 alone writes the run directory; its report is its own travels.
+    assert {t["holder"] for t in travelling["travels"]} <= shares[0]
+    assert (run_dir / "checkpoint.pt").is_file() and (run_dir / "report.json").is_file()
+
+
+def test_the_job_refuses_more_gpus_than_holders(tmp_path):
+    with pytest.raises(BadInput, match="--gpus"):
+        TrainingJobConfig(train=TINY, holders=holders(tmp_path)[:1], run_dir=str(tmp_path / "r"), gpus=2)
+
+
+def test_a_killed_rank_stops_every_rank_and_the_job_resumes_losing_nothing(two_gpus, tmp_path, kill_orchestrators):
+    tmp, hs, uninterrupted, _ = two_gpus
+    os.chmod(tmp_path, 0o755)
+    job = TrainingJobConfig(train=replace(TINY, checkpoint_every=2), holders=hs, run_dir=str(tmp_path / "run"), gpus=2)
+
+    def crash_early(event) -> None:
+        if event.step == 3:
+            kill_orchestrators(limit=1)  # one rank
+
+    with pytest.raises(GputravelError):
+        run_training_job(job, on_step=crash_early)
+    resumed = run_training_job(replace(job, resume=True))
+    # Model, optimizer and every rank's cursors came back: the losses are the uninterrupted ones.
+    assert resumed["losses"] == uninterrupted["losses"]
+
+
+def test_a_rank_that_runs_another_measurement_is_refused_before_any_gradient_moves(tmp_path):
+    os.chmod(tmp_path, 0o755)
+    job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run"), gpus=2))
+    base = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in job.holders),
+                        buffer_bytes=TINY.buffer_bytes, layout=layout_for(TINY.buffer_bytes), tokenizer=job.train.tokenizer)
+    # GPU 1's orchestrator is launched with another measured setting: another measurement.
+    odd = GpuCohorts(base, shares_of(job), per_gpu=lambda k, c: replace(c, travel_timeout=c.travel_timeout + k))
+    place = RankPlace(world_size=2, master=f"127.0.0.1:{free_port()}", context=b"test/" + os.urandom(8))
+    config = json.dumps(job.train.to_dict())
+    with odd as gpus:
+        errors: list[BaseException] = []
+
+        def rank(k: int) -> None:
+            try:
+                gpus.cohorts[k].train(config, rank=replace(place, rank=k))
+            except GputravelError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(k,)) for k in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+    assert len(errors) == 2 and all(isinstance(e, PeerAttestationError) for e in errors), errors
