@@ -30,6 +30,7 @@ from gputravel.jobs.training import (
     run_training_job,
     shares_of,
 )
+from gputravel.net import netns_available
 from gputravel.orchestrator.audit import verify_log
 from gputravel.train.loop import TrainConfig
 
@@ -125,3 +126,21 @@ def test_a_rank_that_runs_another_measurement_is_refused_before_any_gradient_mov
         for th in threads:
             th.join(timeout=120)
     assert len(errors) == 2 and all(isinstance(e, PeerAttestationError) for e in errors), errors
+
+
+def test_two_servers_of_one_gpu_each_train_over_their_shaped_link(two_gpus, tmp_path):
+    """Each GPU's cohort an emulated server of its own (its members in network namespaces),
+    the two orchestrator ranks joined only by a shaped link through a switch: the same losses
+    as on one machine, and the ranks' traffic crossed that link both ways."""
+    ok, why = netns_available()
+    if not ok or os.geteuid() != 0:
+        pytest.skip(f"emulated servers need root and network namespaces: {why}")
+    _, hs, on_one_machine, _ = two_gpus
+    os.chmod(tmp_path, 0o755)
+    report = run_training_job(TrainingJobConfig(train=TINY, holders=hs, run_dir=str(tmp_path / "run"), gpus=2,
+                                                servers=True, server_mbit=1000.0))
+    assert report["losses"] == on_one_machine["losses"]
+    carried = report["servers"]["bytes"]
+    assert report["servers"]["links"] == "netns-tc" and set(carried) == {"server-0", "server-1"}
+    # Every step's gradients went through the ring between the servers: far more than a step's worth.
+    assert all(b["sent"] > 10_000 and b["received"] > 10_000 for b in carried.values()), carried

@@ -53,6 +53,8 @@ def training_job(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
     hardware: str = hardware_option(),
     gpus: int = typer.Option(1, help="GPUs (data-parallel ranks, one orchestrator CVM each); each travels to its share of the holders."),
+    servers: bool = typer.Option(False, help="With --gpus: each GPU on an emulated server of its own (network namespaces; needs root), the ranks joined by shaped links."),
+    server_mbit: Optional[float] = typer.Option(None, help="With --servers: cap of each server's link to the others, Mbit/s (default uncapped)."),
 ) -> None:
     """Train GPT-2 on the holders' data, fed by a travelling GPU.
 
@@ -71,7 +73,8 @@ def training_job(
                               schedule=schedule, seed=seed, loader=loader, threads=threads,
                               checkpoint_every=checkpoint_every),
             holders=_holder_data(holder_data) if holder_data else default_holders(holders, out),
-            run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus)
+            run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
+            servers=servers, server_mbit=server_mbit)
     except GputravelError as exc:
         fail(exc)
     names = ", ".join(n for n, _ in cfg.holders)

@@ -52,6 +52,7 @@ class RankPlace:
     rank: int = 0
     world_size: int = 1
     master: str = ""
+    ifname: str = ""  # the interface the ranks reach one another on (a server's link); "": any
     context: bytes = b""
 
 
@@ -197,7 +198,7 @@ class CohortClient:
         place = rank if rank is not None else RankPlace()
         control.send(Train(config_json=config_json, run_dir=run_dir, resume_checkpoint=resume_checkpoint,
                            rank=place.rank, world_size=place.world_size, master=place.master,
-                           ranks_context=place.context))
+                           ifname=place.ifname, ranks_context=place.context))
         while True:
             try:
                 msg = control.recv(timeout=self.config.travel_timeout + 30).message

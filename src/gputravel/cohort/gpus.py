@@ -28,8 +28,13 @@ from gputravel.cohort.config import CohortConfig
 from gputravel.cohort.local import Cohort
 from gputravel.cohort.supervisor import Launch
 from gputravel.errors import BadInput
+from gputravel.net import ShapedLinks, check_bandwidth
+from gputravel.protocol.parties import ORCHESTRATOR
 
 __all__ = ["GpuCohorts", "PerGpu"]
+
+SERVER_SUBNET = "10.214.0"  # the servers' switch; each cohort's own star is on net/shaped's subnet
+RANK_IF = "gt-srv"  # a server's end of its link to the switch, in its orchestrator's namespace
 
 # Given a GPU's index and the config made for its cohort, the config to boot it with (a rank's
 # own audit log, run directory). It may not change the cohort's holders, roots or GPU index.
@@ -40,7 +45,17 @@ class GpuCohorts:
     """G running single-GPU cohorts, one per share of the holders. Use as a context manager."""
 
     def __init__(self, base: CohortConfig, shares: tuple[tuple[str, ...], ...], *,
-                 per_gpu: PerGpu | None = None, launch: Launch | None = None) -> None:
+                 per_gpu: PerGpu | None = None, launch: Launch | None = None,
+                 servers: bool = False, server_mbit: float | None = None) -> None:
+        """`servers`: each GPU's cohort is an emulated server of its own: its members in network
+        namespaces (link "netns"), its orchestrator's joined to the others' by a shaped link
+        (`server_mbit`, None: uncapped) through a switch, which the ranks' torch.distributed
+        traffic crosses (`rank_address`, `rank_ifname`)."""
+        if servers and base.link != "netns":
+            raise BadInput("GPUs on servers of their own need their cohorts on network namespaces (link 'netns')")
+        check_bandwidth(server_mbit)
+        self.servers, self.server_mbit = servers, server_mbit
+        self.fabric: ShapedLinks | None = None
         self.base = base
         self.shares = _checked_shares(base, shares)
         self.per_gpu = per_gpu
@@ -67,6 +82,8 @@ class GpuCohorts:
                 cohort = Cohort(config, launch=self.launch)
                 self.cohorts.append(cohort)  # before it starts: close() stops what it started
                 cohort.start()
+            if self.servers:
+                self._join_servers()
         except BaseException:
             self.close()
             raise
@@ -88,6 +105,28 @@ class GpuCohorts:
         _check_outputs(configs)
         return configs
 
+    def _join_servers(self) -> None:
+        """A switch and one shaped link to each server's orchestrator namespace (the hub of
+        its own holders' star), on a subnet of its own."""
+        hubs = {}
+        for k, cohort in enumerate(self.cohorts):
+            shaped = cohort.links.shaped if cohort.links is not None else None
+            if shaped is None:
+                raise BadInput(f"GPU {k}'s cohort runs on no network namespace: it cannot be a server of its own")
+            hubs[f"server-{k}"] = shaped.namespace(ORCHESTRATOR)
+        self.fabric = ShapedLinks(tuple(hubs), hub="switch", bandwidth_mbit=self.server_mbit,
+                                  subnet=SERVER_SUBNET, member_if=RANK_IF, joined=hubs)
+        self.fabric.open()
+
+    def rank_address(self, k: int) -> str:
+        """Where the other ranks reach GPU k's orchestrator: its server link, or loopback."""
+        return self.fabric.address(f"server-{k}") if self.fabric is not None else "127.0.0.1"
+
+    @property
+    def rank_ifname(self) -> str:
+        """The interface the ranks' gloo traffic must use ("" : gloo's own choice, loopback)."""
+        return RANK_IF if self.fabric is not None else ""
+
     def _drop_roots(self) -> None:
         if self.roots_dir is not None:
             shutil.rmtree(self.roots_dir, ignore_errors=True)
@@ -96,6 +135,12 @@ class GpuCohorts:
     def close(self) -> None:
         """Stop every cohort, the last started first (lent outputs go back in the reverse
         order they were lent); never raises."""
+        if self.fabric is not None:
+            try:
+                self.fabric.close()  # before the servers' namespaces it has a leg in
+            except Exception:  # a namespace left behind must not keep the cohorts running
+                pass
+            self.fabric = None
         while self.cohorts:
             cohort = self.cohorts.pop()
             try:

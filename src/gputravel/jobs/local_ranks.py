@@ -32,7 +32,7 @@ from gputravel.train.loader import LocalSource
 from gputravel.train.loop import TrainConfig, checkpoint_world_size, make_report, sample_tokenizer, train
 from gputravel.train.ranks import Ranks
 
-__all__ = ["MEASUREMENT", "run_local_ranks"]
+__all__ = ["MEASUREMENT", "RankJob", "new_quoting_root", "rank_shares", "run_local_ranks", "train_rank"]
 
 #: The rank CVMs' measurement (emulated): every rank quotes it, every rank accepts only it.
 MEASUREMENT = hashlib.sha384(b"gputravel local rank cvm v1").digest()
@@ -40,17 +40,19 @@ DEFAULT_TIMEOUT_S = 4 * 3600.0  # the whole job; a rank silent that long is hung
 
 
 @dataclass(frozen=True)
-class _RankJob:
-    """What one rank process needs; picklable (sent to a spawned process)."""
+class RankJob:
+    """What one rank needs besides its place (rank, world size, the env:// rendezvous): the
+    same for every rank of a job but `share` and `run_dir`. Picklable: sent to a spawned
+    process here, read back from a job directory by jobs/torchrun_rank.py."""
 
     cfg: TrainConfig
     world_size: int
-    port: int
     share: tuple[tuple[str, str], ...]  # (holder name, path of its tokens)
     run_dir: str | None  # rank 0 only
     resume_from: str | None
-    root: tuple[bytes, bytes]  # the quoting root's certificate (DER) and key (PEM)
+    root: tuple[bytes, bytes]  # the emulated quoting root's certificate (DER) and key (PEM)
     context: bytes
+    measurement: bytes = MEASUREMENT
 
 
 def run_local_ranks(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]], run_dir: Path, *,
@@ -62,20 +64,15 @@ def run_local_ranks(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]
     Rank 0 alone writes `run_dir`. A rank that fails, dies or hangs stops the job:
     gputravel.ddp.launch.ProcessFailed (naming the rank and its error, e.g. a
     PeerAttestationError) or ProcessesSilent; every rank process is ended either way."""
-    shares = tuple(tuple((str(n), str(p)) for n, p in share) for share in shares)
-    if not shares or any(not share for share in shares):
-        raise BadInput("every rank needs a share of at least one holder")
-    if resume_from is not None and (found := checkpoint_world_size(resume_from)) != len(shares):
-        raise BadInput(f"checkpoint {resume_from} is of a job of {found} ranks; resume it with {found} ranks, "
-                       f"not {len(shares)}")
-    authority = Authority.self_signed(TEE_QUOTING_ROOT_CN)  # this job's emulated quoting root
+    shares = rank_shares(shares, resume_from)
     port = free_port()
     # Names this job and is fresh: quotes made for it are refused in any other (ddp/keys.py).
     context = b"gputravel local ranks/" + os.urandom(32)
-    jobs = [_RankJob(cfg, len(shares), port, share, str(run_dir) if k == 0 else None,
-                     str(resume_from) if resume_from is not None else None,
-                     (authority.cert_der, key_pem(authority.key)), context) for k, share in enumerate(shares)]
-    reports = run_processes([(_rank_main, (k, job)) for k, job in enumerate(jobs)], timeout,
+    root = new_quoting_root()
+    jobs = [RankJob(cfg, len(shares), share, str(run_dir) if k == 0 else None,
+                    str(resume_from) if resume_from is not None else None, root, context)
+            for k, share in enumerate(shares)]
+    reports = run_processes([(_rank_main, (k, port, job)) for k, job in enumerate(jobs)], timeout,
                             names=[f"rank {k} of {len(shares)}" for k in range(len(shares))])
     report = reports[0]
     report["gpus"] = len(shares)
@@ -84,15 +81,43 @@ def run_local_ranks(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]
     return report
 
 
-def _rank_main(rank: int, job: _RankJob) -> dict:
-    """One rank, in a process of its own: its share's tokens, its emulated TEE, the loop."""
+def rank_shares(shares: Sequence[Sequence[tuple[str, str]]],
+                resume_from: Path | None = None) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """`shares` as tuples of (name, path) strings, checked: a share per rank, none empty, and
+    a checkpoint to resume made by as many ranks."""
+    shares = tuple(tuple((str(n), str(p)) for n, p in share) for share in shares)
+    if not shares or any(not share for share in shares):
+        raise BadInput("every rank needs a share of at least one holder")
+    if resume_from is not None and (found := checkpoint_world_size(resume_from)) != len(shares):
+        raise BadInput(f"checkpoint {resume_from} is of a job of {found} ranks; resume it with {found} ranks, "
+                       f"not {len(shares)}")
+    return shares
+
+
+def new_quoting_root() -> tuple[bytes, bytes]:
+    """A fresh emulated quoting root for one job: its certificate (DER) and key (PEM). Every
+    rank provisions its quoting enclave under it (emulation: real TDX modules need no key)."""
+    authority = Authority.self_signed(TEE_QUOTING_ROOT_CN)
+    return authority.cert_der, key_pem(authority.key)
+
+
+def _rank_main(rank: int, port: int, job: RankJob) -> dict:
+    """One rank, in a process of its own spawned by run_local_ranks."""
     # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(job.world_size))
+    return train_rank(rank, job)
+
+
+def train_rank(rank: int, job: RankJob) -> dict:
+    """The body of rank `rank` of `job`, however it was launched (run_local_ranks, torchrun):
+    its share's tokens, its emulated TEE, the loop; its report (train.loop.make_report).
+    MASTER_ADDR and MASTER_PORT must be set (env://). Collective: every rank calls it."""
     cfg = job.cfg
     tokens = {name: load_tokens(path, cfg.tokenizer).tokens for name, path in job.share}
     cert, key = job.root
-    tee = EmulatedRankTee(Authority(cert, serialization.load_pem_private_key(key, password=None)), cert, MEASUREMENT)
+    tee = EmulatedRankTee(Authority(cert, serialization.load_pem_private_key(key, password=None)), cert,
+                          job.measurement)
     ranks = Ranks(rank=rank, world_size=job.world_size, attest=tee.attest, verify=tee.verify, context=job.context)
     result = train(cfg, LocalSource(tokens), run_dir=Path(job.run_dir) if job.run_dir else None,
                    resume_from=Path(job.resume_from) if job.resume_from else None,

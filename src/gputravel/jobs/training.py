@@ -19,6 +19,7 @@ from typing import Callable
 from gputravel.cohort.client import RankPlace
 from gputravel.cohort.gpus import GpuCohorts
 from gputravel.ddp.launch import free_port
+from gputravel.net.counters import bytes_between, link_bytes
 from gputravel.jobs.local_ranks import run_local_ranks
 from gputravel.train.schedule import partition
 
@@ -43,6 +44,10 @@ class TrainingJobConfig:
     resume: bool = False  # continue from run_dir/checkpoint.pt (after a crash or a kill)
     hardware: str = "emulated"  # protocol/hardware.py: the hardware the cohort stands for
     gpus: int = 1  # data-parallel ranks, one GPU each (issue 14); each travels to its share of holders
+    # Each GPU an emulated server of its own: its cohort in network namespaces, the ranks joined
+    # by a shaped link through a switch (cohort/gpus.py), capped at server_mbit (None: uncapped).
+    servers: bool = False
+    server_mbit: float | None = None
 
     def __post_init__(self) -> None:
         hardware_profile(self.hardware)  # BadInput for an unknown profile
@@ -50,6 +55,8 @@ class TrainingJobConfig:
             raise BadInput("a training job needs at least one data holder")
         if type(self.gpus) is not int or not 1 <= self.gpus <= len(self.holders):
             raise BadInput(f"--gpus must be between 1 and the number of holders ({len(self.holders)}), got {self.gpus!r}")
+        if self.servers and (self.gpus < 2 or self.train.loader != "travelling"):
+            raise BadInput("--servers spreads the GPUs of a travelling run over servers: it needs --gpus 2 or more")
         for name, path in self.holders:
             if not Path(path).exists():
                 raise BadInput(f"data of holder {name!r} not found: {path}")
@@ -199,16 +206,17 @@ def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares
     logs = [_audit_paths(run_dir, f"gpu-{k}-") for k in range(cfg.gpus)]
     base = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
                         buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
-                        output_dirs=(str(run_dir),), hardware=cfg.hardware)
+                        output_dirs=(str(run_dir),), hardware=cfg.hardware, link="netns" if cfg.servers else "auto")
 
     def per_gpu(k: int, c: CohortConfig) -> CohortConfig:
         # Only rank 0 writes into the run directory; each rank signs its own travel log.
         return replace(c, audit_log=str(logs[k][0]), output_dirs=c.output_dirs if k == 0 else ())
 
-    place = RankPlace(world_size=cfg.gpus, master=f"127.0.0.1:{free_port()}",
-                      context=b"gputravel demo ranks/" + os.urandom(32))
     resume = _checkpoint(cfg, run_dir)
-    with GpuCohorts(base, shares, per_gpu=per_gpu) as gpus:
+    with GpuCohorts(base, shares, per_gpu=per_gpu, servers=cfg.servers, server_mbit=cfg.server_mbit) as gpus:
+        # The port is free here; rank 0 binds it in its own namespace when it is a server's.
+        place = RankPlace(world_size=cfg.gpus, master=f"{gpus.rank_address(0)}:{free_port()}",
+                          ifname=gpus.rank_ifname, context=b"gputravel demo ranks/" + os.urandom(32))
         for k, cohort in enumerate(gpus.cohorts):
             logs[k][1].write_bytes(cohort.orchestrator_certificate())
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{f: getattr(m, f) for f in StepEvent.__dataclass_fields__})))
@@ -218,14 +226,27 @@ def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares
                                          str(resume.resolve()) if resume else "", on_step=relay if k == 0 else None,
                                          rank=replace(place, rank=k))
 
+        before = link_bytes(gpus.fabric) if gpus.fabric is not None else {}
         reports = _all_ranks(gpus, rank)
+        carried = bytes_between(before, link_bytes(gpus.fabric)) if gpus.fabric is not None else {}
         report = reports[0]
         report["ranks"] = [{"gpu": k, "holders": list(shares[k]), "travel_count": r["travel_count"],
                             "final_loss": r["final_loss"], "stall_share": r["stall_share"],
                             "audit_log": logs[k][0].name} for k, r in enumerate(reports)]
-        report["isolation"] = gpus.cohorts[0].isolation.summary()
+        report["isolation"] = _isolation(gpus)
+        # What each server's link to the others carried (kernel counters): the ranks' traffic.
+        report["servers"] = None if gpus.fabric is None else {
+            "links": gpus.fabric.link, "mbit": cfg.server_mbit,
+            "bytes": {name: {"sent": b.up, "received": b.down} for name, b in carried.items()}}
         report["hardware"] = hardware_profile(cfg.hardware).to_json()
         return report
+
+
+def _isolation(gpus: GpuCohorts) -> dict:
+    """Every GPU's cohort's isolation in one summary: on only if on for all; parties by GPU."""
+    each = [c.isolation.summary() for c in gpus.cohorts]
+    return {"on": all(i["on"] for i in each), "reason": next((i["reason"] for i in each if i["reason"]), ""),
+            "parties": {f"gpu-{k}/{name}": p for k, i in enumerate(each) for name, p in i["parties"].items()}}
 
 
 def _all_ranks(gpus: GpuCohorts, rank: Callable[[int], dict]) -> list[dict]:

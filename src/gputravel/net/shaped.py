@@ -15,7 +15,7 @@ import os
 import re
 import secrets
 import subprocess
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from gputravel.errors import BadInput
 from gputravel.net.iproute import LinkError, run_iproute
@@ -61,7 +61,12 @@ class ShapedLinks:
 
     def __init__(self, holders: Sequence[str], *, hub: str = "orchestrator",
                  bandwidth_mbit: float | None = None, delay_ms: float = 0.0,
-                 burst_bytes: int | None = None, latency_ms: float | None = None) -> None:
+                 burst_bytes: int | None = None, latency_ms: float | None = None,
+                 subnet: str = _SUBNET, member_if: str = _HOLDER_IF,
+                 joined: Mapping[str, str] | None = None) -> None:
+        """`joined` puts members in namespaces that exist already (a cohort's hub, for the
+        links between servers: cohort/gpus.py): they are wired, never created nor deleted
+        here; their end of the link is `member_if`, on `subnet` (one their own links do not use)."""
         self.shape = LinkShape(bandwidth_mbit, delay_ms, burst_bytes, latency_ms)
         if isinstance(holders, str):  # a lone name would be split into one holder per letter
             raise BadInput(f"holders must be a sequence of names, got the string {holders!r}")
@@ -77,8 +82,12 @@ class ShapedLinks:
         self.hub = hub
         self.members: tuple[str, ...] = members
         self.run_id = f"{os.getpid():x}-{secrets.token_hex(2)}"
-        self._ns = {m: f"{NS_PREFIX}{self.run_id}-{i}{_slug(m)}" for i, m in enumerate(members)}
-        self._addr = {m: f"{_SUBNET}.{i + 1}" for i, m in enumerate(members)}
+        self._joined = dict(joined or {})
+        if set(self._joined) - set(holders):
+            raise BadInput("only holders (spokes) of the star may be joined to existing namespaces")
+        self._member_if = member_if
+        self._ns = {m: self._joined.get(m) or f"{NS_PREFIX}{self.run_id}-{i}{_slug(m)}" for i, m in enumerate(members)}
+        self._addr = {m: f"{subnet}.{i + 1}" for i, m in enumerate(members)}
         self._created: list[str] = []
         self._open = False
 
@@ -150,7 +159,7 @@ class ShapedLinks:
         self._open = True
 
     def _build(self) -> None:
-        for m in self.members:
+        for m in (m for m in self.members if m not in self._joined):
             run_iproute(["ip", "netns", "add", self._ns[m]])
             self._created.append(self._ns[m])
             run_iproute(["ip", "-n", self._ns[m], "link", "set", "lo", "up"])
@@ -166,15 +175,18 @@ class ShapedLinks:
         hub, ns = self._ns[self.hub], self._ns[member]
         # Both ends are created directly inside their namespaces: no name ever appears in the
         # root namespace, so concurrent runs cannot collide on interface names.
+        # A joined namespace loses its end when the hub's namespace is deleted (a veth pair dies
+        # with either end), so close() needs no step of its own for it.
+        end = self._member_if
         run_iproute(["ip", "link", "add", hub_dev, "netns", hub, "type", "veth",
-              "peer", "name", _HOLDER_IF, "netns", ns])
+              "peer", "name", end, "netns", ns])
         run_iproute(["ip", "-n", hub, "link", "set", hub_dev, "master", BRIDGE])
         run_iproute(["ip", "-n", ns, "addr", "add", f"{self._addr[member]}/{_PREFIX_LEN}",
-              "dev", _HOLDER_IF])
-        shape_device(ns, _HOLDER_IF, self.shape)  # holder -> hub
+              "dev", end])
+        shape_device(ns, end, self.shape)  # holder -> hub
         shape_device(hub, hub_dev, self.shape)  # hub -> holder
         run_iproute(["ip", "-n", hub, "link", "set", hub_dev, "up"])
-        run_iproute(["ip", "-n", ns, "link", "set", _HOLDER_IF, "up"])
+        run_iproute(["ip", "-n", ns, "link", "set", end, "up"])
 
     def close(self) -> None:
         """Delete every namespace this instance created; idempotent. Processes still inside

@@ -118,6 +118,8 @@ def _ranks(orch: Orchestrator, cmd: Train):
         raise BadInput(f"rank {cmd.rank} of {cmd.world_size} with rank 0 at {cmd.master!r}: expected host:port")
     # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank.
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
+    if cmd.ifname:  # a server's link to the others (cohort/gpus.py), not its holders' star
+        os.environ["GLOO_SOCKET_IFNAME"] = cmd.ifname
     material = OrchestratorMaterial.load(orch.config.trust_dir)
     tee = QuotingRankTee(partial(request_quote, material.quoting_socket), material.trust)
     return Ranks(rank=cmd.rank, world_size=cmd.world_size, attest=tee.attest, verify=tee.verify,

@@ -1,0 +1,176 @@
+"""One rank of a `--loader local` data-parallel job, launched by torchrun (issue 14)::
+
+    write_torchrun_job(cfg, shares, job_dir, run_dir)          # once, before launching
+    torchrun --standalone --nproc-per-node 2 -m gputravel.jobs.torchrun_rank JOB_DIR
+
+torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each rank's environment; the
+rank meets the others by env:// (train/ranks.py) and runs the rank body run_local_ranks runs
+(jobs/local_ranks.py train_rank), on the holders of shares[RANK]. So with the same job, the
+same seed and thread count, it gives the same losses as run_local_ranks, bit for bit
+(tests/test_torchrun.py). Rank 0 writes the run directory and its report.json.
+
+The job directory holds job.json (the TrainConfig, the shares, the run directory, the job's
+context and the measurement every rank runs) and the job's *emulated* quoting root: its
+certificate and private key, in files of mode 0600 beside job.json, which every rank reads to
+provision its emulated quoting enclave. That shared key is emulation only: on real hardware
+each rank's TDX module quotes with its own hardware-rooted key, no key is shared, and the job
+directory would hold the trusted root certificate alone. Anyone who can read the key can make
+quotes every rank of the job accepts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from gputravel.crypto.certs import write_private
+from gputravel.errors import BadInput
+from gputravel.files import write_json
+from gputravel.jobs.local_ranks import MEASUREMENT, RankJob, new_quoting_root, rank_shares, train_rank
+from gputravel.train.loop import TrainConfig
+
+__all__ = ["JOB_FILE", "main", "read_torchrun_job", "write_torchrun_job"]
+
+JOB_FILE = "job.json"
+ROOT_CERT_FILE = "quoting-root.der"  # the emulated quoting root's certificate
+ROOT_KEY_FILE = "quoting-root-key.pem"  # and its private key: emulation only (module docstring)
+FORMAT = "gputravel torchrun job v1"
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets per rank
+
+
+class _JobFile(BaseModel):
+    """job.json as written by write_torchrun_job; anything else is refused before training."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    format: str
+    train: dict
+    shares: list[list[tuple[str, str]]]  # per rank: (holder name, path of its tokens)
+    run_dir: str
+    resume_from: str | None
+    context: str  # hex
+    measurement: str  # hex
+
+
+def write_torchrun_job(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]], job_dir: Path,
+                       run_dir: Path, *, resume_from: Path | None = None) -> Path:
+    """Write the job directory torchrun's ranks read (`job_dir`, created 0700); return it.
+
+    Rank k trains on the holders of shares[k]: launch exactly len(shares) ranks. The paths
+    (tokens, `run_dir`, `resume_from`) are stored absolute and are read on the machine of the
+    rank that needs them: rank k reads only its share, rank 0 alone writes `run_dir`. Each call
+    makes a fresh context (so quotes of one job are refused in any other) and a fresh emulated
+    quoting root; launch one job directory once."""
+    if cfg.loader != "local":
+        raise BadInput(f"torchrun ranks train with the local loader: set loader='local' (got {cfg.loader!r})")
+    resume = Path(resume_from).resolve() if resume_from is not None else None
+    shares = rank_shares([[(n, str(Path(p).resolve())) for n, p in share] for share in shares], resume)
+    job_dir = Path(job_dir)
+    job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    cert, key = new_quoting_root()
+    write_private(job_dir / ROOT_CERT_FILE, cert)
+    write_private(job_dir / ROOT_KEY_FILE, key)
+    # Names this job and is fresh: quotes made for it are refused in any other (ddp/keys.py).
+    context = b"gputravel torchrun ranks/" + os.urandom(32)
+    job = _JobFile(format=FORMAT, train=cfg.to_dict(), shares=[list(share) for share in shares],
+                   run_dir=str(Path(run_dir).resolve()), resume_from=str(resume) if resume else None,
+                   context=context.hex(), measurement=MEASUREMENT.hex())
+    write_json(job_dir / JOB_FILE, job.model_dump())  # written last: a job.json means a whole job
+    return job_dir
+
+
+def read_torchrun_job(job_dir: Path, rank: int, world_size: int) -> RankJob:
+    """Rank `rank`'s part of the job in `job_dir`, of `world_size` ranks; BadInput, saying
+    what is wrong, for a missing or malformed job or a world size that is not the job's."""
+    return _load(Path(job_dir), rank, world_size)[0]
+
+
+def _load(job_dir: Path, rank: int, world_size: int) -> tuple[RankJob, tuple[tuple[tuple[str, str], ...], ...]]:
+    """The rank's part of the job, and every rank's share."""
+    job = _read_job_file(job_dir / JOB_FILE)
+    if len(job.shares) != world_size:
+        raise BadInput(f"{job_dir / JOB_FILE} is a job of {len(job.shares)} ranks, launched with WORLD_SIZE="
+                       f"{world_size}: launch {len(job.shares)} ranks in all (--nnodes x --nproc-per-node)")
+    if not 0 <= rank < world_size:
+        raise BadInput(f"RANK={rank} is not in 0..{world_size - 1}")
+    try:
+        cfg = TrainConfig(**job.train)
+        context, measurement = bytes.fromhex(job.context), bytes.fromhex(job.measurement)
+    except (TypeError, ValueError) as exc:  # BadInput from TrainConfig passes through as it is
+        raise BadInput(f"{job_dir / JOB_FILE}: malformed ({exc})") from None
+    shares = rank_shares(job.shares, Path(job.resume_from) if job.resume_from else None)
+    root = (_read_file(job_dir / ROOT_CERT_FILE), _read_file(job_dir / ROOT_KEY_FILE))
+    return RankJob(cfg, world_size, shares[rank], job.run_dir if rank == 0 else None, job.resume_from, root,
+                   context, measurement), shares
+
+
+def _read_job_file(path: Path) -> _JobFile:
+    try:
+        job = _JobFile.model_validate_json(_read_file(path))  # JSON mode: arrays are the shares' tuples
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}" for e in exc.errors())
+        raise BadInput(f"{path} is malformed: {problems}; write it with write_torchrun_job") from None
+    if job.format != FORMAT:
+        raise BadInput(f"{path} is of format {job.format!r}, not {FORMAT!r}: write it again with write_torchrun_job")
+    return job
+
+
+def _read_file(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise BadInput(f"{path} not found: is {path.parent} a job directory made by write_torchrun_job?") from None
+    except OSError as exc:
+        raise BadInput(f"{path} cannot be read ({exc.__class__.__name__})") from None
+
+
+def _launch_env() -> tuple[int, int]:
+    """RANK and WORLD_SIZE as torchrun sets them (and MASTER_ADDR/PORT there as well)."""
+    missing = [name for name in LAUNCH_ENV if not os.environ.get(name)]
+    if missing:
+        raise BadInput(f"{', '.join(missing)} not set: launch this module with torchrun "
+                       "(torchrun ... -m gputravel.jobs.torchrun_rank JOB_DIR)")
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise BadInput(f"RANK and WORLD_SIZE must be integers (got {os.environ['RANK']!r}, "
+                       f"{os.environ['WORLD_SIZE']!r})") from None
+
+
+def run(job_dir: Path) -> dict:
+    """Run this process's rank of the job in `job_dir` and return its report; rank 0 writes
+    it, with "gpus" and "shares" (each rank's holder names), as report.json in the run dir."""
+    rank, world_size = _launch_env()
+    job, shares = _load(Path(job_dir), rank, world_size)
+    report = train_rank(rank, job)
+    if rank == 0:
+        report["gpus"] = world_size
+        report["shares"] = [[name for name, _ in share] for share in shares]
+        path = Path(job.run_dir) / "report.json"
+        write_json(path, report)
+        print(f"rank 0 of {world_size}: trained {len(report['losses'])} steps, final loss "
+              f"{report['final_loss']}; report in {path}")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m gputravel.jobs.torchrun_rank JOB_DIR`: 0 when this rank trained, 2 with the
+    reason on stderr for bad input (a missing or malformed job, or a launch that is not its).
+    A failing peer or ring raises as it is (a traceback, exit 1): torchrun then stops the job."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if len(args) != 1:
+            raise BadInput("usage: python -m gputravel.jobs.torchrun_rank JOB_DIR (under torchrun)")
+        run(Path(args[0]))
+    except BadInput as exc:
+        print(f"gputravel.jobs.torchrun_rank: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
