@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gputravel.ddp.launch import free_port
 from gputravel.errors import BadInput
 from gputravel.jobs.local_ranks import run_local_ranks
 from gputravel.jobs.torchrun_rank import ROOT_KEY_FILE, main, read_torchrun_job, write_torchrun_job
@@ -36,39 +37,68 @@ def _shares(tmp: Path) -> list[list[tuple[str, str]]]:
     return [[("north", paths["north"])], [("south", paths["south"]), ("west", paths["west"])]]
 
 
-def _torchrun(job_dir: Path, nproc: int, cwd: Path) -> subprocess.CompletedProcess:
-    """torchrun from the CPU wheel (torch.distributed.run), in a session of its own so a hung
-    launch is ended with every rank it started."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "gputravel.jobs.torchrun_rank", str(job_dir)]
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def _torchrun(job_dir: Path, cwd: Path, *launches: list[str]) -> list[subprocess.CompletedProcess]:
+    """One torchrun (torch.distributed.run, in the CPU wheel) per `launches` item (its own
+    options), all at once, each in a session of its own so a hung launch is ended with every
+    rank it started."""
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *options, "-m",
+                               "gputravel.jobs.torchrun_rank", str(job_dir)], cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for options in launches]
+    done = []
     try:
-        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        for proc in procs:
+            out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun hung past {LAUNCH_TIMEOUT_S} s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        pytest.fail(f"torchrun hung past {LAUNCH_TIMEOUT_S} s")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return done
 
 
-def test_torchrun_ranks_give_the_losses_of_local_ranks_bit_for_bit(tmp_path):
-    shares = _shares(tmp_path)
-    job = write_torchrun_job(TINY, shares, tmp_path / "job", tmp_path / "run")
-    launched = _torchrun(job, 2, tmp_path)
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    report = json.loads((tmp_path / "run" / "report.json").read_text())
-    local = run_local_ranks(TINY, shares, tmp_path / "local", timeout=60)
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """The reference: run_local_ranks on the same job."""
+    tmp = tmp_path_factory.mktemp("local")
+    shares = _shares(tmp)
+    return shares, run_local_ranks(TINY, shares, tmp / "run", timeout=60)
+
+
+def _assert_same_as_local(run_dir: Path, local_report: dict) -> None:
+    report = json.loads((run_dir / "report.json").read_text())
     assert len(report["losses"]) == TINY.steps
-    assert report["losses"] == local["losses"]  # floats through JSON: exact, repr round-trips
-    assert report["loader_state"] == local["loader_state"]
+    assert report["losses"] == local_report["losses"]  # floats through JSON: exact, repr round-trips
+    assert report["loader_state"] == local_report["loader_state"]
     assert report["gpus"] == 2 and report["shares"] == [["north"], ["south", "west"]]
-    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    assert (run_dir / "checkpoint.pt").is_file()
+
+
+def test_torchrun_ranks_give_the_losses_of_local_ranks_bit_for_bit(local, tmp_path):
+    shares, local_report = local
+    job = write_torchrun_job(TINY, shares, tmp_path / "job", tmp_path / "run")
+    [launched] = _torchrun(job, tmp_path, ["--standalone", "--nproc-per-node", "2"])
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    _assert_same_as_local(tmp_path / "run", local_report)
+
+
+def test_two_nodes_of_one_rank_each_give_the_same_losses(local, tmp_path):
+    """The two-machine command of docs/training.md, both "machines" on this one."""
+    shares, local_report = local
+    job = write_torchrun_job(TINY, shares, tmp_path / "job", tmp_path / "run")
+    port = str(free_port())
+    launched = _torchrun(job, tmp_path, *([["--nnodes", "2", "--node-rank", str(k), "--master-addr", "127.0.0.1",
+                                           "--master-port", port, "--nproc-per-node", "1"] for k in range(2)]))
+    for node in launched:
+        assert node.returncode == 0, node.stderr[-3000:]
+    _assert_same_as_local(tmp_path / "run", local_report)
 
 
 def test_a_launch_of_another_world_size_is_refused_with_the_reason(tmp_path):
     job = write_torchrun_job(TINY, _shares(tmp_path), tmp_path / "job", tmp_path / "run")
-    launched = _torchrun(job, 1, tmp_path)
+    [launched] = _torchrun(job, tmp_path, ["--standalone", "--nproc-per-node", "1"])
     assert launched.returncode != 0
     assert "is a job of 2 ranks, launched with WORLD_SIZE=1" in launched.stderr
     assert not (tmp_path / "run").exists()
@@ -83,33 +113,36 @@ def test_the_job_directory_keeps_its_emulated_root_key_private(tmp_path):
         write_torchrun_job(TrainConfig(loader="travelling"), _shares(tmp_path), tmp_path / "j2", tmp_path / "r2")
 
 
+LAUNCH_ENV = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # torchrun's
+
+
 @pytest.mark.parametrize("env, job_json, says", [
-    ({}, None, "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set: launch this module with torchrun"),
+    (dict.fromkeys(LAUNCH_ENV), None, "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set: launch this module "
+                                      "with torchrun"),
     ({"RANK": "x"}, None, "RANK and WORLD_SIZE must be integers"),
     ({"RANK": "2"}, None, "RANK=2 is not in 0..1"),
     ({}, "", "job.json not found"),
     ({}, "{not json", "job.json is malformed"),
-    ({}, '{"format": "gputravel torchrun job v0"}', "run_dir: Field required"),
+    ({}, '{"format": "gputravel torchrun job v1"}', "run_dir: Field required"),
 ])
 def test_bad_launches_exit_2_with_a_clear_message(tmp_path, monkeypatch, capsys, env, job_json, says):
+    """Each is refused before any rendezvous (MASTER_PORT 1 is never dialled)."""
     job = write_torchrun_job(TINY, _shares(tmp_path), tmp_path / "job", tmp_path / "run")
-    if env:  # the variables torchrun would have set, one of them wrong
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        monkeypatch.setenv("MASTER_PORT", "1")
-        for name, value in ({"RANK": "0", "WORLD_SIZE": "2"} | env).items():
-            monkeypatch.setenv(name, value)
-    else:
-        for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name, value in (LAUNCH_ENV | env).items():
+        if value is None:
             monkeypatch.delenv(name, raising=False)
-    if job_json is not None:
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"}.items():
-            monkeypatch.setenv(name, value)
-        if job_json:
-            (job / "job.json").write_text(job_json)
         else:
-            (job / "job.json").unlink()
+            monkeypatch.setenv(name, value)
+    if job_json == "":
+        (job / "job.json").unlink()
+    elif job_json is not None:
+        (job / "job.json").write_text(job_json)
     assert main([str(job)]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
     assert "PRIVATE KEY" not in err  # the emulated root's key never reaches a message
+
+
+def test_a_launch_without_its_job_directory_is_told_the_usage(capsys):
+    assert main([]) == 2
+    assert "usage: python -m gputravel.jobs.torchrun_rank JOB_DIR" in capsys.readouterr().err

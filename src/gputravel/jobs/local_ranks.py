@@ -9,6 +9,9 @@ these give bit-identical losses.
 Each rank's TEE is emulated (attest/quote.py, EmulatedRankTee): the parent makes one quoting
 root for the job and hands each rank the root's certificate and key (a rank provisions its
 own quoting enclave under it); all ranks run one measurement, the only one they accept.
+
+The rank body (`train_rank`) is shared with jobs/torchrun_rank.py, where torchrun launches
+the ranks instead, on this machine or several.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def write_torchrun_job(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, st
     resume = Path(resume_from).resolve() if resume_from is not None else None
     shares = rank_shares([[(n, str(Path(p).resolve())) for n, p in share] for share in shares], resume)
     job_dir = Path(job_dir)
-    job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    job_dir.chmod(0o700)  # it holds the emulated root's key; a directory made earlier too
     cert, key = new_quoting_root()
     write_private(job_dir / ROOT_CERT_FILE, cert)
     write_private(job_dir / ROOT_KEY_FILE, key)
