@@ -102,30 +102,59 @@ def test_a_killed_rank_stops_every_rank_and_the_job_resumes_losing_nothing(two_g
     assert resumed["losses"] == uninterrupted["losses"]
 
 
+def _base(job: TrainingJobConfig, dies: str = "") -> CohortConfig:
+    """The cohort of `job`'s holders; `dies` is a holder that exits half-way through its first copy."""
+    specs = tuple(HolderSpec(n, p, "tokens", die_mid_copy_on_travel=1 if n == dies else 0) for n, p in job.holders)
+    return CohortConfig(holders=specs, buffer_bytes=job.train.buffer_bytes, layout=layout_for(job.train.buffer_bytes),
+                        tokenizer=job.train.tokenizer)
+
+
+def _train_every_rank(gpus: GpuCohorts, job: TrainingJobConfig) -> tuple[list, list[BaseException]]:
+    """Every GPU's orchestrator trains `job` as its rank, all at once: (reports, errors)."""
+    place = RankPlace(world_size=len(gpus.cohorts), master=f"127.0.0.1:{free_port()}", context=b"test/" + os.urandom(8))
+    config = json.dumps(job.train.to_dict())
+    reports: list = [None] * len(gpus.cohorts)
+    errors: list[BaseException] = []
+
+    def rank(k: int) -> None:
+        try:
+            reports[k] = gpus.cohorts[k].train(config, rank=replace(place, rank=k))
+        except GputravelError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(k,)) for k in range(len(gpus.cohorts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    return reports, errors
+
+
 def test_a_rank_that_runs_another_measurement_is_refused_before_any_gradient_moves(tmp_path):
     os.chmod(tmp_path, 0o755)
     job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run"), gpus=2))
-    base = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in job.holders),
-                        buffer_bytes=TINY.buffer_bytes, layout=layout_for(TINY.buffer_bytes), tokenizer=job.train.tokenizer)
     # GPU 1's orchestrator is launched with another measured setting: another measurement.
-    odd = GpuCohorts(base, shares_of(job), per_gpu=lambda k, c: replace(c, travel_timeout=c.travel_timeout + k))
-    place = RankPlace(world_size=2, master=f"127.0.0.1:{free_port()}", context=b"test/" + os.urandom(8))
-    config = json.dumps(job.train.to_dict())
-    with odd as gpus:
-        errors: list[BaseException] = []
-
-        def rank(k: int) -> None:
-            try:
-                gpus.cohorts[k].train(config, rank=replace(place, rank=k))
-            except GputravelError as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=rank, args=(k,)) for k in range(2)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=120)
+    with GpuCohorts(_base(job), shares_of(job), per_gpu=lambda k, c: replace(c, travel_timeout=c.travel_timeout + k)) as gpus:
+        _, errors = _train_every_rank(gpus, job)
     assert len(errors) == 2 and all(isinstance(e, PeerAttestationError) for e in errors), errors
+
+
+def test_a_holder_killed_mid_copy_on_one_gpu_is_dropped_there_and_no_chunk_is_trained_on_twice(tmp_path):
+    os.chmod(tmp_path, 0o755)
+    job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run"), gpus=2))
+    shares = shares_of(job)
+    dies = shares[1][0]
+    with GpuCohorts(_base(job, dies), shares) as gpus:
+        reports, errors = _train_every_rank(gpus, job)
+        assert gpus.cohorts[1].children[dies].proc.wait(timeout=10) == 70  # it really died mid-copy
+    assert not errors, errors
+    assert all(len(r["losses"]) == TINY.steps for r in reports)  # both ranks trained every step
+    assert reports[0]["holders_lost"] == [] and dies in " ".join(reports[1]["holders_lost"])
+    for k, report in enumerate(reports):
+        visits = [(t["holder"], t["token_offset"]) for t in report["travels"]]
+        assert {h for h, _ in visits} <= set(shares[k]) and dies not in {h for h, _ in visits}
+        # Within an epoch no chunk is fetched twice: a window is trained on at most once.
+        assert len(set(visits)) == len(visits) and report["loader_state"]["epoch"] == 0
 
 
 def test_two_servers_of_one_gpu_each_train_over_their_shaped_link(two_gpus, tmp_path):
