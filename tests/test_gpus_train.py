@@ -109,16 +109,19 @@ def _base(job: TrainingJobConfig, dies: str = "") -> CohortConfig:
                         tokenizer=job.train.tokenizer)
 
 
-def _train_every_rank(gpus: GpuCohorts, job: TrainingJobConfig) -> tuple[list, list[BaseException]]:
-    """Every GPU's orchestrator trains `job` as its rank, all at once: (reports, errors)."""
-    place = RankPlace(world_size=len(gpus.cohorts), master=f"127.0.0.1:{free_port()}", context=b"test/" + os.urandom(8))
-    config = json.dumps(job.train.to_dict())
+def _train_every_rank(gpus: GpuCohorts, job: TrainingJobConfig, *, configs: list[TrainConfig] | None = None,
+                      shares=None) -> tuple[list, list[BaseException]]:
+    """Every GPU's orchestrator trains `job` as its rank, all at once: (reports, errors). A
+    launcher may tell each rank its own config, and any shares."""
+    place = RankPlace(world_size=len(gpus.cohorts), master=f"127.0.0.1:{free_port()}", context=b"test/" + os.urandom(8),
+                      shares=tuple(shares if shares is not None else gpus.shares))
+    configs = configs or [job.train] * len(gpus.cohorts)
     reports: list = [None] * len(gpus.cohorts)
     errors: list[BaseException] = []
 
     def rank(k: int) -> None:
         try:
-            reports[k] = gpus.cohorts[k].train(config, rank=replace(place, rank=k))
+            reports[k] = gpus.cohorts[k].train(json.dumps(configs[k].to_dict()), rank=replace(place, rank=k))
         except GputravelError as exc:
             errors.append(exc)
 
@@ -137,6 +140,19 @@ def test_a_rank_that_runs_another_measurement_is_refused_before_any_gradient_mov
     with GpuCohorts(_base(job), shares_of(job), per_gpu=lambda k, c: replace(c, travel_timeout=c.travel_timeout + k)) as gpus:
         _, errors = _train_every_rank(gpus, job)
     assert len(errors) == 2 and all(isinstance(e, PeerAttestationError) for e in errors), errors
+
+
+def test_ranks_told_different_jobs_refuse_each_other_and_each_is_held_to_its_share(tmp_path):
+    """The launcher says what each rank trains; the ranks bind the job (settings, checkpoint,
+    every rank's holders) into their pair keys, so ranks told different jobs stop before a
+    step. And a rank refuses a share that is not the holders it has."""
+    os.chmod(tmp_path, 0o755)
+    job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run"), gpus=2))
+    with GpuCohorts(_base(job), shares_of(job)) as gpus:
+        _, errors = _train_every_rank(gpus, job, configs=[job.train, replace(job.train, seed=job.train.seed + 1)])
+        assert len(errors) == 2 and all(isinstance(e, PeerAttestationError) for e in errors), errors
+        _, errors = _train_every_rank(gpus, job, shares=gpus.shares[::-1])
+        assert len(errors) == 2 and all(isinstance(e, BadInput) and "not its share" in str(e) for e in errors), errors
 
 
 def test_a_holder_killed_mid_copy_on_one_gpu_is_dropped_there_and_no_chunk_is_trained_on_twice(tmp_path):

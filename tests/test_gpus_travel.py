@@ -13,10 +13,11 @@ from typer.testing import CliRunner
 
 from gputravel.attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
 from gputravel.cli.app import app
+from gputravel.crypto.certs import key_pem
 from gputravel.cohort import gpus as gpus_module
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.gpus import GpuCohorts
-from gputravel.cohort.trust import TrustOptions
+from gputravel.cohort.trust import SharedRoots, TrustOptions
 from gputravel.attest import AttestationError
 from gputravel.errors import BadInput
 from gputravel.jobs import travel as travel_job
@@ -39,7 +40,7 @@ class WatchedCohorts(GpuCohorts):
             "holder_roots": [(t.holder_dir(h) / GPU_ROOT_CERT).read_bytes() for c, t in zip(self.cohorts, trust)
                              for h in c.dataset_bytes],
             "serials": [t.gpu_serial for t in trust],
-            "roots_dir": self.roots_dir,
+            "launcher_roots": self.roots,
             "dirs": [c.dir for c in self.cohorts],
             "files": {p: p.read_bytes() for c in self.cohorts for p in c.dir.rglob("*")
                       if p.is_file() and not p.is_symlink()},
@@ -50,17 +51,14 @@ class WatchedCohorts(GpuCohorts):
 
 @pytest.mark.integration
 def test_travel_gpus_2_holders_4_travels_in_parallel_each_gpu_to_its_own_holders(tmp_path: Path, monkeypatch) -> None:
-    made: list[Path] = []  # the roots GpuCohorts made, with their keys, before it deleted them
-    keys: list[bytes] = []
+    made: list[SharedRoots] = []  # the roots GpuCohorts made, in its memory
+    real_make = SharedRoots.make
 
-    def init_roots(directory: Path, **kw):
-        store = real_init_roots(directory, **kw)
-        made.append(Path(directory))
-        keys.extend((Path(directory) / n).read_bytes() for n in (GPU_ROOT_KEY, TEE_ROOT_KEY))
-        return store
+    def make(**kw) -> SharedRoots:
+        made.append(real_make(**kw))
+        return made[-1]
 
-    real_init_roots = gpus_module.init_roots
-    monkeypatch.setattr(gpus_module, "init_roots", init_roots)
+    monkeypatch.setattr(gpus_module.SharedRoots, "make", make)
     monkeypatch.setattr(travel_job, "GpuCohorts", WatchedCohorts)
     WatchedCohorts.seen.clear()
     out = tmp_path / "travel.json"
@@ -93,8 +91,8 @@ def test_travel_gpus_2_holders_4_travels_in_parallel_each_gpu_to_its_own_holders
     assert look["serials"] == ["GPU-EMU-0", "GPU-EMU-1"]
     # No root key anywhere once every cohort has booted: the launcher's roots are gone, and no
     # file of either cohort holds a copy.
-    assert len(made) == 1 and look["roots_dir"] is None and not made[0].exists()
-    assert len(keys) == 2 and all(b"PRIVATE KEY" in k for k in keys)
+    assert len(made) == 1 and look["launcher_roots"] is None
+    keys = [key_pem(made[0].gpu.key), key_pem(made[0].tee.key)]
     assert not [p for p in look["files"] if p.name in (GPU_ROOT_KEY, TEE_ROOT_KEY)]
     assert not [p for p, data in look["files"].items() if any(k in data for k in keys)]
     if look["isolated"]:  # two supervisors in one process: blocks of uids of their own
@@ -119,8 +117,8 @@ def test_shares_must_hold_every_holder_once(tmp_path: Path) -> None:
         with pytest.raises(BadInput, match=why):
             GpuCohorts(base, shares)
     assert GpuCohorts(base, (("b",), ("a",))).gpu_of("a") == 1
-    with pytest.raises(BadInput, match="roots directory not found"):
-        CohortConfig(holders=base.holders, buffer_bytes=MIB, roots_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(BadInput, match="SharedRoots"):
+        CohortConfig(holders=base.holders, buffer_bytes=MIB, roots=str(tmp_path / "roots"))
 
 
 @pytest.mark.integration
@@ -136,7 +134,7 @@ def test_a_gpu_that_fails_to_boot_closes_those_started_and_drops_the_roots(tmp_p
 
     class Kept(GpuCohorts):
         def close(self) -> None:
-            self.kept = (list(self.cohorts), self.roots_dir)
+            self.kept = (list(self.cohorts), self.roots)
             super().close()
 
     gpus = Kept(base, (("a",), ("b",)), per_gpu=foreign)
@@ -145,4 +143,4 @@ def test_a_gpu_that_fails_to_boot_closes_those_started_and_drops_the_roots(tmp_p
     (started, roots) = gpus.kept
     assert len(started) == 2 and started[0].attestations  # GPU 0 had booted and its holder joined
     assert all(c.children == {} and not c.dir.exists() for c in started)  # every process stopped
-    assert gpus.cohorts == [] and gpus.roots_dir is None and roots is not None and not roots.exists()
+    assert gpus.cohorts == [] and roots is not None and gpus.roots is None  # dropped on the failure

@@ -294,3 +294,31 @@ def test_a_checkout_in_a_closed_directory_is_covered_not_refused(monkeypatch) ->
             isolation.interpreter_reach()
     finally:
         shutil.rmtree(base)
+
+
+def test_staging_a_checkpoint_follows_no_link_at_either_end(tmp_path: Path) -> None:
+    """Placement.stage runs as root: a checkpoint that is a link (to a root-only file, say) is
+    refused, and a link the party left where the copy goes is replaced, never written through."""
+    from gputravel.cohort.placement import Placement
+
+    cohort = tmp_path / "cohort"
+    cohort.mkdir()
+    place = Placement(cohort, isolate=True)
+    secret = tmp_path / "root-only"
+    secret.write_bytes(b"ROOT ONLY")
+    secret.chmod(0o600)
+    link = tmp_path / "checkpoint.pt"
+    link.symlink_to(secret)
+    with pytest.raises(BadInput, match="cannot hand"):
+        place.stage("orchestrator", str(link))
+    link.unlink()
+    link.write_bytes(b"CHECKPOINT")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"VICTIM")
+    planted = place.party_dir("orchestrator") / "checkpoint.pt"
+    planted.symlink_to(victim)
+    named = place.stage("orchestrator", str(link))
+    assert victim.read_bytes() == b"VICTIM" and not planted.is_symlink()
+    assert planted.read_bytes() == b"CHECKPOINT" and named.endswith("/parties/orchestrator/checkpoint.pt")
+    assert planted.stat().st_uid == place.uid("orchestrator") and stat.S_IMODE(planted.stat().st_mode) == 0o600
+    place.close()

@@ -14,6 +14,7 @@ from gputravel.ddp.launch import ProcessFailed, free_port, run_processes
 from gputravel.errors import BadInput
 from gputravel.jobs.local_ranks import run_local_ranks
 from gputravel.train.loader import LocalSource
+from gputravel.train import loop
 from gputravel.train.loop import TrainConfig, train
 from gputravel.train.ranks import Ranks
 
@@ -131,6 +132,21 @@ def test_resuming_with_another_number_of_ranks_is_refused(two_ranks, tmp_path):
     for ranks in (None, one):  # the loop refuses it too, before it joins any group
         with pytest.raises(BadInput, match="2 ranks"):
             train(TINY, LocalSource({}), resume_from=checkpoint, ranks=ranks)
+
+
+def test_resuming_with_other_shares_of_the_holders_is_refused(two_ranks):
+    """The checkpoint records which holders each rank trained on; resumed with other shares a
+    rank would take over another's cursors and a chunk would reach two ranks."""
+    tmp, shares, _ = two_ranks
+    checkpoint = tmp / "run" / "checkpoint.pt"
+    swapped = [shares[1], shares[0]]
+    with pytest.raises(ProcessFailed, match="other shares"):
+        run_local_ranks(TINY, swapped, tmp / "swapped", resume_from=checkpoint, timeout=60)
+    names = (("south", "west"), ("north",))
+    rank0 = Ranks(rank=0, world_size=2, attest=bytes, verify=lambda *a: None, context=b"job", shares=names)
+    extra = {"shares": None, "loaders": None}
+    with pytest.raises(BadInput, match="outside its share"):  # a checkpoint that records none
+        loop._check_shares(checkpoint, extra, {"cursors": {"north": 8}, "last": "north"}, rank0)
 
 
 def test_a_rank_that_refuses_its_peer_stops_the_job_before_any_step(two_ranks, tmp_path):

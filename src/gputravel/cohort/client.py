@@ -53,6 +53,7 @@ class RankPlace:
     world_size: int = 1
     master: str = ""
     ifname: str = ""  # the interface the ranks reach one another on (a server's link); "": any
+    shares: tuple[tuple[str, ...], ...] = ()  # every rank's holders, by rank
     context: bytes = b""
 
 
@@ -198,7 +199,7 @@ class CohortClient:
         place = rank if rank is not None else RankPlace()
         control.send(Train(config_json=config_json, run_dir=run_dir, resume_checkpoint=resume_checkpoint,
                            rank=place.rank, world_size=place.world_size, master=place.master,
-                           ifname=place.ifname, ranks_context=place.context))
+                           ifname=place.ifname, shares=place.shares, ranks_context=place.context))
         while True:
             try:
                 msg = control.recv(timeout=self.config.travel_timeout + 30).message

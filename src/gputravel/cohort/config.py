@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gputravel.cohort.links import check_link_config
-from gputravel.cohort.trust import TrustOptions
+from gputravel.cohort.trust import SharedRoots, TrustOptions
 from gputravel.errors import BadInput
 from gputravel.protocol.hardware import EMULATED, hardware_profile
 from gputravel.protocol.layout import Layout
@@ -64,10 +64,10 @@ class CohortConfig:
     # exchange to the paper's measured times. Never a security input.
     hardware: str = EMULATED
     # Several GPUs (cohort/gpus.py): every GPU chains to one GPU vendor root and every TDX quote
-    # to one CPU-TEE root, as in reality. `roots_dir` holds those roots with their keys (made by
-    # the multi-GPU launcher, which deletes it once every cohort has booted); "": this cohort
-    # makes fresh roots of its own. `gpu_index` k names this cohort's device GPU-EMU-k.
-    roots_dir: str = ""
+    # to one CPU-TEE root, as in reality. `roots` are those roots, in the multi-GPU launcher's
+    # memory only (it drops them once every cohort has booted); None: this cohort makes fresh
+    # roots of its own. `gpu_index` k names this cohort's device GPU-EMU-k.
+    roots: SharedRoots | None = field(default=None, repr=False, compare=False)
     gpu_index: int = 0
 
     def __post_init__(self) -> None:
@@ -90,8 +90,8 @@ class CohortConfig:
 
         if type(self.gpu_index) is not int or self.gpu_index < 0:
             raise BadInput(f"gpu_index must be a non-negative integer, not {self.gpu_index!r}")
-        if self.roots_dir and not Path(self.roots_dir).is_dir():
-            raise BadInput(f"roots directory not found: {self.roots_dir}")
+        if self.roots is not None and not isinstance(self.roots, SharedRoots):
+            raise BadInput("roots must be the SharedRoots of a multi-GPU launcher")
         check_link_config(self.link, self.bandwidth_mbit, self.tap)
         hardware_profile(self.hardware)  # BadInput for an unknown profile
 

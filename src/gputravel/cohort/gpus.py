@@ -3,10 +3,10 @@
 NVIDIA CC passes one confidential GPU to one CVM, so each GPU gets a cohort stack of its own
 (host route, device, TDX module, orchestrator: a rank) and travels only to its share of the
 holders (paper 9). In reality every GPU chains to one GPU vendor root and every TDX quote to
-one CPU-TEE root: :class:`GpuCohorts` makes those roots once, in a 0700 directory of its own,
-hands them to each cohort (CohortConfig.roots_dir; each copies the certificates and certifies
-its GPU and TDX module with the keys) and deletes them, keys included, as soon as every cohort
-has booted, or on any failure.
+one CPU-TEE root: :class:`GpuCohorts` makes those roots once, in its memory only (no root key
+is ever written to disk), hands them to each cohort (CohortConfig.roots: each writes the
+certificates and certifies its GPU and TDX module with the keys) and drops them as soon as
+every cohort has booted, or on any failure.
 
     with GpuCohorts(base, partition(sizes, gpus)) as gpus:
         gpus.cohorts[gpus.gpu_of("alice")].travel("alice", 0)
@@ -18,15 +18,15 @@ processes hold (cohort/isolation.py), so a booted cohort's block is never picked
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
+import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from gputravel.attest import init_roots
 from gputravel.cohort.config import CohortConfig
 from gputravel.cohort.local import Cohort
 from gputravel.cohort.supervisor import Launch
+from gputravel.cohort.trust import SharedRoots
 from gputravel.errors import BadInput
 from gputravel.net import ShapedLinks, check_bandwidth
 from gputravel.protocol.parties import ORCHESTRATOR
@@ -56,12 +56,13 @@ class GpuCohorts:
         check_bandwidth(server_mbit)
         self.servers, self.server_mbit = servers, server_mbit
         self.fabric: ShapedLinks | None = None
+        self._closing = threading.Lock()
         self.base = base
         self.shares = _checked_shares(base, shares)
         self.per_gpu = per_gpu
         self.launch = launch
         self.cohorts: list[Cohort] = []
-        self.roots_dir: Path | None = None  # while the cohorts boot; None once deleted
+        self.roots: SharedRoots | None = None  # while the cohorts boot; dropped after
         self._gpu = {name: k for k, share in enumerate(self.shares) for name in share}
 
     # ------------------------------------------------------------------ lifecycle
@@ -76,8 +77,7 @@ class GpuCohorts:
         """Make the roots, boot every GPU's cohort in turn, delete the roots. On any failure the
         cohorts already started are closed and the error goes on."""
         try:
-            self.roots_dir = Path(tempfile.mkdtemp(prefix="gputravel-roots-", dir=self.base.workdir))  # 0700
-            init_roots(self.roots_dir)
+            self.roots = SharedRoots.make()
             for config in self._configs():
                 cohort = Cohort(config, launch=self.launch)
                 self.cohorts.append(cohort)  # before it starts: close() stops what it started
@@ -95,7 +95,7 @@ class GpuCohorts:
         specs = {h.name: h for h in self.base.holders}
         configs = []
         for k, share in enumerate(self.shares):
-            pinned = {"holders": tuple(specs[n] for n in share), "roots_dir": str(self.roots_dir), "gpu_index": k}
+            pinned = {"holders": tuple(specs[n] for n in share), "roots": self.roots, "gpu_index": k}
             config = dataclasses.replace(self.base, **pinned)
             if self.per_gpu is not None:
                 config = self.per_gpu(k, config)
@@ -128,26 +128,27 @@ class GpuCohorts:
         return RANK_IF if self.fabric is not None else ""
 
     def _drop_roots(self) -> None:
-        if self.roots_dir is not None:
-            shutil.rmtree(self.roots_dir, ignore_errors=True)
-            self.roots_dir = None
+        self.roots = None  # the last reference besides the cohorts' trust, itself dropped once used
 
     def close(self) -> None:
         """Stop every cohort, the last started first (lent outputs go back in the reverse
-        order they were lent); never raises."""
-        if self.fabric is not None:
-            try:
-                self.fabric.close()  # before the servers' namespaces it has a leg in
-            except Exception:  # a namespace left behind must not keep the cohorts running
-                pass
-            self.fabric = None
-        while self.cohorts:
-            cohort = self.cohorts.pop()
-            try:
-                cohort.close()
-            except Exception:  # Cohort.close should not raise; one that does must not keep the rest running
-                pass
-        self._drop_roots()
+        order they were lent); never raises, but warns of what it could not stop. Safe to call
+        from several threads (a failing rank closes everything while the others run)."""
+        with self._closing:
+            if self.fabric is not None:
+                try:
+                    self.fabric.close()  # before the servers' namespaces it has a leg in
+                except Exception as exc:  # a namespace left behind must not keep the cohorts running
+                    warnings.warn(f"the servers' links were not all deleted: {exc}", RuntimeWarning, stacklevel=2)
+                self.fabric = None
+            while self.cohorts:
+                k, cohort = len(self.cohorts) - 1, self.cohorts.pop()
+                try:
+                    cohort.close()
+                except Exception as exc:  # one that raises must not keep the rest running
+                    warnings.warn(f"closing GPU {k}'s cohort failed: {type(exc).__name__}: {exc}",
+                                  RuntimeWarning, stacklevel=2)
+            self._drop_roots()
 
     # ------------------------------------------------------------------ looking at it
     def gpu_of(self, holder: str) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import warnings
 from pathlib import Path
 
@@ -199,14 +200,30 @@ class Placement:
     def stage(self, key: str, path: str) -> str:
         """How `key` names a file it only reads (a checkpoint to resume from): inside what it
         was lent, through that; elsewhere, a copy in its own directory, so the directories
-        above the file need not be open to it (a rank other than 0 is lent no run directory)."""
+        above the file need not be open to it (a rank other than 0 is lent no run directory).
+        The launcher is root: it follows no link at either end, so a link the party planted
+        (or found) cannot make it read or overwrite another file."""
         if not self.on or not path:
             return path
         inside = self._inside_lent(Path(path).resolve())
         if inside is not None:
             return inside
         copy = self.party_dir(key) / Path(path).name
-        shutil.copyfile(path, copy)
+        copy.unlink(missing_ok=True)  # a link there is removed, never written through
+        try:
+            src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BadInput(f"cannot hand {path} to {key}: {exc.strerror}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(src).st_mode):
+                raise BadInput(f"cannot hand {path} to {key}: not a regular file")
+            dst = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(dst, "wb") as out, os.fdopen(os.dup(src), "rb") as inp:
+                shutil.copyfileobj(inp, out)
+        except OSError as exc:
+            raise BadInput(f"cannot hand {path} to {key}: {exc.strerror}") from None
+        finally:
+            os.close(src)
         self.own(copy, key, 0o600)
         return self.path(copy)
 

@@ -119,7 +119,7 @@ class Supervisor:
         self._host_sock = place.path(place.socket_dir / "host.sock")
         quoting = QuotingLaunch(place, self.dir)  # the orchestrator's TDX module (cohort/quoting.py)
         self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust, quoting_socket=quoting.socket,
-                                            roots_from=Path(cfg.roots_dir) if cfg.roots_dir else None,
+                                            roots_from=cfg.roots,
                                             gpu_index=cfg.gpu_index)
         place.own(self.trust.device_dir, "device")
         place.own(self.trust.orchestrator_dir, "orchestrator")

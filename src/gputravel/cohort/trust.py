@@ -37,6 +37,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cryptography.hazmat.primitives import serialization
+
 from gputravel.attest import (
     Authority,
     GpuIssuer,
@@ -48,13 +50,20 @@ from gputravel.attest import (
     orchestrator_measurement,
 )
 from gputravel.attest.material import LIMITS_FILE, POLICY_FILE, REFERENCE_FILE
-from gputravel.attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
+from gputravel.attest.roots import (
+    GPU_ROOT_CERT,
+    GPU_ROOT_KEY,
+    GPU_VENDOR_ROOT_CN,
+    TEE_QUOTING_ROOT_CN,
+    TEE_ROOT_CERT,
+    TEE_ROOT_KEY,
+)
 from gputravel.errors import BadInput
 
 if TYPE_CHECKING:
     from gputravel.orchestrator.cvm import OrchestratorConfig
 
-__all__ = ["CohortTrust", "TrustOptions", "certify_device", "measure_orchestrator", "measured_config",
+__all__ = ["CohortTrust", "SharedRoots", "TrustOptions", "certify_device", "measure_orchestrator", "measured_config",
            "pin_orchestrator", "provision_cohort_trust"]
 
 #: Orchestrator settings that say where it runs, not what it does: left out of its measurement,
@@ -132,43 +141,54 @@ class CohortTrust:
         return self.root / "holders" / name
 
 
+@dataclass(frozen=True)
+class SharedRoots:
+    """The vendor roots several GPUs' cohorts share (cohort/gpus.py), in the launcher's memory
+    only: no key of theirs is ever written to disk; each cohort writes the certificates."""
+
+    gpu: Authority = field(repr=False)
+    tee: Authority = field(repr=False)
+
+    @classmethod
+    def make(cls, now: datetime | None = None) -> SharedRoots:
+        return cls(Authority.self_signed(GPU_VENDOR_ROOT_CN, now=now), Authority.self_signed(TEE_QUOTING_ROOT_CN, now=now))
+
+    def write_certificates(self, directory: Path) -> None:
+        directory.mkdir(parents=True)
+        for auth, name in ((self.gpu, GPU_ROOT_CERT), (self.tee, TEE_ROOT_CERT)):
+            (directory / name).write_bytes(auth.cert.public_bytes(serialization.Encoding.PEM))
+
+
 def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datetime | None = None,
-                           quoting_socket: str = "", roots_from: Path | None = None,
+                           quoting_socket: str = "", roots_from: SharedRoots | None = None,
                            gpu_index: int = 0) -> CohortTrust:
     """Create the roots (or take those in `roots_from`, shared by several GPUs' cohorts) and
     the GPU's CAs (its serial GPU-EMU-`gpu_index`); fill the device's (firmware state, no key)
     and the orchestrator's directories (`quoting_socket`: where the orchestrator's TDX module
-    listens). The root keys leave the disk here (shared ones are never copied in); the CPU-TEE
+    listens). Fresh root keys leave the disk here (shared ones never reach it); the CPU-TEE
     root and the GPU's per-device CA stay in the returned trust's memory, for the TDX module's
     key and the device's firmware key (`certify_device`). Holders get their share from
     `pin_orchestrator`."""
     directory = Path(directory)
     roots = directory / "roots"
-    keys = _take_roots(roots, roots_from, now)
-    gpu = _provision_device(directory, keys, options, now, gpu_index)
+    if roots_from is not None:
+        roots_from.write_certificates(roots)
+    shared = roots_from if roots_from is not None else _fresh_roots(roots, now)
+    gpu = _provision_device(directory, shared.gpu, options, now, gpu_index)
     gpu.save_state(directory / "device")
-    tee_root = load_authority(keys, "tee")
-    if keys == roots:
-        _discard_root_keys(roots)  # on disk, nobody needs them again
+    tee_root = shared.tee
     gpu.reference_values().save(roots / REFERENCE_FILE)  # what the vendor publishes: the launcher's copy
     _write_orchestrator(directory / "orchestrator", roots, options, quoting_socket)
     return CohortTrust(directory, gpu.serial, gpu.driver_version, tee_root=tee_root, gpu_vendor=gpu)
 
 
-def _take_roots(roots: Path, shared: Path | None, now: datetime | None) -> Path:
-    """Fill `roots` with the root certificates; where the root keys are read from. Shared roots'
-    certificates are copied, their keys only read where they lie (their owner deletes them):
-    no copy of a root key is ever written into the cohort."""
-    if shared is None:
-        init_roots(roots, now=now)
-        return roots
-    shared = Path(shared)
-    for which in ("gpu", "tee"):
-        load_authority(shared, which)  # BadInput unless each certificate comes with its key
-    roots.mkdir(parents=True)
-    for name in (GPU_ROOT_CERT, TEE_ROOT_CERT):
-        shutil.copyfile(shared / name, roots / name)
-    return shared
+def _fresh_roots(roots: Path, now: datetime | None) -> SharedRoots:
+    """This cohort's own roots: made in `roots`, read back into memory, their keys deleted from
+    the disk at once (nobody needs them there again)."""
+    init_roots(roots, now=now)
+    made = SharedRoots(load_authority(roots, "gpu"), load_authority(roots, "tee"))
+    _discard_root_keys(roots)
+    return made
 
 
 def certify_device(trust: CohortTrust, csr_pem: bytes) -> tuple[CohortTrust, tuple[bytes, bytes]]:
@@ -194,7 +214,7 @@ def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, ho
     return dataclasses.replace(trust, pinned=pinned)
 
 
-def _provision_device(directory: Path, roots: Path, options: TrustOptions, now: datetime | None,
+def _provision_device(directory: Path, vendor: Authority, options: TrustOptions, now: datetime | None,
                       index: int) -> GpuIssuer:
     if options.gpu_vendor == "foreign":  # a vendor root that is in nobody's trust store
         foreign = directory / "foreign-roots"
@@ -203,8 +223,7 @@ def _provision_device(directory: Path, roots: Path, options: TrustOptions, now: 
                            cc_mode=options.gpu_cc_mode)
         _discard_root_keys(foreign)
         return gpu
-    return issue_gpu_ca(load_authority(roots, "gpu"), serial=f"GPU-EMU-{index}", now=now,
-                        cc_mode=options.gpu_cc_mode)
+    return issue_gpu_ca(vendor, serial=f"GPU-EMU-{index}", now=now, cc_mode=options.gpu_cc_mode)
 
 
 def _discard_root_keys(roots: Path) -> None:

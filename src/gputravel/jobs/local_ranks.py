@@ -56,6 +56,7 @@ class RankJob:
     root: tuple[bytes, bytes]  # the emulated quoting root's certificate (DER) and key (PEM)
     context: bytes
     measurement: bytes = MEASUREMENT
+    shares: tuple[tuple[str, ...], ...] = ()  # every rank's holder names, recorded by its checkpoints
 
 
 def run_local_ranks(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]], run_dir: Path, *,
@@ -72,8 +73,9 @@ def run_local_ranks(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]
     # Names this job and is fresh: quotes made for it are refused in any other (ddp/keys.py).
     context = b"gputravel local ranks/" + os.urandom(32)
     root = new_quoting_root()
+    names = tuple(tuple(name for name, _ in share) for share in shares)
     jobs = [RankJob(cfg, len(shares), share, str(run_dir) if k == 0 else None,
-                    str(resume_from) if resume_from is not None else None, root, context)
+                    str(resume_from) if resume_from is not None else None, root, context, shares=names)
             for k, share in enumerate(shares)]
     reports = run_processes([(_rank_main, (k, port, job)) for k, job in enumerate(jobs)], timeout,
                             names=[f"rank {k} of {len(shares)}" for k in range(len(shares))])
@@ -121,7 +123,8 @@ def train_rank(rank: int, job: RankJob) -> dict:
     cert, key = job.root
     tee = EmulatedRankTee(Authority(cert, serialization.load_pem_private_key(key, password=None)), cert,
                           job.measurement)
-    ranks = Ranks(rank=rank, world_size=job.world_size, attest=tee.attest, verify=tee.verify, context=job.context)
+    ranks = Ranks(rank=rank, world_size=job.world_size, attest=tee.attest, verify=tee.verify, context=job.context,
+                  shares=job.shares)
     result = train(cfg, LocalSource(tokens), run_dir=Path(job.run_dir) if job.run_dir else None,
                    resume_from=Path(job.resume_from) if job.resume_from else None,
                    tokenizer=sample_tokenizer(cfg.tokenizer) if rank == 0 else None, ranks=ranks)

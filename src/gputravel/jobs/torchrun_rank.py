@@ -105,8 +105,9 @@ def _load(job_dir: Path, rank: int, world_size: int) -> tuple[RankJob, tuple[tup
         raise BadInput(f"{job_dir / JOB_FILE}: malformed ({exc})") from None
     shares = rank_shares(job.shares, Path(job.resume_from) if job.resume_from else None)
     root = (_read_file(job_dir / ROOT_CERT_FILE), _read_file(job_dir / ROOT_KEY_FILE))
+    names = tuple(tuple(name for name, _ in share) for share in shares)
     return RankJob(cfg, world_size, shares[rank], job.run_dir if rank == 0 else None, job.resume_from, root,
-                   context, measurement), shares
+                   context, measurement, shares=names), shares
 
 
 def _read_job_file(path: Path) -> _JobFile:

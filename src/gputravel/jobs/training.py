@@ -29,11 +29,11 @@ from gputravel.data.holder_tokens import load_tokens
 from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
-from gputravel.files import write_json
+from gputravel.files import atomic_write_bytes, write_json
 from gputravel.protocol.hardware import hardware_profile
 from gputravel.protocol.layout import Layout, record_bytes_for
 from gputravel.train.loader import LocalSource
-from gputravel.train.loop import StepEvent, TrainConfig, make_report, sample_tokenizer, train
+from gputravel.train.loop import StepEvent, TrainConfig, checkpoint_shares, make_report, sample_tokenizer, train
 
 
 @dataclass(frozen=True)
@@ -139,11 +139,11 @@ def _run_travelling(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
                               audit_log=str(log), output_dirs=(str(run_dir),),  # lent to the orchestrator's uid
                               hardware=cfg.hardware)
     with Cohort(cohort_cfg) as cohort:
-        cert.write_bytes(cohort.orchestrator_certificate())  # what holders verify the log with
+        atomic_write_bytes(cert, cohort.orchestrator_certificate())  # what holders verify the log with
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{k: getattr(m, k) for k in StepEvent.__dataclass_fields__})))
         resume = _checkpoint(cfg, run_dir)
         report = cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()), on_step=relay,
-                              resume_checkpoint=str(resume.resolve()) if resume else "")
+                              resume_checkpoint=str(resume.absolute()) if resume else "")
         report["isolation"] = cohort.isolation.summary()
         report["hardware"] = hardware_profile(cfg.hardware).to_json()
         return report
@@ -178,6 +178,19 @@ def shares_of(cfg: TrainingJobConfig) -> tuple[tuple[str, ...], ...]:
     return partition({name: _data_bytes(Path(path)) for name, path in cfg.holders}, cfg.gpus)
 
 
+def _resumed_shares(cfg: TrainingJobConfig, run_dir: Path) -> tuple[tuple[str, ...], ...] | None:
+    """A resumed job keeps the shares its checkpoint records, even if the holders' data has
+    grown since (a new partition would hand a holder's cursor to another rank)."""
+    checkpoint = _checkpoint(cfg, run_dir)
+    shares = checkpoint_shares(checkpoint) if checkpoint is not None else None
+    if shares is None:
+        return None
+    if len(shares) != cfg.gpus or sorted(n for s in shares for n in s) != sorted(n for n, _ in cfg.holders):
+        raise BadInput(f"{checkpoint} was trained by {len(shares)} GPUs on {sorted(n for s in shares for n in s)}: "
+                       "resume with the same GPUs and holders")
+    return shares
+
+
 def _data_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -185,7 +198,7 @@ def _data_bytes(path: Path) -> int:
 
 
 def _run_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
-    shares = shares_of(cfg)
+    shares = _resumed_shares(cfg, run_dir) or shares_of(cfg)
     paths = dict(cfg.holders)
     if cfg.train.loader == "local":
         report = run_local_ranks(cfg.train, [[(n, paths[n]) for n in share] for share in shares], run_dir,
@@ -216,14 +229,15 @@ def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares
     with GpuCohorts(base, shares, per_gpu=per_gpu, servers=cfg.servers, server_mbit=cfg.server_mbit) as gpus:
         # The port is free here; rank 0 binds it in its own namespace when it is a server's.
         place = RankPlace(world_size=cfg.gpus, master=f"{gpus.rank_address(0)}:{free_port()}",
-                          ifname=gpus.rank_ifname, context=b"gputravel demo ranks/" + os.urandom(32))
-        for k, cohort in enumerate(gpus.cohorts):
-            logs[k][1].write_bytes(cohort.orchestrator_certificate())
+                          ifname=gpus.rank_ifname, shares=tuple(shares),
+                          context=b"gputravel demo ranks/" + os.urandom(32))
+        for k, cohort in enumerate(gpus.cohorts):  # replaced, never written through a link a rank left
+            atomic_write_bytes(logs[k][1], cohort.orchestrator_certificate())
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{f: getattr(m, f) for f in StepEvent.__dataclass_fields__})))
 
         def rank(k: int) -> dict:
             return gpus.cohorts[k].train(json.dumps(t.to_dict()), str(run_dir.resolve()) if k == 0 else "",
-                                         str(resume.resolve()) if resume else "", on_step=relay if k == 0 else None,
+                                         str(resume.absolute()) if resume else "", on_step=relay if k == 0 else None,
                                          rank=replace(place, rank=k))
 
         before = link_bytes(gpus.fabric) if gpus.fabric is not None else {}

@@ -6,6 +6,7 @@ The engine itself, and the travel loop, are orchestrator/cvm.py.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import select
@@ -120,10 +121,22 @@ def _ranks(orch: Orchestrator, cmd: Train):
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
     if cmd.ifname:  # a server's link to the others (cohort/gpus.py), not its holders' star
         os.environ["GLOO_SOCKET_IFNAME"] = cmd.ifname
+    if len(cmd.shares) != cmd.world_size or not set(orch.holders) <= set(cmd.shares[cmd.rank]):
+        raise BadInput(f"rank {cmd.rank}'s holders ({', '.join(sorted(orch.holders))}) are not its share of the job")
     material = OrchestratorMaterial.load(orch.config.trust_dir)
     tee = QuotingRankTee(partial(request_quote, material.quoting_socket), material.trust)
     return Ranks(rank=cmd.rank, world_size=cmd.world_size, attest=tee.attest, verify=tee.verify,
-                 context=cmd.ranks_context)
+                 context=_job_context(cmd), shares=cmd.shares)
+
+
+def _job_context(cmd: Train) -> bytes:
+    """What the ranks' pair keys are bound to: the launcher's context, and the job itself (its
+    settings, the checkpoint it resumes, every rank's holders). Ranks told different jobs
+    derive different contexts, refuse each other's quotes, and stop before any step."""
+    checkpoint = Path(cmd.resume_checkpoint).read_bytes() if cmd.resume_checkpoint else b""
+    job = json.dumps({"config": json.loads(cmd.config_json), "shares": cmd.shares,
+                      "checkpoint": hashlib.sha384(checkpoint).hexdigest()}, sort_keys=True)
+    return b"gputravel ranks v1\0" + hashlib.sha384(hashlib.sha384(cmd.ranks_context).digest() + job.encode()).digest()
 
 
 def serve(config: OrchestratorConfig, control: Transport, device_link: socket.socket) -> None:

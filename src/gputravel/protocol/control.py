@@ -150,12 +150,13 @@ class Train(Message, tag="ctl.train"):
     resume_checkpoint: str  # a checkpoint of this job to continue from; "" to start afresh
     # Data parallelism (issue 14): this orchestrator's rank among `world_size` (one per GPU),
     # where rank 0 listens for torch.distributed ("host:port", env:// style), the interface
-    # the ranks' traffic takes ("": gloo's choice), and the job's context that the ranks' pair
-    # keys are bound to. world_size 1: train alone, as ever.
+    # the ranks' traffic takes ("": gloo's choice), every rank's holders, and the job's context
+    # that the ranks' pair keys are bound to. world_size 1: train alone, as ever.
     rank: int
     world_size: int
     master: str
     ifname: str
+    shares: tuple[tuple[str, ...], ...]
     ranks_context: bytes
 
 

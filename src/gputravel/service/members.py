@@ -277,7 +277,7 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
     train = job_train_config(cfg.job)
     child.control.send(Train(config_json=json.dumps(train.to_dict()), run_dir=str(run_dir),
                              resume_checkpoint=str(checkpoint) if checkpoint.exists() else "",
-                             rank=0, world_size=1, master="", ifname="", ranks_context=b""))  # one GPU: issue 14 left
+                             rank=0, world_size=1, master="", ifname="", shares=(), ranks_context=b""))  # one GPU: issue 14 left
     while not stop():
         msg = child.control.recv(timeout=cfg.holder_timeout + 60).message
         if isinstance(msg, TrainStep):

@@ -235,6 +235,8 @@ def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataPa
         return extra
     ranks = dp.gather({"loader": state.to_dict(), "losses": list(result.losses), "travels": list(result.travels)})
     extra.update(world_size=len(ranks), loaders=[r.pop("loader") for r in ranks], rank_results=ranks)
+    if dp.ranks.shares:
+        extra["shares"] = [list(share) for share in dp.ranks.shares]
     return extra
 
 
@@ -245,6 +247,17 @@ def checkpoint_world_size(path: Path) -> int:
     if type(world) is not int or world < 1:
         raise BadInput(f"checkpoint {path} is inconsistent (no world size); start the run afresh")
     return world
+
+
+def checkpoint_shares(path: Path) -> tuple[tuple[str, ...], ...] | None:
+    """Which holders each rank trained on, as the checkpoint recorded (None: not recorded)."""
+    extra = _read_checkpoint(Path(path)).get("extra")
+    shares = extra.get("shares") if isinstance(extra, dict) else None
+    if shares is None:
+        return None
+    if not (isinstance(shares, list) and all(isinstance(s, list) and all(isinstance(n, str) for n in s) for s in shares)):
+        raise BadInput(f"checkpoint {path} is inconsistent (its shares); start the run afresh")
+    return tuple(tuple(s) for s in shares)
 
 
 def _resume(cfg: TrainConfig, path: Path, model, optimizer,
@@ -275,7 +288,26 @@ def _rank_share(path: Path, extra: dict, step: int, ranks: Ranks | None) -> tupl
     whole = isinstance(loaders, list) and isinstance(results, list) and len(loaders) == len(results) == world
     if not whole or any(not isinstance(r, dict) or len(r.get("losses", ())) != step for r in results):
         raise BadInput(f"checkpoint {path} is inconsistent (its ranks' states); start the run afresh")
+    _check_shares(path, extra, loaders[rank], ranks)
     return loaders[rank], results[rank]
+
+
+def _check_shares(path: Path, extra: dict, loader: dict, ranks: Ranks | None) -> None:
+    """A resumed rank trains on the holders it trained on: the job's shares must be the
+    checkpoint's, and its cursors name only its own holders (or a chunk reaches two ranks)."""
+    if ranks is None or not ranks.shares:
+        return
+    mine = set(ranks.shares[ranks.rank])
+    stored = extra.get("shares")
+    if stored is not None and stored != [list(s) for s in ranks.shares]:
+        raise BadInput(f"checkpoint {path} was written with other shares of the holders ({stored}); "
+                       "resume with the shares it records")
+    if not isinstance(loader, dict):
+        raise BadInput(f"checkpoint {path} is inconsistent (its ranks' states); start the run afresh")
+    named = set(loader.get("cursors") or {}) | ({loader["last"]} if loader.get("last") is not None else set())
+    if not named <= mine:
+        raise BadInput(f"checkpoint {path}: rank {ranks.rank}'s cursors name holders outside its share "
+                       f"({', '.join(sorted(map(str, named - mine)))})")
 
 
 def _sample(model, cfg: TrainConfig, device: str, tokenizer) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ class Ranks:
     context: bytes
     variant: str = Variant.PIPELINED.value
     timeout_s: float = 300.0  # rendezvous and any one ring transfer
+    # Which holders each rank trains on (by rank), when the job says: a checkpoint records
+    # them and a resume with other shares is refused (a chunk would reach two ranks).
+    shares: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if type(self.world_size) is not int or self.world_size < 1:
@@ -74,6 +78,9 @@ class Ranks:
             raise BadInput(f"variant must be one of {', '.join(ENCRYPTED_VARIANTS)} (got {self.variant!r})")
         if not self.timeout_s > 0:
             raise BadInput("timeout_s must be positive")
+        if self.shares and (len(self.shares) != self.world_size or
+                            not all(isinstance(n, str) for share in self.shares for n in share)):
+            raise BadInput(f"shares must name each of the {self.world_size} ranks' holders")
 
 
 class DataParallel:
@@ -164,12 +171,18 @@ class DataParallel:
         sizes = torch.zeros(n, dtype=torch.float64)
         sizes[rank] = len(mine)
         self._ring.all_reduce(sizes)
-        lengths = [int(v) for v in sizes.tolist()]
-        if lengths[rank] != len(mine) or not all(0 < m <= MAX_GATHER_BYTES for m in lengths):
+        raw = sizes.tolist()
+        if not all(math.isfinite(v) and v == int(v) and 0 < v <= MAX_GATHER_BYTES for v in raw) or raw[rank] != len(mine):
             raise ProtocolError("gather: a rank announced an impossible size")
+        lengths = [int(v) for v in raw]
         rows = torch.zeros((n, max(lengths)), dtype=torch.float32)
-        rows[rank, : len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(torch.float32)
+        sent = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(torch.float32)
+        rows[rank, : len(mine)] = sent
         self._ring.all_reduce(rows.view(-1))
+        # Each row is one rank's bytes then zeros; mine must come back as I sent it. A rank out
+        # of step that wrote into another's row shows here, not as a wrong cursor later.
+        if not torch.equal(rows[rank, : len(mine)], sent) or any(rows[r, m:].any() for r, m in enumerate(lengths)):
+            raise ProtocolError("gather: the rows overlapped")
         return [_decoded(rows[r, :m]) for r, m in enumerate(lengths)]
 
     @property
