@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from gputravel.crypto.pki import CohortPki
-from gputravel.data.holder_tokens import load_tokens
 from gputravel.driver.driver import Driver
 from gputravel.driver.link import PcieMuxClient, register_with_host
 from gputravel.errors import (
@@ -99,6 +98,10 @@ class Dataset:
                 self._map = mmap.mmap(f.fileno(), self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
 
     def _load_tokens(self, path: str) -> None:
+        # Here, not at the top: tokens need numpy (about 40 ms of every holder's boot), which a
+        # holder of raw bytes never uses.
+        from gputravel.data.holder_tokens import load_tokens  # lazy: numpy, for token datasets only
+
         loaded = load_tokens(path)
         data = loaded.tokens.astype("<u2", copy=False).tobytes()
         self.tokenizer = loaded.tokenizer
