@@ -189,3 +189,12 @@ def test_two_servers_of_one_gpu_each_train_over_their_shaped_link(two_gpus, tmp_
     assert report["servers"]["links"] == "netns-tc" and set(carried) == {"server-0", "server-1"}
     # Every step's gradients went through the ring between the servers: far more than a step's worth.
     assert all(b["sent"] > 10_000 and b["received"] > 10_000 for b in carried.values()), carried
+
+
+def test_a_rank_told_to_resume_a_missing_checkpoint_answers_with_the_reason(tmp_path):
+    """An OSError would end the orchestrator's process; it answers Failed(BadInput) instead."""
+    from gputravel.orchestrator.process import _checkpoint_digest
+
+    with pytest.raises(BadInput, match="no checkpoint"):
+        _checkpoint_digest(str(tmp_path / "checkpoint.pt"))
+    assert _checkpoint_digest("") == b""

@@ -46,6 +46,8 @@ class WatchedCohorts(GpuCohorts):
                       if p.is_file() and not p.is_symlink()},
             "uids": [set(c.isolation.uids.values()) for c in self.cohorts],
             "isolated": all(c.isolation.on for c in self.cohorts),
+            "configs_hold_roots": any(x.roots is not None for c in self.cohorts
+                                      for x in (c.config, c.supervisor.config, c.client.config)),
         })
 
 
@@ -91,7 +93,7 @@ def test_travel_gpus_2_holders_4_travels_in_parallel_each_gpu_to_its_own_holders
     assert look["serials"] == ["GPU-EMU-0", "GPU-EMU-1"]
     # No root key anywhere once every cohort has booted: the launcher's roots are gone, and no
     # file of either cohort holds a copy.
-    assert len(made) == 1 and look["launcher_roots"] is None
+    assert len(made) == 1 and look["launcher_roots"] is None and not look["configs_hold_roots"]
     keys = [key_pem(made[0].gpu.key), key_pem(made[0].tee.key)]
     assert not [p for p in look["files"] if p.name in (GPU_ROOT_KEY, TEE_ROOT_KEY)]
     assert not [p for p, data in look["files"].items() if any(k in data for k in keys)]

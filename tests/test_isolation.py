@@ -322,3 +322,21 @@ def test_staging_a_checkpoint_follows_no_link_at_either_end(tmp_path: Path) -> N
     assert planted.read_bytes() == b"CHECKPOINT" and named.endswith("/parties/orchestrator/checkpoint.pt")
     assert planted.stat().st_uid == place.uid("orchestrator") and stat.S_IMODE(planted.stat().st_mode) == 0o600
     place.close()
+
+
+def test_handing_a_tree_over_follows_no_link(tmp_path: Path) -> None:
+    """isolation.give runs as root on trees a party may write: a link at the top is refused,
+    a link inside is handed over itself, and what either names keeps its owner and mode."""
+    victim = tmp_path / "victim"
+    (victim / "deep").mkdir(parents=True)
+    (victim / "deep" / "f").write_bytes(b"x")
+    victim.chmod(0o755)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "into").symlink_to(victim)
+    with pytest.raises(OSError):
+        isolation.give(tmp_path / "tree" / "into", 12345, 0o600)
+    isolation.give(tree, 12345, 0o700)
+    assert tree.stat().st_uid == 12345 and (tree / "into").lstat().st_uid == 12345
+    assert victim.stat().st_uid == (victim / "deep" / "f").stat().st_uid == os.geteuid()
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o755

@@ -4,6 +4,7 @@ deterministic to the bit, resumable to the bit, and stopped before training by a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -149,6 +150,18 @@ def test_resuming_with_other_shares_of_the_holders_is_refused(two_ranks):
         loop._check_shares(checkpoint, extra, {"cursors": {"north": 8}, "last": "north"}, rank0)
 
 
+def test_a_checkpoint_changed_after_the_ranks_agreed_on_it_is_refused(two_ranks):
+    """The orchestrator binds the SHA-384 of the checkpoint it resumes into the ranks' keys;
+    the loop then loads only bytes with that digest, so a file swapped in between is refused."""
+    tmp, shares, _ = two_ranks
+    checkpoint = tmp / "run" / "checkpoint.pt"
+    bound = hashlib.sha384(checkpoint.read_bytes() + b"before the swap").digest()
+    ranks = Ranks(rank=0, world_size=2, attest=bytes, verify=lambda *a: None, context=b"job",
+                  shares=(("north",), ("south", "west")), resume_sha384=bound)
+    with pytest.raises(BadInput, match="changed after"):
+        train(TINY, LocalSource({}), resume_from=checkpoint, ranks=ranks)
+
+
 def test_a_rank_that_refuses_its_peer_stops_the_job_before_any_step(two_ranks, tmp_path):
     _, shares, _ = two_ranks
     with pytest.raises(ProcessFailed) as err:
@@ -168,7 +181,8 @@ def test_a_tampered_gradient_record_stops_the_step_with_its_typed_error(two_rank
 
 
 @pytest.mark.parametrize("bad", [dict(rank=2), dict(rank=-1), dict(world_size=0), dict(context=b""),
-                                 dict(variant="plain"), dict(attest=None), dict(timeout_s=0)])
+                                 dict(variant="plain"), dict(attest=None), dict(timeout_s=0),
+                                 dict(shares=(("a",), ("a",))), dict(shares=(("a",), ())), dict(shares=(("a",),))])
 def test_bad_ranks_are_refused(bad):
     args = dict(rank=0, world_size=2, attest=bytes, verify=lambda *a: None, context=b"job") | bad
     with pytest.raises(BadInput):

@@ -17,6 +17,7 @@ processes hold (cohort/isolation.py), so a booted cohort's block is never picked
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import warnings
@@ -82,6 +83,7 @@ class GpuCohorts:
                 cohort = Cohort(config, launch=self.launch)
                 self.cohorts.append(cohort)  # before it starts: close() stops what it started
                 cohort.start()
+            self._forget_roots()
             if self.servers:
                 self._join_servers()
         except BaseException:
@@ -104,6 +106,13 @@ class GpuCohorts:
             configs.append(config)
         _check_outputs(configs)
         return configs
+
+    def _forget_roots(self) -> None:
+        """Every cohort has certified its GPU and TDX module: no copy of the roots stays in
+        any cohort's configuration (the supervisor's trust dropped its own once used)."""
+        for cohort in self.cohorts:
+            stripped = dataclasses.replace(cohort.config, roots=None)
+            cohort.config = cohort.supervisor.config = cohort.client.config = stripped
 
     def _join_servers(self) -> None:
         """A switch and one shaped link to each server's orchestrator namespace (the hub of
@@ -135,19 +144,22 @@ class GpuCohorts:
         order they were lent); never raises, but warns of what it could not stop. Safe to call
         from several threads (a failing rank closes everything while the others run)."""
         with self._closing:
+            failures = []
             if self.fabric is not None:
                 try:
                     self.fabric.close()  # before the servers' namespaces it has a leg in
                 except Exception as exc:  # a namespace left behind must not keep the cohorts running
-                    warnings.warn(f"the servers' links were not all deleted: {exc}", RuntimeWarning, stacklevel=2)
+                    failures.append(f"the servers' links were not all deleted: {exc}")
                 self.fabric = None
             while self.cohorts:
                 k, cohort = len(self.cohorts) - 1, self.cohorts.pop()
                 try:
                     cohort.close()
                 except Exception as exc:  # one that raises must not keep the rest running
-                    warnings.warn(f"closing GPU {k}'s cohort failed: {type(exc).__name__}: {exc}",
-                                  RuntimeWarning, stacklevel=2)
+                    failures.append(f"closing GPU {k}'s cohort failed: {type(exc).__name__}: {exc}")
+            for failure in failures:  # said once everything that could stop has stopped
+                with contextlib.suppress(Exception):  # a filter that turns warnings into errors
+                    warnings.warn(failure, RuntimeWarning, stacklevel=2)
             self._drop_roots()
 
     # ------------------------------------------------------------------ looking at it

@@ -227,11 +227,19 @@ def private_env(home: str) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- files
 def give(path: Path, uid: int, mode: int | None = None) -> None:
-    """Hand a tree to `uid` (its own gid); the launcher, root, still reads it."""
-    for p in [path, *(path.rglob("*") if path.is_dir() else ())]:
-        os.chown(p, uid, uid, follow_symlinks=False)
-    if mode is not None:
-        os.chmod(path, mode)
+    """Hand a tree to `uid` (its own gid); the launcher, root, still reads it. It follows no
+    link: one at `path` is refused, one inside is handed over itself, never what it names."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # ELOOP for a link
+    try:
+        os.fchown(fd, uid, uid)
+        if mode is not None:
+            os.fchmod(fd, mode)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            for top, dirs, files in os.walk(path, followlinks=False):
+                for name in dirs + files:
+                    os.chown(os.path.join(top, name), uid, uid, follow_symlinks=False)
+    finally:
+        os.close(fd)
 
 
 def readable_by_others(path: Path) -> Path | None:

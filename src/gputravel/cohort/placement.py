@@ -14,6 +14,7 @@ path is handed over as is, and nothing changes owner.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -208,24 +209,33 @@ class Placement:
         inside = self._inside_lent(Path(path).resolve())
         if inside is not None:
             return inside
-        copy = self.party_dir(key) / Path(path).name
-        copy.unlink(missing_ok=True)  # a link there is removed, never written through
+        # The party's directory is the party's to write while it runs: every step below goes
+        # through descriptors, so nothing it swaps in (a link, a FIFO) redirects root.
+        home = self.dir / "parties" / key
+        name = Path(path).name
         try:
-            src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise BadInput(f"cannot hand {path} to {key}: {exc.strerror}") from None
+        dir_fd = -1
         try:
             if not stat.S_ISREG(os.fstat(src).st_mode):
                 raise BadInput(f"cannot hand {path} to {key}: not a regular file")
-            dst = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            dir_fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)  # a link there is removed, never written through
+            dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                          dir_fd=dir_fd)
+            os.fchown(dst, self.uid(key), self.uid(key))
             with os.fdopen(dst, "wb") as out, os.fdopen(os.dup(src), "rb") as inp:
                 shutil.copyfileobj(inp, out)
         except OSError as exc:
             raise BadInput(f"cannot hand {path} to {key}: {exc.strerror}") from None
         finally:
             os.close(src)
-        self.own(copy, key, 0o600)
-        return self.path(copy)
+            if dir_fd >= 0:
+                os.close(dir_fd)
+        return self.path(home / name)
 
     def close(self) -> None:
         """Give lent outputs back to their owners; close every descriptor. Never raises."""

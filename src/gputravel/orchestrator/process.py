@@ -125,17 +125,27 @@ def _ranks(orch: Orchestrator, cmd: Train):
         raise BadInput(f"rank {cmd.rank}'s holders ({', '.join(sorted(orch.holders))}) are not its share of the job")
     material = OrchestratorMaterial.load(orch.config.trust_dir)
     tee = QuotingRankTee(partial(request_quote, material.quoting_socket), material.trust)
+    resumed = _checkpoint_digest(cmd.resume_checkpoint)
     return Ranks(rank=cmd.rank, world_size=cmd.world_size, attest=tee.attest, verify=tee.verify,
-                 context=_job_context(cmd), shares=cmd.shares)
+                 context=_job_context(cmd, resumed), shares=cmd.shares, resume_sha384=resumed)
 
 
-def _job_context(cmd: Train) -> bytes:
+def _checkpoint_digest(path: str) -> bytes:
+    """SHA-384 of the checkpoint to resume (the loop loads only bytes with this digest)."""
+    if not path:
+        return b""
+    try:
+        return hashlib.sha384(Path(path).read_bytes()).digest()
+    except OSError as exc:
+        raise BadInput(f"no checkpoint at {path}: {exc.strerror}") from None
+
+
+def _job_context(cmd: Train, resumed: bytes) -> bytes:
     """What the ranks' pair keys are bound to: the launcher's context, and the job itself (its
     settings, the checkpoint it resumes, every rank's holders). Ranks told different jobs
     derive different contexts, refuse each other's quotes, and stop before any step."""
-    checkpoint = Path(cmd.resume_checkpoint).read_bytes() if cmd.resume_checkpoint else b""
-    job = json.dumps({"config": json.loads(cmd.config_json), "shares": cmd.shares,
-                      "checkpoint": hashlib.sha384(checkpoint).hexdigest()}, sort_keys=True)
+    job = json.dumps({"config": json.loads(cmd.config_json), "shares": cmd.shares, "checkpoint": resumed.hex()},
+                     sort_keys=True)
     return b"gputravel ranks v1\0" + hashlib.sha384(hashlib.sha384(cmd.ranks_context).digest() + job.encode()).digest()
 
 

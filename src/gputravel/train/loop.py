@@ -12,6 +12,8 @@ DDP over the encrypted ring, its batches from its own source, rank 0 writing the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import math
 import statistics
 import time
@@ -262,7 +264,10 @@ def checkpoint_shares(path: Path) -> tuple[tuple[str, ...], ...] | None:
 
 def _resume(cfg: TrainConfig, path: Path, model, optimizer,
             ranks: Ranks | None) -> tuple[int, LoaderState, TrainResult]:
-    step, extra = load_checkpoint(path, model, optimizer)
+    data = None
+    if ranks is not None and ranks.resume_sha384:
+        data = _read_bound(path, ranks.resume_sha384)
+    step, extra = load_checkpoint(path, model, optimizer, data=data)
     if extra.get("config") != cfg.to_dict():
         diff = sorted(k for k, v in cfg.to_dict().items() if (extra.get("config") or {}).get(k) != v)
         raise BadInput(f"checkpoint {path} belongs to another job (differs in: {', '.join(diff)}); "
@@ -272,6 +277,17 @@ def _resume(cfg: TrainConfig, path: Path, model, optimizer,
     loader, mine = _rank_share(path, extra, step, ranks)
     result = TrainResult(losses=list(mine["losses"]), travels=list(mine.get("travels", ())))
     return step, LoaderState.from_dict(loader), result
+
+
+def _read_bound(path: Path, digest: bytes) -> bytes:
+    """The checkpoint's bytes, read once, if they are the ones this rank's keys are bound to."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise BadInput(f"no checkpoint at {path}: {exc.strerror}") from None
+    if not hmac.compare_digest(hashlib.sha384(data).digest(), digest):
+        raise BadInput(f"checkpoint {path} changed after the ranks agreed on it; resume again")
+    return data
 
 
 def _rank_share(path: Path, extra: dict, step: int, ranks: Ranks | None) -> tuple[dict, dict]:
@@ -302,9 +318,10 @@ def _check_shares(path: Path, extra: dict, loader: dict, ranks: Ranks | None) ->
     if stored is not None and stored != [list(s) for s in ranks.shares]:
         raise BadInput(f"checkpoint {path} was written with other shares of the holders ({stored}); "
                        "resume with the shares it records")
-    if not isinstance(loader, dict):
+    cursors, last = (loader.get("cursors"), loader.get("last")) if isinstance(loader, dict) else (None, 0)
+    if not isinstance(cursors, dict) or not (last is None or isinstance(last, str)):
         raise BadInput(f"checkpoint {path} is inconsistent (its ranks' states); start the run afresh")
-    named = set(loader.get("cursors") or {}) | ({loader["last"]} if loader.get("last") is not None else set())
+    named = set(cursors) | ({last} if last is not None else set())
     if not named <= mine:
         raise BadInput(f"checkpoint {path}: rank {ranks.rank}'s cursors name holders outside its share "
                        f"({', '.join(sorted(map(str, named - mine)))})")

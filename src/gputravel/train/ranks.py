@@ -64,6 +64,9 @@ class Ranks:
     # Which holders each rank trains on (by rank), when the job says: a checkpoint records
     # them and a resume with other shares is refused (a chunk would reach two ranks).
     shares: tuple[tuple[str, ...], ...] = ()
+    # SHA-384 of the checkpoint this rank resumes, as bound into `context`: the loop loads the
+    # bytes it checked against it, so a file swapped after binding is refused, not loaded.
+    resume_sha384: bytes = b""
 
     def __post_init__(self) -> None:
         if type(self.world_size) is not int or self.world_size < 1:
@@ -78,9 +81,12 @@ class Ranks:
             raise BadInput(f"variant must be one of {', '.join(ENCRYPTED_VARIANTS)} (got {self.variant!r})")
         if not self.timeout_s > 0:
             raise BadInput("timeout_s must be positive")
-        if self.shares and (len(self.shares) != self.world_size or
-                            not all(isinstance(n, str) for share in self.shares for n in share)):
-            raise BadInput(f"shares must name each of the {self.world_size} ranks' holders")
+        if self.shares:
+            names = [n for share in self.shares for n in share]
+            if (len(self.shares) != self.world_size or not all(self.shares) or
+                    not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names)):
+                raise BadInput(f"shares must name each of the {self.world_size} ranks' holders, "
+                               "every holder in one share only")
 
 
 class DataParallel:

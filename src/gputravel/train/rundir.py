@@ -236,12 +236,13 @@ class RunDir:
         return load_checkpoint(path, model, optimizer)
 
 
-def _read_checkpoint(path: Path) -> dict:
-    if not path.is_file():
+def _read_checkpoint(path: Path, data: bytes | None = None) -> dict:
+    """The checkpoint at `path`, or in `data`: its bytes, read once by a caller that checked them."""
+    if data is None and not path.is_file():
         raise BadInput(f"no checkpoint at {path}; check the run directory or train first")
     try:
         # weights_only: a checkpoint is data, never code to run (it may come from elsewhere)
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(io.BytesIO(data) if data is not None else path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged file
         raise BadInput(
             f"checkpoint {path} is corrupt or not a gputravel checkpoint "
@@ -256,14 +257,17 @@ def load_checkpoint(
     path: str | os.PathLike,
     model: GPT,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    data: bytes | None = None,
 ) -> tuple[int, dict]:
     """Restore ``model`` (and ``optimizer`` if given) from a checkpoint; return (step, extra).
+    With ``data``, from those bytes (the file's, read once by the caller) rather than the file.
 
     Tensors are loaded onto the CPU and copied into the model's parameters, so a checkpoint
     saved on CUDA loads into a CPU model and back. The stored GPTConfig must equal
     ``model.config``; a mismatch is a BadInput naming the differing fields."""
     path = Path(path)
-    payload = _read_checkpoint(path)
+    payload = _read_checkpoint(path, data)
     config = getattr(model, "config", None)
     if not isinstance(config, GPTConfig):
         raise BadInput("load_checkpoint needs a GPT model (one with a GPTConfig .config)")
