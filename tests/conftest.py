@@ -141,3 +141,26 @@ def kill_orchestrators():
         return killed
 
     return kill
+
+
+RANK_TEXTS = {
+    "north": "Now is the winter of our discontent made glorious summer by this sun of York. " * 12,
+    "south": "If music be the food of love, play on; give me excess of it, that, surfeiting. " * 10,
+    "west": "When shall we three meet again in thunder, lightning, or in rain? " * 14,
+}
+
+
+@pytest.fixture(scope="session")
+def write_rank_shares():
+    """Three small text holders written into a directory, dealt to two ranks as
+    [[north], [south, west]]: (name, path) per holder, per rank."""
+    from pathlib import Path
+
+    def write(tmp: Path) -> list[list[tuple[str, str]]]:
+        paths = {}
+        for name, text in RANK_TEXTS.items():
+            (tmp / f"{name}.txt").write_text(text)
+            paths[name] = str(tmp / f"{name}.txt")
+        return [[("north", paths["north"])], [("south", paths["south"]), ("west", paths["west"])]]
+
+    return write

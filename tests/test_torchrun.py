@@ -19,22 +19,9 @@ from gputravel.jobs.local_ranks import run_local_ranks
 from gputravel.jobs.torchrun_rank import ROOT_KEY_FILE, main, read_torchrun_job, write_torchrun_job
 from gputravel.train.loop import TrainConfig
 
-TEXTS = {
-    "north": "Now is the winter of our discontent made glorious summer by this sun of York. " * 12,
-    "south": "If music be the food of love, play on; give me excess of it, that, surfeiting. " * 10,
-    "west": "When shall we three meet again in thunder, lightning, or in rain? " * 14,
-}
 TINY = TrainConfig(steps=6, batch=2, seq_len=16, buffer_bytes=1024, n_layer=1, n_head=2, n_embd=32,
                    threads=1, sample_tokens=0, warmup_steps=2, loader="local")
 LAUNCH_TIMEOUT_S = 120  # both ranks' start-up and training take a few seconds here
-
-
-def _shares(tmp: Path) -> list[list[tuple[str, str]]]:
-    paths = {}
-    for name, text in TEXTS.items():
-        (tmp / f"{name}.txt").write_text(text)
-        paths[name] = str(tmp / f"{name}.txt")
-    return [[("north", paths["north"])], [("south", paths["south"]), ("west", paths["west"])]]
 
 
 def _torchrun(job_dir: Path, cwd: Path, *launches: list[str]) -> list[subprocess.CompletedProcess]:
@@ -60,10 +47,10 @@ def _torchrun(job_dir: Path, cwd: Path, *launches: list[str]) -> list[subprocess
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory):
+def local(tmp_path_factory, write_rank_shares):
     """The reference: run_local_ranks on the same job."""
     tmp = tmp_path_factory.mktemp("local")
-    shares = _shares(tmp)
+    shares = write_rank_shares(tmp)
     return shares, run_local_ranks(TINY, shares, tmp / "run", timeout=60)
 
 
@@ -96,21 +83,21 @@ def test_two_nodes_of_one_rank_each_give_the_same_losses(local, tmp_path):
     _assert_same_as_local(tmp_path / "run", local_report)
 
 
-def test_a_launch_of_another_world_size_is_refused_with_the_reason(tmp_path):
-    job = write_torchrun_job(TINY, _shares(tmp_path), tmp_path / "job", tmp_path / "run")
+def test_a_launch_of_another_world_size_is_refused_with_the_reason(tmp_path, write_rank_shares):
+    job = write_torchrun_job(TINY, write_rank_shares(tmp_path), tmp_path / "job", tmp_path / "run")
     [launched] = _torchrun(job, tmp_path, ["--standalone", "--nproc-per-node", "1"])
     assert launched.returncode != 0
     assert "is a job of 2 ranks, launched with WORLD_SIZE=1" in launched.stderr
     assert not (tmp_path / "run").exists()
 
 
-def test_the_job_directory_keeps_its_emulated_root_key_private(tmp_path):
-    job = write_torchrun_job(TINY, _shares(tmp_path), tmp_path / "job", tmp_path / "run")
+def test_the_job_directory_keeps_its_emulated_root_key_private(tmp_path, write_rank_shares):
+    job = write_torchrun_job(TINY, write_rank_shares(tmp_path), tmp_path / "job", tmp_path / "run")
     assert (job.stat().st_mode & 0o777) == 0o700
     assert ((job / ROOT_KEY_FILE).stat().st_mode & 0o777) == 0o600
-    assert read_torchrun_job(job, 1, 2).share == tuple((n, p) for n, p in _shares(tmp_path)[1])
+    assert read_torchrun_job(job, 1, 2).share == tuple((n, p) for n, p in write_rank_shares(tmp_path)[1])
     with pytest.raises(BadInput, match="local loader"):
-        write_torchrun_job(TrainConfig(loader="travelling"), _shares(tmp_path), tmp_path / "j2", tmp_path / "r2")
+        write_torchrun_job(TrainConfig(loader="travelling"), write_rank_shares(tmp_path), tmp_path / "j2", tmp_path / "r2")
 
 
 LAUNCH_ENV = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # torchrun's
@@ -125,9 +112,9 @@ LAUNCH_ENV = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTE
     ({}, "{not json", "job.json is malformed"),
     ({}, '{"format": "gputravel torchrun job v1"}', "run_dir: Field required"),
 ])
-def test_bad_launches_exit_2_with_a_clear_message(tmp_path, monkeypatch, capsys, env, job_json, says):
+def test_bad_launches_exit_2_with_a_clear_message(tmp_path, monkeypatch, capsys, env, job_json, says, write_rank_shares):
     """Each is refused before any rendezvous (MASTER_PORT 1 is never dialled)."""
-    job = write_torchrun_job(TINY, _shares(tmp_path), tmp_path / "job", tmp_path / "run")
+    job = write_torchrun_job(TINY, write_rank_shares(tmp_path), tmp_path / "job", tmp_path / "run")
     for name, value in (LAUNCH_ENV | env).items():
         if value is None:
             monkeypatch.delenv(name, raising=False)

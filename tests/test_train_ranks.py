@@ -19,28 +19,15 @@ from gputravel.train import loop
 from gputravel.train.loop import TrainConfig, train
 from gputravel.train.ranks import Ranks
 
-TEXTS = {
-    "north": "Now is the winter of our discontent made glorious summer by this sun of York. " * 12,
-    "south": "If music be the food of love, play on; give me excess of it, that, surfeiting. " * 10,
-    "west": "When shall we three meet again in thunder, lightning, or in rain? " * 14,
-}
 TINY = TrainConfig(steps=8, batch=2, seq_len=16, buffer_bytes=1024, n_layer=1, n_head=2, n_embd=32,
                    threads=1, sample_tokens=0, warmup_steps=2, checkpoint_every=4)
 STOP_AT = 4  # the stopped run's last step: its checkpoint is the one resumed
 
 
-def _shares(tmp: Path) -> list[list[tuple[str, str]]]:
-    paths = {}
-    for name, text in TEXTS.items():
-        (tmp / f"{name}.txt").write_text(text)
-        paths[name] = str(tmp / f"{name}.txt")
-    return [[("north", paths["north"])], [("south", paths["south"]), ("west", paths["west"])]]
-
-
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(tmp_path_factory, write_rank_shares):
     tmp = tmp_path_factory.mktemp("ranks")
-    shares = _shares(tmp)
+    shares = write_rank_shares(tmp)
     return tmp, shares, run_local_ranks(TINY, shares, tmp / "run", timeout=60)
 
 

@@ -50,14 +50,8 @@ from gputravel.attest import (
     orchestrator_measurement,
 )
 from gputravel.attest.material import LIMITS_FILE, POLICY_FILE, REFERENCE_FILE
-from gputravel.attest.roots import (
-    GPU_ROOT_CERT,
-    GPU_ROOT_KEY,
-    GPU_VENDOR_ROOT_CN,
-    TEE_QUOTING_ROOT_CN,
-    TEE_ROOT_CERT,
-    TEE_ROOT_KEY,
-)
+from gputravel.attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
+from gputravel.attest.roots import GPU_VENDOR_ROOT_CN, TEE_QUOTING_ROOT_CN
 from gputravel.errors import BadInput
 
 if TYPE_CHECKING:
