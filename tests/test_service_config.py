@@ -93,6 +93,17 @@ def test_holders_pin_the_orchestrator_init_configured(cohort: Path) -> None:
         assert policy.gpu_driver_versions and policy.to_policy(orch.trust_dir).gpu_reference_values.exists()
 
 
+def test_the_measurement_the_holders_pin_covers_the_job(cohort: Path, tmp_path: Path) -> None:
+    """[job] is measured: an orchestrator.toml whose job was edited after init (more steps,
+    another seed) measures differently, so the holders' policies refuse it."""
+    orch = load_service(cohort / "orchestrator.toml")
+    pinned = load_service(cohort / "holder-north.toml").policy.orchestrator_measurements
+    for change in ({"steps": orch.job.steps + 1}, {"seed": orch.job.seed + 1}):
+        edited = orch.model_copy(update={"job": orch.job.model_copy(update=change)})
+        other = measure_orchestrator(orchestrator_engine_config(edited, pki_dir="", trust_dir=orch.trust_dir))
+        assert other.hex() not in pinned
+
+
 def test_only_the_hardware_stand_ins_hold_a_private_key(cohort: Path) -> None:
     allowed = (cohort / "state" / "gpu-0" / "vendor", cohort / "state" / "orchestrator" / "platform")
     keyed = [p for p in cohort.rglob("*") if p.is_file() and b"PRIVATE KEY" in p.read_bytes()]

@@ -179,6 +179,18 @@ def test_a_holder_killed_mid_copy_is_dropped_and_its_partial_chunk_never_trained
     assert report["losses"] == ref.losses
 
 
+def test_the_orchestrator_runs_only_the_job_it_was_measured_with(tmp_path):
+    """The job is part of the orchestrator's measurement, which the holders pin: a Train for
+    another job (another seed, here) is refused, before any step."""
+    job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path)[:1], run_dir=str(tmp_path / "run")))
+    cfg = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in job.holders), buffer_bytes=TINY.buffer_bytes,
+                       layout=layout_for(TINY.buffer_bytes), tokenizer=job.train.tokenizer,
+                       job_json=json.dumps(job.train.to_dict()))
+    with Cohort(cfg) as cohort:
+        with pytest.raises(BadInput, match="measured with"):
+            cohort.train(json.dumps(replace(job.train, seed=job.train.seed + 1).to_dict()))
+
+
 def test_every_travel_is_in_the_orchestrators_signed_log(both_runs):
     tmp, travelling, _ = both_runs
     run_dir = tmp / "travelling"

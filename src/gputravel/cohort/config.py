@@ -68,6 +68,9 @@ class CohortConfig:
     # memory only (it drops them once every cohort has booted); None: this cohort makes fresh
     # roots of its own. `gpu_index` k names this cohort's device GPU-EMU-k.
     roots: SharedRoots | None = field(default=None, repr=False, compare=False)
+    # The training job the orchestrator runs (TrainConfig as JSON): part of its measurement,
+    # which the holders pin; "": any job (a cohort that travels, or the red team's).
+    job_json: str = ""
     gpu_index: int = 0
 
     def __post_init__(self) -> None:

@@ -130,7 +130,7 @@ class Supervisor:
                         "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
                         "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer,
                         "trust_dir": place.path(self.trust.orchestrator_dir), **self._device_timeout(), **self._hardware(),
-                        "audit_log": audit or place.path(self.audit_log_path)}
+                        "audit_log": audit or place.path(self.audit_log_path), "job_json": cfg.job_json}
         return orchestrator, quoting
 
     def _boot_gpu_side(self, orchestrator: dict, quoting: QuotingLaunch) -> int:

@@ -137,7 +137,7 @@ def _run_travelling(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
     cohort_cfg = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
                               buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
                               audit_log=str(log), output_dirs=(str(run_dir),),  # lent to the orchestrator's uid
-                              hardware=cfg.hardware)
+                              hardware=cfg.hardware, job_json=json.dumps(t.to_dict()))
     with Cohort(cohort_cfg) as cohort:
         atomic_write_bytes(cert, cohort.orchestrator_certificate())  # what holders verify the log with
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{k: getattr(m, k) for k in StepEvent.__dataclass_fields__})))
@@ -219,7 +219,8 @@ def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares
     logs = [_audit_paths(run_dir, f"gpu-{k}-") for k in range(cfg.gpus)]
     base = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
                         buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
-                        output_dirs=(str(run_dir),), hardware=cfg.hardware, link="netns" if cfg.servers else "auto")
+                        output_dirs=(str(run_dir),), hardware=cfg.hardware, link="netns" if cfg.servers else "auto",
+                        job_json=json.dumps(t.to_dict()))
 
     def per_gpu(k: int, c: CohortConfig) -> CohortConfig:
         # Only rank 0 writes into the run directory; each rank signs its own travel log.

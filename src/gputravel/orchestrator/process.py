@@ -91,6 +91,9 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     from gputravel.train.loop import TrainConfig, make_report, sample_tokenizer, train  # lazy: torch
 
     cfg = TrainConfig(**json.loads(cmd.config_json))
+    if orch.config.job_json and json.loads(orch.config.job_json) != cfg.to_dict():
+        raise BadInput("the job differs from the one this orchestrator was measured with, "
+                       "which the holders pinned: launch an orchestrator for this job")
     if cfg.buffer_bytes != orch.config.buffer_bytes:
         raise BadInput(f"the job wants a {cfg.buffer_bytes}-byte buffer, this cohort has {orch.config.buffer_bytes}")
     if orch.config.tokenizer and cfg.tokenizer != orch.config.tokenizer:
