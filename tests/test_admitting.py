@@ -1,0 +1,71 @@
+"""The orchestrator's engine while it trains (orchestrator/process.py Admitting): between
+travels it admits at most one waiting holder per travel and reads goodbyes, so a stream of
+connections delays each travel by one handshake at most and never starves the travels."""
+
+from __future__ import annotations
+
+import socket
+from types import SimpleNamespace
+
+from gputravel.errors import PeerTimeout
+from gputravel.orchestrator.process import Admitting
+from gputravel.protocol.travel import Bye
+from gputravel.transport.stream import StreamTransport
+
+
+class _Listener:
+    """`waiting` connections at once (joiners, or strangers that stall): readable until each
+    was taken."""
+
+    def __init__(self, waiting: int) -> None:
+        self._r, self._w = socket.socketpair()
+        self._w.send(b"x" * waiting)
+
+    def fileno(self) -> int:
+        return self._r.fileno()
+
+    def take(self) -> None:
+        self._r.recv(1)
+
+
+class _Orchestrator:
+    def __init__(self, fail: bool) -> None:
+        self.listener, self.fail = _Listener(3), fail
+        self.holders: dict[str, StreamTransport] = {}
+        self.config = SimpleNamespace(holder_timeout=0.1)
+        self.accepted = self.travels = 0
+        self.dropped: list[str] = []
+
+    def accept_holder(self, timeout: float, probe) -> str:
+        self.accepted += 1
+        self.listener.take()
+        if self.fail:
+            raise PeerTimeout("a stranger that never finished its handshake")
+        return f"late-{self.accepted}"
+
+    def travel(self, holder: str, offset: int) -> str:
+        self.travels += 1
+        return f"travelled to {holder}"
+
+    def drop(self, name: str) -> None:
+        self.dropped.append(name)
+        del self.holders[name]
+
+
+def test_one_admission_per_travel_however_many_wait_and_travels_go_on():
+    for fail in (False, True):
+        orch = _Orchestrator(fail)
+        engine = Admitting(orch, SimpleNamespace(probe_over=None))
+        for k in range(5):
+            assert engine.travel("north", k) == "travelled to north"
+            assert orch.accepted == min(k + 1, 3)  # three waited: one before each travel, never more
+        assert orch.travels == 5
+
+
+def test_a_holder_that_says_goodbye_between_travels_is_dropped():
+    orch = _Orchestrator(fail=True)
+    mine, theirs = socket.socketpair()
+    orch.holders["south"] = StreamTransport(mine, "south")
+    StreamTransport(theirs, "orchestrator").send(Bye(reason="leaving the cohort"))
+    Admitting(orch, SimpleNamespace(probe_over=None)).travel("north", 0)
+    assert orch.dropped == ["south"] and "south" not in orch.holders
