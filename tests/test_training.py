@@ -24,7 +24,7 @@ from gputravel.errors import BadInput, HolderLost, RemoteError
 from gputravel.jobs.training import TrainingJobConfig, layout_for, resolve, run_training_job
 from gputravel.orchestrator.audit import verify_log
 from gputravel.train.loader import LocalSource
-from gputravel.train.loop import TrainConfig, train
+from gputravel.train.loop import TrainConfig, make_report, train
 
 pytestmark = pytest.mark.integration
 
@@ -124,6 +124,22 @@ def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(both_runs, tm
     assert resumed["losses"] == uninterrupted["losses"]
     steps = [int(line.split(",")[0]) for line in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]]
     assert steps == list(range(TINY.steps))
+
+
+def test_a_run_asked_to_stop_ends_at_a_step_checkpointed_there_and_resumes_exactly(both_runs, tmp_path):
+    """A service's SIGTERM asks its orchestrator to stop (orchestrator/process.py): training
+    ends after the step it is on, the checkpoint is of that step, and a resume continues from
+    it with the losses of an uninterrupted run."""
+    _, _, uninterrupted = both_runs
+    job = resolve(TrainingJobConfig(train=replace(TINY, loader="local"), holders=holders(tmp_path), run_dir=str(tmp_path)))
+    tokens = {n: load_tokens(p).tokens for n, p in job.holders}
+    asked = []
+    first = train(job.train, LocalSource(tokens), run_dir=tmp_path / "run", on_step=lambda e: asked.append(e.step),
+                  should_stop=lambda: len(asked) >= 7)
+    assert first.stopped and len(first.losses) == 7
+    assert make_report(job.train, first)["stopped"] is True
+    resumed = train(job.train, LocalSource(tokens), run_dir=tmp_path / "run", resume_from=tmp_path / "run" / "checkpoint.pt")
+    assert not resumed.stopped and resumed.losses == uninterrupted["losses"]
 
 
 def test_resuming_with_another_job_or_without_a_checkpoint_is_refused(tmp_path):

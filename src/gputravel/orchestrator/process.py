@@ -100,13 +100,31 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
         raise BadInput(f"the job trains on {cfg.tokenizer!r} tokens, this cohort holds {orch.config.tokenizer!r} tokens")
     assert orch.travel_sm is not None
     sizes = {name: orch.travel_sm.holders[name].dataset_bytes for name in orch.holders}
+    ranks = _ranks(orch, cmd)
     engine = Admitting(orch, membership if membership is not None else Membership(orch))
     source = BaselineSource(orch, sizes) if cfg.loader == "baseline" else TravelSource(engine, sizes)
     result = train(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
                    on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
                    resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
-                   tokenizer=sample_tokenizer(cfg.tokenizer), ranks=_ranks(orch, cmd))
+                   tokenizer=sample_tokenizer(cfg.tokenizer), ranks=ranks,
+                   should_stop=None if ranks is not None else _ShutdownAsked(control))
     return make_report(cfg, result)
+
+
+class _ShutdownAsked:
+    """Between steps: has the launcher asked this CVM to shut down? A service stopping (its
+    SIGTERM) ends training at a step boundary, checkpointed there, rather than mid-step."""
+
+    def __init__(self, control: Transport) -> None:
+        self.control, self.asked = control, False
+
+    def __call__(self) -> bool:
+        if not self.asked and _readable(self.control.fileno()):
+            msg = self.control.recv(timeout=1).message
+            self.asked = isinstance(msg, Shutdown)
+            if not self.asked:
+                log.warning("ignored %s during training", type(msg).__name__)
+        return self.asked
 
 
 def _ranks(orch: Orchestrator, cmd: Train):
@@ -173,7 +191,10 @@ def serve(config: OrchestratorConfig, control: Transport, device_link: socket.so
                 elif isinstance(cmd, ORCHESTRATOR_COMMANDS):  # join and leave (orchestrator/membership.py)
                     control.send(membership.command(cmd))
                 elif isinstance(cmd, Train):
-                    control.send(TrainDone(report_json=json.dumps(run_training(orch, cmd, control, membership))))
+                    report = run_training(orch, cmd, control, membership)
+                    control.send(TrainDone(report_json=json.dumps(report)))
+                    if report["stopped"]:  # it was asked to shut down while it trained
+                        return
                 else:
                     control.send(Failed(kind="ProtocolError", reason=f"unknown command {type(cmd).__name__}"))
             except GputravelError as exc:

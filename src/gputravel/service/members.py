@@ -30,14 +30,15 @@ from gputravel.crypto.pki import pin_peers
 from gputravel.cohort.client import error_from
 from gputravel.errors import BadInput, GputravelError, ProtocolError
 from gputravel.files import atomic_write_bytes, write_json
-from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, TrainDone,
-                                        TrainStep, Train)
+from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, Shutdown,
+                                        TrainDone, TrainStep, Train)
 from gputravel.service.config import HolderService, OrchestratorService, job_train_config
 from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.party import (PartyChild, Stopping, log, own_state, private_dir, publish, unix_listening,
                                      wait_for, wait_for_sockets)
 
 BOOT_TIMEOUT = 120.0
+STOP_WAIT_S = 60.0  # a stopping orchestrator finishes its step and checkpoints within this
 ORCHESTRATOR = "orchestrator"
 DONE_FILE = "job-done"  # in the public directory: the orchestrator finished the job
 
@@ -262,7 +263,7 @@ def _certify_quoting_key(tdx: PartyChild, platform: Path) -> None:
 def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Stopping) -> int:
     """Wait for every holder named in the config to join, then train (resuming from the run
     directory's checkpoint when there is one), streaming progress to the log and status.json."""
-    status = state / "status.json"
+    status, stopping = state / "status.json", False
     _say_status(cfg, status, {"phase": "admitting", "members": [], "step": 0})
     child.control.send(AwaitHolders(names=tuple(cfg.holders), timeout=3600.0))
     log(ORCHESTRATOR, "waiting", waiting_for=f"holders {', '.join(cfg.holders)} to join")
@@ -278,13 +279,23 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
     child.control.send(Train(config_json=json.dumps(train.to_dict()), run_dir=str(run_dir),
                              resume_checkpoint=str(checkpoint) if checkpoint.exists() else "",
                              rank=0, world_size=1, master="", ifname="", shares=(), ranks_context=b""))  # one GPU: issue 14 left
-    while not stop():
-        msg = child.control.recv(timeout=cfg.holder_timeout + 60).message
+    while True:
+        if stop() and not stopping:
+            # Training ends at the next step boundary, checkpointed there: a restart resumes
+            # from exactly that step (orchestrator/process.py _ShutdownAsked).
+            child.control.send(Shutdown())
+            stopping = True
+        msg = child.control.recv(timeout=STOP_WAIT_S if stopping else cfg.holder_timeout + 60).message
         if isinstance(msg, TrainStep):
             _say_status(cfg, status, {"phase": "training", "members": sorted(joined.dataset_bytes),
                                       "step": msg.step, "loss": msg.loss, "travels": msg.travels, "gpu_at": msg.holder})
             if msg.step % 5 == 0:
                 log(ORCHESTRATOR, "step", step=msg.step, loss=round(msg.loss, 4))
+        elif isinstance(msg, TrainDone) and json.loads(msg.report_json).get("stopped"):
+            done = len(json.loads(msg.report_json)["losses"])
+            _say_status(cfg, status, {"phase": "stopped", "members": sorted(joined.dataset_bytes), "step": done})
+            log(ORCHESTRATOR, "stopped", why="signal", step=done, checkpoint=str(checkpoint))
+            return 0
         elif isinstance(msg, TrainDone):
             report = json.loads(msg.report_json)
             write_json(run_dir / "report.json", report)
@@ -296,8 +307,6 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
         elif isinstance(msg, Failed):
             log(ORCHESTRATOR, "failed", kind=msg.kind, why=msg.reason)
             return 1
-    log(ORCHESTRATOR, "stopping", why="signal")
-    return 0
 
 
 PUBLIC_STATUS = ("phase", "members", "step", "travels", "gpu_at")  # what every party may know

@@ -94,6 +94,7 @@ class TrainResult:
     sample: str = ""
     state: dict = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)  # holders lost during travels, with why
+    stopped: bool = False  # asked to stop before cfg.steps: checkpointed where it stopped
 
     @property
     def stall_share(self) -> float:
@@ -127,7 +128,8 @@ def build_model(cfg: TrainConfig, device: str):
 
 def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
           on_step: Callable[[StepEvent], None] | None = None, resume_from: Path | None = None,
-          tokenizer=None, ranks: Ranks | None = None) -> TrainResult:
+          tokenizer=None, ranks: Ranks | None = None,
+          should_stop: Callable[[], bool] | None = None) -> TrainResult:
     """Train for cfg.steps; `tokenizer` (encode/decode) is only used for the final text sample.
 
     With `resume_from` (a checkpoint of the same job), training continues from the checkpoint's
@@ -141,7 +143,13 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     losses and travels, so rank 0's report is rank 0's losses. Only rank 0 writes `run_dir`
     (the other ranks ignore it) and samples; its checkpoints hold every rank's loader state,
     and a resume needs the same number of ranks, each loading the same checkpoint. A failed
-    all-reduce stops the step with its typed error (IntegrityError, ChannelFaulted, ...)."""
+    all-reduce stops the step with its typed error (IntegrityError, ChannelFaulted, ...).
+
+    `should_stop` (training alone only: ranks stop together or not at all) is asked after each
+    step; when it says so the run ends there, as if that were its last step: the checkpoint is
+    of that step, and a resume continues from it with nothing lost."""
+    if should_stop is not None and ranks is not None:
+        raise BadInput("a data-parallel rank cannot stop on its own: its peers would wait for it")
     torch.set_num_threads(cfg.threads)
     device = pick_device()
     model, optimizer = build_model(cfg, device)
@@ -157,7 +165,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
             # the steps after its checkpoint again (an earlier attempt may have logged them).
             out.truncate_metrics(start)
         step_model = dp.wrap(model) if dp is not None else model  # `model` stays the bare GPT
-        loader = _loop(cfg, source, device, model, step_model, optimizer, start, resume, result, out, dp, on_step)
+        loader = _loop(cfg, source, device, model, step_model, optimizer, start, resume, result, out, dp, on_step,
+                       should_stop)
         final = _extra(cfg, loader.state, result, dp)  # collective with ranks: every rank gathers
     finally:
         if dp is not None:
@@ -168,7 +177,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     if cfg.sample_tokens and tokenizer is not None and lead:
         result.sample = _sample(model, cfg, device, tokenizer)
     if out is not None:
-        out.save_checkpoint(model, optimizer, cfg.steps, final)
+        out.save_checkpoint(model, optimizer, len(result.losses), final)  # cfg.steps unless stopped
         out.plot_losses(list(range(1, len(result.losses) + 1)), result.losses, title=f"GPT-2 loss ({cfg.loader} loader)")
         if result.sample:
             out.write_sample(result.sample)
@@ -177,7 +186,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
 
 def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model, optimizer, start: int,
           resume: LoaderState | None, result: TrainResult, out: RunDir | None, dp: DataParallel | None,
-          on_step) -> TravellingLoader:
+          on_step, should_stop=None) -> TravellingLoader:
     """Steps start..cfg.steps; returns the loader (its state and stalls are the run's)."""
     holder_of_batch = {"name": ""}
 
@@ -223,6 +232,9 @@ def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model,
                 out.save_checkpoint(model, optimizer, step + 1, extra)
         if on_step is not None:
             on_step(event)
+        if should_stop is not None and step + 1 < cfg.steps and should_stop():
+            result.stopped = True
+            break
     result.wall_seconds = time.perf_counter() - t_start
     return loader
 
@@ -357,5 +369,6 @@ def make_report(cfg: TrainConfig, result: TrainResult) -> dict:
         "stall_share": result.stall_share,
         "loader_state": result.state,
         "holders_lost": result.lost,
+        "stopped": result.stopped,
         "sample": result.sample,
     }
