@@ -125,15 +125,27 @@ def kill_orchestrators():
     import signal
     from pathlib import Path
 
+    def parent(pid: int) -> int:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def ours(pid: int) -> bool:  # started by this test, directly or through a service
+        while pid > 1:
+            pid = parent(pid)
+            if pid == os.getpid():
+                return True
+        return False
+
     def kill(limit: int | None = None) -> int:
         killed = 0
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
+            except OSError:
                 continue
-            if ppid == os.getpid() and b"gputravel.cohort.entry" in argv and b"orchestrator" in argv:
+            if b"gputravel.cohort.entry" in argv and b"orchestrator" in argv and ours(int(pid)):
                 os.kill(int(pid), signal.SIGKILL)
                 killed += 1
                 if limit is not None and killed >= limit:

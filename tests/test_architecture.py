@@ -55,6 +55,7 @@ SAME_FLOOR = {
     ("device", "attest"): "the emulated GPU runs its attestation firmware (attest/gpu.py)",
     ("bench", "jobs"): "the training benchmark times the training job",
     ("bench", "fl"): "the training benchmark runs the FedAvg baseline",
+    ("jobs", "service"): "the demo launches each party's own service, as a consortium deploys them",
     ("train", "ddp"): "data-parallel training wraps its model in the encrypted ring's DDP hook",
 }
 REDTEAM = "redteam"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from gputravel.cohort.client import RankPlace
+from gputravel.service.launch import ServiceLaunch
 from gputravel.cohort.gpus import GpuCohorts
 from gputravel.ddp.launch import free_port
 from gputravel.net.counters import bytes_between, link_bytes
@@ -24,7 +25,6 @@ from gputravel.jobs.local_ranks import run_local_ranks
 from gputravel.train.schedule import partition
 
 from gputravel.cohort.config import CohortConfig, HolderSpec
-from gputravel.cohort.local import Cohort
 from gputravel.data.holder_tokens import load_tokens
 from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
@@ -132,21 +132,18 @@ def _run_local(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
 
 
 def _run_travelling(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
-    t = cfg.train
+    """One GPU: the cohort as a consortium deploys it, each party its own service from its own
+    config (service/launch.py), the job in the orchestrator's [job] table, measured."""
     log, cert = _audit_paths(run_dir)
-    cohort_cfg = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
-                              buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
-                              audit_log=str(log), output_dirs=(str(run_dir),),  # lent to the orchestrator's uid
-                              hardware=cfg.hardware, job_json=json.dumps(t.to_dict()))
-    with Cohort(cohort_cfg) as cohort:
-        atomic_write_bytes(cert, cohort.orchestrator_certificate())  # what holders verify the log with
-        relay = None if on_step is None else (lambda m: on_step(StepEvent(**{k: getattr(m, k) for k in StepEvent.__dataclass_fields__})))
-        resume = _checkpoint(cfg, run_dir)
-        report = cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()), on_step=relay,
-                              resume_checkpoint=str(resume.absolute()) if resume else "")
-        report["isolation"] = cohort.isolation.summary()
-        report["hardware"] = hardware_profile(cfg.hardware).to_json()
-        return report
+    _checkpoint(cfg, run_dir)  # --resume with no checkpoint: said before anything starts
+    job = {k: v for k, v in cfg.train.to_dict().items()}
+    relay = None if on_step is None else (lambda row: on_step(StepEvent(**row)))
+    with ServiceLaunch(cfg.holders, job, run_dir, audit_log=log, certificate=cert, hardware=cfg.hardware,
+                       resume=cfg.resume) as cohort:
+        report = cohort.train(relay)
+        report["isolation"] = cohort.isolation()
+    report["hardware"] = hardware_profile(cfg.hardware).to_json()
+    return report
 
 
 def _audit_paths(run_dir: Path, stem: str = "") -> tuple[Path, Path]:

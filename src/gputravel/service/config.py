@@ -127,6 +127,7 @@ class JobSection(_Section):
     threads: Annotated[int, Field(gt=0)] = 1
     checkpoint_every: Annotated[int, Field(ge=0)] = 5
     sample_tokens: Annotated[int, Field(ge=0)] = 0
+    loader: Literal["travelling", "baseline"] = "travelling"  # baseline: the centralised TLS way
     run_dir: AbsPath
 
     @model_validator(mode="after")

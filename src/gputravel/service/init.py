@@ -21,7 +21,7 @@ import re
 import shutil
 import socket
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import tomli_w
@@ -144,13 +144,14 @@ def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
 
 
 def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], job: JobSection,
-             port: int) -> list[tuple[Path, ServiceConfig]]:
+             port: int, hardware: str = "emulated") -> list[tuple[Path, ServiceConfig]]:
     run, state = d / "run", d / "state"
     host_sock, layout = str(run / "host.sock"), LayoutSection(record_bytes=_record_bytes(job.buffer_bytes))
     shared = {"trust_dir": str(d / "trust"), "public_dir": str(d / "public"), "host_socket": host_sock}
     uid = _uids(len(issuers), [n for n, _ in holders])
     out: list[tuple[Path, ServiceConfig]] = [
-        (d / "host.toml", HostService(party="host", state_dir=str(state / "host"), socket=host_sock, uid=uid["host"]))]
+        (d / "host.toml", HostService(party="host", state_dir=str(state / "host"), socket=host_sock, uid=uid["host"],
+                                      hardware=hardware))]
     for k in range(len(issuers)):
         out.append((d / f"gpu-{k}.toml", GpuService(
             party="gpu", index=k, state_dir=str(state / f"gpu-{k}"), host_socket=host_sock,
@@ -160,7 +161,7 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
     orch = OrchestratorService(
         party="orchestrator", state_dir=str(state / "orchestrator"), gpu_link_socket=str(run / "gpu-0.sock"),
         boot_lock=str(run / "gpu-0.lock"), listen_port=port, holders=[n for n, _ in holders], layout=layout,
-        job=job, uid=uid["orchestrator"], tdx_uid=uid["tdx-module"], **shared)
+        job=job, uid=uid["orchestrator"], tdx_uid=uid["tdx-module"], hardware=hardware, **shared)
     out.append((d / "orchestrator.toml", orch))
     # What each holder pins: this orchestrator's code and configuration (placement left out).
     measurement = measure_orchestrator(orchestrator_engine_config(orch, pki_dir="", trust_dir="")).hex()
@@ -169,7 +170,8 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
     for name, data in holders:
         out.append((d / f"holder-{name}.toml", HolderService(
             party="holder", name=name, state_dir=str(state / f"holder-{name}"), boot_lock=str(run / "gpu-0.lock"),
-            data=data, orchestrator_port=port, layout=layout, policy=policy, uid=uid[f"holder-{name}"], **shared)))
+            data=data, orchestrator_port=port, layout=layout, policy=policy, uid=uid[f"holder-{name}"],
+            hardware=hardware, **shared)))
     return out
 
 
@@ -185,8 +187,11 @@ def _uids(gpus: int, holders: list[str]) -> dict[str, int]:
 
 
 def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gpus: int = 1,
-                steps: int | None = None, buffer_bytes: int | None = None) -> list[Path]:
-    """Write a new cohort directory (see the module's docstring); returns the config files."""
+                steps: int | None = None, buffer_bytes: int | None = None,
+                job: Mapping[str, object] | None = None, hardware: str = "emulated") -> list[Path]:
+    """Write a new cohort directory (see the module's docstring); returns the config files.
+    `job`: the [job] table's fields beyond steps and buffer (the demo's whole TrainConfig);
+    `hardware`: the profile the host, orchestrator and holders stand for."""
     d = Path(directory).resolve()
     _check_target(d)
     closed = isolation.unreachable(d.parent) if isolation.decide(None)[0] else None
@@ -202,8 +207,11 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         _record_bytes(buffer_bytes)
     tokenizer = _job_tokenizer(checked)
     overrides = {k: v for k, v in (("steps", steps), ("buffer_bytes", buffer_bytes)) if v is not None}
-    job = JobSection(run_dir=str(d / "run-dir"), tokenizer=tokenizer, vocab_size=KNOWN[tokenizer].vocab_size,
-                     **overrides)
+    fields = {"tokenizer": tokenizer, "vocab_size": KNOWN[tokenizer].vocab_size, **(job or {}), **overrides}
+    try:
+        section = JobSection(run_dir=str(d / "run-dir"), **fields)
+    except ValueError as exc:  # pydantic's ValidationError: name the field
+        raise BadInput(f"[job]: {exc}") from None
     port = _free_port("127.0.0.1")
     made = not d.exists()
     try:
@@ -214,7 +222,7 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
                       *(f"holder-{n}" for n, _ in checked)):
             _private_dir(d / "state" / party)
         issuers = _provision(d, gpus)
-        return [write_service(path, cfg) for path, cfg in _configs(d, checked, issuers, job, port)]
+        return [write_service(path, cfg) for path, cfg in _configs(d, checked, issuers, section, port, hardware)]
     except BaseException:
         _undo(d, made)
         raise

@@ -1,0 +1,79 @@
+"""The demo's cohort as services (service/launch.py): each party's own service from its own
+config, started and owned by the launcher, the run directory staged in and out."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gputravel.cohort import isolation
+from gputravel.errors import BadInput
+from gputravel.jobs.training import TrainingJobConfig, resolve
+from gputravel.service.launch import ServiceLaunch
+from gputravel.train.loop import TrainConfig
+
+pytestmark = pytest.mark.integration
+
+TINY = TrainConfig(steps=6, batch=2, seq_len=16, buffer_bytes=4096, n_layer=1, n_head=2, n_embd=32,
+                   threads=1, sample_tokens=0, warmup_steps=2, checkpoint_every=0)
+
+
+def _job(tmp: Path) -> TrainingJobConfig:
+    closed = tmp / "closed"  # a home no other account can search
+    closed.mkdir(mode=0o700)
+    for name in ("north", "south"):
+        (closed / name).mkdir()
+        (closed / name / "book.txt").write_text(f"the {name} holder's words, over and over. " * 80)
+    holders = tuple((n, str(closed / n)) for n in ("north", "south"))
+    return resolve(TrainingJobConfig(train=TINY, holders=holders, run_dir=str(tmp / "run")))
+
+
+def _ours() -> list[int]:
+    """Processes this test started, directly or through a service, still alive."""
+    mine = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        p = int(pid)
+        while p > 1:
+            try:
+                p = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                break
+            if p == os.getpid():
+                mine.append(int(pid))
+                break
+    return mine
+
+
+def test_the_services_train_and_a_copied_dataset_is_its_holders_alone(tmp_path):
+    job = _job(tmp_path)
+    steps: list[int] = []
+    seen: dict = {}
+    launch = ServiceLaunch(job.holders, job.train.to_dict(), tmp_path / "run", audit_log=tmp_path / "run" / "audit.log",
+                           certificate=tmp_path / "run" / "orchestrator.pem")
+    with launch:
+        if isolation.decide(None)[0]:  # as root: each copy belongs to its holder's account alone
+            for name in ("north", "south"):
+                copy = launch.dir / "data" / name
+                uid = launch._config(f"holder-{name}")["uid"]
+                seen[name] = (copy.stat().st_uid == uid, stat.S_IMODE(copy.stat().st_mode))
+        report = launch.train(lambda row: steps.append(row["step"]))
+    assert steps == list(range(TINY.steps)) and len(report["losses"]) == TINY.steps
+    assert all(v == (True, 0o700) for v in seen.values()), seen
+    run = tmp_path / "run"
+    assert {"checkpoint.pt", "metrics.csv", "report.json", "audit.log", "orchestrator.pem"} <= {p.name for p in run.iterdir()}
+    assert launch.dir is None and not _ours()  # the cohort directory is gone, no service or party left
+
+
+def test_a_job_the_job_table_refuses_is_named_before_anything_starts(tmp_path):
+    job = _job(tmp_path)
+    bad = replace(job.train, n_head=4, n_embd=30)  # not a multiple of n_head: the [job] table is refused
+    with pytest.raises(BadInput, match="n_embd"):
+        with ServiceLaunch(job.holders, bad.to_dict(), tmp_path / "run", audit_log=tmp_path / "a.log",
+                           certificate=tmp_path / "o.pem"):
+            pass
+    assert not _ours() and not [p for p in Path("/tmp").glob("gputravel-services-*") if p.stat().st_uid == os.geteuid()
+                                 and p.stat().st_mtime > (tmp_path.stat().st_mtime - 1)]
