@@ -25,6 +25,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,7 @@ SERVE = ("-c", "import sys; from gputravel.cli.app import app; sys.exit(app())",
 BOOT_TIMEOUT_S = 120.0  # every service up, the orchestrator's holders joined
 STOP_GRACE_S = 20.0  # a stopping service finishes its step or its goodbye within this
 POLL_S = 0.05
+MAX_METRICS_BYTES = 64 << 20  # a metrics.csv of far more steps than any run: the rest is not read
 # A step's row in metrics.csv (train/loop.StepEvent): the type of each column.
 STEP_COLUMNS: Mapping[str, type] = {"step": int, "loss": float, "tokens_per_s": float, "holder": str, "travels": int,
                                     "stall_share": float, "elapsed_s": float}
@@ -176,9 +178,8 @@ class ServiceLaunch:
 
     def _relay(self, seen: int, on_step: Callable[[StepRow], None] | None) -> int:
         """Every metrics.csv row after step `seen`, in order; the last step relayed."""
-        path = self.service_run_dir / "metrics.csv"
         try:
-            text = path.read_text()
+            text = _read_regular(self.service_run_dir / "metrics.csv", MAX_METRICS_BYTES).decode(errors="replace")
         except OSError:
             return seen
         complete = text[: text.rfind("\n") + 1]  # a row being written is read next time
@@ -243,15 +244,39 @@ class ServiceLaunch:
         certificate of the orchestrator that signed it."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         inside = self.service_run_dir
-        if inside.is_dir():
-            for f in inside.iterdir():
-                if f.is_file() and not f.is_symlink():
-                    shutil.copyfile(f, self.run_dir / f.name)
         state = Path(self._config("orchestrator")["state_dir"])
-        for src, dest in ((state / "audit.log", self.audit_log),
-                          (self.cohort / "public" / "orchestrator.pem", self.certificate)):
-            if src.is_file():
-                shutil.copyfile(src, dest)
+        copies = [(f, self.run_dir / f.name) for f in (inside.iterdir() if inside.is_dir() else ())]
+        copies += [(state / "audit.log", self.audit_log), (self.cohort / "public" / "orchestrator.pem", self.certificate)]
+        for src, dest in copies:
+            try:
+                _copy_regular(src, dest)
+            except OSError:
+                continue  # not there, or not a plain file (a link, a FIFO): not ours to copy
+
+
+def _open_regular(path: Path) -> int:
+    """A descriptor of `path` if it is a plain file, without following a link or blocking on a
+    FIFO: the launcher, root, reads files other accounts wrote (the orchestrator's run
+    directory), and must not be sent to another file by a link they left there."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a plain file")
+    return fd
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    with os.fdopen(_open_regular(path), "rb") as f:
+        return f.read(limit)
+
+
+def _copy_regular(src: Path, dest: Path) -> None:
+    """Copy a plain file to `dest`, replacing it (never writing through a link there)."""
+    with os.fdopen(_open_regular(src), "rb") as inp:
+        dest.unlink(missing_ok=True)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(inp, out)
 
 
 def _stop(proc: subprocess.Popen) -> None:
