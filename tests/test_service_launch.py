@@ -84,3 +84,39 @@ def test_a_job_the_job_table_refuses_is_named_before_anything_starts(tmp_path):
             pass
     assert not _ours() and not [p for p in Path("/tmp").glob("gputravel-services-*") if p.stat().st_uid == os.geteuid()
                                  and p.stat().st_mtime > (tmp_path.stat().st_mtime - 1)]
+
+
+def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(tmp_path, searchable_tmp):
+    """SIGTERM (a `timeout`, a `kill`) unwinds the launch: every service stopped, the cohort
+    directory with its keys deleted. Killed outright, its services die with it (PDEATHSIG)
+    and the next launch deletes the directory it left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    os.chmod(tmp_path, 0o711)  # the parties' accounts reach the cohort directory by path
+    work = tmp_path / "work"
+    work.mkdir(mode=0o711)
+    env = {**os.environ, "TMPDIR": str(work)}  # the launcher's cohort directory lands here
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        demo = subprocess.Popen([sys.executable, "-c", "import sys; from gputravel.cli.app import app; sys.exit(app())",
+                                 "demo", "--steps", "2000", "--run-dir", str(tmp_path / f"run-{sig}")],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not list(work.glob("gputravel-services-*/logs/holder-*.log")) and time.monotonic() < deadline:
+            assert demo.poll() is None, "the demo ended before its services started"
+            time.sleep(0.2)
+        time.sleep(1)  # some services up
+        demo.send_signal(sig)
+        assert demo.wait(timeout=60) != 0
+        deadline = time.monotonic() + 20
+        while _ours() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _ours()
+    # SIGTERM's directory went at once; the killed launcher's goes with the next launch.
+    assert len(list(work.glob("gputravel-services-*"))) == 1
+    from gputravel.service.launch import _sweep
+
+    _sweep(str(work))
+    assert not list(work.glob("gputravel-services-*"))

@@ -16,6 +16,10 @@ class LocalError(GputravelError):
     """Something on this side is wrong: bad input, bad configuration, misuse of an API."""
 
 
+class Terminated(LocalError):
+    """This process was asked to stop (SIGTERM) while it ran a deployment of processes."""
+
+
 class BadInput(LocalError):
     """An argument or configuration value is invalid; the message says what to fix."""
 

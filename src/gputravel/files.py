@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -48,3 +50,30 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def write_json(path: Path, data: object) -> None:
     """Write ``data`` as indented JSON, creating the directory, whole or not at all."""
     atomic_write_bytes(Path(path), (json.dumps(data, indent=2) + "\n").encode())
+
+
+def open_plain(path: Path) -> int:
+    """A descriptor of `path` if it is a plain file, without following a link or blocking on a
+    FIFO. For root reading files another account wrote (a party's own directory): a link or a
+    FIFO left there must not send it to another file or stall it. OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a plain file")
+    return fd
+
+
+def read_plain(path: Path, limit: int = -1, offset: int = 0) -> bytes:
+    """Up to `limit` bytes (-1: all) of the plain file at `path`, from `offset` (open_plain)."""
+    with os.fdopen(open_plain(Path(path)), "rb") as f:
+        f.seek(offset)
+        return f.read(limit)
+
+
+def copy_plain(src: Path, dest: Path, limit: int | None = None) -> None:
+    """Copy the plain file `src` (open_plain) to `dest`, replacing whatever is there, a link
+    included, never writing through it; OSError if `src` is over `limit` bytes."""
+    with os.fdopen(open_plain(Path(src)), "rb") as inp:
+        if limit is not None and os.fstat(inp.fileno()).st_size > limit:
+            raise OSError(f"{src} is over {limit} bytes")
+        atomic_write(Path(dest), lambda out: shutil.copyfileobj(inp, out))

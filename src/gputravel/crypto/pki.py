@@ -38,6 +38,7 @@ from gputravel.crypto.certs import (
     write_private,
 )
 from gputravel.errors import BadInput, ProtocolError
+from gputravel.files import atomic_write_bytes, read_plain
 
 __all__ = [
     "CohortCa",
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 CA_FILE = "ca.pem"
+MAX_PEM_BYTES = 64 << 10  # a member's certificate is about 1 KiB
 _NAME_RE = re.compile(r"[a-z0-9-]{1,32}")
 # "ca" would be written to ca.pem and clobber the cohort CA certificate.
 _RESERVED_NAMES = frozenset({"ca"})
@@ -293,14 +295,14 @@ def self_signed_member(directory: Path, name: str, *, now: datetime | None = Non
 def pin_peers(directory: Path, name: str, peers: Iterable[bytes]) -> None:
     """Trust exactly this member's own certificate and the peers' (PEM): the new ca.pem."""
     directory = Path(directory)
-    own = (directory / f"{_check_name(name)}.pem").read_bytes()
+    own = read_plain(directory / f"{_check_name(name)}.pem", MAX_PEM_BYTES)  # the member's own directory
     bundle = [own] + [p for p in peers if p != own]
     for pem in bundle:
         try:
             x509.load_pem_x509_certificate(pem)
         except ValueError:
             raise BadInput(f"a pinned certificate for {name!r} is not PEM") from None
-    (directory / CA_FILE).write_bytes(b"".join(bundle))
+    atomic_write_bytes(directory / CA_FILE, b"".join(bundle))  # replaced, never written through a link
 
 
 def _same_key(cert_pem_bytes: bytes, key: ec.EllipticCurvePrivateKey) -> bool:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from gputravel.cohort.isolation import die_with_parent
 from gputravel.cohort.links import CohortLinks
-from gputravel.errors import BadInput, LocalError, RemoteError
+from gputravel.errors import BadInput, RemoteError, Terminated
 from gputravel.fl.bundle import CONNECTION, write_app, write_cli_config, write_tls
 from gputravel.net import LINK_NETNS, LinkError, netns_available
 from gputravel.net.counters import LinkBytes, link_bytes
@@ -43,10 +43,6 @@ from gputravel.protocol.parties import ORCHESTRATOR
 PORT = 9092  # the SuperLink's one HTTPS port (Fleet, Control and Runtime APIs), on the hub's address
 BOOT_TIMEOUT_S = 60.0
 _READY = "Application startup complete"
-
-
-class Terminated(LocalError):
-    """This process was asked to stop (SIGTERM) while the deployment ran."""
 
 
 class FlowerDeployment:

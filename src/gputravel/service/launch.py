@@ -25,10 +25,11 @@ import io
 import json
 import os
 import shutil
-import stat
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gputravel.cohort import isolation
-from gputravel.errors import PeerTimeout, RemoteError
+from gputravel.errors import PeerTimeout, RemoteError, Terminated
+from gputravel.files import copy_plain, read_plain
 from gputravel.service.init import init_cohort
 
 __all__ = ["ServiceLaunch", "StepRow"]
@@ -45,7 +47,13 @@ SERVE = ("-c", "import sys; from gputravel.cli.app import app; sys.exit(app())",
 BOOT_TIMEOUT_S = 120.0  # every service up, the orchestrator's holders joined
 STOP_GRACE_S = 20.0  # a stopping service finishes its step or its goodbye within this
 POLL_S = 0.05
-MAX_METRICS_BYTES = 64 << 20  # a metrics.csv of far more steps than any run: the rest is not read
+MAX_METRICS_READ = 4 << 20  # of metrics.csv a poll reads at most (the rest, the next poll)
+MAX_REPORT_BYTES = 64 << 20
+MAX_COPY_BYTES = 16 << 30  # a run directory file larger than any checkpoint of ours is not copied back
+# What the orchestrator's run directory gives back to the user's (train/rundir.py), no more.
+RUN_FILES = ("checkpoint.pt", "metrics.csv", "report.json", "loss.png", "sample.txt")
+PREFIX = "gputravel-services-"
+LAUNCHER_PID = "launcher.pid"
 # A step's row in metrics.csv (train/loop.StepEvent): the type of each column.
 STEP_COLUMNS: Mapping[str, type] = {"step": int, "loss": float, "tokens_per_s": float, "holder": str, "travels": int,
                                     "stall_share": float, "elapsed_s": float}
@@ -70,9 +78,13 @@ class ServiceLaunch:
         self.audit_log, self.certificate, self.hardware, self.workdir = audit_log, certificate, hardware, workdir
         self.dir: Path | None = None
         self.services: list[_Service] = []
+        self._metrics_at, self._metrics_head = 0, ""  # how far metrics.csv was read, its header
+        self._observed: dict | None = None
+        self._old_term = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> ServiceLaunch:
+        self._old_term = _catch_term()
         with contextlib.ExitStack() as undo:  # a start that fails stops what it started
             undo.callback(self.close)
             self.start()
@@ -94,7 +106,9 @@ class ServiceLaunch:
     def start(self) -> None:
         """Init, stage the data and the run directory in, start host, GPU and holders (each
         probes the GPU in turn: paper 4.1, the boot lock keeps the order), then the orchestrator."""
-        self.dir = Path(tempfile.mkdtemp(prefix="gputravel-services-", dir=self.workdir))
+        _sweep(self.workdir)  # what a launcher killed outright left: its keys among it
+        self.dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=self.workdir))
+        (self.dir / LAUNCHER_PID).write_text(f"{os.getpid()}\n")
         if isolation.decide(None)[0]:
             os.chmod(self.dir, 0o711)  # each party's account reaches its own files by path
         holders = [(name, self._reachable(name, path)) for name, path in self.holders]
@@ -110,16 +124,26 @@ class ServiceLaunch:
 
     def close(self) -> None:
         """Stop every service (the orchestrator first: it checkpoints where it is), copy the
-        run directory back, delete the cohort directory. Never raises."""
-        for service in reversed(self.services):
-            _stop(service.proc)
+        run directory back, delete the cohort directory. Never raises; a second Ctrl-C or a
+        SIGTERM while it runs does not cut it short."""
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} \
+            if threading.current_thread() is threading.main_thread() else {}
         try:
+            for service in reversed(self.services):
+                _stop(service.proc)
             if self.dir is not None and (self.cohort / "orchestrator.toml").exists():
                 self._stage_out()
+        except Exception:  # noqa: BLE001 - the copy back is best effort; the deletion is not
+            pass
         finally:
             if self.dir is not None:
                 shutil.rmtree(self.dir, ignore_errors=True)
             self.dir, self.services = None, []
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            if getattr(self, "_old_term", None) is not None:
+                signal.signal(signal.SIGTERM, self._old_term)
+                self._old_term = None
 
     # ------------------------------------------------------------------ the job
     def train(self, on_step: Callable[[StepRow], None] | None = None, timeout: float = 24 * 3600.0) -> dict:
@@ -134,18 +158,27 @@ class ServiceLaunch:
                 raise PeerTimeout(f"the orchestrator's service did not finish in {timeout:.0f} s")
             time.sleep(POLL_S)
         self._relay(seen, on_step)
-        report = self.service_run_dir / "report.json"
-        if orchestrator.proc.returncode != 0 or not report.is_file():
+        try:
+            report = json.loads(read_plain(self.service_run_dir / "report.json", MAX_REPORT_BYTES))
+        except (OSError, ValueError):
+            report = None
+        if orchestrator.proc.returncode != 0 or not isinstance(report, dict):
+            refusals = "".join(f"\n {s.party}:{_tail(s.log, 4)}" for s in self.services
+                               if '"event": "refused"' in s.log.read_text(errors="replace"))
             raise RemoteError(f"the orchestrator's service stopped (exit {orchestrator.proc.returncode})"
-                              f"{_tail(orchestrator.log)}")
-        return json.loads(report.read_text())
+                              f"{_tail(orchestrator.log)}{refusals}")
+        return report
 
     def isolation(self) -> dict:
-        """What kept the parties apart, as the report gives it: each party's account."""
-        uids = {p: self._config(p).get("uid", -1) for p in self._parties()}
-        on = all(u >= 0 for u in uids.values())
-        return {"on": on, "reason": "" if on else "not root: every party runs as the launcher's user",
-                "parties": {p: {"uid": u, "dumpable": False} for p, u in uids.items()}}
+        """What kept the parties apart, as the report gives it: each party process's account and
+        dumpability as /proc shows them (observed while training), against its config's uid."""
+        planned = {p: self._config(p).get("uid", -1) for p in self._parties()}
+        seen = self._observed or {}
+        on = all(u >= 0 for u in planned.values()) and bool(seen) and all(
+            not got["dumpable"] and got["uid"] == planned.get(party, -2) for party, got in seen.items())
+        reason = "" if on else ("not root: every party runs as the launcher's user"
+                                if any(u < 0 for u in planned.values()) else "not every party was seen isolated")
+        return {"on": on, "reason": reason, "parties": seen}
 
     # ------------------------------------------------------------------ services
     def _serve(self, party: str) -> None:
@@ -155,7 +188,8 @@ class ServiceLaunch:
         role = party.split("-")[0]
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, *SERVE, role, "--config", str(self.cohort / f"{party}.toml")],
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    preexec_fn=isolation.die_with_parent)  # a launcher killed outright takes them along
         self.services.append(_Service(party, proc, log))
 
     def _service(self, party: str) -> _Service:
@@ -177,13 +211,25 @@ class ServiceLaunch:
                 raise RemoteError(f"{s.party}'s service stopped (exit {s.proc.returncode}){_tail(s.log)}")
 
     def _relay(self, seen: int, on_step: Callable[[StepRow], None] | None) -> int:
-        """Every metrics.csv row after step `seen`, in order; the last step relayed."""
+        """Every metrics.csv row after step `seen`, in order; the last step relayed. Only what
+        was appended since the last call is read (the file is rewritten on a resume: then from
+        its start again)."""
         try:
-            text = _read_regular(self.service_run_dir / "metrics.csv", MAX_METRICS_BYTES).decode(errors="replace")
+            new = read_plain(self.service_run_dir / "metrics.csv", MAX_METRICS_READ, self._metrics_at)
         except OSError:
             return seen
-        complete = text[: text.rfind("\n") + 1]  # a row being written is read next time
-        for row in csv.DictReader(io.StringIO(complete)):
+        if not new and self._metrics_at:
+            with contextlib.suppress(OSError):  # shorter than where we were: rewritten
+                if os.stat(self.service_run_dir / "metrics.csv").st_size < self._metrics_at:
+                    self._metrics_at, self._metrics_head = 0, ""
+            return seen
+        complete = new[: new.rfind(b"\n") + 1].decode(errors="replace")  # a row being written: next time
+        self._metrics_at += len(complete.encode())
+        if not self._metrics_head and complete:
+            self._metrics_head, complete = complete.split("\n", 1)[0] + "\n", complete.split("\n", 1)[1]
+        if seen >= 0 and self._observed is None:
+            self._observed = self._observe()  # the parties are all up once a step was trained
+        for row in csv.DictReader(io.StringIO(self._metrics_head + complete)):
             try:
                 typed = {k: cast(row[k]) for k, cast in STEP_COLUMNS.items()}
             except (KeyError, TypeError, ValueError):
@@ -193,6 +239,19 @@ class ServiceLaunch:
                 if on_step is not None:
                     on_step(typed)
         return seen
+
+    def _observe(self) -> dict:
+        """Each party process the services started (`gputravel.cohort.entry ROLE`), as /proc
+        shows its ids and dumpability, keyed by its service's party name."""
+        out = {}
+        for service in self.services:
+            for pid in _children(service.proc.pid):
+                with contextlib.suppress(OSError, KeyError, ValueError):
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if b"gputravel.cohort.entry" in argv and argv[argv.index(b"gputravel.cohort.entry") + 1] != b"tdx-module":
+                        got = isolation.read_party(pid)
+                        out[service.party] = {"uid": got.uid, "dumpable": got.dumpable}
+        return out
 
     # ------------------------------------------------------------------ files
     def _config(self, party: str) -> dict:
@@ -209,11 +268,14 @@ class ServiceLaunch:
                                               isolation.readable_by_others(src) is None):
             return str(src)
         assert self.dir is not None
-        dest = self.dir / "data" / name / src.name
-        dest.parent.mkdir(parents=True)
-        (shutil.copytree if src.is_dir() else shutil.copyfile)(src, dest)
-        for p in [dest.parent, dest, *(dest.rglob("*") if dest.is_dir() else ())]:
-            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        data = self.dir / "data"
+        data.mkdir(mode=0o711, exist_ok=True)  # searchable, not listable
+        (data / name).mkdir(mode=0o700)  # closed before a byte is copied in: root's, then its holder's
+        dest = data / name / src.name
+        if src.is_dir():
+            shutil.copytree(src, dest, symlinks=True)  # a link is copied as a link, never followed by root
+        else:
+            shutil.copyfile(src, dest, follow_symlinks=False)
         return str(dest)
 
     def _hand_copies(self) -> None:
@@ -221,7 +283,6 @@ class ServiceLaunch:
         data = self.dir / "data" if self.dir is not None else None
         if data is None or not data.is_dir():
             return
-        os.chmod(data, 0o711)  # searchable, not listable
         for copy in data.iterdir():
             uid = self._config(f"holder-{copy.name}").get("uid", -1)
             if uid >= 0:
@@ -233,11 +294,9 @@ class ServiceLaunch:
         report, which could be taken for this run's."""
         inside = self.service_run_dir
         inside.mkdir(parents=True, exist_ok=True)
-        skip = {"report.json"} | (set() if self.resume else {"checkpoint.pt"})
-        if self.run_dir.is_dir():
-            for f in self.run_dir.iterdir():
-                if f.is_file() and not f.is_symlink() and f.name not in skip:
-                    shutil.copyfile(f, inside / f.name)
+        for name in ("metrics.csv", *(("checkpoint.pt",) if self.resume else ())):
+            with contextlib.suppress(FileNotFoundError):
+                copy_plain(self.run_dir / name, inside / name)
 
     def _stage_out(self) -> None:
         """The service's run directory back to the user's, with the signed travel log and the
@@ -245,38 +304,47 @@ class ServiceLaunch:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         inside = self.service_run_dir
         state = Path(self._config("orchestrator")["state_dir"])
-        copies = [(f, self.run_dir / f.name) for f in (inside.iterdir() if inside.is_dir() else ())]
+        copies = [(inside / name, self.run_dir / name) for name in RUN_FILES]
         copies += [(state / "audit.log", self.audit_log), (self.cohort / "public" / "orchestrator.pem", self.certificate)]
         for src, dest in copies:
             try:
-                _copy_regular(src, dest)
+                copy_plain(src, dest, MAX_COPY_BYTES)
             except OSError:
-                continue  # not there, or not a plain file (a link, a FIFO): not ours to copy
+                continue  # not there, too big, or not a plain file (a link, a FIFO): not ours to copy
 
 
-def _open_regular(path: Path) -> int:
-    """A descriptor of `path` if it is a plain file, without following a link or blocking on a
-    FIFO: the launcher, root, reads files other accounts wrote (the orchestrator's run
-    directory), and must not be sent to another file by a link they left there."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path} is not a plain file")
-    return fd
+def _catch_term():
+    """While the launch is open, SIGTERM (a `timeout`, a `kill`) unwinds it like Ctrl-C, so
+    every service is stopped and the cohort directory deleted; the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def term(signum, frame):
+        raise Terminated("stopped by SIGTERM; the cohort's services were stopped")
+
+    return signal.signal(signal.SIGTERM, term)
 
 
-def _read_regular(path: Path, limit: int) -> bytes:
-    with os.fdopen(_open_regular(path), "rb") as f:
-        return f.read(limit)
+def _sweep(workdir: str | None) -> None:
+    """Delete the cohort directories of launchers that are gone (killed outright: nothing of
+    theirs ran to delete them), with the state and keys in them."""
+    for d in Path(workdir or tempfile.gettempdir()).glob(PREFIX + "*"):
+        with contextlib.suppress(OSError, ValueError):
+            if d.stat().st_uid != os.geteuid():
+                continue
+            pid = int(read_plain(d / LAUNCHER_PID, 32))
+            if not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(d, ignore_errors=True)
 
 
-def _copy_regular(src: Path, dest: Path) -> None:
-    """Copy a plain file to `dest`, replacing it (never writing through a link there)."""
-    with os.fdopen(_open_regular(src), "rb") as inp:
-        dest.unlink(missing_ok=True)
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "wb") as out:
-            shutil.copyfileobj(inp, out)
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
 
 
 def _stop(proc: subprocess.Popen) -> None:

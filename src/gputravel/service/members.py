@@ -47,10 +47,11 @@ DONE_FILE = "job-done"  # in the public directory: the orchestrator finished the
 def _trust_dir(state: Path, trust: str, extra: dict[str, dict]) -> Path:
     """This party's share of the trust material, from the public anchors and its own config."""
     out = private_dir(state / "trust")
+    # The directory is the party's: each file is replaced, never written through a link in it.
     for name in (GPU_ROOT_CERT, TEE_ROOT_CERT, REFERENCE_FILE):
-        (out / name).write_bytes((Path(trust) / name).read_bytes())
+        atomic_write_bytes(out / name, (Path(trust) / name).read_bytes())
     for name, content in extra.items():
-        (out / name).write_text(json.dumps(content, indent=2) + "\n")
+        atomic_write_bytes(out / name, (json.dumps(content, indent=2) + "\n").encode())
     return out
 
 
@@ -172,7 +173,7 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
     certs = {h: Path(cfg.public_dir) / f"holder-{h}.pem" for h in cfg.holders}
     for h, path in certs.items():
         wait_for(ORCHESTRATOR, f"holder {h}'s certificate at {path}", path.exists, stop)
-    (pki / "ca.pem").write_bytes(b"".join(p.read_bytes() for p in certs.values()))  # pinned holders
+    atomic_write_bytes(pki / "ca.pem", b"".join(p.read_bytes() for p in certs.values()))  # pinned holders
     tdx, link, child = None, None, None
     try:
         tdx, quoting = _start_tdx_module(cfg, state)

@@ -21,7 +21,7 @@ from pathlib import Path
 from gputravel.cohort import isolation
 from gputravel.cohort.client import error_from
 from gputravel.cohort.entry import jsonable
-from gputravel.files import atomic_write_bytes
+from gputravel.files import atomic_write_bytes, read_plain
 from gputravel.errors import BadInput, GputravelError, RemoteError
 from gputravel.protocol.control import Enroll, Failed, Ready, Shutdown
 from gputravel.transport.stream import StreamTransport
@@ -158,16 +158,24 @@ def own_state(state: Path, uid: int, *, root_only: tuple[str, ...] = ()) -> Path
 
 
 def private_dir(path: str | Path) -> Path:
-    """A state directory only its party reads (0700), made on first start."""
+    """A state directory only its party reads (0700), made on first start. Its party may have
+    left a link in its place: refused, never followed (this runs as root)."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(p, 0o700)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise BadInput(f"{p} is not a directory of its own ({exc.strerror}): remove it and start again") from None
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return p
 
 
 def publish(src: Path, dest: Path) -> None:
     """Put a public file where peers look for it, whole or not at all."""
-    atomic_write_bytes(dest, src.read_bytes())
+    atomic_write_bytes(dest, read_plain(src))  # src is the party's: a plain file only, never through a link
 
 
 def wait_for_sockets(party: str, sockets: dict[str, str], stop: Callable[[], bool]) -> None:

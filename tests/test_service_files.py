@@ -1,0 +1,76 @@
+"""Root reads and writes files in directories the parties' accounts own (their state, the
+orchestrator's run directory): a link, a FIFO or an oversized file a party leaves there must
+not send root to another file, stall it, or fill the user's disk."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gputravel.crypto.pki import pin_peers, self_signed_member
+from gputravel.errors import BadInput
+from gputravel.files import copy_plain, read_plain
+from gputravel.service.launch import ServiceLaunch
+from gputravel.service.party import private_dir, publish
+
+
+def test_plain_file_helpers_follow_no_link_and_never_block_on_a_fifo(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"ROOT ONLY")
+    (tmp_path / "link").symlink_to(secret)
+    os.mkfifo(tmp_path / "fifo")
+    for planted in ("link", "fifo"):
+        with pytest.raises(OSError):
+            read_plain(tmp_path / planted)
+        with pytest.raises(OSError):
+            copy_plain(tmp_path / planted, tmp_path / "out")
+    (tmp_path / "real").write_bytes(b"data")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"VICTIM")
+    (tmp_path / "dest").symlink_to(victim)
+    copy_plain(tmp_path / "real", tmp_path / "dest")  # replaces the link, never writes through it
+    assert victim.read_bytes() == b"VICTIM" and (tmp_path / "dest").read_bytes() == b"data"
+    with pytest.raises(OSError, match="over"):
+        copy_plain(tmp_path / "real", tmp_path / "big", limit=2)
+
+
+def test_the_services_follow_no_link_a_party_left_in_its_own_directory(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"ROOT ONLY")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "pki").symlink_to(tmp_path)  # a link where its private directory goes
+    with pytest.raises(BadInput, match="not a directory of its own"):
+        private_dir(state / "pki")
+    (state / "holder-north.pem").symlink_to(victim)
+    with pytest.raises(OSError):
+        publish(state / "holder-north.pem", tmp_path / "public.pem")
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    self_signed_member(pki, "north")
+    (pki / "ca.pem").unlink()
+    (pki / "ca.pem").symlink_to(victim)
+    pin_peers(pki, "north", [])
+    assert victim.read_bytes() == b"ROOT ONLY" and b"CERTIFICATE" in (pki / "ca.pem").read_bytes()
+
+
+def test_the_demo_launcher_copies_back_only_the_run_files_and_no_link(tmp_path: Path) -> None:
+    """What the orchestrator's account left in its run directory and state: only the run's
+    own files come back to the user's run directory, as plain files."""
+    cohort, inside, state, run = (tmp_path / n for n in ("d/cohort", "inside", "state", "run"))
+    for d in (cohort / "public", inside, state):
+        d.mkdir(parents=True)
+    (cohort / "orchestrator.toml").write_text(f'state_dir = "{state}"\n[job]\nrun_dir = "{inside}"\n')
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"ROOT ONLY")
+    (inside / "metrics.csv").write_text("step,loss\n0,1.0\n")
+    (inside / "checkpoint.pt").symlink_to(secret)
+    (inside / "big.bin").write_bytes(b"x" * 1000)
+    (state / "audit.log").symlink_to(secret)
+    (cohort / "public" / "orchestrator.pem").write_text("CERT")
+    launch = ServiceLaunch([], {}, run, audit_log=run / "audit.log", certificate=run / "orchestrator.pem")
+    launch.dir = tmp_path / "d"
+    launch._stage_out()
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.csv", "orchestrator.pem"]
