@@ -74,3 +74,34 @@ def test_the_demo_launcher_copies_back_only_the_run_files_and_no_link(tmp_path: 
     launch.dir = tmp_path / "d"
     launch._stage_out()
     assert sorted(p.name for p in run.iterdir()) == ["metrics.csv", "orchestrator.pem"]
+
+
+def test_the_live_view_reads_each_step_once_as_rows_are_appended_and_again_after_a_rewrite(tmp_path: Path) -> None:
+    """The launcher's poll reads only what was appended, never a half-written row, and starts
+    over when the orchestrator rewrites metrics.csv (a resumed run truncates it)."""
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    (tmp_path / "d" / "cohort").mkdir(parents=True)
+    (tmp_path / "d" / "cohort" / "orchestrator.toml").write_text(f'state_dir = "{tmp_path}"\n[job]\nrun_dir = "{inside}"\n')
+    launch = ServiceLaunch([], {}, tmp_path / "run", audit_log=tmp_path / "a", certificate=tmp_path / "c")
+    launch.dir, launch._observed = tmp_path / "d", {}  # nothing to observe here
+    metrics, got = inside / "metrics.csv", []
+    head = "step,loss,tokens_per_s,holder,travels,stall_share,elapsed_s\n"
+
+    def row(step: int) -> str:
+        return f"{step},{1.0 / (step + 1)},100.0,north,1,0.0,{step}.5\n"
+
+    metrics.write_text(head + row(0) + row(1) + "2,0.3")  # the third row is being written
+    seen = launch._relay(-1, got.append)
+    with metrics.open("a") as f:
+        f.write(",100.0,north,1,0.0,2.5\n" + row(3))
+    seen = launch._relay(seen, got.append)
+    assert [r["step"] for r in got] == [0, 1, 2, 3] and got[2] == {"step": 2, "loss": 0.3, "tokens_per_s": 100.0,
+                                                                   "holder": "north", "travels": 1, "stall_share": 0.0,
+                                                                   "elapsed_s": 2.5}
+    metrics.write_text(head + row(0))  # rewritten (a resume from step 1 truncates, then appends)
+    seen = launch._relay(seen, got.append)  # notices the file is shorter
+    with metrics.open("a") as f:
+        f.write(row(4))
+    launch._relay(seen, got.append)
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4]

@@ -80,6 +80,7 @@ class ServiceLaunch:
         self.services: list[_Service] = []
         self._metrics_at, self._metrics_head = 0, ""  # how far metrics.csv was read, its header
         self._observed: dict | None = None
+        self._orchestrator: dict | None = None  # its config, read once: the run loop polls paths in it
         self._old_term = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -101,7 +102,12 @@ class ServiceLaunch:
 
     @property
     def service_run_dir(self) -> Path:
-        return Path(self._config("orchestrator")["job"]["run_dir"])
+        return Path(self._orchestrator_config()["job"]["run_dir"])
+
+    def _orchestrator_config(self) -> dict:
+        if self._orchestrator is None:
+            self._orchestrator = self._config("orchestrator")
+        return self._orchestrator
 
     def start(self) -> None:
         """Init, stage the data and the run directory in, start host, GPU and holders (each
@@ -138,10 +144,10 @@ class ServiceLaunch:
         finally:
             if self.dir is not None:
                 shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir, self.services = None, []
+            self.dir, self.services, self._orchestrator = None, [], None
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-            if getattr(self, "_old_term", None) is not None:
+            if self._old_term is not None:
                 signal.signal(signal.SIGTERM, self._old_term)
                 self._old_term = None
 
@@ -246,7 +252,7 @@ class ServiceLaunch:
         out = {}
         for service in self.services:
             for pid in _children(service.proc.pid):
-                with contextlib.suppress(OSError, KeyError, ValueError):
+                with contextlib.suppress(OSError, KeyError, ValueError, IndexError):
                     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                     if b"gputravel.cohort.entry" in argv and argv[argv.index(b"gputravel.cohort.entry") + 1] != b"tdx-module":
                         got = isolation.read_party(pid)
@@ -303,7 +309,7 @@ class ServiceLaunch:
         certificate of the orchestrator that signed it."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         inside = self.service_run_dir
-        state = Path(self._config("orchestrator")["state_dir"])
+        state = Path(self._orchestrator_config()["state_dir"])
         copies = [(inside / name, self.run_dir / name) for name in RUN_FILES]
         copies += [(state / "audit.log", self.audit_log), (self.cohort / "public" / "orchestrator.pem", self.certificate)]
         for src, dest in copies:
