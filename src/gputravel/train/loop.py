@@ -28,7 +28,7 @@ from gputravel.errors import BadInput
 from gputravel.train.loader import ChunkSource, Fetched, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig, pick_device
 from gputravel.train.ranks import DataParallel, Ranks
-from gputravel.train.rundir import RunDir, _read_checkpoint, load_checkpoint
+from gputravel.train.rundir import RunDir, checkpoint_extra, load_checkpoint
 from gputravel.train.schedule import POLICIES, LoaderState
 
 LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (orchestrator/baseline.py)
@@ -256,8 +256,7 @@ def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataPa
 
 def checkpoint_world_size(path: Path) -> int:
     """How many ranks the job that wrote the checkpoint had (1 for a job without ranks)."""
-    extra = _read_checkpoint(Path(path)).get("extra")
-    world = extra.get("world_size", 1) if isinstance(extra, dict) else None
+    world = checkpoint_extra(path).get("world_size", 1)
     if type(world) is not int or world < 1:
         raise BadInput(f"checkpoint {path} is inconsistent (no world size); start the run afresh")
     return world
@@ -265,8 +264,7 @@ def checkpoint_world_size(path: Path) -> int:
 
 def checkpoint_shares(path: Path) -> tuple[tuple[str, ...], ...] | None:
     """Which holders each rank trained on, as the checkpoint recorded (None: not recorded)."""
-    extra = _read_checkpoint(Path(path)).get("extra")
-    shares = extra.get("shares") if isinstance(extra, dict) else None
+    shares = checkpoint_extra(path).get("shares")
     if shares is None:
         return None
     if not (isinstance(shares, list) and all(isinstance(s, list) and all(isinstance(n, str) for n in s) for s in shares)):

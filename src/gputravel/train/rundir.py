@@ -253,6 +253,15 @@ def _read_checkpoint(path: Path, data: bytes | None = None) -> dict:
     return payload
 
 
+def checkpoint_extra(path: str | os.PathLike) -> dict:
+    """What a checkpoint carries besides the model and optimizer (its ``extra``), without
+    building a model to load it into; BadInput if it has none."""
+    extra = _read_checkpoint(Path(path)).get("extra")
+    if not isinstance(extra, dict):
+        raise BadInput(f"checkpoint {path} is inconsistent (no extra); start the run afresh")
+    return extra
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     model: GPT,
