@@ -146,3 +146,15 @@ def test_a_gpu_that_fails_to_boot_closes_those_started_and_drops_the_roots(tmp_p
     assert len(started) == 2 and started[0].attestations  # GPU 0 had booted and its holder joined
     assert all(c.children == {} and not c.dir.exists() for c in started)  # every process stopped
     assert gpus.cohorts == [] and roots is not None and gpus.roots is None  # dropped on the failure
+
+
+def test_the_capacity_check_counts_each_gpus_cohort(monkeypatch) -> None:
+    """Several GPUs add a cohort each (device with its VRAM, host, TDX module, orchestrator)
+    to what the machine must carry: capacity.check says so, naming the GPUs."""
+    from gputravel.cohort import capacity
+
+    holders = 8 * capacity.mib_per_holder(MIB, MIB) + capacity.RESERVE_MIB
+    monkeypatch.setattr(capacity, "available_mib", lambda: holders + 10)
+    capacity.check(8, sysmem_bytes=MIB, dataset_bytes=MIB)  # one GPU: fits
+    with pytest.raises(BadInput, match="2 GPUs with 8 holders need about .* MiB a GPU with its own cohort"):
+        capacity.check(8, sysmem_bytes=MIB, dataset_bytes=MIB, gpus=2, vram_mib=65)

@@ -52,20 +52,26 @@ def available_mib() -> int | None:
     return None
 
 
-def check(holders: int, *, sysmem_bytes: int, dataset_bytes: int) -> None:
+def check(holders: int, *, sysmem_bytes: int, dataset_bytes: int, gpus: int = 1, vram_mib: int = 0) -> None:
     """BadInput, naming the limit, if this machine cannot carry ``holders`` holders whose DMA
-    segments and datasets are this large (bytes each)."""
+    segments and datasets are this large (bytes each). With several ``gpus`` (cohort/gpus.py:
+    one cohort each), each GPU's cohort beside them too: its device, whose ``vram_mib`` is
+    populated, its host, TDX module and orchestrator, and the launcher's descriptors for it."""
     if not 1 <= holders <= MAX_HOLDERS:
         raise BadInput(f"a cohort has between 1 and {MAX_HOLDERS} holders (its parties share a block of "
                        f"{BLOCK} uids), not {holders}")
+    who = f"{holders} holders" if gpus == 1 else f"{gpus} GPUs with {holders} holders"
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = fds_needed(holders)
+    need = fds_needed(holders) + (gpus - 1) * FDS_BASE
     if soft != resource.RLIM_INFINITY and soft < need:
-        raise BadInput(f"{holders} holders need about {need} open files in the host process, above this "
+        raise BadInput(f"{who} need about {need} open files in the host process, above this "
                        f"process's limit of {soft} (RLIMIT_NOFILE): raise it (ulimit -n {need}) or use fewer holders")
     each = mib_per_holder(sysmem_bytes, dataset_bytes)
+    per_gpu = 4 * PROCESS_MIB + vram_mib if gpus > 1 else 0
     have = available_mib()
-    if have is not None and holders * each + RESERVE_MIB > have:
-        raise BadInput(f"{holders} holders need about {holders * each + RESERVE_MIB} MiB of memory ({each} MiB "
-                       f"each: process, DMA segment, dataset; {RESERVE_MIB} MiB kept free), above the {have} MiB "
-                       "this machine has available (MemAvailable): use fewer holders or smaller datasets")
+    total = holders * each + gpus * per_gpu + RESERVE_MIB
+    if have is not None and total > have:
+        raise BadInput(f"{who} need about {total} MiB of memory ({each} MiB a holder: process, DMA segment, "
+                       f"dataset; {per_gpu} MiB a GPU with its own cohort; {RESERVE_MIB} MiB kept free), above "
+                       f"the {have} MiB this machine has available (MemAvailable): use fewer holders or GPUs, or "
+                       "smaller datasets")

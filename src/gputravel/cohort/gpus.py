@@ -22,6 +22,7 @@ import dataclasses
 import threading
 import warnings
 from collections.abc import Callable
+from typing import TypeVar
 from pathlib import Path
 
 from gputravel.cohort.config import CohortConfig
@@ -32,7 +33,7 @@ from gputravel.errors import BadInput
 from gputravel.net import ShapedLinks, check_bandwidth
 from gputravel.protocol.parties import ORCHESTRATOR
 
-__all__ = ["GpuCohorts", "PerGpu"]
+__all__ = ["GpuCohorts", "PerGpu", "on_each"]
 
 SERVER_SUBNET = "10.214.0"  # the servers' switch; each cohort's own star is on net/shaped's subnet
 RANK_IF = "gt-srv"  # a server's end of its link to the switch, in its orchestrator's namespace
@@ -40,6 +41,7 @@ RANK_IF = "gt-srv"  # a server's end of its link to the switch, in its orchestra
 # Given a GPU's index and the config made for its cohort, the config to boot it with (a rank's
 # own audit log, run directory). It may not change the cohort's holders, roots or GPU index.
 PerGpu = Callable[[int, CohortConfig], CohortConfig]
+T = TypeVar("T")
 
 
 class GpuCohorts:
@@ -206,3 +208,36 @@ def _check_outputs(configs: list[CohortConfig]) -> None:
             if k < j and (a == b or a in b.parents or b in a.parents):
                 raise BadInput(f"GPUs {k} and {j} would share the output directory {b}: give each its own "
                                "with the per-GPU hook")
+
+
+def on_each(cohorts: list[Cohort], work: Callable[[int, Cohort], T], *, stop_all: Callable[[], None]) -> list[T]:
+    """`work(k, cohort)` for every GPU at once, one thread each; what each returned, by GPU.
+    The first failure calls `stop_all` (so the others stop too: a flag they check, or closing
+    every cohort under ranks blocked in a collective) and is raised as it was, once every
+    thread is done; so is an interruption of the caller's wait."""
+    out: list = [None] * len(cohorts)
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run(k: int, cohort: Cohort) -> None:
+        try:
+            out[k] = work(k, cohort)
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            with lock:
+                failures.append(exc)
+                first = len(failures) == 1
+            if first:
+                stop_all()
+
+    threads = [threading.Thread(target=run, args=(k, c), name=f"gpu-{k}", daemon=True) for k, c in enumerate(cohorts)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException:  # the caller interrupted: every GPU stops
+        stop_all()
+        raise
+    if failures:
+        raise failures[0]
+    return out

@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from gputravel.cohort.client import RankPlace
 from gputravel.service.launch import ServiceLaunch
-from gputravel.cohort.gpus import GpuCohorts
+from gputravel.cohort.gpus import GpuCohorts, on_each
+from gputravel.cohort.local import Cohort
 from gputravel.ddp.launch import free_port
 from gputravel.net.counters import bytes_between, link_bytes
 from gputravel.jobs.local_ranks import run_local_ranks
@@ -136,9 +136,8 @@ def _run_travelling(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
     config (service/launch.py), the job in the orchestrator's [job] table, measured."""
     log, cert = _audit_paths(run_dir)
     _checkpoint(cfg, run_dir)  # --resume with no checkpoint: said before anything starts
-    job = {k: v for k, v in cfg.train.to_dict().items()}
     relay = None if on_step is None else (lambda row: on_step(StepEvent(**row)))
-    with ServiceLaunch(cfg.holders, job, run_dir, audit_log=log, certificate=cert, hardware=cfg.hardware,
+    with ServiceLaunch(cfg.holders, cfg.train.to_dict(), run_dir, audit_log=log, certificate=cert, hardware=cfg.hardware,
                        resume=cfg.resume) as cohort:
         report = cohort.train(relay)
         report["isolation"] = cohort.isolation()
@@ -164,8 +163,6 @@ def _checkpoint(cfg: TrainingJobConfig, run_dir: Path) -> Path | None:
     if not path.is_file():
         raise BadInput(f"nothing to resume: {path} does not exist (run without --resume first)")
     return path
-
-
 
 
 # ----------------------------------------------------------------------------- several GPUs
@@ -233,13 +230,14 @@ def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares
             atomic_write_bytes(logs[k][1], cohort.orchestrator_certificate())
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{f: getattr(m, f) for f in StepEvent.__dataclass_fields__})))
 
-        def rank(k: int) -> dict:
-            return gpus.cohorts[k].train(json.dumps(t.to_dict()), str(run_dir.resolve()) if k == 0 else "",
+        def rank(k: int, cohort: Cohort) -> dict:
+            return cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()) if k == 0 else "",
                                          str(resume.absolute()) if resume else "", on_step=relay if k == 0 else None,
                                          rank=replace(place, rank=k))
 
         before = link_bytes(gpus.fabric) if gpus.fabric is not None else {}
-        reports = _all_ranks(gpus, rank)
+        # The first failure closes every cohort: ranks blocked in a collective with it stop too.
+        reports = on_each(gpus.cohorts, rank, stop_all=gpus.close)
         carried = bytes_between(before, link_bytes(gpus.fabric)) if gpus.fabric is not None else {}
         report = reports[0]
         report["ranks"] = [{"gpu": k, "holders": list(shares[k]), "travel_count": r["travel_count"],
@@ -259,31 +257,3 @@ def _isolation(gpus: GpuCohorts) -> dict:
     each = [c.isolation.summary() for c in gpus.cohorts]
     return {"on": all(i["on"] for i in each), "reason": next((i["reason"] for i in each if i["reason"]), ""),
             "parties": {f"gpu-{k}/{name}": p for k, i in enumerate(each) for name, p in i["parties"].items()}}
-
-
-def _all_ranks(gpus: GpuCohorts, rank: Callable[[int], dict]) -> list[dict]:
-    """Run `rank(k)` for every GPU at once. The first failure closes every cohort, so ranks
-    blocked in a collective with the failed one stop at once too, and is raised as it was."""
-    n = len(gpus.cohorts)
-    out: list[dict | None] = [None] * n
-    failures: list[BaseException] = []
-    lock = threading.Lock()
-
-    def run(k: int) -> None:
-        try:
-            out[k] = rank(k)
-        except BaseException as exc:  # re-raised below, in the caller's thread
-            with lock:
-                failures.append(exc)
-                first = len(failures) == 1
-            if first:
-                gpus.close()
-
-    threads = [threading.Thread(target=run, args=(k,), name=f"rank-{k}", daemon=True) for k in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if failures:
-        raise failures[0]
-    return [r for r in out if r is not None]

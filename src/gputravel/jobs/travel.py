@@ -14,7 +14,6 @@ Each travel is recorded with its GPU and when it ran; the first failure stops ev
 from __future__ import annotations
 
 import hashlib
-import resource
 import statistics
 import threading
 import time
@@ -28,7 +27,7 @@ from gputravel.protocol.control import STEPS, TravelReport
 from gputravel.protocol.layout import Layout
 from gputravel.cohort import capacity
 from gputravel.cohort.config import CohortConfig, HolderSpec
-from gputravel.cohort.gpus import GpuCohorts
+from gputravel.cohort.gpus import GpuCohorts, on_each
 from gputravel.cohort.local import Cohort
 from gputravel.train.schedule import partition
 
@@ -116,32 +115,15 @@ def run_travels(config: TravelJobConfig, workdir: Path, on_travel: Callable[[Tra
     shares = partition({h.name: Path(h.dataset).stat().st_size for h in base.holders}, config.gpus)
     with GpuCohorts(base, shares) as gpus:
         log.start()
-        _in_parallel(gpus.cohorts, log)
+        stop = threading.Event()  # the first failure stops every GPU; each ends its travel in flight
+        on_each(gpus.cohorts, lambda k, cohort: _travel_share(k, cohort, log, stop), stop_all=stop.set)
     return log.travels
 
 
 def check_capacity(config: TravelJobConfig) -> None:
-    """BadInput, naming the limit, if this machine cannot carry the job: every holder as one
-    cohort would (capacity.check), and each further GPU's cohort beside it (its device, whose
-    VRAM is populated, host, TDX module and orchestrator; the launcher's descriptors for it)."""
-    sysmem, dataset = Layout().sysmem_bytes, config.dataset_mib * MIB
-    capacity.check(config.holders, sysmem_bytes=sysmem, dataset_bytes=dataset)
-    extra = config.gpus - 1
-    if not extra:
-        return
-    vram_mib = config.buffer_mib + 64  # CohortConfig.device_vram
-    per_gpu = 4 * capacity.PROCESS_MIB + vram_mib
-    need = config.holders * capacity.mib_per_holder(sysmem, dataset) + config.gpus * per_gpu + capacity.RESERVE_MIB
-    have = capacity.available_mib()
-    if have is not None and need > have:
-        raise BadInput(f"{config.gpus} GPUs with {config.holders} holders need about {need} MiB of memory "
-                       f"({per_gpu} MiB per GPU: its VRAM and four processes), above the {have} MiB this machine "
-                       "has available (MemAvailable): use fewer GPUs, holders or smaller datasets")
-    fds = capacity.fds_needed(config.holders) + extra * capacity.FDS_BASE
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < fds:
-        raise BadInput(f"{config.gpus} GPUs with {config.holders} holders need about {fds} open files in this "
-                       f"process, above its limit of {soft} (RLIMIT_NOFILE): raise it (ulimit -n {fds})")
+    """BadInput, naming the limit, if this machine cannot carry the job's holders and GPUs."""
+    capacity.check(config.holders, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=config.dataset_mib * MIB,
+                   gpus=config.gpus, vram_mib=config.buffer_mib + 64)  # CohortConfig.device_vram
 
 
 def _datasets(config: TravelJobConfig, workdir: Path) -> tuple[HolderSpec, ...]:
@@ -184,32 +166,6 @@ def _travel_share(gpu: int, cohort: Cohort, log: _Log, stop: threading.Event) ->
         start = log.now()
         report = cohort.travel(holder, offset)
         log.record(Travel(gpu, holder, offset, start, log.now(), report))
-
-
-def _in_parallel(cohorts: list[Cohort], log: _Log) -> None:
-    """One thread per GPU; the first failure stops the others (each ends its travel in flight)
-    and is raised here, once every thread is done."""
-    stop = threading.Event()
-    failures: list[BaseException] = []
-
-    def run(gpu: int, cohort: Cohort) -> None:
-        try:
-            _travel_share(gpu, cohort, log, stop)
-        except BaseException as exc:  # handed to the main thread, which raises it
-            failures.append(exc)
-            stop.set()
-
-    threads = [threading.Thread(target=run, args=(k, c), name=f"travel-gpu-{k}", daemon=True)
-               for k, c in enumerate(cohorts)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        stop.set()  # an interrupted launcher stops every GPU too
-    if failures:
-        raise failures[0]
 
 
 def summarise(reports: list[TravelReport]) -> dict:
