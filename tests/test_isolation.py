@@ -340,3 +340,21 @@ def test_handing_a_tree_over_follows_no_link(tmp_path: Path) -> None:
     assert tree.stat().st_uid == 12345 and (tree / "into").lstat().st_uid == 12345
     assert victim.stat().st_uid == (victim / "deep" / "f").stat().st_uid == os.geteuid()
     assert stat.S_IMODE(victim.stat().st_mode) == 0o755
+
+
+def test_only_the_device_starts_with_the_copy_engine_tunables(live) -> None:
+    """The device's VRAM writes stream past the cache as a copy engine's DMA does
+    (device/memory.COPY_ENGINE_TUNABLES); no other party's environment changes."""
+    from gputravel.device.memory import COPY_ENGINE_TUNABLES
+
+    cohort, _ = live
+    for key, pid in cohort.pids().items():
+        env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
+        tunables = env.get(b"GLIBC_TUNABLES", b"").decode()
+        assert (COPY_ENGINE_TUNABLES in tunables.split(":")) == (key == "device"), (key, tunables)
+
+
+def test_the_device_keeps_tunables_it_was_given() -> None:
+    env = isolation.party_env("device", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "X": "1"})
+    assert env["GLIBC_TUNABLES"].split(":")[0] == "glibc.malloc.arena_max=2" and env["X"] == "1"
+    assert "GLIBC_TUNABLES" not in isolation.party_env("holder", {"X": "1"})

@@ -25,9 +25,10 @@ import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import gputravel
+from gputravel.device.memory import COPY_ENGINE_TUNABLES
 from gputravel.errors import BadInput
 
 # far above any distribution's users; a block of 1024 uids per cohort: up to 1023 parties
@@ -223,6 +224,16 @@ def private_env(home: str) -> dict[str, str]:
     return {"HOME": home, "XDG_CACHE_HOME": f"{home}/.cache", "XDG_CONFIG_HOME": f"{home}/.config",
             "MPLCONFIGDIR": f"{home}/.config/matplotlib", "TORCHINDUCTOR_CACHE_DIR": f"{home}/.cache/torchinductor",
             "TRITON_CACHE_DIR": f"{home}/.cache/triton"}
+
+
+def party_env(role: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment `role`'s process starts with: `env` (default ours), plus, for the
+    device, the glibc tunables its copy engine's writes need (device/memory.py). Tunables are
+    read once, when a process starts, so they can only be given here."""
+    out = dict(os.environ if env is None else env)
+    if role == "device":
+        out["GLIBC_TUNABLES"] = ":".join(filter(None, (out.get("GLIBC_TUNABLES"), COPY_ENGINE_TUNABLES)))
+    return out
 
 
 # ----------------------------------------------------------------------------- files

@@ -26,6 +26,7 @@ from pathlib import Path
 from gputravel.cohort.client import error_from
 from gputravel.cohort.entry import jsonable
 from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort import isolation
 from gputravel.cohort.isolation import Isolation
 from gputravel.cohort.links import CohortLinks, resolve_link
 from gputravel.cohort.placement import Placement
@@ -234,6 +235,7 @@ class Supervisor:
         payload = json.dumps(config, default=jsonable)
         argv = [*prefix, sys.executable, "-m", spec.entry, spec.role, payload, *map(str, fds)]
         popen = self.placement.popen_kwargs(key, netns)
+        popen["env"] = isolation.party_env(spec.role, popen.get("env"))
         if spec.umask is not None:
             popen["umask"] = spec.umask
         fds += popen.pop("pass_fds")

@@ -66,6 +66,14 @@ def open_record(receiver: Opener, record: memoryview, piece: bytearray, scratch:
     return out
 
 
+#: glibc tunables the device process starts with (cohort/isolation.party_env sets them). The
+#: VRAM write stands for a copy engine's DMA, which does not pass through a CPU's cache; with
+#: this threshold glibc writes any copy over 256 KiB with non-temporal stores, so writing a
+#: 1 MiB record into VRAM no longer evicts the cache the next record is opened in
+#: (docs/benchmarks.md, "non-temporal stores"). It changes no byte written, only how.
+COPY_ENGINE_TUNABLES = "glibc.cpu.x86_non_temporal_threshold=0x40000"
+
+
 def check_range(offset: int, nbytes: int, limit: int) -> None:
     if offset < 0 or nbytes < 0 or offset + nbytes > limit:
         raise DeviceError(f"VRAM range {offset:#x}+{nbytes} out of bounds")

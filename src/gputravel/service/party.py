@@ -83,7 +83,9 @@ class PartyChild:
         fds = [theirs.fileno()] + ([extra.fileno()] if extra is not None else [])
         payload = json.dumps(config, default=jsonable)
         argv = [sys.executable, "-m", ENTRY, role, payload, *map(str, fds)]
-        self.proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, **_as_account(uid, home))
+        popen = _as_account(uid, home)
+        popen["env"] = isolation.party_env(role, popen.get("env"))
+        self.proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, **popen)
         theirs.close()
         self.role = role
         self.control = StreamTransport(ours, role)
