@@ -11,6 +11,10 @@ every cohort has booted, or on any failure.
     with GpuCohorts(base, partition(sizes, gpus)) as gpus:
         gpus.cohorts[gpus.gpu_of("alice")].travel("alice", 0)
 
+Late holders (base.late_holders, paper 4.5) are placed in a share too (`place_late`): each is
+enrolled at boot on its own GPU's cohort only (certificate, policy, link), so it can join,
+leave and rejoin that GPU and no other: a holder serves one GPU by construction.
+
 Cohorts boot one after another: each picks its uid block among the uids that running
 processes hold (cohort/isolation.py), so a booted cohort's block is never picked again.
 """
@@ -21,11 +25,11 @@ import contextlib
 import dataclasses
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 from pathlib import Path
 
-from gputravel.cohort.config import CohortConfig
+from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 from gputravel.cohort.supervisor import Launch
 from gputravel.cohort.trust import SharedRoots
@@ -33,7 +37,7 @@ from gputravel.errors import BadInput
 from gputravel.net import ShapedLinks, check_bandwidth
 from gputravel.protocol.parties import ORCHESTRATOR
 
-__all__ = ["GpuCohorts", "PerGpu", "on_each"]
+__all__ = ["GpuCohorts", "PerGpu", "on_each", "place_late"]
 
 SERVER_SUBNET = "10.214.0"  # the servers' switch; each cohort's own star is on net/shaped's subnet
 RANK_IF = "gt-srv"  # a server's end of its link to the switch, in its orchestrator's namespace
@@ -45,7 +49,8 @@ T = TypeVar("T")
 
 
 class GpuCohorts:
-    """G running single-GPU cohorts, one per share of the holders. Use as a context manager."""
+    """G running single-GPU cohorts, one per share of the holders (late ones included).
+    Use as a context manager."""
 
     def __init__(self, base: CohortConfig, shares: tuple[tuple[str, ...], ...], *,
                  per_gpu: PerGpu | None = None, launch: Launch | None = None,
@@ -96,15 +101,17 @@ class GpuCohorts:
 
     def _configs(self) -> list[CohortConfig]:
         """Each GPU's cohort config, all checked before any boots."""
-        specs = {h.name: h for h in self.base.holders}
         configs = []
         for k, share in enumerate(self.shares):
-            pinned = {"holders": tuple(specs[n] for n in share), "roots": self.roots, "gpu_index": k}
+            # A late holder is enrolled on its own GPU's cohort only: no other cohort's CA
+            # certifies it, nor does any other cohort hold a policy or a link for it.
+            pinned = {"holders": _specs(self.base.holders, share), "late_holders": _specs(self.base.late_holders, share),
+                      "roots": self.roots, "gpu_index": k}
             config = dataclasses.replace(self.base, **pinned)
             if self.per_gpu is not None:
                 config = self.per_gpu(k, config)
                 if any(getattr(config, f) != v for f, v in pinned.items()):
-                    raise BadInput(f"the per-GPU hook may not change GPU {k}'s holders, roots or index")
+                    raise BadInput(f"the per-GPU hook may not change GPU {k}'s holders, late holders, roots or index")
             configs.append(config)
         _check_outputs(configs)
         return configs
@@ -173,17 +180,67 @@ class GpuCohorts:
             raise BadInput(f"{holder!r} is not a data holder of these GPUs") from None
 
     def cohort_of(self, holder: str) -> Cohort:
-        return self.cohorts[self.gpu_of(holder)]
+        k = self.gpu_of(holder)
+        if k >= len(self.cohorts):
+            raise BadInput(f"GPU {k}'s cohort is not running")
+        return self.cohorts[k]
+
+    # ------------------------------------------------------------------ membership (paper 4.5)
+    # Each goes to the one cohort the holder was enrolled in: no other GPU knows it.
+    def add_holder(self, name: str) -> int:
+        """A late holder boots and joins its own GPU's cohort; its dataset size."""
+        return self.cohort_of(name).add_holder(name)
+
+    def restart_holder(self, name: str) -> int:
+        """A holder whose process ended boots again and rejoins its own GPU's cohort."""
+        return self.cohort_of(name).restart_holder(name)
+
+    def leave(self, name: str, reason: str = "leaving the cohort") -> None:
+        """The holder says goodbye to its own GPU's orchestrator; travels to it then fail there."""
+        self.cohort_of(name).leave(name, reason)
+
+    def rejoin(self, name: str) -> int:
+        """A holder that left joins its own GPU's cohort again, attesting its orchestrator afresh."""
+        return self.cohort_of(name).rejoin(name)
+
+
+def place_late(shares: tuple[tuple[str, ...], ...], sizes: Mapping[str, int],
+               late: Iterable[str]) -> tuple[tuple[str, ...], ...]:
+    """`shares` with each of the `late` holders added to one: largest dataset first, each to
+    the GPU with the fewest bytes so far (ties: lower index; names break size ties), as
+    train/schedule.partition balances those present at boot. `sizes`: every holder's bytes."""
+    shares = tuple(tuple(s) for s in shares)
+    late = tuple(late)
+    placed = {n for s in shares for n in s}
+    if not shares:
+        raise BadInput("late holders need a share of holders present at boot to join")
+    again = sorted(placed.intersection(late) | {n for n in late if late.count(n) > 1})
+    if again:
+        raise BadInput(f"a late holder goes to one share once, and is not already in one: {', '.join(again)}")
+    unknown = sorted(n for n in placed.union(late) if n not in sizes)
+    if unknown:
+        raise BadInput(f"the dataset size of {', '.join(unknown)} is not known")
+    loads = [sum(sizes[n] for n in s) for s in shares]
+    out = [list(s) for s in shares]
+    for name in sorted(late, key=lambda n: (-sizes[n], n)):
+        k = min(range(len(out)), key=lambda i: (loads[i], i))
+        out[k].append(name)
+        loads[k] += sizes[name]
+    return tuple(tuple(s) for s in out)
+
+
+def _specs(specs: tuple[HolderSpec, ...], share: tuple[str, ...]) -> tuple[HolderSpec, ...]:
+    """The specs of `share`'s holders, in the order `specs` gives them."""
+    return tuple(h for h in specs if h.name in share)
 
 
 def _checked_shares(base: CohortConfig, shares: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:
-    """BadInput unless every holder of `base` is in exactly one share and no share is empty."""
+    """BadInput unless every holder of `base`, late ones included, is in exactly one share and
+    every share has a holder present at boot (a cohort boots with one at least)."""
     shares = tuple(tuple(s) for s in shares)
     if not shares:
         raise BadInput("several GPUs need at least one share of holders")
-    if base.late_holders:
-        raise BadInput("late holders are not supported with several GPUs yet: enrol them in a share")
-    names = [h.name for h in base.holders]
+    names = [h.name for h in base.holders + base.late_holders]
     placed = [n for s in shares for n in s]
     if any(not s for s in shares):
         raise BadInput("every GPU needs at least one data holder: an empty share was given")
@@ -192,7 +249,12 @@ def _checked_shares(base: CohortConfig, shares: tuple[tuple[str, ...], ...]) -> 
         raise BadInput(f"a holder serves one GPU only: {', '.join(doubled)} in several shares")
     unknown, missing = sorted(set(placed) - set(names)), sorted(set(names) - set(placed))
     if unknown or missing:
-        raise BadInput(f"the shares must hold every data holder once: unknown {unknown}, missing {missing}")
+        raise BadInput(f"the shares must hold every data holder, late ones included, once: "
+                       f"unknown {unknown}, missing {missing}")
+    present = {h.name for h in base.holders}
+    for k, s in enumerate(shares):
+        if not present.intersection(s):
+            raise BadInput(f"GPU {k}'s share has only late holders: every GPU needs a data holder present at boot")
     return shares
 
 
