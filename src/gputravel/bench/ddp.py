@@ -25,6 +25,12 @@ Emulation: the "GPUs" are CPU processes sharing this machine's cores, and the li
 them are loopback TCP, so the sealing competes with the training for the same cores; on
 H100s the crypto runs on the CPU beside GPUs that compute, and the links are NVLink or a
 network. The ratios, not the milliseconds, are what carries over.
+
+With ``device="cuda"`` (`run`; one GPU per rank, cuda:RANK) the ranks train on real GPUs:
+``plain`` is then DDP over NCCL, and the rings, on a gloo group of their own, stage each
+bucket through a host copy (ddp/hook.py), as GPUs in CC mode have no peer-to-peer path. That
+path has not run in this project (no GPU was at hand); the default, ``"cpu"``, is the
+emulation above, unchanged.
 """
 
 from __future__ import annotations
@@ -46,9 +52,11 @@ from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
 from gputravel.bench.compare import machine
 from gputravel.crypto.certs import key_pem
 from gputravel.ddp import Ring, RingHookState, encrypted_allreduce_hook, establish_pair_keys
+from gputravel.ddp.hook import stage, unstage
 from gputravel.ddp.launch import free_port, run_processes
 from gputravel.errors import BadInput
 from gputravel.train.model import GPT, GPTConfig
+from gputravel.train.ranks import backend_for
 
 #: The models of the sweep (GPT-2 shapes, sized for a CPU): about 0.3M and 3.3M parameters.
 MODELS = {
@@ -60,18 +68,34 @@ BATCH = 4
 MEASURED = b"\x5a" * 48  # the rank CVMs' measurement, as the verifier accepts it (emulated)
 G2_STEPS = 3  # training steps of each of the two runs compared
 G2_TOLERANCE = 1e-5  # rtol and atol of the ring against gloo (the sum's order differs)
+DEVICES = ("cpu", "cuda")
 
 
-def _median_ms(run: Callable[[], None], warmup: int, iters: int) -> float:
+def _no_wait() -> None:
+    pass
+
+
+def _median_ms(run: Callable[[], None], warmup: int, iters: int, done: Callable[[], None] = _no_wait) -> float:
+    """`done` waits for work `run` queued on a GPU (CUDA calls return before it finishes)."""
     for _ in range(warmup):
         run()
+    done()
     samples = []
     for _ in range(iters):
         dist.barrier()  # every rank starts the sample together
         t0 = time.perf_counter()
         run()
+        done()
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def _ring_exchange(ring: Ring, tensor: torch.Tensor) -> None:
+    """The ring's all-reduce of `tensor` as the hook runs it: a CUDA tensor through a host copy
+    (timed with it), a CPU tensor in place."""
+    host = stage(tensor)
+    ring.all_reduce(host)
+    unstage(tensor, host)
 
 
 def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -81,69 +105,75 @@ def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
     opt.step()
 
 
-def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes, bytes], context: bytes) -> dict:
-    """One rank's share of one (G, model) cell; rank 0's figures are the cell's."""
+def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes, bytes], context: bytes,
+          device: torch.device, group: dist.ProcessGroup | None) -> dict:
+    """One rank's share of one (G, model) cell on `device`, the rings on `group` (None: the
+    default group); rank 0's figures are the cell's."""
     cfg = MODELS[model_name]
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch, as DDP's shards
-    x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=gen)
-    y = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=gen)
+    x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=gen).to(device)
+    y = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=gen).to(device)
+    done = torch.cuda.synchronize if device.type == "cuda" else _no_wait
     root_cert, root_key = root
     authority = Authority(root_cert, serialization.load_pem_private_key(root_key, password=None))
     tee = EmulatedRankTee(authority, root_cert, MEASURED)
     iter_ms, allreduce_ms = {}, {}
     params = sum(p.numel() for p in GPT(cfg).parameters())
-    flat = torch.randn(params, generator=gen)
+    flat = torch.randn(params, generator=gen).to(device)
     for method in METHODS:
         torch.manual_seed(0)  # the same initial weights for every method (DDP also broadcasts rank 0's)
-        ddp = DDP(GPT(cfg))
+        ddp = DDP(GPT(cfg).to(device))
         state = None
         if method != "plain":
             # Each ring gets keys of its own: a direction's key serves one channel, once.
-            keys = establish_pair_keys(tee.attest, tee.verify, context=context + method.encode()) if world > 1 else None
-            ring = Ring("naive" if method == "encrypted_naive" else "pipelined", keys=keys)
+            keys = (establish_pair_keys(tee.attest, tee.verify, group=group, context=context + method.encode())
+                    if world > 1 else None)
+            ring = Ring("naive" if method == "encrypted_naive" else "pipelined", keys=keys, group=group)
             state = RingHookState(ring, overlap=method == "encrypted")
             ddp.register_comm_hook(state, encrypted_allreduce_hook)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        iter_ms[method] = _median_ms(lambda: _iteration(ddp, opt, x, y), 3, iters)
+        iter_ms[method] = _median_ms(lambda: _iteration(ddp, opt, x, y), 3, iters, done)
         if method == "plain":
             exchange = lambda: dist.all_reduce(flat)  # noqa: E731
         else:
-            exchange = lambda r=state.ring: r.all_reduce(flat)  # noqa: E731
-        allreduce_ms[method] = _median_ms(exchange, 2, iters)
+            exchange = lambda r=state.ring: _ring_exchange(r, flat)  # noqa: E731
+        allreduce_ms[method] = _median_ms(exchange, 2, iters, done)
         if state is not None:
             state.close()
     return {"gpus": world, "model": model_name, "params": params, "iter_ms": iter_ms, "allreduce_ms": allreduce_ms,
-            "g2": _g2(rank, cfg, x, y, params)}
+            "g2": _g2(rank, cfg, x, y, params, group)}
 
 
-def _g2(rank: int, cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor, params: int) -> dict:
-    """The hook's plain ring against itself and against gloo, on fresh data; every rank's
-    verdict is combined (MIN), so rank 0's answer holds for all."""
+def _g2(rank: int, cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor, params: int,
+        group: dist.ProcessGroup | None) -> dict:
+    """The hook's plain ring against itself and against gloo (`group`, None: the default
+    group), on fresh data; every rank's verdict is combined (MIN), so rank 0's answer holds
+    for all."""
     data = torch.randn(params, generator=torch.Generator().manual_seed(4242 + rank))
-    ring = Ring("plain")
+    ring = Ring("plain", group=group)
     first, again = ring.all_reduce(data.clone()), ring.all_reduce(data.clone())
     rank0 = first.clone()
-    dist.broadcast(rank0, 0)
+    dist.broadcast(rank0, 0, group=group)
     gloo = data.clone()
-    dist.all_reduce(gloo)
-    losses = [_hook_losses(cfg, x, y) for _ in range(2)]
+    dist.all_reduce(gloo, group=group)
+    losses = [_hook_losses(cfg, x, y, group) for _ in range(2)]
     checks = {"ring_repeats_bitwise": torch.equal(first, again), "ring_same_on_every_rank": torch.equal(first, rank0),
               "hook_losses_repeat_bitwise": losses[0] == losses[1],
               "ring_agrees_with_gloo": torch.allclose(first, gloo, rtol=G2_TOLERANCE, atol=G2_TOLERANCE)}
     flags = torch.tensor([int(v) for v in checks.values()], dtype=torch.int64)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     diff = torch.tensor([float((first - gloo).abs().max())], dtype=torch.float64)
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
     out = {name: bool(v) for name, v in zip(checks, flags.tolist())}
     return {**out, "max_abs_diff_vs_gloo": float(diff), "identical": all(out.values())}
 
 
-def _hook_losses(cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor) -> list[float]:
-    """Losses of G2_STEPS steps of DDP through the hook's plain ring, from seed 0."""
+def _hook_losses(cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor, group: dist.ProcessGroup | None) -> list[float]:
+    """Losses of G2_STEPS steps of DDP through the hook's plain ring, from seed 0, on x's device."""
     torch.manual_seed(0)
-    ddp = DDP(GPT(cfg))
-    state = RingHookState(Ring("plain"))
+    ddp = DDP(GPT(cfg).to(x.device))
+    state = RingHookState(Ring("plain", group=group))
     ddp.register_comm_hook(state, encrypted_allreduce_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     losses = []
@@ -159,13 +189,19 @@ def _hook_losses(cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor) -> list[float
     return losses
 
 
-def _rank_main(rank: int, world: int, port: int, args: tuple) -> dict:
-    """One rank, in its own process (ddp/launch.py): join the cell's gloo group, run the cell."""
+def _rank_main(rank: int, world: int, port: int, args: tuple, device_type: str = "cpu") -> dict:
+    """One rank, in its own process (ddp/launch.py): join the cell's group (gloo on the CPU,
+    NCCL on GPU cuda:`rank`, the rings then on a gloo group of their own), run the cell."""
     torch.set_num_threads(1)  # the ranks share this machine's cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator for this rank is on this GPU
+    dist.init_process_group(backend_for(device), rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
-        return _cell(rank, world, *args)
+        # On the CPU the default group is gloo already: the rings use it, as they always have.
+        group = None if backend_for(device) == "gloo" else dist.new_group(backend="gloo")
+        return _cell(rank, world, *args, device, group)
     finally:
         dist.destroy_process_group()
 
@@ -175,20 +211,22 @@ def _job_context(world: int, model_name: str) -> bytes:
     return f"gputravel bench ddp/{world}/{model_name}/{os.urandom(16).hex()}/".encode()
 
 
-def run_cell(world: int, model_name: str, iters: int, root: tuple[bytes, bytes], timeout: float = 600.0) -> dict:
+def run_cell(world: int, model_name: str, iters: int, root: tuple[bytes, bytes], timeout: float = 600.0,
+             device: str = "cpu") -> dict:
     """Start `world` rank processes for one cell and return rank 0's row. A rank that fails,
     dies or hangs stops the benchmark (ProcessFailed, ProcessesSilent), named with its cell."""
     port = free_port()
     context = _job_context(world, model_name)  # one for the whole cell: every rank must share it
     args = (model_name, iters, root, context)
-    rows = run_processes([(_rank_main, (r, world, port, args)) for r in range(world)], timeout,
+    rows = run_processes([(_rank_main, (r, world, port, args, device)) for r in range(world)], timeout,
                          names=[f"rank {r} of {world} ({model_name})" for r in range(world)])
     return rows[0]
 
 
 def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
-        on_row: Callable[[dict], None] | None = None) -> dict:
-    """The sweep: one row per (GPU count, model)."""
+        on_row: Callable[[dict], None] | None = None, device: str = "cpu") -> dict:
+    """The sweep: one row per (GPU count, model), on `device` ("cpu": emulated GPUs; "cuda":
+    one GPU per rank)."""
     if not gpus or any(g < 1 or g > 8 for g in gpus):
         raise BadInput("--gpus must be GPU counts from 1 to 8, e.g. 1,2,4")
     unknown = [m for m in models if m not in MODELS]
@@ -196,15 +234,20 @@ def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
         raise BadInput(f"--models must name models of {', '.join(MODELS)}; unknown: {', '.join(unknown)}")
     if iters < 1:
         raise BadInput("--iters must be at least 1")
+    if device not in DEVICES:
+        raise BadInput(f"device must be one of {', '.join(DEVICES)} (got {device!r})")
+    if device == "cuda" and max(gpus) > torch.cuda.device_count():
+        raise BadInput(f"{max(gpus)} ranks need as many GPUs; this machine has {torch.cuda.device_count()}")
     quoting_root = Authority.self_signed(TEE_QUOTING_ROOT_CN)  # the emulated CPU-TEE root, for this run
     root = (quoting_root.cert_der, key_pem(quoting_root.key))
     rows, g2 = [], []
     for model_name in models:
         for world in gpus:
-            row = run_cell(world, model_name, iters, root)
+            row = run_cell(world, model_name, iters, root, device=device)
             g2.append({"gpus": world, "model": model_name, **row.pop("g2")})
             rows.append(row)
             if on_row:
                 on_row(row)
     return {"machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"), "iters": iters,
+            "device": device,
             "rows": rows, "g2_identical": all(c["identical"] for c in g2), "g2": g2}

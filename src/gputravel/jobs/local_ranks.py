@@ -108,8 +108,9 @@ def new_quoting_root() -> tuple[bytes, bytes]:
 
 def _rank_main(rank: int, port: int, job: RankJob) -> dict:
     """One rank, in a process of its own spawned by run_local_ranks."""
-    # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank; every
+    # rank is on this machine, so its local rank is its rank (with CUDA, its GPU: pick_device).
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(job.world_size))
     return train_rank(rank, job)
 

@@ -19,6 +19,7 @@ pick different algorithms).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +89,18 @@ class GPTConfig:
 
 
 def pick_device() -> str:
-    """``"cuda"`` when a CUDA GPU is usable, else ``"cpu"``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """``"cpu"`` when no CUDA GPU is usable. Otherwise ``"cuda"``, or ``"cuda:{LOCAL_RANK}"`` in
+    a process launched as one of several ranks on one machine (torchrun and jobs/local_ranks.py
+    set LOCAL_RANK): each rank its own GPU, as NCCL requires."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        return "cuda"
+    count = torch.cuda.device_count()
+    if not local.isdigit() or int(local) >= count:
+        raise BadInput(f"LOCAL_RANK={local!r} names no GPU of this machine's {count}: one rank per GPU")
+    return f"cuda:{int(local)}"
 
 
 class CausalSelfAttention(nn.Module):

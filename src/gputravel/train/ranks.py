@@ -11,10 +11,17 @@ hop sealed with per-pair keys bound to both ranks' attestation)::
         dp.backward(loss)                   # a broken ring raises its typed error
         states = dp.gather(loader_state)    # every rank's, through the sealed ring
 
-What crosses the gloo wire outside the ring, in the clear: the rendezvous (ranks, addresses),
-the key shares (public keys and quotes, which are public), the refusal verdicts, and DDP's
-own bookkeeping (which parameters each rank used in a step, a bitmap). Parameters are never
-broadcast (see `wrap`), and gradients and `gather`'s objects go through the sealed ring only.
+What crosses the wire outside the ring, in the clear: the rendezvous (ranks, addresses), the
+key shares (public keys and quotes, which are public) and the refusal verdicts, on the ring's
+gloo group, and DDP's own bookkeeping (which parameters each rank used in a step, a bitmap) on
+the default group (gloo, or NCCL on CUDA). Parameters are never broadcast (see `wrap`), and
+gradients and `gather`'s objects go through the sealed ring only.
+
+The default group's backend follows this rank's device (`backend_for`): gloo on the CPU, NCCL
+on a CUDA device, where DDP's bookkeeping then stays on the GPU. The ring always has a gloo
+group of its own and reduces CPU tensors: a CUDA bucket is staged through a host copy
+(ddp/hook.py), as GPUs in CC mode have no peer-to-peer path and exchange through the CPU
+anyway. (The CUDA path has not run in this project: no GPU was at hand.)
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gputravel.ddp import Ring, RingHookState, Variant, encrypted_allreduce_hook, establish_pair_keys
 from gputravel.errors import BadInput, ProtocolError
+from gputravel.train.model import pick_device
 
-__all__ = ["ENCRYPTED_VARIANTS", "DataParallel", "Ranks"]
+__all__ = ["ENCRYPTED_VARIANTS", "DataParallel", "Ranks", "backend_for", "rank_device"]
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +97,29 @@ class Ranks:
                                "every holder in one share only")
 
 
+def backend_for(device: str | torch.device) -> str:
+    """The default group's backend for a rank on `device`: "nccl" on CUDA, "gloo" otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def rank_device(device: str | torch.device | None = None) -> torch.device:
+    """This rank's device, `device` or else train/model.py's pick_device (as the training loop
+    picks it), with a CUDA index made explicit: the GPU the rank's model must be on."""
+    dev = torch.device(pick_device() if device is None else device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 class DataParallel:
     """This rank's membership in the job: the process group, the attested ring, the DDP hook.
 
     Make it with `DataParallel.open(ranks)`; `close()` (or leaving a `with` block) ends it."""
 
-    def __init__(self, ranks: Ranks, group: dist.ProcessGroup, ring: Ring, owns_default: bool) -> None:
+    def __init__(self, ranks: Ranks, group: dist.ProcessGroup, ring: Ring, owns_default: bool,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.ranks = ranks
+        self.device = device
         self._group = group
         self._ring = ring
         self._state = RingHookState(ring)
@@ -106,22 +130,27 @@ class DataParallel:
         return f"DataParallel(rank={self.ranks.rank}, world_size={self.ranks.world_size}, ring={self._ring!r})"
 
     @classmethod
-    def open(cls, ranks: Ranks) -> DataParallel:
+    def open(cls, ranks: Ranks, device: str | torch.device | None = None) -> DataParallel:
         """Join the job and make the attested pair keys, before any gradient moves.
 
         The rendezvous is torchrun-compatible env://: the caller (torchrun, or a launcher such
         as jobs/local_ranks.py) sets MASTER_ADDR and MASTER_PORT; rank and world size come from
         `ranks`. A default group already initialised by the caller is used as it is (its rank
         and size must match) and left to the caller at close. Collective: every rank calls it.
+        `device` is where this rank's model is (default: `rank_device()`, the loop's choice); it
+        picks the default group's backend (`backend_for`).
         Raises PeerAttestationError when a rank refuses a peer's evidence."""
         timeout = timedelta(seconds=ranks.timeout_s)
+        dev = rank_device(device)
         owns_default = not dist.is_initialized()
         if owns_default:
             for name in ("MASTER_ADDR", "MASTER_PORT"):
                 if not os.environ.get(name):
                     raise BadInput(f"{name} is not set: the ranks meet by env:// (set it, or launch with torchrun)")
-            dist.init_process_group("gloo", init_method="env://", rank=ranks.rank, world_size=ranks.world_size,
-                                    timeout=timeout)
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)  # NCCL's communicator for this rank is on this GPU, no other
+            dist.init_process_group(backend_for(dev), init_method="env://", rank=ranks.rank,
+                                    world_size=ranks.world_size, timeout=timeout)
         elif (dist.get_rank(), dist.get_world_size()) != (ranks.rank, ranks.world_size):
             raise BadInput(f"the process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
                            f"not rank {ranks.rank} of {ranks.world_size}")
@@ -133,23 +162,28 @@ class DataParallel:
         except BaseException:
             _teardown(group, owns_default)
             raise
-        return cls(ranks, group, ring, owns_default)
+        return cls(ranks, group, ring, owns_default, dev)
 
     def wrap(self, model: torch.nn.Module) -> DistributedDataParallel:
         """`model` in DDP whose gradient all-reduce is the encrypted ring. Keep `model` itself
-        for checkpoints and sampling: the wrapper shares its parameters."""
-        if next(model.parameters()).device.type != "cpu":
-            raise BadInput("the encrypted ring reduces CPU tensors: data-parallel training runs on the CPU for now")
+        for checkpoints and sampling: the wrapper shares its parameters. The model must lie
+        wholly on this rank's device (another rank's GPU would be shared with it)."""
+        devices = {p.device for p in model.parameters()}
+        if devices != {self.device}:
+            found = ", ".join(sorted(map(str, devices))) or "no device (it has no parameters)"
+            raise BadInput(f"the model is on {found}, not on this rank's device {self.device}")
         # init_sync=False: DDP would otherwise broadcast rank 0's parameters at start, in the
-        # clear over gloo. No broadcast is needed: every rank builds the same model from the
+        # clear over the default group. No broadcast is needed: every rank builds the same model from the
         # job's seed, or loads the same checkpoint. Buffers likewise are never synced.
         # find_unused_parameters=True keeps DDP from re-bucketing the gradients after its first
         # step (it re-buckets only when that flag is off). The ring adds each value in an order
         # set by where it lies in its bucket, so a run resumed mid-way (whose DDP is new) must
         # bucket as the uninterrupted run did, or its sums, hence losses, differ in the last bits.
-        buffers = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS
-                   else {"broadcast_buffers": False})
-        ddp = DistributedDataParallel(model, init_sync=False, find_unused_parameters=True, **buffers)
+        args: dict = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS
+                      else {"broadcast_buffers": False})
+        if self.device.type == "cuda":  # a single-GPU module: DDP's own form for it
+            args["device_ids"] = [self.device.index]
+        ddp = DistributedDataParallel(model, init_sync=False, find_unused_parameters=True, **args)
         ddp.register_comm_hook(self._state, encrypted_allreduce_hook)
         return ddp
 
