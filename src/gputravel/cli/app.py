@@ -256,12 +256,17 @@ def bench_ddp(
     models: str = typer.Option("small,base", help="Models, comma separated: small, base."),
     iters: int = typer.Option(5, help="Timed iterations per method (after a warm-up); medians are reported."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    device: str = typer.Option("cpu", help="cpu (each emulated GPU a CPU process, gloo) or cuda (one real GPU "
+                                           "per rank, plain DDP over NCCL, the rings staged through the host)."),
 ) -> None:
     """Data-parallel training with the ring all-reduce sealed at every hop: plain DDP, the naive
     encrypted ring and the pipelined one (iteration and all-reduce medians, ms)."""
     from gputravel.bench import ddp as ddp_bench  # lazy: torch and torch.distributed
 
-    table = Table(title="DDP between GPU TEEs (medians, ms; emulated GPUs are CPU processes)")
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter("--device is cpu or cuda")
+    where = "emulated GPUs are CPU processes" if device == "cpu" else "one CUDA GPU per rank"
+    table = Table(title=f"DDP between GPU TEEs (medians, ms; {where})")
     # it: a whole training iteration; ar: the gradient all-reduce alone; x: encrypted / plain.
     for col in ("G", "model", "it plain", "it naive", "it enc", "it x", "ar plain", "ar naive", "ar enc", "ar x"):
         table.add_column(col, justify="right")
@@ -280,7 +285,7 @@ def bench_ddp(
         raise typer.BadParameter("--gpus takes comma-separated integers, e.g. 1,2,4") from None
     try:
         result = ddp_bench.run(counts, tuple(m.strip() for m in models.split(",") if m.strip()),
-                               iters, on_row=row)
+                               iters, on_row=row, device=device)
     except GputravelError as exc:
         fail(exc)
     console.print(table)

@@ -140,6 +140,9 @@ def _ranks(orch: Orchestrator, cmd: Train):
         raise BadInput(f"rank {cmd.rank} of {cmd.world_size} with rank 0 at {cmd.master!r}: expected host:port")
     # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank.
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
+    # Where CUDA exists, each rank takes a GPU of its own (train/model.pick_device): every rank
+    # of a cohort's job runs on this machine, so its local rank is its rank, unless told.
+    os.environ.setdefault("LOCAL_RANK", str(cmd.rank))
     if cmd.ifname:  # a server's link to the others (cohort/gpus.py), not its holders' star
         os.environ["GLOO_SOCKET_IFNAME"] = cmd.ifname
     if len(cmd.shares) != cmd.world_size or not set(orch.holders) <= set(cmd.shares[cmd.rank]):
