@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from gputravel.attest import AttestationError, init_roots, load_authority, provision_gpu
+from gputravel.attest.material import OrchestratorMaterial
+from gputravel.attest.provision import issue_gpu_ca
+from gputravel.attest.roots import Authority
+from gputravel.crypto.certs import new_key
+from gputravel.driver.orchestrator import OrchestratorDriver
+from gputravel.orchestrator.attester import GpuAttester, TlsIdentity, gpu_identity
 from gputravel.protocol import codec as wire
+from gputravel.testing import InProcessGpu
 from gputravel.orchestrator.audit import (
     GENESIS_HASH,
     AuditError,
@@ -26,11 +37,14 @@ from gputravel.orchestrator.audit import (
     read_log,
     verify_log,
 )
+from gputravel.orchestrator.audit.entries import Record
+from gputravel.orchestrator.audit.signature import load_signer, sign_head
 from gputravel.cli.audit import audit_app
 from gputravel.crypto.pki import CohortPki, MemberIdentity
 from gputravel.errors import BadInput, ProtocolError
 
 LENGTH = struct.Struct(">I")
+GPU, OTHER_GPU = "GPU-TEST-0", "GPU-TEST-1"  # serials as the orchestrator attested them
 HOLDERS = ("alice", "bob", "alice", "carol", "alice", "bob")
 EVENTS = (AuditEvent.TRAVEL, AuditEvent.TRAVEL, AuditEvent.REFUSED, AuditEvent.TRAVEL,
           AuditEvent.ABORTED, AuditEvent.TRAVEL)
@@ -47,8 +61,8 @@ def orch(pki: CohortPki) -> MemberIdentity:
 
 
 def write_log(path: Path, key: bytes | ec.EllipticCurvePrivateKey, holders=HOLDERS, events=EVENTS,
-              offset: int = 0) -> list[Entry]:
-    with AuditLog.create(path, key) as log:
+              offset: int = 0, gpu: str = GPU) -> list[Entry]:
+    with AuditLog.create(path, key, gpu=gpu) as log:
         return [append_one(log, i, h, e, offset) for i, (h, e) in enumerate(zip(holders, events))]
 
 
@@ -102,22 +116,24 @@ def test_append_then_verify(tmp_path: Path, orch: MemberIdentity) -> None:
     assert summary.head_hash == entry_hash(entries[-1])
     assert summary.entries == tuple(entries) and not summary.truncated_tail
     assert len(summary.head_signature) == 96
+    assert summary.gpu == GPU and {e.gpu for e in entries} == {GPU}
 
 
 def test_entries_keep_what_was_passed_in(tmp_path: Path, orch: MemberIdentity) -> None:
-    with AuditLog.create(tmp_path / "audit.log", orch.key_pem) as log:
+    with AuditLog.create(tmp_path / "audit.log", orch.key_pem, gpu=GPU) as log:
         entry = log.append("refused", ChunkId("bob", 4096, 512), time=12.5, epoch_before=3, epoch_after=4)
         assert log.head == (0, entry_hash(entry))
     assert entry == read_log(tmp_path / "audit.log")[0]
-    assert (entry.time, entry.event, entry.holder, entry.epoch_before, entry.epoch_after) == \
-        (12.5, AuditEvent.REFUSED, "bob", 3, 4)
+    assert (entry.time, entry.gpu, entry.event, entry.holder, entry.epoch_before, entry.epoch_after) == \
+        (12.5, GPU, AuditEvent.REFUSED, "bob", 3, 4)
     assert entry.chunk == ChunkId("bob", 4096, 512) and entry.chunk_digest == b""
 
 
 def test_an_empty_log_verifies(tmp_path: Path, orch: MemberIdentity) -> None:
-    AuditLog.create(tmp_path / "audit.log", orch.key_pem).close()
-    summary = verify_log(tmp_path / "audit.log", orch.cert_pem)
+    AuditLog.create(tmp_path / "audit.log", orch.key_pem, gpu=GPU).close()
+    summary = verify_log(tmp_path / "audit.log", orch.cert_pem, gpu=GPU)
     assert (summary.count, summary.head_seq, summary.head_hash, summary.entries) == (0, -1, GENESIS_HASH, ())
+    assert summary.gpu is None  # no entry names a GPU yet
 
 
 def test_holder_filter_returns_exactly_that_holders_entries(tmp_path: Path, orch: MemberIdentity) -> None:
@@ -308,8 +324,8 @@ def test_reopening_continues_the_chain_and_repairs_a_torn_tail_only_when_asked(
     path = tmp_path / "audit.log"
     path.write_bytes(data[: records(data)[-1][0] + 30])
     with pytest.raises(AuditError, match="truncated final entry"):
-        AuditLog.open(path, orch.key_pem)
-    with AuditLog.open(path, orch.key_pem, repair_truncated_tail=True) as log:
+        AuditLog.open(path, orch.key_pem, gpu=GPU)
+    with AuditLog.open(path, orch.key_pem, gpu=GPU, repair_truncated_tail=True) as log:
         assert log.head == (len(entries) - 2, entry_hash(entries[-2]))
         again = append_one(log, len(entries) - 1, "dave", AuditEvent.TRAVEL)
     assert again.seq == len(entries) - 1 and again.prev_hash == entry_hash(entries[-2])
@@ -319,9 +335,16 @@ def test_reopening_continues_the_chain_and_repairs_a_torn_tail_only_when_asked(
 
 def test_misuse_is_refused_with_bad_input(tmp_path: Path, orch: MemberIdentity, pki: CohortPki) -> None:
     path = tmp_path / "audit.log"
-    log = AuditLog.create(path, orch.key_pem)
+    log = AuditLog.create(path, orch.key_pem, gpu=GPU)
     with pytest.raises(BadInput, match="already exists"):
-        AuditLog.create(path, orch.key_pem)
+        AuditLog.create(path, orch.key_pem, gpu=GPU)
+    for gpu in ("", "GPU\n0", "x" * 129, b"GPU-TEST-0", None):
+        with pytest.raises(BadInput, match="a GPU is named by"):
+            AuditLog.create(tmp_path / "named.log", orch.key_pem, gpu=gpu)  # type: ignore[arg-type]
+        if gpu is not None:  # None asks the verifier for no GPU in particular
+            with pytest.raises(BadInput, match="a GPU is named by"):
+                verify_log(path, orch.cert_pem, gpu=gpu)  # type: ignore[arg-type]
+    assert not (tmp_path / "named.log").exists()
     bad_calls = [
         dict(event="teleported"), dict(time=float("nan")), dict(time="now"), dict(epoch_before=-1),
         dict(epoch_after=1.5), dict(chunk_digest=32), dict(chunk_digest=b"x" * 65),
@@ -338,12 +361,145 @@ def test_misuse_is_refused_with_bad_input(tmp_path: Path, orch: MemberIdentity, 
     with pytest.raises(BadInput, match="closed"):
         append_one(log, 0, "alice", AuditEvent.TRAVEL)
     with pytest.raises(BadInput, match="P-384"):
-        AuditLog.create(tmp_path / "other.log", ec.generate_private_key(ec.SECP256R1()))
+        AuditLog.create(tmp_path / "other.log", ec.generate_private_key(ec.SECP256R1()), gpu=GPU)
     with pytest.raises(BadInput, match="does not exist"):
         verify_log(tmp_path / "missing.log", orch.cert_pem)
     with pytest.raises(BadInput, match="neither"):
         verify_log(path, b"not a pem")
     assert path.read_bytes() == b""
+
+
+# ----------------------------------------------------------------------------- the GPU that travelled
+def test_changing_the_gpu_an_entry_names_breaks_its_signature(tmp_path: Path, orch: MemberIdentity,
+                                                              good_log) -> None:
+    """The GPU is inside the signed entry bytes: naming another GPU, even in canonical encoding,
+    is a bad signature at that entry."""
+    data, entries = good_log
+
+    def rename(record: dict) -> dict:
+        record["entry"] = wire.encode(msgspec.structs.replace(entries[2], gpu=OTHER_GPU))
+        return record
+
+    error = failure_of(tmp_path, rewrite_record(data, 2, rename), orch.cert_pem)
+    assert (error.failure, error.seq) == (Failure.SIGNATURE, 2)
+
+
+def test_a_log_whose_entries_name_two_gpus_is_refused(tmp_path: Path, orch: MemberIdentity) -> None:
+    """Every entry is signed, but a rank's log names only its own GPU: a writer that switched
+    GPUs mid-log (here forced) makes a log that neither verifies nor can be continued."""
+    path = tmp_path / "audit.log"
+    with AuditLog.create(path, orch.key_pem, gpu=GPU) as log:
+        for i, (holder, event) in enumerate(zip(HOLDERS, EVENTS)):
+            log.gpu = OTHER_GPU if i >= 3 else GPU
+            append_one(log, i, holder, event)
+    with pytest.raises(AuditError) as info:
+        verify_log(path, orch.cert_pem)
+    assert (info.value.failure, info.value.seq) == (Failure.GPU, 3)
+    assert f"entry names another GPU at seq 3: it names {OTHER_GPU!r}" in str(info.value)
+    with pytest.raises(AuditError, match="entry names another GPU at seq 3"):
+        AuditLog.open(path, orch.key_pem, gpu=GPU)
+
+
+def test_a_renamed_or_swapped_log_names_its_own_gpu_and_is_refused_for_another(
+        tmp_path: Path, orch: MemberIdentity, pki: CohortPki) -> None:
+    """GPU 1's log (and key) handed over as GPU 0's: it verifies, but says it is GPU 1's, and a
+    verifier expecting GPU 0 (as its holder saw it attested) refuses it; neither can GPU 0's
+    orchestrator continue it."""
+    path = tmp_path / "gpu-0-audit.log"  # the name says GPU 0; the entries say otherwise
+    write_log(path, orch.key_pem, gpu=OTHER_GPU)
+    assert verify_log(path, orch.cert_pem).gpu == OTHER_GPU
+    assert verify_log(path, orch.cert_pem, gpu=OTHER_GPU).count == len(HOLDERS)
+    with pytest.raises(AuditError) as info:
+        verify_log(path, orch.cert_pem, gpu=GPU)
+    assert (info.value.failure, info.value.seq) == (Failure.GPU, 0)
+    with pytest.raises(AuditError, match="entry names another GPU at seq 0"):
+        AuditLog.open(path, orch.key_pem, gpu=GPU)
+    out = tmp_path / "error.json"
+    result = CliRunner().invoke(audit_app, ["verify", str(path), "--key", str(pki.directory / "orchestrator.pem"),
+                                            "--gpu", GPU, "--json", str(out)])
+    assert result.exit_code == 1 and "entry names another GPU at seq 0" in result.output
+    assert json.loads(out.read_text())["failure"] == Failure.GPU.value
+
+
+def gpuless_log(path: Path, key: bytes, entries: list[Entry]) -> None:
+    """``entries`` as a log from before entries named their GPU: no ``gpu`` key, chained and
+    signed as that version did."""
+    signer, prev, out = load_signer(key), GENESIS_HASH, b""
+    for e in entries:
+        fields = msgpack.unpackb(wire.encode(msgspec.structs.replace(e, prev_hash=prev)), raw=False)
+        del fields["gpu"]
+        raw = msgpack.packb(fields, use_bin_type=True)
+        prev = hashlib.sha384(raw).digest()
+        payload = wire.encode(Record(entry=raw, signature=sign_head(signer, e.seq, prev)))
+        out += LENGTH.pack(len(payload)) + payload
+    path.write_bytes(out)
+
+
+def test_a_log_from_before_entries_named_their_gpu_is_refused_as_an_earlier_version(
+        tmp_path: Path, orch: MemberIdentity, good_log) -> None:
+    """Old logs do not verify (the field has no default: the codec allows none); the verifier
+    says why, and the orchestrator refuses to continue one rather than write over it."""
+    data, entries = good_log
+    path = tmp_path / "audit.log"
+    gpuless_log(path, orch.key_pem, entries)
+    with pytest.raises(AuditError) as info:
+        verify_log(path, orch.cert_pem)
+    assert (info.value.failure, info.value.seq) == (Failure.VERSION, 0)
+    assert "names no GPU: an earlier gputravel wrote this log" in str(info.value)
+    with pytest.raises(AuditError, match="earlier log format"):
+        AuditLog.open(path, orch.key_pem, gpu=GPU)
+
+    def strip(record: dict) -> dict:  # a later entry of a current log without its GPU: tampering
+        fields = msgpack.unpackb(record["entry"], raw=False)
+        del fields["gpu"]
+        record["entry"] = msgpack.packb(fields, use_bin_type=True)
+        return record
+
+    error = failure_of(tmp_path, rewrite_record(data, 2, strip), orch.cert_pem)
+    assert (error.failure, error.seq) == (Failure.MALFORMED, 2)
+
+
+def test_the_gpu_identity_is_the_vendor_certified_serial_across_firmware_keys() -> None:
+    """What the orchestrator names its GPU by, from the chain SPDM verified: the per-device
+    certificate's serial, the same for a new firmware key (a restarted device), distinct
+    between GPUs; a fingerprint of that certificate if it names no serial."""
+    vendor = Authority.self_signed("test vendor root")
+    gpu0, gpu1 = issue_gpu_ca(vendor, serial=GPU), issue_gpu_ca(vendor, serial=OTHER_GPU)
+    boot, restart = gpu0.device(new_key()).chain_der, gpu0.device(new_key()).chain_der
+    assert boot[0] != restart[0] and gpu_identity(boot) == gpu_identity(restart) == GPU
+    assert gpu_identity(gpu1.device(new_key()).chain_der) == OTHER_GPU
+    unnamed = vendor.child("a per-device CA with no serial").cert_der
+    named = gpu_identity((boot[0], unnamed, *boot[2:]))
+    assert named.startswith("sha256:") and len(named) == 7 + 64
+
+
+def test_a_new_spdm_session_must_reach_the_gpu_the_log_names(tmp_path: Path) -> None:
+    """A re-key (orchestrator/cvm.py rekey) opens a new SPDM session: one that reaches another
+    GPU, even under the same vendor root, fails, so a host cannot swap GPUs under a rank whose
+    log keeps naming the first."""
+    now = datetime.now(timezone.utc)
+    store = init_roots(tmp_path / "roots", now=now - timedelta(days=1))
+    vendor = load_authority(tmp_path / "roots", "gpu")
+    devices = [provision_gpu(vendor, serial=s, now=now - timedelta(days=1)) for s in (GPU, OTHER_GPU)]
+
+    def driver_of(device) -> OrchestratorDriver:
+        gpu = InProcessGpu(device=device)
+        link = gpu.add_cvm("orchestrator")
+        gpu.switch("orchestrator")
+        return OrchestratorDriver(link, clock=gpu.clock)
+
+    def no_quote(report_data: bytes) -> bytes:
+        raise AssertionError("opening a session asks for no quote")
+
+    attester = GpuAttester(OrchestratorMaterial(store, devices[0].reference_values(), 100), no_quote,
+                           TlsIdentity(b""))
+    first = driver_of(devices[0])
+    attester.open_session(first, now, timeout=5)
+    attester.open_session(first, now, timeout=5)  # a re-key of the same GPU
+    assert attester.gpu == GPU and attester.claims is not None
+    with pytest.raises(AttestationError, match=f"reached GPU {OTHER_GPU}, not {GPU}") as err:
+        attester.open_session(driver_of(devices[1]), now, timeout=5)
+    assert err.value.claim == "chain" and attester.claims is None and attester.gpu == GPU
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -357,10 +513,11 @@ def test_cli_verify_prints_the_holders_entries_and_the_head(tmp_path: Path, pki:
                                             "--json", str(out)])
     assert result.exit_code == 0, result.output
     head = entry_hash(entries[-1]).hex()
-    assert f"chain OK ({len(entries)} entries, head {head[:16]})" in result.output
-    assert "bob" in result.output and "carol" not in result.output
+    assert f"chain OK ({len(entries)} entries, GPU {GPU}, head {head[:16]})" in result.output
+    assert "bob" in result.output and "carol" not in result.output and f"by GPU {GPU}" in result.output
     report = json.loads(out.read_text())
     assert report["ok"] and report["count"] == len(entries) and report["head"]["hash"] == head
+    assert report["gpu"] == GPU and {e["gpu"] for e in report["entries"]} == {GPU}
     assert [e["seq"] for e in report["entries"]] == [e.seq for e in entries if e.holder == "bob"]
 
 

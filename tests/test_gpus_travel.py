@@ -22,6 +22,7 @@ from gputravel.attest import AttestationError
 from gputravel.errors import BadInput
 from gputravel.jobs import travel as travel_job
 from gputravel.jobs.travel import TravelJobConfig
+from gputravel.orchestrator.audit import verify_log
 from gputravel.protocol.manifest import chunk_digest
 
 MIB = 1 << 20
@@ -49,6 +50,14 @@ class WatchedCohorts(GpuCohorts):
             "configs_hold_roots": any(x.roots is not None for c in self.cohorts
                                       for x in (c.config, c.supervisor.config, c.client.config)),
         })
+
+    def close(self) -> None:
+        try:  # each GPU's signed travel log, read before the teardown deletes it
+            if self.seen and "log_gpus" not in self.seen[-1]:
+                self.seen[-1]["log_gpus"] = [verify_log(c.audit_log_path, c.orchestrator_certificate()).gpu
+                                             for c in self.cohorts]
+        finally:
+            super().close()
 
 
 @pytest.mark.integration
@@ -91,6 +100,8 @@ def test_travel_gpus_2_holders_4_travels_in_parallel_each_gpu_to_its_own_holders
     assert look["roots"][0] == look["roots"][1]
     assert len(set(look["holder_roots"])) == 1 and look["holder_roots"][0] == look["roots"][0][GPU_ROOT_CERT]
     assert look["serials"] == ["GPU-EMU-0", "GPU-EMU-1"]
+    # Each GPU's log names, inside its signed entries, that GPU's attested serial, not the other's.
+    assert look["log_gpus"] == look["serials"]
     # No root key anywhere once every cohort has booted: the launcher's roots are gone, and no
     # file of either cohort holds a copy.
     assert len(made) == 1 and look["launcher_roots"] is None and not look["configs_hold_roots"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gputravel.orchestrator.audit import AuditError, AuditSummary, Entry, entry_hash, verify_log
@@ -30,7 +31,8 @@ def _when(seconds: float) -> str:
 
 def _table(summary: AuditSummary) -> Table:
     who = summary.holder or "every holder"
-    table = Table(title=f"travels of {who}", pad_edge=False)
+    gpu = f" by GPU {escape(summary.gpu)}" if summary.gpu is not None else ""
+    table = Table(title=f"travels of {escape(who)}{gpu}", pad_edge=False)
     for col in ("seq", "time (UTC)", "event", "holder", "offset", "bytes", "epoch", "chunk digest", "hash"):
         table.add_column(col, justify="right" if col in ("seq", "offset", "bytes") else "left")
     for e in summary.entries:
@@ -42,7 +44,7 @@ def _table(summary: AuditSummary) -> Table:
 
 
 def _entry_json(e: Entry) -> dict[str, object]:
-    return {"seq": e.seq, "time": e.time, "event": e.event.value, "holder": e.holder,
+    return {"seq": e.seq, "time": e.time, "gpu": e.gpu, "event": e.event.value, "holder": e.holder,
             "dataset_offset": e.chunk.dataset_offset, "nbytes": e.chunk.nbytes,
             "epoch_before": e.epoch_before, "epoch_after": e.epoch_after,
             "chunk_digest": e.chunk_digest.hex(), "prev_hash": e.prev_hash.hex(), "hash": entry_hash(e).hex()}
@@ -51,7 +53,7 @@ def _entry_json(e: Entry) -> dict[str, object]:
 def _summary_json(s: AuditSummary) -> dict[str, object]:
     return {"ok": True, "count": s.count, "head": {"seq": s.head_seq, "hash": s.head_hash.hex(),
                                                    "signature": s.head_signature.hex()},
-            "holder": s.holder, "truncated_tail": s.truncated_tail,
+            "holder": s.holder, "gpu": s.gpu, "truncated_tail": s.truncated_tail,
             "entries": [_entry_json(e) for e in s.entries]}
 
 
@@ -67,21 +69,25 @@ def verify(
     log: Path = typer.Argument(..., help="The audit log file the orchestrator writes."),
     key: Path = typer.Option(..., "--key", help="The orchestrator's certificate or public key (PEM)."),
     holder: str | None = typer.Option(None, "--holder", help="Show only this holder's entries."),
+    gpu: str | None = typer.Option(None, "--gpu", help="Require every entry to name this GPU (its serial, "
+                                                      "as the holder saw it attested)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the result as JSON here."),
     allow_truncated_tail: bool = typer.Option(False, "--allow-truncated-tail",
                                               help="Verify the intact prefix of a log whose last entry is torn."),
 ) -> None:
-    """Check the hash chain, every signature and seq contiguity; list the holder's travels."""
+    """Check the hash chain, every signature, seq contiguity and that every entry names one GPU
+    (the one --gpu names, if given); list the holder's travels."""
     try:
-        summary = verify_log(log, key.read_bytes(), holder, allow_truncated_tail=allow_truncated_tail)
+        summary = verify_log(log, key.read_bytes(), holder, gpu=gpu, allow_truncated_tail=allow_truncated_tail)
     except (GputravelError, OSError) as exc:
         if json_out is not None:
             write_json(json_out, _error_json(exc))
-        console.print(f"[red]audit log verification failed:[/red] {exc}")
+        console.print(f"[red]audit log verification failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
     console.print(_table(summary))
     if summary.truncated_tail:
         console.print("[yellow]the torn final entry was ignored[/yellow]")
-    console.print(f"[green]chain OK[/green] ({summary.count} entries, head {summary.head_hash.hex()[:16]})")
+    named = f", GPU {escape(summary.gpu)}" if summary.gpu is not None else ""
+    console.print(f"[green]chain OK[/green] ({summary.count} entries{named}, head {summary.head_hash.hex()[:16]})")
     if json_out is not None:
         write_json(json_out, _summary_json(summary))

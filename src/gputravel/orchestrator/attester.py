@@ -14,6 +14,10 @@ which knows the orchestrator's measurement from the launcher) binding its TLS ke
 nonce. The holder verifies both itself against its roots, reference values and policy before
 it sends anything else, then tells the orchestrator when to ask it again (`AttestAccepted`).
 
+The GPU's identity (:func:`gpu_identity`, :attr:`GpuAttester.gpu`) is the serial its vendor
+certified, read from the chain the SPDM handshake verified; it names the GPU in the signed
+travel log. A re-key (a new SPDM session) must reach that same GPU, or it fails.
+
 Re-attestation (:meth:`GpuAttester.reattest_if_due`): fresh GPU evidence needs the GPU home,
 so the orchestrator, at the start of a travel to a holder whose attestation is due, sends
 `AttestDue` and serves its challenge like a join's.
@@ -21,6 +25,7 @@ so the orchestrator, at the start of a travel to a holder whose attestation is d
 
 from __future__ import annotations
 
+import hashlib
 import os
 import weakref
 from collections.abc import Callable
@@ -32,6 +37,7 @@ from typing import TYPE_CHECKING, cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import NameOID
 
 from gputravel.attest import (
     AttestAccepted,
@@ -59,9 +65,23 @@ from gputravel.protocol.parties import ORCHESTRATOR
 if TYPE_CHECKING:
     from gputravel.orchestrator.cvm import OrchestratorConfig
 
-__all__ = ["GpuAttester", "TlsIdentity", "orchestrator_attester"]
+__all__ = ["GpuAttester", "TlsIdentity", "gpu_identity", "orchestrator_attester"]
 
 MIN_REATTEST_S = 1.0  # however often a holder asks, the orchestrator re-attests at most this often
+_MAX_SERIAL_CHARS = 64  # X.520 serialNumber's upper bound
+
+
+def gpu_identity(device_chain: tuple[bytes, ...]) -> str:
+    """The GPU's name, from its verified SPDM chain (firmware leaf first): the serial its vendor
+    certified in the per-device certificate (the UEID holders see), the same across the GPU's
+    restarts and firmware keys and distinct between GPUs; for a chain that names none, the
+    SHA-256 fingerprint of that certificate."""
+    per_device = x509.load_der_x509_certificate(device_chain[1])
+    serials = per_device.subject.get_attributes_for_oid(NameOID.SERIAL_NUMBER)
+    serial = str(serials[0].value) if serials else ""
+    if 0 < len(serial) <= _MAX_SERIAL_CHARS and serial.isprintable():
+        return serial
+    return "sha256:" + hashlib.sha256(device_chain[1]).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -92,6 +112,7 @@ class GpuAttester:
         self.claims: GpuClaims | None = None
         self._rng = rng
         self._session_leaf: bytes | None = None
+        self.gpu: str | None = None  # gpu_identity of the first session's GPU, once it attested
         # When each holder's link is due for re-attestation, on the shell's clock (its `now`).
         self._due: weakref.WeakKeyDictionary[StreamTransport, float] = weakref.WeakKeyDictionary()
 
@@ -102,11 +123,20 @@ class GpuAttester:
 
     # ------------------------------------------------------------------ GPU phase
     def open_session(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> GpuClaims:
-        """SPDM only with a device chaining to the trusted vendor root; then attest it."""
+        """SPDM only with a device chaining to the trusted vendor root, and after the first
+        session only with the same GPU (a host must not swap GPUs under a rank: its travel
+        log names one); then attest it."""
         requester = SpdmRequester(verify_chain=spdm_chain_verifier(self.material.trust, now))
         driver.establish_session(requester, timeout=timeout)
+        gpu = gpu_identity(requester.device_chain)
+        if self.gpu is not None and gpu != self.gpu:
+            self._session_leaf = self.claims = None
+            raise AttestationError("chain", f"the new SPDM session reached GPU {gpu}, not {self.gpu}, "
+                                            "the GPU this orchestrator attested first")
         self._session_leaf = requester.device_chain[0]
-        return self.attest(driver, now, timeout)
+        claims = self.attest(driver, now, timeout)
+        self.gpu = gpu
+        return claims
 
     def attest(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> GpuClaims:
         """Ask the device for evidence on a fresh nonce inside the session and verify it."""

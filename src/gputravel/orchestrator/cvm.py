@@ -90,7 +90,7 @@ class Orchestrator:
         self.travel_sm: OrchestratorTravel | None = None
         pki = CohortPki.load(config.pki_dir)
         self.listener = TlsListener(config.listen_host, config.listen_port, pki.server_context(NAME))
-        self.travel_log = TravelLog(config.audit_log, pki.member(NAME).key_pem) if config.audit_log else None
+        self.travel_log: TravelLog | None = None  # opened at boot, once the GPU it names is attested
 
     # ------------------------------------------------------------------ boot
     def boot(self) -> None:
@@ -100,6 +100,10 @@ class Orchestrator:
         # evidence verified; an AttestationError (naming the claim) stops the boot here.
         self.attester: GpuAttester = orchestrator_attester(self.config)
         self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
+        if self.config.audit_log:  # its entries name the GPU just attested (re-keys keep it)
+            assert self.attester.gpu is not None
+            key_pem = CohortPki.load(self.config.pki_dir).member(NAME).key_pem
+            self.travel_log = TravelLog(self.config.audit_log, key_pem, self.attester.gpu)
         self._device.send(VramRequest())
         grant = self._device.recv(timeout=self.config.device_timeout)
         if not isinstance(grant.message, VramGrant) or len(grant.fds) != 1:

@@ -1,7 +1,8 @@
 """The orchestrator's travel log: one signed, hash-chained audit entry per travel attempt
-(see orchestrator/audit.py). It is signed with the orchestrator's cohort TLS key, the key its attestation
-quote binds, so a holder that attested the orchestrator can check the log with
-`gputravel audit verify LOG --key orchestrator.pem --holder NAME`."""
+(see orchestrator/audit/). It is signed with the orchestrator's cohort TLS key, the key its attestation
+quote binds, and every entry names the GPU the orchestrator attested (its serial), so a holder
+that attested the orchestrator and saw that GPU's serial can check the log with
+`gputravel audit verify LOG --key orchestrator.pem --holder NAME --gpu SERIAL`."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from gputravel.protocol.control import TravelReport
 
 
 class TravelLog:
-    def __init__(self, path: str, key_pem: bytes) -> None:
-        # A restarted orchestrator continues its own log (verified first), never a new one over it.
+    def __init__(self, path: str, key_pem: bytes, gpu: str) -> None:
+        # A restarted orchestrator continues its own log (verified first), never a new one over
+        # it; a log that names another GPU, or none (an earlier version's), is refused.
         p = Path(path)
-        self._log = AuditLog.open(p, key_pem) if p.exists() else AuditLog.create(p, key_pem)
+        self._log = AuditLog.open(p, key_pem, gpu=gpu) if p.exists() else AuditLog.create(p, key_pem, gpu=gpu)
 
     def travelled(self, report: TravelReport, dataset_offset: int, epoch_before: int, epoch_after: int) -> None:
         chunk = report.chunk

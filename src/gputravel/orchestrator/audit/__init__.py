@@ -1,8 +1,8 @@
 """The travel log: an append-only, hash-chained record of every travel, signed by the orchestrator.
 
-Each :class:`Entry` says who got the GPU (the chunk id names the holder), what happened
-(``travel``, ``refused``, ``aborted``), the key epoch before and after, and the digest of the
-chunk that was copied. It is encoded with the project's codec; its hash is SHA-384 over that
+Each :class:`Entry` says which GPU travelled (``gpu``: the serial the orchestrator attested),
+who got it (the chunk id names the holder), what happened (``travel``, ``refused``,
+``aborted``), the key epoch before and after, and the digest of the chunk that was copied. It is encoded with the project's codec; its hash is SHA-384 over that
 encoding, and every entry carries the hash of the one before it (48 zero bytes for seq 0).
 The orchestrator signs every entry's ``(seq, hash)`` with its ECDSA P-384 key, so any prefix
 of the log is a signed head a holder can check on its own.

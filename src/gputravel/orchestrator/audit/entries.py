@@ -9,6 +9,12 @@ File format: one record per entry, appended in order::
 ``entry`` holds the encoded entry (the bytes that are hashed); ``signature`` is raw ``r || s``
 (48 bytes each, low-s; see :mod:`.signature`). An entry's hash is SHA-384 over its encoding,
 and every entry carries the hash of the one before it (48 zero bytes for seq 0).
+
+Every entry names the GPU that travelled (``gpu``): the serial its vendor certified in its
+per-device certificate, as the orchestrator verified it over SPDM (orchestrator/attester.py).
+It is inside the hashed, signed bytes, so a log says which GPU went to which holder without
+trusting the file's name. Entries from before this field (issue 14) do not decode: the
+verifier refuses them as :attr:`Failure.VERSION`, never as tampering.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from gputravel.protocol.codec import Message, encode
 HASH_BYTES = 48  # SHA-384
 GENESIS_HASH = bytes(HASH_BYTES)  # the prev_hash of seq 0
 MAX_DIGEST_BYTES = 64
+MAX_GPU_CHARS = 128  # a vendor serial is at most 64; "sha256:" and a hex fingerprint is 71
 MAX_RECORD_BYTES = 16 * 1024  # an entry is a few hundred bytes: anything longer is corruption
 LENGTH = struct.Struct(">I")  # the length prefix of every record
 
@@ -43,6 +50,8 @@ class Failure(enum.StrEnum):
     CHAIN = "hash chain broken"
     SIGNATURE = "bad signature"
     HEAD = "known head missing"
+    GPU = "entry names another GPU"  # a log names one GPU: the one its verifier expects, if it says
+    VERSION = "entry from an earlier log format"  # written before entries named their GPU
 
 
 class AuditError(ProtocolError):
@@ -55,6 +64,13 @@ class AuditError(ProtocolError):
 
 
 # ----------------------------------------------------------------------------- entries
+def check_gpu(gpu: object) -> str:
+    """``gpu`` if it can name a GPU in a log: 1-128 printable characters (the CLI prints it)."""
+    if not isinstance(gpu, str) or not 0 < len(gpu) <= MAX_GPU_CHARS or not gpu.isprintable():
+        raise BadInput(f"a GPU is named by 1-{MAX_GPU_CHARS} printable characters")
+    return gpu
+
+
 class ChunkId(Message, tag="audit.chunk"):
     holder: str
     dataset_offset: int
@@ -70,6 +86,7 @@ class ChunkId(Message, tag="audit.chunk"):
 class Entry(Message, tag="audit.entry"):
     seq: int
     time: float  # seconds since the epoch, as the caller's clock said
+    gpu: str  # the GPU that travelled: its attested serial (see the module's docstring)
     event: AuditEvent
     chunk: ChunkId
     epoch_before: int
@@ -82,6 +99,7 @@ class Entry(Message, tag="audit.entry"):
             raise BadInput("seq must be non-negative")
         if not math.isfinite(self.time) or self.time < 0:
             raise BadInput("time must be a finite, non-negative number of seconds")
+        check_gpu(self.gpu)
         if self.epoch_before < 0 or self.epoch_after < 0:
             raise BadInput("key epochs must be non-negative")
         if len(self.chunk_digest) > MAX_DIGEST_BYTES:

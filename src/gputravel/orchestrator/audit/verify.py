@@ -4,6 +4,12 @@ A crash mid-write leaves a torn final record, which reads as "truncated final en
 than as tampering: a torn record is a strict prefix of a record, which a record whose length
 prefix was altered is not. Dropping whole entries off the end leaves a valid shorter log; a
 holder that kept a signed head detects that with ``known_head``.
+
+A log names one GPU: each rank's orchestrator keeps its own log and pins its GPU across
+re-keys (orchestrator/attester.py), so entries naming two GPUs are never honest, and the
+verifier refuses them rather than summarising per GPU. A verifier that knows which GPU it
+expects (a holder saw its serial when it attested the GPU) passes ``gpu``: a log of another
+GPU, renamed or swapped in with that GPU's key, is refused too.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from gputravel.orchestrator.audit.entries import (
     Entry,
     Failure,
     Record,
+    check_gpu,
 )
 from gputravel.orchestrator.audit.signature import load_verifier, verify_head
-from gputravel.protocol.codec import decode, encode
+from gputravel.protocol.codec import TAG_FIELD, decode, encode, tag_of
 
 
 @dataclass(frozen=True)
@@ -84,14 +91,35 @@ def _is_torn(fragment: bytes) -> bool:
 def _parse(payload: bytes, index: int, end: int) -> _Parsed:
     try:
         record = decode(payload, expect=Record)
+    except ProtocolError as exc:
+        raise AuditError(Failure.MALFORMED, index, str(exc)) from None
+    try:
         entry = decode(record.entry, expect=Entry)
     except ProtocolError as exc:
+        if index == 0 and _names_no_gpu(record.entry):  # an earlier log names no GPU from its start
+            raise AuditError(Failure.VERSION, index, "the entry names no GPU: an earlier gputravel wrote this "
+                                                     "log; verify it with that version, and start a new log") from None
         raise AuditError(Failure.MALFORMED, index, str(exc)) from None
     # Hashes are taken over the stored bytes; a decodable but different encoding of the same
     # entry is refused, so the stored bytes and entry_hash() can never disagree.
     if encode(entry) != record.entry:
         raise AuditError(Failure.MALFORMED, index, "the entry is not in canonical encoding")
     return _Parsed(entry, hashlib.sha384(record.entry).digest(), record.signature, end)
+
+
+# The keys of an entry before entries named their GPU (issue 14).
+_GPULESS_KEYS = frozenset({TAG_FIELD, *Entry.__struct_fields__} - {"gpu"})
+
+
+def _names_no_gpu(raw: bytes) -> bool:
+    """Whether ``raw`` has exactly the keys of an entry written before entries named their GPU,
+    so that such a log is refused as from an earlier version, not as corrupt. Only a hint for
+    the error: nothing decoded here is trusted."""
+    try:
+        fields = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_RECORD_BYTES, max_str_len=MAX_RECORD_BYTES)
+    except Exception:  # malformed, whatever msgpack chose to raise
+        return False
+    return isinstance(fields, dict) and fields.keys() == _GPULESS_KEYS and fields[TAG_FIELD] == tag_of(Entry)
 
 
 def _read(path: str | os.PathLike[str]) -> bytes:
@@ -121,6 +149,7 @@ class AuditSummary:
     head_hash: bytes  # GENESIS_HASH for an empty log
     head_signature: bytes  # the orchestrator's signature of the head: keep it as a receipt
     holder: str | None
+    gpu: str | None  # the GPU every entry names; None for an empty log
     entries: tuple[Entry, ...]  # the holder's own entries (every entry when holder is None)
     truncated_tail: bool  # a torn final record was ignored (allow_truncated_tail)
 
@@ -144,19 +173,34 @@ def _check_known_head(parsed: list[_Parsed], known_head: tuple[int, bytes]) -> N
         raise AuditError(Failure.HEAD, seq, "the entry there is not the one the known head names")
 
 
+def _check_gpu(parsed: list[_Parsed], expected: str | None) -> str | None:
+    """The one GPU the log names (the expected one if given); AuditError (GPU) at the first
+    entry naming another. Checked after the chain: a changed ``gpu`` is a bad signature."""
+    named = expected if expected is not None else (parsed[0].entry.gpu if parsed else None)
+    for index, p in enumerate(parsed):
+        if p.entry.gpu != named:
+            whose = "the verifier expects" if expected is not None else "the log's first entry names"
+            raise AuditError(Failure.GPU, index, f"it names {p.entry.gpu!r}, {whose} {named!r} "
+                                                 "(a rank's log names only its own GPU)")
+    return named if parsed else None
+
+
 def verify_log(path: str | os.PathLike[str],
                orchestrator_key: bytes | str | ec.EllipticCurvePublicKey | x509.Certificate,
-               holder: str | None = None, *, allow_truncated_tail: bool = False,
+               holder: str | None = None, *, gpu: str | None = None, allow_truncated_tail: bool = False,
                known_head: tuple[int, bytes] | None = None) -> AuditSummary:
-    """Check seq contiguity, the hash chain and every signature; raise AuditError on the first fault.
+    """Check seq contiguity, the hash chain, every signature, and that every entry names the
+    same GPU (``gpu``, if given); raise AuditError on the first fault.
 
     ``allow_truncated_tail`` verifies the intact prefix of a log whose last record is torn.
     ``known_head`` is a (seq, hash) the caller saw signed before: the log must still hold it.
     """
     key = load_verifier(orchestrator_key)
+    expected = check_gpu(gpu) if gpu is not None else None
     data = _read(path)
     parsed = list(_records(data, allow_truncated_tail))
     _verify_chain(parsed, key)
+    named = _check_gpu(parsed, expected)
     if known_head is not None:
         _check_known_head(parsed, known_head)
     last = parsed[-1] if parsed else None
@@ -166,6 +210,7 @@ def verify_log(path: str | os.PathLike[str],
         head_hash=last.hash if last else GENESIS_HASH,
         head_signature=last.signature if last else b"",
         holder=holder,
+        gpu=named,
         entries=tuple(p.entry for p in parsed if holder is None or p.entry.holder == holder),
         truncated_tail=(last.end if last else 0) != len(data),
     )

@@ -2,6 +2,8 @@
 
 Each record is written with one ``write`` and ``fsync``-ed, so a crash loses at most the
 entry being written (its torn remains read as a truncated final entry, see :mod:`.verify`).
+A writer is for one GPU, named when the log is created or opened: every entry it signs names
+that GPU, and it refuses to continue a log that names another.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from gputravel.errors import BadInput
-from gputravel.orchestrator.audit.entries import GENESIS_HASH, LENGTH, AuditEvent, ChunkId, Entry, Record
+from gputravel.orchestrator.audit.entries import (
+    GENESIS_HASH,
+    LENGTH,
+    AuditEvent,
+    ChunkId,
+    Entry,
+    Record,
+    check_gpu,
+)
 from gputravel.orchestrator.audit.signature import load_signer, sign_head
 from gputravel.orchestrator.audit.verify import intact_length, verify_log
 from gputravel.protocol.codec import encode
@@ -36,11 +46,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 class AuditLog:
-    """The orchestrator's writer. One writer per file; ``append`` is thread-safe."""
+    """The orchestrator's writer for one GPU. One writer per file; ``append`` is thread-safe."""
 
-    def __init__(self, path: Path, key: ec.EllipticCurvePrivateKey, fd: int, next_seq: int,
+    def __init__(self, path: Path, key: ec.EllipticCurvePrivateKey, gpu: str, fd: int, next_seq: int,
                  prev_hash: bytes) -> None:
         self.path = path
+        self.gpu = gpu
         self._key = key
         self._fd = fd
         self._next_seq = next_seq
@@ -49,35 +60,36 @@ class AuditLog:
         self._broken = False
 
     def __repr__(self) -> str:  # the signing key never shows
-        return f"AuditLog({os.fspath(self.path)!r}, next_seq={self._next_seq})"
+        return f"AuditLog({os.fspath(self.path)!r}, gpu={self.gpu!r}, next_seq={self._next_seq})"
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str],
-               signing_key: bytes | ec.EllipticCurvePrivateKey) -> AuditLog:
-        """Start a new, empty log; refuses to overwrite an existing file."""
-        key, p = load_signer(signing_key), Path(path)
+    def create(cls, path: str | os.PathLike[str], signing_key: bytes | ec.EllipticCurvePrivateKey, *,
+               gpu: str) -> AuditLog:
+        """Start a new, empty log of ``gpu`` (its attested serial); refuses to overwrite a file."""
+        key, p, gpu = load_signer(signing_key), Path(path), check_gpu(gpu)
         try:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
         except FileExistsError:
             raise BadInput(f"audit log {os.fspath(p)!r} already exists (use AuditLog.open)") from None
         _fsync_dir(p)
-        return cls(p, key, fd, 0, GENESIS_HASH)
+        return cls(p, key, gpu, fd, 0, GENESIS_HASH)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], signing_key: bytes | ec.EllipticCurvePrivateKey, *,
-             repair_truncated_tail: bool = False) -> AuditLog:
-        """Continue an existing log after verifying it with the signer's own public key.
+             gpu: str, repair_truncated_tail: bool = False) -> AuditLog:
+        """Continue an existing log of ``gpu`` after verifying it with the signer's own public
+        key (AuditError GPU if its entries name another GPU, VERSION if they name none).
 
         A torn final record (crash mid-write) is refused unless ``repair_truncated_tail``,
         which cuts it off so that new entries follow the last intact one.
         """
-        key, p = load_signer(signing_key), Path(path)
-        summary = verify_log(p, key.public_key(), allow_truncated_tail=repair_truncated_tail)
+        key, p, gpu = load_signer(signing_key), Path(path), check_gpu(gpu)
+        summary = verify_log(p, key.public_key(), gpu=gpu, allow_truncated_tail=repair_truncated_tail)
         fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         if summary.truncated_tail:
             os.ftruncate(fd, intact_length(p))
             os.fsync(fd)
-        return cls(p, key, fd, summary.head_seq + 1, summary.head_hash)
+        return cls(p, key, gpu, fd, summary.head_seq + 1, summary.head_hash)
 
     @property
     def head(self) -> tuple[int, bytes]:
@@ -119,8 +131,9 @@ class AuditLog:
         if not isinstance(chunk_digest, (bytes, bytearray, memoryview)):
             raise BadInput("chunk_digest must be bytes")  # bytes(n) would make n zero bytes
         try:
-            entry = Entry(self._next_seq, float(time), event, chunk, epoch_before, epoch_after,
-                          bytes(chunk_digest), self._prev)
+            entry = Entry(seq=self._next_seq, time=float(time), gpu=self.gpu, event=event, chunk=chunk,
+                          epoch_before=epoch_before, epoch_after=epoch_after, chunk_digest=bytes(chunk_digest),
+                          prev_hash=self._prev)
         except TypeError:  # __post_init__ compared a value of the wrong type
             raise BadInput("key epochs must be ints") from None
         encode(entry)  # type-checks every field (BadInput) before anything is signed
