@@ -11,7 +11,7 @@ import pytest
 from gputravel.jobs.travel import plan
 from gputravel.errors import BadInput
 from gputravel.protocol.manifest import chunk_digest
-from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.config import RESERVED_NAMES, CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 from gputravel.cohort.supervisor import TRUSTED_ROLES, PartySpec, Supervisor
 
@@ -122,6 +122,29 @@ def test_config_is_validated(datasets, tmp_path: Path) -> None:
         CohortConfig(holders=(HolderSpec("x", datasets["h1"][0]),) * 2, buffer_bytes=MIB)
     with pytest.raises(BadInput, match="at least one"):
         CohortConfig(holders=(), buffer_bytes=MIB)
+
+
+@pytest.mark.parametrize("name", ["device", "host", "tdx-module", "orchestrator", "ca", "../device", "Carol",
+                                  "a b", "", "x" * 33])
+def test_a_holder_cannot_be_named_as_another_party_or_outside_the_holders_rule(datasets, name: str) -> None:
+    """Red team (security row 49): a holder's name keys its uid, directories and certificate; one
+    named "device" would run under the emulated GPU's uid and read its firmware key. Refused,
+    present at boot or late, before anything is made for it."""
+    from gputravel.cohort.quoting import KEY as TDX_MODULE  # the supervisor's key for the module
+
+    assert TDX_MODULE in RESERVED_NAMES
+    spec = HolderSpec(name, datasets["h1"][0])
+    with pytest.raises(BadInput, match="is invalid"):
+        CohortConfig(holders=(spec,), buffer_bytes=MIB)
+    with pytest.raises(BadInput, match="is invalid"):
+        CohortConfig(holders=(HolderSpec("h1", datasets["h1"][0]),), late_holders=(spec,), buffer_bytes=MIB)
+
+
+def test_leaving_or_rejoining_an_unknown_holder_is_refused_with_the_reason(datasets) -> None:
+    with Cohort(config(datasets)) as cohort:
+        for act in (cohort.leave, cohort.rejoin):
+            with pytest.raises(BadInput, match="not a data holder of this cohort"):
+                act("nobody")
 
 
 def test_a_failing_child_tears_everything_down(datasets, tmp_path: Path) -> None:

@@ -246,3 +246,50 @@ def test_two_local_ranks_train_on_their_own_gpus(tmp_path, write_rank_shares) ->
     assert all(math.isfinite(v) for losses in report["rank_losses"] for v in losses)
     assert report["rank_losses"][0] != report["rank_losses"][1]  # each rank its own batches
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
+
+
+def test_a_failed_staging_copy_stops_the_step_with_its_own_error(monkeypatch) -> None:
+    """A bucket that cannot be copied to the host fails its future with that error, kept in
+    state.failure for the loop to re-raise, and the ring never runs."""
+    boom = RuntimeError("copy failed")
+
+    def failing(bucket: torch.Tensor) -> torch.Tensor:
+        raise boom
+
+    monkeypatch.setattr(hook, "stage", failing)
+    ring = _Doubling()
+    state = RingHookState(ring)
+    fut = torch.futures.Future()
+    state.submit(torch.ones(3), fut)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        fut.wait()
+    assert state.failure is boom and not ring.seen
+    state.close()
+
+
+def test_a_future_that_cannot_complete_fails_instead_of_hanging(monkeypatch) -> None:
+    """Completing a CUDA future can raise (it records events): the worker then fails the
+    future with that error, rather than losing it and leaving DDP waiting for ever."""
+    state = RingHookState(_Doubling())
+
+    class Stubborn(torch.futures.Future):
+        def set_result(self, result):  # torch's set_exception goes through here too
+            if isinstance(result, torch.Tensor):
+                raise RuntimeError("sticky device error")
+            super().set_result(result)
+
+    fut = Stubborn()
+    state.submit(torch.ones(2), fut)
+    with pytest.raises(RuntimeError, match="sticky device error"):
+        fut.wait()
+    assert isinstance(state.failure, RuntimeError)
+    state.close()
+
+
+@pytest.mark.parametrize("local", ["\u00b2", "\u0661", "-1", "1.0", " 1", "99999"])
+def test_a_local_rank_that_is_not_plain_digits_naming_a_gpu_is_refused(monkeypatch, local: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", local)
+    with pytest.raises(BadInput, match="names no GPU"):
+        model_module.pick_device()

@@ -6,6 +6,7 @@ buffer of whole records, a link the machine can give), so nothing starts on a ba
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,15 @@ from gputravel.cohort.trust import SharedRoots, TrustOptions
 from gputravel.errors import BadInput
 from gputravel.protocol.hardware import EMULATED, hardware_profile
 from gputravel.protocol.layout import Layout
+
+
+# A data holder's name keys its process, uid, directories and certificate in the cohort: the
+# holder's own rule (crypto/pki.py, what it checks at boot), checked here before anything is
+# made for it, and never a name the cohort's other parties are keyed by. A holder named
+# "device" would otherwise run under the emulated GPU's uid (the second hostile review of
+# session 23 showed it reading the GPU's firmware key).
+HOLDER_NAME = re.compile(r"[a-z0-9-]{1,32}")
+RESERVED_NAMES = frozenset({"orchestrator", "host", "device", "tdx-module", "ca"})
 
 
 @dataclass(frozen=True)
@@ -80,8 +90,10 @@ class CohortConfig:
         names += [h.name for h in self.late_holders]
         if len(set(names)) != len(names):
             raise BadInput("data holder names must be unique")
-        if "orchestrator" in names:
-            raise BadInput("'orchestrator' is reserved and cannot name a data holder")
+        for name in names:
+            if not isinstance(name, str) or not HOLDER_NAME.fullmatch(name) or name in RESERVED_NAMES:
+                raise BadInput(f"data holder name {name!r} is invalid: use 1-32 characters from a-z, 0-9 and '-', "
+                               f"and none of {', '.join(sorted(RESERVED_NAMES))}")
         if self.buffer_bytes <= 0 or self.buffer_bytes % self.layout.record_bytes:
             raise BadInput(f"buffer size must be a positive multiple of {self.layout.record_bytes} bytes")
         for h in self.holders + self.late_holders:

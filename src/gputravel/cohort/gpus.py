@@ -220,6 +220,9 @@ def place_late(shares: tuple[tuple[str, ...], ...], sizes: Mapping[str, int],
     unknown = sorted(n for n in placed.union(late) if n not in sizes)
     if unknown:
         raise BadInput(f"the dataset size of {', '.join(unknown)} is not known")
+    negative = sorted(n for n in placed.union(late) if type(sizes[n]) is not int or sizes[n] < 0)
+    if negative:
+        raise BadInput(f"dataset sizes are whole numbers of bytes, not negative: {', '.join(negative)}")
     loads = [sum(sizes[n] for n in s) for s in shares]
     out = [list(s) for s in shares]
     for name in sorted(late, key=lambda n: (-sizes[n], n)):

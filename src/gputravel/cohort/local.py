@@ -80,11 +80,16 @@ class Cohort:
 
     def leave(self, name: str, reason: str = "leaving the cohort") -> None:
         """Paper 4.5: the holder says goodbye and stops providing data (CohortClient.leave)."""
-        self.client.leave(name, reason)
+        self.client.leave(self._running(name), reason)
 
     def rejoin(self, name: str) -> int:
         """A holder that left joins again, attesting the orchestrator afresh."""
-        return self.client.rejoin(name)
+        return self.client.rejoin(self._running(name))
+
+    def _running(self, name: str) -> str:
+        if name not in self.children or name not in {h.name for h in self.config.holders + self.config.late_holders}:
+            raise BadInput(f"{name!r} is not a data holder of this cohort whose process has started")
+        return name
 
     # ------------------------------------------------------------------ commands
     def baseline(self, holder: str, dataset_offset: int = 0) -> BaselineReport:

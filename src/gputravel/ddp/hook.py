@@ -56,8 +56,13 @@ class RingHookState:
 
     def submit(self, bucket: torch.Tensor, fut: "torch.futures.Future[torch.Tensor]") -> None:
         # Staged here, on the caller's (autograd) thread, and complete on return: the worker
-        # never reads a device buffer still being copied.
-        host = stage(bucket)
+        # never reads a device buffer still being copied. A failed copy stops the step with
+        # its error, as a failed ring does.
+        try:
+            host = stage(bucket)
+        except Exception as err:
+            self._fail(fut, err)
+            return
         if not self.overlap:
             self._reduce_into(bucket, host, fut)
             return
@@ -74,12 +79,16 @@ class RingHookState:
         try:
             self.ring.all_reduce(host)
             unstage(bucket, host)
+            # Inside the try: completing a CUDA future records events, which can raise, and
+            # an error lost in the worker would leave DDP waiting on this future for ever.
+            fut.set_result(bucket)
         except Exception as err:  # the step must stop: DDP's backward re-raises it
-            if self.failure is None:
-                self.failure = err
-            fut.set_exception(err)
-            return
-        fut.set_result(bucket)
+            self._fail(fut, err)
+
+    def _fail(self, fut: "torch.futures.Future[torch.Tensor]", err: Exception) -> None:
+        if self.failure is None:
+            self.failure = err
+        fut.set_exception(err)
 
     def close(self) -> None:
         """Stop the worker thread (after the buckets already handed to it); later buckets fail.

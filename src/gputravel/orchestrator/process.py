@@ -141,8 +141,9 @@ def _ranks(orch: Orchestrator, cmd: Train):
     # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank.
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
     # Where CUDA exists, each rank takes a GPU of its own (train/model.pick_device): every rank
-    # of a cohort's job runs on this machine, so its local rank is its rank, unless told.
-    os.environ.setdefault("LOCAL_RANK", str(cmd.rank))
+    # of a cohort's job runs on this machine, so its local rank is its rank (whatever the
+    # launcher's environment said). It picks a device only, never a security decision.
+    os.environ["LOCAL_RANK"] = str(cmd.rank)
     if cmd.ifname:  # a server's link to the others (cohort/gpus.py), not its holders' star
         os.environ["GLOO_SOCKET_IFNAME"] = cmd.ifname
     if len(cmd.shares) != cmd.world_size or not set(orch.holders) <= set(cmd.shares[cmd.rank]):

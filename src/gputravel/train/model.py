@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +99,7 @@ def pick_device() -> str:
     if local is None:
         return "cuda"
     count = torch.cuda.device_count()
-    if not local.isdigit() or int(local) >= count:
+    if not re.fullmatch(r"[0-9]{1,4}", local) or int(local) >= count:
         raise BadInput(f"LOCAL_RANK={local!r} names no GPU of this machine's {count}: one rank per GPU")
     return f"cuda:{int(local)}"
 
