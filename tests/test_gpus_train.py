@@ -32,7 +32,9 @@ from gputravel.jobs.training import (
 )
 from gputravel.net import netns_available
 from gputravel.orchestrator.audit import verify_log
+from gputravel.data.holder_tokens import load_tokens
 from gputravel.train.loop import TrainConfig
+from gputravel.train.schedule import LoaderState, Scheduler
 
 pytestmark = pytest.mark.integration
 
@@ -75,10 +77,45 @@ def test_each_gpu_travels_only_to_its_own_holders_and_signs_its_own_log(two_gpus
         cert = (run_dir / f"gpu-{k}-orchestrator.pem").read_bytes()
         summary = verify_log(run_dir / rank["audit_log"], cert)
         assert summary.count == rank["travel_count"]
+        assert summary.gpu == f"GPU-EMU-{k}"  # named inside the signed entries, not by the file
         assert {e.holder for e in summary.entries} <= shares[k]  # this GPU went to its share only
     # Rank 0 alone writes the run directory; its report is its own travels.
     assert {t["holder"] for t in travelling["travels"]} <= shares[0]
     assert (run_dir / "checkpoint.pt").is_file() and (run_dir / "report.json").is_file()
+
+
+def _planned(cfg: TrainConfig, paths: dict[str, str], share: list[str], policy: str, count: int) -> list[tuple]:
+    """The first `count` visits one GPU's scheduler plans over `share`, as (holder, byte offset)."""
+    sizes = {n: len(load_tokens(paths[n], cfg.tokenizer).tokens) for n in share}
+    scheduler = Scheduler(sizes, cfg.buffer_bytes // 2, cfg.batch * cfg.seq_len, policy)
+    state, out = LoaderState(), []
+    for _ in range(count):
+        visit, after = scheduler.next_visit(state)
+        state = scheduler.consumed(after, visit)
+        out.append((visit.holder, visit.token_offset * 2))
+    return out
+
+
+def test_the_proportional_schedule_carries_over_to_each_gpu(two_gpus, tmp_path):
+    """Each rank schedules its own share as one GPU would: with `proportional`, each GPU's
+    signed log shows the single-GPU scheduler's visits over its share (which differ from round
+    robin's), and the travelling ranks train to the local ranks' losses."""
+    _, hs, _, _ = two_gpus
+    os.chmod(tmp_path, 0o755)
+    cfg = replace(TINY, schedule="proportional", batch=16, seq_len=64)  # a window a visit: 16 visits a GPU
+    travelling = run_training_job(TrainingJobConfig(train=cfg, holders=hs, run_dir=str(tmp_path / "t"), gpus=2))
+    local = run_training_job(TrainingJobConfig(train=replace(cfg, loader="local"), holders=hs,
+                                               run_dir=str(tmp_path / "l"), gpus=2))
+    assert travelling["losses"] == local["losses"]
+    paths, differs = dict(hs), False
+    for rank in travelling["ranks"]:
+        share = travelling["shares"][rank["gpu"]]
+        cert = (tmp_path / "t" / f"gpu-{rank['gpu']}-orchestrator.pem").read_bytes()
+        summary = verify_log(tmp_path / "t" / rank["audit_log"], cert)
+        got = [(e.holder, e.chunk.dataset_offset) for e in summary.entries]
+        assert got == _planned(cfg, paths, share, "proportional", len(got))
+        differs |= got != _planned(cfg, paths, share, "round_robin", len(got))
+    assert differs  # the shares' sizes make the two policies visit in different orders
 
 
 def test_the_job_refuses_more_gpus_than_holders(tmp_path):
