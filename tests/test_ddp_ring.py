@@ -20,6 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddp_steps import sgd_steps  # tests/ddp_steps.py
+
 from gputravel.crypto.channel import KeyMaterial, Receiver, Sender, derive_epoch_keys
 from gputravel.ddp import (PairKeys, Ring, RingHookState, TorchPointToPoint, encrypted_allreduce_hook,
                            establish_pair_keys, pair_label)
@@ -344,19 +346,11 @@ def _train(rank: int, world: int, variant: str | None, steps: int = 3, fault: st
         ddp.register_comm_hook(state, encrypted_allreduce_hook)
         if states is not None:
             states.append(state)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    data = torch.Generator().manual_seed(100 + rank)
     try:
-        for _ in range(steps):
-            x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
-            loss = nn.functional.mse_loss(ddp(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        return sgd_steps(ddp, model, rank, steps)
     finally:
         if state is not None:
             state.close()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -101,6 +101,7 @@ OVERRIDES: dict[type, st.SearchStrategy[Any]] = {
     ChunkId: CHUNK_IDS,
     Entry: st.builds(
         Entry, seq=NONNEG, time=st.floats(0, 1e12), event=st.sampled_from(AuditEvent), chunk=CHUNK_IDS,
+        gpu=st.text(st.characters(categories=("L", "N", "Pd")), min_size=1, max_size=64),
         epoch_before=NONNEG, epoch_after=NONNEG, chunk_digest=st.binary(max_size=64),
         prev_hash=st.binary(min_size=48, max_size=48),
     ),

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddp_steps import sgd_steps  # tests/ddp_steps.py
+
 from gputravel.ddp import Ring, RingHookState, encrypted_allreduce_hook
 from gputravel.ddp import hook
 from gputravel.errors import BadInput, ChannelFaulted
@@ -195,19 +197,11 @@ def _train(rank: int, steps: int = 3) -> torch.Tensor:
     group = dist.new_group(backend="gloo")
     state = RingHookState(Ring("plain", group=group, timeout_s=10))
     ddp.register_comm_hook(state, encrypted_allreduce_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    data = torch.Generator().manual_seed(100 + rank)
     try:
-        for _ in range(steps):
-            x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
-            loss = nn.functional.mse_loss(ddp(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        return sgd_steps(ddp, model, rank, steps)
     finally:
         state.close()
         dist.destroy_process_group(group)
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def test_staging_through_host_copies_trains_bit_for_bit_as_in_place(run_ranks) -> None:
