@@ -256,7 +256,7 @@ def test_a_holder_counts_its_travels_in_the_published_signed_log(tmp_path: Path)
     data.write_text("text\n" * 10)
     init_cohort(tmp_path / "D", [("north", str(data)), ("south", str(data))])
     public, key = tmp_path / "D" / "public", new_key()
-    log = AuditLog.create(public / "audit.log", key_pem(key))
+    log = AuditLog.create(public / "audit.log", key_pem(key), gpu="GPU-EMU-0")
     for i, holder in enumerate(("north", "south", "north")):
         log.append("travel", ChunkId(holder, i << 12, 4096), time=1.0, epoch_before=i, epoch_after=i + 1,
                    chunk_digest=bytes(32))
