@@ -110,6 +110,23 @@ def scale(src: Source) -> Table:
     return Table(header, body, "r")
 
 
+def scale_buffers(src: Source) -> Table:
+    """`bench scale` runs at several buffer sizes (a glob, one file each): per buffer, the
+    smallest and largest cohorts' medians and fixed parts, their ratio and their difference,
+    which is the cold-holder cost when it stays the same whatever the copy."""
+    body = []
+    for _, data in sorted(src.files, key=lambda f: f[1]["buffer_mib"]):
+        rows = sorted(data["rows"], key=lambda r: r["holders"])
+        one, many = rows[0], rows[-1]
+        body.append((str(data["buffer_mib"]), num(one["median_ms"]), num(many["median_ms"]),
+                     f"**{num(many['median_ms'] / one['median_ms'])}**", num(many["median_ms"] - one["median_ms"]),
+                     num(one["fixed_ms"]), num(many["fixed_ms"])))
+    first = sorted(src.files[0][1]["rows"], key=lambda r: r["holders"])
+    a, b = first[0]["holders"], first[-1]["holders"]
+    return Table(("buffer MiB", f"{a} holder(s) ms", f"{b} holders ms", f"{b} / {a}", "difference ms",
+                  f"fixed ms, {a}", f"fixed ms, {b}"), tuple(body), "r")
+
+
 # ----------------------------------------------------------------------------- generic
 def generic(src: Source) -> Table:
     """Any JSON with a list of records: ``cols=a,b.c`` (dotted paths into each record),

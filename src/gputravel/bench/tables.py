@@ -33,7 +33,7 @@ from gputravel.files import atomic_write_bytes
 KINDS: dict[str, Callable[[tk.Source], tk.Table]] = {
     "travel": tk.travel, "travel-targets": tk.travel_targets, "ab-travel": tk.ab_travel, "ab-codec": tk.ab_codec,
     "ddp": tk.ddp, "compare-time": tl.compare_time, "compare-speedup": tl.compare_speedup,
-    "compare-targets": tl.compare_targets, "demo": tl.demo, "demo-steps": tl.demo_steps, "scale": tl.scale,
+    "compare-targets": tl.compare_targets, "demo": tl.demo, "demo-steps": tl.demo_steps, "scale": tl.scale, "scale-buffers": tl.scale_buffers,
     "generic": tl.generic,
     "travel-paper": tp.travel_paper, "compare-profiles": tp.compare_profiles, "compare-paper": tp.compare_paper,
     "compare-tie-break": tp.compare_tie_break, "compare-table2": tp.compare_table2,
