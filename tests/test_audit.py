@@ -448,6 +448,15 @@ def test_a_log_from_before_entries_named_their_gpu_is_refused_as_an_earlier_vers
     assert "names no GPU: an earlier gputravel wrote this log" in str(info.value)
     with pytest.raises(AuditError, match="earlier log format"):
         AuditLog.open(path, orch.key_pem, gpu=GPU)
+    # Only a first entry this key signed reads as an earlier version: a GPU-less entry forged
+    # by whoever can write the file is a bad signature, not a milder verdict (second review).
+    from gputravel.crypto.certs import key_pem
+
+    forged = tmp_path / "forged.log"
+    gpuless_log(forged, key_pem(new_key()), entries)
+    with pytest.raises(AuditError) as info:
+        verify_log(forged, orch.cert_pem)
+    assert (info.value.failure, info.value.seq) == (Failure.SIGNATURE, 0)
 
     def strip(record: dict) -> dict:  # a later entry of a current log without its GPU: tampering
         fields = msgpack.unpackb(record["entry"], raw=False)
@@ -500,6 +509,50 @@ def test_a_new_spdm_session_must_reach_the_gpu_the_log_names(tmp_path: Path) -> 
     with pytest.raises(AttestationError, match=f"reached GPU {OTHER_GPU}, not {GPU}") as err:
         attester.open_session(driver_of(devices[1]), now, timeout=5)
     assert err.value.claim == "chain" and attester.claims is None and attester.gpu == GPU
+    # The per-device certificate is pinned, not only its serial: a device certified again
+    # under the same serial is another GPU.
+    twin = provision_gpu(vendor, serial=GPU, now=now - timedelta(days=1))
+    with pytest.raises(AttestationError, match=f"another device certified as {GPU}"):
+        attester.open_session(driver_of(twin), now, timeout=5)
+
+
+def test_a_rekey_that_reaches_another_gpu_halts_the_driver_and_every_later_travel(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """The host swaps the GPU under a running orchestrator, then a recovery re-keys: the new
+    SPDM session's keys are already in the driver when attestation refuses the GPU, so the
+    driver is halted (no export, no lending) and every later travel fails naming why; the log
+    keeps naming the first GPU (second review of session 23: the driver was left fresh)."""
+    import test_orchestrator_shell as shell  # lazy: its in-process cohort of fakes
+    from gputravel.crypto.spdm import SpdmResponder
+    from gputravel.errors import TravelHalted
+
+    now = datetime.now(timezone.utc)
+    store = init_roots(tmp_path / "roots", now=now - timedelta(days=1))
+    vendor = load_authority(tmp_path / "roots", "gpu")
+    first, other = (provision_gpu(vendor, serial=s, now=now - timedelta(days=1)) for s in (GPU, OTHER_GPU))
+    made = InProcessGpu.__init__
+
+    def on_first(self, *args, **kwargs) -> None:
+        kwargs.setdefault("device", first)
+        made(self, *args, **kwargs)
+
+    monkeypatch.setattr(InProcessGpu, "__init__", on_first)
+    cohort = shell.Cohort()
+    orch = cohort.orchestrator
+    orch.attester = GpuAttester(OrchestratorMaterial(store, first.reference_values(), 3600), lambda rd: b"",
+                                TlsIdentity(b""))
+    orch.attester.open_session(cohort.driver, now, timeout=5)
+    cohort.driver.alloc_dataset_buffer(shell.BUFFER)  # the new session wiped VRAM
+    assert cohort.travel("alice")[0] == "reported"
+    exports = len(cohort.exports)
+    cohort.gpu.core._responder_factory = lambda: SpdmResponder(other.leaf_key, other.chain_der)
+    cohort.gpu.core._firmware = other.firmware()
+    with pytest.raises(TravelHalted, match=f"reached GPU {OTHER_GPU}, not {GPU}"):
+        orch.rekey()
+    assert cohort.driver.ledger.halted and not cohort.driver.epoch_fresh
+    for _ in range(2):
+        assert cohort.travel("alice")[0] == "TravelHalted"
+    assert len(cohort.exports) == exports and orch.attester.gpu == GPU
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -127,7 +127,8 @@ def test_init_refuses_a_used_directory_bad_holders_and_leaves_nothing(tmp_path: 
     with pytest.raises(BadInput, match="not an empty directory"):
         init_cohort(tmp_path / "used", [("north", str(data))])
     for holders, match in (([], "at least one holder"), ([("North", str(data))], "a name is"),
-                           ([("orchestrator", str(data))], "not 'orchestrator'"),
+                           *(([(name, str(data))], "none of ca, device, host, orchestrator, tdx-module")
+                             for name in ("orchestrator", "device", "host", "tdx-module", "ca")),
                            ([("a", str(data)), ("a", str(data))], "given twice"),
                            ([("a", str(tmp_path / "missing"))], "no such file")):
         with pytest.raises(BadInput, match=match):

@@ -113,6 +113,7 @@ class GpuAttester:
         self._rng = rng
         self._session_leaf: bytes | None = None
         self.gpu: str | None = None  # gpu_identity of the first session's GPU, once it attested
+        self._gpu_cert: bytes | None = None  # that GPU's per-device certificate: a re-key must reach it
         # When each holder's link is due for re-attestation, on the shell's clock (its `now`).
         self._due: weakref.WeakKeyDictionary[StreamTransport, float] = weakref.WeakKeyDictionary()
 
@@ -128,14 +129,17 @@ class GpuAttester:
         log names one); then attest it."""
         requester = SpdmRequester(verify_chain=spdm_chain_verifier(self.material.trust, now))
         driver.establish_session(requester, timeout=timeout)
-        gpu = gpu_identity(requester.device_chain)
-        if self.gpu is not None and gpu != self.gpu:
+        gpu, cert = gpu_identity(requester.device_chain), requester.device_chain[1]
+        if self._gpu_cert is not None and cert != self._gpu_cert:
+            # The whole per-device certificate, not only its serial: another device certified
+            # with the same serial is another GPU too.
             self._session_leaf = self.claims = None
-            raise AttestationError("chain", f"the new SPDM session reached GPU {gpu}, not {self.gpu}, "
+            which = f"another device certified as {gpu}" if gpu == self.gpu else f"GPU {gpu}, not {self.gpu}"
+            raise AttestationError("chain", f"the new SPDM session reached {which}, "
                                             "the GPU this orchestrator attested first")
         self._session_leaf = requester.device_chain[0]
         claims = self.attest(driver, now, timeout)
-        self.gpu = gpu
+        self.gpu, self._gpu_cert = gpu, cert
         return claims
 
     def attest(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> GpuClaims:

@@ -123,8 +123,12 @@ class Orchestrator:
             self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
             buf = self.driver.alloc_dataset_buffer(self.config.buffer_bytes, timeout=self.config.device_timeout)
         except GputravelError as exc:
-            raise TravelHalted(f"the GPU could not be re-keyed by a new SPDM session ({type(exc).__name__}: {exc}); "
-                               "no travel is possible: stop the cohort") from None
+            why = (f"the GPU could not be re-keyed by a new SPDM session ({type(exc).__name__}: {exc}); "
+                   "no travel is possible: stop the cohort")
+            # The driver may already hold the new session's keys (a session with a GPU that then
+            # failed attestation, another GPU): halted, it exports nothing and lends nothing.
+            self.driver.ledger.halt(why)
+            raise TravelHalted(why) from None
         if (buf.offset, buf.nbytes) != (self.travel_sm.buffer.offset, self.travel_sm.buffer.nbytes):
             raise TravelHalted("the re-keyed GPU placed the dataset buffer elsewhere: stop the cohort")
         log.warning("re-keyed the GPU through a new SPDM session (VRAM wiped)")

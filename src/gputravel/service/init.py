@@ -17,7 +17,6 @@ two vendor stand-ins above, which only the emulated hardware reads.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import tomllib
@@ -30,13 +29,13 @@ from gputravel.attest import GpuIssuer, init_roots, issue_gpu_ca, load_authority
 from gputravel.attest.provision import REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
 from gputravel.cohort import isolation
+from gputravel.cohort.config import HOLDER_NAME, RESERVED_NAMES
 from gputravel.cohort.trust import measure_orchestrator
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
 from gputravel.files import atomic_write_bytes
 from gputravel.protocol.layout import MIB, record_bytes_for
 from gputravel.service.config import (
-    NAME_PATTERN,
     GpuService,
     HolderService,
     HostService,
@@ -52,7 +51,6 @@ from gputravel.service.engine import orchestrator_engine_config
 __all__ = ["init_cohort", "write_service"]
 
 VRAM_MARGIN = 64 * MIB  # the GPU's memory beyond the dataset buffer, as the supervisor gives it
-_NAME = re.compile(NAME_PATTERN)
 
 
 # ----------------------------------------------------------------------------- checks first
@@ -66,8 +64,9 @@ def _check_holders(holders: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
         raise BadInput("a cohort needs at least one holder: --holder NAME=PATH")
     checked: list[tuple[str, str]] = []
     for name, path in holders:
-        if not _NAME.match(name) or name == "orchestrator":
-            raise BadInput(f"--holder {name}=...: a name is 1-32 of a-z, 0-9 and '-', and not 'orchestrator'")
+        if not isinstance(name, str) or not HOLDER_NAME.fullmatch(name) or name in RESERVED_NAMES:
+            raise BadInput(f"--holder {name}=...: a name is 1-32 of a-z, 0-9 and '-', and none of "
+                           f"{', '.join(sorted(RESERVED_NAMES))} (the launcher's rule, cohort/config.py)")
         if name in dict(checked):
             raise BadInput(f"--holder {name}=...: given twice")
         if not os.path.exists(path):

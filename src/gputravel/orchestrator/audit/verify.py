@@ -97,8 +97,10 @@ def _parse(payload: bytes, index: int, end: int) -> _Parsed:
         entry = decode(record.entry, expect=Entry)
     except ProtocolError as exc:
         if index == 0 and _names_no_gpu(record.entry):  # an earlier log names no GPU from its start
-            raise AuditError(Failure.VERSION, index, "the entry names no GPU: an earlier gputravel wrote this "
-                                                     "log; verify it with that version, and start a new log") from None
+            err = AuditError(Failure.VERSION, index, "the entry names no GPU: an earlier gputravel wrote this "
+                                                     "log; verify it with that version, and start a new log")
+            err.signed = (hashlib.sha384(record.entry).digest(), record.signature)  # for verify_log's check
+            raise err from None
         raise AuditError(Failure.MALFORMED, index, str(exc)) from None
     # Hashes are taken over the stored bytes; a decodable but different encoding of the same
     # entry is refused, so the stored bytes and entry_hash() can never disagree.
@@ -165,6 +167,15 @@ def _verify_chain(parsed: list[_Parsed], key: ec.EllipticCurvePublicKey) -> None
         prev = p.hash
 
 
+def _signed_if_earlier_version(err: AuditError, key: ec.EllipticCurvePublicKey) -> None:
+    """An "earlier version" verdict only for a first entry this key signed: anyone who can
+    write the file could otherwise turn a tamper verdict into that milder one (and its advice
+    to start a new log) by putting an unsigned GPU-less entry first. SIGNATURE otherwise."""
+    if err.failure is Failure.VERSION:
+        digest, signature = err.signed
+        verify_head(key, err.seq, digest, signature)
+
+
 def _check_known_head(parsed: list[_Parsed], known_head: tuple[int, bytes]) -> None:
     seq, digest = known_head
     if seq >= len(parsed):
@@ -198,7 +209,11 @@ def verify_log(path: str | os.PathLike[str],
     key = load_verifier(orchestrator_key)
     expected = check_gpu(gpu) if gpu is not None else None
     data = _read(path)
-    parsed = list(_records(data, allow_truncated_tail))
+    try:
+        parsed = list(_records(data, allow_truncated_tail))
+    except AuditError as err:
+        _signed_if_earlier_version(err, key)
+        raise
     _verify_chain(parsed, key)
     named = _check_gpu(parsed, expected)
     if known_head is not None:
