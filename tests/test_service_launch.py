@@ -3,6 +3,7 @@ config, started and owned by the launcher, the run directory staged in and out."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from dataclasses import replace
@@ -86,6 +87,15 @@ def test_a_job_the_job_table_refuses_is_named_before_anything_starts(tmp_path):
                                  and p.stat().st_mtime > (tmp_path.stat().st_mtime - 1)]
 
 
+def _its_holders_started(work: Path, pid: int) -> bool:
+    """Whether the launcher `pid` made its cohort directory in `work` and a holder logs there."""
+    for d in work.glob("gputravel-services-*"):
+        with contextlib.suppress(OSError):
+            if (d / "launcher.pid").read_text().strip() == str(pid) and list(d.glob("logs/holder-*.log")):
+                return True
+    return False
+
+
 def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(tmp_path, searchable_tmp):
     """SIGTERM (a `timeout`, a `kill`) unwinds the launch: every service stopped, the cohort
     directory with its keys deleted. Killed outright, its services die with it (PDEATHSIG)
@@ -104,8 +114,9 @@ def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(tmp
                                  "demo", "--steps", "2000", "--run-dir", str(tmp_path / f"run-{sig}")],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
-        while not list(work.glob("gputravel-services-*/logs/holder-*.log")) and time.monotonic() < deadline:
+        while not _its_holders_started(work, demo.pid):  # in this launcher's own directory
             assert demo.poll() is None, "the demo ended before its services started"
+            assert time.monotonic() < deadline, "the demo's holders did not start within 60 s"
             time.sleep(0.2)
         time.sleep(1)  # some services up
         demo.send_signal(sig)
@@ -114,6 +125,8 @@ def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(tmp
         while _ours() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _ours()
+        if sig == signal.SIGTERM:  # unwound: its directory, keys and all, went at once
+            assert not list(work.glob("gputravel-services-*"))
     # SIGTERM's directory went at once; the killed launcher's goes with the next launch.
     assert len(list(work.glob("gputravel-services-*"))) == 1
     from gputravel.service.launch import _sweep

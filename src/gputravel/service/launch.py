@@ -143,7 +143,7 @@ class ServiceLaunch:
             pass
         finally:
             if self.dir is not None:
-                shutil.rmtree(self.dir, ignore_errors=True)
+                _delete(self.dir)
             self.dir, self.services, self._orchestrator = None, [], None
             for sig, handler in old.items():
                 signal.signal(sig, handler)
@@ -341,6 +341,22 @@ def _sweep(workdir: str | None) -> None:
             pid = int(read_plain(d / LAUNCHER_PID, 32))
             if not Path(f"/proc/{pid}").exists():
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _delete(d: Path, wait: float = 5.0) -> None:
+    """Delete the cohort directory, keys and all. A service's party process that outlived its
+    service (killed after the grace: its child dies by PDEATHSIG, a moment later) may still
+    write there while the tree goes, so delete until it is gone; what is left after `wait`
+    is said on stderr (the next launch's sweep deletes it)."""
+    deadline = time.monotonic() + wait
+    while True:
+        shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            return
+        if time.monotonic() > deadline:
+            print(f"gputravel: could not delete all of {d}; the next launch deletes it", file=sys.stderr)
+            return
+        time.sleep(0.05)
 
 
 def _children(pid: int) -> list[int]:
