@@ -87,6 +87,10 @@ def test_a_job_the_job_table_refuses_is_named_before_anything_starts(tmp_path):
                                  and p.stat().st_mtime > (tmp_path.stat().st_mtime - 1)]
 
 
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-2000:]
+
+
 def _its_holders_started(work: Path, pid: int) -> bool:
     """Whether the launcher `pid` made its cohort directory in `work` and a holder logs there."""
     for d in work.glob("gputravel-services-*"):
@@ -110,15 +114,18 @@ def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(tmp
     work.mkdir(mode=0o711)
     env = {**os.environ, "TMPDIR": str(work)}  # the launcher's cohort directory lands here
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        demo = subprocess.Popen([sys.executable, "-c", "import sys; from gputravel.cli.app import app; sys.exit(app())",
-                                 "demo", "--steps", "2000", "--run-dir", str(tmp_path / f"run-{sig}")],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        said = tmp_path / f"demo-{sig}.txt"  # what the demo printed, for the assertions' messages
+        with open(said, "wb") as out:
+            demo = subprocess.Popen([sys.executable, "-c", "import sys; from gputravel.cli.app import app; "
+                                     "sys.exit(app())", "demo", "--steps", "2000", "--run-dir",
+                                     str(tmp_path / f"run-{sig}")], env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not _its_holders_started(work, demo.pid):  # in this launcher's own directory
-            assert demo.poll() is None, "the demo ended before its services started"
+            assert demo.poll() is None, f"the demo ended before its services started: {_tail(said)}"
             assert time.monotonic() < deadline, "the demo's holders did not start within 60 s"
             time.sleep(0.2)
         time.sleep(1)  # some services up
+        assert demo.poll() is None, f"the demo ended before it was sent {sig!r}: {_tail(said)}"
         demo.send_signal(sig)
         assert demo.wait(timeout=60) != 0
         deadline = time.monotonic() + 20
@@ -128,7 +135,7 @@ def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(tmp
         if sig == signal.SIGTERM:  # unwound: its directory, keys and all, went at once
             assert not list(work.glob("gputravel-services-*"))
     # SIGTERM's directory went at once; the killed launcher's goes with the next launch.
-    assert len(list(work.glob("gputravel-services-*"))) == 1
+    assert len(list(work.glob("gputravel-services-*"))) == 1, _tail(said)
     from gputravel.service.launch import _sweep
 
     _sweep(str(work))
