@@ -14,7 +14,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from gputravel.crypto.pki import CohortPki
 from gputravel.driver.link import PcieMuxClient, register_with_host
@@ -90,6 +90,7 @@ class Orchestrator:
         self.travel_sm: OrchestratorTravel | None = None
         pki = CohortPki.load(config.pki_dir)
         self.listener = TlsListener(config.listen_host, config.listen_port, pki.server_context(NAME))
+        self._log_key = pki.member(NAME).key_pem  # signs the travel log, opened at boot
         self.travel_log: TravelLog | None = None  # opened at boot, once the GPU it names is attested
 
     # ------------------------------------------------------------------ boot
@@ -102,8 +103,7 @@ class Orchestrator:
         self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
         if self.config.audit_log:  # its entries name the GPU just attested (re-keys keep it)
             assert self.attester.gpu is not None
-            key_pem = CohortPki.load(self.config.pki_dir).member(NAME).key_pem
-            self.travel_log = TravelLog(self.config.audit_log, key_pem, self.attester.gpu)
+            self.travel_log = TravelLog(self.config.audit_log, self._log_key, self.attester.gpu)
         self._device.send(VramRequest())
         grant = self._device.recv(timeout=self.config.device_timeout)
         if not isinstance(grant.message, VramGrant) or len(grant.fds) != 1:
@@ -123,15 +123,18 @@ class Orchestrator:
             self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
             buf = self.driver.alloc_dataset_buffer(self.config.buffer_bytes, timeout=self.config.device_timeout)
         except GputravelError as exc:
-            why = (f"the GPU could not be re-keyed by a new SPDM session ({type(exc).__name__}: {exc}); "
-                   "no travel is possible: stop the cohort")
-            # The driver may already hold the new session's keys (a session with a GPU that then
-            # failed attestation, another GPU): halted, it exports nothing and lends nothing.
-            self.driver.ledger.halt(why)
-            raise TravelHalted(why) from None
+            self._halt(f"the GPU could not be re-keyed by a new SPDM session ({type(exc).__name__}: {exc}); "
+                       "no travel is possible: stop the cohort")
         if (buf.offset, buf.nbytes) != (self.travel_sm.buffer.offset, self.travel_sm.buffer.nbytes):
-            raise TravelHalted("the re-keyed GPU placed the dataset buffer elsewhere: stop the cohort")
+            self._halt("the re-keyed GPU placed the dataset buffer elsewhere: stop the cohort")
         log.warning("re-keyed the GPU through a new SPDM session (VRAM wiped)")
+
+    def _halt(self, why: str) -> NoReturn:
+        """A re-key that failed: the driver may already hold the new session's keys (a session
+        with a GPU that then failed attestation, another GPU, a buffer elsewhere), so it is
+        halted, and exports and lends nothing, before TravelHalted stops travel."""
+        self.driver.ledger.halt(why)
+        raise TravelHalted(why) from None
 
     def switch(self, target: str) -> int:
         return self.mux.switch(target, self.config.device_timeout).elapsed_ns
