@@ -56,7 +56,7 @@ def test_the_services_follow_no_link_a_party_left_in_its_own_directory(tmp_path:
     assert victim.read_bytes() == b"ROOT ONLY" and b"CERTIFICATE" in (pki / "ca.pem").read_bytes()
 
 
-def test_the_demo_launcher_copies_back_only_the_run_files_and_no_link(tmp_path: Path) -> None:
+def test_the_demo_launcher_copies_back_only_the_run_files_and_no_link(tmp_path: Path, capsys) -> None:
     """What the orchestrator's account left in its run directory and state: only the run's
     own files come back to the user's run directory, as plain files."""
     cohort, inside, state, run = (tmp_path / n for n in ("d/cohort", "inside", "state", "run"))
@@ -74,6 +74,9 @@ def test_the_demo_launcher_copies_back_only_the_run_files_and_no_link(tmp_path: 
     launch.dir = tmp_path / "d"
     launch._stage_out()
     assert sorted(p.name for p in run.iterdir()) == ["metrics.csv", "orchestrator.pem"]
+    # Each file left behind is said (a link here), not dropped in silence.
+    said = capsys.readouterr().err
+    assert "checkpoint.pt was not copied back" in said and "audit.log was not copied back" in said
 
 
 def test_the_live_view_reads_each_step_once_as_rows_are_appended_and_again_after_a_rewrite(tmp_path: Path) -> None:

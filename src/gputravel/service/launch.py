@@ -139,8 +139,8 @@ class ServiceLaunch:
                 _stop(service.proc)
             if self.dir is not None and (self.cohort / "orchestrator.toml").exists():
                 self._stage_out()
-        except Exception:  # noqa: BLE001 - the copy back is best effort; the deletion is not
-            pass
+        except Exception as exc:  # noqa: BLE001 - the copy back is best effort, said; the deletion is not
+            print(f"gputravel: the run directory was not copied back: {type(exc).__name__}: {exc}", file=sys.stderr)
         finally:
             if self.dir is not None:
                 _delete(self.dir)
@@ -315,8 +315,10 @@ class ServiceLaunch:
         for src, dest in copies:
             try:
                 copy_plain(src, dest, MAX_COPY_BYTES)
-            except OSError:
-                continue  # not there, too big, or not a plain file (a link, a FIFO): not ours to copy
+            except FileNotFoundError:
+                continue  # the run never made it
+            except OSError as exc:  # too big, not a plain file (a link, a FIFO), or no room: not copied, said
+                print(f"gputravel: {src.name} was not copied back to {dest}: {exc}", file=sys.stderr)
 
 
 def _catch_term():
