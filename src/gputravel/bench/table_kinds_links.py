@@ -115,14 +115,15 @@ def scale_buffers(src: Source) -> Table:
     smallest and largest cohorts' medians and fixed parts, their ratio and their difference,
     which is the cold-holder cost when it stays the same whatever the copy."""
     body = []
-    for _, data in sorted(src.files, key=lambda f: f[1]["buffer_mib"]):
+    files = sorted((data for _, data in src.files), key=lambda d: d["buffer_mib"])
+    for data in files:
         rows = sorted(data["rows"], key=lambda r: r["holders"])
         one, many = rows[0], rows[-1]
         body.append((str(data["buffer_mib"]), num(one["median_ms"]), num(many["median_ms"]),
                      f"**{num(many['median_ms'] / one['median_ms'])}**", num(many["median_ms"] - one["median_ms"]),
                      num(one["fixed_ms"]), num(many["fixed_ms"])))
-    first = sorted(src.files[0][1]["rows"], key=lambda r: r["holders"])
-    a, b = first[0]["holders"], first[-1]["holders"]
+    counts = sorted(r["holders"] for r in files[0]["rows"])
+    a, b = counts[0], counts[-1]
     return Table(("buffer MiB", f"{a} holder(s) ms", f"{b} holders ms", f"{b} / {a}", "difference ms",
                   f"fixed ms, {a}", f"fixed ms, {b}"), tuple(body), "r")
 

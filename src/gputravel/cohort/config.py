@@ -26,6 +26,11 @@ HOLDER_NAME = re.compile(r"[a-z0-9-]{1,32}")
 RESERVED_NAMES = frozenset({"orchestrator", "host", "device", "tdx-module", "ca"})
 
 
+def is_holder_name(name: object) -> bool:
+    """Whether `name` may name a data holder (the launcher's rule, and `cohort init`'s)."""
+    return isinstance(name, str) and HOLDER_NAME.fullmatch(name) is not None and name not in RESERVED_NAMES
+
+
 @dataclass(frozen=True)
 class HolderSpec:
     name: str
@@ -91,7 +96,7 @@ class CohortConfig:
         if len(set(names)) != len(names):
             raise BadInput("data holder names must be unique")
         for name in names:
-            if not isinstance(name, str) or not HOLDER_NAME.fullmatch(name) or name in RESERVED_NAMES:
+            if not is_holder_name(name):
                 raise BadInput(f"data holder name {name!r} is invalid: use 1-32 characters from a-z, 0-9 and '-', "
                                f"and none of {', '.join(sorted(RESERVED_NAMES))}")
         if self.buffer_bytes <= 0 or self.buffer_bytes % self.layout.record_bytes:

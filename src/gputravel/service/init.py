@@ -29,7 +29,7 @@ from gputravel.attest import GpuIssuer, init_roots, issue_gpu_ca, load_authority
 from gputravel.attest.provision import REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
 from gputravel.cohort import isolation
-from gputravel.cohort.config import HOLDER_NAME, RESERVED_NAMES
+from gputravel.cohort.config import RESERVED_NAMES, is_holder_name
 from gputravel.cohort.trust import measure_orchestrator
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
@@ -64,7 +64,7 @@ def _check_holders(holders: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
         raise BadInput("a cohort needs at least one holder: --holder NAME=PATH")
     checked: list[tuple[str, str]] = []
     for name, path in holders:
-        if not isinstance(name, str) or not HOLDER_NAME.fullmatch(name) or name in RESERVED_NAMES:
+        if not is_holder_name(name):
             raise BadInput(f"--holder {name}=...: a name is 1-32 of a-z, 0-9 and '-', and none of "
                            f"{', '.join(sorted(RESERVED_NAMES))} (the launcher's rule, cohort/config.py)")
         if name in dict(checked):

@@ -158,7 +158,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     start, resume, result = 0, None, TrainResult(losses=[])
     if resume_from is not None:
         start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks)
-    dp = DataParallel.open(ranks) if ranks is not None else None  # the ranks attest one another here
+    dp = DataParallel.open(ranks, device) if ranks is not None else None  # the ranks attest one another here
     try:
         if out is not None:
             # A fresh run into a used directory starts its metrics over; a resumed one trains
