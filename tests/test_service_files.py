@@ -108,3 +108,22 @@ def test_the_live_view_reads_each_step_once_as_rows_are_appended_and_again_after
         f.write(row(4))
     launch._relay(seen, got.append)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
+
+
+def test_a_copied_shard_keeps_its_tokenizer_record(tmp_path: Path, monkeypatch) -> None:
+    """A single-shard dataset in a closed directory is copied for its holder with the
+    tokenizer record beside it (data/tokenizer.py RECORD_NAME), as Placement.dataset hands both."""
+    from gputravel.cohort import isolation
+    from gputravel.data.tokenizer import RECORD_NAME
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    (home / "shard.bin").write_bytes(b"tokens")
+    (home / RECORD_NAME).write_text('{"name": "bytes"}')
+    monkeypatch.setattr(isolation, "decide", lambda _: (True, ""))
+    monkeypatch.setattr(isolation, "unreachable", lambda p: p)
+    launch = ServiceLaunch([], {}, tmp_path / "run", audit_log=tmp_path / "a.log", certificate=tmp_path / "o.pem")
+    launch.dir = tmp_path / "d"
+    launch.dir.mkdir()
+    copied = Path(launch._reachable("north", str(home / "shard.bin")))
+    assert copied.read_bytes() == b"tokens" and (copied.parent / RECORD_NAME).read_text() == '{"name": "bytes"}'

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gputravel.cohort import isolation
+from gputravel.data.tokenizer import RECORD_NAME
 from gputravel.errors import PeerTimeout, RemoteError, Terminated
 from gputravel.files import copy_plain, read_plain
 from gputravel.service.init import init_cohort
@@ -282,6 +283,9 @@ class ServiceLaunch:
             shutil.copytree(src, dest, symlinks=True)  # a link is copied as a link, never followed by root
         else:
             shutil.copyfile(src, dest, follow_symlinks=False)
+            record = src.parent / RECORD_NAME  # a shard's tokenizer record sits beside it (data/tokenizer.py)
+            if record.is_file():
+                shutil.copyfile(record, data / name / RECORD_NAME, follow_symlinks=False)
         return str(dest)
 
     def _hand_copies(self) -> None:
