@@ -457,6 +457,12 @@ def test_a_log_from_before_entries_named_their_gpu_is_refused_as_an_earlier_vers
     with pytest.raises(AuditError) as info:
         verify_log(forged, orch.cert_pem)
     assert (info.value.failure, info.value.seq) == (Failure.SIGNATURE, 0)
+    # Nor is an old log's signed first entry put before the entries of a current log.
+    old = path.read_bytes()
+    start, end = records(old)[0]
+    spliced = old[start:end] + data[records(data)[1][0]:]
+    error = failure_of(tmp_path, spliced, orch.cert_pem)
+    assert (error.failure, error.seq) == (Failure.MALFORMED, 0)
 
     def strip(record: dict) -> dict:  # a later entry of a current log without its GPU: tampering
         fields = msgpack.unpackb(record["entry"], raw=False)

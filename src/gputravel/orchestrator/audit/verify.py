@@ -167,13 +167,33 @@ def _verify_chain(parsed: list[_Parsed], key: ec.EllipticCurvePublicKey) -> None
         prev = p.hash
 
 
-def _signed_if_earlier_version(err: AuditError, key: ec.EllipticCurvePublicKey) -> None:
-    """An "earlier version" verdict only for a first entry this key signed: anyone who can
-    write the file could otherwise turn a tamper verdict into that milder one (and its advice
-    to start a new log) by putting an unsigned GPU-less entry first. SIGNATURE otherwise."""
-    if err.failure is Failure.VERSION:
-        digest, signature = err.signed
-        verify_head(key, err.seq, digest, signature)
+def _signed_if_earlier_version(err: AuditError, key: ec.EllipticCurvePublicKey, data: bytes) -> None:
+    """An "earlier version" verdict only for a log of that version throughout whose first entry
+    this key signed: anyone who can write the file could otherwise turn a tamper verdict into
+    that milder one (and its advice to start a new log) by putting an unsigned GPU-less entry
+    first (SIGNATURE), or an old signed one before entries of this version (MALFORMED)."""
+    if err.failure is not Failure.VERSION:
+        return
+    digest, signature = err.signed
+    verify_head(key, err.seq, digest, signature)
+    if not all(_names_no_gpu(entry) for entry in _raw_entries(data)):
+        raise AuditError(Failure.MALFORMED, err.seq, "an entry of an earlier log format before entries of "
+                                                     "this one: not one log") from None
+
+
+def _raw_entries(data: bytes) -> Iterator[bytes]:
+    """Each whole record's entry bytes, undecoded, until the first that does not parse."""
+    pos = 0
+    while pos + LENGTH.size <= len(data):
+        (length,) = LENGTH.unpack_from(data, pos)
+        payload = data[pos + LENGTH.size : pos + LENGTH.size + length]
+        if not 0 < length <= MAX_RECORD_BYTES or len(payload) != length:
+            return
+        try:
+            yield decode(payload, expect=Record).entry
+        except ProtocolError:
+            return
+        pos += LENGTH.size + length
 
 
 def _check_known_head(parsed: list[_Parsed], known_head: tuple[int, bytes]) -> None:
@@ -212,7 +232,7 @@ def verify_log(path: str | os.PathLike[str],
     try:
         parsed = list(_records(data, allow_truncated_tail))
     except AuditError as err:
-        _signed_if_earlier_version(err, key)
+        _signed_if_earlier_version(err, key, data)
         raise
     _verify_chain(parsed, key)
     named = _check_gpu(parsed, expected)
