@@ -599,3 +599,16 @@ def test_device_ignores_garbage_and_malformed_attaches_from_the_host() -> None:
         assert device._host_message() is False  # the host went away: power off
     finally:
         device.host.close()
+
+
+def test_a_nan_in_any_number_field_is_a_protocol_error() -> None:
+    """Found by the mutation fuzzer: AttestAccepted with reattest_after_s NaN decoded, and could
+    not be encoded again. No field means NaN; inf still round-trips."""
+    from gputravel.attest.exchange import AttestAccepted
+
+    raw = msgpack.unpackb(wire.encode(AttestAccepted(reattest_after_s=1.0)), raw=False)
+    raw["reattest_after_s"] = float("nan")
+    with pytest.raises(ProtocolError, match="NaN"):
+        wire.decode(msgpack.packb(raw, use_bin_type=True))
+    raw["reattest_after_s"] = float("inf")
+    assert wire.decode(msgpack.packb(raw, use_bin_type=True)) == AttestAccepted(reattest_after_s=float("inf"))

@@ -321,9 +321,26 @@ def decode(data: bytes | bytearray | memoryview, *,
         msg = decoder.decode(data)
     except Exception as e:  # any malformed input, whatever msgspec or an invariant raised
         raise ProtocolError(_explain(data, e)) from None
+    if _holds_nan(msg):
+        raise ProtocolError(f"message {_TAG_BY_CLASS[type(msg)]}: a number field holds NaN")
     if expect is not None and not _expected(type(msg), expect):
         raise ProtocolError(f"unexpected message {_TAG_BY_CLASS[type(msg)]}; expected {_names(expect)}")
     return msg
+
+
+def _holds_nan(value: object) -> bool:
+    """Whether a decoded message holds a NaN anywhere: no field means "not a number" (a timeout
+    or a deadline of NaN compares false with everything), and such a message could not be sent
+    on, as it never equals itself (encode's round-trip check)."""
+    if isinstance(value, float):
+        return value != value
+    if isinstance(value, msgspec.Struct):
+        return any(_holds_nan(getattr(value, f)) for f in value.__struct_fields__)
+    if isinstance(value, (tuple, list)):
+        return any(_holds_nan(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_nan(v) for v in value.values())
+    return False
 
 
 def _expected(cls: type, expect: type | tuple[type, ...]) -> bool:
