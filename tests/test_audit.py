@@ -22,7 +22,8 @@ from gputravel.attest.provision import issue_gpu_ca
 from gputravel.attest.roots import Authority
 from gputravel.crypto.certs import new_key
 from gputravel.driver.orchestrator import OrchestratorDriver
-from gputravel.orchestrator.attester import GpuAttester, TlsIdentity, gpu_identity
+from gputravel.attest.verifier import gpu_identity
+from gputravel.orchestrator.attester import GpuAttester, TlsIdentity
 from gputravel.protocol import codec as wire
 from gputravel.testing import InProcessGpu
 from gputravel.orchestrator.audit import (
@@ -497,8 +498,10 @@ def test_a_new_spdm_session_must_reach_the_gpu_the_log_names(tmp_path: Path) -> 
     vendor = load_authority(tmp_path / "roots", "gpu")
     devices = [provision_gpu(vendor, serial=s, now=now - timedelta(days=1)) for s in (GPU, OTHER_GPU)]
 
+    gpus: list[InProcessGpu] = []
+
     def driver_of(device) -> OrchestratorDriver:
-        gpu = InProcessGpu(device=device)
+        gpus.append(gpu := InProcessGpu(device=device))
         link = gpu.add_cvm("orchestrator")
         gpu.switch("orchestrator")
         return OrchestratorDriver(link, clock=gpu.clock)
@@ -515,11 +518,14 @@ def test_a_new_spdm_session_must_reach_the_gpu_the_log_names(tmp_path: Path) -> 
     with pytest.raises(AttestationError, match=f"reached GPU {OTHER_GPU}, not {GPU}") as err:
         attester.open_session(driver_of(devices[1]), now, timeout=5)
     assert err.value.claim == "chain" and attester.claims is None and attester.gpu == GPU
+    # Refused on its Certificate, before the key exchange: the other GPU never got a session.
+    assert gpus[-1].core._session_secret is None
     # The per-device certificate is pinned, not only its serial: a device certified again
     # under the same serial is another GPU.
     twin = provision_gpu(vendor, serial=GPU, now=now - timedelta(days=1))
     with pytest.raises(AttestationError, match=f"another device certified as {GPU}"):
         attester.open_session(driver_of(twin), now, timeout=5)
+    assert gpus[-1].core._session_secret is None
 
 
 def test_a_rekey_that_reaches_another_gpu_halts_the_driver_and_every_later_travel(tmp_path: Path,

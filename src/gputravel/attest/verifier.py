@@ -13,6 +13,7 @@ deployment reads through NVML. Claims use NVIDIA's EAT claim names where one exi
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from gputravel.attest.roots import TrustStore
 from gputravel.errors import BadInput, ProtocolError
 from gputravel.protocol.codec import Message, decode
 
-__all__ = ["EAT", "GPU_CHAIN_LENGTH", "EmulatedGpuVerifier", "GpuClaims", "Verifier"]
+__all__ = ["EAT", "GPU_CHAIN_LENGTH", "EmulatedGpuVerifier", "GpuClaims", "Verifier", "gpu_identity"]
 
 C = TypeVar("C")
 M = TypeVar("M")
@@ -148,7 +149,7 @@ class EmulatedGpuVerifier(Verifier[GpuClaims]):
         p.ok(EAT.CC_MODE, "on")
         self._check_measurements(p, blocks, driver, vbios)
         return GpuClaims(
-            nonce=challenge, evidence_digest=digest, ueid=_serial(ev.cert_chain),
+            nonce=challenge, evidence_digest=digest, ueid=gpu_identity(ev.cert_chain),
             hwmodel=HWMODEL, driver_version=driver, vbios_version=vbios, fwid=fwid, cc_mode=True,
             measurement_result="success", verified_at=int(now.timestamp()), emulated=True,
         )
@@ -235,6 +236,18 @@ def _check_fwid(p: ClaimTracker, leaf: x509.Certificate, report_fwid: bytes) -> 
     return cert_fwid
 
 
-def _serial(chain: tuple[bytes, ...]) -> str:
-    attrs = x509.load_der_x509_certificate(chain[1]).subject.get_attributes_for_oid(x509.NameOID.SERIAL_NUMBER)
-    return str(attrs[0].value) if attrs else "(unknown)"
+_MAX_SERIAL_CHARS = 64  # X.520 serialNumber's upper bound
+
+
+def gpu_identity(device_chain: tuple[bytes, ...]) -> str:
+    """The GPU's name, from its verified chain (firmware leaf first): the serial its vendor
+    certified in the per-device certificate, the same across the GPU's restarts and firmware
+    keys and distinct between GPUs. For a chain that names none, or one too long or with
+    characters a terminal would act on, the SHA-256 fingerprint of that certificate. Holders
+    see it as the UEID; the orchestrator's travel log names the GPU by it."""
+    per_device = x509.load_der_x509_certificate(device_chain[1])
+    serials = per_device.subject.get_attributes_for_oid(x509.NameOID.SERIAL_NUMBER)
+    serial = str(serials[0].value) if serials else ""
+    if 0 < len(serial) <= _MAX_SERIAL_CHARS and serial.isprintable():
+        return serial
+    return "sha256:" + hashlib.sha256(device_chain[1]).hexdigest()

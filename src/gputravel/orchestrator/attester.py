@@ -14,9 +14,10 @@ which knows the orchestrator's measurement from the launcher) binding its TLS ke
 nonce. The holder verifies both itself against its roots, reference values and policy before
 it sends anything else, then tells the orchestrator when to ask it again (`AttestAccepted`).
 
-The GPU's identity (:func:`gpu_identity`, :attr:`GpuAttester.gpu`) is the serial its vendor
-certified, read from the chain the SPDM handshake verified; it names the GPU in the signed
-travel log. A re-key (a new SPDM session) must reach that same GPU, or it fails.
+The GPU's identity (attest.verifier.gpu_identity, :attr:`GpuAttester.gpu`) is the serial its
+vendor certified, read from the chain the SPDM handshake verified: the UEID holders see, and
+the name of the GPU in the signed travel log. A re-key (a new SPDM session) must reach that
+same GPU: its chain hook refuses another device's chain before the key exchange.
 
 Re-attestation (:meth:`GpuAttester.reattest_if_due`): fresh GPU evidence needs the GPU home,
 so the orchestrator, at the start of a travel to a holder whose attestation is due, sends
@@ -25,7 +26,6 @@ so the orchestrator, at the start of a travel to a holder whose attestation is d
 
 from __future__ import annotations
 
-import hashlib
 import os
 import weakref
 from collections.abc import Callable
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from gputravel.attest import (
     AttestAccepted,
@@ -51,6 +51,7 @@ from gputravel.attest import (
     answer_challenge,
     spdm_chain_verifier,
 )
+from gputravel.attest.verifier import gpu_identity
 from gputravel.attest.gpu import NONCE_BYTES
 from gputravel.attest.material import OrchestratorMaterial, utcnow
 from gputravel.attest.tdx_module import request_quote
@@ -65,23 +66,9 @@ from gputravel.protocol.parties import ORCHESTRATOR
 if TYPE_CHECKING:
     from gputravel.orchestrator.cvm import OrchestratorConfig
 
-__all__ = ["GpuAttester", "TlsIdentity", "gpu_identity", "orchestrator_attester"]
+__all__ = ["GpuAttester", "TlsIdentity", "orchestrator_attester"]
 
 MIN_REATTEST_S = 1.0  # however often a holder asks, the orchestrator re-attests at most this often
-_MAX_SERIAL_CHARS = 64  # X.520 serialNumber's upper bound
-
-
-def gpu_identity(device_chain: tuple[bytes, ...]) -> str:
-    """The GPU's name, from its verified SPDM chain (firmware leaf first): the serial its vendor
-    certified in the per-device certificate (the UEID holders see), the same across the GPU's
-    restarts and firmware keys and distinct between GPUs; for a chain that names none, the
-    SHA-256 fingerprint of that certificate."""
-    per_device = x509.load_der_x509_certificate(device_chain[1])
-    serials = per_device.subject.get_attributes_for_oid(NameOID.SERIAL_NUMBER)
-    serial = str(serials[0].value) if serials else ""
-    if 0 < len(serial) <= _MAX_SERIAL_CHARS and serial.isprintable():
-        return serial
-    return "sha256:" + hashlib.sha256(device_chain[1]).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -127,20 +114,29 @@ class GpuAttester:
         """SPDM only with a device chaining to the trusted vendor root, and after the first
         session only with the same GPU (a host must not swap GPUs under a rank: its travel
         log names one); then attest it."""
-        requester = SpdmRequester(verify_chain=spdm_chain_verifier(self.material.trust, now))
+        requester = SpdmRequester(verify_chain=self._pinned(spdm_chain_verifier(self.material.trust, now)))
+        self._session_leaf = self.claims = None  # whatever the session was, it is being replaced
         driver.establish_session(requester, timeout=timeout)
-        gpu, cert = gpu_identity(requester.device_chain), requester.device_chain[1]
-        if self._gpu_cert is not None and cert != self._gpu_cert:
-            # The whole per-device certificate, not only its serial: another device certified
-            # with the same serial is another GPU too.
-            self._session_leaf = self.claims = None
-            which = f"another device certified as {gpu}" if gpu == self.gpu else f"GPU {gpu}, not {self.gpu}"
-            raise AttestationError("chain", f"the new SPDM session reached {which}, "
-                                            "the GPU this orchestrator attested first")
         self._session_leaf = requester.device_chain[0]
         claims = self.attest(driver, now, timeout)
-        self.gpu, self._gpu_cert = gpu, cert
+        self.gpu, self._gpu_cert = gpu_identity(requester.device_chain), requester.device_chain[1]
         return claims
+
+    def _pinned(self, verify: Callable[[tuple[bytes, ...]], ec.EllipticCurvePublicKey]
+                ) -> Callable[[tuple[bytes, ...]], ec.EllipticCurvePublicKey]:
+        """The chain hook, with the GPU pinned once one has attested: it runs on the device's
+        Certificate, before the key exchange, so another GPU's session never gets keys."""
+        def check(chain: tuple[bytes, ...]) -> ec.EllipticCurvePublicKey:
+            key = verify(chain)  # the vendor root first: only then is chain[1] a per-device certificate
+            if self._gpu_cert is not None and chain[1] != self._gpu_cert:
+                # The whole per-device certificate, not only its serial: another device certified
+                # with the same serial is another GPU too.
+                gpu = gpu_identity(chain)
+                which = f"another device certified as {gpu}" if gpu == self.gpu else f"GPU {gpu}, not {self.gpu}"
+                raise AttestationError("chain", f"the new SPDM session reached {which}, "
+                                                "the GPU this orchestrator attested first")
+            return key
+        return check
 
     def attest(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> GpuClaims:
         """Ask the device for evidence on a fresh nonce inside the session and verify it."""
