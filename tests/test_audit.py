@@ -489,6 +489,62 @@ def test_the_gpu_identity_is_the_vendor_certified_serial_across_firmware_keys() 
     assert named.startswith("sha256:") and len(named) == 7 + 64
 
 
+def _certificate_naming(serial: str) -> bytes:
+    """A certificate whose subject carries ``serial`` as a UTF8String, as a per-device CA's does."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.serialization import Encoding
+    from cryptography.x509.name import _ASN1Type  # the builder writes PrintableString otherwise
+
+    key, now = new_key(), datetime.now(timezone.utc)
+    name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "per-device"),
+                      x509.NameAttribute(x509.NameOID.SERIAL_NUMBER, serial, _type=_ASN1Type.UTF8String)])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + timedelta(days=1))
+            .sign(key, hashes.SHA384()))
+    return cert.public_bytes(Encoding.DER)
+
+
+@pytest.mark.parametrize("serial", ["GPU\u20100", "GPU 0", "GPU-0 ", "GPU\u05d0", "\u202eGPU", "-GPU", "G" * 65])
+def test_a_serial_that_could_read_as_another_gpus_names_it_by_fingerprint(serial: str) -> None:
+    """Look-alike, reordering, spaced or over-long serials (certified by a vendor, still) would
+    let two GPUs read alike in a log or to a holder: they are named by the fingerprint
+    (hostile review of session 24)."""
+    der = _certificate_naming(serial)
+    assert gpu_identity((b"leaf", der)) == "sha256:" + hashlib.sha256(der).hexdigest()
+    assert gpu_identity((b"leaf", _certificate_naming("GPU-0.a_1"))) == "GPU-0.a_1"
+
+
+def test_a_serial_the_library_cannot_decode_names_the_gpu_by_fingerprint() -> None:
+    """A serial whose bytes decode only when read (invalid UTF-8 here) raised a ValueError out
+    of gpu_identity, past the re-key's halt (hostile review of session 24)."""
+    der = _certificate_naming("ZZZZ").replace(b"\x0c\x04ZZZZ", b"\x0c\x04\xff\xfe\xfd\xfc")
+    assert gpu_identity((b"leaf", der)) == "sha256:" + hashlib.sha256(der).hexdigest()
+
+
+def test_a_gpu_that_fails_its_first_attestation_is_neither_pinned_nor_relayed_for(tmp_path: Path) -> None:
+    """The first session opens, then the GPU's evidence fails: nothing of that session is kept,
+    so no later refresh attests it, and no GPU is pinned (hostile review of session 24)."""
+    from gputravel.errors import IllegalTransition
+
+    now = datetime.now(timezone.utc)
+    store = init_roots(tmp_path / "roots", now=now - timedelta(days=1))
+    vendor = load_authority(tmp_path / "roots", "gpu")
+    gpu = provision_gpu(vendor, serial=GPU, now=now - timedelta(days=1))
+    other = provision_gpu(vendor, serial=OTHER_GPU, now=now - timedelta(days=1), firmware_version="9.9")
+    board = InProcessGpu(device=gpu)
+    link = board.add_cvm("orchestrator")
+    board.switch("orchestrator")
+    driver = OrchestratorDriver(link, clock=board.clock)
+    wrong = OrchestratorMaterial(store, other.reference_values(), 100)  # another firmware's measurements
+    attester = GpuAttester(wrong, lambda rd: b"", TlsIdentity(b""))
+    with pytest.raises(AttestationError):
+        attester.open_session(driver, now, timeout=5)
+    assert attester.claims is None and attester.gpu is None
+    with pytest.raises(IllegalTransition):
+        attester.refresh(driver, now, timeout=5)
+
+
 def test_a_new_spdm_session_must_reach_the_gpu_the_log_names(tmp_path: Path) -> None:
     """A re-key (orchestrator/cvm.py rekey) opens a new SPDM session: one that reaches another
     GPU, even under the same vendor root, fails, so a host cannot swap GPUs under a rank whose
@@ -531,9 +587,9 @@ def test_a_new_spdm_session_must_reach_the_gpu_the_log_names(tmp_path: Path) -> 
 def test_a_rekey_that_reaches_another_gpu_halts_the_driver_and_every_later_travel(tmp_path: Path,
                                                                                  monkeypatch) -> None:
     """The host swaps the GPU under a running orchestrator, then a recovery re-keys: the new
-    SPDM session's keys are already in the driver when attestation refuses the GPU, so the
-    driver is halted (no export, no lending) and every later travel fails naming why; the log
-    keeps naming the first GPU (second review of session 23: the driver was left fresh)."""
+    session is refused on the other GPU's Certificate, and the driver is halted all the same
+    (no export, no lending) and every later travel fails naming why; the log keeps naming the
+    first GPU (second review of session 23: the driver was left fresh)."""
     import test_orchestrator_shell as shell  # lazy: its in-process cohort of fakes
     from gputravel.crypto.spdm import SpdmResponder
     from gputravel.errors import TravelHalted

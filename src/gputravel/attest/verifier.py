@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from datetime import datetime
@@ -236,18 +237,25 @@ def _check_fwid(p: ClaimTracker, leaf: x509.Certificate, report_fwid: bytes) -> 
     return cert_fwid
 
 
-_MAX_SERIAL_CHARS = 64  # X.520 serialNumber's upper bound
+#: A serial that names the GPU as it is: ASCII letters, digits, '.', '_' and '-', up to X.520
+#: serialNumber's 64 characters. Anything else (look-alike or reordering characters, control
+#: characters, spaces) is named by the certificate's fingerprint instead, so two GPUs can
+#: never read alike and nothing reaches a terminal that it would act on.
+_SERIAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def gpu_identity(device_chain: tuple[bytes, ...]) -> str:
     """The GPU's name, from its verified chain (firmware leaf first): the serial its vendor
     certified in the per-device certificate, the same across the GPU's restarts and firmware
-    keys and distinct between GPUs. For a chain that names none, or one too long or with
-    characters a terminal would act on, the SHA-256 fingerprint of that certificate. Holders
+    keys and distinct between GPUs. For a chain that names none, or one outside _SERIAL,
+    the SHA-256 fingerprint of that certificate. Holders
     see it as the UEID; the orchestrator's travel log names the GPU by it."""
-    per_device = x509.load_der_x509_certificate(device_chain[1])
-    serials = per_device.subject.get_attributes_for_oid(x509.NameOID.SERIAL_NUMBER)
-    serial = str(serials[0].value) if serials else ""
-    if 0 < len(serial) <= _MAX_SERIAL_CHARS and serial.isprintable():
+    try:
+        serials = x509.load_der_x509_certificate(device_chain[1]).subject.get_attributes_for_oid(
+            x509.NameOID.SERIAL_NUMBER)
+        serial = str(serials[0].value) if serials else ""
+    except ValueError:  # a name the library decodes only when read (an odd string type): no serial
+        serial = ""
+    if _SERIAL.fullmatch(serial):
         return serial
     return "sha256:" + hashlib.sha256(device_chain[1]).hexdigest()

@@ -98,7 +98,7 @@ class GpuAttester:
         self.identity = identity
         self.claims: GpuClaims | None = None
         self._rng = rng
-        self._session_leaf: bytes | None = None
+        self._session_chain: tuple[bytes, ...] | None = None  # leaf and per-device certificate of the session
         self.gpu: str | None = None  # gpu_identity of the first session's GPU, once it attested
         self._gpu_cert: bytes | None = None  # that GPU's per-device certificate: a re-key must reach it
         # When each holder's link is due for re-attestation, on the shell's clock (its `now`).
@@ -115,10 +115,14 @@ class GpuAttester:
         session only with the same GPU (a host must not swap GPUs under a rank: its travel
         log names one); then attest it."""
         requester = SpdmRequester(verify_chain=self._pinned(spdm_chain_verifier(self.material.trust, now)))
-        self._session_leaf = self.claims = None  # whatever the session was, it is being replaced
+        self._session_chain = self.claims = None  # whatever the session was, it is being replaced
         driver.establish_session(requester, timeout=timeout)
-        self._session_leaf = requester.device_chain[0]
-        claims = self.attest(driver, now, timeout)
+        self._session_chain = requester.device_chain[:2]  # the firmware leaf and the per-device certificate
+        try:
+            claims = self.attest(driver, now, timeout)
+        except BaseException:
+            self._session_chain = None  # a session whose GPU failed attestation relays nothing, pins nothing
+            raise
         self.gpu, self._gpu_cert = gpu_identity(requester.device_chain), requester.device_chain[1]
         return claims
 
@@ -145,13 +149,15 @@ class GpuAttester:
     def _evidence(self, driver: OrchestratorDriver, nonce: bytes, now: datetime,
                   timeout: float) -> tuple[GpuClaims, bytes]:
         """The device's evidence for `nonce` (inside the session), verified; the claims kept."""
-        if self._session_leaf is None:
+        if self._session_chain is None:
             raise IllegalTransition("gpu attester", "no-session", "attest the GPU")
         self.claims = None
         blob = driver.get_evidence(nonce, timeout=timeout)
         claims = EmulatedGpuVerifier(self.material.trust, self.material.reference).verify(blob, nonce, now)
         evidence = cast(GpuEvidence, decode(blob, expect=GpuEvidence))  # verified: decodes
-        if evidence.cert_chain[0] != self._session_leaf:
+        if tuple(evidence.cert_chain[:2]) != self._session_chain:
+            # The per-device certificate too, not only the leaf: holders read the GPU's name
+            # (the UEID) from the evidence's chain, the log from the session's; they must agree.
             raise AttestationError("chain", "the evidence is signed by another device than the one "
                                             "holding the SPDM session")
         self.claims = claims

@@ -130,9 +130,10 @@ class Orchestrator:
         log.warning("re-keyed the GPU through a new SPDM session (VRAM wiped)")
 
     def _halt(self, why: str) -> NoReturn:
-        """A re-key that failed: the driver may already hold the new session's keys (a session
-        with a GPU that then failed attestation, another GPU, a buffer elsewhere), so it is
-        halted, and exports and lends nothing, before TravelHalted stops travel."""
+        """A re-key that failed: the driver may already hold the new session's keys (a GPU
+        that then failed attestation, a buffer placed elsewhere) or the old session's (another
+        GPU, refused before its key exchange), so it is halted, and exports and lends nothing,
+        before TravelHalted stops travel."""
         self.driver.ledger.halt(why)
         raise TravelHalted(why) from None
 
