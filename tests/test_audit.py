@@ -545,6 +545,45 @@ def test_a_gpu_that_fails_its_first_attestation_is_neither_pinned_nor_relayed_fo
         attester.refresh(driver, now, timeout=5)
 
 
+def test_evidence_with_another_per_device_certificate_than_the_session_is_refused(tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    """Holders read the GPU's name from the evidence's chain, the log from the SPDM session's:
+    evidence whose per-device certificate is not the session's is refused, even if it verified
+    (a twin certificate over the same key would), so the two names are one (hostile review of
+    session 24). The verifier is stubbed to pass, so only this check stands."""
+    import msgspec
+    import gputravel.orchestrator.attester as attester_module
+    from gputravel.attest.gpu import GpuEvidence
+
+    now = datetime.now(timezone.utc)
+    store = init_roots(tmp_path / "roots", now=now - timedelta(days=1))
+    gpu = provision_gpu(load_authority(tmp_path / "roots", "gpu"), serial=GPU, now=now - timedelta(days=1))
+    board = InProcessGpu(device=gpu)
+    link = board.add_cvm("orchestrator")
+    board.switch("orchestrator")
+    driver = OrchestratorDriver(link, clock=board.clock)
+    attester = GpuAttester(OrchestratorMaterial(store, gpu.reference_values(), 100), lambda rd: b"", TlsIdentity(b""))
+    claims = attester.open_session(driver, now, timeout=5)
+
+    class Passes:
+        def __init__(self, *args) -> None: ...
+        def verify(self, *args) -> object:
+            return claims
+
+    real = driver.get_evidence
+
+    def twin_evidence(nonce: bytes, timeout: float) -> bytes:
+        ev = wire.decode(real(nonce, timeout=timeout), expect=GpuEvidence)
+        chain = (ev.cert_chain[0], _certificate_naming(GPU), *ev.cert_chain[2:])
+        return wire.encode(msgspec.structs.replace(ev, cert_chain=chain))
+
+    monkeypatch.setattr(attester_module, "EmulatedGpuVerifier", Passes)
+    monkeypatch.setattr(driver, "get_evidence", twin_evidence)
+    with pytest.raises(AttestationError, match="another device than the one holding the SPDM session"):
+        attester.attest(driver, now, timeout=5)
+    assert attester.claims is None
+
+
 def test_a_new_spdm_session_must_reach_the_gpu_the_log_names(tmp_path: Path) -> None:
     """A re-key (orchestrator/cvm.py rekey) opens a new SPDM session: one that reaches another
     GPU, even under the same vendor root, fails, so a host cannot swap GPUs under a rank whose
