@@ -29,6 +29,7 @@ from gputravel.service.config import (
     check_before_start,
     job_train_config,
     load_service,
+    quoting_socket,
 )
 from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.init import init_cohort
@@ -134,6 +135,53 @@ def test_init_refuses_a_used_directory_bad_holders_and_leaves_nothing(tmp_path: 
         with pytest.raises(BadInput, match=match):
             init_cohort(tmp_path / "new", holders)
         assert not (tmp_path / "new").exists()
+
+
+def _dir_of_length(base: Path, size: int) -> Path:
+    """A path under `base` of `size` bytes (not made)."""
+    return base / ("d" * (size - len(str(base)) - 1))
+
+
+def test_init_refuses_a_directory_too_deep_for_its_sockets_and_leaves_nothing(tmp_path: Path) -> None:
+    """A Unix socket's path has at most 107 bytes: a cohort whose sockets could never be bound
+    is refused at init, naming the key, not when a party's process fails to bind (the demo's
+    host once did, in a deep $TMPDIR, and exited 1). The TDX module's socket, the longest
+    (state/orchestrator-tdx/quote.sock), is checked too though no file names it."""
+    data = tmp_path / "data.txt"
+    data.write_text("text\n" * 10)
+    assert len(str(tmp_path)) < 72, "pytest's temporary directory leaves no room for the cases below"
+    for size, key in ((100, "socket"), (85, "state_dir: its TDX module's socket beside it needs")):
+        deep = _dir_of_length(tmp_path, size)
+        with pytest.raises(BadInput, match=f"{deep}: {key}.* a path of at most 107 bytes, a Unix socket's limit"):
+            init_cohort(deep, [("north", str(data))])
+        assert not deep.exists()
+    fits = _dir_of_length(tmp_path, 107 - len("/state/orchestrator-tdx/quote.sock"))
+    init_cohort(fits, [("north", str(data))])
+    assert len(quoting_socket(load_service(fits / "orchestrator.toml").state_dir)) == 107
+
+
+@pytest.mark.parametrize("name, key", [("host.toml", "socket"), ("gpu-0.toml", "link_socket"),
+                                       ("orchestrator.toml", "gpu_link_socket"), ("holder-north.toml", "host_socket"),
+                                       ("holder-north.toml", "boot_lock")])
+def test_a_socket_path_longer_than_a_unix_socket_takes_is_refused_by_key(cohort: Path, tmp_path: Path, name: str,
+                                                                       key: str) -> None:
+    long = "/" + "s" * 107
+    bad = _rewrite(cohort / name, tmp_path / name, lambda d: d.update({key: long}))
+    with pytest.raises(BadInput, match=f"{key}: expected a path of at most 107 bytes, a Unix socket's limit, "
+                                       f"got 108 bytes"):
+        load_service(bad)
+
+
+def test_a_service_that_fails_says_why_in_its_log(cohort: Path, tmp_path: Path, capsys) -> None:
+    """A service never exits non-zero without a line in its log saying why."""
+    from gputravel.service.serve import serve
+
+    bad = _rewrite(cohort / "host.toml", tmp_path / "host.toml", lambda d: d.update(socket="/" + "s" * 107))
+    with pytest.raises(BadInput):
+        serve("host", bad)
+    said = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert said[-1]["party"] == "host" and said[-1]["event"] == "failed" and said[-1]["kind"] == "BadInput"
+    assert "at most 107 bytes" in said[-1]["why"]
 
 
 def test_gpus_get_a_file_each_with_its_own_serial_and_sockets(tmp_path: Path) -> None:

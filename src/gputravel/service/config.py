@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # train.loop imports torch: only job_train_config loads it
     from gputravel.train.loop import TrainConfig
 
 __all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
-           "PolicySection", "ServiceConfig", "check_before_start", "job_train_config", "load_service", "validate_service",
-           "PARTIES"]
+           "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "job_train_config", "load_service",
+           "quoting_socket", "validate_service", "PARTIES", "MAX_SOCKET_PATH"]
 
 PARTIES = ("host", "gpu", "orchestrator", "holder")
 NAME_PATTERN = r"^[a-z0-9-]{1,32}$"
@@ -53,7 +53,29 @@ def _power_of_two(value: int) -> int:
     return value
 
 
+# A Unix socket's path: sockaddr_un's sun_path holds 108 bytes with the terminating NUL. A
+# longer path can never be bound or connected to, so it is refused here, by key, when the
+# config is written or read, not as a bind error deep in a party's process once it starts.
+MAX_SOCKET_PATH = 107
+
+
+def _fits_socket(value: str) -> str:
+    size = len(os.fsencode(value))
+    if size > MAX_SOCKET_PATH:
+        raise ValueError(f"a path of at most {MAX_SOCKET_PATH} bytes, a Unix socket's limit, got {size} bytes: "
+                         "choose a shorter directory for the cohort (the demo makes its own under $TMPDIR)")
+    return value
+
+
+def quoting_socket(state_dir: str) -> str:
+    """Where the orchestrator's TDX module listens: in its own directory beside the
+    orchestrator's state directory (service/members.py starts it there)."""
+    state = Path(state_dir)
+    return str(state.parent / f"{state.name}-tdx" / "quote.sock")
+
+
 AbsPath = Annotated[str, AfterValidator(_absolute)]
+SocketPath = Annotated[str, AfterValidator(_absolute), AfterValidator(_fits_socket)]
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[float, Field(gt=0)]
@@ -141,7 +163,7 @@ class JobSection(_Section):
 class HostService(_Service):
     party: Literal["host"]
     state_dir: AbsPath
-    socket: AbsPath
+    socket: SocketPath
     hardware: Hardware = "emulated"
 
 
@@ -149,8 +171,8 @@ class GpuService(_Service):
     party: Literal["gpu"]
     index: Annotated[int, Field(ge=0)] = 0
     state_dir: AbsPath
-    host_socket: AbsPath
-    link_socket: AbsPath  # where the orchestrator takes its private link (VRAM grants)
+    host_socket: SocketPath
+    link_socket: SocketPath  # where the orchestrator takes its private link (VRAM grants)
     boot_lock: AbsPath  # held while a CVM probes the GPU at boot (paper 4.1: one at a time)
     vram_bytes: Annotated[int, Field(gt=0)]
     layout: LayoutSection
@@ -164,8 +186,8 @@ class GpuService(_Service):
 class OrchestratorService(_Service):
     party: Literal["orchestrator"]
     state_dir: AbsPath
-    host_socket: AbsPath
-    gpu_link_socket: AbsPath
+    host_socket: SocketPath
+    gpu_link_socket: SocketPath
     boot_lock: AbsPath
     trust_dir: AbsPath
     public_dir: AbsPath
@@ -190,6 +212,14 @@ class OrchestratorService(_Service):
         return value
 
     @model_validator(mode="after")
+    def _quoting_socket_fits(self) -> OrchestratorService:
+        try:
+            _fits_socket(quoting_socket(self.state_dir))
+        except ValueError as exc:
+            raise ValueError(f"state_dir: its TDX module's socket beside it needs {exc}") from None
+        return self
+
+    @model_validator(mode="after")
     def _buffer_fits_layout(self) -> OrchestratorService:
         if self.job.buffer_bytes % self.layout.record_bytes:
             raise ValueError(f"job.buffer_bytes: expected a multiple of layout.record_bytes "
@@ -201,8 +231,8 @@ class HolderService(_Service):
     party: Literal["holder"]
     name: Name
     state_dir: AbsPath
-    host_socket: AbsPath
-    boot_lock: AbsPath
+    host_socket: SocketPath
+    boot_lock: SocketPath  # the GPU's socket lies beside it, as long (members._gpu_socket)
     trust_dir: AbsPath
     public_dir: AbsPath
     data: AbsPath
@@ -279,6 +309,11 @@ def validate_service(raw: dict, source: str, party: str | None = None) -> Servic
         raise BadInput("\n".join(f"{source}: {_explain(e)}" for e in exc.errors())) from None
     cfg._source = source
     return cfg
+
+
+def explain_built(exc: ValidationError, source: str) -> BadInput:
+    """A config built in code (`cohort init`) that its schema refuses, worded as a file's."""
+    return BadInput("\n".join(f"{source}: {_explain({**e, 'loc': ('', *e['loc'])})}" for e in exc.errors()))
 
 
 def load_service(path: str | Path, party: str | None = None) -> ServiceConfig:

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import tomli_w
+from pydantic import ValidationError
 
 from gputravel.attest import GpuIssuer, init_roots, issue_gpu_ca, load_authority
 from gputravel.attest.provision import REFERENCE_FILE
@@ -44,6 +45,7 @@ from gputravel.service.config import (
     OrchestratorService,
     PolicySection,
     ServiceConfig,
+    explain_built,
     validate_service,
 )
 from gputravel.service.engine import orchestrator_engine_config
@@ -221,7 +223,11 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
                       *(f"holder-{n}" for n, _ in checked)):
             _private_dir(d / "state" / party)
         issuers = _provision(d, gpus)
-        return [write_service(path, cfg) for path, cfg in _configs(d, checked, issuers, section, port, hardware)]
+        try:
+            configs = _configs(d, checked, issuers, section, port, hardware)
+        except ValidationError as exc:  # a path the schema refuses: a socket path too long for D
+            raise explain_built(exc, str(d)) from None
+        return [write_service(path, cfg) for path, cfg in configs]
     except BaseException:
         _undo(d, made)
         raise

@@ -32,7 +32,7 @@ from gputravel.errors import BadInput, GputravelError, ProtocolError
 from gputravel.files import atomic_write_bytes, write_json
 from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, Shutdown,
                                         TrainDone, TrainStep, Train)
-from gputravel.service.config import HolderService, OrchestratorService, job_train_config
+from gputravel.service.config import HolderService, OrchestratorService, job_train_config, quoting_socket
 from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.party import (PartyChild, Stopping, log, own_state, private_dir, publish, unix_listening,
                                      wait_for, wait_for_sockets)
@@ -236,11 +236,12 @@ def _start_tdx_module(cfg: OrchestratorService, state: Path) -> tuple[PartyChild
     """The orchestrator's TDX module (its CPU's quoting enclave, under its own account): it makes
     a quoting key at each start, which the platform's provisioning key (a stand-in in our state
     directory) certifies. Its directory is searchable, so the orchestrator reaches its socket."""
-    home = state.parent / f"{state.name}-tdx"
+    socket_path = quoting_socket(str(state))
+    home = Path(socket_path).parent
     home.mkdir(mode=0o711, exist_ok=True)
     if cfg.tdx_uid >= 0:
         isolation.give(home, cfg.tdx_uid, 0o711)
-    quoting = QuotingLaunch.at(str(home / "quote.sock"))
+    quoting = QuotingLaunch.at(socket_path)
     if os.path.exists(quoting.socket) and not unix_listening(quoting.socket):
         os.unlink(quoting.socket)  # left by a module that stopped with its orchestrator
     config = {**quoting.config, "key_dir": str(home / "key")}  # it keeps its quoting key there (0700)

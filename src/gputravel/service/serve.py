@@ -14,7 +14,8 @@ from pathlib import Path
 from gputravel.attest.provision import GpuIssuer
 from gputravel.errors import BadInput
 from gputravel.protocol.control import Certified, Enroll
-from gputravel.service.config import GpuService, HostService, check_before_start, load_service
+from gputravel.service.config import (GpuService, HolderService, HostService, ServiceConfig, check_before_start,
+                                      load_service)
 from gputravel.service.members import serve_holder, serve_orchestrator
 from gputravel.service.party import PartyChild, Stopping, log, own_state, private_dir, unix_listening, wait_for
 
@@ -22,12 +23,30 @@ BOOT_TIMEOUT = 120.0
 
 
 def serve(role: str, config_path: Path) -> int:
-    """Run one party until it is done or told to stop; the exit status."""
-    cfg = load_service(config_path, role)  # BadInput if the file is another party's
-    check_before_start(cfg)
-    stop = Stopping()
-    run = {"host": serve_host, "gpu": serve_gpu, "holder": serve_holder, "orchestrator": serve_orchestrator}[role]
-    return run(cfg, stop)
+    """Run one party until it is done or told to stop; the exit status. A service never ends
+    non-zero without saying why in its log: a status its party ended with is logged where it
+    is returned (`exited`, `failed`), and an error that ends the service is logged here as a
+    `failed` event before it goes on to the CLI (which says it too) or, a bug, its traceback."""
+    name = role
+    try:
+        cfg = load_service(config_path, role)  # BadInput if the file is another party's
+        name = _log_name(cfg)
+        check_before_start(cfg)
+        stop = Stopping()
+        run = {"host": serve_host, "gpu": serve_gpu, "holder": serve_holder, "orchestrator": serve_orchestrator}[role]
+        return run(cfg, stop)
+    except (Exception, KeyboardInterrupt) as exc:
+        log(name, "failed", kind=type(exc).__name__, why=str(exc))
+        raise
+
+
+def _log_name(cfg: ServiceConfig) -> str:
+    """The name the party's service logs under (as serve_* below and service/members.py)."""
+    if isinstance(cfg, GpuService):
+        return f"gpu-{cfg.index}"
+    if isinstance(cfg, HolderService):
+        return cfg.name
+    return cfg.party
 
 
 def serve_host(cfg: HostService, stop: Stopping) -> int:

@@ -35,7 +35,7 @@ def listen_unix(path: str | os.PathLike[str], backlog: int = 16) -> socket.socke
         sock.close()
         stale = e.errno == errno.EADDRINUSE
         hint = " (remove the stale socket file if no one is listening)" if stale else ""
-        raise BadInput(f"cannot listen on {os.fspath(path)!r}: {e.strerror}{hint}") from None
+        raise BadInput(f"cannot listen on {os.fspath(path)!r}: {e.strerror or e}{hint}") from None
     return sock
 
 
