@@ -198,33 +198,88 @@ def test_vram_reaches_only_the_device_and_the_orchestrator(datasets) -> None:
     assert sysmem_of_h1 == {"h1", "host", "device"}
 
 
-def test_children_die_with_a_killed_supervisor(datasets, tmp_path: Path) -> None:
-    import signal
+def _launch_holding(path: str, tmpdir: Path):
+    """A launcher process (a local cohort of one holder, in $TMPDIR `tmpdir`) that prints its
+    parties' pids and its cohort directory, then waits; and what it printed."""
     import subprocess
     import sys
-    import time
 
-    path = datasets["h1"][0]
     script = (
-        "import sys, time\n"
+        "import time\n"
         "from gputravel.cohort.config import CohortConfig, HolderSpec\n"
         "from gputravel.cohort.local import Cohort\n"
-        f"c = Cohort(CohortConfig(holders=(HolderSpec('h1', {path!r}),), buffer_bytes={MIB}, workdir={str(tmp_path)!r}))\n"
-        "c.start()\n"
-        "print(' '.join(str(p) for p in c.pids().values()), flush=True)\n"
-        "time.sleep(60)\n"
+        f"with Cohort(CohortConfig(holders=(HolderSpec('h1', {path!r}),), buffer_bytes={MIB})) as c:\n"
+        "    print(' '.join(str(p) for p in c.pids().values()), c.dir, flush=True)\n"
+        "    time.sleep(120)\n"
     )
-    sup = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    pids = [int(p) for p in sup.stdout.readline().split()]
-    assert len(pids) == 5  # host, TDX module, device, h1, orchestrator
-    sup.send_signal(signal.SIGKILL)
-    sup.wait()
+    sup = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env={**os.environ, "TMPDIR": str(tmpdir)})
+    *pids, directory = sup.stdout.readline().split()
+    assert len(pids) == 5, sup.stderr.read()  # host, TDX module, device, h1, orchestrator
+    return sup, [int(p) for p in pids], Path(directory)
+
+
+def _all_gone(pids: list[int]) -> bool:
+    import time
+
     deadline = time.monotonic() + 10
     alive = pids
     while alive and time.monotonic() < deadline:
         time.sleep(0.1)
         alive = [p for p in alive if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
-    assert alive == []
+    return alive == []
+
+
+def test_a_supervisor_stopped_by_any_signal_leaves_no_party_and_no_key(datasets, tmp_path: Path) -> None:
+    """Killed outright, its parties die with it (PDEATHSIG) and the next launcher deletes the
+    directory it left, keys and all. SIGTERM (a `timeout`, a `kill`) unwinds it: every party
+    stopped, the directory deleted. The parties run in sessions of their own, so a terminal's
+    Ctrl-C or a `timeout` signalling the launcher's group reaches the launcher alone, which
+    stops them in order (cohort/stopping.py)."""
+    import signal
+
+    tmpdir = tmp_path / "t"
+    tmpdir.mkdir()
+    killed, pids, left = _launch_holding(datasets["h1"][0], tmpdir)
+    session = os.getsid(killed.pid)
+    assert all(os.getsid(p) not in (session, killed.pid) for p in pids)  # not the launcher's session
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert _all_gone(pids)
+    assert (left / "launcher.pid").exists() and list(left.glob("pki/*/*.key"))  # left, with its keys
+
+    termed, pids, directory = _launch_holding(datasets["h1"][0], tmpdir)
+    assert not left.exists()  # the next launcher swept it
+    termed.send_signal(signal.SIGTERM)
+    assert termed.wait(timeout=60) != 0 and "stopped by SIGTERM" in termed.stderr.read()
+    assert _all_gone(pids) and not directory.exists() and not list(tmpdir.glob("gputravel-*"))
+
+
+def test_sigterm_and_sighup_unwind_a_launcher_and_its_teardown_is_not_cut_short() -> None:
+    """cohort/stopping.py in-process: while a launcher runs, SIGTERM and SIGHUP raise
+    Terminated; a handler someone else set is left alone; the teardown ignores both."""
+    import signal
+
+    from gputravel.cohort import stopping
+    from gputravel.errors import Terminated
+
+    undo = stopping.catch_term("the cohort was stopped")
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            with pytest.raises(Terminated, match=f"stopped by {sig.name}; the cohort was stopped"):
+                os.kill(os.getpid(), sig)
+                signal.sigtimedwait([], 0.1)  # the handler runs at the next bytecode: wait for it here
+        assert stopping.catch_term("an inner launcher")() is None  # leaves the outer handler
+        with pytest.raises(Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0.1)
+        with stopping.uninterrupted():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0.1)  # ignored, both
+    finally:
+        undo()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
 
 
 def test_records_smaller_than_a_mib_and_several_per_buffer_verify(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from gputravel.cohort.client import error_from
 from gputravel.cohort.entry import jsonable
 from gputravel.cohort.config import CohortConfig, HolderSpec
-from gputravel.cohort import isolation
+from gputravel.cohort import isolation, stopping
 from gputravel.cohort.isolation import Isolation
 from gputravel.cohort.links import CohortLinks, resolve_link
 from gputravel.cohort.placement import Placement
@@ -41,6 +41,7 @@ from gputravel.protocol.hardware import EMULATED
 from gputravel.protocol.control import Certified, Enroll, Failed, Ready, Shutdown
 from gputravel.transport.stream import StreamTransport
 
+PREFIX = "gputravel-"  # of a cohort's directory, in the system's temporary directory
 SNOOP_FILE = Path("parties/host/snoop.bin")  # in the cohort directory: the host writes it in its own
 PRODUCTION_ENTRY = "gputravel.cohort.entry"
 TRUSTED_ROLES = ("orchestrator", "device", TDX_MODULE)  # a launch hook starts these only as they are
@@ -88,11 +89,13 @@ class Supervisor:
         self._join_port = 0
         self._ca: CohortCa | None = None  # in this process's memory only, never on disk
         self._certs: dict[str, bytes] = {}  # what the CA issued (public)
+        self._undo_term: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ starting
     def start(self) -> None:
         """Boot every party; the holders join afterwards (CohortClient.join)."""
         cfg = self.config
+        self._undo_term = stopping.catch_term("the cohort was stopped")  # close() puts it back
         orchestrator, quoting = self._provision()
         snoop = self.placement.path(self.snoop_path) if self.snoop_path else None
         self._spawn("host", {"socket_path": self._host_sock, "snoop_path": snoop, **self._hardware()})
@@ -107,7 +110,10 @@ class Supervisor:
     def _provision(self) -> tuple[dict, QuotingLaunch]:
         """The cohort directory, links, CA and chain of trust; the orchestrator's configuration."""
         cfg = self.config
-        self.dir = Path(tempfile.mkdtemp(prefix="gputravel-", dir=cfg.workdir))
+        if cfg.workdir is None:  # a directory given is the caller's to keep and to clean
+            stopping.sweep(None, PREFIX)  # what a launcher killed outright left: its keys among it
+        self.dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=cfg.workdir))
+        stopping.claim(self.dir)
         place = self.placement = Placement(self.dir, cfg.isolate)
         self.links = CohortLinks.for_cohort(cfg.link, self.members, cfg.bandwidth_mbit)
         self.links.open()
@@ -240,7 +246,10 @@ class Supervisor:
             popen["umask"] = spec.umask
         fds += popen.pop("pass_fds")
         with open(log, "wb") as logf:
-            proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, **popen)
+            # In a session of its own: Ctrl-C reaches the launcher alone, which stops the
+            # parties in order (cohort/stopping.py).
+            proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                    start_new_session=True, **popen)
         theirs.close()
         child = Child(spec.role, proc, StreamTransport(ours, key), log)
         self.children[key] = child
@@ -327,7 +336,14 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stopping
     def close(self) -> None:
-        """Stop everything; never raises; leaves nothing behind."""
+        """Stop everything; never raises; leaves nothing behind. A second Ctrl-C or a SIGTERM
+        meanwhile does not cut it short."""
+        with stopping.uninterrupted():
+            self._close()
+        self._undo_term()
+        self._undo_term = lambda: None
+
+    def _close(self) -> None:
         for key in [k for k, c in self.children.items() if c.role in ("orchestrator", "holder")]:
             try:
                 self.children[key].control.send(Shutdown())
