@@ -81,7 +81,7 @@ def test_the_demo_launcher_copies_back_only_the_run_files_and_no_link(tmp_path: 
 
 def test_the_live_view_reads_each_step_once_as_rows_are_appended_and_again_after_a_rewrite(tmp_path: Path) -> None:
     """The launcher's poll reads only what was appended, never a half-written row, and starts
-    over when the orchestrator rewrites metrics.csv (a resumed run truncates it)."""
+    over when metrics.csv is rewritten shorter in place; a step it showed is not shown again."""
     inside = tmp_path / "inside"
     inside.mkdir()
     (tmp_path / "d" / "cohort").mkdir(parents=True)
@@ -108,6 +108,76 @@ def test_the_live_view_reads_each_step_once_as_rows_are_appended_and_again_after
         f.write(row(4))
     launch._relay(seen, got.append)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
+
+
+def _service_run_dir(tmp_path: Path, **options) -> tuple[ServiceLaunch, Path]:
+    """A launcher whose orchestrator's run directory is `inside`, with nothing started."""
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    (tmp_path / "d" / "cohort").mkdir(parents=True)
+    (tmp_path / "d" / "cohort" / "orchestrator.toml").write_text(f'state_dir = "{tmp_path}"\n[job]\nrun_dir = "{inside}"\n')
+    launch = ServiceLaunch([], {}, tmp_path / "run", audit_log=tmp_path / "run" / "audit.log",
+                           certificate=tmp_path / "run" / "orchestrator.pem", **options)
+    launch.dir, launch._observed = tmp_path / "d", {}  # nothing to observe here
+    return launch, inside
+
+
+def _step(step: int, holder: str) -> dict:
+    """A metrics.csv row as the training loop writes it (train/loop.StepEvent)."""
+    return {"step": step, "loss": 1.0 / (step + 1), "tokens_per_s": 100.0, "holder": holder, "travels": step,
+            "stall_share": 0.0, "elapsed_s": step + 0.5}
+
+
+def test_a_metrics_file_replaced_by_a_longer_one_is_read_from_its_start(tmp_path: Path) -> None:
+    """A metrics.csv rewritten whole (os.replace, as train/rundir.py writes) and already longer
+    than what was read of the old one: read from its start, each later step once, no row
+    made of the old file's offset into the new one's bytes."""
+    from gputravel.files import atomic_write_bytes
+
+    launch, inside = _service_run_dir(tmp_path)
+    head = "step,loss,tokens_per_s,holder,travels,stall_share,elapsed_s\n"
+
+    def rows(steps, holder: str) -> str:
+        return "".join(f"{s},0.5,100.0,{holder},{s},0.0,{s}.5\n" for s in steps)
+
+    got: list[dict] = []
+    long = "a-holder-with-a-long-name"
+    atomic_write_bytes(inside / "metrics.csv", (head + rows(range(3), long)).encode())
+    seen = launch._relay(-1, got.append)
+    # Steps 2 on trained again with shorter rows: the old offset lies past the start of step 3's.
+    atomic_write_bytes(inside / "metrics.csv", (head + rows(range(2), long) + rows(range(2, 9), "s")).encode())
+    launch._relay(seen, got.append)
+    assert [(r["step"], r["holder"]) for r in got] == [(0, long), (1, long), (2, long), *((s, "s") for s in range(3, 9))]
+
+
+def test_a_resumed_run_shows_each_step_it_trains_once_and_keeps_the_earlier_rows(tmp_path: Path) -> None:
+    """--resume: the live view shows the steps the job trains now, once, in order; the rows of
+    the run it resumes are not replayed as if new (they were shown when they were trained).
+    They come back in the run directory's metrics.csv, before the rows trained now."""
+    from gputravel.train.rundir import RunDir
+
+    launch, inside = _service_run_dir(tmp_path, resume=True)
+    run = RunDir(tmp_path / "run")
+    for step in range(8):  # the first run logged steps 0-7; its checkpoint is of step 5
+        run.append_metrics(_step(step, "first"))
+    run.checkpoint_path.write_bytes(b"checkpoint of step 5")
+    earlier = run.metrics_path.read_bytes()
+    launch._stage_in()
+    assert (inside / "checkpoint.pt").read_bytes() == b"checkpoint of step 5" and not (inside / "metrics.csv").exists()
+    launch._stage_out()  # stopped before its first step: the earlier rows stay as they were
+    assert run.metrics_path.read_bytes() == earlier
+    got: list[dict] = []
+    seen = launch._relay(-1, got.append)
+    service = RunDir(inside)  # as train/loop.py writes it on a resume from step 5
+    service.truncate_metrics(5)
+    for step in range(5, 10):
+        seen = launch._relay(seen, got.append)
+        service.append_metrics(_step(step, "now"))
+    launch._relay(seen, got.append)
+    assert [(r["step"], r["holder"]) for r in got] == [(s, "now") for s in range(5, 10)]
+    launch._stage_out()
+    assert [(int(r["step"]), r["holder"]) for r in run.read_metrics()] == \
+        [(s, "first") for s in range(5)] + [(s, "now") for s in range(5, 10)]
 
 
 def test_a_copied_shard_keeps_its_tokenizer_record(tmp_path: Path, monkeypatch) -> None:

@@ -7,11 +7,14 @@ a child process of this launcher, which owns them from start to end and leaves n
 
 What the demo keeps, and how:
 - **The run directory.** The orchestrator's service writes its own (`[job] run_dir`, its
-  account's). It is filled from the user's run directory first (a checkpoint to resume, the
-  metrics so far) and copied back at the end, whatever the end: a crashed run leaves its
-  checkpoint where `--resume` looks for it. The signed travel log and the certificate that
-  verifies it are copied beside it.
-- **The live view.** Every step's row of the service's `metrics.csv` becomes a StepEvent.
+  account's). It is filled from the user's run directory first (a checkpoint to resume) and
+  copied back at the end, whatever the end: a crashed run leaves its checkpoint where
+  `--resume` looks for it. The signed travel log and the certificate that verifies it are
+  copied beside it.
+- **The live view.** Every step's row of the service's `metrics.csv` becomes a StepEvent. That
+  file holds only the steps this launch trains: a resumed run's earlier rows are not staged in
+  (they were shown when they were trained), so each step trained now is shown once, in order;
+  they are joined back in front of the new rows when the run directory is copied back.
 - **Data.** Each holder's service reads its data by path, under its own account: data other
   accounts cannot reach is copied into the cohort directory first, into a directory that is
   that holder's account's alone (0700).
@@ -25,21 +28,19 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gputravel.cohort import isolation
+from gputravel.cohort import isolation, stopping
 from gputravel.data.tokenizer import RECORD_NAME
-from gputravel.errors import PeerTimeout, RemoteError, Terminated
-from gputravel.files import copy_plain, read_plain
+from gputravel.errors import PeerTimeout, RemoteError
+from gputravel.files import atomic_write_bytes, copy_plain, open_plain, read_plain
 from gputravel.service.init import init_cohort
 
 __all__ = ["ServiceLaunch", "StepRow"]
@@ -49,12 +50,12 @@ BOOT_TIMEOUT_S = 120.0  # every service up, the orchestrator's holders joined
 STOP_GRACE_S = 20.0  # a stopping service finishes its step or its goodbye within this
 POLL_S = 0.05
 MAX_METRICS_READ = 4 << 20  # of metrics.csv a poll reads at most (the rest, the next poll)
+MAX_METRICS_JOIN = 256 << 20  # a metrics.csv larger than any run of ours writes is not joined
 MAX_REPORT_BYTES = 64 << 20
 MAX_COPY_BYTES = 16 << 30  # a run directory file larger than any checkpoint of ours is not copied back
 # What the orchestrator's run directory gives back to the user's (train/rundir.py), no more.
 RUN_FILES = ("checkpoint.pt", "metrics.csv", "report.json", "loss.png", "sample.txt")
 PREFIX = "gputravel-services-"
-LAUNCHER_PID = "launcher.pid"
 # A step's row in metrics.csv (train/loop.StepEvent): the type of each column.
 STEP_COLUMNS: Mapping[str, type] = {"step": int, "loss": float, "tokens_per_s": float, "holder": str, "travels": int,
                                     "stall_share": float, "elapsed_s": float}
@@ -80,13 +81,14 @@ class ServiceLaunch:
         self.dir: Path | None = None
         self.services: list[_Service] = []
         self._metrics_at, self._metrics_head = 0, ""  # how far metrics.csv was read, its header
+        self._metrics_id: tuple[int, int] | None = None  # which file that was (device, inode)
         self._observed: dict | None = None
         self._orchestrator: dict | None = None  # its config, read once: the run loop polls paths in it
-        self._old_term = None
+        self._undo_term: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> ServiceLaunch:
-        self._old_term = _catch_term()
+        self._undo_term = stopping.catch_term("the cohort's services were stopped")
         with contextlib.ExitStack() as undo:  # a start that fails stops what it started
             undo.callback(self.close)
             self.start()
@@ -113,9 +115,9 @@ class ServiceLaunch:
     def start(self) -> None:
         """Init, stage the data and the run directory in, start host, GPU and holders (each
         probes the GPU in turn: paper 4.1, the boot lock keeps the order), then the orchestrator."""
-        _sweep(self.workdir)  # what a launcher killed outright left: its keys among it
+        stopping.sweep(self.workdir, PREFIX)  # what a launcher killed outright left: its keys among it
         self.dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=self.workdir))
-        (self.dir / LAUNCHER_PID).write_text(f"{os.getpid()}\n")
+        stopping.claim(self.dir)
         if isolation.decide(None)[0]:
             os.chmod(self.dir, 0o711)  # each party's account reaches its own files by path
         holders = [(name, self._reachable(name, path)) for name, path in self.holders]
@@ -133,24 +135,20 @@ class ServiceLaunch:
         """Stop every service (the orchestrator first: it checkpoints where it is), copy the
         run directory back, delete the cohort directory. Never raises; a second Ctrl-C or a
         SIGTERM while it runs does not cut it short."""
-        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} \
-            if threading.current_thread() is threading.main_thread() else {}
-        try:
-            for service in reversed(self.services):
-                _stop(service.proc)
-            if self.dir is not None and (self.cohort / "orchestrator.toml").exists():
-                self._stage_out()
-        except Exception as exc:  # noqa: BLE001 - the copy back is best effort, said; the deletion is not
-            print(f"gputravel: the run directory was not copied back: {type(exc).__name__}: {exc}", file=sys.stderr)
-        finally:
-            if self.dir is not None:
-                _delete(self.dir)
-            self.dir, self.services, self._orchestrator = None, [], None
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-            if self._old_term is not None:
-                signal.signal(signal.SIGTERM, self._old_term)
-                self._old_term = None
+        with stopping.uninterrupted():
+            try:
+                for service in reversed(self.services):
+                    _stop(service.proc)
+                if self.dir is not None and (self.cohort / "orchestrator.toml").exists():
+                    self._stage_out()
+            except Exception as exc:  # noqa: BLE001 - the copy back is best effort, said; the deletion is not
+                print(f"gputravel: the run directory was not copied back: {type(exc).__name__}: {exc}", file=sys.stderr)
+            finally:
+                if self.dir is not None:
+                    _delete(self.dir)
+                self.dir, self.services, self._orchestrator = None, [], None
+        self._undo_term()
+        self._undo_term = lambda: None
 
     # ------------------------------------------------------------------ the job
     def train(self, on_step: Callable[[StepRow], None] | None = None, timeout: float = 24 * 3600.0) -> dict:
@@ -196,7 +194,12 @@ class ServiceLaunch:
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, *SERVE, role, "--config", str(self.cohort / f"{party}.toml")],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=isolation.die_with_parent)  # a launcher killed outright takes them along
+                                    preexec_fn=isolation.die_with_parent,  # a launcher killed outright takes them along
+                                    # Out of the launcher's process group: Ctrl-C, or a `timeout`
+                                    # signalling the group, reaches the launcher alone, which stops
+                                    # the services in order (the orchestrator checkpoints at its
+                                    # step before the holders leave), not all at once.
+                                    start_new_session=True)
         self.services.append(_Service(party, proc, log))
 
     def _service(self, party: str) -> _Service:
@@ -219,24 +222,21 @@ class ServiceLaunch:
 
     def _relay(self, seen: int, on_step: Callable[[StepRow], None] | None) -> int:
         """Every metrics.csv row after step `seen`, in order; the last step relayed. Only what
-        was appended since the last call is read (the file is rewritten on a resume: then from
-        its start again)."""
+        was appended since the last call is read, and only whole rows (a row being written:
+        the next call). A step already relayed is never relayed again."""
         try:
-            new = read_plain(self.service_run_dir / "metrics.csv", MAX_METRICS_READ, self._metrics_at)
+            new = self._read_metrics()
         except OSError:
             return seen
-        if not new and self._metrics_at:
-            with contextlib.suppress(OSError):  # shorter than where we were: rewritten
-                if os.stat(self.service_run_dir / "metrics.csv").st_size < self._metrics_at:
-                    self._metrics_at, self._metrics_head = 0, ""
-            return seen
-        complete = new[: new.rfind(b"\n") + 1].decode(errors="replace")  # a row being written: next time
-        self._metrics_at += len(complete.encode())
-        if not self._metrics_head and complete:
-            self._metrics_head, complete = complete.split("\n", 1)[0] + "\n", complete.split("\n", 1)[1]
+        complete = new[: new.rfind(b"\n") + 1]
+        self._metrics_at += len(complete)  # bytes, as read: an undecodable byte changes no offset
+        text = complete.decode(errors="replace")
+        if not self._metrics_head and text:
+            head, _, text = text.partition("\n")
+            self._metrics_head = head + "\n"
         if seen >= 0 and self._observed is None:
             self._observed = self._observe()  # the parties are all up once a step was trained
-        for row in csv.DictReader(io.StringIO(self._metrics_head + complete)):
+        for row in csv.DictReader(io.StringIO(self._metrics_head + text)):
             try:
                 typed = {k: cast(row[k]) for k, cast in STEP_COLUMNS.items()}
             except (KeyError, TypeError, ValueError):
@@ -246,6 +246,17 @@ class ServiceLaunch:
                 if on_step is not None:
                     on_step(typed)
         return seen
+
+    def _read_metrics(self) -> bytes:
+        """What the service's metrics.csv gained since the last read. A file rewritten whole (a
+        new file in its place, or one shorter than what was read of it) is read from its start,
+        never from an offset into other bytes."""
+        with os.fdopen(open_plain(self.service_run_dir / "metrics.csv"), "rb") as f:
+            st = os.fstat(f.fileno())
+            if (st.st_dev, st.st_ino) != self._metrics_id or st.st_size < self._metrics_at:
+                self._metrics_id, self._metrics_at, self._metrics_head = (st.st_dev, st.st_ino), 0, ""
+            f.seek(self._metrics_at)
+            return f.read(MAX_METRICS_READ)
 
     def _observe(self) -> dict:
         """Each party process the services started (`gputravel.cohort.entry ROLE`), as /proc
@@ -299,14 +310,15 @@ class ServiceLaunch:
                 isolation.give(copy, uid, 0o700)
 
     def _stage_in(self) -> None:
-        """The user's run directory into the service's, before it starts: its metrics, and its
-        checkpoint when resuming (the service resumes whenever it finds one). Never an old
-        report, which could be taken for this run's."""
+        """The user's run directory into the service's, before it starts: its checkpoint when
+        resuming (the service resumes whenever it finds one). Never an old report, which could
+        be taken for this run's, nor old metrics: the service's metrics.csv holds the steps
+        trained now, which the live view relays; the earlier rows are joined back at the end."""
         inside = self.service_run_dir
         inside.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.csv", *(("checkpoint.pt",) if self.resume else ())):
+        if self.resume:
             with contextlib.suppress(FileNotFoundError):
-                copy_plain(self.run_dir / name, inside / name)
+                copy_plain(self.run_dir / "checkpoint.pt", inside / "checkpoint.pt")
 
     def _stage_out(self) -> None:
         """The service's run directory back to the user's, with the signed travel log and the
@@ -318,35 +330,50 @@ class ServiceLaunch:
         copies += [(state / "audit.log", self.audit_log), (self.cohort / "public" / "orchestrator.pem", self.certificate)]
         for src, dest in copies:
             try:
-                copy_plain(src, dest, MAX_COPY_BYTES)
+                if src.name == "metrics.csv" and self.resume and dest.exists():
+                    _join_metrics(dest, src)
+                else:
+                    copy_plain(src, dest, MAX_COPY_BYTES)
             except FileNotFoundError:
                 continue  # the run never made it
             except OSError as exc:  # too big, not a plain file (a link, a FIFO), or no room: not copied, said
                 print(f"gputravel: {src.name} was not copied back to {dest}: {exc}", file=sys.stderr)
 
 
-def _catch_term():
-    """While the launch is open, SIGTERM (a `timeout`, a `kill`) unwinds it like Ctrl-C, so
-    every service is stopped and the cohort directory deleted; the handler it replaced."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
+def _join_metrics(dest: Path, new: Path) -> None:
+    """A resumed run's metrics.csv: the rows of the run it resumed before the first step it
+    trained (it trained that one and the later ones again), then its own. With no row of its
+    own (it stopped before its first step) the earlier file stays as it was."""
+    before, now = (_metric_rows(read_plain(p, MAX_METRICS_JOIN + 1)) for p in (dest, new))
+    (old_head, old_rows), (head, rows) = before, now
+    if not rows:
+        return
+    if old_rows and sorted(old_head) != sorted(head):
+        print(f"gputravel: the rows of {dest} before this run were not kept: their columns {old_head} "
+              f"are not this run's {head}", file=sys.stderr)
+        old_rows = []
+    first = rows[0][0]
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=head, lineterminator="\n", restval="", extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(row for step, row in old_rows if step < first)
+    writer.writerows(row for _, row in rows)
+    atomic_write_bytes(dest, out.getvalue().encode())
 
-    def term(signum, frame):
-        raise Terminated("stopped by SIGTERM; the cohort's services were stopped")
 
-    return signal.signal(signal.SIGTERM, term)
-
-
-def _sweep(workdir: str | None) -> None:
-    """Delete the cohort directories of launchers that are gone (killed outright: nothing of
-    theirs ran to delete them), with the state and keys in them."""
-    for d in Path(workdir or tempfile.gettempdir()).glob(PREFIX + "*"):
-        with contextlib.suppress(OSError, ValueError):
-            if d.stat().st_uid != os.geteuid():
-                continue
-            pid = int(read_plain(d / LAUNCHER_PID, 32))
-            if not Path(f"/proc/{pid}").exists():
-                shutil.rmtree(d, ignore_errors=True)
+def _metric_rows(data: bytes) -> tuple[list[str], list[tuple[int, dict]]]:
+    """A metrics.csv's header and its rows with their steps (a row with no step is left out)."""
+    if len(data) > MAX_METRICS_JOIN:
+        raise OSError(f"a metrics.csv over {MAX_METRICS_JOIN} bytes")
+    reader = csv.DictReader(io.StringIO(data.decode(errors="replace")))
+    rows = []
+    try:
+        for row in reader:
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                rows.append((int(row["step"]), row))
+    except csv.Error as exc:  # said as a file not copied back, as the others
+        raise OSError(f"not a CSV file: {exc}") from None
+    return list(reader.fieldnames or []), rows
 
 
 def _delete(d: Path, wait: float = 5.0) -> None:
@@ -388,8 +415,10 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _tail(log: Path, lines: int = 12) -> str:
+    """The last lines of a service's log, to go after a message; what kept them from it when
+    there are none (a failure is never reported with nothing after it unsaid)."""
     try:
         text = log.read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return ""
-    return "\n  " + "\n  ".join(text) if text else ""
+    except OSError as exc:
+        return f"\n  (its log {log} could not be read: {exc.strerror or exc})"
+    return "\n  " + "\n  ".join(text) if text else f"\n  (its log {log} is empty)"
