@@ -255,6 +255,30 @@ def test_a_supervisor_stopped_by_any_signal_leaves_no_party_and_no_key(datasets,
     assert _all_gone(pids) and not directory.exists() and not list(tmpdir.glob("gputravel-*"))
 
 
+def test_the_sweep_deletes_only_directories_of_launchers_that_are_gone(tmp_path: Path) -> None:
+    """Only a real directory of this user, claimed by a pid that no longer exists: never one
+    whose launcher lives, one claimed by nobody, nor what a link points to."""
+    import subprocess
+    import sys
+
+    from gputravel.cohort import stopping
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    for name, pid in (("gputravel-dead", dead), ("gputravel-live", os.getpid())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "launcher.pid").write_text(f"{pid}\n")
+    (tmp_path / "gputravel-unclaimed").mkdir()
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "launcher.pid").write_text(f"{dead}\n")
+    (tmp_path / "gputravel-link").symlink_to(target)
+    stopping.sweep(str(tmp_path), "gputravel-")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["elsewhere", "gputravel-link", "gputravel-live", "gputravel-unclaimed"]
+    assert (target / "launcher.pid").exists()
+
+
 def test_sigterm_and_sighup_unwind_a_launcher_and_its_teardown_is_not_cut_short() -> None:
     """cohort/stopping.py in-process: while a launcher runs, SIGTERM and SIGHUP raise
     Terminated; a handler someone else set is left alone; the teardown ignores both."""

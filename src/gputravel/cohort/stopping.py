@@ -21,6 +21,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -79,10 +80,12 @@ def claim(directory: Path) -> None:
 def sweep(workdir: str | None, prefix: str) -> None:
     """Delete the directories (named `prefix`*) of launchers that are gone: killed outright,
     nothing of theirs ran to delete them, with the keys in them. Only directories of this
-    user, claimed by a process that no longer exists."""
+    user, claimed by a process that no longer exists; never what a link points to (another
+    user's link in /tmp to a directory of ours)."""
     for d in Path(workdir or tempfile.gettempdir()).glob(prefix + "*"):
         with contextlib.suppress(OSError, ValueError):
-            if d.stat().st_uid != os.geteuid():
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
                 continue
             pid = int(read_plain(d / LAUNCHER_PID, 32))
             if not Path(f"/proc/{pid}").exists():
