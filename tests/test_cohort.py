@@ -255,28 +255,62 @@ def test_a_supervisor_stopped_by_any_signal_leaves_no_party_and_no_key(datasets,
     assert _all_gone(pids) and not directory.exists() and not list(tmpdir.glob("gputravel-*"))
 
 
+def test_a_launcher_closed_off_the_main_thread_leaves_signals_as_they_were() -> None:
+    """A rank's thread may close the cohorts (cohort/gpus.py): the main thread's handler can
+    only be reset there, so until then it acts as the default would, and a SIGTERM after the
+    close ends the process (hostile review of session 24: it raised Terminated for ever)."""
+    import subprocess
+    import sys
+
+    script = ("import os, signal, threading; from gputravel.cohort import stopping\n"
+              "undo = stopping.catch_term('the cohort was stopped')\n"
+              "t = threading.Thread(target=undo); t.start(); t.join()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "signal.sigtimedwait([], 1)\n"
+              "print('survived')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -15 and "survived" not in done.stdout and "Terminated" not in done.stderr
+
+
 def test_the_sweep_deletes_only_directories_of_launchers_that_are_gone(tmp_path: Path) -> None:
-    """Only a real directory of this user, claimed by a pid that no longer exists: never one
-    whose launcher lives, one claimed by nobody, nor what a link points to."""
+    """A directory is swept only when no live launcher holds its lock: a launcher that exited
+    let go of it (whatever became of its pid), one alive (in any pid namespace) did not.
+    Never one claimed by nobody, nor what a link points to. A party's tree deeper than
+    Python's recursion limit goes too, keys first (hostile review of session 24: rmtree raised
+    RecursionError, leaving the keys and breaking every later sweep)."""
     import subprocess
     import sys
 
     from gputravel.cohort import stopping
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = int(gone.stdout)
-    for name, pid in (("gputravel-dead", dead), ("gputravel-live", os.getpid())):
+    claim = "import sys, time; from pathlib import Path; from gputravel.cohort import stopping; " \
+            "stopping.claim(Path(sys.argv[1])); print('claimed', flush=True); time.sleep(float(sys.argv[2]))"
+    for name in ("gputravel-dead", "gputravel-live", "gputravel-unclaimed"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "launcher.pid").write_text(f"{pid}\n")
-    (tmp_path / "gputravel-unclaimed").mkdir()
-    target = tmp_path / "elsewhere"
-    target.mkdir()
-    (target / "launcher.pid").write_text(f"{dead}\n")
-    (tmp_path / "gputravel-link").symlink_to(target)
-    stopping.sweep(str(tmp_path), "gputravel-")
-    left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == ["elsewhere", "gputravel-link", "gputravel-live", "gputravel-unclaimed"]
-    assert (target / "launcher.pid").exists()
+    subprocess.run([sys.executable, "-c", claim, str(tmp_path / "gputravel-dead"), "0"], check=True, capture_output=True)
+    live = subprocess.Popen([sys.executable, "-c", claim, str(tmp_path / "gputravel-live"), "60"], stdout=subprocess.PIPE)
+    try:
+        assert live.stdout.readline() == b"claimed\n"
+        (tmp_path / "gputravel-dead" / "parties").mkdir()
+        fd = os.open(tmp_path / "gputravel-dead" / "parties", os.O_RDONLY)
+        for _ in range(1200):  # deeper than Python's recursion limit, as a party may nest its own
+            os.mkdir("d", dir_fd=fd)
+            fd, up = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+            os.close(up)
+        os.close(fd)
+        (tmp_path / "gputravel-dead" / "pki").mkdir()
+        (tmp_path / "gputravel-dead" / "pki" / "h1.key").write_text("a key")
+        target = tmp_path / "elsewhere"
+        target.mkdir()
+        (tmp_path / "gputravel-link").symlink_to(target)
+        stopping.sweep(str(tmp_path), "gputravel-")
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == ["elsewhere", "gputravel-link", "gputravel-live", "gputravel-unclaimed"]
+    finally:
+        live.kill()
+        live.wait()
+    stopping.sweep(str(tmp_path), "gputravel-")  # its launcher is gone now
+    assert not (tmp_path / "gputravel-live").exists()
 
 
 def test_sigterm_and_sighup_unwind_a_launcher_and_its_teardown_is_not_cut_short() -> None:
@@ -293,7 +327,7 @@ def test_sigterm_and_sighup_unwind_a_launcher_and_its_teardown_is_not_cut_short(
             with pytest.raises(Terminated, match=f"stopped by {sig.name}; the cohort was stopped"):
                 os.kill(os.getpid(), sig)
                 signal.sigtimedwait([], 0.1)  # the handler runs at the next bytecode: wait for it here
-        assert stopping.catch_term("an inner launcher")() is None  # leaves the outer handler
+        stopping.catch_term("an inner launcher")()  # opened and closed while the outer one runs
         with pytest.raises(Terminated):
             os.kill(os.getpid(), signal.SIGTERM)
             signal.sigtimedwait([], 0.1)

@@ -180,6 +180,34 @@ def test_a_resumed_run_shows_each_step_it_trains_once_and_keeps_the_earlier_rows
         [(s, "first") for s in range(5)] + [(s, "now") for s in range(5, 10)]
 
 
+def test_an_earlier_metrics_file_that_cannot_be_joined_is_set_aside_and_the_new_rows_kept(tmp_path: Path,
+                                                                                          capsys) -> None:
+    """The earlier metrics.csv is the user's and may be anything: it is read a line at a time
+    (a 64 KiB piece at most), a long line never passes as a row, and one of other columns is
+    moved to metrics.csv.before, said, with this run's rows kept (hostile review of session
+    24: a crafted file was parsed whole, could exhaust memory, or lost the new rows)."""
+    from gputravel.train.rundir import RunDir
+
+    launch, inside = _service_run_dir(tmp_path, resume=True)
+    run, service = RunDir(tmp_path / "run"), RunDir(inside)
+    for step in range(3):
+        run.append_metrics(_step(step, "first"))
+    head = run.metrics_path.read_bytes().split(b"\n", 1)[0]
+    long_row = b"1," + b"x" * ((1 << 16) - 2) + b"0,injected\n"  # one line; its second piece looks like a row
+    run.metrics_path.write_bytes(run.metrics_path.read_bytes() + long_row)
+    for step in range(2, 4):
+        service.append_metrics(_step(step, "now"))
+    launch._stage_out()
+    rows = run.metrics_path.read_bytes().splitlines()
+    assert rows[0] == head and [r.split(b",")[0] for r in rows[1:]] == [b"0", b"1", b"2", b"3"]
+    assert b"injected" not in run.metrics_path.read_bytes()
+    run.metrics_path.write_bytes(b"step,other,columns\n0,1,2\n")
+    launch._stage_out()
+    assert (tmp_path / "run" / "metrics.csv.before").read_bytes() == b"step,other,columns\n0,1,2\n"
+    assert [int(r["step"]) for r in run.read_metrics()] == [2, 3]
+    assert "metrics.csv.before" in capsys.readouterr().err
+
+
 def test_a_copied_shard_keeps_its_tokenizer_record(tmp_path: Path, monkeypatch) -> None:
     """A single-shard dataset in a closed directory is copied for its holder with the
     tokenizer record beside it (data/tokenizer.py RECORD_NAME), as Placement.dataset hands both."""

@@ -18,7 +18,7 @@ from typing import Protocol
 from gputravel import errors
 from gputravel.cohort.config import CohortConfig
 from gputravel.attest.material import attestation_error_from
-from gputravel.errors import GputravelError, PeerTimeout, ProtocolError, RemoteError, TransportClosed
+from gputravel.errors import GputravelError, PeerTimeout, ProtocolError, RemoteError, Terminated, TransportClosed
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.control import (
     AwaitDeparture,
@@ -112,6 +112,8 @@ class CohortClient:
                     sel.unregister(key.fd)
                     try:
                         msg = self.parties.control(name).recv(timeout=1).message
+                    except Terminated:
+                        raise  # the launcher is being stopped (cohort/stopping.py): never swallowed
                     except GputravelError:
                         continue
                     if isinstance(msg, Failed):

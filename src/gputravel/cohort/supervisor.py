@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -371,8 +370,10 @@ class Supervisor:
         self._ca = None  # nobody is certified any more
         if self.placement is not None:
             self.placement.close()  # lent outputs go back to their owners
-        if self.dir is not None and self.config.workdir is None:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir is not None:
+            if self.config.workdir is None:  # a directory given is the caller's to keep
+                stopping.remove_tree(self.dir)
+            stopping.release(self.dir)  # not deleted: then the next sweep may
 
     def _close_links(self) -> None:
         """Delete the namespaces once every process inside has been reaped."""

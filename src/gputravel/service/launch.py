@@ -40,7 +40,7 @@ from pathlib import Path
 from gputravel.cohort import isolation, stopping
 from gputravel.data.tokenizer import RECORD_NAME
 from gputravel.errors import PeerTimeout, RemoteError
-from gputravel.files import atomic_write_bytes, copy_plain, open_plain, read_plain
+from gputravel.files import atomic_write, copy_plain, open_plain, read_plain
 from gputravel.service.init import init_cohort
 
 __all__ = ["ServiceLaunch", "StepRow"]
@@ -50,7 +50,7 @@ BOOT_TIMEOUT_S = 120.0  # every service up, the orchestrator's holders joined
 STOP_GRACE_S = 20.0  # a stopping service finishes its step or its goodbye within this
 POLL_S = 0.05
 MAX_METRICS_READ = 4 << 20  # of metrics.csv a poll reads at most (the rest, the next poll)
-MAX_METRICS_JOIN = 256 << 20  # a metrics.csv larger than any run of ours writes is not joined
+MAX_METRICS_LINE = 1 << 16  # of one metrics.csv row: a longer line is read in pieces, none of them a row
 MAX_REPORT_BYTES = 64 << 20
 MAX_COPY_BYTES = 16 << 30  # a run directory file larger than any checkpoint of ours is not copied back
 # What the orchestrator's run directory gives back to the user's (train/rundir.py), no more.
@@ -343,37 +343,53 @@ class ServiceLaunch:
 def _join_metrics(dest: Path, new: Path) -> None:
     """A resumed run's metrics.csv: the rows of the run it resumed before the first step it
     trained (it trained that one and the later ones again), then its own. With no row of its
-    own (it stopped before its first step) the earlier file stays as it was."""
-    before, now = (_metric_rows(read_plain(p, MAX_METRICS_JOIN + 1)) for p in (dest, new))
-    (old_head, old_rows), (head, rows) = before, now
-    if not rows:
-        return
-    if old_rows and sorted(old_head) != sorted(head):
-        print(f"gputravel: the rows of {dest} before this run were not kept: their columns {old_head} "
-              f"are not this run's {head}", file=sys.stderr)
-        old_rows = []
-    first = rows[0][0]
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=head, lineterminator="\n", restval="", extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(row for step, row in old_rows if step < first)
-    writer.writerows(row for _, row in rows)
-    atomic_write_bytes(dest, out.getvalue().encode())
+    own (it stopped before its first step) the earlier file stays as it was. Line by line, as
+    bytes: the earlier file is the user's (or a party's) and may be any size or shape, so it
+    is never parsed whole. One that cannot be joined (another header, not a plain file,
+    unreadable) is moved aside to metrics.csv.before, said, and this run's rows are kept."""
+    with os.fdopen(open_plain(new), "rb") as fresh:
+        head, first = fresh.readline(MAX_METRICS_LINE), fresh.readline(MAX_METRICS_LINE)
+        step = _step_of(first)
+        if step is None:
+            return  # no row of its own
+        try:
+            old = os.fdopen(open_plain(dest), "rb")
+        except OSError as exc:
+            return _set_aside(dest, new, f"it is not a plain file ({exc.strerror or exc})")
+        with old:
+            if old.readline(MAX_METRICS_LINE) != head:
+                return _set_aside(dest, new, "its columns are not this run's")
+
+            def write(out) -> None:
+                out.write(head)
+                whole = True  # the piece read starts a line (a longer one comes in pieces)
+                for piece in iter(lambda: old.readline(MAX_METRICS_LINE), b""):
+                    starts, whole = whole, piece.endswith(b"\n")
+                    seen = _step_of(piece) if starts and whole else None
+                    if seen is not None and seen < step:
+                        out.write(piece)
+                out.write(first)
+                shutil.copyfileobj(fresh, out)
+
+            atomic_write(dest, write)
 
 
-def _metric_rows(data: bytes) -> tuple[list[str], list[tuple[int, dict]]]:
-    """A metrics.csv's header and its rows with their steps (a row with no step is left out)."""
-    if len(data) > MAX_METRICS_JOIN:
-        raise OSError(f"a metrics.csv over {MAX_METRICS_JOIN} bytes")
-    reader = csv.DictReader(io.StringIO(data.decode(errors="replace")))
-    rows = []
+def _step_of(row: bytes) -> int | None:
+    """The step a metrics.csv row is of (its first column), or None for anything else."""
     try:
-        for row in reader:
-            with contextlib.suppress(KeyError, TypeError, ValueError):
-                rows.append((int(row["step"]), row))
-    except csv.Error as exc:  # said as a file not copied back, as the others
-        raise OSError(f"not a CSV file: {exc}") from None
-    return list(reader.fieldnames or []), rows
+        return int(row.split(b",", 1)[0])
+    except ValueError:
+        return None
+
+
+def _set_aside(dest: Path, new: Path, why: str) -> None:
+    """The earlier metrics.csv, which cannot be joined, to metrics.csv.before; this run's in
+    its place. Said on stderr."""
+    aside = dest.with_name(dest.name + ".before")
+    os.replace(dest, aside)
+    copy_plain(new, dest, MAX_COPY_BYTES)
+    print(f"gputravel: the earlier {dest.name} was not joined with this run's ({why}); it is now {aside}",
+          file=sys.stderr)
 
 
 def _delete(d: Path, wait: float = 5.0) -> None:
@@ -382,14 +398,12 @@ def _delete(d: Path, wait: float = 5.0) -> None:
     write there while the tree goes, so delete until it is gone; what is left after `wait`
     is said on stderr (the next launch's sweep deletes it)."""
     deadline = time.monotonic() + wait
-    while True:
-        shutil.rmtree(d, ignore_errors=True)
-        if not d.exists():
-            return
+    while not stopping.remove_tree(d):
         if time.monotonic() > deadline:
             print(f"gputravel: could not delete all of {d}; the next launch deletes it", file=sys.stderr)
-            return
+            break
         time.sleep(0.05)
+    stopping.release(d)
 
 
 def _children(pid: int) -> list[int]:
