@@ -179,27 +179,38 @@ def test_a_rank_that_runs_another_measurement_is_refused_before_any_gradient_mov
     assert len(errors) == 2 and all(isinstance(e, PeerAttestationError) for e in errors), errors
 
 
-def test_ranks_told_different_jobs_refuse_each_other_and_each_is_held_to_its_share(tmp_path):
-    """The launcher says what each rank trains; the ranks bind the job (settings, checkpoint,
-    every rank's holders) into their pair keys, so ranks told different jobs stop before a
-    step. And a rank refuses a share that is not the holders it has."""
-    os.chmod(tmp_path, 0o755)
-    job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run"), gpus=2))
-    with GpuCohorts(_base(job), shares_of(job)) as gpus:
-        _, errors = _train_every_rank(gpus, job, configs=[job.train, replace(job.train, seed=job.train.seed + 1)])
-        assert len(errors) == 2 and all(isinstance(e, PeerAttestationError) for e in errors), errors
-        _, errors = _train_every_rank(gpus, job, shares=gpus.shares[::-1])
-        assert len(errors) == 2 and all(isinstance(e, BadInput) and "not its share" in str(e) for e in errors), errors
-
-
-def test_a_holder_killed_mid_copy_on_one_gpu_is_dropped_there_and_no_chunk_is_trained_on_twice(tmp_path):
-    os.chmod(tmp_path, 0o755)
-    job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run"), gpus=2))
+@pytest.fixture(scope="module")
+def cohorts_with_a_dying_holder(tmp_path_factory):
+    """One pair of GPU cohorts for the two tests below (booting them is most of each test's
+    cost): the job, its shares, the holder of GPU 1's share that dies in its first copy, the
+    cohorts. The refusals end before any travel, so the holder that dies is still unused for
+    the test that trains, whichever runs first."""
+    tmp = tmp_path_factory.mktemp("dying")
+    os.chmod(tmp, 0o755)
+    job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp), run_dir=str(tmp / "run"), gpus=2))
     shares = shares_of(job)
     dies = shares[1][0]
     with GpuCohorts(_base(job, dies), shares) as gpus:
-        reports, errors = _train_every_rank(gpus, job)
-        assert gpus.cohorts[1].children[dies].proc.wait(timeout=10) == 70  # it really died mid-copy
+        yield job, shares, dies, gpus
+
+
+def test_ranks_told_different_jobs_refuse_each_other_and_each_is_held_to_its_share(cohorts_with_a_dying_holder):
+    """The launcher says what each rank trains; the ranks bind the job (settings, checkpoint,
+    every rank's holders) into their pair keys, so ranks told different jobs stop before a
+    step. And a rank refuses a share that is not the holders it has."""
+    job, _, dies, gpus = cohorts_with_a_dying_holder
+    _, errors = _train_every_rank(gpus, job, configs=[job.train, replace(job.train, seed=job.train.seed + 1)])
+    assert len(errors) == 2 and all(isinstance(e, PeerAttestationError) for e in errors), errors
+    _, errors = _train_every_rank(gpus, job, shares=gpus.shares[::-1])
+    assert len(errors) == 2 and all(isinstance(e, BadInput) and "not its share" in str(e) for e in errors), errors
+
+
+def test_a_holder_killed_mid_copy_on_one_gpu_is_dropped_there_and_no_chunk_is_trained_on_twice(
+        cohorts_with_a_dying_holder):
+    job, shares, dies, gpus = cohorts_with_a_dying_holder
+    assert gpus.cohorts[1].children[dies].proc.poll() is None  # its first copy is this test's
+    reports, errors = _train_every_rank(gpus, job)
+    assert gpus.cohorts[1].children[dies].proc.wait(timeout=10) == 70  # it really died mid-copy
     assert not errors, errors
     assert all(len(r["losses"]) == TINY.steps for r in reports)  # both ranks trained every step
     assert reports[0]["holders_lost"] == [] and dies in " ".join(reports[1]["holders_lost"])

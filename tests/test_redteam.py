@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from gputravel.cli.app import app
 from gputravel.holder.cvm import DataHolder
 from gputravel.redteam.attacks import ATTACKS
+from gputravel.redteam import collusion_rows, run as redteam_run
 from gputravel.redteam.holder import MaliciousHolder
 from gputravel.cohort import isolation
 
@@ -117,10 +118,23 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+# The red team's waits at half their length for the suite: the device and holder timeouts, and
+# the host's forged-GPFIFO holds, which are set against the device timeout (scaled with it, so
+# each forged get still outlasts the rotation's tries and not the next scrub). Each dropped
+# push, scrub or rotation and each holder that never hands the GPU back costs one of them
+# (about half of the run's 70 s); a shorter wait changes no defence and no row's evidence, and
+# leaves an honest push or travel (milliseconds here) ample room.
+SUITE_WAITS = 0.5
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[int, str, dict]:
     out = tmp_path_factory.mktemp("redteam") / "redteam.json"
-    result = CliRunner().invoke(app, ["redteam", "--json", str(out)])
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("DEVICE_TIMEOUT", "HOLDER_TIMEOUT"):
+            mp.setattr(redteam_run, name, getattr(redteam_run, name) * SUITE_WAITS)
+        mp.setattr(collusion_rows, "FORGE_HOLD_S", {k: v * SUITE_WAITS for k, v in collusion_rows.FORGE_HOLD_S.items()})
+        result = CliRunner().invoke(app, ["redteam", "--json", str(out)])
     report = json.loads(out.read_text()) if out.exists() else {"attacks": []}
     return result.exit_code, result.output, report
 

@@ -22,6 +22,10 @@ from gputravel.train.ranks import Ranks
 TINY = TrainConfig(steps=8, batch=2, seq_len=16, buffer_bytes=1024, n_layer=1, n_head=2, n_embd=32,
                    threads=1, sample_tokens=0, warmup_steps=2, checkpoint_every=4)
 STOP_AT = 4  # the stopped run's last step: its checkpoint is the one resumed
+# The ranks this file starts itself are forks of a forkserver that imported torch once (as
+# conftest's run_ranks starts them), not fresh interpreters that each import it: seconds a
+# launch. Each rank is still a process of its own; how it started is not what these tests check.
+FORK = {"method": "forkserver", "preload": ["torch", "torch.distributed", "gputravel.ddp"], "grace": 5.0}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +87,7 @@ def _tampered_rank(rank: int, world: int, port: int, shares) -> str:
 def _run_test_job(shares, run_dir: Path, refuse: bool) -> None:
     port = free_port()
     run_processes([(_stopping_rank, (r, 2, port, shares, str(run_dir), refuse)) for r in range(2)], 60,
-                  names=["rank 0", "rank 1"])
+                  names=["rank 0", "rank 1"], **FORK)
 
 
 def test_two_local_ranks_give_bit_identical_losses_run_after_run(two_ranks):
@@ -160,7 +164,8 @@ def test_a_rank_that_refuses_its_peer_stops_the_job_before_any_step(two_ranks, t
 def test_a_tampered_gradient_record_stops_the_step_with_its_typed_error(two_ranks):
     _, shares, _ = two_ranks
     port = free_port()
-    seen = run_processes([(_tampered_rank, (r, 2, port, shares)) for r in range(2)], 60, names=["rank 0", "rank 1"])
+    seen = run_processes([(_tampered_rank, (r, 2, port, shares)) for r in range(2)], 60, names=["rank 0", "rank 1"],
+                         **FORK)
     # Rank 0 opened the tampered record; rank 1 then lost its peer mid-ring. Neither trained
     # on, and neither saw DDP's RuntimeError: the ring's own errors come through.
     assert seen[0] == "IntegrityError"
@@ -196,5 +201,5 @@ def test_wrapping_broadcasts_no_parameter():
     """DDP's start-up broadcast would send rank 0's weights over gloo in the clear: it is off,
     so two ranks that start from different weights still hold their own after wrapping."""
     port = free_port()
-    got = run_processes([(_wrapped_rank, (r, 2, port)) for r in range(2)], 60, names=["rank 0", "rank 1"])
+    got = run_processes([(_wrapped_rank, (r, 2, port)) for r in range(2)], 60, names=["rank 0", "rank 1"], **FORK)
     assert got[0] != got[1]
