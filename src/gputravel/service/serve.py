@@ -57,7 +57,7 @@ def serve_host(cfg: HostService, stop: Stopping) -> int:
     home = private_dir(Path(cfg.state_dir) / "home")
     own_state(Path(cfg.state_dir), cfg.uid)
     config = {"socket_path": cfg.socket, "hardware": cfg.hardware, "outlive_device": True}
-    child = PartyChild("host", config, uid=cfg.uid, home=home)
+    child = PartyChild("host", config, says_shutdown=False, hears_stop=False, uid=cfg.uid, home=home)
     try:
         child.ready(BOOT_TIMEOUT)
         log("host", "up", socket=cfg.socket)
@@ -80,7 +80,7 @@ def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
               "link_uid": cfg.orchestrator_uid}
     home = private_dir(state / "home")
     own_state(state, cfg.uid, root_only=("vendor",))  # the device never reads its vendor's CA
-    child = PartyChild("device", config, uid=cfg.uid, home=home)
+    child = PartyChild("device", config, says_shutdown=False, hears_stop=False, uid=cfg.uid, home=home)
     try:
         child.ready(BOOT_TIMEOUT, lambda msg: _certify_firmware(child, vendor, msg))
         log(name, "up", serial=cfg.serial, link=cfg.link_socket)
