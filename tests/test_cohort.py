@@ -255,6 +255,51 @@ def test_a_supervisor_stopped_by_any_signal_leaves_no_party_and_no_key(datasets,
     assert _all_gone(pids) and not directory.exists() and not list(tmpdir.glob("gputravel-*"))
 
 
+def test_a_signal_someone_else_handles_is_left_to_them_and_the_other_still_unwinds() -> None:
+    """Under `nohup` SIGHUP is ignored: it stays ignored, and SIGTERM still unwinds the
+    launcher (the review of session 24: both were left, and SIGTERM killed it outright)."""
+    import signal
+
+    from gputravel.cohort import stopping
+    from gputravel.errors import Terminated
+
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    undo = stopping.catch_term("the cohort was stopped")
+    try:
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        with pytest.raises(Terminated, match="stopped by SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0.1)
+    finally:
+        undo()
+        signal.signal(signal.SIGHUP, old)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_deletion_that_fails_keeps_the_lock_file_and_goes_keys_first(tmp_path: Path, monkeypatch) -> None:
+    """remove_tree deletes the keys first, and the lock file and the directory only once
+    nothing else is left: a deletion that fails leaves a directory the next sweep finds."""
+    from gputravel.cohort import stopping
+
+    d = tmp_path / "gputravel-x"
+    for sub in ("pki", "trust", "parties", "logs"):
+        (d / sub).mkdir(parents=True)
+    (d / "launcher.pid").write_text("1\n")
+    calls: list[list[str]] = []
+    real = stopping._rm
+
+    def failing_on_parties(where: Path, paths: list[str]) -> bool:
+        calls.append(sorted(Path(p).name for p in paths))
+        return real(where, paths) and not any(p.endswith("parties") for p in paths)
+
+    monkeypatch.setattr(stopping, "_rm", failing_on_parties)
+    assert not stopping.remove_tree(d)
+    assert calls == [["pki", "trust"], ["logs", "parties"]]
+    assert (d / "launcher.pid").exists() and not (d / "pki").exists()
+    monkeypatch.setattr(stopping, "_rm", real)
+    assert stopping.remove_tree(d) and not d.exists()
+
+
 def test_a_launcher_closed_off_the_main_thread_leaves_signals_as_they_were() -> None:
     """A rank's thread may close the cohorts (cohort/gpus.py): the main thread's handler can
     only be reset there, so until then it acts as the default would, and a SIGTERM after the

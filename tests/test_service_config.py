@@ -161,8 +161,7 @@ def test_init_refuses_a_directory_too_deep_for_its_sockets_and_leaves_nothing(tm
 
 
 @pytest.mark.parametrize("name, key", [("host.toml", "socket"), ("gpu-0.toml", "link_socket"),
-                                       ("orchestrator.toml", "gpu_link_socket"), ("holder-north.toml", "host_socket"),
-                                       ("holder-north.toml", "boot_lock")])
+                                       ("orchestrator.toml", "gpu_link_socket"), ("holder-north.toml", "host_socket")])
 def test_a_socket_path_longer_than_a_unix_socket_takes_is_refused_by_key(cohort: Path, tmp_path: Path, name: str,
                                                                        key: str) -> None:
     long = "/" + "s" * 107
@@ -170,6 +169,20 @@ def test_a_socket_path_longer_than_a_unix_socket_takes_is_refused_by_key(cohort:
     with pytest.raises(BadInput, match=f"{key}: expected a path of at most 107 bytes, a Unix socket's limit, "
                                        f"got 108 bytes"):
         load_service(bad)
+
+
+def test_a_holders_boot_lock_is_refused_when_the_gpu_socket_beside_it_would_not_fit(cohort: Path,
+                                                                                     tmp_path: Path) -> None:
+    """A holder reaches the GPU at the socket beside its boot lock (service/config.gpu_socket):
+    that path is the one checked, not the lock's own (the review of session 24: a 103-byte
+    lock with no suffix passed, its socket 108 bytes)."""
+    lock = "/" + "s" * 102
+    bad = _rewrite(cohort / "holder-north.toml", tmp_path / "h.toml", lambda d: d.update(boot_lock=lock))
+    with pytest.raises(BadInput, match="boot_lock: the GPU's socket beside it needs a path of at most 107 bytes, "
+                                       "a Unix socket's limit, got 108 bytes"):
+        load_service(bad)
+    fits = _rewrite(cohort / "holder-north.toml", tmp_path / "f.toml", lambda d: d.update(boot_lock=lock[:-1]))
+    assert load_service(fits).boot_lock == lock[:-1]
 
 
 def test_a_service_that_fails_says_why_in_its_log(cohort: Path, tmp_path: Path, capsys) -> None:

@@ -141,6 +141,12 @@ def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(tmp
                 assert time.monotonic() < deadline, "the demo's host and holders did not start within 60 s"
                 time.sleep(0.2)
             time.sleep(1)  # some services up
+            from gputravel.service.launch import _children
+
+            services = [p for p in _children(demo.pid)  # `gputravel serve ROLE` each
+                        if b"serve" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+            # In sessions of their own: a group's signal (Ctrl-C, `timeout`) reaches the launcher alone.
+            assert services and all(os.getsid(p) == p != os.getsid(demo.pid) for p in services)
             assert demo.poll() is None and b"error:" not in said.read_bytes(), \
                 f"the demo failed by itself before {sig!r}: {_tail(said)}"
             demo.send_signal(sig)

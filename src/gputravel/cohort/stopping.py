@@ -19,8 +19,9 @@ it can be stopped, and what each needs:
 
 Deleting (:func:`remove_tree`) goes through `rm`, which walks a tree of any depth without
 following links: a party can nest directories in its own deeper than Python's recursion
-limit, which `shutil.rmtree` of Python 3.11 does not survive. The keys go first and the lock
-file last, so a deletion cut short is still a directory the next sweep finds.
+limit, which `shutil.rmtree` of Python 3.11 does not survive. The keys go first, and the lock
+file only once nothing else is left, so a deletion that fails or is cut short leaves a
+directory the next sweep finds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -45,34 +47,38 @@ LAUNCHER_PID = "launcher.pid"  # in a launcher's directory: whose it is, locked 
 KEYS_FIRST = ("pki", "trust", "state")  # where the parties' keys and trust material lie
 _UNWINDING = (signal.SIGTERM, signal.SIGHUP)
 _RM_TIMEOUT_S = 120.0
+_RM = shutil.which("rm", path="/usr/bin:/bin") or "/bin/rm"  # never one a PATH entry put first
 
 # ----------------------------------------------------------------------------- signals
 _lock = threading.Lock()
-_catching = {"launchers": 0, "what": ""}  # launchers open in this process that unwind on a signal
+_whats: list[str] = []  # what each launcher open in this process says it stopped, the latest last
+_ours: set[signal.Signals] = set()  # the signals whose handler is _term
 
 
 def _term(signum: int, frame: object) -> None:
-    if not _catching["launchers"]:  # every launcher closed (one off the main thread): as if unset
+    if not _whats:  # every launcher closed (one off the main thread): as if unset
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
-    raise Terminated(f"stopped by {signal.Signals(signum).name}; {_catching['what']}")
+    raise Terminated(f"stopped by {signal.Signals(signum).name}; {_whats[-1]}")
 
 
 def catch_term(what: str) -> Callable[[], None]:
     """While a launcher runs, SIGTERM and SIGHUP raise Terminated(`what`) in the main thread,
     which unwinds it as Ctrl-C does. Returns what ends that for this launcher: once every
-    launcher that asked has ended it, the signals act as before. A handler someone else set
-    (the caller, an outer deployment) is left to them."""
+    launcher that asked has ended it, the signals act as before. Each signal is taken only if
+    it acts by default: one someone else handles or ignores (the caller, an outer deployment,
+    `nohup` for SIGHUP) is left to them, and the other is still taken."""
     with _lock:
-        main = threading.current_thread() is threading.main_thread()
-        ours = main and all(signal.getsignal(sig) in (signal.SIG_DFL, _term) for sig in _UNWINDING)
-        if not ours:
+        if threading.current_thread() is not threading.main_thread():
             return lambda: None
         for sig in _UNWINDING:
-            signal.signal(sig, _term)
-        _catching["launchers"] += 1
-        _catching["what"] = what
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, _term)
+                _ours.add(sig)
+        if not _ours:
+            return lambda: None
+        _whats.append(what)
     done = threading.Event()
 
     def undo() -> None:
@@ -80,10 +86,11 @@ def catch_term(what: str) -> Callable[[], None]:
             if done.is_set():
                 return
             done.set()
-            _catching["launchers"] -= 1
-            if not _catching["launchers"] and threading.current_thread() is threading.main_thread():
-                for sig in _UNWINDING:
+            del _whats[len(_whats) - 1 - _whats[::-1].index(what)]  # its text, the latest so said
+            if not _whats and threading.current_thread() is threading.main_thread():
+                for sig in _ours:
                     signal.signal(sig, signal.SIG_DFL)
+                _ours.clear()
 
     return undo
 
@@ -150,28 +157,41 @@ def sweep(workdir: str | None, prefix: str) -> None:
 
 
 def remove_tree(d: Path) -> bool:
-    """Delete `d` and everything in it, of any depth, following no link: the keys first, the
-    lock file last. Whether it is gone; what could not be deleted is said on stderr. Never
-    raises."""
+    """Delete `d` and everything in it, of any depth, following no link: the keys first, then
+    the rest, and the lock file and `d` itself only once nothing else is left, so a directory
+    not wholly deleted keeps what makes the next sweep find it. Whether it is gone; what could
+    not be deleted is said on stderr. Never raises."""
     try:
-        entries = sorted(os.listdir(d), key=lambda name: (name not in KEYS_FIRST, name == LAUNCHER_PID))
+        entries = os.listdir(d)
     except FileNotFoundError:
         return True
     except OSError as exc:
-        entries = []
         print(f"gputravel: could not list {d}: {exc.strerror or exc}", file=sys.stderr)
-    for batch in ([e for e in entries if e in KEYS_FIRST], [e for e in entries if e not in KEYS_FIRST], ["."]):
-        if not batch:
-            continue
-        # "--one-file-system": a mount a party made under its directory is not descended into.
-        argv = ["rm", "-rf", "--one-file-system", "--", *(str(d / e) for e in batch)] if batch != ["."] \
-            else ["rm", "-rf", "--one-file-system", "--", str(d)]
-        try:
-            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=_RM_TIMEOUT_S, check=False)
-        except (OSError, subprocess.SubprocessError) as exc:
-            print(f"gputravel: could not delete {d}: {exc}", file=sys.stderr)
+        return False
+    keys = [e for e in entries if e in KEYS_FIRST]
+    rest = [e for e in entries if e not in KEYS_FIRST and e != LAUNCHER_PID]
+    for batch in (keys, rest):
+        if batch and not _rm(d, [str(d / e) for e in batch]):
             return False
-        if done.returncode and batch == ["."]:
-            print(f"gputravel: could not delete all of {d}: {done.stderr.strip()[-500:]}", file=sys.stderr)
-    return not os.path.lexists(d)
+    try:
+        left = os.listdir(d)
+    except OSError:
+        left = ["?"]
+    if [e for e in left if e != LAUNCHER_PID]:
+        print(f"gputravel: could not delete all of {d}: {len(left)} entries are left", file=sys.stderr)
+        return False
+    return _rm(d, [str(d)]) and not os.path.lexists(d)
+
+
+def _rm(d: Path, paths: list[str]) -> bool:
+    # "--one-file-system": a mount a party made under its own directory is not descended into.
+    argv = [_RM, "-rf", "--one-file-system", "--", *paths]
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=_RM_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"gputravel: could not delete {d}: {exc}", file=sys.stderr)
+        return False
+    if done.returncode:
+        print(f"gputravel: could not delete all of {d}: {done.stderr.strip()[-500:]}", file=sys.stderr)
+    return done.returncode == 0

@@ -26,14 +26,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from gputravel.cohort import stopping
 from gputravel.cohort.isolation import die_with_parent
 from gputravel.cohort.links import CohortLinks
-from gputravel.errors import BadInput, RemoteError, Terminated
+from gputravel.errors import BadInput, RemoteError
 from gputravel.fl.bundle import CONNECTION, write_app, write_cli_config, write_tls
 from gputravel.net import LINK_NETNS, LinkError, netns_available
 from gputravel.net.counters import LinkBytes, link_bytes
@@ -59,11 +59,12 @@ class FlowerDeployment:
         self.dir = directory
         self.children: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, Path] = {}
-        self._old_term = None
+        self._undo_term: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> FlowerDeployment:
-        self._catch_term()
+        # SIGTERM and SIGHUP unwind it into close(), as Ctrl-C does (cohort/stopping.py).
+        self._undo_term = stopping.catch_term("the Flower deployment was taken down")
         try:
             self.start()
         except BaseException:
@@ -95,23 +96,26 @@ class FlowerDeployment:
         """Stop every process (TERM, then KILL after 5 s), then delete the namespaces, which
         kills what Flower started inside them; a namespace left behind raises LinkError. A
         second SIGTERM meanwhile is ignored, so it cannot cut the teardown short."""
-        if self._old_term is not None:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            for proc in self.children.values():
-                if proc.poll() is None:
-                    proc.terminate()
-            deadline = time.monotonic() + 5
-            for proc in self.children.values():
-                try:
-                    proc.wait(timeout=max(0.01, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            self.children.clear()
-            self.links.close()  # kills whatever Flower started that still runs inside
+            with stopping.uninterrupted():
+                self._stop_all()
         finally:
-            self._restore_term()
+            self._undo_term()
+            self._undo_term = lambda: None
+
+    def _stop_all(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 5
+        for proc in self.children.values():
+            try:
+                proc.wait(timeout=max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.children.clear()
+        self.links.close()  # kills whatever Flower started that still runs inside
 
     # ------------------------------------------------------------------ processes
     def _home(self, who: str) -> Path:
@@ -211,17 +215,3 @@ class FlowerDeployment:
             except (ProcessLookupError, ValueError):
                 pass
 
-    # ------------------------------------------------------------------ SIGTERM
-    def _catch_term(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # only the main thread may set handlers; its owner cleans up then
-
-        def term(signum, frame):
-            raise Terminated("stopped by SIGTERM; the Flower deployment was taken down")
-
-        self._old_term = signal.signal(signal.SIGTERM, term)
-
-    def _restore_term(self) -> None:
-        if self._old_term is not None:
-            signal.signal(signal.SIGTERM, self._old_term)
-            self._old_term = None

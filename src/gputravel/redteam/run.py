@@ -9,13 +9,13 @@ searched for the other holders' markers and samples.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gputravel.errors import GputravelError, RemoteError
+from gputravel.cohort import stopping
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.supervisor import SNOOP_FILE
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Attack, Verdict
@@ -79,7 +79,7 @@ def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (),
         run_dir, verdicts = _attack(tmp, chosen, on_result)
         return RedTeamReport(tuple(_judge(a, v, run_dir, needles, tmp) for a, v in zip(chosen, verdicts)))
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        stopping.remove_tree(tmp)  # whatever depth the hostile holder nested its own directory to
 
 
 def _config(tmp: Path) -> CohortConfig:

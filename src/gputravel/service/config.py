@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # train.loop imports torch: only job_train_config loads it
     from gputravel.train.loop import TrainConfig
 
 __all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
-           "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "job_train_config", "load_service",
-           "quoting_socket", "validate_service", "PARTIES", "MAX_SOCKET_PATH"]
+           "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "job_train_config",
+           "load_service", "quoting_socket", "validate_service", "PARTIES", "MAX_SOCKET_PATH"]
 
 PARTIES = ("host", "gpu", "orchestrator", "holder")
 NAME_PATTERN = r"^[a-z0-9-]{1,32}$"
@@ -65,6 +65,12 @@ def _fits_socket(value: str) -> str:
         raise ValueError(f"a path of at most {MAX_SOCKET_PATH} bytes, a Unix socket's limit, got {size} bytes: "
                          "choose a shorter directory for the cohort (the demo makes its own under $TMPDIR)")
     return value
+
+
+def gpu_socket(boot_lock: str) -> str:
+    """The GPU's private-link socket lies beside its boot lock (run/gpu-K.sock, run/gpu-K.lock):
+    a holder waits for it to answer (service/members.py)."""
+    return str(Path(boot_lock).with_suffix(".sock"))
 
 
 def quoting_socket(state_dir: str) -> str:
@@ -232,7 +238,7 @@ class HolderService(_Service):
     name: Name
     state_dir: AbsPath
     host_socket: SocketPath
-    boot_lock: SocketPath  # the GPU's socket lies beside it, as long (members._gpu_socket)
+    boot_lock: AbsPath  # the GPU's socket lies beside it (gpu_socket), checked below
     trust_dir: AbsPath
     public_dir: AbsPath
     data: AbsPath
@@ -250,6 +256,14 @@ class HolderService(_Service):
         if value == "orchestrator":
             raise ValueError("a member name other than 'orchestrator'")
         return value
+
+    @model_validator(mode="after")
+    def _gpu_socket_fits(self) -> HolderService:
+        try:
+            _fits_socket(gpu_socket(self.boot_lock))
+        except ValueError as exc:
+            raise ValueError(f"boot_lock: the GPU's socket beside it needs {exc}") from None
+        return self
 
 
 ServiceConfig = Union[HostService, GpuService, OrchestratorService, HolderService]

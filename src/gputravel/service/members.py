@@ -32,7 +32,7 @@ from gputravel.errors import BadInput, GputravelError, ProtocolError
 from gputravel.files import atomic_write_bytes, write_json
 from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, Shutdown,
                                         TrainDone, TrainStep, Train)
-from gputravel.service.config import HolderService, OrchestratorService, job_train_config, quoting_socket
+from gputravel.service.config import HolderService, OrchestratorService, gpu_socket, job_train_config, quoting_socket
 from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.party import (PartyChild, Stopping, log, own_state, private_dir, publish, unix_listening,
                                      wait_for, wait_for_sockets)
@@ -56,12 +56,6 @@ def _trust_dir(state: Path, trust: str, extra: dict[str, dict]) -> Path:
     return out
 
 
-def _gpu_socket(boot_lock: str) -> str:
-    """The GPU's private-link socket lies beside its boot lock (run/gpu-K.sock, run/gpu-K.lock):
-    it is up once that socket answers."""
-    return str(Path(boot_lock).with_suffix(".sock"))
-
-
 def _try_lock(path: str) -> int | None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # only the services (root) take it
     try:
@@ -79,7 +73,7 @@ def serve_holder(cfg: HolderService, stop: Stopping) -> int:
     CVM ends with that cohort; a new one boots and joins the orchestrator when it is back."""
     name = cfg.name
     state = private_dir(cfg.state_dir)
-    gpu = _gpu_socket(cfg.boot_lock)
+    gpu = gpu_socket(cfg.boot_lock)
     wait_for_sockets(name, {"the host": cfg.host_socket, "the GPU": gpu}, stop)
     policy = dataclasses.replace(cfg.policy.to_policy(""), gpu_reference_values=Path(REFERENCE_FILE))  # beside it
     trust = _trust_dir(state, cfg.trust_dir, {POLICY_FILE: policy.to_json()})
