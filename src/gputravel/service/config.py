@@ -67,6 +67,14 @@ def _fits_socket(value: str) -> str:
     return value
 
 
+def _fits_beside(key: str, what: str, socket_path: str) -> None:
+    """A socket a party makes beside the path at `key` must fit too; said by that key."""
+    try:
+        _fits_socket(socket_path)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {what} beside it needs {exc}") from None
+
+
 def gpu_socket(boot_lock: str) -> str:
     """The GPU's private-link socket lies beside its boot lock (run/gpu-K.sock, run/gpu-K.lock):
     a holder waits for it to answer (service/members.py)."""
@@ -219,10 +227,7 @@ class OrchestratorService(_Service):
 
     @model_validator(mode="after")
     def _quoting_socket_fits(self) -> OrchestratorService:
-        try:
-            _fits_socket(quoting_socket(self.state_dir))
-        except ValueError as exc:
-            raise ValueError(f"state_dir: its TDX module's socket beside it needs {exc}") from None
+        _fits_beside("state_dir", "its TDX module's socket", quoting_socket(self.state_dir))
         return self
 
     @model_validator(mode="after")
@@ -259,10 +264,7 @@ class HolderService(_Service):
 
     @model_validator(mode="after")
     def _gpu_socket_fits(self) -> HolderService:
-        try:
-            _fits_socket(gpu_socket(self.boot_lock))
-        except ValueError as exc:
-            raise ValueError(f"boot_lock: the GPU's socket beside it needs {exc}") from None
+        _fits_beside("boot_lock", "the GPU's socket", gpu_socket(self.boot_lock))
         return self
 
 
