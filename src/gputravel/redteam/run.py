@@ -69,17 +69,23 @@ class RedTeamAborted(RemoteError):
     """The cohort could not even serve honest travels: no attack was tried."""
 
 
+PREFIX = "gputravel-redteam-"  # of its directory, with the cohort's keys in it
+
+
 def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (),
                 on_result: Callable[[Attack, Verdict], None] | None = None) -> RedTeamReport:
     """Boot the cohort, run the attacks (all, or those named in ``only``), judge them."""
     chosen = [a for a in ATTACKS if not only or a.name in only]
-    tmp = Path(tempfile.mkdtemp(prefix="gputravel-redteam-", dir=workdir))
+    stopping.sweep(str(workdir) if workdir else None, PREFIX)  # what a red team killed outright left
+    tmp = Path(tempfile.mkdtemp(prefix=PREFIX, dir=workdir))
+    stopping.claim(tmp)
     try:
         needles = {h: make_dataset(tmp / f"{h}.bin", h, DATASET_BYTES) for h in HOLDERS}
         run_dir, verdicts = _attack(tmp, chosen, on_result)
         return RedTeamReport(tuple(_judge(a, v, run_dir, needles, tmp) for a, v in zip(chosen, verdicts)))
     finally:
         stopping.remove_tree(tmp)  # whatever depth the hostile holder nested its own directory to
+        stopping.release(tmp)
 
 
 def _config(tmp: Path) -> CohortConfig:
