@@ -251,7 +251,8 @@ def test_a_supervisor_stopped_by_any_signal_leaves_no_party_and_no_key(datasets,
     termed, pids, directory = _launch_holding(datasets["h1"][0], tmpdir)
     assert not left.exists()  # the next launcher swept it
     termed.send_signal(signal.SIGTERM)
-    assert termed.wait(timeout=60) != 0 and "stopped by SIGTERM" in termed.stderr.read()
+    said = termed.stderr.read()
+    assert termed.wait(timeout=60) != 0 and "Terminated: stopped by SIGTERM; the cohort was stopped" in said
     assert _all_gone(pids) and not directory.exists() and not list(tmpdir.glob("gputravel-*"))
 
 

@@ -153,6 +153,8 @@ class CohortClient:
             control.send(cmd)
         try:
             msg = control.recv(timeout=self.config.boot_timeout).message
+        except Terminated:
+            raise  # this launcher is being stopped: said as that, not as a holder's silence
         except GputravelError as exc:
             raise RemoteError(f"{name} stopped answering: {exc}{self.parties.log_tail(name)}") from None
         if isinstance(msg, Failed):
@@ -168,7 +170,7 @@ class CohortClient:
         control.send(cmd)
         try:
             msg = control.recv(timeout=timeout).message
-        except PeerTimeout:
+        except (PeerTimeout, Terminated):
             raise
         except GputravelError as exc:
             raise RemoteError(f"orchestrator stopped answering: {exc}{self.parties.log_tail(ORCHESTRATOR)}") from None
@@ -205,6 +207,8 @@ class CohortClient:
         while True:
             try:
                 msg = control.recv(timeout=self.config.travel_timeout + 30).message
+            except Terminated:
+                raise
             except GputravelError as exc:
                 tail = self.parties.log_tail(ORCHESTRATOR)
                 raise RemoteError(f"orchestrator stopped answering during training: {exc}{tail}") from None

@@ -32,7 +32,7 @@ from gputravel.cohort.placement import Placement
 from gputravel.cohort.quoting import KEY as TDX_MODULE, QuotingLaunch
 from gputravel.cohort.trust import CohortTrust, certify_device, pin_orchestrator, provision_cohort_trust
 from gputravel.crypto.pki import CohortCa
-from gputravel.errors import BadInput, GputravelError, ProtocolError, RemoteError
+from gputravel.errors import BadInput, GputravelError, ProtocolError, RemoteError, Terminated
 from gputravel.host.tap import TcpTap
 from gputravel.net import LinkError
 from gputravel.orchestrator.cvm import OrchestratorConfig
@@ -266,6 +266,8 @@ class Supervisor:
             if isinstance(msg, Enroll):
                 self._certify(key, config, child, msg)
                 msg = child.control.recv(timeout=self.config.boot_timeout).message
+        except Terminated:
+            raise  # this launcher is being stopped: said as that, not as a failed boot
         except GputravelError as exc:
             raise RemoteError(f"{key} failed to boot: {exc}{self.log_tail(key)}") from None
         if isinstance(msg, Failed):
