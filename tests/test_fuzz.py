@@ -612,3 +612,21 @@ def test_a_nan_in_any_number_field_is_a_protocol_error() -> None:
         wire.decode(msgpack.packb(raw, use_bin_type=True))
     raw["reattest_after_s"] = float("inf")
     assert wire.decode(msgpack.packb(raw, use_bin_type=True)) == AttestAccepted(reattest_after_s=float("inf"))
+
+
+def test_a_nan_nested_in_a_message_is_refused_and_only_messages_that_may_hold_floats_are_walked() -> None:
+    """A NaN inside a dict of a message (a travel report's step times) is refused too. The walk
+    for NaN runs only for a message whose schema can hold a float: a copy push, decoded once
+    per record on the device's hot path, holds ints and a bool only, and decodes as before."""
+    from gputravel.protocol.control import TravelReport
+    from gputravel.protocol.push import CopyToVram
+
+    report = TravelReport(travel_id=1, holder="alice", chunk=None, steps_ms={"dh_copy": 1.0}, total_ms=1.0,
+                          verify_ms=0.0, refused=None, nonzero_on_arrival=0)
+    raw = msgpack.unpackb(wire.encode(report), raw=False)
+    raw["steps_ms"]["dh_copy"] = float("nan")
+    with pytest.raises(ProtocolError, match="NaN"):
+        wire.decode(msgpack.packb(raw, use_bin_type=True))
+    assert wire._may_hold_float(TravelReport) and not wire._may_hold_float(CopyToVram)
+    push = CopyToVram(src_iova=4096, nbytes=1 << 20, dst_offset=0, release=5, interrupt=True)
+    assert wire.decode(wire.encode(push)) == push

@@ -48,6 +48,7 @@ import typing
 from typing import Any
 
 import msgspec
+import msgspec.inspect
 
 from gputravel.errors import BadInput, ProtocolError
 
@@ -321,11 +322,36 @@ def decode(data: bytes | bytearray | memoryview, *,
         msg = decoder.decode(data)
     except Exception as e:  # any malformed input, whatever msgspec or an invariant raised
         raise ProtocolError(_explain(data, e)) from None
-    if _holds_nan(msg):
+    if _may_hold_float(type(msg)) and _holds_nan(msg):
         raise ProtocolError(f"message {_TAG_BY_CLASS[type(msg)]}: a number field holds NaN")
     if expect is not None and not _expected(type(msg), expect):
         raise ProtocolError(f"unexpected message {_TAG_BY_CLASS[type(msg)]}; expected {_names(expect)}")
     return msg
+
+
+_FLOATY: dict[type, bool] = {}  # message class -> whether any field, however nested, may be a float
+
+
+def _may_hold_float(cls: type) -> bool:
+    """Whether a message of `cls` can hold a float at all, from its schema, once per class: most
+    messages on the hot path (a push per copy record) hold none, and need no walk for NaN."""
+    known = _FLOATY.get(cls)
+    if known is None:
+        known = _FLOATY[cls] = _floaty(msgspec.inspect.type_info(cls), set())
+    return known
+
+
+def _floaty(t: msgspec.inspect.Type, seen: set[type]) -> bool:
+    if isinstance(t, (msgspec.inspect.FloatType, msgspec.inspect.AnyType, msgspec.inspect.CustomType)):
+        return True  # a float, or a type the schema does not spell out
+    if isinstance(t, msgspec.inspect.StructType):
+        if t.cls in seen:  # a recursive message: its fields are being looked at already
+            return False
+        seen.add(t.cls)
+        return any(_floaty(f.type, seen) for f in t.fields)
+    inner = (*getattr(t, "types", ()), *getattr(t, "item_types", ()),
+             *(getattr(t, a) for a in ("item_type", "key_type", "value_type") if hasattr(t, a)))
+    return any(_floaty(i, seen) for i in inner)
 
 
 def _holds_nan(value: object) -> bool:
