@@ -97,10 +97,8 @@ def _parse(payload: bytes, index: int, end: int) -> _Parsed:
         entry = decode(record.entry, expect=Entry)
     except ProtocolError as exc:
         if index == 0 and _names_no_gpu(record.entry):  # an earlier log names no GPU from its start
-            err = AuditError(Failure.VERSION, index, "the entry names no GPU: an earlier gputravel wrote this "
-                                                     "log; verify it with that version, and start a new log")
-            err.signed = (hashlib.sha384(record.entry).digest(), record.signature)  # for verify_log's check
-            raise err from None
+            raise AuditError(Failure.VERSION, index, "the entry names no GPU: an earlier gputravel wrote this "
+                                                     "log; verify it with that version, and start a new log") from None
         raise AuditError(Failure.MALFORMED, index, str(exc)) from None
     # Hashes are taken over the stored bytes; a decodable but different encoding of the same
     # entry is refused, so the stored bytes and entry_hash() can never disagree.
@@ -174,15 +172,15 @@ def _signed_if_earlier_version(err: AuditError, key: ec.EllipticCurvePublicKey, 
     first (SIGNATURE), or an old signed one before entries of this version (MALFORMED)."""
     if err.failure is not Failure.VERSION:
         return
-    digest, signature = err.signed
-    verify_head(key, err.seq, digest, signature)
-    if not all(_names_no_gpu(entry) for entry in _raw_entries(data)):
+    records = list(_raw_records(data))  # the first is the one _parse refused: it decodes as a Record
+    verify_head(key, 0, hashlib.sha384(records[0].entry).digest(), records[0].signature)
+    if not all(_names_no_gpu(r.entry) for r in records):
         raise AuditError(Failure.MALFORMED, err.seq, "an entry of an earlier log format before entries of "
                                                      "this one: not one log") from None
 
 
-def _raw_entries(data: bytes) -> Iterator[bytes]:
-    """Each whole record's entry bytes, undecoded, until the first that does not parse."""
+def _raw_records(data: bytes) -> Iterator[Record]:
+    """Each whole record, its entry undecoded, until the first that does not parse."""
     pos = 0
     while pos + LENGTH.size <= len(data):
         (length,) = LENGTH.unpack_from(data, pos)
@@ -190,7 +188,7 @@ def _raw_entries(data: bytes) -> Iterator[bytes]:
         if not 0 < length <= MAX_RECORD_BYTES or len(payload) != length:
             return
         try:
-            yield decode(payload, expect=Record).entry
+            yield decode(payload, expect=Record)
         except ProtocolError:
             return
         pos += LENGTH.size + length
