@@ -6,29 +6,28 @@ buffer of whole records, a link the machine can give), so nothing starts on a ba
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gputravel.cohort.links import check_link_config
 from gputravel.cohort.trust import SharedRoots, TrustOptions
+from gputravel.crypto.pki import MEMBER_NAME
 from gputravel.errors import BadInput
 from gputravel.protocol.hardware import EMULATED, hardware_profile
 from gputravel.protocol.layout import Layout
 
 
 # A data holder's name keys its process, uid, directories and certificate in the cohort: the
-# holder's own rule (crypto/pki.py, what it checks at boot), checked here before anything is
-# made for it, and never a name the cohort's other parties are keyed by. A holder named
-# "device" would otherwise run under the emulated GPU's uid (the second hostile review of
-# session 23 showed it reading the GPU's firmware key).
-HOLDER_NAME = re.compile(r"[a-z0-9-]{1,32}")
+# members' own rule (crypto/pki.MEMBER_NAME, what a holder checks at boot), checked here
+# before anything is made for it, and never a name the cohort's other parties are keyed by. A
+# holder named "device" would otherwise run under the emulated GPU's uid (the second hostile
+# review of session 23 showed it reading the GPU's firmware key).
 RESERVED_NAMES = frozenset({"orchestrator", "host", "device", "tdx-module", "ca"})
 
 
 def is_holder_name(name: object) -> bool:
     """Whether `name` may name a data holder (the launcher's rule, and `cohort init`'s)."""
-    return isinstance(name, str) and HOLDER_NAME.fullmatch(name) is not None and name not in RESERVED_NAMES
+    return isinstance(name, str) and MEMBER_NAME.fullmatch(name) is not None and name not in RESERVED_NAMES
 
 
 @dataclass(frozen=True)

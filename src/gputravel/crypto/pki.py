@@ -41,6 +41,7 @@ from gputravel.errors import BadInput, ProtocolError
 from gputravel.files import atomic_write_bytes, read_plain
 
 __all__ = [
+    "MEMBER_NAME",
     "CohortCa",
     "CohortPki",
     "MemberIdentity",
@@ -53,13 +54,13 @@ __all__ = [
 
 CA_FILE = "ca.pem"
 MAX_PEM_BYTES = 64 << 10  # a member's certificate is about 1 KiB
-_NAME_RE = re.compile(r"[a-z0-9-]{1,32}")
+MEMBER_NAME = re.compile(r"[a-z0-9-]{1,32}")  # a member's name: its files, certificate and peers are keyed by it
 # "ca" would be written to ca.pem and clobber the cohort CA certificate.
 _RESERVED_NAMES = frozenset({"ca"})
 
 
 def _check_name(name: object) -> str:
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in _RESERVED_NAMES:
+    if not isinstance(name, str) or not MEMBER_NAME.fullmatch(name) or name in _RESERVED_NAMES:
         raise BadInput(
             f"member name {name!r} is invalid: use 1-32 characters from a-z, 0-9 and '-' "
             f"(and not {', '.join(sorted(_RESERVED_NAMES))})"

@@ -21,6 +21,7 @@ from pydantic import field_validator, model_validator
 
 from gputravel.attest.policy import GpuRequirements, Policy
 from gputravel.attest.provision import REFERENCE_FILE
+from gputravel.crypto.pki import MEMBER_NAME
 from gputravel.data.tokenizer import KNOWN
 from gputravel.errors import BadInput
 from gputravel.protocol.layout import MIB, PAGE, Layout
@@ -34,7 +35,7 @@ __all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSe
            "load_service", "quoting_socket", "validate_service", "PARTIES", "MAX_SOCKET_PATH"]
 
 PARTIES = ("host", "gpu", "orchestrator", "holder")
-NAME_PATTERN = r"^[a-z0-9-]{1,32}$"
+NAME_PATTERN = f"^{MEMBER_NAME.pattern}$"  # the members' own rule (crypto/pki.py)
 HEX96_PATTERN = r"^[0-9a-f]{96}$"
 _KEYED = re.compile(r"^[a-z_.]+: ")
 _FLAG = re.compile(r"--([a-z-]+)")
