@@ -289,9 +289,9 @@ def test_a_deletion_that_fails_keeps_the_lock_file_and_goes_keys_first(tmp_path:
     calls: list[list[str]] = []
     real = stopping._rm
 
-    def failing_on_parties(where: Path, paths: list[str]) -> bool:
+    def failing_on_parties(paths: list[str]) -> bool:
         calls.append(sorted(Path(p).name for p in paths))
-        return real(where, paths) and not any(p.endswith("parties") for p in paths)
+        return real(paths) and not any(p.endswith("parties") for p in paths)
 
     monkeypatch.setattr(stopping, "_rm", failing_on_parties)
     assert not stopping.remove_tree(d)
@@ -299,6 +299,25 @@ def test_a_deletion_that_fails_keeps_the_lock_file_and_goes_keys_first(tmp_path:
     assert (d / "launcher.pid").exists() and not (d / "pki").exists()
     monkeypatch.setattr(stopping, "_rm", real)
     assert stopping.remove_tree(d) and not d.exists()
+
+
+def test_a_directory_that_cannot_be_deleted_is_said_once_and_left_to_the_sweep(tmp_path: Path, monkeypatch,
+                                                                                capsys) -> None:
+    """delete() tries again for its wait, then says once what is left (not once a try), lets
+    go of the lock, and leaves the directory claimed for the next sweep."""
+    from gputravel.cohort import stopping
+
+    d = tmp_path / "gputravel-stuck"
+    (d / "pki").mkdir(parents=True)
+    stopping.claim(d)
+    monkeypatch.setattr(stopping, "_rm", lambda paths: False)
+    assert not stopping.delete(d, wait=0.3)
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and "could not delete all of" in said[0] and "next launch deletes it" in said[0]
+    assert d not in stopping._held and (d / "launcher.pid").exists()
+    monkeypatch.undo()
+    stopping.sweep(str(tmp_path), "gputravel-")
+    assert not d.exists()
 
 
 def test_a_launcher_closed_off_the_main_thread_leaves_signals_as_they_were() -> None:

@@ -36,12 +36,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gputravel.errors import Terminated
 
-__all__ = ["LAUNCHER_PID", "catch_term", "claim", "release", "remove_tree", "sweep", "uninterrupted"]
+__all__ = ["LAUNCHER_PID", "catch_term", "claim", "delete", "release", "remove_tree", "sweep", "uninterrupted"]
 
 LAUNCHER_PID = "launcher.pid"  # in a launcher's directory: whose it is, locked while it lives
 KEYS_FIRST = ("pki", "trust", "state")  # where the parties' keys and trust material lie
@@ -156,42 +157,50 @@ def sweep(workdir: str | None, prefix: str) -> None:
             os.close(fd)
 
 
+def delete(d: Path, wait: float = 0.0) -> bool:
+    """Delete a launcher's directory (:func:`remove_tree`), trying again for `wait` seconds (a
+    party process that outlived its stop may still write there a moment), then let go of its
+    lock. Whether it is gone; if not, it is said once on stderr, and the next sweep deletes it."""
+    deadline = time.monotonic() + wait
+    while not (gone := remove_tree(d)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not gone:
+        left = len(os.listdir(d)) if os.path.isdir(d) else 0
+        print(f"gputravel: could not delete all of {d} ({left} entries left); the next launch deletes it",
+              file=sys.stderr)
+    release(d)
+    return gone
+
+
 def remove_tree(d: Path) -> bool:
     """Delete `d` and everything in it, of any depth, following no link: the keys first, then
     the rest, and the lock file and `d` itself only once nothing else is left, so a directory
-    not wholly deleted keeps what makes the next sweep find it. Whether it is gone; what could
-    not be deleted is said on stderr. Never raises."""
+    not wholly deleted keeps what makes the next sweep find it. Whether it is gone. Never
+    raises, and says nothing: the caller decides whether a failure is worth a word."""
     try:
         entries = os.listdir(d)
     except FileNotFoundError:
         return True
-    except OSError as exc:
-        print(f"gputravel: could not list {d}: {exc.strerror or exc}", file=sys.stderr)
+    except OSError:
         return False
     keys = [e for e in entries if e in KEYS_FIRST]
     rest = [e for e in entries if e not in KEYS_FIRST and e != LAUNCHER_PID]
     for batch in (keys, rest):
-        if batch and not _rm(d, [str(d / e) for e in batch]):
+        if batch and not _rm([str(d / e) for e in batch]):
             return False
     try:
-        left = os.listdir(d)
+        if any(e != LAUNCHER_PID for e in os.listdir(d)):
+            return False
     except OSError:
-        left = ["?"]
-    if [e for e in left if e != LAUNCHER_PID]:
-        print(f"gputravel: could not delete all of {d}: {len(left)} entries are left", file=sys.stderr)
         return False
-    return _rm(d, [str(d)]) and not os.path.lexists(d)
+    return _rm([str(d)]) and not os.path.lexists(d)
 
 
-def _rm(d: Path, paths: list[str]) -> bool:
+def _rm(paths: list[str]) -> bool:
     # "--one-file-system": a mount a party made under its own directory is not descended into.
-    argv = [_RM, "-rf", "--one-file-system", "--", *paths]
     try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=_RM_TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        print(f"gputravel: could not delete {d}: {exc}", file=sys.stderr)
+        done = subprocess.run([_RM, "-rf", "--one-file-system", "--", *paths], stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=_RM_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError):
         return False
-    if done.returncode:
-        print(f"gputravel: could not delete all of {d}: {done.stderr.strip()[-500:]}", file=sys.stderr)
     return done.returncode == 0

@@ -372,10 +372,10 @@ class Supervisor:
         self._ca = None  # nobody is certified any more
         if self.placement is not None:
             self.placement.close()  # lent outputs go back to their owners
-        if self.dir is not None:
-            if self.config.workdir is None:  # a directory given is the caller's to keep
-                stopping.remove_tree(self.dir)
-            stopping.release(self.dir)  # not deleted: then the next sweep may
+        if self.dir is not None and self.config.workdir is None:
+            stopping.delete(self.dir)
+        elif self.dir is not None:
+            stopping.release(self.dir)  # a directory given is the caller's to keep
 
     def _close_links(self) -> None:
         """Delete the namespaces once every process inside has been reaped."""

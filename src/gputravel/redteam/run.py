@@ -84,8 +84,7 @@ def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (),
         run_dir, verdicts = _attack(tmp, chosen, on_result)
         return RedTeamReport(tuple(_judge(a, v, run_dir, needles, tmp) for a, v in zip(chosen, verdicts)))
     finally:
-        stopping.remove_tree(tmp)  # whatever depth the hostile holder nested its own directory to
-        stopping.release(tmp)
+        stopping.delete(tmp)  # whatever depth the hostile holder nested its own directory to
 
 
 def _config(tmp: Path) -> CohortConfig:

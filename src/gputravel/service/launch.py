@@ -145,7 +145,9 @@ class ServiceLaunch:
                 print(f"gputravel: the run directory was not copied back: {type(exc).__name__}: {exc}", file=sys.stderr)
             finally:
                 if self.dir is not None:
-                    _delete(self.dir)
+                    # A party process that outlived its service (killed after the grace: its
+                    # child dies by PDEATHSIG a moment later) may still write there: tried for 5 s.
+                    stopping.delete(self.dir, wait=5.0)
                 self.dir, self.services, self._orchestrator = None, [], None
         self._undo_term()
         self._undo_term = lambda: None
@@ -390,20 +392,6 @@ def _set_aside(dest: Path, new: Path, why: str) -> None:
     copy_plain(new, dest, MAX_COPY_BYTES)
     print(f"gputravel: the earlier {dest.name} was not joined with this run's ({why}); it is now {aside}",
           file=sys.stderr)
-
-
-def _delete(d: Path, wait: float = 5.0) -> None:
-    """Delete the cohort directory, keys and all. A service's party process that outlived its
-    service (killed after the grace: its child dies by PDEATHSIG, a moment later) may still
-    write there while the tree goes, so delete until it is gone; what is left after `wait`
-    is said on stderr (the next launch's sweep deletes it)."""
-    deadline = time.monotonic() + wait
-    while not stopping.remove_tree(d):
-        if time.monotonic() > deadline:
-            print(f"gputravel: could not delete all of {d}; the next launch deletes it", file=sys.stderr)
-            break
-        time.sleep(0.05)
-    stopping.release(d)
 
 
 def _children(pid: int) -> list[int]:
