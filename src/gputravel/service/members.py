@@ -239,7 +239,7 @@ def _start_tdx_module(cfg: OrchestratorService, state: Path) -> tuple[PartyChild
     if os.path.exists(quoting.socket) and not unix_listening(quoting.socket):
         os.unlink(quoting.socket)  # left by a module that stopped with its orchestrator
     config = {**quoting.config, "key_dir": str(home / "key")}  # it keeps its quoting key there (0700)
-    tdx = PartyChild("tdx-module", config, says_shutdown=False, uid=cfg.tdx_uid, home=home)
+    tdx = PartyChild("tdx-module", config, stop_by="close", uid=cfg.tdx_uid, home=home)
     if not tdx.ready(BOOT_TIMEOUT).detail.get("certified"):
         _certify_quoting_key(tdx, state / "platform")
     return tdx, quoting

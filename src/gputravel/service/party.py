@@ -73,13 +73,17 @@ class Stopping:
         return self.requested
 
 
+STOP_BY = ("shutdown", "close", "terminate")  # how a party is told to stop (PartyChild)
+
+
 class PartyChild:
     """The party's process: ``python -m gputravel.cohort.entry ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``.
     Its output goes to this service's stderr."""
 
     def __init__(self, role: str, config: dict, *, extra: socket.socket | None = None,
-                 says_shutdown: bool = True, hears_stop: bool = True, uid: int = -1,
-                 home: Path | None = None) -> None:
+                 stop_by: str = "shutdown", uid: int = -1, home: Path | None = None) -> None:
+        if stop_by not in STOP_BY:
+            raise BadInput(f"stop_by is one of {', '.join(STOP_BY)}, not {stop_by!r}")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [theirs.fileno()] + ([extra.fileno()] if extra is not None else [])
         payload = json.dumps(config, default=jsonable)
@@ -90,11 +94,12 @@ class PartyChild:
         theirs.close()
         self.role = role
         self.control = StreamTransport(ours, role)
-        self._says_shutdown = says_shutdown  # the TDX module knows no Shutdown: it ends with its control link
-        # The host and the device never read their control link after Ready: waiting for them
-        # to end by themselves cost 5 s each per stop. They are terminated at once, as the
-        # local cohort's supervisor does (cohort/supervisor.py).
-        self._hears_stop = hears_stop
+        # How the party is told to stop: "shutdown" (a member reads Shutdown on its control
+        # link), "close" (the TDX module ends with its control link), "terminate" (the host and
+        # the device never read their control link after Ready: waiting for them to end by
+        # themselves cost 5 s each per stop, so they get SIGTERM at once, as the local cohort's
+        # supervisor does).
+        self._stop_by = stop_by
 
     def ready(self, timeout: float, certify: Callable[[Enroll], None] | None = None) -> Ready:
         """Its first words: an enrolment (``certify`` answers it), then Ready or Failed."""
@@ -119,15 +124,14 @@ class PartyChild:
     def stop(self, grace: float = 5.0) -> int:
         """Shutdown, then terminate, then kill: it never outlives its service."""
         try:
-            if self._says_shutdown:
+            if self._stop_by == "shutdown":
                 self.control.send(Shutdown())
             else:
                 self.control.close()
         except GputravelError:
             pass
-        steps = (lambda: None, self.proc.terminate, self.proc.kill) if self._hears_stop \
-            else (self.proc.terminate, self.proc.kill)
-        for step in steps:
+        steps = (self.proc.terminate, self.proc.kill)
+        for step in steps if self._stop_by == "terminate" else (lambda: None, *steps):
             step()
             try:
                 return self.proc.wait(timeout=grace)

@@ -18,6 +18,7 @@ from gputravel.service.config import (GpuService, HolderService, HostService, Se
                                       load_service)
 from gputravel.service.members import serve_holder, serve_orchestrator
 from gputravel.service.party import PartyChild, Stopping, log, own_state, private_dir, unix_listening, wait_for
+from gputravel.service.status import party_name
 
 BOOT_TIMEOUT = 120.0
 
@@ -41,12 +42,9 @@ def serve(role: str, config_path: Path) -> int:
 
 
 def _log_name(cfg: ServiceConfig) -> str:
-    """The name the party's service logs under (as serve_* below and service/members.py)."""
-    if isinstance(cfg, GpuService):
-        return f"gpu-{cfg.index}"
-    if isinstance(cfg, HolderService):
-        return cfg.name
-    return cfg.party
+    """The name the party's service logs under (as serve_* below and service/members.py): its
+    party's name, but a holder's own name alone."""
+    return cfg.name if isinstance(cfg, HolderService) else party_name(cfg)
 
 
 def serve_host(cfg: HostService, stop: Stopping) -> int:
@@ -57,7 +55,7 @@ def serve_host(cfg: HostService, stop: Stopping) -> int:
     home = private_dir(Path(cfg.state_dir) / "home")
     own_state(Path(cfg.state_dir), cfg.uid)
     config = {"socket_path": cfg.socket, "hardware": cfg.hardware, "outlive_device": True}
-    child = PartyChild("host", config, says_shutdown=False, hears_stop=False, uid=cfg.uid, home=home)
+    child = PartyChild("host", config, stop_by="terminate", uid=cfg.uid, home=home)
     try:
         child.ready(BOOT_TIMEOUT)
         log("host", "up", socket=cfg.socket)
@@ -69,7 +67,7 @@ def serve_host(cfg: HostService, stop: Stopping) -> int:
 def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
     """The confidential GPU: it makes its firmware key on first start, which the vendor's
     per-device CA (its stand-in in the GPU's state directory) certifies once and is then gone."""
-    name = f"gpu-{cfg.index}"
+    name = party_name(cfg)
     state = private_dir(cfg.state_dir)
     wait_for(name, f"the host at {cfg.host_socket}", lambda: unix_listening(cfg.host_socket), stop)
     firmware, vendor = state / "firmware", state / "vendor"
@@ -80,7 +78,7 @@ def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
               "link_uid": cfg.orchestrator_uid}
     home = private_dir(state / "home")
     own_state(state, cfg.uid, root_only=("vendor",))  # the device never reads its vendor's CA
-    child = PartyChild("device", config, says_shutdown=False, hears_stop=False, uid=cfg.uid, home=home)
+    child = PartyChild("device", config, stop_by="terminate", uid=cfg.uid, home=home)
     try:
         child.ready(BOOT_TIMEOUT, lambda msg: _certify_firmware(child, vendor, msg))
         log(name, "up", serial=cfg.serial, link=cfg.link_socket)
