@@ -101,14 +101,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-Uid = Annotated[int, Field(ge=-1)]  # -1: the party runs as whoever starts its service
+def _not_root(value: int) -> int:
+    if value == 0:
+        raise ValueError("an account other than root's (uid 0): a party never runs as root; "
+                         "-1 runs it as whoever starts its service")
+    return value
+
+
+# -1: the party runs as whoever starts its service; never 0 (security row 51)
+Uid = Annotated[int, Field(ge=-1), AfterValidator(_not_root)]
 
 
 class _Service(_Section):
     """What every party's file has; `source` is the file it was read from (for error messages).
     `uid`: the account its party's process runs under when the service starts as root (init
-    picks one per party when it runs as root; -1: no separate account)."""
+    picks one per party when it runs as root; -1: no separate account). `cohort_dir`: the
+    cohort whose registry (service/registry.py) the service checks this file against."""
 
+    cohort_dir: AbsPath
     uid: Uid = -1
 
     _source: str = PrivateAttr(default="<config>")

@@ -2,6 +2,7 @@
 party's empty state directory (issue 16; docs/deploy.md).
 
     D/host.toml  D/gpu-K.toml  D/orchestrator.toml  D/holder-NAME.toml
+    D/cohort.registry the registry: who each party is and where it acts (service/registry.py)
     D/trust/     the emulated GPU-vendor and CPU-TEE root certificates, the GPU's reference values
     D/public/    empty: each member publishes its TLS certificate here on first start
     D/run/       empty: sockets and lock files
@@ -49,6 +50,7 @@ from gputravel.service.config import (
     validate_service,
 )
 from gputravel.service.engine import orchestrator_engine_config
+from gputravel.service.registry import write_registry
 
 __all__ = ["init_cohort", "write_service"]
 
@@ -151,16 +153,16 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
     shared = {"trust_dir": str(d / "trust"), "public_dir": str(d / "public"), "host_socket": host_sock}
     uid = _uids(len(issuers), [n for n, _ in holders])
     out: list[tuple[Path, ServiceConfig]] = [
-        (d / "host.toml", HostService(party="host", state_dir=str(state / "host"), socket=host_sock, uid=uid["host"],
-                                      hardware=hardware))]
+        (d / "host.toml", HostService(party="host", cohort_dir=str(d), state_dir=str(state / "host"), socket=host_sock,
+                                      uid=uid["host"], hardware=hardware))]
     for k in range(len(issuers)):
         out.append((d / f"gpu-{k}.toml", GpuService(
-            party="gpu", index=k, state_dir=str(state / f"gpu-{k}"), host_socket=host_sock,
+            party="gpu", cohort_dir=str(d), index=k, state_dir=str(state / f"gpu-{k}"), host_socket=host_sock,
             link_socket=str(run / f"gpu-{k}.sock"), boot_lock=str(run / f"gpu-{k}.lock"),
             vram_bytes=job.buffer_bytes + VRAM_MARGIN, layout=layout, uid=uid[f"gpu-{k}"],
             orchestrator_uid=uid["orchestrator"])))
     orch = OrchestratorService(
-        party="orchestrator", state_dir=str(state / "orchestrator"), gpu_link_socket=str(run / "gpu-0.sock"),
+        party="orchestrator", cohort_dir=str(d), state_dir=str(state / "orchestrator"), gpu_link_socket=str(run / "gpu-0.sock"),
         boot_lock=str(run / "gpu-0.lock"), listen_port=port, holders=[n for n, _ in holders], layout=layout,
         job=job, uid=uid["orchestrator"], tdx_uid=uid["tdx-module"], hardware=hardware, **shared)
     out.append((d / "orchestrator.toml", orch))
@@ -170,7 +172,7 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
                            gpu_driver_versions=sorted({i.driver_version for i in issuers}))
     for name, data in holders:
         out.append((d / f"holder-{name}.toml", HolderService(
-            party="holder", name=name, state_dir=str(state / f"holder-{name}"), boot_lock=str(run / "gpu-0.lock"),
+            party="holder", cohort_dir=str(d), name=name, state_dir=str(state / f"holder-{name}"), boot_lock=str(run / "gpu-0.lock"),
             data=data, orchestrator_port=port, layout=layout, policy=policy, uid=uid[f"holder-{name}"],
             hardware=hardware, **shared)))
     return out
@@ -227,7 +229,12 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
             configs = _configs(d, checked, issuers, section, port, hardware)
         except ValidationError as exc:  # a path the schema refuses: a socket path too long for D
             raise explain_built(exc, str(d)) from None
-        return [write_service(path, cfg) for path, cfg in configs]
+        written = [write_service(path, cfg) for path, cfg in configs]
+        # Who each party is and where it acts, for its service to check its config against;
+        # the tdx-module's account is the orchestrator config's tdx_uid.
+        write_registry(d, {path.stem: cfg for path, cfg in configs})
+        os.chmod(d, 0o755)  # the registry's word rests on nobody else writing here (service/registry.py)
+        return written
     except BaseException:
         _undo(d, made)
         raise

@@ -17,6 +17,7 @@ from gputravel.protocol.control import Certified, Enroll
 from gputravel.service.config import (GpuService, HolderService, HostService, ServiceConfig, check_before_start,
                                       load_service)
 from gputravel.service.members import serve_holder, serve_orchestrator
+from gputravel.service.registry import bind
 from gputravel.service.party import PartyChild, Stopping, log, own_state, private_dir, unix_listening, wait_for
 from gputravel.service.status import party_name
 
@@ -32,6 +33,7 @@ def serve(role: str, config_path: Path) -> int:
     try:
         cfg = load_service(config_path, role)  # BadInput if the file is another party's
         name = _log_name(cfg)
+        bind(cfg, party_name(cfg))  # the party cohort init made, or nothing is touched
         check_before_start(cfg)
         stop = Stopping()
         run = {"host": serve_host, "gpu": serve_gpu, "holder": serve_holder, "orchestrator": serve_orchestrator}[role]
