@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test check venv bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 # pytest exits 5 when it collects no test; that is a failure here, never a pass.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The fast tier: every test that starts no process (tests/conftest.py marks the rest `slow`).
+check: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/gputravel bench travel --sizes 4,8,16,32,64,128,256,512 --repeat 5 --json runs/bench-travel.json

@@ -1,4 +1,11 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the two tiers.
+
+The fast tier (`make check`, `pytest -m "not slow"`) is every test that starts no process. A
+test or fixture that starts one (a cohort, a service, ranks, the CLI in a subprocess) asks
+for the `processes` fixture, which marks it `slow`; any other test that tries to start a
+process fails at once, saying so. So a new test cannot land in the wrong tier by forgetting a
+marker.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,46 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+import _posixsubprocess
+import subprocess
+
 import pytest
+
+from gputravel.testing import TIMEOUT_SCALE
+
+SLOW_FIXTURE = "processes"
+
+
+@pytest.fixture(scope="session")
+def processes() -> float:
+    """This test starts processes (slow tier). Its value: the factor every wait of the test
+    scales by (GPUTRAVEL_TEST_TIMEOUT_SCALE), so a busy machine is given more time."""
+    return TIMEOUT_SCALE
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURE in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
+def _refuse_process(*args: object, **kwargs: object) -> None:
+    raise AssertionError("this test starts a process but does not ask for the `processes` fixture "
+                         "(tests/conftest.py): ask for it, directly or through a fixture, so it runs in the slow tier")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Setup, call and teardown of a fast test run with every way to start a process refused."""
+    if item.get_closest_marker("slow") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_posixsubprocess, "fork_exec", _refuse_process)  # multiprocessing's spawn
+        patch.setattr(subprocess, "_fork_exec", _refuse_process)  # Popen's own reference to it
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            patch.setattr(os, name, _refuse_process)
+        yield
 
 
 @dataclass
@@ -84,7 +130,7 @@ def _rank_main(target, rank: int, world: int, port: int, args: tuple):
 
 
 @pytest.fixture(scope="session")
-def run_ranks():
+def run_ranks(processes):
     """`run_ranks(target, world, *args, timeout=...)`: the list of each rank's return value.
 
     `target(rank, world, *args)` is a module-level function of a test file; it runs in `world`
@@ -119,7 +165,7 @@ def searchable_tmp(tmp_path_factory):
 
 
 @pytest.fixture
-def kill_orchestrators():
+def kill_orchestrators(processes):
     """SIGKILL orchestrator CVM processes this test's cohorts started (a crash, not a
     shutdown): every one, or the first `limit` found."""
     import signal

@@ -36,7 +36,7 @@ def attested(tmp_path_factory):
     return base, out, policy, result.output
 
 
-def test_pki_init_writes_emulated_roots_with_private_keys(attested):
+def test_pki_init_writes_emulated_roots_with_private_keys(processes, attested):
     base = attested[0]
     for key in ("gpu-vendor-root.key", "tee-quoting-root.key"):
         assert stat.S_IMODE((base / "roots" / key).stat().st_mode) == 0o600
@@ -44,7 +44,7 @@ def test_pki_init_writes_emulated_roots_with_private_keys(attested):
     assert again.exit_code == 1 and "already holds" in again.output
 
 
-def test_attest_gpu_prints_claims_and_writes_evidence(attested):
+def test_attest_gpu_prints_claims_and_writes_evidence(processes, attested):
     _, out, _, output = attested
     assert "x-nvidia-overall-att-result" in output and "measres" in output
     saved = json.loads(out.read_text())
@@ -53,7 +53,7 @@ def test_attest_gpu_prints_claims_and_writes_evidence(attested):
     assert saved["claims"]["eat_nonce"] == saved["nonce"] and saved["evidence"]
 
 
-def test_attest_verify_accepts_saved_evidence_for_its_nonce(attested):
+def test_attest_verify_accepts_saved_evidence_for_its_nonce(processes, attested):
     base, out, policy, _ = attested
     nonce = json.loads(out.read_text())["nonce"]
     result = runner.invoke(app, ["attest", "verify", "--evidence", str(out), "--nonce", nonce,
@@ -62,7 +62,7 @@ def test_attest_verify_accepts_saved_evidence_for_its_nonce(attested):
     assert "verified" in result.output
 
 
-def test_attest_verify_refuses_another_nonce_naming_the_claim(attested):
+def test_attest_verify_refuses_another_nonce_naming_the_claim(processes, attested):
     base, out, policy, _ = attested
     result = runner.invoke(app, ["attest", "verify", "--evidence", str(out), "--nonce", "00" * 32,
                                  "--policy", str(policy), "--roots", str(base / "roots")])
@@ -70,7 +70,7 @@ def test_attest_verify_refuses_another_nonce_naming_the_claim(attested):
     assert "refused: claim nonce" in result.output
 
 
-def test_attest_verify_refuses_a_driver_the_policy_does_not_accept(attested):
+def test_attest_verify_refuses_a_driver_the_policy_does_not_accept(processes, attested):
     base, out, _, _ = attested
     strict = base / "strict.json"
     strict.write_text(json.dumps({"format": "gputravel-holder-policy-v1", "orchestrator_measurements": [],
@@ -82,7 +82,7 @@ def test_attest_verify_refuses_a_driver_the_policy_does_not_accept(attested):
     assert result.exit_code == 2 and "refused: claim policy" in result.output
 
 
-def test_attest_verify_bad_input_exits_1(attested):
+def test_attest_verify_bad_input_exits_1(processes, attested):
     base, out, policy, _ = attested
     result = runner.invoke(app, ["attest", "verify", "--evidence", str(out), "--nonce", "abc",
                                  "--policy", str(policy), "--roots", str(base / "roots")])
@@ -97,7 +97,7 @@ def test_attest_measure_prints_the_pinnable_measurement(tmp_path):
     assert orchestrator_measurement({"holders": 2}).hex() in result.output
 
 
-def test_the_firmware_runs_in_a_process_of_its_own_and_answers_fresh_nonces(tmp_path):
+def test_the_firmware_runs_in_a_process_of_its_own_and_answers_fresh_nonces(processes, tmp_path):
     import os
 
     from gputravel.attest.firmware_process import FirmwareProcess

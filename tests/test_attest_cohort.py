@@ -195,7 +195,7 @@ def refusal(cfg: CohortConfig) -> AttestationError:
 
 
 @pytest.mark.integration
-def test_holders_attest_the_orchestrator_before_any_travel(datasets) -> None:
+def test_holders_attest_the_orchestrator_before_any_travel(processes, datasets) -> None:
     with Cohort(config(datasets)) as cohort:
         assert isinstance(cohort.trust, CohortTrust)
         assert set(cohort.attestations) == {"h1", "h2"}
@@ -207,7 +207,7 @@ def test_holders_attest_the_orchestrator_before_any_travel(datasets) -> None:
 
 
 @pytest.mark.integration
-def test_orchestrator_self_quote_the_live_tdx_module_quotes_only_the_launched_orchestrator(datasets) -> None:
+def test_orchestrator_self_quote_the_live_tdx_module_quotes_only_the_launched_orchestrator(processes, datasets) -> None:
     """red team: orchestrator-self-quote, in a running cohort. The holders got quotes with the
     measurement the launcher registered; a probe (this process, another pid and, isolated,
     another uid) asking the same TDX module gets none, and the orchestrator's trust material
@@ -228,7 +228,7 @@ def test_orchestrator_self_quote_the_live_tdx_module_quotes_only_the_launched_or
 
 
 @pytest.mark.integration
-def test_the_device_makes_its_firmware_key_and_the_vendor_ca_is_dropped_once_it_is_certified(
+def test_the_device_makes_its_firmware_key_and_the_vendor_ca_is_dropped_once_it_is_certified(processes, 
         datasets, monkeypatch: pytest.MonkeyPatch) -> None:
     """The device process makes its firmware key itself at boot; the launcher (the GPU
     vendor) sees only its request and sends back the chain, then drops the CA that signed it.
@@ -265,20 +265,20 @@ def test_the_device_makes_its_firmware_key_and_the_vendor_ca_is_dropped_once_it_
 
 
 @pytest.mark.integration
-def test_a_holder_whose_policy_pins_another_orchestrator_refuses_to_join(datasets) -> None:
+def test_a_holder_whose_policy_pins_another_orchestrator_refuses_to_join(processes, datasets) -> None:
     err = refusal(config(datasets, ("h1",), trust=TrustOptions(pinned_measurements=("ab" * 48,))))
     assert err.claim == "measurement" and "h1 did not join" in str(err)
 
 
 @pytest.mark.integration
-def test_an_orchestrator_whose_config_changed_after_pinning_is_refused(datasets) -> None:
+def test_an_orchestrator_whose_config_changed_after_pinning_is_refused(processes, datasets) -> None:
     # The holders pinned an orchestrator that checks every chunk; this one would not.
     err = refusal(config(datasets, ("h1",), trust=TrustOptions(orchestrator_changes=(("verify", False),))))
     assert err.claim == "measurement"
 
 
 @pytest.mark.integration
-def test_an_orchestrator_whose_code_changed_after_pinning_is_refused(datasets, request: pytest.FixtureRequest,
+def test_an_orchestrator_whose_code_changed_after_pinning_is_refused(processes, datasets, request: pytest.FixtureRequest,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import gputravel
 
@@ -298,19 +298,19 @@ def test_an_orchestrator_whose_code_changed_after_pinning_is_refused(datasets, r
 
 
 @pytest.mark.integration
-def test_a_gpu_from_another_vendor_root_is_refused_at_boot(datasets) -> None:
+def test_a_gpu_from_another_vendor_root_is_refused_at_boot(processes, datasets) -> None:
     err = refusal(config(datasets, ("h1",), trust=TrustOptions(gpu_vendor="foreign")))
     assert err.claim == "chain" and "orchestrator failed to boot" in str(err)
 
 
 @pytest.mark.integration
-def test_a_gpu_outside_cc_mode_is_refused_at_boot(datasets) -> None:
+def test_a_gpu_outside_cc_mode_is_refused_at_boot(processes, datasets) -> None:
     err = refusal(config(datasets, ("h1",), trust=TrustOptions(gpu_cc_mode=False)))
     assert err.claim == "cc_mode"
 
 
 @pytest.mark.integration
-def test_late_join_leave_and_rejoin_with_fresh_attestation(datasets) -> None:
+def test_late_join_leave_and_rejoin_with_fresh_attestation(processes, datasets) -> None:
     late = (HolderSpec("h2", datasets["h2"][0]),)
     with Cohort(config(datasets, ("h1",), late_holders=late)) as cohort:
         check_travel(cohort, datasets, "h1")
@@ -338,7 +338,7 @@ def test_late_join_leave_and_rejoin_with_fresh_attestation(datasets) -> None:
 
 
 @pytest.mark.integration
-def test_holders_attest_the_orchestrator_again_when_their_attestation_expires(datasets) -> None:
+def test_holders_attest_the_orchestrator_again_when_their_attestation_expires(processes, datasets) -> None:
     import time
 
     with Cohort(config(datasets, ("h1", "h2"), trust=TrustOptions(max_evidence_age_s=2), workdir=None)) as cohort:

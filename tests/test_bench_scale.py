@@ -28,7 +28,7 @@ ROW_KEYS = {"holders", "travels", "median_ms", "p90_ms", "fixed_ms", "steps_ms",
 
 
 @pytest.mark.integration
-def test_scale_smoke_json_shape(tmp_path: Path) -> None:
+def test_scale_smoke_json_shape(processes, tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     res = CliRunner().invoke(app, ["bench", "scale", "--holders", "1,3", "--travels", "3", "--json", str(out)])
     assert res.exit_code == 0, res.output
@@ -98,7 +98,7 @@ def test_holders_start_in_a_window_and_come_up_one_at_a_time(monkeypatch: pytest
 
 
 @pytest.mark.integration
-def test_a_cohort_booted_in_a_window_travels_to_every_holder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cohort_booted_in_a_window_travels_to_every_holder(processes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(supervisor, "BOOT_WINDOW", 2)
     with Cohort(CohortConfig(holders=_holders(tmp_path, 4), buffer_bytes=MIB, device_timeout=5)) as cohort:
         for name in ("h1", "h2", "h3", "h4", "h2"):
@@ -121,7 +121,7 @@ def _children() -> set[int]:
 
 
 @pytest.mark.integration
-def test_a_holder_failing_inside_the_boot_window_leaves_nothing(tmp_path: Path,
+def test_a_holder_failing_inside_the_boot_window_leaves_nothing(processes, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """h2 fails to boot while h3 is already started: every process is stopped and reaped."""
     monkeypatch.setattr(supervisor, "BOOT_WINDOW", 3)

@@ -37,7 +37,7 @@ def test_paper_estimates_exist_only_on_the_papers_grid() -> None:
 
 
 @pytest.mark.integration
-def test_compare_smoke(tmp_path: Path) -> None:
+def test_compare_smoke(processes, tmp_path: Path) -> None:
     out, fig = tmp_path / "compare.json", tmp_path / "compare.png"
     res = CliRunner().invoke(app, ["bench", "compare", "--sizes", "1,2", "--bandwidths", "100,uncapped", "--repeat", "1",
                                    "--max-transfer-s", "0.001", "--link-check-s", "0.05",
@@ -57,7 +57,7 @@ def test_compare_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_train_smoke(tmp_path: Path) -> None:
+def test_train_smoke(processes, tmp_path: Path) -> None:
     out = tmp_path / "train.json"
     fig = tmp_path / "train.png"
     res = CliRunner().invoke(app, ["bench", "train", "--bandwidths", "100", "--steps", "3", "--buffer-kib", "64", "--holders", "1",
@@ -76,7 +76,7 @@ def test_train_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_ddp_smoke(tmp_path: Path) -> None:
+def test_ddp_smoke(processes, tmp_path: Path) -> None:
     out = tmp_path / "ddp.json"
     res = CliRunner().invoke(app, ["bench", "ddp", "--gpus", "1,2", "--models", "small", "--iters", "1",
                                    "--json", str(out)])

@@ -48,7 +48,7 @@ def config(datasets, **kw) -> CohortConfig:
     return CohortConfig(holders=specs, buffer_bytes=MIB, **kw)
 
 
-def test_three_holders_every_chunk_verified(datasets) -> None:
+def test_three_holders_every_chunk_verified(processes, datasets) -> None:
     with Cohort(config(datasets, audit_arrival=True)) as cohort:
         assert cohort.dataset_bytes == {n: len(d) for n, (_, d) in datasets.items()}
         reports = [cohort.travel(holder, offset) for holder, offset in plan(cohort.dataset_bytes, MIB)]
@@ -66,7 +66,7 @@ def test_three_holders_every_chunk_verified(datasets) -> None:
     assert [r.travel_id for r in reports] == list(range(1, len(reports) + 1))
 
 
-def test_host_view_holds_no_plaintext(datasets) -> None:
+def test_host_view_holds_no_plaintext(processes, datasets) -> None:
     """Everything the host can read (every CVM's bounce buffers, all TLS bytes) is scanned."""
     cfg = config(datasets, snoop=True, tap=True, workdir=str(Path(next(iter(datasets.values()))[0]).parent))
     with Cohort(cfg) as cohort:
@@ -82,7 +82,7 @@ def test_host_view_holds_no_plaintext(datasets) -> None:
         assert canary(i) not in tapped
 
 
-def test_bad_requests_get_clear_errors_and_the_cohort_carries_on(datasets, tmp_path: Path) -> None:
+def test_bad_requests_get_clear_errors_and_the_cohort_carries_on(processes, datasets, tmp_path: Path) -> None:
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")
     cfg = config(datasets)
@@ -100,7 +100,7 @@ def test_bad_requests_get_clear_errors_and_the_cohort_carries_on(datasets, tmp_p
         assert report.chunk is not None and report.chunk.digest == chunk_digest(datasets["h1"][1][MIB : 2 * MIB])
 
 
-def test_teardown_leaves_no_process_socket_or_directory(datasets) -> None:
+def test_teardown_leaves_no_process_socket_or_directory(processes, datasets) -> None:
     cohort = Cohort(config(datasets))
     with cohort:
         pids = cohort.pids()
@@ -140,14 +140,14 @@ def test_a_holder_cannot_be_named_as_another_party_or_outside_the_holders_rule(d
         CohortConfig(holders=(HolderSpec("h1", datasets["h1"][0]),), late_holders=(spec,), buffer_bytes=MIB)
 
 
-def test_leaving_or_rejoining_an_unknown_holder_is_refused_with_the_reason(datasets) -> None:
+def test_leaving_or_rejoining_an_unknown_holder_is_refused_with_the_reason(processes, datasets) -> None:
     with Cohort(config(datasets)) as cohort:
         for act in (cohort.leave, cohort.rejoin):
             with pytest.raises(BadInput, match="not a data holder of this cohort"):
                 act("nobody")
 
 
-def test_a_failing_child_tears_everything_down(datasets, tmp_path: Path) -> None:
+def test_a_failing_child_tears_everything_down(processes, datasets, tmp_path: Path) -> None:
     """A holder whose dataset vanishes before boot fails; the supervisor stops all the others."""
     path, _ = datasets["h3"]
     cfg = config(datasets)
@@ -159,7 +159,7 @@ def test_a_failing_child_tears_everything_down(datasets, tmp_path: Path) -> None
     assert cohort.children == {}
 
 
-def test_each_cvm_holds_only_its_own_tls_key(datasets, tmp_path: Path) -> None:
+def test_each_cvm_holds_only_its_own_tls_key(processes, datasets, tmp_path: Path) -> None:
     """Each member made its own key in its own directory; isolated (root), the key is 0600
     and owned by that member's uid (tests/test_isolation.py probes it as every other party)."""
     members = ("orchestrator", "h1", "h2", "h3")
@@ -187,7 +187,7 @@ def _holds(pid: int, name: str) -> bool:
     return name in Path(f"/proc/{pid}/maps").read_text()
 
 
-def test_vram_reaches_only_the_device_and_the_orchestrator(datasets) -> None:
+def test_vram_reaches_only_the_device_and_the_orchestrator(processes, datasets) -> None:
     with Cohort(config(datasets)) as cohort:
         cohort.travel("h1", 0)
         pids = cohort.pids()
@@ -230,7 +230,7 @@ def _all_gone(pids: list[int]) -> bool:
     return alive == []
 
 
-def test_a_supervisor_stopped_by_any_signal_leaves_no_party_and_no_key(datasets, tmp_path: Path) -> None:
+def test_a_supervisor_stopped_by_any_signal_leaves_no_party_and_no_key(processes, datasets, tmp_path: Path) -> None:
     """Killed outright, its parties die with it (PDEATHSIG) and the next launcher deletes the
     directory it left, keys and all. SIGTERM (a `timeout`, a `kill`) unwinds it: every party
     stopped, the directory deleted. The parties run in sessions of their own, so a terminal's
@@ -256,7 +256,7 @@ def test_a_supervisor_stopped_by_any_signal_leaves_no_party_and_no_key(datasets,
     assert _all_gone(pids) and not directory.exists() and not list(tmpdir.glob("gputravel-*"))
 
 
-def test_a_signal_someone_else_handles_is_left_to_them_and_the_other_still_unwinds() -> None:
+def test_a_signal_someone_else_handles_is_left_to_them_and_the_other_still_unwinds(processes) -> None:
     """Under `nohup` SIGHUP is ignored: it stays ignored, and SIGTERM still unwinds the
     launcher (the review of session 24: both were left, and SIGTERM killed it outright)."""
     import signal
@@ -277,7 +277,7 @@ def test_a_signal_someone_else_handles_is_left_to_them_and_the_other_still_unwin
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_a_deletion_that_fails_keeps_the_lock_file_and_goes_keys_first(tmp_path: Path, monkeypatch) -> None:
+def test_a_deletion_that_fails_keeps_the_lock_file_and_goes_keys_first(processes, tmp_path: Path, monkeypatch) -> None:
     """remove_tree deletes the keys first, and the lock file and the directory only once
     nothing else is left: a deletion that fails leaves a directory the next sweep finds."""
     from gputravel.cohort import stopping
@@ -301,7 +301,7 @@ def test_a_deletion_that_fails_keeps_the_lock_file_and_goes_keys_first(tmp_path:
     assert stopping.remove_tree(d) and not d.exists()
 
 
-def test_a_directory_that_cannot_be_deleted_is_said_once_and_left_to_the_sweep(tmp_path: Path, monkeypatch,
+def test_a_directory_that_cannot_be_deleted_is_said_once_and_left_to_the_sweep(processes, tmp_path: Path, monkeypatch,
                                                                                 capsys) -> None:
     """delete() tries again for its wait, then says once what is left (not once a try), lets
     go of the lock, and leaves the directory claimed for the next sweep."""
@@ -320,7 +320,7 @@ def test_a_directory_that_cannot_be_deleted_is_said_once_and_left_to_the_sweep(t
     assert not d.exists()
 
 
-def test_a_launcher_closed_off_the_main_thread_leaves_signals_as_they_were() -> None:
+def test_a_launcher_closed_off_the_main_thread_leaves_signals_as_they_were(processes) -> None:
     """A rank's thread may close the cohorts (cohort/gpus.py): the main thread's handler can
     only be reset there, so until then it acts as the default would, and a SIGTERM after the
     close ends the process (hostile review of session 24: it raised Terminated for ever)."""
@@ -337,7 +337,7 @@ def test_a_launcher_closed_off_the_main_thread_leaves_signals_as_they_were() -> 
     assert done.returncode == -15 and "survived" not in done.stdout and "Terminated" not in done.stderr
 
 
-def test_the_sweep_deletes_only_directories_of_launchers_that_are_gone(tmp_path: Path) -> None:
+def test_the_sweep_deletes_only_directories_of_launchers_that_are_gone(processes, tmp_path: Path) -> None:
     """A directory is swept only when no live launcher holds its lock: a launcher that exited
     let go of it (whatever became of its pid), one alive (in any pid namespace) did not.
     Never one claimed by nobody, nor what a link points to. A party's tree deeper than
@@ -378,7 +378,7 @@ def test_the_sweep_deletes_only_directories_of_launchers_that_are_gone(tmp_path:
     assert not (tmp_path / "gputravel-live").exists()
 
 
-def test_sigterm_and_sighup_unwind_a_launcher_and_its_teardown_is_not_cut_short() -> None:
+def test_sigterm_and_sighup_unwind_a_launcher_and_its_teardown_is_not_cut_short(processes) -> None:
     """cohort/stopping.py in-process: while a launcher runs, SIGTERM and SIGHUP raise
     Terminated; a handler someone else set is left alone; the teardown ignores both."""
     import signal
@@ -405,7 +405,7 @@ def test_sigterm_and_sighup_unwind_a_launcher_and_its_teardown_is_not_cut_short(
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
 
 
-def test_records_smaller_than_a_mib_and_several_per_buffer_verify(tmp_path: Path) -> None:
+def test_records_smaller_than_a_mib_and_several_per_buffer_verify(processes, tmp_path: Path) -> None:
     """Manifest pieces follow the record size; the orchestrator must hash VRAM with the
     holder's piece size, not a default (a buffer of three 512 KiB records)."""
     from gputravel.protocol.layout import Layout
@@ -420,7 +420,7 @@ def test_records_smaller_than_a_mib_and_several_per_buffer_verify(tmp_path: Path
             assert report.chunk.digest == chunk_digest(data[offset : offset + 3 * 512 * 1024], 512 * 1024)
 
 
-def test_a_holder_killed_mid_copy_is_dropped_and_can_rejoin(datasets) -> None:
+def test_a_holder_killed_mid_copy_is_dropped_and_can_rejoin(processes, datasets) -> None:
     from dataclasses import replace
 
     from gputravel.errors import RemoteError

@@ -290,7 +290,7 @@ def test_the_driver_reuses_a_slot_only_after_the_release_of_its_record(slots, re
 
 # ============================================================================ the bench's limit
 @pytest.mark.integration
-def test_the_pipeline_limit_runs_both_passes_and_reports_the_slower() -> None:
+def test_the_pipeline_limit_runs_both_passes_and_reports_the_slower(processes) -> None:
     from gputravel.bench.pipeline import pipeline_limit
     result = pipeline_limit(64 * 1024, 4, total_bytes=4 << 20, rounds=2)
     pipe = result["pipeline"]

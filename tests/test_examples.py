@@ -9,7 +9,7 @@ from pathlib import Path
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "port_nanogpt.py"
 
 
-def test_port_nanogpt_runs_and_reports_losses():
+def test_port_nanogpt_runs_and_reports_losses(processes):
     out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "2", "--batch", "2", "--seq-len", "16"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

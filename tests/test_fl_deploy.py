@@ -51,7 +51,7 @@ def namespaces_of(pid: int) -> list[str]:
     return [n for n in names if n.startswith(f"gt-{pid:x}-")]
 
 
-def test_a_tiny_flower_deployment_trains_over_the_links_and_leaves_nothing(tmp_path: Path) -> None:
+def test_a_tiny_flower_deployment_trains_over_the_links_and_leaves_nothing(processes, tmp_path: Path) -> None:
     result = run(tiny_config(tmp_path))
     (row,) = result["rows"]
     assert row["method"] == "fl" and row["bandwidth_mbit"] == 100.0
@@ -77,7 +77,7 @@ run(tiny_config(Path({tmp!r})))
 """
 
 
-def test_sigterm_mid_round_takes_every_flower_process_and_namespace_down(tmp_path: Path) -> None:
+def test_sigterm_mid_round_takes_every_flower_process_and_namespace_down(processes, tmp_path: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

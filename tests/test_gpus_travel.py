@@ -61,7 +61,7 @@ class WatchedCohorts(GpuCohorts):
 
 
 @pytest.mark.integration
-def test_travel_gpus_2_holders_4_travels_in_parallel_each_gpu_to_its_own_holders(tmp_path: Path, monkeypatch) -> None:
+def test_travel_gpus_2_holders_4_travels_in_parallel_each_gpu_to_its_own_holders(processes, tmp_path: Path, monkeypatch) -> None:
     made: list[SharedRoots] = []  # the roots GpuCohorts made, in its memory
     real_make = SharedRoots.make
 
@@ -135,7 +135,7 @@ def test_shares_must_hold_every_holder_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_a_gpu_that_fails_to_boot_closes_those_started_and_drops_the_roots(tmp_path: Path) -> None:
+def test_a_gpu_that_fails_to_boot_closes_those_started_and_drops_the_roots(processes, tmp_path: Path) -> None:
     """GPU 1 chains to a foreign vendor root (TrustOptions, still honoured with shared roots):
     its holder refuses it, GPU 0's cohort is closed, the roots are gone and the refusal goes on."""
     path = tmp_path / "d.bin"

@@ -129,7 +129,7 @@ def test_table_2_and_the_tie_break_from_cells() -> None:
 
 # ----------------------------------------------------------------------------- on a live cohort
 @pytest.mark.integration
-def test_a_travel_and_a_baseline_under_paper_h100_take_at_least_what_the_profile_injects(tmp_path: Path) -> None:
+def test_a_travel_and_a_baseline_under_paper_h100_take_at_least_what_the_profile_injects(processes, tmp_path: Path) -> None:
     data = tmp_path / "alice.bin"
     data.write_bytes(bytes(range(256)) * (4 * MIB // 256))
     hw = hardware_profile(PAPER_H100)
@@ -147,7 +147,7 @@ def test_a_travel_and_a_baseline_under_paper_h100_take_at_least_what_the_profile
 
 
 @pytest.mark.integration
-def test_the_travel_json_names_every_injected_cost(tmp_path: Path) -> None:
+def test_the_travel_json_names_every_injected_cost(processes, tmp_path: Path) -> None:
     out = tmp_path / "travel.json"
     res = CliRunner().invoke(app, ["travel", "--holders", "1", "--dataset-mib", "1", "--buffer-mib", "1",
                                    "--hardware", PAPER_H100, "--workdir", str(tmp_path), "--json", str(out)])

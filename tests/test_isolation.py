@@ -109,7 +109,7 @@ def live(tmp_path_factory: pytest.TempPathFactory):
             yield cohort, spy
 
 
-def test_every_party_runs_under_its_own_uid_and_is_not_dumpable(live) -> None:
+def test_every_party_runs_under_its_own_uid_and_is_not_dumpable(processes, live) -> None:
     cohort, _ = live
     iso = cohort.isolation
     assert iso.on and iso.reason == ""
@@ -122,7 +122,7 @@ def test_every_party_runs_under_its_own_uid_and_is_not_dumpable(live) -> None:
         assert now.gid == now.uid and now.groups == () and now.dumpable is False
 
 
-def test_control_the_probe_reads_a_dumpable_process_of_its_own_uid(live) -> None:
+def test_control_the_probe_reads_a_dumpable_process_of_its_own_uid(processes, live) -> None:
     """Without isolation (same uid, dumpable) the very same probe reads everything, so the
     denials below come from isolation, not from a broken probe."""
     cohort, _ = live
@@ -140,7 +140,7 @@ def test_control_the_probe_reads_a_dumpable_process_of_its_own_uid(live) -> None
     assert {k: v for k, v in got.items() if not k.endswith("/mem")} == {k: "read" for k in got if not k.endswith("/mem")}
 
 
-def test_holder_reads_peer_memory_is_refused(live) -> None:
+def test_holder_reads_peer_memory_is_refused(processes, live) -> None:
     """Red team holder-reads-peer-memory: h1's uid tries h2's, the orchestrator's, the
     device's and the host's memory and descriptors, and the device's VRAM."""
     cohort, _ = live
@@ -150,7 +150,7 @@ def test_holder_reads_peer_memory_is_refused(live) -> None:
     assert set(got.values()) == {"denied"}, got
 
 
-def test_host_reads_cvm_memory_is_refused(live) -> None:
+def test_host_reads_cvm_memory_is_refused(processes, live) -> None:
     """Red team host-reads-cvm-memory: the host's uid tries every CVM and the VRAM."""
     cohort, _ = live
     pids = cohort.pids()
@@ -165,7 +165,7 @@ def _key_files(cohort: Cohort) -> dict[str, Path]:
     return keys
 
 
-def test_key_files_are_0600_owned_by_their_party_and_unreadable_by_others(live) -> None:
+def test_key_files_are_0600_owned_by_their_party_and_unreadable_by_others(processes, live) -> None:
     cohort, _ = live
     uids = cohort.isolation.uids
     # Every probe names the file the way the parties do, through the launcher's descriptor of
@@ -181,7 +181,7 @@ def test_key_files_are_0600_owned_by_their_party_and_unreadable_by_others(live) 
         assert probe(uids[owner], target, fds) == {"key": "read"}  # control: its party reads it
 
 
-def test_members_make_their_own_keys_and_the_launcher_sees_only_public_material(live) -> None:
+def test_members_make_their_own_keys_and_the_launcher_sees_only_public_material(processes, live) -> None:
     """The launcher never holds a member's private key: the member's uid created the file
     (the directory it made it in held nothing before), and no control message carried it."""
     from cryptography import x509
@@ -208,7 +208,7 @@ def test_members_make_their_own_keys_and_the_launcher_sees_only_public_material(
     assert keys == {f"{m}/{m}.key" for m in enrolled}
 
 
-def test_the_device_makes_its_firmware_key_under_its_own_uid_and_the_launcher_sees_only_public_material(
+def test_the_device_makes_its_firmware_key_under_its_own_uid_and_the_launcher_sees_only_public_material(processes, 
         live) -> None:
     """The GPU's firmware key (the leaf of its 5-certificate chain) is created by the device's
     uid in the device's directory; the launcher, standing for the vendor, got a request and
@@ -244,13 +244,13 @@ def test_the_device_makes_its_firmware_key_under_its_own_uid_and_the_launcher_se
     assert holders == {"device/device-firmware.key"}
 
 
-def test_a_lent_output_is_the_orchestrators_while_it_runs_and_given_back(live) -> None:
+def test_a_lent_output_is_the_orchestrators_while_it_runs_and_given_back(processes, live) -> None:
     cohort, _ = live
     log = Path(cohort.config.audit_log)
     assert log.stat().st_uid == cohort.isolation.uids["orchestrator"] and log.stat().st_size > 0
 
 
-def test_isolation_off_on_request_runs_as_the_launcher(tmp_path: Path) -> None:
+def test_isolation_off_on_request_runs_as_the_launcher(processes, tmp_path: Path) -> None:
     (tmp_path / "d.bin").write_bytes(os.urandom(MIB))
     with Cohort(CohortConfig(holders=(HolderSpec("h1", str(tmp_path / "d.bin")),), buffer_bytes=MIB,
                              isolate=False, audit_log=str(tmp_path / "audit.log"))) as cohort:
@@ -260,7 +260,7 @@ def test_isolation_off_on_request_runs_as_the_launcher(tmp_path: Path) -> None:
     assert {p.uid for p in iso.parties.values()} == {0}
 
 
-def test_the_lent_travel_log_goes_back_to_its_owner(tmp_path: Path) -> None:
+def test_the_lent_travel_log_goes_back_to_its_owner(processes, tmp_path: Path) -> None:
     from gputravel.orchestrator.audit import verify_log
 
     (tmp_path / "d.bin").write_bytes(os.urandom(MIB))
@@ -342,7 +342,7 @@ def test_handing_a_tree_over_follows_no_link(tmp_path: Path) -> None:
     assert stat.S_IMODE(victim.stat().st_mode) == 0o755
 
 
-def test_only_the_device_starts_with_the_copy_engine_tunables(live) -> None:
+def test_only_the_device_starts_with_the_copy_engine_tunables(processes, live) -> None:
     """The device's VRAM writes stream past the cache as a copy engine's DMA does
     (device/memory.COPY_ENGINE_TUNABLES); no other party's environment changes."""
     from gputravel.device.memory import COPY_ENGINE_TUNABLES

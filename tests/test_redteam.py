@@ -153,7 +153,7 @@ ISOLATED = {a.name for a in ATTACKS if a.needs_isolation}
 
 
 @pytest.mark.parametrize("name", [a.name for a in ATTACKS])
-def test_attack_is_defeated(run, name: str) -> None:
+def test_attack_is_defeated(processes, run, name: str) -> None:
     _, _, report = run
     row = _row(report, name)
     if name in ISOLATED and isolation.unavailable():
@@ -169,7 +169,7 @@ def test_attack_is_defeated(run, name: str) -> None:
     assert row["outcome"] == "defeated", f"{name}:\n{evidence}"
 
 
-def test_cli_prints_the_table_writes_json_and_exits_zero(run) -> None:
+def test_cli_prints_the_table_writes_json_and_exits_zero(processes, run) -> None:
     code, output, report = run
     assert code == 0, output
     assert "every attack defeated, 0 bytes of plaintext obtained" in output

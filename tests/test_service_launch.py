@@ -56,7 +56,7 @@ def _ours() -> list[int]:
     return mine
 
 
-def test_the_services_train_and_a_copied_dataset_is_its_holders_alone(tmp_path):
+def test_the_services_train_and_a_copied_dataset_is_its_holders_alone(processes, tmp_path):
     job = _job(tmp_path)
     steps: list[int] = []
     seen: dict = {}
@@ -76,7 +76,7 @@ def test_the_services_train_and_a_copied_dataset_is_its_holders_alone(tmp_path):
     assert launch.dir is None and not _ours()  # the cohort directory is gone, no service or party left
 
 
-def test_a_job_the_job_table_refuses_is_named_before_anything_starts(tmp_path):
+def test_a_job_the_job_table_refuses_is_named_before_anything_starts(processes, tmp_path):
     job = _job(tmp_path)
     bad = replace(job.train, n_head=4, n_embd=30)  # not a multiple of n_head: the [job] table is refused
     with pytest.raises(BadInput, match="n_embd"):
@@ -111,7 +111,7 @@ def _its_services_started(work: Path, pid: int) -> bool:
     return False
 
 
-def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(tmp_path):
+def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(processes, tmp_path):
     """SIGTERM (a `timeout`, a `kill`) unwinds the launch: every service stopped, the cohort
     directory with its keys deleted. Killed outright, its services die with it (PDEATHSIG)
     and the next launch deletes the directory it left."""

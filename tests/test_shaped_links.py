@@ -66,7 +66,7 @@ def sent_bytes(report: str, dev: str) -> int:
 
 # ----------------------------------------------------------------------------- namespaces
 @needs_netns
-def test_setup_builds_a_reachable_capped_star():
+def test_setup_builds_a_reachable_capped_star(processes):
     with ShapedLinks(["alice", "bob"], bandwidth_mbit=20) as links:
         assert names_of(links) <= namespaces()
         assert len({links.address(m) for m in links.members}) == 3
@@ -82,14 +82,14 @@ def test_setup_builds_a_reachable_capped_star():
 
 
 @needs_netns
-def test_uncapped_links_have_no_token_bucket():
+def test_uncapped_links_have_no_token_bucket(processes):
     with ShapedLinks(["alice"]) as links:
         assert "tbf" not in links.qdisc_report("alice") + links.qdisc_report("orchestrator")
         assert transfer(links, "alice", "orchestrator", 64 * KIB).intact
 
 
 @needs_netns
-def test_transfer_at_a_small_cap_arrives_intact_through_the_bucket():
+def test_transfer_at_a_small_cap_arrives_intact_through_the_bucket(processes):
     with ShapedLinks(["alice"], bandwidth_mbit=20) as links:
         up = transfer(links, "alice", "orchestrator", 256 * KIB)
         down = transfer(links, "orchestrator", "alice", 256 * KIB)
@@ -100,7 +100,7 @@ def test_transfer_at_a_small_cap_arrives_intact_through_the_bucket():
 
 
 @needs_netns
-def test_teardown_removes_namespaces_interfaces_and_processes_inside():
+def test_teardown_removes_namespaces_interfaces_and_processes_inside(processes):
     links = ShapedLinks(["alice", "bob"], bandwidth_mbit=100)
     with links:
         names = names_of(links)
@@ -111,7 +111,7 @@ def test_teardown_removes_namespaces_interfaces_and_processes_inside():
 
 
 @needs_netns
-def test_teardown_happens_when_the_body_raises():
+def test_teardown_happens_when_the_body_raises(processes):
     with pytest.raises(RuntimeError, match="boom"):
         with ShapedLinks(["alice"], bandwidth_mbit=20) as links:
             names = names_of(links)
@@ -120,7 +120,7 @@ def test_teardown_happens_when_the_body_raises():
 
 
 @needs_netns
-def test_failed_setup_leaves_nothing(monkeypatch):
+def test_failed_setup_leaves_nothing(processes, monkeypatch):
     def broken(ns, dev, shape):
         raise LinkError("tc qdisc add failed (exit 2): injected")
 
@@ -132,7 +132,7 @@ def test_failed_setup_leaves_nothing(monkeypatch):
 
 
 @needs_netns
-def test_cleanup_stale_removes_only_dead_owners_namespaces():
+def test_cleanup_stale_removes_only_dead_owners_namespaces(processes):
     gone = subprocess.Popen(["true"])
     gone.wait()
     dead = f"gt-{gone.pid:x}-dead-0x"
@@ -149,7 +149,7 @@ def test_cleanup_stale_removes_only_dead_owners_namespaces():
 
 
 @needs_netns
-def test_exec_prefix_keeps_passed_descriptors():
+def test_exec_prefix_keeps_passed_descriptors(processes):
     # The supervisor hands control sockets to children by fd; they must survive `ip netns exec`.
     r, w = os.pipe()
     with ShapedLinks(["alice"]) as links:
@@ -175,7 +175,7 @@ def test_delay_puts_netem_above_tbf():
 
 
 @pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2 not installed")
-def test_link_error_names_the_command_and_its_stderr():
+def test_link_error_names_the_command_and_its_stderr(processes):
     with pytest.raises(LinkError, match=r"ip netns delete gt-0-none-0x failed .*: \S"):
         run_iproute(["ip", "netns", "delete", "gt-0-none-0x"])
 

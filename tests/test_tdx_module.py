@@ -85,7 +85,7 @@ def _output(proc: subprocess.Popen) -> str:
     return out.strip()
 
 
-def test_the_launched_cvm_is_quoted_with_the_measurement_its_launcher_registered(module) -> None:
+def test_the_launched_cvm_is_quoted_with_the_measurement_its_launcher_registered(processes, module) -> None:
     cvm, report_data = module.cvm()  # it asks at once: the module holds the request ...
     module.register(cvm.pid)  # ... until the launcher names it
     quote = bytes.fromhex(_output(cvm))
@@ -93,7 +93,7 @@ def test_the_launched_cvm_is_quoted_with_the_measurement_its_launcher_registered
     assert claims.measurement == MEASURED and claims.report_data == report_data
 
 
-def test_orchestrator_self_quote_nobody_but_the_launched_cvm_is_quoted(module) -> None:
+def test_orchestrator_self_quote_nobody_but_the_launched_cvm_is_quoted(processes, module) -> None:
     launched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         module.register(launched.pid)
@@ -116,13 +116,13 @@ def test_orchestrator_self_quote_nobody_but_the_launched_cvm_is_quoted(module) -
         launched.wait()
 
 
-def test_orchestrator_self_quote_the_launched_pid_under_another_uid_is_refused(module) -> None:
+def test_orchestrator_self_quote_the_launched_pid_under_another_uid_is_refused(processes, module) -> None:
     cvm, _ = module.cvm()
     module.register(cvm.pid, uid=os.geteuid() + 4242)  # the launcher started its CVM under another uid
     assert "uid" in _output(cvm)
 
 
-def test_a_request_before_any_launch_is_held_then_refused(tmp_path) -> None:
+def test_a_request_before_any_launch_is_held_then_refused(processes, tmp_path) -> None:
     module = Module(tmp_path, hold_s=0.5)
     try:
         with pytest.raises(QuotingRefused, match="no CVM launch was registered in time"):
@@ -154,7 +154,7 @@ def test_the_core_quotes_one_launch_and_only_for_a_living_cvm() -> None:
         core.decide(Peer(10, 0, 500), os.urandom(64))
 
 
-def test_a_connection_made_before_the_launch_gets_no_quote_once_its_pid_is_reused(tmp_path) -> None:
+def test_a_connection_made_before_the_launch_gets_no_quote_once_its_pid_is_reused(processes, tmp_path) -> None:
     """The attack the review found: a child connects and exits, its parent keeps the connected
     socket, and the child's pid later goes to the orchestrator. The kernel's pidfd of whoever
     connected (SO_PEERPIDFD) says that process exited, and its start time is gone with it."""
@@ -180,7 +180,7 @@ def test_a_connection_made_before_the_launch_gets_no_quote_once_its_pid_is_reuse
         sock.close()
 
 
-def test_once_the_launched_cvm_has_ended_nobody_is_quoted(module) -> None:
+def test_once_the_launched_cvm_has_ended_nobody_is_quoted(processes, module) -> None:
     """The module holds a pidfd of the launched process: when it exits, its pid (which the
     kernel may hand to anyone next) is quoted no more."""
     cvm, _ = module.cvm()

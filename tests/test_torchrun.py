@@ -63,7 +63,7 @@ def _assert_same_as_local(run_dir: Path, local_report: dict) -> None:
     assert (run_dir / "checkpoint.pt").is_file()
 
 
-def test_torchrun_ranks_give_the_losses_of_local_ranks_bit_for_bit(local, tmp_path):
+def test_torchrun_ranks_give_the_losses_of_local_ranks_bit_for_bit(processes, local, tmp_path):
     shares, local_report = local
     job = write_torchrun_job(TINY, shares, tmp_path / "job", tmp_path / "run")
     [launched] = _torchrun(job, tmp_path, ["--standalone", "--nproc-per-node", "2"])
@@ -71,7 +71,7 @@ def test_torchrun_ranks_give_the_losses_of_local_ranks_bit_for_bit(local, tmp_pa
     _assert_same_as_local(tmp_path / "run", local_report)
 
 
-def test_two_nodes_of_one_rank_each_give_the_same_losses(local, tmp_path):
+def test_two_nodes_of_one_rank_each_give_the_same_losses(processes, local, tmp_path):
     """The two-machine command of docs/training.md, both "machines" on this one."""
     shares, local_report = local
     job = write_torchrun_job(TINY, shares, tmp_path / "job", tmp_path / "run")
@@ -83,7 +83,7 @@ def test_two_nodes_of_one_rank_each_give_the_same_losses(local, tmp_path):
     _assert_same_as_local(tmp_path / "run", local_report)
 
 
-def test_a_launch_of_another_world_size_is_refused_with_the_reason(tmp_path, write_rank_shares):
+def test_a_launch_of_another_world_size_is_refused_with_the_reason(processes, tmp_path, write_rank_shares):
     job = write_torchrun_job(TINY, write_rank_shares(tmp_path), tmp_path / "job", tmp_path / "run")
     [launched] = _torchrun(job, tmp_path, ["--standalone", "--nproc-per-node", "1"])
     assert launched.returncode != 0

@@ -505,7 +505,7 @@ def test_send_timeout_closes_the_half_written_stream() -> None:
         raw.close()
 
 
-def test_a_forked_child_closing_its_copy_does_not_cut_the_parent() -> None:
+def test_a_forked_child_closing_its_copy_does_not_cut_the_parent(processes) -> None:
     a, b = socketpair_transports()
     pid = os.fork()
     if pid == 0:  # child: drop inherited copies, as a spawned trust domain would

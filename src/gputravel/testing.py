@@ -39,6 +39,8 @@ the moment the device services it (tamper with a staging slot, or drop the doorb
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -56,7 +58,25 @@ from gputravel.protocol.rpc import BufferInfo
 if TYPE_CHECKING:
     from gputravel.attest.provision import GpuDevice
 
-__all__ = ["FakeClock", "FakeLink", "InProcessGpu", "ORCHESTRATOR", "TEST_LAYOUT", "leaks", "renderings"]
+__all__ = ["FakeClock", "FakeLink", "InProcessGpu", "ORCHESTRATOR", "TEST_LAYOUT", "TIMEOUT_SCALE", "leaks",
+           "renderings", "timeout_scale"]
+
+
+def timeout_scale(raw: str | None) -> float:
+    """GPUTRAVEL_TEST_TIMEOUT_SCALE: the one setting every test's wait scales by (a busy or slow
+    machine gives a test more time, never a different verdict)."""
+    if raw is None or raw == "":
+        return 1.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise BadInput(f"GPUTRAVEL_TEST_TIMEOUT_SCALE: expected a number of at least 1, got {raw!r}")
+    return value
+
+
+TIMEOUT_SCALE = timeout_scale(os.environ.get("GPUTRAVEL_TEST_TIMEOUT_SCALE"))
 
 #: Small records and few slots, so multi-record copies and slot reuse happen with little data.
 TEST_LAYOUT = Layout(record_bytes=64 * 1024, staging_slots=4, gpfifo_entries=16)
