@@ -59,7 +59,7 @@ class Wire:
         self.rank, self.world_size = inner.rank, inner.world_size
         self.sent: list[bytes] = []
 
-    def isend(self, buf, dst):
+    def isend(self, buf, dst, lane):
         data = buf.view(torch.uint8).numpy().tobytes()
         index, _ = len(self.sent), self.sent.append(data)
         if index == self.at and self.fault == "drop":
@@ -70,10 +70,10 @@ class Wire:
             buf = torch.frombuffer(flipped, dtype=torch.uint8)
         if index == self.at and self.fault == "replay":
             buf = torch.frombuffer(bytearray(self.sent[index - 1]), dtype=torch.uint8)  # the record before
-        return self.inner.isend(buf, dst)
+        return self.inner.isend(buf, dst, lane)
 
-    def irecv(self, buf, src):
-        return self.inner.irecv(buf, src)
+    def irecv(self, buf, src, lane):
+        return self.inner.irecv(buf, src, lane)
 
 
 class _Done:
@@ -160,13 +160,13 @@ class _End:
         self.boxes, self.rank, self.world_size = boxes, rank, world_size
         self.posted: dict[int, int] = {}  # receives posted per source: the next record's index
 
-    def isend(self, buf, dst):
+    def isend(self, buf, dst, lane):
         with self.boxes.arrived:
             self.boxes.sent.setdefault((self.rank, dst), []).append(buf.view(torch.uint8).numpy().tobytes())
             self.boxes.arrived.notify_all()
         return _Done()
 
-    def irecv(self, buf, src):
+    def irecv(self, buf, src, lane):
         index = self.posted.get(src, 0)
         self.posted[src] = index + 1
         return _Arrival(self.boxes, (src, self.rank), index, buf)
@@ -183,7 +183,7 @@ class _Arrival:
                                         timeout.total_seconds() if timeout else 5):
                 return False
             data = box.sent[self.link][self.index]
-        self.buf.view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.buf.view(torch.uint8)[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         return True
 
 
@@ -245,10 +245,10 @@ class _Stalled:
     def __init__(self) -> None:
         self.release = threading.Event()
 
-    def isend(self, buf, dst):
+    def isend(self, buf, dst, lane):
         return self
 
-    def irecv(self, buf, src):
+    def irecv(self, buf, src, lane):
         return self
 
     def wait(self, timeout=None) -> bool:
@@ -391,6 +391,54 @@ def test_a_tampered_replayed_or_dropped_record_stops_the_all_reduce(run_ranks) -
     # The sender finishes its part, except where it waits in vain for the receiver, which
     # stopped at the record the dropped one's successor took the place of.
     assert sender == {case: "PeerTimeout" if case == "naive drop" else "completed" for case in receiver}, sender
+
+
+# Audit finding 4: the host dropped send #7 or #30, or delivered a full-length record in place of
+# a hop's short last one, and gloo ended the receiving rank (SIGABRT: "Received data size doesn't
+# match expected size") before it said anything. Two all-reduces, as DDP's buckets come, whose
+# hops end in a short record: 8 records a hop (sends #0-#15), then 15 (#16-#45), 1024 float32
+# each but the last of each hop, 100. #7 and #30 are the short last records of a first hop:
+# each dropped, the next hop's full-length first record comes in its place.
+HOSTILE_RECORD = 4096
+HOSTILE_SIZES = (2 * (7 * 1024 + 100), 2 * (14 * 1024 + 100))
+# A small all-reduce (one 500-float32 record a hop: sends #0, #1), then a large one.
+SMALL_THEN_LARGE = (2 * 500, HOSTILE_SIZES[1])
+
+
+def hostile(rank: int, world: int, fault: str, at: int, sizes: tuple[int, ...]) -> str:
+    """Rank 0's send number `at` dropped or replaced (replay: the record before, full length),
+    in all-reduces of `sizes`; what they raised, on this rank."""
+    group = dist.new_group(backend="gloo")
+    wire = Wire(TorchPointToPoint(group), fault if rank == 0 else None, at)
+    ring = Ring("pipelined", keys=_keys(group), record_bytes=HOSTILE_RECORD, group=group, p2p=wire, timeout_s=2)
+    try:
+        for n in sizes:
+            ring.all_reduce(_input(rank, n))
+    except (IntegrityError, PeerTimeout, TransportClosed) as err:
+        return f"{type(err).__name__}: {err}"
+    return "completed"
+
+
+@pytest.mark.parametrize(("fault", "at", "sizes", "raised", "where"), [
+    ("drop", 7, HOSTILE_SIZES, "IntegrityError", "hop 0, segment 0, record 7)"),
+    ("drop", 30, HOSTILE_SIZES, "IntegrityError", "hop 0, segment 0, record 14)"),
+    ("replay", 7, HOSTILE_SIZES, "IntegrityError", "hop 0, segment 0, record 7)"),
+    # The last record of an all-reduce: nothing takes its place, so its receive waits until
+    # the timeout. The next all-reduce's records, longer than that receive, travel on the
+    # other lane: they do not land in it (and end the process) in the meantime.
+    ("drop", 1, SMALL_THEN_LARGE, "PeerTimeout", "receive of hop 1 record 0 did not complete"),
+], ids=["drop-send-7", "drop-send-30", "full-length-for-short-7", "drop-the-last-send-1"])
+def test_a_dropped_or_longer_record_is_a_typed_error_on_its_receiver_never_an_abort(
+        run_ranks, fault: str, at: int, sizes: tuple[int, ...], raised: str, where: str) -> None:
+    """docs/security.md row 37. Without every receive posted for its all-reduce's longest
+    record, and consecutive all-reduces on alternate lanes (the last case), rank 1 dies here of
+    SIGABRT inside gloo, and run_ranks fails the test: "rank 1 (exit code -6) died without a word"."""
+    sender, receiver = run_ranks(hostile, 2, fault, at, sizes, timeout=60)
+    assert receiver.startswith(raised) and where in receiver, receiver
+    if raised == "IntegrityError":
+        assert "from rank 0" in receiver and "failed authentication" in receiver
+    # The sender waits in vain for records the stopped receiver never sends, or sees it leave.
+    assert sender.split(":")[0] in ("PeerTimeout", "TransportClosed"), sender
 
 
 def canary(rank: int, world: int) -> dict:

@@ -5,7 +5,10 @@ by the host's process, which records it and tampers with it.
 The tests fail if the ring were not sealed (the canary gradient is found in what the host
 carried) or if a tampered, replayed or dropped record went unnoticed (a step completes, with a
 wrong sum): `test_the_row_fails_when_the_ring_is_not_sealed` runs the same row with every ring
-plain and checks that the verdict then says so.
+plain and checks that the verdict then says so. The `replay-longer` case (a full-length record in
+place of a hop's short last one, audit finding 4) is the one that made gloo end the receiving
+rank (SIGABRT) while the ring posted each receive for its record's exact length: the row then
+stops at the fixture, as "rank 1 died without a word".
 """
 
 from __future__ import annotations
@@ -106,7 +109,10 @@ def test_the_verdict_is_defeated_with_its_evidence(sealed) -> None:
     assert verdict.plaintext is not None and verdict.plaintext.total == 0
     text = "\n".join(verdict.evidence)
     for line in ("control: the host carried", "flip: host: flipped bit", "replay: host: delivered the record before",
-                 "drop: host: dropped record", "rank 1's step stopped: IntegrityError", "its parameters never moved"):
+                 ("replay-longer: host: delivered the record before again (4112 bytes), in place of record 11 of those "
+                  "rank 0 sent rank 1 (3088 bytes)"),
+                 "cut: host: delivered the first", "drop: host: dropped record",
+                 "rank 1's step stopped: IntegrityError", "its parameters never moved"):
         assert line in text, line
 
 

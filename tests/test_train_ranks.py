@@ -67,11 +67,11 @@ def _tampered_rank(rank: int, world: int, port: int, shares) -> str:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     real, sent = ring.TorchPointToPoint.isend, []
 
-    def tampering(self, buf, dst):
+    def tampering(self, buf, dst, lane):
         sent.append(dst)
         if rank == 1 and len(sent) == 3:
             buf[0] = buf[0] ^ 1
-        return real(self, buf, dst)
+        return real(self, buf, dst, lane)
 
     ring.TorchPointToPoint.isend = tampering
     ranks = Ranks(rank=rank, world_size=world, attest=lambda data: data, verify=lambda *a: None,

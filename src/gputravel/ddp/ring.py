@@ -34,6 +34,25 @@ receiver), so a record moved to another place fails too. Any failure raises a ty
 stops the all-reduce before the tensor is handed back: the step fails, it never sums wrong. The
 ring is then broken (its counters are out of step with its peers'): later calls raise
 ChannelFaulted until new keys make a new ring.
+
+Framing. The wire carries no length: each rank computes every record's place and length from
+the tensor's size, and opens exactly that many bytes of what arrives (AES-GCM authenticates the
+ciphertext's length, so a record of another length fails its tag; bytes past that length are
+never read). What the transport may do with a message of the wrong length is the other half.
+gloo accepts a message shorter than the receive posted for it but ends the whole process
+(std::terminate, SIGABRT) on a longer one, so a host that drops a short record, and delivers
+the next, longer one in its place, would kill the receiving rank before it could say why. So
+every receive of a sealed ring is posted for the longest record of its all-reduce (the slot),
+and consecutive all-reduces use two gloo tags in turn (`lane`): records of one all-reduce,
+dropped, replayed, moved, cut short or substituted, only ever land in receives at least as long
+as any of them, and a failure is the typed error above. (After a failure no rank completes the
+next all-reduce, which needs the broken rank's records, so two tags keep a failed all-reduce's
+pending receives from meeting any later one.) A missing record that nothing takes the place of,
+such as the last one of an all-reduce, is a PeerTimeout after `timeout_s`. Sends are not
+padded: no byte is added to the wire. What the ring cannot reach is gloo's own framing: a host
+that rewrites gloo's headers on the TCP stream to announce a message longer than any receive
+still ends the process inside gloo. The plain ring, which checks nothing, keeps exact-length
+receives (its all-gather lands in place).
 """
 
 from __future__ import annotations
@@ -54,6 +73,7 @@ from gputravel.errors import BadInput, ChannelFaulted, IntegrityError, PeerTimeo
 __all__ = [
     "DEFAULT_RECORD_BYTES",
     "DEFAULT_TIMEOUT_S",
+    "LANES",
     "PointToPoint",
     "Ring",
     "TorchPointToPoint",
@@ -63,6 +83,7 @@ __all__ = [
 
 DEFAULT_RECORD_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 120.0
+LANES = 2  # gloo tags a ring takes turns with, one per all-reduce (see Framing above)
 _AAD = struct.Struct("<QIIIII")  # all-reduce number, hop, segment, record, sender, receiver
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -84,18 +105,23 @@ class Work(Protocol):
 
 
 class PointToPoint(Protocol):
-    """What the ring needs from the wire: ranks are the group's. A test wraps it to tamper."""
+    """What the ring needs from the wire: ranks are the group's. A test wraps it to tamper.
+
+    `lane` (0 .. LANES - 1) keeps the messages of one all-reduce apart from the next one's:
+    a receive of one lane is matched only by a send of the same lane, in order. A receive's
+    buffer may be longer than the message it gets (the ring posts each for its longest record)."""
 
     rank: int
     world_size: int
 
-    def isend(self, buf: torch.Tensor, dst: int) -> Work: ...
+    def isend(self, buf: torch.Tensor, dst: int, lane: int) -> Work: ...
 
-    def irecv(self, buf: torch.Tensor, src: int) -> Work: ...
+    def irecv(self, buf: torch.Tensor, src: int, lane: int) -> Work: ...
 
 
 class TorchPointToPoint:
-    """torch.distributed isend/irecv within `group` (gloo on CPU)."""
+    """torch.distributed isend/irecv within `group` (gloo on CPU), lane l on gloo tag
+    `tag * LANES + l`: two rings on one group need different `tag`s."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, tag: int = 0) -> None:
         self.group, self.tag = group, tag
@@ -103,11 +129,11 @@ class TorchPointToPoint:
         # isend/irecv take global ranks; the ring thinks in the group's.
         self._global = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)]
 
-    def isend(self, buf: torch.Tensor, dst: int) -> Work:
-        return dist.isend(buf, self._global[dst], group=self.group, tag=self.tag)
+    def isend(self, buf: torch.Tensor, dst: int, lane: int) -> Work:
+        return dist.isend(buf, self._global[dst], group=self.group, tag=self.tag * LANES + lane)
 
-    def irecv(self, buf: torch.Tensor, src: int) -> Work:
-        return dist.irecv(buf, self._global[src], group=self.group, tag=self.tag)
+    def irecv(self, buf: torch.Tensor, src: int, lane: int) -> Work:
+        return dist.irecv(buf, self._global[src], group=self.group, tag=self.tag * LANES + lane)
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -206,6 +232,7 @@ class _Pass:
 
     def __init__(self, ring: Ring, flat: torch.Tensor, op: int) -> None:
         self.ring, self.flat, self.op = ring, flat, op
+        self.lane = op % LANES
         n, self.item = ring.world_size, flat.element_size()
         self.hops = 2 * (n - 1)
         base, extra = divmod(flat.numel(), n)
@@ -260,7 +287,7 @@ class _Pass:
         ring, segment = self.ring, self.outgoing(hop)
         start, stop = self.records[segment][k]
         if not ring._sealed:
-            self.sends[(hop, k)] = ring.p2p.isend(self.flat[start:stop], ring._next)
+            self.sends[(hop, k)] = ring.p2p.isend(self.flat[start:stop], ring._next, self.lane)
             return
         earlier = self.sends.pop((hop - 2, k), None)  # the last user of this send buffer
         if earlier is not None:
@@ -269,13 +296,17 @@ class _Pass:
         plaintext = self.flat[start:stop].view(torch.uint8).numpy()
         ring._sender.encrypt_into(plaintext, out.numpy(),
                                   record_aad(self.op, hop, segment, k, ring.rank, ring._next))
-        self.sends[(hop, k)] = ring.p2p.isend(out, ring._next)
+        self.sends[(hop, k)] = ring.p2p.isend(out, ring._next, self.lane)
 
     def post_receives(self, hop: int) -> None:
         ring = self.ring
         for k, (start, stop) in enumerate(self.records[self.incoming(hop)]):
-            if ring._sealed or self.scatter(hop):
-                buf = self.recv_bufs[hop % 2][k][: (stop - start) * self.item + (TAG_BYTES if ring._sealed else 0)]
+            if ring._sealed:
+                # The whole slot, however short this record: whatever the wire puts here in its
+                # place fits, and `land` opens only this record's own length (Framing, above).
+                buf = self.recv_bufs[hop % 2][k]
+            elif self.scatter(hop):
+                buf = self.recv_bufs[hop % 2][k][: (stop - start) * self.item]
             else:
                 # Plain all-gather lands in place, over the segment this rank sent at scatter-reduce
                 # hop (hop - N + 1): that send must be off the wire first.
@@ -283,7 +314,7 @@ class _Pass:
                 if earlier is not None:
                     ring._wait(earlier, f"send of hop {hop - ring.world_size + 1} record {k}")
                 buf = self.flat[start:stop]
-            self.recvs[(hop, k)] = ring.p2p.irecv(buf, ring._prev)
+            self.recvs[(hop, k)] = ring.p2p.irecv(buf, ring._prev, self.lane)
 
     def land(self, hop: int, k: int) -> None:
         ring, segment = self.ring, self.incoming(hop)
@@ -291,14 +322,16 @@ class _Pass:
         ring._wait(self.recvs.pop((hop, k)), f"receive of hop {hop} record {k}")
         nbytes = (stop - start) * self.item
         if ring._sealed:
-            # Opened into scratch, never into the gradient: GCM writes before it verifies.
+            # Opened into scratch, never into the gradient: GCM writes before it verifies. The
+            # length is this rank's own, never the wire's: a record of another length fails here.
             try:
                 ring._receiver.decrypt_into(self.recv_bufs[hop % 2][k][: nbytes + TAG_BYTES].numpy(),
                                             self.scratch[:nbytes].numpy(),
                                             record_aad(self.op, hop, segment, k, ring._prev, ring.rank))
             except IntegrityError:
                 raise IntegrityError(f"all-reduce record from rank {ring._prev} (hop {hop}, segment {segment}, "
-                                     f"record {k}) failed authentication: tampered, replayed or dropped") from None
+                                     f"record {k}) failed authentication: tampered, replayed, dropped or "
+                                     f"resized") from None
             got = self.scratch[:nbytes].view(self.flat.dtype)
         elif self.scatter(hop):
             got = self.recv_bufs[hop % 2][k][:nbytes].view(self.flat.dtype)

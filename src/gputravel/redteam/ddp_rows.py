@@ -10,8 +10,12 @@ group through the host):
 
 - ``encrypted`` and ``encrypted-naive``: the pipelined and the naive ring, honest host;
 - ``plain-control``: the same step on the unsealed ring, so that the search is seen to work;
-- ``flip``, ``replay``, ``drop``: the host flips a bit of, replays the record before in place
-  of, or drops one record rank 0 sends rank 1 in the last hop.
+- ``flip``, ``replay``, ``cut``, ``drop``: the host flips a bit of, replays the record before in
+  place of, delivers the first half of, or drops one record rank 0 sends rank 1 in the last hop;
+- ``replay-longer``: the host delivers the record before, full length, in place of the hop's
+  short last record (each hop's segment is 2.75 records long). gloo ends a process that gets a
+  message longer than the receive posted for it, so this is the case that killed the receiving
+  rank (SIGABRT, nothing reported) before the ring posted every receive for its longest record.
 
 Everything the host carried is searched for the gradient in five encodings (float32 of the
 gradient, of its 1/W share, of the updated weights; float16 and bfloat16 of the share), as
@@ -43,6 +47,7 @@ ROW = "host-carries-allreduce"
 WORLD = 3
 RECORD_BYTES = 4096  # 1024 float32 a record
 RECORDS_PER_HOP = 3  # of the pipelined ring: the last hop has a record before and after the one touched
+SHORT = 256  # float32 the last record of each hop lacks: 1024, 1024 and 768 float32 a hop
 PERIOD = 256  # float32 values between the canary's markers
 WINDOW = 8  # bytes: two float32, four float16; a random match is about 2**-64 a place
 TIMEOUT_S = 20.0  # any gloo operation, and the ring's waits: nobody waits in vain in these cases
@@ -57,7 +62,8 @@ def cases(sealed: bool = True) -> tuple[Case, ...]:
     ring = (lambda v: v) if sealed else (lambda v: "plain")
     return (Case("encrypted", ring("pipelined")), Case("encrypted-naive", ring("naive")), Case(CONTROL, "plain"),
             Case("flip", ring("pipelined"), "flip"), Case("replay", ring("pipelined"), "replay"),
-            Case("drop", ring("pipelined"), "drop"))
+            Case("replay-longer", ring("pipelined"), "replay", record=RECORDS_PER_HOP - 1),
+            Case("cut", ring("pipelined"), "cut"), Case("drop", ring("pipelined"), "drop"))
 
 
 @dataclass(frozen=True)
@@ -117,11 +123,11 @@ def carry(out_dir: Path, *, sealed: bool = True, world: int = WORLD, only: tuple
         raise BadInput("the all-reduce row needs at least two ranks and a case")
     out_dir.mkdir(parents=True, exist_ok=True)
     per_record = RECORD_BYTES // 4
-    gradient = canary_gradient(world * RECORDS_PER_HOP * per_record)
+    gradient = canary_gradient(world * (RECORDS_PER_HOP * per_record - SHORT))
     root = Authority.self_signed(TEE_QUOTING_ROOT_CN)  # the emulated CPU-TEE quoting root of this run
     hops = 2 * (world - 1)
     plan = Plan(world=world, port=free_port(), cases=chosen, gradient=gradient.numpy().tobytes(),
-                record_bytes=RECORD_BYTES, fault_at=(hops - 1) * RECORDS_PER_HOP + 1,
+                record_bytes=RECORD_BYTES, last_hop=(hops - 1) * RECORDS_PER_HOP,
                 context=f"gputravel redteam {ROW}/{os.urandom(16).hex()}/".encode(),
                 root=(root.cert_der, key_pem(root.key)), out_dir=str(out_dir), timeout_s=TIMEOUT_S)
     got = _launch(plan)
@@ -243,9 +249,11 @@ def _ranks_line(ranks: dict[int, dict], which) -> str:
 STOPPED_BY = ("AES-256-GCM on every hop of the ring, per-direction keys from an ECDHE bound to each rank's quote "
               "(ddp/keys.py): what the host carried held no byte of the canary gradient in any encoding searched "
               "(control: the same search finds it in the plain ring's traffic); the receiver tracks the IVs and each "
-              "record's AAD names its all-reduce, hop, segment and record, so the flipped, the replayed and the "
-              "dropped record each failed authentication on rank 1 (IntegrityError), which stopped its DDP step "
-              "before the optimizer moved a weight; the other ranks' steps completed with the right sum")
+              "record's AAD names its all-reduce, hop, segment and record, so the flipped, the replayed, the cut and "
+              "the dropped record, and a full-length record in place of a hop's short last one, each failed "
+              "authentication on rank 1 (IntegrityError; every receive is posted for the all-reduce's longest record, "
+              "so no record the host delivers in another's place makes gloo end the process), which stopped its DDP "
+              "step before the optimizer moved a weight; the other ranks' steps completed with the right sum")
 
 
 def host_carries_allreduce(a: Arena) -> Verdict:

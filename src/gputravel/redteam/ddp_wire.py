@@ -7,9 +7,14 @@ Each rank trains one DDP step with the encrypted hook (ddp/hook.py), whose ring 
 is given a link through the host (:class:`HostCarried`, the ring's ``p2p`` seam): every
 record it sends goes to the host's process as gloo point-to-point messages, and the host
 forwards it to the rank it names, or does not. The host records every record it carried and,
-in the fault cases, flips a bit of one record, replaces it with the one before (a replay), or
-drops it. Nothing else of the honest ranks changes: their keys come from an ECDHE bound to
-emulated TDX quotes (ddp/keys.py), their step is the production hook's.
+in the fault cases, flips a bit of one record, replaces it with the one before (a replay),
+delivers it cut short, or drops it. Nothing else of the honest ranks changes: their keys come
+from an ECDHE bound to emulated TDX quotes (ddp/keys.py), their step is the production hook's.
+
+Each delivery is one gloo message into a receive the ring posted for the longest record of its
+all-reduce. A host that delivered a message longer than that would make gloo end the rank
+(SIGABRT): an attack on gloo's framing, which the ring cannot reach (ddp/ring.py, "Framing"),
+and no case here makes it.
 
 DDP's own parameter broadcast and the key exchange run over gloo between the ranks, not
 through the host's process: they carry the initial weights (zeros) and public key shares,
@@ -33,8 +38,10 @@ from torch.nn.parallel import DistributedDataParallel
 from gputravel.attest import Authority
 from gputravel.attest.quote import EmulatedRankTee
 from gputravel.ddp import Ring, RingHookState, encrypted_allreduce_hook, establish_pair_keys
+from gputravel.ddp.ring import LANES
 
 HEAD, BODY, DELIVER = 1, 2, 3  # gloo tags: a record's header and body to the host; the host's delivery
+# (DELIVER + the ring's lane: the host delivers a record on the lane its sender named)
 END = -1  # a header's destination when a rank is done with a case
 MEASURED = b"\x5b" * 48  # the rank CVMs' measurement, as their verifiers accept it (emulated)
 MAX_RECORD = 1 << 24  # the host refuses to allocate more for one record than this
@@ -44,7 +51,8 @@ MAX_RECORD = 1 << 24  # the host refuses to allocate more for one record than th
 class Case:
     name: str
     variant: str  # the ring's: plain, naive or pipelined
-    fault: str = ""  # "", "flip", "replay" or "drop": what the host does to one record from rank 0 to rank 1
+    fault: str = ""  # "", "flip", "replay", "cut" or "drop": what the host does to one record from rank 0 to rank 1
+    record: int = 1  # which record of the last hop (of those rank 0 sends rank 1) the host does it to
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class Plan:
     cases: tuple[Case, ...]
     gradient: bytes  # rank 0's gradient (float32), the canary; the other ranks' are zeros
     record_bytes: int
-    fault_at: int  # index, among the records rank 0 sends rank 1 in a case, of the one the host touches
+    last_hop: int  # index, among the records rank 0 sends rank 1 in a case, of the last hop's first
     context: bytes  # names this run; every case adds its own name (a key serves one ring)
     root: tuple[bytes, bytes]  # the emulated CPU-TEE quoting root: certificate, private key (PEM)
     out_dir: str  # where the host writes what it carried, one file per case
@@ -66,25 +74,26 @@ class Plan:
 # ----------------------------------------------------------------------------- the ranks
 class HostCarried:
     """A rank's ring link when the host carries the bytes: a record for rank `dst` goes to the
-    host as a header (destination, length) and the record itself; whatever the host delivers
-    arrives from the host. A ring's receiver hears one peer, so `src` names no channel here:
-    where a record came from is for its authentication to say, not for the wire."""
+    host as a header (destination, length, lane) and the record itself; whatever the host
+    delivers arrives from the host, into a receive as long as the ring posted it (the longest
+    record of the all-reduce). A ring's receiver hears one peer, so `src` names no channel
+    here: where a record came from is for its authentication to say, not for the wire."""
 
     def __init__(self, carrier: dist.ProcessGroup, rank: int, world_size: int, host: int) -> None:
         self.carrier, self.rank, self.world_size, self.host = carrier, rank, world_size, host
 
-    def isend(self, buf: torch.Tensor, dst: int) -> _Both:
+    def isend(self, buf: torch.Tensor, dst: int, lane: int) -> _Both:
         body = buf.view(torch.uint8)
-        head = torch.tensor([dst, body.numel()], dtype=torch.int64)
+        head = torch.tensor([dst, body.numel(), lane], dtype=torch.int64)
         return _Both(head, dist.isend(head, self.host, group=self.carrier, tag=HEAD),
                      dist.isend(body, self.host, group=self.carrier, tag=BODY))
 
-    def irecv(self, buf: torch.Tensor, src: int) -> dist.Work:
-        return dist.irecv(buf.view(torch.uint8), self.host, group=self.carrier, tag=DELIVER)
+    def irecv(self, buf: torch.Tensor, src: int, lane: int) -> dist.Work:
+        return dist.irecv(buf.view(torch.uint8), self.host, group=self.carrier, tag=DELIVER + lane)
 
     def done(self) -> None:
         """Tell the host this rank sends nothing more in this case (after what it already sent)."""
-        dist.send(torch.tensor([END, 0], dtype=torch.int64), self.host, group=self.carrier, tag=HEAD)
+        dist.send(torch.tensor([END, 0, 0], dtype=torch.int64), self.host, group=self.carrier, tag=HEAD)
 
 
 class _Both:
@@ -179,19 +188,19 @@ def _carry(plan: Plan, case: Case, carrier: dist.ProcessGroup) -> dict:
         sent = 0  # records from `src` to rank 1, for the fault's index
         last = b""
         while True:
-            head = torch.empty(2, dtype=torch.int64)
+            head = torch.empty(3, dtype=torch.int64)
             dist.recv(head, src, group=carrier, tag=HEAD)
-            dst, n = (int(v) for v in head)
+            dst, n, lane = (int(v) for v in head)
             if dst == END:
                 return
-            if not (0 <= dst < plan.world and 0 < n <= MAX_RECORD):
-                raise ValueError(f"rank {src} sent a header the host cannot carry: {dst}, {n}")
+            if not (0 <= dst < plan.world and 0 < n <= MAX_RECORD and 0 <= lane < LANES):
+                raise ValueError(f"rank {src} sent a header the host cannot carry: {dst}, {n}, {lane}")
             body = torch.empty(n, dtype=torch.uint8)
             dist.recv(body, src, group=carrier, tag=BODY)
             record = body.numpy().tobytes()
             out: bytes | None = record
             if case.fault and (src, dst) == (0, 1):
-                if sent == plan.fault_at:
+                if sent == plan.last_hop + case.record:
                     out, note = _tamper(case.fault, record, last)
                     with lock:
                         said.append(f"{note} record {sent} of those rank 0 sent rank 1 ({n} bytes)")
@@ -200,7 +209,7 @@ def _carry(plan: Plan, case: Case, carrier: dist.ProcessGroup) -> dict:
                 carried.append(record)
                 if out is not None:
                     deliveries.append(dist.isend(torch.frombuffer(bytearray(out), dtype=torch.uint8), dst,
-                                                 group=carrier, tag=DELIVER))
+                                                 group=carrier, tag=DELIVER + lane))
 
     failures: list[str] = []
 
@@ -228,7 +237,9 @@ def _tamper(fault: str, record: bytes, before: bytes) -> tuple[bytes | None, str
         flipped[len(flipped) // 2] ^= 0x01
         return bytes(flipped), f"flipped bit 0 of byte {len(record) // 2} of"
     if fault == "replay":
-        return before, "delivered the record before again, in place of"
+        return before, f"delivered the record before again ({len(before)} bytes), in place of"
+    if fault == "cut":
+        return record[: len(record) // 2], f"delivered the first {len(record) // 2} bytes of"
     return None, "dropped"
 
 
