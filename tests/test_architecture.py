@@ -25,6 +25,7 @@ FLOORS = {
     "gputravel": 0,  # the package itself (cohort/isolation.py finds the checkout through it)
     "errors": 0,
     "files": 0,
+    "processes": 0,  # the one way a child process is stopped
     "crypto": 1,
     "protocol": 1,
     "transport": 2,

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("processes")  # every test here starts processes
+
 from gputravel.ddp.launch import ProcessFailed, ProcessesSilent, run_processes
 from gputravel.errors import PeerTimeout, RemoteError
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gputravel.processes import stop_process
 from gputravel.errors import GputravelError, ProtocolError, TransportClosed
 from gputravel.protocol.rpc import Evidence, GetEvidence
 from gputravel.transport.stream import StreamTransport
@@ -39,11 +40,7 @@ class FirmwareProcess:
 
     def close(self) -> None:
         self.link.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 5, asked=True)  # it ends with its link
 
     def __enter__(self) -> FirmwareProcess:
         return self

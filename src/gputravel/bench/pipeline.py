@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 
+from gputravel.processes import stop_processes
 from gputravel.crypto.channel import IV_BYTES, KEY_BYTES, TAG_BYTES, KeyMaterial, Receiver, Sender
 from gputravel.device.memory import PIECE_BYTES, open_record
 from gputravel.errors import BadInput, GputravelError
@@ -94,10 +95,7 @@ def _round(record_bytes: int, slots: int, total_bytes: int, timeout: float) -> d
                 raise GputravelError(f"the pipeline-limit {role} failed (exit {proc.returncode})")
             out[role] = json.loads(text)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+        stop_processes(procs, 0.0)  # done or failed: a helper still running is no use
         os.close(fd)
     seal, opened = out["sealer"]["gbps"], out["opener"]["gbps"]
     return {"limit_gbps": min(seal, opened), "seal_gbps": seal, "open_gbps": opened,

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from gputravel.cohort.placement import Placement
 from gputravel.cohort.quoting import KEY as TDX_MODULE, QuotingLaunch
 from gputravel.cohort.trust import CohortTrust, certify_device, pin_orchestrator, provision_cohort_trust
 from gputravel.crypto.pki import CohortCa
+from gputravel.processes import stop_processes
 from gputravel.errors import BadInput, GputravelError, ProtocolError, RemoteError, Terminated
 from gputravel.host.tap import TcpTap
 from gputravel.net import LinkError
@@ -350,19 +350,10 @@ class Supervisor:
                 self.children[key].control.send(Shutdown())
             except GputravelError:
                 pass
-        deadline = time.monotonic() + 5
+        members = [c.proc for c in self.children.values() if c.role in ("orchestrator", "holder")]
+        stop_processes(members, 5, asked=True)  # asked: each finishes its goodbye first
+        stop_processes([c.proc for c in self.children.values()], 5)
         for child in self.children.values():
-            if child.role in ("orchestrator", "holder"):
-                _wait(child.proc, deadline)
-        for child in self.children.values():
-            if child.proc.poll() is None:
-                child.proc.terminate()
-        deadline = time.monotonic() + 5
-        for child in self.children.values():
-            _wait(child.proc, deadline)
-            if child.proc.poll() is None:
-                child.proc.kill()
-                child.proc.wait()
             child.control.close()
         self.children.clear()
         if self._tap is not None:
@@ -419,9 +410,3 @@ class Supervisor:
     def pids(self) -> dict[str, int]:
         return {k: c.proc.pid for k, c in self.children.items()}
 
-
-def _wait(proc: subprocess.Popen, deadline: float) -> None:
-    try:
-        proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-    except subprocess.TimeoutExpired:
-        pass

@@ -17,6 +17,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
+from gputravel.processes import stop_processes
 from gputravel.errors import PeerTimeout, RemoteError
 
 POLL_S = 0.5  # how often the parent looks for a process that died without a word
@@ -106,14 +107,9 @@ def _drain(results, got: dict[int, object], names: Sequence[str], wait: float) -
 
 
 def _end(procs: list, grace: float) -> None:
-    deadline = time.monotonic() + grace
-    for p in procs:
-        if p.pid is None:  # never started
-            continue
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
+    """Each has ended or been told to (a result sent, or the job failed): `grace` to end by
+    itself, then SIGTERM, then SIGKILL."""
+    stop_processes(procs, grace, asked=True)
 
 
 def _child(index: int, target: Callable, args: tuple, results) -> None:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from gputravel.processes import stop_processes
 from gputravel.cohort import stopping
 from gputravel.cohort.isolation import die_with_parent
 from gputravel.cohort.links import CohortLinks
@@ -104,16 +105,7 @@ class FlowerDeployment:
             self._undo_term = lambda: None
 
     def _stop_all(self) -> None:
-        for proc in self.children.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 5
-        for proc in self.children.values():
-            try:
-                proc.wait(timeout=max(0.01, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.children.values(), 5)
         self.children.clear()
         self.links.close()  # kills whatever Flower started that still runs inside
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from gputravel.processes import stop_process
 from gputravel.errors import BadInput
 from gputravel.net.iproute import LinkError
 from gputravel.net.shaped import ShapedLinks
@@ -82,9 +83,7 @@ def transfer(links: ShapedLinks, src: str, dst: str, nbytes: int, *,
         if server.returncode != 0:
             raise LinkError(f"receiver in {dst!r} failed: {err.strip()}")
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        stop_process(server, 0.0)
     got, seconds, digest = out.split()
     return Transfer(links.link, src, dst, nbytes, int(got), float(seconds),
                     client.stdout.decode().strip(), digest)

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gputravel.processes import stop_process
 from gputravel.cohort import isolation, stopping
 from gputravel.data.tokenizer import RECORD_NAME
 from gputravel.errors import PeerTimeout, RemoteError
@@ -406,14 +407,7 @@ def _children(pid: int) -> list[int]:
 
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM (a service stops cleanly on it), then SIGKILL; never raises."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc, STOP_GRACE_S)
 
 
 def _tail(log: Path, lines: int = 12) -> str:

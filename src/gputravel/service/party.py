@@ -23,6 +23,7 @@ from gputravel.cohort.client import error_from
 from gputravel.cohort.entry import jsonable
 from gputravel.files import atomic_write_bytes, read_plain
 from gputravel.errors import BadInput, GputravelError, RemoteError
+from gputravel.processes import stop_process
 from gputravel.protocol.control import Enroll, Failed, Ready, Shutdown
 from gputravel.transport.stream import StreamTransport
 
@@ -130,14 +131,7 @@ class PartyChild:
                 self.control.close()
         except GputravelError:
             pass
-        steps = (self.proc.terminate, self.proc.kill)
-        for step in steps if self._stop_by == "terminate" else (lambda: None, *steps):
-            step()
-            try:
-                return self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                continue
-        return self.proc.wait()
+        return stop_process(self.proc, grace, asked=self._stop_by != "terminate")
 
     def close(self) -> None:
         if self.alive():
