@@ -12,7 +12,7 @@ once, so buckets are sealed and sent while the backward pass computes the next o
 bucket overlap; the crypto and gloo release the GIL). Buckets reach the hook in the same order
 on every rank, and the single worker keeps that order on the wire.
 
-A failed all-reduce (a tampered, replayed or dropped record, a peer gone) completes the
+A failed all-reduce (a tampered, replayed, dropped, cut or longer record, a peer gone) completes the
 bucket's future with the typed error, so DDP's backward raises and the step stops. DDP raises
 it as a RuntimeError that quotes the error's message; the typed error itself is kept in
 `state.failure`, for the training loop to re-raise.
