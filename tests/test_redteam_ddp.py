@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 import torch
 
 from gputravel.redteam.arena import Attack, Verdict
@@ -34,6 +35,8 @@ from gputravel.redteam.ddp_rows import (
     judge,
 )
 from gputravel.redteam.run import _judge
+
+pytestmark = pytest.mark.usefixtures("processes")  # the row runs ranks and a host in processes
 
 FAULTS = [c.name for c in cases() if c.fault]
 HONEST = [c.name for c in cases() if not c.fault and c.name != CONTROL]

@@ -29,7 +29,7 @@ FORK = {"method": "forkserver", "preload": ["torch", "torch.distributed", "gputr
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, write_rank_shares):
+def two_ranks(processes, tmp_path_factory, write_rank_shares):
     tmp = tmp_path_factory.mktemp("ranks")
     shares = write_rank_shares(tmp)
     return tmp, shares, run_local_ranks(TINY, shares, tmp / "run", timeout=60)
@@ -197,7 +197,7 @@ def _wrapped_rank(rank: int, world: int, port: int) -> list[float]:
         return model.weight.detach().flatten().tolist()
 
 
-def test_wrapping_broadcasts_no_parameter():
+def test_wrapping_broadcasts_no_parameter(processes):
     """DDP's start-up broadcast would send rank 0's weights over gloo in the clear: it is off,
     so two ranks that start from different weights still hold their own after wrapping."""
     port = free_port()
