@@ -24,7 +24,7 @@ test: $(STAMP)
 
 # The fast tier: every test that starts no process (tests/conftest.py marks the rest `slow`).
 check: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	HYPOTHESIS_PROFILE=fast $(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/gputravel bench travel --sizes 4,8,16,32,64,128,256,512 --repeat 5 --json runs/bench-travel.json

@@ -18,7 +18,10 @@ import subprocess
 
 import pytest
 
+import profiles
 from gputravel.testing import TIMEOUT_SCALE
+
+profiles.load()  # before any test module builds its settings
 
 SLOW_FIXTURE = "processes"
 

@@ -8,6 +8,7 @@ import pytest
 from cryptography.hazmat.primitives import hashes
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples  # tests/profiles.py: counts for the thorough profile
 
 from gputravel.crypto import channel as ch
 from gputravel.crypto.channel import (
@@ -362,7 +363,7 @@ def test_decrypt_into_failure_zeroes_out():
 
 
 # ----------------------------------------------------------------------------- property
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     plaintext=st.binary(max_size=256),
     aad=st.none() | st.binary(max_size=32),

@@ -46,6 +46,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
+from profiles import examples  # tests/profiles.py: counts for the thorough profile
 from msgspec import structs
 
 from gputravel.driver.context import pack_context, unpack_context
@@ -806,14 +807,14 @@ class EpochMachine(RuleBasedStateMachine):
                 link.before_service = link.while_waiting = None
 
 
-PROPERTY = settings(max_examples=60, stateful_step_count=25, deadline=None, derandomize=True, database=None,
+PROPERTY = settings(max_examples=examples(60), stateful_step_count=25, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 EpochMachine.TestCase.settings = PROPERTY
 TestEpochInvariants = EpochMachine.TestCase
 
 
 # ---------------------------------------------------------------------------- the machine has teeth
-HUNT = settings(PROPERTY, max_examples=300, phases=[Phase.generate], report_multiple_bugs=False)
+HUNT = settings(PROPERTY, max_examples=examples(300), phases=[Phase.generate], report_multiple_bugs=False)
 
 
 def _export_without_the_check(self: EpochLedger) -> int:

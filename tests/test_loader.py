@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples  # tests/profiles.py: counts for the thorough profile
 
 from gputravel.errors import BadInput, HolderLost
 from gputravel.train.loader import LocalSource, TravellingLoader
@@ -93,7 +94,7 @@ def test_proportional_interleaves_by_size_and_finishes_together():
         assert abs(order[:k].count("big") - 0.75 * k) <= 1.5
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(stop=st.integers(min_value=1, max_value=60), policy=st.sampled_from(["round_robin", "proportional"]))
 def test_resume_from_saved_state_continues_exactly(stop, policy):
     toks = streams({"a": 300, "b": 170, "c": 90})

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples  # tests/profiles.py: counts for the thorough profile
 
 from gputravel.data import tokenizer as tk
 from gputravel.data.tokenizer import (
@@ -26,7 +27,7 @@ from gputravel.errors import BadInput
 
 
 # ----------------------------------------------------------------------------- bytes
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.text(alphabet=st.characters(codec="utf-8")))
 def test_byte_tokenizer_round_trips_any_text(text: str) -> None:
     tok = ByteTokenizer()

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples  # tests/profiles.py: counts for the thorough profile
 from msgspec.structs import replace
 from rich.pretty import pretty_repr
 
@@ -394,7 +395,7 @@ def test_context_blobs_and_channel_keys_stay_out_of_repr() -> None:
 
 
 # ----------------------------------------------------------------------------- fuzzing
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def decode_or_protocol_error(data: bytes) -> None:
