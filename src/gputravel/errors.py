@@ -24,6 +24,20 @@ class BadInput(LocalError):
     """An argument or configuration value is invalid; the message says what to fix."""
 
 
+def number_in(value: float, flag: str, low: float = 0.0, high: float = float("inf"), *,
+              low_included: bool = False, unit: str = "") -> float:
+    """`value` if it is a finite number above `low` (or equal to it, with `low_included`) and at
+    most `high`; else BadInput naming `flag`. NaN and infinity are refused too (every comparison
+    with NaN is false, so a range check alone would let it through)."""
+    above = value >= low if low_included else value > low
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value in (float("inf"), float("-inf")) or not above or value > high:
+        bound = f"at least {low:g}" if low_included else ("positive" if low == 0 else f"above {low:g}")
+        top = f" and at most {high:g}{unit}" if high != float("inf") else ""
+        raise BadInput(f"{flag} must be a finite number, {bound}{top}, got {value!r}")
+    return value
+
+
 class IllegalTransition(LocalError):
     """A protocol state machine was asked to do something its current state does not allow."""
 

@@ -52,6 +52,23 @@ def write_json(path: Path, data: object) -> None:
     atomic_write_bytes(Path(path), (json.dumps(data, indent=2) + "\n").encode())
 
 
+#: What `not_data` says of a path that is not there.
+MISSING = "does not exist"
+
+
+def not_data(path: Path | str) -> str | None:
+    """None if `path` is a regular file or a directory (links followed); else why it cannot be
+    read as data: MISSING, "is not a regular file or directory" (a FIFO blocks its reader until a
+    writer comes, a device may never end: refused before anything starts), or "cannot be read"."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return MISSING
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else "is not a regular file or directory"
+
+
 def open_plain(path: Path) -> int:
     """A descriptor of `path` if it is a plain file, without following a link or blocking on a
     FIFO. For root reading files another account wrote (a party's own directory): a link or a

@@ -19,6 +19,7 @@ import msgspec
 
 from gputravel.crypto.channel import IV_BYTES, KEY_BYTES, ChannelState
 from gputravel.crypto.labels import USER_LABELS, is_h2d
+from gputravel.errors import BadInput
 from gputravel.driver.context import CONTEXT_VERSION, DriverContext, SealedContext, pack_context
 from gputravel.protocol import codec
 from gputravel.protocol.push import CopyFromVram, CopyToVram, GrantWindow, Memset, RotateKeys, SemaphoreRelease
@@ -84,6 +85,8 @@ def _number(nbytes: int) -> int:
 
 def run(repeat: int = 15, on_row: Callable[[dict], None] | None = None) -> dict:
     """Median encode and decode time per message (microseconds), and its encoded size."""
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise BadInput(f"--repeat must be at least 1 (a median needs a sample), got {repeat!r}")
     rows = []
     for name, msg in messages().items():
         data = codec.encode(msg)

@@ -35,12 +35,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gputravel.errors import BadInput, RemoteError
+from gputravel.errors import BadInput, RemoteError, number_in
 from gputravel.net import LINK_NETNS, check_rate
 from gputravel.cohort.links import resolve_link
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 from gputravel.bench import paper
+from gputravel.bench.travel import check_sizes
 from gputravel.protocol.hardware import EMULATED, hardware_profile
 
 MIB = 1 << 20
@@ -70,8 +71,9 @@ class CompareConfig:
             raise BadInput("--repeat must be at least 1")
         if self.link not in ("auto", "netns", "token-bucket"):
             raise BadInput("--link must be auto, netns or token-bucket")
-        if self.max_transfer_s <= 0:
-            raise BadInput("--max-transfer-s must be positive")
+        check_sizes(self.sizes_mib)  # what this machine carries, before anything starts
+        number_in(self.max_transfer_s, "--max-transfer-s")
+        number_in(self.link_check_s, "--link-check-s", low_included=True)
         hardware_profile(self.hardware)  # BadInput for an unknown profile
 
 

@@ -48,6 +48,8 @@ class SweepConfig:
             raise BadInput("--models are LAYERSxWIDTH, width a multiple of 32, e.g. 2x64,4x128,6x256")
         if not self.holder_tokens or any(n < 1 for n in self.holder_tokens):
             raise BadInput("--holder-tokens must be positive")
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise BadInput(f"--rounds must be at least 1, got {self.rounds!r}")
 
 
 def parse_models(text: str) -> tuple[tuple[int, int], ...]:
@@ -56,6 +58,15 @@ def parse_models(text: str) -> tuple[tuple[int, int], ...]:
         return tuple((int(a), int(b)) for a, b in (m.lower().split("x") for m in text.split(",") if m.strip()))
     except ValueError:
         raise BadInput(f"--models are LAYERSxWIDTH, comma separated, e.g. 2x64,4x128, got {text!r}") from None
+
+
+def parse_tokens(text: str) -> tuple[int, ...]:
+    """'4096,16384' -> (4096, 16384)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise BadInput(f"--holder-tokens are whole numbers of tokens, comma separated, e.g. 4096,16384, "
+                       f"got {text!r}") from None
 
 
 def model_config(n_layer: int, n_embd: int, steps: int):

@@ -25,7 +25,7 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, number_in
 from gputravel.protocol.hardware import EMULATED, PAPER_H100, TABLE_2, TABLE_2_BUFFER_MIB, hardware_profile, table_1
 
 MIB = 1 << 20
@@ -58,17 +58,22 @@ class PlanInput:
             raise BadInput("--holders, --epochs and --fl-rounds must be at least 1")
         if self.bandwidth_mbit is not None and not self.bandwidth_mbit > 0:
             raise BadInput("--bandwidth must be a positive number of Mbit/s, or 'uncapped'")
-        if self.model_bytes < 0 or self.bytes_per_token <= 0:
-            raise BadInput("--model-size must not be negative and --bytes-per-token must be positive")
+        if self.model_bytes < 0:
+            raise BadInput("--model-size must not be negative")
+        number_in(self.bytes_per_token, "--bytes-per-token")
         hardware_profile(self.hardware)
         if (self.tokens_per_s is None) == (self.step_s is None):
             raise BadInput("give the training speed as --tokens-per-s, or as --step-s with --tokens-per-step")
-        if self.step_s is not None and (self.step_s <= 0 or not self.tokens_per_step or self.tokens_per_step <= 0):
-            raise BadInput("--step-s needs a positive step time and a positive --tokens-per-step")
+        if self.step_s is not None:
+            number_in(self.step_s, "--step-s")
+            if not self.tokens_per_step or self.tokens_per_step <= 0:
+                raise BadInput("--step-s needs a positive --tokens-per-step")
         if self.tokens_per_step is not None and self.step_s is None:
             raise BadInput("--tokens-per-step goes with --step-s")
-        if self.tokens_per_s is not None and self.tokens_per_s <= 0:
-            raise BadInput("--tokens-per-s must be positive")
+        if self.tokens_per_s is not None:
+            number_in(self.tokens_per_s, "--tokens-per-s")
+        if not math.isfinite(self.rate) or self.rate <= 0:  # a step time so long that no token a second is left
+            raise BadInput(f"the training speed comes to {self.rate:g} tokens/s: give a finite, positive one")
 
     @property
     def rate(self) -> float:
@@ -286,7 +291,7 @@ def parse_size(text: str, what: str) -> int:
         value = float(number)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or not value > 0 or not math.isfinite(value):
+    if unit not in _UNITS or not value > 0 or not math.isfinite(value * _UNITS.get(unit, 1)):
         raise BadInput(f"{what} must be a positive size with a unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), "
                        f"e.g. 44TiB or 256MiB; got {text!r}")
     return int(value * _UNITS[unit])

@@ -53,10 +53,11 @@ def run(holders: list[int], travels: int, buffer_mib: int = 1, *, command: str =
         raise BadInput("--holders needs at least one count")
     if travels < 1:
         raise BadInput("--travels must be at least 1")
-    if not 1 <= buffer_mib <= 1024:
-        raise BadInput("--buffer-mib must be between 1 and 1024")
+    if not 1 <= buffer_mib <= capacity.MAX_BUFFER_MIB:
+        raise BadInput(f"--buffer-mib must be between 1 and {capacity.MAX_BUFFER_MIB}")
     for n in holders:  # before anything starts: every row must fit this machine
-        capacity.check(n, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=buffer_mib * MIB)
+        capacity.check(n, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=buffer_mib * MIB,
+                       vram_mib=buffer_mib + capacity.VRAM_MARGIN_MIB)
     result = {
         "machine": machine(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

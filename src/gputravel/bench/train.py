@@ -32,6 +32,7 @@ import torch
 from gputravel.bench import holdout
 from gputravel.bench.compare import link_kind, machine
 from gputravel.bench.train_report import PAPER_TABLE2, check_pair, fl_row, method_row
+from gputravel.cohort import capacity
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 from gputravel.errors import BadInput
@@ -93,6 +94,11 @@ class TrainBenchConfig:
             raise BadInput("--eval-batches must be between 1 and 256")
         if self.holder_tokens is not None and self.holder_tokens < 1:
             raise BadInput("--holder-tokens must be positive")
+        # What this machine carries, before anything starts (cohort/capacity.py): the buffer in
+        # the GPU's protected memory (travel and tls runs), the training in one process.
+        if set(self.methods) - {"fl"}:
+            capacity.check_buffer(self.train.buffer_bytes, "--buffer-kib", 1 << 10)
+        capacity.check_memory(self.train.memory_mib(), "the training needs", "use a smaller model or batch")
 
 
 def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) -> dict:

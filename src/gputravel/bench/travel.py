@@ -28,6 +28,7 @@ from typing import Callable
 from gputravel.crypto.channel import KeyMaterial, Receiver, Sender
 from gputravel.errors import BadInput
 from gputravel.protocol.control import STEPS
+from gputravel.cohort import capacity
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 from gputravel.bench.paper import table_1_row
@@ -88,6 +89,7 @@ def run(sizes_mib: list[int], repeat: int, *, on_row: Callable[[dict], None] | N
     if repeat < 1:
         raise BadInput("--repeat must be at least 1")
     profile = hardware_profile(hardware)  # BadInput for an unknown profile, before anything is measured
+    check_sizes(sizes_mib)
     result = {
         "crypto_limit_gbps": crypto_limit_gbps(),
         **pipeline_limit(Layout().record_bytes, Layout().staging_slots),  # the cohorts' layout
@@ -106,6 +108,14 @@ def run(sizes_mib: list[int], repeat: int, *, on_row: Callable[[dict], None] | N
                 on_row(row)
             os.unlink(Path(tmp) / f"holder-{size}mib.bin")
     return result
+
+
+def check_sizes(sizes_mib: list[int] | tuple[int, ...]) -> None:
+    """BadInput naming --sizes if this machine cannot carry the largest size's cohort: one
+    holder with a dataset of that size, and a buffer of that size in the GPU's VRAM."""
+    size = max(sizes_mib)
+    capacity.check(1, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=size * MIB,
+                   vram_mib=size + capacity.VRAM_MARGIN_MIB, fix=f"use smaller --sizes than {size} MiB")
 
 
 def _measure(tmp: Path, size_mib: int, repeat: int, hardware: str = EMULATED) -> dict:

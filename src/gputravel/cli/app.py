@@ -25,10 +25,11 @@ from gputravel.cli.scale import bench_scale
 from gputravel.cli.service import cohort_app, serve_command, status_command
 from gputravel.cli.train_bench import bench_fl_sweep, bench_train
 from gputravel.errors import GputravelError
-from gputravel.jobs.travel import Travel, TravelJobConfig, run_travels, summarise
+from gputravel.jobs.travel import Travel, TravelJobConfig, check_capacity, run_travels, summarise
 from gputravel.protocol.control import STEPS, TravelReport
 from gputravel.protocol.hardware import hardware_profile
-from gputravel.cli.output import console, fail, numeric_table, write_results
+from gputravel.cli.output import check_output_dir, check_output_file, console, fail, numeric_table, write_results
+
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GPU Travelling: confidential collaborative training with a travelling (emulated) H100 in CC mode.")
@@ -94,12 +95,15 @@ def travel_job(
     A whole local cohort moves every holder's synthetic dataset through the GPU once, with a
     table of where the time went in each travel. With --gpus N, N single-GPU cohorts travel in
     parallel, each to its own share of the holders."""
+    out = workdir or Path("runs/demo")
     try:
+        check_output_dir(out, "--workdir")
+        check_output_file(json_path, "--json")
         cfg = TravelJobConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed, hardware=hardware,
                               gpus=gpus)
+        check_capacity(cfg)
     except GputravelError as exc:
         fail(exc)
-    out = workdir or Path("runs/demo")
     total = holders * -(-dataset_mib // buffer_mib)
     on = f"{gpus} GPUs in parallel" if gpus > 1 else "one GPU"
     console.print(f"[bold]gputravel travel[/bold]: {holders} holders x {dataset_mib} MiB, buffer {buffer_mib} MiB, "
@@ -243,8 +247,11 @@ def bench_codec(
     """Encode and decode time of the travel path's messages (the wire codec)."""
     table = numeric_table("Wire codec, travel path (medians, µs per call)",
                           ("message", "bytes", "encode", "decode", "round trip"))
-    result = codec_bench.run(repeat, on_row=lambda r: table.add_row(
-        r["message"], str(r["bytes"]), f"{r['encode_us']:.2f}", f"{r['decode_us']:.2f}", f"{r['round_trip_us']:.2f}"))
+    try:
+        result = codec_bench.run(repeat, on_row=lambda r: table.add_row(
+            r["message"], str(r["bytes"]), f"{r['encode_us']:.2f}", f"{r['decode_us']:.2f}", f"{r['round_trip_us']:.2f}"))
+    except GputravelError as exc:
+        fail(exc)
     console.print(table)
     console.print(f"codec: {result['codec']}")
     write_results(json_path, result)

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gputravel.errors import BadInput
 from gputravel.files import write_json
 
 console = Console()
@@ -20,6 +21,32 @@ console = Console()
 def fail(exc: Exception) -> NoReturn:
     console.print(f"[red]error:[/red] {escape(str(exc))}")  # escape: paths and lists are no markup
     raise typer.Exit(1)
+
+
+def check_output_dir(path: Path, flag: str) -> None:
+    """BadInput naming `flag` unless `path` is a directory or can be made one (nothing there, and
+    the nearest existing parent a directory): said before anything starts, not after."""
+    _check_parents(path, flag)
+    if path.exists() and not path.is_dir():
+        raise BadInput(f"{flag} {path} exists and is not a directory")
+
+
+def check_output_file(path: Path | None, flag: str) -> None:
+    """BadInput naming `flag` if the file `path` (None: not asked for) could not be written
+    there: it is a directory, or a parent of it is not one."""
+    if path is None:
+        return
+    _check_parents(path, flag)
+    if path.is_dir():
+        raise BadInput(f"{flag} {path} is a directory; give a file name")
+
+
+def _check_parents(path: Path, flag: str) -> None:
+    for parent in Path(path).absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise BadInput(f"{flag} {path}: {parent} is not a directory")
+            return
 
 
 def numeric_table(title: str, columns: Iterable[str], **options) -> Table:

@@ -12,7 +12,7 @@ import typer
 from gputravel.bench import plan as model
 from gputravel.cli.hardware import hardware_option
 from gputravel.errors import BadInput, GputravelError
-from gputravel.files import write_json
+from gputravel.files import MISSING, not_data, write_json
 from gputravel.protocol.hardware import EMULATED
 from gputravel.cli.output import console, numeric_table
 
@@ -90,9 +90,12 @@ def _input(dataset, holders, buffer, bandwidth, hardware, tokens_per_s, step_s, 
 def _read_results(paths: Optional[list[Path]]) -> list[tuple[str, dict]]:
     """Every benchmark JSON under ``paths`` (default: the first of RESULT_DIRS that has any)."""
     if paths:
-        missing = [str(p) for p in paths if not p.exists()]
+        missing = [str(p) for p in paths if not_data(p) == MISSING]
         if missing:
             raise BadInput(f"--results not found: {', '.join(missing)}")
+        for p in paths:  # a FIFO would block the read
+            if not_data(p) is not None:
+                raise BadInput(f"--results {p} {not_data(p)}")
         files = [f for p in paths for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
     else:
         files = next((sorted(d.glob("*.json")) for d in RESULT_DIRS if d.is_dir() and any(d.glob("*.json"))), [])

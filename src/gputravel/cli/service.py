@@ -13,7 +13,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputravel.cli.output import console, fail
+from gputravel.cohort.capacity import check_buffer
 from gputravel.errors import GputravelError
+from gputravel.files import MISSING, not_data
 from gputravel.service.config import load_service
 from gputravel.service.init import init_cohort
 from gputravel.service.status import cohort_status
@@ -41,6 +43,9 @@ def _holder(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise typer.BadParameter(f"expected NAME=PATH, got {text!r}", param_hint="--holder")
+    why = not_data(path)  # a FIFO, socket or device is refused here, not by the holder's service later
+    if why is not None and why != MISSING:  # a missing path: init_cohort says so
+        raise typer.BadParameter(f"{name}={path}: {why}", param_hint="--holder")
     return name, path
 
 
@@ -50,11 +55,13 @@ def init(
     holders: list[str] = typer.Option(..., "--holder", help="A data holder: NAME=PATH of its data; repeat."),
     gpus: int = typer.Option(1, min=1, help="GPUs to configure (gpu-0.toml, ...); the orchestrator uses gpu-0."),
     steps: Optional[int] = typer.Option(None, min=1, help="Training steps of the job (default 20)."),
-    buffer_kib: Optional[int] = typer.Option(None, min=4, help="The dataset buffer in the GPU, KiB (default 256)."),
+    buffer_kib: Optional[int] = typer.Option(None, min=4, help="The dataset buffer in the GPU, KiB (default 256; a multiple of 4, at most 1048576)."),
 ) -> None:
     """Write one config file per party, the public trust anchors and empty state directories."""
     pairs = [_holder(h) for h in holders]
     try:
+        if buffer_kib is not None:  # before anything is written: what this machine's GPU can hold
+            check_buffer(buffer_kib << 10, "--buffer-kib", 1 << 10)
         written = init_cohort(directory, pairs, gpus=gpus, steps=steps,
                               buffer_bytes=None if buffer_kib is None else buffer_kib << 10)
     except GputravelError as exc:

@@ -16,10 +16,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from gputravel.files import write_json
-from gputravel.errors import BadInput, GputravelError
+from gputravel.cohort.capacity import MAX_BUFFER_MIB, MIB, check_buffer
+from gputravel.errors import BadInput, GputravelError, number_in
 from gputravel.protocol.control import STEPS
 from gputravel.cli.hardware import hardware_option
-from gputravel.cli.output import console, fail
+from gputravel.cli.output import check_output_dir, check_output_file, console, fail
 
 STEP_NAMES = {"o_cleanup": "scrub", "o_export": "O export (during the scrub)", "dh_switch": "switch to H (wait)", "dh_import": "H import",
               "dh_copy": "H copy", "dh_export": "H export", "tls": "TLS", "o_switch": "switch to O (wait)",
@@ -42,7 +43,7 @@ def training_job(
     steps: int = typer.Option(300, help="Training steps."),
     batch: int = typer.Option(8, help="Batch size B."),
     seq_len: int = typer.Option(64, help="Sequence length T."),
-    buffer_mib: float = typer.Option(0.0625, help="Dataset buffer in the GPU's protected memory, MiB (a multiple of 4 KiB)."),
+    buffer_mib: float = typer.Option(0.0625, help="Dataset buffer in the GPU's protected memory, MiB (a multiple of 4 KiB, at most 1024, and what this machine's memory holds)."),
     schedule: str = typer.Option("round_robin", help="Which holder the GPU visits next: round_robin or proportional."),
     seed: int = typer.Option(0, help="Seed of the model initialisation and the sample."),
     loader: str = typer.Option("travelling", help="travelling (GPU travels to holders) or local (same tokens from disk: the G2 reference)."),
@@ -61,20 +62,27 @@ def training_job(
     A whole local cohort runs (host, GPU, orchestrator, data holders as processes); the
     orchestrator trains on each chunk the GPU brings back from a holder."""
     # Both import torch (about a second), which `gputravel --help` and the other commands do without.
-    from gputravel.jobs.training import TrainingJobConfig, default_holders, run_training_job  # lazy: torch
+    from gputravel.jobs.training import (  # lazy: torch
+        TrainingJobConfig, check_capacity, default_holders, run_training_job)
     from gputravel.train.loop import TrainConfig  # lazy: torch
 
     if resume and run_dir is None:
         fail(BadInput("--resume needs the --run-dir of the run to continue"))
     out = run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    try:
+    try:  # every value checked, and the job against this machine, before anything starts
+        check_output_dir(out, "--run-dir")
+        check_output_file(json_path, "--json")
+        number_in(buffer_mib, "--buffer-mib", high=MAX_BUFFER_MIB, unit=" MiB")
+        if loader != "local":  # in the GPU's protected memory: whole pages (the local loader reads from disk)
+            check_buffer(round(buffer_mib * MIB), "--buffer-mib", given=buffer_mib)
         cfg = TrainingJobConfig(
-            train=TrainConfig(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * (1 << 20)),
+            train=TrainConfig(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
                               schedule=schedule, seed=seed, loader=loader, threads=threads,
                               checkpoint_every=checkpoint_every),
             holders=_holder_data(holder_data) if holder_data else default_holders(holders, out),
             run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
             servers=servers, server_mbit=server_mbit)
+        check_capacity(cfg)
     except GputravelError as exc:
         fail(exc)
     names = ", ".join(n for n, _ in cfg.holders)

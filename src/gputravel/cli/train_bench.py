@@ -86,13 +86,13 @@ def bench_fl_sweep(
     from gputravel.bench import fl_sweep  # lazy: imports torch and the training benchmark
 
     try:
-        cfg = fl_sweep.SweepConfig(fl_sweep.parse_models(models), tuple(int(x) for x in holder_tokens.split(",")),
+        cfg = fl_sweep.SweepConfig(fl_sweep.parse_models(models), fl_sweep.parse_tokens(holder_tokens),
                                    bandwidth, rounds, link, loss_gap)
         with console.status("one bench train per cell..."):
             result = fl_sweep.run(cfg, on_cell=lambda c: console.print(
                 f"  {c['holder_tokens']} tokens/holder, {c['n_layer']}x{c['n_embd']}: "
                 + ", ".join(f"{m} {r['bytes_over_link']:,} B" for m, r in c["rows"].items())))
-    except (GputravelError, ValueError) as exc:
+    except GputravelError as exc:
         fail(exc)
     for name, m in result["crossover"].get("models", {}).items():
         console.print(f"  {name} ({m['params']:,} params): FedAvg moves fewer bytes than TLS above "

@@ -10,7 +10,13 @@ Every holder is a CVM process of its own, so what a cohort needs grows with thei
   scale`), its DMA segment (unprotected memory, populated) and its dataset, mapped resident.
 
 :func:`check` refuses, before anything starts, a cohort the machine cannot carry, naming the
-limit it would hit.
+limit it would hit. :func:`check_buffer` does the same for one dataset buffer, naming the flag
+that set it, and :func:`check_memory` for any one part (the training's own memory, say): every
+command's memory check goes through :func:`check_memory`, against MemAvailable less RESERVE_MIB.
+
+The GPU's protected memory (VRAM) is a memfd the device populates when it boots: shared memory
+the kernel charges to the machine's memory (MemAvailable), not to /dev/shm's tmpfs, whose size
+does not bound it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import resource
 
 from gputravel.cohort.isolation import BLOCK
 from gputravel.errors import BadInput
+from gputravel.protocol.layout import PAGE
 
 MIB = 1 << 20
 #: The most holders one cohort may have: the uid block less the host, device, TDX module and
@@ -30,6 +37,10 @@ FDS_PER_HOLDER, FDS_BASE = 4, 64
 #: A holder process's private memory (interpreter, libraries, heap), rounded up from the ~25
 #: MiB measured, plus what is left free for everything else.
 PROCESS_MIB, RESERVE_MIB = 40, 512
+#: The largest dataset buffer any command takes, MiB (the paper's Table 1 goes up to 512).
+MAX_BUFFER_MIB = 1024
+#: What the device's VRAM holds beside the dataset buffer (CohortConfig.device_vram), MiB.
+VRAM_MARGIN_MIB = 64
 
 
 def fds_needed(holders: int) -> int:
@@ -52,26 +63,56 @@ def available_mib() -> int | None:
     return None
 
 
-def check(holders: int, *, sysmem_bytes: int, dataset_bytes: int, gpus: int = 1, vram_mib: int = 0) -> None:
+def check_memory(need_mib: int, what_needs: str, fix: str, detail: str = "") -> None:
+    """BadInput if what needs about `need_mib` MiB of memory (`what_needs`: "the training
+    needs", say; `detail`: where the figure comes from) does not fit in what this machine has
+    available, less RESERVE_MIB kept free; `fix` says what to change. Nothing is checked where
+    MemAvailable cannot be read."""
+    have = available_mib()
+    if have is not None and need_mib + RESERVE_MIB > have:
+        raise BadInput(f"{what_needs} about {need_mib} MiB of memory{f' ({detail})' if detail else ''}, above the "
+                       f"{max(have - RESERVE_MIB, 0)} MiB this machine has available (MemAvailable {have} MiB, less "
+                       f"{RESERVE_MIB} MiB kept free): {fix}")
+
+
+def check_buffer(buffer_bytes: int, flag: str, unit: int = MIB, given: object = None) -> None:
+    """BadInput naming `flag` (which gives the buffer in units of `unit` bytes; `given`: the
+    value as typed, when the bytes were rounded from it) unless the dataset buffer is a positive
+    multiple of a page, at most MAX_BUFFER_MIB, and the device's VRAM (the buffer and
+    VRAM_MARGIN_MIB more, populated when it boots) fits in memory."""
+    name = {MIB: "MiB", 1 << 10: "KiB"}.get(unit, f"x {unit} bytes")
+    shown = f"{buffer_bytes / unit:.12g}" if given is None else str(given)
+    page, top = f"{PAGE / unit:.12g}", f"{MAX_BUFFER_MIB * MIB / unit:.12g}"
+    if not 0 < buffer_bytes <= MAX_BUFFER_MIB * MIB or buffer_bytes % PAGE:
+        raise BadInput(f"{flag} must be a multiple of {page} ({PAGE >> 10} KiB) from {page} to {top} ({name}), "
+                       f"got {shown}")
+    vram = -(-buffer_bytes // MIB) + VRAM_MARGIN_MIB
+    check_memory(vram, f"{flag} {shown}: the GPU's protected memory needs", f"use a smaller {flag}",
+                 f"the buffer and {VRAM_MARGIN_MIB} MiB more, populated when the device boots")
+
+
+def check(holders: int, *, sysmem_bytes: int, dataset_bytes: int, gpus: int = 1, vram_mib: int = 0,
+          train_mib: int = 0, fix: str = "use fewer holders or GPUs, or smaller datasets") -> None:
     """BadInput, naming the limit, if this machine cannot carry ``holders`` holders whose DMA
-    segments and datasets are this large (bytes each). With several ``gpus`` (cohort/gpus.py:
-    one cohort each), each GPU's cohort beside them too: its device, whose ``vram_mib`` is
-    populated, its host, TDX module and orchestrator, and the launcher's descriptors for it."""
+    segments and datasets are this large (bytes each), beside each GPU's device, whose
+    ``vram_mib`` is populated, and its orchestrator's training (``train_mib``). With several
+    ``gpus`` (cohort/gpus.py: one cohort each), each GPU's own host, TDX module and
+    orchestrator processes too, and the launcher's descriptors for them. `fix`: what the
+    message tells to change when memory is short."""
     if not 1 <= holders <= MAX_HOLDERS:
         raise BadInput(f"a cohort has between 1 and {MAX_HOLDERS} holders (its parties share a block of "
                        f"{BLOCK} uids), not {holders}")
-    who = f"{holders} holders" if gpus == 1 else f"{gpus} GPUs with {holders} holders"
+    who = f"{holders} holder{'s' if holders != 1 else ''}" if gpus == 1 else f"{gpus} GPUs with {holders} holders"
+    need = "needs" if holders == 1 and gpus == 1 else "need"
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = fds_needed(holders) + (gpus - 1) * FDS_BASE
-    if soft != resource.RLIM_INFINITY and soft < need:
-        raise BadInput(f"{who} need about {need} open files in the host process, above this "
-                       f"process's limit of {soft} (RLIMIT_NOFILE): raise it (ulimit -n {need}) or use fewer holders")
+    fds = fds_needed(holders) + (gpus - 1) * FDS_BASE
+    if soft != resource.RLIM_INFINITY and soft < fds:
+        raise BadInput(f"{who} {need} about {fds} open files in the host process, above this "
+                       f"process's limit of {soft} (RLIMIT_NOFILE): raise it (ulimit -n {fds}) or use fewer holders")
     each = mib_per_holder(sysmem_bytes, dataset_bytes)
-    per_gpu = 4 * PROCESS_MIB + vram_mib if gpus > 1 else 0
-    have = available_mib()
-    total = holders * each + gpus * per_gpu + RESERVE_MIB
-    if have is not None and total > have:
-        raise BadInput(f"{who} need about {total} MiB of memory ({each} MiB a holder: process, DMA segment, "
-                       f"dataset; {per_gpu} MiB a GPU with its own cohort; {RESERVE_MIB} MiB kept free), above "
-                       f"the {have} MiB this machine has available (MemAvailable): use fewer holders or GPUs, or "
-                       "smaller datasets")
+    per_gpu = (4 * PROCESS_MIB if gpus > 1 else 0) + vram_mib + train_mib
+    gpu = f"{per_gpu} MiB a GPU with its own cohort" if gpus > 1 else f"{per_gpu} MiB the GPU"
+    parts = [name for name, mib in (("VRAM", vram_mib), ("training", train_mib)) if mib]
+    gpu += f" ({', '.join(parts)})" if parts else ""
+    check_memory(holders * each + gpus * per_gpu, f"{who} {need}", fix,
+                 f"{each} MiB a holder: process, DMA segment, dataset; {gpu}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gputravel.cohort.capacity import VRAM_MARGIN_MIB
 from gputravel.cohort.links import check_link_config
 from gputravel.cohort.trust import SharedRoots, TrustOptions
 from gputravel.crypto.pki import MEMBER_NAME
@@ -116,4 +117,4 @@ class CohortConfig:
 
     @property
     def device_vram(self) -> int:
-        return self.vram_bytes or self.buffer_bytes + (64 << 20)
+        return self.vram_bytes or self.buffer_bytes + (VRAM_MARGIN_MIB << 20)

@@ -17,6 +17,7 @@ from gputravel.data.prepare import encode_files, text_files
 from gputravel.data.shards import SHARD_GLOB, list_shards, read_shard
 from gputravel.data.tokenizer import Tokenizer, default_tokenizer, get_tokenizer, resolve_record
 from gputravel.errors import BadInput
+from gputravel.files import not_data
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing arrays element-wise has no single truth value
@@ -49,8 +50,9 @@ def load_tokens(path: Path | str, tokenizer: str | Tokenizer | None = None) -> H
     tokenizer (default: `default_tokenizer()`, GPT-2 when available offline, else bytes).
     """
     path = Path(path)
-    if not path.exists():
-        raise BadInput(f"{path} does not exist; pass a shard directory, a .bin shard or text files")
+    why = not_data(path)  # a FIFO, socket or device is refused, not read
+    if why is not None:
+        raise BadInput(f"{path} {why}; pass a shard directory, a .bin shard or text files")
     if path.is_dir() and any(path.glob(SHARD_GLOB)):
         return _load_shards(path, list_shards(path), tokenizer)
     if path.is_file() and path.suffix == ".bin":

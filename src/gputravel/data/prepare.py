@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from gputravel.errors import BadInput
+from gputravel.files import MISSING, not_data
 from gputravel.data.shards import MAX_TOKENS, SHARD_GLOB, write_shard
 from gputravel.data.tokenizer import RECORD_NAME, Tokenizer, get_tokenizer, write_tokenizer_record
 
@@ -49,16 +50,17 @@ def text_files(inputs: Sequence[Path | str]) -> list[Path]:
     `*.txt` files (recursively, sorted by relative path, hidden ones skipped)."""
     files: list[Path] = []
     for item in map(Path, inputs):
+        why = not_data(item)  # a FIFO, socket or device is refused, not read
+        if why is not None:
+            raise BadInput(f"input {item} {why + '; check the path' if why == MISSING else why}")
         if item.is_dir():
             found = sorted((p for p in item.rglob("*.txt") if p.is_file() and not _hidden(p, item)),
                            key=lambda p: p.relative_to(item).as_posix())
             if not found:
                 raise BadInput(f"no .txt files in {item}; put the holder's text there as .txt files")
             files.extend(found)
-        elif item.is_file():
-            files.append(item)
         else:
-            raise BadInput(f"input {item} does not exist; check the path")
+            files.append(item)
     _reject_duplicates(files)
     return files
 
@@ -168,7 +170,7 @@ def _publish(tmp: Path, out: Path) -> None:
 
 def _check_shard_tokens(shard_tokens: int) -> None:
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or not 0 < shard_tokens <= MAX_TOKENS:
-        raise BadInput(f"shard_tokens must be an integer in 1..{MAX_TOKENS}, got {shard_tokens!r}")
+        raise BadInput(f"--shard-tokens must be an integer in 1..{MAX_TOKENS}, got {shard_tokens!r}")
 
 
 # ----------------------------------------------------------------------------- prepare

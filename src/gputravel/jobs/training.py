@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from gputravel.cohort import capacity
 from gputravel.cohort.client import RankPlace
 from gputravel.service.launch import ServiceLaunch
 from gputravel.cohort.gpus import GpuCohorts, on_each
@@ -28,11 +29,12 @@ from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.data.holder_tokens import load_tokens
 from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
-from gputravel.errors import BadInput
-from gputravel.files import atomic_write_bytes, write_json
+from gputravel.errors import BadInput, number_in
+from gputravel.files import MISSING, atomic_write_bytes, not_data, write_json
+from gputravel.net.tc import MAX_BANDWIDTH_MBIT
 from gputravel.protocol.hardware import hardware_profile
 from gputravel.protocol.layout import Layout, record_bytes_for
-from gputravel.train.loader import LocalSource
+from gputravel.train.loader import TOKEN_BYTES, LocalSource
 from gputravel.train.loop import StepEvent, TrainConfig, checkpoint_shares, make_report, sample_tokenizer, train
 
 
@@ -57,9 +59,40 @@ class TrainingJobConfig:
             raise BadInput(f"--gpus must be between 1 and the number of holders ({len(self.holders)}), got {self.gpus!r}")
         if self.servers and (self.gpus < 2 or self.train.loader != "travelling"):
             raise BadInput("--servers spreads the GPUs of a travelling run over servers: it needs --gpus 2 or more")
+        if self.server_mbit is not None:
+            number_in(self.server_mbit, "--server-mbit", high=MAX_BANDWIDTH_MBIT)
         for name, path in self.holders:
-            if not Path(path).exists():
-                raise BadInput(f"data of holder {name!r} not found: {path}")
+            why = not_data(path)
+            if why is not None:
+                raise BadInput(f"data of holder {name!r} ({path}) {'not found' if why == MISSING else why}")
+
+
+def check_capacity(cfg: TrainingJobConfig) -> None:
+    """BadInput, naming the flag, if this machine cannot carry the job, before anything starts
+    (cohort/capacity.py, the check `gputravel travel` makes): the dataset buffer (--buffer-mib)
+    in the GPU's protected memory, the training (--batch x --seq-len on the model) in the
+    orchestrator, and the whole cohort, one per GPU, beside them."""
+    t = resolve(cfg).train  # the holders' tokenizer fixes the vocabulary, so the logits' size
+    if t.buffer_bytes // TOKEN_BYTES < t.batch * t.seq_len + 1:
+        raise BadInput(f"--buffer-mib {t.buffer_bytes / capacity.MIB:g} holds {t.buffer_bytes // TOKEN_BYTES} tokens, and one "
+                       f"batch needs {t.batch * t.seq_len + 1} (--batch {t.batch} x --seq-len {t.seq_len}, and the next "
+                       "token): use a larger --buffer-mib, or a smaller --batch or --seq-len")
+    if t.loader == "local":  # no cohort: the training alone, here
+        capacity.check_memory(t.memory_mib(), f"training with --batch {t.batch} x --seq-len {t.seq_len} needs",
+                              "use a smaller --batch or --seq-len", _training_detail(t))
+        return
+    capacity.check_buffer(t.buffer_bytes, "--buffer-mib")
+    capacity.check_memory(t.memory_mib(), f"the orchestrator's training with --batch {t.batch} x --seq-len "
+                          f"{t.seq_len} needs", "use a smaller --batch or --seq-len", _training_detail(t))
+    data = sum(_data_bytes(Path(path)) for _, path in cfg.holders)
+    capacity.check(len(cfg.holders), sysmem_bytes=layout_for(t.buffer_bytes).sysmem_bytes,
+                   dataset_bytes=-(-data // len(cfg.holders)), gpus=cfg.gpus,
+                   vram_mib=-(-t.buffer_bytes // capacity.MIB) + capacity.VRAM_MARGIN_MIB, train_mib=t.memory_mib())
+
+
+def _training_detail(t: TrainConfig) -> str:
+    return (f"a GPT-2 of {t.params():,} parameters, {t.n_layer} layers {t.n_embd} wide, vocabulary {t.vocab_size}, "
+            f"with AdamW, and a batch of {t.batch * t.seq_len:,} tokens")
 
 
 def layout_for(buffer_bytes: int) -> Layout:
@@ -110,6 +143,7 @@ def resolve(cfg: TrainingJobConfig) -> TrainingJobConfig:
 
 def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None] | None = None) -> dict:
     """Run the job; writes the run directory and returns the report."""
+    check_capacity(cfg)
     cfg = resolve(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,8 @@ class TravelJobConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.holders <= capacity.MAX_HOLDERS:  # what this machine carries: run_travel_job
             raise BadInput(f"--holders must be between 1 and {capacity.MAX_HOLDERS}")
-        if not 1 <= self.buffer_mib <= 1024:
-            raise BadInput("--buffer-mib must be between 1 and 1024")
+        if not 1 <= self.buffer_mib <= capacity.MAX_BUFFER_MIB:
+            raise BadInput(f"--buffer-mib must be between 1 and {capacity.MAX_BUFFER_MIB}")
         if not 1 <= self.dataset_mib <= 4096:  # an empty dataset has nothing to travel for
             raise BadInput("--dataset-mib must be between 1 and 4096")
         hardware_profile(self.hardware)  # BadInput for an unknown profile
@@ -123,7 +123,7 @@ def run_travels(config: TravelJobConfig, workdir: Path, on_travel: Callable[[Tra
 def check_capacity(config: TravelJobConfig) -> None:
     """BadInput, naming the limit, if this machine cannot carry the job's holders and GPUs."""
     capacity.check(config.holders, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=config.dataset_mib * MIB,
-                   gpus=config.gpus, vram_mib=config.buffer_mib + 64)  # CohortConfig.device_vram
+                   gpus=config.gpus, vram_mib=config.buffer_mib + capacity.VRAM_MARGIN_MIB)
 
 
 def _datasets(config: TravelJobConfig, workdir: Path) -> tuple[HolderSpec, ...]:

@@ -32,6 +32,14 @@ from gputravel.train.rundir import RunDir, checkpoint_extra, load_checkpoint
 from gputravel.train.schedule import POLICIES, LoaderState
 
 LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (orchestrator/baseline.py)
+#: The most CPU threads a run may ask for (torch crashes far above; 256 is more than any one
+#: machine here has, and the same value gives the same losses anywhere).
+MAX_THREADS = 256
+#: The seeds torch takes (torch.manual_seed): from -2^63 to 2^64 - 1.
+SEEDS = range(-(1 << 63), 1 << 64)
+#: What the training process holds besides the model and its batch: the interpreter, torch
+#: and its allocator's slack, MiB (about 300 measured with torch 2 on CPU, rounded up).
+TORCH_MIB = 400
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,26 @@ class TrainConfig:
             raise BadInput("--lr must be between 0 and 1")
         if self.sample_tokens < 0 or self.checkpoint_every < 0:
             raise BadInput("--sample-tokens and --checkpoint-every cannot be negative")
+        if self.threads > MAX_THREADS:
+            raise BadInput(f"--threads must be between 1 and {MAX_THREADS}, got {self.threads}")
+        if self.seed not in SEEDS:
+            raise BadInput(f"--seed must be an integer from -2^63 to 2^64 - 1 (torch's seeds), got {self.seed}")
+
+    def params(self) -> int:
+        """The model's parameters (train/model.py's GPT, lm_head tied to wte, block_size seq_len)."""
+        c, layers = self.n_embd, self.n_layer
+        return (self.vocab_size + self.seq_len) * c + layers * (12 * c * c + 13 * c) + 2 * c
+
+    def memory_mib(self) -> int:
+        """About the most memory one training step takes, MiB: torch itself (TORCH_MIB); the
+        weights, their gradients and AdamW's two moments (16 bytes a parameter; the position
+        embedding alone is seq_len x n_embd); and what backward keeps of a batch of B x T
+        tokens, float32: about 20 values of n_embd a token a layer, plus the logits over the
+        vocabulary (three copies). Attention keeps no T x T matrix (scaled_dot_product_attention
+        on CPU runs its flash kernel). Checked against measured peaks: the demo's model, B 8, T 64 to 4096."""
+        tokens = self.batch * self.seq_len
+        activations = 4 * tokens * (20 * self.n_layer * self.n_embd + 3 * self.vocab_size + 2 * self.n_embd)
+        return TORCH_MIB + -(-(16 * self.params() + activations) // (1 << 20))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
