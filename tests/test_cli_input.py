@@ -1,10 +1,13 @@
 """Bad input on the command line is answered, never crashed on (audit finding 5): each value is
 checked before anything starts, against what this machine can carry, and the refusal is one
-line naming the flag, with no traceback. Nothing here starts a process (the fast tier)."""
+line naming the flag, with no traceback. Nothing here starts a process (the fast tier), but
+for the one test that runs the real entry point to see what a user sees."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -13,6 +16,9 @@ from typer.testing import CliRunner
 
 from gputravel.cli.app import app
 from gputravel.cohort import capacity
+
+DEEP = 5000  # far past Python's recursion limit: tomllib and json recurse once a level
+
 
 def refused(args: list[str], *says: str) -> str:
     """Run the command line in-process: it must exit non-zero, saying each of `says`, with no
@@ -45,6 +51,20 @@ def fifo(tmp_path: Path):
     yield path
     done.set()
     guard.join()
+
+
+@pytest.fixture
+def deep_toml(tmp_path: Path) -> Path:
+    path = tmp_path / "deep.toml"
+    path.write_text("a = " + "[" * DEEP + "]" * DEEP + "\n")
+    return path
+
+
+@pytest.fixture
+def deep_json(tmp_path: Path) -> Path:
+    path = tmp_path / "deep.json"
+    path.write_text("[" * DEEP + "]" * DEEP)
+    return path
 
 
 # ----------------------------------------------------------------------------- demo
@@ -123,6 +143,18 @@ def test_cohort_init_refuses_a_buffer_above_the_cap(tmp_path: Path) -> None:
                  "--buffer-kib", kib], "--buffer-kib must be a multiple of 4")
 
 
+def test_a_service_config_nested_too_deeply_or_a_fifo_is_refused(deep_toml: Path, fifo: Path) -> None:
+    refused(["status", "--config", str(deep_toml)], f"{deep_toml}: not valid TOML: nested too deeply")
+    refused(["serve", "host", "--config", str(deep_toml)], f"{deep_toml}: not valid TOML: nested too deeply")
+    refused(["status", "--config", str(fifo)], f"{fifo}: not a regular file")
+
+
+def test_json_nested_too_deeply_is_refused(deep_json: Path) -> None:
+    refused(["attest", "measure", "--config", str(deep_json)], str(deep_json), "invalid JSON")
+    refused(["attest", "verify", "--evidence", str(deep_json), "--nonce", "00", "--policy", str(deep_json)],
+            str(deep_json), "invalid JSON")
+
+
 # ----------------------------------------------------------------------------- plan and benchmarks
 PLAN = ["plan", "--source", "paper", "--hardware", "paper-h100", "--dataset", "1GiB"]
 
@@ -139,8 +171,11 @@ def test_plan_refuses_numbers_that_are_no_numbers(args: list[str], flag: str) ->
     refused([*PLAN, *args], flag)
 
 
-def test_plan_refuses_results_it_cannot_read(fifo: Path) -> None:
+def test_plan_refuses_results_it_cannot_read(deep_json: Path, fifo: Path) -> None:
     refused([*PLAN, "--tokens-per-s", "10", "--results", str(fifo)], "--results", "is not a regular file or directory")
+    # A JSON nested too deeply is no benchmark's: skipped as an invalid one is, so no constants.
+    refused(["plan", "--source", "results", "--dataset", "1GiB", "--tokens-per-s", "10", "--results", str(deep_json)],
+            "no `bench travel` JSON")
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -159,3 +194,20 @@ def test_benchmarks_refuse_numbers_before_anything_starts(args: list[str], flag:
 def test_benchmark_sizes_are_checked_against_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(capacity, "available_mib", lambda: 2000)
     refused(["bench", "travel", "--sizes", "4,2048"], "--sizes", "MemAvailable 2000 MiB")
+
+
+def test_an_os_error_on_a_path_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """Past every command's own checks, an OSError on a path still ends as one line."""
+    (tmp_path / "file").write_text("")
+    refused(["bench", "codec", "--repeat", "1", "--json", str(tmp_path / "file" / "codec.json")],
+            "error:", str(tmp_path / "file"))
+
+
+# ----------------------------------------------------------------------------- what a user sees
+def test_the_real_entry_point_prints_no_traceback(tmp_path: Path, deep_toml: Path, processes: float) -> None:
+    entry = [sys.executable, "-c", "import sys; from gputravel.cli.app import app; sys.exit(app())"]
+    for args, says in ((["demo", "--buffer-mib", "nan", "--run-dir", str(tmp_path / "run")], "--buffer-mib"),
+                       (["status", "--config", str(deep_toml)], "nested too deeply")):
+        done = subprocess.run([*entry, *args], capture_output=True, text=True, timeout=120 * processes)
+        out = " ".join((done.stdout + done.stderr).split())
+        assert done.returncode == 1 and says in out and "Traceback" not in out, out

@@ -155,7 +155,7 @@ class ReferenceValues:
     def load(cls, path: Path) -> ReferenceValues:
         try:
             raw = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply
             raise BadInput(f"{path}: cannot read reference values (missing file or invalid JSON)") from None
         return cls.from_json(raw, str(path))
 

@@ -84,6 +84,8 @@ class Policy:
             raise BadInput(f"policy {path}: cannot read the file") from None
         except ValueError as e:
             raise BadInput(f"policy {path}: invalid JSON (line {getattr(e, 'lineno', '?')})") from None
+        except RecursionError:
+            raise BadInput(f"policy {path}: invalid JSON (nested too deeply)") from None
         return cls.from_json(raw, base_dir=path.parent, where=f"policy {path}")
 
     @classmethod

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperGroup
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -31,7 +32,26 @@ from gputravel.protocol.hardware import hardware_profile
 from gputravel.cli.output import check_output_dir, check_output_file, console, fail, numeric_table, write_results
 
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+class _Commands(TyperGroup):
+    """Every command runs inside this group. Input problems are BadInput, said as one line by
+    the command itself; two errors that input can still cause past a command's checks end here
+    as one line too, never as a traceback: an OSError on a path (a file where a directory must
+    be, a full disk, a permission), and a RecursionError (a parser meeting input nested deeper
+    than Python's stack). Every other exception is a bug and keeps its traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            if exc.filename is None:  # not about a path: ours to fix
+                raise
+            where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+            fail(f"{exc.strerror or exc}: {where}")
+        except RecursionError:
+            fail("the input is nested too deeply to read (RecursionError); if it is not, this is a bug: please report it")
+
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_Commands,
                   help="GPU Travelling: confidential collaborative training with a travelling (emulated) H100 in CC mode.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (numbers live here, never in tests).")
 app.add_typer(bench_app, name="bench")

@@ -143,7 +143,7 @@ def attest_gpu(
 def _read_evidence(path: Path) -> bytes:
     try:
         raw = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply
         raise BadInput(f"{path}: cannot read evidence (missing file or invalid JSON)") from None
     if not isinstance(raw, dict) or raw.get("format") != EVIDENCE_FORMAT or not isinstance(raw.get("evidence"), str):
         raise BadInput(f"{path}: not a {EVIDENCE_FORMAT} file")
@@ -203,7 +203,7 @@ def _read_config(path: Optional[Path]) -> object:
         return {}
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply
         raise BadInput(f"{path}: cannot read the configuration (missing file or invalid JSON)") from None
 
 

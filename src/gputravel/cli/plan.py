@@ -103,7 +103,7 @@ def _read_results(paths: Optional[list[Path]]) -> list[tuple[str, dict]]:
     for f in files:
         try:
             doc = json.loads(f.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply
             continue  # not a benchmark's JSON: nothing to take from it
         if isinstance(doc, dict) and model.kind_of(doc):
             found.append((str(f), doc))

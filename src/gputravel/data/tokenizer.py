@@ -172,7 +172,7 @@ def read_tokenizer_record(directory: Path | str) -> TokenizerRecord:
     except FileNotFoundError:
         raise BadInput(f"no {RECORD_NAME} in {directory}: the shards' tokenizer is unknown; "
                        "re-run `gputravel data prepare` or name the tokenizer explicitly") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise BadInput(f"{path} is not valid JSON ({exc}); re-run `gputravel data prepare` to rewrite it") from None
     return _record_from(path, data)
 

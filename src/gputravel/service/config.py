@@ -285,6 +285,8 @@ _ANY = TypeAdapter(Annotated[ServiceConfig, Field(discriminator="party")])
 
 # ----------------------------------------------------------------------------- reading
 def _read_toml(path: Path) -> dict:
+    if path.exists() and not path.is_file():  # a FIFO would block the read, a device never end it
+        raise BadInput(f"{path}: not a regular file")
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -295,6 +297,8 @@ def _read_toml(path: Path) -> dict:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise BadInput(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once a level: a few hundred nested arrays or tables
+        raise BadInput(f"{path}: not valid TOML: nested too deeply") from None
 
 
 def _explain(err: dict) -> str:
