@@ -99,11 +99,20 @@ OVERRIDES: dict[type, st.SearchStrategy[Any]] = {
         message_counter=st.integers(0, MAX_MESSAGE_COUNTER),
     ),
     ChunkId: CHUNK_IDS,
-    Entry: st.builds(
-        Entry, seq=NONNEG, time=st.floats(0, 1e12), event=st.sampled_from(AuditEvent), chunk=CHUNK_IDS,
-        gpu=st.text(st.characters(categories=("L", "N", "Pd")), min_size=1, max_size=64),
-        epoch_before=NONNEG, epoch_after=NONNEG, chunk_digest=st.binary(max_size=64),
-        prev_hash=st.binary(min_size=48, max_size=48),
+    Entry: st.one_of(
+        st.builds(
+            Entry, seq=NONNEG, time=st.floats(0, 1e12),
+            event=st.sampled_from([e for e in AuditEvent if e is not AuditEvent.CLOSED]), chunk=CHUNK_IDS,
+            gpu=st.text(st.characters(categories=("L", "N", "Pd")), min_size=1, max_size=64),
+            epoch_before=NONNEG, epoch_after=NONNEG, chunk_mac=st.binary(max_size=64),
+            prev_hash=st.binary(min_size=48, max_size=48),
+        ),
+        st.builds(  # the closing entry: no chunk, no MAC
+            Entry, seq=NONNEG, time=st.floats(0, 1e12), event=st.just(AuditEvent.CLOSED), chunk=st.none(),
+            gpu=st.text(st.characters(categories=("L", "N", "Pd")), min_size=1, max_size=64),
+            epoch_before=NONNEG, epoch_after=NONNEG, chunk_mac=st.just(b""),
+            prev_hash=st.binary(min_size=48, max_size=48),
+        ),
     ),
 }
 _CLASS_STRATEGIES: dict[type, st.SearchStrategy[Any]] = {}

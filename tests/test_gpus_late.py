@@ -18,7 +18,8 @@ from gputravel.crypto.pki import CohortPki
 from gputravel.errors import BadInput, ProtocolError, RemoteError, TransportClosed
 from gputravel.orchestrator.audit.entries import AuditEvent
 from gputravel.orchestrator.audit.verify import verify_log
-from gputravel.protocol.manifest import chunk_digest
+from gputravel.holder.log_key import read_log_key
+from gputravel.protocol.manifest import chunk_digest, chunk_mac
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.train.schedule import partition
 from gputravel.transport.tls import TlsListener, connect_tls
@@ -109,14 +110,17 @@ def test_late_holders_join_leave_rejoin_and_restart_on_their_own_gpu_each_chunk_
         want = sorted((h, o) for h, size in SIZES.items() for o in range(0, size, MIB))
         assert sorted((h, o) for _, h, o in delivered) == want
         assert all(k == gpus.gpu_of(h) for k, h, _ in delivered)
-        # ... and so say the two orchestrators' signed travel logs, digests included.
+        # ... and so say the two orchestrators' signed travel logs, digests included (each
+        # keyed with its holder's travel-log key, from that holder's own pki directory).
         logged = []
         for k, cohort in enumerate(gpus.cohorts):
             for e in verify_log(cohort.audit_log_path, cohort.orchestrator_certificate()).entries:
                 assert gpus.gpu_of(e.chunk.holder) == k
                 if e.event == AuditEvent.TRAVEL:
-                    data = datasets[e.chunk.holder][1]
-                    assert e.chunk_digest == chunk_digest(data[e.chunk.dataset_offset:e.chunk.dataset_offset + MIB])
+                    data, c = datasets[e.chunk.holder][1], e.chunk
+                    key = read_log_key(cohort.dir / "pki" / c.holder)
+                    assert e.chunk_mac == chunk_mac(key, c.holder, c.dataset_offset, c.nbytes,
+                                                    chunk_digest(data[c.dataset_offset:c.dataset_offset + MIB]))
                     logged.append((e.chunk.holder, e.chunk.dataset_offset))
         assert sorted(logged) == want
 

@@ -26,7 +26,7 @@ def alice(tmp_path, host_with_device):
     data = tmp_path / "alice.bin"
     data.write_bytes(os.urandom(4 * TEST_LAYOUT.record_bytes))
     holder = DataHolder(HolderConfig(name="alice", dataset_path=str(data), host_socket=host_with_device.socket_path,
-                                     pki_dir="", layout=TEST_LAYOUT, device_timeout=5))
+                                     pki_dir=str(tmp_path), layout=TEST_LAYOUT, device_timeout=5))
     attested(holder, age_s=0, valid_s=1e9)  # no attestation in this test: there is no orchestrator CVM
     yield holder
     holder.driver.link.close()
@@ -152,7 +152,7 @@ def test_a_hello_must_name_the_holder_of_the_tls_certificate(named: str) -> None
     orch.attester = SimpleNamespace(serve_challenge=lambda conn, driver, timeout, now: None)
     orch.driver, orch.config, orch.holders = None, SimpleNamespace(tokenizer="", pace_mbit=None), {}
     orch.travel_sm = OrchestratorTravel(Buffer(0, 4096))
-    theirs.send(HolderHello(named, 4096, 4096, (b"\x00" * 32,), "", True))
+    theirs.send(HolderHello(named, 4096, 4096, (b"\x00" * 32,), "", True, bytes(32)))
     if named == "h1":
         assert orch.accept_holder(timeout=1) == "h1" and isinstance(theirs.recv(timeout=1).message, Welcome)
         return

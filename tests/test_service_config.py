@@ -321,7 +321,7 @@ def test_a_holder_counts_its_travels_in_the_published_signed_log(tmp_path: Path)
     log = AuditLog.create(public / "audit.log", key_pem(key), gpu="GPU-EMU-0")
     for i, holder in enumerate(("north", "south", "north")):
         log.append("travel", ChunkId(holder, i << 12, 4096), time=1.0, epoch_before=i, epoch_after=i + 1,
-                   chunk_digest=bytes(32))
+                   chunk_digest=bytes(32), holder_key=bytes(32))
     log.close()
     (public / "orchestrator.pem").write_bytes(key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
@@ -333,6 +333,61 @@ def test_a_holder_counts_its_travels_in_the_published_signed_log(tmp_path: Path)
     (public / "orchestrator.pem").write_bytes(new_key().public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     assert cohort_status(north)["log"].startswith("does not verify")
+
+
+def test_a_holders_status_checks_its_own_chunks_with_its_key_and_refuses_a_log_cut_short(tmp_path: Path) -> None:
+    """`gputravel status` for a holder: its chunks' MACs against its own data under its own
+    travel-log key (the log shows nothing else of them), whether the log is closed, and the
+    head it verified, kept in its state directory: a later log without it was cut short."""
+    from cryptography.hazmat.primitives import serialization
+
+    from gputravel.crypto.certs import key_pem, new_key
+    from gputravel.holder.cvm import Dataset, manifest_piece_bytes
+    from gputravel.holder.log_key import own_log_key
+    from gputravel.orchestrator.audit import AuditLog, ChunkId
+    from gputravel.protocol.manifest import chunk_digest
+
+    data = tmp_path / "data.txt"
+    data.write_text("If music be the food of love, play on. " * 400)
+    init_cohort(tmp_path / "D", [("north", str(data)), ("south", str(data))])
+    north = load_service(tmp_path / "D" / "holder-north.toml")
+    public, signer = Path(north.public_dir), new_key()
+    (public / "orchestrator.pem").write_bytes(signer.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    pki = Path(north.state_dir) / "pki"
+    pki.mkdir(parents=True)
+    key = own_log_key(pki)  # as the holder's CVM makes it (service/members.py: state/pki)
+    tokens = Dataset(north.data, north.format)
+    piece = manifest_piece_bytes(north.layout.to_layout())
+    log = AuditLog.create(public / "audit.log", key_pem(signer), gpu="GPU-EMU-0")
+
+    def travel(i: int, digest_key: bytes, offset: int = 0) -> None:
+        nbytes = min(piece, tokens.size - offset)
+        log.append("travel", ChunkId("north", offset, nbytes), time=1.0, epoch_before=i, epoch_after=i + 1,
+                   chunk_digest=chunk_digest(tokens.view[offset:offset + nbytes], piece), holder_key=digest_key)
+
+    travel(0, key)
+    found = cohort_status(north)
+    assert found["log"] == "verified, 1 entries, not closed: entries may be missing at the end", found
+    assert found["my_chunks"] == "all 1 match this holder's data" and found["log_closed"] is False
+    assert key.hex() not in json.dumps(found)
+    kept = json.loads((Path(north.state_dir) / "audit-head.json").read_text())
+    assert kept["seq"] == 0 and kept["hash"] == found["log_head"]
+    travel(1, bytes(32))  # an entry keyed otherwise: not this holder's chunk as its data has it
+    log.seal(time=2.0, epoch=2)
+    log.close()
+    found = cohort_status(north)
+    assert found["log"] == "verified, 3 entries, closed" and found["log_closed"] is True, found
+    assert found["my_chunks"] == "1 of 2 do not match this holder's data (seq 1)"
+    # The published log cut back to before the head north verified: refused, saying why.
+    whole = (public / "audit.log").read_bytes()
+    for kept_bytes in (b"", whole[:len(whole) // 3]):
+        (public / "audit.log").write_bytes(kept_bytes)
+        found = cohort_status(north)
+        assert found["log"].startswith("does not verify: audit log: known head missing"), found
+        assert "cut short" in found["log"] and "my_travels" not in found
+    (public / "audit.log").write_bytes(whole)
+    assert cohort_status(north)["log"] == "verified, 3 entries, closed"
 
 
 def test_status_sees_a_live_socket_but_not_a_leftover_file(tmp_path: Path) -> None:

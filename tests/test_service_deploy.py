@@ -131,9 +131,13 @@ def test_five_shells_train_and_a_holder_leaves_and_rejoins(where: Path) -> None:
         # The signed travel log (published for the holders) shows travels to south after it rejoined.
         log = verify_log(d / "public" / "audit.log", (d / "public" / "orchestrator.pem").read_bytes(), "south")
         assert any(e.time > rejoined_at and e.event == "travel" for e in log.entries), log.entries
-        # `gputravel status` for a holder: the job as published, and its own travels from the signed log.
+        assert log.closed  # the orchestrator signed the closing entry before it published job-done
+        # `gputravel status` for a holder: the job as published, and its own travels from the signed log,
+        # each chunk's MAC checked against its own data with its travel-log key (south's key survived its restart).
         seen = cohort_status(load_service(d / "holder-north.toml"))
         assert seen["phase"] == "done" and seen["members"] == ["north", "south"] and seen["my_travels"] > 0, seen
+        assert seen["log_closed"] is True and seen["my_chunks"].startswith("all "), seen
+        assert cohort_status(load_service(d / "holder-south.toml"))["my_chunks"].startswith("all ")
         assert "loss" not in seen  # the model's, not the holders'
     finally:
         codes = [s.stop() for s in reversed(shells)]
@@ -254,7 +258,8 @@ def test_a_restarted_orchestrator_resumes_and_its_holders_come_back(where: Path)
         assert _status(d)["phase"] == "done"
         for h in holders:
             assert h.proc.wait(timeout=60) == 0 and h.said("joined") == 2
-        verify_log(d / "public" / "audit.log", (d / "public" / "orchestrator.pem").read_bytes())
+        # One log across both orchestrators, closed once, by the second, when the job was done.
+        assert verify_log(d / "public" / "audit.log", (d / "public" / "orchestrator.pem").read_bytes()).closed
     finally:
         codes = [s.stop() for s in reversed(shells)]
     assert all(c == 0 for c in codes), codes

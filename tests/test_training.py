@@ -183,8 +183,12 @@ def test_a_holder_killed_mid_copy_is_dropped_and_its_partial_chunk_never_trained
     with Cohort(cfg) as cohort:
         report = cohort.train(json.dumps(job.train.to_dict()))
         assert cohort.children["west"].proc.wait(timeout=10) == 70  # it really died mid-copy
-        # The orchestrator took the GPU back and re-keyed: a travel to another holder still works.
-        assert cohort.travel("north", 0).chunk is not None
+        # The orchestrator took the GPU back and re-keyed, and training went on travelling to the
+        # others (the report below); the job done, its log is closed and no travel follows.
+        with pytest.raises(BadInput, match="job is done and its travel log closed"):
+            cohort.travel("north", 0)
+        log = verify_log(cohort.audit_log_path, cohort.orchestrator_certificate())
+        assert log.closed and {e.holder for e in log.entries if e.event == "aborted"} == {"west"}
     assert len(report["losses"]) == TINY.steps
     assert len(report["holders_lost"]) == 1 and "west" in report["holders_lost"][0]
     assert "west" not in {t["holder"] for t in report["travels"]}
@@ -213,7 +217,8 @@ def test_every_travel_is_in_the_orchestrators_signed_log(both_runs):
     cert = (run_dir / "orchestrator.pem").read_bytes()
     summary = verify_log(run_dir / "audit.log", cert)
     travels = travelling["travels"]
-    assert summary.count == len(travels)
+    # The job done, the orchestrator signed the closing entry: the demo's log is closed.
+    assert summary.closed and summary.count == len(travels) + 1 and len(summary.entries) == len(travels)
     assert [(e.holder, e.chunk.dataset_offset // 2) for e in summary.entries] == \
         [(t["holder"], t["token_offset"]) for t in travels]
     assert all(e.event == "travel" and e.epoch_after == e.epoch_before + 1 for e in summary.entries)

@@ -44,7 +44,7 @@ RESULT = TravelResult(1, BLOB, ChunkInfo(0, BUFFER.nbytes, DIGEST), {}, -1)
 
 def orchestrator(deadlines: om.Deadlines = om.Deadlines()) -> OrchestratorTravel:
     o = OrchestratorTravel(BUFFER, deadlines)
-    o.enrol(HolderHello("alice", len(DATASET), PIECE, piece_digests(DATASET, PIECE), "", True))
+    o.enrol(HolderHello("alice", len(DATASET), PIECE, piece_digests(DATASET, PIECE), "", True, bytes(32)))
     return o
 
 
@@ -387,7 +387,7 @@ def holder_shell(clock: Clock, monkeypatch, **mux) -> holder_cvm.DataHolder:
                      query_buffer=SimpleNamespace(nbytes=BUFFER.nbytes), export_context=b"\x02back")
     h.mux = Calls(**mux)
     h.orchestrator, h.attestation, h.travels_served, h.probed = None, None, 0, True
-    h._policy, h._clock = None, clock
+    h._policy, h._clock, h._log_key = None, clock, bytes(32)
     link = Calls(recv=SimpleNamespace(message=Welcome("orchestrator")))
     material = SimpleNamespace(policy=SimpleNamespace(max_evidence_age_s=600))
     monkeypatch.setattr(holder_cvm, "HolderMaterial", SimpleNamespace(load=lambda path: material))

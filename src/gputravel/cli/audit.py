@@ -1,4 +1,10 @@
-"""`gputravel audit verify`: check the orchestrator's signed travel log (see gputravel.orchestrator.audit)."""
+"""`gputravel audit verify`: check the orchestrator's signed travel log (see gputravel.orchestrator.audit).
+
+Exit status: 0 the chain verifies and the log is closed (it ends with the orchestrator's
+signed closing entry); 1 it does not verify (or --head names an entry it does not hold); 3 the
+chain verifies but the log is not closed, the empty log included: a job still running, or
+entries cut off its end, which nothing in the log can tell apart (a head kept from before can).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +17,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputravel.orchestrator.audit import AuditError, AuditSummary, Entry, entry_hash, verify_log
-from gputravel.errors import GputravelError
+from gputravel.orchestrator.audit.entries import HASH_BYTES
+from gputravel.errors import BadInput, GputravelError
 from gputravel.files import write_json
 
 audit_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="The orchestrator's hash-chained, signed log of travels.")
 console = Console()
+NOT_CLOSED = 3  # the exit status of a log that verifies but is not closed (see the module's docstring)
 
 
 @audit_app.callback()
@@ -33,28 +41,41 @@ def _table(summary: AuditSummary) -> Table:
     who = summary.holder or "every holder"
     gpu = f" by GPU {escape(summary.gpu)}" if summary.gpu is not None else ""
     table = Table(title=f"travels of {escape(who)}{gpu}", pad_edge=False)
-    for col in ("seq", "time (UTC)", "event", "holder", "offset", "bytes", "epoch", "chunk digest", "hash"):
+    for col in ("seq", "time (UTC)", "event", "holder", "offset", "bytes", "epoch", "chunk MAC", "hash"):
         table.add_column(col, justify="right" if col in ("seq", "offset", "bytes") else "left")
     for e in summary.entries:
         color = {"travel": "green", "refused": "yellow", "aborted": "red"}[e.event.value]
         table.add_row(str(e.seq), _when(e.time), f"[{color}]{e.event.value}[/{color}]", e.holder,
                       str(e.chunk.dataset_offset), str(e.chunk.nbytes), f"{e.epoch_before}→{e.epoch_after}",
-                      e.chunk_digest.hex()[:16] or "-", entry_hash(e).hex()[:16])
+                      e.chunk_mac.hex()[:16] or "-", entry_hash(e).hex()[:16])
     return table
 
 
 def _entry_json(e: Entry) -> dict[str, object]:
+    assert e.chunk is not None  # the summary's entries are travel attempts, never the closing entry
     return {"seq": e.seq, "time": e.time, "gpu": e.gpu, "event": e.event.value, "holder": e.holder,
             "dataset_offset": e.chunk.dataset_offset, "nbytes": e.chunk.nbytes,
             "epoch_before": e.epoch_before, "epoch_after": e.epoch_after,
-            "chunk_digest": e.chunk_digest.hex(), "prev_hash": e.prev_hash.hex(), "hash": entry_hash(e).hex()}
+            "chunk_mac": e.chunk_mac.hex(), "prev_hash": e.prev_hash.hex(), "hash": entry_hash(e).hex()}
 
 
 def _summary_json(s: AuditSummary) -> dict[str, object]:
-    return {"ok": True, "count": s.count, "head": {"seq": s.head_seq, "hash": s.head_hash.hex(),
-                                                   "signature": s.head_signature.hex()},
+    return {"ok": True, "closed": s.closed, "count": s.count,
+            "head": {"seq": s.head_seq, "hash": s.head_hash.hex(), "signature": s.head_signature.hex()},
             "holder": s.holder, "gpu": s.gpu, "truncated_tail": s.truncated_tail,
             "entries": [_entry_json(e) for e in s.entries]}
+
+
+def _head(text: str | None) -> bytes | None:
+    if text is None:
+        return None
+    try:
+        head = bytes.fromhex(text)
+    except ValueError:
+        head = b""
+    if len(head) != HASH_BYTES:
+        raise BadInput(f"--head is the hash of an entry: {2 * HASH_BYTES} hex digits")
+    return head
 
 
 def _error_json(exc: Exception) -> dict[str, object]:
@@ -74,11 +95,21 @@ def verify(
     json_out: Path | None = typer.Option(None, "--json", help="Also write the result as JSON here."),
     allow_truncated_tail: bool = typer.Option(False, "--allow-truncated-tail",
                                               help="Verify the intact prefix of a log whose last entry is torn."),
+    head: str | None = typer.Option(None, "--head", metavar="HEX",
+                                    help="The hash of an entry you saw before (a head you kept: the full hash "
+                                         "this command prints): fail unless the log still holds it."),
 ) -> None:
-    """Check the hash chain, every signature, seq contiguity and that every entry names one GPU
-    (the one --gpu names, if given); list the holder's travels."""
+    """Check the hash chain, every signature, seq contiguity, that every entry names one GPU
+    (the one --gpu names, if given) and that the log still holds --head; say whether the log
+    is closed (ends with the orchestrator's signed closing entry); list the holder's travels.
+
+    Exit status: 0 the chain verifies and the log is closed; 1 it does not verify, or does not
+    hold --head; 3 the chain verifies but the log is not closed, or is empty: entries may be
+    missing at its end (a job still running, or a log cut short).
+    """
     try:
-        summary = verify_log(log, key.read_bytes(), holder, gpu=gpu, allow_truncated_tail=allow_truncated_tail)
+        summary = verify_log(log, key.read_bytes(), holder, gpu=gpu, allow_truncated_tail=allow_truncated_tail,
+                             known_head=_head(head))
     except (GputravelError, OSError) as exc:
         if json_out is not None:
             write_json(json_out, _error_json(exc))
@@ -88,6 +119,15 @@ def verify(
     if summary.truncated_tail:
         console.print("[yellow]the torn final entry was ignored[/yellow]")
     named = f", GPU {escape(summary.gpu)}" if summary.gpu is not None else ""
-    console.print(f"[green]chain OK[/green] ({summary.count} entries{named}, head {summary.head_hash.hex()[:16]})")
+    facts = f"{summary.count} entries{named}, head {summary.head_hash.hex()}"
     if json_out is not None:
         write_json(json_out, _summary_json(summary))
+    if summary.count == 0:
+        console.print("[yellow]empty log: nothing is signed, so nothing is proven; not closed: entries may be "
+                      "missing at the end[/yellow]")
+        raise typer.Exit(NOT_CLOSED)
+    if not summary.closed:
+        console.print(f"[yellow]chain verifies, but the log is not closed: entries may be missing at the end[/yellow] "
+                      f"(a job still running, or a log cut short; {facts})", soft_wrap=True)
+        raise typer.Exit(NOT_CLOSED)
+    console.print(f"[green]chain OK, log closed[/green] ({facts})", soft_wrap=True)  # one line: the head to copy

@@ -13,6 +13,7 @@ import selectors
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gputravel.crypto.pki import CohortPki
@@ -47,6 +48,7 @@ from gputravel.net.pace import pace
 from gputravel.protocol.hardware import EMULATED, at_least, hardware_profile
 from gputravel.holder.membership import HOLDER_COMMANDS, holder_command
 from gputravel.holder.membership import join as join_cohort
+from gputravel.holder.log_key import own_log_key
 from gputravel.attest.material import HolderMaterial
 
 
@@ -68,6 +70,12 @@ class HolderConfig:
     trust_dir: str = ""  # the roots and this holder's policy (cohort/trust.py); required to join
     probe_at_boot: bool = True  # False: a late holder, probing when the orchestrator lends it the GPU
     hardware: str = "emulated"  # protocol/hardware.py: floors on the copy and the baseline's reads
+
+
+def manifest_piece_bytes(layout: Layout) -> int:
+    """The size of a holder's manifest pieces. They must tile any buffer the orchestrator may
+    have: buffers are whole records, so pieces are at most one record."""
+    return min(PIECE_BYTES, layout.record_bytes)
 
 
 class Dataset:
@@ -122,12 +130,15 @@ class DataHolder:
         self.host = connect_unix(config.host_socket, "host")
         self.driver = Driver(register_with_host(self.host, config.name, config.layout))
         self.mux = PcieMuxClient(self.host, config.name)
-        # Manifest pieces must tile any buffer the orchestrator may have: buffers are whole
-        # records, so pieces are at most one record.
-        self.piece_bytes = min(PIECE_BYTES, config.layout.record_bytes)
+        self.piece_bytes = manifest_piece_bytes(config.layout)
         deadlines = Deadlines(device=config.device_timeout, orchestrator=config.orchestrator_timeout)
         self.sm = HolderTravel(config.name, self.dataset.size, piece_digests(self.dataset.view, self.piece_bytes),
                                self.piece_bytes, deadlines, config.audit_arrival)
+        # Keys this holder's chunks' digests in the orchestrator's public travel log (holder/log_key.py):
+        # made once in our own pki directory, sent only in our hello to the orchestrator we attested.
+        if not config.pki_dir:  # "" would be the working directory
+            raise BadInput("a holder needs its pki directory: its TLS key and its travel-log key live there")
+        self._log_key = own_log_key(Path(config.pki_dir))
         self.orchestrator: Transport | None = None
         self.attestation: OrchestratorAttestation | None = None  # our last one of the orchestrator
         self.travels_served = 0
@@ -224,7 +235,7 @@ class DataHolder:
     def _introduce(self, act: Introduce, timeout: float | None) -> HelloAnswered:
         assert self.orchestrator is not None
         self.orchestrator.send(HolderHello(self.config.name, self.dataset.size, self.piece_bytes, self.sm.manifest,
-                                           self.dataset.tokenizer, probed=self.probed))
+                                           self.dataset.tokenizer, probed=self.probed, log_key=self._log_key))
         answer = self.orchestrator.recv(timeout=timeout).message
         if isinstance(answer, ProbeNow) and not self.probed:  # a late holder: probe on the lent GPU first
             self._probe_lent_gpu()

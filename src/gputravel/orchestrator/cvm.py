@@ -210,7 +210,11 @@ class Orchestrator:
     def travel(self, holder: str, dataset_offset: int) -> TravelReport:
         """One travel (paper Fig. 3), written to the signed travel log when it completes and
         when a remote party (holder, host, device) makes it fail; a local error (a bug, an
-        exhausted counter) is raised without an entry."""
+        exhausted counter) is raised without an entry. Once the job is done (its log closed), no
+        travel starts. A chunk's digest is logged keyed with its holder's travel-log key, from
+        the hello it joined with."""
+        if self.travel_log is not None:
+            self.travel_log.check_open()
         before = self.driver.epoch or 0
         try:
             report = self._travel(holder, dataset_offset)
@@ -219,8 +223,16 @@ class Orchestrator:
                 self.travel_log.aborted(holder, dataset_offset, before, self.driver.epoch or 0)
             raise
         if self.travel_log is not None:
-            self.travel_log.travelled(report, dataset_offset, before, self.driver.epoch or 0)
+            assert self.travel_sm is not None
+            self.travel_log.travelled(report, dataset_offset, before, self.driver.epoch or 0,
+                                      self.travel_sm.holders[holder].log_key)
         return report
+
+    def job_done(self) -> None:
+        """The job is done: sign the travel log's closing entry (nothing may follow it), so that a
+        log cut short of it reads as not closed. No travel starts after this."""
+        if self.travel_log is not None and not self.travel_log.closed:
+            self.travel_log.job_done(self.driver.epoch or 0)
 
     def _travel(self, holder: str, dataset_offset: int) -> TravelReport:
         """Carry out each action the machine returns, telling it when each is done (the clock

@@ -26,7 +26,7 @@ from gputravel.errors import BadInput, ProtocolError
 from gputravel.protocol.control import STEPS, TravelReport
 from gputravel.protocol.machine import TravelMachine
 from gputravel.protocol.travel import ChunkInfo, HolderHello, TravelRefused, TravelRequest, TravelResult
-from gputravel.protocol.manifest import chunk_digest_from_manifest, chunk_nbytes
+from gputravel.protocol.manifest import LOG_KEY_BYTES, chunk_digest_from_manifest, chunk_nbytes
 
 
 class Phase(Enum):
@@ -249,6 +249,8 @@ class OrchestratorTravel(TravelMachine):
             raise ProtocolError(f"holder {hello.holder}: piece size must divide the buffer size")
         if len(hello.manifest) != -(-hello.dataset_bytes // hello.piece_bytes):
             raise ProtocolError(f"holder {hello.holder}: manifest does not match the dataset size")
+        if len(hello.log_key) != LOG_KEY_BYTES:  # what keys its entries in the public travel log
+            raise ProtocolError(f"holder {hello.holder}: its travel-log key must be {LOG_KEY_BYTES} bytes")
         self.holders[hello.holder] = hello
 
     def chunk_nbytes(self, holder: str, offset: int) -> int:

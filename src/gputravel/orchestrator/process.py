@@ -91,6 +91,9 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     from gputravel.train.loop import TrainConfig, make_report, sample_tokenizer, train  # lazy: torch
 
     cfg = TrainConfig(**json.loads(cmd.config_json))
+    if orch.travel_log is not None and orch.travel_log.closed:
+        raise BadInput("this orchestrator's job is done and its travel log closed: launch a new orchestrator "
+                       "(and log) for another job")
     if orch.config.job_json and json.loads(orch.config.job_json) != cfg.to_dict():
         raise BadInput("the job differs from the one this orchestrator was measured with, "
                        "which the holders pinned: launch an orchestrator for this job")
@@ -196,6 +199,8 @@ def serve(config: OrchestratorConfig, control: Transport, device_link: socket.so
                     control.send(membership.command(cmd))
                 elif isinstance(cmd, Train):
                     report = run_training(orch, cmd, control, membership)
+                    if not report["stopped"]:  # the job is done (stopped: it resumes, the log goes on)
+                        orch.job_done()  # the signed closing entry, before anyone is told it is done
                     control.send(TrainDone(report_json=json.dumps(report)))
                     if report["stopped"]:  # it was asked to shut down while it trained
                         return

@@ -3,15 +3,26 @@
 A holder computes its manifest once, when it loads its dataset; a chunk's digest is the
 SHA-256 over the digests of its pieces. The orchestrator recomputes it over what the device
 holds after a travel and compares.
+
+That digest is a function of the plaintext alone: anyone who can guess a chunk can compute it.
+So what leaves the trusted parties (the orchestrator's published travel log) is never the
+digest itself but :func:`chunk_mac`, keyed with a secret of the chunk's holder
+(``LOG_KEY_BYTES`` random bytes it makes once and sends only to the attested orchestrator,
+in its hello): only the holder and the orchestrator can compute or check it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import struct
 
 from gputravel.errors import BadInput
 
 PIECE_BYTES = 1 << 20
+LOG_KEY_BYTES = 32  # a holder's travel-log key (HMAC-SHA256)
+_MAC_LABEL = b"gputravel/travel-log/chunk-mac/v1\x00"
+_NAME_LEN, _WHERE = struct.Struct(">H"), struct.Struct(">QQH")
 
 
 def piece_digests(data: memoryview | bytes, piece_bytes: int = PIECE_BYTES) -> tuple[bytes, ...]:
@@ -44,3 +55,20 @@ def chunk_nbytes(holder: str, dataset_bytes: int, piece_bytes: int, dataset_offs
         raise BadInput(f"dataset offset {dataset_offset} is not a chunk start of holder {holder!r}: chunks start "
                        f"on a {piece_bytes}-byte piece boundary inside its {dataset_bytes}-byte dataset")
     return min(buffer_bytes, dataset_bytes - dataset_offset)
+
+
+def chunk_mac(key: bytes, holder: str, dataset_offset: int, nbytes: int, digest: bytes) -> bytes:
+    """HMAC-SHA256 under ``key`` (the holder's travel-log key) of the chunk's digest and of
+    where it lies (holder, offset, size): what the travel log publishes instead of the digest.
+    Binding the place too means two entries' MACs are equal only for the same chunk, not for
+    equal contents at two offsets. The key never appears in an error."""
+    if not isinstance(key, bytes) or len(key) != LOG_KEY_BYTES:
+        raise BadInput(f"a holder's travel-log key is {LOG_KEY_BYTES} bytes")
+    if not isinstance(digest, bytes) or not 0 < len(digest) <= 64:
+        raise BadInput("a chunk digest is 1-64 bytes")
+    name = holder.encode("utf-8")
+    try:
+        message = _MAC_LABEL + _NAME_LEN.pack(len(name)) + name + _WHERE.pack(dataset_offset, nbytes, len(digest))
+    except struct.error:
+        raise BadInput("a chunk's holder name, offset or size is out of range") from None
+    return hmac.new(key, message + digest, hashlib.sha256).digest()

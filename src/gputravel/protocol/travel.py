@@ -5,9 +5,10 @@ from __future__ import annotations
 from gputravel.protocol.codec import Message
 
 
-class HolderHello(Message, tag="travel.hello"):
-    """Holder -> orchestrator on joining: its dataset's size and manifest (SHA-256 per piece),
-    and the tokenizer its tokens were made with ("" for a dataset of raw bytes)."""
+class HolderHello(Message, tag="travel.hello", secret=("log_key",)):
+    """Holder -> orchestrator on joining (every join, rejoins and joins to a restarted
+    orchestrator included): its dataset's size and manifest (SHA-256 per piece), the tokenizer
+    its tokens were made with ("" for a dataset of raw bytes), and its travel-log key."""
 
     holder: str
     dataset_bytes: int
@@ -17,6 +18,11 @@ class HolderHello(Message, tag="travel.hello"):
     # False: this holder booted after the orchestrator and has not probed the GPU (paper 4.1).
     # The orchestrator then lends it the GPU between travels (ProbeNow) before welcoming it.
     probed: bool
+    # The holder's secret for the public travel log (protocol/manifest.py chunk_mac): the log
+    # shows each of its chunks' digests keyed with it, never the bare digest, which anyone who
+    # can guess the chunk could recompute. Made once by the holder and kept in its own private
+    # state (holder/log_key.py); sent only here, inside the attested TLS channel.
+    log_key: bytes
 
 
 class Welcome(Message, tag="travel.welcome"):

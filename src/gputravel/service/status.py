@@ -3,6 +3,12 @@ what it can see without asking anyone: which services are up (the sockets and li
 this machine), which members published a certificate, its own state directory's status.json
 (written by its service), and for a holder the travels to it in the orchestrator's signed
 travel log, when the log is published next to the orchestrator's certificate.
+
+For a holder, the log is checked three ways: its chain and signatures; against the head this
+holder last verified (kept in its state directory, ``audit-head.json``: a later log that no
+longer holds it was cut short, or is another job's); and its own entries' chunk MACs, against
+its own data under its travel-log key (holder/log_key.py), which only it and the orchestrator
+have. Whether the log is closed (the orchestrator signed its closing entry) is shown too.
 """
 
 from __future__ import annotations
@@ -11,14 +17,20 @@ import json
 import os
 from pathlib import Path
 
-from gputravel.errors import GputravelError
-from gputravel.orchestrator.audit import verify_log
+from gputravel.errors import BadInput, GputravelError
+from gputravel.files import read_plain, write_json
+from gputravel.holder.cvm import Dataset, manifest_piece_bytes
+from gputravel.holder.log_key import read_log_key
+from gputravel.orchestrator.audit import AuditError, Entry, Failure, mismatched_chunks, verify_log
+from gputravel.protocol.manifest import chunk_digest
 from gputravel.service.config import GpuService, HolderService, HostService, OrchestratorService, ServiceConfig
 
 __all__ = ["STATUS_FILE", "cohort_status", "party_name"]
 
 STATUS_FILE = "status.json"  # in a service's state_dir: {"members", "gpu_at", "travels", "step", "phase"}
 PUBLIC_LOG, ORCHESTRATOR_CERT = "audit.log", "orchestrator.pem"
+HEAD_FILE = "audit-head.json"  # in a holder's state_dir: the head of the published log it last verified
+HOLDER_PKI = "pki"  # in a holder's state_dir (service/members.py): its TLS key and its travel-log key
 _LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::")
 
 
@@ -90,17 +102,69 @@ def _own_status(state_dir: str) -> dict:
 
 def _my_travels(cfg: HolderService) -> dict:
     """The travels to this holder in the published log, checked against the orchestrator's
-    certificate (hash chain and signatures); a torn last entry (being written) is skipped."""
+    certificate (hash chain and signatures) and against the head this holder last verified
+    (which it then moves on); its own chunks against its own data; a torn last entry (being
+    written) is skipped."""
     log, cert = Path(cfg.public_dir) / PUBLIC_LOG, Path(cfg.public_dir) / ORCHESTRATOR_CERT
     if not (log.exists() and cert.exists()):
         return {"log": "not published"}
+    head_file = Path(cfg.state_dir) / HEAD_FILE
     try:
-        summary = verify_log(log, cert.read_bytes(), cfg.name, allow_truncated_tail=True)
+        kept = _kept_head(head_file)
+        summary = verify_log(log, cert.read_bytes(), cfg.name, allow_truncated_tail=True, known_head=kept)
     except (GputravelError, OSError) as exc:
+        if isinstance(exc, AuditError) and exc.failure is Failure.HEAD:
+            return {"log": f"does not verify: {exc} (the head this holder verified before, kept in {head_file}: "
+                           "the log was cut short; if a new job began, delete that file)"}
         return {"log": f"does not verify: {exc}"}
+    closed = "closed" if summary.closed else "not closed: entries may be missing at the end"
     travels = [e for e in summary.entries if e.event.value == "travel"]
-    return {"log": f"verified, {summary.count} entries", "my_travels": len(travels),
-            "my_bytes": sum(e.chunk.nbytes for e in travels)}
+    out = {"log": f"verified, {summary.count} entries, {closed}", "log_closed": summary.closed,
+           "my_travels": len(travels), "my_bytes": sum(e.chunk.nbytes for e in travels if e.chunk is not None)}
+    if summary.count:
+        out["log_head"] = summary.head_hash.hex()
+        try:  # the next status refuses a log that no longer holds it
+            write_json(head_file, {"seq": summary.head_seq, "hash": summary.head_hash.hex()})
+        except OSError as exc:
+            out["log_head_kept"] = f"no: {exc.strerror or type(exc).__name__}"
+    out.update(_my_chunks(cfg, travels))
+    return out
+
+
+def _kept_head(path: Path) -> bytes | None:
+    """The hash of the head this holder last verified, or None if it kept none."""
+    try:
+        kept = json.loads(read_plain(path, 4096))
+        return bytes.fromhex(kept["hash"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise BadInput(f"{path} does not hold a head (delete it to start again)") from None
+
+
+def _my_chunks(cfg: HolderService, travels: list[Entry]) -> dict:
+    """Whether the chunk MAC of each of this holder's travels is the one its own data gives,
+    under its travel-log key (only it and the orchestrator have that key; the key never shows)."""
+    logged = [e for e in travels if e.chunk_mac]
+    if not logged:
+        return {}
+    try:
+        key = read_log_key(Path(cfg.state_dir) / HOLDER_PKI)
+        data = Dataset(cfg.data, cfg.format)
+    except (GputravelError, OSError) as exc:
+        return {"my_chunks": f"not checked: {exc}"}
+    piece = manifest_piece_bytes(cfg.layout.to_layout())
+
+    def digest_of(offset: int, nbytes: int) -> bytes:
+        if offset + nbytes > data.size:
+            raise BadInput("the chunk lies past the end of this holder's data")
+        return chunk_digest(data.view[offset : offset + nbytes], piece)
+
+    bad = mismatched_chunks(logged, key, digest_of)
+    if bad:
+        return {"my_chunks": f"{len(bad)} of {len(logged)} do not match this holder's data (seq "
+                             f"{', '.join(map(str, bad))})"}
+    return {"my_chunks": f"all {len(logged)} match this holder's data"}
 
 
 def cohort_status(cfg: ServiceConfig) -> dict:

@@ -13,8 +13,23 @@ and every entry carries the hash of the one before it (48 zero bytes for seq 0).
 Every entry names the GPU that travelled (``gpu``): the serial its vendor certified in its
 per-device certificate, as the orchestrator verified it over SPDM (orchestrator/attester.py).
 It is inside the hashed, signed bytes, so a log says which GPU went to which holder without
-trusting the file's name. Entries from before this field (issue 14) do not decode: the
-verifier refuses them as :attr:`Failure.VERSION`, never as tampering.
+trusting the file's name.
+
+The log is public, so an entry never carries a chunk's bare digest (SHA-256 over its pieces'
+SHA-256s: a function of the plaintext alone, which anyone who can guess the chunk could
+recompute and so confirm what a holder has). It carries ``chunk_mac``: HMAC-SHA256 of that
+digest, and of the chunk's place, under its holder's travel-log key
+(``protocol.manifest.chunk_mac``), which only the holder and the orchestrator know. Anyone
+else learns from an entry only the holder, the offset, the size and the time.
+
+A job's log ends with a closing entry (:attr:`AuditEvent.CLOSED`, no chunk): the orchestrator
+signs it when its job is done, and nothing may follow it (the writer refuses, the verifier
+too). A log without one may have lost entries at its end: truncation to whole entries leaves
+a valid, shorter chain, which only the closing entry, or a head a party kept, shows.
+
+Entries of earlier formats do not decode, and the verifier refuses them as
+:attr:`Failure.VERSION`, never as tampering: those from before entries named their GPU
+(issue 14), and those that logged the bare chunk digest (``chunk_digest``, before the key).
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ class AuditEvent(enum.StrEnum):
     TRAVEL = "travel"  # the chunk was copied and verified
     REFUSED = "refused"  # the holder could not copy, returned the context
     ABORTED = "aborted"  # the travel failed; the orchestrator took the GPU back and rotated
+    CLOSED = "closed"  # the job is done: the last entry of the log, naming no chunk
 
 
 class Failure(enum.StrEnum):
@@ -51,7 +67,8 @@ class Failure(enum.StrEnum):
     SIGNATURE = "bad signature"
     HEAD = "known head missing"
     GPU = "entry names another GPU"  # a log names one GPU: the one its verifier expects, if it says
-    VERSION = "entry from an earlier log format"  # written before entries named their GPU
+    VERSION = "entry from an earlier log format"  # before entries named their GPU, or keyed their digest
+    AFTER_CLOSE = "entry after the closing entry"  # a closed log is final
 
 
 class AuditError(ProtocolError):
@@ -88,10 +105,12 @@ class Entry(Message, tag="audit.entry"):
     time: float  # seconds since the epoch, as the caller's clock said
     gpu: str  # the GPU that travelled: its attested serial (see the module's docstring)
     event: AuditEvent
-    chunk: ChunkId
+    chunk: ChunkId | None  # None only in the closing entry
     epoch_before: int
     epoch_after: int
-    chunk_digest: bytes  # empty when nothing was copied
+    # HMAC-SHA256 of the chunk's digest and place under its holder's travel-log key
+    # (protocol.manifest.chunk_mac); never the bare digest. Empty when nothing was copied.
+    chunk_mac: bytes
     prev_hash: bytes
 
     def __post_init__(self) -> None:
@@ -102,14 +121,19 @@ class Entry(Message, tag="audit.entry"):
         check_gpu(self.gpu)
         if self.epoch_before < 0 or self.epoch_after < 0:
             raise BadInput("key epochs must be non-negative")
-        if len(self.chunk_digest) > MAX_DIGEST_BYTES:
-            raise BadInput(f"a chunk digest is at most {MAX_DIGEST_BYTES} bytes")
+        if len(self.chunk_mac) > MAX_DIGEST_BYTES:
+            raise BadInput(f"a chunk MAC is at most {MAX_DIGEST_BYTES} bytes")
+        if (self.event == AuditEvent.CLOSED) != (self.chunk is None):
+            raise BadInput("the closing entry, and only it, names no chunk")
+        if self.event == AuditEvent.CLOSED and self.chunk_mac:
+            raise BadInput("the closing entry has no chunk MAC")
         if len(self.prev_hash) != HASH_BYTES:
             raise BadInput(f"prev_hash must be {HASH_BYTES} bytes")
 
     @property
     def holder(self) -> str:
-        return self.chunk.holder
+        """The chunk's holder ("" for the closing entry)."""
+        return self.chunk.holder if self.chunk is not None else ""
 
 
 class Record(Message, tag="audit.record"):

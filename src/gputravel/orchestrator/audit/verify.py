@@ -2,8 +2,11 @@
 
 A crash mid-write leaves a torn final record, which reads as "truncated final entry" rather
 than as tampering: a torn record is a strict prefix of a record, which a record whose length
-prefix was altered is not. Dropping whole entries off the end leaves a valid shorter log; a
-holder that kept a signed head detects that with ``known_head``.
+prefix was altered is not. Dropping whole entries off the end leaves a valid shorter chain
+(the empty log included), so a verdict says whether the log is closed: whether it ends with
+the orchestrator's signed closing entry, after which nothing may follow. A log that is not
+closed (a job still running, or one cut short) may be missing entries at its end; a party
+that kept a head it saw (its hash) detects a cut with ``known_head``.
 
 A log names one GPU: each rank's orchestrator keeps its own log and pins its GPU across
 re-keys (orchestrator/attester.py), so entries naming two GPUs are never honest, and the
@@ -15,8 +18,9 @@ GPU, renamed or swapped in with that GPU's key, is refused too.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,18 +28,21 @@ import msgpack
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from gputravel.errors import BadInput, ProtocolError
+from gputravel.errors import BadInput, GputravelError, ProtocolError
 from gputravel.orchestrator.audit.entries import (
     GENESIS_HASH,
+    HASH_BYTES,
     LENGTH,
     MAX_RECORD_BYTES,
     AuditError,
+    AuditEvent,
     Entry,
     Failure,
     Record,
     check_gpu,
 )
 from gputravel.orchestrator.audit.signature import load_verifier, verify_head
+from gputravel.protocol.manifest import chunk_mac
 from gputravel.protocol.codec import TAG_FIELD, decode, encode, tag_of
 
 
@@ -96,9 +103,10 @@ def _parse(payload: bytes, index: int, end: int) -> _Parsed:
     try:
         entry = decode(record.entry, expect=Entry)
     except ProtocolError as exc:
-        if index == 0 and _names_no_gpu(record.entry):  # an earlier log names no GPU from its start
-            raise AuditError(Failure.VERSION, index, "the entry names no GPU: an earlier gputravel wrote this "
-                                                     "log; verify it with that version, and start a new log") from None
+        earlier = _earlier_format(record.entry) if index == 0 else None  # an earlier log is so from its start
+        if earlier is not None:
+            raise AuditError(Failure.VERSION, index, f"{earlier}: an earlier gputravel wrote this log; verify it "
+                                                     "with that version, and start a new log") from None
         raise AuditError(Failure.MALFORMED, index, str(exc)) from None
     # Hashes are taken over the stored bytes; a decodable but different encoding of the same
     # entry is refused, so the stored bytes and entry_hash() can never disagree.
@@ -107,19 +115,28 @@ def _parse(payload: bytes, index: int, end: int) -> _Parsed:
     return _Parsed(entry, hashlib.sha384(record.entry).digest(), record.signature, end)
 
 
-# The keys of an entry before entries named their GPU (issue 14).
-_GPULESS_KEYS = frozenset({TAG_FIELD, *Entry.__struct_fields__} - {"gpu"})
+# The keys of an entry of each earlier format, and what tells it apart. Entries that logged the
+# chunk's bare digest (``chunk_digest``: anyone who guesses a chunk can recompute it); before
+# them, entries that named no GPU either (issue 14).
+_UNKEYED_KEYS = frozenset({TAG_FIELD, "seq", "time", "gpu", "event", "chunk", "epoch_before", "epoch_after",
+                           "chunk_digest", "prev_hash"})
+_EARLIER_FORMATS = {
+    _UNKEYED_KEYS - {"gpu"}: "the entry names no GPU",
+    _UNKEYED_KEYS: "the entry logs its chunk's bare digest, not keyed with its holder's key",
+}
 
 
-def _names_no_gpu(raw: bytes) -> bool:
-    """Whether ``raw`` has exactly the keys of an entry written before entries named their GPU,
-    so that such a log is refused as from an earlier version, not as corrupt. Only a hint for
+def _earlier_format(raw: bytes) -> str | None:
+    """What marks ``raw`` as an entry of an earlier format (exactly its keys), so that such a log
+    is refused as from an earlier version, not as corrupt; None if it is none. Only a hint for
     the error: nothing decoded here is trusted."""
     try:
         fields = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_RECORD_BYTES, max_str_len=MAX_RECORD_BYTES)
     except Exception:  # malformed, whatever msgpack chose to raise
-        return False
-    return isinstance(fields, dict) and fields.keys() == _GPULESS_KEYS and fields[TAG_FIELD] == tag_of(Entry)
+        return None
+    if not isinstance(fields, dict) or fields.get(TAG_FIELD) != tag_of(Entry):
+        return None
+    return _EARLIER_FORMATS.get(frozenset(fields.keys()))
 
 
 def _read(path: str | os.PathLike[str]) -> bytes:
@@ -144,14 +161,19 @@ def intact_length(path: Path) -> int:
 # ----------------------------------------------------------------------------- verifying
 @dataclass(frozen=True)
 class AuditSummary:
-    count: int  # entries that verified
+    count: int  # entries that verified (the closing entry included)
     head_seq: int  # -1 for an empty log
     head_hash: bytes  # GENESIS_HASH for an empty log
     head_signature: bytes  # the orchestrator's signature of the head: keep it as a receipt
     holder: str | None
     gpu: str | None  # the GPU every entry names; None for an empty log
-    entries: tuple[Entry, ...]  # the holder's own entries (every entry when holder is None)
+    # The travel attempts: the holder's own (every holder's when holder is None); never the
+    # closing entry, which names no chunk (see closed).
+    entries: tuple[Entry, ...]
     truncated_tail: bool  # a torn final record was ignored (allow_truncated_tail)
+    # The log ends with the orchestrator's closing entry: its job is done and nothing is missing
+    # at the end. False: a job still running, or entries cut off the end (an empty log too).
+    closed: bool
 
 
 def _verify_chain(parsed: list[_Parsed], key: ec.EllipticCurvePublicKey) -> None:
@@ -168,15 +190,17 @@ def _verify_chain(parsed: list[_Parsed], key: ec.EllipticCurvePublicKey) -> None
 def _signed_if_earlier_version(err: AuditError, key: ec.EllipticCurvePublicKey, data: bytes) -> None:
     """An "earlier version" verdict only for a log of that version throughout whose first entry
     this key signed: anyone who can write the file could otherwise turn a tamper verdict into
-    that milder one (and its advice to start a new log) by putting an unsigned GPU-less entry
-    first (SIGNATURE), or an old signed one before entries of this version (MALFORMED)."""
+    that milder one (and its advice to start a new log) by putting an unsigned entry of an
+    earlier format first (SIGNATURE), or an old signed one before entries of another format
+    (MALFORMED)."""
     if err.failure is not Failure.VERSION:
         return
     records = list(_raw_records(data))  # the first is the one _parse refused: it decodes as a Record
     verify_head(key, 0, hashlib.sha384(records[0].entry).digest(), records[0].signature)
-    if not all(_names_no_gpu(r.entry) for r in records):
+    first = _earlier_format(records[0].entry)
+    if not all(_earlier_format(r.entry) == first for r in records):
         raise AuditError(Failure.MALFORMED, err.seq, "an entry of an earlier log format before entries of "
-                                                     "this one: not one log") from None
+                                                     "another one: not one log") from None
 
 
 def _raw_records(data: bytes) -> Iterator[Record]:
@@ -194,12 +218,32 @@ def _raw_records(data: bytes) -> Iterator[Record]:
         pos += LENGTH.size + length
 
 
-def _check_known_head(parsed: list[_Parsed], known_head: tuple[int, bytes]) -> None:
+def _check_known_head(parsed: list[_Parsed], known_head: tuple[int, bytes] | bytes) -> None:
+    """The log must hold the head a party saw: ``(seq, hash)``, or only its hash (anywhere)."""
+    if isinstance(known_head, (bytes, bytearray)):
+        if len(known_head) != HASH_BYTES:
+            raise BadInput(f"a head is the {HASH_BYTES}-byte hash of an entry")
+        if not any(p.hash == known_head for p in parsed):
+            raise AuditError(Failure.HEAD, len(parsed), f"no entry of the log (seq 0 to {len(parsed) - 1}) has "
+                                                        "this hash: entries were cut off its end, or it is another log")
+        return
     seq, digest = known_head
     if seq >= len(parsed):
         raise AuditError(Failure.HEAD, seq, f"the log ends at seq {len(parsed) - 1} (entries dropped?)")
     if parsed[seq].hash != digest:
         raise AuditError(Failure.HEAD, seq, "the entry there is not the one the known head names")
+
+
+def _check_closing(parsed: list[_Parsed], trailing: bool) -> bool:
+    """Whether the log is closed; AuditError (AFTER_CLOSE) if anything follows a closing entry
+    (the writer never continues a closed log: a continuation could be cut back to it)."""
+    for index, p in enumerate(parsed):
+        if p.entry.event is AuditEvent.CLOSED and index != len(parsed) - 1:
+            raise AuditError(Failure.AFTER_CLOSE, index + 1, f"the log was closed at seq {index}")
+    closed = bool(parsed) and parsed[-1].entry.event is AuditEvent.CLOSED
+    if closed and trailing:
+        raise AuditError(Failure.AFTER_CLOSE, len(parsed), f"bytes follow the closing entry at seq {len(parsed) - 1}")
+    return closed
 
 
 def _check_gpu(parsed: list[_Parsed], expected: str | None) -> str | None:
@@ -217,12 +261,15 @@ def _check_gpu(parsed: list[_Parsed], expected: str | None) -> str | None:
 def verify_log(path: str | os.PathLike[str],
                orchestrator_key: bytes | str | ec.EllipticCurvePublicKey | x509.Certificate,
                holder: str | None = None, *, gpu: str | None = None, allow_truncated_tail: bool = False,
-               known_head: tuple[int, bytes] | None = None) -> AuditSummary:
-    """Check seq contiguity, the hash chain, every signature, and that every entry names the
-    same GPU (``gpu``, if given); raise AuditError on the first fault.
+               known_head: tuple[int, bytes] | bytes | None = None) -> AuditSummary:
+    """Check seq contiguity, the hash chain, every signature, that every entry names the same
+    GPU (``gpu``, if given) and that nothing follows a closing entry; raise AuditError on the
+    first fault. Whether the log is closed is the summary's ``closed``: a log that verifies but
+    is not closed (the empty log too) may be missing entries at its end.
 
     ``allow_truncated_tail`` verifies the intact prefix of a log whose last record is torn.
-    ``known_head`` is a (seq, hash) the caller saw signed before: the log must still hold it.
+    ``known_head`` is a (seq, hash), or only the hash of an entry, that the caller saw signed
+    before: the log must still hold it.
     """
     key = load_verifier(orchestrator_key)
     expected = check_gpu(gpu) if gpu is not None else None
@@ -234,9 +281,10 @@ def verify_log(path: str | os.PathLike[str],
         raise
     _verify_chain(parsed, key)
     named = _check_gpu(parsed, expected)
+    last = parsed[-1] if parsed else None
+    closed = _check_closing(parsed, (last.end if last else 0) != len(data))
     if known_head is not None:
         _check_known_head(parsed, known_head)
-    last = parsed[-1] if parsed else None
     return AuditSummary(
         count=len(parsed),
         head_seq=len(parsed) - 1,
@@ -244,6 +292,31 @@ def verify_log(path: str | os.PathLike[str],
         head_signature=last.signature if last else b"",
         holder=holder,
         gpu=named,
-        entries=tuple(p.entry for p in parsed if holder is None or p.entry.holder == holder),
+        entries=tuple(p.entry for p in parsed
+                      if p.entry.chunk is not None and (holder is None or p.entry.holder == holder)),
         truncated_tail=(last.end if last else 0) != len(data),
+        closed=closed,
     )
+
+
+# ----------------------------------------------------------------------------- a holder's own entries
+def mismatched_chunks(entries: Iterable[Entry], holder_key: bytes,
+                      digest_of: Callable[[int, int], bytes]) -> tuple[int, ...]:
+    """What a holder runs over its own entries (of a log that verified): the seqs of those whose
+    chunk MAC is not the MAC, under its travel-log key, of the digest of the chunk its data holds
+    there (``digest_of(dataset_offset, nbytes)``; one that raises GputravelError, a chunk past its
+    data, is a mismatch too). Entries without a MAC (nothing copied) are skipped. Only the
+    holder and the orchestrator can compute these MACs: nobody else learns the digest."""
+    bad = []
+    for e in entries:
+        if e.chunk is None or not e.chunk_mac:
+            continue
+        c = e.chunk
+        try:
+            want = chunk_mac(holder_key, c.holder, c.dataset_offset, c.nbytes, digest_of(c.dataset_offset, c.nbytes))
+        except GputravelError:
+            bad.append(e.seq)
+            continue
+        if not hmac.compare_digest(want, e.chunk_mac):
+            bad.append(e.seq)
+    return tuple(bad)

@@ -4,6 +4,12 @@ Each record is written with one ``write`` and ``fsync``-ed, so a crash loses at 
 entry being written (its torn remains read as a truncated final entry, see :mod:`.verify`).
 A writer is for one GPU, named when the log is created or opened: every entry it signs names
 that GPU, and it refuses to continue a log that names another.
+
+A chunk's digest is logged only keyed with its holder's travel-log key (``append`` takes the
+digest and the key and signs their MAC: no caller can put a bare digest in the public log).
+``seal`` signs the closing entry when the job is done; after it nothing is appended, and a
+closed log is never continued (``open`` refuses it): a continuation could be cut back to the
+closing entry and verify as a complete log.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from gputravel.orchestrator.audit.entries import (
     Record,
     check_gpu,
 )
+from gputravel.protocol.manifest import chunk_mac
 from gputravel.orchestrator.audit.signature import load_signer, sign_head
 from gputravel.orchestrator.audit.verify import intact_length, verify_log
 from gputravel.protocol.codec import encode
@@ -58,6 +65,7 @@ class AuditLog:
         self._prev = prev_hash
         self._lock = threading.Lock()
         self._broken = False
+        self._sealed = False  # the closing entry is signed: nothing may follow
 
     def __repr__(self) -> str:  # the signing key never shows
         return f"AuditLog({os.fspath(self.path)!r}, gpu={self.gpu!r}, next_seq={self._next_seq})"
@@ -85,6 +93,9 @@ class AuditLog:
         """
         key, p, gpu = load_signer(signing_key), Path(path), check_gpu(gpu)
         summary = verify_log(p, key.public_key(), gpu=gpu, allow_truncated_tail=repair_truncated_tail)
+        if summary.closed:
+            raise BadInput(f"audit log {os.fspath(p)!r} is closed: the job it records is done, and nothing may "
+                           "follow its closing entry; a new job needs a new log")
         fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         if summary.truncated_tail:
             os.ftruncate(fd, intact_length(p))
@@ -97,42 +108,80 @@ class AuditLog:
         with self._lock:
             return self._next_seq - 1, self._prev
 
-    def append(self, event: AuditEvent | str, chunk: ChunkId, *, time: float, epoch_before: int,
-               epoch_after: int, chunk_digest: bytes = b"") -> Entry:
-        """Sign and durably append one entry (written and fsync-ed before this returns)."""
+    @property
+    def sealed(self) -> bool:
+        """Whether the closing entry is signed (then nothing more is appended)."""
         with self._lock:
-            if self._fd < 0:
-                raise BadInput("the audit log is closed")
-            if self._broken:
-                raise BadInput("a write to the audit log failed: reopen it with repair_truncated_tail=True")
-            entry = self._next_entry(event, chunk, time, epoch_before, epoch_after, chunk_digest)
-            raw = encode(entry)
-            digest = hashlib.sha384(raw).digest()
-            payload = encode(Record(entry=raw, signature=sign_head(self._key, entry.seq, digest)))
-            try:
-                _write_all(self._fd, LENGTH.pack(len(payload)) + payload)
-                os.fsync(self._fd)
-            except OSError:
-                self._broken = True  # a partial record may be on disk: no entry may follow it
-                raise
-            self._next_seq, self._prev = entry.seq + 1, digest
+            return self._sealed
+
+    def append(self, event: AuditEvent | str, chunk: ChunkId, *, time: float, epoch_before: int,
+               epoch_after: int, chunk_digest: bytes = b"", holder_key: bytes | None = None) -> Entry:
+        """Sign and durably append one entry (written and fsync-ed before this returns). A
+        chunk's digest is logged as its MAC under ``holder_key``, the chunk's holder's
+        travel-log key, which is then required."""
+        if event == AuditEvent.CLOSED:
+            raise BadInput("the closing entry is signed by seal()")
+        mac = self._mac(chunk, chunk_digest, holder_key)
+        with self._lock:
+            self._writable()
+            return self._write(self._next_entry(event, chunk, time, epoch_before, epoch_after, mac))
+
+    def seal(self, *, time: float, epoch: int) -> Entry:
+        """Sign the closing entry: the job is done, and this log ends here. Nothing is appended
+        after it, by this writer or any other (``open`` refuses a closed log)."""
+        with self._lock:
+            self._writable()
+            entry = self._write(self._next_entry(AuditEvent.CLOSED, None, time, epoch, epoch, b""))
+            self._sealed = True
             return entry
 
-    def _next_entry(self, event: AuditEvent | str, chunk: ChunkId, time: float, epoch_before: int,
-                    epoch_after: int, chunk_digest: bytes) -> Entry:
+    def _writable(self) -> None:
+        if self._fd < 0:
+            raise BadInput("the audit log is closed")
+        if self._sealed:
+            raise BadInput("the audit log is sealed: its job is done, and nothing may follow its closing entry")
+        if self._broken:
+            raise BadInput("a write to the audit log failed: reopen it with repair_truncated_tail=True")
+
+    @staticmethod
+    def _mac(chunk: ChunkId, chunk_digest: bytes, holder_key: bytes | None) -> bytes:
+        if not isinstance(chunk_digest, (bytes, bytearray, memoryview)):
+            raise BadInput("chunk_digest must be bytes")  # bytes(n) would make n zero bytes
+        if not chunk_digest:
+            return b""
+        if type(chunk) is not ChunkId:
+            raise BadInput("chunk must be a ChunkId")
+        if holder_key is None:
+            raise BadInput("a chunk digest is logged only keyed with its holder's travel-log key")
+        return chunk_mac(holder_key, chunk.holder, chunk.dataset_offset, chunk.nbytes, bytes(chunk_digest))
+
+    def _write(self, entry: Entry) -> Entry:
+        """Sign ``entry`` and append it durably (the lock held)."""
+        raw = encode(entry)
+        digest = hashlib.sha384(raw).digest()
+        payload = encode(Record(entry=raw, signature=sign_head(self._key, entry.seq, digest)))
+        try:
+            _write_all(self._fd, LENGTH.pack(len(payload)) + payload)
+            os.fsync(self._fd)
+        except OSError:
+            self._broken = True  # a partial record may be on disk: no entry may follow it
+            raise
+        self._next_seq, self._prev = entry.seq + 1, digest
+        return entry
+
+    def _next_entry(self, event: AuditEvent | str, chunk: ChunkId | None, time: float, epoch_before: int,
+                    epoch_after: int, mac: bytes) -> Entry:
         try:
             event = AuditEvent(event)
         except ValueError:
             raise BadInput(f"unknown audit event {event!r}") from None
-        if type(chunk) is not ChunkId:
+        if chunk is not None and type(chunk) is not ChunkId:
             raise BadInput("chunk must be a ChunkId")
         if not isinstance(time, (int, float)) or isinstance(time, bool):
             raise BadInput("time must be a number of seconds")
-        if not isinstance(chunk_digest, (bytes, bytearray, memoryview)):
-            raise BadInput("chunk_digest must be bytes")  # bytes(n) would make n zero bytes
         try:
             entry = Entry(seq=self._next_seq, time=float(time), gpu=self.gpu, event=event, chunk=chunk,
-                          epoch_before=epoch_before, epoch_after=epoch_after, chunk_digest=bytes(chunk_digest),
+                          epoch_before=epoch_before, epoch_after=epoch_after, chunk_mac=mac,
                           prev_hash=self._prev)
         except TypeError:  # __post_init__ compared a value of the wrong type
             raise BadInput("key epochs must be ints") from None
