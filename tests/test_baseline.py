@@ -195,7 +195,7 @@ def _check_baseline(cohort: Cohort, data: bytes, offset: int, want: int) -> None
 
 
 @pytest.mark.integration
-def test_baseline_bytes_arrive_intact_in_vram(dataset) -> None:
+def test_baseline_bytes_arrive_intact_in_vram(processes, dataset) -> None:
     path, data = dataset
     with Cohort(CohortConfig(holders=(HolderSpec("h", path),), buffer_bytes=2 * MIB)) as cohort:
         assert cohort.link == LINK_NONE
@@ -215,7 +215,7 @@ def test_baseline_bytes_arrive_intact_in_vram(dataset) -> None:
 
 @pytest.mark.integration
 @needs_netns
-def test_cohort_on_shaped_links_runs_inside_namespaces_and_leaves_none(dataset) -> None:
+def test_cohort_on_shaped_links_runs_inside_namespaces_and_leaves_none(processes, dataset) -> None:
     path, data = dataset
     before = _namespaces()
     cfg = CohortConfig(holders=(HolderSpec("h", path),), buffer_bytes=MIB, bandwidth_mbit=200.0, link="netns")
@@ -236,7 +236,7 @@ def test_cohort_on_shaped_links_runs_inside_namespaces_and_leaves_none(dataset) 
 
 
 @pytest.mark.integration
-def test_token_bucket_fallback_paces_the_tls_connection(dataset) -> None:
+def test_token_bucket_fallback_paces_the_tls_connection(processes, dataset) -> None:
     path, data = dataset
     before = _namespaces() if NETNS_OK else set()
     cfg = CohortConfig(holders=(HolderSpec("h", path),), buffer_bytes=MIB, bandwidth_mbit=200.0, link="token-bucket")

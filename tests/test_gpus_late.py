@@ -63,7 +63,7 @@ def test_the_shares_place_every_late_holder_once_beside_one_present_at_boot(data
 
 
 @pytest.mark.integration
-def test_late_holders_join_leave_rejoin_and_restart_on_their_own_gpu_each_chunk_once(datasets) -> None:
+def test_late_holders_join_leave_rejoin_and_restart_on_their_own_gpu_each_chunk_once(processes, datasets) -> None:
     shares = (("alice", "dave"), ("bob", "carol"))
     delivered: list[tuple[int, str, int]] = []
 

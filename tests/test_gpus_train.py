@@ -58,7 +58,7 @@ def two_gpus(tmp_path_factory):
     return tmp, hs, travelling, local
 
 
-def test_two_travelling_gpus_and_two_local_ranks_give_bit_identical_losses(two_gpus):
+def test_two_travelling_gpus_and_two_local_ranks_give_bit_identical_losses(processes, two_gpus):
     _, _, travelling, local = two_gpus
     assert len(travelling["losses"]) == TINY.steps
     assert travelling["losses"] == local["losses"]
@@ -66,7 +66,7 @@ def test_two_travelling_gpus_and_two_local_ranks_give_bit_identical_losses(two_g
     assert travelling["shares"] == local["shares"]
 
 
-def test_each_gpu_travels_only_to_its_own_holders_and_signs_its_own_log(two_gpus):
+def test_each_gpu_travels_only_to_its_own_holders_and_signs_its_own_log(processes, two_gpus):
     tmp, _, travelling, _ = two_gpus
     run_dir = tmp / "travelling"
     shares = [set(s) for s in travelling["shares"]]
@@ -96,7 +96,7 @@ def _planned(cfg: TrainConfig, paths: dict[str, str], share: list[str], policy: 
     return out
 
 
-def test_the_proportional_schedule_carries_over_to_each_gpu(two_gpus, tmp_path):
+def test_the_proportional_schedule_carries_over_to_each_gpu(processes, two_gpus, tmp_path):
     """Each rank schedules its own share as one GPU would: with `proportional`, each GPU's
     signed log shows the single-GPU scheduler's visits over its share (which differ from round
     robin's), and the travelling ranks train to the local ranks' losses."""
@@ -123,7 +123,7 @@ def test_the_job_refuses_more_gpus_than_holders(tmp_path):
         TrainingJobConfig(train=TINY, holders=holders(tmp_path)[:1], run_dir=str(tmp_path / "r"), gpus=2)
 
 
-def test_a_killed_rank_stops_every_rank_and_the_job_resumes_losing_nothing(two_gpus, tmp_path, kill_orchestrators):
+def test_a_killed_rank_stops_every_rank_and_the_job_resumes_losing_nothing(processes, two_gpus, tmp_path, kill_orchestrators):
     tmp, hs, uninterrupted, _ = two_gpus
     os.chmod(tmp_path, 0o755)
     job = TrainingJobConfig(train=replace(TINY, checkpoint_every=2), holders=hs, run_dir=str(tmp_path / "run"), gpus=2)
@@ -170,7 +170,7 @@ def _train_every_rank(gpus: GpuCohorts, job: TrainingJobConfig, *, configs: list
     return reports, errors
 
 
-def test_a_rank_that_runs_another_measurement_is_refused_before_any_gradient_moves(tmp_path):
+def test_a_rank_that_runs_another_measurement_is_refused_before_any_gradient_moves(processes, tmp_path):
     os.chmod(tmp_path, 0o755)
     job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run"), gpus=2))
     # GPU 1's orchestrator is launched with another measured setting: another measurement.
@@ -194,7 +194,7 @@ def cohorts_with_a_dying_holder(tmp_path_factory):
         yield job, shares, dies, gpus
 
 
-def test_ranks_told_different_jobs_refuse_each_other_and_each_is_held_to_its_share(cohorts_with_a_dying_holder):
+def test_ranks_told_different_jobs_refuse_each_other_and_each_is_held_to_its_share(processes, cohorts_with_a_dying_holder):
     """The launcher says what each rank trains; the ranks bind the job (settings, checkpoint,
     every rank's holders) into their pair keys, so ranks told different jobs stop before a
     step. And a rank refuses a share that is not the holders it has."""
@@ -205,7 +205,7 @@ def test_ranks_told_different_jobs_refuse_each_other_and_each_is_held_to_its_sha
     assert len(errors) == 2 and all(isinstance(e, BadInput) and "not its share" in str(e) for e in errors), errors
 
 
-def test_a_holder_killed_mid_copy_on_one_gpu_is_dropped_there_and_no_chunk_is_trained_on_twice(
+def test_a_holder_killed_mid_copy_on_one_gpu_is_dropped_there_and_no_chunk_is_trained_on_twice(processes, 
         cohorts_with_a_dying_holder):
     job, shares, dies, gpus = cohorts_with_a_dying_holder
     assert gpus.cohorts[1].children[dies].proc.poll() is None  # its first copy is this test's
@@ -221,7 +221,7 @@ def test_a_holder_killed_mid_copy_on_one_gpu_is_dropped_there_and_no_chunk_is_tr
         assert len(set(visits)) == len(visits) and report["loader_state"]["epoch"] == 0
 
 
-def test_two_servers_of_one_gpu_each_train_over_their_shaped_link(two_gpus, tmp_path):
+def test_two_servers_of_one_gpu_each_train_over_their_shaped_link(processes, two_gpus, tmp_path):
     """Each GPU's cohort an emulated server of its own (its members in network namespaces),
     the two orchestrator ranks joined only by a shaped link through a switch: the same losses
     as on one machine, and the ranks' traffic crossed that link both ways."""

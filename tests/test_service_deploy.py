@@ -103,7 +103,7 @@ def _serve(where: Path, party: str, tag: str | None = None) -> Shell:
     return Shell(where, party.split("-")[0], f"cohort/{party}.toml", tag or party.removeprefix("holder-"))
 
 
-def test_five_shells_train_and_a_holder_leaves_and_rejoins(where: Path) -> None:
+def test_five_shells_train_and_a_holder_leaves_and_rejoins(processes, where: Path) -> None:
     d = _init(where, "comedies", 1200)
     shells: list[Shell] = []
     try:
@@ -184,7 +184,7 @@ def _keys_only_in_own_state(d: Path) -> None:
         assert all(k.stat().st_uid == tdx_uid for k in owners["orchestrator-tdx"])
 
 
-def test_the_orchestrator_may_start_before_its_holders(where: Path) -> None:
+def test_the_orchestrator_may_start_before_its_holders(processes, where: Path) -> None:
     """Any order: an orchestrator up first waits for the holders' certificates, then for their
     joins; holders that find the GPU's boot lock taken join late and probe on the lent GPU."""
     _init(where, "histories", 40)
@@ -230,7 +230,7 @@ def _vram_to_a_stranger(d: Path) -> bool:
     return out.stdout.startswith("GRANTED")
 
 
-def test_a_restarted_orchestrator_resumes_and_its_holders_come_back(where: Path) -> None:
+def test_a_restarted_orchestrator_resumes_and_its_holders_come_back(processes, where: Path) -> None:
     """The orchestrator is stopped mid-run and started again: it resumes from the run
     directory's checkpoint; the holders' CVMs end with the old cohort, and their services boot
     new ones that join the new orchestrator. The signed travel log continues across both."""

@@ -56,7 +56,7 @@ def both_runs(tmp_path_factory):
     return tmp, travelling, local
 
 
-def test_travelling_and_local_losses_are_bit_identical(both_runs):
+def test_travelling_and_local_losses_are_bit_identical(processes, both_runs):
     _, travelling, local = both_runs
     assert len(travelling["losses"]) == TINY.steps
     assert travelling["losses"] == local["losses"]  # exact float equality, step by step
@@ -67,7 +67,7 @@ def test_travelling_and_local_losses_are_bit_identical(both_runs):
     assert not any("steps_ms" in t for t in local["travels"])
 
 
-def test_training_learns_and_writes_the_run_directory(both_runs):
+def test_training_learns_and_writes_the_run_directory(processes, both_runs):
     tmp, travelling, _ = both_runs
     assert travelling["loss_after"] < travelling["loss_before"]
     assert 0 <= travelling["stall_share"] < 1
@@ -83,7 +83,7 @@ def test_training_learns_and_writes_the_run_directory(both_runs):
         assert len({p["uid"] for p in iso["parties"].values()}) == len(iso["parties"])
 
 
-def test_a_holder_with_another_tokenizer_is_refused(tmp_path):
+def test_a_holder_with_another_tokenizer_is_refused(processes, tmp_path):
     good, odd = tmp_path / "good", tmp_path / "odd"
     for d, name in ((good, "bytes"), (odd, "gpt2")):
         d.mkdir()
@@ -106,7 +106,7 @@ def test_bad_job_input_is_refused(tmp_path):
         TrainConfig(loader="carrier-pigeon")
 
 
-def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(both_runs, tmp_path, kill_orchestrators):
+def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(processes, both_runs, tmp_path, kill_orchestrators):
     _, uninterrupted, _ = both_runs
     job = TrainingJobConfig(train=replace(TINY, checkpoint_every=2), holders=holders(tmp_path), run_dir=str(tmp_path / "run"))
 
@@ -126,7 +126,7 @@ def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(both_runs, tm
     assert steps == list(range(TINY.steps))
 
 
-def test_a_run_asked_to_stop_ends_at_a_step_checkpointed_there_and_resumes_exactly(both_runs, tmp_path):
+def test_a_run_asked_to_stop_ends_at_a_step_checkpointed_there_and_resumes_exactly(processes, both_runs, tmp_path):
     """A service's SIGTERM asks its orchestrator to stop (orchestrator/process.py): training
     ends after the step it is on, the checkpoint is of that step, and a resume continues from
     it with the losses of an uninterrupted run."""
@@ -175,7 +175,7 @@ class _LosesHolderOnce:
         return self.inner.fetch(visit)
 
 
-def test_a_holder_killed_mid_copy_is_dropped_and_its_partial_chunk_never_trained_on(tmp_path):
+def test_a_holder_killed_mid_copy_is_dropped_and_its_partial_chunk_never_trained_on(processes, tmp_path):
     job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path), run_dir=str(tmp_path / "run")))
     specs = tuple(HolderSpec(n, p, "tokens", die_mid_copy_on_travel=1 if n == "west" else 0) for n, p in job.holders)
     cfg = CohortConfig(holders=specs, buffer_bytes=TINY.buffer_bytes, layout=layout_for(TINY.buffer_bytes),
@@ -199,7 +199,7 @@ def test_a_holder_killed_mid_copy_is_dropped_and_its_partial_chunk_never_trained
     assert report["losses"] == ref.losses
 
 
-def test_the_orchestrator_runs_only_the_job_it_was_measured_with(tmp_path):
+def test_the_orchestrator_runs_only_the_job_it_was_measured_with(processes, tmp_path):
     """The job is part of the orchestrator's measurement, which the holders pin: a Train for
     another job (another seed, here) is refused, before any step."""
     job = resolve(TrainingJobConfig(train=TINY, holders=holders(tmp_path)[:1], run_dir=str(tmp_path / "run")))
@@ -211,7 +211,7 @@ def test_the_orchestrator_runs_only_the_job_it_was_measured_with(tmp_path):
             cohort.train(json.dumps(replace(job.train, seed=job.train.seed + 1).to_dict()))
 
 
-def test_every_travel_is_in_the_orchestrators_signed_log(both_runs):
+def test_every_travel_is_in_the_orchestrators_signed_log(processes, both_runs):
     tmp, travelling, _ = both_runs
     run_dir = tmp / "travelling"
     cert = (run_dir / "orchestrator.pem").read_bytes()
