@@ -14,6 +14,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from profiles import examples  # tests/profiles.py: counts for the thorough profile
 from typer.testing import CliRunner
 
 from gputravel.attest import AttestationError, init_roots, load_authority, provision_gpu
@@ -170,7 +171,7 @@ def test_a_public_key_pem_or_key_object_verifies_too(tmp_path: Path, orch: Membe
 
 
 # ----------------------------------------------------------------------------- tampering
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(position=st.integers(0, 10**6), mask=st.integers(1, 255))
 @example(position=0, mask=1)  # the first length prefix
 @example(position=LENGTH.size + 2, mask=0x20)  # inside the first record's msgpack keys
@@ -198,7 +199,7 @@ def test_a_changed_length_prefix_is_malformed_never_truncated(tmp_path: Path, or
                 assert error.failure is Failure.MALFORMED, (start, offset, mask, error)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cut=st.integers(1, 10**6))
 def test_cutting_the_file_anywhere_is_truncation_or_a_shorter_valid_prefix(
         tmp_path: Path, orch: MemberIdentity, good_log, cut: int) -> None:

@@ -34,6 +34,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from profiles import examples  # tests/profiles.py: counts for the thorough profile
 from msgspec import structs
 
 import gputravel
@@ -52,7 +53,7 @@ from gputravel.protocol.host import DeviceAttach, HostError, RegisterCvm, Regist
 from gputravel.transport.stream import HEADER, StreamTransport
 from gputravel.transport.unix import connect_unix
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # What a module that defines or registers wire messages says: ``class X(Message, tag=...)``
@@ -251,7 +252,7 @@ def assert_decodes_or_protocol_error(data: bytes, expect: type | None = None) ->
 
 
 # ----------------------------------------------------------------------------- decode
-@settings(FUZZ, max_examples=10)
+@settings(FUZZ, max_examples=examples(10))
 @given(st.data())
 def test_every_registered_message_has_a_strategy_and_round_trips(data: st.DataObject) -> None:
     # Guards the fuzzers below: a message they cannot build would silently go unfuzzed.
@@ -380,7 +381,7 @@ frames = st.one_of(
 )
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=examples(150))
 @given(st.lists(frames, max_size=6), st.integers(0, 64))
 @example([HEADER.pack(2**32 - 1, 0)], 0)  # huge declared length: refused before allocating
 @example([HEADER.pack(100, 0) + b"abc"], 0)  # truncated frame, then the peer closes
