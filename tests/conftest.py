@@ -34,9 +34,16 @@ def processes() -> float:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests that start processes `slow`; give every test pytest-timeout's limit (or
+    its own) times GPUTRAVEL_TEST_TIMEOUT_SCALE."""
+    base = float(config.getini("timeout") or 0)
     for item in items:
         if SLOW_FIXTURE in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+        own = item.get_closest_marker("timeout")
+        limit = float(own.args[0] if own and own.args else own.kwargs.get("timeout", base) if own else base)
+        if limit > 0 and TIMEOUT_SCALE != 1.0:
+            item.add_marker(pytest.mark.timeout(limit * TIMEOUT_SCALE))
 
 
 def _refuse_process(*args: object, **kwargs: object) -> None:
@@ -145,7 +152,8 @@ def run_ranks(processes):
     def run(target, world: int, *args, timeout: float = 60.0) -> list:
         port = free_port()
         try:
-            return run_processes([(_rank_main, (target, r, world, port, args)) for r in range(world)], timeout,
+            return run_processes([(_rank_main, (target, r, world, port, args)) for r in range(world)],
+                                 timeout * processes,
                                  names=[f"rank {r}" for r in range(world)], method="forkserver",
                                  preload=["torch", "torch.distributed", "gputravel.ddp"], grace=5.0)
         except ProcessFailed as err:

@@ -21,8 +21,7 @@ from gputravel.redteam.attacks import ATTACKS
 from gputravel.redteam import collusion_rows, run as redteam_run
 from gputravel.redteam.holder import MaliciousHolder
 from gputravel.cohort import isolation
-
-pytestmark = pytest.mark.integration
+from gputravel.testing import TIMEOUT_SCALE
 
 # What each row's evidence must show: the real defence acting, not just "no plaintext".
 EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -124,7 +123,12 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
 # push, scrub or rotation and each holder that never hands the GPU back costs one of them
 # (about half of the run's 70 s); a shorter wait changes no defence and no row's evidence, and
 # leaves an honest push or travel (milliseconds here) ample room.
-SUITE_WAITS = 0.5
+SUITE_WAITS = min(1.0, 0.5 * TIMEOUT_SCALE)  # a slower machine (GPUTRAVEL_TEST_TIMEOUT_SCALE) waits longer
+
+
+# The whole red team runs in the first row's setup (about 70 s): the limit covers it, so a busy
+# machine fails no row by the clock, while each row's verdict stays its own.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
