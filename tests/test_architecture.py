@@ -32,6 +32,7 @@ FLOORS = {
     "net": 2,
     "data": 2,
     "attest": 3,
+    "firmware": 3,  # the emulated hardware's own processes: the TDX module, the GPU's attestation firmware
     "driver": 3,
     "device": 3,
     "host": 3,
@@ -54,6 +55,7 @@ FLOORS = {
 SAME_FLOOR = {
     ("protocol", "crypto"): "messages carry channel state and SPDM payloads",
     ("device", "attest"): "the emulated GPU runs its attestation firmware (attest/gpu.py)",
+    ("firmware", "attest"): "the emulated TDX module and GPU firmware sign the quotes and evidence attest/ checks",
     ("bench", "jobs"): "the training benchmark times the training job",
     ("bench", "fl"): "the training benchmark runs the FedAvg baseline",
     ("jobs", "service"): "the demo launches each party's own service, as a consortium deploys them",

@@ -100,7 +100,7 @@ def test_attest_measure_prints_the_pinnable_measurement(tmp_path):
 def test_the_firmware_runs_in_a_process_of_its_own_and_answers_fresh_nonces(processes, tmp_path):
     import os
 
-    from gputravel.attest.firmware_process import FirmwareProcess
+    from gputravel.firmware.gpu import FirmwareProcess
     from gputravel.attest.gpu import ReferenceValues
     from gputravel.attest.provision import REFERENCE_FILE, GpuDevice, provision_gpu
     from gputravel.attest.roots import TrustStore, init_roots, load_authority

@@ -214,7 +214,7 @@ def test_orchestrator_self_quote_the_live_tdx_module_quotes_only_the_launched_or
     holds no private key at all."""
     import json
 
-    from gputravel.attest.tdx_module import QuotingRefused, request_quote
+    from gputravel.firmware.tdx_module import QuotingRefused, request_quote
 
     with Cohort(config(datasets, ("h1",))) as cohort:
         assert cohort.attestations["h1"].measurement == cohort.trust.pinned[0]

@@ -1,4 +1,4 @@
-"""The emulated TDX module as its own process (attest/tdx_module.py, cohort/quoting.py).
+"""The emulated TDX module as its own process (firmware/tdx_module.py, cohort/quoting.py).
 
 red team: orchestrator-self-quote. The review found the measurement self-quoted: the quoting
 key sat in the orchestrator's trust directory and the measurement was whatever the caller
@@ -21,7 +21,7 @@ import pytest
 
 from gputravel.attest import Authority, EmulatedQuoteVerifier, TrustStore
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
-from gputravel.attest.tdx_module import Launch, Peer, QuotingRefused, TdxModule, request_quote
+from gputravel.firmware.tdx_module import Launch, Peer, QuotingRefused, TdxModule, request_quote
 from gputravel.crypto.certs import new_key as _new_key
 from gputravel.errors import ProtocolError, TransportClosed
 from gputravel.protocol.control import Ready
@@ -32,7 +32,7 @@ from gputravel.transport.unix import connect_unix
 
 MEASURED = bytes(range(48))  # what the launcher measured
 # A CVM stand-in: asks the module for a quote over the report data it is given, prints the outcome.
-CVM = ("import sys\nfrom gputravel.attest.tdx_module import request_quote, QuotingRefused\n"
+CVM = ("import sys\nfrom gputravel.firmware.tdx_module import request_quote, QuotingRefused\n"
        "try:\n    print(request_quote(sys.argv[1], bytes.fromhex(sys.argv[2]), 30).hex())\n"
        "except QuotingRefused as e:\n    print('refused:', e)\n")
 
@@ -158,7 +158,7 @@ def test_a_connection_made_before_the_launch_gets_no_quote_once_its_pid_is_reuse
     """The attack the review found: a child connects and exits, its parent keeps the connected
     socket, and the child's pid later goes to the orchestrator. The kernel's pidfd of whoever
     connected (SO_PEERPIDFD) says that process exited, and its start time is gone with it."""
-    from gputravel.attest.tdx_module import _exited, process_start
+    from gputravel.firmware.tdx_module import _exited, process_start
 
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(tmp_path / "q.sock"))

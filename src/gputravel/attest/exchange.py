@@ -6,7 +6,7 @@
     AttestAccepted{reattest_after_s} ----------->  (or the holder hangs up)
 
 `quote`: the orchestrator CVM's quote over report_data_for_tls(its TLS SPKI, nonce), made by
-its TDX module (attest/tdx_module.py) with the measurement its launcher registered.
+its TDX module (firmware/tdx_module.py) with the measurement its launcher registered.
 `gpu_evidence`: the GPU's own signed evidence (an encoded GpuEvidence, certificate chain
 included) for the same nonce, asked by the orchestrator inside its SPDM session and relayed
 as the device signed it. The holder verifies both itself: the quote against the CPU-TEE root

@@ -66,7 +66,7 @@ class DeviceMaterial:
 class OrchestratorMaterial:
     """What the orchestrator holds: the roots it trusts, the GPU's reference values, how old
     GPU claims may get before holders refuse them, and where its TDX module listens (it
-    holds no quoting key: attest/tdx_module.py)."""
+    holds no quoting key: firmware/tdx_module.py)."""
 
     trust: TrustStore
     reference: ReferenceValues

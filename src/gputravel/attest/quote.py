@@ -9,7 +9,7 @@ Measurement (what holders pin; 48 bytes):
     mr_td  = SHA-384("gputravel cvm measurement v1\\0" || code || config)
 
 A real TDX quote carries MRTD/RTMRs measured by the TDX module. `EmulatedQuotingEnclave` only
-signs; in a cohort it lives in the emulated TDX module's own process (attest/tdx_module.py),
+signs; in a cohort it lives in the emulated TDX module's own process (firmware/tdx_module.py),
 which takes the measurement from the launcher, never from the CVM it quotes. Wire format: Quote{body = encode(QuoteBody{tee, mr_td, report_data}),
 signature = raw ECDSA P-384 over SHA-384(body), cert_chain = (quoting-key cert, root)}.
 """

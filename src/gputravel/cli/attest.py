@@ -38,7 +38,7 @@ from gputravel.attest.roots import (
 )
 from gputravel.attest.material import utcnow
 from gputravel.attest.verifier import EmulatedGpuVerifier
-from gputravel.attest.firmware_process import FirmwareProcess
+from gputravel.firmware.gpu import FirmwareProcess
 from gputravel.errors import BadInput, GputravelError
 from gputravel.files import write_json
 

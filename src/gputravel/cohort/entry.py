@@ -118,8 +118,8 @@ def _serve(role: str, payload: dict, control: StreamTransport, extra: socket.soc
 
         assert extra is not None
         serve(load_config(OrchestratorConfig, payload), control, extra)
-    elif role == "tdx-module":  # the emulated TDX module / quoting enclave (attest/tdx_module.py)
-        from gputravel.attest.tdx_module import TdxModuleConfig, serve as serve_tdx_module  # lazy: only this role's code
+    elif role == "tdx-module":  # the emulated TDX module / quoting enclave (firmware/tdx_module.py)
+        from gputravel.firmware.tdx_module import TdxModuleConfig, serve as serve_tdx_module  # lazy: only this role's code
 
         serve_tdx_module(TdxModuleConfig(**payload), control)
     else:

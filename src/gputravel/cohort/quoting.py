@@ -1,4 +1,4 @@
-"""The launcher's side of the emulated TDX module (attest/tdx_module.py).
+"""The launcher's side of the emulated TDX module (firmware/tdx_module.py).
 
 The supervisor starts the module as a child of its own, before the orchestrator, and then:
 
@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from gputravel.attest import orchestrator_measurement
-from gputravel.attest.tdx_module import (
+from gputravel.firmware.tdx_module import (
     QUOTING_KEY_CN,
     CvmRegistered,
     LaunchedCvm,

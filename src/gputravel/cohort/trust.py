@@ -17,7 +17,7 @@ under its temporary directory:
                          (written right before the orchestrator boots: `pin_orchestrator`)
 
 No CVM ever gets a root's private key, nor a quoting key: the TDX module (its own process,
-attest/tdx_module.py) makes its key itself, and the CPU-TEE root key stays in the launcher's
+firmware/tdx_module.py) makes its key itself, and the CPU-TEE root key stays in the launcher's
 memory only (`CohortTrust.tee_root`) until it has certified that key (cohort/quoting.py).
 Likewise no process but the device ever holds the GPU's firmware key: the vendor's per-device
 CA that signs it stays in the launcher's memory only (`CohortTrust.gpu_vendor`) until it has

@@ -54,7 +54,7 @@ from gputravel.attest import (
 from gputravel.attest.verifier import gpu_identity
 from gputravel.attest.gpu import NONCE_BYTES
 from gputravel.attest.material import OrchestratorMaterial, utcnow
-from gputravel.attest.tdx_module import request_quote
+from gputravel.firmware.tdx_module import request_quote
 from gputravel.crypto.pki import CohortPki, MemberIdentity
 from gputravel.crypto.spdm import SpdmRequester
 from gputravel.driver.orchestrator import OrchestratorDriver

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gputravel.attest.material import OrchestratorMaterial
 from gputravel.attest.rank import QuotingRankTee
-from gputravel.attest.tdx_module import request_quote
+from gputravel.firmware.tdx_module import request_quote
 
 from gputravel.errors import BadInput, GputravelError
 from gputravel.orchestrator.cvm import NAME, Orchestrator, OrchestratorConfig

@@ -149,7 +149,7 @@ def orchestrator_self_quote(a: Arena) -> Verdict:
     quoted = [e for e in asked if "got a quote" in e]
     ok, after = a.carry_on(ALICE)
     stopped = len(refused) == 2 and not quoted and bool(denied) and not read and got == 0 and ok
-    return Verdict(stopped, "the TDX module (attest/tdx_module.py, its own process): it quotes only for the pid and "
+    return Verdict(stopped, "the TDX module (firmware/tdx_module.py, its own process): it quotes only for the pid and "
                    "uid the launcher registered as the orchestrator it launched (SO_PEERCRED), over report data "
                    "only, with the measurement the launcher computed; the host's and mallory's requests were "
                    "refused (QuotingRefused), and its quoting key, in its own memory, was out of mallory's reach",

@@ -15,7 +15,7 @@ import errno
 import os
 import time
 
-from gputravel.attest.tdx_module import request_quote
+from gputravel.firmware.tdx_module import request_quote
 from gputravel.errors import GputravelError
 from gputravel.redteam.loot import Loot
 from gputravel.redteam.messages import AskQuote, ProbePaths, ProbeTarget

@@ -1,6 +1,6 @@
 """The emulated GPU's attestation firmware as its own OS process, for `gputravel attest gpu`.
 
-``python -m gputravel.attest.firmware_process STATE_DIR FD`` loads the provisioned device from
+``python -m gputravel.firmware.gpu STATE_DIR FD`` loads the provisioned device from
 STATE_DIR (its firmware leaf key stays in this process) and answers ``GetEvidence(nonce)``
 with ``Evidence(blob)`` on the stream socket FD until the peer hangs up. In a cohort, the
 device process hosts the same firmware behind its RPC queue (device/core.py).
