@@ -4,8 +4,9 @@
 FLOORS below is the one source of truth for the layering; docs/architecture.md ("Code
 layering") describes it in words. A package may import only packages on lower floors, or one
 on its own floor where SAME_FLOOR says so; the red team is reached only through its command;
-no two packages, and no two modules at run time, import each other; and an import of project
-code inside a function says on its line why it is there (``# lazy: ...``).
+no two packages, and no two modules, import each other, not even in a circle, and not even for
+a type checker only (under ``if TYPE_CHECKING:``); and an import of project code inside a
+function says on its line why it is there (``# lazy: ...``).
 """
 
 from __future__ import annotations
@@ -231,11 +232,12 @@ def package_cycles() -> dict[str, list[str]]:
     return {f"package cycle: {' '.join(c)}": c for c in cycles(set(package_edges()))}
 
 
-def module_cycles() -> dict[str, list[str]]:
-    # Typing-only imports never run, so they break no import; a module naming its owner's
-    # class in annotations imports it under TYPE_CHECKING.
-    runtime = {(i.module, i.target) for i in imports() if not i.typing_only}
-    return {f"module cycle: {' '.join(c)}": c for c in cycles(runtime)}
+def module_cycles(found: tuple[Import, ...] | None = None) -> dict[str, list[str]]:
+    # Typing-only imports count: they never run, but two modules that name each other, even for
+    # a type checker, are one tangle that cannot be read, tested or moved apart. A module that
+    # needs its owner's type names a narrow Protocol of its own instead, or the type moves below both.
+    edges = {(i.module, i.target) for i in (imports() if found is None else found)}
+    return {f"module cycle: {' '.join(c)}": c for c in cycles(edges)}
 
 
 def unexplained_lazy_imports() -> dict[str, list[str]]:
@@ -267,8 +269,9 @@ def test_packages_import_no_cycle() -> None:
     _assert_none(package_cycles(), "break the cycle: one of the packages belongs lower")
 
 
-def test_modules_import_no_cycle_at_run_time() -> None:
-    _assert_none(module_cycles(), "break the cycle: move what both need below them")
+def test_modules_import_no_cycle_not_even_for_typing() -> None:
+    _assert_none(module_cycles(), "break the cycle: move what both need below them, give the importer "
+                 "a Protocol of its own for what it uses of the other, or merge the two")
 
 
 def test_function_level_imports_say_why() -> None:
@@ -281,9 +284,24 @@ def test_the_scanner_sees_function_level_and_typing_only_imports() -> None:
     by_place = {(i.module, i.target): i for i in imports()}
     door = [i for i in imports() if i.module == REDTEAM_DOOR and package_of(i.target) == REDTEAM]
     assert door and all(i.in_function and i.lazy_reason for i in door)
-    assert by_place[("gputravel.host.hooks", "gputravel.host.process")].typing_only
-    assert not by_place[("gputravel.host.process", "gputravel.host.hooks")].typing_only
+    # service/config.py names train.loop's TrainConfig for type checkers only, and loads it (and
+    # torch) in the one function that needs it.
+    config_to_loop = {(i.typing_only, i.in_function) for i in imports()
+                      if (i.module, i.target) == ("gputravel.service.config", "gputravel.train.loop")}
+    assert config_to_loop == {(True, False), (False, True)}
+    assert not by_place[("gputravel.host.process", "gputravel.host.mux")].typing_only
     assert ("gputravel.cli.app", "gputravel.files") in by_place
+
+
+def test_a_typing_only_import_closes_a_module_cycle_within_and_across_packages() -> None:
+    def imp(module: str, target: str, typing_only: bool = False) -> Import:
+        return Import(f"{ROOT}.{module}", f"{ROOT}.{target}", 1, False, typing_only, False)
+
+    within = (imp("p.shell", "p.part"), imp("p.part", "p.shell", typing_only=True))
+    across = (imp("a.x", "b.y"), imp("b.y", "c.z"), imp("c.z", "a.x", typing_only=True))
+    assert list(module_cycles(within)) == [f"module cycle: {ROOT}.p.part {ROOT}.p.shell"]
+    assert list(module_cycles(across)) == [f"module cycle: {ROOT}.a.x {ROOT}.b.y {ROOT}.c.z"]
+    assert module_cycles(within[:1] + across[:2]) == {}
 
 
 def test_cycles_finds_every_strongly_connected_component() -> None:

@@ -218,7 +218,7 @@ def test_a_late_reply_is_taken_for_the_request_it_answers(client_and_host) -> No
 
 # ============================================================================ the host's hooks
 def test_an_honest_host_hands_out_the_device_doorbell_and_maps_the_target() -> None:
-    from gputravel.host.hooks import NoHooks
+    from gputravel.host.process import NoHooks
 
     alice = reg("alice")
     assert NoHooks().on_register(alice, doorbell=7) == 7
@@ -226,13 +226,12 @@ def test_an_honest_host_hands_out_the_device_doorbell_and_maps_the_target() -> N
 
 
 def test_the_host_hands_out_and_routes_what_its_hooks_decide(make_host) -> None:
-    """What the red team's hypervisor builds on (host/hooks.py): the doorbell a CVM gets and
-    where a switch maps DMA and routes the interrupt are the hooks' to decide."""
+    """What the red team's hypervisor builds on (host/process.py, HostHooks): the doorbell a CVM
+    gets and where a switch maps DMA and routes the interrupt are the hooks' to decide."""
     import os
 
     from gputravel.driver.link import register_with_host
-    from gputravel.host.hooks import NoHooks
-    from gputravel.host.process import HostProcess
+    from gputravel.host.process import HostProcess, NoHooks
     from gputravel.testing import TEST_LAYOUT
     from gputravel.transport.unix import connect_unix
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import selectors
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gputravel.attest import OrchestratorAttestation
 from gputravel.errors import GputravelError, IllegalTransition, ProtocolError
@@ -25,10 +25,9 @@ from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.travel import Bye
 
 if TYPE_CHECKING:
-    from gputravel.holder.cvm import DataHolder
     from gputravel.transport.base import Transport
 
-__all__ = ["HOLDER_COMMANDS", "holder_command", "join", "joined", "plan"]
+__all__ = ["HOLDER_COMMANDS", "Member", "holder_command", "join", "joined", "plan"]
 
 HOLDER_COMMANDS = (ProbeGpu, Leave)
 
@@ -76,7 +75,33 @@ def _failed(exc: GputravelError) -> Failed:
 
 
 # ----------------------------------------------------------------------------- the shell
-def join(holder: DataHolder, cmd: JoinCohort, control: Transport) -> bool:
+class _MemberConfig(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def device_timeout(self) -> float: ...
+
+
+class _Prober(Protocol):
+    def probe(self, timeout: float = ...) -> object: ...
+
+
+class Member(Protocol):
+    """The holder as its membership commands drive it (holder/cvm.DataHolder, which imports
+    this module: named here by what is used, so that nothing here imports it back)."""
+
+    orchestrator: Transport | None  # its link to the orchestrator, while joined
+    probed: bool  # whether its driver is set up on the GPU
+
+    @property
+    def config(self) -> _MemberConfig: ...
+    @property
+    def driver(self) -> _Prober: ...
+    def join(self, host: str, port: int) -> OrchestratorAttestation: ...
+    def switch(self, target: str) -> object: ...
+
+
+def join(holder: Member, cmd: JoinCohort, control: Transport) -> bool:
     """Attest the orchestrator and join; report Joined or Failed. A failure leaves the holder
     up and out of the cohort (it may be told to join again)."""
     try:
@@ -88,7 +113,7 @@ def join(holder: DataHolder, cmd: JoinCohort, control: Transport) -> bool:
     return True
 
 
-def holder_command(holder: DataHolder, cmd: object, control: Transport, sel: selectors.BaseSelector) -> None:
+def holder_command(holder: Member, cmd: object, control: Transport, sel: selectors.BaseSelector) -> None:
     """Carry out one membership command and report its reply (or Failed) to the supervisor."""
     try:
         *actions, reply = plan(cmd, holder.config.name, holder.orchestrator is not None)
@@ -99,7 +124,7 @@ def holder_command(holder: DataHolder, cmd: object, control: Transport, sel: sel
     control.send(reply)
 
 
-def _carry_out(holder: DataHolder, act: object, sel: selectors.BaseSelector) -> None:
+def _carry_out(holder: Member, act: object, sel: selectors.BaseSelector) -> None:
     if isinstance(act, SwitchTo):
         holder.switch(act.target)
     elif isinstance(act, ProbeDriver):

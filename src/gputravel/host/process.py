@@ -5,9 +5,10 @@ endpoint, and switches the GPU on request. It never holds a descriptor of VRAM. 
 hypervisor it can read every CVM's unprotected memory; with ``snoop`` set it does exactly
 that, continuously, so tests can prove that what it sees holds no plaintext.
 
-What it hands out and where a switch goes pass through its hooks (:mod:`gputravel.host.hooks`):
-an honest host's do nothing; a malicious hypervisor's may hand each CVM a doorbell of its own,
-route a switch to the wrong CVM, or split a CVM's DMA mapping from its interrupt.
+What it hands out and where a switch goes pass through its hooks (:class:`HostHooks`, here):
+an honest host's (:class:`NoHooks`) do nothing; a malicious hypervisor's (the red team's, for
+one) may hand each CVM a doorbell of its own, route a switch to the wrong CVM, or split a CVM's
+DMA mapping from its interrupt. The host never knows whose hooks it runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from gputravel.errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.protocol.host import (
@@ -35,8 +37,7 @@ from gputravel.protocol.host import (
 from gputravel.transport.base import Transport, close_fds
 from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import listen_unix
-from gputravel.host.hooks import HostHooks, NoHooks
-from gputravel.host.mux import CvmRegistration, PcieMux
+from gputravel.host.mux import CvmRegistration, PcieMux, SwitchPlan
 from gputravel.protocol.hardware import hardware_profile, hold_until
 
 
@@ -80,6 +81,37 @@ class Snooper(threading.Thread):
         self._stop.set()
 
 
+# ----------------------------------------------------------------------------- the hooks
+class HostHooks(Protocol):
+    """What the host loop lets a hook decide: which doorbell a CVM gets, where a switch goes."""
+
+    def on_serve(self, host: HostProcess, sel: selectors.BaseSelector) -> None:
+        """The host loop starts. A hook may add endpoints of its own to ``sel``: the loop calls
+        an endpoint's data (a callable, no arguments) whenever it is readable."""
+
+    def on_register(self, reg: CvmRegistration, doorbell: int) -> int:
+        """A CVM registered its bounce buffers (``reg.sysmem_fd``) and interrupt: the doorbell
+        descriptor to hand it. ``doorbell`` is the device's own."""
+
+    def on_switch(self, requester: str, plan: SwitchPlan) -> tuple[CvmRegistration, CvmRegistration]:
+        """``requester`` asked for the GPU to go to ``plan.target``: the CVM whose DMA range the
+        device gets mapped, and the CVM its interrupt is routed to."""
+
+
+class NoHooks:
+    """The honest host: it hands out what it holds and switches where it is asked."""
+
+    def on_serve(self, host: HostProcess, sel: selectors.BaseSelector) -> None:
+        pass
+
+    def on_register(self, reg: CvmRegistration, doorbell: int) -> int:
+        return doorbell
+
+    def on_switch(self, requester: str, plan: SwitchPlan) -> tuple[CvmRegistration, CvmRegistration]:
+        return plan.target, plan.target
+
+
+# ----------------------------------------------------------------------------- the process
 class HostProcess:
     def __init__(self, config: HostConfig, hooks: HostHooks | None = None) -> None:
         self.config = config

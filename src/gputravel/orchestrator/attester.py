@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -62,9 +62,6 @@ from gputravel.errors import IllegalTransition, ProtocolError
 from gputravel.transport.stream import StreamTransport
 from gputravel.protocol.codec import decode
 from gputravel.protocol.parties import ORCHESTRATOR
-
-if TYPE_CHECKING:
-    from gputravel.orchestrator.cvm import OrchestratorConfig
 
 __all__ = ["GpuAttester", "TlsIdentity", "orchestrator_attester"]
 
@@ -215,7 +212,17 @@ class GpuAttester:
         return True
 
 
-def orchestrator_attester(config: OrchestratorConfig) -> GpuAttester:
+class AttesterConfig(Protocol):
+    """Where the orchestrator keeps what its attester loads (orchestrator/cvm.OrchestratorConfig,
+    whose module imports this one: named here by what is read, so nothing here imports it back)."""
+
+    @property
+    def trust_dir(self) -> str: ...
+    @property
+    def pki_dir(self) -> str: ...
+
+
+def orchestrator_attester(config: AttesterConfig) -> GpuAttester:
     """The orchestrator's attester: its trust material, its TDX module, its TLS identity. It
     does not measure itself: the module quotes the measurement the launcher registered."""
     material = OrchestratorMaterial.load(config.trust_dir)

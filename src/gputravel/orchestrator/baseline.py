@@ -22,18 +22,18 @@ sans-IO; :func:`_take_pieces` only carries messages to it and bytes out of it.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gputravel.errors import BadInput, GputravelError, HolderLost, ProtocolError, RemoteError
 from gputravel.protocol.control import BaselineReport
-from gputravel.protocol.hardware import at_least
+from gputravel.driver.orchestrator import OrchestratorDriver
+from gputravel.orchestrator.machine import OrchestratorTravel
+from gputravel.protocol.hardware import HardwareProfile, at_least
 from gputravel.protocol.manifest import chunk_digest, chunk_digest_from_manifest, chunk_nbytes
 from gputravel.protocol.travel import ChunkInfo, ChunkPiece, ChunkRefused, ChunkSent, HolderHello, SendChunk
 from gputravel.transport.base import Transport
-
-if TYPE_CHECKING:
-    from gputravel.orchestrator.cvm import Orchestrator
 
 _PAGE = 4096
 
@@ -95,10 +95,35 @@ def _prefaulted(nbytes: int) -> bytearray:
     return buf
 
 
+class _Timeouts(Protocol):
+    @property
+    def device_timeout(self) -> float: ...
+    @property
+    def holder_timeout(self) -> float: ...
+
+
+class BaselineOrchestrator(Protocol):
+    """The orchestrator as its baseline uses it (orchestrator/cvm.Orchestrator, whose module
+    imports this one: named here by what is used, so that nothing here imports it back)."""
+
+    @property
+    def config(self) -> _Timeouts: ...
+    @property
+    def driver(self) -> OrchestratorDriver: ...
+    @property
+    def profile(self) -> HardwareProfile: ...
+    @property
+    def travel_sm(self) -> OrchestratorTravel | None: ...
+    @property
+    def holders(self) -> Mapping[str, Transport]: ...  # the holders connected now
+    def drop(self, holder: str) -> None: ...
+    def buffer_view(self) -> memoryview: ...
+
+
 class BaselinePath:
     """The orchestrator's side of the baseline. One per orchestrator (it owns the staging buffer)."""
 
-    def __init__(self, orch: Orchestrator) -> None:
+    def __init__(self, orch: BaselineOrchestrator) -> None:
         self.orch = orch
         self._staging: bytearray | None = None
         self._ids = 0

@@ -1,6 +1,6 @@
 """The malicious hypervisor: what the host can do with the PCIe MUX and unprotected memory.
 
-It runs inside the host process as its hooks (:mod:`gputravel.host.hooks`; started by
+It runs inside the host process as its hooks (:class:`gputravel.host.process.HostHooks`; started by
 ``python -m gputravel.redteam.entry host``) and uses only what a real hypervisor has (paper
 3.1, 6.2), through :class:`~gputravel.redteam.bus.HostBus`:
 
@@ -76,7 +76,7 @@ class _ForgeGet:
 
 
 class HostAdversary:
-    """The host's hooks (host.hooks.HostHooks), and the orders it takes from the red team."""
+    """The host's hooks (host.process.HostHooks), and the orders it takes from the red team."""
 
     def __init__(self, workdir: Path) -> None:
         cfg = json.loads((workdir / "config.json").read_text())
