@@ -1,34 +1,97 @@
-"""The tables of docs/benchmarks.md against the JSON behind them (docs/results/), and the
-generator that writes them (bench/tables.py): a table and its data cannot drift apart, and a
-new table cannot land without data. No timing is asserted: the files are fixed data."""
+"""The tables of docs/benchmarks.md against the JSON behind them (docs/results/): cog writes
+each from its data through tools/tables.py, and `cog --check` (run here in-process) fails when
+one has drifted; a new table cannot land without data, nor a figure link without its figure. No
+timing is asserted: the files are fixed data."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from cogapp import Cog
 
-from gputravel.bench import tables
-from gputravel.cli.app import app
-from gputravel.errors import BadInput
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
 STEPS = {"o_cleanup": 9.0, "o_export": 0.2, "dh_switch": 0.1, "dh_import": 0.2, "dh_copy": 100.0,
          "dh_export": 0.1, "tls": 0.7, "o_switch": 0.2, "o_import": 0.3, "o_rotate": 0.1}
+NO_DATA_HEADING = "no data kept"
+STATIC = re.compile(r"^<!-- static: .+ -->\s*$")
+
+
+def cog(*args: str) -> tuple[int, str]:
+    """Command-line cog, in this process: its exit status (0 done, 5 a check failed) and output."""
+    out = io.StringIO()
+    tool = Cog()
+    tool.set_output(stdout=out, stderr=out)
+    return tool.main(["cog", *args]), out.getvalue()
+
+
+def unbacked_tables(text: str) -> list[int]:
+    """Lines where a markdown table starts outside a cog block, not under a "no data kept"
+    heading and not right after a ``<!-- static: why -->`` line."""
+    headings: list[tuple[int, str]] = []
+    out, fenced, inside, prev = [], False, False, ""
+    for i, line in enumerate(text.split("\n")):
+        if "[[[cog" in line or "[[[end]]]" in line:
+            inside = "[[[cog" in line
+        elif line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (h := re.match(r"^(#+)\s+(.*)", line)):
+            level = len(h.group(1))
+            headings = [x for x in headings if x[0] < level] + [(level, h.group(2).lower())]
+        elif not fenced and not inside and line.startswith("|") and not prev.startswith("|"):
+            if not any(NO_DATA_HEADING in title for _, title in headings) and not STATIC.match(prev):
+                out.append(i + 1)
+        prev = line
+    return out
 
 
 # ----------------------------------------------------------------------------- the real document
 def test_every_table_in_the_benchmarks_agrees_with_its_data() -> None:
-    assert tables.check(DOC) == []
+    status, output = cog("--check", "--diff", "--check-fail-msg=run `cog -r docs/benchmarks.md`", str(DOC))
+    assert status == 0, output
 
 
 def test_the_benchmarks_name_only_files_that_exist() -> None:
     text = DOC.read_text()
     assert "benchmarks-data" not in text
-    for marker, _, _ in tables.blocks(text):
-        assert tables.load_source(marker, DOC.parent).files
+    sources = re.findall(r'\[\[\[cog t\.\w+\("([^"]+)"', text)
+    assert len(sources) >= 30
+    for source in sources:
+        assert list(DOC.parent.glob(source)), source
+    for figure in re.findall(r"^Figure: \[([^]]+)\]", text, re.M):
+        assert (DOC.parent / figure).is_file(), f"figure {figure} is missing"
+
+
+def test_no_table_stands_without_data() -> None:
+    assert unbacked_tables(DOC.read_text()) == []
+
+
+def test_a_table_without_data_is_found_unless_history_or_static() -> None:
+    text = ("# B\n\n| a |\n|---|\n| 1 |\n\n<!-- static: the paper's figures -->\n| p |\n|---|\n\n"
+            "## History (no data kept)\n\n| h |\n|---|\n\n### An old run\n\n| h2 |\n|---|\n\n"
+            "## Later\n\n```\n| not a table |\n```\n<!-- [[[cog x() ]]] -->\n| c |\n|---|\n<!-- [[[end]]] -->\n"
+            "| b |\n|---|\n")
+    lines = text.split("\n")
+    assert unbacked_tables(text) == [lines.index("| a |") + 1, lines.index("| b |") + 1]
+
+
+def test_a_drifted_table_fails_the_check_and_cog_rewrites_it(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results").symlink_to(DOC.parent / "results")
+    (tmp_path / "tools").symlink_to(ROOT / "tools")
+    doc = tmp_path / "docs" / "benchmarks.md"
+    text = DOC.read_text()
+    row = next(line for line in text.split("\n") if line.startswith("| 512 |"))
+    doc.write_text(text.replace(row, row.replace("| 512 |", "| 511 |"), 1))
+    status, output = cog("--check", str(doc))
+    assert status == 5, output
+    assert cog("-r", str(doc))[0] == 0
+    assert doc.read_text() == text
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -38,95 +101,55 @@ def travel_run(date: str = "2026-11-24T10:00:00+00:00", copy: float = 5.0, **ext
     return {"crypto_limit_gbps": 5.0, "machine": "vm 2 cpus", "date": date, "repeat": 5, "rows": rows, **extra}
 
 
-def doc_with(tmp_path: Path, files: dict[str, dict], markers: str) -> Path:
+def write(tmp_path: Path, files: dict[str, dict], call: str) -> str:
+    """A document with one cog block (``call``, e.g. ``t.travel("results/t.json")``) over these
+    files, written by cog; its text."""
     results = tmp_path / "results"
     results.mkdir(parents=True)
     for name, data in files.items():
         (results / name).write_text(json.dumps(data))
     doc = tmp_path / "bench.md"
-    doc.write_text(f"# Benchmarks\n\n{markers}\n")
-    return doc
+    doc.write_text(f"# Benchmarks\n\n<!-- [[[cog import sys; sys.path.insert(0, {str(ROOT / 'tools')!r}); "
+                   f"import tables as t ]]] -->\n<!-- [[[end]]] -->\n<!-- [[[cog {call} ]]] -->\n<!-- [[[end]]] -->\n")
+    status, output = cog("-r", str(doc))
+    assert status == 0, output
+    return doc.read_text()
 
 
-def table_of(tmp_path: Path, files: dict[str, dict], spec: str) -> list[list[str]]:
-    """Write one marker, fill it, and return its table's cells (header first, rule dropped)."""
-    doc = doc_with(tmp_path, files, f"<!-- table: {spec} -->\n<!-- /table -->")
-    tables.write(doc)
-    rows = [line for line in doc.read_text().split("\n") if line.startswith("|")]
-    return [[c.strip() for c in r.strip("|").split("|")] for i, r in enumerate(rows) if i != 1]
+def table_of(tmp_path: Path, files: dict[str, dict], call: str) -> list[list[str]]:
+    """Write one block and return its table's cells (header first, rule dropped)."""
+    rows = [line for line in write(tmp_path, files, call).split("\n") if line.startswith("|")]
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", r.strip("|"))] for i, r in enumerate(rows) if i != 1]
 
 
-# ----------------------------------------------------------------------------- the machinery
-def test_write_then_check_then_drift(tmp_path: Path) -> None:
-    doc = doc_with(tmp_path, {"t.json": travel_run()}, "<!-- table: results/t.json travel -->\n<!-- /table -->")
-    assert tables.check(doc)  # empty between the markers: differs from the data
-    changed, problems = tables.write(doc)
-    assert [m.kind for m in changed] == ["travel"] and problems == []
-    assert tables.check(doc) == []
-    assert tables.write(doc)[0] == []  # a second write changes nothing
-    doc.write_text(doc.read_text().replace("| 512 |", "| 511 |"))
-    assert "differs from results/t.json" in tables.check(doc)[0]
-    data_line = next(line for line in doc.read_text().split("\n") if line.startswith("Data:"))
-    assert "[results/t.json](results/t.json)" in data_line and "2026-11-24 10:00 UTC" in data_line
+def data_line(text: str) -> str:
+    return next(line for line in text.split("\n") if line.startswith("Data:"))
 
 
-def test_the_command_line_checks_and_writes(tmp_path: Path) -> None:
-    doc = doc_with(tmp_path, {"t.json": travel_run()}, "<!-- table: results/t.json travel -->\n<!-- /table -->")
-    runner = CliRunner()
-    assert runner.invoke(app, ["bench", "tables", "--doc", str(doc), "--check"]).exit_code == 1
-    assert runner.invoke(app, ["bench", "tables", "--doc", str(doc)]).exit_code == 0
-    result = runner.invoke(app, ["bench", "tables", "--doc", str(doc), "--check"])
-    assert result.exit_code == 0, result.output
-
-
-@pytest.mark.parametrize("markers, error", [
-    ("<!-- table: results/t.json nosuchkind -->\n<!-- /table -->", "unknown kind"),
-    ("<!-- table: results/missing.json travel -->\n<!-- /table -->", "no data file"),
-    ("<!-- table: results/t.json travel -->\n", "not closed"),
-    ("<!-- /table -->", "without a table marker"),
-    ("<!-- table: results/t.json travel oops -->\n<!-- /table -->", "not name=value"),
-    ("<!-- table: results/t.json -->\n<!-- /table -->", "SOURCE KIND"),
-    ("<!-- table: results/t.json ddp -->\n<!-- /table -->", "does not hold what a ddp table needs"),
-    ("<!-- table: results/*.json travel -->\n<!-- /table -->", "takes one file"),
-    ("<!-- table: results/*/*.json travel -->\n<!-- /table -->", "one \\* at most"),
-])
-def test_bad_markers_are_refused_with_the_line(tmp_path: Path, markers: str, error: str) -> None:
-    doc = doc_with(tmp_path, {"t.json": travel_run(), "u.json": travel_run()}, markers)
-    with pytest.raises(BadInput, match=error):
-        tables.check(doc)
-
-
-def test_a_table_without_data_is_found_unless_history_or_static(tmp_path: Path) -> None:
-    text = ("# B\n\n| a |\n|---|\n| 1 |\n\n<!-- static: the paper's figures -->\n| p |\n|---|\n\n"
-            "## History (no data kept)\n\n| h |\n|---|\n\n### An old run\n\n| h2 |\n|---|\n\n"
-            "## Later\n\n```\n| not a table |\n```\n| b |\n|---|\n")
-    lines = text.split("\n")
-    assert tables.unbacked_tables(text) == [lines.index("| a |") + 1, lines.index("| b |") + 1]
-
-
-def test_a_missing_figure_is_reported(tmp_path: Path) -> None:
-    doc = doc_with(tmp_path, {"t.json": travel_run()},
-                   "<!-- table: results/t.json travel plot=results/t.png -->\n<!-- /table -->")
-    _, problems = tables.write(doc)  # nothing can draw a travel table's figure
-    assert problems == ["line 3: figure results/t.png is missing"]
-    assert "Figure: [results/t.png](results/t.png)." in doc.read_text()
-    (tmp_path / "results" / "t.png").write_bytes(b"png")
-    assert tables.check(doc) == []
+def test_the_data_line_names_the_file_and_the_run(tmp_path: Path) -> None:
+    line = data_line(write(tmp_path / "one", {"t.json": travel_run()}, 't.travel("results/t.json")'))
+    assert line == "Data: [results/t.json](results/t.json); machine vm 2 cpus; 2026-11-24 10:00 UTC."
+    files = {"ab-a-1.json": travel_run(), "ab-a-2.json": travel_run("2026-11-24T10:05:00+00:00", hardware="emulated")}
+    text = write(tmp_path / "two", files, 't.travel_targets("results/ab-a-1.json", plot="results/a.png")')
+    assert text.rstrip().endswith("Figure: [results/a.png](results/a.png).\n<!-- [[[end]]] -->")
+    line = data_line(write(tmp_path / "glob", files, 't.ab_travel("results/ab-*.json", {"a": "A"})'))
+    assert line == ("Data: the 2 files `results/ab-*.json`; machine vm 2 cpus; 2026-11-24 10:00 to 10:05 UTC; "
+                    "hardware profile emulated.")
 
 
 # ----------------------------------------------------------------------------- kinds
 def test_travel_table_follows_the_steps_of_the_file(tmp_path: Path) -> None:
-    cells = table_of(tmp_path, {"t.json": travel_run()}, "results/t.json travel")
+    cells = table_of(tmp_path, {"t.json": travel_run()}, 't.travel("results/t.json")')
     assert cells[0][:3] == ["MiB", "scrub", "O export"] and cells[0][-3:] == ["total", "fixed", "copy GB/s"]
     assert cells[2][0] == "512" and cells[2][5] == "100.00"
 
 
 def test_travel_targets_use_the_pipeline_limit_when_measured(tmp_path: Path) -> None:
-    plain = table_of(tmp_path / "a", {"t.json": travel_run(copy=4.5)}, "results/t.json travel-targets")
+    plain = table_of(tmp_path / "a", {"t.json": travel_run(copy=4.5)}, 't.travel_targets("results/t.json")')
     assert plain[1] == ["copy throughput >= 0.8 x crypto limit", "4.50 GB/s = **0.90 x** 5.00 GB/s", "yes"]
     assert plain[3] == ["scrub <= 10% of the copy", "9.00 / 100.00 = **9.0 %**", "yes"]
     piped = table_of(tmp_path / "b", {"t.json": travel_run(copy=4.5, pipeline_limit_gbps=9.0)},
-                     "results/t.json travel-targets size=4")
+                     't.travel_targets("results/t.json", size=4)')
     assert piped[0][0] == "target (4 MiB)"
     assert piped[1] == ["copy throughput >= 0.8 x two-core pipeline limit", "4.50 GB/s = **0.50 x** 9.00 GB/s", "no"]
     assert piped[2][0].startswith("(for reference)")
@@ -135,13 +158,14 @@ def test_travel_targets_use_the_pipeline_limit_when_measured(tmp_path: Path) -> 
 def test_ab_travel_groups_by_the_glob_and_takes_medians_or_each_run(tmp_path: Path) -> None:
     files = {f"ab-{g}-{n}.json": travel_run(copy=c) for g, runs in (("base", (4.0, 5.0, 9.0)), ("new", (6.0,)))
              for n, c in enumerate(runs, 1)}
-    med = table_of(tmp_path / "m", files, 'results/ab-*.json ab-travel "label.base=before (abc)" label.new=after')
+    med = table_of(tmp_path / "m", files, 't.ab_travel("results/ab-*.json", {"base": "before (abc)", "new": "after"})')
     assert [r[0] for r in med[1:]] == ["before (abc)", "after"]
     assert med[1][2] == "5.00" and med[2][2] == "6.00"
-    each = table_of(tmp_path / "e", files, "results/ab-*.json ab-travel label.base=B label.new=N rows=each")
+    each = table_of(tmp_path / "e", files, 't.ab_travel("results/ab-*.json", {"base": "B", "new": "N"}, each=True)')
     assert [r[0] for r in each[1:]] == ["B, 1", "N, 1", "B, 2", "B, 3"]
     piped = {k: {**v, "pipeline_limit_gbps": 8.0} for k, v in files.items()}
-    assert "pipeline limit GB/s" in table_of(tmp_path / "p", piped, "results/ab-*.json ab-travel")[0]
+    piped_cells = table_of(tmp_path / "p", piped, 't.ab_travel("results/ab-*.json", {"base": "B"})')
+    assert "pipeline limit GB/s" in piped_cells[0]
 
 
 def test_ab_codec_sets_two_codecs_side_by_side(tmp_path: Path) -> None:
@@ -149,7 +173,7 @@ def test_ab_codec_sets_two_codecs_side_by_side(tmp_path: Path) -> None:
         return {"rows": [{"message": "Ping", "bytes": 10, "encode_us": scale, "decode_us": 2 * scale,
                           "round_trip_us": 3 * scale}]}
     cells = table_of(tmp_path, {"c-old-1.json": run(1), "c-new-1.json": run(0.5)},
-                     "results/c-*.json ab-codec label.old=old label.new=new")
+                     't.ab_codec("results/c-*.json", {"old": "old", "new": "new"})')
     assert cells[1] == ["Ping", "10 / 10", "1.00 / 0.50", "2.00 / 1.00", "3.00 / 1.50"]
 
 
@@ -157,7 +181,7 @@ def test_ddp_table_has_no_all_reduce_ratio_for_one_gpu(tmp_path: Path) -> None:
     def row(g: int) -> dict:
         return {"gpus": g, "model": "small", "params": 1, "iter_ms": {"plain": 4.0, "encrypted_naive": 5.0, "encrypted": 6.0},
                 "allreduce_ms": {"plain": 1.0, "encrypted_naive": 1.5, "encrypted": 1.2}}
-    cells = table_of(tmp_path, {"d.json": {"rows": [row(1), row(2)]}}, "results/d.json ddp")
+    cells = table_of(tmp_path, {"d.json": {"rows": [row(1), row(2)]}}, 't.ddp("results/d.json")')
     assert cells[1][-1] == "-" and cells[2][-1] == "1.20" and cells[2][5] == "1.50"
 
 
@@ -173,12 +197,12 @@ def compare_run(hardware: object = None) -> dict:
 
 
 def test_compare_grid_time_and_speedup(tmp_path: Path) -> None:
-    time = table_of(tmp_path / "t", {"c.json": compare_run()}, "results/c.json compare-time")
+    time = table_of(tmp_path / "t", {"c.json": compare_run()}, 't.compare_time("results/c.json")')
     assert time[0] == ["MiB", "500 Mbit/s", "uncapped"]
     assert time[2] == ["512", "120.0 ms / ~9.2 s", "130.0 ms / 1.8 s"]
-    speed = table_of(tmp_path / "s", {"c.json": compare_run()}, "results/c.json compare-speedup")
+    speed = table_of(tmp_path / "s", {"c.json": compare_run()}, 't.compare_speedup("results/c.json")')
     assert speed[1] == ["4", "14x (2.00x)", "0.80x (2.00x)"] and speed[2][1] == "~77x (2.00x)"
-    targets = table_of(tmp_path / "g", {"c.json": compare_run()}, "results/c.json compare-targets")
+    targets = table_of(tmp_path / "g", {"c.json": compare_run()}, 't.compare_targets("results/c.json")')
     assert targets[1][1].startswith("3 of 4 cells") and targets[1][2] == "no"
     assert targets[2][1] == "4 MiB at uncapped" and targets[3][1] == "1.020 to 1.020 (1 cells)"
 
@@ -186,17 +210,8 @@ def test_compare_grid_time_and_speedup(tmp_path: Path) -> None:
 @pytest.mark.parametrize("hardware, shown", [("paper-h100", "paper-h100"),
                                              ({"name": "paper-h100", "switch_ms": 148}, "paper-h100")])
 def test_the_data_line_names_the_hardware_profile(tmp_path: Path, hardware: object, shown: str) -> None:
-    doc = doc_with(tmp_path, {"c.json": compare_run(hardware)}, "<!-- table: results/c.json compare-time -->\n<!-- /table -->")
-    tables.write(doc)
-    line = next(x for x in doc.read_text().split("\n") if x.startswith("Data:"))
+    line = data_line(write(tmp_path, {"c.json": compare_run(hardware)}, 't.compare_time("results/c.json")'))
     assert line.endswith(f"link netns-tc; 2026-11-24 12:00 UTC; hardware profile {shown}.")
-
-
-def test_a_compare_figure_is_drawn_from_its_data(tmp_path: Path) -> None:
-    doc = doc_with(tmp_path, {"c.json": compare_run()},
-                   "<!-- table: results/c.json compare-speedup plot=results/c.png -->\n<!-- /table -->")
-    assert tables.write(doc)[1] == []
-    assert (tmp_path / "results" / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def train_row(bw: float | None, fl: dict | None = None) -> dict:
@@ -231,31 +246,27 @@ def train_run(tls_train: float = 25.0, fl_bytes: int = 88_935_884, same: bool = 
 
 
 def test_train_table_reads_both_formats_of_bench_train(tmp_path: Path) -> None:
-    old = table_of(tmp_path / "o", {"t.json": {"rows": [train_row(4.0), train_row(None)]}}, "results/t.json train")
+    old = table_of(tmp_path / "o", {"t.json": {"rows": [train_row(4.0), train_row(None)]}}, 't.train("results/t.json")')
     assert old[1] == ["4 Mbit/s", "25.00", "1.000", "3.846 %", "24.00", "0.050", "0.208 %", "47.568 %", "0.082 %", "yes"]
     assert old[2][0] == "uncapped"
-    new = table_of(tmp_path / "n", {"t.json": train_run()}, "results/t.json train")
+    new = table_of(tmp_path / "n", {"t.json": train_run()}, 't.train("results/t.json")')
     assert new[1] == ["20 Mbit/s", "25.00", "1.000", "3.846 %", "24.00", "0.050", "0.208 %", "47.568 %", "0.082 %", "yes"]
-    doc = doc_with(tmp_path / "f", {"t.json": {"rows": [method_row("fl", 20.0)], "checks": []}},
-                   "<!-- table: results/t.json train -->\n<!-- /table -->")
-    with pytest.raises(BadInput, match="needs travel and tls"):
-        tables.check(doc)
 
 
 def test_train_methods_one_row_per_method_fl_included(tmp_path: Path) -> None:
-    cells = table_of(tmp_path / "n", {"t.json": train_run()}, "results/t.json train-methods")
+    cells = table_of(tmp_path / "n", {"t.json": train_run()}, 't.train_methods("results/t.json")')
     assert [r[0] for r in cells[1:]] == ["travel", "tls", "fl (FedAvg)"]
     assert cells[3] == ["fl (FedAvg)", "20 Mbit/s", "15.30", "48.300", "88,935,884", "38.4", "2.5942", "4",
                         "flwr 1.42.0", "-"]
     assert cells[1][4] == "16,680" and cells[1][-1] == "yes" and cells[1][7] == "-"
-    old = table_of(tmp_path / "o", {"t.json": {"rows": [train_row(20.0)]}}, "results/t.json train-methods")
+    old = table_of(tmp_path / "o", {"t.json": {"rows": [train_row(20.0)]}}, 't.train_methods("results/t.json")')
     assert [r[0] for r in old[1:]] == ["travel", "tls"] and old[1][4] == "-"  # the first format counted no bytes
 
 
 def test_train_methods_over_repeated_runs_show_the_last_and_the_range(tmp_path: Path) -> None:
     files = {"t.json": train_run(tls_train=70.0, fl_bytes=88_956_749), "t-run2.json": train_run(tls_train=60.0),
              "t-run3.json": train_run(tls_train=13.8, same=False)}
-    cells = table_of(tmp_path, files, "results/t*.json train-methods")
+    cells = table_of(tmp_path, files, 't.train_methods("results/t*.json")')
     tls = cells[2]
     assert tls[2] == "13.80 [13.80-70.00]" and tls[4] == "689,361"  # equal in every run: no range
     assert tls[-1] == "NO (2 of 3 runs)"
@@ -263,7 +274,7 @@ def test_train_methods_over_repeated_runs_show_the_last_and_the_range(tmp_path: 
 
 
 def test_fl_rounds_table(tmp_path: Path) -> None:
-    cells = table_of(tmp_path, {"t.json": train_run()}, "results/t.json fl-rounds")
+    cells = table_of(tmp_path, {"t.json": train_run()}, 't.fl_rounds("results/t.json")')
     assert cells[1] == ["1", "28.6", "27.0", "3", "a, b, c", "-"]
     assert cells[2][4:] == ["b, c", "Node Unavailable"]
 
@@ -287,15 +298,15 @@ def fl_sweep_run() -> dict:
 
 def test_fl_sweep_tables(tmp_path: Path) -> None:
     data = {"s.json": fl_sweep_run()}
-    sweep = table_of(tmp_path / "b", data, "results/s.json fl-sweep")
+    sweep = table_of(tmp_path / "b", data, 't.fl_sweep("results/s.json")')
     assert sweep[0] == ["tokens / holder", "travel", "tls", "FedAvg 2x64", "FedAvg 4x128"]
     assert sweep[2] == ["65,536", "9,596", "196,608", "7,065,536", "44,065,536"]
-    loss = table_of(tmp_path / "l", data, "results/s.json fl-sweep field=final_loss")
+    loss = table_of(tmp_path / "l", data, 't.fl_sweep("results/s.json", field="final_loss")')
     assert loss[1] == ["4,096", "-", "-", "4.000", "4.000"]
-    cross = table_of(tmp_path / "x", data, "results/s.json fl-crossover")
+    cross = table_of(tmp_path / "x", data, 't.fl_crossover("results/s.json")')
     assert cross[1] == ["2x64", "120,640", "1,229,699", "1.27", "782,200", "36.52M"]
     assert cross[2][4:] == ["4.70M", "1.22G"] and "(2 rounds)" in cross[0][4]
-    gap = table_of(tmp_path / "g", data, "results/s.json fl-loss-gap")
+    gap = table_of(tmp_path / "g", data, 't.fl_loss_gap("results/s.json")')
     assert gap[1] == ["non-IID (one press per holder)", "2.4525", "2.5942", "+0.142", "2.519", "2.506"]
 
 
@@ -303,39 +314,33 @@ def test_demo_tables_from_a_training_report(tmp_path: Path) -> None:
     report = {"config": {"batch": 8, "seq_len": 64}, "wall_s": 36.1, "travel_count": 5, "stall_share": 0.0007,
               "loss_before": 4.554, "loss_after": 2.516, "travel_median_steps_ms": dict(STEPS),
               "travels": [{"tokens": 32768, "total_ms": t} for t in (3.0, 4.0, 5.0)]}
-    cells = table_of(tmp_path / "d", {"r.json": report}, "results/r.json demo")
+    cells = table_of(tmp_path / "d", {"r.json": report}, 't.demo("results/r.json")')
     assert cells[2] == ["travels", "5 (each brings 32,768 tokens = 63 batches)"]
     assert cells[3][1].startswith("**0.07 %** of wall time (target at most 1%: met)")
-    steps = table_of(tmp_path / "s", {"r.json": report}, "results/r.json demo-steps")
+    steps = table_of(tmp_path / "s", {"r.json": report}, 't.demo_steps("results/r.json")')
     assert steps[0][0] == "scrub" and steps[1][-1] == "4.00"
 
 
 def test_scale_table(tmp_path: Path) -> None:
     rows = [{"holders": h, "median_ms": m, "p90_ms": m * 1.2, "fixed_ms": 1.0, "boot_s": 0.5 * h, "rss_mib": 40.0}
             for h, m in ((64, 2.0), (1, 1.6))]
-    cells = table_of(tmp_path / "a", {"s.json": {"rows": rows}}, "results/s.json scale")
+    cells = table_of(tmp_path / "a", {"s.json": {"rows": rows}}, 't.scale("results/s.json")')
     assert cells[0][-1] == "median x 1 holder(s)"
     assert [r[0] for r in cells[1:]] == ["1", "64"] and cells[2][-1] == "1.25" and cells[2][5] == "40.0"
     control = [{**r, "same_holder_median_ms": 1.6, "loadavg": [7.7, 9.8]} for r in rows]
-    cells = table_of(tmp_path / "b", {"s.json": {"rows": control}}, "results/s.json scale")
+    cells = table_of(tmp_path / "b", {"s.json": {"rows": control}}, 't.scale("results/s.json")')
     assert cells[0][-3:] == ["one holder (control) ms", "round robin / control", "load at start"]
     assert cells[2][-3:] == ["1.60", "1.25", "7.7"]
 
 
 def test_generic_table(tmp_path: Path) -> None:
-    data = {"items": [{"a": 1, "b": {"c": 0.123456, "d": True}}, {"a": 2, "b": {}}]}
-    spec = 'results/g.json generic list=items cols=a,b.c,b.d "headers=A,C c,D" digits=3'
-    cells = table_of(tmp_path, {"g.json": data}, spec)
+    data = {"items": [{"a": 1, "c": 0.123456, "d": True}, {"a": 2}]}
+    cells = table_of(tmp_path / "g", {"g.json": data},
+                     't.generic("results/g.json", "items", [("a", "A", 0), ("c", "C c", 3), ("d", "D", 0)])')
     assert cells == [["A", "C c", "D"], ["1", "0.123", "yes"], ["2", "-", "-"]]
-    doc = doc_with(tmp_path / "q", {"g.json": {"rows": [{"a": "x|y"}]}},
-                   "<!-- table: results/g.json generic cols=a -->\n<!-- /table -->")
-    tables.write(doc)
-    assert "| x\\|y |" in doc.read_text()  # escaped: the row keeps its one column
-    per_column = table_of(tmp_path / "p", {"g.json": data}, "results/g.json generic list=items cols=a,b.c digits=0,1")
-    assert per_column[1] == ["1", "0.1"]
-    doc = doc_with(tmp_path / "x", {"g.json": data}, "<!-- table: results/g.json generic -->\n<!-- /table -->")
-    with pytest.raises(BadInput, match="cols="):
-        tables.check(doc)
+    text = write(tmp_path / "q", {"g.json": {"rows": [{"a": "x|y"}]}},
+                 't.generic("results/g.json", "rows", [("a", "a", 2)])')
+    assert "| x\\|y |" in text  # escaped: the row keeps its one column
 
 
 # ----------------------------------------------------------------------------- against the paper
@@ -343,14 +348,11 @@ def test_travel_paper_sets_each_step_beside_the_papers(tmp_path: Path) -> None:
     run = travel_run()
     for r in run["rows"]:
         r["paper"] = {"total_ms": 2 * r["total_ms"], "steps_ms": {**STEPS, "dh_copy": 50.0, "o_rotate": None}}
-    cells = table_of(tmp_path, {"t.json": run}, "results/t.json travel-paper")
+    cells = table_of(tmp_path, {"t.json": run}, 't.travel_paper("results/t.json")')
     assert cells[0] == ["MiB", "scrub", "switch to H", "H copy", "TLS", "switch to O", "context steps", "total",
                         "paper total", "ours / paper"]
     assert cells[2] == ["512", "9.00 (9.00)", "0.10 (0.10)", "100.00 (50.00)", "0.70 (0.70)", "0.20 (0.20)", "0.70",
                         "622.0", "1244.0", "0.50"]
-    doc = doc_with(tmp_path / "old", {"t.json": travel_run()}, "<!-- table: results/t.json travel-paper -->\n<!-- /table -->")
-    with pytest.raises(BadInput, match="no paper figures"):
-        tables.check(doc)
 
 
 def with_paper(run: dict) -> dict:
@@ -364,16 +366,11 @@ def test_compare_profiles_set_the_two_hardware_profiles_side_by_side(tmp_path: P
     slow = compare_run({"profile": "paper-h100"})
     slow["cells"] = [{**c, "travel_ms": c["travel_ms"] + 300, "speedup": c["baseline_ms"] / (c["travel_ms"] + 300)}
                      for c in slow["cells"] if c["size_mib"] == 4]
-    doc = doc_with(tmp_path, {"c.json": compare_run(), "c-paper-h100.json": slow},
-                   "<!-- table: results/c*.json compare-profiles -->\n<!-- /table -->")
-    tables.write(doc)
-    rows = [line for line in doc.read_text().split("\n") if line.startswith("| 4 ")]
+    text = write(tmp_path, {"c.json": compare_run(), "c-paper-h100.json": slow},
+                 't.compare_profiles("results/c*.json")')
+    rows = [line for line in text.split("\n") if line.startswith("| 4 ")]
     assert rows == ["| 4 | 14x / **0.23x** (2.00x) | 0.80x / **0.01x** (2.00x) |"]  # 512 MiB: not in both
-    assert "hardware profile paper-h100, emulated." in doc.read_text()  # the files in name order
-    same = doc_with(tmp_path / "s", {"c.json": compare_run(), "d.json": compare_run()},
-                    "<!-- table: results/*.json compare-profiles -->\n<!-- /table -->")
-    with pytest.raises(BadInput, match="same hardware profile"):
-        tables.check(same)
+    assert "hardware profile paper-h100, emulated." in text  # the files in name order
 
 
 def test_compare_against_the_paper_tie_break_and_table_2(tmp_path: Path) -> None:
@@ -386,12 +383,12 @@ def test_compare_against_the_paper_tie_break_and_table_2(tmp_path: Path) -> None
                        "paper": {"baseline_tx_s": 1115.88, "baseline_share": 0.47568, "ours_tx_s": 1.01,
                                  "ours_share": 0.00082}}]
     files = {"c.json": run}
-    paper = table_of(tmp_path / "p", files, "results/c.json compare-paper")
+    paper = table_of(tmp_path / "p", files, 't.compare_paper("results/c.json")')
     assert paper[1] == ["500 Mbit/s", "0.90x", "0.60x (1 of 2)", "7.00-38.33x", "1.02x"]
     assert paper[2][2] == "0.25x (2 of 2)" and paper[2][4] == "-"
-    tie = table_of(tmp_path / "t", files, "results/c.json compare-tie-break")
+    tie = table_of(tmp_path / "t", files, 't.compare_tie_break("results/c.json")')
     assert tie[1] == ["500 Mbit/s", "4, 16", "64", "18"] and tie[2] == ["uncapped", "none", "4", "-"]
-    t2 = table_of(tmp_path / "2", files, "results/c.json compare-table2")
+    t2 = table_of(tmp_path / "2", files, 't.compare_table2("results/c.json")')
     assert t2[1] == ["4 Mbit/s", "~1124.27", "47.755 %", "1115.88", "47.568 %", "0.949", "0.077 %", "1.01", "0.082 %"]
 
 
@@ -404,7 +401,7 @@ def test_plan_worked_example_rows_per_source(tmp_path: Path) -> None:
                                                "ratio": saved * 180224 / 1_261_568}}}
     files = {"p.json": plan("the paper: Table 1", 500.0, 7.27), "p-results.json": plan("docs/results/x.json", 500.0, 4.01),
              "p-uncapped.json": plan("the paper: Table 1", None, 3.01)}
-    cells = table_of(tmp_path, files, "results/p*.json plan-worked-example")
+    cells = table_of(tmp_path, files, 't.plan_worked_example("results/p*.json")')
     assert [r[0] for r in cells[1:]] == ["the paper's slides", "plan, the paper's figures", "plan, the paper's figures",
                                          "plan, measured here (paper-h100 JSONs)"]
     assert cells[1][3:] == ["7.00", "1,261,568 s (14.6 days)", "1.00"]

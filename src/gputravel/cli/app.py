@@ -19,7 +19,6 @@ from gputravel.cli.audit import audit_app
 from gputravel.files import write_json
 from gputravel.cli.data import data_app
 from gputravel.cli.train import training_job
-from gputravel.cli.tables import bench_tables
 from gputravel.cli.hardware import hardware_option, print_against_paper
 from gputravel.cli.plan import plan_command
 from gputravel.cli.scale import bench_scale
@@ -64,7 +63,6 @@ app.add_typer(audit_app, name="audit")
 app.add_typer(cohort_app, name="cohort")
 app.command("serve")(serve_command)
 app.command("status")(status_command)
-bench_app.command("tables")(bench_tables)
 app.command("plan")(plan_command)
 bench_app.command("scale")(bench_scale)
 bench_app.command("train")(bench_train)

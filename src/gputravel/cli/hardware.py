@@ -6,7 +6,6 @@ from __future__ import annotations
 import typer
 
 from gputravel.protocol.hardware import EMULATED, PROFILES
-from gputravel.bench.table_kinds import link_label
 from gputravel.cli.output import console, numeric_table
 
 HELP = (f"The hardware the run stands for: {' or '.join(PROFILES)}. 'emulated' injects nothing; 'paper-h100' "
@@ -16,6 +15,10 @@ HELP = (f"The hardware the run stands for: {' or '.join(PROFILES)}. 'emulated' i
 
 def hardware_option():
     return typer.Option(EMULATED, "--hardware", help=HELP)
+
+
+def link_label(bw: float | None) -> str:
+    return "uncapped" if bw is None else f"{bw:g} Mbit/s"
 
 
 def print_against_paper(result: dict) -> None:
