@@ -43,7 +43,8 @@ def cohort(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _tree(d: Path) -> dict[str, tuple[int, int, int, int]]:
-    """Every path under the cohort with its mode, owner, size and mtime: "nothing touched"."""
+    """Every path under `d` with its mode, owner, size and mtime: "nothing touched" (not atime:
+    reading the config is no touch)."""
     out = {}
     for top, dirs, files in os.walk(d):
         for name in [*dirs, *files, ""]:
@@ -123,9 +124,9 @@ def test_a_path_other_than_the_one_init_gave_is_refused(cohort: Path, tmp_path: 
     path = path.format(d=cohort, t=tmp_path)
     bad = _changed(cohort / config, tmp_path / config, lambda c: c.update({key: path}))
     role = config.split("-")[0].removesuffix(".toml")
-    before = {p.name: os.lstat(p) for p in tmp_path.iterdir()}
+    before = _tree(tmp_path)
     _refused(cohort, role, bad, f"{bad}: {key}: expected ", f"got '{path}'")
-    assert {p.name: os.lstat(p) for p in tmp_path.iterdir()} == before
+    assert _tree(tmp_path) == before
 
 
 def test_the_orchestrators_run_directory_is_bound_too(cohort: Path, tmp_path: Path) -> None:
