@@ -33,6 +33,7 @@ it; these are the shell's promises. The whole file runs in about a second.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from types import SimpleNamespace
 
@@ -342,3 +343,40 @@ def test_a_misbehaving_data_holder_cannot_fake_a_travel(cohort: Cohort, behaviou
             assert "mallory" not in cohort.orchestrator.holders, f"refusal ({label}): an out-of-step link was kept"
         cohort.check(label, report)
         cohort.honest_travel(label)
+
+
+# ============================================================================ waiting for holders
+def _waiting_shell(joins: list) -> Orchestrator:
+    """A bare shell whose accept_holder plays `joins` in turn: an exception to raise, or the
+    name of a holder that joins."""
+    o = object.__new__(Orchestrator)
+    o.holders = {}
+    o.travel_sm = SimpleNamespace(holders={})
+
+    def accept_holder(timeout, probe=None):
+        step = joins.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        o.holders[step] = object()
+        o.travel_sm.holders[step] = SimpleNamespace(dataset_bytes=len(step))
+        return step
+
+    o.accept_holder = accept_holder
+    return o
+
+
+def test_a_holder_whose_connection_breaks_off_mid_join_does_not_stop_the_wait() -> None:
+    """Seen in the services' restart test: north's CVM went away while it joined a restarted
+    orchestrator ('tls:north: peer closed'), and the whole wait for holders failed, though
+    north's service was already booting another CVM to join again."""
+    o = _waiting_shell(["south", TransportClosed("tls:north: peer closed"), "north"])
+    assert o.await_holders(("north", "south"), timeout=5) == {"south": 5, "north": 5}
+
+
+def test_a_refusal_still_stops_the_wait_and_a_timeout_says_what_broke_off() -> None:
+    with pytest.raises(ProtocolError):
+        _waiting_shell([ProtocolError("holder 'x' did not introduce itself correctly")]).await_holders(("x",), 5)
+    o = _waiting_shell([TransportClosed("tls:north: peer closed")] + [PeerTimeout("no one came")] * 3)
+    o.accept_holder = lambda timeout, probe=None, play=o.accept_holder: (time.sleep(0.05), play(timeout))[1]
+    with pytest.raises(PeerTimeout, match=r"north \(the last connection that broke off: tls:north: peer closed\)"):
+        o.await_holders(("north",), timeout=0.1)

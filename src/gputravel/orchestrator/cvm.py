@@ -196,13 +196,22 @@ class Orchestrator:
 
     def await_holders(self, names: tuple[str, ...], timeout: float,
                       probe: Callable[[str, Transport], None] | None = None) -> dict[str, int]:
-        deadline = time.monotonic() + timeout
+        deadline, broken = time.monotonic() + timeout, ""
         while not set(names) <= set(self.holders):
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(names) - set(self.holders))
-                raise PeerTimeout(f"holders did not join in {timeout:g} s: {', '.join(missing)}")
-            self.accept_holder(left, probe)
+                last = f" (the last connection that broke off: {broken})" if broken else ""
+                raise PeerTimeout(f"holders did not join in {timeout:g} s: {', '.join(missing)}{last}")
+            try:
+                self.accept_holder(left, probe)
+            except PeerTimeout:  # every wait in a join runs to the deadline: said above, with who is missing
+                continue
+            except TransportClosed as exc:
+                # A holder whose CVM went away mid-join (its service boots another, which tries
+                # again): not a reason to stop waiting for the others. A refusal still is.
+                broken = str(exc)
+                log.warning("a holder's connection broke off while it joined: %s", exc)
         assert self.travel_sm is not None
         return {n: self.travel_sm.holders[n].dataset_bytes for n in self.holders}
 
