@@ -121,31 +121,34 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> Iterator[str]:
 
 @cache
 def imports() -> tuple[Import, ...]:
+    return tuple(imp for module, path in modules().items() for imp in _imports_of(module, path))
+
+
+def _imports_of(module: str, path: Path) -> list[Import]:
     found: list[Import] = []
-    for module, path in modules().items():
-        source = path.read_text()
-        lines = source.splitlines()
+    source = path.read_text()
+    lines = source.splitlines()
 
-        def visit(node: ast.AST, in_function: bool, typing_only: bool) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    span = lines[child.lineno - 1: child.end_lineno]
-                    lazy = any(LAZY_MARK in line for line in span)
-                    for target in dict.fromkeys(_targets(module, child)):
-                        if target != module:
-                            found.append(Import(module, target, child.lineno, in_function, typing_only, lazy))
-                    continue
-                inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-                if isinstance(child, ast.If) and _is_type_checking(child):
-                    for stmt in child.body:
-                        visit(ast.Module(body=[stmt], type_ignores=[]), inner, True)
-                    for stmt in child.orelse:
-                        visit(ast.Module(body=[stmt], type_ignores=[]), inner, typing_only)
-                    continue
-                visit(child, inner, typing_only)
+    def visit(node: ast.AST, in_function: bool, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                span = lines[child.lineno - 1: child.end_lineno]
+                lazy = any(LAZY_MARK in line for line in span)
+                for target in dict.fromkeys(_targets(module, child)):
+                    if target != module:
+                        found.append(Import(module, target, child.lineno, in_function, typing_only, lazy))
+                continue
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for stmt in child.body:
+                    visit(ast.Module(body=[stmt], type_ignores=[]), inner, True)
+                for stmt in child.orelse:
+                    visit(ast.Module(body=[stmt], type_ignores=[]), inner, typing_only)
+                continue
+            visit(child, inner, typing_only)
 
-        visit(ast.parse(source, str(path)), False, False)
-    return tuple(found)
+    visit(ast.parse(source, str(path)), False, False)
+    return found
 
 
 def package_edges() -> dict[tuple[str, str], list[str]]:

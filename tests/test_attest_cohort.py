@@ -228,7 +228,7 @@ def test_orchestrator_self_quote_the_live_tdx_module_quotes_only_the_launched_or
 
 
 @pytest.mark.integration
-def test_the_device_makes_its_firmware_key_and_the_vendor_ca_is_dropped_once_it_is_certified(processes, 
+def test_the_device_makes_its_firmware_key_and_the_vendor_ca_is_dropped_once_it_is_certified(processes,
         datasets, monkeypatch: pytest.MonkeyPatch) -> None:
     """The device process makes its firmware key itself at boot; the launcher (the GPU
     vendor) sees only its request and sends back the chain, then drops the CA that signed it.

@@ -66,7 +66,7 @@ def write_log(path: Path, key: bytes | ec.EllipticCurvePrivateKey, holders=HOLDE
               offset: int = 0, gpu: str = GPU, closed: bool = False) -> list[Entry]:
     """A log of one entry per (holder, event); ``closed``: then its closing entry, the last."""
     with AuditLog.create(path, key, gpu=gpu) as log:
-        entries = [append_one(log, i, h, e, offset) for i, (h, e) in enumerate(zip(holders, events))]
+        entries = [append_one(log, i, h, e, offset) for i, (h, e) in enumerate(zip(holders, events, strict=True))]
         if closed:
             entries.append(log.seal(time=1_800_000_000.0, epoch=len(entries)))
         return entries
@@ -120,7 +120,7 @@ def test_append_then_verify(tmp_path: Path, orch: MemberIdentity) -> None:
     entries = write_log(path, orch.key_pem)
     assert [e.seq for e in entries] == list(range(len(HOLDERS)))
     assert entries[0].prev_hash == GENESIS_HASH
-    for before, after in zip(entries, entries[1:]):
+    for before, after in zip(entries, entries[1:], strict=False):
         assert after.prev_hash == entry_hash(before)
     assert read_log(path) == entries
     summary = verify_log(path, orch.cert_pem)
@@ -402,7 +402,7 @@ def test_a_log_whose_entries_name_two_gpus_is_refused(tmp_path: Path, orch: Memb
     GPUs mid-log (here forced) makes a log that neither verifies nor can be continued."""
     path = tmp_path / "audit.log"
     with AuditLog.create(path, orch.key_pem, gpu=GPU) as log:
-        for i, (holder, event) in enumerate(zip(HOLDERS, EVENTS)):
+        for i, (holder, event) in enumerate(zip(HOLDERS, EVENTS, strict=True)):
             log.gpu = OTHER_GPU if i >= 3 else GPU
             append_one(log, i, holder, event)
     with pytest.raises(AuditError) as info:
@@ -694,7 +694,7 @@ def test_a_logged_chunk_shows_only_its_mac_which_its_holder_alone_can_check(tmp_
     guessed = [chunk_digest(play[o:o + n], 4096) for o, n in chunks]  # what anyone can compute
     key, path = holder_key("comedies"), tmp_path / "audit.log"
     with AuditLog.create(path, orch.key_pem, gpu=GPU) as log:
-        for i, ((o, n), digest) in enumerate(zip(chunks, guessed)):
+        for i, ((o, n), digest) in enumerate(zip(chunks, guessed, strict=True)):
             log.append("travel", ChunkId("comedies", o, n), time=1.0 + i, epoch_before=i, epoch_after=i + 1,
                        chunk_digest=digest, holder_key=key)
         with pytest.raises(BadInput, match="only keyed with its holder's travel-log key"):
@@ -712,7 +712,8 @@ def test_a_logged_chunk_shows_only_its_mac_which_its_holder_alone_can_check(tmp_
         assert digest not in published  # the guess confirms nothing
         assert all(e.chunk_mac != digest for e in entries)
     assert key not in published
-    assert [e.chunk_mac for e in entries] == [chunk_mac(key, "comedies", o, n, d) for (o, n), d in zip(chunks, guessed)]
+    assert [e.chunk_mac for e in entries] == [chunk_mac(key, "comedies", o, n, d)
+                                              for (o, n), d in zip(chunks, guessed, strict=True)]
     # The holder, with its key and its data, checks its own entries; any other key, or other
     # data at that place (another chunk, another holder's MAC) does not match.
     digest_of = lambda o, n: chunk_digest(play[o:o + n], 4096)  # noqa: E731

@@ -262,7 +262,7 @@ def test_a_holder_that_breaks_the_exchange_is_lost_as_in_a_travel() -> None:
     path = BaselinePath(orch)
     path._staging = bytearray(8)
     holder_end.send(ChunkPiece(1, 5, b"abc"))  # out of order
-    with pytest.raises(HolderLost, match="'alice' lost during a baseline transfer.*does not follow"):
+    with pytest.raises(HolderLost, match=r"'alice' lost during a baseline transfer.*does not follow"):
         path._receive("alice", SendChunk(1, 0, 8))
     assert "alice" not in orch.holders
     with pytest.raises(HolderLost, match="offline"):

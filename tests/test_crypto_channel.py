@@ -110,8 +110,8 @@ def test_derive_epoch_keys_follows_documented_recipe():
 
 # ----------------------------------------------------------------------------- IV layout
 def test_build_iv_layout():
-    assert build_iv(1, 0x0102030405060708) == bytes.fromhex("01000000" "0807060504030201")
-    assert build_iv(0xDEADBEEF, 0) == bytes.fromhex("efbeadde" "0000000000000000")
+    assert build_iv(1, 0x0102030405060708) == bytes.fromhex("01000000 0807060504030201")
+    assert build_iv(0xDEADBEEF, 0) == bytes.fromhex("efbeadde 0000000000000000")
 
 
 def test_build_iv_range():

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("processes")  # every test here starts processes
-
 from gputravel.ddp.launch import ProcessFailed, ProcessesSilent, run_processes
 from gputravel.errors import PeerTimeout, RemoteError
+
+pytestmark = pytest.mark.usefixtures("processes")  # every test here starts processes
 
 FAST = {"method": "forkserver", "preload": ["gputravel.ddp.launch"], "grace": 2.0}  # a fork a process
 

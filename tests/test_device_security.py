@@ -685,7 +685,7 @@ def test_a_doorbell_without_the_channels_token_is_ignored(cohort: Cohort) -> Non
     link = cohort.gpu.links["alice"]
     before = cohort.vram()
 
-    def wrong_token(l) -> None:
+    def wrong_token(_link) -> None:
         U32.pack_into(cohort.gpu.bar, Bar0.doorbell(PushChannel.USER), 0xBADBAD)
 
     link.before_service = wrong_token

@@ -148,7 +148,7 @@ def _refused_by_the_other_gpus_orchestrator(gpu0: Path, gpu1: Path) -> None:
 
         thread = threading.Thread(target=client, daemon=True)
         thread.start()
-        with pytest.raises(ProtocolError, match="(?i)certificate"):
+        with pytest.raises(ProtocolError, match=r"(?i)certificate"):
             listener.accept(timeout=5)
         thread.join(5)
         assert isinstance(seen.get("error"), (ProtocolError, TransportClosed)), seen

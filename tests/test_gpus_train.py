@@ -205,7 +205,7 @@ def test_ranks_told_different_jobs_refuse_each_other_and_each_is_held_to_its_sha
     assert len(errors) == 2 and all(isinstance(e, BadInput) and "not its share" in str(e) for e in errors), errors
 
 
-def test_a_holder_killed_mid_copy_on_one_gpu_is_dropped_there_and_no_chunk_is_trained_on_twice(processes, 
+def test_a_holder_killed_mid_copy_on_one_gpu_is_dropped_there_and_no_chunk_is_trained_on_twice(processes,
         cohorts_with_a_dying_holder):
     job, shares, dies, gpus = cohorts_with_a_dying_holder
     assert gpus.cohorts[1].children[dies].proc.poll() is None  # its first copy is this test's

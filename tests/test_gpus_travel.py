@@ -38,8 +38,8 @@ class WatchedCohorts(GpuCohorts):
         trust = [c.trust for c in self.cohorts]
         self.seen.append({
             "roots": [{n: (t.root / "roots" / n).read_bytes() for n in (GPU_ROOT_CERT, TEE_ROOT_CERT)} for t in trust],
-            "holder_roots": [(t.holder_dir(h) / GPU_ROOT_CERT).read_bytes() for c, t in zip(self.cohorts, trust)
-                             for h in c.dataset_bytes],
+            "holder_roots": [(t.holder_dir(h) / GPU_ROOT_CERT).read_bytes()
+                             for c, t in zip(self.cohorts, trust, strict=True) for h in c.dataset_bytes],
             "serials": [t.gpu_serial for t in trust],
             "launcher_roots": self.roots,
             "dirs": [c.dir for c in self.cohorts],
@@ -167,5 +167,5 @@ def test_the_capacity_check_counts_each_gpus_cohort(monkeypatch) -> None:
     holders = 8 * capacity.mib_per_holder(MIB, MIB) + capacity.RESERVE_MIB
     monkeypatch.setattr(capacity, "available_mib", lambda: holders + 10)
     capacity.check(8, sysmem_bytes=MIB, dataset_bytes=MIB)  # one GPU: fits
-    with pytest.raises(BadInput, match="2 GPUs with 8 holders need about .* MiB a GPU with its own cohort"):
+    with pytest.raises(BadInput, match=r"2 GPUs with 8 holders need about .* MiB a GPU with its own cohort"):
         capacity.check(8, sysmem_bytes=MIB, dataset_bytes=MIB, gpus=2, vram_mib=65)

@@ -208,7 +208,7 @@ def test_members_make_their_own_keys_and_the_launcher_sees_only_public_material(
     assert keys == {f"{m}/{m}.key" for m in enrolled}
 
 
-def test_the_device_makes_its_firmware_key_under_its_own_uid_and_the_launcher_sees_only_public_material(processes, 
+def test_the_device_makes_its_firmware_key_under_its_own_uid_and_the_launcher_sees_only_public_material(processes,
         live) -> None:
     """The GPU's firmware key (the leaf of its 5-certificate chain) is created by the device's
     uid in the device's directory; the launcher, standing for the vendor, got a request and

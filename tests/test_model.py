@@ -158,7 +158,7 @@ def test_bad_inputs_raise():
     m = build()
     with pytest.raises(BadInput, match="block_size"):
         m(torch.zeros((1, CFG.block_size + 1), dtype=torch.long))
-    with pytest.raises(BadInput, match="torch.long"):
+    with pytest.raises(BadInput, match=r"torch\.long"):
         m(torch.zeros((1, 4)))
     with pytest.raises(BadInput, match="shape"):
         m(torch.zeros((1, 4), dtype=torch.long), torch.zeros((1, 3), dtype=torch.long))

@@ -40,8 +40,8 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "dump-vram": ("holder", ("inside the granted window: 0 not zero", "just past the granted window: ChannelFaulted",
                              "16 MiB past the granted window: ChannelFaulted")),
     "work-after-return": ("holder", ("read after returning the GPU:",)),
-    "stale-context": ("holder", ("ContextRefused: holder 'mallory' lost during a travel: it returned a context that "
-                                 "was refused: context blob is from key epoch",
+    "stale-context": ("holder", (("ContextRefused: holder 'mallory' lost during a travel: it returned a context that "
+                                  "was refused: context blob is from key epoch"),
                                  "was refused: returned context blob is stale",
                                  "mallory: the orchestrator dropped the connection",
                                  "the GPU was recovered by the rotation under way",
@@ -99,10 +99,10 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
                                        "probe peer mallory's memory (", "probe peer device's descriptor",
                                        "(/memfd:gputravel-vram", "probe peer orchestrator's TLS key: denied",
                                        "bytes of a dumpable fork of itself")),
-    "orchestrator-self-quote": ("host+holder", ("host: asked the TDX module for a quote over its own report data: "
-                                                "QuotingRefused",
-                                                "mallory: asked the TDX module for a quote over its own report data: "
-                                                "QuotingRefused", "is not the CVM this module launched",
+    "orchestrator-self-quote": ("host+holder", (("host: asked the TDX module for a quote over its own report data: "
+                                                 "QuotingRefused"),
+                                                ("mallory: asked the TDX module for a quote over its own report data: "
+                                                 "QuotingRefused"), "is not the CVM this module launched",
                                                 "then: travel to alice verified")),
     "wrong-cvm-for-orchestrator": ("host", ("raised the kernel channel's fault flag",
                                             "travel to alice failed: ChannelFaulted",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest

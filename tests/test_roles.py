@@ -275,7 +275,7 @@ def test_holder_takes_one_request_at_a_time(steps: int, event, why: str) -> None
 # ============================================================================ bad input
 def test_start_for_an_unknown_holder_names_the_enrolled_ones() -> None:
     o = orchestrator_sm(hello("alice"), hello("bob"))
-    with pytest.raises(BadInput, match="'carol'.*alice, bob"):
+    with pytest.raises(BadInput, match=r"'carol'.*alice, bob"):
         o.handle(om.Start("carol", 0), 0.0)
     assert o.phase is Phase.ERROR
     with pytest.raises(BadInput, match="none"):

@@ -88,7 +88,7 @@ def test_checkpoint_round_trip(tmp_path):
     m2, opt2 = trained(seed=1)  # different weights and moments, to be overwritten
     step, extra = rd.load_checkpoint(rd.checkpoint_path, m2, opt2)
     assert step == 2 and extra["note"] == "x" and torch.equal(extra["rng"], rng)
-    for (n1, p1), (n2, p2) in zip(m.state_dict().items(), m2.state_dict().items()):
+    for (n1, p1), (n2, p2) in zip(m.state_dict().items(), m2.state_dict().items(), strict=True):
         assert n1 == n2 and torch.equal(p1, p2)
     assert m2.lm_head.weight is m2.transformer.wte.weight  # tying survives the load
     s1, s2 = opt.state_dict(), opt2.state_dict()
@@ -111,7 +111,7 @@ def test_checkpoint_resume_continues_identically(tmp_path):
         o.zero_grad()
         loss.backward()
         o.step()
-    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
 
 
 def test_checkpoint_config_mismatch(tmp_path):

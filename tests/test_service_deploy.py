@@ -141,8 +141,8 @@ def test_five_shells_train_and_a_holder_leaves_and_rejoins(processes, where: Pat
         assert "loss" not in seen  # the model's, not the holders'
     finally:
         codes = [s.stop() for s in reversed(shells)]
-    assert all(c == 0 for c in codes), [(s.log.name, c, s.log.read_text()[-1500:]) for s, c in zip(reversed(shells), codes)
-                                        if c != 0]
+    assert all(c == 0 for c in codes), [(s.log.name, c, s.log.read_text()[-1500:])
+                                        for s, c in zip(reversed(shells), codes, strict=True) if c != 0]
     _no_process_left(where)
     _keys_only_in_own_state(d)
 

@@ -132,8 +132,8 @@ def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(pro
         for sig in (signal.SIGTERM, signal.SIGKILL):
             said = tmp_path / f"demo-{sig}.txt"  # what the demo printed, for the messages
             with open(said, "wb") as out:
-                demo = subprocess.Popen([sys.executable, "-c", "import sys; from gputravel.cli.app import app; "
-                                         "sys.exit(app())", "demo", "--steps", "2000", "--run-dir",
+                code = "import sys; from gputravel.cli.app import app; sys.exit(app())"
+                demo = subprocess.Popen([sys.executable, "-c", code, "demo", "--steps", "2000", "--run-dir",
                                          str(tmp_path / f"run-{sig}")], env=env, stdout=out, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + 60
             while not _its_services_started(work, demo.pid):  # in this launcher's own directory

@@ -59,7 +59,7 @@ def test_reads_a_shard_laid_out_by_llmc_rules(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("tokens", [[-1, 2], [65536], [1.5, 2.0], [[1, 2], [3, 4]]])
 def test_write_rejects_tokens_a_shard_cannot_hold(tmp_path: Path, tokens) -> None:
-    with pytest.raises(BadInput, match="a.bin"):
+    with pytest.raises(BadInput, match=r"a\.bin"):
         write_shard(tmp_path / "a.bin", tokens)
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
@@ -196,7 +196,7 @@ def test_prepare_keeps_the_order_of_inputs(tmp_path: Path, texts: Path) -> None:
 
 def test_prepare_errors(tmp_path: Path, texts: Path) -> None:
     tok = ByteTokenizer()
-    with pytest.raises(BadInput, match="input .*missing.txt does not exist"):
+    with pytest.raises(BadInput, match=r"input .*missing\.txt does not exist"):
         prepare([tmp_path / "missing.txt"], tmp_path / "out", tok)
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "e.txt").write_text("")
@@ -204,7 +204,7 @@ def test_prepare_errors(tmp_path: Path, texts: Path) -> None:
         prepare([tmp_path / "blank"], tmp_path / "out", tok)
     (tmp_path / "notext").mkdir()
     (tmp_path / "notext" / "README.md").write_text("# not a .txt file")
-    with pytest.raises(BadInput, match="no .txt files in .*notext"):
+    with pytest.raises(BadInput, match=r"no \.txt files in .*notext"):
         prepare([tmp_path / "notext"], tmp_path / "out", tok)
     (tmp_path / "afile").write_text("x")
     with pytest.raises(BadInput, match="afile exists and is a file"):
@@ -212,7 +212,7 @@ def test_prepare_errors(tmp_path: Path, texts: Path) -> None:
     with pytest.raises(BadInput, match="given twice"):
         prepare([texts, texts / "a.txt"], tmp_path / "out", tok)
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
-    with pytest.raises(BadInput, match="latin1.txt is not UTF-8"):
+    with pytest.raises(BadInput, match=r"latin1\.txt is not UTF-8"):
         prepare([tmp_path / "latin1.txt"], tmp_path / "out", tok)
     assert not (tmp_path / "out").exists()  # failed runs publish nothing
 
@@ -220,7 +220,7 @@ def test_prepare_errors(tmp_path: Path, texts: Path) -> None:
 def test_prepare_overwrite_replaces_old_shards_only_when_asked(tmp_path: Path, texts: Path) -> None:
     out = tmp_path / "out"
     first = prepare([texts], out, ByteTokenizer(), shard_tokens=8)
-    with pytest.raises(BadInput, match="not empty.*--overwrite"):
+    with pytest.raises(BadInput, match=r"not empty.*--overwrite"):
         prepare([texts / "a.txt"], out, ByteTokenizer())
     second = prepare([texts / "a.txt"], out, ByteTokenizer(), overwrite=True)
     assert len(first.shards) > 1 and len(second.shards) == 1

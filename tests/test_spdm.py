@@ -179,7 +179,7 @@ def test_tampered_requester_verify_rejected():
         rsp.handle(Finish(requester_verify=flip(finish.requester_verify, 5)))
     assert rsp.state == "failed"
     with pytest.raises(IllegalTransition):
-        rsp.session_secret
+        _ = rsp.session_secret
     with pytest.raises(IllegalTransition):
         rsp.handle(finish)
 
@@ -189,7 +189,7 @@ def test_out_of_order_requester():
     with pytest.raises(IllegalTransition):
         req.key_exchange()
     with pytest.raises(IllegalTransition):
-        req.session_secret
+        _ = req.session_secret
     with pytest.raises(IllegalTransition):
         req.handle_finish_response(FinishResponse())
     req.get_certificate()
@@ -206,7 +206,7 @@ def test_out_of_order_responder():
     with pytest.raises(IllegalTransition):
         rsp.handle(Finish(bytes(48)))
     with pytest.raises(IllegalTransition):
-        rsp.session_secret
+        _ = rsp.session_secret
     rsp.handle(GetCertificate())
     with pytest.raises(IllegalTransition):
         rsp.handle(GetCertificate())

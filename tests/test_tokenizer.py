@@ -53,7 +53,7 @@ def test_byte_decode_drops_eot_and_replaces_broken_utf8() -> None:
 
 
 def test_byte_decode_rejects_ids_outside_the_vocabulary() -> None:
-    with pytest.raises(BadInput, match="257.*outside the bytes vocabulary"):
+    with pytest.raises(BadInput, match=r"257.*outside the bytes vocabulary"):
         ByteTokenizer().decode([65, 257])
     with pytest.raises(BadInput, match="-1"):
         ByteTokenizer().decode([-1])
@@ -109,7 +109,7 @@ def test_falls_back_to_bytes_when_the_bpe_file_cannot_be_fetched(monkeypatch, fr
     _fake_tiktoken(monkeypatch, offline)
     assert isinstance(default_tokenizer(), ByteTokenizer)
     assert isinstance(get_tokenizer("auto"), ByteTokenizer)
-    with pytest.raises(BadInput, match="gpt2 tokenizer is not available.*TIKTOKEN_CACHE_DIR"):
+    with pytest.raises(BadInput, match=r"gpt2 tokenizer is not available.*TIKTOKEN_CACHE_DIR"):
         get_tokenizer("gpt2")
 
 
@@ -121,7 +121,7 @@ def test_falls_back_to_bytes_without_tiktoken(monkeypatch, fresh_gpt2_cache) -> 
 
 
 def test_unknown_tokenizer_name() -> None:
-    with pytest.raises(BadInput, match="unknown tokenizer 'llama'.*auto, bytes, gpt2"):
+    with pytest.raises(BadInput, match=r"unknown tokenizer 'llama'.*auto, bytes, gpt2"):
         get_tokenizer("llama")
 
 

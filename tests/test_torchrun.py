@@ -104,8 +104,8 @@ LAUNCH_ENV = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTE
 
 
 @pytest.mark.parametrize("env, job_json, says", [
-    (dict.fromkeys(LAUNCH_ENV), None, "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set: launch this module "
-                                      "with torchrun"),
+    (dict.fromkeys(LAUNCH_ENV), None, ("RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set: launch this module "
+                                       "with torchrun")),
     ({"RANK": "x"}, None, "RANK and WORLD_SIZE must be integers"),
     ({"RANK": "2"}, None, "RANK=2 is not in 0..1"),
     ({}, "", "job.json not found"),

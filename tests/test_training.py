@@ -92,7 +92,7 @@ def test_a_holder_with_another_tokenizer_is_refused(processes, tmp_path):
                                                       "eot": 256 if name == "bytes" else 50256}))
     cfg = CohortConfig(holders=(HolderSpec("good", str(good), "tokens"), HolderSpec("odd", str(odd), "tokens")),
                        buffer_bytes=1 << 20, tokenizer="bytes")
-    with pytest.raises(BadInput, match="odd.*gpt2.*bytes"):
+    with pytest.raises(BadInput, match=r"odd.*gpt2.*bytes"):
         with Cohort(cfg):
             pass
 
@@ -147,7 +147,7 @@ def test_resuming_with_another_job_or_without_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(BadInput, match="nothing to resume"):
         run_training_job(replace(job, resume=True))
     run_training_job(job)
-    with pytest.raises(BadInput, match="another job.*lr"):
+    with pytest.raises(BadInput, match=r"another job.*lr"):
         run_training_job(replace(job, train=replace(job.train, lr=0.5), resume=True))
 
 

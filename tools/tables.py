@@ -173,7 +173,8 @@ def ab_travel(files, labels, each=False):
         body = [(f"{labels[g]}, {n}", measures(d)) for n in sorted({n for g in groups.values() for n, _ in g})
                 for g in labels for run, d in groups[g] if run == n]
     else:
-        body = [(labels[g], [statistics.median(c) for c in zip(*(measures(d) for _, d in groups[g]))]) for g in labels]
+        body = [(labels[g], [statistics.median(c) for c in zip(*(measures(d) for _, d in groups[g]), strict=True)])
+                for g in labels]
     header = ("code", "crypto limit GB/s", *(("pipeline limit GB/s",) if piped else ()), "copy GB/s", "copy / limit",
               "fixed overhead ms", "scrub share of the copy", "travel total ms")
     return header, [(label, *map(num, v[:-3]), num(v[-3]), pct(v[-2]), num(v[-1], 1)) for label, v in body]
@@ -227,8 +228,9 @@ def demo(d):
     return ("measure", "value"), [
         ("training wall time (first step to last)", f"{num(d['wall_s'], 1)} s"),
         ("travels", f"{d['travel_count']} (each brings {tokens:,} tokens = {batches} batches)"),
-        ("time the loop waited for travels (data stall)", f"**{pct(d['stall_share'], 2)}** of wall time "
-         f"(target at most 1%: {'met' if d['stall_share'] <= 0.01 else 'missed'})"),
+        ("time the loop waited for travels (data stall)", (f"**{pct(d['stall_share'], 2)}** of wall time "
+                                                            f"(target at most 1%: "
+                                                            f"{'met' if d['stall_share'] <= 0.01 else 'missed'})")),
         ("loss, mean of first / last 10 steps", f"{num(d['loss_before'], 3)} -> {num(d['loss_after'], 3)}")]
 
 
@@ -317,8 +319,8 @@ def compare_targets(d):
     where = ", ".join(f"{c['size_mib']} MiB at {link(c['bandwidth_mbit'])}" for c in cells if c["speedup"] < 1)
     ratios = [c["rate_agreement"]["ratio"] for c in cells if c.get("rate_agreement")]
     rows = [("travelling at least as fast as the paper's estimated speedup, every cell",
-             f"{len(ahead)} of {len(judged)} cells (lowest margin: {low['size_mib']} MiB at "
-             f"{link(low['bandwidth_mbit'])}, {speed(low['speedup'])} vs {speed(low['paper_speedup_estimate'])})",
+             (f"{len(ahead)} of {len(judged)} cells (lowest margin: {low['size_mib']} MiB at "
+              f"{link(low['bandwidth_mbit'])}, {speed(low['speedup'])} vs {speed(low['paper_speedup_estimate'])})"),
              yes(len(ahead) == len(judged), "no")),
             ("baseline faster than travelling (the tie-break)", where or "in no cell of the grid", "-")]
     if ratios:

@@ -94,8 +94,8 @@ def run(repeat: int = 15, on_row: Callable[[dict], None] | None = None) -> dict:
         cls = type(msg)
         number = _number(len(data))
         assert codec.decode(data, expect=cls) == msg
-        encode_us = _median_us(lambda: codec.encode(msg), number, repeat)
-        decode_us = _median_us(lambda: codec.decode(data, expect=cls), number, repeat)
+        encode_us = _median_us(lambda msg=msg: codec.encode(msg), number, repeat)
+        decode_us = _median_us(lambda data=data, cls=cls: codec.decode(data, expect=cls), number, repeat)
         row = {"message": name, "bytes": len(data), "encode_us": encode_us, "decode_us": decode_us,
                "round_trip_us": encode_us + decode_us}
         rows.append(row)

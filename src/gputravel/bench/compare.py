@@ -240,7 +240,7 @@ def plot(result: dict, path: Path) -> Path:
     bws = list(dict.fromkeys(c["bandwidth_mbit"] for c in result["cells"]))
     fig = Figure(figsize=(3.2 * len(bws), 4.2), dpi=110)
     axes = fig.subplots(1, len(bws), sharey=True, squeeze=False)[0]
-    for ax, bw in zip(axes, bws):
+    for ax, bw in zip(axes, bws, strict=True):
         _panel(ax, [c for c in result["cells"] if c["bandwidth_mbit"] == bw], bw)
     cells = result["cells"]  # the panels share the y axis: room for every bar and label
     axes[0].set_ylim(min(c["travel_ms"] for c in cells) / 2, max(c["baseline_ms"] for c in cells) * 40)
@@ -259,7 +259,7 @@ def _panel(ax, cells: list[dict], bw: float | None) -> None:
     ax.bar([x - 0.2 for x in xs], [c["travel_ms"] for c in cells], 0.4, label="GPU Travelling", color="tab:blue")
     bars = ax.bar([x + 0.2 for x in xs], [c["baseline_ms"] for c in cells], 0.4, label="TLS baseline",
                   color="tab:orange")
-    for bar, c in zip(bars, cells):
+    for bar, c in zip(bars, cells, strict=True):
         if c["extrapolated"]:
             bar.set_hatch("//")
             bar.set_alpha(0.6)

@@ -133,7 +133,7 @@ def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes,
             state = RingHookState(ring, overlap=method == "encrypted")
             ddp.register_comm_hook(state, encrypted_allreduce_hook)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        iter_ms[method] = _median_ms(lambda: _iteration(ddp, opt, x, y), 3, iters, done)
+        iter_ms[method] = _median_ms(lambda ddp=ddp, opt=opt: _iteration(ddp, opt, x, y), 3, iters, done)
         if method == "plain":
             exchange = lambda: dist.all_reduce(flat)  # noqa: E731
         else:
@@ -165,7 +165,7 @@ def _g2(rank: int, cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor, params: int
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     diff = torch.tensor([float((first - gloo).abs().max())], dtype=torch.float64)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
-    out = {name: bool(v) for name, v in zip(checks, flags.tolist())}
+    out = {name: bool(v) for name, v in zip(checks, flags.tolist(), strict=True)}
     return {**out, "max_abs_diff_vs_gloo": float(diff), "identical": all(out.values())}
 
 

@@ -161,13 +161,13 @@ def plot(result: dict, path):
     cells = result["cells"]
     for name, (marker, color) in {"tls": ("s", "tab:orange"), "travel": ("o", "tab:blue")}.items():
         pts = sorted((c["holder_tokens"], c["rows"][name]["bytes_over_link"]) for c in cells if name in c["rows"])
-        ax.plot(*zip(*pts), marker=marker, color=color, label={"tls": "TLS baseline", "travel": "GPU Travelling"}[name])
+        ax.plot(*zip(*pts, strict=True), marker=marker, color=color, label={"tls": "TLS baseline", "travel": "GPU Travelling"}[name])
     greens = ("tab:green", "tab:olive", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
     for k, model in enumerate(dict.fromkeys((c["n_layer"], c["n_embd"]) for c in cells)):
         pts = sorted((c["holder_tokens"], c["rows"]["fl"]["bytes_over_link"]) for c in cells
                      if (c["n_layer"], c["n_embd"]) == model)
         params = next(c["params"] for c in cells if (c["n_layer"], c["n_embd"]) == model)
-        ax.plot(*zip(*pts), marker="^", linestyle="--", color=greens[k % len(greens)], label=f"FedAvg {model[0]}x{model[1]} ({params / 1e6:.2f}M)")
+        ax.plot(*zip(*pts, strict=True), marker="^", linestyle="--", color=greens[k % len(greens)], label=f"FedAvg {model[0]}x{model[1]} ({params / 1e6:.2f}M)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("training tokens per holder")

@@ -89,7 +89,7 @@ def _round(record_bytes: int, slots: int, total_bytes: int, timeout: float) -> d
             proc.stdin.write(b"go\n")
             proc.stdin.flush()
         out = {}
-        for role, proc in zip(_ROLES, procs):
+        for role, proc in zip(_ROLES, procs, strict=True):
             text, _ = proc.communicate(timeout=timeout)
             if proc.returncode != 0:
                 raise GputravelError(f"the pipeline-limit {role} failed (exit {proc.returncode})")

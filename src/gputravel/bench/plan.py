@@ -110,7 +110,7 @@ def _interpolate(points: tuple[tuple[float, float], ...], bw: float) -> float:
     pts = sorted(points)
     if bw <= pts[0][0]:
         return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
         if bw <= x1:
             t = (math.log(bw) - math.log(x0)) / (math.log(x1) - math.log(x0))
             return y0 + t * (y1 - y0)
@@ -203,8 +203,8 @@ def _baseline_constants(found: tuple[str, dict] | None, hardware: str, copy_ms_p
     points = tuple((bw, statistics.median(v)) for bw, v in sorted(by_cap.items())) or ((1.0, 1.0),)
     free = [rate[id(c)] for c in cells if c["bandwidth_mbit"] is None]
     return (points, (statistics.median(free) if free else None), io,
-            f"{path} (bench compare, {doc.get('date', '?')}: goodput = size / (baseline - its GPU write), "
-            "the read overlapping the transfer)")
+            (f"{path} (bench compare, {doc.get('date', '?')}: goodput = size / (baseline - its GPU write), "
+             "the read overlapping the transfer)"))
 
 
 def _context_bytes(found: tuple[str, dict] | None) -> tuple[int, str]:

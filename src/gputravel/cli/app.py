@@ -327,14 +327,18 @@ def redteam(
     """Run every attack (paper section 6, and more) against a live local cohort and count the
     plaintext each attacker obtained. Exits 1 if any attack got plaintext or was not stopped."""
     # The command line is the red team's only door: no other command loads it (tests/test_architecture.py).
-    from gputravel.redteam.attacks import ATTACKS  # lazy: only `gputravel redteam` loads the red team
+    from gputravel.redteam.arena import Attack, Verdict  # lazy: only `gputravel redteam` loads the red team
+    from gputravel.redteam.attacks import ATTACKS  # lazy: as above
     from gputravel.redteam.report import print_report  # lazy: as above
     from gputravel.redteam.run import run_redteam  # lazy: as above
 
     unknown = sorted(set(only or ()) - {a.name for a in ATTACKS})
     if unknown:
         fail(f"unknown attack {', '.join(unknown)}; choose from: {', '.join(a.name for a in ATTACKS)}")
-    show = lambda a, v: console.print(f"  {a.name}: {'stopped' if v.stopped else '[red]NOT stopped[/red]'}")
+
+    def show(a: Attack, v: Verdict) -> None:
+        console.print(f"  {a.name}: {'stopped' if v.stopped else '[red]NOT stopped[/red]'}")
+
     try:
         report = run_redteam(only=tuple(only or ()), on_result=show)
     except GputravelError as exc:

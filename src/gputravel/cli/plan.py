@@ -59,7 +59,7 @@ def plan_command(
         out = model.predict(inp, constants)
     except GputravelError as exc:
         console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     if worked_example:
         out["worked_example"] = model.against_worked_example(out)
     _print(out)

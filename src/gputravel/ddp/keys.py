@@ -264,4 +264,4 @@ def all_gather_bytes(mine: bytes, group: dist.ProcessGroup | None = None) -> lis
         padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     rows = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
     dist.all_gather(rows, padded, group=group)
-    return [row[:n].numpy().tobytes() for row, n in zip(rows, lengths)]
+    return [row[:n].numpy().tobytes() for row, n in zip(rows, lengths, strict=True)]

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
-from gputravel.crypto.channel import TAG_BYTES  # noqa: F401  (slots hold ciphertext || tag)
+from gputravel.crypto.channel import TAG_BYTES as TAG_BYTES  # re-exported: slots hold ciphertext || tag
 from gputravel.errors import BadInput
 
 MIB = 1 << 20

@@ -103,10 +103,10 @@ def _isolation_row(a: Arena, attacker: str, victims: tuple[str, ...]) -> tuple[b
     iso = a.cohort.isolation
     uids = ", ".join(f"{k} {u}" for k, u in sorted(iso.uids.items()))
     summary = [f"process isolation on: each party under its own uid ({uids}), non-dumpable",
-               f"{attacker}'s own process tried {len(denied) + len(read)} targets of "
-               f"{', '.join(victims)}: {len(denied)} denied, {len(read)} read ({got} bytes)",
-               f"control: the same /proc/PID/mem reads got {own_bytes} bytes from a dumpable fork of {attacker} "
-               "(same uid)"]
+               (f"{attacker}'s own process tried {len(denied) + len(read)} targets of "
+                f"{', '.join(victims)}: {len(denied)} denied, {len(read)} read ({got} bytes)"),
+               (f"control: the same /proc/PID/mem reads got {own_bytes} bytes from a dumpable fork of {attacker} "
+                "(same uid)")]
     stopped = iso.on and bool(denied) and not read and got == 0 and own_bytes > 0
     return stopped, [*summary, *(e for e in events if e.startswith("probe "))]
 

@@ -82,7 +82,7 @@ def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (),
     try:
         needles = {h: make_dataset(tmp / f"{h}.bin", h, DATASET_BYTES) for h in HOLDERS}
         run_dir, verdicts = _attack(tmp, chosen, on_result)
-        return RedTeamReport(tuple(_judge(a, v, run_dir, needles, tmp) for a, v in zip(chosen, verdicts)))
+        return RedTeamReport(tuple(_judge(a, v, run_dir, needles, tmp) for a, v in zip(chosen, verdicts, strict=True)))
     finally:
         stopping.delete(tmp)  # whatever depth the hostile holder nested its own directory to
 

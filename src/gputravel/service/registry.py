@@ -113,5 +113,5 @@ def bind(cfg: Any, party: str) -> None:
              f"got {mine.get(key)!r}" for key in sorted(set(mine) | set(registered))
              if mine.get(key) != registered.get(key)]
     if wrong:
-        raise BadInput("\n".join(wrong + [f"{cfg.source}: a service acts only as the party cohort init made "
-                                          f"({Path(cfg.cohort_dir) / REGISTRY_FILE})"]))
+        raise BadInput("\n".join(wrong + [(f"{cfg.source}: a service acts only as the party cohort init made "
+                                           f"({Path(cfg.cohort_dir) / REGISTRY_FILE})")]))
