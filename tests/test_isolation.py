@@ -342,6 +342,34 @@ def test_handing_a_tree_over_follows_no_link(tmp_path: Path) -> None:
     assert stat.S_IMODE(victim.stat().st_mode) == 0o755
 
 
+def test_handing_a_tree_over_follows_no_link_swapped_in_while_it_walks(tmp_path: Path, monkeypatch) -> None:
+    """The hostile review of issue 30: a party whose state directory is already its own swaps
+    one of its directories for a link to another party's while root's walk is inside it. The
+    swap is made here at the worst moment, once root has handed over the first file in it: a
+    walk by path then handed over the rest of the names through the link."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    for i in range(5):
+        (victim / f"f{i}").write_bytes(b"another party's")
+        (tree / "sub" / f"f{i}").write_bytes(b"the party's")
+    victims = {os.lstat(p).st_ino for p in victim.iterdir()}
+    chowned: set[int] = set()
+    real_chown = os.chown
+
+    def chown(path, uid, gid, *, dir_fd=None, follow_symlinks=True):
+        chowned.add(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_ino)
+        real_chown(path, uid, gid, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+        if os.path.basename(path).startswith("f") and not (tree / "sub").is_symlink():
+            (tree / "sub").rename(tree / "was-sub")  # the party's swap, mid-walk
+            (tree / "sub").symlink_to(victim)
+
+    monkeypatch.setattr(os, "chown", chown)
+    isolation.give(tree, os.geteuid(), 0o700)
+    assert len(chowned) >= 2 and not chowned & victims, "root's walk went through the link swapped in"
+
+
 def test_only_the_device_starts_with_the_copy_engine_tunables(processes, live) -> None:
     """The device's VRAM writes stream past the cache as a copy engine's DMA does
     (device/memory.COPY_ENGINE_TUNABLES); no other party's environment changes."""

@@ -246,9 +246,13 @@ def give(path: Path, uid: int, mode: int | None = None) -> None:
         if mode is not None:
             os.fchmod(fd, mode)
         if stat.S_ISDIR(os.fstat(fd).st_mode):
-            for top, dirs, files in os.walk(path, followlinks=False):
+            # By descriptor, never by path: the tree may already be the party's, and a party that
+            # swaps one of its directories for a link mid-walk must not send root's chown through
+            # it (a path walk follows a link in the middle of a path; fwalk opens each directory
+            # from its parent's descriptor and checks it is the one it listed).
+            for _, dirs, files, dirfd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
                 for name in dirs + files:
-                    os.chown(os.path.join(top, name), uid, uid, follow_symlinks=False)
+                    os.chown(name, uid, uid, dir_fd=dirfd, follow_symlinks=False)
     finally:
         os.close(fd)
 
