@@ -50,7 +50,7 @@ def new_key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP384R1())
 
 
-def subject_name(common_name: str, *extra: x509.NameAttribute) -> x509.Name:
+def subject_name(common_name: str, *extra: x509.NameAttribute[str]) -> x509.Name:
     """A name in the emulation's organisation, so no certificate passes for a real vendor's."""
     return x509.Name(
         [x509.NameAttribute(NameOID.ORGANIZATION_NAME, _EMULATION_ORG), *extra,

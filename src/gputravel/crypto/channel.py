@@ -19,9 +19,9 @@ is explained next to the code that does it.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
-from typing import Self
+from typing import TYPE_CHECKING, Protocol, Self
 
 import msgspec
 from cryptography.exceptions import InvalidTag
@@ -32,6 +32,21 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 from msgspec.structs import force_setattr
 
 from gputravel.errors import BadInput, CounterExhausted, IntegrityError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+    class SizedBuffer(Buffer, Sized, Protocol):
+        """A buffer whose len() is its size: bytes, bytearray, a memoryview of bytes, a numpy array."""
+
+    class _Aead(Protocol):
+        """AESGCM as it behaves: any buffer in (cryptography types them bytes | bytearray |
+        memoryview below Python 3.12; ddp/ring.py hands it numpy arrays)."""
+
+        def encrypt(self, nonce: bytes, data: Buffer, associated_data: Buffer | None) -> bytes: ...
+        def decrypt(self, nonce: bytes, data: Buffer, associated_data: Buffer | None) -> bytes: ...
+        def encrypt_into(self, nonce: bytes, data: Buffer, associated_data: Buffer | None, buf: Buffer) -> int: ...
+        def decrypt_into(self, nonce: bytes, data: Buffer, associated_data: Buffer | None, buf: Buffer) -> int: ...
 
 __all__ = [
     "IV_BYTES",
@@ -174,9 +189,9 @@ class ChannelState(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_
         return (f"ChannelState(label={self.label!r}, channel_counter={self.channel_counter!r}, "
                 f"message_counter={self.message_counter!r})")
 
-    def __rich_repr__(self) -> Iterator[tuple[str, object]]:
-        yield from (("label", self.label), ("channel_counter", self.channel_counter),
-                    ("message_counter", self.message_counter))
+    def __rich_repr__(self) -> list[tuple[str, object]]:  # a list, as msgspec.Struct's own
+        return [("label", self.label), ("channel_counter", self.channel_counter),
+                ("message_counter", self.message_counter)]
 
 
 def _check_counters(channel_counter: int, message_counter: int, max_message_counter: int) -> None:
@@ -212,7 +227,7 @@ class _Endpoint:
         _check_counters(channel_counter, message_counter, self._max)
         self._keys = keys
         # Building AESGCM expands the key schedule; doing it per 1 MiB record is measurable.
-        self._aead = AESGCM(keys.key)
+        self._aead: _Aead = AESGCM(keys.key)  # type: ignore[assignment]  # its buffers' typing: see _Aead
         self._mask = int.from_bytes(keys.iv_mask, "little")
         self._channel = channel_counter
         self._message = message_counter
@@ -278,7 +293,7 @@ class _Endpoint:
 class Sender(_Endpoint):
     """Encrypts one direction of one channel, advancing the IV per message."""
 
-    def encrypt_into(self, plaintext, out, aad: bytes | None = None) -> None:
+    def encrypt_into(self, plaintext: Buffer, out: Buffer, aad: bytes | None = None) -> None:
         """Write ciphertext||tag into `out`, a writable buffer of len(plaintext) + 16 bytes."""
         channel, message = self._next_pair()
         try:
@@ -287,7 +302,7 @@ class Sender(_Endpoint):
             raise BadInput(f"encrypt_into: {exc}") from None
         self._channel, self._message = channel, message
 
-    def encrypt(self, plaintext, aad: bytes | None = None) -> bytes:
+    def encrypt(self, plaintext: Buffer, aad: bytes | None = None) -> bytes:
         """Return ciphertext||tag for `plaintext`."""
         channel, message = self._next_pair()
         try:
@@ -305,14 +320,14 @@ class Receiver(_Endpoint):
     waiting: a replayed or reordered message keeps failing.
     """
 
-    def decrypt(self, data, aad: bytes | None = None) -> bytes:
+    def decrypt(self, data: Buffer, aad: bytes | None = None) -> bytes:
         """Return the plaintext of ciphertext||tag `data`, or raise IntegrityError."""
         channel, message = self._next_pair()
         plaintext = self._open(channel, message, data, aad)
         self._channel, self._message = channel, message
         return plaintext
 
-    def decrypt_into(self, data, out, aad: bytes | None = None) -> None:
+    def decrypt_into(self, data: Buffer, out: Buffer, aad: bytes | None = None) -> None:
         """Decrypt ciphertext||tag `data` into `out` (len(data) - 16 bytes).
 
         WARNING: `out` must be a private scratch buffer, never the final destination (e.g.
@@ -331,7 +346,8 @@ class Receiver(_Endpoint):
             raise BadInput(f"decrypt_into: {exc}") from None
         self._channel, self._message = channel, message
 
-    def decrypt_once_into(self, data, out, piece, aad: bytes | None = None) -> None:
+    def decrypt_once_into(self, data: SizedBuffer, out: SizedBuffer, piece: SizedBuffer,
+                          aad: bytes | None = None) -> None:
         """:meth:`decrypt_into` for ciphertext||tag that others may rewrite while it is read
         (a staging slot): each byte of ``data`` is read once, the tag first, then the
         ciphertext a piece at a time into ``piece`` (a small private buffer, as a copy engine
@@ -362,7 +378,7 @@ class Receiver(_Endpoint):
             raise
         self._channel, self._message = channel, message
 
-    def accept_at(self, message_counter: int, channel_counter: int, data, aad: bytes | None = None) -> bytes:
+    def accept_at(self, message_counter: int, channel_counter: int, data: Buffer, aad: bytes | None = None) -> bytes:
         """Decrypt a payload whose IV index is published next to it (device semaphores).
 
         H100 publishes the IV of encrypted semaphore payloads because the CPU may read them
@@ -387,7 +403,7 @@ class Receiver(_Endpoint):
             and 1 <= message_counter <= self._max
         )
 
-    def _open(self, channel: int, message: int, data, aad: bytes | None) -> bytes:
+    def _open(self, channel: int, message: int, data: Buffer, aad: bytes | None) -> bytes:
         try:
             return self._aead.decrypt(self._nonce(channel, message), data, aad)
         except InvalidTag:
@@ -396,7 +412,7 @@ class Receiver(_Endpoint):
             raise BadInput(f"decrypt: {exc}") from None
 
 
-def _zero(out) -> None:
+def _zero(out: Buffer) -> None:
     """Best-effort wipe of a writable buffer (hygiene after a failed decrypt_into)."""
     view = memoryview(out).cast("B")
     view[:] = bytes(len(view))

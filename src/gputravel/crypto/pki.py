@@ -138,7 +138,7 @@ class CohortPki:
         return cls(directory, cert_pem(ca_cert), identities)
 
     @classmethod
-    def load(cls, directory: Path) -> CohortPki:
+    def load(cls, directory: str | Path) -> CohortPki:
         """Read a cohort directory. Members whose .key is absent are skipped: a deployed
         member typically holds only ca.pem and its own certificate and key."""
         directory = Path(directory)
@@ -257,7 +257,9 @@ def _check_member(ident: MemberIdentity, anchors: list[x509.Certificate]) -> Non
         raise BadInput(f"member {ident.name!r}: certificate is not issued by this cohort CA") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise BadInput(f"member {ident.name!r}: key is not an EC private key")
-    if key.public_key().public_numbers() != cert.public_key().public_numbers():
+    cert_key = cert.public_key()
+    if (not isinstance(cert_key, ec.EllipticCurvePublicKey)
+            or key.public_key().public_numbers() != cert_key.public_numbers()):
         raise BadInput(f"member {ident.name!r}: private key does not match its certificate")
 
 
@@ -311,7 +313,9 @@ def _same_key(cert_pem_bytes: bytes, key: ec.EllipticCurvePrivateKey) -> bool:
         cert = x509.load_pem_x509_certificate(cert_pem_bytes)
     except ValueError:
         return False
-    return cert.public_key().public_numbers() == key.public_key().public_numbers()
+    cert_key = cert.public_key()
+    return (isinstance(cert_key, ec.EllipticCurvePublicKey)
+            and cert_key.public_numbers() == key.public_key().public_numbers())
 
 
 def peer_name(ssl_socket: ssl.SSLSocket | ssl.SSLObject) -> str:

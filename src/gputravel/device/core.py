@@ -64,8 +64,9 @@ from gputravel.protocol.codec import decode, encode
 if TYPE_CHECKING:
     from gputravel.attest.gpu import EmulatedGpuFirmware
 
-USER_METHODS = (CopyToVram, CopyFromVram, SemaphoreRelease)
-KERNEL_METHODS = (Memset, RotateKeys, GrantWindow, SemaphoreRelease)
+Push = CopyToVram | CopyFromVram | Memset | RotateKeys | GrantWindow | SemaphoreRelease
+USER_METHODS: tuple[type[Push], ...] = (CopyToVram, CopyFromVram, SemaphoreRelease)
+KERNEL_METHODS: tuple[type[Push], ...] = (Memset, RotateKeys, GrantWindow, SemaphoreRelease)
 
 
 @dataclass

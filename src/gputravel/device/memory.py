@@ -12,10 +12,13 @@ import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gputravel.crypto.channel import TAG_BYTES
 from gputravel.errors import DeviceError
+
+if TYPE_CHECKING:
+    from gputravel.crypto.channel import SizedBuffer
 
 
 class DmaFault(DeviceError):
@@ -40,7 +43,8 @@ def dma_view(win: DmaWindow | None, iova: int, nbytes: int) -> memoryview:
 class Opener(Protocol):
     """What opens a record: crypto/channel.Receiver (the device's copy-engine receiver)."""
 
-    def decrypt_once_into(self, data, out, piece, aad: bytes | None = None) -> None: ...
+    def decrypt_once_into(self, data: SizedBuffer, out: SizedBuffer, piece: SizedBuffer,
+                          aad: bytes | None = None) -> None: ...
 
 
 #: The copy engine's own buffer for a record on its way in: small enough to stay in a core's

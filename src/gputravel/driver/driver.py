@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from gputravel.driver.context import CONTEXT_VERSION, DriverContext, pack_context, unpack_context
-from gputravel.crypto.channel import Receiver, Sender
+from gputravel.crypto.channel import KeyMaterial, Receiver, Sender
 from gputravel.errors import (
     BadInput,
     ChannelFaulted,
@@ -50,7 +50,7 @@ class ChannelKeys:
         self.tx: dict[str, Sender] = {}
         self.rx: dict[str, Receiver] = {}
 
-    def install(self, keys: dict) -> None:
+    def install(self, keys: dict[str, KeyMaterial]) -> None:
         """Take new keys; message counters restart, channel counters are kept (as H100 does)."""
         for label, material in keys.items():
             live = self.tx.get(label) or self.rx.get(label)
@@ -116,9 +116,11 @@ class Driver:
     def has_context(self) -> bool:
         return self.epoch is not None
 
-    def _require_context(self, action: str) -> None:
+    def _require_context(self, action: str) -> int:
+        """The key epoch of the context this driver holds; IllegalTransition if it holds none."""
         if self.epoch is None:
             raise IllegalTransition(f"driver {self.link.cvm}", "no-context", action)
+        return self.epoch
 
     # ------------------------------------------------------------------ RPC queue
     def rpc(self, request: object, *, encrypted: bool = True, timeout: float = 10.0) -> object:
@@ -188,7 +190,8 @@ class Driver:
     def _get(self, channel: PushChannel) -> int:
         """The device's GPFIFO get, as BAR0 says: the host can write any value there, so it is
         brought into the ring (a wild one only costs a refused push, never a write elsewhere)."""
-        return U32.unpack_from(self.link.bar, Bar0.get(channel))[0] % self.layout.gpfifo_entries
+        get: int = U32.unpack_from(self.link.bar, Bar0.get(channel))[0]
+        return get % self.layout.gpfifo_entries
 
     def next_release(self, channel: PushChannel) -> int:
         """A release value no push on ``channel`` was given before, confirmed or not: a push
@@ -234,7 +237,8 @@ class Driver:
         self._wait(lambda: self.semaphore(channel) >= value, timeout, f"semaphore {value}", channel, poll)
 
     def faulted(self, channel: PushChannel) -> bool:
-        return U32.unpack_from(self.link.bar, Bar0.put(channel) + FAULT_REG)[0] != 0
+        fault: int = U32.unpack_from(self.link.bar, Bar0.put(channel) + FAULT_REG)[0]
+        return fault != 0
 
     def _wait(self, ready: Callable[[], bool], timeout: float, what: str, channel: PushChannel | None = None,
               poll: bool = True) -> None:
@@ -315,11 +319,11 @@ class Driver:
         return pack_context(self._take_user_context())
 
     def _take_user_context(self) -> DriverContext:
-        self._require_context("export the context")
+        epoch = self._require_context("export the context")
         ctx = DriverContext(
             version=CONTEXT_VERSION,
             layout=self.layout.digest(),
-            epoch=self.epoch,
+            epoch=epoch,
             senders=tuple(self.keys.tx[label].export_state() for label in USER_LABELS if is_h2d(label)),
             receivers=tuple(self.keys.rx[label].export_state() for label in USER_LABELS if not is_h2d(label)),
             # The next party's releases start above every value handed out here, confirmed or not.

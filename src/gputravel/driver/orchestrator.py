@@ -13,6 +13,9 @@ until :meth:`OrchestratorDriver.rekey` opens a new SPDM session.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from gputravel.driver.context import DriverContext, pack_context, unpack_context
 from gputravel.crypto.channel import derive_epoch_keys
 from gputravel.crypto.spdm import SpdmRequester
@@ -22,12 +25,13 @@ from gputravel.crypto.labels import ALL_LABELS, USER_LABELS
 from gputravel.protocol.rpc import AllocBuffer, BufferInfo, DeviceInfo, Evidence, GetDeviceInfo, GetEvidence
 from gputravel.protocol.push import GrantWindow, Memset, RotateKeys
 from gputravel.driver.driver import ChannelKeys, Driver
+from gputravel.driver.link import DeviceLink
 from gputravel.driver.epochs import EpochLedger
 
 
 class OrchestratorDriver(Driver):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, link: DeviceLink, *, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(link, clock=clock)
         self.__session_secret: bytes | None = None
         self.key_epoch = -1  # survives export: the epoch the device is on
         self._exported: DriverContext | None = None
@@ -106,7 +110,7 @@ class OrchestratorDriver(Driver):
         return buf
 
     # ------------------------------------------------------------------ the orchestrator's own copies
-    def copy_to_vram(self, data, dst_offset: int, *, buffer_bytes: int, timeout: float = 30.0) -> None:
+    def copy_to_vram(self, data: memoryview, dst_offset: int, *, buffer_bytes: int, timeout: float = 30.0) -> None:
         """The orchestrator's own copy (the TLS baseline): never under an epoch a holder had."""
         self.ledger.use_for_copy()
         super().copy_to_vram(data, dst_offset, buffer_bytes=buffer_bytes, timeout=timeout)
@@ -121,11 +125,12 @@ class OrchestratorDriver(Driver):
         return self.ledger.fresh
 
     # ------------------------------------------------------------------ kernel channel
-    def _kernel(self, push_factory, timeout: float) -> None:
+    def _kernel(self, push_factory: Callable[[int], object], timeout: float) -> None:
         self.wait_release(PushChannel.KERNEL, self._submit_kernel(push_factory, timeout), timeout)
         self._resync()
 
-    def _submit_kernel(self, push_factory, timeout: float, action: str = "use the kernel channel") -> int:
+    def _submit_kernel(self, push_factory: Callable[[int], object], timeout: float,
+                       action: str = "use the kernel channel") -> int:
         """Submit ``push_factory(release value)`` on the kernel channel; returns the value."""
         self._require_session(action)
         value = self._next_kernel_release()

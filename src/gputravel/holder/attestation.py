@@ -24,12 +24,12 @@ from gputravel.attest import (
 from gputravel.attest.gpu import NONCE_BYTES
 from gputravel.attest.material import HolderMaterial, utcnow
 from gputravel.errors import GputravelError
-from gputravel.transport.stream import StreamTransport
+from gputravel.transport.base import Transport
 
 __all__ = ["challenge_orchestrator"]
 
 
-def challenge_orchestrator(conn: StreamTransport, material: HolderMaterial, *, timeout: float,
+def challenge_orchestrator(conn: Transport, material: HolderMaterial, *, timeout: float,
                            now: Callable[[], datetime] = utcnow,
                            rng: Callable[[int], bytes] = os.urandom) -> OrchestratorAttestation:
     """Attest the orchestrator on a fresh TLS connection before anything else is sent.

@@ -227,7 +227,7 @@ class DataHolder:
         return self.sm.handle(StepFailed(f"{type(exc).__name__}: {exc}"), now)
 
     # ------------------------------------------------------------------ one step each
-    def _challenge(self, act: Challenge, timeout: float | None) -> Attested:
+    def _challenge(self, act: Challenge, timeout: float) -> Attested:
         assert self.orchestrator is not None and self._policy is not None
         self.attestation = challenge_orchestrator(self.orchestrator, self._policy, timeout=timeout)  # closes the link if refused
         return Attested(self._policy.policy.max_evidence_age_s)
@@ -257,18 +257,18 @@ class DataHolder:
         self.driver.import_context(act.blob)  # while the MUX switches the GPU to us
         return Imported()
 
-    def _attach(self, act: AwaitGpu, timeout: float | None) -> Attached:
+    def _attach(self, act: AwaitGpu, timeout: float) -> Attached:
         self.mux.attached(timeout)
         return Attached()
 
-    def _audit(self, act: AuditArrival, timeout: float | None) -> Audited:
+    def _audit(self, act: AuditArrival, timeout: float) -> Audited:
         data = self.driver.copy_from_vram(act.buffer_offset, act.buffer_bytes, timeout=timeout)
         return Audited(act.buffer_bytes - data.count(0))
 
-    def _check_buffer(self, act: CheckBuffer, timeout: float | None) -> Granted:
+    def _check_buffer(self, act: CheckBuffer, timeout: float) -> Granted:
         return Granted(self.driver.query_buffer(act.buffer_offset, timeout=timeout).nbytes)
 
-    def _copy_chunk(self, act: CopyChunk, timeout: float | None) -> Copied:
+    def _copy_chunk(self, act: CopyChunk, timeout: float) -> Copied:
         chunk = self.dataset.view[act.dataset_offset : act.dataset_offset + act.nbytes]
         self.travels_served += 1
         if self.travels_served == self.config.die_mid_copy_on_travel:
@@ -277,7 +277,7 @@ class DataHolder:
             self.driver.copy_to_vram(chunk, act.buffer_offset, buffer_bytes=act.granted_bytes, timeout=timeout)
         return Copied(act.nbytes)
 
-    def _die_mid_copy(self, chunk: memoryview, buffer_offset: int, buffer_bytes: int, timeout: float | None) -> None:
+    def _die_mid_copy(self, chunk: memoryview, buffer_offset: int, buffer_bytes: int, timeout: float) -> None:
         half = len(chunk) // 2
         if half:
             self.driver.copy_to_vram(chunk[:half], buffer_offset, buffer_bytes=buffer_bytes, timeout=timeout)
@@ -295,12 +295,14 @@ class DataHolder:
         self.orchestrator.send(act.message)
         return Replied()
 
-    def _await_switch_home(self, act: AwaitSwitchHome, timeout: float | None) -> SwitchedHome:
+    def _await_switch_home(self, act: AwaitSwitchHome, timeout: float) -> SwitchedHome:
         self.mux.switched(timeout)
         return SwitchedHome()
 
     #: How each action the machine returns is carried out: one IO step, reporting one event.
-    ACTIONS: dict[type, Callable[[Any, Any, float | None], object]] = {
+    #: Its timeout is ``sm.time_left``: a float in each phase whose step waits (the machine's
+    #: budgets), None in the others; each step's own signature says which it takes.
+    ACTIONS: dict[type, Callable[[Any, Any, Any], object]] = {
         Challenge: _challenge, Introduce: _introduce, ImportBlob: _import_blob, AwaitGpu: _attach,
         AuditArrival: _audit, CheckBuffer: _check_buffer, CopyChunk: _copy_chunk, SwitchBack: _switch_back,
         ExportBlob: _export_blob, Reply: _send_reply, AwaitSwitchHome: _await_switch_home,

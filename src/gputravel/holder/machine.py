@@ -55,7 +55,9 @@ class Deadlines:
 
 
 P = HolderPhase
-_REFUSABLE = {(p, e): (P.SWITCH,) for p in (P.ATTACH, P.AUDIT, P.GRANT, P.COPY) for e in (StepFailed, TimedOut)}
+Step = tuple[HolderPhase, object]  # what a handler returns: the next phase, and the action (None: nothing)
+_REFUSABLE: dict[tuple[Enum, type], tuple[Enum, ...]] = {
+    (p, e): (P.SWITCH,) for p in (P.ATTACH, P.AUDIT, P.GRANT, P.COPY) for e in (StepFailed, TimedOut)}
 
 
 class HolderTravel(TravelMachine):
@@ -105,15 +107,15 @@ class HolderTravel(TravelMachine):
         self._imported = False
 
     # ------------------------------------------------------------------ attestation of the orchestrator
-    def _on_attest(self, ev: Attest, now: float):
+    def _on_attest(self, ev: Attest, now: float) -> Step:
         self._joining = ev.joining
         return P.ATTEST, Challenge()
 
-    def _on_attested(self, ev: Attested, now: float):
+    def _on_attested(self, ev: Attested, now: float) -> Step:
         self._attested_at, self._valid_s = now, ev.valid_s
         return (P.WELCOME, Introduce()) if self._joining else (P.IDLE, None)
 
-    def _on_answer(self, ev: HelloAnswered, now: float):
+    def _on_answer(self, ev: HelloAnswered, now: float) -> Step:
         if not isinstance(ev.message, Welcome):
             why = f": {ev.message.reason}" if isinstance(ev.message, Bye) else ""
             raise ProtocolError(f"orchestrator did not welcome us{why}")
@@ -128,12 +130,12 @@ class HolderTravel(TravelMachine):
                                               f"policy allows {self._valid_s:.0f} s and it did not "
                                               "let us attest it again")
 
-    def _on_baseline(self, ev: BaselineAsked, now: float):
+    def _on_baseline(self, ev: BaselineAsked, now: float) -> Step:
         self._check_attested(now)
         return P.IDLE, None
 
     # ------------------------------------------------------------------ a travel
-    def _on_request(self, ev: Request, now: float):
+    def _on_request(self, ev: Request, now: float) -> Step:
         self._check_attested(now)
         req = ev.request
         self._forget()
@@ -156,12 +158,12 @@ class HolderTravel(TravelMachine):
             return f"dataset offset {req.dataset_offset} is outside holder {self.name}'s dataset"
         return None
 
-    def _on_imported(self, ev: Imported, now: float):
+    def _on_imported(self, ev: Imported, now: float) -> Step:
         self._marks["dh_import"] = now
         self._imported = True
         return P.ATTACH, AwaitGpu()
 
-    def _on_attached(self, ev: Attached, now: float):
+    def _on_attached(self, ev: Attached, now: float) -> Step:
         """The host says the GPU is ours: audit, check the buffer, copy (or, refusing, go home)."""
         self._marks["dh_switch"] = now
         if self._refusal is not None:
@@ -171,11 +173,11 @@ class HolderTravel(TravelMachine):
             return P.AUDIT, AuditArrival(req.buffer_offset, req.buffer_bytes)
         return P.GRANT, CheckBuffer(req.buffer_offset)
 
-    def _on_audited(self, ev: Audited, now: float):
+    def _on_audited(self, ev: Audited, now: float) -> Step:
         self._arrival = ev.nonzero
         return P.GRANT, CheckBuffer(self._request.buffer_offset)
 
-    def _on_granted(self, ev: Granted, now: float):
+    def _on_granted(self, ev: Granted, now: float) -> Step:
         req = self._request
         if ev.nbytes < req.buffer_bytes:
             self._refusal = f"BadInput: the device buffer holds {ev.nbytes} bytes, the request claims {req.buffer_bytes}"
@@ -183,14 +185,14 @@ class HolderTravel(TravelMachine):
         nbytes = min(req.buffer_bytes, self.dataset_bytes - req.dataset_offset)
         return P.COPY, CopyChunk(req.buffer_offset, req.buffer_bytes, req.dataset_offset, nbytes, ev.nbytes)
 
-    def _on_copied(self, ev: Copied, now: float):
+    def _on_copied(self, ev: Copied, now: float) -> Step:
         """The chunk is in VRAM: the GPU goes home at once; the context is packed meanwhile."""
         req = self._request
         digest = chunk_digest_from_manifest(self.manifest, req.dataset_offset, ev.nbytes, self.piece_bytes)
         self._chunk = ChunkInfo(dataset_offset=req.dataset_offset, nbytes=ev.nbytes, digest=digest)
         return self._leave(now)
 
-    def _on_failed(self, ev: StepFailed, now: float):
+    def _on_failed(self, ev: StepFailed, now: float) -> Step:
         """A step failed (import, the GPU's arrival, the copy): refuse; still go home with the context."""
         if self._phase is P.IMPORT:  # the untouched context goes back, once the GPU has come and gone
             self._refusal, self._blob = ev.reason, self._request.context
@@ -203,14 +205,14 @@ class HolderTravel(TravelMachine):
             self._refusal = ev.reason
         return self._leave(now)
 
-    def _on_timeout(self, ev: TimedOut, now: float):
+    def _on_timeout(self, ev: TimedOut, now: float) -> Step:
         return self._on_failed(StepFailed(f"PeerTimeout: the {self._phase.value} step took over {ev.waited_s:g} s"), now)
 
-    def _leave(self, now: float):
+    def _leave(self, now: float) -> Step:
         self._marks["dh_copy"] = now
         return P.SWITCH, SwitchBack()
 
-    def _on_switch_asked(self, ev: SwitchAsked, now: float):
+    def _on_switch_asked(self, ev: SwitchAsked, now: float) -> Step:
         """The switch home is asked for (we are done with the device): export the context
         while the MUX switches, or, if we never took it, reply with it untouched."""
         self._marks["left"] = now
@@ -218,15 +220,15 @@ class HolderTravel(TravelMachine):
             return P.REPLY, self._reply(now)
         return P.EXPORT, ExportBlob()
 
-    def _on_exported(self, ev: Exported, now: float):
+    def _on_exported(self, ev: Exported, now: float) -> Step:
         """The context is packed: reply now, the orchestrator imports while the MUX switches."""
         self._blob = ev.blob
         return P.REPLY, self._reply(now)
 
-    def _on_replied(self, ev: Replied, now: float):
+    def _on_replied(self, ev: Replied, now: float) -> Step:
         return P.HOMEWARD, AwaitSwitchHome()
 
-    def _on_home(self, ev: SwitchedHome, now: float):
+    def _on_home(self, ev: SwitchedHome, now: float) -> Step:
         self._forget()
         return P.IDLE, None
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Protocol
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -59,7 +59,7 @@ from gputravel.crypto.pki import CohortPki, MemberIdentity
 from gputravel.crypto.spdm import SpdmRequester
 from gputravel.driver.orchestrator import OrchestratorDriver
 from gputravel.errors import IllegalTransition, ProtocolError
-from gputravel.transport.stream import StreamTransport
+from gputravel.transport.base import Transport
 from gputravel.protocol.codec import decode
 from gputravel.protocol.parties import ORCHESTRATOR
 
@@ -99,7 +99,7 @@ class GpuAttester:
         self.gpu: str | None = None  # gpu_identity of the first session's GPU, once it attested
         self._gpu_cert: bytes | None = None  # that GPU's per-device certificate: a re-key must reach it
         # When each holder's link is due for re-attestation, on the shell's clock (its `now`).
-        self._due: weakref.WeakKeyDictionary[StreamTransport, float] = weakref.WeakKeyDictionary()
+        self._due: weakref.WeakKeyDictionary[Transport, float] = weakref.WeakKeyDictionary()
 
     @property
     def refresh_after_s(self) -> int:
@@ -151,7 +151,7 @@ class GpuAttester:
         self.claims = None
         blob = driver.get_evidence(nonce, timeout=timeout)
         claims = EmulatedGpuVerifier(self.material.trust, self.material.reference).verify(blob, nonce, now)
-        evidence = cast(GpuEvidence, decode(blob, expect=GpuEvidence))  # verified: decodes
+        evidence = decode(blob, expect=GpuEvidence)  # verified: decodes
         if tuple(evidence.cert_chain[:2]) != self._session_chain:
             # The per-device certificate too, not only the leaf: holders read the GPU's name
             # (the UEID) from the evidence's chain, the log from the session's; they must agree.
@@ -187,7 +187,7 @@ class GpuAttester:
         _, blob = self._evidence(driver, challenge.nonce, now, timeout)
         return answer_challenge(challenge, quote=self.quote, tls_cert_der=self.identity.cert_der, gpu_evidence=blob)
 
-    def serve_challenge(self, conn: StreamTransport, driver: OrchestratorDriver, timeout: float, now: float) -> None:
+    def serve_challenge(self, conn: Transport, driver: OrchestratorDriver, timeout: float, now: float) -> None:
         """A holder's challenge comes first (on joining, or after `AttestDue`): answer it with
         fresh evidence, then learn when it wants to attest us again (or that it refused us:
         it hangs up, and this raises). ``now`` is the shell's monotonic clock as the exchange
@@ -200,7 +200,7 @@ class GpuAttester:
         assert isinstance(accepted, AttestAccepted)
         self._due[conn] = now + max(MIN_REATTEST_S, float(accepted.reattest_after_s))
 
-    def reattest_if_due(self, conn: StreamTransport, driver: OrchestratorDriver, timeout: float, now: float) -> bool:
+    def reattest_if_due(self, conn: Transport, driver: OrchestratorDriver, timeout: float, now: float) -> bool:
         """Before a travel, with the GPU home: a holder whose attestation of us is due at
         ``now`` (the shell's monotonic clock) attests again now (fresh GPU evidence cannot be
         had once the GPU is away)."""

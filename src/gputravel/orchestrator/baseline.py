@@ -29,7 +29,7 @@ from typing import Protocol
 from gputravel.errors import BadInput, GputravelError, HolderLost, ProtocolError, RemoteError
 from gputravel.protocol.control import BaselineReport
 from gputravel.driver.orchestrator import OrchestratorDriver
-from gputravel.orchestrator.machine import OrchestratorTravel
+from gputravel.orchestrator.machine import Buffer, OrchestratorTravel
 from gputravel.protocol.hardware import HardwareProfile, at_least
 from gputravel.protocol.manifest import chunk_digest, chunk_digest_from_manifest, chunk_nbytes
 from gputravel.protocol.travel import ChunkInfo, ChunkPiece, ChunkRefused, ChunkSent, HolderHello, SendChunk
@@ -144,9 +144,14 @@ class BaselinePath:
         return BaselineReport(req.travel_id, holder, chunk, steps, (t2 - t0) * 1e3, (clock() - t2) * 1e3)
 
     @property
-    def _buffer(self):
+    def _buffer(self) -> Buffer:
         assert self.orch.travel_sm is not None, "the orchestrator has not booted"
         return self.orch.travel_sm.buffer
+
+    @property
+    def _staged(self) -> bytearray:
+        assert self._staging is not None, "made on the first transfer (_enrolled)"
+        return self._staging
 
     def _enrolled(self, holder: str) -> HolderHello:
         assert self.orch.travel_sm is not None, "the orchestrator has not booted"
@@ -162,7 +167,7 @@ class BaselinePath:
     def _write(self, nbytes: int) -> None:
         """The orchestrator's own encrypted copy into the dataset buffer (bounce buffers, CE)."""
         buf = self._buffer
-        with memoryview(self._staging) as staging, at_least(self.orch.profile.write_s(nbytes)):  # the hardware's write
+        with memoryview(self._staged) as staging, at_least(self.orch.profile.write_s(nbytes)):  # the hardware's write
             self.orch.driver.copy_to_vram(staging[:nbytes], buf.offset, buffer_bytes=buf.nbytes,
                                           timeout=max(self.orch.config.device_timeout, 30.0))
 
@@ -173,7 +178,7 @@ class BaselinePath:
         conn = self.orch.holders[holder]
         try:
             conn.send(req)
-            return _take_pieces(conn, req, self._staging, self.orch.config.holder_timeout)
+            return _take_pieces(conn, req, self._staged, self.orch.config.holder_timeout)
         except HolderRefused:
             raise  # the exchange ended cleanly: the connection stays in step
         except GputravelError as exc:

@@ -276,6 +276,7 @@ class Orchestrator:
             raise
 
     def _handle(self, event: object, now: float, holder: str) -> object:
+        assert self.travel_sm is not None
         try:
             return self.travel_sm.handle(event, now)
         except ProtocolError:
@@ -284,13 +285,13 @@ class Orchestrator:
             raise
 
     # ------------------------------------------------------------------ one step each
-    def _start_scrub(self, act: StartScrub, timeout: float | None) -> ScrubStarted:
+    def _start_scrub(self, act: StartScrub, timeout: float) -> ScrubStarted:
         return ScrubStarted(self.driver.start_scrub(act.offset, act.nbytes, timeout=timeout))
 
     def _export(self, act: ExportContext, timeout: float | None) -> Exported:
         return Exported(self.driver.export_for_travel())  # while the device scrubs
 
-    def _await_scrub(self, act: AwaitScrub, timeout: float | None) -> Scrubbed:
+    def _await_scrub(self, act: AwaitScrub, timeout: float) -> Scrubbed:
         return Scrubbed(self.driver.finish_scrub(act.release, timeout=timeout))  # a new blob if the device moved on
 
     def _switch_to(self, act: SwitchTo, timeout: float | None) -> SwitchAsked:
@@ -306,7 +307,7 @@ class Orchestrator:
             raise HolderLost(act.holder, f"{type(exc).__name__}: {exc}") from None
         return RequestSent()
 
-    def _await_switch(self, act: AwaitSwitch, timeout: float | None) -> Switched:
+    def _await_switch(self, act: AwaitSwitch, timeout: float) -> Switched:
         try:
             self.mux.switched(timeout)
         except GputravelError:  # the holder has the request but may never get the GPU:
@@ -324,11 +325,11 @@ class Orchestrator:
         hold_exchange(self.profile, self._request_sent, reply.steps_ns.get("handler", 0) / 1e9, clock=self._clock)  # the hardware's TLS
         return Replied(reply)
 
-    def _await_gpu(self, act: AwaitGpu, timeout: float | None) -> Home:
+    def _await_gpu(self, act: AwaitGpu, timeout: float) -> Home:
         self.mux.attached(timeout)  # the holder asked for the switch home before it exported
         return Home()
 
-    def _start_rotation(self, act: StartRotation, timeout: float | None) -> RotationStarted:
+    def _start_rotation(self, act: StartRotation, timeout: float) -> RotationStarted:
         self.driver.start_rotation(timeout=timeout)
         return RotationStarted()
 
@@ -342,7 +343,7 @@ class Orchestrator:
             raise ContextRefused(act.holder, str(exc)) from None
         return Imported()
 
-    def _await_rotation(self, act: AwaitRotation, timeout: float | None) -> Rotated:
+    def _await_rotation(self, act: AwaitRotation, timeout: float) -> Rotated:
         self.driver.finish_rotation(timeout=timeout)
         return Rotated()
 
@@ -356,7 +357,9 @@ class Orchestrator:
             view.release()
 
     #: How each action the machine returns is carried out: one IO step, reporting one event.
-    ACTIONS: dict[type, Callable[[Any, Any, float | None], object]] = {
+    #: Its timeout is ``sm.time_left``: a float in each phase whose step waits (the machine's
+    #: budgets), None in the others; each step's own signature says which it takes.
+    ACTIONS: dict[type, Callable[[Any, Any, Any], object]] = {
         StartScrub: _start_scrub, ExportContext: _export, AwaitScrub: _await_scrub, SwitchTo: _switch_to,
         SendRequest: _send_request, AwaitSwitch: _await_switch, AwaitReply: _await_reply, AwaitGpu: _await_gpu,
         StartRotation: _start_rotation, ImportContext: _import, AwaitRotation: _await_rotation, VerifyChunk: _verify,

@@ -199,6 +199,7 @@ class Buffer:
 
 
 P = Phase
+Step = tuple[Phase, object]  # what a handler returns: the next phase, and the action for the runtime
 
 
 class OrchestratorTravel(TravelMachine):
@@ -259,7 +260,7 @@ class OrchestratorTravel(TravelMachine):
         return chunk_nbytes(holder, hello.dataset_bytes, hello.piece_bytes, offset, self.buffer.nbytes)
 
     # ------------------------------------------------------------------ events
-    def _on_start(self, ev: Start, now: float):
+    def _on_start(self, ev: Start, now: float) -> Step:
         holder, dataset_offset = ev.holder, ev.dataset_offset
         hello = self.holders.get(holder)
         if hello is None:
@@ -272,17 +273,17 @@ class OrchestratorTravel(TravelMachine):
         self._marks = {"start": now}
         return P.CLEANUP, StartScrub(self.buffer.offset, self.buffer.nbytes)
 
-    def _on_scrub_started(self, ev: ScrubStarted, now: float):
+    def _on_scrub_started(self, ev: ScrubStarted, now: float) -> Step:
         self._release = ev.release
         return P.EXPORT, ExportContext()
 
-    def _on_exported(self, ev: Exported, now: float):
+    def _on_exported(self, ev: Exported, now: float) -> Step:
         """The context is packed (while the device scrubs); it leaves only after the scrub."""
         self._blob = ev.blob
         self._step("o_export", "start", now)
         return P.SCRUB, AwaitScrub(self._release)
 
-    def _on_scrubbed(self, ev: Scrubbed, now: float):
+    def _on_scrubbed(self, ev: Scrubbed, now: float) -> Step:
         """The scrub is confirmed. ``reexported``: the driver had to export the context again
         (the device had moved on since the first export); that one travels."""
         if ev.reexported is not None:
@@ -290,18 +291,18 @@ class OrchestratorTravel(TravelMachine):
         self._step("o_cleanup", "start", now)
         return P.DEPART, SwitchTo(self._holder)  # the context goes over TLS while the MUX switches
 
-    def _on_switch_asked(self, ev: SwitchAsked, now: float):
+    def _on_switch_asked(self, ev: SwitchAsked, now: float) -> Step:
         req = TravelRequest(self._travel_id, self.buffer.offset, self.buffer.nbytes, self._offset, self._blob)
         self._blob = b""
         return P.SEND, SendRequest(self._holder, req)
 
-    def _on_sent(self, ev: RequestSent, now: float):
+    def _on_sent(self, ev: RequestSent, now: float) -> Step:
         return P.SWITCH, AwaitSwitch(self._holder)
 
-    def _on_switched(self, ev: Switched, now: float):
+    def _on_switched(self, ev: Switched, now: float) -> Step:
         return P.AWAY, AwaitReply(self._holder)
 
-    def _on_replied(self, ev: Replied, now: float):
+    def _on_replied(self, ev: Replied, now: float) -> Step:
         reply = ev.reply
         if reply.travel_id != self._travel_id:
             raise ProtocolError(f"holder {self._holder}: reply to travel {reply.travel_id}, expected {self._travel_id}")
@@ -328,25 +329,25 @@ class OrchestratorTravel(TravelMachine):
             raise ProtocolError(f"holder {self._holder}: chunk digest does not match its manifest")
         return chunk
 
-    def _on_home(self, ev: Home, now: float):
+    def _on_home(self, ev: Home, now: float) -> Step:
         self._step("o_switch", "away", now)
         return P.START_ROTATION, StartRotation()  # the device rotates while we import
 
-    def _on_rotation_started(self, ev: RotationStarted, now: float):
+    def _on_rotation_started(self, ev: RotationStarted, now: float) -> Step:
         blob, self._blob = self._blob, b""
         return P.IMPORT, ImportContext(self._holder, blob)
 
-    def _on_imported(self, ev: Imported, now: float):
+    def _on_imported(self, ev: Imported, now: float) -> Step:
         self._step("o_import", "o_switch", now)
         return P.ROTATE, AwaitRotation()
 
-    def _on_rotated(self, ev: Rotated, now: float):
+    def _on_rotated(self, ev: Rotated, now: float) -> Step:
         self._step("o_rotate", "o_import", now)
         if self._chunk is None or not self.verify:
             return P.IDLE, self._finish(verify_ms=0.0)
         return P.VERIFY, VerifyChunk(self.buffer.offset, self._chunk.nbytes, self.holders[self._holder].piece_bytes)
 
-    def _on_verified(self, ev: Verified, now: float):
+    def _on_verified(self, ev: Verified, now: float) -> Step:
         assert self._chunk is not None
         if ev.digest != self._chunk.digest:
             raise ProtocolError(f"travel {self._travel_id}: VRAM does not hold the chunk holder {self._holder} described")

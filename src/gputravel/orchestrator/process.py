@@ -14,6 +14,7 @@ import os
 import socket
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gputravel.attest.material import OrchestratorMaterial
 from gputravel.attest.rank import QuotingRankTee
@@ -36,6 +37,9 @@ from gputravel.protocol.control import (
 )
 from gputravel.protocol.travel import Bye
 from gputravel.transport.base import Transport
+
+if TYPE_CHECKING:
+    from gputravel.train.ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +88,8 @@ def _readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership: Membership | None = None) -> dict:
+def run_training(orch: Orchestrator, cmd: Train, control: Transport,
+                 membership: Membership | None = None) -> dict[str, Any]:
     """Train inside this CVM on batches the GPU fetched by travelling; stream each step out."""
     # Here, not at the top: training needs torch, which a cohort that only travels never loads.
     from gputravel.train.loader import BaselineSource, TravelSource  # lazy: torch, for training only
@@ -130,7 +135,7 @@ class _ShutdownAsked:
         return self.asked
 
 
-def _ranks(orch: Orchestrator, cmd: Train):
+def _ranks(orch: Orchestrator, cmd: Train) -> Ranks | None:
     """This CVM as one rank of a data-parallel job (issue 14), or None to train alone. Its
     peers are checked against its own TDX module's measurement and its own trusted roots
     (attest/rank.py) before any gradient moves; the launcher only says where rank 0 listens."""

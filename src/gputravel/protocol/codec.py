@@ -45,7 +45,8 @@ import re
 import threading
 import types
 import typing
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 import msgspec
 import msgspec.inspect
@@ -61,8 +62,8 @@ TAG_FIELD = "t"
 
 _CLASS_BY_TAG: dict[str, type] = {}
 _TAG_BY_CLASS: dict[type, str] = {}
-_UNCHECKED: list[type] = []  # registered, field types not yet resolvable (forward references)
-_DECODER: msgspec.msgpack.Decoder | None = None  # over every registered class; None: rebuild
+_UNCHECKED: list[type[msgspec.Struct]] = []  # registered, field types not yet resolvable (forward references)
+_DECODER: msgspec.msgpack.Decoder[object] | None = None  # over every registered class; None: rebuild
 _LOCK = threading.Lock()
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -87,6 +88,8 @@ class _MessageMeta(msgspec.StructMeta):
         return cls
 
 
+# For type checkers: a subclass inherits frozen=True (msgspec's own transform has it default off).
+@typing.dataclass_transform(frozen_default=True, field_specifiers=(msgspec.field,))
 class Message(msgspec.Struct, metaclass=_MessageMeta, frozen=True, forbid_unknown_fields=True,
               tag_field=TAG_FIELD):
     """Base of every wire message: ``class X(Message, tag="area.name", secret=("key",)):``."""
@@ -107,14 +110,19 @@ def _hiding(secret: frozenset[str]) -> dict[str, Any]:
     return {"__repr__": __repr__, "__rich_repr__": __rich_repr__}
 
 
-def register(cls: type) -> type:
+_C = TypeVar("_C", bound=type)
+_M = TypeVar("_M")
+_N = TypeVar("_N")
+_O = TypeVar("_O")
+
+
+def register(cls: _C) -> _C:
     """Register a Struct as a wire message under its tag (done for every :class:`Message`).
 
     For structs that cannot subclass :class:`Message` (crypto/ may not import this package):
     they must be configured as it is (frozen, forbid_unknown_fields, tag_field "t", a tag)."""
     global _DECODER
-    _check_config(cls)
-    tag = cls.__struct_config__.tag
+    tag = _check_config(cls)
     with _LOCK:
         if tag in _CLASS_BY_TAG:
             raise BadInput(f"message tag {tag!r} already registered by {_CLASS_BY_TAG[tag].__qualname__}")
@@ -130,7 +138,8 @@ def register(cls: type) -> type:
     return cls
 
 
-def _check_config(cls: type) -> None:
+def _check_config(cls: type) -> str:
+    """The tag of a class configured as a message must be; TypeError for any other."""
     if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
         raise TypeError(f"a message must be a msgspec Struct, got {cls!r}")
     c, name = cls.__struct_config__, cls.__qualname__
@@ -144,9 +153,10 @@ def _check_config(cls: type) -> None:
         raise TypeError(f"message {name} may not have defaults: a missing field must be an error")
     if cls.__struct_encode_fields__ != cls.__struct_fields__:
         raise TypeError(f"message {name} may not rename fields on the wire")
+    return c.tag
 
 
-def _check_fields(cls: type) -> None:
+def _check_fields(cls: type[msgspec.Struct]) -> None:
     hints = typing.get_type_hints(cls)
     for name in cls.__struct_fields__:
         try:
@@ -198,12 +208,12 @@ def registered(tag: str) -> type:
         raise BadInput(f"no message registered under tag {tag!r}") from None
 
 
-def _decoder() -> msgspec.msgpack.Decoder:
+def _decoder() -> msgspec.msgpack.Decoder[object]:
     decoder = _DECODER
     return decoder if decoder is not None else _build_decoder()
 
 
-def _build_decoder() -> msgspec.msgpack.Decoder:
+def _build_decoder() -> msgspec.msgpack.Decoder[object]:
     """One decoder over the union of every registered message: the tag picks the class."""
     global _DECODER
     with _LOCK:
@@ -218,13 +228,13 @@ def _build_decoder() -> msgspec.msgpack.Decoder:
             finally:
                 _UNCHECKED.pop(0)
         if _DECODER is None:
-            _DECODER = msgspec.msgpack.Decoder(typing.Union[tuple(_CLASS_BY_TAG.values())])  # type: ignore[misc]
+            _DECODER = msgspec.msgpack.Decoder(typing.Union[tuple(_CLASS_BY_TAG.values())])
         return _DECODER
 
 
 # ----------------------------------------------------------------------------- errors without values
 _AT = re.compile(r" - at (`key` in )?`\$([^`]*)`$")
-_REASONS: tuple[tuple[re.Pattern[str], Any], ...] = (
+_REASONS: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] = (
     # msgspec names types here (ours, and msgpack's), never values.
     (re.compile(r"Expected `([^`]{1,80})`, got `([^`]{1,40})`"), lambda m: f"expected {m[1]}, got {m[2]}"),
     (re.compile(r"Expected `array` of length (\d+), got (\d+)"), lambda m: f"expected {m[1]} items, got {m[2]}"),
@@ -309,9 +319,23 @@ def encode(msg: object) -> bytes:
     return data
 
 
+@overload
+def decode(data: bytes | bytearray | memoryview, *, expect: tuple[type[_M], type[_N]]) -> _M | _N: ...
+@overload
+def decode(data: bytes | bytearray | memoryview, *, expect: tuple[type[_M], type[_N], type[_O]]) -> _M | _N | _O: ...
+@overload
+def decode(data: bytes | bytearray | memoryview, *, expect: type[_M] | tuple[type[_M], ...]) -> _M: ...
+@overload
+def decode(data: bytes | bytearray | memoryview, *, expect: None = None) -> object: ...
+
+
 def decode(data: bytes | bytearray | memoryview, *,
            expect: type | tuple[type, ...] | None = None) -> object:
-    """Decode and strictly validate one message; anything wrong raises ProtocolError."""
+    """Decode and strictly validate one message; anything wrong raises ProtocolError.
+
+    With ``expect`` (a class, or a tuple of them) any other message raises too, and type
+    checkers take the result as of that class, or their union (for a tuple of more than
+    three, declare it: ``tuple[type[A | B | C | D], ...]``)."""
     n = len(data)
     if n > MAX_FRAME_BYTES:
         raise ProtocolError(f"message of {n} bytes exceeds {MAX_FRAME_BYTES}")

@@ -72,7 +72,7 @@ class Cost:
     def seconds(self, nbytes: int = 0) -> float:
         return (self.ms * nbytes / MIB if self.per_mib else self.ms) / 1e3
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {"ms_per_mib" if self.per_mib else "ms": self.ms, "source": self.source, "injected_at": self.injected_at}
 
 
@@ -114,7 +114,7 @@ class HardwareProfile:
     def exchange_s(self) -> float:
         return self.context_exchange.seconds() if self.context_exchange else 0.0
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         """What a benchmark's JSON says about the hardware it stood for."""
         return {"profile": self.name, "injected": {n: c.to_json() for n, c in self.costs().items()}}
 

@@ -12,20 +12,27 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any, Generic, TypeVar, overload
 
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, ProtocolError
 
 __all__ = ["Received", "Transport", "MAX_FDS"]
 
 MAX_FDS = 253
 """Most descriptors one message may carry (Linux SCM_MAX_FD)."""
 
+# What ``recv(expect=...)`` returns, for type checkers: the class expected, or the union of a
+# tuple of up to three (a longer one typed ``tuple[type[A | B | C | D], ...]``).
+M = TypeVar("M")
+N = TypeVar("N")
+O = TypeVar("O")  # noqa: E741  # M, N, O: three message classes
+
 
 @dataclass(frozen=True)
-class Received:
+class Received(Generic[M]):
     """One received message and the descriptors that came with it (owned by the receiver)."""
 
-    message: object
+    message: M
     fds: tuple[int, ...] = ()
 
 
@@ -38,9 +45,19 @@ class Transport(abc.ABC):
     def send(self, message: object, fds: Sequence[int] = ()) -> None:
         """Send one registered message; ``fds`` are duplicated to the peer, not moved."""
 
+    @overload
+    def recv(self, timeout: float | None = None, *, expect: tuple[type[M], type[N]]) -> Received[M | N]: ...
+    @overload
+    def recv(self, timeout: float | None = None, *,
+             expect: tuple[type[M], type[N], type[O]]) -> Received[M | N | O]: ...
+    @overload
+    def recv(self, timeout: float | None = None, *, expect: type[M] | tuple[type[M], ...]) -> Received[M]: ...
+    @overload
+    def recv(self, timeout: float | None = None, *, expect: None = None) -> Received[object]: ...
+
     @abc.abstractmethod
     def recv(self, timeout: float | None = None, *,
-             expect: type | tuple[type, ...] | None = None) -> Received:
+             expect: type | tuple[type, ...] | None = None) -> Received[Any]:
         """Receive the next message.
 
         Raises PeerTimeout when ``timeout`` seconds pass with nothing received (the transport
@@ -55,6 +72,11 @@ class Transport(abc.ABC):
     def fileno(self) -> int:
         """A descriptor that becomes readable when a message may be available (for selectors)."""
         raise BadInput(f"{self.name}: this transport has no file descriptor")
+
+    def peer_certificate(self) -> bytes:
+        """DER of the certificate the TLS peer presented: what an attestation binds to this
+        connection. ProtocolError on a link without one (any but TLS)."""
+        raise ProtocolError(f"{self.name}: no TLS peer certificate on this link")
 
     def __enter__(self) -> Transport:
         return self

@@ -7,24 +7,31 @@ receiver owns fresh descriptors and the sender may close its own.
 
 from __future__ import annotations
 
+import enum
 import os
 import queue
 import threading
 from collections.abc import Sequence
+from typing import Any, overload
 
 from gputravel.protocol import codec
 from gputravel.errors import PeerTimeout, ProtocolError, TransportClosed
-from gputravel.transport.base import Received, Transport, check_fds, close_fds
+from gputravel.transport.base import M, N, O, Received, Transport, check_fds, close_fds
 
 __all__ = ["MemoryTransport", "memory_pair"]
 
-_CLOSED = object()  # end-of-stream marker queued to the peer when one end closes
+class _End(enum.Enum):
+    CLOSED = "closed"
+
+
+_CLOSED = _End.CLOSED  # end-of-stream marker queued to the peer when one end closes
+_Inbox = queue.SimpleQueue[tuple[bytes, tuple[int, ...]] | _End]  # a message and its descriptors, or the end
 
 
 class MemoryTransport(Transport):
     """One end of a :func:`memory_pair`."""
 
-    def __init__(self, name: str, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue,
+    def __init__(self, name: str, inbox: _Inbox, outbox: _Inbox,
                  lock: threading.Lock) -> None:
         self.name = name
         self._inbox = inbox
@@ -50,8 +57,18 @@ class MemoryTransport(Transport):
             dups = tuple(os.dup(fd) for fd in fds)
             self._outbox.put((data, dups))
 
+    @overload
+    def recv(self, timeout: float | None = None, *, expect: tuple[type[M], type[N]]) -> Received[M | N]: ...
+    @overload
     def recv(self, timeout: float | None = None, *,
-             expect: type | tuple[type, ...] | None = None) -> Received:
+             expect: tuple[type[M], type[N], type[O]]) -> Received[M | N | O]: ...
+    @overload
+    def recv(self, timeout: float | None = None, *, expect: type[M] | tuple[type[M], ...]) -> Received[M]: ...
+    @overload
+    def recv(self, timeout: float | None = None, *, expect: None = None) -> Received[object]: ...
+
+    def recv(self, timeout: float | None = None, *,
+             expect: type | tuple[type, ...] | None = None) -> Received[Any]:
         if self._closed:
             raise TransportClosed(f"{self.name}: transport is closed")
         if self._peer_closed:
@@ -95,8 +112,8 @@ class MemoryTransport(Transport):
 
 def memory_pair(name_a: str = "a", name_b: str = "b") -> tuple[MemoryTransport, MemoryTransport]:
     """Two connected in-memory transports; thread-safe, ordered, with fd passing."""
-    a_to_b: queue.SimpleQueue = queue.SimpleQueue()
-    b_to_a: queue.SimpleQueue = queue.SimpleQueue()
+    a_to_b: _Inbox = queue.SimpleQueue()
+    b_to_a: _Inbox = queue.SimpleQueue()
     lock = threading.Lock()
     a = MemoryTransport(name_a, inbox=b_to_a, outbox=a_to_b, lock=lock)
     b = MemoryTransport(name_b, inbox=a_to_b, outbox=b_to_a, lock=lock)

@@ -33,11 +33,11 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol, overload
 
 from gputravel.protocol import codec
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
-from gputravel.transport.base import MAX_FDS, Received, Transport, check_fds, close_fds
+from gputravel.transport.base import MAX_FDS, M, N, O, Received, Transport, check_fds, close_fds
 from gputravel.transport.deadline import wait_ready
 
 
@@ -64,6 +64,8 @@ class StreamTransport(Transport):
     ``send_timeout`` bounds how long a send may wait for a peer that stopped reading; when it
     expires the frame may be half written, so the transport closes and raises PeerTimeout.
     """
+
+    _payload: memoryview | None  # the frame being read (None: its header first)
 
     def __init__(self, sock: socket.socket, name: str, *,
                  send_timeout: float | None = None) -> None:
@@ -165,8 +167,18 @@ class StreamTransport(Transport):
             self._fail(PeerTimeout(f"{self.name}: peer stopped reading; transport closed"))
 
     # ------------------------------------------------------------------------- receive
+    @overload
+    def recv(self, timeout: float | None = None, *, expect: tuple[type[M], type[N]]) -> Received[M | N]: ...
+    @overload
     def recv(self, timeout: float | None = None, *,
-             expect: type | tuple[type, ...] | None = None) -> Received:
+             expect: tuple[type[M], type[N], type[O]]) -> Received[M | N | O]: ...
+    @overload
+    def recv(self, timeout: float | None = None, *, expect: type[M] | tuple[type[M], ...]) -> Received[M]: ...
+    @overload
+    def recv(self, timeout: float | None = None, *, expect: None = None) -> Received[object]: ...
+
+    def recv(self, timeout: float | None = None, *,
+             expect: type | tuple[type, ...] | None = None) -> Received[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._recv_lock:
             self._check_open()
@@ -176,6 +188,7 @@ class StreamTransport(Transport):
                 if self._payload is None:
                     self._read_header(deadline)
                 while self._got < self._length:
+                    assert self._payload is not None  # set by _read_header, replaced by _grow_payload
                     if self._got == len(self._payload):
                         self._grow_payload()
                     self._got += self._read_some(self._payload[self._got:], deadline)
@@ -231,7 +244,7 @@ class StreamTransport(Transport):
         self._payload = memoryview(new)
 
     def _finish(self, payload: memoryview, fds: tuple[int, ...], want: int, truncated: bool,
-                expect: type | tuple[type, ...] | None) -> Received:
+                expect: type | tuple[type, ...] | None) -> Received[Any]:
         # Framing is intact whatever happens here, so errors leave the transport usable.
         if truncated or len(fds) != want:
             close_fds(fds)
@@ -293,7 +306,7 @@ class StreamTransport(Transport):
         self._hdr = bytearray(HEADER.size)
         self._hdr_view = memoryview(self._hdr)
         self._hdr_got = 0
-        self._payload: memoryview | None = None
+        self._payload = None
         self._length = 0  # the frame's declared payload length (the buffer may still be shorter)
         self._got = 0
         self._want_fds = 0
@@ -315,7 +328,7 @@ class StreamTransport(Transport):
     def peer_certificate(self) -> bytes:
         """DER of the certificate the TLS peer presented (and the handshake verified): what
         an attestation binds to this connection. ProtocolError on a link without one."""
-        der = self._sock.getpeercert(binary_form=True) if self._ssl else None
+        der = self._sock.getpeercert(binary_form=True) if isinstance(self._sock, ssl.SSLSocket) else None
         if not der:
             raise ProtocolError(f"{self.name}: no TLS peer certificate on this link")
         return der

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar, dataclass_transform
+
 import msgspec
 from msgspec.structs import force_setattr
 
@@ -10,6 +12,8 @@ from gputravel.errors import ProtocolError
 NONCE_BYTES = 32
 
 
+# For type checkers: a subclass inherits frozen=True (msgspec's own transform has it default off).
+@dataclass_transform(frozen_default=True, field_specifiers=(msgspec.field,))
 class SpdmMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t",
                   tag=lambda name: f"spdm.{name}"):
     """Base of the six messages: configured as protocol.codec.Message is (this package may not
@@ -58,6 +62,11 @@ def check_nonce(nonce: object) -> None:
         raise ProtocolError(f"nonce must be {NONCE_BYTES} bytes")
 
 
-def expect_type(msg: object, cls: type) -> None:
+_T = TypeVar("_T")
+
+
+def expect_type(msg: object, cls: type[_T]) -> _T:
+    """``msg``, if it is a ``cls`` (exactly: not a subclass); else ProtocolError."""
     if type(msg) is not cls:
         raise ProtocolError(f"expected {cls.__name__}, got {type(msg).__name__}")
+    return msg

@@ -5,11 +5,13 @@ device's leaf key."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.hazmat.primitives.asymmetric.utils import (
     Prehashed,
     decode_dss_signature,
@@ -18,6 +20,9 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from gputravel.errors import BadInput, IntegrityError, ProtocolError
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 SIGNATURE_BYTES = 96  # raw r || s, 48 bytes each
 _SCALAR_BYTES = 48
@@ -28,7 +33,8 @@ _P384_ORDER = int(
 )
 
 Rng = Callable[[int], bytes]
-ChainVerifier = Callable[[tuple[bytes, ...]], ec.EllipticCurvePublicKey]
+#: Maps the device's chain to the key that must have signed (the requester requires P-384).
+ChainVerifier = Callable[[tuple[bytes, ...]], CertificatePublicKeyTypes]
 
 
 def draw(rng: Rng, n: int) -> bytes:
@@ -76,11 +82,11 @@ def verify(key: ec.EllipticCurvePublicKey, signature: bytes, digest: bytes) -> N
         raise IntegrityError("device signature does not verify") from None
 
 
-def is_p384(key: object) -> bool:
+def is_p384(key: object) -> TypeIs[ec.EllipticCurvePublicKey]:
     return isinstance(key, ec.EllipticCurvePublicKey) and isinstance(key.curve, ec.SECP384R1)
 
 
-def load_leaf_key(chain_der: tuple[bytes, ...]) -> ec.EllipticCurvePublicKey:
+def load_leaf_key(chain_der: tuple[bytes, ...]) -> CertificatePublicKeyTypes:
     """Default `verify_chain`: takes the leaf's public key and checks NOTHING else.
 
     This is the attestation seam: a real verifier checks the chain against a trusted vendor

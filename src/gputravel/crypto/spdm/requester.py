@@ -67,9 +67,9 @@ class SpdmRequester(Machine):
         self._state = "awaiting_certificate"
         return msg
 
-    def handle_certificate(self, msg: Certificate) -> None:
+    def handle_certificate(self, msg: object) -> None:
         self._expect("awaiting_certificate", "handle Certificate")
-        expect_type(msg, Certificate)
+        msg = expect_type(msg, Certificate)  # from the device: checked, not trusted
         chain = msg.chain_der
         if not isinstance(chain, tuple) or not chain or not all(isinstance(c, bytes) for c in chain):
             raise ProtocolError("Certificate.chain_der must be a non-empty tuple of bytes")
@@ -91,9 +91,9 @@ class SpdmRequester(Machine):
         self._state = "awaiting_key_exchange_response"
         return msg
 
-    def handle_key_exchange_response(self, msg: KeyExchangeResponse) -> Finish:
+    def handle_key_exchange_response(self, msg: object) -> Finish:
         self._expect("awaiting_key_exchange_response", "handle KeyExchangeResponse")
-        expect_type(msg, KeyExchangeResponse)
+        msg = expect_type(msg, KeyExchangeResponse)  # from the device: checked, not trusted
         check_nonce(msg.responder_nonce)
         peer = load_point(msg.responder_public)
         assert self._device_key is not None and self._ephemeral is not None
@@ -115,9 +115,9 @@ class SpdmRequester(Machine):
         self._state = "awaiting_finish_response"
         return finish
 
-    def handle_finish_response(self, msg: FinishResponse) -> None:
+    def handle_finish_response(self, msg: object) -> None:
         self._expect("awaiting_finish_response", "handle FinishResponse")
-        expect_type(msg, FinishResponse)
+        msg = expect_type(msg, FinishResponse)  # from the device: checked, not trusted
         assert self._schedule is not None
         self._secret = self._schedule.export_master(self._transcript.digest_with())
         self._schedule = None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from cryptography.hazmat.primitives import constant_time
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -63,7 +65,8 @@ class SpdmResponder(Machine):
 
     def handle(self, msg: object) -> object:
         """Process one request and return the response message."""
-        handlers = {
+        # Each handler takes the message of its key's type.
+        handlers: dict[type, tuple[str, Callable[[Any], object]]] = {
             GetCertificate: ("idle", self._on_get_certificate),
             KeyExchange: ("certificate_sent", self._on_key_exchange),
             Finish: ("awaiting_finish", self._on_finish),

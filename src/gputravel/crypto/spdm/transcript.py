@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 
 from cryptography.hazmat.primitives import hashes
+from msgspec import Struct
 from msgspec.structs import fields
 
 from gputravel.errors import ProtocolError
@@ -27,7 +28,7 @@ def _lp(data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + data
 
 
-def _encode(msg: object, omit: frozenset[str] = frozenset()) -> bytes:
+def _encode(msg: Struct, omit: frozenset[str] = frozenset()) -> bytes:
     """Canonical transcript bytes of `msg` (see the module docstring)."""
     kept = [f for f in fields(msg) if f.name not in omit]
     parts = [_lp(type(msg).__name__.encode("ascii")), struct.pack(">I", len(kept))]
@@ -47,10 +48,10 @@ class Transcript:
     def __init__(self) -> None:
         self._data = bytearray()
 
-    def append(self, msg: object) -> None:
+    def append(self, msg: Struct) -> None:
         self._data += _encode(msg)
 
-    def digest_with(self, msg: object | None = None, omit: frozenset[str] = frozenset()) -> bytes:
+    def digest_with(self, msg: Struct | None = None, omit: frozenset[str] = frozenset()) -> bytes:
         """SHA-384 of the transcript so far, plus a partial encoding of `msg` if given."""
         h = hashes.Hash(hashes.SHA384())
         h.update(bytes(self._data))
