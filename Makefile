@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test check venv bench clean
+.PHONY: demo test check lint venv bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,14 @@ test: $(STAMP)
 check: $(STAMP)
 	HYPOTHESIS_PROFILE=fast $(BIN)/python -m pytest -q -m "not slow"
 
+# Static checks (configured in pyproject.toml): ruff over the whole tree, mypy --strict over the
+# core packages. CI runs them before the tests (.ci/run); `make test` runs the tests only.
+lint: $(STAMP)
+	$(BIN)/ruff check
+	$(BIN)/mypy
+
 bench: $(STAMP)
 	$(BIN)/gputravel bench travel --sizes 4,8,16,32,64,128,256,512 --repeat 5 --json runs/bench-travel.json
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
