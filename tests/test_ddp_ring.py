@@ -70,6 +70,8 @@ class Wire:
             buf = torch.frombuffer(flipped, dtype=torch.uint8)
         if index == self.at and self.fault == "replay":
             buf = torch.frombuffer(bytearray(self.sent[index - 1]), dtype=torch.uint8)  # the record before
+        if index == self.at and self.fault == "replay-first":
+            buf = torch.frombuffer(bytearray(self.sent[0]), dtype=torch.uint8)  # of the first all-reduce
         return self.inner.isend(buf, dst, lane)
 
     def irecv(self, buf, src, lane):
@@ -204,7 +206,7 @@ def test_the_ring_seals_each_record_for_its_own_place_and_only_there(variant: st
     receiver) and fails under each single-field move of it. A call site that stopped naming a
     field (say segment 0 for every record) fails here; the ring's receiving side must build the
     same AAD or the all-reduce itself fails."""
-    world, n, record_bytes = 3, 100, 64  # segments of 34, 33, 33 float32: 3 records each when pipelined
+    world, n, record_bytes = 3, 100, 64  # segments of 34, 33, 33 float32: 3 records each
     keys = _material(*[(i, (i + 1) % world) for i in range(world)])
     boxes = _Mailboxes()
     rings = [Ring(variant, keys=PairKeys(r, world, keys, ()), record_bytes=record_bytes,
@@ -227,7 +229,7 @@ def test_the_ring_seals_each_record_for_its_own_place_and_only_there(variant: st
     for r in range(world):
         assert len(results.get(r, ())) == 2 and all(torch.allclose(x, total, atol=1e-5) for x in results[r]), results[r]
 
-    records = [3, 3, 3] if variant == "pipelined" else [1, 1, 1]
+    records = [3, 3, 3]  # the naive ring's records are no longer than record_bytes either
     for sender in range(world):
         link = (sender, (sender + 1) % world)
         places = [p for op in (0, 1) for p in _expected_places(world, op, sender, records)]
@@ -365,8 +367,8 @@ def test_the_rings_agree_with_each_other_with_gloo_and_under_ddp(run_ranks, worl
 def faults(rank: int, world: int) -> dict:
     """Rank 0's sends to rank 1 tampered with, replayed or dropped; each case on a group of its own,
     so that a send or receive left pending by a broken ring cannot meet the next case's."""
-    k = 3  # records per hop in the pipelined ring: 90 000 float32 = 2 segments of 3 records
-    cases = [("naive", "drop", 0), ("naive", "tamper", 1), ("naive", "replay", 1),
+    k = 3  # records per hop: 90 000 float32 = 2 segments of 3 records
+    cases = [("naive", "drop", 0), ("naive", "tamper", k + 1), ("naive", "replay", k + 1),
              ("pipelined", "tamper", k + 1), ("pipelined", "replay", k + 1), ("pipelined", "drop", k + 1)]
     out = {}
     for variant, fault, at in cases:
@@ -438,6 +440,43 @@ def test_a_dropped_or_longer_record_is_a_typed_error_on_its_receiver_never_an_ab
     if raised == "IntegrityError":
         assert "from rank 0" in receiver and "failed authentication" in receiver
     # The sender waits in vain for records the stopped receiver never sends, or sees it leave.
+    assert sender.split(":")[0] in ("PeerTimeout", "TransportClosed"), sender
+
+
+# The review after finding 4: the host replays, verbatim, a full-length record of an EARLIER,
+# successful all-reduce into a later, smaller one (DDP's buckets differ in size), on the lane
+# that later all-reduce uses (the third: lanes alternate). Posted for that all-reduce's own
+# longest record, the receive was shorter than the replayed message, and gloo ended rank 1
+# (SIGABRT: "op.preamble.length <= op.nbytes. 4112 vs 2016").
+EARLIER_THEN_SMALL = (HOSTILE_SIZES[0], HOSTILE_SIZES[0], 2 * 500)
+
+
+def replay_earlier(rank: int, world: int, variant: str) -> str:
+    """Rank 0's first send of the last all-reduce replaced by its very first record (all-reduce
+    0, hop 0, record 0, full length); what the all-reduces raised, on this rank."""
+    group = dist.new_group(backend="gloo")
+    wire = Wire(TorchPointToPoint(group), "replay-first" if rank == 0 else None)
+    ring = Ring(variant, keys=_keys(group), record_bytes=HOSTILE_RECORD, group=group, p2p=wire, timeout_s=2)
+    try:
+        for i, n in enumerate(EARLIER_THEN_SMALL):
+            if i == len(EARLIER_THEN_SMALL) - 1:
+                wire.at = len(wire.sent)
+            ring.all_reduce(_input(rank, n))
+    except (IntegrityError, PeerTimeout, TransportClosed) as err:
+        return f"{type(err).__name__}: {err}"
+    return "completed"
+
+
+@pytest.mark.parametrize("variant", ["naive", "pipelined"])
+def test_a_record_replayed_from_an_earlier_larger_all_reduce_is_a_typed_error_never_an_abort(
+        run_ranks, variant: str) -> None:
+    """docs/security.md row 37. Unless every receive of a sealed ring is posted at one size for
+    the ring's whole life, at least its longest possible record (record_bytes and the tag), a
+    record of an earlier all-reduce is longer than a later one's receives and rank 1 dies here of
+    SIGABRT inside gloo: "rank 1 (exit code -6) died without a word"."""
+    sender, receiver = run_ranks(replay_earlier, 2, variant, timeout=60)
+    assert receiver.startswith("IntegrityError") and "hop 0, segment 0, record 0)" in receiver, receiver
+    assert "from rank 0" in receiver and "failed authentication" in receiver
     assert sender.split(":")[0] in ("PeerTimeout", "TransportClosed"), sender
 
 

@@ -4,8 +4,9 @@ For each GPU count G and model, G rank processes join one torch.distributed grou
 CPU, env:// on 127.0.0.1) and train the same GPT-2 data-parallel, three ways:
 
 - ``plain``: DDP without a hook (gloo's own all-reduce, nothing sealed);
-- ``encrypted_naive``: the ring of ddp/ring.py, each hop sealed whole, sent, opened, in turn
-  (what the DDP characterization of GPU TEEs measured);
+- ``encrypted_naive``: the ring of ddp/ring.py, each hop's segment sealed whole (in records of
+  at most 1 MiB), sent, received, opened, in turn (what the DDP characterization of GPU TEEs
+  measured);
 - ``encrypted``: the same ring pipelined in records, sealing and opening overlapped with the
   transfers (Fastrack's ideas), its buckets overlapped with the backward pass.
 

@@ -11,8 +11,10 @@ Three variants, so that a benchmark shows what each idea buys:
 
 * `plain`: no encryption. The hook's own ring: equal to itself bit for bit, and to gloo's
   all_reduce within float tolerance.
-* `naive`: as the characterization describes. A hop's whole segment is one record: seal it,
-  send it, receive, open it, and only then start the next hop.
+* `naive`: as the characterization describes. A hop's whole segment is sealed, sent, received
+  and opened in turn, and only then does the next hop start: nothing overlaps. The segment
+  travels as records of at most `record_bytes` (as in `pipelined`; see Framing), all sealed
+  before the first is sent, all received before the first is opened.
 * `pipelined`: Fastrack's ideas on the ring. Segments travel as records of `record_bytes`.
   As soon as record k of a hop is opened and reduced, record k of the next hop is sealed and
   sent, while records k+1.. of this hop are still on the wire: sealing overlaps sending and
@@ -40,19 +42,24 @@ the tensor's size, and opens exactly that many bytes of what arrives (AES-GCM au
 ciphertext's length, so a record of another length fails its tag; bytes past that length are
 never read). What the transport may do with a message of the wrong length is the other half.
 gloo accepts a message shorter than the receive posted for it but ends the whole process
-(std::terminate, SIGABRT) on a longer one, so a host that drops a short record, and delivers
-the next, longer one in its place, would kill the receiving rank before it could say why. So
-every receive of a sealed ring is posted for the longest record of its all-reduce (the slot),
-and consecutive all-reduces use two gloo tags in turn (`lane`): records of one all-reduce,
-dropped, replayed, moved, cut short or substituted, only ever land in receives at least as long
-as any of them, and a failure is the typed error above. (After a failure no rank completes the
-next all-reduce, which needs the broken rank's records, so two tags keep a failed all-reduce's
-pending receives from meeting any later one.) A missing record that nothing takes the place of,
-such as the last one of an all-reduce, is a PeerTimeout after `timeout_s`. Sends are not
-padded: no byte is added to the wire. What the ring cannot reach is gloo's own framing: a host
-that rewrites gloo's headers on the TCP stream to announce a message longer than any receive
-still ends the process inside gloo. The plain ring, which checks nothing, keeps exact-length
-receives (its all-gather lands in place).
+(std::terminate, SIGABRT) on a longer one, so a host that delivers a longer record in a
+receive's place (the next one after a drop, or a record of an earlier, larger all-reduce
+replayed into a later, smaller one, as DDP's buckets of different sizes allow) would kill the
+receiving rank before it could say why. So a sealed ring posts every receive, of every
+all-reduce and both variants, at one size for its whole life (`slot_bytes`): the longest record
+it can ever send, `record_bytes` (rounded up to 8) and the GCM tag. No record is longer than
+`record_bytes` of plaintext (the naive variant's segments travel in such records too), so
+whatever record the host delivers, of this all-reduce or any earlier one, fits the receive it
+lands in, and a failure is the typed error above (a replayed earlier record fails its counter
+and its AAD). The buffers are preallocated per record slot and reused across all-reduces.
+Consecutive all-reduces still use two gloo tags in turn (`lane`), so that a failed all-reduce's
+pending receives do not take the next all-reduce's records (after a failure no rank completes
+the next all-reduce, which needs the broken rank's records). A missing record that nothing takes
+the place of, such as the last one of an all-reduce, is a PeerTimeout after `timeout_s`. Sends
+are not padded: no byte is added to the wire. What the ring cannot reach is gloo's own framing:
+a host that rewrites gloo's headers on the TCP stream to announce a message longer than any
+receive still ends the process inside gloo. The plain ring, which checks nothing, keeps
+exact-length receives (its all-gather lands in place).
 """
 
 from __future__ import annotations
@@ -109,7 +116,7 @@ class PointToPoint(Protocol):
 
     `lane` (0 .. LANES - 1) keeps the messages of one all-reduce apart from the next one's:
     a receive of one lane is matched only by a send of the same lane, in order. A receive's
-    buffer may be longer than the message it gets (the ring posts each for its longest record)."""
+    buffer may be longer than the message it gets (a sealed ring posts each at `slot_bytes`)."""
 
     rank: int
     world_size: int
@@ -161,6 +168,9 @@ class Ring:
         self._timeout = timedelta(seconds=timeout_s)
         self._next, self._prev = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         self._sealed = self.variant is not Variant.PLAIN and self.world_size > 1
+        # Every receive of a sealed ring, and every buffer of a record slot: the longest record
+        # the ring can ever send, whatever the tensor (Framing). A multiple of 8: views stay aligned.
+        self.slot_bytes = -(-record_bytes // 8) * 8 + TAG_BYTES if self._sealed else 0
         if self._sealed:
             if keys is None or keys.rank != self.rank or keys.world_size != self.world_size:
                 raise BadInput("an encrypted ring needs this rank's PairKeys for the same group")
@@ -238,17 +248,20 @@ class _Pass:
         base, extra = divmod(flat.numel(), n)
         starts = [i * base + min(i, extra) for i in range(n + 1)]
         longest = base + (1 if extra else 0)
-        per_record = longest if ring.variant is Variant.NAIVE else max(1, ring.record_bytes // self.item)
-        per_record = max(1, min(per_record, longest))
+        per_record = max(1, min(ring.record_bytes // self.item, longest))  # never past record_bytes
         # records[segment] = [(start, stop), ...] in elements of `flat`
         self.records = [[(s, min(s + per_record, starts[c + 1])) for s in range(starts[c], starts[c + 1], per_record)]
                         for c in range(n)]
         slots = max(len(r) for r in self.records)
-        overhead = TAG_BYTES if ring._sealed else 0
-        self.slot_bytes = per_record * self.item + overhead  # a multiple of 8: views stay aligned
-        send_area = 2 * slots * self.slot_bytes if ring._sealed else 0
+        # Receives: sealed, the ring's one size for its whole life, however short this tensor's
+        # records (Framing); plain, this all-reduce's record. Sends: this all-reduce's record and
+        # its tag, rounded up to 8. Every size a multiple of 8 (sealed) or of the item (plain),
+        # so views stay aligned.
+        self.slot_bytes = ring.slot_bytes if ring._sealed else per_record * self.item
+        send_bytes = -(-per_record * self.item // 8) * 8 + TAG_BYTES
+        send_area = 2 * slots * send_bytes if ring._sealed else 0
         slab = ring._buffers(send_area + 2 * slots * self.slot_bytes + per_record * self.item)
-        self.send_bufs = [[slab[(p * slots + k) * self.slot_bytes:][: self.slot_bytes] for k in range(slots)]
+        self.send_bufs = [[slab[(p * slots + k) * send_bytes:][:send_bytes] for k in range(slots)]
                           for p in range(2)] if ring._sealed else []
         recv = slab[send_area:]
         self.recv_bufs = [[recv[(p * slots + k) * self.slot_bytes:][: self.slot_bytes] for k in range(slots)]
@@ -270,6 +283,9 @@ class _Pass:
         return hop < self.ring.world_size - 1
 
     def run(self) -> None:
+        if self.ring.variant is Variant.NAIVE:
+            self.run_in_turn()
+            return
         self.post_receives(0)
         for k in range(len(self.records[self.outgoing(0)])):
             self.send(0, k)
@@ -283,12 +299,38 @@ class _Pass:
         for (hop, k), work in self.sends.items():
             self.ring._wait(work, f"send of hop {hop} record {k}")
 
+    def run_in_turn(self) -> None:
+        """The naive schedule: a hop's records all sealed, then all sent; all received, then all
+        opened and reduced; then the next hop."""
+        ring = self.ring
+        self.post_receives(0)
+        for hop in range(self.hops):
+            outgoing = range(len(self.records[self.outgoing(hop)]))
+            sealed = [self.seal(hop, k) for k in outgoing]
+            for k in outgoing:
+                self.sends[(hop, k)] = ring.p2p.isend(sealed[k], ring._next, self.lane)
+            if hop + 1 < self.hops:
+                self.post_receives(hop + 1)
+            incoming = range(len(self.records[self.incoming(hop)]))
+            for k in incoming:
+                ring._wait(self.recvs.pop((hop, k)), f"receive of hop {hop} record {k}")
+            for k in incoming:
+                self.reduce(hop, k)
+        for (hop, k), work in self.sends.items():
+            ring._wait(work, f"send of hop {hop} record {k}")
+
     def send(self, hop: int, k: int) -> None:
-        ring, segment = self.ring, self.outgoing(hop)
-        start, stop = self.records[segment][k]
+        ring = self.ring
         if not ring._sealed:
+            start, stop = self.records[self.outgoing(hop)][k]
             self.sends[(hop, k)] = ring.p2p.isend(self.flat[start:stop], ring._next, self.lane)
             return
+        self.sends[(hop, k)] = ring.p2p.isend(self.seal(hop, k), ring._next, self.lane)
+
+    def seal(self, hop: int, k: int) -> torch.Tensor:
+        """Record k of `hop`, sealed into its send buffer (once the send that used it last is done)."""
+        ring, segment = self.ring, self.outgoing(hop)
+        start, stop = self.records[segment][k]
         earlier = self.sends.pop((hop - 2, k), None)  # the last user of this send buffer
         if earlier is not None:
             ring._wait(earlier, f"send of hop {hop - 2} record {k}")
@@ -296,14 +338,15 @@ class _Pass:
         plaintext = self.flat[start:stop].view(torch.uint8).numpy()
         ring._sender.encrypt_into(plaintext, out.numpy(),
                                   record_aad(self.op, hop, segment, k, ring.rank, ring._next))
-        self.sends[(hop, k)] = ring.p2p.isend(out, ring._next, self.lane)
+        return out
 
     def post_receives(self, hop: int) -> None:
         ring = self.ring
         for k, (start, stop) in enumerate(self.records[self.incoming(hop)]):
             if ring._sealed:
-                # The whole slot, however short this record: whatever the wire puts here in its
-                # place fits, and `land` opens only this record's own length (Framing, above).
+                # The whole slot, the ring's one receive size, however short this record: whatever
+                # the wire puts here in its place fits, and `reduce` opens only this record's own
+                # length (Framing, above).
                 buf = self.recv_bufs[hop % 2][k]
             elif self.scatter(hop):
                 buf = self.recv_bufs[hop % 2][k][: (stop - start) * self.item]
@@ -317,9 +360,13 @@ class _Pass:
             self.recvs[(hop, k)] = ring.p2p.irecv(buf, ring._prev, self.lane)
 
     def land(self, hop: int, k: int) -> None:
+        self.ring._wait(self.recvs.pop((hop, k)), f"receive of hop {hop} record {k}")
+        self.reduce(hop, k)
+
+    def reduce(self, hop: int, k: int) -> None:
+        """Record k of `hop`, received: opened (sealed rings) and added or copied into place."""
         ring, segment = self.ring, self.incoming(hop)
         start, stop = self.records[segment][k]
-        ring._wait(self.recvs.pop((hop, k)), f"receive of hop {hop} record {k}")
         nbytes = (stop - start) * self.item
         if ring._sealed:
             # Opened into scratch, never into the gradient: GCM writes before it verifies. The

@@ -15,7 +15,8 @@ group through the host):
 - ``replay-longer``: the host delivers the record before, full length, in place of the hop's
   short last record (each hop's segment is 2.75 records long). gloo ends a process that gets a
   message longer than the receive posted for it, so this is the case that killed the receiving
-  rank (SIGABRT, nothing reported) before the ring posted every receive for its longest record.
+  rank (SIGABRT, nothing reported) before the ring posted every receive at one size, that of
+  the longest record it can send.
 
 Everything the host carried is searched for the gradient in five encodings (float32 of the
 gradient, of its 1/W share, of the updated weights; float16 and bfloat16 of the share), as
@@ -251,7 +252,7 @@ STOPPED_BY = ("AES-256-GCM on every hop of the ring, per-direction keys from an 
               "(control: the same search finds it in the plain ring's traffic); the receiver tracks the IVs and each "
               "record's AAD names its all-reduce, hop, segment and record, so the flipped, the replayed, the cut and "
               "the dropped record, and a full-length record in place of a hop's short last one, each failed "
-              "authentication on rank 1 (IntegrityError; every receive is posted for the all-reduce's longest record, "
+              "authentication on rank 1 (IntegrityError; every receive is posted at the longest record the ring can send, "
               "so no record the host delivers in another's place makes gloo end the process), which stopped its DDP "
               "step before the optimizer moved a weight; the other ranks' steps completed with the right sum")
 

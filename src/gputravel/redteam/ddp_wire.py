@@ -11,10 +11,10 @@ in the fault cases, flips a bit of one record, replaces it with the one before (
 delivers it cut short, or drops it. Nothing else of the honest ranks changes: their keys come
 from an ECDHE bound to emulated TDX quotes (ddp/keys.py), their step is the production hook's.
 
-Each delivery is one gloo message into a receive the ring posted for the longest record of its
-all-reduce. A host that delivered a message longer than that would make gloo end the rank
-(SIGABRT): an attack on gloo's framing, which the ring cannot reach (ddp/ring.py, "Framing"),
-and no case here makes it.
+Each delivery is one gloo message into a receive the ring posted at its one receive size, that
+of the longest record it can send (record_bytes and the tag). A host that delivered a message
+longer than that would make gloo end the rank (SIGABRT): an attack on gloo's framing, which the
+ring cannot reach (ddp/ring.py, "Framing"), and no case here makes it.
 
 DDP's own parameter broadcast and the key exchange run over gloo between the ranks, not
 through the host's process: they carry the initial weights (zeros) and public key shares,
@@ -76,7 +76,7 @@ class HostCarried:
     """A rank's ring link when the host carries the bytes: a record for rank `dst` goes to the
     host as a header (destination, length, lane) and the record itself; whatever the host
     delivers arrives from the host, into a receive as long as the ring posted it (the longest
-    record of the all-reduce). A ring's receiver hears one peer, so `src` names no channel
+    record the ring can send). A ring's receiver hears one peer, so `src` names no channel
     here: where a record came from is for its authentication to say, not for the wire."""
 
     def __init__(self, carrier: dist.ProcessGroup, rank: int, world_size: int, host: int) -> None:
