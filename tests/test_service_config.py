@@ -308,6 +308,18 @@ def test_cohort_init_and_status_on_the_command_line(tmp_path: Path) -> None:
     assert bad.exit_code != 0 and "NAME=PATH" in bad.output
 
 
+def _served_status(cfg) -> dict:
+    """`gputravel status` of a holder whose service has run: its state directory is its own, and
+    the log is published as its service publishes it (0644); status reads as the holder."""
+    from gputravel.service.party import own_state
+
+    own_state(Path(cfg.state_dir), cfg.uid)
+    log = Path(cfg.public_dir) / "audit.log"
+    if log.exists():
+        log.chmod(0o644)
+    return cohort_status(cfg)
+
+
 def test_a_holder_counts_its_travels_in_the_published_signed_log(tmp_path: Path) -> None:
     from cryptography.hazmat.primitives import serialization
 
@@ -327,12 +339,12 @@ def test_a_holder_counts_its_travels_in_the_published_signed_log(tmp_path: Path)
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     north = load_service(tmp_path / "D" / "holder-north.toml")
     Path(north.state_dir, "status.json").write_text(json.dumps({"phase": "training", "running": "not mine"}))
-    found = cohort_status(north)
+    found = _served_status(north)
     assert (found["my_travels"], found["my_bytes"], found["published"]) == (2, 8192, ["orchestrator"])
     assert found["phase"] == "training" and found["running"] is False  # its own keys win over status.json's
     (public / "orchestrator.pem").write_bytes(new_key().public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    assert cohort_status(north)["log"].startswith("does not verify")
+    assert _served_status(north)["log"].startswith("does not verify")
 
 
 def test_a_holders_status_checks_its_own_chunks_with_its_key_and_refuses_a_log_cut_short(tmp_path: Path) -> None:
@@ -367,7 +379,7 @@ def test_a_holders_status_checks_its_own_chunks_with_its_key_and_refuses_a_log_c
                    chunk_digest=chunk_digest(tokens.view[offset:offset + nbytes], piece), holder_key=digest_key)
 
     travel(0, key)
-    found = cohort_status(north)
+    found = _served_status(north)
     assert found["log"] == "verified, 1 entries, not closed: entries may be missing at the end", found
     assert found["my_chunks"] == "all 1 match this holder's data" and found["log_closed"] is False
     assert key.hex() not in json.dumps(found)
@@ -376,18 +388,18 @@ def test_a_holders_status_checks_its_own_chunks_with_its_key_and_refuses_a_log_c
     travel(1, bytes(32))  # an entry keyed otherwise: not this holder's chunk as its data has it
     log.seal(time=2.0, epoch=2)
     log.close()
-    found = cohort_status(north)
+    found = _served_status(north)
     assert found["log"] == "verified, 3 entries, closed" and found["log_closed"] is True, found
     assert found["my_chunks"] == "1 of 2 do not match this holder's data (seq 1)"
     # The published log cut back to before the head north verified: refused, saying why.
     whole = (public / "audit.log").read_bytes()
     for kept_bytes in (b"", whole[:len(whole) // 3]):
         (public / "audit.log").write_bytes(kept_bytes)
-        found = cohort_status(north)
+        found = _served_status(north)
         assert found["log"].startswith("does not verify: audit log: known head missing"), found
         assert "cut short" in found["log"] and "my_travels" not in found
     (public / "audit.log").write_bytes(whole)
-    assert cohort_status(north)["log"] == "verified, 3 entries, closed"
+    assert _served_status(north)["log"] == "verified, 3 entries, closed"
 
 
 def test_status_sees_a_live_socket_but_not_a_leftover_file(tmp_path: Path) -> None:

@@ -208,3 +208,69 @@ def test_a_registry_of_another_cohort_copied_beside_a_config_is_refused(cohort: 
     os.chmod(copy / REGISTRY_FILE, 0o644)
     bad = _changed(cohort / "holder-a.toml", tmp_path / "a.toml", lambda c: c.update(cohort_dir=str(copy)))
     _refused(cohort, "holder", bad, f"is not the registry of {copy}")
+
+
+# ----------------------------------------------------------------------------- status, and root acting as the party
+def test_status_refuses_a_config_of_another_partys_state(cohort: Path, tmp_path: Path) -> None:
+    """The hostile review: `gputravel status` as root with a's config naming b (name and state)
+    read b's travel-log key and checked guesses of b's data against b's logged chunks."""
+    from gputravel.service.status import cohort_status
+
+    bad = _changed(cohort / "holder-a.toml", tmp_path / "a.toml",
+                   lambda c: c.update(name="b", state_dir=str(cohort / "state" / "holder-b")))
+    before = _tree(cohort)
+    with pytest.raises(BadInput, match="uid: expected" if ROOT else "no party|expected"):
+        cohort_status(load_service(bad))
+    assert _tree(cohort) == before
+
+
+@pytest.mark.skipif(not ROOT, reason="acting as another account needs root")
+def test_root_acting_as_a_party_reaches_only_what_the_party_may(tmp_path: Path) -> None:
+    """service/party.as_party: what root does inside a party's tree (trust files, pinned
+    certificates, what it publishes) it does as that party, so a link the party planted there
+    reaches nothing of root's; and root is root again afterwards, whatever happened inside."""
+    from gputravel.service.party import as_party
+
+    secret = tmp_path / "root-only"
+    secret.write_bytes(b"root's")
+    secret.chmod(0o600)
+    with as_party(54321):
+        assert (os.geteuid(), os.getegid(), os.getgroups()) == (54321, 54321, [])
+        with pytest.raises(PermissionError):
+            secret.read_bytes()
+    with pytest.raises(ValueError), as_party(54321):
+        raise ValueError("a failure inside")
+    assert os.geteuid() == 0 and os.getegid() == 0 and secret.read_bytes() == b"root's"
+
+
+@pytest.mark.skipif(not ROOT, reason="the vendors' material is root's only when init runs as root")
+def test_a_pinned_root_directory_is_held_by_descriptor_and_refused_when_not_roots(tmp_path: Path) -> None:
+    """The GPU vendor's CA and the CPU-TEE root lie in parties' state directories: the service
+    pins them before the directory is handed over, so a later rename or link reaches nothing."""
+    from gputravel.service.party import pinned_dir
+
+    vendor = tmp_path / "state" / "vendor"
+    vendor.mkdir(parents=True)
+    (vendor / "ca.key").write_bytes(b"vendor's")
+    held = pinned_dir(vendor)
+    assert held is not None and pinned_dir(tmp_path / "state" / "gone") is None
+    vendor.rename(tmp_path / "state" / "moved")
+    (tmp_path / "state" / "vendor").symlink_to(tmp_path)  # the party's link in its place
+    assert (held / "ca.key").read_bytes() == b"vendor's"  # still the directory that was pinned
+    with pytest.raises(BadInput, match="not a directory of root's"):
+        pinned_dir(tmp_path / "state" / "vendor")
+    os.chown(tmp_path / "state" / "moved", 54321, 54321)
+    with pytest.raises(BadInput, match="not root's alone"):
+        pinned_dir(tmp_path / "state" / "moved")
+
+
+def test_a_link_planted_as_the_boot_lock_is_refused_not_followed(tmp_path: Path) -> None:
+    """The cohort's run directory is every party's (1777): a link another party put where the
+    boot lock goes made root create a file wherever it named (the hostile review)."""
+    from gputravel.service.members import _try_lock
+
+    lock = tmp_path / "gpu-0.lock"
+    lock.symlink_to(tmp_path / "made-by-root")
+    with pytest.raises(BadInput, match="boot_lock: .* cannot be taken"):
+        _try_lock(str(lock))
+    assert not (tmp_path / "made-by-root").exists()

@@ -34,8 +34,8 @@ from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohor
                                         TrainDone, TrainStep, Train)
 from gputravel.service.config import HolderService, OrchestratorService, gpu_socket, job_train_config, quoting_socket
 from gputravel.service.engine import orchestrator_engine_config
-from gputravel.service.party import (PartyChild, Stopping, log, own_state, private_dir, publish, unix_listening,
-                                     wait_for, wait_for_sockets)
+from gputravel.service.party import (PartyChild, Stopping, as_party, log, own_state, pinned_dir, private_dir,
+                                     publish, unix_listening, wait_for, wait_for_sockets)
 
 BOOT_TIMEOUT = 120.0
 STOP_WAIT_S = 60.0  # a stopping orchestrator finishes its step and checkpoints within this
@@ -57,7 +57,11 @@ def _trust_dir(state: Path, trust: str, extra: dict[str, dict]) -> Path:
 
 
 def _try_lock(path: str) -> int | None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # only the services (root) take it
+    try:  # only the services (root) take it; run/ is every party's (1777), so never through a link
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise BadInput(f"boot_lock: {path} cannot be taken ({exc.strerror}): a link or another file put in "
+                       "its place in the cohort's run directory; remove it") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -76,10 +80,11 @@ def serve_holder(cfg: HolderService, stop: Stopping) -> int:
     gpu = gpu_socket(cfg.boot_lock)
     wait_for_sockets(name, {"the host": cfg.host_socket, "the GPU": gpu}, stop)
     policy = dataclasses.replace(cfg.policy.to_policy(""), gpu_reference_values=Path(REFERENCE_FILE))  # beside it
-    trust = _trust_dir(state, cfg.trust_dir, {POLICY_FILE: policy.to_json()})
-    pki = private_dir(state / "pki")
-    home = private_dir(state / "home")
     own_state(state, cfg.uid)
+    with as_party(cfg.uid):  # inside the holder's own tree: as the holder, so no link of its reaches root's files
+        trust = _trust_dir(state, cfg.trust_dir, {POLICY_FILE: policy.to_json()})
+        pki = private_dir(state / "pki")
+        home = private_dir(state / "home")
     while True:
         outcome = _serve_holder_once(cfg, pki, trust, home, stop)
         if outcome is not None:
@@ -101,7 +106,7 @@ def _serve_holder_once(cfg: HolderService, pki: Path, trust: Path, home: Path, s
         if lock is not None:
             os.close(lock)  # probed: the next CVM may take the GPU
             lock = None
-        publish(pki / f"{name}.pem", Path(cfg.public_dir) / f"holder-{name}.pem")
+        publish(pki / f"{name}.pem", Path(cfg.public_dir) / f"holder-{name}.pem", cfg.uid)
         log(name, "up", dataset_bytes=ready.detail.get("dataset_bytes"), late=config["probe_at_boot"] is False)
         if not _join(cfg, child, pki, stop):
             return _leave_and_stop(name, child, joined=False)
@@ -125,7 +130,8 @@ def _join(cfg: HolderService, child: PartyChild, pki: Path, stop: Stopping) -> b
     wait_for(cfg.name, f"the orchestrator's certificate at {cert}", cert.exists, stop)
     said = 0.0
     while not stop():
-        pin_peers(pki, cfg.name, [cert.read_bytes()])  # as published now (a restarted orchestrator keeps its key)
+        with as_party(cfg.uid):  # its own pki directory: as the holder
+            pin_peers(pki, cfg.name, [cert.read_bytes()])  # as published now (a restarted orchestrator keeps its key)
         child.control.send(JoinCohort(host=cfg.orchestrator_host, port=cfg.orchestrator_port))
         reply = child.control.recv(timeout=BOOT_TIMEOUT).message
         if isinstance(reply, Joined):
@@ -160,23 +166,28 @@ def _leave_and_stop(name: str, child: PartyChild, joined: bool) -> int:
 # ----------------------------------------------------------------------------- orchestrator
 def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
     state = private_dir(cfg.state_dir)
+    platform = pinned_dir(state / "platform")  # before the state is the orchestrator's: None once used
+    own_state(state, cfg.uid, root_only=("platform",))  # the TEE provisioning stand-in is ours alone
     gpu = cfg.gpu_link_socket
     wait_for_sockets(ORCHESTRATOR, {"the host": cfg.host_socket, "the GPU": gpu}, stop)
     (Path(cfg.public_dir) / DONE_FILE).unlink(missing_ok=True)  # a job under way again (resumed)
     lock = _hold_boot_lock(cfg.boot_lock, stop)  # held for our whole life: later holders join late
-    pki = private_dir(state / "pki")
+    with as_party(cfg.uid):  # inside the orchestrator's own tree: as the orchestrator
+        pki = private_dir(state / "pki")
     certs = {h: Path(cfg.public_dir) / f"holder-{h}.pem" for h in cfg.holders}
     for h, path in certs.items():
         wait_for(ORCHESTRATOR, f"holder {h}'s certificate at {path}", path.exists, stop)
-    atomic_write_bytes(pki / "ca.pem", b"".join(p.read_bytes() for p in certs.values()))  # pinned holders
+    pinned = b"".join(p.read_bytes() for p in certs.values())  # the pinned holders, from the public directory
+    with as_party(cfg.uid):
+        atomic_write_bytes(pki / "ca.pem", pinned)
     tdx, link, child = None, None, None
     try:
-        tdx, quoting = _start_tdx_module(cfg, state)
-        trust = _trust_dir(state, cfg.trust_dir, {LIMITS_FILE: {"max_evidence_age_s": cfg.max_evidence_age_s,
-                                                                "quoting_socket": quoting.socket}})
+        tdx, quoting = _start_tdx_module(cfg, state, platform)
+        with as_party(cfg.uid):
+            trust = _trust_dir(state, cfg.trust_dir, {LIMITS_FILE: {"max_evidence_age_s": cfg.max_evidence_age_s,
+                                                                    "quoting_socket": quoting.socket}})
+            home = private_dir(state / "home")
         engine = orchestrator_engine_config(cfg, pki_dir=str(pki), trust_dir=str(trust))
-        home = private_dir(state / "home")
-        own_state(state, cfg.uid, root_only=("platform",))  # the TEE provisioning stand-in is ours alone
         run_dir = private_dir(cfg.job.run_dir)
         own_state(run_dir, cfg.uid)
         child_args = {"uid": cfg.uid, "home": home}
@@ -185,7 +196,7 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
         child = PartyChild(ORCHESTRATOR, {**_as_dict(engine), "self_sign": ORCHESTRATOR}, extra=link, **child_args)
         quoting.register(tdx.control, child.proc.pid, cfg.uid if cfg.uid >= 0 else None, measured, BOOT_TIMEOUT)
         ready = child.ready(BOOT_TIMEOUT)
-        publish(pki / f"{ORCHESTRATOR}.pem", Path(cfg.public_dir) / "orchestrator.pem")
+        publish(pki / f"{ORCHESTRATOR}.pem", Path(cfg.public_dir) / "orchestrator.pem", cfg.uid)
         log(ORCHESTRATOR, "up", port=ready.detail.get("port"), measurement=measured.hex())
         return _run_job(cfg, child, state, stop)
     finally:
@@ -226,7 +237,7 @@ def _gpu_link(path: str, uid: int) -> socket.socket:
     return link
 
 
-def _start_tdx_module(cfg: OrchestratorService, state: Path) -> tuple[PartyChild, QuotingLaunch]:
+def _start_tdx_module(cfg: OrchestratorService, state: Path, platform: Path | None) -> tuple[PartyChild, QuotingLaunch]:
     """The orchestrator's TDX module (its CPU's quoting enclave, under its own account): it makes
     a quoting key at each start, which the platform's provisioning key (a stand-in in our state
     directory) certifies. Its directory is searchable, so the orchestrator reaches its socket."""
@@ -241,17 +252,17 @@ def _start_tdx_module(cfg: OrchestratorService, state: Path) -> tuple[PartyChild
     config = {**quoting.config, "key_dir": str(home / "key")}  # it keeps its quoting key there (0700)
     tdx = PartyChild("tdx-module", config, stop_by="close", uid=cfg.tdx_uid, home=home)
     if not tdx.ready(BOOT_TIMEOUT).detail.get("certified"):
-        _certify_quoting_key(tdx, state / "platform")
+        _certify_quoting_key(tdx, platform, state / "platform")
     return tdx, quoting
 
 
-def _certify_quoting_key(tdx: PartyChild, platform: Path) -> None:
+def _certify_quoting_key(tdx: PartyChild, platform: Path | None, where: Path) -> None:
     """First start: the platform's provisioning stand-in (the CPU-TEE root) certifies the key the
     module made, once; it is then deleted, so nobody (this service's operator included) can
     certify another quoting key and quote a measurement of their choosing."""
-    if not (platform / TEE_ROOT_KEY).exists():
+    if platform is None or not (platform / TEE_ROOT_KEY).exists():  # platform: pinned (party.pinned_dir)
         raise BadInput(f"the TDX module has no certified quoting key and the platform's provisioning key at "
-                       f"{platform} is gone (used once already): initialise the cohort again")
+                       f"{where} is gone (used once already): initialise the cohort again")
     authority = CohortTrust(platform, "", "", tee_root=load_authority(platform, "tee"))
     QuotingLaunch.certify(tdx.control, authority, BOOT_TIMEOUT)
     (platform / TEE_ROOT_KEY).unlink()
@@ -326,7 +337,7 @@ def _publish_log(cfg: OrchestratorService, state: Path) -> None:
     public, since it holds chunk names, offsets and digests, never data or keys."""
     log_path = state / "audit.log"
     if log_path.exists():
-        publish(log_path, Path(cfg.public_dir) / "audit.log")
+        publish(log_path, Path(cfg.public_dir) / "audit.log", cfg.uid)
 
 
 def _as_dict(config: object) -> dict:

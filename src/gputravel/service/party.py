@@ -8,6 +8,7 @@ cohort, for one party only. It never holds another party's secret.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gputravel.cohort import isolation
@@ -154,14 +155,56 @@ def _as_account(uid: int, home: Path | None) -> dict:
 
 def own_state(state: Path, uid: int, *, root_only: tuple[str, ...] = ()) -> Path:
     """A party's state directory belongs to its account (0700); `root_only` entries (the
-    emulated vendors' material, which only this service reads) stay root's."""
+    emulated vendors' material, which only this service reads) stay root's, never handed over
+    even for a moment. Pin them first (pinned_dir): the party may rename them afterwards."""
     if uid < 0:
         return state
-    isolation.give(state, uid, 0o700)
-    for name in root_only:
-        if (state / name).exists():
-            isolation.give(state / name, 0, 0o700)
+    isolation.give(state, uid, 0o700, keep=root_only)
     return state
+
+
+@contextlib.contextmanager
+def as_party(uid: int) -> Iterator[None]:
+    """Root working inside a party's own tree does it as that party (effective ids, no
+    groups): a link the party planted there, or swapped in meanwhile, then reaches only what
+    the party itself may reach (the hostile review of issue 30 had root write trust files and
+    a pinned ca.pem through such links). The service is one thread, so nothing else runs as
+    the party meanwhile."""
+    if uid < 0 or os.geteuid() != 0:
+        yield
+        return
+    groups = os.getgroups()
+    os.setgroups([])
+    os.setegid(uid)
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+        os.setgroups(groups)
+
+
+_PINNED: list[int] = []  # descriptors of pinned directories, open for the service's life
+
+
+def pinned_dir(path: Path) -> Path | None:
+    """A root-only directory in a party's tree (root's, writable by root alone: the emulated vendors' material),
+    held by descriptor before the tree is handed over; used through /proc/self/fd, so the party
+    renaming it or putting a link in its place later reaches nothing of root's. None: gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise BadInput(f"{path} is not a directory of root's ({exc.strerror}): initialise the cohort again") from None
+    st = os.fstat(fd)
+    if os.geteuid() == 0 and (st.st_uid != 0 or st.st_mode & 0o022):
+        os.close(fd)
+        raise BadInput(f"{path} is not root's alone (uid {st.st_uid}, mode {st.st_mode & 0o777:o}): "
+                       "initialise the cohort again")
+    _PINNED.append(fd)
+    return Path(f"/proc/self/fd/{fd}")
 
 
 def private_dir(path: str | Path) -> Path:
@@ -180,9 +223,12 @@ def private_dir(path: str | Path) -> Path:
     return p
 
 
-def publish(src: Path, dest: Path) -> None:
-    """Put a public file where peers look for it, whole or not at all."""
-    atomic_write_bytes(dest, read_plain(src))  # src is the party's: a plain file only, never through a link
+def publish(src: Path, dest: Path, uid: int = -1) -> None:
+    """Put a public file where peers look for it, whole or not at all. `src` is in the party's
+    tree: read as the party (as_party), a plain file only, never through a link."""
+    with as_party(uid):
+        data = read_plain(src)
+    atomic_write_bytes(dest, data)
 
 
 def wait_for_sockets(party: str, sockets: dict[str, str], stop: Callable[[], bool]) -> None:

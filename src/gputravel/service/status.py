@@ -24,6 +24,8 @@ from gputravel.holder.log_key import read_log_key
 from gputravel.orchestrator.audit import AuditError, Entry, Failure, mismatched_chunks, verify_log
 from gputravel.protocol.manifest import chunk_digest
 from gputravel.service.config import GpuService, HolderService, HostService, OrchestratorService, ServiceConfig
+from gputravel.service.party import as_party
+from gputravel.service.registry import bind
 
 __all__ = ["STATUS_FILE", "cohort_status", "party_name"]
 
@@ -168,7 +170,16 @@ def _my_chunks(cfg: HolderService, travels: list[Entry]) -> dict:
 
 
 def cohort_status(cfg: ServiceConfig) -> dict:
-    """Everything `gputravel status` shows for the party of `cfg`, as JSON-ready data."""
+    """Everything `gputravel status` shows for the party of `cfg`, as JSON-ready data. Only for
+    the party cohort init made (its registry, as `serve` checks), and read as that party: run
+    as root with another party's state in a config, it read that party's status, key and data
+    (the hostile review of issue 30)."""
+    bind(cfg, party_name(cfg))
+    with as_party(cfg.uid):
+        return _status(cfg)
+
+
+def _status(cfg: ServiceConfig) -> dict:
     out: dict = {"config": cfg.source, "party": party_name(cfg), "services": _services(cfg)}
     if isinstance(cfg, (OrchestratorService, HolderService)):
         out["published"] = _published(cfg.public_dir)
