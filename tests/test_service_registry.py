@@ -271,6 +271,6 @@ def test_a_link_planted_as_the_boot_lock_is_refused_not_followed(tmp_path: Path)
 
     lock = tmp_path / "gpu-0.lock"
     lock.symlink_to(tmp_path / "made-by-root")
-    with pytest.raises(BadInput, match="boot_lock: .* cannot be taken"):
+    with pytest.raises(BadInput, match=r"boot_lock: .* cannot be taken"):
         _try_lock(str(lock))
     assert not (tmp_path / "made-by-root").exists()
