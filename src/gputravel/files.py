@@ -10,7 +10,7 @@ import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Final, Literal, get_args
 
 
 def _umask() -> int:
@@ -50,6 +50,25 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def write_json(path: Path, data: object) -> None:
     """Write ``data`` as indented JSON, creating the directory, whole or not at all."""
     atomic_write_bytes(Path(path), (json.dumps(data, indent=2) + "\n").encode())
+
+
+#: What a data holder's dataset on disk is, the one definition (issue 26): "raw", one file
+#: whose bytes travel as they are; "tokens", llm.c shards (a directory or one .bin shard) or
+#: text, travelling as uint16 tokens. A cohort that only travels moves raw bytes unless told
+#: (cohort/config.py HolderSpec, holder/cvm.py HolderConfig); a holder of the services feeds a
+#: training job, so its config's default is tokens (service/config.py HolderService).
+DatasetFormat = Literal["raw", "tokens"]
+DATASET_FORMATS: tuple[DatasetFormat, ...] = get_args(DatasetFormat)
+RAW: Final = "raw"
+TOKENS: Final = "tokens"
+
+
+def dataset_kind(fmt: str) -> str:
+    """What must exist for a dataset of format `fmt`: "file" (raw) or "path" (tokens: a file or
+    a directory). ValueError, saying the formats there are, for any other `fmt`."""
+    if fmt not in DATASET_FORMATS:
+        raise ValueError(f"unknown dataset format {fmt!r}: use {' or '.join(map(repr, DATASET_FORMATS))}")
+    return "file" if fmt == RAW else "path"
 
 
 #: What `not_data` says of a path that is not there.

@@ -14,6 +14,7 @@ from gputravel.cohort.links import check_link_config
 from gputravel.cohort.trust import SharedRoots, TrustOptions
 from gputravel.crypto.pki import MEMBER_NAME
 from gputravel.errors import BadInput
+from gputravel.files import RAW, DatasetFormat, dataset_kind
 from gputravel.protocol.hardware import EMULATED, hardware_profile
 from gputravel.protocol.layout import Layout
 
@@ -35,7 +36,7 @@ def is_holder_name(name: object) -> bool:
 class HolderSpec:
     name: str
     dataset: str
-    format: str = "raw"  # "raw" bytes, or "tokens": llm.c shards (a directory or one .bin) or text
+    format: DatasetFormat = RAW  # files.py DATASET_FORMATS
     die_mid_copy_on_travel: int = 0  # fault injection (tests, red team): see HolderConfig
 
 
@@ -83,7 +84,7 @@ class CohortConfig:
     # memory only (it drops them once every cohort has booted); None: this cohort makes fresh
     # roots of its own. `gpu_index` k names this cohort's device GPU-EMU-k.
     roots: SharedRoots | None = field(default=None, repr=False, compare=False)
-    # The training job the orchestrator runs (TrainConfig as JSON): part of its measurement,
+    # The training job the orchestrator runs (train/job.py TrainConfig.canonical_json): part of its measurement,
     # which the holders pin; "": any job (a cohort that travels, or the red team's).
     job_json: str = ""
     gpu_index: int = 0
@@ -102,9 +103,11 @@ class CohortConfig:
         if self.buffer_bytes <= 0 or self.buffer_bytes % self.layout.record_bytes:
             raise BadInput(f"buffer size must be a positive multiple of {self.layout.record_bytes} bytes")
         for h in self.holders + self.late_holders:
-            if h.format not in ("raw", "tokens"):
-                raise BadInput(f"dataset format of holder {h.name!r} must be 'raw' or 'tokens', not {h.format!r}")
-            exists = Path(h.dataset).is_file() if h.format == "raw" else Path(h.dataset).exists()
+            try:
+                kind = dataset_kind(h.format)
+            except ValueError as exc:
+                raise BadInput(f"holder {h.name!r}: {exc}") from None
+            exists = Path(h.dataset).is_file() if kind == "file" else Path(h.dataset).exists()
             if not exists:
                 raise BadInput(f"dataset of holder {h.name!r} not found: {h.dataset}")
 

@@ -27,6 +27,7 @@ from gputravel.errors import (
     ProtocolError,
     TransportClosed,
 )
+from gputravel.files import RAW, TOKENS, DatasetFormat, dataset_kind
 from gputravel.protocol.layout import Layout
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.travel import Bye, HolderHello, ProbeDone, ProbeNow, SendChunk, TravelRequest
@@ -62,7 +63,7 @@ class HolderConfig:
     device_timeout: float = 30.0  # the host's MUX and the device, each step of a travel
     orchestrator_timeout: float = 30.0  # an attestation exchange, the answer to a join, one whole message
     audit_arrival: bool = False  # read the buffer back on arrival and count non-zero bytes
-    dataset_format: str = "raw"  # "raw": the file's bytes; "tokens": llm.c shards or text, as uint16 tokens
+    dataset_format: DatasetFormat = RAW  # files.py DATASET_FORMATS
     # Fault injection for tests and the red team: on this travel (1-based), die half-way
     # through the copy, as a CVM that crashes or is killed would. 0: never.
     die_mid_copy_on_travel: int = 0
@@ -86,15 +87,17 @@ class Dataset:
     CVM's private memory, so travels copy from it without touching the files again.
     """
 
-    def __init__(self, path: str, fmt: str = "raw") -> None:
+    def __init__(self, path: str, fmt: DatasetFormat) -> None:
         self.tokenizer = ""
         self._map: mmap.mmap | None = None
-        if fmt == "tokens":
+        try:
+            dataset_kind(fmt)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+        if fmt == TOKENS:
             self._load_tokens(path)
-        elif fmt == "raw":
-            self._load_raw(path)
         else:
-            raise BadInput(f"unknown dataset format {fmt!r}: use 'raw' or 'tokens'")
+            self._load_raw(path)
         self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
 
     def _load_raw(self, path: str) -> None:
