@@ -6,16 +6,24 @@ for the one test that runs the real entry point to see what a user sees."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+from importlib import import_module
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from gputravel.bench import codec as codec_bench
+from gputravel.bench import compare
+from gputravel.cli import audit as audit_cli
 from gputravel.cli.app import app
 from gputravel.cohort import capacity
+from gputravel.service import init as service_init
+
+prepare_module = import_module("gputravel.data.prepare")  # the package's `prepare` is its function
 
 DEEP = 5000  # far past Python's recursion limit: tomllib and json recurse once a level
 
@@ -211,3 +219,129 @@ def test_the_real_entry_point_prints_no_traceback(tmp_path: Path, deep_toml: Pat
         done = subprocess.run([*entry, *args], capture_output=True, text=True, timeout=120 * processes)
         out = " ".join((done.stdout + done.stderr).split())
         assert done.returncode == 1 and says in out and "Traceback" not in out, out
+
+
+# ----------------------------------------------------------------------------- review 2: bad input that hung or ran on
+def started(*_args: object, **_kwargs: object) -> None:
+    """Put where a command's real work starts: a refusal must come before it."""
+    raise AssertionError("the command started instead of refusing its input")
+
+
+def sigterm_self(*_args: object, **_kwargs: object) -> None:
+    """A SIGTERM to this process midway, as `timeout` sends it; only once the command made it
+    unwind (by default it would end the test run itself)."""
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, "SIGTERM would end the process unwinding nothing"
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.fixture
+def cohort_tmp(searchable_tmp: Path, tmp_path: Path) -> Path:
+    os.chmod(tmp_path, 0o711)  # init refuses, as root, a directory the parties could not reach
+    (tmp_path / "data.txt").write_text("text")
+    return tmp_path
+
+
+@pytest.fixture
+def key_and_log(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "key.pem").write_text("")
+    (tmp_path / "audit.log").write_bytes(b"")
+    return tmp_path / "key.pem", tmp_path / "audit.log"
+
+
+def test_audit_verify_reads_no_fifo_device_or_giant_as_the_log(tmp_path: Path, fifo: Path,
+                                                                key_and_log: tuple[Path, Path]) -> None:
+    key, _ = key_and_log
+    big = tmp_path / "big.log"
+    big.write_bytes(b"")
+    os.truncate(big, audit_cli.MAX_LOG_BYTES + 1)  # sparse: nothing written
+    for log, says in ((fifo, "is not a regular file"), (Path("/dev/zero"), "is not a regular file"),
+                      (big, f"above the {audit_cli.MAX_LOG_BYTES:,}")):
+        refused(["audit", "verify", str(log), "--key", str(key)], f"audit log {log}", says)
+
+
+def test_audit_verify_reads_no_fifo_device_or_giant_as_the_key(tmp_path: Path, fifo: Path,
+                                                                key_and_log: tuple[Path, Path]) -> None:
+    _, log = key_and_log
+    big = tmp_path / "big.pem"
+    big.write_bytes(b"")
+    os.truncate(big, audit_cli.MAX_KEY_BYTES + 1)
+    # /dev/null stands for /dev/urandom: a device is refused alike, and it ends if it is read.
+    for key, says in ((fifo, "is not a regular file"), (Path("/dev/null"), "is not a regular file"),
+                      (big, f"above the {audit_cli.MAX_KEY_BYTES:,}")):
+        refused(["audit", "verify", str(log), "--key", str(key)], f"--key {key}", says)
+
+
+def test_cohort_init_caps_gpus_by_the_uid_block_and_memory(cohort_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path = cohort_tmp
+    monkeypatch.setattr(service_init, "_provision", started)
+    args = ["cohort", "init", str(tmp_path / "cohort"), "--holder", f"a={tmp_path / 'data.txt'}", "--gpus"]
+    refused([*args, "100000"], "--gpus must be between 1 and 1019", "block of 1024 uids", "got 100000")
+    monkeypatch.setattr(capacity, "available_mib", lambda: 1000)
+    refused([*args, "20"], "--gpus 20", "MemAvailable 1000 MiB")
+    assert not (tmp_path / "cohort").exists()
+
+
+def test_a_sigterm_during_cohort_init_leaves_nothing(cohort_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path = cohort_tmp
+    monkeypatch.setattr(service_init, "write_registry", sigterm_self)  # the last step: most is written
+    refused(["cohort", "init", str(tmp_path / "cohort"), "--holder", f"a={tmp_path / 'data.txt'}"],
+            "stopped by SIGTERM; cohort init was undone")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.txt"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # as it was before the command
+
+
+def test_prepare_refuses_shards_of_a_few_tokens(tmp_path: Path) -> None:
+    (tmp_path / "text.txt").write_text("x" * 5000)
+    refused(["data", "prepare", "--input", str(tmp_path / "text.txt"), "--out", str(tmp_path / "out"),
+             "--tokenizer", "bytes", "--shard-tokens", "1"],
+            "--shard-tokens 1 would cut the input's up to 5,001 tokens into more than 1,024 shards",
+            "use --shard-tokens 5 or more")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
+
+
+def test_a_sigterm_during_prepare_leaves_no_temporary_directory(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prepare_module, "write_tokenizer_record", sigterm_self)  # after the shards
+    (tmp_path / "text.txt").write_text("x" * 5000)
+    refused(["data", "prepare", "--input", str(tmp_path / "text.txt"), "--out", str(tmp_path / "out"),
+             "--tokenizer", "bytes", "--shard-tokens", "100"], "stopped by SIGTERM; nothing was written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_demo_and_codec_refuse_counts_that_never_finish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec_bench, "_median_us", started)
+    huge = "99999999999999999999"
+    refused(["bench", "codec", "--repeat", huge], "--repeat must be between 1", f"and 1000, got {huge}")
+    import gputravel.jobs.training as training  # torch: only here
+
+    monkeypatch.setattr(training, "run_training_job", started)
+    refused(["demo", "--steps", huge, "--run-dir", str(tmp_path / "run")], f"--steps must be at most 10,000,000, got {huge}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_demo_refuses_a_run_directory_it_cannot_write_before_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gputravel.jobs.training as training  # torch: only here
+
+    monkeypatch.setattr(training, "run_training_job", started)
+    refused(["demo", "--run-dir", "/proc/self"], "--run-dir /proc/self: cannot write there")
+
+
+def test_compare_refuses_a_directory_as_the_plot_and_plots_to_the_path_named(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compare, "run", started)
+    refused(["bench", "compare", "--plot", str(tmp_path)], f"--plot {tmp_path} is a directory")
+    cell = {"bandwidth_mbit": None, "size_mib": 4, "travel_ms": 1.0, "baseline_ms": 2.0, "extrapolated": False,
+            "speedup": 2.0}
+    assert compare.plot({"cells": [cell], "link": "token-bucket"}, tmp_path / "figure") == tmp_path / "figure"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure"]  # not figure.png
+
+
+def test_a_cohort_dir_with_a_trailing_slash_is_named_so(cohort_tmp: Path) -> None:
+    tmp_path = cohort_tmp
+    service_init.init_cohort(tmp_path / "cohort", [("a", str(tmp_path / "data.txt"))])
+    config = tmp_path / "cohort" / "host.toml"
+    text = config.read_text()
+    config.write_text(text.replace(f'cohort_dir = "{tmp_path / "cohort"}"', f'cohort_dir = "{tmp_path / "cohort"}/"'))
+    refused(["status", "--config", str(config)],
+            "cohort_dir: expected the cohort directory's path without a trailing slash")

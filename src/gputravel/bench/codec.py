@@ -84,10 +84,14 @@ def _number(nbytes: int) -> int:
     return max(20, min(5000, (4 << 20) // max(nbytes, 1)))
 
 
+#: The most samples per message: each is about 4 MiB coded, so this is minutes of a run.
+MAX_REPEAT = 1000
+
+
 def run(repeat: int = 15, on_row: Callable[[dict], None] | None = None) -> dict:
     """Median encode and decode time per message (microseconds), and its encoded size."""
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise BadInput(f"--repeat must be at least 1 (a median needs a sample), got {repeat!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or not 1 <= repeat <= MAX_REPEAT:
+        raise BadInput(f"--repeat must be between 1 (a median needs a sample) and {MAX_REPEAT}, got {repeat!r}")
     rows = []
     for name, msg in messages().items():
         data = codec.encode(msg)

@@ -249,7 +249,7 @@ def plot(result: dict, path: Path) -> Path:
     fig.suptitle(f"GPU Travelling vs centralised TLS baseline (link: {result['link']})", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    fig.savefig(path, format="png")  # to `path` as named: without a format, "fig" would become fig.png
     return path
 
 

@@ -225,6 +225,7 @@ def bench_compare(
 ) -> None:
     """GPU Travelling vs the centralised TLS baseline on capped links (paper 7.2, Figure 6)."""
     try:
+        check_output_file(plot_path, "--plot")  # a directory is refused before the cells run, not after
         cfg = compare.CompareConfig(tuple(_sizes(sizes)), compare.parse_bandwidths(bandwidths), repeat, link,
                                     max_transfer_s, link_check_s, hardware=hardware)
         with console.status("booting a cohort per cell and measuring both methods..."):

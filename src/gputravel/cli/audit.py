@@ -9,6 +9,8 @@ entries cut off its end, which nothing in the log can tell apart (a head kept fr
 from __future__ import annotations
 
 import datetime
+import os
+import stat
 from pathlib import Path
 
 import typer
@@ -25,6 +27,9 @@ audit_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="The orchestrator's hash-chained, signed log of travels.")
 console = Console()
 NOT_CLOSED = 3  # the exit status of a log that verifies but is not closed (see the module's docstring)
+#: The largest log `verify` reads, all of it in memory: an entry is a few hundred bytes, so
+#: about a million travels. The largest key: a PEM certificate or public key is a few KiB.
+MAX_LOG_BYTES, MAX_KEY_BYTES = 256 << 20, 64 << 10
 
 
 @audit_app.callback()
@@ -78,6 +83,34 @@ def _head(text: str | None) -> bytes | None:
     return head
 
 
+def _regular(path: Path, what: str, limit: int) -> None:
+    """BadInput unless `path` is a regular file (a link followed) of at most `limit` bytes: a
+    FIFO blocks its reader until a writer comes, a device may never end."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise BadInput(f"{what} {path} does not exist") from None
+    except OSError as exc:
+        raise BadInput(f"{what} {path} cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadInput(f"{what} {path} is not a regular file")
+    if st.st_size > limit:
+        raise BadInput(f"{what} {path} is {st.st_size:,} bytes, above the {limit:,} it may be")
+
+
+def _read_key(path: Path) -> bytes:
+    """The --key file, read only if it is a regular file, and never past MAX_KEY_BYTES."""
+    _regular(path, "--key", MAX_KEY_BYTES)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # replaced by a FIFO since: no wait
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise BadInput(f"--key {path} is not a regular file")
+        data = f.read(MAX_KEY_BYTES + 1)
+    if len(data) > MAX_KEY_BYTES:
+        raise BadInput(f"--key {path} is above the {MAX_KEY_BYTES:,} bytes it may be")
+    return data
+
+
 def _error_json(exc: Exception) -> dict[str, object]:
     out: dict[str, object] = {"ok": False, "error": str(exc)}
     if isinstance(exc, AuditError):
@@ -108,7 +141,8 @@ def verify(
     missing at its end (a job still running, or a log cut short).
     """
     try:
-        summary = verify_log(log, key.read_bytes(), holder, gpu=gpu, allow_truncated_tail=allow_truncated_tail,
+        _regular(log, "audit log", MAX_LOG_BYTES)  # before it is read whole: no FIFO, device or giant
+        summary = verify_log(log, _read_key(key), holder, gpu=gpu, allow_truncated_tail=allow_truncated_tail,
                              known_head=_head(head))
     except (GputravelError, OSError) as exc:
         if json_out is not None:

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from gputravel.cohort.stopping import catch_term
 from gputravel.data.prepare import prepare as run_prepare
 from gputravel.data.tokenizer import get_tokenizer
 from gputravel.errors import GputravelError
@@ -36,16 +37,19 @@ def prepare(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the shards and tokenizer.json."),
     tokenizer: TokenizerChoice = typer.Option(TokenizerChoice.auto, help="auto = gpt2 when available offline, "
                                               "else bytes."),
-    shard_tokens: int = typer.Option(10**8, min=1, help="Tokens per shard (llm.c uses 10^8)."),
+    shard_tokens: int = typer.Option(10**8, min=1, help="Tokens per shard (llm.c uses 10^8); at most 1024 shards."),
     overwrite: bool = typer.Option(False, help="Replace the shards already in --out."),
 ) -> None:
     """Tokenize text into llm.c shards (each document preceded by end-of-text, as llm.c does)."""
+    undo_term = catch_term("nothing was written")  # SIGTERM unwinds, deleting the unfinished shards
     try:
         tok = get_tokenizer(tokenizer.value)
         result = run_prepare(inputs, out, tok, shard_tokens, progress=True, overwrite=overwrite)
     except GputravelError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")  # escape: "gputravel[bpe]" is no markup
         raise typer.Exit(1) from None
+    finally:
+        undo_term()
     shards = f"{len(result.shards)} shard{'s' if len(result.shards) != 1 else ''}"
     console.print(escape(f"prepared {result.files} files: {result.tokens:,} tokens in {shards} in {result.out} "
                          f"(tokenizer {result.tokenizer}, vocab {tok.vocab_size})"))

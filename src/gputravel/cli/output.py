@@ -3,6 +3,8 @@ where its JSON went."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
@@ -29,6 +31,19 @@ def check_output_dir(path: Path, flag: str) -> None:
     _check_parents(path, flag)
     if path.exists() and not path.is_dir():
         raise BadInput(f"{flag} {path} exists and is not a directory")
+
+
+def make_output_dir(path: Path, flag: str) -> None:
+    """Create the directory `path` (and its parents) if need be, and write and delete a file in
+    it: BadInput naming `flag` if that fails (/proc/self, a read-only mount), said before a run
+    whose results go there starts, not when it ends."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".gputravel-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise BadInput(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
 
 
 def check_output_file(path: Path | None, flag: str) -> None:

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from gputravel.cli.output import console, fail
 from gputravel.cohort.capacity import check_buffer
+from gputravel.cohort.stopping import catch_term
 from gputravel.errors import GputravelError
 from gputravel.files import MISSING, not_data
 from gputravel.service.config import load_service
@@ -59,6 +60,7 @@ def init(
 ) -> None:
     """Write one config file per party, the public trust anchors and empty state directories."""
     pairs = [_holder(h) for h in holders]
+    undo_term = catch_term("cohort init was undone")  # SIGTERM unwinds it too, as Ctrl-C does
     try:
         if buffer_kib is not None:  # before anything is written: what this machine's GPU can hold
             check_buffer(buffer_kib << 10, "--buffer-kib", 1 << 10)
@@ -66,6 +68,8 @@ def init(
                               buffer_bytes=None if buffer_kib is None else buffer_kib << 10)
     except GputravelError as exc:
         fail(exc)
+    finally:
+        undo_term()
     root = written[0].parent
     console.print(escape(f"cohort written to {root}:"), soft_wrap=True)
     for path in written:

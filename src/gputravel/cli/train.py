@@ -20,8 +20,11 @@ from gputravel.cohort.capacity import MAX_BUFFER_MIB, MIB, check_buffer
 from gputravel.errors import BadInput, GputravelError, number_in
 from gputravel.protocol.control import STEPS
 from gputravel.cli.hardware import hardware_option
-from gputravel.cli.output import check_output_dir, check_output_file, console, fail
+from gputravel.cli.output import check_output_dir, check_output_file, console, fail, make_output_dir
 
+#: The most --steps a run may ask for: days of training even on a GPU (the demo does 300), and
+#: a count every step counter (torch's int64 included) holds.
+MAX_STEPS = 10_000_000
 STEP_NAMES = {"o_cleanup": "scrub", "o_export": "O export (during the scrub)", "dh_switch": "switch to H (wait)", "dh_import": "H import",
               "dh_copy": "H copy", "dh_export": "H export", "tls": "TLS", "o_switch": "switch to O (wait)",
               "o_import": "O import", "o_rotate": "rotate"}
@@ -72,6 +75,8 @@ def training_job(
     try:  # every value checked, and the job against this machine, before anything starts
         check_output_dir(out, "--run-dir")
         check_output_file(json_path, "--json")
+        if steps > MAX_STEPS:  # the job takes any positive count
+            raise BadInput(f"--steps must be at most {MAX_STEPS:,}, got {steps}")
         number_in(buffer_mib, "--buffer-mib", high=MAX_BUFFER_MIB, unit=" MiB")
         if loader != "local":  # in the GPU's protected memory: whole pages (the local loader reads from disk)
             check_buffer(round(buffer_mib * MIB), "--buffer-mib", given=buffer_mib)
@@ -83,6 +88,7 @@ def training_job(
             run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
             servers=servers, server_mbit=server_mbit)
         check_capacity(cfg)
+        make_output_dir(out, "--run-dir")  # last, as it creates the directory: writable before the run
     except GputravelError as exc:
         fail(exc)
     names = ", ".join(n for n, _ in cfg.holders)

@@ -30,6 +30,9 @@ from gputravel.data.shards import MAX_TOKENS, SHARD_GLOB, write_shard
 from gputravel.data.tokenizer import RECORD_NAME, Tokenizer, get_tokenizer, write_tokenizer_record
 
 PROGRESS_MIN_FILES = 10  # below this a progress bar only flickers
+#: The most shards one prepare may write: each is a file with a 1 KiB header, so a tiny
+#: --shard-tokens would write a file (a few KiB on disk) for a handful of tokens.
+MAX_SHARDS = 1024
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,15 @@ def _check_shard_tokens(shard_tokens: int) -> None:
         raise BadInput(f"--shard-tokens must be an integer in 1..{MAX_TOKENS}, got {shard_tokens!r}")
 
 
+def _check_shard_count(files: list[Path], shard_tokens: int) -> None:
+    """At most MAX_SHARDS shards, whatever the text: a token is at least a byte (the byte
+    tokenizer's one a byte, GPT-2's byte pairs more), and every file adds its EOT."""
+    most = sum(f.stat().st_size for f in files) + len(files)
+    if -(-most // shard_tokens) > MAX_SHARDS:
+        raise BadInput(f"--shard-tokens {shard_tokens:,} would cut the input's up to {most:,} tokens into more than "
+                       f"{MAX_SHARDS:,} shards: use --shard-tokens {-(-most // MAX_SHARDS):,} or more")
+
+
 # ----------------------------------------------------------------------------- prepare
 def prepare(inputs: Sequence[Path | str], out: Path | str, tokenizer: Tokenizer | str, shard_tokens: int = 10**8,
             *, progress: bool = False, overwrite: bool = False) -> PrepareResult:
@@ -187,6 +199,7 @@ def prepare(inputs: Sequence[Path | str], out: Path | str, tokenizer: Tokenizer 
     if not inputs:
         raise BadInput("no inputs given; pass at least one text file or directory of .txt files")
     files = text_files(inputs)
+    _check_shard_count(files, shard_tokens)
     _check_out(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     # os.mkdir, not mkdtemp: the published directory should get the umask's permissions, not 0700.

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from gputravel.attest import GpuIssuer, init_roots, issue_gpu_ca, load_authority
 from gputravel.attest.provision import REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
-from gputravel.cohort import isolation
+from gputravel.cohort import capacity, isolation, stopping
 from gputravel.cohort.config import RESERVED_NAMES, is_holder_name
 from gputravel.cohort.trust import measure_orchestrator
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
@@ -101,6 +101,22 @@ def _record_bytes(buffer_bytes: int) -> int:
         return record_bytes_for(buffer_bytes)
     except BadInput as exc:
         raise BadInput(f"--buffer-kib: {exc}") from None
+
+
+def _check_gpus(gpus: int, holders: int, buffer_bytes: int) -> None:
+    """--gpus within what this machine carries (cohort/capacity.py), before anything is
+    written: every party's account comes from one block of uids (cohort/isolation.py), and each
+    GPU's service populates its VRAM (the dataset buffer and VRAM_MARGIN more) when it boots."""
+    if holders > capacity.MAX_HOLDERS:
+        raise BadInput(f"--holder: a cohort has at most {capacity.MAX_HOLDERS} holders, not {holders}")
+    most = isolation.BLOCK - 1 - len(_FIXED_PARTIES) - holders  # _uids: base + 1 onwards
+    if type(gpus) is not int or not 1 <= gpus <= most:
+        raise BadInput(f"--gpus must be between 1 and {most}: the parties of a cohort of {holders} holder"
+                       f"{'s' if holders != 1 else ''} share a block of {isolation.BLOCK} uids, got {gpus!r}")
+    vram_mib = -(-(buffer_bytes + VRAM_MARGIN) // MIB)
+    each = vram_mib + capacity.PROCESS_MIB
+    capacity.check_memory(gpus * each, f"--gpus {gpus}: the GPUs' services need", "use fewer --gpus",
+                          f"{each} MiB a GPU: its VRAM, populated when it boots, and its process")
 
 
 def _free_port(host: str) -> int:
@@ -178,10 +194,13 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
     return out
 
 
+_FIXED_PARTIES = ("host", "orchestrator", "tdx-module")  # every cohort's, beside its GPUs and holders
+
+
 def _uids(gpus: int, holders: list[str]) -> dict[str, int]:
     """One account per party when init runs as root (a free block, as the supervisor's); -1
     for all otherwise: the services then run as whoever starts them, with no uid boundary."""
-    parties = ["host", "orchestrator", "tdx-module", *(f"gpu-{k}" for k in range(gpus)),
+    parties = [*_FIXED_PARTIES, *(f"gpu-{k}" for k in range(gpus)),
                *(f"holder-{n}" for n in holders)]
     if not isolation.decide(None)[0]:
         return dict.fromkeys(parties, -1)
@@ -202,8 +221,6 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         raise BadInput(f"{d}: each party's account must reach it, but others cannot search {closed}; "
                        "choose a directory under one they can (or chmod o+x it)")
     checked = _check_holders(holders)
-    if type(gpus) is not int or gpus < 1:
-        raise BadInput(f"--gpus: expected a positive integer, got {gpus!r}")
     if steps is not None and (type(steps) is not int or steps < 1):
         raise BadInput(f"--steps: expected a positive integer, got {steps!r}")
     if buffer_bytes is not None:
@@ -215,6 +232,7 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         section = JobSection(run_dir=str(d / "run-dir"), **fields)
     except ValueError as exc:  # pydantic's ValidationError: name the field
         raise BadInput(f"[job]: {exc}") from None
+    _check_gpus(gpus, len(checked), section.buffer_bytes)
     port = _free_port("127.0.0.1")
     made = not d.exists()
     try:
@@ -235,8 +253,9 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         write_registry(d, {path.stem: cfg for path, cfg in configs})
         os.chmod(d, 0o755)  # the registry's word rests on nobody else writing here (service/registry.py)
         return written
-    except BaseException:
-        _undo(d, made)
+    except BaseException:  # Ctrl-C too, and SIGTERM where the caller made it unwind (stopping.catch_term)
+        with stopping.uninterrupted():  # a second signal cannot leave the undoing half done
+            _undo(d, made)
         raise
 
 

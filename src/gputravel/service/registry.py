@@ -68,6 +68,8 @@ def _trusted(st: os.stat_result, what: str, path: str) -> None:
 
 def _read(cohort_dir: str) -> dict[str, Any]:
     """The registry in `cohort_dir`, after checking that nobody else could have written it."""
+    if cohort_dir.endswith("/") and cohort_dir != "/":
+        raise BadInput(f"cohort_dir: expected the cohort directory's path without a trailing slash, got {cohort_dir}")
     if os.path.realpath(cohort_dir) != cohort_dir:
         raise BadInput(f"cohort_dir: {cohort_dir} goes through a link; name the cohort directory itself")
     try:
