@@ -10,6 +10,8 @@ marker.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass, field
 
@@ -31,6 +33,26 @@ def processes() -> float:
     """This test starts processes (slow tier). Its value: the factor every wait of the test
     scales by (GPUTRAVEL_TEST_TIMEOUT_SCALE), so a busy machine is given more time."""
     return TIMEOUT_SCALE
+
+
+_OWN_BASE: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """As root, a session's temporary directories go under a base of its own (0711), not the
+    shared /tmp/pytest-of-root: every pytest session makes that one 0700 again when it starts,
+    which, with a second suite running beside this one, shut the parties' accounts out of this
+    one's cohort directories halfway through. Deleted when the session ends."""
+    if os.geteuid() == 0 and config.option.basetemp is None and not hasattr(config, "workerinput"):
+        base = tempfile.mkdtemp(prefix="gputravel-tests-")
+        os.chmod(base, 0o711)
+        _OWN_BASE.append(base)
+        config.option.basetemp = os.path.join(base, "t")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for base in _OWN_BASE:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
