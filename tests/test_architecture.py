@@ -287,11 +287,13 @@ def test_the_scanner_sees_function_level_and_typing_only_imports() -> None:
     by_place = {(i.module, i.target): i for i in imports()}
     door = [i for i in imports() if i.module == REDTEAM_DOOR and package_of(i.target) == REDTEAM]
     assert door and all(i.in_function and i.lazy_reason for i in door)
-    # service/config.py names train.loop's TrainConfig for type checkers only, and loads it (and
-    # torch) in the one function that needs it.
-    config_to_loop = {(i.typing_only, i.in_function) for i in imports()
-                      if (i.module, i.target) == ("gputravel.service.config", "gputravel.train.loop")}
-    assert config_to_loop == {(True, False), (False, True)}
+    # cohort/trust.py names the orchestrator's config for type checkers only; the orchestrator's
+    # process loads the training loop (and torch) in the one function that trains.
+    trust_to_cvm = {(i.typing_only, i.in_function) for i in imports()
+                    if (i.module, i.target) == ("gputravel.cohort.trust", "gputravel.orchestrator.cvm")}
+    process_to_loop = {(i.typing_only, i.in_function) for i in imports()
+                       if (i.module, i.target) == ("gputravel.orchestrator.process", "gputravel.train.loop")}
+    assert trust_to_cvm == {(True, False)} and process_to_loop == {(False, True)}
     assert not by_place[("gputravel.host.process", "gputravel.host.mux")].typing_only
     assert ("gputravel.cli.app", "gputravel.files") in by_place
 

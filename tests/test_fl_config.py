@@ -3,7 +3,6 @@ FedAvg's plan, the held-out split, the holders' local steps and the weights they
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -100,7 +99,7 @@ def test_held_out_tokens_are_never_trained_on_and_iid_dealing_keeps_every_token(
 
 
 def test_holders_exchange_the_tied_matrix_once_and_local_steps_move_the_weights() -> None:
-    cfg = replace(bench_train_config(steps=4), n_layer=1, n_embd=32, n_head=2, batch=2, seq_len=16, warmup_steps=1)
+    cfg = bench_train_config(steps=4).replace(n_layer=1, n_embd=32, n_head=2, batch=2, seq_len=16, warmup_steps=1)
     model = initial_model(cfg)
     arrays = model_arrays(model)
     assert "lm_head.weight" not in arrays

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ TINY = dict(n_layer=1, n_embd=32, n_head=2, batch=4, seq_len=32, warmup_steps=2,
 
 
 def tiny_config(tmp_path: Path, **fl) -> TrainBenchConfig:
-    train = replace(bench_train_config(steps=8, buffer_bytes=64 << 10), **TINY)
+    train = bench_train_config(steps=8, buffer_bytes=64 << 10).replace(**TINY)
     return TrainBenchConfig((100.0,), train=train, holders=2, link="netns", methods=("fl",),
                             fl=FedAvgConfig(rounds=2, **fl), eval_batches=1, workdir=str(tmp_path))
 

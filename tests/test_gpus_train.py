@@ -53,7 +53,7 @@ def two_gpus(tmp_path_factory):
     os.chmod(tmp, 0o755)  # the ranks' CVMs run under uids of their own when the suite is root
     hs = holders(tmp)
     travelling = run_training_job(TrainingJobConfig(train=TINY, holders=hs, run_dir=str(tmp / "travelling"), gpus=2))
-    local = run_training_job(TrainingJobConfig(train=replace(TINY, loader="local"), holders=hs,
+    local = run_training_job(TrainingJobConfig(train=TINY.replace(loader="local"), holders=hs,
                                                run_dir=str(tmp / "local"), gpus=2))
     return tmp, hs, travelling, local
 
@@ -102,9 +102,9 @@ def test_the_proportional_schedule_carries_over_to_each_gpu(processes, two_gpus,
     robin's), and the travelling ranks train to the local ranks' losses."""
     _, hs, _, _ = two_gpus
     os.chmod(tmp_path, 0o755)
-    cfg = replace(TINY, schedule="proportional", batch=16, seq_len=64)  # a window a visit: 16 visits a GPU
+    cfg = TINY.replace(schedule="proportional", batch=16, seq_len=64)  # a window a visit: 16 visits a GPU
     travelling = run_training_job(TrainingJobConfig(train=cfg, holders=hs, run_dir=str(tmp_path / "t"), gpus=2))
-    local = run_training_job(TrainingJobConfig(train=replace(cfg, loader="local"), holders=hs,
+    local = run_training_job(TrainingJobConfig(train=cfg.replace(loader="local"), holders=hs,
                                                run_dir=str(tmp_path / "l"), gpus=2))
     assert travelling["losses"] == local["losses"]
     paths, differs = dict(hs), False
@@ -126,7 +126,7 @@ def test_the_job_refuses_more_gpus_than_holders(tmp_path):
 def test_a_killed_rank_stops_every_rank_and_the_job_resumes_losing_nothing(processes, two_gpus, tmp_path, kill_orchestrators):
     tmp, hs, uninterrupted, _ = two_gpus
     os.chmod(tmp_path, 0o755)
-    job = TrainingJobConfig(train=replace(TINY, checkpoint_every=2), holders=hs, run_dir=str(tmp_path / "run"), gpus=2)
+    job = TrainingJobConfig(train=TINY.replace(checkpoint_every=2), holders=hs, run_dir=str(tmp_path / "run"), gpus=2)
 
     def crash_early(event) -> None:
         if event.step == 3:
@@ -199,7 +199,7 @@ def test_ranks_told_different_jobs_refuse_each_other_and_each_is_held_to_its_sha
     every rank's holders) into their pair keys, so ranks told different jobs stop before a
     step. And a rank refuses a share that is not the holders it has."""
     job, _, dies, gpus = cohorts_with_a_dying_holder
-    _, errors = _train_every_rank(gpus, job, configs=[job.train, replace(job.train, seed=job.train.seed + 1)])
+    _, errors = _train_every_rank(gpus, job, configs=[job.train, job.train.replace(seed=job.train.seed + 1)])
     assert len(errors) == 2 and all(isinstance(e, PeerAttestationError) for e in errors), errors
     _, errors = _train_every_rank(gpus, job, shares=gpus.shares[::-1])
     assert len(errors) == 2 and all(isinstance(e, BadInput) and "not its share" in str(e) for e in errors), errors

@@ -27,7 +27,6 @@ from gputravel.service.config import (
     HostService,
     OrchestratorService,
     check_before_start,
-    job_train_config,
     load_service,
     quoting_socket,
 )
@@ -220,7 +219,7 @@ def test_gpus_get_a_file_each_with_its_own_serial_and_sockets(tmp_path: Path) ->
     (lambda d: d.update(hardware="a100"), "hardware: expected 'emulated' or 'paper-h100', got 'a100'"),
     (lambda d: d["layout"].update(record_bytes=5000), "layout.record_bytes: expected a power of two"),
     (lambda d: d["job"].update(buffer_bytes=4096), "job.buffer_bytes: expected a multiple of layout.record_bytes"),
-    (lambda d: d["job"].update(n_head=3), "job.n_embd: expected a multiple of n_head (3), got 64"),
+    (lambda d: d["job"].update(n_head=3), "job.n_embd: expected a multiple of n_head (3), got 256"),
     (lambda d: d["job"].update(schedule="random"), "job.schedule: expected 'round_robin' or 'proportional', got 'random'"),
     (lambda d: d.update(holders=["north", "north"]), "holders: expected unique member names"),
     (lambda d: d.pop("listen_port"), "listen_port: missing (required)"),
@@ -269,7 +268,7 @@ def test_before_start_a_missing_data_path_and_a_port_in_use_are_refused(cohort: 
 
 def test_the_job_becomes_the_training_configuration(cohort: Path) -> None:
     job = load_service(cohort / "orchestrator.toml").job
-    train = job_train_config(job)
+    train = job.train_config()
     assert (train.steps, train.buffer_bytes, train.tokenizer, train.loader) == \
         (job.steps, job.buffer_bytes, "bytes", "travelling")
 

@@ -89,12 +89,18 @@ def where() -> Path:
     shutil.rmtree(base, ignore_errors=True)
 
 
+#: A small job, so that many steps take seconds: a 2-layer, 64-wide GPT-2 on one thread, a
+#: checkpoint every 5 steps (the job's defaults, train/job.py, are the demo's larger one).
+SMALL_JOB = {"batch": 4, "warmup_steps": 2, "n_layer": 2, "n_head": 2, "n_embd": 64, "threads": 1,
+             "checkpoint_every": 5, "sample_tokens": 0}
+
+
 def _init(where: Path, south: str, steps: int) -> Path:
     """A cohort of two presses of the shipped Shakespeare (north: the tragedies) in `where`."""
     presses = shakespeare_holders()
     d = where / "cohort"
     init_cohort(d, [("north", str(presses["tragedies"])), ("south", str(presses[south]))],
-                steps=steps, buffer_bytes=16 << 10)
+                steps=steps, buffer_bytes=16 << 10, job=SMALL_JOB)
     return d
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,8 +77,8 @@ def test_the_services_train_and_a_copied_dataset_is_its_holders_alone(processes,
 
 def test_a_job_the_job_table_refuses_is_named_before_anything_starts(processes, tmp_path):
     job = _job(tmp_path)
-    bad = replace(job.train, n_head=4, n_embd=30)  # not a multiple of n_head: the [job] table is refused
-    with pytest.raises(BadInput, match="n_embd"):
+    bad = job.train.replace(buffer_bytes=4096 + 512)  # part of a page: the [job] table is refused
+    with pytest.raises(BadInput, match=r"job\.buffer_bytes"):
         with ServiceLaunch(job.holders, bad.to_dict(), tmp_path / "run", audit_log=tmp_path / "a.log",
                            certificate=tmp_path / "o.pem"):
             pass

@@ -52,7 +52,7 @@ def both_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("g2")
     hs = holders(tmp)
     travelling = run_training_job(TrainingJobConfig(train=TINY, holders=hs, run_dir=str(tmp / "travelling")))
-    local = run_training_job(TrainingJobConfig(train=replace(TINY, loader="local"), holders=hs, run_dir=str(tmp / "local")))
+    local = run_training_job(TrainingJobConfig(train=TINY.replace(loader="local"), holders=hs, run_dir=str(tmp / "local")))
     return tmp, travelling, local
 
 
@@ -108,7 +108,7 @@ def test_bad_job_input_is_refused(tmp_path):
 
 def test_a_killed_orchestrator_resumes_from_its_checkpoint_exactly(processes, both_runs, tmp_path, kill_orchestrators):
     _, uninterrupted, _ = both_runs
-    job = TrainingJobConfig(train=replace(TINY, checkpoint_every=2), holders=holders(tmp_path), run_dir=str(tmp_path / "run"))
+    job = TrainingJobConfig(train=TINY.replace(checkpoint_every=2), holders=holders(tmp_path), run_dir=str(tmp_path / "run"))
 
     def crash_early(event) -> None:
         # Early, so the orchestrator (which does not wait for us) cannot finish all 48 steps
@@ -131,7 +131,7 @@ def test_a_run_asked_to_stop_ends_at_a_step_checkpointed_there_and_resumes_exact
     ends after the step it is on, the checkpoint is of that step, and a resume continues from
     it with the losses of an uninterrupted run."""
     _, _, uninterrupted = both_runs
-    job = resolve(TrainingJobConfig(train=replace(TINY, loader="local"), holders=holders(tmp_path), run_dir=str(tmp_path)))
+    job = resolve(TrainingJobConfig(train=TINY.replace(loader="local"), holders=holders(tmp_path), run_dir=str(tmp_path)))
     tokens = {n: load_tokens(p).tokens for n, p in job.holders}
     asked = []
     first = train(job.train, LocalSource(tokens), run_dir=tmp_path / "run", on_step=lambda e: asked.append(e.step),
@@ -143,16 +143,16 @@ def test_a_run_asked_to_stop_ends_at_a_step_checkpointed_there_and_resumes_exact
 
 
 def test_resuming_with_another_job_or_without_a_checkpoint_is_refused(tmp_path):
-    job = TrainingJobConfig(train=replace(TINY, loader="local", steps=10), holders=holders(tmp_path), run_dir=str(tmp_path / "r"))
+    job = TrainingJobConfig(train=TINY.replace(loader="local", steps=10), holders=holders(tmp_path), run_dir=str(tmp_path / "r"))
     with pytest.raises(BadInput, match="nothing to resume"):
         run_training_job(replace(job, resume=True))
     run_training_job(job)
     with pytest.raises(BadInput, match=r"another job.*lr"):
-        run_training_job(replace(job, train=replace(job.train, lr=0.5), resume=True))
+        run_training_job(replace(job, train=job.train.replace(lr=0.5), resume=True))
 
 
 def test_a_fresh_run_into_a_used_run_directory_starts_its_metrics_over(tmp_path):
-    job = TrainingJobConfig(train=replace(TINY, loader="local", steps=6), holders=holders(tmp_path), run_dir=str(tmp_path / "r"))
+    job = TrainingJobConfig(train=TINY.replace(loader="local", steps=6), holders=holders(tmp_path), run_dir=str(tmp_path / "r"))
     run_training_job(job)
     run_training_job(job)  # not resumed: the same steps again, logged once
     steps = [int(line.split(",")[0]) for line in (tmp_path / "r" / "metrics.csv").read_text().splitlines()[1:]]
@@ -208,7 +208,7 @@ def test_the_orchestrator_runs_only_the_job_it_was_measured_with(processes, tmp_
                        job_json=json.dumps(job.train.to_dict()))
     with Cohort(cfg) as cohort:
         with pytest.raises(BadInput, match="measured with"):
-            cohort.train(json.dumps(replace(job.train, seed=job.train.seed + 1).to_dict()))
+            cohort.train(job.train.replace(seed=job.train.seed + 1).canonical_json())
 
 
 def test_every_travel_is_in_the_orchestrators_signed_log(processes, both_runs):

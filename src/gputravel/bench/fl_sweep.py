@@ -20,7 +20,7 @@ press per holder) and on the same tokens dealt out mixed (IID), against travelli
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from gputravel.bench import train
@@ -95,7 +95,7 @@ def _cell(cfg: SweepConfig, holder_tokens: int, n_layer: int, n_embd: int, metho
     local = (holder_tokens - 1) // (probe.batch * probe.seq_len) // cfg.rounds
     if local < 1:
         raise BadInput(f"--holder-tokens {holder_tokens} is less than one batch per round")
-    t = replace(probe, steps=cfg.rounds * HOLDERS * local)
+    t = probe.replace(steps=cfg.rounds * HOLDERS * local)
     bench = train.TrainBenchConfig((cfg.bandwidth_mbit,), train=t, holders=HOLDERS, link=cfg.link, methods=methods,
                                    fl=FedAvgConfig(rounds=cfg.rounds), holder_tokens=holder_tokens,
                                    workdir=cfg.workdir)

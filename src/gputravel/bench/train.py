@@ -20,10 +20,9 @@ which have no wire to count), ``holder_compute_s`` (0 unless the holders train),
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from gputravel.jobs.training import TrainingJobConfig, default_holders, layout_f
 from gputravel.net import LINK_NETNS
 from gputravel.net.counters import bytes_between, link_bytes
 from gputravel.protocol.hardware import EMULATED, hardware_profile
-from gputravel.train.loop import TrainConfig
+from gputravel.train.job import TrainConfig
 from gputravel.train.model import GPT
 from gputravel.train.rundir import load_checkpoint
 
@@ -54,9 +53,10 @@ __all__ = ["METHODS", "PAPER_TABLE2", "TrainBenchConfig", "bench_train_config", 
 
 def bench_train_config(steps: int = 600, buffer_bytes: int = 128 << 10, *, n_layer: int = 4, n_embd: int = 128,
                        n_head: int = 4) -> TrainConfig:
-    """The job every method runs: a small GPT-2 (4 layers, 128 wide), no sample at the end."""
+    """The job every method runs: a small GPT-2 (4 layers, 128 wide), no sample at the end, and
+    one checkpoint, at the end (the one its final loss is measured on): none within the timing."""
     return TrainConfig(steps=steps, buffer_bytes=buffer_bytes, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                       sample_tokens=0)
+                       sample_tokens=0, checkpoint_every=0)
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -152,7 +152,7 @@ def _centralised(job: TrainingJobConfig, data: holdout.HeldOut, kind: str, bw: f
                  where: Path, cfg: TrainBenchConfig) -> tuple[dict, dict | None]:
     """One travelling or TLS run; its report, and the bytes its holders' links carried
     during training (None on token-bucket links)."""
-    t = replace(job.train, loader=SOURCE[method])
+    t = job.train.replace(loader=SOURCE[method])
     where.mkdir(parents=True)
     holders = tuple(HolderSpec(name, path, "tokens") for name, path in job.holders)
     cohort_cfg = CohortConfig(holders=holders, buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes),
@@ -162,7 +162,7 @@ def _centralised(job: TrainingJobConfig, data: holdout.HeldOut, kind: str, bw: f
     with Cohort(cohort_cfg) as cohort:
         shaped = cohort.links.shaped
         before = link_bytes(shaped) if shaped is not None else None
-        report = cohort.train(json.dumps(t.to_dict()), str(where.resolve()))
+        report = cohort.train(t.canonical_json(), str(where.resolve()))
         moved = bytes_between(before, link_bytes(shaped)) if shaped is not None else None
     return report, moved
 

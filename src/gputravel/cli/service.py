@@ -20,6 +20,9 @@ from gputravel.files import MISSING, not_data
 from gputravel.service.config import load_service
 from gputravel.service.init import init_cohort
 from gputravel.service.status import cohort_status
+from gputravel.train.job import TrainConfig
+
+JOB = TrainConfig().to_dict()  # the defaults of a training job, for the options' help
 
 __all__ = ["cohort_app", "serve_command", "status_command"]
 
@@ -55,8 +58,8 @@ def init(
     directory: Path = typer.Argument(..., help="A new (or empty) directory for the cohort's files."),
     holders: list[str] = typer.Option(..., "--holder", help="A data holder: NAME=PATH of its data; repeat."),
     gpus: int = typer.Option(1, min=1, help="GPUs to configure (gpu-0.toml, ...); the orchestrator uses gpu-0."),
-    steps: Optional[int] = typer.Option(None, min=1, help="Training steps of the job (default 20)."),
-    buffer_kib: Optional[int] = typer.Option(None, min=4, help="The dataset buffer in the GPU, KiB (default 256; a multiple of 4, at most 1048576)."),
+    steps: Optional[int] = typer.Option(None, min=1, help=f"Training steps of the job (default {JOB['steps']})."),
+    buffer_kib: Optional[int] = typer.Option(None, min=4, help=f"The dataset buffer in the GPU, KiB (default {JOB['buffer_bytes'] >> 10}; a multiple of 4, at most 1048576)."),
 ) -> None:
     """Write one config file per party, the public trust anchors and empty state directories."""
     pairs = [_holder(h) for h in holders]

@@ -21,6 +21,9 @@ from gputravel.errors import BadInput, GputravelError, number_in
 from gputravel.protocol.control import STEPS
 from gputravel.cli.hardware import hardware_option
 from gputravel.cli.output import check_output_dir, check_output_file, console, fail, make_output_dir
+from gputravel.train.job import TrainConfig
+
+JOB = TrainConfig()  # the options' defaults are the job's (train/job.py)
 
 #: The most --steps a run may ask for: days of training even on a GPU (the demo does 300), and
 #: a count every step counter (torch's int64 included) holds.
@@ -43,16 +46,16 @@ def _holder_data(items: list[str]) -> tuple[tuple[str, str], ...]:
 def training_job(
     holders: int = typer.Option(3, help="Data holders (one CVM process each); the demo data is split among them."),
     holder_data: list[str] = typer.Option([], "--holder-data", help="NAME=PATH of a holder's llm.c shards or text (repeatable; replaces the demo data)."),
-    steps: int = typer.Option(300, help="Training steps."),
-    batch: int = typer.Option(8, help="Batch size B."),
-    seq_len: int = typer.Option(64, help="Sequence length T."),
-    buffer_mib: float = typer.Option(0.0625, help="Dataset buffer in the GPU's protected memory, MiB (a multiple of 4 KiB, at most 1024, and what this machine's memory holds)."),
-    schedule: str = typer.Option("round_robin", help="Which holder the GPU visits next: round_robin or proportional."),
-    seed: int = typer.Option(0, help="Seed of the model initialisation and the sample."),
-    loader: str = typer.Option("travelling", help="travelling (GPU travels to holders) or local (same tokens from disk: the G2 reference)."),
-    threads: int = typer.Option(2, help="CPU threads for training (same value, same losses)."),
+    steps: int = typer.Option(JOB.steps, help="Training steps."),
+    batch: int = typer.Option(JOB.batch, help="Batch size B."),
+    seq_len: int = typer.Option(JOB.seq_len, help="Sequence length T."),
+    buffer_mib: float = typer.Option(JOB.buffer_bytes / MIB, help="Dataset buffer in the GPU's protected memory, MiB (a multiple of 4 KiB, at most 1024, and what this machine's memory holds)."),
+    schedule: str = typer.Option(JOB.schedule, help="Which holder the GPU visits next: round_robin or proportional."),
+    seed: int = typer.Option(JOB.seed, help="Seed of the model initialisation and the sample."),
+    loader: str = typer.Option(JOB.loader, help="travelling (GPU travels to holders) or local (same tokens from disk: the G2 reference)."),
+    threads: int = typer.Option(JOB.threads, help="CPU threads for training (same value, same losses)."),
     run_dir: Optional[Path] = typer.Option(None, help="Where report.json, metrics.csv, loss.png, the checkpoint and the sample go (default runs/<time>)."),
-    checkpoint_every: int = typer.Option(100, help="Save a checkpoint every N steps (and at the end); 0: only at the end."),
+    checkpoint_every: int = typer.Option(JOB.checkpoint_every, help="Save a checkpoint every N steps (and at the end); 0: only at the end."),
     resume: bool = typer.Option(False, help="Continue the run in --run-dir from its checkpoint (same options as the first run)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
     hardware: str = hardware_option(),
@@ -64,10 +67,9 @@ def training_job(
 
     A whole local cohort runs (host, GPU, orchestrator, data holders as processes); the
     orchestrator trains on each chunk the GPU brings back from a holder."""
-    # Both import torch (about a second), which `gputravel --help` and the other commands do without.
+    # It imports torch (about a second), which `gputravel --help` and the other commands do without.
     from gputravel.jobs.training import (  # lazy: torch
         TrainingJobConfig, check_capacity, default_holders, run_training_job)
-    from gputravel.train.loop import TrainConfig  # lazy: torch
 
     if resume and run_dir is None:
         fail(BadInput("--resume needs the --run-dir of the run to continue"))
@@ -81,9 +83,9 @@ def training_job(
         if loader != "local":  # in the GPU's protected memory: whole pages (the local loader reads from disk)
             check_buffer(round(buffer_mib * MIB), "--buffer-mib", given=buffer_mib)
         cfg = TrainingJobConfig(
-            train=TrainConfig(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
+            train=JOB.replace(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
                               schedule=schedule, seed=seed, loader=loader, threads=threads,
-                              checkpoint_every=checkpoint_every),
+                              checkpoint_every=checkpoint_every),  # BadInput naming the flag
             holders=_holder_data(holder_data) if holder_data else default_holders(holders, out),
             run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
             servers=servers, server_mbit=server_mbit)

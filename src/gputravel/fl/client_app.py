@@ -10,7 +10,6 @@ Context's state, which Flower carries from round to round.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from flwr.clientapp import ClientApp
 
 from gputravel.data.holder_tokens import load_tokens
 from gputravel.fl.local import local_train, schedule_config
-from gputravel.train.loop import TrainConfig
+from gputravel.train.job import TrainConfig
 
 app = ClientApp()
 STATE = "gputravel"
@@ -29,7 +28,7 @@ STATE = "gputravel"
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
-    cfg = TrainConfig(**json.loads(str(config["train-json"])))
+    cfg = TrainConfig.from_json(str(config["train-json"]))
     holder, index = str(context.node_config["holder"]), int(context.node_config["index"])
     tokens = load_tokens(str(context.node_config["data"])).tokens
     rnd, steps = int(config["server-round"]), int(config["local-steps"])

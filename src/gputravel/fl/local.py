@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from gputravel.errors import BadInput
-from gputravel.train.loop import TrainConfig, _lr as lr_at, build_model
+from gputravel.train.job import TrainConfig
+from gputravel.train.loop import _lr as lr_at, build_model
 from gputravel.train.model import GPT, GPTConfig
 
 TIED = "lm_head.weight"  # the same Parameter as transformer.wte.weight
@@ -63,7 +64,7 @@ def schedule_config(cfg: TrainConfig, holder_steps: int) -> TrainConfig:
     """The learning-rate schedule of one holder: the centralised run's, stretched over its own
     ``holder_steps`` (rounds x local steps), warm-up in proportion."""
     warmup = max(1, round(cfg.warmup_steps * holder_steps / cfg.steps)) if cfg.warmup_steps else 0
-    return replace(cfg, steps=holder_steps, warmup_steps=min(warmup, holder_steps))
+    return cfg.replace(steps=holder_steps, warmup_steps=min(warmup, holder_steps))
 
 
 def windows(tokens: np.ndarray, batch: int, seq_len: int) -> int:

@@ -29,14 +29,14 @@ from gputravel.fl.config import FedAvgConfig, FedAvgPlan, drop_target, framework
 from gputravel.fl.deploy import FlowerDeployment
 from gputravel.files import write_json
 from gputravel.net.counters import bytes_between
-from gputravel.train.loop import TrainConfig
+from gputravel.train.job import TrainConfig
 
 CONNECT_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
 class FlJob:
-    train: TrainConfig
+    train: TrainConfig  # the job the centralised methods train (train/job.py): FedAvg's model, batches and schedule
     fl: FedAvgConfig
     holders: Mapping[str, str]  # name -> the holder's training tokens (what its ClientApp reads)
     bandwidth_mbit: float | None

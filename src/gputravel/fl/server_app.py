@@ -28,7 +28,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from gputravel.fl.local import initial_model, model_arrays
 from gputravel.files import write_json
-from gputravel.train.loop import TrainConfig
+from gputravel.train.job import TrainConfig
 
 app = ServerApp()
 
@@ -88,13 +88,13 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def _run(grid: Grid, job: dict, out: Path) -> None:
-    cfg = TrainConfig(**job["train"])
+    cfg = TrainConfig.from_dict(job["train"])
     plan, fl = job["plan"], job["fl"]
     torch.set_num_threads(cfg.threads)
     nodes = _wait_for_holders(grid, len(plan["holders"]), job["connect_timeout_s"])
     strategy = RecordingFedAvg(fraction_train=plan["fraction"], fraction_evaluate=0.0, min_train_nodes=1,
                                min_evaluate_nodes=0, min_available_nodes=1)
-    train_config = ConfigRecord({"train-json": json.dumps(job["train"]), "local-steps": plan["local_steps"],
+    train_config = ConfigRecord({"train-json": cfg.canonical_json(), "local-steps": plan["local_steps"],
                                  "holder-steps": plan["rounds"] * plan["local_steps"],
                                  "holder-threads": fl["holder_threads"], "progress-dir": job["progress_dir"]})
     t0 = time.time()

@@ -32,7 +32,8 @@ from gputravel.data.holder_tokens import load_tokens
 from gputravel.ddp.launch import free_port, run_processes
 from gputravel.errors import BadInput
 from gputravel.train.loader import LocalSource
-from gputravel.train.loop import TrainConfig, checkpoint_world_size, make_report, sample_tokenizer, train
+from gputravel.train.job import TrainConfig
+from gputravel.train.loop import checkpoint_world_size, make_report, sample_tokenizer, train
 from gputravel.train.ranks import Ranks
 
 __all__ = ["MEASUREMENT", "RankJob", "new_quoting_root", "rank_shares", "run_local_ranks", "train_rank"]

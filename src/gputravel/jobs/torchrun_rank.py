@@ -9,8 +9,8 @@ rank meets the others by env:// (train/ranks.py) and runs the rank body run_loca
 same seed and thread count, it gives the same losses as run_local_ranks, bit for bit
 (tests/test_torchrun.py). Rank 0 writes the run directory and its report.json.
 
-The job directory holds job.json (the TrainConfig, the shares, the run directory, the job's
-context and the measurement every rank runs) and the job's *emulated* quoting root: its
+The job directory holds job.json (the job as train/job.py's TrainConfig, the shares, the run
+directory, the job's context and the measurement every rank runs) and the job's *emulated* quoting root: its
 certificate and private key, in files of mode 0600 beside job.json, which every rank reads to
 provision its emulated quoting enclave. That shared key is emulation only: on real hardware
 each rank's TDX module quotes with its own hardware-rooted key, no key is shared, and the job
@@ -31,7 +31,7 @@ from gputravel.crypto.certs import write_private
 from gputravel.errors import BadInput
 from gputravel.files import write_json
 from gputravel.jobs.local_ranks import MEASUREMENT, RankJob, new_quoting_root, rank_shares, train_rank
-from gputravel.train.loop import TrainConfig
+from gputravel.train.job import TrainConfig
 
 __all__ = ["JOB_FILE", "main", "read_torchrun_job", "write_torchrun_job"]
 
@@ -48,7 +48,7 @@ class _JobFile(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     format: str
-    train: dict
+    train: TrainConfig
     shares: list[list[tuple[str, str]]]  # per rank: (holder name, path of its tokens)
     run_dir: str
     resume_from: str | None
@@ -77,7 +77,7 @@ def write_torchrun_job(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, st
     write_private(job_dir / ROOT_KEY_FILE, key)
     # Names this job and is fresh: quotes made for it are refused in any other (ddp/keys.py).
     context = b"gputravel torchrun ranks/" + os.urandom(32)
-    job = _JobFile(format=FORMAT, train=cfg.to_dict(), shares=[list(share) for share in shares],
+    job = _JobFile(format=FORMAT, train=cfg, shares=[list(share) for share in shares],
                    run_dir=str(Path(run_dir).resolve()), resume_from=str(resume) if resume else None,
                    context=context.hex(), measurement=MEASUREMENT.hex())
     write_json(job_dir / JOB_FILE, job.model_dump())  # written last: a job.json means a whole job
@@ -98,10 +98,10 @@ def _load(job_dir: Path, rank: int, world_size: int) -> tuple[RankJob, tuple[tup
                        f"{world_size}: launch {len(job.shares)} ranks in all (--nnodes x --nproc-per-node)")
     if not 0 <= rank < world_size:
         raise BadInput(f"RANK={rank} is not in 0..{world_size - 1}")
+    cfg = job.train
     try:
-        cfg = TrainConfig(**job.train)
         context, measurement = bytes.fromhex(job.context), bytes.fromhex(job.measurement)
-    except (TypeError, ValueError) as exc:  # BadInput from TrainConfig passes through as it is
+    except ValueError as exc:
         raise BadInput(f"{job_dir / JOB_FILE}: malformed ({exc})") from None
     shares = rank_shares(job.shares, Path(job.resume_from) if job.resume_from else None)
     root = (_read_file(job_dir / ROOT_CERT_FILE), _read_file(job_dir / ROOT_KEY_FILE))

@@ -8,7 +8,6 @@ holders' tokens read from disk, in the same order: the reference for paper goal 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass, replace
@@ -30,12 +29,13 @@ from gputravel.data.holder_tokens import load_tokens
 from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput, number_in
-from gputravel.files import MISSING, atomic_write_bytes, not_data, write_json
+from gputravel.files import MISSING, TOKENS, atomic_write_bytes, not_data, write_json
 from gputravel.net.tc import MAX_BANDWIDTH_MBIT
 from gputravel.protocol.hardware import hardware_profile
 from gputravel.protocol.layout import Layout, record_bytes_for
 from gputravel.train.loader import TOKEN_BYTES, LocalSource
-from gputravel.train.loop import StepEvent, TrainConfig, checkpoint_shares, make_report, sample_tokenizer, train
+from gputravel.train.job import TrainConfig
+from gputravel.train.loop import StepEvent, checkpoint_shares, make_report, sample_tokenizer, train
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def resolve(cfg: TrainingJobConfig) -> TrainingJobConfig:
         raise BadInput(f"holders disagree on the tokenizer: {names}; prepare every holder's data with the same one")
     if first not in KNOWN:
         raise BadInput(f"unknown tokenizer {first!r} in the holders' tokenizer.json: known are {', '.join(KNOWN)}")
-    return replace(cfg, train=replace(cfg.train, tokenizer=first, vocab_size=KNOWN[first].vocab_size))
+    return replace(cfg, train=cfg.train.replace(tokenizer=first, vocab_size=KNOWN[first].vocab_size))
 
 
 def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None] | None = None) -> dict:
@@ -245,10 +245,10 @@ def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares
     0 writes the run directory and streams its steps. Any rank failing stops them all."""
     t = cfg.train
     logs = [_audit_paths(run_dir, f"gpu-{k}-") for k in range(cfg.gpus)]
-    base = CohortConfig(holders=tuple(HolderSpec(n, p, "tokens") for n, p in cfg.holders),
+    base = CohortConfig(holders=tuple(HolderSpec(n, p, TOKENS) for n, p in cfg.holders),
                         buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
                         output_dirs=(str(run_dir),), hardware=cfg.hardware, link="netns" if cfg.servers else "auto",
-                        job_json=json.dumps(t.to_dict()))
+                        job_json=t.canonical_json())
 
     def per_gpu(k: int, c: CohortConfig) -> CohortConfig:
         # Only rank 0 writes into the run directory; each rank signs its own travel log.
@@ -265,7 +265,7 @@ def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares
         relay = None if on_step is None else (lambda m: on_step(StepEvent(**{f: getattr(m, f) for f in StepEvent.__dataclass_fields__})))
 
         def rank(k: int, cohort: Cohort) -> dict:
-            return cohort.train(json.dumps(t.to_dict()), str(run_dir.resolve()) if k == 0 else "",
+            return cohort.train(t.canonical_json(), str(run_dir.resolve()) if k == 0 else "",
                                          str(resume.absolute()) if resume else "", on_step=relay if k == 0 else None,
                                          rank=replace(place, rank=k))
 

@@ -64,7 +64,7 @@ class OrchestratorConfig:
     trust_dir: str = ""  # roots, GPU reference values, where its TDX module listens (cohort/trust.py); required
     audit_log: str = ""  # where the signed travel log goes (orchestrator/travel_log.py); "": none
     hardware: str = "emulated"  # protocol/hardware.py: floors on the context exchange and the baseline's write
-    # The one training job this orchestrator runs (train.loop.TrainConfig as JSON), or "" for
+    # The one training job this orchestrator runs (train/job.py TrainConfig.canonical_json), or "" for
     # any. Measured like every field here, so a holder's policy pins the job run on its data;
     # a Train command for another job is refused (orchestrator/process.py).
     job_json: str = ""

@@ -93,13 +93,14 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport,
     """Train inside this CVM on batches the GPU fetched by travelling; stream each step out."""
     # Here, not at the top: training needs torch, which a cohort that only travels never loads.
     from gputravel.train.loader import BaselineSource, TravelSource  # lazy: torch, for training only
-    from gputravel.train.loop import TrainConfig, make_report, sample_tokenizer, train  # lazy: torch
+    from gputravel.train.job import TrainConfig  # lazy: pydantic, for training only
+    from gputravel.train.loop import make_report, sample_tokenizer, train  # lazy: torch
 
-    cfg = TrainConfig(**json.loads(cmd.config_json))
+    cfg = TrainConfig.from_json(cmd.config_json)
     if orch.travel_log is not None and orch.travel_log.closed:
         raise BadInput("this orchestrator's job is done and its travel log closed: launch a new orchestrator "
                        "(and log) for another job")
-    if orch.config.job_json and json.loads(orch.config.job_json) != cfg.to_dict():
+    if orch.config.job_json and TrainConfig.from_json(orch.config.job_json) != cfg:
         raise BadInput("the job differs from the one this orchestrator was measured with, "
                        "which the holders pinned: launch an orchestrator for this job")
     if cfg.buffer_bytes != orch.config.buffer_bytes:

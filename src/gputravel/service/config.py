@@ -14,7 +14,7 @@ import re
 import socket
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
 from pydantic import field_validator, model_validator
@@ -22,23 +22,19 @@ from pydantic import field_validator, model_validator
 from gputravel.attest.policy import GpuRequirements, Policy
 from gputravel.attest.provision import REFERENCE_FILE
 from gputravel.crypto.pki import MEMBER_NAME
-from gputravel.data.tokenizer import KNOWN
 from gputravel.errors import BadInput
+from gputravel.files import TOKENS, DatasetFormat, dataset_kind
 from gputravel.protocol.layout import MIB, PAGE, Layout
-from gputravel.train.schedule import POLICIES
-
-if TYPE_CHECKING:  # train.loop imports torch: only job_train_config loads it
-    from gputravel.train.loop import TrainConfig
+from gputravel.train.job import TrainConfig
 
 __all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
-           "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "job_train_config",
-           "load_service", "quoting_socket", "validate_service", "PARTIES", "MAX_SOCKET_PATH"]
+           "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "load_service",
+           "quoting_socket", "validate_service", "PARTIES", "MAX_SOCKET_PATH"]
 
 PARTIES = ("host", "gpu", "orchestrator", "holder")
 NAME_PATTERN = f"^{MEMBER_NAME.pattern}$"  # the members' own rule (crypto/pki.py)
 HEX96_PATTERN = r"^[0-9a-f]{96}$"
 _KEYED = re.compile(r"^[a-z_.]+: ")
-_FLAG = re.compile(r"--([a-z-]+)")
 _SHOULD = re.compile(r"^(\w+) should (be|match|have) (.*)$", re.DOTALL)
 
 
@@ -154,34 +150,34 @@ class PolicySection(_Section):
                       Path(trust_dir) / REFERENCE_FILE)
 
 
-class JobSection(_Section):
-    """The training job (train/loop.TrainConfig's fields, travelling loader) and its run directory."""
+class JobSection(TrainConfig):
+    """The training job (train/job.py TrainConfig: its keys, defaults and rules) and where its
+    run directory goes. The services' orchestrator trains on what its GPU brings (no local
+    loader), and the dataset buffer it reserves is whole pages of the GPU's memory."""
 
-    steps: Annotated[int, Field(gt=0)] = 20
-    batch: Annotated[int, Field(gt=0)] = 4
-    seq_len: Annotated[int, Field(gt=0)] = 64
-    buffer_bytes: Annotated[int, Field(gt=0, multiple_of=PAGE)] = 256 << 10
-    schedule: Literal[tuple(POLICIES)] = "round_robin"  # type: ignore[valid-type]
-    seed: int = 0
-    lr: Annotated[float, Field(gt=0, lt=1)] = 1e-3
-    weight_decay: Annotated[float, Field(ge=0)] = 0.1
-    warmup_steps: Annotated[int, Field(ge=0)] = 2
-    n_layer: Annotated[int, Field(gt=0)] = 2
-    n_head: Annotated[int, Field(gt=0)] = 2
-    n_embd: Annotated[int, Field(gt=0)] = 64
-    vocab_size: Annotated[int, Field(gt=0)] = 257
-    tokenizer: Literal[tuple(KNOWN)] = "bytes"  # type: ignore[valid-type]
-    threads: Annotated[int, Field(gt=0)] = 1
-    checkpoint_every: Annotated[int, Field(ge=0)] = 5
-    sample_tokens: Annotated[int, Field(ge=0)] = 0
-    loader: Literal["travelling", "baseline"] = "travelling"  # baseline: the centralised TLS way
     run_dir: AbsPath
 
-    @model_validator(mode="after")
-    def _model_shape(self) -> JobSection:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd: expected a multiple of n_head ({self.n_head}), got {self.n_embd}")
-        return self
+    @classmethod
+    def key(cls, loc: tuple[str, ...]) -> str:
+        return ".".join(("job", *loc))
+
+    @field_validator("loader")
+    @classmethod
+    def _on_the_gpu(cls, value: str) -> str:
+        if value == "local":
+            raise ValueError("'travelling' or 'baseline' (the services train on what the GPU brings), got 'local'")
+        return value
+
+    @field_validator("buffer_bytes")
+    @classmethod
+    def _whole_pages(cls, value: int) -> int:
+        if value % PAGE:
+            raise ValueError(f"a multiple of {PAGE} (whole pages of the GPU's memory), got {value}")
+        return value
+
+    def train_config(self) -> TrainConfig:
+        """The job itself, without where its run directory goes."""
+        return TrainConfig(**self.model_dump(exclude={"run_dir"}))
 
 
 # ----------------------------------------------------------------------------- the parties
@@ -258,7 +254,7 @@ class HolderService(_Service):
     trust_dir: AbsPath
     public_dir: AbsPath
     data: AbsPath
-    format: Literal["raw", "tokens"] = "tokens"
+    format: DatasetFormat = TOKENS  # the data of a training job (files.py DATASET_FORMATS)
     orchestrator_host: str = "127.0.0.1"
     orchestrator_port: Port
     hardware: Hardware = "emulated"
@@ -353,17 +349,6 @@ def load_service(path: str | Path, party: str | None = None) -> ServiceConfig:
     return validate_service(_read_toml(path), str(path), party)
 
 
-def job_train_config(job: JobSection) -> TrainConfig:
-    """The train/loop configuration of `job` (the travelling loader)."""
-    from gputravel.train.loop import TrainConfig  # lazy: train.loop imports torch
-
-    fields = job.model_dump(exclude={"run_dir"})
-    try:
-        return TrainConfig(**fields)
-    except BadInput as exc:  # TrainConfig names --a-flag; a config file has job.a_flag
-        raise BadInput(_FLAG.sub(lambda m: "job." + m.group(1).replace("-", "_"), str(exc))) from None
-
-
 # ----------------------------------------------------------------------------- before starting
 def _paths(cfg: ServiceConfig) -> list[tuple[str, str, str]]:
     """(key, path, what must exist) for each path the service needs before it starts."""
@@ -375,7 +360,7 @@ def _paths(cfg: ServiceConfig) -> list[tuple[str, str, str]]:
         if hasattr(cfg, key):
             checks.append((key, getattr(cfg, key), "directory"))
     if isinstance(cfg, HolderService):
-        checks.append(("data", cfg.data, "file" if cfg.format == "raw" else "path"))
+        checks.append(("data", cfg.data, dataset_kind(cfg.format)))
     return checks
 
 

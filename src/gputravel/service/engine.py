@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from gputravel.orchestrator.cvm import OrchestratorConfig
-from gputravel.service.config import OrchestratorService, job_train_config
+from gputravel.service.config import OrchestratorService
 
 __all__ = ["orchestrator_engine_config"]
 
@@ -23,4 +22,4 @@ def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_
         tokenizer=cfg.job.tokenizer,
         trust_dir=trust_dir, audit_log=os.path.join(cfg.state_dir, "audit.log"), hardware=cfg.hardware,
         # The [job] table is measured too: a holder's policy pins the job run on its data.
-        job_json=json.dumps(job_train_config(cfg.job).to_dict()))
+        job_json=cfg.job.train_config().canonical_json())

@@ -212,8 +212,9 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
                 steps: int | None = None, buffer_bytes: int | None = None,
                 job: Mapping[str, object] | None = None, hardware: str = "emulated") -> list[Path]:
     """Write a new cohort directory (see the module's docstring); returns the config files.
-    `job`: the [job] table's fields beyond steps and buffer (the demo's whole TrainConfig);
-    `hardware`: the profile the host, orchestrator and holders stand for."""
+    `job`: the [job] table's fields beyond steps and buffer (the demo's whole TrainConfig, as
+    its to_dict); the rest are train/job.py's defaults, but the tokenizer and vocabulary,
+    which the holders' data fixes. `hardware`: the profile the host, orchestrator and holders stand for."""
     d = Path(directory).resolve()
     _check_target(d)
     closed = isolation.unreachable(d.parent) if isolation.decide(None)[0] else None
@@ -228,10 +229,7 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
     tokenizer = _job_tokenizer(checked)
     overrides = {k: v for k, v in (("steps", steps), ("buffer_bytes", buffer_bytes)) if v is not None}
     fields = {"tokenizer": tokenizer, "vocab_size": KNOWN[tokenizer].vocab_size, **(job or {}), **overrides}
-    try:
-        section = JobSection(run_dir=str(d / "run-dir"), **fields)
-    except ValueError as exc:  # pydantic's ValidationError: name the field
-        raise BadInput(f"[job]: {exc}") from None
+    section = JobSection(run_dir=str(d / "run-dir"), **fields)  # BadInput naming job.KEY
     _check_gpus(gpus, len(checked), section.buffer_bytes)
     port = _free_port("127.0.0.1")
     made = not d.exists()

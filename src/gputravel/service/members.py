@@ -32,7 +32,7 @@ from gputravel.errors import BadInput, GputravelError, ProtocolError
 from gputravel.files import atomic_write_bytes, write_json
 from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, Shutdown,
                                         TrainDone, TrainStep, Train)
-from gputravel.service.config import HolderService, OrchestratorService, gpu_socket, job_train_config, quoting_socket
+from gputravel.service.config import HolderService, OrchestratorService, gpu_socket, quoting_socket
 from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.party import (PartyChild, Stopping, as_party, log, own_state, pinned_dir, private_dir,
                                      publish, unix_listening, wait_for, wait_for_sockets)
@@ -283,8 +283,8 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
     log(ORCHESTRATOR, "admitted", holders=sorted(joined.dataset_bytes))
     run_dir = Path(cfg.job.run_dir)
     checkpoint = run_dir / "checkpoint.pt"
-    train = job_train_config(cfg.job)
-    child.control.send(Train(config_json=json.dumps(train.to_dict()), run_dir=str(run_dir),
+    train = cfg.job.train_config()
+    child.control.send(Train(config_json=train.canonical_json(), run_dir=str(run_dir),
                              resume_checkpoint=str(checkpoint) if checkpoint.exists() else "",
                              rank=0, world_size=1, master="", ifname="", shares=(), ranks_context=b""))  # one GPU: issue 14 left
     while True:

@@ -25,79 +25,12 @@ import torch
 
 from gputravel.data.tokenizer import get_tokenizer
 from gputravel.errors import BadInput
+from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig, pick_device
 from gputravel.train.ranks import DataParallel, Ranks
 from gputravel.train.rundir import RunDir, checkpoint_extra, load_checkpoint
-from gputravel.train.schedule import POLICIES, LoaderState
-
-LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (orchestrator/baseline.py)
-#: The most CPU threads a run may ask for (torch crashes far above; 256 is more than any one
-#: machine here has, and the same value gives the same losses anywhere).
-MAX_THREADS = 256
-#: The seeds torch takes (torch.manual_seed): from -2^63 to 2^64 - 1.
-SEEDS = range(-(1 << 63), 1 << 64)
-#: What the training process holds besides the model and its batch: the interpreter, torch
-#: and its allocator's slack, MiB (about 300 measured with torch 2 on CPU, rounded up).
-TORCH_MIB = 400
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 300
-    batch: int = 8
-    seq_len: int = 64
-    buffer_bytes: int = 256 << 10
-    schedule: str = "round_robin"
-    seed: int = 0
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
-    n_layer: int = 6
-    n_head: int = 4
-    n_embd: int = 256
-    vocab_size: int = 257
-    tokenizer: str = "bytes"
-    threads: int = 2
-    sample_tokens: int = 200
-    checkpoint_every: int = 0  # steps; 0: only at the end
-    loader: str = "travelling"
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch", "seq_len", "n_layer", "n_head", "n_embd", "vocab_size", "threads"):
-            if getattr(self, name) <= 0:
-                raise BadInput(f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
-        if self.schedule not in POLICIES:
-            raise BadInput(f"--schedule must be one of {', '.join(POLICIES)}")
-        if self.loader not in LOADERS:
-            raise BadInput(f"--loader must be one of {', '.join(LOADERS)}")
-        if not 0 < self.lr < 1:
-            raise BadInput("--lr must be between 0 and 1")
-        if self.sample_tokens < 0 or self.checkpoint_every < 0:
-            raise BadInput("--sample-tokens and --checkpoint-every cannot be negative")
-        if self.threads > MAX_THREADS:
-            raise BadInput(f"--threads must be between 1 and {MAX_THREADS}, got {self.threads}")
-        if self.seed not in SEEDS:
-            raise BadInput(f"--seed must be an integer from -2^63 to 2^64 - 1 (torch's seeds), got {self.seed}")
-
-    def params(self) -> int:
-        """The model's parameters (train/model.py's GPT, lm_head tied to wte, block_size seq_len)."""
-        c, layers = self.n_embd, self.n_layer
-        return (self.vocab_size + self.seq_len) * c + layers * (12 * c * c + 13 * c) + 2 * c
-
-    def memory_mib(self) -> int:
-        """About the most memory one training step takes, MiB: torch itself (TORCH_MIB); the
-        weights, their gradients and AdamW's two moments (16 bytes a parameter; the position
-        embedding alone is seq_len x n_embd); and what backward keeps of a batch of B x T
-        tokens, float32: about 20 values of n_embd a token a layer, plus the logits over the
-        vocabulary (three copies). Attention keeps no T x T matrix (scaled_dot_product_attention
-        on CPU runs its flash kernel). Checked against measured peaks: the demo's model, B 8, T 64 to 4096."""
-        tokens = self.batch * self.seq_len
-        activations = 4 * tokens * (20 * self.n_layer * self.n_embd + 3 * self.vocab_size + 2 * self.n_embd)
-        return TORCH_MIB + -(-(16 * self.params() + activations) // (1 << 20))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+from gputravel.train.schedule import LoaderState
 
 
 @dataclass(frozen=True)
@@ -306,15 +239,23 @@ def _resume(cfg: TrainConfig, path: Path, model, optimizer,
     if ranks is not None and ranks.resume_sha384:
         data = _read_bound(path, ranks.resume_sha384)
     step, extra = load_checkpoint(path, model, optimizer, data=data)
-    if extra.get("config") != cfg.to_dict():
-        diff = sorted(k for k, v in cfg.to_dict().items() if (extra.get("config") or {}).get(k) != v)
-        raise BadInput(f"checkpoint {path} belongs to another job (differs in: {', '.join(diff)}); "
+    stored = _stored_job(extra.get("config"))
+    if stored != cfg:
+        raise BadInput(f"checkpoint {path} belongs to another job (differs in: {', '.join(cfg.differences(stored))}); "
                        "resume with the job's own settings")
     if not 0 < step <= cfg.steps or len(extra.get("losses", ())) != step:
         raise BadInput(f"checkpoint {path} is inconsistent (step {step}); start the run afresh")
     loader, mine = _rank_share(path, extra, step, ranks)
     result = TrainResult(losses=list(mine["losses"]), travels=list(mine.get("travels", ())))
     return step, LoaderState.from_dict(loader), result
+
+
+def _stored_job(values: object) -> TrainConfig | None:
+    """The job a checkpoint records (None: none, or none this schema reads)."""
+    try:
+        return TrainConfig.from_dict(values)
+    except BadInput:
+        return None
 
 
 def _read_bound(path: Path, digest: bytes) -> bytes:
