@@ -55,7 +55,7 @@ console = Console()
 
 
 def _bad_input(exc: Exception) -> typer.Exit:
-    console.print(f"[red]error:[/red] {escape(str(exc))}")
+    console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
     return typer.Exit(EXIT_BAD_INPUT)
 
 

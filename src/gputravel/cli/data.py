@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from gputravel.cli.output import fail
 from gputravel.cohort.stopping import catch_term
 from gputravel.data.prepare import prepare as run_prepare
 from gputravel.data.tokenizer import get_tokenizer
@@ -46,8 +47,7 @@ def prepare(
         tok = get_tokenizer(tokenizer.value)
         result = run_prepare(inputs, out, tok, shard_tokens, progress=True, overwrite=overwrite)
     except GputravelError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}")  # escape: "gputravel[bpe]" is no markup
-        raise typer.Exit(1) from None
+        fail(exc)
     finally:
         undo_term()
     shards = f"{len(result.shards)} shard{'s' if len(result.shards) != 1 else ''}"

@@ -21,7 +21,9 @@ console = Console()
 
 
 def fail(exc: Exception) -> NoReturn:
-    console.print(f"[red]error:[/red] {escape(str(exc))}")  # escape: paths and lists are no markup
+    # escape: paths and lists are no markup; soft_wrap: a long path is never cut by a newline
+    # (the terminal wraps it; a script or a test reads it whole)
+    console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
     raise typer.Exit(1)
 
 

@@ -14,7 +14,7 @@ from gputravel.cli.hardware import hardware_option
 from gputravel.errors import BadInput, GputravelError
 from gputravel.files import MISSING, not_data, write_json
 from gputravel.protocol.hardware import EMULATED
-from gputravel.cli.output import console, numeric_table
+from gputravel.cli.output import console, fail, numeric_table
 
 #: Where benchmark JSONs measured on this machine are kept (the first that exist are read).
 RESULT_DIRS = (Path("docs/results"), Path("docs/benchmarks-data"))
@@ -58,8 +58,7 @@ def plan_command(
         constants = model.constants_from(_read_results(results), inp.hardware, source)
         out = model.predict(inp, constants)
     except GputravelError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
+        fail(exc)  # escaped: a path or a flag's value is no markup
     if worked_example:
         out["worked_example"] = model.against_worked_example(out)
     _print(out)
