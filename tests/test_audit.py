@@ -434,14 +434,17 @@ def test_a_renamed_or_swapped_log_names_its_own_gpu_and_is_refused_for_another(
     assert json.loads(out.read_text())["failure"] == Failure.GPU.value
 
 
-def earlier_log(path: Path, key: bytes, entries: list[Entry], *, gpu: bool) -> None:
-    """``entries`` as a log of an earlier format, chained and signed as that version did: the
-    bare chunk digest (``chunk_digest``) where the MAC is now, and, with ``gpu=False``, from
-    before entries named their GPU."""
+def earlier_log(path: Path, key: bytes, entries: list[Entry], *, gpu: bool, keyed: bool = False) -> None:
+    """``entries`` as a log of an earlier format, chained and signed as that version did: no
+    job and no travel count; the bare chunk digest (``chunk_digest``) where the MAC is now,
+    unless ``keyed`` (the format just before this one); and, with ``gpu=False``, from before
+    entries named their GPU."""
     signer, prev, out = load_signer(key), GENESIS_HASH, b""
+    drop = {"job", "travels"} | (set() if gpu else {"gpu"})
     for e in entries:
         fields = msgpack.unpackb(wire.encode(msgspec.structs.replace(e, prev_hash=prev)), raw=False)
-        fields = {("chunk_digest" if k == "chunk_mac" else k): v for k, v in fields.items() if gpu or k != "gpu"}
+        fields = {("chunk_digest" if k == "chunk_mac" and not keyed else k): v for k, v in fields.items()
+                  if k not in drop}
         raw = msgpack.packb(fields, use_bin_type=True)
         prev = hashlib.sha384(raw).digest()
         payload = wire.encode(Record(entry=raw, signature=sign_head(signer, e.seq, prev)))
@@ -753,6 +756,41 @@ def test_a_log_of_bare_digests_is_refused_as_an_earlier_format(tmp_path: Path, o
     assert (error.failure, error.seq) == (Failure.MALFORMED, 0)
 
 
+def test_a_log_from_before_entries_named_their_job_is_refused_as_an_earlier_format(
+        tmp_path: Path, orch: MemberIdentity, good_log) -> None:
+    """The format before this one (keyed MACs, but no job and no travel count): its log
+    could be passed off for any job's, so it gets the "earlier log format" verdict, never
+    verifies as this format, and is not continued."""
+    _, entries = good_log
+    path = tmp_path / "jobless.log"
+    earlier_log(path, orch.key_pem, entries, gpu=True, keyed=True)
+    with pytest.raises(AuditError) as info:
+        verify_log(path, orch.cert_pem)
+    assert (info.value.failure, info.value.seq) == (Failure.VERSION, 0)
+    assert "names no job" in str(info.value) and "an earlier gputravel wrote this log" in str(info.value)
+    with pytest.raises(AuditError, match="earlier log format"):
+        AuditLog.open(path, orch.key_pem, gpu=GPU)
+
+
+def test_a_travel_count_out_of_step_is_refused(tmp_path: Path, orch: MemberIdentity) -> None:
+    """Every entry counts the job's travels, one more than the entry before (the closing entry:
+    the total); a log that starts its job counts from 1. Only a writer that skips (a bug, or the
+    key's holder) signs otherwise."""
+    with AuditLog.create(tmp_path / "skip.log", orch.key_pem, gpu=GPU) as log:
+        append_one(log, 0, "alice", AuditEvent.TRAVEL)
+        log._travels += 1  # one travel left out
+        append_one(log, 1, "bob", AuditEvent.TRAVEL)
+    with pytest.raises(AuditError) as info:
+        verify_log(tmp_path / "skip.log", orch.cert_pem)
+    assert (info.value.failure, info.value.seq) == (Failure.COUNT, 1)
+    with AuditLog.create(tmp_path / "late.log", orch.key_pem, gpu=GPU) as log:
+        log._travels = 5  # seq 0 after the zero hash, yet counting travels before it
+        append_one(log, 0, "alice", AuditEvent.TRAVEL)
+    with pytest.raises(AuditError) as info:
+        verify_log(tmp_path / "late.log", orch.cert_pem)
+    assert (info.value.failure, info.value.seq) == (Failure.COUNT, 0)
+
+
 # ----------------------------------------------------------------------------- closing, and cuts at the end
 def test_a_closed_log_says_so_and_nothing_may_follow_its_closing_entry(tmp_path: Path,
                                                                      orch: MemberIdentity) -> None:
@@ -785,8 +823,8 @@ def test_a_closed_log_says_so_and_nothing_may_follow_its_closing_entry(tmp_path:
                        allow_truncated_tail=True)
     assert error.failure is Failure.AFTER_CLOSE
     with pytest.raises(BadInput):  # the closing entry, and only it, names no chunk
-        Entry(seq=0, time=1.0, gpu=GPU, event=AuditEvent.TRAVEL, chunk=None, epoch_before=0, epoch_after=1,
-              chunk_mac=b"", prev_hash=GENESIS_HASH)
+        Entry(seq=0, time=1.0, gpu=GPU, job=bytes(16), event=AuditEvent.TRAVEL, chunk=None, travels=1,
+              epoch_before=0, epoch_after=1, chunk_mac=b"", prev_hash=GENESIS_HASH)
 
 
 @pytest.mark.parametrize("kept", [0, 1, len(HOLDERS) - 1, len(HOLDERS)])
@@ -878,7 +916,9 @@ def test_cli_verify_prints_the_holders_entries_and_the_head(tmp_path: Path, pki:
                                             "--json", str(out)])
     assert result.exit_code == 0, result.output
     head = entry_hash(entries[-1]).hex()
-    assert f"chain OK, log closed ({len(entries)} entries, GPU {GPU}, head {head})" in result.output
+    job = entries[0].job.hex()
+    assert f"chain OK, log closed ({len(entries)} entries, GPU {GPU}, job {job}, {len(HOLDERS)} travels, head {head})" \
+        in result.output
     assert "bob" in result.output and "carol" not in result.output and f"by GPU {GPU}" in result.output
     report = json.loads(out.read_text())
     assert report["ok"] and report["closed"] and report["count"] == len(entries) and report["head"]["hash"] == head

@@ -24,6 +24,12 @@ class BadInput(LocalError):
     """An argument or configuration value is invalid; the message says what to fix."""
 
 
+class TravelLogMismatch(BadInput):
+    """A job resumed from its checkpoint, but the travel log beside it is not the one that
+    checkpoint was taken in (missing, empty, another job's, or without the entry it names): the
+    orchestrator refuses to travel rather than start a log that leaves earlier travels out."""
+
+
 def number_in(value: float, flag: str, low: float = 0.0, high: float = float("inf"), *,
               low_included: bool = False, unit: str = "") -> float:
     """`value` if it is a finite number above `low` (or equal to it, with `low_included`) and at

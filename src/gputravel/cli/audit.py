@@ -3,7 +3,9 @@
 Exit status: 0 the chain verifies and the log is closed (it ends with the orchestrator's
 signed closing entry); 1 it does not verify (or --head names an entry it does not hold); 3 the
 chain verifies but the log is not closed, the empty log included: a job still running, or
-entries cut off its end, which nothing in the log can tell apart (a head kept from before can).
+entries cut off its end, which nothing in the log can tell apart (a head kept from before can);
+4 the log is closed but continues an earlier log of its job (a run resumed by another
+orchestrator: its seq 0 follows an entry of that log), which holds the job's earlier travels.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ audit_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="The orchestrator's hash-chained, signed log of travels.")
 console = Console()
 NOT_CLOSED = 3  # the exit status of a log that verifies but is not closed (see the module's docstring)
+CONTINUES = 4  # the exit status of a closed log that continues an earlier one: not its job's whole log
 #: The largest log `verify` reads, all of it in memory: an entry is a few hundred bytes, so
 #: about a million travels. The largest key: a PEM certificate or public key is a few KiB.
 MAX_LOG_BYTES, MAX_KEY_BYTES = 256 << 20, 64 << 10
@@ -65,7 +68,8 @@ def _entry_json(e: Entry) -> dict[str, object]:
 
 
 def _summary_json(s: AuditSummary) -> dict[str, object]:
-    return {"ok": True, "closed": s.closed, "count": s.count,
+    return {"ok": True, "closed": s.closed, "count": s.count, "job": s.job.hex() if s.job is not None else None,
+            "continues": s.continues.hex() if s.continues is not None else None, "travels": s.travels,
             "head": {"seq": s.head_seq, "hash": s.head_hash.hex(), "signature": s.head_signature.hex()},
             "holder": s.holder, "gpu": s.gpu, "truncated_tail": s.truncated_tail,
             "entries": [_entry_json(e) for e in s.entries]}
@@ -138,7 +142,8 @@ def verify(
 
     Exit status: 0 the chain verifies and the log is closed; 1 it does not verify, or does not
     hold --head; 3 the chain verifies but the log is not closed, or is empty: entries may be
-    missing at its end (a job still running, or a log cut short).
+    missing at its end (a job still running, or a log cut short); 4 the log is closed but
+    continues an earlier log of its job, which holds the travels before it.
     """
     try:
         _regular(log, "audit log", MAX_LOG_BYTES)  # before it is read whole: no FIFO, device or giant
@@ -153,7 +158,9 @@ def verify(
     if summary.truncated_tail:
         console.print("[yellow]the torn final entry was ignored[/yellow]")
     named = f", GPU {escape(summary.gpu)}" if summary.gpu is not None else ""
-    facts = f"{summary.count} entries{named}, head {summary.head_hash.hex()}"
+    job = f", job {summary.job.hex()}, {summary.travels} travels" if summary.job is not None else ""
+    job += ", continuing an earlier log" if summary.continues is not None else ""
+    facts = f"{summary.count} entries{named}{job}, head {summary.head_hash.hex()}"
     if json_out is not None:
         write_json(json_out, _summary_json(summary))
     if summary.count == 0:
@@ -164,4 +171,9 @@ def verify(
         console.print(f"[yellow]chain verifies, but the log is not closed: entries may be missing at the end[/yellow] "
                       f"(a job still running, or a log cut short; {facts})", soft_wrap=True)
         raise typer.Exit(NOT_CLOSED)
+    if summary.continues is not None:
+        console.print(f"[yellow]chain verifies and the log is closed, but it continues an earlier log of its job[/yellow] "
+                      f"(from the entry with hash {summary.continues.hex()}: that log holds the job's travels "
+                      f"before; {facts})", soft_wrap=True)
+        raise typer.Exit(CONTINUES)
     console.print(f"[green]chain OK, log closed[/green] ({facts})", soft_wrap=True)  # one line: the head to copy

@@ -116,7 +116,8 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport,
                    on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
                    resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
                    tokenizer=sample_tokenizer(cfg.tokenizer), ranks=ranks,
-                   should_stop=None if ranks is not None else _ShutdownAsked(control))
+                   should_stop=None if ranks is not None else _ShutdownAsked(control),
+                   anchor=orch.travel_log)  # a resume goes on only with the log its checkpoint names
     return make_report(cfg, result)
 
 

@@ -6,16 +6,74 @@ that attested the orchestrator and saw that GPU's serial can check the log with
 
 The log is published, so a copied chunk's digest is logged only keyed with its holder's
 travel-log key (the holder's hello carries it, on every join); when the job is done the log is
-closed with a signed closing entry, and this orchestrator travels no more."""
+closed with a signed closing entry, and this orchestrator travels no more.
+
+The log is the job's: every entry names the job's random id and counts its travels, and every
+checkpoint records the log's head (:meth:`TravelLog.record`: job, signer, seq, hash, count). A
+job resumed from a checkpoint first hands that record back (:meth:`TravelLog.resume`): the log
+this orchestrator signed must still be there and hold that head, or nothing travels
+(TravelLogMismatch); a log only an operator's file system holds can be moved, cut or swapped,
+the checkpoint's record of it cannot. A checkpoint taken by another orchestrator (a run resumed
+in a new cohort, with a key of its own) is continued in a new log that names the head it
+follows (seq 0's prev_hash) and counts on from it."""
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from gputravel.errors import BadInput
+from cryptography.hazmat.primitives import serialization
+
+from gputravel.errors import BadInput, TravelLogMismatch
 from gputravel.orchestrator.audit import AuditLog, ChunkId
+from gputravel.orchestrator.audit.entries import HASH_BYTES, JOB_BYTES
+from gputravel.orchestrator.audit.signature import load_signer
 from gputravel.protocol.control import TravelReport
+
+
+@dataclass(frozen=True)
+class LogHead:
+    """A travel log's head as a checkpoint records it: whose log (job id, and the signer's key
+    fingerprint), which entry (seq, hash), and the job's travels counted up to it."""
+
+    job: bytes
+    signer: str  # SHA-256 of the signing key's SubjectPublicKeyInfo, hex
+    seq: int
+    hash: bytes
+    travels: int
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain types only: a checkpoint is loaded with weights_only."""
+        return {"job": self.job.hex(), "signer": self.signer, "seq": self.seq, "hash": self.hash.hex(),
+                "travels": self.travels}
+
+    @classmethod
+    def from_dict(cls, values: object) -> LogHead:
+        head = None
+        if isinstance(values, Mapping):
+            try:
+                head = cls(job=bytes.fromhex(values["job"]), signer=str(values["signer"]), seq=values["seq"],
+                           hash=bytes.fromhex(values["hash"]), travels=values["travels"])
+            except (KeyError, TypeError, ValueError):
+                head = None
+        if head is None or len(head.job) != JOB_BYTES or len(head.hash) != HASH_BYTES \
+                or type(head.seq) is not int or type(head.travels) is not int or head.seq < 0 or head.travels < 1:
+            raise TravelLogMismatch("the checkpoint's record of the travel log is malformed: it is not a checkpoint "
+                                    "this orchestrator wrote; resume from one it did")
+        return head
+
+    def __str__(self) -> str:
+        return f"entry seq {self.seq} (hash {self.hash.hex()[:16]}…) of job {self.job.hex()}'s travel log"
+
+
+def signer_id(key_pem: bytes) -> str:
+    """The fingerprint a checkpoint records of the key that signs the log."""
+    der = load_signer(key_pem).public_key().public_bytes(serialization.Encoding.DER,
+                                                         serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()
 
 
 class TravelLog:
@@ -23,39 +81,102 @@ class TravelLog:
         # A restarted orchestrator continues its own log (verified first), never a new one over
         # it; a log that names another GPU, or none (an earlier version's), is refused, and so
         # is a closed one: its job is done, and a continuation could be cut back to its close.
-        p = Path(path)
-        self._log = AuditLog.open(p, key_pem, gpu=gpu) if p.exists() else AuditLog.create(p, key_pem, gpu=gpu)
+        # A missing log is created only when its first entry is written: a resumed job must
+        # first say which log it continues (resume), and a missing one is then refused.
+        self.path, self._key_pem, self._gpu, self._signer = path, key_pem, gpu, signer_id(key_pem)
+        self._followed: LogHead | None = None  # another orchestrator's head this log continues
+        self._log = AuditLog.open(path, key_pem, gpu=gpu) if Path(path).exists() else None
+
+    def _writer(self) -> AuditLog:
+        if self._log is None:
+            f = self._followed
+            self._log = AuditLog.create(self.path, self._key_pem, gpu=self._gpu, job=f.job if f else None,
+                                        after=(f.hash, f.travels) if f else None)
+        return self._log
 
     @property
     def closed(self) -> bool:
         """The job is done: the closing entry is signed, and no travel may follow."""
-        return self._log.sealed
+        return self._log is not None and self._log.sealed
 
     def check_open(self) -> None:
         """BadInput if the job is done (before a travel: it could not be logged)."""
-        if self._log.sealed:
+        if self.closed:
             raise BadInput("this orchestrator's job is done and its travel log closed: no travel may follow; "
                            "a new job needs a new orchestrator and log")
 
+    # ------------------------------------------------------------------ checkpoints
+    def record(self) -> dict[str, object] | None:
+        """What a checkpoint records of the log: its head (LogHead.to_dict); None while the job
+        has logged nothing. A continuation not yet written records the head it follows."""
+        if self._log is None or self._log.mark[0] < 0:
+            return self._followed.to_dict() if self._followed is not None else None
+        seq, digest, travels = self._log.mark
+        return LogHead(self._log.job, self._signer, seq, digest, travels).to_dict()
+
+    def resume(self, recorded: object) -> None:
+        """Before a resumed job travels: the checkpoint's record of the log (None: a checkpoint
+        of a job that had logged nothing, or from before records). TravelLogMismatch, naming what
+        is missing, unless this orchestrator's log is there and holds the recorded head; a head
+        of another orchestrator's log is continued in a new log (this one, still empty)."""
+        if recorded is None:
+            return
+        head = LogHead.from_dict(recorded)
+        if head.signer == self._signer:
+            self._holds(head)
+        else:
+            self._follow(head)
+
+    def _holds(self, head: LogHead) -> None:
+        where = f"the checkpoint was taken at {head}, which this orchestrator signed"
+        keep = ("; nothing travelled. Put that log back at its path (a new log would leave the travels before "
+                "the checkpoint out), or start the job afresh without the checkpoint")
+        if self._log is None:
+            raise TravelLogMismatch(f"{where}, but there is no travel log at {self.path} (moved or deleted?){keep}")
+        if self._log.mark[0] < 0:
+            raise TravelLogMismatch(f"{where}, but the travel log at {self.path} is empty{keep}")
+        if self._log.job != head.job:
+            raise TravelLogMismatch(f"{where}, but the travel log at {self.path} is job {self._log.job.hex()}'s: "
+                                    f"another job's log{keep}")
+        if not self._log.holds(head.seq, head.hash):
+            raise TravelLogMismatch(f"{where}, but the travel log at {self.path} does not hold that entry "
+                                    f"(cut short, or replaced){keep}")
+
+    def _follow(self, head: LogHead) -> None:
+        log = self._log
+        if log is not None and log.mark[0] >= 0:
+            if not (log.job == head.job and log.continues == head.hash):
+                raise TravelLogMismatch(f"the checkpoint was taken at {head}, signed by another orchestrator, but the "
+                                        f"travel log at {self.path} already holds entries that do not continue it; "
+                                        "nothing travelled. Resume with a log path of its own")
+            return  # this log continues that head already (a restart before the next checkpoint)
+        self._followed = head
+        if log is not None:  # an empty file (lent by the supervisor, or a crash before its first entry)
+            log.start_after(head.job, (head.hash, head.travels))
+
+    # ------------------------------------------------------------------ entries
     def travelled(self, report: TravelReport, dataset_offset: int, epoch_before: int, epoch_after: int,
                   holder_key: bytes) -> None:
         """Log a travel; its chunk's digest keyed with ``holder_key``, the holder's travel-log key."""
         chunk = report.chunk
         if chunk is None:
-            self._log.append("refused", ChunkId(report.holder, dataset_offset, 0), time=time.time(),
-                             epoch_before=epoch_before, epoch_after=epoch_after)
+            self._writer().append("refused", ChunkId(report.holder, dataset_offset, 0), time=time.time(),
+                                  epoch_before=epoch_before, epoch_after=epoch_after)
             return
-        self._log.append("travel", ChunkId(report.holder, chunk.dataset_offset, chunk.nbytes), time=time.time(),
-                         epoch_before=epoch_before, epoch_after=epoch_after, chunk_digest=chunk.digest,
-                         holder_key=holder_key)
+        self._writer().append("travel", ChunkId(report.holder, chunk.dataset_offset, chunk.nbytes),
+                              time=time.time(), epoch_before=epoch_before, epoch_after=epoch_after,
+                              chunk_digest=chunk.digest, holder_key=holder_key)
 
     def aborted(self, holder: str, dataset_offset: int, epoch_before: int, epoch_after: int) -> None:
-        self._log.append("aborted", ChunkId(holder, dataset_offset, 0), time=time.time(),
-                         epoch_before=epoch_before, epoch_after=epoch_after)
+        self._writer().append("aborted", ChunkId(holder, dataset_offset, 0), time=time.time(),
+                              epoch_before=epoch_before, epoch_after=epoch_after)
 
     def job_done(self, epoch: int) -> None:
-        """Sign the closing entry: the job is done; nothing follows it (not even after a restart)."""
-        self._log.seal(time=time.time(), epoch=epoch)
+        """Sign the closing entry, which counts the job's travels: the job is done; nothing
+        follows it (not even after a restart)."""
+        self._writer().seal(time=time.time(), epoch=epoch)
 
     def close(self) -> None:
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
+

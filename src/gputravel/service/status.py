@@ -120,8 +120,11 @@ def _my_travels(cfg: HolderService) -> dict:
                            "the log was cut short; if a new job began, delete that file)"}
         return {"log": f"does not verify: {exc}"}
     closed = "closed" if summary.closed else "not closed: entries may be missing at the end"
+    if summary.continues is not None:  # a run resumed by another orchestrator: the earlier log holds the rest
+        closed += "; it continues an earlier log of its job, which holds the travels before it"
     travels = [e for e in summary.entries if e.event.value == "travel"]
     out = {"log": f"verified, {summary.count} entries, {closed}", "log_closed": summary.closed,
+           "log_job": summary.job.hex() if summary.job is not None else None, "log_travels": summary.travels,
            "my_travels": len(travels), "my_bytes": sum(e.chunk.nbytes for e in travels if e.chunk is not None)}
     if summary.count:
         out["log_head"] = summary.head_hash.hex()

@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -31,6 +31,17 @@ from gputravel.train.model import GPT, GPTConfig, pick_device
 from gputravel.train.ranks import DataParallel, Ranks
 from gputravel.train.rundir import RunDir, checkpoint_extra, load_checkpoint
 from gputravel.train.schedule import LoaderState
+
+
+class Anchor(Protocol):
+    """State the caller keeps outside the checkpoint that must go on with it: the orchestrator's
+    travel log (orchestrator/travel_log.py). Every checkpoint stores ``record()`` (plain types,
+    or None); a resume hands the stored one to ``resume()`` before any batch is fetched, which
+    raises if that state is not there to go on with."""
+
+    def record(self) -> dict[str, object] | None: ...
+
+    def resume(self, recorded: object) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -90,7 +101,7 @@ def build_model(cfg: TrainConfig, device: str):
 def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
           on_step: Callable[[StepEvent], None] | None = None, resume_from: Path | None = None,
           tokenizer=None, ranks: Ranks | None = None,
-          should_stop: Callable[[], bool] | None = None) -> TrainResult:
+          should_stop: Callable[[], bool] | None = None, anchor: Anchor | None = None) -> TrainResult:
     """Train for cfg.steps; `tokenizer` (encode/decode) is only used for the final text sample.
 
     With `resume_from` (a checkpoint of the same job), training continues from the checkpoint's
@@ -108,7 +119,10 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
 
     `should_stop` (training alone only: ranks stop together or not at all) is asked after each
     step; when it says so the run ends there, as if that were its last step: the checkpoint is
-    of that step, and a resume continues from it with nothing lost."""
+    of that step, and a resume continues from it with nothing lost.
+
+    `anchor` (each rank its own) is recorded in every checkpoint and, on a resume, handed its
+    record back before any batch is fetched (see :class:`Anchor`)."""
     if should_stop is not None and ranks is not None:
         raise BadInput("a data-parallel rank cannot stop on its own: its peers would wait for it")
     torch.set_num_threads(cfg.threads)
@@ -118,7 +132,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     out = RunDir(run_dir) if run_dir is not None and lead else None
     start, resume, result = 0, None, TrainResult(losses=[])
     if resume_from is not None:
-        start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks)
+        start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks, anchor)
     dp = DataParallel.open(ranks, device) if ranks is not None else None  # the ranks attest one another here
     try:
         if out is not None:
@@ -127,8 +141,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
             out.truncate_metrics(start)
         step_model = dp.wrap(model) if dp is not None else model  # `model` stays the bare GPT
         loader = _loop(cfg, source, device, model, step_model, optimizer, start, resume, result, out, dp, on_step,
-                       should_stop)
-        final = _extra(cfg, loader.state, result, dp)  # collective with ranks: every rank gathers
+                       should_stop, anchor)
+        final = _extra(cfg, loader.state, result, dp, anchor)  # collective with ranks: every rank gathers
     finally:
         if dp is not None:
             dp.close()
@@ -147,7 +161,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
 
 def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model, optimizer, start: int,
           resume: LoaderState | None, result: TrainResult, out: RunDir | None, dp: DataParallel | None,
-          on_step, should_stop=None) -> TravellingLoader:
+          on_step, should_stop=None, anchor: Anchor | None = None) -> TravellingLoader:
     """Steps start..cfg.steps; returns the loader (its state and stalls are the run's)."""
     holder_of_batch = {"name": ""}
 
@@ -186,7 +200,7 @@ def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model,
                           stall_share=loader.stall_seconds / (now - t_start), elapsed_s=now - t_start)
         checkpoint = bool(cfg.checkpoint_every) and (step + 1) % cfg.checkpoint_every == 0
         if checkpoint and (out is not None or dp is not None):
-            extra = _extra(cfg, loader.state, result, dp)  # with ranks a collective: every rank gathers
+            extra = _extra(cfg, loader.state, result, dp, anchor)  # with ranks a collective: every rank gathers
         if out is not None:
             out.append_metrics(dataclasses.asdict(event))
             if checkpoint:
@@ -200,15 +214,20 @@ def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model,
     return loader
 
 
-def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataParallel | None) -> dict:
+def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataParallel | None,
+           anchor: Anchor | None = None) -> dict:
     """What a checkpoint carries besides the model and optimizer: enough to resume exactly.
     With ranks also every rank's loader state, losses and travels, gathered (a collective:
-    every rank calls this at the same step); "losses" and "travels" stay rank 0's."""
+    every rank calls this at the same step); "losses" and "travels" stay rank 0's. The
+    anchor's record ("travel_log") is each rank's own, beside its loader state."""
     extra = {"config": cfg.to_dict(), "losses": list(result.losses), "travels": list(result.travels)}
+    anchored = {"travel_log": anchor.record()} if anchor is not None else {}
     if dp is None:
         extra["loader"] = state.to_dict()
+        extra.update(anchored)
         return extra
-    ranks = dp.gather({"loader": state.to_dict(), "losses": list(result.losses), "travels": list(result.travels)})
+    ranks = dp.gather({"loader": state.to_dict(), "losses": list(result.losses), "travels": list(result.travels),
+                       **anchored})
     extra.update(world_size=len(ranks), loaders=[r.pop("loader") for r in ranks], rank_results=ranks)
     if dp.ranks.shares:
         extra["shares"] = [list(share) for share in dp.ranks.shares]
@@ -233,8 +252,8 @@ def checkpoint_shares(path: Path) -> tuple[tuple[str, ...], ...] | None:
     return tuple(tuple(s) for s in shares)
 
 
-def _resume(cfg: TrainConfig, path: Path, model, optimizer,
-            ranks: Ranks | None) -> tuple[int, LoaderState, TrainResult]:
+def _resume(cfg: TrainConfig, path: Path, model, optimizer, ranks: Ranks | None,
+            anchor: Anchor | None = None) -> tuple[int, LoaderState, TrainResult]:
     data = None
     if ranks is not None and ranks.resume_sha384:
         data = _read_bound(path, ranks.resume_sha384)
@@ -246,6 +265,8 @@ def _resume(cfg: TrainConfig, path: Path, model, optimizer,
     if not 0 < step <= cfg.steps or len(extra.get("losses", ())) != step:
         raise BadInput(f"checkpoint {path} is inconsistent (step {step}); start the run afresh")
     loader, mine = _rank_share(path, extra, step, ranks)
+    if anchor is not None:  # before any batch: its state must be there to go on with
+        anchor.resume(mine.get("travel_log"))
     result = TrainResult(losses=list(mine["losses"]), travels=list(mine.get("travels", ())))
     return step, LoaderState.from_dict(loader), result
 

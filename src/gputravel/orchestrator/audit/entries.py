@@ -27,9 +27,18 @@ signs it when its job is done, and nothing may follow it (the writer refuses, th
 too). A log without one may have lost entries at its end: truncation to whole entries leaves
 a valid, shorter chain, which only the closing entry, or a head a party kept, shows.
 
+Every entry names its job (``job``: 16 random bytes the orchestrator chose when the job's
+first log was created), so one job's log is never taken for another's, and counts the job's
+travel attempts (``travels``: this one included; the closing entry's is the total). A log
+starts its job (seq 0 follows the zero hash, and counts travel 1) or continues an earlier log
+of the same job signed by another orchestrator (a run resumed in a new cohort, with a new key):
+then seq 0's ``prev_hash`` is the hash of the entry of that log at which the job's checkpoint
+was taken, and its count goes on from that entry's.
+
 Entries of earlier formats do not decode, and the verifier refuses them as
 :attr:`Failure.VERSION`, never as tampering: those from before entries named their GPU
-(issue 14), and those that logged the bare chunk digest (``chunk_digest``, before the key).
+(issue 14), those that logged the bare chunk digest (``chunk_digest``, before the key), and
+those from before entries named their job.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from gputravel.errors import BadInput, ProtocolError
 from gputravel.protocol.codec import Message, encode
 
 HASH_BYTES = 48  # SHA-384
+JOB_BYTES = 16  # a job's random id
 GENESIS_HASH = bytes(HASH_BYTES)  # the prev_hash of seq 0
 MAX_DIGEST_BYTES = 64
 MAX_GPU_CHARS = 128  # a vendor serial is at most 64; "sha256:" and a hex fingerprint is 71
@@ -67,7 +77,9 @@ class Failure(enum.StrEnum):
     SIGNATURE = "bad signature"
     HEAD = "known head missing"
     GPU = "entry names another GPU"  # a log names one GPU: the one its verifier expects, if it says
-    VERSION = "entry from an earlier log format"  # before entries named their GPU, or keyed their digest
+    VERSION = "entry from an earlier log format"  # before entries named their GPU, keyed their digest, or named their job
+    JOB = "entry names another job"  # a log names one job: the one its verifier expects, if it says
+    COUNT = "travel count out of step"  # every entry counts the job's travels, one more than the entry before
     AFTER_CLOSE = "entry after the closing entry"  # a closed log is final
 
 
@@ -104,8 +116,12 @@ class Entry(Message, tag="audit.entry"):
     seq: int
     time: float  # seconds since the epoch, as the caller's clock said
     gpu: str  # the GPU that travelled: its attested serial (see the module's docstring)
+    job: bytes  # the job's random id (JOB_BYTES), the same in every entry of its logs
     event: AuditEvent
     chunk: ChunkId | None  # None only in the closing entry
+    # The job's travel attempts so far, this one included (from 1); the closing entry's is the
+    # job's total. A log that continues another goes on from that log's count.
+    travels: int
     epoch_before: int
     epoch_after: int
     # HMAC-SHA256 of the chunk's digest and place under its holder's travel-log key
@@ -119,6 +135,10 @@ class Entry(Message, tag="audit.entry"):
         if not math.isfinite(self.time) or self.time < 0:
             raise BadInput("time must be a finite, non-negative number of seconds")
         check_gpu(self.gpu)
+        if len(self.job) != JOB_BYTES:
+            raise BadInput(f"a job's id is {JOB_BYTES} bytes")
+        if self.travels < (0 if self.event == AuditEvent.CLOSED else 1):
+            raise BadInput("an entry counts the job's travels, itself included")
         if self.epoch_before < 0 or self.epoch_after < 0:
             raise BadInput("key epochs must be non-negative")
         if len(self.chunk_mac) > MAX_DIGEST_BYTES:

@@ -13,6 +13,11 @@ re-keys (orchestrator/attester.py), so entries naming two GPUs are never honest,
 verifier refuses them rather than summarising per GPU. A verifier that knows which GPU it
 expects (a holder saw its serial when it attested the GPU) passes ``gpu``: a log of another
 GPU, renamed or swapped in with that GPU's key, is refused too.
+
+A log names one job, and its entries count the job's travels without a gap. A log whose seq 0
+follows the zero hash starts its job; one whose seq 0 follows another hash continues an earlier
+log of its job (``continues``: a run resumed by another orchestrator), so even closed it is
+not the job's whole log. A verifier that knows the job passes ``job``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from gputravel.errors import BadInput, GputravelError, ProtocolError
 from gputravel.orchestrator.audit.entries import (
     GENESIS_HASH,
     HASH_BYTES,
+    JOB_BYTES,
     LENGTH,
     MAX_RECORD_BYTES,
     AuditError,
@@ -120,9 +126,11 @@ def _parse(payload: bytes, index: int, end: int) -> _Parsed:
 # them, entries that named no GPU either (issue 14).
 _UNKEYED_KEYS = frozenset({TAG_FIELD, "seq", "time", "gpu", "event", "chunk", "epoch_before", "epoch_after",
                            "chunk_digest", "prev_hash"})
+_JOBLESS_KEYS = _UNKEYED_KEYS - {"chunk_digest"} | {"chunk_mac"}
 _EARLIER_FORMATS = {
     _UNKEYED_KEYS - {"gpu"}: "the entry names no GPU",
     _UNKEYED_KEYS: "the entry logs its chunk's bare digest, not keyed with its holder's key",
+    _JOBLESS_KEYS: "the entry names no job and counts no travels",
 }
 
 
@@ -167,6 +175,12 @@ class AuditSummary:
     head_signature: bytes  # the orchestrator's signature of the head: keep it as a receipt
     holder: str | None
     gpu: str | None  # the GPU every entry names; None for an empty log
+    job: bytes | None  # the job every entry names; None for an empty log
+    # The hash of the entry of an earlier log of the job that this log continues (seq 0's
+    # prev_hash); None when it starts its job (or is empty). A closed log that continues
+    # another is not its job's whole log: the earlier one holds the travels before.
+    continues: bytes | None
+    travels: int  # the job's travel attempts counted up to the log's last entry (0 when empty)
     # The travel attempts: the holder's own (every holder's when holder is None); never the
     # closing entry, which names no chunk (see closed).
     entries: tuple[Entry, ...]
@@ -177,7 +191,9 @@ class AuditSummary:
 
 
 def _verify_chain(parsed: list[_Parsed], key: ec.EllipticCurvePublicKey) -> None:
-    prev = GENESIS_HASH
+    # Seq 0 follows the zero hash, or (a continuation) an entry of an earlier log: its
+    # signature covers which; _check_count holds it to its count.
+    prev = parsed[0].entry.prev_hash if parsed else GENESIS_HASH
     for index, p in enumerate(parsed):
         if p.entry.seq != index:
             raise AuditError(Failure.SEQUENCE, index, f"found seq {p.entry.seq} (entries reordered or deleted)")
@@ -258,9 +274,44 @@ def _check_gpu(parsed: list[_Parsed], expected: str | None) -> str | None:
     return named if parsed else None
 
 
+def _check_job(parsed: list[_Parsed], expected: bytes | None) -> bytes | None:
+    """The one job the log names (the expected one if given); AuditError (JOB) at the first
+    entry naming another."""
+    named = expected if expected is not None else (parsed[0].entry.job if parsed else None)
+    for index, p in enumerate(parsed):
+        if p.entry.job != named:
+            whose = "the verifier expects" if expected is not None else "the log's first entry names"
+            raise AuditError(Failure.JOB, index, f"it names job {p.entry.job.hex()}, {whose} "
+                                                 f"{named.hex() if named else None} (a log names only its own job)")
+    return named if parsed else None
+
+
+def _check_count(parsed: list[_Parsed]) -> int:
+    """The job's travels counted up to the last entry; AuditError (COUNT) where an entry's
+    count is not one more than the entry before's (the closing entry's: the same), or a log
+    that starts its job (seq 0 after the zero hash) does not count from 1, or one that
+    continues another counts no travel before it."""
+    if not parsed:
+        return 0
+    first = parsed[0].entry
+    before = first.travels - (first.event is not AuditEvent.CLOSED)  # counted before seq 0
+    if (first.prev_hash == GENESIS_HASH) != (before == 0):
+        why = ("it starts its job, so it counts from travel 1" if first.prev_hash == GENESIS_HASH
+               else "it continues an earlier log, after at least one travel")
+        raise AuditError(Failure.COUNT, 0, f"seq 0 counts {before} travels before it: {why}")
+    count = before
+    for index, p in enumerate(parsed):
+        count += p.entry.event is not AuditEvent.CLOSED
+        if p.entry.travels != count:
+            raise AuditError(Failure.COUNT, index, f"it counts {p.entry.travels} travels of its job, "
+                                                   f"the entries before it {count}")
+    return count
+
+
 def verify_log(path: str | os.PathLike[str],
                orchestrator_key: bytes | str | ec.EllipticCurvePublicKey | x509.Certificate,
-               holder: str | None = None, *, gpu: str | None = None, allow_truncated_tail: bool = False,
+               holder: str | None = None, *, gpu: str | None = None, job: bytes | None = None,
+               allow_truncated_tail: bool = False,
                known_head: tuple[int, bytes] | bytes | None = None) -> AuditSummary:
     """Check seq contiguity, the hash chain, every signature, that every entry names the same
     GPU (``gpu``, if given) and that nothing follows a closing entry; raise AuditError on the
@@ -269,10 +320,13 @@ def verify_log(path: str | os.PathLike[str],
 
     ``allow_truncated_tail`` verifies the intact prefix of a log whose last record is torn.
     ``known_head`` is a (seq, hash), or only the hash of an entry, that the caller saw signed
-    before: the log must still hold it.
+    before: the log must still hold it. ``job`` (its id), if given, must be the one every entry
+    names; whether the log starts its job or continues another is the summary's ``continues``.
     """
     key = load_verifier(orchestrator_key)
     expected = check_gpu(gpu) if gpu is not None else None
+    if job is not None and (not isinstance(job, bytes) or len(job) != JOB_BYTES):
+        raise BadInput(f"a job's id is {JOB_BYTES} bytes")
     data = _read(path)
     try:
         parsed = list(_records(data, allow_truncated_tail))
@@ -281,6 +335,8 @@ def verify_log(path: str | os.PathLike[str],
         raise
     _verify_chain(parsed, key)
     named = _check_gpu(parsed, expected)
+    named_job = _check_job(parsed, job)
+    travels = _check_count(parsed)
     last = parsed[-1] if parsed else None
     closed = _check_closing(parsed, (last.end if last else 0) != len(data))
     if known_head is not None:
@@ -292,6 +348,9 @@ def verify_log(path: str | os.PathLike[str],
         head_signature=last.signature if last else b"",
         holder=holder,
         gpu=named,
+        job=named_job,
+        continues=parsed[0].entry.prev_hash if parsed and parsed[0].entry.prev_hash != GENESIS_HASH else None,
+        travels=travels,
         entries=tuple(p.entry for p in parsed
                       if p.entry.chunk is not None and (holder is None or p.entry.holder == holder)),
         truncated_tail=(last.end if last else 0) != len(data),

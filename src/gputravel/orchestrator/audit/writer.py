@@ -10,12 +10,17 @@ digest and the key and signs their MAC: no caller can put a bare digest in the p
 ``seal`` signs the closing entry when the job is done; after it nothing is appended, and a
 closed log is never continued (``open`` refuses it): a continuation could be cut back to the
 closing entry and verify as a complete log.
+
+A writer names one job (``job``, random unless given) and counts its travels in every entry;
+a log that continues an earlier log of its job (another orchestrator's: ``create(after=...)``,
+or ``start_after`` while it is still empty) follows that log's entry and count.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import threading
 from pathlib import Path
 
@@ -24,7 +29,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from gputravel.errors import BadInput
 from gputravel.orchestrator.audit.entries import (
     GENESIS_HASH,
+    HASH_BYTES,
+    JOB_BYTES,
     LENGTH,
+    AuditError,
     AuditEvent,
     ChunkId,
     Entry,
@@ -43,6 +51,26 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def _job_id(job: bytes | None) -> bytes:
+    if job is None:
+        return secrets.token_bytes(JOB_BYTES)
+    if not isinstance(job, bytes) or len(job) != JOB_BYTES:
+        raise BadInput(f"a job's id is {JOB_BYTES} bytes")
+    return job
+
+
+def _after(after: tuple[bytes, int] | None) -> tuple[bytes, int]:
+    """(prev_hash, travels counted) for seq 0: the zero hash and none, or the entry continued."""
+    if after is None:
+        return GENESIS_HASH, 0
+    digest, travels = after
+    if not isinstance(digest, bytes) or len(digest) != HASH_BYTES or digest == GENESIS_HASH:
+        raise BadInput(f"a log continues the entry whose {HASH_BYTES}-byte hash it names")
+    if type(travels) is not int or travels < 1:
+        raise BadInput("a log continues another after at least one travel")
+    return digest, travels
+
+
 def _fsync_dir(path: Path) -> None:
     # A new file's directory entry must be durable too, or a crash can lose the whole log.
     fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
@@ -56,13 +84,16 @@ class AuditLog:
     """The orchestrator's writer for one GPU. One writer per file; ``append`` is thread-safe."""
 
     def __init__(self, path: Path, key: ec.EllipticCurvePrivateKey, gpu: str, fd: int, next_seq: int,
-                 prev_hash: bytes) -> None:
+                 prev_hash: bytes, job: bytes, travels: int, first_prev: bytes = GENESIS_HASH) -> None:
         self.path = path
         self.gpu = gpu
         self._key = key
         self._fd = fd
         self._next_seq = next_seq
         self._prev = prev_hash
+        self._job = job
+        self._travels = travels  # the job's travel attempts counted so far (in the log it continues too)
+        self._first_prev = prev_hash if next_seq == 0 else first_prev  # what seq 0 follows
         self._lock = threading.Lock()
         self._broken = False
         self._sealed = False  # the closing entry is signed: nothing may follow
@@ -72,15 +103,19 @@ class AuditLog:
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], signing_key: bytes | ec.EllipticCurvePrivateKey, *,
-               gpu: str) -> AuditLog:
-        """Start a new, empty log of ``gpu`` (its attested serial); refuses to overwrite a file."""
+               gpu: str, job: bytes | None = None, after: tuple[bytes, int] | None = None) -> AuditLog:
+        """Start a new, empty log of ``gpu`` (its attested serial); refuses to overwrite a file.
+        ``job``: the job's id (random if None); ``after``: (hash, count) of the entry of an
+        earlier log of the job that this one continues (see :meth:`start_after`)."""
         key, p, gpu = load_signer(signing_key), Path(path), check_gpu(gpu)
+        job = _job_id(job)
+        prev, travels = _after(after)
         try:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
         except FileExistsError:
             raise BadInput(f"audit log {os.fspath(p)!r} already exists (use AuditLog.open)") from None
         _fsync_dir(p)
-        return cls(p, key, gpu, fd, 0, GENESIS_HASH)
+        return cls(p, key, gpu, fd, 0, prev, job, travels)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], signing_key: bytes | ec.EllipticCurvePrivateKey, *,
@@ -100,7 +135,54 @@ class AuditLog:
         if summary.truncated_tail:
             os.ftruncate(fd, intact_length(p))
             os.fsync(fd)
-        return cls(p, key, gpu, fd, summary.head_seq + 1, summary.head_hash)
+        # An empty log (created, never written) gets a job of its own, unless start_after gives one.
+        job = summary.job if summary.job is not None else _job_id(None)
+        return cls(p, key, gpu, fd, summary.head_seq + 1, summary.head_hash, job, summary.travels,
+                   summary.continues or GENESIS_HASH)
+
+    def start_after(self, job: bytes, after: tuple[bytes, int]) -> None:
+        """Make this still-empty log continue an earlier log of job ``job``, signed by another
+        orchestrator: its seq 0 follows the entry whose hash is ``after[0]``, and it counts on
+        from that entry's count ``after[1]`` (a run resumed from a checkpoint taken there)."""
+        job, (prev, travels) = _job_id(job), _after(after)
+        with self._lock:
+            if self._next_seq != 0:
+                raise BadInput("only an empty log can start after another")
+            self._job, self._prev, self._travels, self._first_prev = job, prev, travels, prev
+
+    @property
+    def job(self) -> bytes:
+        """The job's id, in every entry."""
+        return self._job
+
+    @property
+    def continues(self) -> bytes | None:
+        """The hash of the entry of an earlier log that this one's seq 0 follows; None if it starts its job."""
+        with self._lock:
+            return self._first_prev if self._first_prev != GENESIS_HASH else None
+
+    @property
+    def mark(self) -> tuple[int, bytes, int]:
+        """(seq, hash, travels) of the last entry, read at once: what a checkpoint records. An
+        empty log's seq is -1; its hash and count are those of the entry it continues, if any."""
+        with self._lock:
+            return self._next_seq - 1, self._prev, self._travels
+
+    def holds(self, seq: int, digest: bytes) -> bool:
+        """Whether the file this writer appends to (read through its own descriptor, whatever
+        the path names now) holds entry ``seq`` with hash ``digest``, verified with this
+        writer's key as a log of its GPU and job."""
+        with self._lock:
+            if self._fd < 0:
+                raise BadInput("the audit log is closed")
+            if self._next_seq <= seq:
+                return False
+            try:
+                verify_log(f"/proc/self/fd/{self._fd}", self._key.public_key(), gpu=self.gpu, job=self._job,
+                           known_head=(seq, digest))
+            except AuditError:
+                return False
+            return True
 
     @property
     def head(self) -> tuple[int, bytes]:
@@ -166,7 +248,7 @@ class AuditLog:
         except OSError:
             self._broken = True  # a partial record may be on disk: no entry may follow it
             raise
-        self._next_seq, self._prev = entry.seq + 1, digest
+        self._next_seq, self._prev, self._travels = entry.seq + 1, digest, entry.travels
         return entry
 
     def _next_entry(self, event: AuditEvent | str, chunk: ChunkId | None, time: float, epoch_before: int,
@@ -179,9 +261,10 @@ class AuditLog:
             raise BadInput("chunk must be a ChunkId")
         if not isinstance(time, (int, float)) or isinstance(time, bool):
             raise BadInput("time must be a number of seconds")
+        travels = self._travels + (event is not AuditEvent.CLOSED)
         try:
-            entry = Entry(seq=self._next_seq, time=float(time), gpu=self.gpu, event=event, chunk=chunk,
-                          epoch_before=epoch_before, epoch_after=epoch_after, chunk_mac=mac,
+            entry = Entry(seq=self._next_seq, time=float(time), gpu=self.gpu, job=self._job, event=event, chunk=chunk,
+                          travels=travels, epoch_before=epoch_before, epoch_after=epoch_after, chunk_mac=mac,
                           prev_hash=self._prev)
         except TypeError:  # __post_init__ compared a value of the wrong type
             raise BadInput("key epochs must be ints") from None
