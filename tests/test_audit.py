@@ -715,8 +715,12 @@ def test_a_logged_chunk_shows_only_its_mac_which_its_holder_alone_can_check(tmp_
         assert digest not in published  # the guess confirms nothing
         assert all(e.chunk_mac != digest for e in entries)
     assert key not in published
-    assert [e.chunk_mac for e in entries] == [chunk_mac(key, "comedies", o, n, d)
-                                              for (o, n), d in zip(chunks, guessed, strict=True)]
+    # The job is bound: the same chunk logged in another job's log shows another MAC, so two
+    # logs do not show which of a holder's chunks stayed the same between the jobs.
+    (o0, n0), d0 = chunks[0], guessed[0]
+    assert chunk_mac(key, bytes(16), "comedies", o0, n0, d0) != chunk_mac(key, b"\x01" * 16, "comedies", o0, n0, d0)
+    assert [e.chunk_mac for e in entries] == [chunk_mac(key, e.job, "comedies", o, n, d)
+                                              for e, (o, n), d in zip(entries, chunks, guessed, strict=True)]
     # The holder, with its key and its data, checks its own entries; any other key, or other
     # data at that place (another chunk, another holder's MAC) does not match.
     digest_of = lambda o, n: chunk_digest(play[o:o + n], 4096)  # noqa: E731
@@ -899,7 +903,8 @@ def test_the_orchestrator_logs_macs_under_the_key_of_each_holders_hello_and_trav
     o.travel_log.close()
     summary = verify_log(tmp_path / "audit.log", orch.cert_pem)
     assert summary.closed and summary.count == 3
-    assert [e.chunk_mac for e in summary.entries] == [chunk_mac(k, "alice", 0, shell.BUFFER, digest) for k in keys]
+    assert [e.chunk_mac for e in summary.entries] == [chunk_mac(k, e.job, "alice", 0, shell.BUFFER, digest)
+                                                      for e, k in zip(summary.entries, keys, strict=False)]
     assert digest not in (tmp_path / "audit.log").read_bytes()
     with pytest.raises(BadInput, match="is closed"):
         TravelLog(str(tmp_path / "audit.log"), orch.key_pem, GPU)

@@ -119,7 +119,7 @@ def test_late_holders_join_leave_rejoin_and_restart_on_their_own_gpu_each_chunk_
                 if e.event == AuditEvent.TRAVEL:
                     data, c = datasets[e.chunk.holder][1], e.chunk
                     key = read_log_key(cohort.dir / "pki" / c.holder)
-                    assert e.chunk_mac == chunk_mac(key, c.holder, c.dataset_offset, c.nbytes,
+                    assert e.chunk_mac == chunk_mac(key, e.job, c.holder, c.dataset_offset, c.nbytes,
                                                     chunk_digest(data[c.dataset_offset:c.dataset_offset + MIB]))
                     logged.append((e.chunk.holder, e.chunk.dataset_offset))
         assert sorted(logged) == want

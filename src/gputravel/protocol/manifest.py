@@ -21,7 +21,8 @@ from gputravel.errors import BadInput
 
 PIECE_BYTES = 1 << 20
 LOG_KEY_BYTES = 32  # a holder's travel-log key (HMAC-SHA256)
-_MAC_LABEL = b"gputravel/travel-log/chunk-mac/v1\x00"
+JOB_BYTES = 16  # a job's random id, which its travel log names (orchestrator/audit)
+_MAC_LABEL = b"gputravel/travel-log/chunk-mac/v2\x00"  # v2: the job is bound too
 _NAME_LEN, _WHERE = struct.Struct(">H"), struct.Struct(">QQH")
 
 
@@ -57,18 +58,22 @@ def chunk_nbytes(holder: str, dataset_bytes: int, piece_bytes: int, dataset_offs
     return min(buffer_bytes, dataset_bytes - dataset_offset)
 
 
-def chunk_mac(key: bytes, holder: str, dataset_offset: int, nbytes: int, digest: bytes) -> bytes:
-    """HMAC-SHA256 under ``key`` (the holder's travel-log key) of the chunk's digest and of
-    where it lies (holder, offset, size): what the travel log publishes instead of the digest.
-    Binding the place too means two entries' MACs are equal only for the same chunk, not for
-    equal contents at two offsets. The key never appears in an error."""
+def chunk_mac(key: bytes, job: bytes, holder: str, dataset_offset: int, nbytes: int, digest: bytes) -> bytes:
+    """HMAC-SHA256 under ``key`` (the holder's travel-log key) of the chunk's digest, of the job
+    whose log it is in and of where it lies (holder, offset, size): what the travel log
+    publishes instead of the digest. Binding the place means two entries' MACs are equal only for
+    the same chunk, not for equal contents at two offsets; binding the job, that the logs of two
+    jobs do not show which chunks stayed the same between them (the key is the holder's for
+    good). The key never appears in an error."""
     if not isinstance(key, bytes) or len(key) != LOG_KEY_BYTES:
         raise BadInput(f"a holder's travel-log key is {LOG_KEY_BYTES} bytes")
     if not isinstance(digest, bytes) or not 0 < len(digest) <= 64:
         raise BadInput("a chunk digest is 1-64 bytes")
+    if not isinstance(job, bytes) or len(job) != JOB_BYTES:
+        raise BadInput(f"a job id is {JOB_BYTES} bytes")
     name = holder.encode("utf-8")
     try:
-        message = _MAC_LABEL + _NAME_LEN.pack(len(name)) + name + _WHERE.pack(dataset_offset, nbytes, len(digest))
+        message = _MAC_LABEL + job + _NAME_LEN.pack(len(name)) + name + _WHERE.pack(dataset_offset, nbytes, len(digest))
     except struct.error:
         raise BadInput("a chunk's holder name, offset or size is out of range") from None
     return hmac.new(key, message + digest, hashlib.sha256).digest()

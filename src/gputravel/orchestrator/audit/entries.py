@@ -50,9 +50,9 @@ import struct
 
 from gputravel.errors import BadInput, ProtocolError
 from gputravel.protocol.codec import Message, encode
+from gputravel.protocol.manifest import JOB_BYTES as JOB_BYTES  # re-exported: the log's readers take it from here
 
 HASH_BYTES = 48  # SHA-384
-JOB_BYTES = 16  # a job's random id
 GENESIS_HASH = bytes(HASH_BYTES)  # the prev_hash of seq 0
 MAX_DIGEST_BYTES = 64
 MAX_GPU_CHARS = 128  # a vendor serial is at most 64; "sha256:" and a hex fingerprint is 71

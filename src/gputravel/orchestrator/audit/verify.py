@@ -372,7 +372,8 @@ def mismatched_chunks(entries: Iterable[Entry], holder_key: bytes,
             continue
         c = e.chunk
         try:
-            want = chunk_mac(holder_key, c.holder, c.dataset_offset, c.nbytes, digest_of(c.dataset_offset, c.nbytes))
+            want = chunk_mac(holder_key, e.job, c.holder, c.dataset_offset, c.nbytes,
+                             digest_of(c.dataset_offset, c.nbytes))
         except GputravelError:
             bad.append(e.seq)
             continue

@@ -203,7 +203,7 @@ class AuditLog:
         travel-log key, which is then required."""
         if event == AuditEvent.CLOSED:
             raise BadInput("the closing entry is signed by seal()")
-        mac = self._mac(chunk, chunk_digest, holder_key)
+        mac = self._mac(self._job, chunk, chunk_digest, holder_key)
         with self._lock:
             self._writable()
             return self._write(self._next_entry(event, chunk, time, epoch_before, epoch_after, mac))
@@ -226,7 +226,7 @@ class AuditLog:
             raise BadInput("a write to the audit log failed: reopen it with repair_truncated_tail=True")
 
     @staticmethod
-    def _mac(chunk: ChunkId, chunk_digest: bytes, holder_key: bytes | None) -> bytes:
+    def _mac(job: bytes, chunk: ChunkId, chunk_digest: bytes, holder_key: bytes | None) -> bytes:
         if not isinstance(chunk_digest, (bytes, bytearray, memoryview)):
             raise BadInput("chunk_digest must be bytes")  # bytes(n) would make n zero bytes
         if not chunk_digest:
@@ -235,7 +235,7 @@ class AuditLog:
             raise BadInput("chunk must be a ChunkId")
         if holder_key is None:
             raise BadInput("a chunk digest is logged only keyed with its holder's travel-log key")
-        return chunk_mac(holder_key, chunk.holder, chunk.dataset_offset, chunk.nbytes, bytes(chunk_digest))
+        return chunk_mac(holder_key, job, chunk.holder, chunk.dataset_offset, chunk.nbytes, bytes(chunk_digest))
 
     def _write(self, entry: Entry) -> Entry:
         """Sign ``entry`` and append it durably (the lock held)."""
