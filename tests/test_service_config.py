@@ -105,7 +105,7 @@ def test_the_measurement_the_holders_pin_covers_the_job(cohort: Path, tmp_path: 
 
 
 def test_only_the_hardware_stand_ins_hold_a_private_key(cohort: Path) -> None:
-    allowed = (cohort / "state" / "gpu-0" / "vendor", cohort / "state" / "orchestrator" / "platform")
+    allowed = (cohort / "vendor" / "gpu-0", cohort / "platform")  # root's alone, in no party's tree
     keyed = [p for p in cohort.rglob("*") if p.is_file() and b"PRIVATE KEY" in p.read_bytes()]
     assert keyed and all(p.parent in allowed for p in keyed), keyed
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in keyed)
@@ -203,7 +203,7 @@ def test_gpus_get_a_file_each_with_its_own_serial_and_sockets(tmp_path: Path) ->
     gpus = [load_service(p) for p in written if p.name.startswith("gpu-")]
     assert [g.serial for g in gpus] == ["GPU-EMU-0", "GPU-EMU-1"]
     assert len({g.link_socket for g in gpus}) == 2 and gpus[1].vram_bytes > 64 << 10
-    assert GpuIssuer.load(tmp_path / "D" / "state" / "gpu-1" / "vendor").serial == "GPU-EMU-1"
+    assert GpuIssuer.load(tmp_path / "D" / "vendor" / "gpu-1").serial == "GPU-EMU-1"
     job = load_service(tmp_path / "D" / "orchestrator.toml").job
     assert (job.steps, job.buffer_bytes) == (3, 64 << 10)
 

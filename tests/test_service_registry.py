@@ -243,27 +243,6 @@ def test_root_acting_as_a_party_reaches_only_what_the_party_may(tmp_path: Path) 
     assert os.geteuid() == 0 and os.getegid() == 0 and secret.read_bytes() == b"root's"
 
 
-@pytest.mark.skipif(not ROOT, reason="the vendors' material is root's only when init runs as root")
-def test_a_pinned_root_directory_is_held_by_descriptor_and_refused_when_not_roots(tmp_path: Path) -> None:
-    """The GPU vendor's CA and the CPU-TEE root lie in parties' state directories: the service
-    pins them before the directory is handed over, so a later rename or link reaches nothing."""
-    from gputravel.service.party import pinned_dir
-
-    vendor = tmp_path / "state" / "vendor"
-    vendor.mkdir(parents=True)
-    (vendor / "ca.key").write_bytes(b"vendor's")
-    held = pinned_dir(vendor)
-    assert held is not None and pinned_dir(tmp_path / "state" / "gone") is None
-    vendor.rename(tmp_path / "state" / "moved")
-    (tmp_path / "state" / "vendor").symlink_to(tmp_path)  # the party's link in its place
-    assert (held / "ca.key").read_bytes() == b"vendor's"  # still the directory that was pinned
-    with pytest.raises(BadInput, match="not a directory of root's"):
-        pinned_dir(tmp_path / "state" / "vendor")
-    os.chown(tmp_path / "state" / "moved", 54321, 54321)
-    with pytest.raises(BadInput, match="not root's alone"):
-        pinned_dir(tmp_path / "state" / "moved")
-
-
 def test_a_link_planted_as_the_boot_lock_is_refused_not_followed(tmp_path: Path) -> None:
     """The cohort's run directory is every party's (1777): a link another party put where the
     boot lock goes made root create a file wherever it named (the hostile review)."""
@@ -274,3 +253,75 @@ def test_a_link_planted_as_the_boot_lock_is_refused_not_followed(tmp_path: Path)
     with pytest.raises(BadInput, match=r"boot_lock: .* cannot be taken"):
         _try_lock(str(lock))
     assert not (tmp_path / "made-by-root").exists()
+
+
+def test_the_vendors_material_lies_in_no_partys_tree_and_init_opens_the_way_whatever_the_umask(
+        tmp_path: Path) -> None:
+    """The second hostile review: a party renamed the vendor's directory inside its own state,
+    and the next start handed it over with the rest (the CPU-TEE root and the GPU vendor's CA
+    read by the party). Now that material is in D/vendor and D/platform, root's alone, and every
+    party's state starts empty. A root umask of 077 had also left trust/ and public/ closed."""
+    import stat
+
+    data = tmp_path / "data.txt"
+    data.write_text("text\n" * 10)
+    old = os.umask(0o077)
+    try:
+        init_cohort(tmp_path / "D", [("a", str(data))])
+    finally:
+        os.umask(old)
+    d = tmp_path / "D"
+    for party in ("host", "gpu-0", "orchestrator", "holder-a"):
+        assert not any((d / "state" / party).iterdir()), party
+    for path in (d / "vendor", d / "vendor" / "gpu-0", d / "platform"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700 and path.stat().st_uid == os.geteuid()
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (d / "state", d / "public", d / "trust", *(d / "trust").iterdir())}
+    assert modes[d / "state"] == 0o711 and modes[d / "public"] == modes[d / "trust"] == 0o755
+    assert all(m == 0o644 for p, m in modes.items() if p.parent == d / "trust"), modes
+
+
+def test_a_published_certificate_is_one_of_its_member_alone(tmp_path: Path) -> None:
+    """The second hostile review: holder a appended a self-signed 'b' certificate to its own
+    pki/a.pem; publish copied it whole, the orchestrator pinned every certificate in it, and its
+    TLS listener took a for b."""
+    from gputravel.crypto.pki import self_signed_member
+    from gputravel.service.party import one_certificate, publish_certificate
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    a, b = (self_signed_member(tmp_path / name, name) for name in ("a", "b"))
+    assert one_certificate(a, "a", tmp_path) == a
+    with pytest.raises(BadInput, match="expected one certificate, of 'a'; it holds 2"):
+        one_certificate(a + b, "a", tmp_path)
+    with pytest.raises(BadInput, match="expected one certificate, of 'a'; it holds 1"):
+        one_certificate(b, "a", tmp_path)
+    (tmp_path / "a.pem").write_bytes(a + b)
+    with pytest.raises(BadInput):
+        publish_certificate(tmp_path / "a.pem", tmp_path / "public-a.pem", "a")
+    assert not (tmp_path / "public-a.pem").exists()
+
+
+@pytest.mark.skipif(not ROOT, reason="a lock file of another account needs root to make")
+def test_a_boot_lock_another_account_made_is_refused(tmp_path: Path) -> None:
+    from gputravel.service.members import _try_lock
+
+    lock = tmp_path / "gpu-0.lock"
+    lock.write_bytes(b"")
+    os.chown(lock, 54321, 54321)
+    with pytest.raises(BadInput, match="belongs to uid 54321, not to the services"):
+        _try_lock(str(lock))
+
+
+def test_the_gpu_link_is_taken_only_from_the_gpus_account(tmp_path: Path) -> None:
+    """A party that bound the GPU link socket's name first must not pass for the GPU."""
+    import socket
+
+    from gputravel.service.members import _gpu_link
+
+    path = str(tmp_path / "gpu.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as squatter:
+        squatter.bind(path)
+        squatter.listen()
+        with pytest.raises(BadInput, match=f"is served by uid {os.geteuid()}, not the GPU's \\(54321\\)"):
+            _gpu_link(path, -1, 54321)
+        _gpu_link(path, -1, os.geteuid()).close()

@@ -237,10 +237,9 @@ def party_env(role: str, env: Mapping[str, str] | None = None) -> dict[str, str]
 
 
 # ----------------------------------------------------------------------------- files
-def give(path: Path, uid: int, mode: int | None = None, *, keep: tuple[str, ...] = ()) -> None:
+def give(path: Path, uid: int, mode: int | None = None) -> None:
     """Hand a tree to `uid` (its own gid); the launcher, root, still reads it. It follows no
-    link: one at `path` is refused, one inside is handed over itself, never what it names.
-    `keep`: names at the top left as they are, never handed over even for a moment."""
+    link: one at `path` is refused, one inside is handed over itself, never what it names."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # ELOOP for a link
     try:
         os.fchown(fd, uid, uid)
@@ -251,10 +250,7 @@ def give(path: Path, uid: int, mode: int | None = None, *, keep: tuple[str, ...]
             # swaps one of its directories for a link mid-walk must not send root's chown through
             # it (a path walk follows a link in the middle of a path; fwalk opens each directory
             # from its parent's descriptor and checks it is the one it listed).
-            for top, dirs, files, dirfd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-                if top == ".":
-                    dirs[:] = [d for d in dirs if d not in keep]
-                    files = [f for f in files if f not in keep]
+            for _, dirs, files, dirfd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
                 for name in dirs + files:
                     os.chown(name, uid, uid, dir_fd=dirfd, follow_symlinks=False)
     finally:

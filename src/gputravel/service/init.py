@@ -7,8 +7,10 @@ party's empty state directory (issue 16; docs/deploy.md).
     D/public/    empty: each member publishes its TLS certificate here on first start
     D/run/       empty: sockets and lock files
     D/state/P/   (0700) party P's state; empty but for the emulated hardware's vendor material:
-                 state/gpu-K/vendor/ (the vendor's per-device CA, used once by the gpu service)
-                 state/orchestrator/platform/ (the CPU-TEE root, certifying its TDX module's key)
+    D/vendor/gpu-K/  (root's, 0700) the vendor's per-device CA, used once by the gpu service
+    D/platform/      (root's, 0700) the CPU-TEE root, certifying the orchestrator's TDX module's key
+                 Both lie outside every party's own tree: a party can rename or relink what is in
+                 its own directory, so root's material never sits there.
 
 Init stands for the hardware vendors and the consortium's agreement, as cohort/trust.py does
 for the supervisor. No config holds a key; the root keys leave the disk here, but for the
@@ -50,7 +52,7 @@ from gputravel.service.config import (
     validate_service,
 )
 from gputravel.service.engine import orchestrator_engine_config
-from gputravel.service.registry import write_registry
+from gputravel.service.registry import PLATFORM_DIR, VENDOR_DIR, write_registry
 
 __all__ = ["init_cohort", "write_service"]
 
@@ -144,16 +146,30 @@ def _private_dir(path: Path) -> Path:
     return path
 
 
+def _open_to_parties(d: Path) -> None:
+    """What every party's account reads or passes through, whatever init's umask (a root umask
+    of 077 left them 0700 and no party could start): the public anchors and certificates, and
+    the way to each party's own state directory (searchable, not listable)."""
+    os.chmod(d / "state", 0o711)
+    os.chmod(d / "public", 0o755)
+    os.chmod(d / "trust", 0o755)
+    for item in (d / "trust").iterdir():
+        if item.is_file() and not item.is_symlink():
+            item.chmod(0o644)  # public by design: certificates and reference values, no key
+
+
 def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
-    """The emulated vendors: both roots in trust/, one GPU CA per GPU in its vendor/ dir, the
-    CPU-TEE root in the orchestrator's platform/ dir; then the root keys leave trust/."""
+    """The emulated vendors: both roots in trust/, one GPU CA per GPU in vendor/gpu-K/, the
+    CPU-TEE root in platform/ (root's alone, outside every party's tree); then the root keys
+    leave trust/."""
     trust = d / "trust"
     init_roots(trust)
     gpu_root = load_authority(trust, "gpu")
     issuers = [issue_gpu_ca(gpu_root, serial=f"GPU-EMU-{k}") for k in range(gpus)]
+    vendor = _private_dir(d / VENDOR_DIR)
     for k, issuer in enumerate(issuers):
-        issuer.save(d / "state" / f"gpu-{k}" / "vendor")
-    platform = _private_dir(d / "state" / "orchestrator" / "platform")
+        issuer.save(_private_dir(vendor / f"gpu-{k}"))
+    platform = _private_dir(d / PLATFORM_DIR)
     for name in (TEE_ROOT_CERT, TEE_ROOT_KEY):
         shutil.copy2(trust / name, platform / name)  # the key keeps its 0600
     for name in (GPU_ROOT_KEY, TEE_ROOT_KEY):
@@ -241,6 +257,7 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
                       *(f"holder-{n}" for n, _ in checked)):
             _private_dir(d / "state" / party)
         issuers = _provision(d, gpus)
+        _open_to_parties(d)
         try:
             configs = _configs(d, checked, issuers, section, port, hardware)
         except ValidationError as exc:  # a path the schema refuses: a socket path too long for D

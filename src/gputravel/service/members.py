@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import socket
+import struct
 import time
 from pathlib import Path
 
@@ -34,8 +35,9 @@ from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohor
                                         TrainDone, TrainStep, Train)
 from gputravel.service.config import HolderService, OrchestratorService, gpu_socket, quoting_socket
 from gputravel.service.engine import orchestrator_engine_config
-from gputravel.service.party import (PartyChild, Stopping, as_party, log, own_state, pinned_dir, private_dir,
-                                     publish, unix_listening, wait_for, wait_for_sockets)
+from gputravel.service.party import (PartyChild, Stopping, as_party, log, one_certificate, own_state, private_dir,
+                                     publish, publish_certificate, unix_listening, wait_for, wait_for_sockets)
+from gputravel.service.registry import platform_dir, registered
 
 BOOT_TIMEOUT = 120.0
 STOP_WAIT_S = 60.0  # a stopping orchestrator finishes its step and checkpoints within this
@@ -62,6 +64,11 @@ def _try_lock(path: str) -> int | None:
     except OSError as exc:
         raise BadInput(f"boot_lock: {path} cannot be taken ({exc.strerror}): a link or another file put in "
                        "its place in the cohort's run directory; remove it") from None
+    owner = os.fstat(fd).st_uid
+    if owner != os.geteuid():  # a party made it first, and could hold its lock for ever
+        os.close(fd)
+        raise BadInput(f"boot_lock: {path} belongs to uid {owner}, not to the services: a party put it in the "
+                       "cohort's run directory; remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -106,7 +113,7 @@ def _serve_holder_once(cfg: HolderService, pki: Path, trust: Path, home: Path, s
         if lock is not None:
             os.close(lock)  # probed: the next CVM may take the GPU
             lock = None
-        publish(pki / f"{name}.pem", Path(cfg.public_dir) / f"holder-{name}.pem", cfg.uid)
+        publish_certificate(pki / f"{name}.pem", Path(cfg.public_dir) / f"holder-{name}.pem", name, cfg.uid)
         log(name, "up", dataset_bytes=ready.detail.get("dataset_bytes"), late=config["probe_at_boot"] is False)
         if not _join(cfg, child, pki, stop):
             return _leave_and_stop(name, child, joined=False)
@@ -131,7 +138,8 @@ def _join(cfg: HolderService, child: PartyChild, pki: Path, stop: Stopping) -> b
     said = 0.0
     while not stop():
         with as_party(cfg.uid):  # its own pki directory: as the holder
-            pin_peers(pki, cfg.name, [cert.read_bytes()])  # as published now (a restarted orchestrator keeps its key)
+            orchestrator = one_certificate(cert.read_bytes(), ORCHESTRATOR, cert)
+            pin_peers(pki, cfg.name, [orchestrator])  # as published now (a restarted orchestrator keeps its key)
         child.control.send(JoinCohort(host=cfg.orchestrator_host, port=cfg.orchestrator_port))
         reply = child.control.recv(timeout=BOOT_TIMEOUT).message
         if isinstance(reply, Joined):
@@ -166,8 +174,7 @@ def _leave_and_stop(name: str, child: PartyChild, joined: bool) -> int:
 # ----------------------------------------------------------------------------- orchestrator
 def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
     state = private_dir(cfg.state_dir)
-    platform = pinned_dir(state / "platform")  # before the state is the orchestrator's: None once used
-    own_state(state, cfg.uid, root_only=("platform",))  # the TEE provisioning stand-in is ours alone
+    own_state(state, cfg.uid)
     gpu = cfg.gpu_link_socket
     wait_for_sockets(ORCHESTRATOR, {"the host": cfg.host_socket, "the GPU": gpu}, stop)
     (Path(cfg.public_dir) / DONE_FILE).unlink(missing_ok=True)  # a job under way again (resumed)
@@ -177,12 +184,12 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
     certs = {h: Path(cfg.public_dir) / f"holder-{h}.pem" for h in cfg.holders}
     for h, path in certs.items():
         wait_for(ORCHESTRATOR, f"holder {h}'s certificate at {path}", path.exists, stop)
-    pinned = b"".join(p.read_bytes() for p in certs.values())  # the pinned holders, from the public directory
+    pinned = b"".join(one_certificate(p.read_bytes(), h, p) for h, p in certs.items())  # one each, theirs
     with as_party(cfg.uid):
         atomic_write_bytes(pki / "ca.pem", pinned)
     tdx, link, child = None, None, None
     try:
-        tdx, quoting = _start_tdx_module(cfg, state, platform)
+        tdx, quoting = _start_tdx_module(cfg, state, platform_dir(cfg))
         with as_party(cfg.uid):
             trust = _trust_dir(state, cfg.trust_dir, {LIMITS_FILE: {"max_evidence_age_s": cfg.max_evidence_age_s,
                                                                     "quoting_socket": quoting.socket}})
@@ -192,11 +199,12 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
         own_state(run_dir, cfg.uid)
         child_args = {"uid": cfg.uid, "home": home}
         measured = QuotingLaunch.measure_launch(_as_dict(engine), {})
-        link = _gpu_link(gpu, cfg.uid)
+        link = _gpu_link(gpu, cfg.uid, registered(cfg, "gpu-0").get("uid", -1))
         child = PartyChild(ORCHESTRATOR, {**_as_dict(engine), "self_sign": ORCHESTRATOR}, extra=link, **child_args)
         quoting.register(tdx.control, child.proc.pid, cfg.uid if cfg.uid >= 0 else None, measured, BOOT_TIMEOUT)
         ready = child.ready(BOOT_TIMEOUT)
-        publish(pki / f"{ORCHESTRATOR}.pem", Path(cfg.public_dir) / "orchestrator.pem", cfg.uid)
+        publish_certificate(pki / f"{ORCHESTRATOR}.pem", Path(cfg.public_dir) / "orchestrator.pem", ORCHESTRATOR,
+                            cfg.uid)
         log(ORCHESTRATOR, "up", port=ready.detail.get("port"), measurement=measured.hex())
         return _run_job(cfg, child, state, stop)
     finally:
@@ -220,24 +228,23 @@ def _hold_boot_lock(path: str, stop: Stopping) -> int:
     return fd[0]
 
 
-def _gpu_link(path: str, uid: int) -> socket.socket:
+def _gpu_link(path: str, uid: int, gpu_uid: int) -> socket.socket:
     """Our private link to the GPU (VRAM grants), connected as the orchestrator's account: the
-    device checks the peer's uid, which the kernel records at connect."""
+    device checks the peer's uid, which the kernel records at connect; and we check the device's
+    (the registry's gpu-0 account): a party that bound the socket's name first in the shared
+    run directory must not pass for the GPU and be handed the dataset (the second hostile review)."""
     link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if uid < 0:
+    with as_party(uid):
         link.connect(path)
-        return link
-    os.setegid(uid)
-    os.seteuid(uid)
-    try:
-        link.connect(path)
-    finally:
-        os.seteuid(0)
-        os.setegid(0)
+    peer = struct.unpack("3i", link.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+    if gpu_uid >= 0 and peer != gpu_uid:
+        link.close()
+        raise BadInput(f"gpu_link_socket: {path} is served by uid {peer}, not the GPU's ({gpu_uid}): a party took "
+                       "its name in the run directory; stop it and start the GPU again")
     return link
 
 
-def _start_tdx_module(cfg: OrchestratorService, state: Path, platform: Path | None) -> tuple[PartyChild, QuotingLaunch]:
+def _start_tdx_module(cfg: OrchestratorService, state: Path, platform: Path) -> tuple[PartyChild, QuotingLaunch]:
     """The orchestrator's TDX module (its CPU's quoting enclave, under its own account): it makes
     a quoting key at each start, which the platform's provisioning key (a stand-in in our state
     directory) certifies. Its directory is searchable, so the orchestrator reaches its socket."""
@@ -252,17 +259,17 @@ def _start_tdx_module(cfg: OrchestratorService, state: Path, platform: Path | No
     config = {**quoting.config, "key_dir": str(home / "key")}  # it keeps its quoting key there (0700)
     tdx = PartyChild("tdx-module", config, stop_by="close", uid=cfg.tdx_uid, home=home)
     if not tdx.ready(BOOT_TIMEOUT).detail.get("certified"):
-        _certify_quoting_key(tdx, platform, state / "platform")
+        _certify_quoting_key(tdx, platform)
     return tdx, quoting
 
 
-def _certify_quoting_key(tdx: PartyChild, platform: Path | None, where: Path) -> None:
+def _certify_quoting_key(tdx: PartyChild, platform: Path) -> None:
     """First start: the platform's provisioning stand-in (the CPU-TEE root) certifies the key the
     module made, once; it is then deleted, so nobody (this service's operator included) can
     certify another quoting key and quote a measurement of their choosing."""
-    if platform is None or not (platform / TEE_ROOT_KEY).exists():  # platform: pinned (party.pinned_dir)
+    if not (platform / TEE_ROOT_KEY).exists():  # the cohort's platform/: root's alone (service/registry.py)
         raise BadInput(f"the TDX module has no certified quoting key and the platform's provisioning key at "
-                       f"{where} is gone (used once already): initialise the cohort again")
+                       f"{platform} is gone (used once already): initialise the cohort again")
     authority = CohortTrust(platform, "", "", tee_root=load_authority(platform, "tee"))
     QuotingLaunch.certify(tdx.control, authority, BOOT_TIMEOUT)
     (platform / TEE_ROOT_KEY).unlink()

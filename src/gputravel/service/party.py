@@ -19,9 +19,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import NameOID
+
 from gputravel.cohort import isolation
 from gputravel.cohort.client import error_from
 from gputravel.cohort.entry import jsonable
+from gputravel.crypto.pki import MAX_PEM_BYTES
 from gputravel.files import atomic_write_bytes, read_plain
 from gputravel.errors import BadInput, GputravelError, RemoteError
 from gputravel.processes import stop_process
@@ -153,13 +158,12 @@ def _as_account(uid: int, home: Path | None) -> dict:
             "cwd": str(home)}
 
 
-def own_state(state: Path, uid: int, *, root_only: tuple[str, ...] = ()) -> Path:
-    """A party's state directory belongs to its account (0700); `root_only` entries (the
-    emulated vendors' material, which only this service reads) stay root's, never handed over
-    even for a moment. Pin them first (pinned_dir): the party may rename them afterwards."""
+def own_state(state: Path, uid: int) -> Path:
+    """A party's state directory belongs to its account (0700), all of it: nothing of root's
+    lies in it (the vendors' material is in the cohort's vendor/ and platform/)."""
     if uid < 0:
         return state
-    isolation.give(state, uid, 0o700, keep=root_only)
+    isolation.give(state, uid, 0o700)
     return state
 
 
@@ -174,37 +178,15 @@ def as_party(uid: int) -> Iterator[None]:
         yield
         return
     groups = os.getgroups()
-    os.setgroups([])
-    os.setegid(uid)
-    os.seteuid(uid)
-    try:
+    try:  # inside the try: an interrupt between two of these still restores all three
+        os.setgroups([])
+        os.setegid(uid)
+        os.seteuid(uid)
         yield
     finally:
         os.seteuid(0)
         os.setegid(0)
         os.setgroups(groups)
-
-
-_PINNED: list[int] = []  # descriptors of pinned directories, open for the service's life
-
-
-def pinned_dir(path: Path) -> Path | None:
-    """A root-only directory in a party's tree (root's, writable by root alone: the emulated vendors' material),
-    held by descriptor before the tree is handed over; used through /proc/self/fd, so the party
-    renaming it or putting a link in its place later reaches nothing of root's. None: gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise BadInput(f"{path} is not a directory of root's ({exc.strerror}): initialise the cohort again") from None
-    st = os.fstat(fd)
-    if os.geteuid() == 0 and (st.st_uid != 0 or st.st_mode & 0o022):
-        os.close(fd)
-        raise BadInput(f"{path} is not root's alone (uid {st.st_uid}, mode {st.st_mode & 0o777:o}): "
-                       "initialise the cohort again")
-    _PINNED.append(fd)
-    return Path(f"/proc/self/fd/{fd}")
 
 
 def private_dir(path: str | Path) -> Path:
@@ -223,12 +205,40 @@ def private_dir(path: str | Path) -> Path:
     return p
 
 
-def publish(src: Path, dest: Path, uid: int = -1) -> None:
-    """Put a public file where peers look for it, whole or not at all. `src` is in the party's
-    tree: read as the party (as_party), a plain file only, never through a link."""
+MAX_PUBLISHED_BYTES = 256 << 20  # a travel log of a long job; a certificate is about 1 KiB
+
+
+def publish(src: Path, dest: Path, uid: int = -1, limit: int = MAX_PUBLISHED_BYTES) -> bytes:
+    """Put a public file where peers look for it, whole or not at all; what was published.
+    `src` is in the party's tree: read as the party (as_party), a plain file only, never through
+    a link, and no larger than `limit` (the party could make it any size)."""
     with as_party(uid):
-        data = read_plain(src)
+        data = read_plain(src, limit + 1)
+    if len(data) > limit:
+        raise BadInput(f"{src} is larger than the {limit} bytes such a file may be")
     atomic_write_bytes(dest, data)
+    return data
+
+
+def one_certificate(pem: bytes, name: str, where: Path) -> bytes:
+    """`pem` as exactly one certificate whose common name is `name`, written out anew: a member
+    appending another's certificate to its own published file had the orchestrator pin both,
+    and take it for that other holder (the second hostile review of issue 30)."""
+    try:
+        certs = x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        raise BadInput(f"{where} holds no certificate") from None
+    names = [c.subject.get_attributes_for_oid(NameOID.COMMON_NAME) for c in certs]
+    if len(certs) != 1 or len(names[0]) != 1 or names[0][0].value != name:
+        raise BadInput(f"{where}: expected one certificate, of {name!r}; it holds {len(certs)}")
+    return certs[0].public_bytes(serialization.Encoding.PEM)
+
+
+def publish_certificate(src: Path, dest: Path, name: str, uid: int = -1) -> None:
+    """publish() of a member's certificate: one, of `name`, as one_certificate checks it."""
+    with as_party(uid):
+        pem = read_plain(src, MAX_PEM_BYTES)
+    atomic_write_bytes(dest, one_certificate(pem, name, src))
 
 
 def wait_for_sockets(party: str, sockets: dict[str, str], stop: Callable[[], bool]) -> None:

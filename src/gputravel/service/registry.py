@@ -23,9 +23,14 @@ import tomli_w
 from gputravel.errors import BadInput
 from gputravel.files import atomic_write_bytes
 
-__all__ = ["REGISTRY_FILE", "bind", "bound_keys", "write_registry"]
+__all__ = ["PLATFORM_DIR", "REGISTRY_FILE", "VENDOR_DIR", "bind", "bound_keys", "platform_dir", "registered",
+           "vendor_dir", "write_registry"]
 
 REGISTRY_FILE = "cohort.registry"
+# The emulated vendors' material, in the cohort directory and root's alone (0700): never inside
+# a party's own tree, where the party could rename or relink it (the second hostile review of
+# issue 30 had root hand it over that way). Found from cohort_dir, which the registry binds.
+VENDOR_DIR, PLATFORM_DIR = "vendor", "platform"
 MAX_REGISTRY_BYTES = 1 << 20
 # What says who a party is and where it acts; "job.run_dir" is the [job] table's key.
 _BOUND = ("name", "index", "uid", "tdx_uid", "orchestrator_uid", "state_dir", "socket", "host_socket", "link_socket",
@@ -38,6 +43,16 @@ def _get(cfg: Any, key: str) -> Any:
             return None
         cfg = getattr(cfg, part)
     return cfg
+
+
+def vendor_dir(cfg: Any) -> Path:
+    """The GPU vendor's per-device CA for the GPU of `cfg` (a gpu service's config)."""
+    return Path(cfg.cohort_dir) / VENDOR_DIR / f"gpu-{cfg.index}"
+
+
+def platform_dir(cfg: Any) -> Path:
+    """The CPU-TEE root that certifies the orchestrator's TDX module's key, once."""
+    return Path(cfg.cohort_dir) / PLATFORM_DIR
 
 
 def bound_keys(cfg: Any) -> dict[str, Any]:
@@ -100,6 +115,14 @@ def _read(cohort_dir: str) -> dict[str, Any]:
     if doc.get("directory") != cohort_dir or not isinstance(doc.get("parties"), dict):
         raise BadInput(f"cohort_dir: {path} is not the registry of {cohort_dir}")
     return doc
+
+
+def registered(cfg: Any, party: str) -> dict[str, Any]:
+    """What the registry of cfg's cohort says of `party` (after the same checks as bind)."""
+    entry = _read(cfg.cohort_dir)["parties"].get(party)
+    if not isinstance(entry, dict):
+        raise BadInput(f"{cfg.source}: no party {party!r} in the cohort's registry")
+    return entry
 
 
 def bind(cfg: Any, party: str) -> None:

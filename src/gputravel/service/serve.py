@@ -7,7 +7,6 @@ in service/members.py; the host and the GPU, which stand for the cloud's hardwar
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -19,8 +18,8 @@ from gputravel.service.config import (GpuService, HolderService, HostService, Se
                                       load_service)
 from gputravel.service.members import serve_holder, serve_orchestrator
 from gputravel.service.registry import bind
-from gputravel.service.party import (PartyChild, Stopping, as_party, log, own_state, pinned_dir, private_dir,
-                                     unix_listening, wait_for)
+from gputravel.service.party import PartyChild, Stopping, as_party, log, own_state, private_dir, unix_listening, wait_for
+from gputravel.service.registry import vendor_dir
 from gputravel.service.status import party_name
 
 BOOT_TIMEOUT = 120.0
@@ -70,17 +69,18 @@ def serve_host(cfg: HostService, stop: Stopping) -> int:
 
 def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
     """The confidential GPU: it makes its firmware key on first start, which the vendor's
-    per-device CA (its stand-in in the GPU's state directory) certifies once and is then gone."""
+    per-device CA (its stand-in in the cohort's vendor/gpu-K, root's alone) certifies once and is
+    then gone."""
     name = party_name(cfg)
     state = private_dir(cfg.state_dir)
-    vendor = pinned_dir(state / "vendor")  # before the state is the device's: None once used
+    vendor = vendor_dir(cfg)
     wait_for(name, f"the host at {cfg.host_socket}", lambda: unix_listening(cfg.host_socket), stop)
     firmware = state / "firmware"
     home = private_dir(state / "home")
-    own_state(state, cfg.uid, root_only=("vendor",))  # the device never reads its vendor's CA
+    own_state(state, cfg.uid)
     if not firmware.exists():  # first start: the firmware state the vendor vouches for
-        if vendor is None:
-            raise BadInput(f"the GPU has no firmware state and its vendor material at {state / 'vendor'} is gone")
+        if not GpuIssuer.exists(vendor):
+            raise BadInput(f"the GPU has no firmware state and its vendor material at {vendor} is gone")
         issuer = GpuIssuer.load(vendor)
         with as_party(cfg.uid):  # written inside the device's own tree: as the device
             issuer.save_state(private_dir(firmware))
@@ -89,21 +89,19 @@ def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
               "link_uid": cfg.orchestrator_uid}
     child = PartyChild("device", config, stop_by="terminate", uid=cfg.uid, home=home)
     try:
-        child.ready(BOOT_TIMEOUT, lambda msg: _certify_firmware(child, state, vendor, msg))
+        child.ready(BOOT_TIMEOUT, lambda msg: _certify_firmware(child, vendor, msg))
         log(name, "up", serial=cfg.serial, link=cfg.link_socket)
         return _until_stopped(name, child, stop)
     finally:
         child.close()
 
 
-def _certify_firmware(child: PartyChild, state: Path, vendor: Path | None, msg: Enroll) -> None:
-    if msg.name != "device" or vendor is None or not GpuIssuer.exists(vendor):
-        raise BadInput(f"the GPU asked to be certified, but its vendor material at {state / 'vendor'} is gone")
+def _certify_firmware(child: PartyChild, vendor: Path, msg: Enroll) -> None:
+    if msg.name != "device" or not GpuIssuer.exists(vendor):
+        raise BadInput(f"the GPU asked to be certified, but its vendor material at {vendor} is gone")
     cert_pem, ca_pem = GpuIssuer.load(vendor).certify_request(msg.csr_pem)
     child.control.send(Certified(cert_pem=cert_pem, ca_pem=ca_pem))
     GpuIssuer.discard(vendor)  # certified once: nobody can certify another key for this GPU
-    with contextlib.suppress(OSError):  # the emptied directory, by name: rmdir follows no link
-        (state / "vendor").rmdir()
 
 
 def _until_stopped(party: str, child: PartyChild, stop: Stopping) -> int:
