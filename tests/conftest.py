@@ -73,9 +73,8 @@ def _refuse_process(*args: object, **kwargs: object) -> None:
                          "(tests/conftest.py): ask for it, directly or through a fixture, so it runs in the slow tier")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Setup, call and teardown of a fast test run with every way to start a process refused."""
+def _guarded(item: pytest.Item):
+    """Run a fast test's setup or call with every way to start a process refused."""
     if item.get_closest_marker("slow") is not None:
         yield
         return
@@ -85,6 +84,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
             patch.setattr(os, name, _refuse_process)
         yield
+
+
+# Setup and call only: a module's fixtures are torn down in the teardown of its last test,
+# which may be a fast one, and their cleanup (stopping a cohort, deleting its directory with
+# rm) must run whatever that test is.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    yield from _guarded(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    yield from _guarded(item)
 
 
 @dataclass
