@@ -241,6 +241,21 @@ def test_root_acting_as_a_party_reaches_only_what_the_party_may(tmp_path: Path) 
     with pytest.raises(ValueError), as_party(54321):
         raise ValueError("a failure inside")
     assert os.geteuid() == 0 and os.getegid() == 0 and secret.read_bytes() == b"root's"
+    # A change of effective ids clears the parent-death signal: as_party sets it again (a
+    # holder's service once outlived its launcher, killed outright).
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(1, signal.SIGUSR2, 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    try:
+        with as_party(54321):
+            pass
+        from gputravel.cohort.isolation import parent_death_signal
+
+        assert parent_death_signal() == signal.SIGUSR2
+    finally:
+        libc.prctl(1, 0, 0, 0, 0)
 
 
 def test_a_link_planted_as_the_boot_lock_is_refused_not_followed(tmp_path: Path) -> None:

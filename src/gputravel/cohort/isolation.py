@@ -33,7 +33,7 @@ from gputravel.errors import BadInput
 
 # far above any distribution's users; a block of 1024 uids per cohort: up to 1023 parties
 UID_LOW, UID_HIGH, BLOCK = 0x4000_0000, 0x7FFF_0000, 1024
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
+_PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 2, 4
 _CLONE_NEWNS, _CLONE_NEWNET = 0x20000, 0x40000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 1 << 14, 1 << 18
 
@@ -217,6 +217,22 @@ def dropper(uid: int, *, netns: str | None, reach: dict[str, tuple[str, ...]]) -
 def die_with_parent() -> None:
     """A Popen preexec_fn step: the child is killed if the launcher dies, even outright."""
     _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+
+
+def parent_death_signal() -> int:
+    """The signal this process gets when its parent dies (0: none)."""
+    sig = ctypes.c_int(0)
+    _check(_libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0), "prctl(PR_GET_PDEATHSIG)")
+    return sig.value
+
+
+def rearm_parent_death(sig: int, parent: int) -> None:
+    """Changing the effective ids clears the parent-death signal (prctl(2)): set it again after
+    acting as another account, and if the parent (pid `parent`) died meanwhile, act on it now."""
+    if sig:
+        _check(_libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
 
 
 def private_env(home: str) -> dict[str, str]:

@@ -177,7 +177,7 @@ def as_party(uid: int) -> Iterator[None]:
     if uid < 0 or os.geteuid() != 0:
         yield
         return
-    groups = os.getgroups()
+    groups, death, parent = os.getgroups(), isolation.parent_death_signal(), os.getppid()
     try:  # inside the try: an interrupt between two of these still restores all three
         os.setgroups([])
         os.setegid(uid)
@@ -187,6 +187,9 @@ def as_party(uid: int) -> Iterator[None]:
         os.seteuid(0)
         os.setegid(0)
         os.setgroups(groups)
+        # A change of effective ids clears the parent-death signal: a service acting as its
+        # party once outlived a launcher killed outright (test_service_launch's SIGKILL case).
+        isolation.rearm_parent_death(death, parent)
 
 
 def private_dir(path: str | Path) -> Path:
