@@ -55,7 +55,6 @@ class Transport(abc.ABC):
     @overload
     def recv(self, timeout: float | None = None, *, expect: None = None) -> Received[object]: ...
 
-    @abc.abstractmethod
     def recv(self, timeout: float | None = None, *,
              expect: type | tuple[type, ...] | None = None) -> Received[Any]:
         """Receive the next message.
@@ -64,6 +63,11 @@ class Transport(abc.ABC):
         stays usable), TransportClosed once the peer has closed and everything it sent has been
         drained, ProtocolError for a malformed message or one not in ``expect``.
         """
+        return self._recv(timeout, expect)  # the typed overloads above live here only
+
+    @abc.abstractmethod
+    def _recv(self, timeout: float | None, expect: type | tuple[type, ...] | None) -> Received[Any]:
+        """What each transport does for recv."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -12,11 +12,11 @@ import os
 import queue
 import threading
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any
 
 from gputravel.protocol import codec
 from gputravel.errors import PeerTimeout, ProtocolError, TransportClosed
-from gputravel.transport.base import M, N, O, Received, Transport, check_fds, close_fds
+from gputravel.transport.base import Received, Transport, check_fds, close_fds
 
 __all__ = ["MemoryTransport", "memory_pair"]
 
@@ -57,18 +57,7 @@ class MemoryTransport(Transport):
             dups = tuple(os.dup(fd) for fd in fds)
             self._outbox.put((data, dups))
 
-    @overload
-    def recv(self, timeout: float | None = None, *, expect: tuple[type[M], type[N]]) -> Received[M | N]: ...
-    @overload
-    def recv(self, timeout: float | None = None, *,
-             expect: tuple[type[M], type[N], type[O]]) -> Received[M | N | O]: ...
-    @overload
-    def recv(self, timeout: float | None = None, *, expect: type[M] | tuple[type[M], ...]) -> Received[M]: ...
-    @overload
-    def recv(self, timeout: float | None = None, *, expect: None = None) -> Received[object]: ...
-
-    def recv(self, timeout: float | None = None, *,
-             expect: type | tuple[type, ...] | None = None) -> Received[Any]:
+    def _recv(self, timeout: float | None, expect: type | tuple[type, ...] | None) -> Received[Any]:
         if self._closed:
             raise TransportClosed(f"{self.name}: transport is closed")
         if self._peer_closed:

@@ -33,11 +33,11 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol, overload
+from typing import Any, Protocol
 
 from gputravel.protocol import codec
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
-from gputravel.transport.base import MAX_FDS, M, N, O, Received, Transport, check_fds, close_fds
+from gputravel.transport.base import MAX_FDS, Received, Transport, check_fds, close_fds
 from gputravel.transport.deadline import wait_ready
 
 
@@ -167,18 +167,7 @@ class StreamTransport(Transport):
             self._fail(PeerTimeout(f"{self.name}: peer stopped reading; transport closed"))
 
     # ------------------------------------------------------------------------- receive
-    @overload
-    def recv(self, timeout: float | None = None, *, expect: tuple[type[M], type[N]]) -> Received[M | N]: ...
-    @overload
-    def recv(self, timeout: float | None = None, *,
-             expect: tuple[type[M], type[N], type[O]]) -> Received[M | N | O]: ...
-    @overload
-    def recv(self, timeout: float | None = None, *, expect: type[M] | tuple[type[M], ...]) -> Received[M]: ...
-    @overload
-    def recv(self, timeout: float | None = None, *, expect: None = None) -> Received[object]: ...
-
-    def recv(self, timeout: float | None = None, *,
-             expect: type | tuple[type, ...] | None = None) -> Received[Any]:
+    def _recv(self, timeout: float | None, expect: type | tuple[type, ...] | None) -> Received[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._recv_lock:
             self._check_open()
