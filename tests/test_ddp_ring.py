@@ -99,6 +99,24 @@ def test_a_ring_of_one_returns_the_tensor_unchanged_and_refuses_what_it_cannot_r
         Ring("fast", p2p=_Alone())
 
 
+class _GonePeer:
+    """A wire whose peer has left: gloo fails the post itself, before any wait."""
+    rank, world_size = 0, 2
+
+    def isend(self, buf, dst, lane):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+
+    irecv = isend
+
+
+def test_a_post_that_fails_at_once_is_a_typed_error_and_stops_the_ring() -> None:
+    ring = Ring("plain", p2p=_GonePeer())
+    with pytest.raises(TransportClosed, match="the link to a peer broke"):
+        ring.all_reduce(torch.ones(8))
+    with pytest.raises(ChannelFaulted):
+        ring.all_reduce(torch.ones(8))
+
+
 def test_a_record_aad_names_its_place() -> None:
     places = [(op, hop, seg, rec, 0, 1) for op in (0, 1) for hop in range(4) for seg in range(3) for rec in range(3)]
     places += [(0, 0, 0, 0, 1, 0), (0, 0, 0, 0, 1, 2)]

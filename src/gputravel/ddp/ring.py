@@ -226,15 +226,27 @@ class Ring:
             self._slab = torch.empty(nbytes, dtype=torch.uint8)
         return self._slab
 
+    def _post(self, send: bool, buf: torch.Tensor, lane: int, what: str) -> Work:
+        # gloo may fail a post at once, when the peer has already gone: the same typed error as a wait.
+        try:
+            if send:
+                return self.p2p.isend(buf, self._next, lane)
+            return self.p2p.irecv(buf, self._prev, lane)
+        except RuntimeError as err:
+            raise self._typed(err, what) from None
+
     def _wait(self, work: Work, what: str) -> None:
         try:
             done = work.wait(self._timeout)
         except RuntimeError as err:  # gloo reports a timeout and a dead peer alike
-            if any(word in str(err).lower() for word in ("timed out", "timeout")):
-                raise PeerTimeout(f"ring: {what} did not complete in {self._timeout.total_seconds():g} s") from None
-            raise TransportClosed(f"ring: {what} failed: the link to a peer broke") from None
+            raise self._typed(err, what) from None
         if done is False:  # a transport that answers instead of raising: the buffer is not there
             raise PeerTimeout(f"ring: {what} did not complete in {self._timeout.total_seconds():g} s")
+
+    def _typed(self, err: RuntimeError, what: str) -> PeerTimeout | TransportClosed:
+        if any(word in str(err).lower() for word in ("timed out", "timeout")):
+            return PeerTimeout(f"ring: {what} did not complete in {self._timeout.total_seconds():g} s")
+        return TransportClosed(f"ring: {what} failed: the link to a peer broke")
 
 
 class _Pass:
@@ -308,7 +320,7 @@ class _Pass:
             outgoing = range(len(self.records[self.outgoing(hop)]))
             sealed = [self.seal(hop, k) for k in outgoing]
             for k in outgoing:
-                self.sends[(hop, k)] = ring.p2p.isend(sealed[k], ring._next, self.lane)
+                self.sends[(hop, k)] = ring._post(True, sealed[k], self.lane, f"send of hop {hop} record {k}")
             if hop + 1 < self.hops:
                 self.post_receives(hop + 1)
             incoming = range(len(self.records[self.incoming(hop)]))
@@ -323,9 +335,9 @@ class _Pass:
         ring = self.ring
         if not ring._sealed:
             start, stop = self.records[self.outgoing(hop)][k]
-            self.sends[(hop, k)] = ring.p2p.isend(self.flat[start:stop], ring._next, self.lane)
+            self.sends[(hop, k)] = ring._post(True, self.flat[start:stop], self.lane, f"send of hop {hop} record {k}")
             return
-        self.sends[(hop, k)] = ring.p2p.isend(self.seal(hop, k), ring._next, self.lane)
+        self.sends[(hop, k)] = ring._post(True, self.seal(hop, k), self.lane, f"send of hop {hop} record {k}")
 
     def seal(self, hop: int, k: int) -> torch.Tensor:
         """Record k of `hop`, sealed into its send buffer (once the send that used it last is done)."""
@@ -357,7 +369,7 @@ class _Pass:
                 if earlier is not None:
                     ring._wait(earlier, f"send of hop {hop - ring.world_size + 1} record {k}")
                 buf = self.flat[start:stop]
-            self.recvs[(hop, k)] = ring.p2p.irecv(buf, ring._prev, self.lane)
+            self.recvs[(hop, k)] = ring._post(False, buf, self.lane, f"receive of hop {hop} record {k}")
 
     def land(self, hop: int, k: int) -> None:
         self.ring._wait(self.recvs.pop((hop, k)), f"receive of hop {hop} record {k}")
