@@ -25,7 +25,7 @@ from gputravel.transport.unix import connect_unix
 def alice(tmp_path, host_with_device):
     data = tmp_path / "alice.bin"
     data.write_bytes(os.urandom(4 * TEST_LAYOUT.record_bytes))
-    holder = DataHolder(HolderConfig(name="alice", dataset_path=str(data), host_socket=host_with_device.socket_path,
+    holder = DataHolder.from_config(HolderConfig(name="alice", dataset_path=str(data), host_socket=host_with_device.socket_path,
                                      pki_dir=str(tmp_path), layout=TEST_LAYOUT, device_timeout=5))
     attested(holder, age_s=0, valid_s=1e9)  # no attestation in this test: there is no orchestrator CVM
     yield holder
@@ -144,13 +144,14 @@ def test_a_hello_must_name_the_holder_of_the_tls_certificate(named: str) -> None
     from gputravel.errors import ProtocolError
     from gputravel.protocol.travel import Bye, HolderHello, Welcome
     from gputravel.orchestrator.machine import Buffer, OrchestratorTravel
-    from gputravel.orchestrator.cvm import Orchestrator
+    from gputravel.orchestrator.cvm import Orchestrator, OrchestratorConfig
 
     ours, theirs = memory_pair("orchestrator", "h1")
-    orch = object.__new__(Orchestrator)  # only the door: no device, host or TLS needed
-    orch.listener = SimpleNamespace(accept=lambda timeout: (ours, "h1"))
+    config = OrchestratorConfig(host_socket="", pki_dir="", layout=TEST_LAYOUT, buffer_bytes=TEST_LAYOUT.record_bytes)
+    # Only the door: the listener hands over our end of the pair as h1's; no device, host or TLS.
+    orch = Orchestrator(config, host=None, driver=None, mux=None, device=None, log_key=b"",
+                        listener=SimpleNamespace(accept=lambda timeout: (ours, "h1")))
     orch.attester = SimpleNamespace(serve_challenge=lambda conn, driver, timeout, now: None)
-    orch.driver, orch.config, orch.holders = None, SimpleNamespace(tokenizer="", pace_mbit=None), {}
     orch.travel_sm = OrchestratorTravel(Buffer(0, 4096))
     theirs.send(HolderHello(named, 4096, 4096, (b"\x00" * 32,), "", True, bytes(32)))
     if named == "h1":

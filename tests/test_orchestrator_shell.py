@@ -41,7 +41,7 @@ import pytest
 
 from gputravel.errors import ChannelFaulted, ContextBlobError, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.orchestrator import machine as om
-from gputravel.orchestrator.cvm import Orchestrator
+from gputravel.orchestrator.cvm import Orchestrator, OrchestratorConfig
 from gputravel.orchestrator.machine import Buffer, Deadlines, OrchestratorTravel, Phase
 from gputravel.protocol.control import TravelReport
 from gputravel.protocol.manifest import chunk_digest_from_manifest, piece_digests
@@ -177,12 +177,13 @@ class Cohort:
         driver.ledger.export, driver.finish_scrub = exported, scrub_confirmed
 
     def _shell(self) -> Orchestrator:
-        # Orchestrator.__init__ connects to the host, registers with it, loads the cohort's PKI
-        # and opens a TLS listener: there is no public way to build one on the in-process GPU.
-        # So the shell is built bare and given, here only, the fields travel() reads.
-        o = object.__new__(Orchestrator)
-        o.config = SimpleNamespace(device_timeout=DEVICE_S, holder_timeout=HOLDER_S, buffer_bytes=BUFFER, verify=True)
-        o.driver, o.vram, o.travel_log, o.mux = self.driver, self.gpu.vram, None, Mux(self.gpu)
+        # The engine on the in-process GPU: its driver and MUX are the cohort's, and nothing
+        # else (host, device link, listener) is used by travel(); boot's state is given here.
+        config = OrchestratorConfig(host_socket="", pki_dir="", layout=TEST_LAYOUT, buffer_bytes=BUFFER,
+                                    device_timeout=DEVICE_S, holder_timeout=HOLDER_S, verify=True)
+        o = Orchestrator(config, host=None, driver=self.driver, mux=Mux(self.gpu), device=None, listener=None,
+                         log_key=b"")
+        o.vram = self.gpu.vram
         o.attester = SimpleNamespace(refresh=lambda *a: False, reattest_if_due=lambda *a: False,
                                      open_session=lambda driver, now, timeout: driver.establish_session())
         o._clock = StepClock()
@@ -349,8 +350,8 @@ def test_a_misbehaving_data_holder_cannot_fake_a_travel(cohort: Cohort, behaviou
 def _waiting_shell(joins: list) -> Orchestrator:
     """A bare shell whose accept_holder plays `joins` in turn: an exception to raise, or the
     name of a holder that joins."""
-    o = object.__new__(Orchestrator)
-    o.holders = {}
+    o = Orchestrator(OrchestratorConfig(host_socket="", pki_dir="", layout=TEST_LAYOUT, buffer_bytes=BUFFER),
+                     host=None, driver=None, mux=None, device=None, listener=None, log_key=b"")
     o.travel_sm = SimpleNamespace(holders={})
 
     def accept_holder(timeout, probe=None):

@@ -19,8 +19,9 @@ from gputravel.holder import cvm as holder_cvm
 from gputravel.holder import steps as hs
 from gputravel.holder.machine import Deadlines, HolderPhase, HolderTravel
 from gputravel.orchestrator import machine as om
-from gputravel.orchestrator.cvm import Orchestrator
+from gputravel.orchestrator.cvm import Orchestrator, OrchestratorConfig
 from gputravel.orchestrator.machine import Buffer, OrchestratorTravel, Phase
+from gputravel.protocol.layout import Layout
 from gputravel.protocol.machine import TimedOut
 from gputravel.protocol.manifest import chunk_digest, piece_digests
 from gputravel.protocol.travel import (
@@ -34,6 +35,7 @@ from gputravel.protocol.travel import (
 from gputravel.protocol.travel import Bye
 
 PIECE = 4096
+LAYOUT = Layout(record_bytes=PIECE)  # a holder's manifest pieces are one record at most
 BUFFER = Buffer(offset=0x2000, nbytes=4 * PIECE)
 BLOB = b"\x01context-blob\xfe" * 4
 DATASET = bytes((i * 31 + 7) % 256 for i in range(10 * PIECE))
@@ -320,14 +322,16 @@ class Calls:
 
 def orchestrator_shell(clock: Clock, **mux) -> Orchestrator:
     """The engine without a host, device or TLS: fakes record what it asks of them."""
-    orch = object.__new__(Orchestrator)
-    orch.config = SimpleNamespace(device_timeout=2.0, holder_timeout=5.0)
-    orch.travel_sm = orchestrator(om.Deadlines(device=2.0, holder=5.0))
+    config = OrchestratorConfig(host_socket="", pki_dir="", layout=LAYOUT, buffer_bytes=BUFFER.nbytes,
+                                device_timeout=2.0, holder_timeout=5.0)
+    orch = Orchestrator(config, host=Calls(), device=Calls(), listener=Calls(), log_key=b"",
+                        driver=Calls({"epoch_fresh": True, "epoch": 0, "rotating": False}, start_scrub=7,
+                                     export_for_travel=BLOB),
+                        mux=Calls(switch=SimpleNamespace(elapsed_ns=0), **mux))
+    orch.travel_sm = orchestrator(om.Deadlines(device=2.0, holder=5.0))  # as boot leaves it, with alice enrolled
     vram = bytearray(BUFFER.offset + BUFFER.nbytes)
     vram[BUFFER.offset :] = DATASET[: BUFFER.nbytes]  # what the holder copied
-    orch.vram, orch.holders, orch.travel_log = vram, {"alice": FakeHolderLink()}, None
-    orch.driver = Calls({"epoch_fresh": True, "epoch": 0, "rotating": False}, start_scrub=7, export_for_travel=BLOB)
-    orch.mux = Calls(switch=SimpleNamespace(elapsed_ns=0), **mux)
+    orch.vram, orch.holders = vram, {"alice": FakeHolderLink()}
     orch.attester = Calls(refresh=False, reattest_if_due=False)
     orch._clock = clock
     return orch
@@ -376,23 +380,22 @@ def test_the_orchestrator_shell_hands_a_timeout_to_the_machine_then_recovers(mon
     assert "rotate" in [c[0] for c in orch.driver.calls]  # and rotated
 
 
-def holder_shell(clock: Clock, monkeypatch, **mux) -> holder_cvm.DataHolder:
-    """The holder without a host, device or TLS: fakes record what it asks of them."""
-    h = object.__new__(holder_cvm.DataHolder)
-    h.config = SimpleNamespace(name="alice", trust_dir="trust", pki_dir="pki", die_mid_copy_on_travel=0)
-    h.dataset = SimpleNamespace(view=memoryview(DATASET), size=len(DATASET), tokenizer="")
-    h.piece_bytes = PIECE
-    h.sm = holder(Deadlines(device=3.0, orchestrator=7.0), audit=True)
-    h.driver = Calls(copy_from_vram=lambda off, n, timeout: bytes(n),
-                     query_buffer=SimpleNamespace(nbytes=BUFFER.nbytes), export_context=b"\x02back")
-    h.mux = Calls(**mux)
-    h.orchestrator, h.attestation, h.travels_served, h.probed = None, None, 0, True
-    h._policy, h._clock, h._log_key = None, clock, bytes(32)
-    link = Calls(recv=SimpleNamespace(message=Welcome("orchestrator")))
+def holder_shell(clock: Clock, monkeypatch, link: Calls | None = None, **mux) -> holder_cvm.DataHolder:
+    """The holder without a host, device or TLS: fakes record what it asks of them. ``link``:
+    the orchestrator's end as a join connects it (by default one that welcomes the holder)."""
+    link = link if link is not None else Calls(recv=SimpleNamespace(message=Welcome("orchestrator")))
+    config = holder_cvm.HolderConfig(name="alice", dataset_path="", host_socket="", pki_dir="pki", layout=LAYOUT,
+                                     device_timeout=3.0, orchestrator_timeout=7.0, audit_arrival=True,
+                                     trust_dir="trust")
+    h = holder_cvm.DataHolder(
+        config, dataset=SimpleNamespace(view=memoryview(DATASET), size=len(DATASET), tokenizer=""), host=Calls(),
+        driver=Calls(copy_from_vram=lambda off, n, timeout: bytes(n),
+                     query_buffer=SimpleNamespace(nbytes=BUFFER.nbytes), export_context=b"\x02back"),
+        mux=Calls(**mux), log_key=bytes(32), connect=lambda host, port: link)
+    assert h.piece_bytes == PIECE and h.sm.manifest == holder(Deadlines(3.0, 7.0), audit=True).manifest
+    h.probed, h._clock = True, clock
     material = SimpleNamespace(policy=SimpleNamespace(max_evidence_age_s=600))
     monkeypatch.setattr(holder_cvm, "HolderMaterial", SimpleNamespace(load=lambda path: material))
-    monkeypatch.setattr(holder_cvm, "CohortPki", SimpleNamespace(load=lambda path: Calls()))
-    monkeypatch.setattr(holder_cvm, "connect_tls", lambda *a, **k: link)
     monkeypatch.setattr(holder_cvm, "challenge_orchestrator", lambda conn, material, timeout: ("attested", timeout))
     return h
 
@@ -454,10 +457,8 @@ def test_the_holder_shell_refuses_a_failed_copy_with_the_error_it_got(monkeypatc
 
 
 def test_a_failed_join_leaves_the_holder_out_and_idle(monkeypatch) -> None:
-    h = holder_shell(Clock(), monkeypatch)
-    h.orchestrator = None
     link = Calls(recv=SimpleNamespace(message=Bye(reason="not today")))
-    monkeypatch.setattr(holder_cvm, "connect_tls", lambda *a, **k: link)
+    h = holder_shell(Clock(), monkeypatch, link)
     with pytest.raises(ProtocolError, match="did not welcome us: not today"):
         h.join("127.0.0.1", 4433)
     assert h.orchestrator is None and h.sm.phase is HolderPhase.IDLE and ("close", (), {}) in link.calls

@@ -13,8 +13,9 @@ import selectors
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from gputravel.crypto.pki import CohortPki
 from gputravel.driver.driver import Driver
@@ -46,7 +47,7 @@ from gputravel.holder.attestation import challenge_orchestrator
 from gputravel.holder.baseline import send_chunk
 from gputravel.protocol.control import JoinCohort, Ready, Shutdown
 from gputravel.net.pace import pace
-from gputravel.protocol.hardware import EMULATED, at_least, hardware_profile
+from gputravel.protocol.hardware import at_least, hardware_profile
 from gputravel.holder.membership import HOLDER_COMMANDS, holder_command
 from gputravel.holder.membership import join as join_cohort
 from gputravel.holder.log_key import own_log_key
@@ -123,30 +124,49 @@ class Dataset:
 
 
 class DataHolder:
-    _clock = staticmethod(time.perf_counter)  # the one clock the machine is told: step timings, attestation ages
-    profile = hardware_profile(EMULATED)  # set per cohort in __init__; tests' bare shells keep this one
+    """A data holder CVM's engine. It is given what it opened at boot (:meth:`from_config` opens
+    them as the CVM does): its dataset, the host (``mux`` switches the GPU over it), its driver
+    on the device, and its travel-log key; ``connect`` opens the link to an orchestrator when it
+    joins (by default mutual TLS with this holder's certificate). Building one does no IO."""
 
-    def __init__(self, config: HolderConfig) -> None:
+    _clock = staticmethod(time.perf_counter)  # the one clock the machine is told: step timings, attestation ages
+
+    def __init__(self, config: HolderConfig, *, dataset: Dataset | None = None, host: Transport | None = None,
+                 driver: Driver | None = None, mux: PcieMuxClient | None = None, log_key: bytes | None = None,
+                 connect: Callable[[str, int], Transport] | None = None) -> None:
+        if dataset is None and host is None and driver is None and mux is None and log_key is None:
+            # Transitional, for a subclass still built as ``Cls(config)`` (the red team's holder
+            # until it moves to from_config): open everything here, as from_config does.
+            dataset, host, driver, mux, log_key = _open(config)
+        if dataset is None or host is None or driver is None or mux is None or log_key is None:
+            raise TypeError("DataHolder takes its dataset, host, driver, mux and log key together "
+                            "(or use DataHolder.from_config)")
+        if connect is None and not config.pki_dir:  # "" would be the working directory
+            raise BadInput("a holder needs its pki directory: its TLS key and its travel-log key live there")
         self.config = config
-        self.dataset = Dataset(config.dataset_path, config.dataset_format)
+        self.dataset, self.host, self.driver, self.mux = dataset, host, driver, mux
         self.profile = hardware_profile(config.hardware)
-        self.host = connect_unix(config.host_socket, "host")
-        self.driver = Driver(register_with_host(self.host, config.name, config.layout))
-        self.mux = PcieMuxClient(self.host, config.name)
         self.piece_bytes = manifest_piece_bytes(config.layout)
         deadlines = Deadlines(device=config.device_timeout, orchestrator=config.orchestrator_timeout)
         self.sm = HolderTravel(config.name, self.dataset.size, piece_digests(self.dataset.view, self.piece_bytes),
                                self.piece_bytes, deadlines, config.audit_arrival)
         # Keys this holder's chunks' digests in the orchestrator's public travel log (holder/log_key.py):
         # made once in our own pki directory, sent only in our hello to the orchestrator we attested.
-        if not config.pki_dir:  # "" would be the working directory
-            raise BadInput("a holder needs its pki directory: its TLS key and its travel-log key live there")
-        self._log_key = own_log_key(Path(config.pki_dir))
+        self._log_key = log_key
+        self._connect = connect if connect is not None else partial(_connect_tls, config)
         self.orchestrator: Transport | None = None
         self.attestation: OrchestratorAttestation | None = None  # our last one of the orchestrator
         self.travels_served = 0
         self.probed = False  # set up our driver on the GPU yet (paper 4.1): at boot, or on a lent GPU
         self._policy: HolderMaterial | None = None  # what the attestation under way checks against
+
+    @classmethod
+    def from_config(cls, config: HolderConfig, **extra: Any) -> Self:
+        """The holder CVM's own boot: open its dataset, connect to the host and register with it,
+        load (or make) its travel-log key. ``extra`` goes to the constructor (a subclass's own
+        arguments)."""
+        dataset, host, driver, mux, log_key = _open(config)
+        return cls(config, dataset=dataset, host=host, driver=driver, mux=mux, log_key=log_key, **extra)
 
     def boot(self) -> None:
         """Paper 4.1: set up the driver while this CVM has the GPU, before the orchestrator boots."""
@@ -166,8 +186,7 @@ class DataHolder:
         if self.orchestrator is not None:
             raise IllegalTransition(self.config.name, "joined", "join again before leaving")
         self._policy = HolderMaterial.load(self.config.trust_dir)
-        ctx = CohortPki.load(self.config.pki_dir).client_context(self.config.name)
-        self.orchestrator = connect_tls(host, port, ctx, server_hostname=ORCHESTRATOR)
+        self.orchestrator = self._connect(host, port)
         try:
             self._run(Attest(joining=True))
         except BaseException:
@@ -312,8 +331,27 @@ class DataHolder:
     }
 
 
+def _open(config: HolderConfig) -> tuple[Dataset, Transport, Driver, PcieMuxClient, bytes]:
+    """What a holder CVM opens at boot, in its order: its dataset, the host (registering with
+    it), and its travel-log key."""
+    dataset = Dataset(config.dataset_path, config.dataset_format)
+    host = connect_unix(config.host_socket, "host")
+    driver = Driver(register_with_host(host, config.name, config.layout))
+    mux = PcieMuxClient(host, config.name)
+    if not config.pki_dir:  # "" would be the working directory
+        raise BadInput("a holder needs its pki directory: its TLS key and its travel-log key live there")
+    return dataset, host, driver, mux, own_log_key(Path(config.pki_dir))
+
+
+def _connect_tls(config: HolderConfig, host: str, port: int) -> Transport:
+    """A holder's link to the orchestrator: mutual TLS, with this holder's certificate, to the
+    orchestrator's (each join loads the cohort's PKI as it is then)."""
+    ctx = CohortPki.load(config.pki_dir).client_context(config.name)
+    return connect_tls(host, port, ctx, server_hostname=ORCHESTRATOR)
+
+
 def serve(config: HolderConfig, control: Transport) -> None:
-    holder = DataHolder(config)
+    holder = DataHolder.from_config(config)
     holder.boot()
     control.send(Ready(role=config.name, detail={"dataset_bytes": holder.dataset.size}))
     sel = selectors.DefaultSelector()

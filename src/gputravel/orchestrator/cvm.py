@@ -14,14 +14,14 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, Self
 
 from gputravel.crypto.pki import CohortPki
 from gputravel.driver.link import PcieMuxClient, register_with_host
 from gputravel.driver.orchestrator import OrchestratorDriver
 from gputravel.errors import (BadInput, ContextBlobError, ContextRefused, GputravelError, HolderLost, PeerTimeout,
                               ProtocolError, RemoteError, TransportClosed, TravelHalted)
-from gputravel.protocol.hardware import EMULATED, hardware_profile, hold_exchange
+from gputravel.protocol.hardware import hardware_profile, hold_exchange
 from gputravel.protocol.layout import Layout
 from gputravel.protocol.travel import Bye, HolderHello, TravelRefused, TravelResult, Welcome
 from gputravel.protocol.device import VramGrant, VramRequest
@@ -70,28 +70,59 @@ class OrchestratorConfig:
     job_json: str = ""
 
 
+class Listener(Protocol):
+    """Where holders connect: the TLS listener (transport/tls.py), or a test's stand-in. ``accept``
+    returns a holder's link and the holder's name as its verified certificate says."""
+
+    port: int
+
+    def accept(self, timeout: float | None = None) -> tuple[Transport, str]: ...
+
+    def fileno(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def check_buffer(config: OrchestratorConfig) -> None:
+    if config.buffer_bytes <= 0 or config.buffer_bytes % config.layout.record_bytes:
+        raise BadInput("the dataset buffer must be a positive multiple of the record size (1 MiB by default)")
+
+
 class Orchestrator:
-    """The travelling engine. One dataset buffer in VRAM, one travel at a time."""
+    """The travelling engine. One dataset buffer in VRAM, one travel at a time.
+
+    It is given its links already open (:meth:`from_config` opens them as the CVM does): the
+    host (``host``, closed with the engine; ``mux`` switches the GPU over it), its driver on
+    the device, the device's link that grants VRAM, the listener holders join at, and the key
+    that signs its travel log. Building one does no IO; :meth:`boot` starts the cohort."""
 
     _clock = staticmethod(time.perf_counter)  # the one clock the machine is told (step timings, deadlines)
-    profile, _request_sent = hardware_profile(EMULATED), 0.0  # set per cohort in __init__; tests' bare shells keep these
 
-    def __init__(self, config: OrchestratorConfig, device_link: socket.socket) -> None:
-        if config.buffer_bytes <= 0 or config.buffer_bytes % config.layout.record_bytes:
-            raise BadInput("the dataset buffer must be a positive multiple of the record size (1 MiB by default)")
+    def __init__(self, config: OrchestratorConfig, *, host: Transport, driver: OrchestratorDriver,
+                 mux: PcieMuxClient, device: Transport, listener: Listener, log_key: bytes) -> None:
+        check_buffer(config)
         self.config = config
-        self.host = connect_unix(config.host_socket, "host")
-        self.driver = OrchestratorDriver(register_with_host(self.host, NAME, config.layout))
-        self.mux = PcieMuxClient(self.host, NAME)
-        self._device = StreamTransport(device_link, "device-link")
+        self.host, self.driver, self.mux, self._device, self.listener = host, driver, mux, device, listener
         self.profile, self._request_sent = hardware_profile(config.hardware), 0.0
         self.holders: dict[str, Transport] = {}
         self.vram: mmap.mmap | None = None
         self.travel_sm: OrchestratorTravel | None = None
-        pki = CohortPki.load(config.pki_dir)
-        self.listener = TlsListener(config.listen_host, config.listen_port, pki.server_context(NAME))
-        self._log_key = pki.member(NAME).key_pem  # signs the travel log, opened at boot
+        self._log_key = log_key  # signs the travel log, opened at boot
         self.travel_log: TravelLog | None = None  # opened at boot, once the GPU it names is attested
+
+    @classmethod
+    def from_config(cls, config: OrchestratorConfig, device_link: socket.socket, **extra: Any) -> Self:
+        """The orchestrator CVM's own links: connect to the host and register with it, wrap the
+        device's link, load the cohort's PKI and listen for holders over TLS. ``extra`` goes to
+        the constructor (a subclass's own arguments)."""
+        check_buffer(config)  # before anything is opened
+        host = connect_unix(config.host_socket, "host")
+        driver = OrchestratorDriver(register_with_host(host, NAME, config.layout))
+        pki = CohortPki.load(config.pki_dir)
+        listener = TlsListener(config.listen_host, config.listen_port, pki.server_context(NAME))
+        return cls(config, host=host, driver=driver, mux=PcieMuxClient(host, NAME),
+                   device=StreamTransport(device_link, "device-link"), listener=listener,
+                   log_key=pki.member(NAME).key_pem, **extra)
 
     # ------------------------------------------------------------------ boot
     def boot(self) -> None:

@@ -185,7 +185,7 @@ def _job_context(cmd: Train, resumed: bytes) -> bytes:
 
 
 def serve(config: OrchestratorConfig, control: Transport, device_link: socket.socket) -> None:
-    orch = Orchestrator(config, device_link)
+    orch = Orchestrator.from_config(config, device_link)
     orch.boot()
     membership = Membership(orch)  # who has the GPU between travels: kept across commands
     control.send(Ready(role=NAME, detail={"port": orch.listener.port}))
