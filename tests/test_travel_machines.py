@@ -391,12 +391,11 @@ def holder_shell(clock: Clock, monkeypatch, link: Calls | None = None, **mux) ->
         config, dataset=SimpleNamespace(view=memoryview(DATASET), size=len(DATASET), tokenizer=""), host=Calls(),
         driver=Calls(copy_from_vram=lambda off, n, timeout: bytes(n),
                      query_buffer=SimpleNamespace(nbytes=BUFFER.nbytes), export_context=b"\x02back"),
-        mux=Calls(**mux), log_key=bytes(32), connect=lambda host, port: link)
+        mux=Calls(**mux), log_key=bytes(32), connect=lambda host, port: link,
+        policy=lambda: SimpleNamespace(policy=SimpleNamespace(max_evidence_age_s=600)),
+        challenge=lambda conn, material, timeout: ("attested", timeout))
     assert h.piece_bytes == PIECE and h.sm.manifest == holder(Deadlines(3.0, 7.0), audit=True).manifest
     h.probed, h._clock = True, clock
-    material = SimpleNamespace(policy=SimpleNamespace(max_evidence_age_s=600))
-    monkeypatch.setattr(holder_cvm, "HolderMaterial", SimpleNamespace(load=lambda path: material))
-    monkeypatch.setattr(holder_cvm, "challenge_orchestrator", lambda conn, material, timeout: ("attested", timeout))
     return h
 
 

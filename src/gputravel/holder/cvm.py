@@ -133,7 +133,9 @@ class DataHolder:
 
     def __init__(self, config: HolderConfig, *, dataset: Dataset | None = None, host: Transport | None = None,
                  driver: Driver | None = None, mux: PcieMuxClient | None = None, log_key: bytes | None = None,
-                 connect: Callable[[str, int], Transport] | None = None) -> None:
+                 connect: Callable[[str, int], Transport] | None = None,
+                 policy: Callable[[], HolderMaterial] | None = None,
+                 challenge: Callable[..., OrchestratorAttestation] = challenge_orchestrator) -> None:
         if dataset is None and host is None and driver is None and mux is None and log_key is None:
             # Transitional, for a subclass still built as ``Cls(config)`` (the red team's holder
             # until it moves to from_config): open everything here, as from_config does.
@@ -154,6 +156,10 @@ class DataHolder:
         # made once in our own pki directory, sent only in our hello to the orchestrator we attested.
         self._log_key = log_key
         self._connect = connect if connect is not None else partial(_connect_tls, config)
+        # Our policy as it is now (read at every join and re-attestation), and the attestation
+        # exchange that checks the orchestrator against it (holder/attestation.py).
+        self._load_policy = policy if policy is not None else partial(HolderMaterial.load, config.trust_dir)
+        self._challenge_orchestrator = challenge
         self.orchestrator: Transport | None = None
         self.attestation: OrchestratorAttestation | None = None  # our last one of the orchestrator
         self.travels_served = 0
@@ -185,7 +191,7 @@ class DataHolder:
         join, rejoins included), and only then introduce ourselves."""
         if self.orchestrator is not None:
             raise IllegalTransition(self.config.name, "joined", "join again before leaving")
-        self._policy = HolderMaterial.load(self.config.trust_dir)
+        self._policy = self._load_policy()
         self.orchestrator = self._connect(host, port)
         try:
             self._run(Attest(joining=True))
@@ -203,7 +209,7 @@ class DataHolder:
         so when we last accepted it); we attest it again on this connection: a fresh quote and
         fresh GPU evidence, both for a new nonce of ours. A refusal closes the connection
         (challenge_orchestrator): this holder leaves the cohort and stays up."""
-        self._policy = HolderMaterial.load(self.config.trust_dir)  # the policy as it is now
+        self._policy = self._load_policy()  # the policy as it is now
         self._run(Attest(joining=False))
         print(f"{self.config.name}: re-attested the orchestrator", flush=True)
 
@@ -251,7 +257,8 @@ class DataHolder:
     # ------------------------------------------------------------------ one step each
     def _challenge(self, act: Challenge, timeout: float) -> Attested:
         assert self.orchestrator is not None and self._policy is not None
-        self.attestation = challenge_orchestrator(self.orchestrator, self._policy, timeout=timeout)  # closes the link if refused
+        # closes the link if refused
+        self.attestation = self._challenge_orchestrator(self.orchestrator, self._policy, timeout=timeout)
         return Attested(self._policy.policy.max_evidence_age_s)
 
     def _introduce(self, act: Introduce, timeout: float | None) -> HelloAnswered:

@@ -99,7 +99,8 @@ class Orchestrator:
     _clock = staticmethod(time.perf_counter)  # the one clock the machine is told (step timings, deadlines)
 
     def __init__(self, config: OrchestratorConfig, *, host: Transport, driver: OrchestratorDriver,
-                 mux: PcieMuxClient, device: Transport, listener: Listener, log_key: bytes) -> None:
+                 mux: PcieMuxClient, device: Transport, listener: Listener, log_key: bytes,
+                 attester: Callable[[OrchestratorConfig], GpuAttester] = orchestrator_attester) -> None:
         check_buffer(config)
         self.config = config
         self.host, self.driver, self.mux, self._device, self.listener = host, driver, mux, device, listener
@@ -108,6 +109,7 @@ class Orchestrator:
         self.vram: mmap.mmap | None = None
         self.travel_sm: OrchestratorTravel | None = None
         self._log_key = log_key  # signs the travel log, opened at boot
+        self._make_attester = attester  # at boot: its trust material, its TDX module, its TLS identity
         self.travel_log: TravelLog | None = None  # opened at boot, once the GPU it names is attested
 
     @classmethod
@@ -130,7 +132,7 @@ class Orchestrator:
         self.switch(NAME)
         # Paper 4.5, GPU phase: SPDM only with a GPU under the trusted vendor root, then its
         # evidence verified; an AttestationError (naming the claim) stops the boot here.
-        self.attester: GpuAttester = orchestrator_attester(self.config)
+        self.attester: GpuAttester = self._make_attester(self.config)
         self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
         if self.config.audit_log:  # its entries name the GPU just attested (re-keys keep it)
             assert self.attester.gpu is not None
