@@ -40,7 +40,9 @@ the moment the device services it (tamper with a staging slot, or drop the doorb
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -128,7 +130,8 @@ class FakeLink:
         hook = self.before_service
         if hook is not None and hook(self) is False:
             return
-        self.gpu.core.service()
+        with self.gpu.lock:  # CVMs in threads of their own (testing/cohort.py) share the device
+            self.gpu.core.service()
 
     def wait_interrupt(self, timeout: float) -> bool:
         """Nothing to wait for in process: the device already ran (unless ``while_waiting``
@@ -156,11 +159,14 @@ class InProcessGpu:
         serial: str = "GPU-EMU-0",
         clock: Callable[[], float] | None = None,
         device: GpuDevice | None = None,
+        vram: bytearray | mmap.mmap | None = None,
     ) -> None:
         """``device``: a provisioned GPU (attest.provision_gpu) whose 5-certificate chain and
-        firmware this device uses; without one, a 2-certificate identity and no attestation."""
+        firmware this device uses; without one, a 2-certificate identity and no attestation.
+        ``vram``: the memory to use as VRAM (a shared mapping the orchestrator maps, say);
+        by default ``vram_bytes`` of its own."""
         self.layout = layout
-        self.vram = bytearray(vram_bytes)
+        self.vram = vram if vram is not None else bytearray(vram_bytes)
         self.bar = bytearray(Bar0.size(layout))
         if device is None:
             self.identity = make_device_identity(serial=serial)
@@ -181,6 +187,7 @@ class InProcessGpu:
         self.current: str | None = None
         self.switches = 0
         self._orchestrator: OrchestratorDriver | None = None
+        self.lock = threading.RLock()  # the device runs one doorbell or switch at a time
 
     # ------------------------------------------------------------------ CVMs and the MUX
     def add_cvm(self, name: str) -> FakeLink:
@@ -193,15 +200,16 @@ class InProcessGpu:
 
     def switch(self, name: str | None) -> None:
         """The PCIe MUX: the device's DMA now reaches ``name``'s sysmem only (None: nobody)."""
-        if name is None:
-            self.core.attach(None)
-        else:
-            link = self.links.get(name)
-            if link is None:
-                raise BadInput(f"unknown CVM {name!r} (registered: {', '.join(sorted(self.links)) or 'none'})")
-            self.core.attach(DmaWindow(name, SYSMEM_IOVA, memoryview(link.sysmem)))
-        self.current = name
-        self.switches += 1
+        with self.lock:
+            if name is None:
+                self.core.attach(None)
+            else:
+                link = self.links.get(name)
+                if link is None:
+                    raise BadInput(f"unknown CVM {name!r} (registered: {', '.join(sorted(self.links)) or 'none'})")
+                self.core.attach(DmaWindow(name, SYSMEM_IOVA, memoryview(link.sysmem)))
+            self.current = name
+            self.switches += 1
 
     def sysmem(self, name: str) -> bytearray:
         return self.links[name].sysmem

@@ -1,0 +1,291 @@
+"""An in-process cohort: the real orchestrator and holder shells, without processes.
+
+:class:`InProcessCohort` builds the real :class:`~gputravel.orchestrator.cvm.Orchestrator`
+and :class:`~gputravel.holder.cvm.DataHolder` through their constructors, on one
+:class:`~gputravel.testing.InProcessGpu`:
+
+- each CVM's link to the host is a memory pair (transport/memory.py: the real codec) to
+  :class:`InProcessHost`, whose switches the sans-IO PCIe MUX (host/mux.py) decides and the
+  in-process GPU applies; the CVMs speak the host protocol through the real PcieMuxClient;
+- the orchestrator's device link is a memory pair whose VRAM grant is a shared mapping of the
+  GPU's VRAM, so ``boot`` maps it as in a cohort;
+- a holder joins over a memory pair, handed to the orchestrator's :class:`MemoryListener` under
+  the holder's name (as the TLS listener names the peer from its certificate);
+- each holder serves the orchestrator in a thread of its own, as its process does.
+
+What it does not have: TLS and attestation. The orchestrator's GPU attester only opens the SPDM
+session (the device's own handshake, verified by the driver) and a holder's policy accepts the
+orchestrator without a quote, so a test of attestation, of isolation between processes or of
+a CVM that dies still needs the process cohorts (gputravel.cohort). Travels, their checks and
+recovery, and joins are the real code.
+
+Typical use::
+
+    with InProcessCohort({"alice": data_a, "bob": data_b}, buffer_bytes=TEST_LAYOUT.record_bytes) as cohort:
+        report = cohort.orchestrator.travel("alice", 0)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace, TracebackType
+from typing import Any
+
+from gputravel.driver.driver import Driver
+from gputravel.driver.link import PcieMuxClient
+from gputravel.driver.orchestrator import OrchestratorDriver
+from gputravel.errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
+from gputravel.holder.cvm import Dataset, DataHolder, HolderConfig
+from gputravel.host.mux import CvmRegistration, PcieMux
+from gputravel.orchestrator.cvm import Orchestrator, OrchestratorConfig
+from gputravel.protocol.device import VramGrant, VramRequest
+from gputravel.protocol.host import Attached, HostError, SwitchRequest, Switched
+from gputravel.protocol.layout import SYSMEM_IOVA, Layout
+from gputravel.protocol.parties import ORCHESTRATOR
+from gputravel.protocol.travel import Bye, SendChunk, TravelRequest
+from gputravel.attest import AttestDue
+from gputravel.testing import TEST_LAYOUT, TIMEOUT_SCALE, InProcessGpu
+from gputravel.transport.base import Transport
+from gputravel.transport.memory import memory_pair
+
+__all__ = ["InProcessCohort", "InProcessHost", "MemoryListener"]
+
+
+def _serve_forever(name: str, target: Any, *args: object) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+class InProcessHost:
+    """The host's side of the PCIe MUX for an in-process GPU: one memory pair per CVM, served
+    in a thread each. The MUX's state is host/mux.py's PcieMux; a switch it plans is applied to
+    the GPU, answered with ``Switched`` (numbered by the MUX's switch counter), and told to the
+    CVM that now has the GPU with ``Attached`` when another CVM asked, as the host process does."""
+
+    def __init__(self, gpu: InProcessGpu) -> None:
+        self.gpu, self.mux = gpu, PcieMux()
+        self._lock = threading.Lock()  # one switch at a time, its answer and notice in order
+        self._ends: dict[str, Transport] = {}
+
+    def connect(self, cvm: str) -> Transport:
+        """Register ``cvm`` (its sysmem is the GPU's FakeLink for it) and return its end of the link."""
+        ours, theirs = memory_pair("host", f"{cvm}:host")
+        self.mux.register(CvmRegistration(cvm, SYSMEM_IOVA, self.gpu.layout.sysmem_bytes, -1, -1))
+        self._ends[cvm] = ours
+        _serve_forever(f"host:{cvm}", self._serve, cvm, ours)
+        return theirs
+
+    def _serve(self, cvm: str, end: Transport) -> None:
+        while True:
+            try:
+                msg = end.recv().message
+            except (TransportClosed, ProtocolError):
+                end.close()  # a peer that hangs up or sends garbage is dropped
+                return
+            if not isinstance(msg, SwitchRequest):
+                end.send(HostError(reason=f"unexpected message {type(msg).__name__}"))
+                continue
+            with self._lock:
+                try:
+                    plan = self.mux.switch(msg.target)
+                    self.gpu.switch(plan.target.cvm)
+                    reply: object = Switched(target=msg.target, elapsed_ns=0, seq=self.mux.switches)
+                except GputravelError as exc:
+                    reply = HostError(reason=str(exc))
+                try:
+                    end.send(reply)
+                except TransportClosed:
+                    return
+                told = self._ends.get(msg.target)
+                if isinstance(reply, Switched) and told is not None and msg.target != cvm:
+                    try:
+                        told.send(Attached(target=reply.target, elapsed_ns=0, seq=reply.seq))
+                    except TransportClosed:
+                        pass  # a CVM that went away
+
+    def close(self) -> None:
+        for end in self._ends.values():
+            end.close()
+
+
+class MemoryListener:
+    """The orchestrator's listener for memory links: ``accept`` returns the next link a holder
+    opened through :meth:`connect`, with the holder's name (the TLS listener's certificate name)."""
+
+    port = 0
+
+    def __init__(self) -> None:
+        self._waiting: queue.SimpleQueue[tuple[Transport, str]] = queue.SimpleQueue()
+
+    def connect(self, holder: str) -> Transport:
+        ours, theirs = memory_pair(ORCHESTRATOR, holder)
+        self._waiting.put((ours, holder))
+        return theirs
+
+    def accept(self, timeout: float | None = None) -> tuple[Transport, str]:
+        try:
+            return self._waiting.get(timeout=timeout)
+        except queue.Empty:
+            raise PeerTimeout(f"no holder connected within {timeout} s") from None
+
+    def fileno(self) -> int:
+        raise BadInput("a memory listener has no file descriptor")
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._waiting.get_nowait()[0].close()
+            except queue.Empty:
+                return
+
+
+@dataclass
+class _NoQuote:
+    """The orchestrator's GPU attester without a TDX module or trust material: it opens the SPDM
+    session (the driver checks the device's signatures) and quotes nothing."""
+
+    gpu: object = None
+
+    def open_session(self, driver: OrchestratorDriver, now: object, timeout: float) -> None:
+        driver.establish_session(timeout=timeout)
+
+    def refresh(self, *args: object) -> bool:
+        return False
+
+    def reattest_if_due(self, *args: object) -> bool:
+        return False
+
+    def serve_challenge(self, *args: object) -> None:
+        pass
+
+
+_ACCEPT_ALL = SimpleNamespace(policy=SimpleNamespace(max_evidence_age_s=1e9))  # a policy of no age limit
+
+
+class InProcessCohort:
+    """An orchestrator and its holders (booted first, joined, each serving in a thread) on one
+    in-process GPU. ``datasets``: each holder's bytes by name."""
+
+    def __init__(self, datasets: dict[str, bytes], *, buffer_bytes: int, workdir: str | Path,
+                 layout: Layout = TEST_LAYOUT, vram_bytes: int = 8 << 20, audit_arrival: bool = False,
+                 timeout: float = 10.0) -> None:
+        self.datasets, self.timeout = datasets, timeout * TIMEOUT_SCALE
+        fd = os.memfd_create("gputravel-vram", os.MFD_CLOEXEC)
+        os.ftruncate(fd, vram_bytes)
+        self._vram_fd, self._vram = fd, mmap.mmap(fd, vram_bytes, flags=mmap.MAP_SHARED)
+        self.gpu = InProcessGpu(layout, vram_bytes, vram=self._vram)
+        self.host = InProcessHost(self.gpu)
+        self.listener = MemoryListener()
+        self.left: dict[str, str] = {}  # holders that left the cohort, and why
+        self._threads: list[threading.Thread] = []
+        workdir = Path(workdir)
+        self.holders = {name: self._holder(name, data, workdir, layout, audit_arrival)
+                        for name, data in datasets.items()}
+        config = OrchestratorConfig(host_socket="", pki_dir="", layout=layout, buffer_bytes=buffer_bytes,
+                                    holder_timeout=self.timeout, device_timeout=self.timeout)
+        host = self.host.connect(ORCHESTRATOR)
+        device, self._device = memory_pair("device-link", "device")
+        self.orchestrator = Orchestrator(
+            config, host=host, driver=OrchestratorDriver(self.gpu.add_cvm(ORCHESTRATOR)),
+            mux=PcieMuxClient(host, ORCHESTRATOR), device=device, listener=self.listener, log_key=b"",
+            attester=lambda config: _NoQuote())  # type: ignore[arg-type,return-value]
+
+    def _holder(self, name: str, data: bytes, workdir: Path, layout: Layout, audit: bool) -> DataHolder:
+        path = workdir / f"{name}.bin"
+        path.write_bytes(data)
+        config = HolderConfig(name=name, dataset_path=str(path), host_socket="", pki_dir="", layout=layout,
+                              audit_arrival=audit, device_timeout=self.timeout, orchestrator_timeout=self.timeout)
+        host = self.host.connect(name)
+        return DataHolder(config, dataset=Dataset(config.dataset_path, config.dataset_format), host=host,
+                          driver=Driver(self.gpu.add_cvm(name)), mux=PcieMuxClient(host, name), log_key=bytes(32),
+                          connect=lambda _host, _port: self.listener.connect(name),
+                          policy=lambda: _ACCEPT_ALL,  # type: ignore[arg-type,return-value]
+                          challenge=lambda conn, policy, timeout: SimpleNamespace())
+
+    # ------------------------------------------------------------------ boot, join, stop
+    def start(self) -> InProcessCohort:
+        """Holders boot first (each probes the GPU), then the orchestrator; then every holder joins."""
+        for holder in self.holders.values():
+            holder.boot()
+        self._threads.append(_serve_forever("device", self._grant_vram))
+        self.orchestrator.boot()
+        self.join(*self.holders)
+        return self
+
+    def join(self, *names: str) -> dict[str, int]:
+        """``names`` join (each in its thread, then serving the orchestrator there); the dataset
+        size of every holder joined."""
+        for name in names:
+            self._threads.append(_serve_forever(name, self._serve_holder, self.holders[name]))
+        return self.orchestrator.await_holders(names, self.timeout)
+
+    def _grant_vram(self) -> None:
+        """The device's side of the orchestrator's device link: VRAM, granted as a shared mapping."""
+        while True:
+            try:
+                msg = self._device.recv().message
+            except (TransportClosed, ProtocolError):
+                return
+            if isinstance(msg, VramRequest):
+                self._device.send(VramGrant(vram_bytes=len(self._vram)), fds=(self._vram_fd,))
+
+    def _serve_holder(self, holder: DataHolder) -> None:
+        """A holder's process loop, in a thread: join, then take the orchestrator's messages one
+        at a time until it says goodbye or hangs up; a failure leaves the cohort (holder/cvm.py)."""
+        name = holder.config.name
+        try:
+            holder.join("memory", 0)
+        except GputravelError as exc:
+            self.left[name] = f"could not join: {type(exc).__name__}: {exc}"
+            return
+        conn = holder.orchestrator
+        assert conn is not None
+        while True:
+            try:
+                msg = conn.recv().message
+            except (TransportClosed, ProtocolError) as exc:
+                self.left[name] = f"{type(exc).__name__}: {exc}"
+                break
+            if isinstance(msg, Bye):
+                self.left[name] = f"Bye: {msg.reason}"
+                break
+            try:
+                if isinstance(msg, AttestDue):
+                    holder.reattest()
+                elif isinstance(msg, TravelRequest):
+                    holder.serve_travel(msg)
+                elif isinstance(msg, SendChunk):
+                    holder.send_baseline(msg)
+            except GputravelError as exc:
+                self.left[name] = f"{type(msg).__name__} failed ({type(exc).__name__}: {exc})"
+                break
+        conn.close()
+        holder.orchestrator = None
+        holder.sm.abort()
+
+    def close(self) -> None:
+        self.orchestrator.close()
+        self._device.close()
+        self.host.close()
+        for thread in self._threads:
+            thread.join(timeout=self.timeout)
+        self.listener.close()
+        try:
+            self._vram.close()
+        except BufferError:
+            pass  # a view is still exported (the orchestrator's mapping): it goes with the objects
+        os.close(self._vram_fd)
+
+    def __enter__(self) -> InProcessCohort:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
