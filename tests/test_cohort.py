@@ -48,24 +48,6 @@ def config(datasets, **kw) -> CohortConfig:
     return CohortConfig(holders=specs, buffer_bytes=MIB, **kw)
 
 
-def test_three_holders_every_chunk_verified(processes, datasets) -> None:
-    with Cohort(config(datasets, audit_arrival=True)) as cohort:
-        assert cohort.dataset_bytes == {n: len(d) for n, (_, d) in datasets.items()}
-        reports = [cohort.travel(holder, offset) for holder, offset in plan(cohort.dataset_bytes, MIB)]
-    assert len(reports) == 3 + 3 + 1
-    for r in reports:
-        data = datasets[r.holder][1]
-        assert r.refused is None and r.chunk is not None
-        expected = data[r.chunk.dataset_offset : r.chunk.dataset_offset + MIB]
-        assert r.chunk.nbytes == len(expected)
-        # The orchestrator checked VRAM against the holder's manifest; check it independently.
-        assert r.chunk.digest == chunk_digest(expected)
-        assert set(r.steps_ms) >= {"o_cleanup", "dh_switch", "dh_copy", "tls", "o_rotate"}
-        # Every holder audited the buffer on arrival: the previous chunk had been scrubbed.
-        assert r.nonzero_on_arrival == 0
-    assert [r.travel_id for r in reports] == list(range(1, len(reports) + 1))
-
-
 def test_host_view_holds_no_plaintext(processes, datasets) -> None:
     """Everything the host can read (every CVM's bounce buffers, all TLS bytes) is scanned."""
     cfg = config(datasets, snoop=True, tap=True, workdir=str(Path(next(iter(datasets.values()))[0]).parent))
@@ -80,24 +62,6 @@ def test_host_view_holds_no_plaintext(processes, datasets) -> None:
         assert canary(i) in datasets[f"h{i}"][1]  # control: the scan would find plaintext
         assert canary(i) not in snooped
         assert canary(i) not in tapped
-
-
-def test_bad_requests_get_clear_errors_and_the_cohort_carries_on(processes, datasets, tmp_path: Path) -> None:
-    empty = tmp_path / "empty.bin"
-    empty.write_bytes(b"")
-    cfg = config(datasets)
-    cfg = CohortConfig(holders=cfg.holders + (HolderSpec("void", str(empty)),), buffer_bytes=MIB)
-    with Cohort(cfg) as cohort:
-        with pytest.raises(BadInput, match="unknown holder 'nobody'"):
-            cohort.travel("nobody", 0)
-        with pytest.raises(BadInput, match="empty dataset"):
-            cohort.travel("void", 0)
-        with pytest.raises(BadInput, match="not a chunk start"):
-            cohort.travel("h1", 3 * MIB)
-        with pytest.raises(BadInput, match="not a chunk start"):
-            cohort.travel("h1", 12345)
-        report = cohort.travel("h1", MIB)  # nothing half-done: the next travel just works
-        assert report.chunk is not None and report.chunk.digest == chunk_digest(datasets["h1"][1][MIB : 2 * MIB])
 
 
 def test_teardown_leaves_no_process_socket_or_directory(processes, datasets) -> None:
