@@ -274,10 +274,16 @@ def test_audit_verify_reads_no_fifo_device_or_giant_as_the_key(tmp_path: Path, f
 def test_cohort_init_caps_gpus_by_the_uid_block_and_memory(cohort_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tmp_path = cohort_tmp
     monkeypatch.setattr(service_init, "_provision", started)
-    args = ["cohort", "init", str(tmp_path / "cohort"), "--holder", f"a={tmp_path / 'data.txt'}", "--gpus"]
-    refused([*args, "100000"], "--gpus must be between 1 and 1019", "block of 1024 uids", "got 100000")
+    def args(holders: int) -> list[str]:
+        each = [f"--holder=h{i}={tmp_path / 'data.txt'}" for i in range(holders)]
+        return ["cohort", "init", str(tmp_path / "cohort"), *each, "--gpus"]
+
+    # Each GPU is a stack of 4 parties (host route, GPU, orchestrator, TDX module) and a share of
+    # one holder at least: (1023 - 300) // 4 = 180 stacks beside 300 holders.
+    refused([*args(1), "2"], "--gpus must be between 1 and 1", "each GPU travels to a share", "got 2")
+    refused([*args(300), "100000"], "--gpus must be between 1 and 180", "block of 1024 uids", "got 100000")
     monkeypatch.setattr(capacity, "available_mib", lambda: 1000)
-    refused([*args, "20"], "--gpus 20", "MemAvailable 1000 MiB")
+    refused([*args(20), "20"], "--gpus 20", "MemAvailable 1000 MiB")
     assert not (tmp_path / "cohort").exists()
 
 

@@ -199,13 +199,15 @@ def test_a_service_that_fails_says_why_in_its_log(cohort: Path, tmp_path: Path, 
 def test_gpus_get_a_file_each_with_its_own_serial_and_sockets(tmp_path: Path) -> None:
     data = tmp_path / "data.txt"
     data.write_text("text\n" * 10)
-    written = init_cohort(tmp_path / "D", [("north", str(data))], gpus=2, steps=3, buffer_bytes=64 << 10)
+    written = init_cohort(tmp_path / "D", [("north", str(data)), ("south", str(data))], gpus=2, steps=3,
+                          buffer_bytes=64 << 10)
     gpus = [load_service(p) for p in written if p.name.startswith("gpu-")]
     assert [g.serial for g in gpus] == ["GPU-EMU-0", "GPU-EMU-1"]
     assert len({g.link_socket for g in gpus}) == 2 and gpus[1].vram_bytes > 64 << 10
     assert GpuIssuer.load(tmp_path / "D" / "vendor" / "gpu-1").serial == "GPU-EMU-1"
-    job = load_service(tmp_path / "D" / "orchestrator.toml").job
-    assert (job.steps, job.buffer_bytes) == (3, 64 << 10)
+    for name in ("orchestrator.toml", "orchestrator-1.toml"):  # one rank per GPU, the same job
+        job = load_service(tmp_path / "D" / name).job
+        assert (job.steps, job.buffer_bytes) == (3, 64 << 10)
 
 
 # ----------------------------------------------------------------------------- refused files

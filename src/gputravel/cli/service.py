@@ -57,7 +57,7 @@ def _holder(text: str) -> tuple[str, str]:
 def init(
     directory: Path = typer.Argument(..., help="A new (or empty) directory for the cohort's files."),
     holders: list[str] = typer.Option(..., "--holder", help="A data holder: NAME=PATH of its data; repeat."),
-    gpus: int = typer.Option(1, min=1, help="GPUs to configure (gpu-0.toml, ...); the orchestrator uses gpu-0."),
+    gpus: int = typer.Option(1, min=1, help="GPUs, one stack each (host, gpu-K, orchestrator rank K; host-K.toml, orchestrator-K.toml for K >= 1), the holders dealt into one share per GPU."),
     steps: Optional[int] = typer.Option(None, min=1, help=f"Training steps of the job (default {JOB['steps']})."),
     buffer_kib: Optional[int] = typer.Option(None, min=4, help=f"The dataset buffer in the GPU, KiB (default {JOB['buffer_bytes'] >> 10}; a multiple of 4, at most 1048576)."),
 ) -> None:

@@ -28,10 +28,14 @@ from gputravel.protocol.layout import MIB, PAGE, Layout
 from gputravel.train.job import TrainConfig
 
 __all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
-           "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "load_service",
-           "quoting_socket", "validate_service", "PARTIES", "MAX_SOCKET_PATH"]
+           "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "host_party",
+           "load_service", "orchestrator_party", "public_file", "quoting_socket", "validate_service", "PARTIES",
+           "MAX_SOCKET_PATH", "ORCHESTRATOR"]
 
 PARTIES = ("host", "gpu", "orchestrator", "holder")
+ORCHESTRATOR = "orchestrator"
+ORCHESTRATOR_PATTERN = r"^orchestrator(-[1-9][0-9]{0,2})?$"  # orchestrator_party's names
+HEX64_PATTERN = r"^([0-9a-f]{64})?$"
 NAME_PATTERN = f"^{MEMBER_NAME.pattern}$"  # the members' own rule (crypto/pki.py)
 HEX96_PATTERN = r"^[0-9a-f]{96}$"
 _KEYED = re.compile(r"^[a-z_.]+: ")
@@ -76,6 +80,24 @@ def gpu_socket(boot_lock: str) -> str:
     """The GPU's private-link socket lies beside its boot lock (run/gpu-K.sock, run/gpu-K.lock):
     a holder waits for it to answer (service/members.py)."""
     return str(Path(boot_lock).with_suffix(".sock"))
+
+
+def host_party(index: int) -> str:
+    """The party name (registry, files, logs) of GPU `index`'s host route: with several GPUs
+    each has its own (cohort/gpus.py); GPU 0's keeps the one-GPU name."""
+    return "host" if index == 0 else f"host-{index}"
+
+
+def orchestrator_party(rank: int) -> str:
+    """The party name of rank `rank`'s orchestrator (the orchestrator of GPU `rank`)."""
+    return ORCHESTRATOR if rank == 0 else f"{ORCHESTRATOR}-{rank}"
+
+
+def public_file(orchestrator: str, name: str) -> str:
+    """What `orchestrator` (a party name) publishes in the public directory under `name`
+    (audit.log, status.json, job-done): rank 0's under the one-GPU names, rank K's prefixed
+    with its party's name (orchestrator-K-audit.log). Its certificate is always PARTY.pem."""
+    return name if orchestrator == ORCHESTRATOR else f"{orchestrator}-{name}"
 
 
 def quoting_socket(state_dir: str) -> str:
@@ -183,6 +205,7 @@ class JobSection(TrainConfig):
 # ----------------------------------------------------------------------------- the parties
 class HostService(_Service):
     party: Literal["host"]
+    index: Annotated[int, Field(ge=0)] = 0  # the GPU whose host route this is (host_party)
     state_dir: AbsPath
     socket: SocketPath
     hardware: Hardware = "emulated"
@@ -222,6 +245,15 @@ class OrchestratorService(_Service):
     layout: LayoutSection
     job: JobSection
     tdx_uid: Uid = -1  # its TDX module's own account (the module stands for the CPU)
+    # Several GPUs (cohort init --gpus N): this orchestrator is rank `rank` of a data-parallel job,
+    # on GPU `rank`; `shares` is every rank's holders, by rank (a holder in one only; empty: one
+    # GPU, training alone). The ranks meet where rank 0 listens, ranks_host:ranks_port, and bind their
+    # pair keys to ranks_context (64 hex) and the job (orchestrator/process.py _job_context).
+    rank: Annotated[int, Field(ge=0)] = 0
+    shares: list[list[Name]] = []
+    ranks_host: str = "127.0.0.1"
+    ranks_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    ranks_context: Annotated[str, Field(pattern=HEX64_PATTERN)] = ""
 
     @field_validator("holders")
     @classmethod
@@ -231,6 +263,30 @@ class OrchestratorService(_Service):
         if "orchestrator" in value:
             raise ValueError("member names other than 'orchestrator'")
         return value
+
+    @model_validator(mode="after")
+    def _its_share(self) -> OrchestratorService:
+        if not self.shares:
+            if self.rank or self.ranks_port or self.ranks_context:
+                raise ValueError("rank: expected 0 with no ranks_port and no ranks_context: shares is empty (one GPU)")
+            return self
+        if len(self.shares) < 2 or self.rank >= len(self.shares):
+            raise ValueError(f"shares: expected one share for each of 2 or more ranks, rank {self.rank} among them, "
+                             f"got {len(self.shares)}")
+        placed = [n for share in self.shares for n in share]
+        doubled = sorted({n for n in placed if placed.count(n) > 1})
+        if doubled or not all(self.shares):
+            raise ValueError(f"shares: expected every share non-empty and a holder in one share only (a holder "
+                             f"serves one GPU), got {self.shares}")
+        if sorted(self.holders) != sorted(self.shares[self.rank]):
+            raise ValueError(f"holders: expected this rank's share {self.shares[self.rank]}, got {self.holders}")
+        if not self.ranks_port or not self.ranks_context:
+            raise ValueError("ranks_port: expected rank 0's port and a ranks_context with several ranks")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return max(1, len(self.shares))
 
     @model_validator(mode="after")
     def _quoting_socket_fits(self) -> OrchestratorService:
@@ -255,6 +311,7 @@ class HolderService(_Service):
     public_dir: AbsPath
     data: AbsPath
     format: DatasetFormat = TOKENS  # the data of a training job (files.py DATASET_FORMATS)
+    orchestrator: Annotated[str, Field(pattern=ORCHESTRATOR_PATTERN)] = ORCHESTRATOR  # the party it joins
     orchestrator_host: str = "127.0.0.1"
     orchestrator_port: Port
     hardware: Hardware = "emulated"

@@ -2,6 +2,7 @@
 party's empty state directory (issue 16; docs/deploy.md).
 
     D/host.toml  D/gpu-K.toml  D/orchestrator.toml  D/holder-NAME.toml
+    D/host-K.toml  D/orchestrator-K.toml  with --gpus N, for K = 1..N-1: one stack per GPU
     D/cohort.registry the registry: who each party is and where it acts (service/registry.py)
     D/trust/     the emulated GPU-vendor and CPU-TEE root certificates, the GPU's reference values
     D/public/    empty: each member publishes its TLS certificate here on first start
@@ -9,8 +10,14 @@ party's empty state directory (issue 16; docs/deploy.md).
     D/state/P/   (0700) party P's state; empty but for the emulated hardware's vendor material:
     D/vendor/gpu-K/  (root's, 0700) the vendor's per-device CA, used once by the gpu service
     D/platform/      (root's, 0700) the CPU-TEE root, certifying the orchestrator's TDX module's key
+    D/platform-K/    (root's, 0700) the same, for rank K's orchestrator (--gpus N)
                  Both lie outside every party's own tree: a party can rename or relink what is in
                  its own directory, so root's material never sits there.
+
+With --gpus N, each GPU is a stack of its own as cohort/gpus.py boots it: its host route, the
+GPU, and an orchestrator (rank K of one data-parallel job) with its TDX module, travelling only
+to its share of the holders (train/schedule.partition, or the shares given); each holder's file
+names its GPU's host, lock and orchestrator, and the registry binds them: a holder serves one GPU.
 
 Init stands for the hardware vendors and the consortium's agreement, as cohort/trust.py does
 for the supervisor. No config holds a key; the root keys leave the disk here, but for the
@@ -19,6 +26,7 @@ two vendor stand-ins above, which only the emulated hardware reads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -40,6 +48,7 @@ from gputravel.errors import BadInput
 from gputravel.files import atomic_write_bytes
 from gputravel.protocol.layout import MIB, record_bytes_for
 from gputravel.service.config import (
+    ORCHESTRATOR,
     GpuService,
     HolderService,
     HostService,
@@ -49,10 +58,13 @@ from gputravel.service.config import (
     PolicySection,
     ServiceConfig,
     explain_built,
+    host_party,
+    orchestrator_party,
     validate_service,
 )
 from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.registry import PLATFORM_DIR, VENDOR_DIR, write_registry
+from gputravel.train.schedule import partition
 
 __all__ = ["init_cohort", "write_service"]
 
@@ -108,23 +120,50 @@ def _record_bytes(buffer_bytes: int) -> int:
 def _check_gpus(gpus: int, holders: int, buffer_bytes: int) -> None:
     """--gpus within what this machine carries (cohort/capacity.py), before anything is
     written: every party's account comes from one block of uids (cohort/isolation.py), and each
-    GPU's service populates its VRAM (the dataset buffer and VRAM_MARGIN more) when it boots."""
+    GPU's service populates its VRAM (the dataset buffer and VRAM_MARGIN more) when it boots.
+    Each GPU travels to a share of one holder at least."""
     if holders > capacity.MAX_HOLDERS:
         raise BadInput(f"--holder: a cohort has at most {capacity.MAX_HOLDERS} holders, not {holders}")
-    most = isolation.BLOCK - 1 - len(_FIXED_PARTIES) - holders  # _uids: base + 1 onwards
+    most = min(holders, (isolation.BLOCK - 1 - holders) // len(_PER_GPU))  # _uids: base + 1 onwards
     if type(gpus) is not int or not 1 <= gpus <= most:
-        raise BadInput(f"--gpus must be between 1 and {most}: the parties of a cohort of {holders} holder"
-                       f"{'s' if holders != 1 else ''} share a block of {isolation.BLOCK} uids, got {gpus!r}")
+        raise BadInput(f"--gpus must be between 1 and {most}: each GPU travels to a share of the {holders} holder"
+                       f"{'s' if holders != 1 else ''}, and the parties share a block of {isolation.BLOCK} uids, "
+                       f"got {gpus!r}")
     vram_mib = -(-(buffer_bytes + VRAM_MARGIN) // MIB)
     each = vram_mib + capacity.PROCESS_MIB
     capacity.check_memory(gpus * each, f"--gpus {gpus}: the GPUs' services need", "use fewer --gpus",
                           f"{each} MiB a GPU: its VRAM, populated when it boots, and its process")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct free ports: each held until all are picked, so none is picked twice."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def _shares(holders: list[tuple[str, str]], gpus: int,
+            shares: Sequence[Sequence[str]] | None) -> list[list[str]]:
+    """Which holders each GPU travels to: as given (a resumed job keeps its checkpoint's), or
+    balanced by the bytes of their data (train/schedule.partition, as the demo deals them).
+    Every holder in exactly one share, every share non-empty: a holder serves one GPU."""
+    if shares is None:
+        sizes = {name: _data_bytes(Path(path)) for name, path in holders}
+        return [list(s) for s in partition(sizes, gpus)] if gpus > 1 else [[n for n, _ in holders]]
+    out = [list(s) for s in shares]
+    placed = [n for s in out for n in s]
+    if len(out) != gpus or not all(out) or sorted(placed) != sorted(n for n, _ in holders):
+        raise BadInput(f"shares: expected {gpus} non-empty shares holding every holder once (a holder serves one "
+                       f"GPU), got {out}")
+    return out
+
+
+def _data_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 # ----------------------------------------------------------------------------- writing
@@ -160,7 +199,8 @@ def _open_to_parties(d: Path) -> None:
 
 def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
     """The emulated vendors: both roots in trust/, one GPU CA per GPU in vendor/gpu-K/, the
-    CPU-TEE root in platform/ (root's alone, outside every party's tree); then the root keys
+    CPU-TEE root in platform/ (platform-K/ for rank K's TDX module: each certifies its module's
+    key once, then is deleted; root's alone, outside every party's tree); then the root keys
     leave trust/."""
     trust = d / "trust"
     init_roots(trust)
@@ -169,9 +209,10 @@ def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
     vendor = _private_dir(d / VENDOR_DIR)
     for k, issuer in enumerate(issuers):
         issuer.save(_private_dir(vendor / f"gpu-{k}"))
-    platform = _private_dir(d / PLATFORM_DIR)
-    for name in (TEE_ROOT_CERT, TEE_ROOT_KEY):
-        shutil.copy2(trust / name, platform / name)  # the key keeps its 0600
+    for rank in range(gpus):
+        platform = _private_dir(d / (PLATFORM_DIR if rank == 0 else f"{PLATFORM_DIR}-{rank}"))
+        for name in (TEE_ROOT_CERT, TEE_ROOT_KEY):
+            shutil.copy2(trust / name, platform / name)  # the key keeps its 0600
     for name in (GPU_ROOT_KEY, TEE_ROOT_KEY):
         (trust / name).unlink()
     issuers[0].reference_values().save(trust / REFERENCE_FILE)  # what the vendor publishes
@@ -179,45 +220,68 @@ def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
 
 
 def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], job: JobSection,
-             port: int, hardware: str = "emulated") -> list[tuple[Path, ServiceConfig]]:
+             ports: list[int], shares: list[list[str]], hardware: str = "emulated") -> list[tuple[Path, ServiceConfig]]:
+    """Every party's config. GPU K's stack: its host route, the GPU, and rank K's orchestrator
+    with its share of the holders (one GPU: all of them, training alone); `ports`: each
+    orchestrator's listener, then rank 0's port for the other ranks (several GPUs)."""
     run, state = d / "run", d / "state"
-    host_sock, layout = str(run / "host.sock"), LayoutSection(record_bytes=_record_bytes(job.buffer_bytes))
-    shared = {"trust_dir": str(d / "trust"), "public_dir": str(d / "public"), "host_socket": host_sock}
-    uid = _uids(len(issuers), [n for n, _ in holders])
-    out: list[tuple[Path, ServiceConfig]] = [
-        (d / "host.toml", HostService(party="host", cohort_dir=str(d), state_dir=str(state / "host"), socket=host_sock,
-                                      uid=uid["host"], hardware=hardware))]
-    for k in range(len(issuers)):
+    layout = LayoutSection(record_bytes=_record_bytes(job.buffer_bytes))
+    shared = {"trust_dir": str(d / "trust"), "public_dir": str(d / "public")}
+    gpus = len(issuers)
+    uid = _uids(gpus, [n for n, _ in holders])
+    ranks = {"shares": shares, "ranks_port": ports[gpus], "ranks_context": os.urandom(32).hex()} if gpus > 1 else {}
+    gpu_of = {name: k for k, share in enumerate(shares) for name in share}
+    out: list[tuple[Path, ServiceConfig]] = []
+    orchestrators: list[OrchestratorService] = []
+    for k in range(gpus):
+        host, orch_name = host_party(k), orchestrator_party(k)
+        host_sock = str(run / f"{host}.sock")
+        out.append((d / f"{host}.toml", HostService(party="host", cohort_dir=str(d), index=k, state_dir=str(state / host),
+                                                    socket=host_sock, uid=uid[host], hardware=hardware)))
         out.append((d / f"gpu-{k}.toml", GpuService(
             party="gpu", cohort_dir=str(d), index=k, state_dir=str(state / f"gpu-{k}"), host_socket=host_sock,
             link_socket=str(run / f"gpu-{k}.sock"), boot_lock=str(run / f"gpu-{k}.lock"),
             vram_bytes=job.buffer_bytes + VRAM_MARGIN, layout=layout, uid=uid[f"gpu-{k}"],
-            orchestrator_uid=uid["orchestrator"])))
-    orch = OrchestratorService(
-        party="orchestrator", cohort_dir=str(d), state_dir=str(state / "orchestrator"), gpu_link_socket=str(run / "gpu-0.sock"),
-        boot_lock=str(run / "gpu-0.lock"), listen_port=port, holders=[n for n, _ in holders], layout=layout,
-        job=job, uid=uid["orchestrator"], tdx_uid=uid["tdx-module"], hardware=hardware, **shared)
-    out.append((d / "orchestrator.toml", orch))
-    # What each holder pins: this orchestrator's code and configuration (placement left out).
-    measurement = measure_orchestrator(orchestrator_engine_config(orch, pki_dir="", trust_dir="")).hex()
-    policy = PolicySection(orchestrator_measurements=[measurement],
+            orchestrator_uid=uid[orch_name])))
+        orch = OrchestratorService(
+            party="orchestrator", cohort_dir=str(d), state_dir=str(state / orch_name), host_socket=host_sock,
+            gpu_link_socket=str(run / f"gpu-{k}.sock"), boot_lock=str(run / f"gpu-{k}.lock"), listen_port=ports[k],
+            holders=list(shares[k]), layout=layout, job=job if k == 0 else job.model_copy(
+                update={"run_dir": str(d / f"run-dir-{k}")}),
+            uid=uid[orch_name], tdx_uid=uid[_tdx(k)], hardware=hardware, rank=k, **ranks, **shared)
+        orchestrators.append(orch)
+        out.append((d / f"{orch_name}.toml", orch))
+    # What each holder pins: the orchestrators' code and configuration (placement left out),
+    # one measurement for every rank, which the ranks check in one another's quotes too.
+    measured = {measure_orchestrator(orchestrator_engine_config(o, pki_dir="", trust_dir="")).hex()
+                for o in orchestrators}
+    if len(measured) != 1:
+        raise AssertionError(f"the ranks' orchestrators measure differently: {sorted(measured)}")
+    policy = PolicySection(orchestrator_measurements=sorted(measured),
                            gpu_driver_versions=sorted({i.driver_version for i in issuers}))
     for name, data in holders:
+        k = gpu_of[name]  # the one GPU this holder serves: its host route, lock and orchestrator
         out.append((d / f"holder-{name}.toml", HolderService(
-            party="holder", cohort_dir=str(d), name=name, state_dir=str(state / f"holder-{name}"), boot_lock=str(run / "gpu-0.lock"),
-            data=data, orchestrator_port=port, layout=layout, policy=policy, uid=uid[f"holder-{name}"],
-            hardware=hardware, **shared)))
+            party="holder", cohort_dir=str(d), name=name, state_dir=str(state / f"holder-{name}"),
+            host_socket=str(run / f"{host_party(k)}.sock"), boot_lock=str(run / f"gpu-{k}.lock"), data=data,
+            orchestrator=orchestrator_party(k), orchestrator_port=ports[k], layout=layout, policy=policy,
+            uid=uid[f"holder-{name}"], hardware=hardware, **shared)))
     return out
 
 
-_FIXED_PARTIES = ("host", "orchestrator", "tdx-module")  # every cohort's, beside its GPUs and holders
+_PER_GPU = ("host", "gpu", ORCHESTRATOR, "tdx-module")  # each GPU's stack: a party each
+
+
+def _tdx(rank: int) -> str:
+    """The account name of rank `rank`'s TDX module (the orchestrator config's tdx_uid)."""
+    return "tdx-module" if rank == 0 else f"tdx-module-{rank}"
 
 
 def _uids(gpus: int, holders: list[str]) -> dict[str, int]:
     """One account per party when init runs as root (a free block, as the supervisor's); -1
     for all otherwise: the services then run as whoever starts them, with no uid boundary."""
-    parties = [*_FIXED_PARTIES, *(f"gpu-{k}" for k in range(gpus)),
-               *(f"holder-{n}" for n in holders)]
+    parties = [*(p for k in range(gpus) for p in (host_party(k), orchestrator_party(k), _tdx(k))),
+               *(f"gpu-{k}" for k in range(gpus)), *(f"holder-{n}" for n in holders)]
     if not isolation.decide(None)[0]:
         return dict.fromkeys(parties, -1)
     base = isolation.allocate_block()
@@ -226,11 +290,14 @@ def _uids(gpus: int, holders: list[str]) -> dict[str, int]:
 
 def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gpus: int = 1,
                 steps: int | None = None, buffer_bytes: int | None = None,
-                job: Mapping[str, object] | None = None, hardware: str = "emulated") -> list[Path]:
+                job: Mapping[str, object] | None = None, hardware: str = "emulated",
+                shares: Sequence[Sequence[str]] | None = None) -> list[Path]:
     """Write a new cohort directory (see the module's docstring); returns the config files.
     `job`: the [job] table's fields beyond steps and buffer (the demo's whole TrainConfig, as
     its to_dict); the rest are train/job.py's defaults, but the tokenizer and vocabulary,
-    which the holders' data fixes. `hardware`: the profile the host, orchestrator and holders stand for."""
+    which the holders' data fixes. `hardware`: the profile the host, orchestrator and holders stand for.
+    `gpus`: one stack (host route, GPU, orchestrator rank) per GPU; `shares`: each GPU's holders
+    (None: balanced by their data's bytes)."""
     d = Path(directory).resolve()
     _check_target(d)
     closed = isolation.unreachable(d.parent) if isolation.decide(None)[0] else None
@@ -247,19 +314,20 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
     fields = {"tokenizer": tokenizer, "vocab_size": KNOWN[tokenizer].vocab_size, **(job or {}), **overrides}
     section = JobSection(run_dir=str(d / "run-dir"), **fields)  # BadInput naming job.KEY
     _check_gpus(gpus, len(checked), section.buffer_bytes)
-    port = _free_port("127.0.0.1")
+    split = _shares(checked, gpus, shares)
+    ports = _free_ports("127.0.0.1", gpus + (gpus > 1))  # each rank's listener, and rank 0's for the ranks
     made = not d.exists()
     try:
         for sub in ("public", "run"):
             (d / sub).mkdir(parents=True)
         os.chmod(d / "run", 0o1777)  # each party binds its own socket here; sticky: none removes another's
-        for party in ("host", *(f"gpu-{k}" for k in range(gpus)), "orchestrator",
+        for party in (*(p for k in range(gpus) for p in (host_party(k), f"gpu-{k}", orchestrator_party(k))),
                       *(f"holder-{n}" for n, _ in checked)):
             _private_dir(d / "state" / party)
         issuers = _provision(d, gpus)
         _open_to_parties(d)
         try:
-            configs = _configs(d, checked, issuers, section, port, hardware)
+            configs = _configs(d, checked, issuers, section, ports, split, hardware)
         except ValidationError as exc:  # a path the schema refuses: a socket path too long for D
             raise explain_built(exc, str(d)) from None
         written = [write_service(path, cfg) for path, cfg in configs]

@@ -18,6 +18,12 @@ What the demo keeps, and how:
 - **Data.** Each holder's service reads its data by path, under its own account: data other
   accounts cannot reach is copied into the cohort directory first, into a directory that is
   that holder's account's alone (0700).
+- **Several GPUs** (`gpus`): `cohort init --gpus N` makes one stack per GPU (host route, GPU,
+  orchestrator rank K with its TDX module) and deals the holders into shares; every service is
+  started as with one. Rank 0's run directory is the run's (its metrics drive the live view); a
+  checkpoint to resume goes into every rank's (each binds its digest into the ranks' keys); each
+  rank's signed travel log and certificate come back (`rank_audit`). Any rank's service that
+  fails ends the run, and closing stops every rank: none is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from gputravel.cohort import isolation, stopping
 from gputravel.data.tokenizer import RECORD_NAME
 from gputravel.errors import PeerTimeout, RemoteError
 from gputravel.files import atomic_write, copy_plain, open_plain, read_plain
+from gputravel.service.config import host_party, orchestrator_party
 from gputravel.service.init import init_cohort
 
 __all__ = ["ServiceLaunch", "StepRow"]
@@ -72,13 +79,19 @@ class _Service:
 
 
 class ServiceLaunch:
-    """One local cohort of services, one GPU. Use as a context manager."""
+    """One local cohort of services, one GPU or `gpus`. Use as a context manager. `shares`: each
+    GPU's holders (None: cohort init balances them); `rank_audit`: with several GPUs, where each
+    rank's signed travel log and certificate go (rank 0's defaults to audit_log, certificate)."""
 
     def __init__(self, holders: Sequence[tuple[str, str]], job: Mapping[str, object], run_dir: Path, *,
                  audit_log: Path, certificate: Path, hardware: str = "emulated", resume: bool = False,
-                 workdir: str | None = None) -> None:
+                 workdir: str | None = None, gpus: int = 1, shares: Sequence[Sequence[str]] | None = None,
+                 rank_audit: Sequence[tuple[Path, Path]] = ()) -> None:
         self.holders, self.job, self.run_dir, self.resume = list(holders), dict(job), Path(run_dir), resume
         self.audit_log, self.certificate, self.hardware, self.workdir = audit_log, certificate, hardware, workdir
+        self.gpus, self.shares = gpus, None if shares is None else [list(s) for s in shares]
+        self.rank_audit = list(rank_audit) or [(audit_log, certificate)]
+        self.rank_reports: list[dict] = []  # each rank's own report, once trained (rank 0's is train's)
         self.dir: Path | None = None
         self.services: list[_Service] = []
         self._metrics_at, self._metrics_head = 0, ""  # how far metrics.csv was read, its header
@@ -122,15 +135,18 @@ class ServiceLaunch:
         if isolation.decide(None)[0]:
             os.chmod(self.dir, 0o711)  # each party's account reaches its own files by path
         holders = [(name, self._reachable(name, path)) for name, path in self.holders]
-        init_cohort(self.cohort, holders, job=self.job, hardware=self.hardware)
+        init_cohort(self.cohort, holders, job=self.job, hardware=self.hardware, gpus=self.gpus, shares=self.shares)
         self._hand_copies()
         self._stage_in()
-        self._serve("host")
-        self._serve("gpu-0")
+        for k in range(self.gpus):
+            self._serve(host_party(k))
+        for k in range(self.gpus):
+            self._serve(f"gpu-{k}")
         for name, _ in holders:
             self._serve(f"holder-{name}")
-            self._await(f"holder-{name}", "up")  # one at a time: each probes the GPU at boot
-        self._serve("orchestrator")
+            self._await(f"holder-{name}", "up")  # one at a time: each probes its GPU at boot
+        for k in range(self.gpus):
+            self._serve(orchestrator_party(k))
 
     def close(self) -> None:
         """Stop every service (the orchestrator first: it checkpoints where it is), copy the
@@ -155,27 +171,36 @@ class ServiceLaunch:
 
     # ------------------------------------------------------------------ the job
     def train(self, on_step: Callable[[StepRow], None] | None = None, timeout: float = 24 * 3600.0) -> dict:
-        """Wait for the orchestrator's service to train and exit; each step as it is logged goes
-        to `on_step`. Its report, or the reason it stopped (its log's last lines)."""
-        orchestrator, seen = self._service("orchestrator"), -1
+        """Wait for the orchestrator's service (every rank's) to train and exit; each step as rank
+        0 logs it goes to `on_step`. Its report, or the reason it stopped (its log's last lines).
+        Each rank's own report is in `rank_reports` after."""
+        ranks = [self._service(orchestrator_party(k)) for k in range(self.gpus)]
+        orchestrator, seen = ranks[0], -1
         deadline = time.monotonic() + timeout
-        while orchestrator.proc.poll() is None:
+        while any(r.proc.poll() is None for r in ranks):
             seen = self._relay(seen, on_step)
             self._check_alive()
             if time.monotonic() > deadline:
                 raise PeerTimeout(f"the orchestrator's service did not finish in {timeout:.0f} s")
             time.sleep(POLL_S)
         self._relay(seen, on_step)
-        try:
-            report = json.loads(read_plain(self.service_run_dir / "report.json", MAX_REPORT_BYTES))
-        except (OSError, ValueError):
-            report = None
-        if orchestrator.proc.returncode != 0 or not isinstance(report, dict):
+        self._check_alive()  # a rank that failed, named
+        self.rank_reports = [self._report(k) for k in range(self.gpus)]
+        report = self.rank_reports[0]
+        if orchestrator.proc.returncode != 0 or not all(isinstance(r, dict) for r in self.rank_reports):
             refusals = "".join(f"\n {s.party}:{_tail(s.log, 4)}" for s in self.services
                                if '"event": "refused"' in s.log.read_text(errors="replace"))
             raise RemoteError(f"the orchestrator's service stopped (exit {orchestrator.proc.returncode})"
                               f"{_tail(orchestrator.log)}{refusals}")
         return report
+
+    def _report(self, rank: int) -> dict | None:
+        path = Path(self._config(orchestrator_party(rank))["job"]["run_dir"]) / "report.json"
+        try:
+            found = json.loads(read_plain(path, MAX_REPORT_BYTES))
+        except (OSError, ValueError):
+            return None
+        return found if isinstance(found, dict) else None
 
     def isolation(self) -> dict:
         """What kept the parties apart, as the report gives it: each party process's account and
@@ -218,9 +243,10 @@ class ServiceLaunch:
 
     def _check_alive(self) -> None:
         """A service that fails before the orchestrator's ends is a failure of the run: name it.
-        (A holder's ends by itself, exit 0, once the orchestrator published the job done.)"""
+        (A holder's ends by itself, exit 0, once the orchestrator published the job done.) With
+        several GPUs a rank's orchestrator too: its peers would wait for it in a collective."""
         for s in self.services:
-            if s.party != "orchestrator" and s.proc.poll() not in (None, 0):
+            if (self.gpus > 1 or s.party != "orchestrator") and s.proc.poll() not in (None, 0):
                 raise RemoteError(f"{s.party}'s service stopped (exit {s.proc.returncode}){_tail(s.log)}")
 
     def _relay(self, seen: int, on_step: Callable[[StepRow], None] | None) -> int:
@@ -317,20 +343,23 @@ class ServiceLaunch:
         resuming (the service resumes whenever it finds one). Never an old report, which could
         be taken for this run's, nor old metrics: the service's metrics.csv holds the steps
         trained now, which the live view relays; the earlier rows are joined back at the end."""
-        inside = self.service_run_dir
-        inside.mkdir(parents=True, exist_ok=True)
-        if self.resume:
-            with contextlib.suppress(FileNotFoundError):
-                copy_plain(self.run_dir / "checkpoint.pt", inside / "checkpoint.pt")
+        for k in range(self.gpus):  # every rank resumes the same checkpoint, or none does
+            inside = Path(self._config(orchestrator_party(k))["job"]["run_dir"])
+            inside.mkdir(parents=True, exist_ok=True)
+            if self.resume:
+                with contextlib.suppress(FileNotFoundError):
+                    copy_plain(self.run_dir / "checkpoint.pt", inside / "checkpoint.pt")
 
     def _stage_out(self) -> None:
-        """The service's run directory back to the user's, with the signed travel log and the
-        certificate of the orchestrator that signed it."""
+        """The service's run directory (rank 0's) back to the user's, with the signed travel log
+        and the certificate of the orchestrator that signed it (every rank's)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         inside = self.service_run_dir
-        state = Path(self._orchestrator_config()["state_dir"])
         copies = [(inside / name, self.run_dir / name) for name in RUN_FILES]
-        copies += [(state / "audit.log", self.audit_log), (self.cohort / "public" / "orchestrator.pem", self.certificate)]
+        for k, (log, cert) in enumerate(self.rank_audit[: self.gpus]):
+            party = orchestrator_party(k)
+            state = Path(self._config(party)["state_dir"])
+            copies += [(state / "audit.log", log), (self.cohort / "public" / f"{party}.pem", cert)]
         for src, dest in copies:
             try:
                 if src.name == "metrics.csv" and self.resume and dest.exists():

@@ -9,6 +9,13 @@ the attestation it checks on every join against its own policy.
 Boot order (paper 4.1) is kept by the GPU's boot lock: a holder that takes it probes the GPU
 at boot; once the orchestrator holds it (for its whole life), a holder joins late and probes
 on the GPU the orchestrator lends it between travels.
+
+Several GPUs (`cohort init --gpus N`): one orchestrator per GPU, rank K of one data-parallel
+job (`orchestrator-K`, GPU 0's keeping the one-GPU name), each with its own host route, GPU, TDX
+module and share of the holders. A holder's config names the one orchestrator it joins (bound
+by the registry), whose certificate alone it pins; each orchestrator pins only its share's
+holders. The ranks attest one another inside their CVMs before any gradient moves
+(orchestrator/process.py, attest/rank.py), as the supervisor's ranks do (cohort/gpus.py).
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from gputravel.errors import BadInput, GputravelError, ProtocolError
 from gputravel.files import atomic_write_bytes, write_json
 from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, Shutdown,
                                         TrainDone, TrainStep, Train)
-from gputravel.service.config import HolderService, OrchestratorService, gpu_socket, quoting_socket
+from gputravel.service.config import (HolderService, OrchestratorService, gpu_socket, orchestrator_party, public_file,
+                                      quoting_socket)
 from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.party import (PartyChild, Stopping, as_party, log, one_certificate, own_state, private_dir,
                                      publish, publish_certificate, unix_listening, wait_for, wait_for_sockets)
@@ -42,8 +50,8 @@ from gputravel.service.registry import platform_dir, registered
 BOOT_TIMEOUT = 120.0
 STOP_WAIT_S = 60.0  # a stopping orchestrator finishes its step and checkpoints within this
 STATUS_EVERY_S = 0.25  # how often status.json follows the training (the log: every 5th step)
-ORCHESTRATOR = "orchestrator"
-DONE_FILE = "job-done"  # in the public directory: the orchestrator finished the job
+ORCHESTRATOR = "orchestrator"  # the role, and the name in every orchestrator's certificate
+DONE_FILE = "job-done"  # in the public directory (config.public_file): that orchestrator finished the job
 
 
 # ----------------------------------------------------------------------------- shared
@@ -121,7 +129,7 @@ def _serve_holder_once(cfg: HolderService, pki: Path, trust: Path, home: Path, s
             time.sleep(0.2)
         if stop():
             return _leave_and_stop(name, child, joined=True)
-        if not (Path(cfg.public_dir) / DONE_FILE).exists():
+        if not (Path(cfg.public_dir) / public_file(cfg.orchestrator, DONE_FILE)).exists():
             return None
         log(name, "exited", status=child.proc.returncode, why="the job is done")
         return child.proc.returncode or 0
@@ -132,8 +140,9 @@ def _serve_holder_once(cfg: HolderService, pki: Path, trust: Path, home: Path, s
 
 
 def _join(cfg: HolderService, child: PartyChild, pki: Path, stop: Stopping) -> bool:
-    """Pin the orchestrator's certificate, then join (attesting it) until it works or we stop."""
-    cert = Path(cfg.public_dir) / "orchestrator.pem"
+    """Pin our orchestrator's certificate (its GPU's, with several), then join (attesting it)
+    until it works or we stop."""
+    cert = Path(cfg.public_dir) / f"{cfg.orchestrator}.pem"
     wait_for(cfg.name, f"the orchestrator's certificate at {cert}", cert.exists, stop)
     said = 0.0
     while not stop():
@@ -173,17 +182,18 @@ def _leave_and_stop(name: str, child: PartyChild, joined: bool) -> int:
 
 # ----------------------------------------------------------------------------- orchestrator
 def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
+    name = orchestrator_party(cfg.rank)  # "orchestrator"; rank K of several GPUs: "orchestrator-K"
     state = private_dir(cfg.state_dir)
     own_state(state, cfg.uid)
     gpu = cfg.gpu_link_socket
-    wait_for_sockets(ORCHESTRATOR, {"the host": cfg.host_socket, "the GPU": gpu}, stop)
-    (Path(cfg.public_dir) / DONE_FILE).unlink(missing_ok=True)  # a job under way again (resumed)
-    lock = _hold_boot_lock(cfg.boot_lock, stop)  # held for our whole life: later holders join late
+    wait_for_sockets(name, {"the host": cfg.host_socket, "the GPU": gpu}, stop)
+    (Path(cfg.public_dir) / public_file(name, DONE_FILE)).unlink(missing_ok=True)  # a job under way again (resumed)
+    lock = _hold_boot_lock(name, cfg.boot_lock, stop)  # held for our whole life: later holders join late
     with as_party(cfg.uid):  # inside the orchestrator's own tree: as the orchestrator
         pki = private_dir(state / "pki")
     certs = {h: Path(cfg.public_dir) / f"holder-{h}.pem" for h in cfg.holders}
     for h, path in certs.items():
-        wait_for(ORCHESTRATOR, f"holder {h}'s certificate at {path}", path.exists, stop)
+        wait_for(name, f"holder {h}'s certificate at {path}", path.exists, stop)
     pinned = b"".join(one_certificate(p.read_bytes(), h, p) for h, p in certs.items())  # one each, theirs
     with as_party(cfg.uid):
         atomic_write_bytes(pki / "ca.pem", pinned)
@@ -199,13 +209,13 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
         own_state(run_dir, cfg.uid)
         child_args = {"uid": cfg.uid, "home": home}
         measured = QuotingLaunch.measure_launch(_as_dict(engine), {})
-        link = _gpu_link(gpu, cfg.uid, registered(cfg, "gpu-0").get("uid", -1))
+        link = _gpu_link(gpu, cfg.uid, registered(cfg, f"gpu-{cfg.rank}").get("uid", -1))  # our GPU's account
         child = PartyChild(ORCHESTRATOR, {**_as_dict(engine), "self_sign": ORCHESTRATOR}, extra=link, **child_args)
         quoting.register(tdx.control, child.proc.pid, cfg.uid if cfg.uid >= 0 else None, measured, BOOT_TIMEOUT)
         ready = child.ready(BOOT_TIMEOUT)
-        publish_certificate(pki / f"{ORCHESTRATOR}.pem", Path(cfg.public_dir) / "orchestrator.pem", ORCHESTRATOR,
-                            cfg.uid)
-        log(ORCHESTRATOR, "up", port=ready.detail.get("port"), measurement=measured.hex())
+        publish_certificate(pki / f"{ORCHESTRATOR}.pem", Path(cfg.public_dir) / f"{name}.pem", ORCHESTRATOR, cfg.uid)
+        log(name, "up", port=ready.detail.get("port"), measurement=measured.hex(),
+            **({"rank": cfg.rank, "world_size": cfg.world_size} if cfg.shares else {}))
         return _run_job(cfg, child, state, stop)
     finally:
         for c in (child, tdx):
@@ -216,14 +226,14 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
         os.close(lock)
 
 
-def _hold_boot_lock(path: str, stop: Stopping) -> int:
+def _hold_boot_lock(name: str, path: str, stop: Stopping) -> int:
     fd: list[int | None] = [None]
 
     def taken() -> bool:
         fd[0] = _try_lock(path)
         return fd[0] is not None
 
-    wait_for(ORCHESTRATOR, f"the GPU's boot lock {path} (a holder is probing)", taken, stop)
+    wait_for(name, f"the GPU's boot lock {path} (a holder is probing)", taken, stop)
     assert fd[0] is not None
     return fd[0]
 
@@ -231,7 +241,7 @@ def _hold_boot_lock(path: str, stop: Stopping) -> int:
 def _gpu_link(path: str, uid: int, gpu_uid: int) -> socket.socket:
     """Our private link to the GPU (VRAM grants), connected as the orchestrator's account: the
     device checks the peer's uid, which the kernel records at connect; and we check the device's
-    (the registry's gpu-0 account): a party that bound the socket's name first in the shared
+    (the registry's account of our GPU): a party that bound the socket's name first in the shared
     run directory must not pass for the GPU and be handed the dataset (the second hostile review)."""
     link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with as_party(uid):
@@ -277,23 +287,29 @@ def _certify_quoting_key(tdx: PartyChild, platform: Path) -> None:
 
 def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Stopping) -> int:
     """Wait for every holder named in the config to join, then train (resuming from the run
-    directory's checkpoint when there is one), streaming progress to the log and status.json."""
+    directory's checkpoint when there is one), streaming progress to the log and status.json.
+    With several GPUs, as rank `cfg.rank` of the job: the ranks attest one another in their
+    CVMs before any gradient moves, and every rank resumes the same checkpoint or none."""
+    name = orchestrator_party(cfg.rank)  # the name this rank logs and publishes under
     status, stopping, said = state / "status.json", False, 0.0
     _say_status(cfg, status, {"phase": "admitting", "members": [], "step": 0})
     child.control.send(AwaitHolders(names=tuple(cfg.holders), timeout=3600.0))
-    log(ORCHESTRATOR, "waiting", waiting_for=f"holders {', '.join(cfg.holders)} to join")
+    log(name, "waiting", waiting_for=f"holders {', '.join(cfg.holders)} to join")
     joined = child.control.recv(timeout=3700.0).message
     if isinstance(joined, Failed):
         raise error_from(joined, "the holders did not join")
     if not isinstance(joined, Holders):
         raise ProtocolError(f"the orchestrator answered AwaitHolders with {type(joined).__name__}")
-    log(ORCHESTRATOR, "admitted", holders=sorted(joined.dataset_bytes))
+    log(name, "admitted", holders=sorted(joined.dataset_bytes))
     run_dir = Path(cfg.job.run_dir)
     checkpoint = run_dir / "checkpoint.pt"
     train = cfg.job.train_config()
     child.control.send(Train(config_json=train.canonical_json(), run_dir=str(run_dir),
                              resume_checkpoint=str(checkpoint) if checkpoint.exists() else "",
-                             rank=0, world_size=1, master="", ifname="", shares=(), ranks_context=b""))  # one GPU: issue 14 left
+                             rank=cfg.rank, world_size=cfg.world_size,
+                             master=f"{cfg.ranks_host}:{cfg.ranks_port}" if cfg.shares else "", ifname="",
+                             shares=tuple(tuple(share) for share in cfg.shares),
+                             ranks_context=bytes.fromhex(cfg.ranks_context)))
     while True:
         if stop() and not stopping:
             # Training ends at the next step boundary, checkpointed there: a restart resumes
@@ -309,23 +325,23 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
                                           "step": msg.step, "loss": msg.loss, "travels": msg.travels,
                                           "gpu_at": msg.holder})
             if msg.step % 5 == 0:
-                log(ORCHESTRATOR, "step", step=msg.step, loss=round(msg.loss, 4))
+                log(name, "step", step=msg.step, loss=round(msg.loss, 4))
             continue
         report = json.loads(msg.report_json) if isinstance(msg, TrainDone) else None
         if report is not None and report.get("stopped"):
             done = len(report["losses"])
             _say_status(cfg, status, {"phase": "stopped", "members": sorted(joined.dataset_bytes), "step": done})
-            log(ORCHESTRATOR, "stopped", why="signal", step=done, checkpoint=str(checkpoint))
+            log(name, "stopped", why="signal", step=done, checkpoint=str(checkpoint))
             return 0
         elif report is not None:
             write_json(run_dir / "report.json", report)
             _say_status(cfg, status, {"phase": "done", "members": sorted(joined.dataset_bytes), "step": train.steps})
             _publish_log(cfg, state)
-            atomic_write_bytes(Path(cfg.public_dir) / DONE_FILE, b"done\n")  # holders end with the cohort
-            log(ORCHESTRATOR, "trained", steps=train.steps, run_dir=str(run_dir))
+            atomic_write_bytes(Path(cfg.public_dir) / public_file(name, DONE_FILE), b"done\n")  # its holders end
+            log(name, "trained", steps=train.steps, run_dir=str(run_dir))
             return 0
         elif isinstance(msg, Failed):
-            log(ORCHESTRATOR, "failed", kind=msg.kind, why=msg.reason)
+            log(name, "failed", kind=msg.kind, why=msg.reason)
             return 1
 
 
@@ -336,7 +352,8 @@ def _say_status(cfg: OrchestratorService, path: Path, status: dict) -> None:
     """The job's state: all of it in our state directory, and what any party may know (no
     loss: that is the model's) in the public directory, for `gputravel status`."""
     write_json(path, status)
-    write_json(Path(cfg.public_dir) / "status.json", {k: v for k, v in status.items() if k in PUBLIC_STATUS})
+    public = Path(cfg.public_dir) / public_file(orchestrator_party(cfg.rank), "status.json")
+    write_json(public, {k: v for k, v in status.items() if k in PUBLIC_STATUS})
 
 
 def _publish_log(cfg: OrchestratorService, state: Path) -> None:
@@ -344,7 +361,7 @@ def _publish_log(cfg: OrchestratorService, state: Path) -> None:
     public, since it holds chunk names, offsets and digests, never data or keys."""
     log_path = state / "audit.log"
     if log_path.exists():
-        publish(log_path, Path(cfg.public_dir) / "audit.log", cfg.uid)
+        publish(log_path, Path(cfg.public_dir) / public_file(orchestrator_party(cfg.rank), "audit.log"), cfg.uid)
 
 
 def _as_dict(config: object) -> dict:

@@ -6,8 +6,9 @@ registry, `D/cohort.registry`, is written once by init, owned by init's account 
 parties are isolated) and writable by nobody else. Before a service touches any file it
 checks that its config agrees with the registry on every key that says who the party is and
 where it acts (its name, account, state directory, sockets, lock, trust and public
-directories, the orchestrator's run directory). The keys an operator may tune (the job, the
-data, timeouts) are not in it.
+directories, the orchestrator's run directory) and, with several GPUs, whom it serves (an
+orchestrator's rank and every rank's share of the holders, a holder's orchestrator): a holder
+serves one GPU. The keys an operator may tune (the job, the data, timeouts) are not in it.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ REGISTRY_FILE = "cohort.registry"
 # issue 30 had root hand it over that way). Found from cohort_dir, which the registry binds.
 VENDOR_DIR, PLATFORM_DIR = "vendor", "platform"
 MAX_REGISTRY_BYTES = 1 << 20
-# What says who a party is and where it acts; "job.run_dir" is the [job] table's key.
+# What says who a party is and where it acts; "job.run_dir" is the [job] table's key. With
+# several GPUs, whom it serves: an orchestrator's rank and the shares, a holder's orchestrator.
 _BOUND = ("name", "index", "uid", "tdx_uid", "orchestrator_uid", "state_dir", "socket", "host_socket", "link_socket",
-          "gpu_link_socket", "boot_lock", "trust_dir", "public_dir", "job.run_dir")
+          "gpu_link_socket", "boot_lock", "trust_dir", "public_dir", "job.run_dir", "rank", "shares", "orchestrator")
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -51,8 +53,11 @@ def vendor_dir(cfg: Any) -> Path:
 
 
 def platform_dir(cfg: Any) -> Path:
-    """The CPU-TEE root that certifies the orchestrator's TDX module's key, once."""
-    return Path(cfg.cohort_dir) / PLATFORM_DIR
+    """The CPU-TEE root that certifies the orchestrator's TDX module's key, once: each rank's
+    module its own copy (platform/, platform-K/ for rank K), as each CVM's TDX module is
+    provisioned on its own and every quote chains to one CPU-TEE root."""
+    rank = getattr(cfg, "rank", 0)
+    return Path(cfg.cohort_dir) / (PLATFORM_DIR if rank == 0 else f"{PLATFORM_DIR}-{rank}")
 
 
 def bound_keys(cfg: Any) -> dict[str, Any]:

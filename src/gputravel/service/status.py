@@ -23,13 +23,14 @@ from gputravel.holder.cvm import Dataset, manifest_piece_bytes
 from gputravel.holder.log_key import read_log_key
 from gputravel.orchestrator.audit import AuditError, Entry, Failure, mismatched_chunks, verify_log
 from gputravel.protocol.manifest import chunk_digest
-from gputravel.service.config import GpuService, HolderService, HostService, OrchestratorService, ServiceConfig
+from gputravel.service.config import (GpuService, HolderService, HostService, OrchestratorService, ServiceConfig,
+                                      host_party, orchestrator_party, public_file)
 from gputravel.service.registry import bind
 
 __all__ = ["STATUS_FILE", "cohort_status", "party_name"]
 
 STATUS_FILE = "status.json"  # in a service's state_dir: {"members", "gpu_at", "travels", "step", "phase"}
-PUBLIC_LOG, ORCHESTRATOR_CERT = "audit.log", "orchestrator.pem"
+PUBLIC_LOG = "audit.log"  # beside its orchestrator's certificate, public/PARTY.pem (config.public_file)
 HEAD_FILE = "audit-head.json"  # in a holder's state_dir: the head of the published log it last verified
 HOLDER_PKI = "pki"  # in a holder's state_dir (service/members.py): its TLS key and its travel-log key
 _LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::")
@@ -40,7 +41,9 @@ def party_name(cfg: ServiceConfig) -> str:
         return f"gpu-{cfg.index}"
     if isinstance(cfg, HolderService):
         return f"holder-{cfg.name}"
-    return cfg.party
+    if isinstance(cfg, HostService):
+        return host_party(cfg.index)
+    return orchestrator_party(cfg.rank)
 
 
 # ----------------------------------------------------------------------------- what is up
@@ -73,11 +76,11 @@ def _tcp_listening(port: int) -> bool:
 def _services(cfg: ServiceConfig) -> dict[str, str]:
     bound = _bound_unix_paths()
     host_sock = cfg.socket if isinstance(cfg, HostService) else cfg.host_socket
-    up = {"host": _unix_up(host_sock, bound)}
+    up = {"host": _unix_up(host_sock, bound)}  # this party's host route
     if isinstance(cfg, GpuService):
         up[party_name(cfg)] = _unix_up(cfg.link_socket, bound)
     if isinstance(cfg, OrchestratorService):
-        up["gpu-0"] = _unix_up(cfg.gpu_link_socket, bound)
+        up[f"gpu-{cfg.rank}"] = _unix_up(cfg.gpu_link_socket, bound)
         up["orchestrator"] = _tcp_listening(cfg.listen_port)
     if isinstance(cfg, HolderService):  # the GPU's link socket lies beside its boot lock (run/gpu-K.*)
         up[Path(cfg.boot_lock).stem] = _unix_up(str(Path(cfg.boot_lock).with_suffix(".sock")), bound)
@@ -93,9 +96,9 @@ def _published(public_dir: str) -> list[str]:
     return sorted(p.stem for p in Path(public_dir).glob("*.pem")) if os.path.isdir(public_dir) else []
 
 
-def _own_status(state_dir: str) -> dict:
+def _own_status(path: Path) -> dict:
     try:
-        found = json.loads((Path(state_dir) / STATUS_FILE).read_text())
+        found = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return found if isinstance(found, dict) else {}
@@ -106,7 +109,8 @@ def _my_travels(cfg: HolderService) -> dict:
     certificate (hash chain and signatures) and against the head this holder last verified
     (which it then moves on); its own chunks against its own data; a torn last entry (being
     written) is skipped."""
-    log, cert = Path(cfg.public_dir) / PUBLIC_LOG, Path(cfg.public_dir) / ORCHESTRATOR_CERT
+    # Its own orchestrator's log, the one its GPU's orchestrator signs (rank K's with several GPUs).
+    log, cert = Path(cfg.public_dir) / public_file(cfg.orchestrator, PUBLIC_LOG), Path(cfg.public_dir) / f"{cfg.orchestrator}.pem"
     if not (log.exists() and cert.exists()):
         return {"log": "not published"}
     head_file = Path(cfg.state_dir) / HEAD_FILE
@@ -184,9 +188,10 @@ def _status(cfg: ServiceConfig) -> dict:
     out: dict = {"config": cfg.source, "party": party_name(cfg), "services": _services(cfg)}
     if isinstance(cfg, (OrchestratorService, HolderService)):
         out["published"] = _published(cfg.public_dir)
-    out.update({k: v for k, v in _own_status(cfg.state_dir).items() if k not in out})
-    if isinstance(cfg, HolderService):  # the job as the orchestrator publishes it: members, the GPU, travels
-        out.update({k: v for k, v in _own_status(cfg.public_dir).items() if k not in out})
+    out.update({k: v for k, v in _own_status(Path(cfg.state_dir) / STATUS_FILE).items() if k not in out})
+    if isinstance(cfg, HolderService):  # the job as its orchestrator publishes it: members, the GPU, travels
+        public = Path(cfg.public_dir) / public_file(cfg.orchestrator, STATUS_FILE)
+        out.update({k: v for k, v in _own_status(public).items() if k not in out})
     if isinstance(cfg, HolderService):
         out.update(_my_travels(cfg))
     out["running"] = any(v == "up" for v in out["services"].values())

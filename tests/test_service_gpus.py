@@ -1,0 +1,171 @@
+"""Several GPUs on the deployed services (`cohort init --gpus N`, issue 26): one stack per GPU
+(its host route, the GPU, rank K's orchestrator with its TDX module), each holder in exactly
+one GPU's share, bound by the registry, and the ranks attesting one another before any
+gradient moves, as the supervisor's ranks do (cohort/gpus.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from gputravel.attest.roots import TEE_ROOT_KEY
+from gputravel.errors import BadInput, RemoteError
+from gputravel.jobs.training import default_holders
+from gputravel.orchestrator.audit import verify_log
+from gputravel.service import launch as service_launch
+from gputravel.service.config import GpuService, HolderService, HostService, OrchestratorService, load_service
+from gputravel.service.init import init_cohort
+from gputravel.service.launch import ServiceLaunch
+from gputravel.service.registry import bind
+from gputravel.service.status import party_name
+from gputravel.train.job import TrainConfig
+
+# 3 windows a visit (a 4 KiB buffer holds 2048 tokens, a batch 513): every holder is visited in 8 steps
+TINY = TrainConfig(steps=8, batch=8, seq_len=64, buffer_bytes=4096, n_layer=1, n_head=2, n_embd=32,
+                   threads=1, sample_tokens=0, warmup_steps=2)
+
+
+@pytest.fixture
+def cohort(searchable_tmp: Path, tmp_path: Path) -> Path:
+    os.chmod(tmp_path, 0o755)  # as root, init refuses a directory the parties' accounts cannot reach
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, size in (("north", 4000), ("south", 3000), ("east", 2000)):
+        (data / f"{name}.txt").write_text("x" * size)
+    init_cohort(tmp_path / "D", [(n, str(data / f"{n}.txt")) for n in ("north", "south", "east")], gpus=2,
+                steps=3, buffer_bytes=4096)
+    return tmp_path / "D"
+
+
+def _rewrite(src: Path, dest: Path, **changes: object) -> Path:
+    doc = tomllib.loads(src.read_text())
+    doc.update(changes)
+    dest.write_text(tomli_w.dumps(doc))
+    return dest
+
+
+def test_init_makes_a_stack_per_gpu_and_deals_each_holder_to_one(cohort: Path) -> None:
+    ranks = [load_service(cohort / f) for f in ("orchestrator.toml", "orchestrator-1.toml")]
+    assert all(isinstance(o, OrchestratorService) for o in ranks)
+    shares = ranks[0].shares
+    # partition: largest first, each to the GPU with the fewest bytes so far
+    assert shares == ranks[1].shares == [["north"], ["east", "south"]]
+    for k, orch in enumerate(ranks):
+        assert isinstance(orch, OrchestratorService)
+        assert (orch.rank, orch.world_size, sorted(orch.holders)) == (k, 2, sorted(shares[k]))
+        host = load_service(cohort / ("host.toml" if k == 0 else f"host-{k}.toml"))
+        gpu = load_service(cohort / f"gpu-{k}.toml")
+        assert isinstance(host, HostService) and isinstance(gpu, GpuService)
+        assert orch.host_socket == host.socket == gpu.host_socket and host.index == gpu.index == k
+        assert orch.gpu_link_socket == gpu.link_socket and gpu.orchestrator_uid == orch.uid
+        assert (cohort / ("platform" if k == 0 else f"platform-{k}") / TEE_ROOT_KEY).exists()  # its TDX module's
+    assert ranks[0].ranks_port == ranks[1].ranks_port and ranks[0].ranks_context == ranks[1].ranks_context
+    assert ranks[0].job.run_dir != ranks[1].job.run_dir and ranks[0].listen_port != ranks[1].listen_port
+    for name in ("north", "south", "east"):
+        holder = load_service(cohort / f"holder-{name}.toml")
+        assert isinstance(holder, HolderService)
+        k = next(k for k, share in enumerate(shares) if name in share)
+        orch = ranks[k]
+        assert holder.orchestrator == party_name(orch) and holder.orchestrator_port == orch.listen_port
+        assert (holder.host_socket, holder.boot_lock) == (orch.host_socket, orch.boot_lock)
+        assert holder.policy.orchestrator_measurements == load_service(cohort / "holder-north.toml").policy.orchestrator_measurements  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("file, changes, key", [
+    # a holder told to serve the other GPU: its orchestrator, its host route and lock are bound
+    ("holder-north.toml", {"orchestrator": "orchestrator-1"}, "orchestrator"),
+    ("holder-north.toml", {"boot_lock": "GPU1"}, "boot_lock"),
+    # an orchestrator told other shares (a holder moved, or in both): the shares are fixed
+    ("orchestrator-1.toml", {"shares": [["north", "south"], ["east"]], "holders": ["east"]}, "shares"),
+    ("orchestrator.toml", {"shares": [["north", "east"], ["south"]], "holders": ["north", "east"]}, "shares"),
+])
+def test_a_party_moved_to_another_gpu_is_refused_by_the_registry(cohort: Path, tmp_path: Path, file: str,
+                                                                 changes: dict, key: str) -> None:
+    if changes.get("boot_lock") == "GPU1":
+        changes = {"boot_lock": str(cohort / "run" / "gpu-1.lock")}
+    cfg = load_service(_rewrite(cohort / file, tmp_path / file, **changes))
+    with pytest.raises(BadInput, match=f"{key}: expected"):
+        bind(cfg, party_name(cfg))
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"holders": ["north", "east"]}, "holders: expected this rank's share"),
+    ({"shares": [["north", "east"], ["east", "south"]]}, "a holder in one share only"),
+    ({"shares": [["north", "east", "south"]]}, "one share for each of 2 or more ranks"),
+    ({"ranks_context": ""}, "ranks_port: expected rank 0's port and a ranks_context"),
+])
+def test_an_orchestrator_serves_its_own_share_only(cohort: Path, tmp_path: Path, changes: dict, says: str) -> None:
+    with pytest.raises(BadInput, match=says):
+        load_service(_rewrite(cohort / "orchestrator-1.toml", tmp_path / "o.toml", **changes))
+
+
+def _holders(tmp_path: Path) -> tuple[tuple[str, str], ...]:
+    os.chmod(tmp_path, 0o755)  # the parties run under uids of their own when the suite is root
+    return default_holders(4, tmp_path)
+
+
+def test_two_gpus_train_on_the_services_each_holder_travelling_to_one_gpu(processes, searchable_tmp: Path,
+                                                                         tmp_path: Path) -> None:
+    hs = _holders(tmp_path)
+    run = tmp_path / "run"
+    logs = [(run / f"gpu-{k}-audit.log", run / f"gpu-{k}-orchestrator.pem") for k in range(2)]
+    steps: list[int] = []
+    with ServiceLaunch(hs, TINY.to_dict(), run, audit_log=logs[0][0], certificate=logs[0][1], gpus=2,
+                       rank_audit=logs) as launch:
+        report = launch.train(lambda row: steps.append(row["step"]))
+        cohort = launch.cohort
+        shares = load_service(cohort / "orchestrator.toml").shares  # type: ignore[union-attr]
+        # Each rank's TDX module was certified by its own copy of the platform's key, then it went.
+        assert not any((cohort / d / TEE_ROOT_KEY).exists() for d in ("platform", "platform-1"))
+        rank_reports = launch.rank_reports
+        said = {k: [json.loads(line) for line in (launch.dir / "logs" / f"{p}.log").read_text().splitlines()  # type: ignore[operator]
+                    if line.startswith("{")] for k, p in enumerate(("orchestrator", "orchestrator-1"))}
+        isolation = launch.isolation()
+    assert steps == list(range(TINY.steps)) and len(report["losses"]) == TINY.steps
+    assert [len(r["losses"]) for r in rank_reports] == [TINY.steps] * 2
+    for k in range(2):  # every rank was up as rank k of 2 and trained the whole job
+        up = next(e for e in said[k] if e["event"] == "up")
+        assert (up["rank"], up["world_size"]) == (k, 2)
+        assert any(e["event"] == "trained" for e in said[k])
+    assert sorted(n for s in shares for n in s) == sorted(n for n, _ in hs) and all(shares)
+    travelled: dict[str, set[int]] = {}
+    for k, (log, cert) in enumerate(logs):  # both ranks' signed logs verify, each naming its own GPU
+        summary = verify_log(log, cert.read_bytes())
+        assert summary.closed and summary.gpu == f"GPU-EMU-{k}" and summary.entries
+        for entry in summary.entries:
+            travelled.setdefault(entry.holder, set()).add(k)
+            assert entry.holder in shares[k]
+    assert all(len(gpus) == 1 for gpus in travelled.values()), travelled  # a holder served one GPU
+    assert set(travelled) == {n for n, _ in hs}  # and every holder served one
+    if os.geteuid() == 0:  # every party, each rank's included, under its own account
+        assert isolation["on"] and {"orchestrator", "orchestrator-1", "host-1", "gpu-1"} <= set(isolation["parties"])
+    assert launch.dir is None
+
+
+def test_ranks_told_different_jobs_refuse_each_other_before_any_step(processes, searchable_tmp: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's operator changes the ranks' context (not bound by the registry, but bound into
+    the ranks' quotes): the ranks refuse each other's attestation and no step is trained."""
+    hs = _holders(tmp_path)
+    real = service_launch.init_cohort
+
+    def init_then_edit(directory: Path, *args: object, **kwargs: object) -> list[Path]:
+        written = real(directory, *args, **kwargs)  # type: ignore[arg-type]
+        path = Path(directory) / "orchestrator-1.toml"
+        _rewrite(path, path, ranks_context="ab" * 32)
+        return written
+
+    monkeypatch.setattr(service_launch, "init_cohort", init_then_edit)
+    steps: list[int] = []
+    run = tmp_path / "run"
+    with pytest.raises(RemoteError, match="PeerAttestationError"):
+        with ServiceLaunch(hs, TINY.to_dict(), run, audit_log=run / "a.log", certificate=run / "a.pem",
+                           gpus=2) as launch:
+            launch.train(lambda row: steps.append(row["step"]))
+    assert steps == [] and not (run / "checkpoint.pt").exists()
