@@ -10,6 +10,7 @@ the row fails (see docs/security.md, "Do the tests fail when a defence is off?")
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,103 +18,176 @@ from typer.testing import CliRunner
 
 from gputravel.cli.app import app
 from gputravel.holder.cvm import DataHolder
-from gputravel.redteam.attacks import ATTACKS
-from gputravel.redteam import collusion_rows, run as redteam_run
+from gputravel.redteam import rows, run as redteam_run
+from gputravel.redteam.bus import Did
+from gputravel.redteam.evidence import (
+    Acted,
+    Baseline,
+    Carried,
+    Control,
+    EpochSkipped,
+    Journal,
+    Logged,
+    Probed,
+    RankStep,
+    Recovered,
+    Rejoined,
+    Searched,
+    Tampered,
+    Travel,
+    Travelled,
+    load,
+)
 from gputravel.redteam.holder import MaliciousHolder
+from gputravel.redteam.rows import ATTACKS
 from gputravel.cohort import isolation
 from gputravel.testing import TIMEOUT_SCALE
 
-# What each row's evidence must show: the real defence acting, not just "no plaintext".
-EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
-    "replay-push": ("host", ("back as a new entry", "raised the user channel's fault flag")),
-    "flip-ciphertext": ("host", ("flipped one ciphertext bit", "raised the user channel's fault flag",
-                                 "refused the travel (ChannelFaulted")),
-    "wrong-cvm-during-travel": ("host", ("mapped bob's memory", "alice refused the travel",
-                                         "then: travel to alice verified")),
-    "split-dma-irq": ("host", ("routed bob's interrupt", "travel to alice verified")),
-    "drop-rotation": ("host", ("dropped the orchestrator's doorbell", "failed: PeerTimeout",
-                               "orchestrator: recovery rotation failed (PeerTimeout",
-                               "re-keyed the GPU through a new SPDM session", "travel log: aborted alice",
-                               "then: travel to bob verified")),
-    "drop-scrub": ("host", ("failed: PeerTimeout", "the GPU never travelled to bob")),
-    "kept-keys": ("holder", ("used the keys of epoch", "travel to bob verified")),
-    "dump-vram": ("holder", ("inside the granted window: 0 not zero", "just past the granted window: ChannelFaulted",
-                             "16 MiB past the granted window: ChannelFaulted")),
-    "work-after-return": ("holder", ("read after returning the GPU:",)),
-    "stale-context": ("holder", (("ContextRefused: holder 'mallory' lost during a travel: it returned a context that "
-                                  "was refused: context blob is from key epoch"),
-                                 "was refused: returned context blob is stale",
-                                 "mallory: the orchestrator dropped the connection",
-                                 "the GPU was recovered by the rotation under way",
-                                 "mallory joined the cohort again", "then: travel to alice verified")),
-    "altered-context": ("holder", ("was refused: returned context blob carries keys that were not exported",
-                                   "was refused: context blob is corrupted",
-                                   "mallory: the orchestrator dropped the connection",
-                                   "the GPU was recovered by the rotation under way",
-                                   "mallory joined the cohort again", "then: travel to alice verified")),
-    "holder-pushes-counters-forward": ("holder", ("channel counter of its first sender moved forward",
-                                                  "ContextBlobError", "a channel counter changed during the travel",
-                                                  "mallory: the orchestrator dropped the connection",
-                                                  "the GPU was recovered by the rotation under way",
-                                                  "mallory joined the cohort again",
-                                                  "then: travel to alice verified", "then: travel to bob verified")),
-    "drop-rotation-then-read": ("host+holder", ("travel to mallory failed: PeerTimeout",
-                                                "re-keyed the GPU through a new SPDM session",
-                                                "switched the GPU to mallory unasked",
-                                                "(rotations dropped): read with kept epoch-",
-                                                "(after alice): read with kept epoch-",
-                                                "travel to alice verified")),
-    "confirmation-substitution": ("host+holder", ("travel to bob failed: PeerTimeout",
-                                                  "re-keyed the GPU through a new SPDM session",
-                                                  "nothing left to hold back",
-                                                  "read 2097152 bytes inside the granted window: 0 not zero")),
-    "switch-after-rotation": ("host+holder", ("switched the GPU to mallory unasked", "used the keys of epoch")),
-    "decrypt-snooped": ("host+holder", (": 0 opened", "control on its own records")),
-    "never-returns": ("holder", ("never switched back", "HolderLost", "then: travel to alice verified")),
-    "host-forges-gpfifo-get": ("host+holder", ("forged BAR0's kernel GPFIFO get",
-                                               "travel to mallory failed: PeerTimeout",
-                                               "(waiting for GPFIFO space)",
-                                               "orchestrator: recovery rotation failed",
-                                               "re-keyed the GPU through a new SPDM session",
-                                               "travel log: aborted mallory",
-                                               "travel to alice verified", ": 0 opened", "control on its own records")),
-    "collusion-after-failed-rotation": ("host+holder", ("[mallory: refuse]", "refused the travel on purpose",
-                                                        "[mallory: vanish]", "never switched back",
-                                                        "forged BAR0's kernel GPFIFO get",
-                                                        "re-keyed the GPU through a new SPDM session",
-                                                        "travel to alice verified", "handed over",
-                                                        ": 0 opened", "control on its own records")),
-    "baseline-then-travel": ("host+holder", ("baseline transfer of alice's chunk",
-                                             "travel to mallory verified",
-                                             "the epoch of the baseline copy, and mallory was given epoch",
-                                             "staging records and", "of orchestrator", ": 0 opened",
-                                             "control on its own records")),
-    "holder-reads-peer-memory": ("holder", ("process isolation on: each party under its own uid",
-                                            "0 read (0 bytes)", "probe peer alice's memory (",
-                                            "probe peer orchestrator's descriptor", "(/memfd:gputravel-vram",
-                                            "probe peer alice's TLS key: denied",
-                                            "probe peer the device's firmware key: denied",
-                                            "bytes of a dumpable fork of itself",
-                                            "control: the same search finds")),
-    "host-reads-cvm-memory": ("host", ("process isolation on: each party under its own uid", "0 read (0 bytes)",
-                                       "probe peer mallory's memory (", "probe peer device's descriptor",
-                                       "(/memfd:gputravel-vram", "probe peer orchestrator's TLS key: denied",
-                                       "bytes of a dumpable fork of itself")),
-    "orchestrator-self-quote": ("host+holder", (("host: asked the TDX module for a quote over its own report data: "
-                                                 "QuotingRefused"),
-                                                ("mallory: asked the TDX module for a quote over its own report data: "
-                                                 "QuotingRefused"), "is not the CVM this module launched",
-                                                "then: travel to alice verified")),
-    "wrong-cvm-for-orchestrator": ("host", ("raised the kernel channel's fault flag",
-                                            "travel to alice failed: ChannelFaulted",
-                                            "re-keyed the GPU through a new SPDM session",
-                                            "travel log: aborted alice", "then: travel to bob verified")),
-    "host-carries-allreduce": ("host", ("encrypted: the host carried", "encrypted-naive: the host carried",
-                                        "0 bytes of the canary gradient found", "control: the host carried",
-                                        "flip: host: flipped bit", "replay: host: delivered the record before",
-                                        "drop: host: dropped record", "rank 1's step stopped: IntegrityError",
-                                        "its parameters never moved", "rank 0's step completed with the right sum")),
-    "snoop-everything": ("host", ("the TLS tap", "control: the same search finds")),
+Check = Callable[[list], bool]
+
+
+def has(kind: type, **want: object) -> Check:
+    """A record of ``kind`` whose fields equal ``want`` (a callable tests its field instead)."""
+    def check(records: list) -> bool:
+        return any(isinstance(r, kind) and all(v(getattr(r, k)) if callable(v) else getattr(r, k) == v
+                                               for k, v in want.items()) for r in records)
+    check.__qualname__ = f"{kind.__name__}{want}"
+    return check
+
+
+def host(did: Did, **want: object) -> Check:
+    return has(Acted, who="host", did=did, **want)
+
+
+def mallory(did: Did, **want: object) -> Check:
+    return has(Acted, who="mallory", did=did, **want)
+
+
+def travel(holder: str, **want: object) -> Check:
+    return has(Travel, holder=holder, **want)
+
+
+def failed(holder: str, kind: str, words: str = "") -> Check:
+    """A travel that failed with ``kind`` (or a class derived from it), its message naming ``words``."""
+    return has(Travel, holder=holder, kinds=lambda k: kind in k, message=lambda m: words in m)
+
+
+def then(holder: str) -> Check:
+    """After the attack, a travel to ``holder`` verified: the cohort went on."""
+    return has(Travel, holder=holder, verified=True, after=True)
+
+
+def refused_blob(words: str) -> Check:
+    """Mallory's travel failed with ContextRefused (a ContextBlobError, which the control link
+    carries under that base class, naming it), the orchestrator naming the check that fired."""
+    return has(Travel, holder="mallory", kinds=lambda k: "ContextBlobError" in k,
+               message=lambda m: "ContextRefused" in m and words in m)
+
+
+POSITIVE, NONE = (lambda n: n > 0), (lambda n: n == 0)
+REKEYED = has(Logged, rekeyed=True)
+DROPPED_AND_BACK = (mallory(Did.CONNECTION_DROPPED), has(Recovered, holder="mallory"),
+                    has(Rejoined, holder="mallory"), then("alice"))
+OPENED_NONE = (mallory(Did.DECRYPT, stage=lambda s: s != "control", count=0, nbytes=POSITIVE),
+               mallory(Did.DECRYPT, stage="control", count=POSITIVE))
+
+
+def kept_read(place: str) -> bool:
+    return place.startswith("with kept epoch-")
+
+
+def vram_fd(place: str) -> bool:
+    return place.startswith("descriptor") and "(/memfd:gputravel-vram" in place
+
+
+def probed_denied(attacker: str) -> Check:
+    return has(Probed, attacker=attacker, isolation=True, denied=POSITIVE, read=0, nbytes=0)
+
+
+# What each row's evidence must show, as typed records: the real defence acting, not just "no plaintext".
+EXPECTED: dict[str, tuple[str, tuple[Check, ...]]] = {
+    "replay-push": ("host", (host(Did.REPLAYED, party="alice"), host(Did.FAULT_FLAG, place="user"))),
+    "flip-ciphertext": ("host", (host(Did.FLIPPED, party="bob"), host(Did.FAULT_FLAG, place="user"),
+                                 travel("bob", refused=lambda r: r.startswith("ChannelFaulted")))),
+    "wrong-cvm-during-travel": ("host", (host(Did.ROUTED, party="bob"), travel("alice", refused=bool),
+                                         then("alice"))),
+    "split-dma-irq": ("host", (host(Did.ROUTED, party="alice", place="bob"), travel("alice", verified=True))),
+    "drop-rotation": ("host", (host(Did.DROPPED_KERNEL_RING), failed("alice", "PeerTimeout", "semaphore"),
+                               has(Logged, recovery_failed="PeerTimeout"), REKEYED,
+                               has(Journal, event="aborted", holder="alice"), then("bob"))),
+    "drop-scrub": ("host", (failed("bob", "PeerTimeout"), has(Travelled, holder="bob", went=False))),
+    "kept-keys": ("holder", (mallory(Did.USED_KEPT_KEYS), travel("bob", verified=True))),
+    "dump-vram": ("holder", (mallory(Did.READ, place="inside the granted window", nbytes=POSITIVE, count=0),
+                             mallory(Did.READ, place="just past the granted window", error="ChannelFaulted"),
+                             mallory(Did.READ, place="16 MiB past the granted window", error="ChannelFaulted"))),
+    "work-after-return": ("holder", (mallory(Did.READ, place="after returning the GPU", error=bool, nbytes=0),)),
+    "stale-context": ("holder", (refused_blob("context blob is from key epoch"),
+                                 refused_blob("returned context blob is stale"), *DROPPED_AND_BACK)),
+    "altered-context": ("holder", (refused_blob("returned context blob carries keys that were not exported"),
+                                   refused_blob("context blob is corrupted"), *DROPPED_AND_BACK)),
+    "holder-pushes-counters-forward": ("holder", (mallory(Did.RETURNED_BLOB, place="counters-forward"),
+                                                  refused_blob("a channel counter changed during the travel"),
+                                                  *DROPPED_AND_BACK, then("bob"))),
+    "drop-rotation-then-read": ("host+holder", (failed("mallory", "PeerTimeout"), REKEYED,
+                                                host(Did.FORCED_SWITCH, party="mallory"),
+                                                mallory(Did.READ, stage="rotations dropped", place=kept_read, nbytes=0),
+                                                mallory(Did.READ, stage="after alice", place=kept_read, nbytes=0),
+                                                travel("alice", verified=True))),
+    "confirmation-substitution": ("host+holder", (failed("bob", "PeerTimeout"), REKEYED, host(Did.NOTHING_TO_HOLD),
+                                                  mallory(Did.READ, place="inside the granted window",
+                                                          nbytes=2097152, count=0))),
+    "switch-after-rotation": ("host+holder", (host(Did.FORCED_SWITCH, party="mallory"),
+                                              mallory(Did.USED_KEPT_KEYS))),
+    "decrypt-snooped": ("host+holder", OPENED_NONE),
+    "never-returns": ("holder", (mallory(Did.KEPT_GPU, place="never-return"), failed("mallory", "GputravelError",
+                                                                                      "HolderLost"), then("alice"))),
+    "host-forges-gpfifo-get": ("host+holder", (host(Did.FORGED_GET),
+                                               failed("mallory", "PeerTimeout", "(waiting for GPFIFO space)"),
+                                               has(Logged, recovery_failed=bool), REKEYED,
+                                               has(Journal, event="aborted", holder="mallory"),
+                                               travel("alice", verified=True), *OPENED_NONE)),
+    "collusion-after-failed-rotation": ("host+holder", (mallory(Did.REFUSED, stage="refuse"),
+                                                        mallory(Did.KEPT_GPU, stage="vanish", place="vanish"),
+                                                        host(Did.FORGED_GET, stage="refuse"),
+                                                        host(Did.FORGED_GET, stage="vanish"), REKEYED,
+                                                        travel("alice", verified=True),
+                                                        host(Did.HANDED_OVER, party="alice", count=POSITIVE),
+                                                        *OPENED_NONE)),
+    "baseline-then-travel": ("host+holder", (has(Baseline, holder="alice", error=""), travel("mallory", verified=True),
+                                             has(EpochSkipped, holder="mallory"),
+                                             host(Did.HANDED_OVER, party="orchestrator", count=POSITIVE),
+                                             *OPENED_NONE)),
+    "holder-reads-peer-memory": ("holder", (probed_denied("mallory"),
+                                            mallory(Did.PROBED, party="alice", place=lambda p: p.startswith("memory ("),
+                                                    error=bool),
+                                            mallory(Did.PROBED, party="orchestrator", place=vram_fd, error=bool),
+                                            mallory(Did.PROBED, party="alice", place="TLS key", error=bool),
+                                            mallory(Did.PROBED, party="device", place="firmware key", error=bool),
+                                            mallory(Did.FORK_CONTROL, stage="control", nbytes=POSITIVE),
+                                            has(Control, nbytes=POSITIVE))),
+    "host-reads-cvm-memory": ("host", (probed_denied("host"),
+                                       host(Did.PROBED, party="mallory", place=lambda p: p.startswith("memory ("),
+                                            error=bool),
+                                       host(Did.PROBED, party="device", place=vram_fd, error=bool),
+                                       host(Did.PROBED, party="orchestrator", place="TLS key", error=bool),
+                                       host(Did.FORK_CONTROL, stage="control", nbytes=POSITIVE))),
+    "orchestrator-self-quote": ("host+holder", (host(Did.QUOTE, error="QuotingRefused", nbytes=0,
+                                                     place=lambda p: "is not the CVM this module launched" in p),
+                                                mallory(Did.QUOTE, error="QuotingRefused", nbytes=0,
+                                                        place=lambda p: "is not the CVM this module launched" in p),
+                                                then("alice"))),
+    "wrong-cvm-for-orchestrator": ("host", (host(Did.FAULT_FLAG, place="kernel"), failed("alice", "ChannelFaulted"),
+                                            REKEYED, has(Journal, event="aborted", holder="alice"), then("bob"))),
+    "host-carries-allreduce": ("host", (has(Carried, case="encrypted", nbytes=POSITIVE, found=0),
+                                        has(Carried, case="encrypted-naive", nbytes=POSITIVE, found=0),
+                                        has(Carried, case="plain-control", found=POSITIVE),
+                                        has(Tampered, case="flip", fault="flip"),
+                                        has(Tampered, case="replay", fault="replay"),
+                                        has(Tampered, case="drop", fault="drop", delivered=-1),
+                                        has(RankStep, case="flip", rank=1, completed=False, error="IntegrityError",
+                                            untouched=True),
+                                        has(RankStep, case="flip", rank=0, completed=True, sum_right=True))),
+    "snoop-everything": ("host", (has(Searched, snoop_bytes=POSITIVE, tap_bytes=POSITIVE), has(Control, nbytes=POSITIVE))),
 }
 
 
@@ -137,7 +211,7 @@ def run(tmp_path_factory) -> tuple[int, str, dict]:
     with pytest.MonkeyPatch.context() as mp:
         for name in ("DEVICE_TIMEOUT", "HOLDER_TIMEOUT"):
             mp.setattr(redteam_run, name, getattr(redteam_run, name) * SUITE_WAITS)
-        mp.setattr(collusion_rows, "FORGE_HOLD_S", {k: v * SUITE_WAITS for k, v in collusion_rows.FORGE_HOLD_S.items()})
+        mp.setattr(rows, "FORGE_HOLD_S", {k: v * SUITE_WAITS for k, v in rows.FORGE_HOLD_S.items()})
         result = CliRunner().invoke(app, ["redteam", "--json", str(out)])
     report = json.loads(out.read_text()) if out.exists() else {"attacks": []}
     return result.exit_code, result.output, report
@@ -167,9 +241,9 @@ def test_attack_is_defeated(processes, run, name: str) -> None:
     assert row["adversary"] == adversary
     assert row["plaintext_bytes_obtained"] == 0, f"{name}: the attacker obtained plaintext"
     assert row["scanned_bytes"] > 0, f"{name}: nothing the attacker read was searched"
-    evidence = "\n".join(row["evidence"])
-    for text in must_show:
-        assert text in evidence, f"{name}: expected {text!r} in:\n{evidence}"
+    records, evidence = load(row["records"]), "\n".join(row["evidence"])
+    for check in must_show:
+        assert check(records), f"{name}: expected {check.__qualname__} in:\n{evidence}"
     assert row["outcome"] == "defeated", f"{name}:\n{evidence}"
 
 
@@ -184,6 +258,7 @@ def test_cli_prints_the_table_writes_json_and_exits_zero(processes, run) -> None
         assert {"name", "adversary", "tried", "stopped_by", "plaintext_bytes_obtained", "outcome"} <= set(row)
         assert row["adversary"] in ("host", "holder", "host+holder")
         assert isinstance(row["plaintext_bytes_obtained"], int) and row["tried"] and row["stopped_by"]
+        assert len(load(row["records"])) == len(row["evidence"])  # each record, and in words
 
 
 def test_cli_refuses_an_unknown_attack(tmp_path: Path) -> None:

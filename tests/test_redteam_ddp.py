@@ -1,4 +1,4 @@
-"""The red team's all-reduce row (redteam/ddp_rows.py, issue 14), run for real: three ranks and
+"""The red team's all-reduce row (redteam/allreduce.py, issue 14), run for real: three ranks and
 the host as processes of one gloo world, every record of a DDP step's ring all-reduce carried
 by the host's process, which records it and tampers with it.
 
@@ -19,10 +19,7 @@ import pytest
 
 import torch
 
-from gputravel.redteam.arena import Attack, Verdict
-from gputravel.redteam.attacks import ATTACKS
-from gputravel.redteam.canary import Found
-from gputravel.redteam.ddp_rows import (
+from gputravel.redteam.allreduce import (
     CONTROL,
     RECEIVER,
     ROW,
@@ -34,6 +31,10 @@ from gputravel.redteam.ddp_rows import (
     gradient_needles,
     judge,
 )
+from gputravel.redteam.arena import Attack, Verdict
+from gputravel.redteam.canary import Found
+from gputravel.redteam.evidence import RankStep, SearchedRing, Tampered
+from gputravel.redteam.rows import ATTACKS
 from gputravel.redteam.run import _judge
 
 pytestmark = pytest.mark.usefixtures("processes")  # the row runs ranks and a host in processes
@@ -64,7 +65,7 @@ def test_the_search_finds_the_gradient_in_every_encoding_at_any_offset() -> None
 
 def test_a_rows_own_plaintext_counts_in_the_report(tmp_path) -> None:
     """run._judge adds what a row found of its own canaries to what the holders' search found."""
-    attack = Attack(ROW, "host", "tried", lambda a: Verdict(True, "", ()))
+    attack = Attack(ROW, "host", "tried", "stopped by", lambda a: True)
     clean = _judge(attack, Verdict(True, "x", (), Found()), tmp_path, {}, tmp_path)
     leaked = _judge(attack, Verdict(True, "x", (), Found(sample_bytes=8)), tmp_path, {}, tmp_path)
     assert clean.outcome == "defeated" and clean.plaintext_bytes_obtained == 0
@@ -80,43 +81,50 @@ def sealed(tmp_path_factory):
 @pytest.mark.integration
 def test_what_the_host_carried_holds_no_gradient_byte_and_the_search_works(sealed) -> None:
     for name in [*HONEST, *FAULTS]:
-        assert sealed.scanned[name] > 0 and sealed.host[name]["records"] > 0, name
-        assert sealed.found[name] == 0, f"{name}: the host found {sealed.found[name]} bytes of the gradient"
+        carried = sealed.carried[name]
+        assert carried.nbytes > 0 and carried.records > 0, name
+        assert carried.found == 0, f"{name}: the host found {carried.found} bytes of the gradient"
     # Control: the plain ring's traffic holds the gradient, found by the same search.
-    assert sealed.found[CONTROL] > sealed.scanned[CONTROL] // 2
+    assert sealed.carried[CONTROL].found > sealed.carried[CONTROL].nbytes // 2
 
 
 @pytest.mark.integration
 def test_an_honest_host_changes_nothing(sealed) -> None:
     for name in [*HONEST, CONTROL]:
-        assert all(r["outcome"] == "completed" and r["sum_right"] for r in sealed.ranks[name].values()), name
+        assert all(r.completed and r.sum_right for r in sealed.ranks[name].values()), name
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("fault", FAULTS)
 def test_each_tamper_stops_the_receivers_step_never_a_wrong_sum(sealed, fault: str) -> None:
-    assert sealed.host[fault]["said"], f"the host did not {fault} a record"
+    assert sealed.tampered[fault], f"the host did not {fault} a record"
     hit = sealed.ranks[fault][RECEIVER]
-    assert hit["outcome"] == "stopped" and hit["error"] == "IntegrityError", hit
-    assert "failed authentication" in hit["message"] and "from rank 0" in hit["message"]
-    assert hit["untouched"] and not hit["sum_right"]  # the optimizer never stepped
+    assert not hit.completed and hit.error == "IntegrityError", hit
+    assert "failed authentication" in hit.message and "from rank 0" in hit.message  # the ring's own words
+    assert hit.untouched and not hit.sum_right  # the optimizer never stepped
     for rank, out in sealed.ranks[fault].items():
         if rank != RECEIVER:  # what they received was not touched: their steps complete, right
-            assert out["outcome"] == "completed" and out["sum_right"], (rank, out)
+            assert out.completed and out.sum_right, (rank, out)
 
 
 @pytest.mark.integration
 def test_the_verdict_is_defeated_with_its_evidence(sealed) -> None:
     verdict = judge(sealed)
-    assert verdict.stopped, "\n".join(verdict.evidence)
+    assert verdict.stopped, "\n".join(r.line() for r in verdict.evidence)
     assert verdict.plaintext is not None and verdict.plaintext.total == 0
-    text = "\n".join(verdict.evidence)
-    for line in ("control: the host carried", "flip: host: flipped bit", "replay: host: delivered the record before",
-                 ("replay-longer: host: delivered the record before again (4112 bytes), in place of record 11 of those "
-                  "rank 0 sent rank 1 (3088 bytes)"),
-                 "cut: host: delivered the first", "drop: host: dropped record",
-                 "rank 1's step stopped: IntegrityError", "its parameters never moved"):
-        assert line in text, line
+    records = set(verdict.evidence)
+    assert sealed.carried[CONTROL] in records
+    # Each fault, to the record: a full-length record (4096 + the 16-byte tag) for the hop's short last one.
+    for tampered in (Tampered(case="flip", fault="flip", record=10, nbytes=4112, delivered=4112),
+                     Tampered(case="replay", fault="replay", record=10, nbytes=4112, delivered=4112),
+                     Tampered(case="replay-longer", fault="replay", record=11, nbytes=3088, delivered=4112),
+                     Tampered(case="cut", fault="cut", record=10, nbytes=4112, delivered=2056),
+                     Tampered(case="drop", fault="drop", record=10, nbytes=4112, delivered=-1)):
+        assert tampered in records, tampered
+    for fault in FAULTS:
+        hit = sealed.ranks[fault][RECEIVER]
+        assert hit in records and not hit.completed and hit.error == "IntegrityError" and hit.untouched
+    assert any(isinstance(r, SearchedRing) and r.nbytes > 0 for r in records)
 
 
 @pytest.mark.integration
@@ -127,8 +135,8 @@ def test_the_row_fails_when_the_ring_is_not_sealed(tmp_path) -> None:
     verdict = judge(seen)
     assert not verdict.stopped
     assert verdict.plaintext is not None and verdict.plaintext.total > 0
-    assert seen.found["encrypted"] > 0
+    assert seen.carried["encrypted"].found > 0
     for fault in ("flip", "replay"):
         hit = seen.ranks[fault][RECEIVER]
-        assert hit["outcome"] == "completed" and not hit["sum_right"], hit  # unnoticed: a wrong sum
-    assert "a WRONG sum" in "\n".join(verdict.evidence)
+        assert hit.completed and not hit.sum_right, hit  # unnoticed: a wrong sum
+        assert hit in verdict.evidence and isinstance(hit, RankStep)

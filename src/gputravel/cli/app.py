@@ -329,9 +329,8 @@ def redteam(
     plaintext each attacker obtained. Exits 1 if any attack got plaintext or was not stopped."""
     # The command line is the red team's only door: no other command loads it (tests/test_architecture.py).
     from gputravel.redteam.arena import Attack, Verdict  # lazy: only `gputravel redteam` loads the red team
-    from gputravel.redteam.attacks import ATTACKS  # lazy: as above
-    from gputravel.redteam.report import print_report  # lazy: as above
-    from gputravel.redteam.run import run_redteam  # lazy: as above
+    from gputravel.redteam.rows import ATTACKS  # lazy: as above
+    from gputravel.redteam.run import print_report, run_redteam  # lazy: as above
 
     unknown = sorted(set(only or ()) - {a.name for a in ATTACKS})
     if unknown:

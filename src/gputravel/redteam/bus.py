@@ -1,6 +1,12 @@
-"""What the malicious hypervisor holds of the bus: BAR0, and every CVM's bounce buffers, read
-and write (it holds the memfds), and what it captured from them (:class:`HostBus`); and the
-doorbells it hands the CVMs instead of the device's own (:class:`Doorbells`).
+"""The red team's two buses: the orders its driver gives the adversaries and what they report
+back (typed messages, :class:`Event` for each thing done or seen), and what the malicious
+hypervisor holds of the PCIe bus (:class:`HostBus`: BAR0 and every CVM's bounce buffers, read
+and write; :class:`Doorbells`: the doorbells it hands the CVMs instead of the device's own).
+
+The orders cross no trust boundary of the threat model: they are how the attackers coordinate
+(collusion, paper 6.3), the host over a Unix socket in its work directory, the malicious holder
+over the control link the supervisor already has to it. Reports never carry plaintext or keys,
+only what happened; what an attacker read goes to its loot files, which the driver scans.
 
 :class:`HostBus` only reads, writes and remembers; when to do what is the adversary's
 (:mod:`gputravel.redteam.host`), which calls it under its own locks: the bus keeps none.
@@ -8,6 +14,7 @@ doorbells it hands the CVMs instead of the device's own (:class:`Doorbells`).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import mmap
 import os
@@ -18,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gputravel.host.mux import CvmRegistration
+from gputravel.protocol.codec import Message
 from gputravel.protocol.layout import (
     GPFIFO_ENTRY,
     SEMAPHORE_RECORD_BYTES,
@@ -32,6 +40,225 @@ if TYPE_CHECKING:
     from gputravel.host.process import HostProcess
 
 USER, KERNEL = PushChannel.USER, PushChannel.KERNEL
+
+
+class Did(enum.StrEnum):
+    """What an adversary did or saw. An :class:`Event` names it; the comment says which of the
+    event's fields the kind fills (the others stay empty)."""
+
+    # the host
+    SWITCH_ASKED = "switch-asked"  # party: the target; place: who asked
+    DROPPING = "dropping"  # party: who handed the GPU back, after which every doorbell is dropped
+    DROPPED_KERNEL_RING = "dropped-kernel-ring"  # the orchestrator's doorbell announcing kernel work
+    DROPPED_RING = "dropped-ring"  # party: whose doorbell
+    ROUTED = "routed"  # party: whose memory the device was given; place: whose interrupt
+    FORCED_SWITCH = "forced-switch"  # party: whose memory; place: whose interrupt
+    HID_KERNEL = "hid-kernel"  # count: pending kernel entries hidden from the device
+    UNHID_KERNEL = "unhid-kernel"
+    EXPOSED = "exposed"  # count: pending kernel entries the device was let see
+    NOTHING_TO_HOLD = "nothing-to-hold"  # count: all the pending kernel entries there were
+    FORGED_GET = "forged-get"  # BAR0's kernel get forged to put + 1
+    UNFORGED_GET = "unforged-get"  # the real get written back
+    GET_REWRITTEN = "get-rewritten"  # the device wrote the kernel get over the forged one
+    HELD_RING = "held-ring"  # party: whose doorbell; count: its user push
+    FLIPPED = "flipped"  # party: whose staging slot; count: the user push; place: "late" if too late
+    REPLAYED = "replayed"  # party: whose push; count: its user push
+    REPLAY_MISSED = "replay-missed"  # party; count: the push that was not captured
+    FAULT_FLAG = "fault-flag"  # place: the channel ("user" or "kernel") whose fault flag went up
+    HANDED_OVER = "handed-over"  # party: whose captures; count: staging records
+    # the malicious holder
+    KEPT_GPU = "kept-gpu"  # place: the mode ("never-return", or "vanish": the keys never used)
+    REFUSED = "refused"  # a travel refused on purpose, the GPU untouched
+    RETURNED_BLOB = "returned-blob"  # place: the travel mode that chose the blob handed back
+    WORK_AFTER_RETURN = "work-after-return"
+    USED_KEPT_KEYS = "used-kept-keys"  # count: the key epoch
+    READ = "read"  # place: where; nbytes: read back; count: of them not zero; error: or why none
+    RPC = "rpc"  # an encrypted RPC with kept keys; error: why it went unanswered
+    DECRYPT = "decrypt"  # count: ciphertexts opened; nbytes: tries (key x IV x ciphertext)
+    CONNECTION_DROPPED = "connection-dropped"  # the orchestrator dropped the connection
+    # either
+    PROBED = "probed"  # party: whose; place: what; nbytes: read; count: entries listed; error: errno
+    FORK_CONTROL = "fork-control"  # nbytes: read of a dumpable fork of itself
+    QUOTE = "quote"  # nbytes: the quote's; error: why none; place: the module's reason
+
+
+class Event(Message, tag="redteam.event"):
+    """One thing an adversary did or saw: typed fields that verdicts read, and ``text``, the
+    adversary's account in words, for people only."""
+
+    did: Did
+    party: str
+    place: str
+    count: int
+    nbytes: int
+    error: str
+    text: str
+
+
+def event(did: Did, text: str, *, party: str = "", place: str = "", count: int = 0, nbytes: int = 0,
+          error: str = "") -> Event:
+    """An :class:`Event` (wire messages take no defaults; this gives them)."""
+    return Event(did, party, place, count, nbytes, error, text)
+
+
+def happened(events: tuple[Event, ...], did: Did, **match: object) -> list[Event]:
+    """The events of kind ``did`` whose fields equal ``match``."""
+    return [e for e in events if e.did == did and all(getattr(e, k) == v for k, v in match.items())]
+
+
+class MarkRow(Message, tag="redteam.mark_row"):
+    """From now on, put what you read in the loot of this attack."""
+
+    row: str
+
+
+# ----------------------------------------------------------------------------- host orders
+class ArmTamper(Message, tag="redteam.host.tamper"):
+    """During ``victim``'s next travel (pushes counted from 0 from the switch to it):
+
+    - ``flip``: when it submits user push ``user_push``, flip a bit of the record in
+      ``staging_slot`` before relaying the doorbell (the doorbell of the push before is held
+      back, so the device hears of both at once);
+    - ``replay``: when it asks for the GPU to go back, write its push ``user_push`` (captured
+      earlier in the travel) back as a new entry and ring the doorbell."""
+
+    victim: str
+    kind: str  # "flip" | "replay"
+    user_push: int
+    staging_slot: int
+
+
+class ArmDrop(Message, tag="redteam.host.drop"):
+    """Once ``after_return_of`` has asked for the GPU to go back to the orchestrator (at once
+    if it is empty), drop every doorbell until ``kernel_rings`` doorbells of the orchestrator
+    that announced kernel-channel work have been dropped."""
+
+    after_return_of: str
+    kernel_rings: int
+
+
+class ArmExposePrefix(Message, tag="redteam.host.expose"):
+    """On the orchestrator's next doorbell that announces kernel work, let the device see
+    only the first ``entries`` pending kernel entries (BAR0 ``put`` rewritten)."""
+
+    entries: int
+
+
+class ArmForgeGet(Message, tag="redteam.host.forge_get"):
+    """Once the orchestrator has sent the GPU to ``victim``, at the next switch back to the
+    orchestrator (asked by anyone), forge BAR0's kernel GPFIFO ``get`` to ``put + 1``: to the
+    orchestrator, which reads ``get`` to find room, the kernel ring then looks full just as it
+    submits the rotation after the travel. After ``hold_s`` seconds (once the orchestrator has
+    given up on the rotation and its retry) the host writes the real ``get`` back, unless the
+    device has written ``get`` since, so that the next travel finds room again."""
+
+    victim: str
+    hold_s: float
+
+
+class ArmRoute(Message, tag="redteam.host.route"):
+    """The next switch to ``target`` that ``requester`` asks for maps ``dma``'s memory and
+    routes ``irq``'s interrupt instead (the reply still says ``target``)."""
+
+    requester: str
+    target: str
+    dma: str
+    irq: str
+
+
+class ForceSwitch(Message, tag="redteam.host.switch"):
+    """Switch the GPU now, unasked. ``hide_kernel``: first make the device's pending
+    kernel-channel work invisible (BAR0 put := get); switching without it restores it."""
+
+    dma: str
+    irq: str
+    hide_kernel: bool
+
+
+class ExportRecords(Message, tag="redteam.host.records"):
+    """Write every staging record and push captured from ``cvm`` so far to ``path``."""
+
+    cvm: str
+    path: str
+
+
+class HostQuery(Message, tag="redteam.host.query"):
+    pass
+
+
+class HostNews(Message, tag="redteam.host.news"):
+    events: tuple[Event, ...]  # since the last report
+    user_faults: int  # device fault flags the host saw raised in BAR0, since the last report
+    kernel_faults: int
+    error: str  # "" unless the order failed
+
+
+# ----------------------------------------------------------------------------- holder orders
+class SetTravelMode(Message, tag="redteam.holder.mode"):
+    """How to behave on the next travel: honest, dump, work-after-return, stale-epoch,
+    stale-counters, counters-forward, altered-keys, corrupted, refuse, never-return, vanish."""
+
+    mode: str
+
+
+class UseKeptKeys(Message, tag="redteam.holder.kept"):
+    """With each context blob kept so far (newest first, at most ``blobs``), join the device's
+    queues where they stand and read the dataset buffer, and ask an encrypted RPC."""
+
+    blobs: int
+    timeout: float
+
+
+class DecryptCaptured(Message, tag="redteam.holder.decrypt"):
+    """Try kept keys on the ciphertext the host captured (``path``, see ExportRecords): those
+    of every blob kept, or (``newest`` > 0) of the newest ``newest`` blobs only."""
+
+    path: str
+    newest: int
+
+
+class HolderQuery(Message, tag="redteam.holder.query"):
+    pass
+
+
+class HolderNews(Message, tag="redteam.holder.news"):
+    events: tuple[Event, ...]  # since the last report
+    errors: tuple[str, ...]  # the typed errors its attempts ended in (class names)
+    bytes_read: int  # bytes it read back from the device (decrypted), any holder's
+    nonzero_read: int  # how many of those were not zero
+    decrypted: int  # ciphertexts it managed to decrypt with kept keys
+    attempts: int
+
+
+# ----------------------------------------------------------------------------- both
+class ProbeTarget(Message, tag="redteam.probe.target"):
+    """Something of party ``owner`` to try to read: ``how`` is "read" (open the path and read
+    ``ranges``, each (offset, length); none: from the start), "list" (list a directory) or
+    "fork" (the control: the same /proc reads on a dumpable fork of the attacker itself)."""
+
+    owner: str
+    what: str
+    path: str
+    how: str
+    ranges: tuple[tuple[int, int], ...]
+
+
+class ProbePaths(Message, tag="redteam.probe"):
+    """Host or holder: from your own process (your uid), try to read each target; keep what
+    you get in your loot; report, for each, what you got (a PROBED or FORK_CONTROL event)."""
+
+    targets: tuple[ProbeTarget, ...]
+
+
+class AskQuote(Message, tag="redteam.quote"):
+    """Host or holder: ask the TDX module at ``socket_path`` for a quote over ``report_data``
+    (binding a TLS key of your own choosing); keep whatever comes back in your loot."""
+
+    socket_path: str
+    report_data: bytes
+
+
+# ----------------------------------------------------------------------------- the host's hold on the bus
 MAX_RECORDS = 32  # staging-slot captures kept per CVM for ExportRecords
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from gputravel.errors import RemoteError
@@ -13,7 +14,7 @@ from gputravel.cohort.config import CohortConfig
 from gputravel.cohort.local import Cohort
 from gputravel.cohort.supervisor import PartySpec
 from gputravel.transport.unix import connect_unix
-from gputravel.redteam.messages import HolderNews, HolderQuery, HostNews, HostQuery, MarkRow
+from gputravel.redteam.bus import Event, HolderNews, HolderQuery, HostNews, HostQuery, MarkRow
 
 SNOOP_LIMIT = 48 << 20  # the plain snooper's file; the adversary's own snapshots come on top
 ENTRY = "gputravel.redteam.entry"  # serves the adversaries' roles (redteam/entry.py)
@@ -70,12 +71,17 @@ class RedTeamCohort(Cohort):
         return self.placement.path(path)
 
 
+OnEvents = Callable[[str, tuple[Event, ...]], None]
+
+
 class HostLink:
-    """Orders to the malicious host; what it reports piles up until :meth:`news` takes it."""
+    """Orders to the malicious host; what it reports piles up until :meth:`news` takes it (and
+    hands its events to ``on_events``, as the arena keeps them)."""
 
     def __init__(self, cohort: RedTeamCohort) -> None:
         self._t = connect_unix(str(cohort.adversary_dir / "adversary.sock"), "malicious-host")
         self._pending = HostNews((), 0, 0, "")
+        self.on_events: OnEvents | None = None
 
     def order(self, msg: object) -> None:
         self._t.send(msg)
@@ -90,6 +96,8 @@ class HostLink:
     def news(self) -> HostNews:
         self.order(HostQuery())
         news, self._pending = self._pending, HostNews((), 0, 0, "")
+        if self.on_events is not None:
+            self.on_events("host", news.events)
         return news
 
     def begin(self, row: str) -> None:
@@ -102,16 +110,20 @@ class HostLink:
 
 
 class HolderLink:
-    """Orders to the malicious holder, over the control link the supervisor has to it."""
+    """Orders to the malicious holder, over the control link the supervisor has to it; each
+    answer's events go to ``on_events``."""
 
     def __init__(self, cohort: RedTeamCohort, name: str) -> None:
         self.name = name
         self._t = cohort.children[name].control
+        self.on_events: OnEvents | None = None
 
     def order(self, msg: object, timeout: float = 120) -> HolderNews:
         self._t.send(msg)
         news = self._t.recv(timeout=timeout, expect=HolderNews).message
         assert isinstance(news, HolderNews)
+        if self.on_events is not None:
+            self.on_events(self.name, news.events)
         return news
 
     def news(self) -> HolderNews:

@@ -18,13 +18,16 @@ which the driver scans for other holders' data.
 
 from __future__ import annotations
 
+import os
 import selectors
 from pathlib import Path
+from typing import Any
 
 from msgspec import structs
 
 from gputravel.cohort.entry import load_config
-from gputravel.driver.context import pack_context, unpack_context
+from gputravel.crypto.channel import Receiver
+from gputravel.driver.context import DriverContext, pack_context, unpack_context
 from gputravel.errors import GputravelError, IntegrityError, TransportClosed
 from gputravel.protocol.layout import SEMAPHORE_HEADER, TAG_BYTES, PushChannel
 from gputravel.protocol.travel import Bye, TravelRequest
@@ -34,19 +37,72 @@ from gputravel.protocol.control import JoinCohort, Ready, Shutdown
 from gputravel.holder.cvm import DataHolder, HolderConfig
 from gputravel.holder.membership import join as join_cohort
 from gputravel.transport.base import Transport
-from gputravel.redteam.forgery import FORGERIES, kept_states, try_open
-from gputravel.redteam.loot import Loot, read_frames
-from gputravel.redteam.messages import (
+from gputravel.redteam.bus import (
     AskQuote,
     DecryptCaptured,
+    Did,
+    Event,
     HolderNews,
     HolderQuery,
     MarkRow,
     ProbePaths,
     SetTravelMode,
     UseKeptKeys,
+    event,
 )
-from gputravel.redteam.peek import ask_quote, probe
+from gputravel.redteam.loot import Loot, read_frames
+from gputravel.redteam.probes import ask_quote, probe
+
+
+# ----------------------------------------------------------------------------- forging and trying kept keys
+# What mallory does offline with the blobs and keys it kept: forge a blob to hand back in place
+# of the one it exported, and try kept keys on ciphertext at guessed IVs. The checks they meet
+# are the orchestrator's and the device's.
+def rewound(ctx: DriverContext) -> DriverContext:
+    """Every message counter and the semaphore back to zero: the IVs of this epoch used again."""
+    senders = tuple(structs.replace(s, message_counter=0) for s in ctx.senders)
+    return structs.replace(ctx, senders=senders, semaphore=0)
+
+
+def pushed_forward(ctx: DriverContext) -> DriverContext:
+    """Everything forward, as a travel may move it, except that one channel counter moves too:
+    the orchestrator's next IVs on that channel would no longer be the device's."""
+    first, *rest = ctx.senders
+    return structs.replace(ctx, senders=(structs.replace(first, channel_counter=first.channel_counter + 1),
+                                             *rest))
+
+
+def rekeyed(ctx: DriverContext) -> DriverContext:
+    """The first sender's key replaced by one of mallory's own."""
+    first, *rest = ctx.senders
+    return structs.replace(ctx, senders=(structs.replace(first, key=os.urandom(32)), *rest))
+
+
+def kept_states(blobs: list[bytes], layout: str) -> list:
+    """Every sender and receiver state in the kept blobs: the keys worth trying."""
+    out = []
+    for blob in blobs:
+        ctx = unpack_context(blob, layout=layout)
+        out.extend(ctx.senders + ctx.receivers)
+    return out
+
+
+def try_open(state, message: int, ct: bytes) -> bytes | None:
+    """The plaintext if ``ct`` opens as message ``message`` on ``state``'s key and channel; else None."""
+    try:
+        rx = Receiver.from_state(structs.replace(state, message_counter=0))
+        return rx.accept_at(message, state.channel_counter, ct)
+    except GputravelError:
+        return None
+
+
+#: The forged blobs a travel mode hands back, and how the news says what was forged.
+FORGERIES = {
+    "stale-counters": (rewound, "counters rewound"),
+    "counters-forward": (pushed_forward, "the channel counter of its first sender moved forward by one"),
+    "altered-keys": (rekeyed, "a key replaced"),
+}
+
 
 MODES = ("honest", "dump", "work-after-return", "stale-epoch", "stale-counters", "counters-forward", "altered-keys",
          "corrupted", "refuse", "never-return", "vanish")
@@ -98,10 +154,10 @@ class MaliciousHolder(DataHolder):
             self._dump_window(act)
         if mode in ("never-return", "vanish"):
             quiet = " (and never used it: its keys' counters stay as exported)" if mode == "vanish" else ""
-            self._news.event("kept the GPU: never switched back, never replied" + quiet)
+            self._news.event(Did.KEPT_GPU, "kept the GPU: never switched back, never replied" + quiet, place=mode)
             raise _WalkedAway
         if mode == "refuse":  # quiet: no push, so the exported counters stay in step with the device
-            self._news.event("refused the travel on purpose without touching the GPU, and handed the GPU and "
+            self._news.event(Did.REFUSED, "refused the travel on purpose without touching the GPU, and handed the GPU and "
                              "context back")
             return StepFailed("mallory refuses this travel")
         return DataHolder.ACTIONS[CopyChunk](self, act, timeout)
@@ -132,15 +188,17 @@ class MaliciousHolder(DataHolder):
     def _returned(self, mode: str, blob: bytes) -> bytes:
         """The blob handed back: the real one, or a stale or altered one."""
         if mode == "stale-epoch" and len(self.exported) > 1:
-            self._news.event("returned the context blob of an earlier travel (older key epoch)")
+            self._news.event(Did.RETURNED_BLOB, "returned the context blob of an earlier travel (older key epoch)",
+                             place=mode)
             return self.exported[-2]
         if mode in FORGERIES:
             forge, what = FORGERIES[mode]
             forged = forge(unpack_context(blob, layout=self.layout_digest))
-            self._news.event(f"returned a context blob with {what}, checksum recomputed")
+            self._news.event(Did.RETURNED_BLOB, f"returned a context blob with {what}, checksum recomputed",
+                             place=mode)
             return pack_context(forged)
         if mode == "corrupted":
-            self._news.event("returned a context blob with one byte flipped")
+            self._news.event(Did.RETURNED_BLOB, "returned a context blob with one byte flipped", place=mode)
             return blob[:-40] + bytes([blob[-40] ^ 0x01]) + blob[-39:]
         return blob
 
@@ -160,7 +218,7 @@ class MaliciousHolder(DataHolder):
 
     def _work_after_return(self, blob: bytes) -> None:
         """The GPU is back home; the keys just returned are still in hand: launch work."""
-        self._news.event("after handing the GPU back: submitted a read of the buffer with the keys it returned")
+        self._news.event(Did.WORK_AFTER_RETURN, "after handing the GPU back: submitted a read of the buffer with the keys it returned")
         self._with_kept(blob, lambda: self._read("after returning the GPU", self.buffer[0], self.buffer[1], 1.0,
                                                  kept=True))
 
@@ -169,7 +227,7 @@ class MaliciousHolder(DataHolder):
         assert self.buffer is not None, "no travel yet: nothing kept"
         for blob in list(reversed(self.exported))[: order.blobs]:
             epoch = unpack_context(blob, layout=self.layout_digest).epoch
-            self._news.event(f"used the keys of epoch {epoch} it kept")
+            self._news.event(Did.USED_KEPT_KEYS, f"used the keys of epoch {epoch} it kept", count=epoch)
             where = f"with kept epoch-{epoch} keys"
             self._with_kept(blob, lambda where=where: self._read(where, self.buffer[0], self.buffer[1],
                                                                  order.timeout, kept=True))
@@ -222,21 +280,23 @@ class MaliciousHolder(DataHolder):
             data = (self._read_any_iv(offset, nbytes, timeout) if kept
                     else self.driver.copy_from_vram(offset, nbytes, timeout=timeout))
         except GputravelError as exc:
-            self._news.fail(f"read {where}", exc)
+            self._news.fail(Did.READ, f"read {where}", exc, place=where)
             return
         self.loot.keep("read", data)
         self._news.bytes_read += len(data)
         self._news.nonzero_read += len(data) - data.count(0)
-        self._news.event(f"read {len(data)} bytes {where}: {len(data) - data.count(0)} not zero")
+        nonzero = len(data) - data.count(0)
+        self._news.event(Did.READ, f"read {len(data)} bytes {where}: {nonzero} not zero", place=where,
+                         nbytes=len(data), count=nonzero)
 
     def _rpc(self, timeout: float) -> None:
         self._news.attempts += 1
         try:
             self.driver.query_buffer(self.buffer[0], timeout=timeout)
         except GputravelError as exc:
-            self._news.fail("encrypted RPC", exc)
+            self._news.fail(Did.RPC, "encrypted RPC", exc)
             return
-        self._news.event("an encrypted RPC with kept keys was answered")
+        self._news.event(Did.RPC, "an encrypted RPC with kept keys was answered")
 
     # ------------------------------------------------------------------ collusion
     def decrypt_captured(self, order: DecryptCaptured) -> None:
@@ -256,9 +316,9 @@ class MaliciousHolder(DataHolder):
         self._news.attempts += tried
         self._news.decrypted += won
         epochs = sorted({unpack_context(b, layout=self.layout_digest).epoch for b in blobs})
-        self._news.event(f"tried {len(states)} kept keys (of {len(blobs)} blobs, key epochs "
+        self._news.event(Did.DECRYPT, f"tried {len(states)} kept keys (of {len(blobs)} blobs, key epochs "
                          f"{', '.join(map(str, epochs))}) x {MAX_IV_GUESSES} IVs on {len(frames)} captured "
-                         f"ciphertexts: {won} opened")
+                         f"ciphertexts: {won} opened", count=won, nbytes=tried)
 
     # ------------------------------------------------------------------ loot and news
     def _snapshot(self) -> None:
@@ -266,9 +326,9 @@ class MaliciousHolder(DataHolder):
         for blob in self.kept:
             self.loot.keep("blobs", blob)
 
-    def event(self, text: str) -> None:
+    def event(self, e: Event) -> None:
         """Something for the next news."""
-        self._news.event(text)
+        self._news.events.append(e)
 
     def news(self) -> HolderNews:
         news, self._news = self._news.message(), _News()
@@ -277,16 +337,16 @@ class MaliciousHolder(DataHolder):
 
 class _News:
     def __init__(self) -> None:
-        self.events: list[str] = []
+        self.events: list[Event] = []
         self.errors: list[str] = []
         self.bytes_read = self.nonzero_read = self.decrypted = self.attempts = 0
 
-    def event(self, text: str) -> None:
-        self.events.append(text)
+    def event(self, did: Did, text: str, **fields: Any) -> None:
+        self.events.append(event(did, text, **fields))
 
-    def fail(self, what: str, exc: GputravelError) -> None:
+    def fail(self, did: Did, what: str, exc: GputravelError, **fields: Any) -> None:
         self.errors.append(type(exc).__name__)
-        self.events.append(f"{what}: {type(exc).__name__}")
+        self.event(did, f"{what}: {type(exc).__name__}", error=type(exc).__name__, **fields)
 
     def message(self) -> HolderNews:
         return HolderNews(tuple(self.events), tuple(self.errors), self.bytes_read, self.nonzero_read,
@@ -357,7 +417,7 @@ def _from_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -> 
         sel.unregister(conn.fileno())
         conn.close()
         holder.orchestrator = None
-        holder.event("the orchestrator dropped the connection")
+        holder.event(event(Did.CONNECTION_DROPPED, "the orchestrator dropped the connection"))
         return
     if isinstance(msg, Bye):
         return

@@ -13,7 +13,7 @@ It runs inside the host process as its hooks (:class:`gputravel.host.process.Hos
 
 It never has VRAM, the SPDM session secret, or any key. At every doorbell and every switch it
 snapshots the CVM's bounce buffers into its loot; it captures every push it sees. Orders come
-from the red team's driver over ``adversary.sock`` (:mod:`gputravel.redteam.messages`).
+from the red team's driver over ``adversary.sock`` (:mod:`gputravel.redteam.bus`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gputravel.errors import GputravelError, ProtocolError, TransportClosed
 from gputravel.host.mux import CvmRegistration, SwitchPlan
@@ -35,23 +36,27 @@ from gputravel.host.process import HostProcess
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.layout import FAULT_REG, Bar0, Layout, PushChannel
 from gputravel.transport.stream import StreamTransport
-from gputravel.redteam.bus import Doorbells, HostBus
-from gputravel.redteam.loot import Loot, write_frames
-from gputravel.redteam.messages import (
+from gputravel.redteam.bus import (
     ArmDrop,
     ArmExposePrefix,
     ArmForgeGet,
     ArmRoute,
     ArmTamper,
     AskQuote,
+    Did,
+    Doorbells,
+    Event,
     ExportRecords,
     ForceSwitch,
+    HostBus,
     HostNews,
     HostQuery,
     MarkRow,
     ProbePaths,
+    event,
 )
-from gputravel.redteam.peek import ask_quote, probe
+from gputravel.redteam.loot import Loot, write_frames
+from gputravel.redteam.probes import ask_quote, probe
 
 USER, KERNEL = PushChannel.USER, PushChannel.KERNEL
 
@@ -91,7 +96,7 @@ class HostAdversary:
         self._last_user_cvm = ""  # whose bounce buffers hold the user channel's latest semaphore
         self._fault_up = {USER: False, KERNEL: False}
         self._faults = {USER: 0, KERNEL: 0}
-        self._events: list[str] = []
+        self._events: list[Event] = []
         self._tamper: _Tamper | None = None
         self._drop: _Drop | None = None
         self._expose: ArmExposePrefix | None = None
@@ -129,7 +134,8 @@ class HostAdversary:
             self._check_faults()
             for cvm in {plan.previous, target} - {None}:
                 self._snaps.put(cvm)
-            self._event(f"switch: {requester or 'someone'} asked for the GPU to go to {target}")
+            self._event(Did.SWITCH_ASKED, f"switch: {requester or 'someone'} asked for the GPU to go to {target}",
+                        party=target, place=requester)
             if requester == ORCHESTRATOR and target != ORCHESTRATOR:  # a travel starts
                 self.bus.seen_put[USER] = self.bus.reg32(Bar0.put(USER))
                 self.bus.travel_base[target] = self.bus.seen_put[USER]
@@ -147,12 +153,12 @@ class HostAdversary:
             drop = self._drop
             if drop is not None and not drop.active and requester == drop.order.after_return_of and target == ORCHESTRATOR:
                 drop.active = True
-                self._event(f"{requester} handed the GPU back: dropping doorbells now")
+                self._event(Did.DROPPING, f"{requester} handed the GPU back: dropping doorbells now", party=requester)
             order = self._route
             if order is not None and order.requester == requester and order.target == target:
                 self._route = None
-                self._event(f"{requester} asked for the GPU to go to {target}: mapped {order.dma}'s memory, "
-                            f"routed {order.irq}'s interrupt")
+                self._event(Did.ROUTED, f"{requester} asked for the GPU to go to {target}: mapped {order.dma}'s "
+                            f"memory, routed {order.irq}'s interrupt", party=order.dma, place=order.irq)
                 return self.bus.regs[order.dma], self.bus.regs[order.irq]
         return plan.target, plan.target
 
@@ -191,8 +197,8 @@ class HostAdversary:
         if isinstance(msg, (ProbePaths, AskQuote)):  # from this process, under the host's own uid
             with self._loot_lock:
                 events = probe(msg, self.loot) if isinstance(msg, ProbePaths) else [ask_quote(msg, self.loot)]
-            for e in events:
-                self._event(e)
+            with self.lock:
+                self._events += events
             return
         with self.lock:
             if isinstance(msg, ArmTamper):
@@ -216,18 +222,20 @@ class HostAdversary:
             if order.hide_kernel:
                 get, self._hidden_put, pending = self.bus.pending_kernel()
                 self.bus.set32(Bar0.put(KERNEL), get)
-                self._event(f"hid {pending} pending kernel-channel entries from the device")
+                self._event(Did.HID_KERNEL, f"hid {pending} pending kernel-channel entries from the device",
+                            count=pending)
             elif self._hidden_put is not None:
                 self.bus.set32(Bar0.put(KERNEL), self._hidden_put)
                 self._hidden_put = None
-                self._event("let the device see the pending kernel-channel entries again")
+                self._event(Did.UNHID_KERNEL, "let the device see the pending kernel-channel entries again")
             if self.host.mux.current:
                 self._snaps.put(self.host.mux.current)
             if self._last_user_cvm and self._last_user_cvm != order.dma:  # collusion: see HostBus
                 self.bus.hand_over_semaphore(self._last_user_cvm, order.dma)
         self.host.mux.switch(order.dma)
         self.host.attach(self.bus.regs[order.dma], self.bus.regs[order.irq])
-        self._event(f"switched the GPU to {order.dma} unasked (interrupt to {order.irq})")
+        self._event(Did.FORCED_SWITCH, f"switched the GPU to {order.dma} unasked (interrupt to {order.irq})",
+                    party=order.dma, place=order.irq)
 
     def _export_records(self, order: ExportRecords) -> None:
         self._snaps.join()
@@ -238,7 +246,8 @@ class HostAdversary:
             frames += [("push", p) for p in caps.pushes.values()]
         Path(order.path).parent.mkdir(parents=True, exist_ok=True)
         write_frames(Path(order.path), frames)
-        self._event(f"handed over {len(caps.records)} staging records and {len(caps.pushes)} pushes of {order.cvm}")
+        self._event(Did.HANDED_OVER, f"handed over {len(caps.records)} staging records and {len(caps.pushes)} pushes "
+                    f"of {order.cvm}", party=order.cvm, count=len(caps.records))
 
     def _news(self, error: str) -> HostNews:
         with self.lock:
@@ -292,11 +301,11 @@ class HostAdversary:
         if drop is not None and drop.active:
             if announced:
                 drop.left -= 1
-                self._event("dropped the orchestrator's doorbell for kernel-channel work")
+                self._event(Did.DROPPED_KERNEL_RING, "dropped the orchestrator's doorbell for kernel-channel work")
                 if drop.left <= 0:
                     self._drop = None
             else:
-                self._event(f"dropped a doorbell of {cvm}")
+                self._event(Did.DROPPED_RING, f"dropped a doorbell of {cvm}", party=cvm)
             return False
         if self._expose is not None and announced:
             self._expose_prefix(self._expose.entries)
@@ -310,11 +319,12 @@ class HostAdversary:
     def _expose_prefix(self, entries: int) -> None:
         get, _, pending = self.bus.pending_kernel()
         if pending <= entries:
-            self._event(f"found only {pending} pending kernel-channel entries when the orchestrator rang: nothing "
-                        "left to hold back")
+            self._event(Did.NOTHING_TO_HOLD, f"found only {pending} pending kernel-channel entries when the "
+                        "orchestrator rang: nothing left to hold back", count=pending)
             return
         self.bus.set32(Bar0.put(KERNEL), (get + entries) % self.layout.gpfifo_entries)
-        self._event(f"let the device see only {entries} of {pending} pending kernel-channel entries")
+        self._event(Did.EXPOSED, f"let the device see only {entries} of {pending} pending kernel-channel entries",
+                    count=entries)
 
     def _forge_kernel_get(self, requester: str, hold_s: float) -> None:
         """BAR0 get := put + 1: the orchestrator's driver finds no room in the kernel ring."""
@@ -322,7 +332,7 @@ class HostAdversary:
         forged = (put + 1) % self.layout.gpfifo_entries
         self.bus.set32(Bar0.get(KERNEL), forged)
         self._forged_get = forged
-        self._event(f"{requester} asked for the GPU to go home: forged BAR0's kernel GPFIFO get ({real} -> {forged}, "
+        self._event(Did.FORGED_GET, f"{requester} asked for the GPU to go home: forged BAR0's kernel GPFIFO get ({real} -> {forged}, "
                     "put + 1), so the kernel ring looks full to the orchestrator as it submits the rotation")
         threading.Thread(target=self._unforge_kernel_get, args=(forged, real, time.monotonic() + hold_s),
                          daemon=True, name="forged-get").start()
@@ -340,7 +350,8 @@ class HostAdversary:
             if self.bus.reg32(Bar0.get(KERNEL)) == forged and self._forged_get == forged:
                 self.bus.set32(Bar0.get(KERNEL), real)
                 self._forged_get = None
-                self._event(f"wrote the real kernel get ({real}) back into BAR0: the ring has room again")
+                self._event(Did.UNFORGED_GET, f"wrote the real kernel get ({real}) back into BAR0: the ring has "
+                            "room again")
 
     def _flip_step(self, tamper: _Tamper, cvm: str, fresh: list[int]) -> bool:
         """Flip a bit of the record of user push ``user_push`` before the device hears of it."""
@@ -354,27 +365,30 @@ class HostAdversary:
             return True
         if target - 1 in rel:
             tamper.held = True
-            self._event(f"held back {cvm}'s doorbell for user push {target - 1}")
+            self._event(Did.HELD_RING, f"held back {cvm}'s doorbell for user push {target - 1}", party=cvm,
+                        count=target - 1)
             return False
         return True
 
     def _flip(self, cvm: str, slot: int, push: int) -> None:
         self.bus.flip_record(cvm, slot)
         late = (self.bus.reg32(Bar0.get(USER)) - self.bus.travel_base.get(cvm, 0)) % self.layout.gpfifo_entries > push
-        self._event(f"flipped one ciphertext bit of the record in {cvm}'s staging slot {slot} (user push {push})"
-                    + (" - too late, the device had already taken it" if late else ""))
+        self._event(Did.FLIPPED, f"flipped one ciphertext bit of the record in {cvm}'s staging slot {slot} (user "
+                    f"push {push})" + (" - too late, the device had already taken it" if late else ""),
+                    party=cvm, count=push, place="late" if late else "")
 
     def _replay(self, cvm: str, push: int) -> None:
         """Write a push captured in this travel back as a new entry and ring the doorbell."""
         n = self.layout.gpfifo_entries
         old = self.bus.caps[cvm].pushes.get((USER, (self.bus.travel_base.get(cvm, 0) + push) % n))
         if old is None:
-            self._event(f"could not replay: push {push} of {cvm} was not captured")
+            self._event(Did.REPLAY_MISSED, f"could not replay: push {push} of {cvm} was not captured", party=cvm,
+                        count=push)
             return
         index = self.bus.append_user_push(cvm, old)
         self.bus.ring_device()
-        self._event(f"wrote {cvm}'s captured user push {push} back as a new entry (same epoch, same channel) "
-                    "and rang the doorbell")
+        self._event(Did.REPLAYED, f"wrote {cvm}'s captured user push {push} back as a new entry (same epoch, same "
+                    "channel) and rang the doorbell", party=cvm, count=push)
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and self.bus.reg32(Bar0.get(USER)) % n == index:
             if self.bus.reg32(Bar0.put(USER) + FAULT_REG):
@@ -385,14 +399,15 @@ class HostAdversary:
     def _check_faults(self) -> None:
         if self._forged_get is not None and self.bus.reg32(Bar0.get(KERNEL)) != self._forged_get:
             self._forged_get = None
-            self._event("BAR0's kernel get no longer holds the forged value: the device rewrote it")
+            self._event(Did.GET_REWRITTEN, "BAR0's kernel get no longer holds the forged value: the device rewrote it")
         for ch in PushChannel:
             up = self.bus.reg32(Bar0.put(ch) + FAULT_REG) != 0
             if up and not self._fault_up[ch]:
                 self._faults[ch] += 1
-                self._event(f"BAR0: the device raised the {ch.name.lower()} channel's fault flag")
+                self._event(Did.FAULT_FLAG, f"BAR0: the device raised the {ch.name.lower()} channel's fault flag",
+                            place=ch.name.lower())
             self._fault_up[ch] = up
 
-    def _event(self, text: str) -> None:
+    def _event(self, did: Did, text: str, **fields: Any) -> None:
         with self.lock:
-            self._events.append(text)
+            self._events.append(event(did, text, **fields))

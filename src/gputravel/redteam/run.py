@@ -1,8 +1,9 @@
-"""Run every attack against one live local cohort and count the plaintext each attacker got.
+"""Run every attack against one live local cohort, count the plaintext each attacker got, and
+print the report: a table for people, JSON for machines.
 
 The cohort: a malicious host, two honest holders (alice, bob) and a malicious one (mallory),
 each with a marked dataset (:mod:`gputravel.redteam.canary`), and the orchestrator. Attacks
-run one after another (:data:`gputravel.redteam.attacks.ATTACKS`); each marks the attackers'
+run one after another (:data:`gputravel.redteam.rows.ATTACKS`); each marks the attackers'
 loot with its name. Once the cohort is down, every attacker's loot for each attack is
 searched for the other holders' markers and samples.
 """
@@ -14,14 +15,19 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
 from gputravel.errors import GputravelError, RemoteError
 from gputravel.cohort import stopping
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.supervisor import SNOOP_FILE
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Attack, Verdict
-from gputravel.redteam.attacks import ATTACKS
 from gputravel.redteam.canary import MARKER_BYTES, SPACING, Found, Needles, make_dataset, search
 from gputravel.redteam.cohort import HolderLink, HostLink, RedTeamCohort
+from gputravel.redteam.evidence import Control, Record, Searched
+from gputravel.redteam.rows import ATTACKS
 
 MIB = 1 << 20
 HOLDERS = (ALICE, BOB, MALLORY)
@@ -44,7 +50,7 @@ class AttackResult:
     sample_bytes: int  # of which: 32-byte plain samples of the datasets found
     exposed_estimate_bytes: int  # each marker found stands for the 4 KiB of the dataset it marks
     scanned_bytes: int  # how much of what the attacker read was searched
-    evidence: tuple[str, ...]
+    evidence: tuple[Record, ...]
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,9 @@ class RedTeamReport:
         return tuple(r for r in self.attacks if r.outcome == "skipped")
 
     def to_json(self) -> dict:
-        return {"attacks": [{**asdict(r), "evidence": list(r.evidence)} for r in self.attacks],
+        # "evidence" in words, as the table prints it; "records" the same, typed (evidence.load)
+        return {"attacks": [{**asdict(r), "evidence": [e.line() for e in r.evidence],
+                             "records": msgspec.to_builtins(r.evidence)} for r in self.attacks],
                 "defeated": len(self.attacks) - len(self.failed) - len(self.skipped), "failed": len(self.failed),
                 "skipped": [r.name for r in self.skipped]}
 
@@ -106,7 +114,7 @@ def _attack(tmp: Path, chosen: list[Attack],
         for attack in chosen:
             for link in (host, mallory):
                 link.begin(attack.name)
-            arena.look()  # what the orchestrator logged before is not this attack's evidence
+            arena.begin()  # what the orchestrator logged before is not this attack's evidence
             verdict = _run_one(attack, arena)
             try:  # rows are independent: a holder the attack got dropped joins again
                 arena.restore()
@@ -121,13 +129,15 @@ def _attack(tmp: Path, chosen: list[Attack],
 
 
 def _run_one(attack: Attack, arena: Arena) -> Verdict:
+    """The row's verdict; an attack that could not be carried out fails that row only."""
     iso = arena.cohort.isolation
     if attack.needs_isolation and not iso.on:
         return Verdict(False, f"{SKIPPED}: process isolation is off ({iso.reason}); run as root", ())
     try:
-        return attack.run(arena)
-    except GputravelError as exc:
-        return Verdict(False, f"not carried out: {type(exc).__name__}: {exc}", ())
+        stopped = attack.run(arena)
+    except Exception as exc:  # noqa: BLE001 (a typed error, or the row's own bug: either fails this row alone)
+        return Verdict(False, f"not carried out: {type(exc).__name__}: {exc}", tuple(arena.evidence))
+    return Verdict(stopped, attack.stopped_by, tuple(arena.evidence), arena.plaintext)
 
 
 def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, Needles], tmp: Path) -> AttackResult:
@@ -141,8 +151,7 @@ def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, N
     elif "holder" in attack.adversary:
         own = search(files, [needles[MALLORY]])
         if own.total:  # the search works on this very loot: it finds what mallory may see, its own data
-            control = f"control: the same search finds {own.total} bytes of mallory's own markers and samples in its loot"
-            evidence += (control,)
+            evidence += (Control(what="mallory's own markers and samples in its loot", nbytes=own.total),)
     outcome = "defeated" if stopped and found.total == 0 else "FAILED"
     if verdict.stopped_by.startswith(SKIPPED):
         outcome = "skipped"
@@ -172,14 +181,50 @@ def _victims(attack: Attack, needles: dict[str, Needles]) -> list[Needles]:
     return list(needles.values())
 
 
-def _watched(run_dir: Path, found: Found, needles: dict[str, Needles], tmp: Path) -> tuple[bool, tuple[str, ...]]:
+def _watched(run_dir: Path, found: Found, needles: dict[str, Needles], tmp: Path) -> tuple[bool, tuple[Record, ...]]:
     """The snoop row is only meaningful if the host really watched, and the scanner works."""
     files = {"snoop.bin": run_dir / SNOOP_FILE, "tap.bin": run_dir / "tap.bin"}
     sizes = {name: p.stat().st_size if p.exists() else 0 for name, p in files.items()}
     own = search([tmp / f"{h}.bin" for h in HOLDERS], needles.values())
     watched = sizes["snoop.bin"] > MIB and sizes["tap.bin"] > 1024 and found.scanned_bytes > 16 * MIB
-    searched = (f"searched {found.scanned_bytes >> 20} MiB: the snooper's file ({sizes['snoop.bin'] >> 20} MiB), "
-                f"the TLS tap ({sizes['tap.bin'] >> 10} KiB) and the host's snapshots and captured pushes of every "
-                f"attack")
-    control = f"control: the same search finds {own.marker_bytes >> 10} KiB of markers in the holders' own datasets"
+    searched = Searched(nbytes=found.scanned_bytes, snoop_bytes=sizes["snoop.bin"], tap_bytes=sizes["tap.bin"])
+    control = Control(what="markers in the holders' own datasets", nbytes=own.marker_bytes)
     return watched and own.marker_bytes > 0, (searched, control)
+
+
+# ----------------------------------------------------------------------------- the report
+def table(report: RedTeamReport) -> Table:
+    t = Table(title="gputravel red team: every attack against a live cohort", show_lines=True)
+    for col, kw in (("attack", {"no_wrap": True}), ("adversary", {"no_wrap": True}), ("tried", {"ratio": 3}),
+                    ("stopped by", {"ratio": 3}), ("plaintext bytes", {"justify": "right"}), ("outcome", {})):
+        t.add_column(col, **kw)
+    for r in report.attacks:
+        style = {"defeated": "green", "skipped": "yellow"}.get(r.outcome, "bold red")
+        t.add_row(r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained),
+                  f"[{style}]{r.outcome}[/{style}]")
+    return t
+
+
+def print_report(report: RedTeamReport, console: Console, *, evidence: bool = False) -> None:
+    """A table on a wide terminal; one block per attack on a narrow one (the texts are long)."""
+    if console.width >= 150:
+        console.print(table(report))
+    for r in report.attacks:
+        if console.width < 150:
+            style = {"defeated": "green", "skipped": "yellow"}.get(r.outcome, "bold red")
+            console.print(f"[bold]{r.name}[/bold] ({r.adversary}): {r.plaintext_bytes_obtained} bytes of plaintext "
+                          f"obtained, [{style}]{r.outcome}[/{style}]", highlight=False)
+            console.print(f"  tried:      {r.tried}", highlight=False)
+            console.print(f"  stopped by: {r.stopped_by}", highlight=False)
+        elif evidence:
+            console.print(f"[bold]{r.name}[/bold]")
+        if evidence:
+            for record in r.evidence:
+                console.print(f"  - {record.line()}", highlight=False)
+    n, bad = len(report.attacks), len(report.failed)
+    verdict = "[green]every attack defeated, 0 bytes of plaintext obtained[/green]" if not bad else \
+        f"[bold red]{bad} of {n} attacks NOT defeated: {', '.join(r.name for r in report.failed)}[/bold red]"
+    if report.skipped:
+        verdict += (f" [yellow]({len(report.skipped)} not run, process isolation off: "
+                    f"{', '.join(r.name for r in report.skipped)})[/yellow]")
+    console.print(verdict)

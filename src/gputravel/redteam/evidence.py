@@ -1,0 +1,272 @@
+"""What a red-team row saw, as typed records: the verdicts and the tests read their fields;
+:meth:`Record.line` puts one into words, for people only (the table's evidence, the JSON's
+``evidence``; the JSON's ``records`` are these records, and :func:`load` reads them back).
+
+A record is frozen and tagged by its ``kind``; ``stage`` names the part of a row it comes from
+where a row has several (collusion-after-failed-rotation's "refuse" and "vanish").
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Union
+
+import msgspec
+
+from gputravel.redteam.bus import Did
+
+
+class Record(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    stage: str = ""
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def line(self) -> str:
+        return f"[{self.stage}] {self.text()}" if self.stage else self.text()
+
+
+class Travel(Record, tag="travel"):
+    """A travel the driver asked the orchestrator for, and how it ended. ``after``: one made
+    after the attack, to see that the cohort carries on."""
+
+    holder: str
+    verified: bool  # VRAM's digest matched the holder's manifest
+    refused: str  # why the holder refused it ("" if it did not)
+    error: str  # the typed error the travel failed with ("" if none)
+    message: str  # that error's words (the orchestrator's)
+    audit: int  # non-zero bytes the holder's arrival audit found (-1: no audit)
+    kinds: tuple[str, ...] = ()  # the error's class and the classes it derives from, by name
+    after: bool = False
+
+    def failed_with(self, kind: str) -> bool:
+        """Did it fail with an error of class ``kind`` (or one derived from it)?"""
+        return kind in self.kinds
+
+    def text(self) -> str:
+        then = "then: " if self.after else ""
+        if self.error:
+            return f"{then}travel to {self.holder} failed: {self.error}: {self.message}"
+        if self.refused:
+            return f"{then}{self.holder} refused the travel ({self.refused})"
+        seen = f"; its arrival audit found {self.audit} non-zero bytes" if self.audit >= 0 else ""
+        return f"{then}travel to {self.holder} verified (digest of VRAM = manifest){seen}"
+
+
+class Baseline(Record, tag="baseline"):
+    """The TLS baseline: the orchestrator copied the holder's chunk itself."""
+
+    holder: str
+    error: str
+    message: str
+
+    def text(self) -> str:
+        if self.error:
+            return f"baseline transfer of {self.holder}'s chunk failed: {self.error}: {self.message}"
+        return (f"baseline transfer of {self.holder}'s chunk: the orchestrator wrote it into the dataset buffer "
+                "with its own user-channel copy, and VRAM's digest matched the manifest")
+
+
+class Acted(Record, tag="acted"):
+    """What an adversary reported it did or saw (an :class:`~gputravel.redteam.bus.Event`)."""
+
+    who: str  # "host" or the malicious holder's name
+    did: Did
+    party: str
+    place: str
+    count: int
+    nbytes: int
+    error: str
+    said: str  # the adversary's own words
+
+    def text(self) -> str:
+        return f"{self.who}: {self.said}"
+
+
+REKEYED = "re-keyed the GPU through a new SPDM session"
+_RECOVERY_FAILED = re.compile(r"recovery rotation failed \((\w+)")
+
+
+class Logged(Record, tag="logged"):
+    """A warning of the orchestrator's log (a trusted party's words, read once, here)."""
+
+    said: str
+    rekeyed: bool  # it re-keyed the GPU through a new SPDM session
+    recovery_failed: str  # the typed error its recovery rotation failed with ("" if none)
+
+    @classmethod
+    def of(cls, line: str) -> Logged:
+        failed = _RECOVERY_FAILED.search(line)
+        return cls(said=line, rekeyed=REKEYED in line, recovery_failed=failed.group(1) if failed else "")
+
+    def text(self) -> str:
+        return f"orchestrator: {self.said}"
+
+
+class Journal(Record, tag="journal"):
+    """An entry of the orchestrator's signed travel log."""
+
+    event: str
+    holder: str
+    epoch_before: int
+    epoch_after: int
+
+    def text(self) -> str:
+        return f"travel log: {self.event} {self.holder}, key epoch {self.epoch_before} -> {self.epoch_after}"
+
+
+class Rejoined(Record, tag="rejoined"):
+    holder: str
+
+    def text(self) -> str:
+        return f"{self.holder} joined the cohort again (attested the orchestrator afresh)"
+
+
+class Recovered(Record, tag="recovered"):
+    """The rotation under way when the GPU came home recovered it: no re-key was needed."""
+
+    holder: str
+
+    def text(self) -> str:
+        return f"after {self.holder}'s travel the GPU was recovered by the rotation under way (a confirmed " \
+               "rotation, no re-key)"
+
+
+class Travelled(Record, tag="travelled"):
+    """Whether the GPU went to ``holder`` at all (the host saw the orchestrator ask)."""
+
+    holder: str
+    went: bool
+
+    def text(self) -> str:
+        return f"the GPU {'travelled' if self.went else 'never travelled'} to {self.holder}"
+
+
+class EpochSkipped(Record, tag="epoch-skipped"):
+    """The travel log shows ``holder`` given the epoch after ``spent``, that of a baseline copy."""
+
+    holder: str
+    spent: int
+
+    def text(self) -> str:
+        return (f"the travel log shows {self.holder}'s travel began on key epoch {self.spent}, the epoch of the "
+                f"baseline copy, and {self.holder} was given epoch {self.spent + 1}")
+
+
+class Control(Record, tag="control"):
+    """The search, run where it must find something, finds ``nbytes`` of ``what``."""
+
+    what: str
+    nbytes: int
+
+    def text(self) -> str:
+        return f"control: the same search finds {self.nbytes} bytes of {self.what}"
+
+
+class Searched(Record, tag="searched"):
+    """What snoop-everything searched: the host's whole view of the run."""
+
+    nbytes: int
+    snoop_bytes: int
+    tap_bytes: int
+
+    def text(self) -> str:
+        return (f"searched {self.nbytes >> 20} MiB: the snooper's file ({self.snoop_bytes >> 20} MiB), the TLS tap "
+                f"({self.tap_bytes >> 10} KiB) and the host's snapshots and captured pushes of every attack")
+
+
+class Probed(Record, tag="probed"):
+    """What an attacker's process got of other parties' memory, descriptors and files."""
+
+    attacker: str
+    victims: tuple[str, ...]
+    isolation: bool  # process isolation on (otherwise nothing was probed)
+    uids: str  # each party's uid, as the launcher gave them
+    denied: int
+    read: int  # targets read (public /proc files left out)
+    nbytes: int  # bytes read of those
+
+    def text(self) -> str:
+        if not self.isolation:
+            return f"process isolation is off (not root): {', '.join(self.victims)} not probed"
+        return (f"process isolation on: each party under its own uid ({self.uids}), non-dumpable; "
+                f"{self.attacker}'s own process tried {self.denied + self.read} targets of "
+                f"{', '.join(self.victims)}: {self.denied} denied, {self.read} read ({self.nbytes} bytes)")
+
+
+class Carried(Record, tag="carried"):
+    """What the host carried of one case of the all-reduce row, and the gradient bytes in it."""
+
+    case: str
+    variant: str
+    records: int
+    nbytes: int
+    found: int
+
+    def text(self) -> str:
+        return (f"{self.case}: the host carried {self.records} records ({self.nbytes} bytes) of the {self.variant} "
+                f"ring: {self.found} bytes of the canary gradient found")
+
+
+class Tampered(Record, tag="tampered"):
+    """What the host did to one record rank 0 sent rank 1 (``delivered`` -1: dropped)."""
+
+    case: str
+    fault: str
+    record: int
+    nbytes: int
+    delivered: int
+
+    def text(self) -> str:
+        what = {"flip": f"flipped bit 0 of byte {self.nbytes // 2} of",
+                "replay": f"delivered the record before again ({self.delivered} bytes), in place of",
+                "cut": f"delivered the first {self.delivered} bytes of"}.get(self.fault, "dropped")
+        return f"{self.case}: host: {what} record {self.record} of those rank 0 sent rank 1 ({self.nbytes} bytes)"
+
+
+class RankStep(Record, tag="rank-step"):
+    """How one rank's DDP step of one case of the all-reduce row ended."""
+
+    case: str
+    rank: int
+    completed: bool
+    sum_right: bool  # its weights moved by exactly the right average
+    untouched: bool  # its weights never moved
+    error: str  # the typed error that stopped it ("" if it completed)
+    message: str
+
+    def text(self) -> str:
+        if not self.completed:
+            moved = "its parameters never moved" if self.untouched else "its parameters MOVED"
+            return f"{self.case}: rank {self.rank}'s step stopped: {self.error}: {self.message}; {moved}"
+        return f"{self.case}: rank {self.rank}'s step completed with {'the right' if self.sum_right else 'a WRONG'} sum"
+
+
+class SearchedRing(Record, tag="searched-ring"):
+    """What the all-reduce row searched: all the host carried but the control's."""
+
+    nbytes: int
+    world: int
+
+    def text(self) -> str:
+        return (f"searched {self.nbytes} bytes the host carried in every case but the control for 8-byte runs of the "
+                f"canary gradient in 5 encodings (float32 of the gradient, of its 1/{self.world} share and of the "
+                "updated weights; float16 and bfloat16 of the share)")
+
+
+class Failed(Record, tag="failed"):
+    """Something an adversary failed at outside the attack (the row then cannot be defeated)."""
+
+    what: str
+
+    def text(self) -> str:
+        return self.what
+
+
+Evidence = Union[Travel, Baseline, Acted, Logged, Journal, Rejoined, Recovered, Travelled, EpochSkipped, Control,
+                 Searched, Probed, Carried, Tampered, RankStep, SearchedRing, Failed]
+
+
+def load(records: object) -> list[Evidence]:
+    """Records back from the JSON report's ``records`` (msgspec checks every field)."""
+    return msgspec.convert(records, list[Evidence])

@@ -1,0 +1,251 @@
+"""Reading what another party holds, from the attacker's own process: /proc, descriptors, key
+files; and asking the TDX module for a quote. Both halves are here: what the malicious host and
+holder run in their own processes (:func:`probe`, :func:`ask_quote`), under the uid the launcher
+gave them, so that what they get is what process isolation lets through (cohort/isolation.py);
+and the rows that order it (holder-reads-peer-memory, host-reads-cvm-memory,
+orchestrator-self-quote, issue 12). Whatever is read goes to the loot, which the red team
+searches for the holders' markers; the events say, per target, the errno it was denied with or
+how many bytes were read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import time
+from pathlib import Path
+
+from gputravel.errors import GputravelError
+from gputravel.firmware.tdx_module import request_quote
+from gputravel.protocol.parties import ORCHESTRATOR
+from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, row
+from gputravel.redteam.bus import AskQuote, Did, Event, ProbePaths, ProbeTarget, event, happened
+from gputravel.redteam.evidence import Probed
+from gputravel.redteam.loot import Loot
+
+MAX_READ = 4 << 20  # per range: enough to hold a record's worth of markers
+PUBLIC = ("cmdline", "status")  # /proc files any process may read: reported, not held against isolation
+
+
+# ----------------------------------------------------------------------------- in the attacker's process  # per range: enough to hold a record's worth of markers
+
+
+def probe(order: ProbePaths, loot: Loot) -> list[Event]:
+    return [_one(t, loot) for t in order.targets]
+
+
+def _one(t: ProbeTarget, loot: Loot) -> Event:
+    head = f"probe {t.owner}'s {t.what}"
+    try:
+        if t.how == "fork":
+            got, pid = _fork_control(loot)
+            return event(Did.FORK_CONTROL, f"read {got} bytes of a dumpable fork of itself (pid {pid}, same uid) "
+                         f"through /proc/{pid}/mem", nbytes=got)
+        if t.how == "list":
+            n = len(os.listdir(t.path))
+            return event(Did.PROBED, f"{head}: listed {n} entries", party=t.owner, place=t.what, count=n)
+        got = 0
+        fd = os.open(t.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for offset, length in t.ranges or ((0, MAX_READ),):
+                data = os.pread(fd, min(length, MAX_READ), offset)
+                loot.keep("peek", data)
+                got += len(data)
+        finally:
+            os.close(fd)
+        return event(Did.PROBED, f"{head}: read {got} bytes", party=t.owner, place=t.what, nbytes=got)
+    except OSError as exc:
+        code = errno.errorcode.get(exc.errno or 0, "error")
+        return event(Did.PROBED, f"{head}: denied ({code})", party=t.owner, place=t.what, error=code)
+
+
+def _fork_control(loot: Loot) -> tuple[int, int]:
+    """The control: the same /proc/PID/mem reads, on a process of our own uid that is dumpable
+    (a fork of ourselves, sharing our mappings). They succeed: so what stops the reads of other
+    parties is their uid and their non-dumpability, not the probe."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one call, then wait for the parent to be done
+        os.close(w)
+        prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        deadline = time.monotonic() + 2.0
+        while os.stat(f"/proc/{pid}/status").st_uid != os.geteuid() and time.monotonic() < deadline:
+            time.sleep(0.005)  # its /proc files become its own once it is dumpable
+        got = 0
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read().splitlines()
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                name = parts[5] if len(parts) > 5 else ""
+                if parts[1].startswith("r") and (name.startswith("/memfd:") or name.endswith(".bin")):
+                    start, end = (int(x, 16) for x in parts[0].split("-"))
+                    mem.seek(start)
+                    data = mem.read(min(end - start, MAX_READ))
+                    loot.keep("peek", data)
+                    got += len(data)
+        return got, pid
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def ask_quote(order: AskQuote, loot: Loot) -> Event:
+    head = "asked the TDX module for a quote over its own report data"
+    try:
+        quote = request_quote(order.socket_path, order.report_data, timeout=10)
+    except (GputravelError, OSError) as exc:
+        name = type(exc).__name__
+        return event(Did.QUOTE, f"{head}: {name}: {exc}", place=str(exc), error=name)
+    loot.keep("quote", quote)
+    return event(Did.QUOTE, f"{head}: got a quote of {len(quote)} bytes", nbytes=len(quote))
+
+
+# ----------------------------------------------------------------------------- the rows
+
+
+def _maps(pid: int) -> list[tuple[int, int, str]]:
+    """The launcher's (root's) view of a party's mappings: (start, end, name)."""
+    out = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) >= 2 and parts[1].startswith("r"):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            out.append((start, end, parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def _worth_reading(name: str) -> bool:
+    """Mappings that hold a party's secrets or data: memfds (VRAM, bounce buffers), datasets, heap."""
+    return name.startswith("/memfd:") or name.endswith(".bin") or name == "[heap]"
+
+
+def _targets_of(key: str, pid: int) -> list[ProbeTarget]:
+    """Everything of party ``key`` worth stealing, named as the attacker's process reaches it.
+    Where the attacker needs to know where to look (addresses, descriptor numbers), the
+    launcher reads them as root and tells it: the attacker is given more than it could learn."""
+    proc = f"/proc/{pid}"
+    t = [ProbeTarget(key, what, f"{proc}/{what}", "read", ()) for what in (*PUBLIC, "maps", "environ")]
+    t += [ProbeTarget(key, f"{what} directory", f"{proc}/{what}", "list", ()) for what in ("fd", "map_files")]
+    seen = set()
+    for start, end, name in _maps(pid):
+        if _worth_reading(name) and name not in seen:
+            seen.add(name)
+            t.append(ProbeTarget(key, f"memory ({name or 'anonymous'})", f"{proc}/mem", "read",
+                                 ((start, min(end - start, MAX_READ)),)))
+    for fd in sorted(os.listdir(f"{proc}/fd"), key=int):
+        try:
+            link = os.readlink(f"{proc}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith(("/memfd:", "/")) and not link.startswith(("/dev/", "/proc/")):
+            t.append(ProbeTarget(key, f"descriptor {fd} ({link})", f"{proc}/fd/{fd}", "read", ()))
+    return t
+
+
+def _files_of(a: Arena, key: str) -> list[ProbeTarget]:
+    """A party's key files and dataset, by the paths the parties use (the cohort directory
+    through the launcher's descriptor), and a holder's dataset by its original path."""
+    c = a.cohort
+    assert c.dir is not None
+    paths: dict[str, Path] = {}
+    if key in ("orchestrator", ALICE, BOB, MALLORY):
+        paths["TLS key"] = c.dir / "pki" / key / f"{key}.key"
+    if key == "device":
+        paths["firmware key"] = c.trust.device_dir / "device-firmware.key"
+    t = [ProbeTarget(key, what, c.child_path(p), "read", ()) for what, p in paths.items()]
+    spec = {h.name: h for h in c.config.holders}.get(key)
+    if spec is not None:
+        t.append(ProbeTarget(key, "dataset by its path", spec.dataset, "read", ()))
+        for link in sorted((c.dir / "parties" / key / "dataset").glob("*")):
+            t.append(ProbeTarget(key, "dataset link", c.child_path(link), "read", ()))
+    return t
+
+
+#: The control: the attacker forks a dumpable copy of itself and reads it the same way.
+FORK_CONTROL = ProbeTarget("itself", "the same reads on a dumpable process of its own uid", "", "fork", ())
+
+
+def _probe(a: Arena, attacker: str, targets: list[ProbeTarget]) -> tuple[Event, ...]:
+    """The attacker's own process tries each target; what it reported."""
+    order = ProbePaths(tuple(targets))
+    if attacker == "host":
+        a.host.order(order)
+        return a.host.news().events
+    return a.mallory.order(order, timeout=120).events
+
+
+def _probed(a: Arena, attacker: str, victims: tuple[str, ...], events: tuple[Event, ...]) -> tuple[int, int, int]:
+    """(denied, read, bytes read) among the targets of other parties, public files left out;
+    kept as a :class:`Probed` record."""
+    probed = happened(events, Did.PROBED)
+    denied = [e for e in probed if e.error]
+    read = [e for e in probed if not e.error and e.place not in PUBLIC]
+    got = sum(e.nbytes for e in read)
+    iso = a.cohort.isolation
+    uids = ", ".join(f"{k} {u}" for k, u in sorted(iso.uids.items()))
+    a.keep(Probed(attacker=attacker, victims=victims, isolation=iso.on, uids=uids, denied=len(denied),
+                  read=len(read), nbytes=got))
+    return len(denied), len(read), got
+
+
+def _isolation_row(a: Arena, attacker: str, victims: tuple[str, ...]) -> bool:
+    pids = a.cohort.pids()
+    events = _probe(a, attacker, [t for key in victims for t in (*_targets_of(key, pids[key]), *_files_of(a, key))])
+    a.stage = "control"
+    control = _probe(a, attacker, [FORK_CONTROL])
+    a.stage = ""
+    denied, read, got = _probed(a, attacker, victims, events)
+    own = sum(e.nbytes for e in happened(control, Did.FORK_CONTROL))
+    return a.cohort.isolation.on and denied > 0 and not read and got == 0 and own > 0
+
+
+@row("holder-reads-peer-memory", "holder", needs_isolation=True, tried="from its own process, mallory tried to read "
+     "the memory (/proc/PID/mem at the mappings that hold datasets, bounce buffers and VRAM), maps, environment and "
+     "descriptors (the VRAM memfd included) of alice, bob, the orchestrator, the device, the host and the TDX "
+     "module, and their key files and datasets (told where to look by the launcher)", stopped_by="process isolation "
+     "(cohort/isolation.py): mallory's process runs under a uid of its own with no groups, and every other party is "
+     "non-dumpable under its own uid, so /proc refused mallory their memory, maps, environment and descriptors (the "
+     "VRAM memfd included), and their key files and datasets lie in directories only their own uid may enter")
+def holder_reads_peer_memory(a: Arena) -> bool:
+    return _isolation_row(a, MALLORY, (ALICE, BOB, ORCHESTRATOR, "device", "host", "tdx-module"))
+
+
+@row("host-reads-cvm-memory", "host", needs_isolation=True, tried="from the host process, the host tried the same on "
+     "alice, bob, mallory, the orchestrator, the device and the TDX module", stopped_by="process isolation: the host "
+     "process has only what it is handed (bounce buffers, BAR0, the MUX); every CVM, the device and the TDX module "
+     "run under uids of their own, non-dumpable, so /proc refused the host their memory and descriptors (the VRAM "
+     "memfd included) and their key files")
+def host_reads_cvm_memory(a: Arena) -> bool:
+    return _isolation_row(a, "host", (ALICE, BOB, MALLORY, ORCHESTRATOR, "device", "tdx-module"))
+
+
+@row("orchestrator-self-quote", "host+holder", tried="the host and mallory each asked the TDX module for a quote over "
+     "report data of their own (binding a TLS key of theirs, to pass for the orchestrator), and mallory tried to "
+     "read the module's memory and descriptors, where its quoting key lives", stopped_by="the TDX module "
+     "(firmware/tdx_module.py, its own process): it quotes only for the pid and uid the launcher registered as the "
+     "orchestrator it launched (SO_PEERCRED), over report data only, with the measurement the launcher computed; "
+     "the host's and mallory's requests were refused (QuotingRefused), and its quoting key, in its own memory, was "
+     "out of mallory's reach")
+def orchestrator_self_quote(a: Arena) -> bool:
+    """The host (which could then impersonate the orchestrator to holders it MITMs) and mallory
+    ask the TDX module for a quote over report data of their own: a TLS key of theirs."""
+    assert a.cohort.dir is not None
+    sock = a.cohort.child_path(a.cohort.dir / "tdx" / "quote.sock")
+    report = bytes(range(64))  # any report data of the attacker's choosing: a hash of its own TLS key
+    a.host.order(AskQuote(sock, report))
+    asked = happened(a.host.news().events + a.mallory.order(AskQuote(sock, report), timeout=60).events, Did.QUOTE)
+    on = a.cohort.isolation.on
+    events = _probe(a, MALLORY, _targets_of("tdx-module", a.cohort.pids()["tdx-module"])) if on else ()
+    denied, read, got = _probed(a, MALLORY, ("tdx-module",), events)
+    # Refused for who asks (the module's reason), not for a malformed request.
+    refused = [e for e in asked if e.error == "QuotingRefused" and "is not the CVM this module launched" in e.place]
+    quoted = [e for e in asked if not e.error]
+    ok = a.carry_on(ALICE)
+    return len(refused) == 2 and not quoted and (denied > 0 or not on) and not read and got == 0 and ok
