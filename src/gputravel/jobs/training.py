@@ -231,6 +231,8 @@ def _run_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
     if cfg.train.loader == "local":
         report = run_local_ranks(cfg.train, [[(n, paths[n]) for n in share] for share in shares], run_dir,
                                  resume_from=_checkpoint(cfg, run_dir))
+    elif cfg.train.loader == "travelling" and not cfg.servers:
+        report = _run_service_ranks(cfg, run_dir, on_step, shares)
     elif cfg.train.loader == "travelling":
         report = _run_travelling_ranks(cfg, run_dir, on_step, shares)
     else:
@@ -240,9 +242,32 @@ def _run_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
     return report
 
 
+def _run_service_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares) -> dict:
+    """Several GPUs on the deployed services (service/launch.py), as one GPU runs: `cohort init
+    --gpus N` with these shares, each party its own service; every GPU's orchestrator trains as
+    a rank of one job, rank 0 writes the run directory and streams its steps. Any rank failing
+    stops them all."""
+    logs = [_audit_paths(run_dir, f"gpu-{k}-") for k in range(cfg.gpus)]
+    _checkpoint(cfg, run_dir)  # --resume with no checkpoint: said before anything starts
+    relay = None if on_step is None else (lambda row: on_step(StepEvent(**row)))
+    with ServiceLaunch(cfg.holders, cfg.train.to_dict(), run_dir, audit_log=logs[0][0], certificate=logs[0][1],
+                       hardware=cfg.hardware, resume=cfg.resume, gpus=cfg.gpus, shares=shares,
+                       rank_audit=logs) as cohort:
+        report = cohort.train(relay)
+        report["ranks"] = [{"gpu": k, "holders": list(shares[k]), "travel_count": r["travel_count"],
+                            "final_loss": r["final_loss"], "stall_share": r["stall_share"],
+                            "audit_log": logs[k][0].name} for k, r in enumerate(cohort.rank_reports)]
+        report["isolation"] = cohort.isolation()
+    report["servers"] = None
+    report["hardware"] = hardware_profile(cfg.hardware).to_json()
+    return report
+
+
 def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares) -> dict:
-    """One cohort per GPU (cohort/gpus.py), all training at once as the ranks of one job; rank
-    0 writes the run directory and streams its steps. Any rank failing stops them all."""
+    """Several GPUs as emulated servers of their own (--servers: network namespaces, which the
+    services do not make): one cohort per GPU (cohort/gpus.py), all training at once as the
+    ranks of one job; rank 0 writes the run directory and streams its steps. Any rank failing
+    stops them all."""
     t = cfg.train
     logs = [_audit_paths(run_dir, f"gpu-{k}-") for k in range(cfg.gpus)]
     base = CohortConfig(holders=tuple(HolderSpec(n, p, TOKENS) for n, p in cfg.holders),
