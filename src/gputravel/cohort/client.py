@@ -74,6 +74,7 @@ class CohortClient:
         self.parties = parties
         self.dataset_bytes: dict[str, int] = {}  # of every holder that joined and has not left
         self.attestations: dict[str, Joined] = {}  # what each holder verified when it last joined
+        self._owed = 0  # answers the orchestrator still owes (a join a holder refused early)
 
     # ------------------------------------------------------------------ membership
     def join(self, names: tuple[str, ...]) -> dict[str, int]:
@@ -82,22 +83,62 @@ class CohortClient:
         host, port = self.parties.join_address()
         for name in names:
             self.parties.control(name).send(JoinCohort(host=host, port=port))
+        control = self._orchestrator()
+        control.send(AwaitHolders(names=names, timeout=timeout))
+        # A holder that refuses says so at once; the orchestrator, which only sees a connection
+        # break off (anyone's), waits out its deadline. Its late answer is read before the next command.
+        early = self._holders_answer(names, control, timeout + 5)
+        if isinstance(early, GputravelError):
+            self._owed += 1
+            raise early
         try:
-            reply = self.ask(AwaitHolders(names=names, timeout=timeout), timeout + 5)
+            reply = self._reply(control, timeout + 5)
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
             # The orchestrator only saw a holder hang up or go quiet; the holder knows why
             # (an attestation it refused, naming the claim). An orchestrator's own refusal
             # (another error type) says why itself and propagates as is.
-            refused = self._holder_failure(names)
+            refused = self._holder_failure(tuple(n for n in names if n not in early))
             if refused is not None:
                 raise refused from None
             raise exc
         assert isinstance(reply, Holders)
         for name in names:
-            self.attestations[name] = self.from_holder(name, Joined)
+            answer = early.pop(name, None) or self.from_holder(name, Joined)
+            if not isinstance(answer, Joined):
+                raise RemoteError(f"{name} sent {type(answer).__name__} instead of Joined")
+            self.attestations[name] = answer
         joined = dict(reply.dataset_bytes)
         self.dataset_bytes.update(joined)
         return joined
+
+    def _holders_answer(self, names: tuple[str, ...], control: StreamTransport,
+                        timeout: float) -> dict[str, object] | GputravelError:
+        """What the holders said until the orchestrator's answer is there: the first refusal,
+        or the answers read so far, by holder."""
+        answers: dict[str, object] = {}
+        pending = {self.parties.control(n).fileno(): n for n in names}
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(control.fileno(), selectors.EVENT_READ)
+            for fd in pending:
+                sel.register(fd, selectors.EVENT_READ)
+            while deadline > time.monotonic():
+                ready = {key.fd for key, _ in sel.select(deadline - time.monotonic())}
+                if control.fileno() in ready:
+                    return answers
+                for fd in ready:
+                    name = pending.pop(fd)
+                    sel.unregister(fd)
+                    try:
+                        msg = self.parties.control(name).recv(timeout=1).message
+                    except Terminated:
+                        raise
+                    except GputravelError:
+                        continue  # a holder gone quiet: the orchestrator's answer says who is missing
+                    if isinstance(msg, Failed):
+                        return error_from(msg, f"{name} did not join")
+                    answers[name] = msg
+        return answers
 
     def _holder_failure(self, names: tuple[str, ...], grace: float = 5.0) -> GputravelError | None:
         """The first error a holder reports within `grace` seconds (only used after a failure)."""
@@ -166,8 +207,11 @@ class CohortClient:
     # ------------------------------------------------------------------ commands
     def ask(self, cmd: object, timeout: float) -> object:
         """Send the orchestrator ``cmd``; its reply (a Failed one raised as its error)."""
-        control = self.parties.control(ORCHESTRATOR)
+        control = self._orchestrator()
         control.send(cmd)
+        return self._reply(control, timeout)
+
+    def _reply(self, control: StreamTransport, timeout: float) -> object:
         try:
             msg = control.recv(timeout=timeout).message
         except (PeerTimeout, Terminated):
@@ -177,6 +221,19 @@ class CohortClient:
         if isinstance(msg, Failed):
             raise error_from(msg, "orchestrator")
         return msg
+
+    def _orchestrator(self) -> StreamTransport:
+        """The orchestrator's control link, once it has answered every command sent before."""
+        control = self.parties.control(ORCHESTRATOR)
+        while self._owed:
+            try:
+                control.recv(timeout=self.config.boot_timeout + 5)
+            except Terminated:
+                raise
+            except GputravelError as exc:
+                raise RemoteError(f"orchestrator stopped answering: {exc}{self.parties.log_tail(ORCHESTRATOR)}") from None
+            self._owed -= 1
+        return control
 
     def baseline(self, holder: str, dataset_offset: int = 0) -> BaselineReport:
         """Fill the dataset buffer the centralised TLS way (paper 7.2, orchestrator/baseline.py)."""
@@ -199,7 +256,7 @@ class CohortClient:
         """Run a training job in the orchestrator CVM; returns its report (see train.loop.make_report).
         The paths are as the orchestrator's process names them (Placement.output); `rank`: its
         place in a data-parallel job (None: it trains alone)."""
-        control = self.parties.control(ORCHESTRATOR)
+        control = self._orchestrator()
         place = rank if rank is not None else RankPlace()
         control.send(Train(config_json=config_json, run_dir=run_dir, resume_checkpoint=resume_checkpoint,
                            rank=place.rank, world_size=place.world_size, master=place.master,
