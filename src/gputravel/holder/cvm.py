@@ -131,18 +131,10 @@ class DataHolder:
 
     _clock = staticmethod(time.perf_counter)  # the one clock the machine is told: step timings, attestation ages
 
-    def __init__(self, config: HolderConfig, *, dataset: Dataset | None = None, host: Transport | None = None,
-                 driver: Driver | None = None, mux: PcieMuxClient | None = None, log_key: bytes | None = None,
-                 connect: Callable[[str, int], Transport] | None = None,
+    def __init__(self, config: HolderConfig, *, dataset: Dataset, host: Transport, driver: Driver,
+                 mux: PcieMuxClient, log_key: bytes, connect: Callable[[str, int], Transport] | None = None,
                  policy: Callable[[], HolderMaterial] | None = None,
                  challenge: Callable[..., OrchestratorAttestation] = challenge_orchestrator) -> None:
-        if dataset is None and host is None and driver is None and mux is None and log_key is None:
-            # Transitional, for a subclass still built as ``Cls(config)`` (the red team's holder
-            # until it moves to from_config): open everything here, as from_config does.
-            dataset, host, driver, mux, log_key = _open(config)
-        if dataset is None or host is None or driver is None or mux is None or log_key is None:
-            raise TypeError("DataHolder takes its dataset, host, driver, mux and log key together "
-                            "(or use DataHolder.from_config)")
         if connect is None and not config.pki_dir:  # "" would be the working directory
             raise BadInput("a holder needs its pki directory: its TLS key and its travel-log key live there")
         self.config = config

@@ -121,8 +121,8 @@ class MaliciousHolder(DataHolder):
     """A DataHolder whose travels run through the same machine and the same dispatch; only
     some steps of its ``ACTIONS`` misbehave, as the red team's orders say."""
 
-    def __init__(self, config: HolderConfig, loot_dir: Path) -> None:
-        super().__init__(config)
+    def __init__(self, config: HolderConfig, loot_dir: Path, **parts) -> None:
+        super().__init__(config, **parts)  # what DataHolder.from_config opened
         self.loot = Loot(loot_dir, "holder")
         self.kept: list[bytes] = []  # every blob given or exported, oldest first
         self.exported: list[bytes] = []  # the blobs it exported at the end of its travels
@@ -357,7 +357,7 @@ class _News:
 def serve(payload: dict, control: Transport) -> None:
     """``python -m gputravel.redteam.entry holder CONFIG CONTROL_FD``."""
     loot_dir = Path(payload.pop("loot_dir"))
-    holder = MaliciousHolder(load_config(HolderConfig, payload), loot_dir)
+    holder = MaliciousHolder.from_config(load_config(HolderConfig, payload), loot_dir=loot_dir)
     holder.boot()
     control.send(Ready(role=holder.config.name, detail={"dataset_bytes": holder.dataset.size}))
     sel = selectors.DefaultSelector()
