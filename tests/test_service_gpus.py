@@ -23,7 +23,7 @@ from gputravel.service.config import GpuService, HolderService, HostService, Orc
 from gputravel.service.init import init_cohort
 from gputravel.service.launch import ServiceLaunch
 from gputravel.service.registry import bind
-from gputravel.service.status import party_name
+from gputravel.service.status import cohort_status, party_name
 from gputravel.train.job import TrainConfig
 
 # 3 windows a visit (a 4 KiB buffer holds 2048 tokens, a batch 513): every holder is visited in 8 steps
@@ -103,6 +103,24 @@ def test_a_party_moved_to_another_gpu_is_refused_by_the_registry(cohort: Path, t
 def test_an_orchestrator_serves_its_own_share_only(cohort: Path, tmp_path: Path, changes: dict, says: str) -> None:
     with pytest.raises(BadInput, match=says):
         load_service(_rewrite(cohort / "orchestrator-1.toml", tmp_path / "o.toml", **changes))
+
+
+@pytest.mark.parametrize("planted", ["symlink", "hardlink"])
+def test_status_reads_no_other_partys_state_through_a_link_planted_in_its_own(cohort: Path, planted: str) -> None:
+    """`gputravel status` runs as root: a holder's operator who left, as its own status.json, a
+    link to rank 1's private status (its loss), or to any JSON file root reads, had status print
+    that file (the hostile review of --gpus). A link, or a file of another's, is not read."""
+    private = cohort / "state" / "orchestrator-1" / "status.json"
+    private.write_text(json.dumps({"phase": "training", "loss": 1.2345, "rank_1_private": True}))
+    os.chmod(private, 0o600)
+    planted_at = cohort / "state" / "holder-north" / "status.json"
+    os.symlink(private, planted_at) if planted == "symlink" else os.link(private, planted_at)
+    out = cohort_status(load_service(cohort / "holder-north.toml"))
+    assert "rank_1_private" not in out and "loss" not in out
+    assert out["status_file"].startswith(f"not read: {planted_at}")
+    planted_at.unlink()  # its own file, as its service writes it, is read
+    planted_at.write_text(json.dumps({"phase": "admitting"}))
+    assert cohort_status(load_service(cohort / "holder-north.toml"))["phase"] == "admitting"
 
 
 def _holders(tmp_path: Path) -> tuple[tuple[str, str], ...]:

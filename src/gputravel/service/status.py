@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from gputravel.errors import BadInput, GputravelError
-from gputravel.files import read_plain, write_json
+from gputravel.files import open_plain, read_plain, write_json
 from gputravel.holder.cvm import Dataset, manifest_piece_bytes
 from gputravel.holder.log_key import read_log_key
 from gputravel.orchestrator.audit import AuditError, Entry, Failure, mismatched_chunks, verify_log
@@ -33,6 +33,7 @@ STATUS_FILE = "status.json"  # in a service's state_dir: {"members", "gpu_at", "
 PUBLIC_LOG = "audit.log"  # beside its orchestrator's certificate, public/PARTY.pem (config.public_file)
 HEAD_FILE = "audit-head.json"  # in a holder's state_dir: the head of the published log it last verified
 HOLDER_PKI = "pki"  # in a holder's state_dir (service/members.py): its TLS key and its travel-log key
+MAX_STATUS_BYTES = 1 << 20  # a status.json is a few hundred bytes; the party could make its own any size
 _LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::")
 
 
@@ -96,10 +97,26 @@ def _published(public_dir: str) -> list[str]:
     return sorted(p.stem for p in Path(public_dir).glob("*.pem")) if os.path.isdir(public_dir) else []
 
 
-def _own_status(path: Path) -> dict:
+def _own_status(path: Path, uid: int = -1) -> dict:
+    """The status.json at `path`: a plain file of its own, owned by root (the service wrote it)
+    or by the party `uid`. Status runs as root, and a party's operator may leave in its own state
+    directory a link (or a hard link) to another party's private status.json (rank 1's loss)
+    or to any JSON file root reads: such a file is not read, and the output says so."""
     try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
+        fd = open_plain(path)  # never through a link, nor blocked on a FIFO
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        return {"status_file": f"not read: {path} is not a plain file ({exc.strerror or exc})"}
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_nlink != 1 or st.st_uid not in {0, os.geteuid(), uid}:
+            return {"status_file": f"not read: {path} is not its party's own file (uid {st.st_uid}, "
+                                   f"{st.st_nlink} links)"}
+        data = f.read(MAX_STATUS_BYTES + 1)
+    try:
+        found = json.loads(data) if len(data) <= MAX_STATUS_BYTES else None
+    except ValueError:
         return {}
     return found if isinstance(found, dict) else {}
 
@@ -188,7 +205,7 @@ def _status(cfg: ServiceConfig) -> dict:
     out: dict = {"config": cfg.source, "party": party_name(cfg), "services": _services(cfg)}
     if isinstance(cfg, (OrchestratorService, HolderService)):
         out["published"] = _published(cfg.public_dir)
-    out.update({k: v for k, v in _own_status(Path(cfg.state_dir) / STATUS_FILE).items() if k not in out})
+    out.update({k: v for k, v in _own_status(Path(cfg.state_dir) / STATUS_FILE, cfg.uid).items() if k not in out})
     if isinstance(cfg, HolderService):  # the job as its orchestrator publishes it: members, the GPU, travels
         public = Path(cfg.public_dir) / public_file(cfg.orchestrator, STATUS_FILE)
         out.update({k: v for k, v in _own_status(public).items() if k not in out})
