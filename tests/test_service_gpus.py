@@ -123,6 +123,37 @@ def test_status_reads_no_other_partys_state_through_a_link_planted_in_its_own(co
     assert cohort_status(load_service(cohort / "holder-north.toml"))["phase"] == "admitting"
 
 
+def test_a_ranks_platform_key_is_deleted_even_when_its_service_died_after_certifying(processes, cohort: Path,
+                                                                                     monkeypatch) -> None:
+    """Rank 1's service killed between its TDX module keeping the certified chain and deleting
+    platform-1's CPU-TEE root key: every later start found the module certified and never
+    reached the deletion, so the root key stayed on disk (the hostile review of --gpus)."""
+    from gputravel.service import members
+    from gputravel.service.party import own_state, private_dir
+    from gputravel.service.registry import platform_dir
+
+    cfg = load_service(cohort / "orchestrator-1.toml")
+    assert isinstance(cfg, OrchestratorService)
+    state, platform = own_state(private_dir(cfg.state_dir), cfg.uid), platform_dir(cfg)
+    certify = members.QuotingLaunch.certify
+
+    def killed_after(*args: object, **kwargs: object) -> None:
+        certify(*args, **kwargs)  # type: ignore[arg-type]
+        raise KeyboardInterrupt("killed before the unlink")
+
+    monkeypatch.setattr(members.QuotingLaunch, "certify", staticmethod(killed_after))
+    with pytest.raises(KeyboardInterrupt):
+        members._start_tdx_module(cfg, state, platform)
+    assert (platform / TEE_ROOT_KEY).exists()
+    monkeypatch.setattr(members.QuotingLaunch, "certify", staticmethod(certify))
+    tdx, _ = members._start_tdx_module(cfg, state, platform)  # certified by the chain it kept
+    try:
+        assert not (platform / TEE_ROOT_KEY).exists()
+        assert (cohort / "platform" / TEE_ROOT_KEY).exists()  # rank 0's copy is rank 0's to use
+    finally:
+        tdx.close()
+
+
 def _holders(tmp_path: Path) -> tuple[tuple[str, str], ...]:
     os.chmod(tmp_path, 0o755)  # the parties run under uids of their own when the suite is root
     return default_holders(4, tmp_path)

@@ -268,8 +268,14 @@ def _start_tdx_module(cfg: OrchestratorService, state: Path, platform: Path) -> 
         os.unlink(quoting.socket)  # left by a module that stopped with its orchestrator
     config = {**quoting.config, "key_dir": str(home / "key")}  # it keeps its quoting key there (0700)
     tdx = PartyChild("tdx-module", config, stop_by="close", uid=cfg.tdx_uid, home=home)
-    if not tdx.ready(BOOT_TIMEOUT).detail.get("certified"):
-        _certify_quoting_key(tdx, platform)
+    try:
+        if not tdx.ready(BOOT_TIMEOUT).detail.get("certified"):
+            _certify_quoting_key(tdx, platform)
+        else:  # certified at an earlier start: a root copy left by a service killed before deleting it goes now
+            (platform / TEE_ROOT_KEY).unlink(missing_ok=True)
+    except BaseException:
+        tdx.close()
+        raise
     return tdx, quoting
 
 
