@@ -123,6 +123,30 @@ def test_status_reads_no_other_partys_state_through_a_link_planted_in_its_own(co
     assert cohort_status(load_service(cohort / "holder-north.toml"))["phase"] == "admitting"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: status runs as root and reads as the holder's account")
+def test_status_checks_a_holders_chunks_only_against_data_its_own_account_reads(cohort: Path, tmp_path: Path) -> None:
+    """The review of --gpus: status, as root, opened whatever `data` a holder's config named (the
+    registry does not bind it), so a holder's operator learned the size of another holder's
+    dataset and whether chunks of it equal its own. It now opens the data as the holder's account."""
+    from types import SimpleNamespace
+
+    from gputravel.holder.log_key import own_log_key
+    from gputravel.service import status
+    from gputravel.service.party import as_party, own_state, private_dir
+
+    cfg = load_service(cohort / "holder-north.toml")
+    assert isinstance(cfg, HolderService) and cfg.uid > 0
+    state = own_state(private_dir(cfg.state_dir), cfg.uid)
+    with as_party(cfg.uid):
+        own_log_key(private_dir(state / "pki"))  # its key is there and its own: only the data is refused
+    theirs = tmp_path / "another-holders-data.txt"
+    theirs.write_text("y" * 5000)
+    os.chmod(theirs, 0o600)  # root's: not the holder's to read
+    travel = SimpleNamespace(chunk_mac=b"\x01" * 32, chunk=None)
+    out = status._my_chunks(cfg.model_copy(update={"data": str(theirs)}), [travel])  # type: ignore[list-item]
+    assert out["my_chunks"].startswith("not checked") and "Permission denied" in out["my_chunks"], out
+
+
 def test_a_ranks_platform_key_is_deleted_even_when_its_service_died_after_certifying(processes, cohort: Path,
                                                                                      monkeypatch) -> None:
     """Rank 1's service killed between its TDX module keeping the certified chain and deleting

@@ -25,6 +25,7 @@ from gputravel.orchestrator.audit import AuditError, Entry, Failure, mismatched_
 from gputravel.protocol.manifest import chunk_digest
 from gputravel.service.config import (GpuService, HolderService, HostService, OrchestratorService, ServiceConfig,
                                       host_party, orchestrator_party, public_file)
+from gputravel.service.party import as_party
 from gputravel.service.registry import bind
 
 __all__ = ["STATUS_FILE", "cohort_status", "party_name"]
@@ -174,8 +175,9 @@ def _my_chunks(cfg: HolderService, travels: list[Entry]) -> dict:
     if not logged:
         return {}
     try:
-        key = read_log_key(Path(cfg.state_dir) / HOLDER_PKI)
-        data = Dataset(cfg.data, cfg.format)
+        with as_party(cfg.uid):  # the holder's own key and data, as its CVM reads them, never as root's
+            key = read_log_key(Path(cfg.state_dir) / HOLDER_PKI)
+            data = Dataset(cfg.data, cfg.format)
     except (GputravelError, OSError) as exc:
         return {"my_chunks": f"not checked: {exc}"}
     piece = manifest_piece_bytes(cfg.layout.to_layout())
