@@ -17,6 +17,7 @@ import json
 import os
 from pathlib import Path
 
+import gputravel
 from gputravel.errors import BadInput, GputravelError
 from gputravel.files import open_plain, read_plain, write_json
 from gputravel.holder.cvm import Dataset, manifest_piece_bytes
@@ -33,6 +34,7 @@ __all__ = ["STATUS_FILE", "cohort_status", "party_name"]
 STATUS_FILE = "status.json"  # in a service's state_dir: {"members", "gpu_at", "travels", "step", "phase"}
 PUBLIC_LOG = "audit.log"  # beside its orchestrator's certificate, public/PARTY.pem (config.public_file)
 HEAD_FILE = "audit-head.json"  # in a holder's state_dir: the head of the published log it last verified
+SHIPPED = Path(os.path.realpath(Path(gputravel.__file__).parent / "demo_data"))
 HOLDER_PKI = "pki"  # in a holder's state_dir (service/members.py): its TLS key and its travel-log key
 MAX_STATUS_BYTES = 1 << 20  # a status.json is a few hundred bytes; the party could make its own any size
 _LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::")
@@ -168,6 +170,20 @@ def _kept_head(path: Path) -> bytes | None:
         raise BadInput(f"{path} does not hold a head (delete it to start again)") from None
 
 
+def _holders_data(cfg: HolderService) -> Dataset:
+    """The holder's data, opened as its account: root opening any path a config names told a
+    holder's operator about another holder's data (the review of --gpus). The one exception is
+    the data shipped in the package, which a party's processes reach through the cover of a
+    closed checkout (cohort/isolation.py interpreter_reach) and root's `as_party` cannot."""
+    try:
+        with as_party(cfg.uid):
+            return Dataset(cfg.data, cfg.format)
+    except (GputravelError, OSError):
+        if not Path(os.path.realpath(cfg.data)).is_relative_to(SHIPPED):
+            raise
+    return Dataset(os.path.realpath(cfg.data), cfg.format)  # public text, the package's own
+
+
 def _my_chunks(cfg: HolderService, travels: list[Entry]) -> dict:
     """Whether the chunk MAC of each of this holder's travels is the one its own data gives,
     under its travel-log key (only it and the orchestrator have that key; the key never shows)."""
@@ -177,7 +193,7 @@ def _my_chunks(cfg: HolderService, travels: list[Entry]) -> dict:
     try:
         with as_party(cfg.uid):  # the holder's own key and data, as its CVM reads them, never as root's
             key = read_log_key(Path(cfg.state_dir) / HOLDER_PKI)
-            data = Dataset(cfg.data, cfg.format)
+        data = _holders_data(cfg)
     except (GputravelError, OSError) as exc:
         return {"my_chunks": f"not checked: {exc}"}
     piece = manifest_piece_bytes(cfg.layout.to_layout())
@@ -200,7 +216,7 @@ def cohort_status(cfg: ServiceConfig) -> dict:
     as root with another party's state in a config, it read that party's status, key and data
     (the hostile review of issue 30)."""
     bind(cfg, party_name(cfg))
-    return _status(cfg)  # as root: a holder's data is reached by descriptor, not through its ancestors
+    return _status(cfg)  # as root; what lies in a party's own tree, and its data, are read as the party
 
 
 def _status(cfg: ServiceConfig) -> dict:
