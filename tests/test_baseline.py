@@ -1,9 +1,10 @@
 """The centralised TLS baseline (paper 7.2) and the links a cohort runs on.
 
 Unit tests drive the chunk exchange over an in-memory transport pair and the transport's
-pacing hook with a fake bucket; integration tests boot real cohorts: bytes sent the baseline
-way arrive intact in VRAM, a cohort on shaped links leaves no namespace behind, and the
-token-bucket fallback works. No timing assertions: rates are checked by `bench compare`.
+pacing hook with a fake bucket; bytes sent the baseline way arrive intact in VRAM on the
+in-process cohort (the real orchestrator and holder); integration tests boot real cohorts: a
+cohort on shaped links leaves no namespace behind, and the token-bucket fallback works, each
+sending a baseline chunk over TLS. No timing assertions: rates are checked by `bench compare`.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-def _check_baseline(cohort: Cohort, data: bytes, offset: int, want: int) -> None:
+def _check_baseline(cohort: Cohort | Orchestrator, data: bytes, offset: int, want: int) -> None:
     r = cohort.baseline("h", offset)
     assert r.chunk.dataset_offset == offset and r.chunk.nbytes == want
     # The orchestrator checked VRAM against the manifest; check the digest independently too.
@@ -194,23 +195,29 @@ def _check_baseline(cohort: Cohort, data: bytes, offset: int, want: int) -> None
     assert set(r.steps_ms) == {"read", "tls", "gpu_write"} and r.total_ms > 0
 
 
-@pytest.mark.integration
-def test_baseline_bytes_arrive_intact_in_vram(processes, dataset) -> None:
+def test_baseline_bytes_arrive_intact_in_vram(dataset, tmp_path: Path) -> None:
+    """The real orchestrator and holder on the in-process cohort (a memory link, not TLS: the
+    exchange and the VRAM write are the point here; the two cohorts below run it over TLS)."""
+    from gputravel.protocol.layout import Layout
+    from gputravel.testing.cohort import InProcessCohort
+
     path, data = dataset
-    with Cohort(CohortConfig(holders=(HolderSpec("h", path),), buffer_bytes=2 * MIB)) as cohort:
-        assert cohort.link == LINK_NONE
-        _check_baseline(cohort, data, 0, 2 * MIB)  # a chunk equal to the buffer
-        _check_baseline(cohort, data, 2 * MIB, MIB + 12345)  # one smaller than the buffer
-        travel = cohort.travel("h", 0)  # the orchestrator's own copy left the channel in step
+    cfg = CohortConfig(holders=(HolderSpec("h", path),), buffer_bytes=2 * MIB)
+    assert resolve_link(cfg.link, cfg.bandwidth_mbit) == LINK_NONE  # a cohort asked for no link gets none
+    with InProcessCohort({"h": Path(path)}, buffer_bytes=cfg.buffer_bytes, layout=Layout(), workdir=tmp_path) as c:
+        orch = c.orchestrator
+        _check_baseline(orch, data, 0, 2 * MIB)  # a chunk equal to the buffer
+        _check_baseline(orch, data, 2 * MIB, MIB + 12345)  # one smaller than the buffer
+        travel = orch.travel("h", 0)  # the orchestrator's own copy left the channel in step
         assert travel.chunk is not None and travel.chunk.digest == chunk_digest(data[: 2 * MIB])
-        _check_baseline(cohort, data, MIB, 2 * MIB)
+        _check_baseline(orch, data, MIB, 2 * MIB)
         with pytest.raises(BadInput, match="not a chunk start"):
-            cohort.baseline("h", 12345)
+            orch.baseline("h", 12345)
         with pytest.raises(BadInput, match="not a chunk start"):
-            cohort.baseline("h", 4 * MIB)
+            orch.baseline("h", 4 * MIB)
         with pytest.raises(BadInput, match="unknown holder"):
-            cohort.baseline("nobody", 0)
-        _check_baseline(cohort, data, 0, 2 * MIB)  # refusals leave the cohort usable
+            orch.baseline("nobody", 0)
+        _check_baseline(orch, data, 0, 2 * MIB)  # refusals leave the cohort usable
 
 
 @pytest.mark.integration

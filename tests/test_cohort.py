@@ -369,17 +369,19 @@ def test_sigterm_and_sighup_unwind_a_launcher_and_its_teardown_is_not_cut_short(
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
 
 
-def test_records_smaller_than_a_mib_and_several_per_buffer_verify(processes, tmp_path: Path) -> None:
+def test_records_smaller_than_a_mib_and_several_per_buffer_verify(tmp_path: Path) -> None:
     """Manifest pieces follow the record size; the orchestrator must hash VRAM with the
-    holder's piece size, not a default (a buffer of three 512 KiB records)."""
+    holder's piece size, not a default (a buffer of three 512 KiB records). The real
+    orchestrator and holder on the in-process cohort: the check is the travel's, not the
+    processes'."""
     from gputravel.protocol.layout import Layout
+    from gputravel.testing.cohort import InProcessCohort
 
     data = make_data(tmp_path / "h.bin", 4 * MIB, 1)
-    cfg = CohortConfig(holders=(HolderSpec("h1", str(tmp_path / "h.bin")),), buffer_bytes=3 * 512 * 1024,
-                       layout=Layout(record_bytes=512 * 1024))
-    with Cohort(cfg) as cohort:
+    with InProcessCohort({"h1": tmp_path / "h.bin"}, buffer_bytes=3 * 512 * 1024, workdir=tmp_path,
+                         layout=Layout(record_bytes=512 * 1024)) as cohort:
         for offset in (0, 3 * 512 * 1024):
-            report = cohort.travel("h1", offset)
+            report = cohort.orchestrator.travel("h1", offset)
             assert report.chunk is not None
             assert report.chunk.digest == chunk_digest(data[offset : offset + 3 * 512 * 1024], 512 * 1024)
 

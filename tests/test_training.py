@@ -23,6 +23,8 @@ from gputravel.data.shards import write_shard
 from gputravel.errors import BadInput, HolderLost, RemoteError
 from gputravel.jobs.training import TrainingJobConfig, layout_for, resolve, run_training_job
 from gputravel.orchestrator.audit import verify_log
+from gputravel.protocol.layout import Layout
+from gputravel.testing.cohort import InProcessCohort
 from gputravel.train.loader import LocalSource
 from gputravel.train.loop import TrainConfig, make_report, train
 
@@ -83,18 +85,21 @@ def test_training_learns_and_writes_the_run_directory(processes, both_runs):
         assert len({p["uid"] for p in iso["parties"].values()}) == len(iso["parties"])
 
 
-def test_a_holder_with_another_tokenizer_is_refused(processes, tmp_path):
+def test_a_holder_with_another_tokenizer_is_refused(tmp_path):
+    """The orchestrator refuses the hello of a holder whose tokens another tokenizer made: the
+    real orchestrator and holders, on the in-process cohort (the check is the join's)."""
     good, odd = tmp_path / "good", tmp_path / "odd"
     for d, name in ((good, "bytes"), (odd, "gpt2")):
         d.mkdir()
         write_shard(d / "data_000000.bin", np.arange(5000) % 250)
         (d / "tokenizer.json").write_text(json.dumps({"name": name, "vocab_size": 257 if name == "bytes" else 50257,
                                                       "eot": 256 if name == "bytes" else 50256}))
-    cfg = CohortConfig(holders=(HolderSpec("good", str(good), "tokens"), HolderSpec("odd", str(odd), "tokens")),
-                       buffer_bytes=1 << 20, tokenizer="bytes")
+    cohort = InProcessCohort({"good": good, "odd": odd}, formats={"good": "tokens", "odd": "tokens"},
+                             buffer_bytes=1 << 20, layout=Layout(), workdir=tmp_path, tokenizer="bytes")
     with pytest.raises(BadInput, match=r"odd.*gpt2.*bytes"):
-        with Cohort(cfg):
+        with cohort:
             pass
+    assert "odd" not in cohort.orchestrator.holders
 
 
 def test_bad_job_input_is_refused(tmp_path):

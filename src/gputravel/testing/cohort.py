@@ -31,6 +31,7 @@ import mmap
 import os
 import queue
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace, TracebackType
@@ -39,6 +40,7 @@ from typing import Any
 from gputravel.driver.driver import Driver
 from gputravel.driver.link import PcieMuxClient
 from gputravel.driver.orchestrator import OrchestratorDriver
+from gputravel.files import RAW, DatasetFormat
 from gputravel.errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.holder.cvm import Dataset, DataHolder, HolderConfig
 from gputravel.host.mux import CvmRegistration, PcieMux
@@ -170,12 +172,17 @@ _ACCEPT_ALL = SimpleNamespace(policy=SimpleNamespace(max_evidence_age_s=1e9))  #
 
 class InProcessCohort:
     """An orchestrator and its holders (booted first, joined, each serving in a thread) on one
-    in-process GPU. ``datasets``: each holder's bytes by name."""
+    in-process GPU. ``datasets``: each holder's data by name, as bytes (written to a file in
+    ``workdir``) or the path of a dataset already on disk; ``formats``: the format of a
+    holder's dataset where it is not "raw" (files.py); ``tokenizer``: the orchestrator refuses
+    holders whose tokens another tokenizer made (OrchestratorConfig.tokenizer)."""
 
-    def __init__(self, datasets: dict[str, bytes], *, buffer_bytes: int, workdir: str | Path,
+    def __init__(self, datasets: Mapping[str, bytes | Path], *, buffer_bytes: int, workdir: str | Path,
                  layout: Layout = TEST_LAYOUT, vram_bytes: int = 8 << 20, audit_arrival: bool = False,
-                 timeout: float = 10.0) -> None:
+                 timeout: float = 10.0, formats: Mapping[str, DatasetFormat] | None = None,
+                 tokenizer: str = "") -> None:
         self.datasets, self.timeout = datasets, timeout * TIMEOUT_SCALE
+        formats = formats or {}
         fd = os.memfd_create("gputravel-vram", os.MFD_CLOEXEC)
         os.ftruncate(fd, vram_bytes)
         self._vram_fd, self._vram = fd, mmap.mmap(fd, vram_bytes, flags=mmap.MAP_SHARED)
@@ -185,10 +192,10 @@ class InProcessCohort:
         self.left: dict[str, str] = {}  # holders that left the cohort, and why
         self._threads: list[threading.Thread] = []
         workdir = Path(workdir)
-        self.holders = {name: self._holder(name, data, workdir, layout, audit_arrival)
+        self.holders = {name: self._holder(name, data, workdir, layout, audit_arrival, formats.get(name, RAW))
                         for name, data in datasets.items()}
         config = OrchestratorConfig(host_socket="", pki_dir="", layout=layout, buffer_bytes=buffer_bytes,
-                                    holder_timeout=self.timeout, device_timeout=self.timeout)
+                                    holder_timeout=self.timeout, device_timeout=self.timeout, tokenizer=tokenizer)
         host = self.host.connect(ORCHESTRATOR)
         device, self._device = memory_pair("device-link", "device")
         self.orchestrator = Orchestrator(
@@ -196,11 +203,16 @@ class InProcessCohort:
             mux=PcieMuxClient(host, ORCHESTRATOR), device=device, listener=self.listener, log_key=b"",
             attester=lambda config: _NoQuote())  # type: ignore[arg-type,return-value]
 
-    def _holder(self, name: str, data: bytes, workdir: Path, layout: Layout, audit: bool) -> DataHolder:
-        path = workdir / f"{name}.bin"
-        path.write_bytes(data)
+    def _holder(self, name: str, data: bytes | Path, workdir: Path, layout: Layout, audit: bool,
+                fmt: DatasetFormat) -> DataHolder:
+        if isinstance(data, Path):
+            path = data
+        else:
+            path = workdir / f"{name}.bin"
+            path.write_bytes(data)
         config = HolderConfig(name=name, dataset_path=str(path), host_socket="", pki_dir="", layout=layout,
-                              audit_arrival=audit, device_timeout=self.timeout, orchestrator_timeout=self.timeout)
+                              audit_arrival=audit, device_timeout=self.timeout, orchestrator_timeout=self.timeout,
+                              dataset_format=fmt)
         host = self.host.connect(name)
         return DataHolder(config, dataset=Dataset(config.dataset_path, config.dataset_format), host=host,
                           driver=Driver(self.gpu.add_cvm(name)), mux=PcieMuxClient(host, name), log_key=bytes(32),
@@ -211,11 +223,15 @@ class InProcessCohort:
     # ------------------------------------------------------------------ boot, join, stop
     def start(self) -> InProcessCohort:
         """Holders boot first (each probes the GPU), then the orchestrator; then every holder joins."""
-        for holder in self.holders.values():
-            holder.boot()
-        self._threads.append(_serve_forever("device", self._grant_vram))
-        self.orchestrator.boot()
-        self.join(*self.holders)
+        try:
+            for holder in self.holders.values():
+                holder.boot()
+            self._threads.append(_serve_forever("device", self._grant_vram))
+            self.orchestrator.boot()
+            self.join(*self.holders)
+        except BaseException:
+            self.close()  # as a cohort whose boot fails: nothing is left running
+            raise
         return self
 
     def join(self, *names: str) -> dict[str, int]:
