@@ -1,8 +1,11 @@
-"""The one way a child process is stopped: asked, then SIGTERM, then SIGKILL, and always reaped.
+"""The one way a child process is started and owned (:class:`Children`), and the one way it is
+stopped: asked, then SIGTERM, then SIGKILL, and always reaped.
 
-Every launcher (the local supervisor, the services and their parties, the Flower deployment,
-the ranks, the benchmarks' helpers) goes through :func:`stop_processes`, so a child never
-outlives its launcher and none is left a zombie, whatever state it is in.
+Every launcher (the local supervisor, the services' demo, the Flower deployment, the
+benchmarks' helpers) starts its children through a :class:`Children`, which stops them all,
+last started first, when it closes; a service's one child and the ranks go through
+:func:`stop_processes` directly. So a child never outlives its launcher and none is left a
+zombie, whatever state it is in.
 """
 
 from __future__ import annotations
@@ -10,10 +13,11 @@ from __future__ import annotations
 import multiprocessing.process
 import subprocess
 import time
-from collections.abc import Iterable
-from typing import Union
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Union
 
-__all__ = ["Child", "stop_process", "stop_processes"]
+__all__ = ["Child", "Children", "stop_process", "stop_processes"]
 
 Child = Union[subprocess.Popen, multiprocessing.process.BaseProcess]
 
@@ -61,3 +65,77 @@ def stop_process(proc: Child, grace: float, *, asked: bool = False) -> int | Non
     stop_processes([proc], grace, asked=asked)
     _wait(proc, None)
     return proc.returncode if isinstance(proc, subprocess.Popen) else proc.exitcode
+
+
+class Children:
+    """The child processes one launcher owns, by key: each started by :meth:`start`, all stopped
+    by :meth:`close` (every one still running, last started first) and reaped. A context
+    manager: a failure while starting them stops those already started.
+
+    `grace`: what each stop gives a child before SIGTERM becomes SIGKILL. `in_turn`: close
+    stops one child at a time, waiting for it to end before the one started before it is
+    signalled (a service that checkpoints before the others leave); otherwise all are signalled
+    at once and share one grace."""
+
+    def __init__(self, grace: float, *, in_turn: bool = False) -> None:
+        self.grace, self.in_turn = grace, in_turn
+        self._procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}  # where each child started with a log writes
+
+    def start(self, key: str, argv: Sequence[str], *, log: Path | None = None, **popen: Any) -> subprocess.Popen:
+        """Start `argv` as `key`, ours to stop from here on. Its stdin is /dev/null unless
+        `popen` says otherwise; with `log`, its stdout and stderr both go to that file (made
+        anew). Every other Popen argument (preexec_fn, env, cwd, pass_fds, start_new_session,
+        umask) is passed as given: the isolation is the caller's."""
+        if key in self._procs:
+            raise ValueError(f"a child {key!r} was already started")
+        popen.setdefault("stdin", subprocess.DEVNULL)
+        if log is None:
+            proc = subprocess.Popen(argv, **popen)
+        else:
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **popen)
+            self.logs[key] = log
+        self._procs[key] = proc
+        return proc
+
+    def __getitem__(self, key: str) -> subprocess.Popen:
+        return self._procs[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._procs
+
+    def __iter__(self) -> Iterator[str]:
+        """The keys, in the order they were started."""
+        return iter(list(self._procs))
+
+    def __len__(self) -> int:
+        return len(self._procs)
+
+    def stop(self, keys: Iterable[str], *, asked: bool = False) -> None:
+        """Stop these children together (:func:`stop_processes`); they stay known, ended."""
+        stop_processes([self._procs[k] for k in keys if k in self._procs], self.grace, asked=asked)
+
+    def forget(self, key: str) -> None:
+        """Stop `key` if it still runs, and drop it (it may be started again)."""
+        proc = self._procs.pop(key)
+        self.logs.pop(key, None)
+        stop_process(proc, self.grace)
+
+    def close(self) -> None:
+        """Stop every child, last started first, and forget them all; never raises; a second
+        call does nothing."""
+        procs = list(reversed(self._procs.values()))
+        if self.in_turn:
+            for proc in procs:
+                stop_process(proc, self.grace)
+        else:
+            stop_processes(procs, self.grace)
+        self._procs.clear()
+        self.logs.clear()
+
+    def __enter__(self) -> Children:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
