@@ -31,7 +31,7 @@ from gputravel.cohort.placement import Placement
 from gputravel.cohort.quoting import KEY as TDX_MODULE, QuotingLaunch
 from gputravel.cohort.trust import CohortTrust, certify_device, pin_orchestrator, provision_cohort_trust
 from gputravel.crypto.pki import CohortCa
-from gputravel.processes import stop_processes
+from gputravel.processes import Children
 from gputravel.errors import BadInput, GputravelError, ProtocolError, RemoteError, Terminated
 from gputravel.host.tap import TcpTap
 from gputravel.net import LinkError
@@ -77,7 +77,8 @@ class Supervisor:
     def __init__(self, config: CohortConfig, launch: Launch | None = None) -> None:
         self.config = config
         self.launch = launch
-        self.children: dict[str, Child] = {}
+        self.children: dict[str, Child] = {}  # each party's process (started and stopped by procs) and link
+        self.procs = Children(5)
         self.dir: Path | None = None
         self.port = 0  # where the orchestrator listens for holders
         self.links: CohortLinks | None = None
@@ -194,8 +195,8 @@ class Supervisor:
 
     def forget(self, name: str) -> None:
         """Drop the record of a party whose process has ended (before it starts again)."""
-        child = self.children.pop(name)
-        child.control.close()
+        self.children.pop(name).control.close()
+        self.procs.forget(name)
 
     def _hardware(self) -> dict:
         """The hardware profile for the host, the holders and the orchestrator (none: emulated)."""
@@ -244,11 +245,9 @@ class Supervisor:
         if spec.umask is not None:
             popen["umask"] = spec.umask
         fds += popen.pop("pass_fds")
-        with open(log, "wb") as logf:
-            # In a session of its own: Ctrl-C reaches the launcher alone, which stops the
-            # parties in order (cohort/stopping.py).
-            proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                    start_new_session=True, **popen)
+        # In a session of its own: Ctrl-C reaches the launcher alone, which stops the parties in
+        # order (cohort/stopping.py).
+        proc = self.procs.start(key, argv, log=log, pass_fds=fds, start_new_session=True, **popen)
         theirs.close()
         child = Child(spec.role, proc, StreamTransport(ours, key), log)
         self.children[key] = child
@@ -345,14 +344,14 @@ class Supervisor:
         self._undo_term = lambda: None
 
     def _close(self) -> None:
-        for key in [k for k, c in self.children.items() if c.role in ("orchestrator", "holder")]:
+        members = [k for k, c in self.children.items() if c.role in ("orchestrator", "holder")]
+        for key in members:
             try:
                 self.children[key].control.send(Shutdown())
             except GputravelError:
                 pass
-        members = [c.proc for c in self.children.values() if c.role in ("orchestrator", "holder")]
-        stop_processes(members, 5, asked=True)  # asked: each finishes its goodbye first
-        stop_processes([c.proc for c in self.children.values()], 5)
+        self.procs.stop(members, asked=True)  # asked: each finishes its goodbye first
+        self.procs.close()  # the rest, last started first
         for child in self.children.values():
             child.control.close()
         self.children.clear()
