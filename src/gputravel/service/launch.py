@@ -34,16 +34,14 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from gputravel.processes import stop_process
+from gputravel.processes import Children
 from gputravel.cohort import isolation, stopping
 from gputravel.data.tokenizer import RECORD_NAME
 from gputravel.errors import PeerTimeout, RemoteError
@@ -71,13 +69,6 @@ STEP_COLUMNS: Mapping[str, type] = {"step": int, "loss": float, "tokens_per_s": 
 StepRow = dict  # one metrics.csv row, typed by STEP_COLUMNS
 
 
-@dataclass
-class _Service:
-    party: str
-    proc: subprocess.Popen
-    log: Path
-
-
 class ServiceLaunch:
     """One local cohort of services, one GPU or `gpus`. Use as a context manager. `shares`: each
     GPU's holders (None: cohort init balances them); `rank_audit`: with several GPUs, where each
@@ -93,7 +84,8 @@ class ServiceLaunch:
         self.rank_audit = list(rank_audit) or [(audit_log, certificate)]
         self.rank_reports: list[dict] = []  # each rank's own report, once trained (rank 0's is train's)
         self.dir: Path | None = None
-        self.services: list[_Service] = []
+        # Each party's service, by party; closing stops them in turn, the orchestrator first.
+        self.children = Children(STOP_GRACE_S, in_turn=True)
         self._metrics_at, self._metrics_head = 0, ""  # how far metrics.csv was read, its header
         self._metrics_id: tuple[int, int] | None = None  # which file that was (device, inode)
         self._observed: dict | None = None
@@ -154,8 +146,7 @@ class ServiceLaunch:
         SIGTERM while it runs does not cut it short."""
         with stopping.uninterrupted():
             try:
-                for service in reversed(self.services):
-                    _stop(service.proc)
+                self.children.close()  # SIGTERM (a service stops cleanly on it), then SIGKILL
                 if self.dir is not None and (self.cohort / "orchestrator.toml").exists():
                     self._stage_out()
             except Exception as exc:  # noqa: BLE001 - the copy back is best effort, said; the deletion is not
@@ -165,7 +156,7 @@ class ServiceLaunch:
                     # A party process that outlived its service (killed after the grace: its
                     # child dies by PDEATHSIG a moment later) may still write there: tried for 5 s.
                     stopping.delete(self.dir, wait=5.0)
-                self.dir, self.services, self._orchestrator = None, [], None
+                self.dir, self._orchestrator = None, None
         self._undo_term()
         self._undo_term = lambda: None
 
@@ -174,10 +165,10 @@ class ServiceLaunch:
         """Wait for the orchestrator's service (every rank's) to train and exit; each step as rank
         0 logs it goes to `on_step`. Its report, or the reason it stopped (its log's last lines).
         Each rank's own report is in `rank_reports` after."""
-        ranks = [self._service(orchestrator_party(k)) for k in range(self.gpus)]
+        ranks = [self.children[orchestrator_party(k)] for k in range(self.gpus)]
         orchestrator, seen = ranks[0], -1
         deadline = time.monotonic() + timeout
-        while any(r.proc.poll() is None for r in ranks):
+        while any(r.poll() is None for r in ranks):
             seen = self._relay(seen, on_step)
             self._check_alive()
             if time.monotonic() > deadline:
@@ -187,11 +178,12 @@ class ServiceLaunch:
         self._check_alive()  # a rank that failed, named
         self.rank_reports = [self._report(k) for k in range(self.gpus)]
         report = self.rank_reports[0]
-        if orchestrator.proc.returncode != 0 or not all(isinstance(r, dict) for r in self.rank_reports):
-            refusals = "".join(f"\n {s.party}:{_tail(s.log, 4)}" for s in self.services
-                               if '"event": "refused"' in s.log.read_text(errors="replace"))
-            raise RemoteError(f"the orchestrator's service stopped (exit {orchestrator.proc.returncode})"
-                              f"{_tail(orchestrator.log)}{refusals}")
+        if orchestrator.returncode != 0 or not all(isinstance(r, dict) for r in self.rank_reports):
+            logs = self.children.logs
+            refusals = "".join(f"\n {party}:{_tail(log, 4)}" for party, log in logs.items()
+                               if '"event": "refused"' in log.read_text(errors="replace"))
+            raise RemoteError(f"the orchestrator's service stopped (exit {orchestrator.returncode})"
+                              f"{_tail(logs[orchestrator_party(0)])}{refusals}")
         return report
 
     def _report(self, rank: int) -> dict | None:
@@ -219,35 +211,30 @@ class ServiceLaunch:
         log = self.dir / "logs" / f"{party}.log"
         log.parent.mkdir(exist_ok=True)
         role = party.split("-")[0]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, *SERVE, role, "--config", str(self.cohort / f"{party}.toml")],
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=isolation.die_with_parent,  # a launcher killed outright takes them along
-                                    # Out of the launcher's process group: Ctrl-C, or a `timeout`
-                                    # signalling the group, reaches the launcher alone, which stops
-                                    # the services in order (the orchestrator checkpoints at its
-                                    # step before the holders leave), not all at once.
-                                    start_new_session=True)
-        self.services.append(_Service(party, proc, log))
-
-    def _service(self, party: str) -> _Service:
-        return next(s for s in self.services if s.party == party)
+        self.children.start(party, [sys.executable, *SERVE, role, "--config", str(self.cohort / f"{party}.toml")],
+                            log=log, preexec_fn=isolation.die_with_parent,  # a launcher killed outright takes them along
+                            # Out of the launcher's process group: Ctrl-C, or a `timeout` signalling
+                            # the group, reaches the launcher alone, which stops the services in
+                            # order (the orchestrator checkpoints at its step before the holders
+                            # leave), not all at once.
+                            start_new_session=True)
 
     def _await(self, party: str, event: str) -> None:
-        service, deadline = self._service(party), time.monotonic() + BOOT_TIMEOUT_S
-        while f'"event": "{event}"' not in service.log.read_text(errors="replace"):
+        log, deadline = self.children.logs[party], time.monotonic() + BOOT_TIMEOUT_S
+        while f'"event": "{event}"' not in log.read_text(errors="replace"):
             self._check_alive()
             if time.monotonic() > deadline:
-                raise PeerTimeout(f"{party}'s service was not {event} in {BOOT_TIMEOUT_S:.0f} s{_tail(service.log)}")
+                raise PeerTimeout(f"{party}'s service was not {event} in {BOOT_TIMEOUT_S:.0f} s{_tail(log)}")
             time.sleep(POLL_S)
 
     def _check_alive(self) -> None:
         """A service that fails before the orchestrator's ends is a failure of the run: name it.
         (A holder's ends by itself, exit 0, once the orchestrator published the job done.) With
         several GPUs a rank's orchestrator too: its peers would wait for it in a collective."""
-        for s in self.services:
-            if (self.gpus > 1 or s.party != "orchestrator") and s.proc.poll() not in (None, 0):
-                raise RemoteError(f"{s.party}'s service stopped (exit {s.proc.returncode}){_tail(s.log)}")
+        for party, log in self.children.logs.items():
+            proc = self.children[party]
+            if (self.gpus > 1 or party != "orchestrator") and proc.poll() not in (None, 0):
+                raise RemoteError(f"{party}'s service stopped (exit {proc.returncode}){_tail(log)}")
 
     def _relay(self, seen: int, on_step: Callable[[StepRow], None] | None) -> int:
         """Every metrics.csv row after step `seen`, in order; the last step relayed. Only what
@@ -291,13 +278,13 @@ class ServiceLaunch:
         """Each party process the services started (`gputravel.cohort.entry ROLE`), as /proc
         shows its ids and dumpability, keyed by its service's party name."""
         out = {}
-        for service in self.services:
-            for pid in _children(service.proc.pid):
+        for party in self.children:
+            for pid in _children(self.children[party].pid):
                 with contextlib.suppress(OSError, KeyError, ValueError, IndexError):
                     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                     if b"gputravel.cohort.entry" in argv and argv[argv.index(b"gputravel.cohort.entry") + 1] != b"tdx-module":
                         got = isolation.read_party(pid)
-                        out[service.party] = {"uid": got.uid, "dumpable": got.dumpable}
+                        out[party] = {"uid": got.uid, "dumpable": got.dumpable}
         return out
 
     # ------------------------------------------------------------------ files
@@ -432,11 +419,6 @@ def _children(pid: int) -> list[int]:
             if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(entry))
     return out
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (a service stops cleanly on it), then SIGKILL; never raises."""
-    stop_process(proc, STOP_GRACE_S)
 
 
 def _tail(log: Path, lines: int = 12) -> str:
