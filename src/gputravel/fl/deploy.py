@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from gputravel.processes import stop_processes
+from gputravel.processes import Children
 from gputravel.cohort import stopping
 from gputravel.cohort.isolation import die_with_parent
 from gputravel.cohort.links import CohortLinks
@@ -58,8 +58,7 @@ class FlowerDeployment:
             raise BadInput("a Flower deployment needs at least one holder")
         self.links = CohortLinks(LINK_NETNS, tuple(self.holders), bandwidth_mbit)
         self.dir = directory
-        self.children: dict[str, subprocess.Popen] = {}
-        self._logs: dict[str, Path] = {}
+        self.children = Children(5)  # Flower's processes, each with its log
         self._undo_term: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ lifecycle
@@ -105,8 +104,7 @@ class FlowerDeployment:
             self._undo_term = lambda: None
 
     def _stop_all(self) -> None:
-        stop_processes(self.children.values(), 5)
-        self.children.clear()
+        self.children.close()
         self.links.close()  # kills whatever Flower started that still runs inside
 
     # ------------------------------------------------------------------ processes
@@ -124,15 +122,12 @@ class FlowerDeployment:
         return [*self.links.prefix(member), str(Path(sys.executable).parent / argv[0]), *argv[1:]]
 
     def _spawn(self, member: str, key: str, argv: list[str]) -> None:
-        log = self.dir / f"{key}.log"
-        self._logs[key] = log
-        with open(log, "wb") as f:
-            self.children[key] = subprocess.Popen(self._argv(member, argv), env=self._env(key), stdin=subprocess.DEVNULL,
-                                                  stdout=f, stderr=f, preexec_fn=die_with_parent, cwd=self.dir)
+        self.children.start(key, self._argv(member, argv), log=self.dir / f"{key}.log", env=self._env(key),
+                            preexec_fn=die_with_parent, cwd=self.dir)
 
     def _await_log(self, key: str, line: str) -> None:
         deadline = time.monotonic() + BOOT_TIMEOUT_S
-        while line not in self._logs[key].read_text(errors="replace"):
+        while line not in self.children.logs[key].read_text(errors="replace"):
             if self.children[key].poll() is not None:
                 raise RemoteError(f"{key} exited while starting:{self.log_tail(key)}")
             if time.monotonic() > deadline:
@@ -141,7 +136,7 @@ class FlowerDeployment:
 
     def log_tail(self, key: str, lines: int = 15) -> str:
         try:
-            text = self._logs[key].read_text(errors="replace").strip().splitlines()[-lines:]
+            text = self.children.logs[key].read_text(errors="replace").strip().splitlines()[-lines:]
         except (KeyError, OSError):
             return ""
         return ("\n  " + "\n  ".join(text)) if text else ""
