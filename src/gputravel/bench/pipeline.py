@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 
-from gputravel.processes import stop_processes
+from gputravel.processes import Children
 from gputravel.crypto.channel import IV_BYTES, KEY_BYTES, TAG_BYTES, KeyMaterial, Receiver, Sender
 from gputravel.device.memory import PIECE_BYTES, open_record
 from gputravel.errors import BadInput, GputravelError
@@ -74,28 +74,26 @@ def pipeline_limit(record_bytes: int, slots: int, total_bytes: int = 256 * MIB, 
 
 def _round(record_bytes: int, slots: int, total_bytes: int, timeout: float) -> dict:
     fd = os.memfd_create("gputravel-bench-pipeline", os.MFD_CLOEXEC)
-    procs: list[subprocess.Popen] = []
     try:
-        os.ftruncate(fd, _HEADER + slots * (record_bytes + TAG_BYTES))
-        os.pwrite(fd, os.urandom(KEY_BYTES + IV_BYTES), _KEY_AT)
-        for role in _ROLES:
-            argv = [sys.executable, "-m", "gputravel.bench.pipeline", role, str(fd), str(record_bytes), str(slots),
-                    str(total_bytes)]
-            procs.append(subprocess.Popen(argv, pass_fds=(fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE))
-        for proc in procs:  # both set up (buffers populated) before either starts
-            if proc.stdout.readline().strip() != b"ready":
-                raise GputravelError("a pipeline-limit process failed to start")
-        for proc in procs:
-            proc.stdin.write(b"go\n")
-            proc.stdin.flush()
-        out = {}
-        for role, proc in zip(_ROLES, procs, strict=True):
-            text, _ = proc.communicate(timeout=timeout)
-            if proc.returncode != 0:
-                raise GputravelError(f"the pipeline-limit {role} failed (exit {proc.returncode})")
-            out[role] = json.loads(text)
+        with Children(0.0) as children:  # done or failed: a helper still running is no use
+            os.ftruncate(fd, _HEADER + slots * (record_bytes + TAG_BYTES))
+            os.pwrite(fd, os.urandom(KEY_BYTES + IV_BYTES), _KEY_AT)
+            procs = [children.start(role, [sys.executable, "-m", "gputravel.bench.pipeline", role, str(fd),
+                                           str(record_bytes), str(slots), str(total_bytes)],
+                                    pass_fds=(fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE) for role in _ROLES]
+            for proc in procs:  # both set up (buffers populated) before either starts
+                if proc.stdout.readline().strip() != b"ready":
+                    raise GputravelError("a pipeline-limit process failed to start")
+            for proc in procs:
+                proc.stdin.write(b"go\n")
+                proc.stdin.flush()
+            out = {}
+            for role, proc in zip(_ROLES, procs, strict=True):
+                text, _ = proc.communicate(timeout=timeout)
+                if proc.returncode != 0:
+                    raise GputravelError(f"the pipeline-limit {role} failed (exit {proc.returncode})")
+                out[role] = json.loads(text)
     finally:
-        stop_processes(procs, 0.0)  # done or failed: a helper still running is no use
         os.close(fd)
     seal, opened = out["sealer"]["gbps"], out["opener"]["gbps"]
     return {"limit_gbps": min(seal, opened), "seal_gbps": seal, "open_gbps": opened,
