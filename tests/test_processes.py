@@ -67,7 +67,7 @@ def test_children_log_both_streams_read_nothing_and_are_all_reaped_on_close(tmp_
         assert children.logs == {"a": log} and list(children) == ["a", "b"] and children["a"] is a
         assert os.getsid(a.pid) == a.pid  # in a session of its own, as asked
     assert log.read_text().split() == ["out", "err", "''"]
-    assert a.returncode == -signal.SIGTERM and b.returncode == -signal.SIGKILL and len(children) == 0
+    assert a.returncode == -signal.SIGTERM and b.returncode == -signal.SIGKILL and list(children) == []
 
 
 # ----------------------------------------------------------------------------- the owner, with stand-ins
@@ -118,7 +118,7 @@ def test_children_are_stopped_last_started_first_and_close_twice_does_nothing(st
         assert max(stub.index(t) for t in terms) < min(i for i, e in enumerate(stub) if e.startswith("reaped"))
     stub.clear()
     children.close()
-    assert stub == [] and len(children) == 0
+    assert stub == [] and list(children) == []
 
 
 def test_a_failure_starting_the_third_stops_the_first_two(stub) -> None:

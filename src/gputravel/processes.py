@@ -68,14 +68,12 @@ def stop_process(proc: Child, grace: float, *, asked: bool = False) -> int | Non
 
 
 class Children:
-    """The child processes one launcher owns, by key: each started by :meth:`start`, all stopped
-    by :meth:`close` (every one still running, last started first) and reaped. A context
-    manager: a failure while starting them stops those already started.
-
-    `grace`: what each stop gives a child before SIGTERM becomes SIGKILL. `in_turn`: close
-    stops one child at a time, waiting for it to end before the one started before it is
-    signalled (a service that checkpoints before the others leave); otherwise all are signalled
-    at once and share one grace."""
+    """The child processes one launcher owns, by key (iterated in the order started): each started
+    by :meth:`start`, all stopped and reaped by :meth:`close`, last started first. A context
+    manager: a failure while starting them stops those already started. `grace`: what a stop
+    gives a child before SIGTERM becomes SIGKILL. `in_turn`: close reaps each before signalling
+    the one started before it (a service that checkpoints before the others leave); otherwise
+    all are signalled at once and share one grace."""
 
     def __init__(self, grace: float, *, in_turn: bool = False) -> None:
         self.grace, self.in_turn = grace, in_turn
@@ -102,15 +100,8 @@ class Children:
     def __getitem__(self, key: str) -> subprocess.Popen:
         return self._procs[key]
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._procs
-
     def __iter__(self) -> Iterator[str]:
-        """The keys, in the order they were started."""
         return iter(list(self._procs))
-
-    def __len__(self) -> int:
-        return len(self._procs)
 
     def stop(self, keys: Iterable[str], *, asked: bool = False) -> None:
         """Stop these children together (:func:`stop_processes`); they stay known, ended."""
@@ -123,8 +114,7 @@ class Children:
         stop_process(proc, self.grace)
 
     def close(self) -> None:
-        """Stop every child, last started first, and forget them all; never raises; a second
-        call does nothing."""
+        """Stop every child and forget them all; never raises; a second call does nothing."""
         procs = list(reversed(self._procs.values()))
         if self.in_turn:
             for proc in procs:
