@@ -44,7 +44,8 @@ def pytest_configure(config: pytest.Config) -> None:
     which, with a second suite running beside this one, shut the parties' accounts out of this
     one's cohort directories halfway through. Deleted when the session ends."""
     if os.geteuid() == 0 and config.option.basetemp is None and not hasattr(config, "workerinput"):
-        base = tempfile.mkdtemp(prefix="gputravel-tests-")
+        # Under xdist the controller makes it and each worker takes basetemp/popen-gwN below.
+        base = tempfile.mkdtemp(prefix="gt-")  # short: sockets live below it, and xdist adds popen-gwN
         os.chmod(base, 0o711)
         _OWN_BASE.append(base)
         config.option.basetemp = os.path.join(base, "t")
