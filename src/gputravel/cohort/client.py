@@ -87,12 +87,13 @@ class CohortClient:
         control.send(AwaitHolders(names=names, timeout=timeout))
         # A holder that refuses says so at once; the orchestrator, which only sees a connection
         # break off (anyone's), waits out its deadline. Its late answer is read before the next command.
+        deadline = time.monotonic() + timeout + 5
         early = self._holders_answer(names, control, timeout + 5)
         if isinstance(early, GputravelError):
             self._owed += 1
             raise early
         try:
-            reply = self._reply(control, timeout + 5)
+            reply = self._reply(control, max(0.1, deadline - time.monotonic()))  # one deadline for the whole join
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
             # The orchestrator only saw a holder hang up or go quiet; the holder knows why
             # (an attestation it refused, naming the claim). An orchestrator's own refusal
