@@ -242,3 +242,30 @@ def test_ranks_told_different_jobs_refuse_each_other_before_any_step(processes, 
                            gpus=2) as launch:
             launch.train(lambda row: steps.append(row["step"]))
     assert steps == [] and not (run / "checkpoint.pt").exists()
+
+
+def test_only_the_shipped_data_is_opened_as_root_when_the_holders_account_cannot(cohort: Path, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """A checkout in a 0700 directory: a party's processes reach the package's demo data through
+    a cover of that directory, root's `as_party` cannot, so status opens the shipped data (public
+    text) as root; any other path the account cannot open stays unopened."""
+    import contextlib
+
+    from gputravel.service import status
+
+    @contextlib.contextmanager
+    def shut_out(uid: int):
+        raise PermissionError(13, "Permission denied")
+        yield
+
+    monkeypatch.setattr(status, "as_party", shut_out)
+    cfg = load_service(cohort / "holder-north.toml")
+    assert isinstance(cfg, HolderService)
+    shipped = Path(status.SHIPPED) / "shakespeare" / "comedies"
+    link = tmp_path / "via-a-link"
+    link.symlink_to(shipped)
+    assert status._holders_data(cfg.model_copy(update={"data": str(link)})).size > 0
+    theirs = tmp_path / "another-holders-data.txt"
+    theirs.write_text("y" * 5000)
+    with pytest.raises(PermissionError):
+        status._holders_data(cfg.model_copy(update={"data": str(theirs)}))

@@ -179,9 +179,10 @@ def _holders_data(cfg: HolderService) -> Dataset:
         with as_party(cfg.uid):
             return Dataset(cfg.data, cfg.format)
     except (GputravelError, OSError):
-        if not Path(os.path.realpath(cfg.data)).is_relative_to(SHIPPED):
+        real = Path(os.path.realpath(cfg.data))  # resolved once: a link swapped now changes nothing
+        if not real.is_relative_to(SHIPPED):
             raise
-    return Dataset(os.path.realpath(cfg.data), cfg.format)  # public text, the package's own
+    return Dataset(str(real), cfg.format)  # public text, the package's own, in a tree only root writes
 
 
 def _my_chunks(cfg: HolderService, travels: list[Entry]) -> dict:
