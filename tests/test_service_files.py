@@ -225,3 +225,9 @@ def test_a_copied_shard_keeps_its_tokenizer_record(tmp_path: Path, monkeypatch) 
     launch.dir.mkdir()
     copied = Path(launch._reachable("north", str(home / "shard.bin")))
     assert copied.read_bytes() == b"tokens" and (copied.parent / RECORD_NAME).read_text() == '{"name": "bytes"}'
+
+
+def test_several_gpus_need_a_log_and_certificate_for_each_rank(tmp_path) -> None:
+    """Fewer places than ranks silently dropped the other ranks' signed logs."""
+    with pytest.raises(BadInput, match="2 GPUs need 2"):
+        ServiceLaunch([], {}, tmp_path / "run", audit_log=tmp_path / "a", certificate=tmp_path / "c", gpus=2)

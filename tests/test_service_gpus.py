@@ -239,7 +239,7 @@ def test_ranks_told_different_jobs_refuse_each_other_before_any_step(processes, 
     run = tmp_path / "run"
     with pytest.raises(RemoteError, match="PeerAttestationError"):
         with ServiceLaunch(hs, TINY.to_dict(), run, audit_log=run / "a.log", certificate=run / "a.pem",
-                           gpus=2) as launch:
+                           gpus=2, rank_audit=[(run / f"{k}.log", run / f"{k}.pem") for k in "ab"]) as launch:
             launch.train(lambda row: steps.append(row["step"]))
     assert steps == [] and not (run / "checkpoint.pt").exists()
 

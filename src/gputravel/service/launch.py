@@ -44,7 +44,7 @@ from pathlib import Path
 from gputravel.processes import Children
 from gputravel.cohort import isolation, stopping
 from gputravel.data.tokenizer import RECORD_NAME
-from gputravel.errors import PeerTimeout, RemoteError
+from gputravel.errors import BadInput, PeerTimeout, RemoteError
 from gputravel.files import atomic_write, copy_plain, open_plain, read_plain
 from gputravel.service.config import host_party, orchestrator_party
 from gputravel.service.init import init_cohort
@@ -82,6 +82,8 @@ class ServiceLaunch:
         self.audit_log, self.certificate, self.hardware, self.workdir = audit_log, certificate, hardware, workdir
         self.gpus, self.shares = gpus, None if shares is None else [list(s) for s in shares]
         self.rank_audit = list(rank_audit) or [(audit_log, certificate)]
+        if len(self.rank_audit) != gpus:  # each rank's log comes back, or none is dropped unsaid
+            raise BadInput(f"rank_audit names {len(self.rank_audit)} ranks' log and certificate; {gpus} GPUs need {gpus}")
         self.rank_reports: list[dict] = []  # each rank's own report, once trained (rank 0's is train's)
         self.dir: Path | None = None
         # Each party's service, by party; closing stops them in turn, the orchestrator first.
@@ -343,7 +345,7 @@ class ServiceLaunch:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         inside = self.service_run_dir
         copies = [(inside / name, self.run_dir / name) for name in RUN_FILES]
-        for k, (log, cert) in enumerate(self.rank_audit[: self.gpus]):
+        for k, (log, cert) in enumerate(self.rank_audit):
             party = orchestrator_party(k)
             state = Path(self._config(party)["state_dir"])
             copies += [(state / "audit.log", log), (self.cohort / "public" / f"{party}.pem", cert)]
