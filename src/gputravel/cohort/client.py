@@ -74,7 +74,11 @@ class CohortClient:
         self.parties = parties
         self.dataset_bytes: dict[str, int] = {}  # of every holder that joined and has not left
         self.attestations: dict[str, Joined] = {}  # what each holder verified when it last joined
-        self._owed = 0  # answers the orchestrator still owes (a join a holder refused early)
+        # Answers each party still owes, by party: sent by `_send`, read by `_recv`. A command
+        # given up on early (a join a holder refused, a reply that timed out) leaves its answer
+        # on the link; `_settle` reads it before the party's next command, so it answers no other.
+        # Keyed by the link itself: a party started again comes with a new link that owes nothing.
+        self._owed: dict[StreamTransport, int] = {}
 
     # ------------------------------------------------------------------ membership
     def join(self, names: tuple[str, ...]) -> dict[str, int]:
@@ -82,18 +86,16 @@ class CohortClient:
         timeout = self.config.boot_timeout
         host, port = self.parties.join_address()
         for name in names:
-            self.parties.control(name).send(JoinCohort(host=host, port=port))
-        control = self._orchestrator()
-        control.send(AwaitHolders(names=names, timeout=timeout))
+            self._send(name, JoinCohort(host=host, port=port))
+        control = self._send(ORCHESTRATOR, AwaitHolders(names=names, timeout=timeout))
         # A holder that refuses says so at once; the orchestrator, which only sees a connection
         # break off (anyone's), waits out its deadline. Its late answer is read before the next command.
         deadline = time.monotonic() + timeout + 5
         early = self._holders_answer(names, control, timeout + 5)
         if isinstance(early, GputravelError):
-            self._owed += 1
             raise early
         try:
-            reply = self._reply(control, max(0.1, deadline - time.monotonic()))  # one deadline for the whole join
+            reply = self._reply(max(0.1, deadline - time.monotonic()))  # one deadline for the whole join
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
             # The orchestrator only saw a holder hang up or go quiet; the holder knows why
             # (an attestation it refused, naming the claim). An orchestrator's own refusal
@@ -131,7 +133,7 @@ class CohortClient:
                     name = pending.pop(fd)
                     sel.unregister(fd)
                     try:
-                        msg = self.parties.control(name).recv(timeout=1).message
+                        msg = self._recv(name, 1)
                     except Terminated:
                         raise
                     except GputravelError:
@@ -153,7 +155,7 @@ class CohortClient:
                     name = pending.pop(key.fd)
                     sel.unregister(key.fd)
                     try:
-                        msg = self.parties.control(name).recv(timeout=1).message
+                        msg = self._recv(name, 1)
                     except Terminated:
                         raise  # the launcher is being stopped (cohort/stopping.py): never swallowed
                     except GputravelError:
@@ -190,11 +192,10 @@ class CohortClient:
 
     def from_holder(self, name: str, expect: type, cmd: object | None = None) -> object:
         """Send a holder ``cmd`` (if any) and read its reply, which must be an ``expect``."""
-        control = self.parties.control(name)
         if cmd is not None:
-            control.send(cmd)
+            self._send(name, cmd)
         try:
-            msg = control.recv(timeout=self.config.boot_timeout).message
+            msg = self._recv(name, self.config.boot_timeout)
         except Terminated:
             raise  # this launcher is being stopped: said as that, not as a holder's silence
         except GputravelError as exc:
@@ -208,13 +209,13 @@ class CohortClient:
     # ------------------------------------------------------------------ commands
     def ask(self, cmd: object, timeout: float) -> object:
         """Send the orchestrator ``cmd``; its reply (a Failed one raised as its error)."""
-        control = self._orchestrator()
-        control.send(cmd)
-        return self._reply(control, timeout)
+        self._send(ORCHESTRATOR, cmd)
+        return self._reply(timeout)
 
-    def _reply(self, control: StreamTransport, timeout: float) -> object:
+    def _reply(self, timeout: float) -> object:
+        """The orchestrator's answer to the command sent last (a Failed one raised as its error)."""
         try:
-            msg = control.recv(timeout=timeout).message
+            msg = self._recv(ORCHESTRATOR, timeout)
         except (PeerTimeout, Terminated):
             raise
         except GputravelError as exc:
@@ -223,17 +224,30 @@ class CohortClient:
             raise error_from(msg, "orchestrator")
         return msg
 
-    def _orchestrator(self) -> StreamTransport:
-        """The orchestrator's control link, once it has answered every command sent before."""
-        control = self.parties.control(ORCHESTRATOR)
-        while self._owed:
+    def _send(self, name: str, cmd: object) -> StreamTransport:
+        """Send `name` a command that it answers once, after every answer it still owed."""
+        control = self._settle(name)
+        control.send(cmd)
+        self._owed[control] = self._owed.get(control, 0) + 1
+        return control
+
+    def _recv(self, name: str, timeout: float) -> object:
+        control = self.parties.control(name)
+        msg = control.recv(timeout=timeout).message
+        if self._owed.get(control, 0) > 0:
+            self._owed[control] -= 1
+        return msg
+
+    def _settle(self, name: str) -> StreamTransport:
+        """`name`'s control link, once the answers to commands given up on are read (and dropped)."""
+        control = self.parties.control(name)
+        while self._owed.get(control, 0) > 0:
             try:
-                control.recv(timeout=self.config.boot_timeout + 5)
+                self._recv(name, self.config.boot_timeout + 5)
             except Terminated:
                 raise
             except GputravelError as exc:
-                raise RemoteError(f"orchestrator stopped answering: {exc}{self.parties.log_tail(ORCHESTRATOR)}") from None
-            self._owed -= 1
+                raise RemoteError(f"{name} stopped answering: {exc}{self.parties.log_tail(name)}") from None
         return control
 
     def baseline(self, holder: str, dataset_offset: int = 0) -> BaselineReport:
@@ -257,7 +271,7 @@ class CohortClient:
         """Run a training job in the orchestrator CVM; returns its report (see train.loop.make_report).
         The paths are as the orchestrator's process names them (Placement.output); `rank`: its
         place in a data-parallel job (None: it trains alone)."""
-        control = self._orchestrator()
+        control = self._settle(ORCHESTRATOR)  # the job's steps and its end are read below, as they come
         place = rank if rank is not None else RankPlace()
         control.send(Train(config_json=config_json, run_dir=run_dir, resume_checkpoint=resume_checkpoint,
                            rank=place.rank, world_size=place.world_size, master=place.master,
