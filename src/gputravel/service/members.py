@@ -318,8 +318,10 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
                              ranks_context=bytes.fromhex(cfg.ranks_context)))
     while True:
         if stop() and not stopping:
-            # Training ends at the next step boundary, checkpointed there: a restart resumes
-            # from exactly that step (orchestrator/process.py _ShutdownAsked).
+            # One GPU: training ends at the next step boundary, checkpointed there, and a restart
+            # resumes from exactly that step (orchestrator/process.py _ShutdownAsked). A rank of
+            # several (cfg.shares) trains with no stop check, as ranks stop together or not at all:
+            # it trains on until its service is killed, and resumes from the last periodic checkpoint.
             child.control.send(Shutdown())
             stopping = True
         msg = child.control.recv(timeout=STOP_WAIT_S if stopping else cfg.holder_timeout + 60).message
