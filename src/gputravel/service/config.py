@@ -93,6 +93,10 @@ def orchestrator_party(rank: int) -> str:
     return ORCHESTRATOR if rank == 0 else f"{ORCHESTRATOR}-{rank}"
 
 
+STATUS_FILE = "status.json"  # in a service's state_dir, and as the orchestrator publishes it
+AUDIT_LOG = "audit.log"  # the orchestrator's signed travel log, in its state_dir and published
+
+
 def public_file(orchestrator: str, name: str) -> str:
     """What `orchestrator` (a party name) publishes in the public directory under `name`
     (audit.log, status.json, job-done): rank 0's under the one-GPU names, rank K's prefixed

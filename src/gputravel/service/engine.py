@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from gputravel.orchestrator.cvm import OrchestratorConfig
-from gputravel.service.config import OrchestratorService
+from gputravel.service.config import AUDIT_LOG, OrchestratorService
 
 __all__ = ["orchestrator_engine_config"]
 
@@ -20,6 +20,6 @@ def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_
         holder_timeout=cfg.holder_timeout, device_timeout=cfg.device_timeout,
         # As the demo (jobs/training.py): holders whose tokens came from another tokenizer are refused.
         tokenizer=cfg.job.tokenizer,
-        trust_dir=trust_dir, audit_log=os.path.join(cfg.state_dir, "audit.log"), hardware=cfg.hardware,
+        trust_dir=trust_dir, audit_log=os.path.join(cfg.state_dir, AUDIT_LOG), hardware=cfg.hardware,
         # The [job] table is measured too: a holder's policy pins the job run on its data.
         job_json=cfg.job.train_config().canonical_json())

@@ -63,7 +63,7 @@ from gputravel.service.config import (
     validate_service,
 )
 from gputravel.service.engine import orchestrator_engine_config
-from gputravel.service.registry import PLATFORM_DIR, VENDOR_DIR, write_registry
+from gputravel.service.registry import VENDOR_DIR, platform_dir_of, write_registry
 from gputravel.train.schedule import partition
 
 __all__ = ["init_cohort", "write_service"]
@@ -210,7 +210,7 @@ def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
     for k, issuer in enumerate(issuers):
         issuer.save(_private_dir(vendor / f"gpu-{k}"))
     for rank in range(gpus):
-        platform = _private_dir(d / (PLATFORM_DIR if rank == 0 else f"{PLATFORM_DIR}-{rank}"))
+        platform = _private_dir(platform_dir_of(d, rank))
         for name in (TEE_ROOT_CERT, TEE_ROOT_KEY):
             shutil.copy2(trust / name, platform / name)  # the key keeps its 0600
     for name in (GPU_ROOT_KEY, TEE_ROOT_KEY):

@@ -46,7 +46,7 @@ from gputravel.cohort import isolation, stopping
 from gputravel.data.tokenizer import RECORD_NAME
 from gputravel.errors import BadInput, PeerTimeout, RemoteError
 from gputravel.files import atomic_write, copy_plain, open_plain, read_plain
-from gputravel.service.config import host_party, orchestrator_party
+from gputravel.service.config import AUDIT_LOG, host_party, orchestrator_party
 from gputravel.service.init import init_cohort
 
 __all__ = ["ServiceLaunch", "StepRow"]
@@ -348,7 +348,7 @@ class ServiceLaunch:
         for k, (log, cert) in enumerate(self.rank_audit):
             party = orchestrator_party(k)
             state = Path(self._config(party)["state_dir"])
-            copies += [(state / "audit.log", log), (self.cohort / "public" / f"{party}.pem", cert)]
+            copies += [(state / AUDIT_LOG, log), (self.cohort / "public" / f"{party}.pem", cert)]
         for src, dest in copies:
             try:
                 if src.name == "metrics.csv" and self.resume and dest.exists():

@@ -40,7 +40,7 @@ from gputravel.errors import BadInput, GputravelError, ProtocolError
 from gputravel.files import atomic_write_bytes, write_json
 from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, Shutdown,
                                         TrainDone, TrainStep, Train)
-from gputravel.service.config import (HolderService, OrchestratorService, gpu_socket, orchestrator_party, public_file,
+from gputravel.service.config import (AUDIT_LOG, STATUS_FILE, HolderService, OrchestratorService, gpu_socket, orchestrator_party, public_file,
                                       quoting_socket)
 from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.party import (PartyChild, Stopping, as_party, log, one_certificate, own_state, private_dir,
@@ -297,7 +297,7 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
     With several GPUs, as rank `cfg.rank` of the job: the ranks attest one another in their
     CVMs before any gradient moves, and every rank resumes the same checkpoint or none."""
     name = orchestrator_party(cfg.rank)  # the name this rank logs and publishes under
-    status, stopping, said = state / "status.json", False, 0.0
+    status, stopping, said = state / STATUS_FILE, False, 0.0
     _say_status(cfg, status, {"phase": "admitting", "members": [], "step": 0})
     child.control.send(AwaitHolders(names=tuple(cfg.holders), timeout=3600.0))
     log(name, "waiting", waiting_for=f"holders {', '.join(cfg.holders)} to join")
@@ -360,16 +360,16 @@ def _say_status(cfg: OrchestratorService, path: Path, status: dict) -> None:
     """The job's state: all of it in our state directory, and what any party may know (no
     loss: that is the model's) in the public directory, for `gputravel status`."""
     write_json(path, status)
-    public = Path(cfg.public_dir) / public_file(orchestrator_party(cfg.rank), "status.json")
+    public = Path(cfg.public_dir) / public_file(orchestrator_party(cfg.rank), STATUS_FILE)
     write_json(public, {k: v for k, v in status.items() if k in PUBLIC_STATUS})
 
 
 def _publish_log(cfg: OrchestratorService, state: Path) -> None:
     """The signed travel log, for every holder to check its own travels (`gputravel status`):
     public, since it holds chunk names, offsets and digests, never data or keys."""
-    log_path = state / "audit.log"
+    log_path = state / AUDIT_LOG
     if log_path.exists():
-        publish(log_path, Path(cfg.public_dir) / public_file(orchestrator_party(cfg.rank), "audit.log"), cfg.uid)
+        publish(log_path, Path(cfg.public_dir) / public_file(orchestrator_party(cfg.rank), AUDIT_LOG), cfg.uid)
 
 
 def _as_dict(config: object) -> dict:

@@ -56,8 +56,12 @@ def platform_dir(cfg: Any) -> Path:
     """The CPU-TEE root that certifies the orchestrator's TDX module's key, once: each rank's
     module its own copy (platform/, platform-K/ for rank K), as each CVM's TDX module is
     provisioned on its own and every quote chains to one CPU-TEE root."""
-    rank = getattr(cfg, "rank", 0)
-    return Path(cfg.cohort_dir) / (PLATFORM_DIR if rank == 0 else f"{PLATFORM_DIR}-{rank}")
+    return platform_dir_of(Path(cfg.cohort_dir), getattr(cfg, "rank", 0))
+
+
+def platform_dir_of(cohort_dir: Path, rank: int) -> Path:
+    """Rank `rank`'s platform directory in `cohort_dir`: init writes it, the rank's service reads it."""
+    return cohort_dir / (PLATFORM_DIR if rank == 0 else f"{PLATFORM_DIR}-{rank}")
 
 
 def bound_keys(cfg: Any) -> dict[str, Any]:

@@ -24,15 +24,13 @@ from gputravel.holder.cvm import Dataset, manifest_piece_bytes
 from gputravel.holder.log_key import read_log_key
 from gputravel.orchestrator.audit import AuditError, Entry, Failure, mismatched_chunks, verify_log
 from gputravel.protocol.manifest import chunk_digest
-from gputravel.service.config import (GpuService, HolderService, HostService, OrchestratorService, ServiceConfig,
+from gputravel.service.config import (AUDIT_LOG, STATUS_FILE, GpuService, HolderService, HostService, OrchestratorService, ServiceConfig,
                                       host_party, orchestrator_party, public_file)
 from gputravel.service.party import as_party
 from gputravel.service.registry import bind
 
 __all__ = ["STATUS_FILE", "cohort_status", "party_name"]
 
-STATUS_FILE = "status.json"  # in a service's state_dir: {"members", "gpu_at", "travels", "step", "phase"}
-PUBLIC_LOG = "audit.log"  # beside its orchestrator's certificate, public/PARTY.pem (config.public_file)
 HEAD_FILE = "audit-head.json"  # in a holder's state_dir: the head of the published log it last verified
 SHIPPED = Path(os.path.realpath(Path(gputravel.__file__).parent / "demo_data"))
 HOLDER_PKI = "pki"  # in a holder's state_dir (service/members.py): its TLS key and its travel-log key
@@ -130,7 +128,7 @@ def _my_travels(cfg: HolderService) -> dict:
     (which it then moves on); its own chunks against its own data; a torn last entry (being
     written) is skipped."""
     # Its own orchestrator's log, the one its GPU's orchestrator signs (rank K's with several GPUs).
-    log, cert = Path(cfg.public_dir) / public_file(cfg.orchestrator, PUBLIC_LOG), Path(cfg.public_dir) / f"{cfg.orchestrator}.pem"
+    log, cert = Path(cfg.public_dir) / public_file(cfg.orchestrator, AUDIT_LOG), Path(cfg.public_dir) / f"{cfg.orchestrator}.pem"
     if not (log.exists() and cert.exists()):
         return {"log": "not published"}
     head_file = Path(cfg.state_dir) / HEAD_FILE
