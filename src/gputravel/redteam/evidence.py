@@ -1,10 +1,5 @@
-"""What a red-team row saw, as typed records: the verdicts and the tests read their fields;
-:meth:`Record.line` puts one into words, for people only (the table's evidence, the JSON's
-``evidence``; the JSON's ``records`` are these records, and :func:`load` reads them back).
-
-A record is frozen and tagged by its ``kind``; ``stage`` names the part of a row it comes from
-where a row has several (collusion-after-failed-rotation's "refuse" and "vanish").
-"""
+"""What a red-team row saw, as typed records that verdicts and tests read field by field;
+:meth:`Record.line` puts one into words for people (the JSON's ``evidence``; ``records`` are typed)."""
 
 from __future__ import annotations
 
@@ -17,18 +12,18 @@ from gputravel.redteam.bus import Did
 
 
 class Record(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
-    stage: str = ""
+    stage: str = ""  # the part of a row it comes from, where a row has several
+    template = ""  # the record in words, formatted with its fields
 
     def text(self) -> str:
-        raise NotImplementedError
+        return self.template.format_map(msgspec.structs.asdict(self))
 
     def line(self) -> str:
         return f"[{self.stage}] {self.text()}" if self.stage else self.text()
 
 
 class Travel(Record, tag="travel"):
-    """A travel the driver asked the orchestrator for, and how it ended. ``after``: one made
-    after the attack, to see that the cohort carries on."""
+    """A travel the driver asked for, and how it ended; ``after``: one to see the cohort carries on."""
 
     holder: str
     verified: bool  # VRAM's digest matched the holder's manifest
@@ -40,7 +35,6 @@ class Travel(Record, tag="travel"):
     after: bool = False
 
     def failed_with(self, kind: str) -> bool:
-        """Did it fail with an error of class ``kind`` (or one derived from it)?"""
         return kind in self.kinds
 
     def text(self) -> str:
@@ -70,6 +64,7 @@ class Baseline(Record, tag="baseline"):
 class Acted(Record, tag="acted"):
     """What an adversary reported it did or saw (an :class:`~gputravel.redteam.bus.Event`)."""
 
+    template = "{who}: {said}"
     who: str  # "host" or the malicious holder's name
     did: Did
     party: str
@@ -79,9 +74,6 @@ class Acted(Record, tag="acted"):
     error: str
     said: str  # the adversary's own words
 
-    def text(self) -> str:
-        return f"{self.who}: {self.said}"
-
 
 REKEYED = "re-keyed the GPU through a new SPDM session"
 _RECOVERY_FAILED = re.compile(r"recovery rotation failed \((\w+)")
@@ -90,6 +82,7 @@ _RECOVERY_FAILED = re.compile(r"recovery rotation failed \((\w+)")
 class Logged(Record, tag="logged"):
     """A warning of the orchestrator's log (a trusted party's words, read once, here)."""
 
+    template = "orchestrator: {said}"
     said: str
     rekeyed: bool  # it re-keyed the GPU through a new SPDM session
     recovery_failed: str  # the typed error its recovery rotation failed with ("" if none)
@@ -99,42 +92,29 @@ class Logged(Record, tag="logged"):
         failed = _RECOVERY_FAILED.search(line)
         return cls(said=line, rekeyed=REKEYED in line, recovery_failed=failed.group(1) if failed else "")
 
-    def text(self) -> str:
-        return f"orchestrator: {self.said}"
-
 
 class Journal(Record, tag="journal"):
     """An entry of the orchestrator's signed travel log."""
 
+    template = "travel log: {event} {holder}, key epoch {epoch_before} -> {epoch_after}"
     event: str
     holder: str
     epoch_before: int
     epoch_after: int
 
-    def text(self) -> str:
-        return f"travel log: {self.event} {self.holder}, key epoch {self.epoch_before} -> {self.epoch_after}"
-
 
 class Rejoined(Record, tag="rejoined"):
+    template = "{holder} joined the cohort again (attested the orchestrator afresh)"
     holder: str
-
-    def text(self) -> str:
-        return f"{self.holder} joined the cohort again (attested the orchestrator afresh)"
 
 
 class Recovered(Record, tag="recovered"):
-    """The rotation under way when the GPU came home recovered it: no re-key was needed."""
-
+    template = ("after {holder}'s travel the GPU was recovered by the rotation under way (a confirmed rotation, "
+                "no re-key)")
     holder: str
-
-    def text(self) -> str:
-        return f"after {self.holder}'s travel the GPU was recovered by the rotation under way (a confirmed " \
-               "rotation, no re-key)"
 
 
 class Travelled(Record, tag="travelled"):
-    """Whether the GPU went to ``holder`` at all (the host saw the orchestrator ask)."""
-
     holder: str
     went: bool
 
@@ -143,8 +123,6 @@ class Travelled(Record, tag="travelled"):
 
 
 class EpochSkipped(Record, tag="epoch-skipped"):
-    """The travel log shows ``holder`` given the epoch after ``spent``, that of a baseline copy."""
-
     holder: str
     spent: int
 
@@ -156,16 +134,12 @@ class EpochSkipped(Record, tag="epoch-skipped"):
 class Control(Record, tag="control"):
     """The search, run where it must find something, finds ``nbytes`` of ``what``."""
 
+    template = "control: the same search finds {nbytes} bytes of {what}"
     what: str
     nbytes: int
 
-    def text(self) -> str:
-        return f"control: the same search finds {self.nbytes} bytes of {self.what}"
-
 
 class Searched(Record, tag="searched"):
-    """What snoop-everything searched: the host's whole view of the run."""
-
     nbytes: int
     snoop_bytes: int
     tap_bytes: int
@@ -197,15 +171,13 @@ class Probed(Record, tag="probed"):
 class Carried(Record, tag="carried"):
     """What the host carried of one case of the all-reduce row, and the gradient bytes in it."""
 
+    template = ("{case}: the host carried {records} records ({nbytes} bytes) of the {variant} ring: {found} bytes of "
+                "the canary gradient found")
     case: str
     variant: str
     records: int
     nbytes: int
     found: int
-
-    def text(self) -> str:
-        return (f"{self.case}: the host carried {self.records} records ({self.nbytes} bytes) of the {self.variant} "
-                f"ring: {self.found} bytes of the canary gradient found")
 
 
 class Tampered(Record, tag="tampered"):
@@ -225,8 +197,6 @@ class Tampered(Record, tag="tampered"):
 
 
 class RankStep(Record, tag="rank-step"):
-    """How one rank's DDP step of one case of the all-reduce row ended."""
-
     case: str
     rank: int
     completed: bool
@@ -245,22 +215,18 @@ class RankStep(Record, tag="rank-step"):
 class SearchedRing(Record, tag="searched-ring"):
     """What the all-reduce row searched: all the host carried but the control's."""
 
+    template = ("searched {nbytes} bytes the host carried in every case but the control for 8-byte runs of the canary "
+                "gradient in 5 encodings (float32 of the gradient, of its 1/{world} share and of the updated weights; "
+                "float16 and bfloat16 of the share)")
     nbytes: int
     world: int
-
-    def text(self) -> str:
-        return (f"searched {self.nbytes} bytes the host carried in every case but the control for 8-byte runs of the "
-                f"canary gradient in 5 encodings (float32 of the gradient, of its 1/{self.world} share and of the "
-                "updated weights; float16 and bfloat16 of the share)")
 
 
 class Failed(Record, tag="failed"):
     """Something an adversary failed at outside the attack (the row then cannot be defeated)."""
 
+    template = "{what}"
     what: str
-
-    def text(self) -> str:
-        return self.what
 
 
 Evidence = Union[Travel, Baseline, Acted, Logged, Journal, Rejoined, Recovered, Travelled, EpochSkipped, Control,
@@ -268,5 +234,5 @@ Evidence = Union[Travel, Baseline, Acted, Logged, Journal, Rejoined, Recovered, 
 
 
 def load(records: object) -> list[Evidence]:
-    """Records back from the JSON report's ``records`` (msgspec checks every field)."""
+    """The JSON report's ``records`` back, every field checked."""
     return msgspec.convert(records, list[Evidence])
