@@ -1,48 +1,10 @@
-"""Red-team row of issue 14: the host reads and tampers with the all-reduce between GPU TEEs.
+"""Red-team row of issue 14: the host carries, reads and tampers with the ring all-reduce between GPU TEEs.
 
-Three ranks and the host run as processes of one torch.distributed world, and every record of
-the ring all-reduce crosses the host's process (the second half of this module). Rank 0's gradient is a
-canary: random float32 values with a marker quartet every 256 values; the other ranks' gradients are
-zeros, so every partial sum on the wire is the canary itself, divided by the world size as the
-hook divides it, and the search below can see any plaintext byte the wire could carry. The
-cases, each a DDP step with the encrypted hook on a ring of its own (fresh keys, a fresh gloo
-group through the host):
-
-- ``encrypted`` and ``encrypted-naive``: the pipelined and the naive ring, honest host;
-- ``plain-control``: the same step on the unsealed ring, so that the search is seen to work;
-- ``flip``, ``replay``, ``cut``, ``drop``: the host flips a bit of, replays the record before in
-  place of, delivers the first half of, or drops one record rank 0 sends rank 1 in the last hop;
-- ``replay-longer``: the host delivers the record before, full length, in place of the hop's
-  short last record (each hop's segment is 2.75 records long). gloo ends a process that gets a
-  message longer than the receive posted for it, so this is the case that killed the receiving
-  rank (SIGABRT, nothing reported) before the ring posted every receive at one size, that of
-  the longest record it can send.
-
-Everything the host carried is searched for the gradient in five encodings (float32 of the
-gradient, of its 1/W share, of the updated weights; float16 and bfloat16 of the share), as
-8-byte runs at any offset; a count is the bytes of the capture those runs cover. The row is
-defeated when the sealed cases' captures hold 0 such bytes while the plain one holds many,
-and each fault stopped rank 1's step with an IntegrityError before its optimizer moved a
-weight, while the other ranks' steps completed with the right sum.
-
-The processes: in the threat model every byte between two GPU TEEs crosses the host. Here the
-ranks and the host are processes of one torch.distributed world (gloo): ranks 0..W-1 and the host, rank W.
-Each rank trains one DDP step with the encrypted hook (ddp/hook.py), whose ring (ddp/ring.py)
-is given a link through the host (:class:`HostCarried`, the ring's ``p2p`` seam): every
-record it sends goes to the host's process as gloo point-to-point messages, and the host
-forwards it to the rank it names, or does not. The host records every record it carried and,
-in the fault cases, flips a bit of one record, replaces it with the one before (a replay),
-delivers it cut short, or drops it. Nothing else of the honest ranks changes: their keys come
-from an ECDHE bound to emulated TDX quotes (ddp/keys.py), their step is the production hook's.
-
-Each delivery is one gloo message into a receive the ring posted at its one receive size, that
-of the longest record it can send (record_bytes and the tag). A host that delivered a message
-longer than that would make gloo end the rank (SIGABRT): an attack on gloo's framing, which the
-ring cannot reach (ddp/ring.py, "Framing"), and no case here makes it.
-
-DDP's own parameter broadcast and the key exchange run over gloo between the ranks, not
-through the host's process: they carry the initial weights (zeros) and public key shares,
-never a gradient.
+Ranks and the host are processes of one gloo world; each rank's encrypted DDP hook sends every record
+through the host's process (:class:`HostCarried`). Rank 0's gradient is a canary (the others' are zeros,
+so every partial sum on the wire is the canary): the row is defeated when the sealed cases' captures
+hold none of it (the plain control's do) and each fault stops rank 1's step with an IntegrityError
+before its optimizer moves a weight, the other ranks' steps completing with the right sum.
 """
 
 from __future__ import annotations
@@ -72,8 +34,7 @@ from gputravel.redteam.arena import Arena, Verdict, row
 from gputravel.redteam.canary import Found
 from gputravel.redteam.evidence import Carried, Failed, RankStep, Record, SearchedRing, Tampered
 
-HEAD, BODY, DELIVER = 1, 2, 3  # gloo tags: a record's header and body to the host; the host's delivery
-# (DELIVER + the ring's lane: the host delivers a record on the lane its sender named)
+HEAD, BODY, DELIVER = 1, 2, 3  # gloo tags: a record's header and body to the host; the host's delivery (+ lane)
 END = -1  # a header's destination when a rank is done with a case
 MEASURED = b"\x5b" * 48  # the rank CVMs' measurement, as their verifiers accept it (emulated)
 MAX_RECORD = 1 << 24  # the host refuses to allocate more for one record than this
@@ -84,13 +45,11 @@ class Case:
     name: str
     variant: str  # the ring's: plain, naive or pipelined
     fault: str = ""  # "", "flip", "replay", "cut" or "drop": what the host does to one record from rank 0 to rank 1
-    record: int = 1  # which record of the last hop (of those rank 0 sends rank 1) the host does it to
+    record: int = 1  # which record of the last hop; replay-longer's is the hop's short last (it once meant SIGABRT)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything the processes need, picklable: the parent makes it once."""
-
     world: int  # ranks; the host is rank `world`
     port: int
     cases: tuple[Case, ...]
@@ -101,6 +60,7 @@ class Plan:
     root: tuple[bytes, bytes]  # the emulated CPU-TEE quoting root: certificate, private key (PEM)
     out_dir: str  # where the host writes what it carried, one file per case
     timeout_s: float
+
 
 ROW = "host-carries-allreduce"
 WORLD = 3
@@ -116,8 +76,7 @@ RECEIVER = 1  # the rank the host tampers towards
 
 
 def cases(sealed: bool = True) -> tuple[Case, ...]:
-    """The row's cases. ``sealed=False`` runs every ring plain: the row with its defence off,
-    for the tests that show the row then fails."""
+    """The row's cases; ``sealed=False``, every ring plain: the defence off, for the tests that show the row fails."""
     ring = (lambda v: v) if sealed else (lambda v: "plain")
     return (Case("encrypted", ring("pipelined")), Case("encrypted-naive", ring("naive")), Case(CONTROL, "plain"),
             Case("flip", ring("pipelined"), "flip"), Case("replay", ring("pipelined"), "replay"),
@@ -127,8 +86,6 @@ def cases(sealed: bool = True) -> tuple[Case, ...]:
 
 @dataclass(frozen=True)
 class Observed:
-    """What the row saw: per case, what the host carried and did, and how each rank's step ended."""
-
     cases: tuple[Case, ...]
     carried: dict[str, Carried]  # with the bytes of the canary gradient found in it
     tampered: dict[str, tuple[Tampered, ...]]
@@ -137,9 +94,8 @@ class Observed:
     world: int
 
 
-# ----------------------------------------------------------------------------- the canary
 def canary_gradient(n: int) -> torch.Tensor:
-    """Random float32 values with a random marker quartet every PERIOD values; fresh per run."""
+    """Random float32 values with a random marker quartet every PERIOD values."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
     gradient = torch.randn(n, generator=gen)
     gradient.view(-1, PERIOD)[:, :4] = torch.randn(4, generator=gen) * 1000
@@ -147,8 +103,7 @@ def canary_gradient(n: int) -> torch.Tensor:
 
 
 def gradient_needles(gradient: torch.Tensor, world: int) -> np.ndarray:
-    """Every WINDOW-byte run, at an element boundary, of the gradient in each encoding a leak
-    could take, as sorted little-endian uint64."""
+    """Every WINDOW-byte run, at an element boundary, of the gradient in each encoding a leak could take."""
     share = gradient / world  # as the hook divides it before the ring sums
     encodings = (gradient, share, torch.zeros_like(share).add_(share, alpha=-1.0), share.half(),
                  share.bfloat16().view(torch.int16))
@@ -173,10 +128,8 @@ def found_in(data: bytes, needles: np.ndarray) -> int:
     return int(covered.sum())
 
 
-# ----------------------------------------------------------------------------- running it
 def carry(out_dir: Path, *, sealed: bool = True, world: int = WORLD, only: tuple[str, ...] = ()) -> Observed:
-    """Start the ranks and the host, run every case (or those named in `only`), search what
-    the host carried."""
+    """Run every case (or those in `only`) through the ranks and the host; search what the host carried."""
     chosen = tuple(c for c in cases(sealed) if not only or c.name in only)
     if world < 2 or not chosen:
         raise BadInput("the all-reduce row needs at least two ranks and a case")
@@ -209,25 +162,21 @@ class RowNotRun(RemoteError):
 
 
 def _launch(plan: Plan) -> dict[tuple[int, str], dict]:
-    """Run the processes to the end (ddp/launch.py ends every one, whatever happens)."""
     targets = [(rank_main, (r, plan)) for r in range(plan.world)] + [(host_main, (plan,))]
     names = [f"rank {r}" for r in range(plan.world)] + ["the host"]
     try:
         answers = run_processes(targets, LAUNCH_TIMEOUT_S, names=names, method="forkserver",
                                 preload=["torch", "torch.distributed", "gputravel.redteam.allreduce"], grace=5.0)
-    except RemoteError as err:  # a process failed, died or hung: the row was not carried out
+    except RemoteError as err:  # a process failed, died or hung
         raise RowNotRun(str(err)) from err
     return {(who, case): value for sent in answers for who, case, value in sent}
 
 
-# ----------------------------------------------------------------------------- judging it
 def _right(step: RankStep) -> bool:
     return step.completed and step.sum_right
 
 
 def judge(seen: Observed) -> Verdict:
-    """Stopped when every sealed capture holds 0 gradient bytes (and the control many), and
-    every fault stopped its receiver's step with an IntegrityError, the others' steps right."""
     good, evidence = True, list[Record]()
     others = [r for r in range(seen.world) if r != RECEIVER]
     for case in seen.cases:
@@ -265,20 +214,16 @@ STOPPED_BY = ("AES-256-GCM on every hop of the ring, per-direction keys from an 
      "flipped a bit of, replayed the record before in place of, and dropped one record rank 0 sent rank 1 in the "
      "last hop")
 def host_carries_allreduce(a: Arena) -> bool:
-    """The row, in the live red-team run: what the host carried goes to its loot."""
     verdict = judge(carry(a.cohort.loot_dir / ROW))
     a.keep(*verdict.evidence)
     a.plaintext = verdict.plaintext
     return verdict.stopped
 
 
-# ----------------------------------------------------------------------------- the processes: the ranks
+# ----------------------------------------------------------------------------- the processes
 class HostCarried:
-    """A rank's ring link when the host carries the bytes: a record for rank `dst` goes to the
-    host as a header (destination, length, lane) and the record itself; whatever the host
-    delivers arrives from the host, into a receive as long as the ring posted it (the longest
-    record the ring can send). A ring's receiver hears one peer, so `src` names no channel
-    here: where a record came from is for its authentication to say, not for the wire."""
+    """A rank's ring link through the host: a header (destination, length, lane), then the record. `src`
+    names no channel: where a record came from is for its authentication to say, not for the wire."""
 
     def __init__(self, carrier: dist.ProcessGroup, rank: int, world_size: int, host: int) -> None:
         self.carrier, self.rank, self.world_size, self.host = carrier, rank, world_size, host
@@ -293,7 +238,7 @@ class HostCarried:
         return dist.irecv(buf.view(torch.uint8), self.host, group=self.carrier, tag=DELIVER + lane)
 
     def done(self) -> None:
-        """Tell the host this rank sends nothing more in this case (after what it already sent)."""
+        """Nothing more from this rank in this case."""
         dist.send(torch.tensor([END, 0, 0], dtype=torch.int64), self.host, group=self.carrier, tag=HEAD)
 
 
@@ -317,10 +262,10 @@ class _Gradient(nn.Module):
 
 
 def rank_main(rank: int, plan: Plan) -> list[tuple[int, str, dict]]:
-    """One rank: a DDP step with the encrypted hook per case, its ring carried by the host. What
-    it raises the launcher reports, naming the rank, and the row is not carried out."""
+    """One rank: a DDP step with the encrypted hook per case, its ring carried by the host."""
     _join(rank, plan)
-    ranks = dist.new_group(list(range(plan.world)))  # DDP's and the key exchange's; the host is not in it
+    # DDP's broadcast and the key exchange bypass the host: they carry zero weights and public shares, never a gradient
+    ranks = dist.new_group(list(range(plan.world)))
     root_cert, root_key = plan.root
     tee = EmulatedRankTee(Authority(root_cert, serialization.load_pem_private_key(root_key, password=None)),
                           root_cert, MEASURED)
@@ -364,7 +309,6 @@ def _step(rank: int, plan: Plan, case: Case, ranks: dist.ProcessGroup, carrier: 
     return {**out, "sum_right": bool(torch.equal(w, right)), "untouched": bool(torch.equal(w, torch.zeros_like(w)))}
 
 
-# ----------------------------------------------------------------------------- the host
 def host_main(plan: Plan) -> list[tuple[int, str, dict]]:
     """The host: carries every record of every case, records it, and tampers as the case says."""
     _join(plan.world, plan)
@@ -442,7 +386,6 @@ def _tamper(fault: str, record: bytes, before: bytes) -> bytes | None:
     return None
 
 
-# ----------------------------------------------------------------------------- either
 def _join(rank: int, plan: Plan) -> None:
     torch.set_num_threads(1)  # the processes share this machine's cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(plan.port))
