@@ -1,9 +1,6 @@
-"""The training job (the `gputravel demo` command): a local cohort whose GPU travels to each data
-holder for the next chunk of tokens while the orchestrator trains GPT-2 on what arrived.
-
-``loader="travelling"`` runs the training loop inside the orchestrator CVM (the only place the
-dataset buffer in VRAM can be read); ``loader="local"`` runs the same loop here on the same
-holders' tokens read from disk, in the same order: the reference for paper goal G2.
+"""The training job (`gputravel demo`): the orchestrator trains GPT-2 on what its GPU brings
+from each holder; ``loader="local"`` runs the same loop here on the same tokens read from disk,
+in the same order: the reference for paper goal G2.
 """
 
 from __future__ import annotations
@@ -16,18 +13,17 @@ from typing import Callable
 
 from gputravel.cohort import capacity
 from gputravel.cohort.client import RankPlace
+from gputravel.service.init import data_bytes, holder_shares, job_tokenizer
 from gputravel.service.launch import ServiceLaunch
 from gputravel.cohort.gpus import GpuCohorts, on_each
 from gputravel.cohort.local import Cohort
 from gputravel.ddp.launch import free_port
 from gputravel.net.counters import bytes_between, link_bytes
 from gputravel.jobs.local_ranks import run_local_ranks
-from gputravel.train.schedule import partition
-
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.data.holder_tokens import load_tokens
 from gputravel.data.shakespeare import shakespeare_holders
-from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
+from gputravel.data.tokenizer import KNOWN
 from gputravel.errors import BadInput, number_in
 from gputravel.files import MISSING, TOKENS, atomic_write_bytes, not_data, write_json
 from gputravel.net.tc import MAX_BANDWIDTH_MBIT
@@ -68,10 +64,8 @@ class TrainingJobConfig:
 
 
 def check_capacity(cfg: TrainingJobConfig) -> None:
-    """BadInput, naming the flag, if this machine cannot carry the job, before anything starts
-    (cohort/capacity.py, the check `gputravel travel` makes): the dataset buffer (--buffer-mib)
-    in the GPU's protected memory, the training (--batch x --seq-len on the model) in the
-    orchestrator, and the whole cohort, one per GPU, beside them."""
+    """BadInput, naming the flag, if this machine cannot carry the job (cohort/capacity.py):
+    the dataset buffer, the training in the orchestrator, and a cohort per GPU beside them."""
     t = resolve(cfg).train  # the holders' tokenizer fixes the vocabulary, so the logits' size
     if t.buffer_bytes // TOKEN_BYTES < t.batch * t.seq_len + 1:
         raise BadInput(f"--buffer-mib {t.buffer_bytes / capacity.MIB:g} holds {t.buffer_bytes // TOKEN_BYTES} tokens, and one "
@@ -84,7 +78,7 @@ def check_capacity(cfg: TrainingJobConfig) -> None:
     capacity.check_buffer(t.buffer_bytes, "--buffer-mib")
     capacity.check_memory(t.memory_mib(), f"the orchestrator's training with --batch {t.batch} x --seq-len "
                           f"{t.seq_len} needs", "use a smaller --batch or --seq-len", _training_detail(t))
-    data = sum(_data_bytes(Path(path)) for _, path in cfg.holders)
+    data = sum(data_bytes(path) for _, path in cfg.holders)
     capacity.check(len(cfg.holders), sysmem_bytes=layout_for(t.buffer_bytes).sysmem_bytes,
                    dataset_bytes=-(-data // len(cfg.holders)), gpus=cfg.gpus,
                    vram_mib=-(-t.buffer_bytes // capacity.MIB) + capacity.VRAM_MARGIN_MIB, train_mib=t.memory_mib())
@@ -120,25 +114,10 @@ def default_holders(count: int, workdir: Path) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def tokenizer_of(path: str) -> str:
-    """Which tokenizer a holder's data is (or will be) tokenized with, without reading its data."""
-    p = Path(path)
-    folder = p if p.is_dir() else p.parent
-    if p.suffix == ".bin" or any(folder.glob("*.bin")):
-        return resolve_record(folder, None).name  # the record, or GPT-2 as llm.c's own scripts write
-    return default_tokenizer().name  # text, tokenized when the holder loads it
-
-
 def resolve(cfg: TrainingJobConfig) -> TrainingJobConfig:
     """Fix the tokenizer and vocabulary from the holders' data; every holder must agree."""
-    names = {name: tokenizer_of(path) for name, path in cfg.holders}
-    first = next(iter(names.values()))
-    odd = {n: t for n, t in names.items() if t != first}
-    if odd:
-        raise BadInput(f"holders disagree on the tokenizer: {names}; prepare every holder's data with the same one")
-    if first not in KNOWN:
-        raise BadInput(f"unknown tokenizer {first!r} in the holders' tokenizer.json: known are {', '.join(KNOWN)}")
-    return replace(cfg, train=cfg.train.replace(tokenizer=first, vocab_size=KNOWN[first].vocab_size))
+    name = job_tokenizer(cfg.holders)
+    return replace(cfg, train=cfg.train.replace(tokenizer=name, vocab_size=KNOWN[name].vocab_size))
 
 
 def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None] | None = None) -> dict:
@@ -152,7 +131,7 @@ def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None
     elif cfg.train.loader == "local":
         report = _run_local(cfg, run_dir, on_step)
     else:
-        report = _run_travelling(cfg, run_dir, on_step)
+        report = _run_services(cfg, run_dir, on_step)
     report["holders"] = {name: path for name, path in cfg.holders}
     write_json(run_dir / "report.json", report)
     return report
@@ -165,24 +144,33 @@ def _run_local(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
     return make_report(cfg.train, result)
 
 
-def _run_travelling(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
-    """One GPU: the cohort as a consortium deploys it, each party its own service from its own
-    config (service/launch.py), the job in the orchestrator's [job] table, measured."""
-    log, cert = _audit_paths(run_dir)
+def _run_services(cfg: TrainingJobConfig, run_dir: Path, on_step, shares=None) -> dict:
+    """The cohort as a consortium deploys it, each party its own service (service/launch.py);
+    with `shares`, every GPU's orchestrator trains as a rank of one job, rank 0 streaming its steps."""
+    logs = [_audit_paths(run_dir, f"gpu-{k}-" if shares is not None else "") for k in range(cfg.gpus)]
     _checkpoint(cfg, run_dir)  # --resume with no checkpoint: said before anything starts
     relay = None if on_step is None else (lambda row: on_step(StepEvent(**row)))
-    with ServiceLaunch(cfg.holders, cfg.train.to_dict(), run_dir, audit_log=log, certificate=cert, hardware=cfg.hardware,
-                       resume=cfg.resume) as cohort:
+    with ServiceLaunch(cfg.holders, cfg.train.to_dict(), run_dir, audit_log=logs[0][0], certificate=logs[0][1],
+                       hardware=cfg.hardware, resume=cfg.resume, gpus=cfg.gpus, shares=shares,
+                       rank_audit=logs) as cohort:
         report = cohort.train(relay)
+        if shares is not None:
+            report["ranks"] = _rank_rows(shares, cohort.rank_reports, logs)
         report["isolation"] = cohort.isolation()
+    if shares is not None:
+        report["servers"] = None
     report["hardware"] = hardware_profile(cfg.hardware).to_json()
     return report
 
 
+def _rank_rows(shares, reports: list[dict], logs: list[tuple[Path, Path]]) -> list[dict]:
+    return [{"gpu": k, "holders": list(shares[k]), "travel_count": r["travel_count"], "final_loss": r["final_loss"],
+             "stall_share": r["stall_share"], "audit_log": logs[k][0].name} for k, r in enumerate(reports)]
+
+
 def _audit_paths(run_dir: Path, stem: str = "") -> tuple[Path, Path]:
-    """The travel log and the certificate of the orchestrator that signs it. Each cohort has
-    its own orchestrator key, so a resumed run starts a log of its own next to the first;
-    `stem` names the GPU whose orchestrator it is, with several ("gpu-1-")."""
+    """The travel log and its orchestrator's certificate: a resumed run's new orchestrator key
+    starts a log of its own beside the first; `stem` names the GPU, with several ("gpu-1-")."""
     k = 0
     while (run_dir / (f"{stem}audit-{k}.log" if k else f"{stem}audit.log")).exists():
         k += 1
@@ -201,28 +189,18 @@ def _checkpoint(cfg: TrainingJobConfig, run_dir: Path) -> Path | None:
 
 # ----------------------------------------------------------------------------- several GPUs
 def shares_of(cfg: TrainingJobConfig) -> tuple[tuple[str, ...], ...]:
-    """Which holders each GPU travels to: balanced by the bytes of their data on disk, the same
-    answer for the travelling run and its local reference (G2)."""
-    return partition({name: _data_bytes(Path(path)) for name, path in cfg.holders}, cfg.gpus)
+    """Which holders each GPU travels to, balanced by their data's bytes: the same for the
+    travelling run and its local reference (G2)."""
+    return tuple(map(tuple, holder_shares(cfg.holders, cfg.gpus)))
 
 
 def _resumed_shares(cfg: TrainingJobConfig, run_dir: Path) -> tuple[tuple[str, ...], ...] | None:
-    """A resumed job keeps the shares its checkpoint records, even if the holders' data has
-    grown since (a new partition would hand a holder's cursor to another rank)."""
+    """The checkpoint's shares: a new partition of grown data would hand a holder's cursor to another rank."""
     checkpoint = _checkpoint(cfg, run_dir)
     shares = checkpoint_shares(checkpoint) if checkpoint is not None else None
-    if shares is None:
-        return None
-    if len(shares) != cfg.gpus or sorted(n for s in shares for n in s) != sorted(n for n, _ in cfg.holders):
-        raise BadInput(f"{checkpoint} was trained by {len(shares)} GPUs on {sorted(n for s in shares for n in s)}: "
-                       "resume with the same GPUs and holders")
+    if shares is not None:
+        holder_shares(cfg.holders, cfg.gpus, shares, f"{checkpoint} (resume with the same GPUs and holders)")
     return shares
-
-
-def _data_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def _run_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
@@ -232,7 +210,7 @@ def _run_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
         report = run_local_ranks(cfg.train, [[(n, paths[n]) for n in share] for share in shares], run_dir,
                                  resume_from=_checkpoint(cfg, run_dir))
     elif cfg.train.loader == "travelling" and not cfg.servers:
-        report = _run_service_ranks(cfg, run_dir, on_step, shares)
+        report = _run_services(cfg, run_dir, on_step, shares)
     elif cfg.train.loader == "travelling":
         report = _run_travelling_ranks(cfg, run_dir, on_step, shares)
     else:
@@ -242,37 +220,14 @@ def _run_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
     return report
 
 
-def _run_service_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares) -> dict:
-    """Several GPUs on the deployed services (service/launch.py), as one GPU runs: `cohort init
-    --gpus N` with these shares, each party its own service; every GPU's orchestrator trains as
-    a rank of one job, rank 0 writes the run directory and streams its steps. Any rank failing
-    stops them all."""
-    logs = [_audit_paths(run_dir, f"gpu-{k}-") for k in range(cfg.gpus)]
-    _checkpoint(cfg, run_dir)  # --resume with no checkpoint: said before anything starts
-    relay = None if on_step is None else (lambda row: on_step(StepEvent(**row)))
-    with ServiceLaunch(cfg.holders, cfg.train.to_dict(), run_dir, audit_log=logs[0][0], certificate=logs[0][1],
-                       hardware=cfg.hardware, resume=cfg.resume, gpus=cfg.gpus, shares=shares,
-                       rank_audit=logs) as cohort:
-        report = cohort.train(relay)
-        report["ranks"] = [{"gpu": k, "holders": list(shares[k]), "travel_count": r["travel_count"],
-                            "final_loss": r["final_loss"], "stall_share": r["stall_share"],
-                            "audit_log": logs[k][0].name} for k, r in enumerate(cohort.rank_reports)]
-        report["isolation"] = cohort.isolation()
-    report["servers"] = None
-    report["hardware"] = hardware_profile(cfg.hardware).to_json()
-    return report
-
-
 def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares) -> dict:
-    """Several GPUs as emulated servers of their own (--servers: network namespaces, which the
-    services do not make): one cohort per GPU (cohort/gpus.py), all training at once as the
-    ranks of one job; rank 0 writes the run directory and streams its steps. Any rank failing
-    stops them all."""
+    """--servers: each GPU a cohort of its own in network namespaces, which the services do not
+    make (cohort/gpus.py), all training as the ranks of one job; any rank failing stops them all."""
     t = cfg.train
     logs = [_audit_paths(run_dir, f"gpu-{k}-") for k in range(cfg.gpus)]
     base = CohortConfig(holders=tuple(HolderSpec(n, p, TOKENS) for n, p in cfg.holders),
                         buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
-                        output_dirs=(str(run_dir),), hardware=cfg.hardware, link="netns" if cfg.servers else "auto",
+                        output_dirs=(str(run_dir),), hardware=cfg.hardware, link="netns",
                         job_json=t.canonical_json())
 
     def per_gpu(k: int, c: CohortConfig) -> CohortConfig:
@@ -299,9 +254,7 @@ def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares
         reports = on_each(gpus.cohorts, rank, stop_all=gpus.close)
         carried = bytes_between(before, link_bytes(gpus.fabric)) if gpus.fabric is not None else {}
         report = reports[0]
-        report["ranks"] = [{"gpu": k, "holders": list(shares[k]), "travel_count": r["travel_count"],
-                            "final_loss": r["final_loss"], "stall_share": r["stall_share"],
-                            "audit_log": logs[k][0].name} for k, r in enumerate(reports)]
+        report["ranks"] = _rank_rows(shares, reports, logs)
         report["isolation"] = _isolation(gpus)
         # What each server's link to the others carried (kernel counters): the ranks' traffic.
         report["servers"] = None if gpus.fabric is None else {

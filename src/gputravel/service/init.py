@@ -1,27 +1,12 @@
-"""`gputravel cohort init`: one config file per party, the public trust anchors, and each
-party's empty state directory (issue 16; docs/deploy.md).
+"""`gputravel cohort init` (issue 16; docs/deploy.md): one config file per party, the registry,
+the public trust anchors and each party's empty state directory, standing for the hardware
+vendors and the consortium's agreement as cohort/trust.py does for the supervisor.
 
-    D/host.toml  D/gpu-K.toml  D/orchestrator.toml  D/holder-NAME.toml
-    D/host-K.toml  D/orchestrator-K.toml  with --gpus N, for K = 1..N-1: one stack per GPU
-    D/cohort.registry the registry: who each party is and where it acts (service/registry.py)
-    D/trust/     the emulated GPU-vendor and CPU-TEE root certificates, the GPU's reference values
-    D/public/    empty: each member publishes its TLS certificate here on first start
-    D/run/       empty: sockets and lock files
-    D/state/P/   (0700) party P's state; empty but for the emulated hardware's vendor material:
-    D/vendor/gpu-K/  (root's, 0700) the vendor's per-device CA, used once by the gpu service
-    D/platform/      (root's, 0700) the CPU-TEE root, certifying the orchestrator's TDX module's key
-    D/platform-K/    (root's, 0700) the same, for rank K's orchestrator (--gpus N)
-                 Both lie outside every party's own tree: a party can rename or relink what is in
-                 its own directory, so root's material never sits there.
-
-With --gpus N, each GPU is a stack of its own as cohort/gpus.py boots it: its host route, the
-GPU, and an orchestrator (rank K of one data-parallel job) with its TDX module, travelling only
-to its share of the holders (train/schedule.partition, or the shares given); each holder's file
-names its GPU's host, lock and orchestrator, and the registry binds them: a holder serves one GPU.
-
-Init stands for the hardware vendors and the consortium's agreement, as cohort/trust.py does
-for the supervisor. No config holds a key; the root keys leave the disk here, but for the
-two vendor stand-ins above, which only the emulated hardware reads.
+    D/host.toml gpu-K.toml orchestrator.toml holder-NAME.toml (host-K, orchestrator-K: --gpus N)
+    D/cohort.registry  who each party is and where it acts (service/registry.py)
+    D/trust/ public/ run/ state/P/ (0700: party P's own)
+    D/vendor/gpu-K/ platform/ platform-K/  root's alone (0700): the emulated vendors' keys, outside
+                 every party's tree, where a party could rename or relink them
 """
 
 from __future__ import annotations
@@ -66,7 +51,7 @@ from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.registry import VENDOR_DIR, platform_dir_of, write_registry
 from gputravel.train.schedule import partition
 
-__all__ = ["init_cohort", "write_service"]
+__all__ = ["data_bytes", "holder_shares", "init_cohort", "job_tokenizer", "write_service"]
 
 VRAM_MARGIN = 64 * MIB  # the GPU's memory beyond the dataset buffer, as the supervisor gives it
 
@@ -94,23 +79,26 @@ def _check_holders(holders: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def _tokenizer_of(path: str) -> str:
-    """Which tokenizer a holder's data is (or will be) tokenized with (as jobs/training.py)."""
+    """Which tokenizer a holder's data is (or will be) tokenized with, without reading its data."""
     p = Path(path)
     folder = p if p.is_dir() else p.parent
     if p.suffix == ".bin" or any(folder.glob("*.bin")):
-        return resolve_record(folder, None).name
-    return default_tokenizer().name
+        return resolve_record(folder, None).name  # the record, or GPT-2 as llm.c's own scripts write
+    return default_tokenizer().name  # text, tokenized when the holder loads it
 
 
-def _job_tokenizer(holders: list[tuple[str, str]]) -> str:
+def job_tokenizer(holders: Sequence[tuple[str, str]]) -> str:
+    """The tokenizer every holder's data agrees on, and one this package knows."""
     names = {name: _tokenizer_of(path) for name, path in holders}
     if len(set(names.values())) != 1:
         raise BadInput(f"holders disagree on the tokenizer: {names}; prepare every holder's data with the same one")
-    return next(iter(names.values()))
+    found = next(iter(names.values()))
+    if found not in KNOWN:
+        raise BadInput(f"unknown tokenizer {found!r} in the holders' tokenizer.json: known are {', '.join(KNOWN)}")
+    return found
 
 
 def _record_bytes(buffer_bytes: int) -> int:
-    """Bounce-buffer records as the demo picks them (protocol/layout.py), as --buffer-kib's error."""
     try:
         return record_bytes_for(buffer_bytes)
     except BadInput as exc:
@@ -118,10 +106,8 @@ def _record_bytes(buffer_bytes: int) -> int:
 
 
 def _check_gpus(gpus: int, holders: int, buffer_bytes: int) -> None:
-    """--gpus within what this machine carries (cohort/capacity.py), before anything is
-    written: every party's account comes from one block of uids (cohort/isolation.py), and each
-    GPU's service populates its VRAM (the dataset buffer and VRAM_MARGIN more) when it boots.
-    Each GPU travels to a share of one holder at least."""
+    """--gpus within what this machine carries (cohort/capacity.py): the parties' uids come from
+    one block, each GPU populates its VRAM at boot, and each GPU needs one holder at least."""
     if holders > capacity.MAX_HOLDERS:
         raise BadInput(f"--holder: a cohort has at most {capacity.MAX_HOLDERS} holders, not {holders}")
     most = min(holders, (isolation.BLOCK - 1 - holders) // len(_PER_GPU))  # _uids: base + 1 onwards
@@ -129,8 +115,7 @@ def _check_gpus(gpus: int, holders: int, buffer_bytes: int) -> None:
         raise BadInput(f"--gpus must be between 1 and {most}: each GPU travels to a share of the {holders} holder"
                        f"{'s' if holders != 1 else ''}, and the parties share a block of {isolation.BLOCK} uids, "
                        f"got {gpus!r}")
-    vram_mib = -(-(buffer_bytes + VRAM_MARGIN) // MIB)
-    each = vram_mib + capacity.PROCESS_MIB
+    each = -(-(buffer_bytes + VRAM_MARGIN) // MIB) + capacity.PROCESS_MIB
     capacity.check_memory(gpus * each, f"--gpus {gpus}: the GPUs' services need", "use fewer --gpus",
                           f"{each} MiB a GPU: its VRAM, populated when it boots, and its process")
 
@@ -144,26 +129,24 @@ def _free_ports(host: str, count: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-def _shares(holders: list[tuple[str, str]], gpus: int,
-            shares: Sequence[Sequence[str]] | None) -> list[list[str]]:
-    """Which holders each GPU travels to: as given (a resumed job keeps its checkpoint's), or
-    balanced by the bytes of their data (train/schedule.partition, as the demo deals them).
-    Every holder in exactly one share, every share non-empty: a holder serves one GPU."""
-    if shares is None:
-        sizes = {name: _data_bytes(Path(path)) for name, path in holders}
-        return [list(s) for s in partition(sizes, gpus)] if gpus > 1 else [[n for n, _ in holders]]
-    out = [list(s) for s in shares]
-    placed = [n for s in out for n in s]
-    if len(out) != gpus or not all(out) or sorted(placed) != sorted(n for n, _ in holders):
-        raise BadInput(f"shares: expected {gpus} non-empty shares holding every holder once (a holder serves one "
-                       f"GPU), got {out}")
-    return out
-
-
-def _data_bytes(path: Path) -> int:
+def data_bytes(path: str | Path) -> int:
+    path = Path(path)
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def holder_shares(holders: Sequence[tuple[str, str]], gpus: int, shares: Sequence[Sequence[str]] | None = None,
+                  where: str = "shares") -> list[list[str]]:
+    """Which holders each GPU travels to: `shares` checked (a resumed job keeps its checkpoint's),
+    or balanced by the bytes of their data. A holder serves one GPU: it is in exactly one share."""
+    if shares is None:
+        return [list(s) for s in partition({name: data_bytes(path) for name, path in holders}, gpus)]
+    out = [list(s) for s in shares]
+    if len(out) != gpus or not all(out) or sorted(n for s in out for n in s) != sorted(n for n, _ in holders):
+        raise BadInput(f"{where}: expected {gpus} non-empty shares holding every holder once (a holder serves one "
+                       f"GPU), got {out}")
+    return out
 
 
 # ----------------------------------------------------------------------------- writing
@@ -186,10 +169,9 @@ def _private_dir(path: Path) -> Path:
 
 
 def _open_to_parties(d: Path) -> None:
-    """What every party's account reads or passes through, whatever init's umask (a root umask
-    of 077 left them 0700 and no party could start): the public anchors and certificates, and
-    the way to each party's own state directory (searchable, not listable)."""
-    os.chmod(d / "state", 0o711)
+    """What every party reads or passes through, whatever init's umask (077 left them 0700 and
+    no party could start): the public anchors, and the way to each party's own state directory."""
+    os.chmod(d / "state", 0o711)  # searchable, not listable
     os.chmod(d / "public", 0o755)
     os.chmod(d / "trust", 0o755)
     for item in (d / "trust").iterdir():
@@ -199,9 +181,7 @@ def _open_to_parties(d: Path) -> None:
 
 def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
     """The emulated vendors: both roots in trust/, one GPU CA per GPU in vendor/gpu-K/, the
-    CPU-TEE root in platform/ (platform-K/ for rank K's TDX module: each certifies its module's
-    key once, then is deleted; root's alone, outside every party's tree); then the root keys
-    leave trust/."""
+    CPU-TEE root in each rank's platform directory; then the root keys leave trust/."""
     trust = d / "trust"
     init_roots(trust)
     gpu_root = load_authority(trust, "gpu")
@@ -209,8 +189,7 @@ def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
     vendor = _private_dir(d / VENDOR_DIR)
     for k, issuer in enumerate(issuers):
         issuer.save(_private_dir(vendor / f"gpu-{k}"))
-    for rank in range(gpus):
-        platform = _private_dir(platform_dir_of(d, rank))
+        platform = _private_dir(platform_dir_of(d, k))
         for name in (TEE_ROOT_CERT, TEE_ROOT_KEY):
             shutil.copy2(trust / name, platform / name)  # the key keeps its 0600
     for name in (GPU_ROOT_KEY, TEE_ROOT_KEY):
@@ -222,8 +201,7 @@ def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
 def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], job: JobSection,
              ports: list[int], shares: list[list[str]], hardware: str = "emulated") -> list[tuple[Path, ServiceConfig]]:
     """Every party's config. GPU K's stack: its host route, the GPU, and rank K's orchestrator
-    with its share of the holders (one GPU: all of them, training alone); `ports`: each
-    orchestrator's listener, then rank 0's port for the other ranks (several GPUs)."""
+    with its share of the holders; `ports`: each orchestrator's listener, then rank 0's for the ranks."""
     run, state = d / "run", d / "state"
     layout = LayoutSection(record_bytes=_record_bytes(job.buffer_bytes))
     shared = {"trust_dir": str(d / "trust"), "public_dir": str(d / "public")}
@@ -279,7 +257,7 @@ def _tdx(rank: int) -> str:
 
 def _uids(gpus: int, holders: list[str]) -> dict[str, int]:
     """One account per party when init runs as root (a free block, as the supervisor's); -1
-    for all otherwise: the services then run as whoever starts them, with no uid boundary."""
+    otherwise: the services then run as whoever starts them, with no uid boundary."""
     parties = [*(p for k in range(gpus) for p in (host_party(k), orchestrator_party(k), _tdx(k))),
                *(f"gpu-{k}" for k in range(gpus)), *(f"holder-{n}" for n in holders)]
     if not isolation.decide(None)[0]:
@@ -292,12 +270,9 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
                 steps: int | None = None, buffer_bytes: int | None = None,
                 job: Mapping[str, object] | None = None, hardware: str = "emulated",
                 shares: Sequence[Sequence[str]] | None = None) -> list[Path]:
-    """Write a new cohort directory (see the module's docstring); returns the config files.
-    `job`: the [job] table's fields beyond steps and buffer (the demo's whole TrainConfig, as
-    its to_dict); the rest are train/job.py's defaults, but the tokenizer and vocabulary,
-    which the holders' data fixes. `hardware`: the profile the host, orchestrator and holders stand for.
-    `gpus`: one stack (host route, GPU, orchestrator rank) per GPU; `shares`: each GPU's holders
-    (None: balanced by their data's bytes)."""
+    """Write a new cohort directory; return the config files. `job`: the [job] table's fields
+    beyond steps and buffer (train/job.py's defaults otherwise; the holders' data fixes the
+    tokenizer); `shares`: each GPU's holders (None: balanced by their data's bytes)."""
     d = Path(directory).resolve()
     _check_target(d)
     closed = isolation.unreachable(d.parent) if isolation.decide(None)[0] else None
@@ -309,12 +284,12 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         raise BadInput(f"--steps: expected a positive integer, got {steps!r}")
     if buffer_bytes is not None:
         _record_bytes(buffer_bytes)
-    tokenizer = _job_tokenizer(checked)
+    tokenizer = job_tokenizer(checked)
     overrides = {k: v for k, v in (("steps", steps), ("buffer_bytes", buffer_bytes)) if v is not None}
     fields = {"tokenizer": tokenizer, "vocab_size": KNOWN[tokenizer].vocab_size, **(job or {}), **overrides}
     section = JobSection(run_dir=str(d / "run-dir"), **fields)  # BadInput naming job.KEY
     _check_gpus(gpus, len(checked), section.buffer_bytes)
-    split = _shares(checked, gpus, shares)
+    split = holder_shares(checked, gpus, shares) if gpus > 1 or shares is not None else [[n for n, _ in checked]]
     ports = _free_ports("127.0.0.1", gpus + (gpus > 1))  # each rank's listener, and rank 0's for the ranks
     made = not d.exists()
     try:
@@ -331,8 +306,6 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         except ValidationError as exc:  # a path the schema refuses: a socket path too long for D
             raise explain_built(exc, str(d)) from None
         written = [write_service(path, cfg) for path, cfg in configs]
-        # Who each party is and where it acts, for its service to check its config against;
-        # the tdx-module's account is the orchestrator config's tdx_uid.
         write_registry(d, {path.stem: cfg for path, cfg in configs})
         os.chmod(d, 0o755)  # the registry's word rests on nobody else writing here (service/registry.py)
         return written
@@ -343,7 +316,7 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
 
 
 def _undo(d: Path, made: bool) -> None:
-    """A failed init leaves nothing half-written: the directory as it was (empty or absent)."""
+    """A failed init leaves the directory as it was (empty or absent)."""
     if made:
         shutil.rmtree(d, ignore_errors=True)
         return
