@@ -1,17 +1,7 @@
-"""`--loader local` with N ranks: the data-parallel reference for paper goal G2 (issue 14).
-
-N rank processes on this machine, each reading its own share of the holders' tokens from
-disk, train one model through the same loop the travelling ranks run in their orchestrator
-CVMs (train/loop.py with train/ranks.py): DDP over the encrypted ring, the ranks keyed by
-attesting one another. With the same seed, shares and thread count, the travelling ranks and
-these give bit-identical losses.
-
-Each rank's TEE is emulated (attest/quote.py, EmulatedRankTee): the parent makes one quoting
-root for the job and hands each rank the root's certificate and key (a rank provisions its
-own quoting enclave under it); all ranks run one measurement, the only one they accept.
-
-The rank body (`train_rank`) is shared with jobs/torchrun_rank.py, where torchrun launches
-the ranks instead, on this machine or several.
+"""`--loader local` with N ranks, the data-parallel reference for paper goal G2 (issue 14):
+rank processes reading their shares from disk run the travelling ranks' loop (DDP over the
+encrypted ring, keyed by attesting one another), so the losses are bit-identical. Each rank's
+TEE is emulated under one quoting root the parent makes for the job.
 """
 
 from __future__ import annotations
@@ -45,9 +35,8 @@ DEFAULT_TIMEOUT_S = 4 * 3600.0  # the whole job; a rank silent that long is hung
 
 @dataclass(frozen=True)
 class RankJob:
-    """What one rank needs besides its place (rank, world size, the env:// rendezvous): the
-    same for every rank of a job but `share` and `run_dir`. Picklable: sent to a spawned
-    process here, read back from a job directory by jobs/torchrun_rank.py."""
+    """What one rank needs besides its place: picklable, sent to a spawned process here or read
+    back from a job directory by jobs/torchrun_rank.py."""
 
     cfg: TrainConfig
     world_size: int
@@ -62,13 +51,8 @@ class RankJob:
 
 def run_local_ranks(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]], run_dir: Path, *,
                     resume_from: Path | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Train with len(shares) local ranks, rank k on the holders of shares[k]; rank 0's report
-    (train.loop.make_report: rank 0's losses), with "gpus" (the rank count), "shares" (each
-    rank's holder names) and "rank_losses" (every rank's own losses, by rank).
-
-    Rank 0 alone writes `run_dir`. A rank that fails, dies or hangs stops the job:
-    gputravel.ddp.launch.ProcessFailed (naming the rank and its error, e.g. a
-    PeerAttestationError) or ProcessesSilent; every rank process is ended either way."""
+    """Train with a local rank per share; rank 0's report, with "gpus", "shares" and every
+    rank's "rank_losses". A rank that fails, dies or hangs stops the job (ddp.launch)."""
     shares = rank_shares(shares, resume_from)
     port = free_port()
     # Names this job and is fresh: quotes made for it are refused in any other (ddp/keys.py).
@@ -89,8 +73,7 @@ def run_local_ranks(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]
 
 def rank_shares(shares: Sequence[Sequence[tuple[str, str]]],
                 resume_from: Path | None = None) -> tuple[tuple[tuple[str, str], ...], ...]:
-    """`shares` as tuples of (name, path) strings, checked: a share per rank, none empty, and
-    a checkpoint to resume made by as many ranks."""
+    """`shares` as tuples of (name, path), checked: none empty, and as many as the checkpoint's ranks."""
     shares = tuple(tuple((str(n), str(p)) for n, p in share) for share in shares)
     if not shares or any(not share for share in shares):
         raise BadInput("every rank needs a share of at least one holder")
@@ -101,25 +84,20 @@ def rank_shares(shares: Sequence[Sequence[tuple[str, str]]],
 
 
 def new_quoting_root() -> tuple[bytes, bytes]:
-    """A fresh emulated quoting root for one job: its certificate (DER) and key (PEM). Every
-    rank provisions its quoting enclave under it (emulation: real TDX modules need no key)."""
+    """A fresh emulated quoting root for one job: its certificate (DER) and key (PEM)."""
     authority = Authority.self_signed(TEE_QUOTING_ROOT_CN)
     return authority.cert_der, key_pem(authority.key)
 
 
 def _rank_main(rank: int, port: int, job: RankJob) -> dict:
-    """One rank, in a process of its own spawned by run_local_ranks."""
-    # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank; every
-    # rank is on this machine, so its local rank is its rank (with CUDA, its GPU: pick_device).
+    # The env:// rendezvous torchrun would set; on one machine a rank's local rank is its rank.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(job.world_size))
     return train_rank(rank, job)
 
 
 def train_rank(rank: int, job: RankJob) -> dict:
-    """The body of rank `rank` of `job`, however it was launched (run_local_ranks, torchrun):
-    its share's tokens, its emulated TEE, the loop; its report (train.loop.make_report).
-    MASTER_ADDR and MASTER_PORT must be set (env://). Collective: every rank calls it."""
+    """Rank `rank` of `job`, however launched (MASTER_ADDR and MASTER_PORT set); its report."""
     cfg = job.cfg
     tokens = {name: load_tokens(path, cfg.tokenizer).tokens for name, path in job.share}
     cert, key = job.root

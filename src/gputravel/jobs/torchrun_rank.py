@@ -1,21 +1,11 @@
-"""One rank of a `--loader local` data-parallel job, launched by torchrun (issue 14)::
+"""One rank of a `--loader local` data-parallel job launched by torchrun (issue 14), running
+jobs/local_ranks.py's rank body, so its losses equal run_local_ranks' bit for bit::
 
     write_torchrun_job(cfg, shares, job_dir, run_dir)          # once, before launching
     torchrun --standalone --nproc-per-node 2 -m gputravel.jobs.torchrun_rank JOB_DIR
 
-torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each rank's environment; the
-rank meets the others by env:// (train/ranks.py) and runs the rank body run_local_ranks runs
-(jobs/local_ranks.py train_rank), on the holders of shares[RANK]. So with the same job, the
-same seed and thread count, it gives the same losses as run_local_ranks, bit for bit
-(tests/test_torchrun.py). Rank 0 writes the run directory and its report.json.
-
-The job directory holds job.json (the job as train/job.py's TrainConfig, the shares, the run
-directory, the job's context and the measurement every rank runs) and the job's *emulated* quoting root: its
-certificate and private key, in files of mode 0600 beside job.json, which every rank reads to
-provision its emulated quoting enclave. That shared key is emulation only: on real hardware
-each rank's TDX module quotes with its own hardware-rooted key, no key is shared, and the job
-directory would hold the trusted root certificate alone. Anyone who can read the key can make
-quotes every rank of the job accepts.
+The job directory holds the job's *emulated* quoting root key (0600), which every rank reads:
+anyone who can read it can make quotes every rank accepts. Real TDX modules share no key.
 """
 
 from __future__ import annotations
@@ -58,13 +48,8 @@ class _JobFile(BaseModel):
 
 def write_torchrun_job(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]], job_dir: Path,
                        run_dir: Path, *, resume_from: Path | None = None) -> Path:
-    """Write the job directory torchrun's ranks read (`job_dir`, created 0700); return it.
-
-    Rank k trains on the holders of shares[k]: launch exactly len(shares) ranks. The paths
-    (tokens, `run_dir`, `resume_from`) are stored absolute and are read on the machine of the
-    rank that needs them: rank k reads only its share, rank 0 alone writes `run_dir`. Each call
-    makes a fresh context (so quotes of one job are refused in any other) and a fresh emulated
-    quoting root; launch one job directory once."""
+    """Write the job directory (0700) for len(shares) ranks, its paths absolute, with a fresh
+    context and quoting root (quotes of one job are refused in any other); launch it once."""
     if cfg.loader != "local":
         raise BadInput(f"torchrun ranks train with the local loader: set loader='local' (got {cfg.loader!r})")
     resume = Path(resume_from).resolve() if resume_from is not None else None
@@ -85,13 +70,8 @@ def write_torchrun_job(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, st
 
 
 def read_torchrun_job(job_dir: Path, rank: int, world_size: int) -> RankJob:
-    """Rank `rank`'s part of the job in `job_dir`, of `world_size` ranks; BadInput, saying
-    what is wrong, for a missing or malformed job or a world size that is not the job's."""
-    return _load(Path(job_dir), rank, world_size)[0]
-
-
-def _load(job_dir: Path, rank: int, world_size: int) -> tuple[RankJob, tuple[tuple[tuple[str, str], ...], ...]]:
-    """The rank's part of the job, and every rank's share."""
+    """Rank `rank`'s part of the job; BadInput for a missing or malformed job or another world size."""
+    job_dir = Path(job_dir)
     job = _read_job_file(job_dir / JOB_FILE)
     if len(job.shares) != world_size:
         raise BadInput(f"{job_dir / JOB_FILE} is a job of {len(job.shares)} ranks, launched with WORLD_SIZE="
@@ -107,7 +87,7 @@ def _load(job_dir: Path, rank: int, world_size: int) -> tuple[RankJob, tuple[tup
     root = (_read_file(job_dir / ROOT_CERT_FILE), _read_file(job_dir / ROOT_KEY_FILE))
     names = tuple(tuple(name for name, _ in share) for share in shares)
     return RankJob(cfg, world_size, shares[rank], job.run_dir if rank == 0 else None, job.resume_from, root,
-                   context, measurement, shares=names), shares
+                   context, measurement, shares=names)
 
 
 def _read_job_file(path: Path) -> _JobFile:
@@ -131,7 +111,6 @@ def _read_file(path: Path) -> bytes:
 
 
 def _launch_env() -> tuple[int, int]:
-    """RANK and WORLD_SIZE as torchrun sets them (and MASTER_ADDR/PORT there as well)."""
     missing = [name for name in LAUNCH_ENV if not os.environ.get(name)]
     if missing:
         raise BadInput(f"{', '.join(missing)} not set: launch this module with torchrun "
@@ -144,14 +123,13 @@ def _launch_env() -> tuple[int, int]:
 
 
 def run(job_dir: Path) -> dict:
-    """Run this process's rank of the job in `job_dir` and return its report; rank 0 writes
-    it, with "gpus" and "shares" (each rank's holder names), as report.json in the run dir."""
+    """Run this process's rank of the job; rank 0 writes report.json, with "gpus" and "shares"."""
     rank, world_size = _launch_env()
-    job, shares = _load(Path(job_dir), rank, world_size)
+    job = read_torchrun_job(Path(job_dir), rank, world_size)
     report = train_rank(rank, job)
     if rank == 0:
         report["gpus"] = world_size
-        report["shares"] = [[name for name, _ in share] for share in shares]
+        report["shares"] = [list(names) for names in job.shares]
         path = Path(job.run_dir) / "report.json"
         write_json(path, report)
         print(f"rank 0 of {world_size}: trained {len(report['losses'])} steps, final loss "
@@ -160,9 +138,8 @@ def run(job_dir: Path) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m gputravel.jobs.torchrun_rank JOB_DIR`: 0 when this rank trained, 2 with the
-    reason on stderr for bad input (a missing or malformed job, or a launch that is not its).
-    A failing peer or ring raises as it is (a traceback, exit 1): torchrun then stops the job."""
+    """`python -m gputravel.jobs.torchrun_rank JOB_DIR`: 0 trained, 2 bad input; a failing peer
+    raises (exit 1), and torchrun stops the job."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if len(args) != 1:

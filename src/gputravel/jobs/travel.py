@@ -1,14 +1,6 @@
-"""The travel job (the `gputravel travel` command): a whole local cohort moving every holder's
-dataset through the GPU, without training.
-
-Each holder gets a deterministic synthetic dataset (seeded bytes). The GPU travels to the
-holders round robin; every chunk is verified by digest on the orchestrator side; each travel
-is reported with where its time went.
-
-With several GPUs (issue 14, paper 9) the holders are partitioned among them
-(train/schedule.partition) and each GPU, a single-GPU cohort of its own (cohort/gpus.py),
-travels round robin over its share in a thread of its own, at the same time as the others.
-Each travel is recorded with its GPU and when it ran; the first failure stops every GPU.
+"""The travel job (`gputravel travel`): a local cohort moving every holder's seeded synthetic
+dataset through the GPU round robin, each chunk verified by digest, without training. With
+several GPUs each is a cohort of its own travelling to its share of the holders, all at once.
 """
 
 from __future__ import annotations
@@ -44,7 +36,7 @@ class TravelJobConfig:
     gpus: int = 1  # each GPU a single-GPU cohort travelling to its own share of the holders
 
     def __post_init__(self) -> None:
-        if not 1 <= self.holders <= capacity.MAX_HOLDERS:  # what this machine carries: run_travel_job
+        if not 1 <= self.holders <= capacity.MAX_HOLDERS:  # what this machine carries: check_capacity
             raise BadInput(f"--holders must be between 1 and {capacity.MAX_HOLDERS}")
         if not 1 <= self.buffer_mib <= capacity.MAX_BUFFER_MIB:
             raise BadInput(f"--buffer-mib must be between 1 and {capacity.MAX_BUFFER_MIB}")
@@ -58,9 +50,7 @@ class TravelJobConfig:
 
 @dataclass(frozen=True)
 class Travel:
-    """One travel as the job saw it: the GPU that went to `holder` for the chunk at
-    `dataset_offset`, when (seconds from the job's one common start, perf_counter), and what
-    the orchestrator reported."""
+    """One travel: which GPU, when (seconds from the job's common start) and its report."""
 
     gpu: int
     holder: str
@@ -73,13 +63,8 @@ class Travel:
 def make_dataset(path: Path, nbytes: int, seed: bytes) -> None:
     """Deterministic bytes: SHAKE-256 of the seed, so a run can be reproduced and checked."""
     with open(path, "wb") as f:
-        written = 0
-        block = 0
-        while written < nbytes:
-            chunk = hashlib.shake_256(seed + block.to_bytes(8, "big")).digest(min(4 * MIB, nbytes - written))
-            f.write(chunk)
-            written += len(chunk)
-            block += 1
+        for block, at in enumerate(range(0, nbytes, 4 * MIB)):
+            f.write(hashlib.shake_256(seed + block.to_bytes(8, "big")).digest(min(4 * MIB, nbytes - at)))
 
 
 def plan(dataset_bytes: dict[str, int], buffer_bytes: int) -> Iterator[tuple[str, int]]:
@@ -93,16 +78,9 @@ def plan(dataset_bytes: dict[str, int], buffer_bytes: int) -> Iterator[tuple[str
                 del cursors[name]
 
 
-def run_travel_job(config: TravelJobConfig, workdir: Path,
-                   on_travel: Callable[[TravelReport], None]) -> list[TravelReport]:
-    """The orchestrators' reports of every travel (run_travels has when and on which GPU)."""
-    return [t.report for t in run_travels(config, workdir, lambda t: on_travel(t.report))]
-
-
 def run_travels(config: TravelJobConfig, workdir: Path, on_travel: Callable[[Travel], None]) -> list[Travel]:
-    """Every chunk of every holder once, on `config.gpus` GPUs; each travel is handed to
-    `on_travel` (one call at a time) as it ends. The first typed error of any GPU stops them all
-    and is raised."""
+    """Every chunk of every holder once, each travel handed to `on_travel` as it ends; the
+    first typed error of any GPU stops them all and is raised."""
     check_capacity(config)
     base = CohortConfig(holders=_datasets(config, workdir), buffer_bytes=config.buffer_mib * MIB,
                         hardware=config.hardware)
@@ -121,7 +99,6 @@ def run_travels(config: TravelJobConfig, workdir: Path, on_travel: Callable[[Tra
 
 
 def check_capacity(config: TravelJobConfig) -> None:
-    """BadInput, naming the limit, if this machine cannot carry the job's holders and GPUs."""
     capacity.check(config.holders, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=config.dataset_mib * MIB,
                    gpus=config.gpus, vram_mib=config.buffer_mib + capacity.VRAM_MARGIN_MIB)
 
@@ -138,7 +115,7 @@ def _datasets(config: TravelJobConfig, workdir: Path) -> tuple[HolderSpec, ...]:
 
 
 class _Log:
-    """The travels of every GPU, in the order they ended, timed from one common start."""
+    """The travels of every GPU, in the order they ended."""
 
     def __init__(self, on_travel: Callable[[Travel], None]) -> None:
         self.travels: list[Travel] = []
@@ -159,7 +136,6 @@ class _Log:
 
 
 def _travel_share(gpu: int, cohort: Cohort, log: _Log, stop: threading.Event) -> None:
-    """Round robin over this GPU's own holders until every chunk has travelled, or `stop`."""
     for holder, offset in plan(cohort.dataset_bytes, cohort.config.buffer_bytes):
         if stop.is_set():
             return
