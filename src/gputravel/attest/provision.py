@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from gputravel.attest.chain import FWID_OID
 from gputravel.attest.gpu import EmulatedGpuFirmware, ReferenceValues, default_measurements, fwid_of
 from gputravel.attest.roots import Authority
-from gputravel.crypto.certs import key_pem, new_key, own_key_request, requested_key
+from gputravel.crypto.certs import key_matches, key_pem, load_key, new_key, own_key_request, requested_key
 from gputravel.crypto.certs import write_private
 from gputravel.crypto.device_identity import DEVICE_VALID_DAYS
 from gputravel.errors import BadInput
@@ -64,19 +64,6 @@ def _pem(chain_der: tuple[bytes, ...]) -> bytes:
 
 def _der_chain(pem: bytes) -> tuple[bytes, ...]:
     return tuple(c.public_bytes(serialization.Encoding.DER) for c in x509.load_pem_x509_certificates(pem))
-
-
-def _private_key(path: Path) -> ec.EllipticCurvePrivateKey:
-    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise ValueError("not an EC key")
-    return key
-
-
-def _matches(cert_der: bytes, key: ec.EllipticCurvePrivateKey) -> bool:
-    public = x509.load_der_x509_certificate(cert_der).public_key()
-    return isinstance(public, ec.EllipticCurvePublicKey) and \
-        public.public_numbers() == key.public_key().public_numbers()
 
 
 def _parse_state(state: dict[str, Any]) -> tuple[str, tuple[tuple[int, bytes], ...], str, str, bool]:
@@ -158,12 +145,12 @@ class GpuDevice(_FirmwareState):
             serial, measurements, driver, vbios, cc_mode = _parse_state(
                 json.loads((directory / STATE_FILE).read_text()))
             chain = _der_chain((directory / CHAIN_FILE).read_bytes())
-            key = _private_key(directory / KEY_FILE)
+            key = load_key((directory / KEY_FILE).read_bytes())
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             raise BadInput(f"{directory} does not hold a readable emulated GPU device") from None
         if len(chain) != 5:
             raise BadInput(f"{directory}: device key or certificate chain is malformed")
-        if not _matches(chain[0], key):
+        if not key_matches(x509.load_der_x509_certificate(chain[0]), key):
             raise BadInput(f"{directory}: the firmware key does not match the leaf certificate")
         return cls(serial, chain, key, measurements, driver, vbios, cc_mode)
 
@@ -227,12 +214,12 @@ class GpuIssuer(_FirmwareState):
             days, now = state["days"], state["now"]
             now = datetime.fromisoformat(now) if now is not None else None
             chain = _der_chain((directory / ISSUER_CHAIN).read_bytes())
-            key = _private_key(directory / ISSUER_KEY)
+            key = load_key((directory / ISSUER_KEY).read_bytes())
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             raise BadInput(f"{directory} does not hold a readable GPU vendor CA (already used?)") from None
         if type(days) is not int or days < 1 or len(chain) != 4:
             raise BadInput(f"{directory}: the GPU vendor CA's validity or certificate chain is malformed")
-        if not _matches(chain[0], key):
+        if not key_matches(x509.load_der_x509_certificate(chain[0]), key):
             raise BadInput(f"{directory}: the GPU vendor CA's key does not match its certificate")
         return cls(Authority(chain[0], key), chain, serial, measurements, driver, vbios, cc_mode, now, days)
 

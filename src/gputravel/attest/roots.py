@@ -18,8 +18,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from gputravel.crypto.certs import issue_certificate, key_pem, new_key
-from gputravel.crypto.certs import subject_name, utc_now, write_private
+from gputravel.crypto.certs import issue_certificate, key_matches, key_pem, load_key, new_key
+from gputravel.crypto.certs import self_signed_ca, subject_name, utc_now, write_private
 from gputravel.crypto.device_identity import DEVICE_VALID_DAYS, VENDOR_ROOT_CN
 from gputravel.errors import BadInput
 
@@ -59,10 +59,7 @@ class Authority:
     @classmethod
     def self_signed(cls, common_name: str, *, now: datetime | None = None,
                     days: int = DEVICE_VALID_DAYS) -> Authority:
-        key = new_key()
-        name = subject_name(common_name)
-        cert = issue_certificate(subject=name, public_key=key.public_key(), issuer=name, issuer_key=key,
-                      not_before=utc_now(now), days=days, is_ca=True)
+        key, cert = self_signed_ca(common_name, utc_now(now), days)
         return cls(cert.public_bytes(_DER), key)
 
     def issue(
@@ -138,12 +135,9 @@ def load_authority(directory: Path, which: str) -> Authority:
     directory = Path(directory)
     cert_der = _read_cert(directory / cert_name)
     try:
-        key = serialization.load_pem_private_key((directory / key_name).read_bytes(), password=None)
+        key = load_key((directory / key_name).read_bytes())
     except (OSError, ValueError, TypeError):
-        raise BadInput(f"{directory / key_name} is missing or not a PEM private key") from None
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise BadInput(f"{directory / key_name} is not an EC private key")
-    cert = x509.load_der_x509_certificate(cert_der)
-    if cert.public_key().public_numbers() != key.public_key().public_numbers():
+        raise BadInput(f"{directory / key_name} is missing or not a PEM EC private key") from None
+    if not key_matches(x509.load_der_x509_certificate(cert_der), key):
         raise BadInput(f"{directory / key_name} does not match {cert_name}")
     return Authority(cert_der, key)

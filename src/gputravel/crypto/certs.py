@@ -23,10 +23,13 @@ from gputravel.errors import BadInput
 __all__ = [
     "cert_pem",
     "issue_certificate",
+    "key_matches",
     "key_pem",
+    "load_key",
     "new_key",
     "own_key_request",
     "requested_key",
+    "self_signed_ca",
     "subject_name",
     "utc_now",
     "write_private",
@@ -94,6 +97,13 @@ def issue_certificate(
     return builder.sign(issuer_key, hashes.SHA384())
 
 
+def self_signed_ca(common_name: str, start: datetime, days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A fresh key and the self-signed CA certificate of `common_name` for it."""
+    key, name = new_key(), subject_name(common_name)
+    return key, issue_certificate(subject=name, public_key=key.public_key(), issuer=name, issuer_key=key,
+                                  not_before=start, days=days, is_ca=True)
+
+
 def cert_pem(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
@@ -102,6 +112,21 @@ def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
+
+
+def load_key(pem: bytes) -> ec.EllipticCurvePrivateKey:
+    """An unencrypted EC private key from PEM; ValueError or TypeError for anything else."""
+    key = serialization.load_pem_private_key(pem, password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError("not an EC private key")
+    return key
+
+
+def key_matches(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> bool:
+    """Whether `cert` certifies the public half of `key`."""
+    public = cert.public_key()
+    return isinstance(public, ec.EllipticCurvePublicKey) and \
+        public.public_numbers() == key.public_key().public_numbers()
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -139,9 +164,10 @@ def own_key_request(path: Path, common_name: str) -> bytes:
     only: the private key never leaves the party)."""
     path = Path(path)
     if path.exists():
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise BadInput(f"{path} is not an EC private key")
+        try:
+            key = load_key(path.read_bytes())
+        except (ValueError, TypeError):
+            raise BadInput(f"{path} is not an EC private key") from None
     else:
         key = new_key()
         write_private(path, key_pem(key))

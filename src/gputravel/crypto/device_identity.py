@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from gputravel.crypto.certs import issue_certificate, new_key, subject_name, utc_now
+from gputravel.crypto.certs import issue_certificate, new_key, self_signed_ca, subject_name, utc_now
 from gputravel.errors import BadInput
 
 __all__ = ["DEVICE_VALID_DAYS", "VENDOR_ROOT_CN", "DeviceIdentity", "make_device_identity"]
@@ -41,16 +41,11 @@ def make_device_identity(*, serial: str = "GPU-EMU-0", now: datetime | None = No
     if not isinstance(serial, str) or not _SERIAL_RE.fullmatch(serial):
         raise BadInput("serial must be 1-64 characters from A-Z, a-z, 0-9 and '-'")
     start = utc_now(now)
-    root_key = new_key()
-    root_name = subject_name(VENDOR_ROOT_CN)
-    root = issue_certificate(
-        subject=root_name, public_key=root_key.public_key(), issuer=root_name, issuer_key=root_key,
-        not_before=start, days=DEVICE_VALID_DAYS, is_ca=True,
-    )
+    root_key, root = self_signed_ca(VENDOR_ROOT_CN, start, DEVICE_VALID_DAYS)
     device_key = new_key()
     device = issue_certificate(
         subject=subject_name(f"EMULATED GPU {serial}", x509.NameAttribute(NameOID.SERIAL_NUMBER, serial)),
-        public_key=device_key.public_key(), issuer=root_name, issuer_key=root_key,
+        public_key=device_key.public_key(), issuer=root.subject, issuer_key=root_key,
         not_before=start, days=DEVICE_VALID_DAYS, is_ca=False,
     )
     der = serialization.Encoding.DER

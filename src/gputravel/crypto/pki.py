@@ -22,17 +22,19 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from gputravel.crypto.certs import (
     cert_pem,
     issue_certificate,
+    key_matches,
     key_pem,
+    load_key,
     new_key,
     own_key_request,
     requested_key,
+    self_signed_ca,
     subject_name,
     utc_now,
     write_private,
@@ -121,21 +123,15 @@ class CohortPki:
         directory = Path(directory)
         if (directory / CA_FILE).exists():
             raise BadInput(f"{directory} already holds a cohort PKI; load it or use an empty directory")
-        start = utc_now(now)
-        ca_key = new_key()
-        ca_name = subject_name("gputravel cohort CA")
-        ca_cert = issue_certificate(
-            subject=ca_name, public_key=ca_key.public_key(), issuer=ca_name, issuer_key=ca_key,
-            not_before=start, days=valid_days, is_ca=True,
-        )
-        identities = {n: _member(n, ca_name, ca_key, start, valid_days) for n in names}
+        ca = CohortCa(now=now, valid_days=valid_days)  # dropped on return: no member can be added later
+        identities = {n: ca.member(n) for n in names}
         directory.mkdir(parents=True, exist_ok=True)
         for ident in identities.values():
             (directory / f"{ident.name}.pem").write_bytes(ident.cert_pem)
             write_private(directory / f"{ident.name}.key", ident.key_pem)
         # ca.pem last: its presence marks a complete cohort directory.
-        (directory / CA_FILE).write_bytes(cert_pem(ca_cert))
-        return cls(directory, cert_pem(ca_cert), identities)
+        (directory / CA_FILE).write_bytes(ca.cert_pem)
+        return cls(directory, ca.cert_pem, identities)
 
     @classmethod
     def load(cls, directory: str | Path) -> CohortPki:
@@ -189,14 +185,6 @@ class CohortPki:
         return ctx
 
 
-def _member(
-    name: str, ca_name: x509.Name, ca_key: ec.EllipticCurvePrivateKey, start: datetime, days: int
-) -> MemberIdentity:
-    key = new_key()
-    cert = _leaf(name, key.public_key(), ca_name, ca_key, start, days)
-    return MemberIdentity(name, cert_pem(cert), key_pem(key))
-
-
 def _leaf(name: str, public_key: ec.EllipticCurvePublicKey, ca_name: x509.Name,
           ca_key: ec.EllipticCurvePrivateKey, start: datetime, days: int) -> x509.Certificate:
     return issue_certificate(
@@ -216,12 +204,9 @@ class CohortCa:
 
     def __init__(self, *, now: datetime | None = None, valid_days: int = 30) -> None:
         self._start, self._days = utc_now(now), valid_days
-        self._key = new_key()
-        self._name = subject_name("gputravel cohort CA")
-        self.cert_pem = cert_pem(issue_certificate(
-            subject=self._name, public_key=self._key.public_key(), issuer=self._name, issuer_key=self._key,
-            not_before=self._start, days=valid_days, is_ca=True,
-        ))
+        self._key, cert = self_signed_ca("gputravel cohort CA", self._start, valid_days)
+        self._name = cert.subject
+        self.cert_pem = cert_pem(cert)
 
     def __repr__(self) -> str:  # the key never shows
         return "CohortCa()"
@@ -229,7 +214,15 @@ class CohortCa:
     def issue(self, name: str, csr_pem: bytes) -> bytes:
         """The certificate of member `name` for the P-384 key that signed `csr_pem`."""
         key = requested_key(csr_pem, _check_name(name), f"member {name!r}")
-        return cert_pem(_leaf(name, key, self._name, self._key, self._start, self._days))
+        return self._certify(name, key)
+
+    def member(self, name: str) -> MemberIdentity:
+        """A member whose key this CA makes too (`CohortPki.create`)."""
+        key = new_key()
+        return MemberIdentity(name, self._certify(name, key.public_key()), key_pem(key))
+
+    def _certify(self, name: str, public_key: ec.EllipticCurvePublicKey) -> bytes:
+        return cert_pem(_leaf(name, public_key, self._name, self._key, self._start, self._days))
 
 
 def member_csr(directory: Path, name: str) -> bytes:
@@ -250,16 +243,12 @@ def _check_member(ident: MemberIdentity, anchors: list[x509.Certificate]) -> Non
     self-signed and pinned) and its key must match its certificate."""
     try:
         cert = x509.load_pem_x509_certificate(ident.cert_pem)
-        key = serialization.load_pem_private_key(ident.key_pem, password=None)
+        key = load_key(ident.key_pem)
     except (ValueError, TypeError):
-        raise BadInput(f"member {ident.name!r}: certificate or key is not readable PEM") from None
+        raise BadInput(f"member {ident.name!r}: certificate or EC key is not readable PEM") from None
     if not any(_issued_by(cert, anchor) for anchor in anchors):
         raise BadInput(f"member {ident.name!r}: certificate is not issued by this cohort CA") from None
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise BadInput(f"member {ident.name!r}: key is not an EC private key")
-    cert_key = cert.public_key()
-    if (not isinstance(cert_key, ec.EllipticCurvePublicKey)
-            or key.public_key().public_numbers() != cert_key.public_numbers()):
+    if not key_matches(cert, key):
         raise BadInput(f"member {ident.name!r}: private key does not match its certificate")
 
 
@@ -280,8 +269,7 @@ def self_signed_member(directory: Path, name: str, *, now: datetime | None = Non
     directory = Path(directory)
     key_path = directory / f"{_check_name(name)}.key"
     own_key_request(key_path, name)  # makes the key once; the request itself is not needed
-    key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
-    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    key = load_key(key_path.read_bytes())
     cert_path = directory / f"{name}.pem"
     if cert_path.exists() and _same_key(cert_path.read_bytes(), key):
         pem = cert_path.read_bytes()  # a restart keeps its identity: peers pinned this one
@@ -310,12 +298,9 @@ def pin_peers(directory: Path, name: str, peers: Iterable[bytes]) -> None:
 
 def _same_key(cert_pem_bytes: bytes, key: ec.EllipticCurvePrivateKey) -> bool:
     try:
-        cert = x509.load_pem_x509_certificate(cert_pem_bytes)
+        return key_matches(x509.load_pem_x509_certificate(cert_pem_bytes), key)
     except ValueError:
         return False
-    cert_key = cert.public_key()
-    return (isinstance(cert_key, ec.EllipticCurvePublicKey)
-            and cert_key.public_numbers() == key.public_key().public_numbers())
 
 
 def peer_name(ssl_socket: ssl.SSLSocket | ssl.SSLObject) -> str:
