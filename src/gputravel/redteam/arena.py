@@ -1,14 +1,5 @@
-"""The arena the red-team rows run in: the live cohort and the attackers' links (:class:`Arena`),
-a row and its place in the table (:class:`Attack`, made by :func:`row`), and what a row's run
-comes to (:class:`Verdict`).
-
-A row says whether the defence it names was *seen* to act (a typed error from the orchestrator,
-a fault flag the host read in BAR0, an attacker's read that failed, a travel that never
-happened) and whether the cohort carried on. What it saw on the way the arena keeps as typed
-records (:mod:`gputravel.redteam.evidence`): every travel, every adversary's report, every
-warning of the orchestrator and entry of its travel log. The bytes of plaintext the attacker
-obtained are counted afterwards, by searching its loot (:mod:`gputravel.redteam.run`).
-"""
+"""The arena the red-team rows run in: the live cohort and the attackers' links (:class:`Arena`), a row
+(:class:`Attack`, made by :func:`row`) and what its run comes to (:class:`Verdict`)."""
 
 from __future__ import annotations
 
@@ -32,8 +23,6 @@ class Verdict:
     stopped: bool
     stopped_by: str
     evidence: tuple[Record, ...]
-    # What a row whose secrets are not the holders' datasets found of its own canaries (the
-    # all-reduce row's gradients), counted with what the holders' search finds in its loot.
     plaintext: Found | None = None
 
 
@@ -49,13 +38,11 @@ class Attack:
 
 def row(name: str, adversary: str, *, tried: str, stopped_by: str,
         needs_isolation: bool = False) -> Callable[[Callable[[Arena], bool]], Attack]:
-    """A row of the table: the function is the attack, the words what the table shows of it."""
     return lambda run: Attack(name, adversary, tried, stopped_by, run, needs_isolation)
 
 
 class Arena:
-    """The live cohort and the attackers' links, as the attacks use them; it keeps what each
-    attack saw (:attr:`evidence`, emptied by :meth:`begin`)."""
+    """The live cohort and the attackers' links; it keeps what each attack saw (:attr:`evidence`)."""
 
     def __init__(self, cohort: RedTeamCohort, host: HostLink, mallory: HolderLink, buffer_bytes: int,
                  audit: bool) -> None:
@@ -70,8 +57,9 @@ class Arena:
         self._log_at = 0  # how much of the orchestrator's log the attacks have seen
         self._journal_at = 0  # how many entries of its signed travel log
         self.evidence: list[Record] = []
-        self.plaintext: Found | None = None  # a row's own canaries found (see Verdict)
+        self.plaintext: Found | None = None  # what a row found of its own canaries (the all-reduce row's gradient)
         self.stage = ""  # stamped on each record kept (see evidence.Record)
+        self.row = ""
 
     def keep(self, *records: Record) -> None:
         self.evidence += [structs.replace(r, stage=self.stage) if self.stage else r for r in records]
@@ -81,8 +69,11 @@ class Arena:
         self.keep(*(Acted(who=who, did=e.did, party=e.party, place=e.place, count=e.count, nbytes=e.nbytes,
                           error=e.error, said=e.text) for e in events if e.did != Did.SWITCH_ASKED))
 
-    def begin(self) -> None:
-        """A new attack: what the orchestrator logged so far, and the evidence, were the last one's."""
+    def begin(self, row: str) -> None:
+        """A new attack: loot goes under its name; what was logged and seen so far was the last one's."""
+        self.host.begin(row)
+        self.mallory.begin(row)
+        self.row = row
         self.orchestrator_said()
         self.journal()
         self.evidence, self.plaintext, self.stage = [], None, ""
@@ -110,7 +101,7 @@ class Arena:
         return out
 
     def baseline(self, holder: str) -> bool:
-        """The centralised TLS baseline: the orchestrator copies the chunk itself."""
+        """The TLS baseline: the orchestrator copies the chunk itself."""
         try:
             self.cohort.baseline(holder, self._next_offset(holder))
         except GputravelError as exc:
@@ -120,7 +111,7 @@ class Arena:
         return True
 
     def rejoin(self, holder: str) -> None:
-        """A dropped holder joins again (attesting the orchestrator afresh), as Cohort.rejoin."""
+        """A dropped holder joins again (attesting the orchestrator afresh)."""
         self.cohort.rejoin(holder)
         self.dropped.discard(holder)
         self.keep(Rejoined(holder=holder))
@@ -142,8 +133,10 @@ class Arena:
         return said
 
     def rekeyed(self) -> bool:
-        """Did the orchestrator say, since the last look, that it re-keyed the GPU?"""
-        return any(s.rekeyed for s in self.orchestrator_said())
+        """Did the orchestrator say, since the last look, that it re-keyed the GPU? (Its travel log is kept too.)"""
+        said = self.orchestrator_said()
+        self.journal()
+        return any(s.rekeyed for s in said)
 
     def journal(self) -> list[Journal]:
         """Entries of the orchestrator's signed travel log since the last look."""

@@ -18,6 +18,7 @@ from gputravel.redteam.bus import Event, HolderNews, HolderQuery, HostNews, Host
 
 SNOOP_LIMIT = 48 << 20  # the plain snooper's file; the adversary's own snapshots come on top
 ENTRY = "gputravel.redteam.entry"  # serves the adversaries' roles (redteam/entry.py)
+NO_NEWS = HostNews((), 0, 0, "")
 
 
 class AdversaryError(RemoteError):
@@ -25,9 +26,8 @@ class AdversaryError(RemoteError):
 
 
 class RedTeamCohort(Cohort):
-    """Every process is the real one, except that the host runs the adversary's hooks
-    (:mod:`gputravel.redteam.host`) and the holders named ``malicious`` run
-    :mod:`gputravel.redteam.holder`: both started through the red team's own entry module."""
+    """Every process is the real one, except the host and the holders named ``malicious``, which run the
+    adversaries (redteam/host.py, redteam/holder.py) through the red team's own entry module."""
 
     def __init__(self, config: CohortConfig, malicious: tuple[str, ...]) -> None:
         super().__init__(config, launch=self._adversarial)
@@ -43,9 +43,8 @@ class RedTeamCohort(Cohort):
         return self.adversary_dir / "loot"
 
     def _adversarial(self, spec: PartySpec) -> PartySpec:
-        """The supervisor's spec for a party, turned into the adversary's where it is one. The
-        host and the malicious holders collude: under their own uids, they still write into
-        each other's loot directories (umask 0)."""
+        """The party's spec, the adversary's where it is one. The colluders, under their own uids,
+        still write into each other's loot (umask 0)."""
         if spec.role == "host":
             self._prepare_host()
             config = {**spec.config, "adversary_dir": self.child_path(self.adversary_dir),
@@ -75,12 +74,11 @@ OnEvents = Callable[[str, tuple[Event, ...]], None]
 
 
 class HostLink:
-    """Orders to the malicious host; what it reports piles up until :meth:`news` takes it (and
-    hands its events to ``on_events``, as the arena keeps them)."""
+    """Orders to the malicious host; what it reports piles up until :meth:`news` takes it."""
 
     def __init__(self, cohort: RedTeamCohort) -> None:
         self._t = connect_unix(str(cohort.adversary_dir / "adversary.sock"), "malicious-host")
-        self._pending = HostNews((), 0, 0, "")
+        self._pending = NO_NEWS
         self.on_events: OnEvents | None = None
 
     def order(self, msg: object) -> None:
@@ -95,23 +93,21 @@ class HostLink:
 
     def news(self) -> HostNews:
         self.order(HostQuery())
-        news, self._pending = self._pending, HostNews((), 0, 0, "")
+        news, self._pending = self._pending, NO_NEWS
         if self.on_events is not None:
             self.on_events("host", news.events)
         return news
 
     def begin(self, row: str) -> None:
-        """A new attack: loot goes under its name; what happened before is not its news."""
         self.order(MarkRow(row))
-        self._pending = HostNews((), 0, 0, "")
+        self._pending = NO_NEWS
 
     def close(self) -> None:
         self._t.close()
 
 
 class HolderLink:
-    """Orders to the malicious holder, over the control link the supervisor has to it; each
-    answer's events go to ``on_events``."""
+    """Orders to the malicious holder, over the control link the supervisor has to it."""
 
     def __init__(self, cohort: RedTeamCohort, name: str) -> None:
         self.name = name

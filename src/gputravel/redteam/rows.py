@@ -1,21 +1,6 @@
-"""The red team's rows, each driven against the live cohort and judged by what was observed,
-and their table (:data:`ATTACKS`, in the order they run: a row may use what an earlier one
-left, as mallory's kept keys). The rows of process isolation and the quoting process are in
-:mod:`gputravel.redteam.probes`; the all-reduce row in :mod:`gputravel.redteam.allreduce`.
-
-The host (paper 6.2) tampers with and replays what CVMs put in their bounce buffers, maps the
-wrong CVM for the device, routes interrupts elsewhere, drops doorbells and watches everything
-(:mod:`gputravel.redteam.host`). Mallory, the malicious holder (paper 6.1), keeps every key it
-is given, dumps VRAM, works after handing the GPU back, returns stale or altered context blobs
-or never returns the GPU (:mod:`gputravel.redteam.holder`). Together (paper 6.3) the host
-switches the GPU to mallory unasked, hides or drops the orchestrator's kernel work, forges
-BAR0's kernel get, and hands mallory what it captured to decrypt with the keys it kept; the
-key-epoch rows of issue 12 test the epoch ledger (driver/epochs.py).
-
-A row returns whether the defence it names was seen to act and the cohort carried on; what it
-saw the arena keeps. Nothing here checks anything the system itself does not: the verdict
-only reports what the real defences did.
-"""
+"""The red team's rows (paper 6.1 to 6.3 and issue 12's key-epoch rows) and :data:`ATTACKS`, in the order
+they run: a row may use what an earlier one left, as mallory's kept keys. A row returns whether the defence it
+names was seen to act and the cohort carried on; it checks nothing the system itself does not."""
 
 from __future__ import annotations
 
@@ -49,7 +34,6 @@ CONTROL = "(control: the same search opens mallory's own captures)"
 
 
 def _read_nothing(news: HolderNews) -> bool:
-    """Mallory tried, and read nothing back."""
     return news.attempts > 0 and news.bytes_read == 0
 
 
@@ -119,7 +103,6 @@ def drop_rotation(a: Arena) -> bool:
     out = a.travel(ALICE)
     news = a.host.news()
     rekeyed = a.rekeyed()
-    a.journal()
     ok = a.carry_on(BOB)
     dropped = len(happened(news.events, Did.DROPPED_KERNEL_RING))
     return dropped == 2 and out.failed_with("PeerTimeout") and "semaphore" in out.message and rekeyed and ok
@@ -149,7 +132,6 @@ def wrong_cvm_for_orchestrator(a: Arena) -> bool:
     out = a.travel(ALICE)
     news = a.host.news()
     rekeyed = a.rekeyed()
-    a.journal()
     ok = a.carry_on(BOB)
     routed = bool(happened(news.events, Did.ROUTED, party=BOB))
     return routed and out.failed_with("ChannelFaulted") and news.kernel_faults >= 1 and rekeyed and ok
@@ -304,7 +286,6 @@ def drop_rotation_then_read(a: Arena) -> bool:
     a.host.order(ArmDrop(after_return_of=MALLORY, kernel_rings=2))
     own = a.travel(MALLORY)
     rekeyed = a.rekeyed()
-    a.journal()
     a.stage = "rotations dropped"
     first = _kept_keys_on_the_gpu(a, 1, hide_kernel=True)
     a.stage = ""
@@ -344,19 +325,18 @@ def confirmation_substitution(a: Arena) -> bool:
             and news.bytes_read == a.buffer_bytes and news.nonzero_read == 0 and ok)
 
 
-def _decrypt(a: Arena, row: str, cvm: str, tag: str, newest: int = 0) -> HolderNews:
-    """The host hands mallory every staging record and push it captured from ``cvm``; mallory
-    tries every key it kept on each (or those of its ``newest`` blobs: the ones the row is
-    about; earlier rows tried the rest), at every plausible IV."""
-    path = a.cohort.child_path(a.cohort.loot_dir / row / f"captured-{cvm}-{tag}.frames")  # as the colluders name it
+def _decrypt(a: Arena, cvm: str, tag: str, newest: int = 0) -> HolderNews:
+    """The host hands mallory what it captured from ``cvm``; mallory tries every key it kept (or its
+    ``newest`` blobs': the row's; earlier rows tried the rest) at every plausible IV."""
+    path = a.cohort.child_path(a.cohort.loot_dir / a.row / f"captured-{cvm}-{tag}.frames")  # as the colluders name it
     a.host.order(ExportRecords(cvm, path))
     return a.mallory.order(DecryptCaptured(path, newest), timeout=300)
 
 
-def _control(a: Arena, row: str) -> HolderNews:
+def _control(a: Arena) -> HolderNews:
     """The same search on mallory's own captures, which its keys must open."""
     a.stage = "control"
-    news = _decrypt(a, row, MALLORY, "control")
+    news = _decrypt(a, MALLORY, "control")
     a.stage = ""
     return news
 
@@ -375,8 +355,8 @@ def _handed(news: HostNews, cvm: str) -> int:
      "under keys of her own travel's epoch, derived from the session secret mallory never had; no key it kept opens "
      "them (control: the same search opens mallory's own captured records)")
 def decrypt_snooped(a: Arena) -> bool:
-    news = _decrypt(a, "decrypt-snooped", ALICE, "victim")
-    control = _control(a, "decrypt-snooped")
+    news = _decrypt(a, ALICE, "victim")
+    control = _control(a)
     return _opened_none(news) and control.decrypted > 0
 
 
@@ -390,16 +370,14 @@ def decrypt_snooped(a: Arena) -> bool:
      "a new SPDM session (VRAM and every channel wiped, the forged get with them); alice's chunk then travelled under "
      f"keys mallory never had, and no key it kept opened the host's captures of her bounce buffers {CONTROL}")
 def host_forges_gpfifo_get(a: Arena) -> bool:
-    row = "host-forges-gpfifo-get"
     a.host.order(ArmForgeGet(MALLORY, hold_s=FORGE_HOLD_S["home"]))
     own = a.travel(MALLORY)  # mallory keeps the blob of this travel's epoch
     forged = bool(happened(a.host.news().events, Did.FORGED_GET))
     rekeyed = a.rekeyed()
-    a.journal()
     a.restore()
     victim = a.travel(ALICE)  # before the fix: under the very epoch mallory kept
-    news = _decrypt(a, row, ALICE, "victim", newest=2)  # the blobs of mallory's travel
-    control = _control(a, row)
+    news = _decrypt(a, ALICE, "victim", newest=2)  # the blobs of mallory's travel
+    control = _control(a)
     handed = _handed(a.host.news(), ALICE)
     ok = a.carry_on(BOB)
     return (forged and own.failed_with("PeerTimeout") and "GPFIFO space" in own.message and rekeyed
@@ -415,9 +393,7 @@ def host_forges_gpfifo_get(a: Arena) -> bool:
      "SPDM session before alice's travel; alice's chunk travelled under the new session's keys, which mallory never "
      f"had: its kept keys opened none of the host's captures of alice's bounce buffers {CONTROL}")
 def collusion_after_failed_rotation(a: Arena) -> bool:
-    """Paper 6.3 with issue 12's finding: the host makes the recovery rotation fail after
-    mallory's travel, hoping alice's chunk then travels under the epoch mallory kept."""
-    row, good = "collusion-after-failed-rotation", True
+    good = True
     for mode in ("refuse", "vanish"):  # quiet: the exported counters stay in step, so alice's travel would work
         a.stage = mode
         a.host.order(ArmForgeGet(MALLORY, hold_s=FORGE_HOLD_S["home" if mode == "refuse" else "taken"]))
@@ -426,15 +402,14 @@ def collusion_after_failed_rotation(a: Arena) -> bool:
         a.mallory.news()
         forged = bool(happened(a.host.news().events, Did.FORGED_GET))
         rekeyed = a.rekeyed()
-        a.journal()
         a.restore()
         victim = a.travel(ALICE)
-        news = _decrypt(a, row, ALICE, mode, newest=2)  # the blobs of mallory's travel (given, and returned)
+        news = _decrypt(a, ALICE, mode, newest=2)  # the blobs of mallory's travel (given, and returned)
         handed = _handed(a.host.news(), ALICE)
         good = (good and bool(own.error) and forged and rekeyed and victim.verified and handed > 0
                 and _opened_none(news))
     a.stage = ""
-    control = _control(a, row)
+    control = _control(a)
     ok = a.carry_on(BOB)
     return good and control.decrypted > 0 and ok
 
@@ -446,12 +421,11 @@ def collusion_after_failed_rotation(a: Arena) -> bool:
      "a fresh epoch before mallory's travel; no key mallory kept opened the host's captures of the orchestrator's "
      f"bounce buffers {CONTROL}")
 def baseline_then_travel(a: Arena) -> bool:
-    row = "baseline-then-travel"
     base = a.baseline(ALICE)  # the orchestrator's own copy through its bounce buffers
     own = a.travel(MALLORY)
     entries = a.journal()
-    news = _decrypt(a, row, ORCHESTRATOR, "baseline", newest=2)  # the blobs of mallory's travel
-    control = _control(a, row)
+    news = _decrypt(a, ORCHESTRATOR, "baseline", newest=2)  # the blobs of mallory's travel
+    control = _control(a)
     handed = _handed(a.host.news(), ORCHESTRATOR)
     ok = a.carry_on(ALICE)
     # A travel moves one epoch (the rotation after it); two: the orchestrator rotated away from

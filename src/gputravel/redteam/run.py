@@ -1,12 +1,6 @@
-"""Run every attack against one live local cohort, count the plaintext each attacker got, and
-print the report: a table for people, JSON for machines.
-
-The cohort: a malicious host, two honest holders (alice, bob) and a malicious one (mallory),
-each with a marked dataset (:mod:`gputravel.redteam.canary`), and the orchestrator. Attacks
-run one after another (:data:`gputravel.redteam.rows.ATTACKS`); each marks the attackers'
-loot with its name. Once the cohort is down, every attacker's loot for each attack is
-searched for the other holders' markers and samples.
-"""
+"""Run every attack against one live local cohort (a malicious host, alice, bob and a malicious holder,
+mallory, each holder with a marked dataset), then search each attacker's loot for the other holders'
+markers and samples; print the report, a table for people, JSON for machines."""
 
 from __future__ import annotations
 
@@ -82,7 +76,6 @@ PREFIX = "gputravel-redteam-"  # of its directory, with the cohort's keys in it
 
 def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (),
                 on_result: Callable[[Attack, Verdict], None] | None = None) -> RedTeamReport:
-    """Boot the cohort, run the attacks (all, or those named in ``only``), judge them."""
     chosen = [a for a in ATTACKS if not only or a.name in only]
     stopping.sweep(str(workdir) if workdir else None, PREFIX)  # what a red team killed outright left
     tmp = Path(tempfile.mkdtemp(prefix=PREFIX, dir=workdir))
@@ -112,9 +105,7 @@ def _attack(tmp: Path, chosen: list[Attack],
             if not out.verified:
                 raise RedTeamAborted(f"honest warm-up failed: {out.describe()}")
         for attack in chosen:
-            for link in (host, mallory):
-                link.begin(attack.name)
-            arena.begin()  # what the orchestrator logged before is not this attack's evidence
+            arena.begin(attack.name)
             verdict = _run_one(attack, arena)
             try:  # rows are independent: a holder the attack got dropped joins again
                 arena.restore()
@@ -167,11 +158,7 @@ def _view(attack: Attack, run_dir: Path) -> list[Path]:
         return [p for p in (run_dir / SNOOP_FILE, run_dir / "tap.bin") if p.exists()] + sorted(loot.glob("*/host-*"))
     row = loot / attack.name
     files = sorted(row.glob("*")) if row.exists() else []
-    if attack.adversary == "host":
-        return [p for p in files if p.name.startswith("host-")]
-    if attack.adversary == "holder":
-        return [p for p in files if p.name.startswith("holder-")]
-    return files
+    return [p for p in files if attack.adversary == "host+holder" or p.name.startswith(f"{attack.adversary}-")]
 
 
 def _victims(attack: Attack, needles: dict[str, Needles]) -> list[Needles]:
@@ -193,15 +180,18 @@ def _watched(run_dir: Path, found: Found, needles: dict[str, Needles], tmp: Path
 
 
 # ----------------------------------------------------------------------------- the report
+def _outcome(r: AttackResult) -> str:
+    style = {"defeated": "green", "skipped": "yellow"}.get(r.outcome, "bold red")
+    return f"[{style}]{r.outcome}[/{style}]"
+
+
 def table(report: RedTeamReport) -> Table:
     t = Table(title="gputravel red team: every attack against a live cohort", show_lines=True)
     for col, kw in (("attack", {"no_wrap": True}), ("adversary", {"no_wrap": True}), ("tried", {"ratio": 3}),
                     ("stopped by", {"ratio": 3}), ("plaintext bytes", {"justify": "right"}), ("outcome", {})):
         t.add_column(col, **kw)
     for r in report.attacks:
-        style = {"defeated": "green", "skipped": "yellow"}.get(r.outcome, "bold red")
-        t.add_row(r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained),
-                  f"[{style}]{r.outcome}[/{style}]")
+        t.add_row(r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained), _outcome(r))
     return t
 
 
@@ -211,9 +201,8 @@ def print_report(report: RedTeamReport, console: Console, *, evidence: bool = Fa
         console.print(table(report))
     for r in report.attacks:
         if console.width < 150:
-            style = {"defeated": "green", "skipped": "yellow"}.get(r.outcome, "bold red")
             console.print(f"[bold]{r.name}[/bold] ({r.adversary}): {r.plaintext_bytes_obtained} bytes of plaintext "
-                          f"obtained, [{style}]{r.outcome}[/{style}]", highlight=False)
+                          f"obtained, {_outcome(r)}", highlight=False)
             console.print(f"  tried:      {r.tried}", highlight=False)
             console.print(f"  stopped by: {r.stopped_by}", highlight=False)
         elif evidence:
