@@ -1,16 +1,8 @@
-"""The red team's two buses: the orders its driver gives the adversaries and what they report
-back (typed messages, :class:`Event` for each thing done or seen), and what the malicious
-hypervisor holds of the PCIe bus (:class:`HostBus`: BAR0 and every CVM's bounce buffers, read
-and write; :class:`Doorbells`: the doorbells it hands the CVMs instead of the device's own).
-
-The orders cross no trust boundary of the threat model: they are how the attackers coordinate
-(collusion, paper 6.3), the host over a Unix socket in its work directory, the malicious holder
-over the control link the supervisor already has to it. Reports never carry plaintext or keys,
-only what happened; what an attacker read goes to its loot files, which the driver scans.
-
-:class:`HostBus` only reads, writes and remembers; when to do what is the adversary's
-(:mod:`gputravel.redteam.host`), which calls it under its own locks: the bus keeps none.
-"""
+"""The red team's two buses: the orders its driver gives the adversaries and what they report back (typed
+messages, an :class:`Event` for each thing done or seen), and what the malicious hypervisor holds of the PCIe
+bus (:class:`HostBus`: BAR0 and every CVM's bounce buffers; :class:`Doorbells`: the doorbells it hands out).
+The orders are how the colluders coordinate (paper 6.3), no trust boundary; reports never carry plaintext or
+keys, what an attacker read goes to its loot. HostBus keeps no locks: the adversary calls it under its own."""
 
 from __future__ import annotations
 
@@ -43,8 +35,7 @@ USER, KERNEL = PushChannel.USER, PushChannel.KERNEL
 
 
 class Did(enum.StrEnum):
-    """What an adversary did or saw. An :class:`Event` names it; the comment says which of the
-    event's fields the kind fills (the others stay empty)."""
+    """What an adversary did or saw; each comment says which of the :class:`Event`'s fields the kind fills."""
 
     # the host
     SWITCH_ASKED = "switch-asked"  # party: the target; place: who asked
@@ -83,8 +74,7 @@ class Did(enum.StrEnum):
 
 
 class Event(Message, tag="redteam.event"):
-    """One thing an adversary did or saw: typed fields that verdicts read, and ``text``, the
-    adversary's account in words, for people only."""
+    """One thing an adversary did or saw: fields that verdicts read, and ``text``, in words for people."""
 
     did: Did
     party: str
@@ -107,20 +97,13 @@ def happened(events: tuple[Event, ...], did: Did, **match: object) -> list[Event
 
 
 class MarkRow(Message, tag="redteam.mark_row"):
-    """From now on, put what you read in the loot of this attack."""
-
     row: str
 
 
 # ----------------------------------------------------------------------------- host orders
 class ArmTamper(Message, tag="redteam.host.tamper"):
-    """During ``victim``'s next travel (pushes counted from 0 from the switch to it):
-
-    - ``flip``: when it submits user push ``user_push``, flip a bit of the record in
-      ``staging_slot`` before relaying the doorbell (the doorbell of the push before is held
-      back, so the device hears of both at once);
-    - ``replay``: when it asks for the GPU to go back, write its push ``user_push`` (captured
-      earlier in the travel) back as a new entry and ring the doorbell."""
+    """In ``victim``'s next travel, ``flip`` a bit of the record in ``staging_slot`` before the device hears
+    of ``user_push`` (counted from the switch), or ``replay`` that push when the victim hands the GPU back."""
 
     victim: str
     kind: str  # "flip" | "replay"
@@ -129,36 +112,29 @@ class ArmTamper(Message, tag="redteam.host.tamper"):
 
 
 class ArmDrop(Message, tag="redteam.host.drop"):
-    """Once ``after_return_of`` has asked for the GPU to go back to the orchestrator (at once
-    if it is empty), drop every doorbell until ``kernel_rings`` doorbells of the orchestrator
-    that announced kernel-channel work have been dropped."""
+    """Once ``after_return_of`` hands the GPU back (at once if empty), drop every doorbell until
+    ``kernel_rings`` of the orchestrator's announcing kernel work have been dropped."""
 
     after_return_of: str
     kernel_rings: int
 
 
 class ArmExposePrefix(Message, tag="redteam.host.expose"):
-    """On the orchestrator's next doorbell that announces kernel work, let the device see
-    only the first ``entries`` pending kernel entries (BAR0 ``put`` rewritten)."""
+    """At the orchestrator's next kernel doorbell, let the device see only ``entries`` pending entries."""
 
     entries: int
 
 
 class ArmForgeGet(Message, tag="redteam.host.forge_get"):
-    """Once the orchestrator has sent the GPU to ``victim``, at the next switch back to the
-    orchestrator (asked by anyone), forge BAR0's kernel GPFIFO ``get`` to ``put + 1``: to the
-    orchestrator, which reads ``get`` to find room, the kernel ring then looks full just as it
-    submits the rotation after the travel. After ``hold_s`` seconds (once the orchestrator has
-    given up on the rotation and its retry) the host writes the real ``get`` back, unless the
-    device has written ``get`` since, so that the next travel finds room again."""
+    """When the GPU comes home after a travel to ``victim``, forge BAR0's kernel ``get`` to ``put + 1`` (the
+    ring looks full as the rotation is submitted); after ``hold_s`` the real ``get`` goes back."""
 
     victim: str
     hold_s: float
 
 
 class ArmRoute(Message, tag="redteam.host.route"):
-    """The next switch to ``target`` that ``requester`` asks for maps ``dma``'s memory and
-    routes ``irq``'s interrupt instead (the reply still says ``target``)."""
+    """The next switch to ``target`` that ``requester`` asks for maps ``dma`` and routes ``irq`` instead."""
 
     requester: str
     target: str
@@ -167,8 +143,7 @@ class ArmRoute(Message, tag="redteam.host.route"):
 
 
 class ForceSwitch(Message, tag="redteam.host.switch"):
-    """Switch the GPU now, unasked. ``hide_kernel``: first make the device's pending
-    kernel-channel work invisible (BAR0 put := get); switching without it restores it."""
+    """Switch the GPU now, unasked; ``hide_kernel``: first hide pending kernel work (put := get) until the next."""
 
     dma: str
     irq: str
@@ -176,8 +151,6 @@ class ForceSwitch(Message, tag="redteam.host.switch"):
 
 
 class ExportRecords(Message, tag="redteam.host.records"):
-    """Write every staging record and push captured from ``cvm`` so far to ``path``."""
-
     cvm: str
     path: str
 
@@ -195,23 +168,18 @@ class HostNews(Message, tag="redteam.host.news"):
 
 # ----------------------------------------------------------------------------- holder orders
 class SetTravelMode(Message, tag="redteam.holder.mode"):
-    """How to behave on the next travel: honest, dump, work-after-return, stale-epoch,
-    stale-counters, counters-forward, altered-keys, corrupted, refuse, never-return, vanish."""
-
-    mode: str
+    mode: str  # how to behave on the next travel: one of holder.MODES
 
 
 class UseKeptKeys(Message, tag="redteam.holder.kept"):
-    """With each context blob kept so far (newest first, at most ``blobs``), join the device's
-    queues where they stand and read the dataset buffer, and ask an encrypted RPC."""
+    """With each of the ``blobs`` newest blobs kept, join the device's queues, read the buffer, ask an RPC."""
 
     blobs: int
     timeout: float
 
 
 class DecryptCaptured(Message, tag="redteam.holder.decrypt"):
-    """Try kept keys on the ciphertext the host captured (``path``, see ExportRecords): those
-    of every blob kept, or (``newest`` > 0) of the newest ``newest`` blobs only."""
+    """Try kept keys (of every blob, or of the ``newest`` only) on what the host captured (ExportRecords)."""
 
     path: str
     newest: int
@@ -232,27 +200,21 @@ class HolderNews(Message, tag="redteam.holder.news"):
 
 # ----------------------------------------------------------------------------- both
 class ProbeTarget(Message, tag="redteam.probe.target"):
-    """Something of party ``owner`` to try to read: ``how`` is "read" (open the path and read
-    ``ranges``, each (offset, length); none: from the start), "list" (list a directory) or
-    "fork" (the control: the same /proc reads on a dumpable fork of the attacker itself)."""
-
     owner: str
     what: str
     path: str
-    how: str
-    ranges: tuple[tuple[int, int], ...]
+    how: str  # "read" (``ranges``, or from the start), "list" (a directory), "fork" (the control, on itself)
+    ranges: tuple[tuple[int, int], ...]  # (offset, length)
 
 
 class ProbePaths(Message, tag="redteam.probe"):
-    """Host or holder: from your own process (your uid), try to read each target; keep what
-    you get in your loot; report, for each, what you got (a PROBED or FORK_CONTROL event)."""
+    """From your own process (your uid), try each target; keep what you get; report each as an event."""
 
     targets: tuple[ProbeTarget, ...]
 
 
 class AskQuote(Message, tag="redteam.quote"):
-    """Host or holder: ask the TDX module at ``socket_path`` for a quote over ``report_data``
-    (binding a TLS key of your own choosing); keep whatever comes back in your loot."""
+    """Ask the TDX module at ``socket_path`` for a quote over ``report_data`` of your choosing."""
 
     socket_path: str
     report_data: bytes
@@ -368,49 +330,26 @@ class HostBus:
 
 
 class Doorbells:
-    """A doorbell is an MMIO write the hypervisor can trap: each CVM gets an eventfd of the
-    host's own, and a thread calls ``on_ring(cvm)`` for every ring (which decides whether the
-    device hears of it)."""
+    """A doorbell is an MMIO write the hypervisor can trap: each CVM gets an eventfd of the host's own, and
+    a thread calls ``on_ring(cvm)`` for every ring (which decides whether the device hears of it)."""
 
     def __init__(self, on_ring: Callable[[str], None]) -> None:
         self._on_ring = on_ring
-        self._lock = threading.Lock()
-        self._bells: dict[int, str] = {}  # our doorbell handed to each CVM -> that CVM
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._sel = selectors.EpollSelector()  # epoll: a bell registered while the relay waits is heard at once
 
     def start(self) -> None:
         threading.Thread(target=self._relay, daemon=True, name="doorbell-relay").start()
 
     def new(self, cvm: str) -> int:
-        """A doorbell for ``cvm`` (the relay starts listening to it at once)."""
         bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        with self._lock:
-            self._bells[bell] = cvm
-        os.write(self._wake_w, b"x")
+        self._sel.register(bell, selectors.EVENT_READ, cvm)
         return bell
 
     def _relay(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._wake_r, selectors.EVENT_READ, None)
-        known: set[int] = set()
         while True:
-            for key, _ in sel.select():
-                if key.data is None:
-                    self._learn_bells(sel, known)
-                    continue
+            for key, _ in self._sel.select():
                 try:
                     os.eventfd_read(key.fd)
                 except BlockingIOError:
                     continue
                 self._on_ring(key.data)
-
-    def _learn_bells(self, sel: selectors.BaseSelector, known: set[int]) -> None:
-        try:
-            os.read(self._wake_r, 4096)
-        except BlockingIOError:
-            pass
-        with self._lock:
-            fresh = {fd: cvm for fd, cvm in self._bells.items() if fd not in known}
-        for fd, cvm in fresh.items():
-            sel.register(fd, selectors.EVENT_READ, cvm)
-            known.add(fd)
