@@ -1,15 +1,5 @@
-"""The red team's entry point: ``python -m gputravel.redteam.entry ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``.
-
-The red-team cohort (:mod:`gputravel.redteam.cohort`) starts its adversaries through here,
-in place of the production entry (``PartySpec.entry``):
-
-- ``host``: the malicious hypervisor, the production host loop with the adversary as its
-  hooks (:mod:`gputravel.redteam.host`; its work directory is ``adversary_dir``);
-- ``holder``: the malicious data holder (:mod:`gputravel.redteam.holder`).
-
-Starting, enrolling and reporting a failure are the production entry's
-(:func:`gputravel.cohort.entry.run_party`), so an adversary boots the way its honest twin does.
-"""
+"""The red team's entry point, ``python -m gputravel.redteam.entry ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``:
+the adversarial ``host`` and ``holder`` boot, enrol and fail through the production entry's ``run_party``."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""The malicious data holder (paper 3.1, 6.1): a real holder CVM process that misbehaves.
-
-It joins the cohort like any holder (attests the orchestrator, sends its manifest) and its
-travels go through the real driver, device and host. It keeps every context blob it is
-given or exports (the keys inside them), and on orders from the red team's driver it:
-
-- dumps the dataset buffer while it holds the GPU, inside its window and outside it;
-- launches work with the keys it just returned, after handing the GPU back;
-- returns a stale or altered context blob (or one with a channel counter pushed forward),
-  refuses a travel on purpose, or never returns the GPU at all (having read the buffer, or
-  quietly: "vanish");
-- uses kept keys later, joining the device's queues where they stand (BAR0 tells it);
-- tries every kept key on ciphertext the host captured for it (collusion).
-
-Whatever it reads back, decrypts, or holds in its own unprotected memory goes to its loot,
-which the driver scans for other holders' data.
-"""
+"""The malicious data holder (paper 3.1, 6.1): a real holder CVM process whose travels go through the real
+driver, device and host, but which keeps every context blob (the keys in it) and, on the red team's orders,
+dumps VRAM, works after handing the GPU back, returns stale or forged blobs, refuses or never returns the GPU,
+uses kept keys later and tries them on what the host captured. What it reads goes to its loot."""
 
 from __future__ import annotations
 
@@ -55,9 +42,6 @@ from gputravel.redteam.probes import ask_quote, probe
 
 
 # ----------------------------------------------------------------------------- forging and trying kept keys
-# What mallory does offline with the blobs and keys it kept: forge a blob to hand back in place
-# of the one it exported, and try kept keys on ciphertext at guessed IVs. The checks they meet
-# are the orchestrator's and the device's.
 def rewound(ctx: DriverContext) -> DriverContext:
     """Every message counter and the semaphore back to zero: the IVs of this epoch used again."""
     senders = tuple(structs.replace(s, message_counter=0) for s in ctx.senders)
@@ -112,14 +96,12 @@ LABELS_FOR = {"record": ("Lce00_h2d_user", "Lce00_d2h_user"), "push": ("Lwlc_h2d
 
 
 class _WalkedAway(Exception):
-    """Mallory stops in the middle of a travel, keeping the GPU. Not a GputravelError, so the
-    holder's dispatch loop does not hand it to the travel machine: it goes up to
-    :meth:`MaliciousHolder.serve_travel`, and the machine stays mid-travel until ``abort()``."""
+    """Mallory stops mid-travel, keeping the GPU. Not a GputravelError, so the dispatch does not hand it to
+    the travel machine, which stays mid-travel until ``abort()``."""
 
 
 class MaliciousHolder(DataHolder):
-    """A DataHolder whose travels run through the same machine and the same dispatch; only
-    some steps of its ``ACTIONS`` misbehave, as the red team's orders say."""
+    """A DataHolder with the same machine and dispatch; only some steps of its ``ACTIONS`` misbehave."""
 
     def __init__(self, config: HolderConfig, loot_dir: Path, **parts) -> None:
         super().__init__(config, **parts)  # what DataHolder.from_config opened
@@ -150,8 +132,8 @@ class MaliciousHolder(DataHolder):
     def _at_copy(self, act: CopyChunk, timeout: float | None) -> object:
         """The GPU is ours and the buffer granted: dump it, walk away, refuse, or copy."""
         mode = self._misbehaving
-        if mode in ("dump", "never-return"):
-            self._dump_window(act)
+        if mode in ("dump", "never-return"):  # what is left in the buffer before copying anything?
+            self._read("inside the granted window", act.buffer_offset, act.buffer_bytes, self.config.device_timeout)
         if mode in ("never-return", "vanish"):
             quiet = " (and never used it: its keys' counters stay as exported)" if mode == "vanish" else ""
             self._news.event(Did.KEPT_GPU, "kept the GPU: never switched back, never replied" + quiet, place=mode)
@@ -166,24 +148,24 @@ class MaliciousHolder(DataHolder):
         """Copied (or not): with the GPU still ours, try the rest of VRAM first."""
         if self._misbehaving == "dump":
             assert self.buffer is not None
-            self._dump_outside(*self.buffer)
+            offset, nbytes = self.buffer
+            for where, at in (("just past the granted window", offset + nbytes),
+                              ("16 MiB past the granted window", offset + nbytes + (16 << 20))):
+                self._read(where, at, 4096, 1.0)
         return DataHolder.ACTIONS[SwitchBack](self, act, timeout)
 
     def _export_and_pick(self, act: ExportBlob, timeout: float | None) -> Exported:
         """Export (keeping a copy), and hand back a blob: perhaps not that one."""
         exported = DataHolder.ACTIONS[ExportBlob](self, act, timeout)
         assert isinstance(exported, Exported)
-        self._exported_now = self._keep_exported(exported.blob)
+        self.kept.append(exported.blob)
+        self.exported.append(exported.blob)
+        self._exported_now = exported.blob
         return Exported(self._returned(self._misbehaving, exported.blob))
 
     #: The honest holder's steps, but for these three (holder/cvm.py carries each out).
     ACTIONS = {**DataHolder.ACTIONS, CopyChunk: _at_copy, SwitchBack: _before_switch_back,
                ExportBlob: _export_and_pick}
-
-    def _keep_exported(self, blob: bytes) -> bytes:
-        self.kept.append(blob)
-        self.exported.append(blob)
-        return blob
 
     def _returned(self, mode: str, blob: bytes) -> bytes:
         """The blob handed back: the real one, or a stale or altered one."""
@@ -206,16 +188,6 @@ class MaliciousHolder(DataHolder):
     def layout_digest(self) -> str:
         return self.config.layout.digest()
 
-    def _dump_window(self, act: CopyChunk) -> None:
-        """Read the whole granted buffer back before copying anything (what is left in it?)."""
-        self._read("inside the granted window", act.buffer_offset, act.buffer_bytes, self.config.device_timeout)
-
-    def _dump_outside(self, offset: int, nbytes: int) -> None:
-        """Then try the rest of VRAM: just past the window, and far beyond it."""
-        for where, at in (("just past the granted window", offset + nbytes),
-                          ("16 MiB past the granted window", offset + nbytes + (16 << 20))):
-            self._read(where, at, 4096, 1.0)
-
     def _work_after_return(self, blob: bytes) -> None:
         """The GPU is back home; the keys just returned are still in hand: launch work."""
         self._news.event(Did.WORK_AFTER_RETURN, "after handing the GPU back: submitted a read of the buffer with the keys it returned")
@@ -235,13 +207,8 @@ class MaliciousHolder(DataHolder):
         self._snapshot()
 
     def _with_kept(self, blob: bytes, attempt) -> None:
-        """Adopt a kept context, line it up with where the device stands, try, drop it.
-
-        Nothing it lines up with is secret: the GPFIFO get and the last RPC answered are in
-        BAR0, and the IV index of the user channel's last semaphore release is published in
-        plain next to it (the host hands over the record). Every user push releases the
-        semaphore, so that index is also how many pushes the device took in this epoch.
-        """
+        """Adopt a kept context, line it up with where the device stands, try, drop it. Nothing it lines
+        up with is secret: BAR0's get and last RPC, and the plain IV index of the last semaphore release."""
         drv = self.driver
         drv.import_context(blob)
         drv.join_queues_where_they_stand()
@@ -283,9 +250,9 @@ class MaliciousHolder(DataHolder):
             self._news.fail(Did.READ, f"read {where}", exc, place=where)
             return
         self.loot.keep("read", data)
-        self._news.bytes_read += len(data)
-        self._news.nonzero_read += len(data) - data.count(0)
         nonzero = len(data) - data.count(0)
+        self._news.bytes_read += len(data)
+        self._news.nonzero_read += nonzero
         self._news.event(Did.READ, f"read {len(data)} bytes {where}: {nonzero} not zero", place=where,
                          nbytes=len(data), count=nonzero)
 
@@ -327,7 +294,6 @@ class MaliciousHolder(DataHolder):
             self.loot.keep("blobs", blob)
 
     def event(self, e: Event) -> None:
-        """Something for the next news."""
         self._news.events.append(e)
 
     def news(self) -> HolderNews:

@@ -1,20 +1,7 @@
-"""The malicious hypervisor: what the host can do with the PCIe MUX and unprotected memory.
-
-It runs inside the host process as its hooks (:class:`gputravel.host.process.HostHooks`; started by
-``python -m gputravel.redteam.entry host``) and uses only what a real hypervisor has (paper
-3.1, 6.2), through :class:`~gputravel.redteam.bus.HostBus`:
-
-- every CVM's unprotected memory (bounce buffers), read *and* write: it holds the memfds;
-- BAR0, read and write (GPFIFO entries, ``put``, fault flags): it holds the descriptor;
-- the doorbell: a doorbell is an MMIO write the hypervisor can trap, so each CVM gets a
-  doorbell of the host's own, and the host relays each ring to the device, or holds it back,
-  or drops it;
-- the MUX: it can map any CVM's memory for the device and route the interrupt anywhere.
-
-It never has VRAM, the SPDM session secret, or any key. At every doorbell and every switch it
-snapshots the CVM's bounce buffers into its loot; it captures every push it sees. Orders come
-from the red team's driver over ``adversary.sock`` (:mod:`gputravel.redteam.bus`).
-"""
+"""The malicious hypervisor, run as the host process's hooks: it has only what a real one has (paper 3.1,
+6.2), every CVM's bounce buffers, BAR0, the doorbells and the MUX, never VRAM, the SPDM secret or a key.
+It snapshots bounce buffers at every doorbell and switch, captures every push, and takes its orders from
+the red team's driver over ``adversary.sock`` (:mod:`gputravel.redteam.bus`)."""
 
 from __future__ import annotations
 
@@ -62,12 +49,6 @@ USER, KERNEL = PushChannel.USER, PushChannel.KERNEL
 
 
 @dataclass
-class _Tamper:
-    order: ArmTamper
-    held: bool = False
-
-
-@dataclass
 class _Drop:
     order: ArmDrop
     active: bool = False
@@ -97,7 +78,7 @@ class HostAdversary:
         self._fault_up = {USER: False, KERNEL: False}
         self._faults = {USER: 0, KERNEL: 0}
         self._events: list[Event] = []
-        self._tamper: _Tamper | None = None
+        self._tamper: ArmTamper | None = None
         self._drop: _Drop | None = None
         self._expose: ArmExposePrefix | None = None
         self._route: ArmRoute | None = None
@@ -146,10 +127,10 @@ class HostAdversary:
                 self._forge = None
                 self._forge_kernel_get(requester, forge.order.hold_s)
             tamper = self._tamper
-            if tamper is not None and tamper.order.kind == "replay" and requester == tamper.order.victim:
+            if tamper is not None and tamper.kind == "replay" and requester == tamper.victim:
                 self._tamper = None
                 self.bus.capture(requester, USER)  # whatever the relay has not looked at yet
-                self._replay(requester, tamper.order.user_push)  # the victim is done: the device is idle
+                self._replay(requester, tamper.user_push)  # the victim is done: the device is idle
             drop = self._drop
             if drop is not None and not drop.active and requester == drop.order.after_return_of and target == ORCHESTRATOR:
                 drop.active = True
@@ -202,7 +183,7 @@ class HostAdversary:
             return
         with self.lock:
             if isinstance(msg, ArmTamper):
-                self._tamper = _Tamper(msg)
+                self._tamper = msg
             elif isinstance(msg, ArmDrop):
                 self._drop = _Drop(msg, active=not msg.after_return_of, left=msg.kernel_rings)
             elif isinstance(msg, ArmExposePrefix):
@@ -312,7 +293,7 @@ class HostAdversary:
             self._expose = None
             return True
         tamper = self._tamper
-        if tamper is not None and tamper.order.kind == "flip" and cvm == tamper.order.victim and fresh[USER]:
+        if tamper is not None and tamper.kind == "flip" and cvm == tamper.victim and fresh[USER]:
             return self._flip_step(tamper, cvm, fresh[USER])
         return True
 
@@ -353,18 +334,17 @@ class HostAdversary:
                 self._event(Did.UNFORGED_GET, f"wrote the real kernel get ({real}) back into BAR0: the ring has "
                             "room again")
 
-    def _flip_step(self, tamper: _Tamper, cvm: str, fresh: list[int]) -> bool:
+    def _flip_step(self, tamper: ArmTamper, cvm: str, fresh: list[int]) -> bool:
         """Flip a bit of the record of user push ``user_push`` before the device hears of it."""
         n = self.layout.gpfifo_entries
         base = self.bus.travel_base.get(cvm, 0)
         rel = {(i - base) % n for i in fresh}
-        target = tamper.order.user_push
+        target = tamper.user_push
         if target in rel:
             self._tamper = None
-            self._flip(cvm, tamper.order.staging_slot, target)
+            self._flip(cvm, tamper.staging_slot, target)
             return True
         if target - 1 in rel:
-            tamper.held = True
             self._event(Did.HELD_RING, f"held back {cvm}'s doorbell for user push {target - 1}", party=cvm,
                         count=target - 1)
             return False

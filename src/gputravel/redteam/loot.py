@@ -1,10 +1,6 @@
-"""Everything an attacker read, kept so the red team can search it for holders' plaintext.
-
-Each attacker appends what it reads to ``ROOT/<attack>/<who>-<kind>.bin``. Memory snapshots
-are deduplicated per 64 KiB page (each page stored with the next 64 bytes, so a marker that
-straddles a page boundary is still found whole). Loot lives in the cohort's private work
-directory and is deleted with it; it is never printed.
-"""
+"""Everything an attacker read, appended to ``ROOT/<attack>/<who>-<kind>.bin`` for the red team to search
+(in the cohort's private directory, deleted with it, never printed). Snapshots keep each 64 KiB page once,
+with the next 64 bytes, so a marker straddling a page boundary is still found whole."""
 
 from __future__ import annotations
 

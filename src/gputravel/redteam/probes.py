@@ -1,12 +1,6 @@
-"""Reading what another party holds, from the attacker's own process: /proc, descriptors, key
-files; and asking the TDX module for a quote. Both halves are here: what the malicious host and
-holder run in their own processes (:func:`probe`, :func:`ask_quote`), under the uid the launcher
-gave them, so that what they get is what process isolation lets through (cohort/isolation.py);
-and the rows that order it (holder-reads-peer-memory, host-reads-cvm-memory,
-orchestrator-self-quote, issue 12). Whatever is read goes to the loot, which the red team
-searches for the holders' markers; the events say, per target, the errno it was denied with or
-how many bytes were read.
-"""
+"""Reading what another party holds from the attacker's own process (/proc, descriptors, key files) and
+asking the TDX module for a quote: what the adversaries run under the uid the launcher gave them, so
+that they get what process isolation lets through, and the rows that order it (issue 12)."""
 
 from __future__ import annotations
 
@@ -28,9 +22,7 @@ MAX_READ = 4 << 20  # per range: enough to hold a record's worth of markers
 PUBLIC = ("cmdline", "status")  # /proc files any process may read: reported, not held against isolation
 
 
-# ----------------------------------------------------------------------------- in the attacker's process  # per range: enough to hold a record's worth of markers
-
-
+# ----------------------------------------------------------------------------- in the attacker's process
 def probe(order: ProbePaths, loot: Loot) -> list[Event]:
     return [_one(t, loot) for t in order.targets]
 
@@ -61,9 +53,8 @@ def _one(t: ProbeTarget, loot: Loot) -> Event:
 
 
 def _fork_control(loot: Loot) -> tuple[int, int]:
-    """The control: the same /proc/PID/mem reads, on a process of our own uid that is dumpable
-    (a fork of ourselves, sharing our mappings). They succeed: so what stops the reads of other
-    parties is their uid and their non-dumpability, not the probe."""
+    """The control: the same /proc/PID/mem reads on a dumpable fork of ourselves succeed, so what stops
+    the reads of other parties is their uid and non-dumpability, not the probe."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork
     r, w = os.pipe()
     pid = os.fork()
@@ -78,14 +69,9 @@ def _fork_control(loot: Loot) -> tuple[int, int]:
         while os.stat(f"/proc/{pid}/status").st_uid != os.geteuid() and time.monotonic() < deadline:
             time.sleep(0.005)  # its /proc files become its own once it is dumpable
         got = 0
-        with open(f"/proc/{pid}/maps") as f:
-            maps = f.read().splitlines()
         with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-            for line in maps:
-                parts = line.split(maxsplit=5)
-                name = parts[5] if len(parts) > 5 else ""
-                if parts[1].startswith("r") and (name.startswith("/memfd:") or name.endswith(".bin")):
-                    start, end = (int(x, 16) for x in parts[0].split("-"))
+            for start, end, name in _maps(pid):
+                if name.startswith("/memfd:") or name.endswith(".bin"):
                     mem.seek(start)
                     data = mem.read(min(end - start, MAX_READ))
                     loot.keep("peek", data)
@@ -107,11 +93,8 @@ def ask_quote(order: AskQuote, loot: Loot) -> Event:
     return event(Did.QUOTE, f"{head}: got a quote of {len(quote)} bytes", nbytes=len(quote))
 
 
-# ----------------------------------------------------------------------------- the rows
-
-
 def _maps(pid: int) -> list[tuple[int, int, str]]:
-    """The launcher's (root's) view of a party's mappings: (start, end, name)."""
+    """A process's readable mappings: (start, end, name)."""
     out = []
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         parts = line.split(maxsplit=5)
@@ -121,15 +104,15 @@ def _maps(pid: int) -> list[tuple[int, int, str]]:
     return out
 
 
+# ----------------------------------------------------------------------------- the rows
 def _worth_reading(name: str) -> bool:
     """Mappings that hold a party's secrets or data: memfds (VRAM, bounce buffers), datasets, heap."""
     return name.startswith("/memfd:") or name.endswith(".bin") or name == "[heap]"
 
 
 def _targets_of(key: str, pid: int) -> list[ProbeTarget]:
-    """Everything of party ``key`` worth stealing, named as the attacker's process reaches it.
-    Where the attacker needs to know where to look (addresses, descriptor numbers), the
-    launcher reads them as root and tells it: the attacker is given more than it could learn."""
+    """Everything of party ``key`` worth stealing; the launcher reads where to look (addresses,
+    descriptors) as root: the attacker is given more than it could learn."""
     proc = f"/proc/{pid}"
     t = [ProbeTarget(key, what, f"{proc}/{what}", "read", ()) for what in (*PUBLIC, "maps", "environ")]
     t += [ProbeTarget(key, f"{what} directory", f"{proc}/{what}", "list", ()) for what in ("fd", "map_files")]
@@ -150,8 +133,7 @@ def _targets_of(key: str, pid: int) -> list[ProbeTarget]:
 
 
 def _files_of(a: Arena, key: str) -> list[ProbeTarget]:
-    """A party's key files and dataset, by the paths the parties use (the cohort directory
-    through the launcher's descriptor), and a holder's dataset by its original path."""
+    """A party's key files and dataset, by the paths the parties use, and a holder's dataset by its own path."""
     c = a.cohort
     assert c.dir is not None
     paths: dict[str, Path] = {}
@@ -173,7 +155,6 @@ FORK_CONTROL = ProbeTarget("itself", "the same reads on a dumpable process of it
 
 
 def _probe(a: Arena, attacker: str, targets: list[ProbeTarget]) -> tuple[Event, ...]:
-    """The attacker's own process tries each target; what it reported."""
     order = ProbePaths(tuple(targets))
     if attacker == "host":
         a.host.order(order)
@@ -182,8 +163,7 @@ def _probe(a: Arena, attacker: str, targets: list[ProbeTarget]) -> tuple[Event, 
 
 
 def _probed(a: Arena, attacker: str, victims: tuple[str, ...], events: tuple[Event, ...]) -> tuple[int, int, int]:
-    """(denied, read, bytes read) among the targets of other parties, public files left out;
-    kept as a :class:`Probed` record."""
+    """(denied, read, bytes read) among the targets of other parties, public files left out."""
     probed = happened(events, Did.PROBED)
     denied = [e for e in probed if e.error]
     read = [e for e in probed if not e.error and e.place not in PUBLIC]
@@ -234,8 +214,7 @@ def host_reads_cvm_memory(a: Arena) -> bool:
      "the host's and mallory's requests were refused (QuotingRefused), and its quoting key, in its own memory, was "
      "out of mallory's reach")
 def orchestrator_self_quote(a: Arena) -> bool:
-    """The host (which could then impersonate the orchestrator to holders it MITMs) and mallory
-    ask the TDX module for a quote over report data of their own: a TLS key of theirs."""
+    # A quote would let the host pass for the orchestrator to the holders whose links it intercepts.
     assert a.cohort.dir is not None
     sock = a.cohort.child_path(a.cohort.dir / "tdx" / "quote.sock")
     report = bytes(range(64))  # any report data of the attacker's choosing: a hash of its own TLS key
