@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import NoReturn
+from typing import NoReturn, TypeVar, cast
 
-from gputravel.errors import RemoteError
+from gputravel.errors import ProtocolError, RemoteError
+from gputravel.protocol.codec import decode
 
 __all__ = ["CLAIMS", "AttestationError", "ClaimTracker"]
+
+M = TypeVar("M")
 
 CLAIMS = frozenset({
     "format",       # evidence, quote or claims could not be decoded
@@ -62,3 +65,10 @@ class ClaimTracker:
 
     def reraise(self, err: AttestationError) -> NoReturn:
         self.fail(err.claim, err.reason)
+
+    def decode(self, data: bytes, cls: type[M], what: str) -> M:
+        """`data` decoded as a `cls`, or a failed "format" claim."""
+        try:
+            return cast(M, decode(data, expect=cls))
+        except (ProtocolError, TypeError):  # TypeError: not bytes at all
+            self.fail("format", f"{what} could not be decoded")

@@ -22,7 +22,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TypeVar, cast
 
 import msgpack
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -33,8 +32,8 @@ from gputravel.attest.errors import AttestationError, ClaimTracker
 from gputravel.attest.roots import Authority, TrustStore
 from gputravel.attest.verifier import Verifier
 from gputravel.crypto.certs import new_key
-from gputravel.errors import BadInput, ProtocolError
-from gputravel.protocol.codec import Message, decode, encode
+from gputravel.errors import BadInput
+from gputravel.protocol.codec import Message, encode
 
 __all__ = [
     "MEASUREMENT_BYTES",
@@ -55,7 +54,6 @@ TEE = "emulated-tdx"
 MEASUREMENT_BYTES = 48
 REPORT_DATA_BYTES = 64
 QUOTE_CHAIN_LENGTH = 2
-M = TypeVar("M")
 _MEASUREMENT_LABEL = b"gputravel cvm measurement v1\x00"
 
 
@@ -173,7 +171,7 @@ class EmulatedQuoteVerifier(Verifier[QuoteClaims]):
         if not isinstance(challenge, bytes) or len(challenge) != REPORT_DATA_BYTES:
             raise BadInput(f"expected report data must be {REPORT_DATA_BYTES} bytes")
         p = ClaimTracker({CVM.OVERALL: False, CVM.EMULATED: True}, _ON_FAIL)
-        quote = _decode(p, evidence, Quote)
+        quote = p.decode(evidence, Quote, "quote")
         try:
             leaf = verify_chain(quote.cert_chain, self._trust.tee_roots, now, what="quote",
                                 length=QUOTE_CHAIN_LENGTH)
@@ -183,7 +181,7 @@ class EmulatedQuoteVerifier(Verifier[QuoteClaims]):
         if not verify_p384(leaf.public_key(), quote.signature, quote.body):
             p.fail("signature", "quote signature does not verify with the quoting key")
         p.ok(CVM.SIGNATURE)
-        body = _decode(p, quote.body, QuoteBody)
+        body = p.decode(quote.body, QuoteBody, "quote")
         if body.tee != TEE or len(body.mr_td) != MEASUREMENT_BYTES or len(body.report_data) != REPORT_DATA_BYTES:
             p.fail("format", "quote body has an unknown TEE type or wrong field sizes")
         p.ok(CVM.PARSED)
@@ -197,13 +195,6 @@ class EmulatedQuoteVerifier(Verifier[QuoteClaims]):
         return QuoteClaims(body.tee, body.mr_td, body.report_data, sha384(bytes(evidence)), int(now.timestamp()), True)
 
 
-def _decode(p: ClaimTracker, data: bytes, cls: type[M]) -> M:
-    try:
-        return cast(M, decode(data, expect=cls))
-    except (ProtocolError, TypeError):
-        p.fail("format", "quote could not be decoded")
-
-
 class EmulatedRankTee:
     """A data-parallel rank's CVM as ddp/keys.py needs it: its own emulated quoting enclave
     (`attest`) and the quote verifier every rank runs on its peers (`verify`). Report data
@@ -214,12 +205,15 @@ class EmulatedRankTee:
         self.enclave = EmulatedQuotingEnclave.provision(enclave_root)
         self.verifier = EmulatedQuoteVerifier(TrustStore((), (trusted_root_cert,)), [measurement])
 
-    @staticmethod
-    def _padded(data: bytes) -> bytes:
-        return data + bytes(REPORT_DATA_BYTES - len(data))
-
     def attest(self, data: bytes) -> bytes:
-        return self.enclave.quote(self.measurement, self._padded(data))
+        return self.enclave.quote(self.measurement, padded_report_data(data))
 
     def verify(self, peer: int, evidence: bytes, data: bytes) -> None:
-        self.verifier.verify(evidence, self._padded(data), datetime.now(timezone.utc))
+        self.verifier.verify(evidence, padded_report_data(data), datetime.now(timezone.utc))
+
+
+def padded_report_data(data: bytes) -> bytes:
+    """A rank's report data, zero-padded to a quote's 64 bytes (on both sides alike)."""
+    if len(data) > REPORT_DATA_BYTES:
+        raise BadInput(f"report data longer than {REPORT_DATA_BYTES} bytes")
+    return data + bytes(REPORT_DATA_BYTES - len(data))

@@ -16,9 +16,10 @@ attest/quote.EmulatedRankTee, the stand-in the benchmarks use).
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime
 
-from gputravel.attest.quote import REPORT_DATA_BYTES, EmulatedQuoteVerifier, Quote, QuoteBody
+from gputravel.attest.material import utcnow
+from gputravel.attest.quote import EmulatedQuoteVerifier, Quote, QuoteBody, padded_report_data
 from gputravel.attest.roots import TrustStore
 from gputravel.errors import BadInput, ProtocolError
 from gputravel.protocol.codec import decode
@@ -28,26 +29,16 @@ __all__ = ["QuotingRankTee"]
 Clock = Callable[[], datetime]
 
 
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def _padded(data: bytes) -> bytes:
-    if len(data) > REPORT_DATA_BYTES:
-        raise BadInput(f"report data longer than {REPORT_DATA_BYTES} bytes")
-    return data + bytes(REPORT_DATA_BYTES - len(data))
-
-
 class QuotingRankTee:
     """`attest` and `verify` for establish_pair_keys, backed by a TDX module (`quote`: report
     data -> quote) and the roots in `trust`."""
 
-    def __init__(self, quote: Callable[[bytes], bytes], trust: TrustStore, *, clock: Clock = _utcnow) -> None:
+    def __init__(self, quote: Callable[[bytes], bytes], trust: TrustStore, *, clock: Clock = utcnow) -> None:
         self._quote, self._trust, self._clock = quote, trust, clock
         self._verifier: EmulatedQuoteVerifier | None = None
 
     def attest(self, data: bytes) -> bytes:
-        evidence = self._quote(_padded(data))
+        evidence = self._quote(padded_report_data(data))
         if self._verifier is None:
             self._verifier = self._verifier_for(evidence, data)
         return evidence
@@ -55,7 +46,7 @@ class QuotingRankTee:
     def verify(self, peer: int, evidence: bytes, data: bytes) -> None:
         if self._verifier is None:  # ddp/keys attests before it verifies; fail closed otherwise
             raise BadInput("a rank verifies its peers only after its own TDX module has quoted it")
-        self._verifier.verify(evidence, _padded(data), self._clock())
+        self._verifier.verify(evidence, padded_report_data(data), self._clock())
 
     def _verifier_for(self, own: bytes, data: bytes) -> EmulatedQuoteVerifier:
         """Peers must carry this CVM's own measurement: read it from the module's quote, and
@@ -65,5 +56,5 @@ class QuotingRankTee:
         except (ProtocolError, TypeError):
             raise ProtocolError("the TDX module's quote could not be decoded") from None
         verifier = EmulatedQuoteVerifier(self._trust, [measurement])
-        verifier.verify(own, _padded(data), self._clock())
+        verifier.verify(own, padded_report_data(data), self._clock())
         return verifier

@@ -37,13 +37,12 @@ from gputravel.attest.gpu import (
     ReferenceValues,
 )
 from gputravel.attest.roots import TrustStore
-from gputravel.errors import BadInput, ProtocolError
-from gputravel.protocol.codec import Message, decode
+from gputravel.errors import BadInput
+from gputravel.protocol.codec import Message
 
 __all__ = ["EAT", "GPU_CHAIN_LENGTH", "EmulatedGpuVerifier", "GpuClaims", "Verifier", "gpu_identity"]
 
 C = TypeVar("C")
-M = TypeVar("M")
 GPU_CHAIN_LENGTH = 5
 HWMODEL = "EMULATED GH100 (gputravel, not NVIDIA)"
 
@@ -125,17 +124,18 @@ class EmulatedGpuVerifier(Verifier[GpuClaims]):
         p = ClaimTracker({EAT.OVERALL: False, EAT.NONCE: challenge.hex(), EAT.EMULATED: True}, _ON_FAIL)
         digest = sha384(bytes(evidence))
         p.ok(EAT.EVIDENCE, digest.hex())
-        ev = _decode(p, evidence, GpuEvidence, "evidence")
+        ev = p.decode(evidence, GpuEvidence, "GPU evidence")
         try:
             leaf = verify_chain(ev.cert_chain, self._trust.gpu_roots, now, what="GPU",
                                 length=GPU_CHAIN_LENGTH)
         except AttestationError as e:
             p.reraise(e)
         p.ok(EAT.CHAIN)
-        _check_signature(p, leaf.public_key(), ev)
+        if not verify_p384(leaf.public_key(), ev.signature, ev.request + ev.response):
+            p.fail("signature", "report signature does not verify with the firmware leaf key")
         p.ok(EAT.SIGNATURE)
-        request = _decode(p, ev.request, GetMeasurements, "request")
-        response = _decode(p, ev.response, Measurements, "response")
+        request = p.decode(ev.request, GetMeasurements, "GPU request")
+        response = p.decode(ev.response, Measurements, "GPU response")
         blocks, opaque = _parse_report(p, response)
         p.ok(EAT.PARSED)
         if not hmac.compare_digest(request.nonce, challenge):
@@ -185,20 +185,6 @@ def spdm_chain_verifier(trust: TrustStore, now: datetime) -> Callable[[tuple[byt
 
 
 # ----------------------------------------------------------------------------- helpers
-def _decode(p: ClaimTracker, data: bytes, cls: type[M], what: str) -> M:
-    try:
-        return cast(M, decode(data, expect=cls))
-    except ProtocolError:
-        p.fail("format", f"GPU {what} could not be decoded")
-    except TypeError:
-        p.fail("format", f"GPU {what} is not bytes")
-
-
-def _check_signature(p: ClaimTracker, key: object, ev: GpuEvidence) -> None:
-    if not verify_p384(key, ev.signature, ev.request + ev.response):
-        p.fail("signature", "report signature does not verify with the firmware leaf key")
-
-
 _REQUIRED_OPAQUE = (OpaqueType.DRIVER_VERSION, OpaqueType.VBIOS_VERSION, OpaqueType.FWID, OpaqueType.CC_MODE)
 
 
