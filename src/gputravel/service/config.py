@@ -1,10 +1,6 @@
 """One TOML file per party (issue 16): its schema, how it is read, and what is checked before
-a service starts.
-
-Every model forbids unknown keys and is strict about types, so a typo or a quoted number is an
-error instead of a silent default. Every error is a BadInput naming the file, the key (dotted,
-e.g. ``job.steps``) and what was expected. No model has a field for a private key: each
-service makes its keys in its own state directory (docs/deploy.md).
+a service starts. Unknown keys and loose types are errors (a typo is never a silent default),
+each a BadInput naming file and dotted key. No field holds a key: each party makes its own.
 """
 
 from __future__ import annotations
@@ -54,9 +50,7 @@ def _power_of_two(value: int) -> int:
     return value
 
 
-# A Unix socket's path: sockaddr_un's sun_path holds 108 bytes with the terminating NUL. A
-# longer path can never be bound or connected to, so it is refused here, by key, when the
-# config is written or read, not as a bind error deep in a party's process once it starts.
+# sun_path holds 108 bytes with the NUL: a longer path is refused by key here, not at bind time.
 MAX_SOCKET_PATH = 107
 
 
@@ -69,7 +63,6 @@ def _fits_socket(value: str) -> str:
 
 
 def _fits_beside(key: str, what: str, socket_path: str) -> None:
-    """A socket a party makes beside the path at `key` must fit too; said by that key."""
     try:
         _fits_socket(socket_path)
     except ValueError as exc:
@@ -77,19 +70,16 @@ def _fits_beside(key: str, what: str, socket_path: str) -> None:
 
 
 def gpu_socket(boot_lock: str) -> str:
-    """The GPU's private-link socket lies beside its boot lock (run/gpu-K.sock, run/gpu-K.lock):
-    a holder waits for it to answer (service/members.py)."""
+    """The GPU's private-link socket lies beside its boot lock (run/gpu-K.sock, run/gpu-K.lock)."""
     return str(Path(boot_lock).with_suffix(".sock"))
 
 
 def host_party(index: int) -> str:
-    """The party name (registry, files, logs) of GPU `index`'s host route: with several GPUs
-    each has its own (cohort/gpus.py); GPU 0's keeps the one-GPU name."""
+    """The party name of GPU `index`'s host route; GPU 0's keeps the one-GPU name."""
     return "host" if index == 0 else f"host-{index}"
 
 
 def orchestrator_party(rank: int) -> str:
-    """The party name of rank `rank`'s orchestrator (the orchestrator of GPU `rank`)."""
     return ORCHESTRATOR if rank == 0 else f"{ORCHESTRATOR}-{rank}"
 
 
@@ -98,15 +88,12 @@ AUDIT_LOG = "audit.log"  # the orchestrator's signed travel log, in its state_di
 
 
 def public_file(orchestrator: str, name: str) -> str:
-    """What `orchestrator` (a party name) publishes in the public directory under `name`
-    (audit.log, status.json, job-done): rank 0's under the one-GPU names, rank K's prefixed
-    with its party's name (orchestrator-K-audit.log). Its certificate is always PARTY.pem."""
+    """The public file `name` of `orchestrator` (a party name): rank K's prefixed (orchestrator-K-audit.log)."""
     return name if orchestrator == ORCHESTRATOR else f"{orchestrator}-{name}"
 
 
 def quoting_socket(state_dir: str) -> str:
-    """Where the orchestrator's TDX module listens: in its own directory beside the
-    orchestrator's state directory (service/members.py starts it there)."""
+    """Where the orchestrator's TDX module listens: a directory of its own beside the orchestrator's state."""
     state = Path(state_dir)
     return str(state.parent / f"{state.name}-tdx" / "quote.sock")
 
@@ -114,6 +101,15 @@ def quoting_socket(state_dir: str) -> str:
 AbsPath = Annotated[str, AfterValidator(_absolute)]
 SocketPath = Annotated[str, AfterValidator(_absolute), AfterValidator(_fits_socket)]
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+def _member(value: str) -> str:
+    if value == "orchestrator":
+        raise ValueError("a member name other than 'orchestrator'")
+    return value
+
+
+MemberName = Annotated[Name, AfterValidator(_member)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[float, Field(gt=0)]
 Hardware = Literal["emulated", "paper-h100"]  # protocol/hardware.py PROFILES (a test keeps them equal)
@@ -135,10 +131,8 @@ Uid = Annotated[int, Field(ge=-1), AfterValidator(_not_root)]
 
 
 class _Service(_Section):
-    """What every party's file has; `source` is the file it was read from (for error messages).
-    `uid`: the account its party's process runs under when the service starts as root (init
-    picks one per party when it runs as root; -1: no separate account). `cohort_dir`: the
-    cohort whose registry (service/registry.py) the service checks this file against."""
+    """What every party's file has: `cohort_dir`, whose registry the file is checked against, and
+    `uid`, its party's account when the service starts as root; `source`: the file read."""
 
     cohort_dir: AbsPath
     uid: Uid = -1
@@ -152,8 +146,6 @@ class _Service(_Section):
 
 # ----------------------------------------------------------------------------- sections
 class LayoutSection(_Section):
-    """protocol/layout.Layout: identical in the GPU and every CVM."""
-
     record_bytes: Annotated[int, AfterValidator(_power_of_two)] = MIB
     staging_slots: Annotated[int, Field(ge=2, le=256)] = 8
     gpfifo_entries: Annotated[int, Field(ge=4, le=4096)] = 64
@@ -163,23 +155,19 @@ class LayoutSection(_Section):
 
 
 class PolicySection(_Section):
-    """A holder's attestation policy: the orchestrator and the GPU evidence it accepts."""
 
     orchestrator_measurements: Annotated[list[Annotated[str, Field(pattern=HEX96_PATTERN)]], Field(min_length=1)]
     gpu_driver_versions: list[str] = []  # empty: any
     max_evidence_age_s: Annotated[int, Field(ge=2)] = 3600
 
     def to_policy(self, trust_dir: str) -> Policy:
-        """The attest/ policy, checking the GPU against the reference values in `trust_dir`."""
         return Policy(tuple(bytes.fromhex(m) for m in self.orchestrator_measurements),
                       GpuRequirements(driver_versions=tuple(self.gpu_driver_versions)), self.max_evidence_age_s,
                       Path(trust_dir) / REFERENCE_FILE)
 
 
 class JobSection(TrainConfig):
-    """The training job (train/job.py TrainConfig: its keys, defaults and rules) and where its
-    run directory goes. The services' orchestrator trains on what its GPU brings (no local
-    loader), and the dataset buffer it reserves is whole pages of the GPU's memory."""
+    """The training job (train/job.py) and its run directory; trained on what the GPU brings."""
 
     run_dir: AbsPath
 
@@ -202,7 +190,6 @@ class JobSection(TrainConfig):
         return value
 
     def train_config(self) -> TrainConfig:
-        """The job itself, without where its run directory goes."""
         return TrainConfig(**self.model_dump(exclude={"run_dir"}))
 
 
@@ -241,7 +228,7 @@ class OrchestratorService(_Service):
     public_dir: AbsPath
     listen_host: str = "127.0.0.1"
     listen_port: Port
-    holders: Annotated[list[Name], Field(min_length=1)]  # the member holders, by name
+    holders: Annotated[list[MemberName], Field(min_length=1)]
     hardware: Hardware = "emulated"
     device_timeout: Seconds = 10.0
     holder_timeout: Seconds = 60.0
@@ -249,10 +236,8 @@ class OrchestratorService(_Service):
     layout: LayoutSection
     job: JobSection
     tdx_uid: Uid = -1  # its TDX module's own account (the module stands for the CPU)
-    # Several GPUs (cohort init --gpus N): this orchestrator is rank `rank` of a data-parallel job,
-    # on GPU `rank`; `shares` is every rank's holders, by rank (a holder in one only; empty: one
-    # GPU, training alone). The ranks meet where rank 0 listens, ranks_host:ranks_port, and bind their
-    # pair keys to ranks_context (64 hex) and the job (orchestrator/process.py _job_context).
+    # Several GPUs: rank `rank` of one job; `shares`, every rank's holders (empty: one GPU). The
+    # ranks meet at rank 0's ranks_host:ranks_port and bind their keys to ranks_context.
     rank: Annotated[int, Field(ge=0)] = 0
     shares: list[list[Name]] = []
     ranks_host: str = "127.0.0.1"
@@ -264,8 +249,6 @@ class OrchestratorService(_Service):
     def _holders(cls, value: list[str]) -> list[str]:
         if len(set(value)) != len(value):
             raise ValueError(f"unique member names, got {value}")
-        if "orchestrator" in value:
-            raise ValueError("member names other than 'orchestrator'")
         return value
 
     @model_validator(mode="after")
@@ -278,8 +261,7 @@ class OrchestratorService(_Service):
             raise ValueError(f"shares: expected one share for each of 2 or more ranks, rank {self.rank} among them, "
                              f"got {len(self.shares)}")
         placed = [n for share in self.shares for n in share]
-        doubled = sorted({n for n in placed if placed.count(n) > 1})
-        if doubled or not all(self.shares):
+        if len(set(placed)) != len(placed) or not all(self.shares):
             raise ValueError(f"shares: expected every share non-empty and a holder in one share only (a holder "
                              f"serves one GPU), got {self.shares}")
         if sorted(self.holders) != sorted(self.shares[self.rank]):
@@ -293,12 +275,8 @@ class OrchestratorService(_Service):
         return max(1, len(self.shares))
 
     @model_validator(mode="after")
-    def _quoting_socket_fits(self) -> OrchestratorService:
+    def _fits(self) -> OrchestratorService:
         _fits_beside("state_dir", "its TDX module's socket", quoting_socket(self.state_dir))
-        return self
-
-    @model_validator(mode="after")
-    def _buffer_fits_layout(self) -> OrchestratorService:
         if self.job.buffer_bytes % self.layout.record_bytes:
             raise ValueError(f"job.buffer_bytes: expected a multiple of layout.record_bytes "
                              f"({self.layout.record_bytes}), got {self.job.buffer_bytes}")
@@ -307,7 +285,7 @@ class OrchestratorService(_Service):
 
 class HolderService(_Service):
     party: Literal["holder"]
-    name: Name
+    name: MemberName
     state_dir: AbsPath
     host_socket: SocketPath
     boot_lock: AbsPath  # the GPU's socket lies beside it (gpu_socket), checked below
@@ -322,13 +300,6 @@ class HolderService(_Service):
     device_timeout: Seconds = 30.0
     layout: LayoutSection
     policy: PolicySection
-
-    @field_validator("name")
-    @classmethod
-    def _not_orchestrator(cls, value: str) -> str:
-        if value == "orchestrator":
-            raise ValueError("a member name other than 'orchestrator'")
-        return value
 
     @model_validator(mode="after")
     def _gpu_socket_fits(self) -> HolderService:
@@ -359,7 +330,6 @@ def _read_toml(path: Path) -> dict:
 
 
 def _explain(err: dict) -> str:
-    """One pydantic error as `key: expected ..., got ...`."""
     kind, loc = err["type"], [str(part) for part in err["loc"]]
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         got = f", got {err['input'].get('party')!r}" if "party" in err["input"] else " (missing)"
@@ -388,7 +358,6 @@ def _expectation(msg: str) -> str:
 
 
 def validate_service(raw: dict, source: str, party: str | None = None) -> ServiceConfig:
-    """Validate a parsed config (a dict) read from `source`; errors name source and key."""
     if party is not None and raw.get("party") != party:
         raise BadInput(f"{source}: party: expected {party!r} (the role being started), got {raw.get('party')!r}")
     try:
@@ -412,7 +381,6 @@ def load_service(path: str | Path, party: str | None = None) -> ServiceConfig:
 
 # ----------------------------------------------------------------------------- before starting
 def _paths(cfg: ServiceConfig) -> list[tuple[str, str, str]]:
-    """(key, path, what must exist) for each path the service needs before it starts."""
     checks = [("state_dir", os.path.dirname(cfg.state_dir), "directory")]
     for key in ("socket", "host_socket", "link_socket", "gpu_link_socket", "boot_lock"):
         if hasattr(cfg, key):
@@ -426,7 +394,7 @@ def _paths(cfg: ServiceConfig) -> list[tuple[str, str, str]]:
 
 
 def _port_free(host: str, port: int) -> str | None:
-    """Why `host:port` cannot be listened on, or None. SO_REUSEADDR as the real listener."""
+    """Why `host:port` cannot be listened on, or None (with SO_REUSEADDR, as the real listener)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
