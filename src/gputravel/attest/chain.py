@@ -17,15 +17,11 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.utils import (
-    Prehashed,
-    decode_dss_signature,
-    encode_dss_signature,
-)
 from cryptography.x509.oid import NameOID, SignatureAlgorithmOID
 
 from gputravel.attest.errors import AttestationError
-from gputravel.errors import BadInput
+from gputravel.crypto.spdm import p384
+from gputravel.errors import BadInput, IntegrityError
 
 __all__ = [
     "CVM_QUOTE_OID",
@@ -51,7 +47,6 @@ TCG_DICE_TCBINFO_OID = "2.23.133.5.4.1"
 """Where a real H100 firmware leaf carries its FWID (DICE TcbInfo); documentation only."""
 
 FWID_BYTES = 48
-SIGNATURE_BYTES = 96  # raw r || s
 
 
 def check_now(now: object) -> datetime:
@@ -193,20 +188,16 @@ def leaf_fwid(leaf: x509.Certificate) -> bytes:
 
 def sign_p384(key: ec.EllipticCurvePrivateKey, data: bytes) -> bytes:
     """Raw r||s (96 bytes) ECDSA P-384 signature over SHA-384(data)."""
-    r, s = decode_dss_signature(key.sign(sha384(data), ec.ECDSA(Prehashed(hashes.SHA384()))))
-    return r.to_bytes(48, "big") + s.to_bytes(48, "big")
+    return p384.sign(key, sha384(data))
 
 
 def verify_p384(key: object, signature: bytes, data: bytes) -> bool:
     """Whether `signature` (raw r||s, 96 bytes) is key's ECDSA P-384 signature over SHA-384(data)."""
-    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP384R1):
+    if not p384.is_p384(key):
         return False
-    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
-        return False
-    der = encode_dss_signature(int.from_bytes(signature[:48], "big"), int.from_bytes(signature[48:], "big"))
     try:
-        key.verify(der, sha384(data), ec.ECDSA(Prehashed(hashes.SHA384())))
-    except InvalidSignature:
+        p384.verify(key, signature, sha384(data))
+    except IntegrityError:
         return False
     return True
 

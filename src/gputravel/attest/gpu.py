@@ -32,14 +32,13 @@ import msgpack
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from gputravel.attest.chain import SIGNATURE_BYTES, leaf_fwid, sha384, sign_p384
+from gputravel.attest.chain import leaf_fwid, sha384, sign_p384
 from gputravel.errors import BadInput
 from gputravel.protocol.codec import Message, decode, encode
 
 __all__ = [
     "DIGEST_BYTES",
     "NONCE_BYTES",
-    "SIGNATURE_BYTES",
     "EmulatedGpuFirmware",
     "GetMeasurements",
     "GpuEvidence",
