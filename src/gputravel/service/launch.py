@@ -1,29 +1,11 @@
-"""The demo's cohort started the way a consortium deploys one (issue 16): `cohort init` into a
-directory of its own, then each party's own service (`gputravel serve ROLE --config FILE`) as
-a child process of this launcher, which owns them from start to end and leaves none behind.
+"""The demo's cohort as a consortium deploys one (issue 16): `cohort init` into a directory of
+its own, then each party's service (`gputravel serve ROLE`) as a child of this launcher, which
+leaves none behind. The orchestrator's run directory is staged in (a checkpoint to resume) and
+copied back whatever the end, with each rank's signed travel log; its metrics.csv drives the
+live view. Data other accounts cannot reach is copied into a directory its holder's alone.
 
     with ServiceLaunch(holders, job, run_dir) as cohort:
         report = cohort.train(on_step)
-
-What the demo keeps, and how:
-- **The run directory.** The orchestrator's service writes its own (`[job] run_dir`, its
-  account's). It is filled from the user's run directory first (a checkpoint to resume) and
-  copied back at the end, whatever the end: a crashed run leaves its checkpoint where
-  `--resume` looks for it. The signed travel log and the certificate that verifies it are
-  copied beside it.
-- **The live view.** Every step's row of the service's `metrics.csv` becomes a StepEvent. That
-  file holds only the steps this launch trains: a resumed run's earlier rows are not staged in
-  (they were shown when they were trained), so each step trained now is shown once, in order;
-  they are joined back in front of the new rows when the run directory is copied back.
-- **Data.** Each holder's service reads its data by path, under its own account: data other
-  accounts cannot reach is copied into the cohort directory first, into a directory that is
-  that holder's account's alone (0700).
-- **Several GPUs** (`gpus`): `cohort init --gpus N` makes one stack per GPU (host route, GPU,
-  orchestrator rank K with its TDX module) and deals the holders into shares; every service is
-  started as with one. Rank 0's run directory is the run's (its metrics drive the live view); a
-  checkpoint to resume goes into every rank's (each binds its digest into the ranks' keys); each
-  rank's signed travel log and certificate come back (`rank_audit`). Any rank's service that
-  fails ends the run, and closing stops every rank: none is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -70,9 +52,8 @@ StepRow = dict  # one metrics.csv row, typed by STEP_COLUMNS
 
 
 class ServiceLaunch:
-    """One local cohort of services, one GPU or `gpus`. Use as a context manager. `shares`: each
-    GPU's holders (None: cohort init balances them); `rank_audit`: with several GPUs, where each
-    rank's signed travel log and certificate go (rank 0's defaults to audit_log, certificate)."""
+    """One local cohort of services on `gpus` GPUs. `shares`: each GPU's holders (None: balanced);
+    `rank_audit`: where each rank's signed travel log and certificate go."""
 
     def __init__(self, holders: Sequence[tuple[str, str]], job: Mapping[str, object], run_dir: Path, *,
                  audit_log: Path, certificate: Path, hardware: str = "emulated", resume: bool = False,
@@ -121,8 +102,7 @@ class ServiceLaunch:
         return self._orchestrator
 
     def start(self) -> None:
-        """Init, stage the data and the run directory in, start host, GPU and holders (each
-        probes the GPU in turn: paper 4.1, the boot lock keeps the order), then the orchestrator."""
+        """Init, stage in, then host, GPU, holders (each probes the GPU in turn: paper 4.1), orchestrator."""
         stopping.sweep(self.workdir, PREFIX)  # what a launcher killed outright left: its keys among it
         self.dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=self.workdir))
         stopping.claim(self.dir)
@@ -143,9 +123,8 @@ class ServiceLaunch:
             self._serve(orchestrator_party(k))
 
     def close(self) -> None:
-        """Stop every service (the orchestrator first: it checkpoints where it is), copy the
-        run directory back, delete the cohort directory. Never raises; a second Ctrl-C or a
-        SIGTERM while it runs does not cut it short."""
+        """Stop every service (the orchestrator first: it checkpoints), copy the run directory
+        back, delete the cohort directory. Never raises, and no signal cuts it short."""
         with stopping.uninterrupted():
             try:
                 self.children.close()  # SIGTERM (a service stops cleanly on it), then SIGKILL
@@ -155,8 +134,7 @@ class ServiceLaunch:
                 print(f"gputravel: the run directory was not copied back: {type(exc).__name__}: {exc}", file=sys.stderr)
             finally:
                 if self.dir is not None:
-                    # A party process that outlived its service (killed after the grace: its
-                    # child dies by PDEATHSIG a moment later) may still write there: tried for 5 s.
+                    # A party outliving its killed service dies by PDEATHSIG a moment later.
                     stopping.delete(self.dir, wait=5.0)
                 self.dir, self._orchestrator = None, None
         self._undo_term()
@@ -164,9 +142,8 @@ class ServiceLaunch:
 
     # ------------------------------------------------------------------ the job
     def train(self, on_step: Callable[[StepRow], None] | None = None, timeout: float = 24 * 3600.0) -> dict:
-        """Wait for the orchestrator's service (every rank's) to train and exit; each step as rank
-        0 logs it goes to `on_step`. Its report, or the reason it stopped (its log's last lines).
-        Each rank's own report is in `rank_reports` after."""
+        """Wait for every rank's orchestrator to train and exit, relaying rank 0's steps; its
+        report (each rank's in `rank_reports`), or why it stopped."""
         ranks = [self.children[orchestrator_party(k)] for k in range(self.gpus)]
         orchestrator, seen = ranks[0], -1
         deadline = time.monotonic() + timeout
@@ -197,8 +174,7 @@ class ServiceLaunch:
         return found if isinstance(found, dict) else None
 
     def isolation(self) -> dict:
-        """What kept the parties apart, as the report gives it: each party process's account and
-        dumpability as /proc shows them (observed while training), against its config's uid."""
+        """Each party's account and dumpability as /proc showed them while training, against its config's uid."""
         planned = {p: self._config(p).get("uid", -1) for p in self._parties()}
         seen = self._observed or {}
         on = all(u >= 0 for u in planned.values()) and bool(seen) and all(
@@ -215,10 +191,7 @@ class ServiceLaunch:
         role = party.split("-")[0]
         self.children.start(party, [sys.executable, *SERVE, role, "--config", str(self.cohort / f"{party}.toml")],
                             log=log, preexec_fn=isolation.die_with_parent,  # a launcher killed outright takes them along
-                            # Out of the launcher's process group: Ctrl-C, or a `timeout` signalling
-                            # the group, reaches the launcher alone, which stops the services in
-                            # order (the orchestrator checkpoints at its step before the holders
-                            # leave), not all at once.
+                            # A group's signal reaches the launcher alone, which stops them in order.
                             start_new_session=True)
 
     def _await(self, party: str, event: str) -> None:
@@ -230,18 +203,14 @@ class ServiceLaunch:
             time.sleep(POLL_S)
 
     def _check_alive(self) -> None:
-        """A service that fails before the orchestrator's ends is a failure of the run: name it.
-        (A holder's ends by itself, exit 0, once the orchestrator published the job done.) With
-        several GPUs a rank's orchestrator too: its peers would wait for it in a collective."""
+        """Name a service that failed (with several GPUs a rank's orchestrator too: its peers would wait)."""
         for party, log in self.children.logs.items():
             proc = self.children[party]
             if (self.gpus > 1 or party != "orchestrator") and proc.poll() not in (None, 0):
                 raise RemoteError(f"{party}'s service stopped (exit {proc.returncode}){_tail(log)}")
 
     def _relay(self, seen: int, on_step: Callable[[StepRow], None] | None) -> int:
-        """Every metrics.csv row after step `seen`, in order; the last step relayed. Only what
-        was appended since the last call is read, and only whole rows (a row being written:
-        the next call). A step already relayed is never relayed again."""
+        """Every whole metrics.csv row appended after step `seen`, in order; the last step relayed."""
         try:
             new = self._read_metrics()
         except OSError:
@@ -266,9 +235,7 @@ class ServiceLaunch:
         return seen
 
     def _read_metrics(self) -> bytes:
-        """What the service's metrics.csv gained since the last read. A file rewritten whole (a
-        new file in its place, or one shorter than what was read of it) is read from its start,
-        never from an offset into other bytes."""
+        """What metrics.csv gained since the last read; a file replaced or shorter is read from its start."""
         with os.fdopen(open_plain(self.service_run_dir / "metrics.csv"), "rb") as f:
             st = os.fstat(f.fileno())
             if (st.st_dev, st.st_ino) != self._metrics_id or st.st_size < self._metrics_at:
@@ -277,8 +244,7 @@ class ServiceLaunch:
             return f.read(MAX_METRICS_READ)
 
     def _observe(self) -> dict:
-        """Each party process the services started (`gputravel.cohort.entry ROLE`), as /proc
-        shows its ids and dumpability, keyed by its service's party name."""
+        """Each party process's uid and dumpability as /proc shows them, by its service's party."""
         out = {}
         for party in self.children:
             for pid in _children(self.children[party].pid):
@@ -328,10 +294,8 @@ class ServiceLaunch:
                 isolation.give(copy, uid, 0o700)
 
     def _stage_in(self) -> None:
-        """The user's run directory into the service's, before it starts: its checkpoint when
-        resuming (the service resumes whenever it finds one). Never an old report, which could
-        be taken for this run's, nor old metrics: the service's metrics.csv holds the steps
-        trained now, which the live view relays; the earlier rows are joined back at the end."""
+        """A checkpoint to resume into every rank's run directory; never an old report or metrics,
+        which could pass for this run's (earlier rows are joined back at the end)."""
         for k in range(self.gpus):  # every rank resumes the same checkpoint, or none does
             inside = Path(self._config(orchestrator_party(k))["job"]["run_dir"])
             inside.mkdir(parents=True, exist_ok=True)
@@ -340,8 +304,7 @@ class ServiceLaunch:
                     copy_plain(self.run_dir / "checkpoint.pt", inside / "checkpoint.pt")
 
     def _stage_out(self) -> None:
-        """The service's run directory (rank 0's) back to the user's, with the signed travel log
-        and the certificate of the orchestrator that signed it (every rank's)."""
+        """Rank 0's run directory back to the user's, with every rank's signed travel log and certificate."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         inside = self.service_run_dir
         copies = [(inside / name, self.run_dir / name) for name in RUN_FILES]
@@ -362,12 +325,9 @@ class ServiceLaunch:
 
 
 def _join_metrics(dest: Path, new: Path) -> None:
-    """A resumed run's metrics.csv: the rows of the run it resumed before the first step it
-    trained (it trained that one and the later ones again), then its own. With no row of its
-    own (it stopped before its first step) the earlier file stays as it was. Line by line, as
-    bytes: the earlier file is the user's (or a party's) and may be any size or shape, so it
-    is never parsed whole. One that cannot be joined (another header, not a plain file,
-    unreadable) is moved aside to metrics.csv.before, said, and this run's rows are kept."""
+    """A resumed run's metrics.csv: the earlier rows before its first step, then its own. The
+    earlier file may be any size or shape, so it is read line by line as bytes; one that cannot
+    be joined is moved aside to metrics.csv.before, said."""
     with os.fdopen(open_plain(new), "rb") as fresh:
         head, first = fresh.readline(MAX_METRICS_LINE), fresh.readline(MAX_METRICS_LINE)
         step = _step_of(first)
@@ -396,7 +356,6 @@ def _join_metrics(dest: Path, new: Path) -> None:
 
 
 def _step_of(row: bytes) -> int | None:
-    """The step a metrics.csv row is of (its first column), or None for anything else."""
     try:
         return int(row.split(b",", 1)[0])
     except ValueError:
@@ -404,8 +363,6 @@ def _step_of(row: bytes) -> int | None:
 
 
 def _set_aside(dest: Path, new: Path, why: str) -> None:
-    """The earlier metrics.csv, which cannot be joined, to metrics.csv.before; this run's in
-    its place. Said on stderr."""
     aside = dest.with_name(dest.name + ".before")
     os.replace(dest, aside)
     copy_plain(new, dest, MAX_COPY_BYTES)
@@ -414,7 +371,6 @@ def _set_aside(dest: Path, new: Path, why: str) -> None:
 
 
 def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
     out = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -424,8 +380,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _tail(log: Path, lines: int = 12) -> str:
-    """The last lines of a service's log, to go after a message; what kept them from it when
-    there are none (a failure is never reported with nothing after it unsaid)."""
+    """The last lines of a service's log, or why there are none: a failure never goes unexplained."""
     try:
         text = log.read_text(errors="replace").splitlines()[-lines:]
     except OSError as exc:
