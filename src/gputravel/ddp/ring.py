@@ -1,65 +1,28 @@
 """Ring all-reduce between GPU TEEs over torch.distributed point-to-point, every hop sealed.
 
-The ring (as DDP's backends run it): the flat tensor is cut into one segment per rank. In
-N - 1 scatter-reduce hops each rank sends one segment to the next rank and adds the segment it
-receives from the previous one, so that each rank ends with one fully reduced segment; in
-N - 1 all-gather hops the reduced segments go once more around the ring. Each hop leaves the
-GPU package, so in a GPU TEE the sender seals it (AES-256-GCM: encrypt and MAC) and the
-receiver opens it (decrypt and verify). That is the cost the DDP characterization measures.
+The flat tensor is cut into one segment per rank: N - 1 scatter-reduce hops leave each rank one
+fully reduced segment, N - 1 all-gather hops pass those round. Every hop leaves the GPU package,
+so the sender seals it (AES-256-GCM) and the receiver opens it: the cost the DDP
+characterization measures. Variants, so a benchmark shows what each idea buys:
 
-Three variants, so that a benchmark shows what each idea buys:
+* `plain`: no encryption (equal to itself bit for bit, and to gloo's all_reduce within tolerance).
+* `naive`: a hop's records all sealed, then sent, then received, then opened: nothing overlaps.
+* `pipelined` (Fastrack's idea): as soon as record k of a hop is reduced, record k of the next
+  hop is sealed and sent, while records k+1.. are still on the wire; no Python byte copies.
 
-* `plain`: no encryption. The hook's own ring: equal to itself bit for bit, and to gloo's
-  all_reduce within float tolerance.
-* `naive`: as the characterization describes. A hop's whole segment is sealed, sent, received
-  and opened in turn, and only then does the next hop start: nothing overlaps. The segment
-  travels as records of at most `record_bytes` (as in `pipelined`; see Framing), all sealed
-  before the first is sent, all received before the first is opened.
-* `pipelined`: Fastrack's ideas on the ring. Segments travel as records of `record_bytes`.
-  As soon as record k of a hop is opened and reduced, record k of the next hop is sealed and
-  sent, while records k+1.. of this hop are still on the wire: sealing overlaps sending and
-  opening overlaps receiving (gloo's own thread fills the receive buffers meanwhile). Records
-  are sealed into and opened from preallocated buffers: no Python byte copies per hop.
-  Fastrack also authenticates independent records in parallel. That was measured here and
-  left out: cryptography's AES-GCM does release the GIL (two threads seal 2x faster), but two
-  independent record streams per link, on two threads, gained nothing measurable on a 2-core
-  machine whose cores the ranks and gloo already keep busy (16 MB: 13.3 vs 14.0 ms with 2
-  ranks, 36.3 vs 34.7 ms with 4), so each link keeps one stream and one IV sequence.
+All three run the same schedule and add in the same order, so their sums are bit-identical.
 
-All three run the same schedule and add the same operands in the same order, so their sums
-are bit-identical; only where the bytes sit while they travel differs.
+Security: every direction has its own key (ddp/keys.py), the receiver tracks the IVs, and each
+record's AAD binds (all-reduce, hop, segment, record, sender, receiver), so a replayed, moved or
+dropped record fails authentication; any failure stops the all-reduce with a typed error and
+breaks the ring (ChannelFaulted until new keys make a new ring).
 
-Security. Every direction of every ring link has its own key (ddp/keys.py) and the receiver
-tracks the IV (crypto/channel.Receiver), so a replayed, reordered or dropped record fails
-authentication. Each record's AAD binds (all-reduce number, hop, segment, record, sender,
-receiver), so a record moved to another place fails too. Any failure raises a typed error and
-stops the all-reduce before the tensor is handed back: the step fails, it never sums wrong. The
-ring is then broken (its counters are out of step with its peers'): later calls raise
-ChannelFaulted until new keys make a new ring.
-
-Framing. The wire carries no length: each rank computes every record's place and length from
-the tensor's size, and opens exactly that many bytes of what arrives (AES-GCM authenticates the
-ciphertext's length, so a record of another length fails its tag; bytes past that length are
-never read). What the transport may do with a message of the wrong length is the other half.
-gloo accepts a message shorter than the receive posted for it but ends the whole process
-(std::terminate, SIGABRT) on a longer one, so a host that delivers a longer record in a
-receive's place (the next one after a drop, or a record of an earlier, larger all-reduce
-replayed into a later, smaller one, as DDP's buckets of different sizes allow) would kill the
-receiving rank before it could say why. So a sealed ring posts every receive, of every
-all-reduce and both variants, at one size for its whole life (`slot_bytes`): the longest record
-it can ever send, `record_bytes` (rounded up to 8) and the GCM tag. No record is longer than
-`record_bytes` of plaintext (the naive variant's segments travel in such records too), so
-whatever record the host delivers, of this all-reduce or any earlier one, fits the receive it
-lands in, and a failure is the typed error above (a replayed earlier record fails its counter
-and its AAD). The buffers are preallocated per record slot and reused across all-reduces.
-Consecutive all-reduces still use two gloo tags in turn (`lane`), so that a failed all-reduce's
-pending receives do not take the next all-reduce's records (after a failure no rank completes
-the next all-reduce, which needs the broken rank's records). A missing record that nothing takes
-the place of, such as the last one of an all-reduce, is a PeerTimeout after `timeout_s`. Sends
-are not padded: no byte is added to the wire. What the ring cannot reach is gloo's own framing:
-a host that rewrites gloo's headers on the TCP stream to announce a message longer than any
-receive still ends the process inside gloo. The plain ring, which checks nothing, keeps
-exact-length receives (its all-gather lands in place).
+Framing (docs/security.md row 37): the wire carries no length; each rank opens exactly the
+record length it computes. gloo aborts the process on a message longer than the receive posted
+for it, so a sealed ring posts every receive at one size for its whole life (`slot_bytes`: the
+longest record it can send, `record_bytes` rounded up to 8, plus the tag), and consecutive
+all-reduces alternate two gloo tags (`lane`) so a failed one's pending receives take nothing of
+the next. The plain ring checks nothing and keeps exact-length receives.
 """
 
 from __future__ import annotations
@@ -68,6 +31,7 @@ import enum
 import struct
 import threading
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -145,11 +109,8 @@ class TorchPointToPoint:
 
 # ----------------------------------------------------------------------------- the ring
 class Ring:
-    """In-place sum all-reduce of a contiguous CPU float tensor over a ring of ranks.
-
-    Collective: every rank calls `all_reduce` with a tensor of the same size and dtype, in
-    the same order. Not thread-safe: one caller at a time (the DDP hook runs it on one thread).
-    """
+    """In-place sum all-reduce of a contiguous CPU float tensor over a ring of ranks. Collective
+    (every rank, same size and dtype, same order); one caller at a time."""
 
     def __init__(self, variant: Variant | str = Variant.PIPELINED, *, keys: PairKeys | None = None,
                  record_bytes: int = DEFAULT_RECORD_BYTES, group: dist.ProcessGroup | None = None,
@@ -187,10 +148,7 @@ class Ring:
                 f"record_bytes={self.record_bytes}, broken={self._broken is not None})")
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ring, in place; returns it.
-
-        On an error the tensor's contents are undefined (partly reduced) and the ring is broken.
-        """
+        """Sum `tensor` over the ring, in place. On an error it is partly reduced and the ring broken."""
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or tensor.dtype not in _DTYPES \
                 or not tensor.is_contiguous():
             raise BadInput("the ring reduces a contiguous CPU floating-point tensor")
@@ -212,10 +170,8 @@ class Ring:
         try:
             one.run()
         except BaseException as err:
-            # The peers' counters and pending operations are now out of step with ours.
-            self._broken = type(err).__name__
-            # What is already on the wire stays there: records sent before the failure still
-            # reach the ranks that need them, and no pending receive's buffer is freed under gloo.
+            self._broken = type(err).__name__  # the peers' counters are now out of step with ours
+            # Pending operations stay referenced: no pending receive's buffer is freed under gloo.
             self._abandoned = (one.sends, one.recvs)
             raise
         return tensor
@@ -226,12 +182,11 @@ class Ring:
             self._slab = torch.empty(nbytes, dtype=torch.uint8)
         return self._slab
 
-    def _post(self, send: bool, buf: torch.Tensor, lane: int, what: str) -> Work:
+    def _post(self, post: Callable[[torch.Tensor, int, int], Work], buf: torch.Tensor, peer: int, lane: int,
+              what: str) -> Work:
         # gloo may fail a post at once, when the peer has already gone: the same typed error as a wait.
         try:
-            if send:
-                return self.p2p.isend(buf, self._next, lane)
-            return self.p2p.irecv(buf, self._prev, lane)
+            return post(buf, peer, lane)
         except RuntimeError as err:
             raise self._typed(err, what) from None
 
@@ -265,10 +220,8 @@ class _Pass:
         self.records = [[(s, min(s + per_record, starts[c + 1])) for s in range(starts[c], starts[c + 1], per_record)]
                         for c in range(n)]
         slots = max(len(r) for r in self.records)
-        # Receives: sealed, the ring's one size for its whole life, however short this tensor's
-        # records (Framing); plain, this all-reduce's record. Sends: this all-reduce's record and
-        # its tag, rounded up to 8. Every size a multiple of 8 (sealed) or of the item (plain),
-        # so views stay aligned.
+        # Receives: sealed, the ring's one size (Framing); plain, this all-reduce's record. Sends:
+        # this record and its tag, rounded up to 8. Every size keeps views aligned.
         self.slot_bytes = ring.slot_bytes if ring._sealed else per_record * self.item
         send_bytes = -(-per_record * self.item // 8) * 8 + TAG_BYTES
         send_area = 2 * slots * send_bytes if ring._sealed else 0
@@ -305,47 +258,59 @@ class _Pass:
             if hop + 1 < self.hops:
                 self.post_receives(hop + 1)
             for k in range(len(self.records[self.incoming(hop)])):
-                self.land(hop, k)
+                self.received(hop, k)
+                self.reduce(hop, k)
                 if hop + 1 < self.hops:
                     self.send(hop + 1, k)  # record k of the next hop is the one that just landed
-        for (hop, k), work in self.sends.items():
-            self.ring._wait(work, f"send of hop {hop} record {k}")
+        for hop, k in list(self.sends):
+            self.sent(hop, k)
 
     def run_in_turn(self) -> None:
         """The naive schedule: a hop's records all sealed, then all sent; all received, then all
         opened and reduced; then the next hop."""
-        ring = self.ring
         self.post_receives(0)
         for hop in range(self.hops):
             outgoing = range(len(self.records[self.outgoing(hop)]))
             sealed = [self.seal(hop, k) for k in outgoing]
             for k in outgoing:
-                self.sends[(hop, k)] = ring._post(True, sealed[k], self.lane, f"send of hop {hop} record {k}")
+                self.post_send(hop, k, sealed[k])
             if hop + 1 < self.hops:
                 self.post_receives(hop + 1)
             incoming = range(len(self.records[self.incoming(hop)]))
             for k in incoming:
-                ring._wait(self.recvs.pop((hop, k)), f"receive of hop {hop} record {k}")
+                self.received(hop, k)
             for k in incoming:
                 self.reduce(hop, k)
-        for (hop, k), work in self.sends.items():
-            ring._wait(work, f"send of hop {hop} record {k}")
+        for hop, k in list(self.sends):
+            self.sent(hop, k)
+
+    def post_send(self, hop: int, k: int, buf: torch.Tensor) -> None:
+        ring = self.ring
+        self.sends[(hop, k)] = ring._post(ring.p2p.isend, buf, ring._next, self.lane, f"send of hop {hop} record {k}")
+
+    def sent(self, hop: int, k: int) -> None:
+        """Wait until send (hop, k), if still pending, is off the wire (its buffer is reused next)."""
+        work = self.sends.get((hop, k))
+        if work is not None:
+            self.ring._wait(work, f"send of hop {hop} record {k}")
+            del self.sends[(hop, k)]
+
+    def received(self, hop: int, k: int) -> None:
+        self.ring._wait(self.recvs[(hop, k)], f"receive of hop {hop} record {k}")
+        del self.recvs[(hop, k)]
 
     def send(self, hop: int, k: int) -> None:
-        ring = self.ring
-        if not ring._sealed:
+        if self.ring._sealed:
+            self.post_send(hop, k, self.seal(hop, k))
+        else:
             start, stop = self.records[self.outgoing(hop)][k]
-            self.sends[(hop, k)] = ring._post(True, self.flat[start:stop], self.lane, f"send of hop {hop} record {k}")
-            return
-        self.sends[(hop, k)] = ring._post(True, self.seal(hop, k), self.lane, f"send of hop {hop} record {k}")
+            self.post_send(hop, k, self.flat[start:stop])
 
     def seal(self, hop: int, k: int) -> torch.Tensor:
         """Record k of `hop`, sealed into its send buffer (once the send that used it last is done)."""
         ring, segment = self.ring, self.outgoing(hop)
         start, stop = self.records[segment][k]
-        earlier = self.sends.pop((hop - 2, k), None)  # the last user of this send buffer
-        if earlier is not None:
-            ring._wait(earlier, f"send of hop {hop - 2} record {k}")
+        self.sent(hop - 2, k)  # the last user of this send buffer
         out = self.send_bufs[hop % 2][k][: (stop - start) * self.item + TAG_BYTES]
         plaintext = self.flat[start:stop].view(torch.uint8).numpy()
         ring._sender.encrypt_into(plaintext, out.numpy(),
@@ -365,15 +330,10 @@ class _Pass:
             else:
                 # Plain all-gather lands in place, over the segment this rank sent at scatter-reduce
                 # hop (hop - N + 1): that send must be off the wire first.
-                earlier = self.sends.pop((hop - ring.world_size + 1, k), None)
-                if earlier is not None:
-                    ring._wait(earlier, f"send of hop {hop - ring.world_size + 1} record {k}")
+                self.sent(hop - ring.world_size + 1, k)
                 buf = self.flat[start:stop]
-            self.recvs[(hop, k)] = ring._post(False, buf, self.lane, f"receive of hop {hop} record {k}")
-
-    def land(self, hop: int, k: int) -> None:
-        self.ring._wait(self.recvs.pop((hop, k)), f"receive of hop {hop} record {k}")
-        self.reduce(hop, k)
+            self.recvs[(hop, k)] = ring._post(ring.p2p.irecv, buf, ring._prev, self.lane,
+                                              f"receive of hop {hop} record {k}")
 
     def reduce(self, hop: int, k: int) -> None:
         """Record k of `hop`, received: opened (sealed rings) and added or copied into place."""
