@@ -5,24 +5,12 @@
     state = RingHookState(Ring("pipelined", keys=keys, group=group))
     model.register_comm_hook(state, encrypted_allreduce_hook)
 
-Like DDP's default hook, it averages: each bucket is divided by the world size and summed
-over the ring. DDP calls the hook from the backward pass as each gradient bucket fills. With
-`overlap` (the default) the ring runs on one worker thread of its own and the hook returns at
-once, so buckets are sealed and sent while the backward pass computes the next ones (DDP's
-bucket overlap; the crypto and gloo release the GIL). Buckets reach the hook in the same order
-on every rank, and the single worker keeps that order on the wire.
-
-A failed all-reduce (a tampered, replayed, dropped, cut or longer record, a peer gone) completes the
-bucket's future with the typed error, so DDP's backward raises and the step stops. DDP raises
-it as a RuntimeError that quotes the error's message; the typed error itself is kept in
-`state.failure`, for the training loop to re-raise.
-
-A bucket on a CUDA device is staged through the host (`stage`, `unstage`), as GPUs in
-confidential-computing mode have no peer-to-peer path and exchange through the CPU anyway: the
-hook copies it into a CPU buffer (pinned) on the calling thread, the ring seals and reduces
-that copy, and the worker copies the sum back into the bucket and waits for that copy before
-it completes the future. A CPU bucket is reduced where it lies, with no copy. (The CUDA path
-has not run in this project: no GPU was at hand.)
+It averages, as DDP's default hook does. With `overlap` the ring runs on one worker thread, so
+buckets are sealed and sent while the backward pass computes the next ones, in the same order on
+every rank. A failed all-reduce completes the bucket's future with the typed error, so the step
+stops (DDP raises a RuntimeError quoting it; the typed error is kept in `state.failure`). A CUDA
+bucket is staged through pinned host memory, as CC-mode GPUs exchange through the CPU anyway
+(that path has not run in this project: no GPU was at hand).
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's
@@ -55,9 +43,7 @@ class RingHookState:
         return f"RingHookState(ring={self.ring!r}, overlap={self.overlap})"
 
     def submit(self, bucket: torch.Tensor, fut: "torch.futures.Future[torch.Tensor]") -> None:
-        # Staged here, on the caller's (autograd) thread, and complete on return: the worker
-        # never reads a device buffer still being copied. A failed copy stops the step with
-        # its error, as a failed ring does.
+        # Staged on the caller's thread, complete on return: the worker never reads a buffer mid-copy.
         try:
             host = stage(bucket)
         except Exception as err:
@@ -79,8 +65,7 @@ class RingHookState:
         try:
             self.ring.all_reduce(host)
             unstage(bucket, host)
-            # Inside the try: completing a CUDA future records events, which can raise, and
-            # an error lost in the worker would leave DDP waiting on this future for ever.
+            # Inside the try: completing a CUDA future can raise, and DDP would wait for ever.
             fut.set_result(bucket)
         except Exception as err:  # the step must stop: DDP's backward re-raises it
             self._fail(fut, err)
@@ -91,8 +76,8 @@ class RingHookState:
         fut.set_exception(err)
 
     def close(self) -> None:
-        """Stop the worker thread (after the buckets already handed to it); later buckets fail.
-        Held under the lock throughout, so no second worker can start while the first drains."""
+        """Stop the worker after the buckets it has; later buckets fail. Under the lock throughout,
+        so no second worker starts while the first drains."""
         with self._lock:
             self._closed = True
             if self._worker is not None:
@@ -101,27 +86,23 @@ class RingHookState:
 
 
 def stage(bucket: torch.Tensor) -> torch.Tensor:
-    """The CPU tensor the ring reduces for `bucket`: `bucket` itself when it is on the CPU (no
-    copy), else a host copy of it (`host_copy`)."""
+    """The CPU tensor the ring reduces for `bucket`: itself on the CPU, else a `host_copy`."""
     return bucket if bucket.device.type == "cpu" else host_copy(bucket)
 
 
 def host_copy(bucket: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy of `bucket`, complete when this returns. Pinned for a CUDA bucket:
-    the copy engine then moves it directly (in CC mode still through the driver's encrypted
-    bounce buffers)."""
+    """A contiguous CPU copy of `bucket`, complete on return (pinned for CUDA: one DMA copy)."""
     host = torch.empty(bucket.shape, dtype=bucket.dtype, device="cpu", pin_memory=bucket.is_cuda)
     host.copy_(bucket)  # blocking (non_blocking=False): the device->host copy has landed on return
     return host
 
 
 def unstage(bucket: torch.Tensor, host: torch.Tensor) -> None:
-    """Put the ring's sum `host` back into `bucket`, complete when this returns (the future is
-    set next, and DDP reads the bucket then). Nothing to do where `stage` made no copy."""
+    """Put the ring's sum back into `bucket`, complete on return (DDP reads it once the future is set)."""
     if host is bucket:
         return
     bucket.copy_(host)
-    if bucket.is_cuda:  # copy_ already waits for a host->device copy; waiting again is cheap and explicit
+    if bucket.is_cuda:
         torch.cuda.current_stream(bucket.device).synchronize()
 
 
@@ -135,5 +116,3 @@ def encrypted_allreduce_hook(state: RingHookState, bucket: dist.GradBucket) -> t
                                               else torch.futures.Future())
     state.submit(tensor, fut)
     return fut
-
-

@@ -1,30 +1,15 @@
 """Pairwise keys between the GPU TEEs of a data-parallel job, from an ECDHE bound to both
-ranks' attestation.
+ranks' attestation: every ring hop leaves the GPU package, so each is sealed with these.
 
-Ring all-reduce sends every scatter-reduce and all-gather hop out of the GPU package, so each
-hop must be sealed by the sender and opened by the receiver. The keys for that come from here:
-
-1. Each rank makes an ephemeral P-384 key pair and asks its own TEE for evidence over
-
-       report data = SHA-384("gputravel ddp ring key v1\\0" || rank || world size
-                             || len(context) || context || public key)
-
-   (`attest(report_data) -> evidence`, supplied by the caller: a TDX-style quote, say).
-2. The ranks exchange (public key, evidence) as encoded `KeyShare` messages.
-3. Each rank verifies every peer's evidence against the report data that peer *must* carry
-   for its place in the group (`verify(peer, evidence, report_data)`, raising on refusal). A
-   key swapped on the wire no longer matches the evidence, and evidence replayed from another
-   rank, another world size or another job (context) names the wrong report data.
-4. Every rank tells every other which peers it refused, so that all stop together rather than
-   leave the honest ones waiting in a ring that will never turn.
-5. For each pair {i, j}: secret = HKDF-SHA384(ECDH(i, j), info = both ranks, the world size,
-   the context and both evidences' digests); then the project's one channel recipe
-   (crypto/channel.derive_epoch_keys) turns it into one AES-256-GCM key and IV mask per
-   direction, i -> j and j -> i. The ephemeral private key is a local of establish_pair_keys,
-   never stored or returned.
-
-This module verifies nothing itself: attestation lives on the same floor (attest/), so the
-caller passes its verifier in. The `exchange` seam lets a test stand in for a MITM.
+1. Each rank makes an ephemeral P-384 key pair and has its TEE (the caller's `attest`) quote
+   `report_data`: SHA-384 over a label, its rank, the world size, the context and the public key.
+2. The ranks all-gather (public key, evidence) as `KeyShare` messages.
+3. Each rank verifies every peer's evidence against the report data that peer must carry for its
+   place (the caller's `verify`): a swapped key, or evidence of another rank, group or job, fails.
+4. Every rank tells every other which peers it refused (`KeyVerdict`), so that all stop together.
+5. Per pair: HKDF-SHA384 over the ECDH secret, both ranks, the world size, the context and both
+   evidences' digests, then crypto/channel.derive_epoch_keys: one key per direction. The
+   ephemeral private key never leaves establish_pair_keys.
 """
 
 from __future__ import annotations
@@ -70,8 +55,7 @@ _KEY_EPOCH = 0  # keys are fresh per establishment (ephemeral ECDH): one epoch i
 Attest = Callable[[bytes], bytes]
 """`attest(report_data) -> evidence`: this rank's TEE quoting the 48-byte report data."""
 Verify = Callable[[int, bytes, bytes], object]
-"""`verify(peer_rank, evidence, report_data)`: raises if the evidence is refused or does not
-carry `report_data`; the return value is ignored."""
+"""`verify(peer_rank, evidence, report_data)`: raises, or answers False, to refuse the evidence."""
 Exchange = Callable[[bytes], list[bytes]]
 """`exchange(mine) -> [rank 0's, rank 1's, ...]`: an all-gather of bytes (the test seam)."""
 
@@ -126,9 +110,7 @@ class PairKeys:
         return Receiver(self._claim(source, self.rank))
 
     def _claim(self, sender: int, receiver: int) -> KeyMaterial:
-        # Every Sender starts at the same IV: a second Sender on the same key would reuse
-        # nonces, which breaks AES-GCM. So each direction seals one channel only; a second
-        # ring over the same ranks needs new keys (establish_pair_keys again).
+        # Every Sender starts at the same IV: a second one on a key would reuse GCM nonces.
         keys = self.material(sender, receiver)
         with self._claim_lock:
             if (sender, receiver) in self._claimed:
@@ -139,16 +121,12 @@ class PairKeys:
 
 def establish_pair_keys(attest: Attest, verify: Verify, *, group: dist.ProcessGroup | None = None,
                         context: bytes, exchange: Exchange | None = None) -> PairKeys:
-    """Run steps 1-5 above with every rank of `group`; collective: every rank must call it.
+    """Run steps 1-5 above with every rank of `group` (collective).
 
-    `context` names this job, this group and this establishment (a job id, the group's global
-    ranks, a fresh nonce all ranks share): evidence made for one context is refused in any
-    other, so the wire cannot pair ranks of two jobs or groups of the same size.
-
-    A rank that refuses a peer raises PeerAttestationError. On an honest wire every rank then
-    raises it too (each tells the others what it refused); the verdicts are not authenticated,
-    so a hostile wire can hide one and let the other ranks go on to a ring that then times out:
-    liveness, never a key shared with a peer a rank refused.
+    `context` names this job, group and establishment (a job id, the global ranks, a shared
+    nonce), so the wire cannot pair ranks of two jobs or groups. A rank that refuses a peer raises
+    PeerAttestationError; the verdicts are not authenticated, so a hostile wire can only hide one
+    (the others' ring then times out): liveness, never a key shared with a refused peer.
     """
     if not isinstance(context, bytes) or not context:
         raise BadInput("context must be non-empty bytes naming this job and group")

@@ -1,10 +1,6 @@
-"""Start data-parallel ranks (or any few processes) and collect one result from each.
-
-The benchmark, the red team's all-reduce row and the tests each run ranks as child
-processes; this is the one launcher they share. Each process runs `target(*args)` and sends
-back what it returns, or what it raised; the parent waits for every answer, names a process
-that raised, died without a word or stayed silent past the deadline, and ends every process
-it started, whatever happens.
+"""Start data-parallel ranks (or any few processes) and collect one result from each: the
+one launcher the benchmark, the red team and the tests share. It names a process that raised,
+died without a word or stayed silent, and ends every process it started, whatever happens.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ POLL_S = 0.5  # how often the parent looks for a process that died without a wor
 
 
 class ProcessFailed(RemoteError):
-    """A process raised: `name` says which, `error` is its exception as ``Type: message``, and
-    `details` its traceback (kept out of the message: the caller decides whether to show it)."""
+    """A process raised: `error` is ``Type: message``, `details` its traceback (kept out of the message)."""
 
     def __init__(self, name: str, error: str, details: str = "") -> None:
         super().__init__(f"{name} failed: {error}")
@@ -49,13 +44,9 @@ def free_port() -> int:
 
 def run_processes(targets: Sequence[tuple[Callable, tuple]], timeout: float, *, names: Sequence[str] | None = None,
                   method: str = "spawn", preload: Sequence[str] = (), grace: float = 10.0) -> list:
-    """Run each `(target, args)` in a process of its own; return what each returned, in order.
-
-    `target` must be importable by name (a module-level function). `method` is the start
-    method; `preload` the modules a forkserver imports once, so that each start is a fork.
-    Raises ProcessFailed at the first process that raised, ProcessesSilent when some died
-    without a word or were silent for `timeout` seconds; every process is joined for up to
-    `grace` seconds, then killed."""
+    """Run each `(target, args)` (a module-level function) in a process of its own; return what
+    each returned, in order. `preload`: the modules a forkserver imports once. Raises ProcessFailed
+    or ProcessesSilent; every process gets `grace` seconds to end, then is killed."""
     names = list(names) if names is not None else [f"process {i}" for i in range(len(targets))]
     if len(names) != len(targets):
         raise ValueError("run_processes needs one name per target")
@@ -70,7 +61,7 @@ def run_processes(targets: Sequence[tuple[Callable, tuple]], timeout: float, *, 
             p.start()
         got = _collect(procs, results, names, timeout)
     finally:
-        _end(procs, grace)
+        stop_processes(procs, grace, asked=True)  # each has sent its result, or the job failed
         results.close()
     return [got[i] for i in range(len(procs))]
 
@@ -106,12 +97,6 @@ def _drain(results, got: dict[int, object], names: Sequence[str], wait: float) -
         wait = 0.0
 
 
-def _end(procs: list, grace: float) -> None:
-    """Each has ended or been told to (a result sent, or the job failed): `grace` to end by
-    itself, then SIGTERM, then SIGKILL."""
-    stop_processes(procs, grace, asked=True)
-
-
 def _child(index: int, target: Callable, args: tuple, results) -> None:
     """In the process: run the target and send what it returned or raised."""
     try:
@@ -119,8 +104,7 @@ def _child(index: int, target: Callable, args: tuple, results) -> None:
     except BaseException as err:  # reported to the parent, which raises ProcessFailed
         answer = (index, "error", f"{type(err).__name__}: {err}", traceback.format_exc())
     results.put(answer)
-    # A rank whose ring broke can leave threads waiting on receives that never complete, and
-    # tearing the process down under them can wait for them. The parent has the answer: go.
+    # A broken ring can leave threads on receives that never complete: the parent has the answer, go.
     results.close()
     results.join_thread()
     os._exit(0)
