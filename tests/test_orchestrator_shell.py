@@ -381,3 +381,26 @@ def test_a_refusal_still_stops_the_wait_and_a_timeout_says_what_broke_off() -> N
     o.accept_holder = lambda timeout, probe=None, play=o.accept_holder: (time.sleep(0.05), play(timeout))[1]
     with pytest.raises(PeerTimeout, match=r"north \(the last connection that broke off: tls:north: peer closed\)"):
         o.await_holders(("north",), timeout=0.1)
+
+
+# ============================================================================ opening the CVM's links
+@pytest.mark.parametrize("failing", ["registration", "listener"])
+def test_from_config_closes_what_it_opened_when_a_later_step_fails(tmp_path, monkeypatch, failing: str) -> None:
+    from gputravel.crypto.pki import CohortPki
+    from gputravel.orchestrator import cvm
+
+    CohortPki.create(tmp_path / "pki", [ORCHESTRATOR])
+    closed: list[str] = []
+    host, link = SimpleNamespace(close=lambda: closed.append("host")), SimpleNamespace(close=lambda: closed.append("link"))
+
+    def fail(*args, **kwargs):
+        raise ProtocolError(f"injected: {failing}")
+
+    monkeypatch.setattr(cvm, "connect_unix", lambda path, name: host)
+    monkeypatch.setattr(cvm, "register_with_host", fail if failing == "registration" else lambda *a: link)
+    monkeypatch.setattr(cvm, "TlsListener", fail)
+    config = OrchestratorConfig(host_socket="host.sock", pki_dir=str(tmp_path / "pki"), layout=TEST_LAYOUT,
+                                buffer_bytes=BUFFER)
+    with pytest.raises(ProtocolError, match="injected"):
+        Orchestrator.from_config(config, device_link=None)
+    assert closed == (["host"] if failing == "registration" else ["link", "host"])

@@ -32,8 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
-from pathlib import Path
-from typing import Protocol
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -55,13 +53,12 @@ from gputravel.attest.verifier import gpu_identity
 from gputravel.attest.gpu import NONCE_BYTES
 from gputravel.attest.material import OrchestratorMaterial, utcnow
 from gputravel.firmware.tdx_module import request_quote
-from gputravel.crypto.pki import CohortPki, MemberIdentity
+from gputravel.crypto.pki import MemberIdentity
 from gputravel.crypto.spdm import SpdmRequester
 from gputravel.driver.orchestrator import OrchestratorDriver
 from gputravel.errors import IllegalTransition, ProtocolError
 from gputravel.transport.base import Transport
 from gputravel.protocol.codec import decode
-from gputravel.protocol.parties import ORCHESTRATOR
 
 __all__ = ["GpuAttester", "TlsIdentity", "orchestrator_attester"]
 
@@ -212,19 +209,7 @@ class GpuAttester:
         return True
 
 
-class AttesterConfig(Protocol):
-    """Where the orchestrator keeps what its attester loads (orchestrator/cvm.OrchestratorConfig,
-    whose module imports this one: named here by what is read, so nothing here imports it back)."""
-
-    @property
-    def trust_dir(self) -> str: ...
-    @property
-    def pki_dir(self) -> str: ...
-
-
-def orchestrator_attester(config: AttesterConfig) -> GpuAttester:
-    """The orchestrator's attester: its trust material, its TDX module, its TLS identity. It
-    does not measure itself: the module quotes the measurement the launcher registered."""
-    material = OrchestratorMaterial.load(config.trust_dir)
-    return GpuAttester(material, partial(request_quote, material.quoting_socket),
-                       TlsIdentity.of_member(CohortPki.load(Path(config.pki_dir)).member(ORCHESTRATOR)))
+def orchestrator_attester(trust_dir: str, identity: TlsIdentity) -> GpuAttester:
+    """The orchestrator's attester; its TDX module quotes the measurement the launcher registered."""
+    material = OrchestratorMaterial.load(trust_dir)
+    return GpuAttester(material, partial(request_quote, material.quoting_socket), identity)

@@ -13,6 +13,7 @@ import mmap
 import socket
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, Self
 
@@ -37,7 +38,7 @@ from gputravel.transport.base import Transport
 from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import connect_unix
 from gputravel.transport.tls import TlsListener
-from gputravel.orchestrator.attester import GpuAttester, orchestrator_attester
+from gputravel.orchestrator.attester import GpuAttester, TlsIdentity, orchestrator_attester
 from gputravel.orchestrator.baseline import BaselinePath
 from gputravel.protocol.control import BaselineReport, TravelReport
 from gputravel.net.pace import pace
@@ -69,6 +70,10 @@ class OrchestratorConfig:
     # a Train command for another job is refused (orchestrator/process.py).
     job_json: str = ""
 
+    def __post_init__(self) -> None:
+        if self.buffer_bytes <= 0 or self.buffer_bytes % self.layout.record_bytes:
+            raise BadInput("the dataset buffer must be a positive multiple of the record size (1 MiB by default)")
+
 
 class Listener(Protocol):
     """Where holders connect: the TLS listener (transport/tls.py), or a test's stand-in. ``accept``
@@ -83,11 +88,6 @@ class Listener(Protocol):
     def close(self) -> None: ...
 
 
-def check_buffer(config: OrchestratorConfig) -> None:
-    if config.buffer_bytes <= 0 or config.buffer_bytes % config.layout.record_bytes:
-        raise BadInput("the dataset buffer must be a positive multiple of the record size (1 MiB by default)")
-
-
 class Orchestrator:
     """The travelling engine. One dataset buffer in VRAM, one travel at a time.
 
@@ -100,8 +100,7 @@ class Orchestrator:
 
     def __init__(self, config: OrchestratorConfig, *, host: Transport, driver: OrchestratorDriver,
                  mux: PcieMuxClient, device: Transport, listener: Listener, log_key: bytes,
-                 attester: Callable[[OrchestratorConfig], GpuAttester] = orchestrator_attester) -> None:
-        check_buffer(config)
+                 attester: Callable[[OrchestratorConfig], GpuAttester] | None = None) -> None:
         self.config = config
         self.host, self.driver, self.mux, self._device, self.listener = host, driver, mux, device, listener
         self.profile, self._request_sent = hardware_profile(config.hardware), 0.0
@@ -113,18 +112,21 @@ class Orchestrator:
         self.travel_log: TravelLog | None = None  # opened at boot, once the GPU it names is attested
 
     @classmethod
-    def from_config(cls, config: OrchestratorConfig, device_link: socket.socket, **extra: Any) -> Self:
-        """The orchestrator CVM's own links: connect to the host and register with it, wrap the
-        device's link, load the cohort's PKI and listen for holders over TLS. ``extra`` goes to
-        the constructor (a subclass's own arguments)."""
-        check_buffer(config)  # before anything is opened
-        host = connect_unix(config.host_socket, "host")
-        driver = OrchestratorDriver(register_with_host(host, NAME, config.layout))
-        pki = CohortPki.load(config.pki_dir)
-        listener = TlsListener(config.listen_host, config.listen_port, pki.server_context(NAME))
-        return cls(config, host=host, driver=driver, mux=PcieMuxClient(host, NAME),
+    def from_config(cls, config: OrchestratorConfig, device_link: socket.socket) -> Self:
+        """The CVM's own links: the host (registered with), the device's, TLS for holders."""
+        pki = CohortPki.load(config.pki_dir)  # before anything is opened
+        identity = TlsIdentity.of_member(pki.member(NAME))
+        with ExitStack() as opened:  # a step that fails closes what the steps before it opened
+            host = connect_unix(config.host_socket, "host")
+            opened.callback(host.close)
+            link = register_with_host(host, NAME, config.layout)
+            opened.callback(link.close)
+            listener = TlsListener(config.listen_host, config.listen_port, pki.server_context(NAME))
+            opened.pop_all()
+        return cls(config, host=host, driver=OrchestratorDriver(link), mux=PcieMuxClient(host, NAME),
                    device=StreamTransport(device_link, "device-link"), listener=listener,
-                   log_key=pki.member(NAME).key_pem, **extra)
+                   log_key=pki.member(NAME).key_pem,
+                   attester=lambda c: orchestrator_attester(c.trust_dir, identity))
 
     # ------------------------------------------------------------------ boot
     def boot(self) -> None:
@@ -132,6 +134,7 @@ class Orchestrator:
         self.switch(NAME)
         # Paper 4.5, GPU phase: SPDM only with a GPU under the trusted vendor root, then its
         # evidence verified; an AttestationError (naming the claim) stops the boot here.
+        assert self._make_attester is not None, "from_config gives the engine its attester"
         self.attester: GpuAttester = self._make_attester(self.config)
         self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
         if self.config.audit_log:  # its entries name the GPU just attested (re-keys keep it)
