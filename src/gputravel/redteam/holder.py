@@ -10,6 +10,7 @@ import selectors
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from msgspec import structs
 
 from gputravel.cohort.entry import load_config
@@ -37,7 +38,7 @@ from gputravel.redteam.bus import (
     UseKeptKeys,
     event,
 )
-from gputravel.redteam.loot import Loot, read_frames
+from gputravel.redteam.loot import Loot
 from gputravel.redteam.probes import ask_quote, probe
 
 
@@ -268,7 +269,7 @@ class MaliciousHolder(DataHolder):
     # ------------------------------------------------------------------ collusion
     def decrypt_captured(self, order: DecryptCaptured) -> None:
         """Every kept key (or the newest ones), every plausible IV, on every ciphertext the host handed over."""
-        frames = read_frames(Path(order.path))
+        frames = msgspec.msgpack.decode(Path(order.path).read_bytes(), type=list[tuple[str, bytes]])
         blobs = self.kept[-order.newest :] if order.newest > 0 else self.kept
         states = kept_states(blobs, self.layout_digest)
         tried = won = 0
@@ -380,9 +381,7 @@ def _from_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -> 
     try:
         msg = conn.recv(timeout=30).message
     except (TransportClosed, GputravelError):
-        sel.unregister(conn.fileno())
-        conn.close()
-        holder.orchestrator = None
+        _forget_orchestrator(holder, sel)
         holder.event(event(Did.CONNECTION_DROPPED, "the orchestrator dropped the connection"))
         return
     if isinstance(msg, Bye):

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from gputravel.errors import GputravelError, ProtocolError, TransportClosed
 from gputravel.host.mux import CvmRegistration, SwitchPlan
 from gputravel.host.process import HostProcess
@@ -42,7 +44,7 @@ from gputravel.redteam.bus import (
     ProbePaths,
     event,
 )
-from gputravel.redteam.loot import Loot, write_frames
+from gputravel.redteam.loot import Loot
 from gputravel.redteam.probes import ask_quote, probe
 
 USER, KERNEL = PushChannel.USER, PushChannel.KERNEL
@@ -226,7 +228,7 @@ class HostAdversary:
         with self.lock:
             frames += [("push", p) for p in caps.pushes.values()]
         Path(order.path).parent.mkdir(parents=True, exist_ok=True)
-        write_frames(Path(order.path), frames)
+        Path(order.path).write_bytes(msgspec.msgpack.encode(frames))  # ciphertexts, each tagged with its kind
         self._event(Did.HANDED_OVER, f"handed over {len(caps.records)} staging records and {len(caps.pushes)} pushes "
                     f"of {order.cvm}", party=order.cvm, count=len(caps.records))
 

@@ -47,24 +47,3 @@ class Loot:
                 kept += len(piece)
         return kept
 
-
-# ----------------------------------------------------------------------------- captured ciphertext
-def write_frames(path: Path, frames: list[tuple[str, bytes]]) -> None:
-    """Captured ciphertexts, each tagged with its kind ("record", "push", "rpc")."""
-    with open(path, "wb") as out:
-        for kind, data in frames:
-            name = kind.encode("ascii")
-            out.write(len(name).to_bytes(1, "little") + name + len(data).to_bytes(4, "little") + data)
-
-
-def read_frames(path: Path) -> list[tuple[str, bytes]]:
-    raw = Path(path).read_bytes()
-    frames, at = [], 0
-    while at < len(raw):
-        n = raw[at]
-        kind = raw[at + 1 : at + 1 + n].decode("ascii")
-        at += 1 + n
-        size = int.from_bytes(raw[at : at + 4], "little")
-        frames.append((kind, raw[at + 4 : at + 4 + size]))
-        at += 4 + size
-    return frames
