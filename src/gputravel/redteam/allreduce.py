@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -150,8 +151,7 @@ def carry(out_dir: Path, *, sealed: bool = True, world: int = WORLD, only: tuple
         found = found_in((out_dir / f"host-{c.name}.bin").read_bytes(), needles)
         carried[c.name] = Carried(case=c.name, variant=c.variant, records=host["records"], nbytes=host["bytes"],
                                   found=found)
-        tampered[c.name] = tuple(Tampered(case=c.name, fault=f, record=r, nbytes=n, delivered=d)
-                                 for f, r, n, d in host["tampered"])
+        tampered[c.name] = tuple(host["tampered"])
         failures[c.name] = tuple(host["failures"])
         ranks[c.name] = {r: RankStep(case=c.name, rank=r, **got[(r, c.name)]) for r in range(world)}
     return Observed(chosen, carried, tampered, failures, ranks, world)
@@ -322,7 +322,7 @@ def host_main(plan: Plan) -> list[tuple[int, str, dict]]:
 
 def _carry(plan: Plan, case: Case, carrier: dist.ProcessGroup) -> dict:
     carried: list[bytes] = []
-    tampered: list[tuple[str, int, int, int]] = []  # (fault, record, its bytes, bytes delivered; -1: none)
+    tampered: list[Tampered] = []
     deliveries: list[dist.Work] = []
     lock = threading.Lock()
 
@@ -345,7 +345,8 @@ def _carry(plan: Plan, case: Case, carrier: dist.ProcessGroup) -> dict:
                 if sent == plan.last_hop + case.record:
                     out = _tamper(case.fault, record, last)
                     with lock:
-                        tampered.append((case.fault, sent, n, -1 if out is None else len(out)))
+                        tampered.append(Tampered(case=case.name, fault=case.fault, record=sent, nbytes=n,
+                                                 delivered=-1 if out is None else len(out)))
                 sent, last = sent + 1, record
             with lock:
                 carried.append(record)
@@ -353,19 +354,15 @@ def _carry(plan: Plan, case: Case, carrier: dist.ProcessGroup) -> dict:
                     deliveries.append(dist.isend(torch.frombuffer(bytearray(out), dtype=torch.uint8), dst,
                                                  group=carrier, tag=DELIVER + lane))
 
-    failures: list[str] = []
-
-    def guarded(src: int) -> None:
+    def guarded(src: int) -> str:
         try:
             serve(src)
         except Exception as err:  # noqa: BLE001 (reported with the case)
-            failures.append(f"rank {src}'s records: {type(err).__name__}: {err}")
+            return f"rank {src}'s records: {type(err).__name__}: {err}"
+        return ""
 
-    threads = [threading.Thread(target=guarded, args=(src,), daemon=True) for src in range(plan.world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(plan.world) as pool:
+        failures = [f for f in pool.map(guarded, range(plan.world)) if f]
     for work in deliveries:
         work.wait(timedelta(seconds=plan.timeout_s))
     capture = b"".join(carried)
@@ -375,15 +372,9 @@ def _carry(plan: Plan, case: Case, carrier: dist.ProcessGroup) -> dict:
 
 def _tamper(fault: str, record: bytes, before: bytes) -> bytes | None:
     """What the host delivers in place of ``record`` (None: nothing)."""
-    if fault == "flip":
-        flipped = bytearray(record)
-        flipped[len(flipped) // 2] ^= 0x01  # bit 0 of the middle byte
-        return bytes(flipped)
-    if fault == "replay":
-        return before
-    if fault == "cut":
-        return record[: len(record) // 2]
-    return None
+    mid = len(record) // 2
+    flipped = record[:mid] + bytes([record[mid] ^ 0x01]) + record[mid + 1 :]  # bit 0 of the middle byte
+    return {"flip": flipped, "replay": before, "cut": record[:mid]}.get(fault)
 
 
 def _join(rank: int, plan: Plan) -> None:
