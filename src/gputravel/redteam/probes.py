@@ -8,6 +8,7 @@ import ctypes
 import errno
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from gputravel.errors import GputravelError
@@ -37,15 +38,7 @@ def _one(t: ProbeTarget, loot: Loot) -> Event:
         if t.how == "list":
             n = len(os.listdir(t.path))
             return event(Did.PROBED, f"{head}: listed {n} entries", party=t.owner, place=t.what, count=n)
-        got = 0
-        fd = os.open(t.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            for offset, length in t.ranges or ((0, MAX_READ),):
-                data = os.pread(fd, min(length, MAX_READ), offset)
-                loot.keep("peek", data)
-                got += len(data)
-        finally:
-            os.close(fd)
+        got = _read(t.path, t.ranges or ((0, MAX_READ),), loot)
         return event(Did.PROBED, f"{head}: read {got} bytes", party=t.owner, place=t.what, nbytes=got)
     except OSError as exc:
         code = errno.errorcode.get(exc.errno or 0, "error")
@@ -68,18 +61,24 @@ def _fork_control(loot: Loot) -> tuple[int, int]:
         deadline = time.monotonic() + 2.0
         while os.stat(f"/proc/{pid}/status").st_uid != os.geteuid() and time.monotonic() < deadline:
             time.sleep(0.005)  # its /proc files become its own once it is dumpable
-        got = 0
-        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-            for start, end, name in _maps(pid):
-                if name.startswith("/memfd:") or name.endswith(".bin"):
-                    mem.seek(start)
-                    data = mem.read(min(end - start, MAX_READ))
-                    loot.keep("peek", data)
-                    got += len(data)
-        return got, pid
+        ranges = [(start, end - start) for start, end, name in _maps(pid)
+                  if name.startswith("/memfd:") or name.endswith(".bin")]
+        return _read(f"/proc/{pid}/mem", ranges, loot), pid
     finally:
         os.close(w)
         os.waitpid(pid, 0)
+
+
+def _read(path: str, ranges: Iterable[tuple[int, int]], loot: Loot) -> int:
+    """Read each (offset, length) of ``path`` into the loot; the bytes read."""
+    got = 0
+    with open(path, "rb", buffering=0) as f:
+        for offset, length in ranges:
+            f.seek(offset)
+            data = f.read(min(length, MAX_READ))
+            loot.keep("peek", data)
+            got += len(data)
+    return got
 
 
 def ask_quote(order: AskQuote, loot: Loot) -> Event:
