@@ -33,6 +33,19 @@ REKEY = ("re-keyed the GPU through a new SPDM session (VRAM and every channel wi
 CONTROL = "(control: the same search opens mallory's own captures)"
 
 
+def _armed(a: Arena, order: object, holder: str) -> tuple[Travel, HostNews]:
+    """The host given ``order``, then a travel to ``holder``: how it ended, what the host reported."""
+    a.host.order(order)
+    out = a.travel(holder)
+    return out, a.host.news()
+
+
+def _mallory_travels(a: Arena, mode: str) -> tuple[Travel, HolderNews]:
+    a.mallory.order(SetTravelMode(mode))
+    out = a.travel(MALLORY)
+    return out, a.mallory.news()
+
+
 def _read_nothing(news: HolderNews) -> bool:
     return news.attempts > 0 and news.bytes_read == 0
 
@@ -44,9 +57,7 @@ def _read_nothing(news: HolderNews) -> bool:
      "device expected next, so the device faulted the user channel and executed nothing; the orchestrator's "
      "rotation after the travel reset the channel")
 def replay_push(a: Arena) -> bool:
-    a.host.order(ArmTamper(ALICE, "replay", a.copy_push(0), 0))
-    a.travel(ALICE)
-    news = a.host.news()
+    _, news = _armed(a, ArmTamper(ALICE, "replay", a.copy_push(0), 0), ALICE)
     ok = a.carry_on(ALICE)
     return bool(happened(news.events, Did.REPLAYED, party=ALICE)) and news.user_faults >= 1 and ok
 
@@ -59,9 +70,7 @@ def flip_ciphertext(a: Arena) -> bool:
     # The device works while the CVM appends, so a flip can come too late (the device already
     # took the record, authentically): then the travel verifies and the host tries again.
     for _ in range(3):
-        a.host.order(ArmTamper(BOB, "flip", a.copy_push(1), 1 % a.slots))
-        out = a.travel(BOB)
-        news = a.host.news()
+        out, news = _armed(a, ArmTamper(BOB, "flip", a.copy_push(1), 1 % a.slots), BOB)
         if news.user_faults:
             break
     ok = a.carry_on(BOB)
@@ -73,9 +82,7 @@ def flip_ciphertext(a: Arena) -> bool:
      "the CVM the MUX maps, and bob's bounce buffers hold no push valid at the IV the device expects: alice's work "
      "faulted the user channel and she refused the travel; bob has no keys of this epoch and saw only ciphertext")
 def wrong_cvm_during_travel(a: Arena) -> bool:
-    a.host.order(ArmRoute(ORCHESTRATOR, ALICE, dma=BOB, irq=BOB))
-    out = a.travel(ALICE)
-    news = a.host.news()
+    out, news = _armed(a, ArmRoute(ORCHESTRATOR, ALICE, dma=BOB, irq=BOB), ALICE)
     ok_b = a.carry_on(BOB)
     ok_a = a.carry_on(ALICE)
     return bool(happened(news.events, Did.ROUTED, party=BOB)) and not out.verified and ok_a and ok_b
@@ -86,9 +93,7 @@ def wrong_cvm_during_travel(a: Arena) -> bool:
      "reached only alice's bounce buffers (ciphertext); alice's driver saw each release by polling its authenticated "
      "semaphore, so the travel still completed and verified")
 def split_dma_irq(a: Arena) -> bool:
-    a.host.order(ArmRoute(ORCHESTRATOR, ALICE, dma=ALICE, irq=BOB))
-    a.travel(ALICE)
-    news = a.host.news()
+    _, news = _armed(a, ArmRoute(ORCHESTRATOR, ALICE, dma=ALICE, irq=BOB), ALICE)
     ok = a.carry_on(BOB)
     return bool(happened(news.events, Did.ROUTED, place=BOB)) and ok
 
@@ -99,9 +104,7 @@ def split_dma_irq(a: Arena) -> bool:
      "PeerTimeout instead of going on; its recovery rotation went unheard too, so, unable to show the device had "
      f"left alice's epoch, it {REKEY}) before any other travel; the next travel verified under the new session's keys")
 def drop_rotation(a: Arena) -> bool:
-    a.host.order(ArmDrop(after_return_of=ALICE, kernel_rings=2))
-    out = a.travel(ALICE)
-    news = a.host.news()
+    out, news = _armed(a, ArmDrop(after_return_of=ALICE, kernel_rings=2), ALICE)
     rekeyed = a.rekeyed()
     ok = a.carry_on(BOB)
     dropped = len(happened(news.events, Did.DROPPED_KERNEL_RING))
@@ -112,9 +115,7 @@ def drop_rotation(a: Arena) -> bool:
      "travel to bob", stopped_by="the orchestrator never exports keys before the scrub is confirmed: the unanswered "
      "push ended in PeerTimeout, the GPU never left it, and the recovery rotation ran after the scrub")
 def drop_scrub(a: Arena) -> bool:
-    a.host.order(ArmDrop(after_return_of="", kernel_rings=1))
-    out = a.travel(BOB)
-    news = a.host.news()
+    out, news = _armed(a, ArmDrop(after_return_of="", kernel_rings=1), BOB)
     went = bool(happened(news.events, Did.SWITCH_ASKED, party=BOB, place=ORCHESTRATOR))
     a.keep(Travelled(holder=BOB, went=went))
     ok = a.carry_on(BOB)
@@ -128,9 +129,7 @@ def drop_scrub(a: Arena) -> bool:
      f"orchestrator halted travel and {REKEY}, the dataset buffer granted again); the next travel verified under "
      "the new session's keys")
 def wrong_cvm_for_orchestrator(a: Arena) -> bool:
-    a.host.order(ArmRoute(ALICE, ORCHESTRATOR, dma=BOB, irq=BOB))
-    out = a.travel(ALICE)
-    news = a.host.news()
+    out, news = _armed(a, ArmRoute(ALICE, ORCHESTRATOR, dma=BOB, irq=BOB), ALICE)
     rekeyed = a.rekeyed()
     ok = a.carry_on(BOB)
     routed = bool(happened(news.events, Did.ROUTED, party=BOB))
@@ -164,9 +163,7 @@ def kept_keys(a: Arena) -> bool:
      "(user channel faulted), and nothing else of protected memory is reachable with user-channel keys")
 def dump_vram(a: Arena) -> bool:
     victim = a.travel(ALICE)
-    a.mallory.order(SetTravelMode("dump"))
-    a.travel(MALLORY)
-    news = a.mallory.news()
+    _, news = _mallory_travels(a, "dump")
     a.host.news()
     ok = a.carry_on(BOB)
     # Only the read inside the window may succeed (and find zeros); both reads outside must fail.
@@ -179,9 +176,7 @@ def dump_vram(a: Arena) -> bool:
      "GPU back, the device maps the orchestrator's bounce buffers, not mallory's: its push was read from the wrong "
      "memory and failed authentication, and the rotation that followed made its keys useless")
 def work_after_return(a: Arena) -> bool:
-    a.mallory.order(SetTravelMode("work-after-return"))
-    out = a.travel(MALLORY)
-    news = a.mallory.news()
+    out, news = _mallory_travels(a, "work-after-return")
     ok = a.carry_on(ALICE)
     return out.verified and _read_nothing(news) and bool(news.errors) and ok
 
@@ -191,9 +186,7 @@ def _bad_blobs(a: Arena, modes: tuple[str, ...], also: str = "") -> bool:
     is recovered by the rotation that started when it came home, not by a re-key."""
     refused = dropped = rotated = 0
     for mode in modes:
-        a.mallory.order(SetTravelMode(mode))
-        out = a.travel(MALLORY)
-        a.mallory.news()
+        out, _ = _mallory_travels(a, mode)
         entries = a.journal()
         refused += out.failed_with("ContextBlobError")
         if out.error and any(e.event == "aborted" and e.holder == MALLORY and e.epoch_after == e.epoch_before + 1
@@ -246,9 +239,7 @@ def holder_pushes_counters_forward(a: Arena) -> bool:
      "had exported, rotated (mallory's keys died with the epoch) and marked mallory offline; while it held the GPU "
      "mallory could read only the scrubbed buffer")
 def never_returns(a: Arena) -> bool:
-    a.mallory.order(SetTravelMode("never-return"))
-    out = a.travel(MALLORY)
-    news = a.mallory.news()
+    out, news = _mallory_travels(a, "never-return")
     ok = a.carry_on(ALICE)
     # HolderLost comes back over the control link under a base class, named in the message (cohort.client.error_from)
     return bool(out.error) and "HolderLost" in out.message and news.nonzero_read == 0 and ok
@@ -397,9 +388,7 @@ def collusion_after_failed_rotation(a: Arena) -> bool:
     for mode in ("refuse", "vanish"):  # quiet: the exported counters stay in step, so alice's travel would work
         a.stage = mode
         a.host.order(ArmForgeGet(MALLORY, hold_s=FORGE_HOLD_S["home" if mode == "refuse" else "taken"]))
-        a.mallory.order(SetTravelMode(mode))
-        own = a.travel(MALLORY)
-        a.mallory.news()
+        own, _ = _mallory_travels(a, mode)
         forged = bool(happened(a.host.news().events, Did.FORGED_GET))
         rekeyed = a.rekeyed()
         a.restore()
