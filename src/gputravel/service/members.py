@@ -1,21 +1,8 @@
-"""The cohort's members as services: a data holder and the orchestrator.
-
-Trust between them is pinned, not issued: each makes its TLS key in its own state directory
-on first start and publishes only its certificate in the cohort's public directory (which
-stands for the consortium exchanging certificates out of band). The orchestrator trusts the
-holders named in its config; a holder trusts the orchestrator's certificate, and above all
-the attestation it checks on every join against its own policy.
-
-Boot order (paper 4.1) is kept by the GPU's boot lock: a holder that takes it probes the GPU
-at boot; once the orchestrator holds it (for its whole life), a holder joins late and probes
-on the GPU the orchestrator lends it between travels.
-
-Several GPUs (`cohort init --gpus N`): one orchestrator per GPU, rank K of one data-parallel
-job (`orchestrator-K`, GPU 0's keeping the one-GPU name), each with its own host route, GPU, TDX
-module and share of the holders. A holder's config names the one orchestrator it joins (bound
-by the registry), whose certificate alone it pins; each orchestrator pins only its share's
-holders. The ranks attest one another inside their CVMs before any gradient moves
-(orchestrator/process.py, attest/rank.py), as the supervisor's ranks do (cohort/gpus.py).
+"""The cohort's members as services: a data holder and the orchestrator (one per GPU, rank K
+of one job, with several). Trust is pinned, not issued: each makes its TLS key in its own state
+directory and publishes only its certificate, standing for certificates exchanged out of band;
+a holder pins its one orchestrator and checks its attestation on every join. The GPU's boot
+lock keeps paper 4.1's order: a holder holding it probes the GPU at boot, later ones join late.
 """
 
 from __future__ import annotations
@@ -56,9 +43,8 @@ DONE_FILE = "job-done"  # in the public directory (config.public_file): that orc
 
 # ----------------------------------------------------------------------------- shared
 def _trust_dir(state: Path, trust: str, extra: dict[str, dict]) -> Path:
-    """This party's share of the trust material, from the public anchors and its own config."""
+    """This party's trust material, each file replaced, never written through a link in its directory."""
     out = private_dir(state / "trust")
-    # The directory is the party's: each file is replaced, never written through a link in it.
     for name in (GPU_ROOT_CERT, TEE_ROOT_CERT, REFERENCE_FILE):
         atomic_write_bytes(out / name, (Path(trust) / name).read_bytes())
     for name, content in extra.items():
@@ -87,9 +73,8 @@ def _try_lock(path: str) -> int | None:
 
 # ----------------------------------------------------------------------------- holder
 def serve_holder(cfg: HolderService, stop: Stopping) -> int:
-    """Serve this holder until the job is done (the orchestrator published so) or we are
-    stopped. If the orchestrator goes away first (it crashed, or was restarted), the holder's
-    CVM ends with that cohort; a new one boots and joins the orchestrator when it is back."""
+    """Serve this holder until the job is done or we are stopped; an orchestrator that went away
+    first ends the holder's CVM, and a new one boots and joins it when it is back."""
     name = cfg.name
     state = private_dir(cfg.state_dir)
     gpu = gpu_socket(cfg.boot_lock)
@@ -140,8 +125,7 @@ def _serve_holder_once(cfg: HolderService, pki: Path, trust: Path, home: Path, s
 
 
 def _join(cfg: HolderService, child: PartyChild, pki: Path, stop: Stopping) -> bool:
-    """Pin our orchestrator's certificate (its GPU's, with several), then join (attesting it)
-    until it works or we stop."""
+    """Pin our orchestrator's certificate, then join (attesting it) until it works or we stop."""
     cert = Path(cfg.public_dir) / f"{cfg.orchestrator}.pem"
     wait_for(cfg.name, f"the orchestrator's certificate at {cert}", cert.exists, stop)
     said = 0.0
@@ -204,13 +188,11 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
             trust = _trust_dir(state, cfg.trust_dir, {LIMITS_FILE: {"max_evidence_age_s": cfg.max_evidence_age_s,
                                                                     "quoting_socket": quoting.socket}})
             home = private_dir(state / "home")
-        engine = orchestrator_engine_config(cfg, pki_dir=str(pki), trust_dir=str(trust))
-        run_dir = private_dir(cfg.job.run_dir)
-        own_state(run_dir, cfg.uid)
-        child_args = {"uid": cfg.uid, "home": home}
-        measured = QuotingLaunch.measure_launch(_as_dict(engine), {})
+        engine = dataclasses.asdict(orchestrator_engine_config(cfg, pki_dir=str(pki), trust_dir=str(trust)))
+        own_state(private_dir(cfg.job.run_dir), cfg.uid)
+        measured = QuotingLaunch.measure_launch(engine, {})
         link = _gpu_link(gpu, cfg.uid, registered(cfg, f"gpu-{cfg.rank}").get("uid", -1))  # our GPU's account
-        child = PartyChild(ORCHESTRATOR, {**_as_dict(engine), "self_sign": ORCHESTRATOR}, extra=link, **child_args)
+        child = PartyChild(ORCHESTRATOR, {**engine, "self_sign": ORCHESTRATOR}, extra=link, uid=cfg.uid, home=home)
         quoting.register(tdx.control, child.proc.pid, cfg.uid if cfg.uid >= 0 else None, measured, BOOT_TIMEOUT)
         ready = child.ready(BOOT_TIMEOUT)
         publish_certificate(pki / f"{ORCHESTRATOR}.pem", Path(cfg.public_dir) / f"{name}.pem", ORCHESTRATOR, cfg.uid)
@@ -218,11 +200,9 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
             **({"rank": cfg.rank, "world_size": cfg.world_size} if cfg.shares else {}))
         return _run_job(cfg, child, state, stop)
     finally:
-        for c in (child, tdx):
+        for c in (child, tdx, link):
             if c is not None:
                 c.close()
-        if link is not None:
-            link.close()
         os.close(lock)
 
 
@@ -239,10 +219,8 @@ def _hold_boot_lock(name: str, path: str, stop: Stopping) -> int:
 
 
 def _gpu_link(path: str, uid: int, gpu_uid: int) -> socket.socket:
-    """Our private link to the GPU (VRAM grants), connected as the orchestrator's account: the
-    device checks the peer's uid, which the kernel records at connect; and we check the device's
-    (the registry's account of our GPU): a party that bound the socket's name first in the shared
-    run directory must not pass for the GPU and be handed the dataset (the second hostile review)."""
+    """Our private link to the GPU, connected as our account (the device checks it); the peer must
+    be our GPU's account: a party that bound its name first must not be handed the dataset."""
     link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with as_party(uid):
         link.connect(path)
@@ -255,9 +233,8 @@ def _gpu_link(path: str, uid: int, gpu_uid: int) -> socket.socket:
 
 
 def _start_tdx_module(cfg: OrchestratorService, state: Path, platform: Path) -> tuple[PartyChild, QuotingLaunch]:
-    """The orchestrator's TDX module (its CPU's quoting enclave, under its own account): it makes
-    a quoting key at each start, which the platform's provisioning key (a stand-in in our state
-    directory) certifies. Its directory is searchable, so the orchestrator reaches its socket."""
+    """The orchestrator's TDX module under its own account, in a searchable directory (the
+    orchestrator reaches its socket); its quoting key is certified once by the platform's."""
     socket_path = quoting_socket(str(state))
     home = Path(socket_path).parent
     home.mkdir(mode=0o711, exist_ok=True)
@@ -280,9 +257,8 @@ def _start_tdx_module(cfg: OrchestratorService, state: Path, platform: Path) -> 
 
 
 def _certify_quoting_key(tdx: PartyChild, platform: Path) -> None:
-    """First start: the platform's provisioning stand-in (the CPU-TEE root) certifies the key the
-    module made, once; it is then deleted, so nobody (this service's operator included) can
-    certify another quoting key and quote a measurement of their choosing."""
+    """First start: the platform's key certifies the module's, then is deleted, so nobody (this
+    operator included) can certify another quoting key and quote a measurement of their choosing."""
     if not (platform / TEE_ROOT_KEY).exists():  # the cohort's platform/: root's alone (service/registry.py)
         raise BadInput(f"the TDX module has no certified quoting key and the platform's provisioning key at "
                        f"{platform} is gone (used once already): initialise the cohort again")
@@ -292,10 +268,8 @@ def _certify_quoting_key(tdx: PartyChild, platform: Path) -> None:
 
 
 def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Stopping) -> int:
-    """Wait for every holder named in the config to join, then train (resuming from the run
-    directory's checkpoint when there is one), streaming progress to the log and status.json.
-    With several GPUs, as rank `cfg.rank` of the job: the ranks attest one another in their
-    CVMs before any gradient moves, and every rank resumes the same checkpoint or none."""
+    """Wait for the config's holders to join, then train (resuming a checkpoint found), streaming
+    progress to the log and status.json; with several GPUs as rank `cfg.rank` of one job."""
     name = orchestrator_party(cfg.rank)  # the name this rank logs and publishes under
     status, stopping, said = state / STATUS_FILE, False, 0.0
     _say_status(cfg, status, {"phase": "admitting", "members": [], "step": 0})
@@ -318,10 +292,8 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
                              ranks_context=bytes.fromhex(cfg.ranks_context)))
     while True:
         if stop() and not stopping:
-            # One GPU: training ends at the next step boundary, checkpointed there, and a restart
-            # resumes from exactly that step (orchestrator/process.py _ShutdownAsked). A rank of
-            # several (cfg.shares) trains with no stop check, as ranks stop together or not at all:
-            # it trains on until its service is killed, and resumes from the last periodic checkpoint.
+            # One GPU checkpoints at the next step; a rank of several trains on until killed (ranks
+            # stop together or not at all) and resumes from its last periodic checkpoint.
             child.control.send(Shutdown())
             stopping = True
         msg = child.control.recv(timeout=STOP_WAIT_S if stopping else cfg.holder_timeout + 60).message
@@ -357,20 +329,14 @@ PUBLIC_STATUS = ("phase", "members", "step", "travels", "gpu_at")  # what every 
 
 
 def _say_status(cfg: OrchestratorService, path: Path, status: dict) -> None:
-    """The job's state: all of it in our state directory, and what any party may know (no
-    loss: that is the model's) in the public directory, for `gputravel status`."""
+    """The job's state in our state directory; what any party may know (no loss) in the public one."""
     write_json(path, status)
     public = Path(cfg.public_dir) / public_file(orchestrator_party(cfg.rank), STATUS_FILE)
     write_json(public, {k: v for k, v in status.items() if k in PUBLIC_STATUS})
 
 
 def _publish_log(cfg: OrchestratorService, state: Path) -> None:
-    """The signed travel log, for every holder to check its own travels (`gputravel status`):
-    public, since it holds chunk names, offsets and digests, never data or keys."""
+    """The signed travel log, public (offsets and digests, no data or keys) for holders to check."""
     log_path = state / AUDIT_LOG
     if log_path.exists():
         publish(log_path, Path(cfg.public_dir) / public_file(orchestrator_party(cfg.rank), AUDIT_LOG), cfg.uid)
-
-
-def _as_dict(config: object) -> dict:
-    return dataclasses.asdict(config)
