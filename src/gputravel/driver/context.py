@@ -1,11 +1,5 @@
-"""The context blob: everything a driver needs to talk to the device from another CVM.
-
-What it carries mirrors what the paper migrates (5.2, 5.3): the keys and IV state of the
-channels used for the copy, the tracking semaphore, the GPFIFO put offset and the work
-submission token, the RPC tx/rx sequence numbers, and the key epoch. It is a versioned,
-typed msgpack document wrapped with a checksum so that corruption is caught before any
-field is trusted. The blob holds keys: it only ever crosses TLS, and it is never logged.
-"""
+"""The context blob: what a driver needs to reach the device from another CVM (paper 5.2, 5.3),
+checksummed so corruption is caught before any field is trusted. It holds keys: TLS only, never logged."""
 
 from __future__ import annotations
 
@@ -70,13 +64,11 @@ def unpack_context(blob: bytes, *, layout: str, epoch: int | None = None) -> Dri
 
 
 def _check_channels(ctx: DriverContext) -> None:
-    """Each channel once, on its side: checks that compare blobs by label would otherwise look
-    at one copy of a channel while the driver installs another (review finding)."""
+    """Each channel once, on its side: else a check by label could see one copy, the driver install another."""
     labels = [s.label for s in ctx.senders + ctx.receivers]
     if len(labels) != len(set(labels)):
         raise ContextBlobError("context blob carries a channel twice")
-    # A label this build does not derive has no side to check here; the importers refuse it
-    # (Driver.import_context and OrchestratorDriver.import_returned want exactly USER_LABELS).
+    # An unknown label has no side here; the importers want exactly USER_LABELS.
     wrong = [s for s in ctx.senders if direction_of(s.label) is Direction.D2H]
     wrong += [r for r in ctx.receivers if direction_of(r.label) is Direction.H2D]
     if wrong:

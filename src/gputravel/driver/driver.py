@@ -1,13 +1,8 @@
-"""The GPU driver inside a CVM: pushes, semaphores, RPCs, the copy API and context migration.
-
-Every CVM runs a :class:`Driver`. The orchestrator's :class:`OrchestratorDriver` also owns the
-SPDM session secret and the kernel channel (scrub, rotate), neither of which ever leaves it.
-"""
+"""The GPU driver inside every CVM: pushes, semaphores, RPCs, the copy API and context migration."""
 
 from __future__ import annotations
 
 import os
-
 import struct
 import time
 from typing import Callable
@@ -40,7 +35,6 @@ from gputravel.protocol.rpc import BufferInfo, DeviceInfo, GetDeviceInfo, QueryB
 from gputravel.protocol.push import CopyFromVram, CopyToVram
 from gputravel.protocol.codec import decode, encode
 from gputravel.driver.link import DeviceLink
-
 
 
 class ChannelKeys:
@@ -80,11 +74,8 @@ class Driver:
 
     # ------------------------------------------------------------------ boot
     def probe(self, timeout: float = 10.0) -> DeviceInfo:
-        """Boot-time set-up (paper 4.1): check the device and learn its work submission tokens.
-
-        Booting driver joins the RPC queue where it stands (the last response sequence number
-        in BAR0): the queue's state is the device's, whoever used it last.
-        """
+        """Boot (paper 4.1): join the RPC queue where BAR0 says it stands, check the device and
+        learn its work submission tokens."""
         if self.epoch is None:
             self._join_rpc_queue()
         info = self.rpc(GetDeviceInfo(), encrypted=False, timeout=timeout)
@@ -99,16 +90,9 @@ class Driver:
         self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
 
     def join_queues_where_they_stand(self) -> None:
-        """Take the user channel's GPFIFO put and the RPC sequence numbers from BAR0 (the
-        device's get pointers) instead of from the context imported, as probe does for the RPC
-        queue at boot: for a driver picking up queues that others moved since its context was
-        exported. No honest travel needs it (a context blob carries where its queues stand).
-
-        Public because it moves only this CVM's own driver state, nothing the device or the
-        orchestrator trusts: a data holder controls its own CVM and could set these anyway
-        (the red team's malicious holder does, to use keys it kept), so offering it weakens no
-        check; the device's push and RPC authentication is what stands in its way.
-        """
+        """Take the user GPFIFO put and RPC sequence numbers from BAR0, not the context. Public
+        because it moves only this CVM's own state (the red team's holder uses it with kept keys):
+        the device's push and RPC authentication is what stands in the way."""
         self._put[PushChannel.USER] = self._get(PushChannel.USER)
         self._join_rpc_queue()
 
@@ -163,11 +147,8 @@ class Driver:
 
     # ------------------------------------------------------------------ pushes and semaphores
     def submit(self, channel: PushChannel, push: object, timeout: float = 10.0) -> None:
-        """Encrypt a push into its push-buffer slot, append a GPFIFO entry, ring the doorbell.
-
-        The user channel needs the travelling context at home; the kernel channel only its
-        keys, which only the orchestrator's driver ever has.
-        """
+        """Encrypt a push into its slot, append a GPFIFO entry, ring the doorbell. The user channel
+        needs the context home; the kernel channel its keys (only the orchestrator's driver)."""
         if channel is PushChannel.USER:
             self._require_context("submit work")
         elif PUSH_LABEL[channel] not in self.keys.tx:
@@ -194,20 +175,16 @@ class Driver:
         return get % self.layout.gpfifo_entries
 
     def next_release(self, channel: PushChannel) -> int:
-        """A release value no push on ``channel`` was given before, confirmed or not: a push
-        whose doorbell the host held back may still run late, and its release must never pass
-        for a later push's (found by tests/test_epoch_invariants.py: a copy "confirmed" by an
-        earlier, timed-out copy's release while VRAM held the earlier data)."""
+        """A release value never handed out before: a held-back push may run late, and its
+        release must never pass for a later push's (tests/test_epoch_invariants.py)."""
         return self._reserve(channel, 1)
 
     def _reserve(self, channel: PushChannel, count: int) -> int:
-        """Hand out ``count`` fresh release values; returns the first."""
         first = max(self._issued[channel], self._sem[channel]) + 1
         self._issued[channel] = first + count - 1
         return first
 
     def semaphore(self, channel: PushChannel) -> int:
-        """Latest authenticated value of the channel's tracking semaphore."""
         self._poll_semaphore(channel)
         return self._sem[channel]
 
@@ -232,8 +209,7 @@ class Driver:
         self._sem[channel] = max(self._sem[channel], value)
 
     def wait_release(self, channel: PushChannel, value: int, timeout: float = 10.0, *, poll: bool = True) -> None:
-        """Wait until the device released ``value``; a fault or a silent device is an error.
-        ``poll=False``: sleep on the interrupt at once, without polling first."""
+        """Wait until the device released ``value`` (``poll=False``: sleep on the interrupt at once)."""
         self._wait(lambda: self.semaphore(channel) >= value, timeout, f"semaphore {value}", channel, poll)
 
     def faulted(self, channel: PushChannel) -> bool:
@@ -243,9 +219,8 @@ class Driver:
     def _wait(self, ready: Callable[[], bool], timeout: float, what: str, channel: PushChannel | None = None,
               poll: bool = True) -> None:
         deadline = self.clock() + timeout
-        # Poll (yielding the CPU to anyone runnable) for a moment before sleeping on the
-        # interrupt, as CUDA's yield scheduling does: most waits here are shorter than a
-        # sleeping vCPU takes to wake, and yielding keeps the device's own vCPU free.
+        # Yield-poll briefly before sleeping on the interrupt, as CUDA does: most waits are
+        # shorter than a sleeping vCPU takes to wake.
         spin_until = time.perf_counter() + (self.link.spin_s if poll else 0.0)
         while not ready():
             if channel is not None and self.faulted(channel):
@@ -259,20 +234,9 @@ class Driver:
             self.link.wait_interrupt(min(left, 0.05))
 
     # ------------------------------------------------------------------ copy API (paper 5.5)
-    def copy_to_vram(
-        self,
-        data: memoryview,
-        dst_offset: int,
-        *,
-        buffer_bytes: int,
-        timeout: float = 30.0,
-    ) -> None:
-        """Copy ``data`` into VRAM at ``dst_offset`` through the staging slots, pipelined.
-
-        The CVM encrypts record k into slot k % S while the device decrypts earlier records:
-        reading, encrypting and device-side decrypting overlap. Nothing is sent if ``data``
-        does not fit the buffer.
-        """
+    def copy_to_vram(self, data: memoryview, dst_offset: int, *, buffer_bytes: int, timeout: float = 30.0) -> None:
+        """Copy ``data`` into VRAM through the staging slots, pipelined: record k is encrypted
+        into slot k % S while the device decrypts earlier ones. Nothing is sent if it won't fit."""
         self._require_context("copy")
         if len(data) > buffer_bytes:
             raise BadInput(f"chunk of {len(data)} bytes is larger than the {buffer_bytes}-byte dataset buffer")
@@ -308,8 +272,7 @@ class Driver:
             self.submit(PushChannel.USER, CopyFromVram(src_offset=src_offset + start, nbytes=n, dst_iova=lay.iova(slot),
                                                        release=value, interrupt=True), timeout)
             self.wait_release(PushChannel.USER, value, timeout)
-            # The slot is host-writable: the device's way of opening a record (each byte read
-            # once into our own memory, only that copy verified and decrypted).
+            # The slot is host-writable: each byte is read once into our memory, only that verified.
             open_once(self._sys[slot : slot + n + TAG_BYTES], memoryview(out)[start : start + n], piece)
         return out
 

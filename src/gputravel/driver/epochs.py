@@ -1,27 +1,8 @@
-"""Who has had each key epoch's user keys: the orchestrator driver's ledger (sans-IO, pure).
-
-The invariant it enforces, where the keys live (docs/security.md, "Key epochs"):
-
-    an epoch's user-channel keys reach at most one party: one data holder (by an export for
-    its travel) or the orchestrator itself (by its own copy, as in the TLS baseline).
-
-A holder that kept the keys of its travel, with the host's copy of every bounce buffer, reads
-everything the device and anybody else ever encrypted under them. So an epoch is exported at
-most once, never after the orchestrator copied data under it, and the orchestrator never
-copies under an epoch it exported. The ledger moves to a new epoch only when the driver has
-installed it after a rotation the device *confirmed* (a kernel semaphore under the new kernel
-key) or after a new SPDM session; nothing the host can write moves it.
-
-When a rotation cannot be shown to have happened, the ledger is *halted*: nothing is exported
-and nothing copied until the device confirms a later rotation (proof that it is on an epoch no
-party had: epochs only move forward, and their keys come from the session secret) or a new
-SPDM session re-keys (and wipes) the GPU. Nothing else clears a halt.
-
-What the ledger counts is data: the orchestrator's copies, and exports. The orchestrator's
-encrypted RPCs (device info, buffer placement, attestation evidence: nothing secret) also run
-under the user keys of the epoch it is about to export, so the holder of that epoch can read
-them from the host's snapshots; they are deliberately not counted.
-"""
+"""Who has had each key epoch's user keys (sans-IO): at most one party, one holder's travel or
+the orchestrator's own copy, since a holder that kept its keys reads everything sent under them
+(docs/security.md, "Key epochs"). It moves only on a device-confirmed rotation or a new SPDM
+session; an unconfirmed rotation halts it until one of those. The orchestrator's RPCs (nothing
+secret) are deliberately not counted."""
 
 from __future__ import annotations
 
@@ -45,13 +26,12 @@ class EpochLedger:
     halted: str | None = None  # why no context may leave and no data may move
 
     def new_session(self) -> None:
-        """A new SPDM session: a new secret, epoch 0, VRAM wiped by the device. Clears a halt."""
+        """A new secret, epoch 0, VRAM wiped by the device: clears a halt."""
         self.session += 1
         self.epoch, self.use, self.halted = 0, EpochUse.FRESH, None
 
     def rotated(self, epoch: int) -> None:
-        """The device confirmed its rotation to ``epoch`` under the new kernel key: it is on
-        keys no party has had (epochs only move on), which also ends a halt."""
+        """The device confirmed ``epoch`` under the new kernel key: keys no party had, ending a halt."""
         if epoch <= self.epoch:
             raise EpochSpent(f"key epoch {epoch} is not newer than epoch {self.epoch}")
         self.epoch, self.use, self.halted = epoch, EpochUse.FRESH, None

@@ -1,10 +1,5 @@
-"""A CVM's view of the GPU's PCIe link: its reserved unprotected memory, BAR0, doorbell, interrupt.
-
-At boot the driver reserves unprotected memory (a memfd standing for the CVM's shared,
-unencrypted pages: the host can read it, the device reaches it only while the PCIe MUX maps
-it), creates its interrupt endpoint (an eventfd), and registers both with the host. The host
-hands back BAR0 and the doorbell, which stay mapped in every CVM (paper 5.1).
-"""
+"""A CVM's view of the GPU's PCIe link: its unprotected memory (a memfd the host can read),
+interrupt eventfd, and the BAR0 and doorbell the host hands back at registration (paper 5.1)."""
 
 from __future__ import annotations
 
@@ -36,12 +31,10 @@ class DeviceLink:
         os.eventfd_write(self.doorbell_fd, 1)
 
     def wait_interrupt(self, timeout: float) -> bool:
-        """Block until the device interrupts this CVM (or ``timeout`` passes)."""
         ready, _, _ = select.select([self.irq_fd], [], [], max(timeout, 0.0))
         if ready:
             os.eventfd_read(self.irq_fd)
-            return True
-        return False
+        return bool(ready)
 
     def close(self) -> None:
         for m in (self.sysmem, self.bar):
@@ -56,16 +49,10 @@ class DeviceLink:
                 pass
 
 
-def reserve_sysmem(cvm: str, layout: Layout) -> tuple[int, mmap.mmap]:
-    """Reserve this CVM's unprotected memory at boot (one segment, fixed slots inside)."""
-    fd = os.memfd_create(f"gputravel-sysmem-{cvm}", os.MFD_CLOEXEC)
-    os.ftruncate(fd, layout.sysmem_bytes)
-    mem = mmap.mmap(fd, layout.sysmem_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    return fd, mem
-
-
 def register_with_host(host: Transport, cvm: str, layout: Layout, *, timeout: float = 10.0) -> DeviceLink:
-    sysmem_fd, sysmem = reserve_sysmem(cvm, layout)
+    sysmem_fd = os.memfd_create(f"gputravel-sysmem-{cvm}", os.MFD_CLOEXEC)
+    os.ftruncate(sysmem_fd, layout.sysmem_bytes)
+    sysmem = mmap.mmap(sysmem_fd, layout.sysmem_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     irq_fd = os.eventfd(0, os.EFD_CLOEXEC)
     host.send(RegisterCvm(cvm=cvm, iova=SYSMEM_IOVA, nbytes=layout.sysmem_bytes), fds=(sysmem_fd, irq_fd))
     reply = host.recv(timeout=timeout)
@@ -80,14 +67,9 @@ def register_with_host(host: Transport, cvm: str, layout: Layout, *, timeout: fl
 
 
 class PcieMuxClient:
-    """This CVM's requests to the host's PCIe MUX, and the host's notices that the GPU is ours.
-
-    A switch may be asked for without waiting (``request``), so that the context hand-off
-    over TLS overlaps it; replies come back in order (``switched``). Another CVM's switch to
-    us arrives as an ``Attached`` notice (``attached``). Notices are numbered by the MUX's
-    switch counter: one older than our last reply belongs to an earlier travel and is
-    skipped, so a late notice can never pass for the current switch.
-    """
+    """This CVM's requests to the host's PCIe MUX (``request`` does not wait, so the TLS hand-off
+    overlaps it; replies come in order) and its ``Attached`` notices, numbered by the MUX's switch
+    counter: one older than our last reply is skipped, so a late one never passes for this switch."""
 
     def __init__(self, host: Transport, cvm: str) -> None:
         self.host, self.cvm = host, cvm
@@ -123,7 +105,7 @@ class PcieMuxClient:
         return self.switched(timeout)
 
     def attached(self, timeout: float) -> Attached:
-        """Wait until another CVM's switch has made the GPU ours (newer than our last reply)."""
+        """Wait until another CVM's switch made the GPU ours (newer than our last reply)."""
         if self._pending:
             raise ProtocolError("a switch this CVM asked for is still unanswered")
         notice, self._notice = self._notice, None

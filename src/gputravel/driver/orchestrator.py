@@ -1,14 +1,8 @@
-"""The orchestrator's driver: owner of the SPDM session secret and of the kernel channel.
+"""The orchestrator's driver: sole owner of the SPDM session secret and the kernel channel.
 
-Only this driver can derive keys (from the session secret and a key epoch), scrub VRAM and
-rotate keys. The secret never leaves this object and the device; holders only ever receive
-the user channel's keys of the current epoch, inside a context blob, and each epoch's keys
-reach one party at most (its :class:`EpochLedger`, driver/epochs.py).
-
-What the host can write (BAR0's get, put and RPC registers, the bounce buffers, interrupts)
-moves only positions here, never the ledger: a rotation counts only once the device confirmed
-it under the new kernel key; a rotation that cannot be submitted or confirmed halts travel
-until :meth:`OrchestratorDriver.rekey` opens a new SPDM session.
+Holders only get one epoch's user keys in a context blob, each epoch at most once (EpochLedger).
+What the host can write moves positions here, never the ledger: a rotation counts only once the
+device confirmed it under the new kernel key; one that cannot be confirmed halts travel.
 """
 
 from __future__ import annotations
@@ -46,7 +40,7 @@ class OrchestratorDriver(Driver):
         if self.info is None:
             self.probe(timeout)
         elif self.__session_secret is not None:  # re-keying: join the queue where the device is
-            self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
+            self._join_rpc_queue()
         req.handle_certificate(self.rpc(req.get_certificate(), encrypted=False, timeout=timeout))
         finish = req.handle_key_exchange_response(self.rpc(req.key_exchange(), encrypted=False, timeout=timeout))
         req.handle_finish_response(self.rpc(finish, encrypted=False, timeout=timeout))
@@ -59,11 +53,9 @@ class OrchestratorDriver(Driver):
         self.ledger.new_session()
         self._install(0)
 
-    def rekey(self, requester: SpdmRequester | None = None, timeout: float = 10.0) -> None:
-        """Fail-closed recovery: a new SPDM session, which wipes VRAM and every channel on the
-        device and restarts the epochs from a new secret. No key any holder kept opens
-        anything after it. The dataset buffer must be allocated again."""
-        self.establish_session(requester, timeout)
+    # Fail-closed recovery: a new session wipes VRAM and every channel, and restarts the epochs
+    # from a new secret, so no key a holder kept opens anything after it (reallocate the buffer).
+    rekey = establish_session
 
     def _install(self, epoch: int) -> None:
         assert self.__session_secret is not None
@@ -91,13 +83,12 @@ class OrchestratorDriver(Driver):
         return reply.blob
 
     def reclaim_rpc_queue(self, timeout: float = 10.0) -> DeviceInfo:
-        """After lending the GPU to a booting holder (its plaintext probe moved the RPC queue):
-        join the queue where the device left it, and prove the session is still ours with an
-        encrypted GET_DEVICE_INFO (a holder that opened its own session fails this)."""
+        """After a lend (the holder's probe moved the RPC queue): join it where it stands and prove,
+        encrypted, that the session is still ours (a holder that opened its own fails this)."""
         self._require_session("reclaim the RPC queue")
         if self._exported is not None:
             raise IllegalTransition("orchestrator driver", "context-away", "reclaim the RPC queue")
-        self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
+        self._join_rpc_queue()
         info = self.rpc(GetDeviceInfo(), timeout=timeout)
         if not isinstance(info, DeviceInfo) or not info.session:
             raise ProtocolError("the device no longer holds our session")
@@ -138,34 +129,25 @@ class OrchestratorDriver(Driver):
         return value
 
     def _next_kernel_release(self) -> int:
-        """A release value no kernel push ever used, even one whose confirmation never came.
-
-        Reusing the value of a push that timed out (say, a rotation the host dropped) would let
-        that push's late release pass for the confirmation of the next one: the host could let
-        the device run only the pending rotation and the orchestrator would take the scrub as
-        done (the red team's confirmation-substitution attack, docs/security.md).
-        """
+        """A release value no kernel push ever used: a timed-out push's late release must not pass
+        for the next one's confirmation (the red team's confirmation substitution)."""
         self._kernel_issued = max(self._kernel_issued, self.semaphore(PushChannel.KERNEL)) + 1
         return self._kernel_issued
 
     def _resync(self) -> None:
-        """After a confirmed kernel push, continue the user channel from the device's get and
-        the RPC queue from its last answer, whatever a holder (or the host) left behind: the
-        device ran everything before that push in order, pending rotations included."""
+        """After a confirmed kernel push (the device ran everything before it in order), continue
+        the user channel and the RPC queue where the device stands, whatever was left behind."""
         self._put[PushChannel.USER] = self._get(PushChannel.USER)
         U32.pack_into(self.link.bar, Bar0.put(PushChannel.USER), self._put[PushChannel.USER])
-        self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
+        self._join_rpc_queue()
 
     def scrub(self, offset: int, nbytes: int, timeout: float = 10.0) -> None:
         """Device-side memset of the dataset buffer: nothing of the last chunk may travel on."""
         self.finish_scrub(self.start_scrub(offset, nbytes, timeout), timeout)
 
     def start_scrub(self, offset: int, nbytes: int, timeout: float = 10.0) -> int:
-        """Submit the scrub and return its release value; ``finish_scrub`` waits for it.
-
-        A travel exports the context in between: the scrub is kernel-channel work, the
-        context the user channel's, so packing it need not wait for the device's memset.
-        """
+        """Submit the scrub; returns the release value ``finish_scrub`` waits for (a travel
+        exports the user context meanwhile: the scrub is kernel-channel work)."""
         return self._submit_kernel(
             lambda v: Memset(offset=offset, nbytes=nbytes, value=0, release=v, interrupt=True), timeout)
 
@@ -179,13 +161,9 @@ class OrchestratorDriver(Driver):
         if sent is None:
             self._resync()
             return None
-        # Nothing honest moves the user channel between a rotation (which resynced it) and
-        # here. If something did (say, a holder with kept keys while the host hid our kernel
-        # work), the device ran it before the scrub: take the context back, continue from
-        # where the device is, and export again, as a scrub before the export would have. As
-        # then, only the positions are realigned: if the device decrypted pushes we never sent,
-        # our IV counters are behind its own and the holder's first push faults the channel
-        # (it fails closed; the next rotation resets it).
+        # Nothing honest moves the user channel between a rotation and here. If something did
+        # (a holder with kept keys while the host hid our kernel work), take the context back,
+        # continue where the device is and export again; IVs behind the device's fail closed.
         get = self._get(PushChannel.USER)
         rpc = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
         if (get, rpc, rpc) == (sent.gpfifo_put, sent.rpc_tx_seq, sent.rpc_rx_seq):
@@ -193,31 +171,20 @@ class OrchestratorDriver(Driver):
         self._adopt(sent)
         self._exported = None
         self._resync()
-        # The same epoch to the same holder: the first blob never left (it leaves only after
-        # this confirmation), so this replaces it rather than exporting the epoch again.
+        # The first blob never left (it leaves after this confirmation): this one replaces it.
         return self._pack_export()
 
     def rotate(self, timeout: float = 10.0) -> int:
-        """Move device and driver to the next key epoch; wait for the device to confirm.
-
-        The confirmation is a kernel-channel semaphore encrypted under the *new* kernel key,
-        which neither a holder nor the host can forge. If it never comes (the host dropped
-        the push), this raises PeerTimeout and the orchestrator does not go on (paper 6.3):
-        whether the device moved or not cannot be known, so the kernel channel is out of step
-        until a new SPDM session, which wipes VRAM. Failing closed is the point.
-        """
+        """Move to the next key epoch once the device confirms under the *new* kernel key, which
+        no holder or host can forge; no confirmation raises PeerTimeout and fails closed (6.3)."""
         if self._exported is not None:
             raise IllegalTransition("orchestrator driver", "context-away", "rotate keys")
         self.start_rotation(timeout)
         return self.finish_rotation(timeout)
 
     def start_rotation(self, timeout: float = 10.0) -> int:
-        """Submit the rotation; ``finish_rotation`` moves the driver and waits for the device.
-
-        A travel submits it as soon as the GPU is home and imports the returned context while
-        the device rotates: the rotation is kernel-channel work, whose keys never travel, and
-        it happens whatever the returned context turns out to be.
-        """
+        """Submit the rotation (kernel work: a travel imports the returned context meanwhile);
+        ``finish_rotation`` moves the driver and waits for the device."""
         self._require_session("rotate keys")
         if self._rotating is not None:
             raise IllegalTransition("orchestrator driver", "rotating", "start another rotation")
@@ -279,18 +246,12 @@ class OrchestratorDriver(Driver):
         return ctx
 
     def abandon_travel(self) -> None:
-        """The holder never returned the context: take the GPU back by rotating regardless.
-
-        The device discards the user channel's pending work on rotation; our own stale
-        counters are replaced by the new epoch's.
-        """
+        """The context never came back: take it back as sent (the next rotation drops its work)."""
         if self._exported is None:
             return
         self._adopt(self._exported)
         self._exported = None
-        # The holder may have used the RPC queue before it died: join it where the device
-        # left it, as a booting driver does (sequence numbers are not secrets).
-        self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
+        self._join_rpc_queue()  # the holder may have moved the RPC queue before it died
 
     @property
     def away(self) -> bool:
@@ -311,11 +272,8 @@ MAX_ADVANCE = 1 << 32
 
 
 def _check_consistent(sent: DriverContext, back: DriverContext) -> None:
-    """What a holder's travel can have changed: message counters, positions and sequence
-    numbers, forward only and by a bounded amount. Channel counters change only when keys are
-    installed, which a travel never does: one moved either way (a holder trying to push the
-    orchestrator's IVs out of step with the device, which would fault every later travel) is
-    refused, as is anything going backwards (a stale blob)."""
+    """A travel moves message counters, positions and sequence numbers only forward, and boundedly;
+    a channel counter moved (IVs pushed out of step with the device) or a stale blob is refused."""
     def counters(ctx: DriverContext) -> dict[str, tuple[int, int]]:
         return {s.label: (s.channel_counter, s.message_counter) for s in ctx.senders + ctx.receivers}
 
