@@ -18,15 +18,7 @@ from typing import TYPE_CHECKING
 
 from gputravel.host.mux import CvmRegistration
 from gputravel.protocol.codec import Message
-from gputravel.protocol.layout import (
-    GPFIFO_ENTRY,
-    SEMAPHORE_RECORD_BYTES,
-    SYSMEM_IOVA,
-    U32,
-    Bar0,
-    Layout,
-    PushChannel,
-)
+from gputravel.protocol.layout import GPFIFO_ENTRY, SEMAPHORE_RECORD_BYTES, SYSMEM_IOVA, U32, Bar0, Layout, PushChannel
 
 if TYPE_CHECKING:
     from gputravel.host.process import HostProcess
@@ -300,20 +292,12 @@ class HostBus:
                 while len(caps.records) > MAX_RECORDS:
                     caps.records.pop(next(iter(caps.records)))
 
-    def take_pushes(self) -> list[bytes]:
-        pushes, self.push_log = self.push_log, []
-        return pushes
-
     # ------------------------------------------------------------------ touching
     def hand_over_semaphore(self, src: str, to: str) -> None:
         """Copy the user channel's latest semaphore record (its IV index is plain text) from
         ``src``'s bounce buffers into ``to``'s."""
         off = self.layout.semaphore_offset(USER)
         self.mem[to][off : off + SEMAPHORE_RECORD_BYTES] = self.mem[src][off : off + SEMAPHORE_RECORD_BYTES]
-
-    def flip_record(self, cvm: str, slot: int) -> None:
-        """Flip one ciphertext bit of the record in ``cvm``'s staging slot ``slot``."""
-        self.mem[cvm][self.layout.staging_slot_offset(slot) + 1000] ^= 0x80
 
     def append_user_push(self, cvm: str, ct: bytes) -> int:
         """Write ``ct`` into ``cvm``'s push buffer as the user channel's next GPFIFO entry and

@@ -25,19 +25,8 @@ from gputravel.protocol.control import JoinCohort, Ready, Shutdown
 from gputravel.holder.cvm import DataHolder, HolderConfig
 from gputravel.holder.membership import join as join_cohort
 from gputravel.transport.base import Transport
-from gputravel.redteam.bus import (
-    AskQuote,
-    DecryptCaptured,
-    Did,
-    Event,
-    HolderNews,
-    HolderQuery,
-    MarkRow,
-    ProbePaths,
-    SetTravelMode,
-    UseKeptKeys,
-    event,
-)
+from gputravel.redteam.bus import (AskQuote, DecryptCaptured, Did, Event, HolderNews, HolderQuery, MarkRow, ProbePaths,
+                                   SetTravelMode, UseKeptKeys, event)
 from gputravel.redteam.loot import Loot
 from gputravel.redteam.probes import ask_quote, probe
 
@@ -49,27 +38,16 @@ def rewound(ctx: DriverContext) -> DriverContext:
     return structs.replace(ctx, senders=senders, semaphore=0)
 
 
-def pushed_forward(ctx: DriverContext) -> DriverContext:
-    """Everything forward, as a travel may move it, except that one channel counter moves too:
-    the orchestrator's next IVs on that channel would no longer be the device's."""
+def first_sender(ctx: DriverContext, **change: Any) -> DriverContext:
+    """The first sender's state changed: a channel counter moved forward (the orchestrator's next IVs on
+    that channel would no longer be the device's), or a key replaced by one of mallory's own."""
     first, *rest = ctx.senders
-    return structs.replace(ctx, senders=(structs.replace(first, channel_counter=first.channel_counter + 1),
-                                             *rest))
-
-
-def rekeyed(ctx: DriverContext) -> DriverContext:
-    """The first sender's key replaced by one of mallory's own."""
-    first, *rest = ctx.senders
-    return structs.replace(ctx, senders=(structs.replace(first, key=os.urandom(32)), *rest))
+    return structs.replace(ctx, senders=(structs.replace(first, **change), *rest))
 
 
 def kept_states(blobs: list[bytes], layout: str) -> list:
     """Every sender and receiver state in the kept blobs: the keys worth trying."""
-    out = []
-    for blob in blobs:
-        ctx = unpack_context(blob, layout=layout)
-        out.extend(ctx.senders + ctx.receivers)
-    return out
+    return [s for blob in blobs for ctx in (unpack_context(blob, layout=layout),) for s in ctx.senders + ctx.receivers]
 
 
 def try_open(state, message: int, ct: bytes) -> bytes | None:
@@ -84,8 +62,9 @@ def try_open(state, message: int, ct: bytes) -> bytes | None:
 #: The forged blobs a travel mode hands back, and how the news says what was forged.
 FORGERIES = {
     "stale-counters": (rewound, "counters rewound"),
-    "counters-forward": (pushed_forward, "the channel counter of its first sender moved forward by one"),
-    "altered-keys": (rekeyed, "a key replaced"),
+    "counters-forward": (lambda c: first_sender(c, channel_counter=c.senders[0].channel_counter + 1),
+                         "the channel counter of its first sender moved forward by one"),
+    "altered-keys": (lambda c: first_sender(c, key=os.urandom(32)), "a key replaced"),
 }
 
 

@@ -25,25 +25,9 @@ from gputravel.host.process import HostProcess
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.layout import FAULT_REG, Bar0, Layout, PushChannel
 from gputravel.transport.stream import StreamTransport
-from gputravel.redteam.bus import (
-    ArmDrop,
-    ArmExposePrefix,
-    ArmForgeGet,
-    ArmRoute,
-    ArmTamper,
-    AskQuote,
-    Did,
-    Doorbells,
-    Event,
-    ExportRecords,
-    ForceSwitch,
-    HostBus,
-    HostNews,
-    HostQuery,
-    MarkRow,
-    ProbePaths,
-    event,
-)
+from gputravel.redteam.bus import (ArmDrop, ArmExposePrefix, ArmForgeGet, ArmRoute, ArmTamper, AskQuote, Did, Doorbells,
+                                   Event, ExportRecords, ForceSwitch, HostBus, HostNews, HostQuery, MarkRow, ProbePaths,
+                                   event)
 from gputravel.redteam.loot import Loot
 from gputravel.redteam.probes import ask_quote, probe
 
@@ -275,7 +259,7 @@ class HostAdversary:
 
     def _flush_pushes(self) -> None:
         with self.lock:
-            pushes = self.bus.take_pushes()
+            pushes, self.bus.push_log = self.bus.push_log, []
         for ct in pushes:
             self.loot.keep("pushes", ct)
 
@@ -353,7 +337,7 @@ class HostAdversary:
         return True
 
     def _flip(self, cvm: str, slot: int, push: int) -> None:
-        self.bus.flip_record(cvm, slot)
+        self.bus.mem[cvm][self.layout.staging_slot_offset(slot) + 1000] ^= 0x80  # one ciphertext bit
         late = (self.bus.reg32(Bar0.get(USER)) - self.bus.travel_base.get(cvm, 0)) % self.layout.gpfifo_entries > push
         self._event(Did.FLIPPED, f"flipped one ciphertext bit of the record in {cvm}'s staging slot {slot} (user "
                     f"push {push})" + (" - too late, the device had already taken it" if late else ""),

@@ -7,22 +7,9 @@ from __future__ import annotations
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.redteam.allreduce import host_carries_allreduce
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Attack, row
-from gputravel.redteam.bus import (
-    ArmDrop,
-    ArmExposePrefix,
-    ArmForgeGet,
-    ArmRoute,
-    ArmTamper,
-    DecryptCaptured,
-    Did,
-    ExportRecords,
-    ForceSwitch,
-    HolderNews,
-    HostNews,
-    SetTravelMode,
-    UseKeptKeys,
-    happened,
-)
+from gputravel.redteam.bus import (ArmDrop, ArmExposePrefix, ArmForgeGet, ArmRoute, ArmTamper, DecryptCaptured, Did,
+                                   ExportRecords, ForceSwitch, HolderNews, HostNews, SetTravelMode, UseKeptKeys,
+                                   happened)
 from gputravel.redteam.evidence import EpochSkipped, Recovered, Travel, Travelled
 from gputravel.redteam.probes import holder_reads_peer_memory, host_reads_cvm_memory, orchestrator_self_quote
 
