@@ -1,9 +1,5 @@
-"""A data holder CVM: boots first, keeps its dataset, serves travel requests.
-
-The dataset is mapped once at boot (page tables populated, as a holder CVM keeps its data
-resident) and its manifest computed; during a travel, records are encrypted straight from
-that mapping into the staging slots (zero-copy on the holder side).
-"""
+"""A data holder CVM: boots first, keeps its dataset mapped and resident, serves travel requests
+(records are encrypted straight from that mapping into the staging slots)."""
 
 from __future__ import annotations
 
@@ -65,9 +61,7 @@ class HolderConfig:
     orchestrator_timeout: float = 30.0  # an attestation exchange, the answer to a join, one whole message
     audit_arrival: bool = False  # read the buffer back on arrival and count non-zero bytes
     dataset_format: DatasetFormat = RAW  # files.py DATASET_FORMATS
-    # Fault injection for tests and the red team: on this travel (1-based), die half-way
-    # through the copy, as a CVM that crashes or is killed would. 0: never.
-    die_mid_copy_on_travel: int = 0
+    die_mid_copy_on_travel: int = 0  # fault injection: die half-way through this travel's copy (1-based; 0: never)
     pace_mbit: float | None = None  # token-bucket links: pace what we send the orchestrator to this rate
     trust_dir: str = ""  # the roots and this holder's policy (cohort/trust.py); required to join
     probe_at_boot: bool = True  # False: a late holder, probing when the orchestrator lends it the GPU
@@ -75,18 +69,13 @@ class HolderConfig:
 
 
 def manifest_piece_bytes(layout: Layout) -> int:
-    """The size of a holder's manifest pieces. They must tile any buffer the orchestrator may
-    have: buffers are whole records, so pieces are at most one record."""
+    """A holder's manifest piece size: at most one record, so pieces tile any buffer (whole records)."""
     return min(PIECE_BYTES, layout.record_bytes)
 
 
 class Dataset:
-    """A holder's dataset, mapped read-only once.
-
-    A "tokens" dataset (a directory of llm.c shards, one shard, or text) is the concatenation
-    of its shards' tokens, without headers, in shard order; it is laid out once at boot in the
-    CVM's private memory, so travels copy from it without touching the files again.
-    """
+    """A holder's dataset, mapped read-only once. A "tokens" dataset (llm.c shards, or text) is its
+    shards' tokens without headers, in order, laid out once at boot in the CVM's private memory."""
 
     def __init__(self, path: str, fmt: DatasetFormat) -> None:
         self.tokenizer = ""
@@ -110,9 +99,7 @@ class Dataset:
                 self._map = mmap.mmap(f.fileno(), self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
 
     def _load_tokens(self, path: str) -> None:
-        # Here, not at the top: tokens need numpy (about 40 ms of every holder's boot), which a
-        # holder of raw bytes never uses.
-        from gputravel.data.holder_tokens import load_tokens  # lazy: numpy, for token datasets only
+        from gputravel.data.holder_tokens import load_tokens  # lazy: numpy costs a raw holder's boot 40 ms
 
         loaded = load_tokens(path)
         data = loaded.tokens.astype("<u2", copy=False).tobytes()
@@ -124,10 +111,8 @@ class Dataset:
 
 
 class DataHolder:
-    """A data holder CVM's engine. It is given what it opened at boot (:meth:`from_config` opens
-    them as the CVM does): its dataset, the host (``mux`` switches the GPU over it), its driver
-    on the device, and its travel-log key; ``connect`` opens the link to an orchestrator when it
-    joins (by default mutual TLS with this holder's certificate). Building one does no IO."""
+    """A data holder CVM's engine, given what it opened at boot (:meth:`from_config` opens them);
+    ``connect`` opens the link to an orchestrator (default: mutual TLS). Building one does no IO."""
 
     _clock = staticmethod(time.perf_counter)  # the one clock the machine is told: step timings, attestation ages
 
@@ -144,12 +129,8 @@ class DataHolder:
         deadlines = Deadlines(device=config.device_timeout, orchestrator=config.orchestrator_timeout)
         self.sm = HolderTravel(config.name, self.dataset.size, piece_digests(self.dataset.view, self.piece_bytes),
                                self.piece_bytes, deadlines, config.audit_arrival)
-        # Keys this holder's chunks' digests in the orchestrator's public travel log (holder/log_key.py):
-        # made once in our own pki directory, sent only in our hello to the orchestrator we attested.
-        self._log_key = log_key
+        self._log_key = log_key  # sent only in our hello to the orchestrator we attested (holder/log_key.py)
         self._connect = connect if connect is not None else partial(_connect_tls, config)
-        # Our policy as it is now (read at every join and re-attestation), and the attestation
-        # exchange that checks the orchestrator against it (holder/attestation.py).
         self._load_policy = policy if policy is not None else partial(HolderMaterial.load, config.trust_dir)
         self._challenge_orchestrator = challenge
         self.orchestrator: Transport | None = None
@@ -160,16 +141,16 @@ class DataHolder:
 
     @classmethod
     def from_config(cls, config: HolderConfig, **extra: Any) -> Self:
-        """The holder CVM's own boot: open its dataset, connect to the host and register with it,
-        load (or make) its travel-log key. ``extra`` goes to the constructor (a subclass's own
-        arguments)."""
+        """The holder CVM's own boot (``extra``: a subclass's own arguments)."""
         dataset, host, driver, mux, log_key = _open(config)
         return cls(config, dataset=dataset, host=host, driver=driver, mux=mux, log_key=log_key, **extra)
 
     def boot(self) -> None:
         """Paper 4.1: set up the driver while this CVM has the GPU, before the orchestrator boots."""
-        if not self.config.probe_at_boot:
-            return  # a late holder: it probes when the orchestrator lends it the GPU (orchestrator/membership.py)
+        if self.config.probe_at_boot:  # else a late holder: it probes when the orchestrator lends it the GPU
+            self.probe()
+
+    def probe(self) -> None:
         self.switch(self.config.name)
         self.driver.probe(timeout=self.config.device_timeout)
         self.probed = True
@@ -179,8 +160,7 @@ class DataHolder:
 
     # ------------------------------------------------------------------ what the orchestrator asks of us
     def join(self, host: str, port: int) -> OrchestratorAttestation:
-        """Connect, attest the orchestrator against our policy (paper 4.5, CPU phase: every
-        join, rejoins included), and only then introduce ourselves."""
+        """Connect, attest the orchestrator (paper 4.5: every join), and only then introduce ourselves."""
         if self.orchestrator is not None:
             raise IllegalTransition(self.config.name, "joined", "join again before leaving")
         self._policy = self._load_policy()
@@ -196,21 +176,26 @@ class DataHolder:
         return self.attestation
 
     def reattest(self) -> None:
-        """Paper 4.5: evidence has a lifetime. The orchestrator sends `AttestDue` between
-        travels, with the GPU home, once half our policy's age limit has passed (we told it
-        so when we last accepted it); we attest it again on this connection: a fresh quote and
-        fresh GPU evidence, both for a new nonce of ours. A refusal closes the connection
-        (challenge_orchestrator): this holder leaves the cohort and stays up."""
+        """Paper 4.5: evidence has a lifetime. Told `AttestDue` (between travels, GPU home), attest
+        the orchestrator again for a new nonce; a refusal closes the connection and we leave."""
         self._policy = self._load_policy()  # the policy as it is now
         self._run(Attest(joining=False))
         print(f"{self.config.name}: re-attested the orchestrator", flush=True)
+
+    def handle(self, msg: object) -> None:
+        """One message from the orchestrator (a Bye is the caller's to handle)."""
+        if isinstance(msg, AttestDue):  # between travels, with the GPU home
+            self.reattest()
+        elif isinstance(msg, TravelRequest):
+            self.serve_travel(msg)
+        elif isinstance(msg, SendChunk):  # the centralised TLS baseline (paper 7.2)
+            self.send_baseline(msg)
 
     def serve_travel(self, req: TravelRequest) -> None:
         self._run(Request(req))
 
     def send_baseline(self, msg: SendChunk) -> None:
-        """The centralised TLS baseline (paper 7.2): plaintext leaves here, so only to an
-        orchestrator attested within our policy's age limit (the machine checks)."""
+        """The TLS baseline (paper 7.2): plaintext leaves, so only to a freshly attested orchestrator."""
         self.sm.handle(BaselineAsked(), self._clock())
         assert self.orchestrator is not None
         send_chunk(self.dataset.view, self.piece_bytes, self.orchestrator, msg, self.profile)
@@ -221,10 +206,8 @@ class DataHolder:
         self._drive(self.sm.handle(event, now), now)
 
     def _drive(self, act: object, now: float) -> None:
-        """Carry out each action the machine returns (through ``ACTIONS``, which a subclass may
-        replace) and tell it how each ended, reading the clock once a turn, until it has
-        nothing more to do. A step's GputravelError is the machine's to judge; any other
-        exception leaves the machine where it was and goes up."""
+        """Carry out each action the machine returns (``ACTIONS``) and tell it how each ended, until
+        it has nothing to do. A step's GputravelError is the machine's to judge; any other goes up."""
         while act is not None:
             try:
                 event = self.ACTIONS[type(act)](self, act, self.sm.time_left(now))
@@ -236,9 +219,8 @@ class DataHolder:
             act = self.sm.handle(event, now)
 
     def _failed(self, exc: GputravelError, now: float) -> object:
-        """A step failed. A wait that ran to its deadline is the machine's to judge; any other
-        failure refuses the travel where the machine still can (the error names what is
-        wrong, never a value), and otherwise goes up."""
+        """A step failed: a timeout is the machine's to judge; any other failure refuses the travel
+        where the machine still can (naming what is wrong, never a value), and otherwise goes up."""
         act = self.sm.on_timeout(now) if isinstance(exc, PeerTimeout) else None
         if act is not None:
             return act
@@ -249,7 +231,6 @@ class DataHolder:
     # ------------------------------------------------------------------ one step each
     def _challenge(self, act: Challenge, timeout: float) -> Attested:
         assert self.orchestrator is not None and self._policy is not None
-        # closes the link if refused
         self.attestation = self._challenge_orchestrator(self.orchestrator, self._policy, timeout=timeout)
         return Attested(self._policy.policy.max_evidence_age_s)
 
@@ -265,12 +246,9 @@ class DataHolder:
         return HelloAnswered(answer)
 
     def _probe_lent_gpu(self) -> None:
-        """Paper 4.1 for a late holder: the orchestrator lent us the GPU between travels (no key
-        is exported then); probe it and switch it back, whatever the probe did."""
+        """Paper 4.1 for a late holder: probe the GPU lent between travels, then give it back."""
         try:
-            self.switch(self.config.name)
-            self.driver.probe(timeout=self.config.device_timeout)
-            self.probed = True
+            self.probe()
         finally:
             self.switch(ORCHESTRATOR)
 
@@ -320,9 +298,8 @@ class DataHolder:
         self.mux.switched(timeout)
         return SwitchedHome()
 
-    #: How each action the machine returns is carried out: one IO step, reporting one event.
-    #: Its timeout is ``sm.time_left``: a float in each phase whose step waits (the machine's
-    #: budgets), None in the others; each step's own signature says which it takes.
+    #: How each action is carried out: one IO step, one event. Its timeout is ``sm.time_left``
+    #: (None in phases that do not wait).
     ACTIONS: dict[type, Callable[[Any, Any, Any], object]] = {
         Challenge: _challenge, Introduce: _introduce, ImportBlob: _import_blob, AwaitGpu: _attach,
         AuditArrival: _audit, CheckBuffer: _check_buffer, CopyChunk: _copy_chunk, SwitchBack: _switch_back,
@@ -331,8 +308,7 @@ class DataHolder:
 
 
 def _open(config: HolderConfig) -> tuple[Dataset, Transport, Driver, PcieMuxClient, bytes]:
-    """What a holder CVM opens at boot, in its order: its dataset, the host (registering with
-    it), and its travel-log key."""
+    """What a holder CVM opens at boot, in order: its dataset, the host, and its travel-log key."""
     dataset = Dataset(config.dataset_path, config.dataset_format)
     host = connect_unix(config.host_socket, "host")
     driver = Driver(register_with_host(host, config.name, config.layout))
@@ -343,8 +319,7 @@ def _open(config: HolderConfig) -> tuple[Dataset, Transport, Driver, PcieMuxClie
 
 
 def _connect_tls(config: HolderConfig, host: str, port: int) -> Transport:
-    """A holder's link to the orchestrator: mutual TLS, with this holder's certificate, to the
-    orchestrator's (each join loads the cohort's PKI as it is then)."""
+    """Mutual TLS to the orchestrator (each join loads the cohort's PKI as it is then)."""
     ctx = CohortPki.load(config.pki_dir).client_context(config.name)
     return connect_tls(host, port, ctx, server_hostname=ORCHESTRATOR)
 
@@ -374,13 +349,8 @@ def serve(config: HolderConfig, control: Transport) -> None:
 
 
 def _serve_orchestrator(holder: DataHolder, sel: selectors.BaseSelector) -> bool:
-    """Take one message from the orchestrator. False: the cohort is over for this process.
-
-    An orchestrator that sends garbage or stalls mid-message is left (the connection is
-    dropped, and the holder stays up, out of the cohort, as after a refused join); it has been
-    attested, so this is a fault, not an attack we can do anything more about. So is a travel
-    that fails here (the host refusing the switch home, say): the orchestrator recovers the
-    GPU on its side, and this holder may be told to join again."""
+    """Take one message from the orchestrator. False: the cohort is over for this process. A broken
+    link, or a travel that fails here, leaves the cohort; the holder stays up and may rejoin."""
     conn = holder.orchestrator
     assert conn is not None
     try:
@@ -392,12 +362,7 @@ def _serve_orchestrator(holder: DataHolder, sel: selectors.BaseSelector) -> bool
     if isinstance(msg, Bye):
         return False
     try:
-        if isinstance(msg, AttestDue):  # between travels, with the GPU home
-            holder.reattest()
-        elif isinstance(msg, TravelRequest):
-            holder.serve_travel(msg)
-        elif isinstance(msg, SendChunk):  # the centralised TLS baseline (paper 7.2)
-            holder.send_baseline(msg)
+        holder.handle(msg)
     except TransportClosed:
         return False
     except GputravelError as exc:
