@@ -8,9 +8,11 @@ the interrupt endpoint. BAR mappings are not part of it: they stay in every CVM.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, GputravelError
+from gputravel.protocol.host import Attached, HostError, SwitchRequest, Switched
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,21 @@ class PcieMux:
         self._current = target
         self.switches += 1
         return plan
+
+
+def answer(mux: PcieMux, msg: object, carry_out: Callable[[SwitchPlan], int]) -> Switched | HostError:
+    """The host's reply to a CVM's message: the switch it asks for, planned by ``mux`` and done by
+    ``carry_out`` (which returns the nanoseconds it took), or why not."""
+    if not isinstance(msg, SwitchRequest):
+        return HostError(reason=f"unexpected message {type(msg).__name__}")
+    try:
+        elapsed_ns = carry_out(mux.switch(msg.target))
+    except GputravelError as exc:
+        return HostError(reason=str(exc))
+    return Switched(target=msg.target, elapsed_ns=elapsed_ns, seq=mux.switches)
+
+
+def notice(done: Switched) -> Attached:
+    """What the CVM the GPU went to is told when another CVM asked: a holder imports the context
+    while the switch runs, then waits for this."""
+    return Attached(target=done.target, elapsed_ns=done.elapsed_ns, seq=done.seq)

@@ -23,21 +23,11 @@ from pathlib import Path
 from typing import Protocol
 
 from gputravel.errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
-from gputravel.protocol.host import (
-    Attached,
-    AttachCvm,
-    DeviceAck,
-    DeviceAttach,
-    HostError,
-    RegisterCvm,
-    Registered,
-    SwitchRequest,
-    Switched,
-)
+from gputravel.protocol.host import AttachCvm, DeviceAck, DeviceAttach, HostError, RegisterCvm, Registered, Switched
 from gputravel.transport.base import Transport, close_fds
 from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import listen_unix
-from gputravel.host.mux import CvmRegistration, PcieMux, SwitchPlan
+from gputravel.host.mux import CvmRegistration, PcieMux, SwitchPlan, answer, notice
 from gputravel.protocol.hardware import hardware_profile, hold_until
 
 
@@ -191,9 +181,7 @@ class HostProcess:
         if isinstance(msg, RegisterCvm):
             return self._register(peer, msg, fds)
         close_fds(fds)  # nothing else carries descriptors we keep
-        if isinstance(msg, SwitchRequest):
-            return self._switch(msg.target, self._cvm_of.get(peer, "")), ()
-        return HostError(reason=f"unexpected message {type(msg).__name__}"), ()
+        return answer(self.mux, msg, lambda plan: self._switch(plan, self._cvm_of.get(peer, ""))), ()
 
     def _attach_device(self, peer: Transport, msg: DeviceAttach, fds: tuple[int, ...]) -> None:
         if len(fds) != 2:
@@ -223,22 +211,18 @@ class HostProcess:
             del self._conn_of[cvm]
 
     def _notify(self, requester: Transport, done: Switched) -> None:
-        """Tell the CVM the GPU was switched to that it has it, if another CVM asked: a holder
-        imports the context while the switch runs, then waits for this."""
         told = self._conn_of.get(done.target)
         if told is not None and told is not requester:
             try:
-                told.send(Attached(target=done.target, elapsed_ns=done.elapsed_ns, seq=done.seq))
+                told.send(notice(done))
             except GputravelError:
                 pass  # a CVM that went away: its connection is dropped when the selector sees it
 
-    def _switch(self, target: str, requester: str = "") -> Switched:
+    def _switch(self, plan: SwitchPlan, requester: str) -> int:
         started = time.perf_counter_ns()
-        plan = self.mux.switch(target)
-        dma, irq = self.hooks.on_switch(requester, plan)
-        self.attach(dma, irq)
-        hold_until(started / 1e9, self.profile.switch_s(target))  # the MUX is busy as long as the hardware's switch
-        return Switched(target=target, elapsed_ns=time.perf_counter_ns() - started, seq=self.mux.switches)
+        self.attach(*self.hooks.on_switch(requester, plan))
+        hold_until(started / 1e9, self.profile.switch_s(plan.target.cvm))  # busy as long as the hardware's switch
+        return time.perf_counter_ns() - started
 
     def attach(self, dma: CvmRegistration, irq: CvmRegistration) -> None:
         """Map ``dma``'s unprotected memory for the device and route its interrupt to ``irq``

@@ -1,40 +1,19 @@
-"""In-process pairing of the emulated device with CVM drivers, for tests and red-team drills.
+"""The emulated device and CVM drivers in one process, for tests and red-team drills.
 
-No processes, sockets, memfds or eventfds: VRAM, BAR0 and every CVM's unprotected memory
-("sysmem") are plain bytearrays, and ringing the doorbell runs the device at once
-(:meth:`DeviceCore.service` is called synchronously). Everything else is the real code:
-:class:`~gputravel.device.core.DeviceCore`, :class:`~gputravel.driver.driver.Driver`,
-:class:`~gputravel.driver.orchestrator.OrchestratorDriver`, the SPDM handshake and the
-channel crypto.
-
-Typical use::
+VRAM, BAR0 and every CVM's sysmem are bytearrays, and ringing the doorbell runs the device at
+once; everything else (DeviceCore, the drivers, SPDM, the channel crypto) is the real code::
 
     gpu = InProcessGpu()
     orch, holders = gpu.boot("alice", "bob")      # holders probe first, orchestrator last
     buf = orch.alloc_dataset_buffer(256 * 1024)
-    blob = orch.export_for_travel()
-    gpu.switch("alice")                           # the host's PCIe MUX
-    alice = holders["alice"]
-    alice.import_context(blob)
-    alice.copy_to_vram(memoryview(data), buf.offset, buffer_bytes=buf.nbytes)
-    back = alice.export_context()
-    gpu.switch("orchestrator")
-    orch.import_returned(back)
-    orch.rotate()
-    assert gpu.vram[buf.offset : buf.offset + len(data)] == data
+    back = gpu.travel(holders["alice"], data, buf)  # export, switch, import, copy, export, home
 
-Boot order matters, as in the real cohort (paper 4.1): a driver joins the device's RPC queue
-where it stands when it probes, so a holder that probes *after* the orchestrator established
-its session would move the queue under the orchestrator's feet. :meth:`InProcessGpu.holder`
-therefore refuses once a session exists (use :meth:`InProcessGpu.boot`, or call ``holder``
-before ``orchestrator``). Attack drills that want a late driver anyway build one by hand:
-``Driver(gpu.add_cvm("mallory"), clock=gpu.clock)``.
-
-The host's powers are modelled by :meth:`InProcessGpu.switch` (the MUX), :meth:`snoop`
-(reading unprotected memory), direct writes to ``link.sysmem`` / ``gpu.bar``,
-:attr:`FakeLink.before_service`, a hook run between the moment a CVM rings the doorbell and
-the moment the device services it (tamper with a staging slot, or drop the doorbell), and
-:attr:`FakeLink.while_waiting`, run while a driver waits for an interrupt (a late device).
+Boot order matters (paper 4.1): a driver joins the RPC queue where it stands when it probes, so
+:meth:`InProcessGpu.holder` refuses once a session exists; a drill that wants a late driver builds
+one by hand (``Driver(gpu.add_cvm("mallory"), clock=gpu.clock)``). The host's powers are
+:meth:`InProcessGpu.switch` (the MUX), :meth:`snoop`, writes to ``link.sysmem`` and ``gpu.bar``,
+and the hooks :attr:`FakeLink.before_service` (between doorbell and service) and
+:attr:`FakeLink.while_waiting` (while a driver waits: a late device).
 """
 
 from __future__ import annotations
@@ -65,8 +44,7 @@ __all__ = ["FakeClock", "FakeLink", "InProcessGpu", "ORCHESTRATOR", "TEST_LAYOUT
 
 
 def timeout_scale(raw: str | None) -> float:
-    """GPUTRAVEL_TEST_TIMEOUT_SCALE: the one setting every test's wait scales by (a busy or slow
-    machine gives a test more time, never a different verdict)."""
+    """GPUTRAVEL_TEST_TIMEOUT_SCALE: every test's waits scale by it (more time, never another verdict)."""
     if raw is None or raw == "":
         return 1.0
     try:
@@ -85,11 +63,7 @@ TEST_LAYOUT = Layout(record_bytes=64 * 1024, staging_slots=4, gpfifo_entries=16)
 
 
 class FakeClock:
-    """A monotonic clock that moves ``step`` seconds every time it is read.
-
-    Injected into drivers, it makes every ``timeout`` run out after about ``timeout / step``
-    polls, so a test of a silent device finishes at once instead of sleeping.
-    """
+    """A clock that moves ``step`` seconds each read: a driver's timeout runs out in polls, not sleeps."""
 
     def __init__(self, start: float = 0.0, step: float = 1.0) -> None:
         self.now = start
@@ -101,12 +75,8 @@ class FakeClock:
 
 
 class FakeLink:
-    """Duck-types :class:`gputravel.driver.link.DeviceLink` for one CVM, in process.
-
-    ``sysmem`` is this CVM's unprotected memory, ``bar`` the device's BAR0 (shared by every
-    CVM, as the real mappings are). ``ring()`` services the device synchronously unless the
-    ``before_service`` hook returns ``False`` (the doorbell is dropped).
-    """
+    """One CVM's :class:`gputravel.driver.link.DeviceLink`, in process: its own ``sysmem``, the
+    shared ``bar``; ``ring()`` services the device at once unless ``before_service`` returns False."""
 
     def __init__(self, gpu: InProcessGpu, cvm: str) -> None:
         self.gpu = gpu
@@ -114,12 +84,10 @@ class FakeLink:
         self.layout = gpu.layout
         self.sysmem = bytearray(gpu.layout.sysmem_bytes)
         self.bar = gpu.bar
-        #: Called as ``hook(link)`` on every ring, before the device runs; return False to
-        #: drop the doorbell. Tests use it to tamper between enqueue and service.
+        #: ``hook(link)`` on every ring, before the device runs; False drops the doorbell.
         self.before_service: Callable[[FakeLink], bool | None] | None = None
-        #: Called as ``hook(link)`` each time the driver waits for an interrupt (once per poll):
-        #: a late device (a dropped doorbell serviced while the driver waits, interrupts that
-        #: come late or never) is played from here, e.g. by calling ``link.gpu.core.service()``.
+        #: ``hook(link)`` each poll while the driver waits for an interrupt: a late device is
+        #: played from here (``link.gpu.core.service()``).
         self.while_waiting: Callable[[FakeLink], None] | None = None
         self.rings = 0
         self.closed = False
@@ -134,8 +102,7 @@ class FakeLink:
             self.gpu.core.service()
 
     def wait_interrupt(self, timeout: float) -> bool:
-        """Nothing to wait for in process: the device already ran (unless ``while_waiting``
-        runs it late). Always True."""
+        """Always True: the device already ran (unless ``while_waiting`` runs it late)."""
         hook = self.while_waiting
         if hook is not None:
             hook(self)
@@ -161,10 +128,8 @@ class InProcessGpu:
         device: GpuDevice | None = None,
         vram: bytearray | mmap.mmap | None = None,
     ) -> None:
-        """``device``: a provisioned GPU (attest.provision_gpu) whose 5-certificate chain and
-        firmware this device uses; without one, a 2-certificate identity and no attestation.
-        ``vram``: the memory to use as VRAM (a shared mapping the orchestrator maps, say);
-        by default ``vram_bytes`` of its own."""
+        """``device``: a provisioned GPU (attest.provision_gpu) for its chain and firmware; without
+        one, a 2-certificate identity and no attestation. ``vram``: memory to use (default: its own)."""
         self.layout = layout
         self.vram = vram if vram is not None else bytearray(vram_bytes)
         self.bar = bytearray(Bar0.size(layout))
@@ -181,7 +146,7 @@ class InProcessGpu:
             serial=serial,
             firmware=device.firmware() if device is not None else None,
         )
-        #: Clock handed to every driver this harness builds (default: a FakeClock, 1 s a read).
+        #: Handed to every driver this harness builds.
         self.clock: Callable[[], float] = clock if clock is not None else FakeClock()
         self.links: dict[str, FakeLink] = {}
         self.current: str | None = None
@@ -220,11 +185,7 @@ class InProcessGpu:
 
     # ------------------------------------------------------------------ drivers
     def holder(self, name: str) -> Driver:
-        """Boot a data holder: add its CVM, probe the device from it, give the GPU back.
-
-        Holders boot before the orchestrator (see the module doc); after a session exists
-        this raises IllegalTransition.
-        """
+        """Boot a data holder: add its CVM, probe from it, give the GPU back (before any session)."""
         if self._orchestrator is not None:
             raise IllegalTransition("in-process gpu", "session-established", f"boot holder {name!r}")
         link = self.add_cvm(name)
@@ -250,12 +211,8 @@ class InProcessGpu:
         return self.orchestrator(), drivers
 
     def travel(self, holder: Driver, data: bytes | memoryview, buffer: BufferInfo, *, rotate: bool = True) -> bytes:
-        """One honest travel cycle (without the scrub): export, switch, import, copy, export,
-        switch back, import, rotate. Returns the blob the holder sent back.
-
-        If the copy fails the holder still exports and the GPU still comes home (as the
-        runtime does), then the copy's error is raised.
-        """
+        """One honest travel (no scrub); returns the holder's blob. A failed copy still exports and
+        comes home, as the runtime does, then raises."""
         orch = self._orchestrator
         if orch is None:
             raise IllegalTransition("in-process gpu", "no-session", "run a travel")
@@ -285,23 +242,12 @@ class InProcessGpu:
 # ---------------------------------------------------------------------------- leak checks
 def _escaped(secret: bytes, quote: str) -> str:
     """``secret`` as it appears inside a bytes repr delimited by ``quote``."""
-    out = []
-    for c in secret:
-        ch = chr(c)
-        if ch == "\\" or ch == quote:
-            out.append("\\" + ch)
-        elif ch in "\t\n\r":
-            out.append({"\t": "\\t", "\n": "\\n", "\r": "\\r"}[ch])
-        elif 32 <= c < 127:
-            out.append(ch)
-        else:
-            out.append(f"\\x{c:02x}")
-    return "".join(out)
+    special = {"\\": "\\\\", quote: "\\" + quote, "\t": "\\t", "\n": "\\n", "\r": "\\r"}
+    return "".join(special.get(chr(c)) or (chr(c) if 32 <= c < 127 else f"\\x{c:02x}") for c in secret)
 
 
 def renderings(secret: bytes) -> set[str]:
-    """The ways ``secret`` could show up in text: hex (either case), inside a bytes repr
-    (either quote style), or raw (latin-1)."""
+    """How ``secret`` could show in text: hex (either case), in a bytes repr (either quote), raw."""
     return {
         secret.hex(),
         secret.hex().upper(),

@@ -1,25 +1,11 @@
-"""An in-process cohort: the real orchestrator and holder shells, without processes.
+"""An in-process cohort: the real orchestrator and holder shells on one InProcessGpu, without
+processes. Each CVM's host link is a memory pair (the real codec) to :class:`InProcessHost`; the
+orchestrator's VRAM grant maps the GPU's VRAM; a holder joins over a memory pair handed to the
+orchestrator's :class:`MemoryListener` under its name, and serves in a thread of its own.
 
-:class:`InProcessCohort` builds the real :class:`~gputravel.orchestrator.cvm.Orchestrator`
-and :class:`~gputravel.holder.cvm.DataHolder` through their constructors, on one
-:class:`~gputravel.testing.InProcessGpu`:
-
-- each CVM's link to the host is a memory pair (transport/memory.py: the real codec) to
-  :class:`InProcessHost`, whose switches the sans-IO PCIe MUX (host/mux.py) decides and the
-  in-process GPU applies; the CVMs speak the host protocol through the real PcieMuxClient;
-- the orchestrator's device link is a memory pair whose VRAM grant is a shared mapping of the
-  GPU's VRAM, so ``boot`` maps it as in a cohort;
-- a holder joins over a memory pair, handed to the orchestrator's :class:`MemoryListener` under
-  the holder's name (as the TLS listener names the peer from its certificate);
-- each holder serves the orchestrator in a thread of its own, as its process does.
-
-What it does not have: TLS and attestation. The orchestrator's GPU attester only opens the SPDM
-session (the device's own handshake, verified by the driver) and a holder's policy accepts the
-orchestrator without a quote, so a test of attestation, of isolation between processes or of
-a CVM that dies still needs the process cohorts (gputravel.cohort). Travels, their checks and
-recovery, and joins are the real code.
-
-Typical use::
+It has no TLS and no attestation (the orchestrator only opens the SPDM session, and a holder's
+policy accepts it unquoted): tests of those, of process isolation or of a CVM that dies need the
+process cohorts (gputravel.cohort). Travels, their checks and recovery, and joins are real.
 
     with InProcessCohort({"alice": data_a, "bob": data_b}, buffer_bytes=TEST_LAYOUT.record_bytes) as cohort:
         report = cohort.orchestrator.travel("alice", 0)
@@ -43,14 +29,13 @@ from gputravel.driver.orchestrator import OrchestratorDriver
 from gputravel.files import RAW, DatasetFormat
 from gputravel.errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.holder.cvm import Dataset, DataHolder, HolderConfig
-from gputravel.host.mux import CvmRegistration, PcieMux
+from gputravel.host.mux import CvmRegistration, PcieMux, SwitchPlan, answer, notice
 from gputravel.orchestrator.cvm import Orchestrator, OrchestratorConfig
 from gputravel.protocol.device import VramGrant, VramRequest
-from gputravel.protocol.host import Attached, HostError, SwitchRequest, Switched
+from gputravel.protocol.host import Switched
 from gputravel.protocol.layout import SYSMEM_IOVA, Layout
 from gputravel.protocol.parties import ORCHESTRATOR
-from gputravel.protocol.travel import Bye, SendChunk, TravelRequest
-from gputravel.attest import AttestDue
+from gputravel.protocol.travel import Bye
 from gputravel.testing import TEST_LAYOUT, TIMEOUT_SCALE, InProcessGpu
 from gputravel.transport.base import Transport
 from gputravel.transport.memory import memory_pair
@@ -65,10 +50,8 @@ def _serve_forever(name: str, target: Any, *args: object) -> threading.Thread:
 
 
 class InProcessHost:
-    """The host's side of the PCIe MUX for an in-process GPU: one memory pair per CVM, served
-    in a thread each. The MUX's state is host/mux.py's PcieMux; a switch it plans is applied to
-    the GPU, answered with ``Switched`` (numbered by the MUX's switch counter), and told to the
-    CVM that now has the GPU with ``Attached`` when another CVM asked, as the host process does."""
+    """The host's side of the PCIe MUX for an in-process GPU, one memory pair and thread per CVM:
+    it answers and notifies as the host process does (host/mux.answer, notice)."""
 
     def __init__(self, gpu: InProcessGpu) -> None:
         self.gpu, self.mux = gpu, PcieMux()
@@ -90,26 +73,22 @@ class InProcessHost:
             except (TransportClosed, ProtocolError):
                 end.close()  # a peer that hangs up or sends garbage is dropped
                 return
-            if not isinstance(msg, SwitchRequest):
-                end.send(HostError(reason=f"unexpected message {type(msg).__name__}"))
-                continue
             with self._lock:
-                try:
-                    plan = self.mux.switch(msg.target)
-                    self.gpu.switch(plan.target.cvm)
-                    reply: object = Switched(target=msg.target, elapsed_ns=0, seq=self.mux.switches)
-                except GputravelError as exc:
-                    reply = HostError(reason=str(exc))
+                reply = answer(self.mux, msg, self._switch)
                 try:
                     end.send(reply)
                 except TransportClosed:
                     return
-                told = self._ends.get(msg.target)
-                if isinstance(reply, Switched) and told is not None and msg.target != cvm:
+                told = self._ends.get(reply.target) if isinstance(reply, Switched) else None
+                if told is not None and told is not end:
                     try:
-                        told.send(Attached(target=reply.target, elapsed_ns=0, seq=reply.seq))
+                        told.send(notice(reply))
                     except TransportClosed:
                         pass  # a CVM that went away
+
+    def _switch(self, plan: SwitchPlan) -> int:
+        self.gpu.switch(plan.target.cvm)
+        return 0
 
     def close(self) -> None:
         for end in self._ends.values():
@@ -118,7 +97,7 @@ class InProcessHost:
 
 class MemoryListener:
     """The orchestrator's listener for memory links: ``accept`` returns the next link a holder
-    opened through :meth:`connect`, with the holder's name (the TLS listener's certificate name)."""
+    opened with :meth:`connect`, and its name (as TLS names the peer by its certificate)."""
 
     port = 0
 
@@ -149,8 +128,7 @@ class MemoryListener:
 
 @dataclass
 class _NoQuote:
-    """The orchestrator's GPU attester without a TDX module or trust material: it opens the SPDM
-    session (the driver checks the device's signatures) and quotes nothing."""
+    """The orchestrator's GPU attester without a TDX module: it opens the SPDM session, quotes nothing."""
 
     gpu: object = None
 
@@ -171,11 +149,8 @@ _ACCEPT_ALL = SimpleNamespace(policy=SimpleNamespace(max_evidence_age_s=1e9))  #
 
 
 class InProcessCohort:
-    """An orchestrator and its holders (booted first, joined, each serving in a thread) on one
-    in-process GPU. ``datasets``: each holder's data by name, as bytes (written to a file in
-    ``workdir``) or the path of a dataset already on disk; ``formats``: the format of a
-    holder's dataset where it is not "raw" (files.py); ``tokenizer``: the orchestrator refuses
-    holders whose tokens another tokenizer made (OrchestratorConfig.tokenizer)."""
+    """An orchestrator and its holders on one in-process GPU. ``datasets``: each holder's data, as
+    bytes (written into ``workdir``) or a dataset's path; ``formats``: where not "raw" (files.py)."""
 
     def __init__(self, datasets: Mapping[str, bytes | Path], *, buffer_bytes: int, workdir: str | Path,
                  layout: Layout = TEST_LAYOUT, vram_bytes: int = 8 << 20, audit_arrival: bool = False,
@@ -235,14 +210,13 @@ class InProcessCohort:
         return self
 
     def join(self, *names: str) -> dict[str, int]:
-        """``names`` join (each in its thread, then serving the orchestrator there); the dataset
-        size of every holder joined."""
+        """``names`` join, each then serving in its thread; returns each joined holder's dataset size."""
         for name in names:
             self._threads.append(_serve_forever(name, self._serve_holder, self.holders[name]))
         return self.orchestrator.await_holders(names, self.timeout)
 
     def _grant_vram(self) -> None:
-        """The device's side of the orchestrator's device link: VRAM, granted as a shared mapping."""
+        """The device's side of the orchestrator's link: VRAM, granted as a shared mapping."""
         while True:
             try:
                 msg = self._device.recv().message
@@ -252,8 +226,7 @@ class InProcessCohort:
                 self._device.send(VramGrant(vram_bytes=len(self._vram)), fds=(self._vram_fd,))
 
     def _serve_holder(self, holder: DataHolder) -> None:
-        """A holder's process loop, in a thread: join, then take the orchestrator's messages one
-        at a time until it says goodbye or hangs up; a failure leaves the cohort (holder/cvm.py)."""
+        """A holder's process loop: join, then serve until a goodbye, a hang-up or a failure."""
         name = holder.config.name
         try:
             holder.join("memory", 0)
@@ -272,12 +245,7 @@ class InProcessCohort:
                 self.left[name] = f"Bye: {msg.reason}"
                 break
             try:
-                if isinstance(msg, AttestDue):
-                    holder.reattest()
-                elif isinstance(msg, TravelRequest):
-                    holder.serve_travel(msg)
-                elif isinstance(msg, SendChunk):
-                    holder.send_baseline(msg)
+                holder.handle(msg)
             except GputravelError as exc:
                 self.left[name] = f"{type(msg).__name__} failed ({type(exc).__name__}: {exc})"
                 break
