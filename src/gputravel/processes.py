@@ -113,14 +113,14 @@ class Children:
         self.logs.pop(key, None)
         stop_process(proc, self.grace)
 
-    def close(self) -> None:
+    def close(self, *, asked: bool = False) -> None:
         """Stop every child and forget them all; never raises; a second call does nothing."""
         procs = list(reversed(self._procs.values()))
         if self.in_turn:
             for proc in procs:
-                stop_process(proc, self.grace)
+                stop_process(proc, self.grace, asked=asked)
         else:
-            stop_processes(procs, self.grace)
+            stop_processes(procs, self.grace, asked=asked)
         self._procs.clear()
         self.logs.clear()
 

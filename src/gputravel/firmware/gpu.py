@@ -9,11 +9,10 @@ device process hosts the same firmware behind its RPC queue (device/core.py).
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
-from gputravel.processes import stop_process
+from gputravel.processes import Children
 from gputravel.errors import GputravelError, ProtocolError, TransportClosed
 from gputravel.protocol.rpc import Evidence, GetEvidence
 from gputravel.transport.stream import StreamTransport
@@ -27,8 +26,9 @@ class FirmwareProcess:
     def __init__(self, state: Path, timeout: float = 30.0) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.timeout = timeout
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(state), str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        self._children = Children(5)
+        self.proc = self._children.start("gpu-firmware", [sys.executable, "-m", __name__, str(state),
+                                                          str(theirs.fileno())], pass_fds=[theirs.fileno()])
         theirs.close()
         self.link = StreamTransport(ours, "gpu-firmware")
 
@@ -40,7 +40,7 @@ class FirmwareProcess:
 
     def close(self) -> None:
         self.link.close()
-        stop_process(self.proc, 5, asked=True)  # it ends with its link
+        self._children.close(asked=True)  # it ends with its link
 
     def __enter__(self) -> FirmwareProcess:
         return self

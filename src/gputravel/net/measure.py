@@ -8,7 +8,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from gputravel.processes import stop_process
+from gputravel.processes import Children
 from gputravel.errors import BadInput
 from gputravel.net.iproute import LinkError
 from gputravel.net.shaped import ShapedLinks
@@ -68,22 +68,18 @@ def transfer(links: ShapedLinks, src: str, dst: str, nbytes: int, *,
     if timeout is None:
         rate = links.shape.bandwidth_mbit or 1000.0
         timeout = 30.0 + 4 * nbytes * 8 / (rate * 1e6)
-    server = subprocess.Popen([*links.exec_prefix(dst), sys.executable, "-c", _SERVER,
-                               links.address(dst)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with Children(0.0) as children:
+        argv = [*links.exec_prefix(dst), sys.executable, "-c", _SERVER, links.address(dst)]
+        server = children.start("receiver", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         port = server.stdout.readline().strip() if server.stdout else ""
         if not port.isdigit():
             raise LinkError(f"receiver in {dst!r} did not start: {server.communicate()[1].strip()}")
-        client = links.run(src, [sys.executable, "-c", _CLIENT, links.address(dst), port,
-                                 str(nbytes)], timeout=timeout)
+        client = links.run(src, [sys.executable, "-c", _CLIENT, links.address(dst), port, str(nbytes)], timeout=timeout)
         if client.returncode != 0:
             raise LinkError(f"sender in {src!r} failed: {client.stderr.decode().strip()}")
         out, err = server.communicate(timeout=timeout)
         if server.returncode != 0:
             raise LinkError(f"receiver in {dst!r} failed: {err.strip()}")
-    finally:
-        stop_process(server, 0.0)
     got, seconds, digest = out.split()
     return Transfer(links.link, src, dst, nbytes, int(got), float(seconds),
                     client.stdout.decode().strip(), digest)
