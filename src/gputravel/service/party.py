@@ -1,9 +1,5 @@
-"""What every `gputravel serve ...` shares: structured logs, waiting for peers, and the one
-child process a service owns (its party, started through cohort/entry.py like the supervisor
-starts it, with a control link to this service).
-
-A service is its own party's launcher: it stands where the supervisor stands for a local
-cohort, for one party only. It never holds another party's secret.
+"""What every `gputravel serve ...` shares: logs, waiting for peers, and the one party process
+a service launches, as the supervisor would for that party alone; it holds no other's secret.
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ def log(party: str, event: str, **fields: object) -> None:
 
 def wait_for(party: str, what: str, ready: Callable[[], bool], stop: Callable[[], bool],
              every: float = 0.2, say_every: float = 5.0) -> None:
-    """Poll ``ready`` until it holds, saying what we wait for now and then; BadInput if stopped."""
+    """Poll ``ready`` until it holds, saying now and then what we wait for; BadInput if stopped."""
     said = 0.0
     while not ready():
         if stop():
@@ -56,7 +52,6 @@ def wait_for(party: str, what: str, ready: Callable[[], bool], stop: Callable[[]
 
 
 def unix_listening(path: str) -> bool:
-    """Something accepts connections at this Unix socket path (a peer service is up)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         try:
             s.connect(path)
@@ -84,8 +79,7 @@ STOP_BY = ("shutdown", "close", "terminate")  # how a party is told to stop (Par
 
 
 class PartyChild:
-    """The party's process: ``python -m gputravel.cohort.entry ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``.
-    Its output goes to this service's stderr."""
+    """The party's process (cohort/entry.py), its output on this service's stderr."""
 
     def __init__(self, role: str, config: dict, *, extra: socket.socket | None = None,
                  stop_by: str = "shutdown", uid: int = -1, home: Path | None = None) -> None:
@@ -101,11 +95,8 @@ class PartyChild:
         theirs.close()
         self.role = role
         self.control = StreamTransport(ours, role)
-        # How the party is told to stop: "shutdown" (a member reads Shutdown on its control
-        # link), "close" (the TDX module ends with its control link), "terminate" (the host and
-        # the device never read their control link after Ready: waiting for them to end by
-        # themselves cost 5 s each per stop, so they get SIGTERM at once, as the local cohort's
-        # supervisor does).
+        # "shutdown": a member reads Shutdown; "close": the TDX module ends with its link;
+        # "terminate": the host and device never read theirs after Ready, so SIGTERM at once.
         self._stop_by = stop_by
 
     def ready(self, timeout: float, certify: Callable[[Enroll], None] | None = None) -> Ready:
@@ -146,8 +137,7 @@ class PartyChild:
 
 
 def _as_account(uid: int, home: Path | None) -> dict:
-    """Popen arguments: the party under its own uid, non-dumpable, with its own HOME, as the
-    supervisor starts an isolated party (cohort/isolation.py); -1: as we run, dying with us."""
+    """Popen arguments: the party under its own uid, non-dumpable, its own HOME (-1: as we run)."""
     if uid < 0:
         return {"preexec_fn": isolation.die_with_parent}
     if os.geteuid() != 0:
@@ -159,8 +149,7 @@ def _as_account(uid: int, home: Path | None) -> dict:
 
 
 def own_state(state: Path, uid: int) -> Path:
-    """A party's state directory belongs to its account (0700), all of it: nothing of root's
-    lies in it (the vendors' material is in the cohort's vendor/ and platform/)."""
+    """A party's state directory is all its account's (0700): nothing of root's lies in it."""
     if uid < 0:
         return state
     isolation.give(state, uid, 0o700)
@@ -169,11 +158,8 @@ def own_state(state: Path, uid: int) -> Path:
 
 @contextlib.contextmanager
 def as_party(uid: int) -> Iterator[None]:
-    """Root working inside a party's own tree does it as that party (effective ids, no
-    groups): a link the party planted there, or swapped in meanwhile, then reaches only what
-    the party itself may reach (the hostile review of issue 30 had root write trust files and
-    a pinned ca.pem through such links). The service is one thread, so nothing else runs as
-    the party meanwhile."""
+    """Root acts inside a party's tree as that party (effective ids, no groups), so a link the
+    party planted reaches only what the party may (issue 30's review: root wrote through such links)."""
     if uid < 0 or os.geteuid() != 0:
         yield
         return
@@ -187,14 +173,12 @@ def as_party(uid: int) -> Iterator[None]:
         os.seteuid(0)
         os.setegid(0)
         os.setgroups(groups)
-        # A change of effective ids clears the parent-death signal: a service acting as its
-        # party once outlived a launcher killed outright (test_service_launch's SIGKILL case).
+        # A change of effective ids clears the parent-death signal (test_service_launch's SIGKILL case).
         isolation.rearm_parent_death(death, parent)
 
 
 def private_dir(path: str | Path) -> Path:
-    """A state directory only its party reads (0700), made on first start. Its party may have
-    left a link in its place: refused, never followed (this runs as root)."""
+    """A state directory only its party reads (0700); a link the party left in its place is refused."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
@@ -212,9 +196,7 @@ MAX_PUBLISHED_BYTES = 256 << 20  # a travel log of a long job; a certificate is 
 
 
 def publish(src: Path, dest: Path, uid: int = -1, limit: int = MAX_PUBLISHED_BYTES) -> bytes:
-    """Put a public file where peers look for it, whole or not at all; what was published.
-    `src` is in the party's tree: read as the party (as_party), a plain file only, never through
-    a link, and no larger than `limit` (the party could make it any size)."""
+    """Publish `src` (read as the party, a plain file within `limit`) whole or not at all; its bytes."""
     with as_party(uid):
         data = read_plain(src, limit + 1)
     if len(data) > limit:
@@ -224,9 +206,8 @@ def publish(src: Path, dest: Path, uid: int = -1, limit: int = MAX_PUBLISHED_BYT
 
 
 def one_certificate(pem: bytes, name: str, where: Path) -> bytes:
-    """`pem` as exactly one certificate whose common name is `name`, written out anew: a member
-    appending another's certificate to its own published file had the orchestrator pin both,
-    and take it for that other holder (the second hostile review of issue 30)."""
+    """`pem` as exactly one certificate of `name`, written anew: a member appending another's
+    certificate to its own had the orchestrator pin both (issue 30's second review)."""
     try:
         certs = x509.load_pem_x509_certificates(pem)
     except ValueError:
@@ -238,13 +219,11 @@ def one_certificate(pem: bytes, name: str, where: Path) -> bytes:
 
 
 def publish_certificate(src: Path, dest: Path, name: str, uid: int = -1) -> None:
-    """publish() of a member's certificate: one, of `name`, as one_certificate checks it."""
     with as_party(uid):
         pem = read_plain(src, MAX_PEM_BYTES)
     atomic_write_bytes(dest, one_certificate(pem, name, src))
 
 
 def wait_for_sockets(party: str, sockets: dict[str, str], stop: Callable[[], bool]) -> None:
-    """Wait until each peer (what it is -> its socket) answers, saying which one we wait for."""
     for what, path in sockets.items():
         wait_for(party, f"{what} at {path}", lambda p=path: unix_listening(p), stop)

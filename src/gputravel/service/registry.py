@@ -1,14 +1,7 @@
-"""The cohort's registry: who each party is and where it may act, as `cohort init` made it.
-
-A party's service runs as root (it gives its party an account of its own) and reads its config
-from whoever starts it, so that config is an operator's input, not the cohort's word. The
-registry, `D/cohort.registry`, is written once by init, owned by init's account (root when the
-parties are isolated) and writable by nobody else. Before a service touches any file it
-checks that its config agrees with the registry on every key that says who the party is and
-where it acts (its name, account, state directory, sockets, lock, trust and public
-directories, the orchestrator's run directory) and, with several GPUs, whom it serves (an
-orchestrator's rank and every rank's share of the holders, a holder's orchestrator): a holder
-serves one GPU. The keys an operator may tune (the job, the data, timeouts) are not in it.
+"""The cohort's registry, `D/cohort.registry`: who each party is and where it may act, as
+`cohort init` wrote it, owned by init's account and writable by nobody else. A service runs as
+root from a config whoever starts it gives, so before touching any file it checks that config
+against the registry on every key saying who the party is, where it acts and whom it serves.
 """
 
 from __future__ import annotations
@@ -28,13 +21,11 @@ __all__ = ["PLATFORM_DIR", "REGISTRY_FILE", "VENDOR_DIR", "bind", "bound_keys", 
            "vendor_dir", "write_registry"]
 
 REGISTRY_FILE = "cohort.registry"
-# The emulated vendors' material, in the cohort directory and root's alone (0700): never inside
-# a party's own tree, where the party could rename or relink it (the second hostile review of
-# issue 30 had root hand it over that way). Found from cohort_dir, which the registry binds.
+# The emulated vendors' material, root's alone (0700), never in a party's tree, where the party
+# could rename or relink it (issue 30's second review); found from cohort_dir, which is bound.
 VENDOR_DIR, PLATFORM_DIR = "vendor", "platform"
 MAX_REGISTRY_BYTES = 1 << 20
-# What says who a party is and where it acts; "job.run_dir" is the [job] table's key. With
-# several GPUs, whom it serves: an orchestrator's rank and the shares, a holder's orchestrator.
+# What says who a party is, where it acts and whom it serves ("job.run_dir": the [job] table's key).
 _BOUND = ("name", "index", "uid", "tdx_uid", "orchestrator_uid", "state_dir", "socket", "host_socket", "link_socket",
           "gpu_link_socket", "boot_lock", "trust_dir", "public_dir", "job.run_dir", "rank", "shares", "orchestrator")
 
@@ -48,29 +39,23 @@ def _get(cfg: Any, key: str) -> Any:
 
 
 def vendor_dir(cfg: Any) -> Path:
-    """The GPU vendor's per-device CA for the GPU of `cfg` (a gpu service's config)."""
     return Path(cfg.cohort_dir) / VENDOR_DIR / f"gpu-{cfg.index}"
 
 
 def platform_dir(cfg: Any) -> Path:
-    """The CPU-TEE root that certifies the orchestrator's TDX module's key, once: each rank's
-    module its own copy (platform/, platform-K/ for rank K), as each CVM's TDX module is
-    provisioned on its own and every quote chains to one CPU-TEE root."""
+    """The CPU-TEE root that certifies this rank's TDX module's key once (each rank its own copy)."""
     return platform_dir_of(Path(cfg.cohort_dir), getattr(cfg, "rank", 0))
 
 
 def platform_dir_of(cohort_dir: Path, rank: int) -> Path:
-    """Rank `rank`'s platform directory in `cohort_dir`: init writes it, the rank's service reads it."""
     return cohort_dir / (PLATFORM_DIR if rank == 0 else f"{PLATFORM_DIR}-{rank}")
 
 
 def bound_keys(cfg: Any) -> dict[str, Any]:
-    """The keys of `cfg` the registry binds, with their values."""
     return {k: v for k in _BOUND if (v := _get(cfg, k)) is not None}
 
 
 def write_registry(directory: Path, parties: dict[str, Any]) -> Path:
-    """D/cohort.registry, from each party's config as init wrote it (party name -> config)."""
     doc = {"directory": str(directory), "parties": {name: bound_keys(cfg) for name, cfg in parties.items()}}
     header = ("# gputravel cohort registry, written by `gputravel cohort init`: who each party is and where it\n"
               "# acts. A service refuses a config that disagrees with it (docs/deploy.md). Do not edit.\n\n")
@@ -91,7 +76,6 @@ def _trusted(st: os.stat_result, what: str, path: str) -> None:
 
 
 def _read(cohort_dir: str) -> dict[str, Any]:
-    """The registry in `cohort_dir`, after checking that nobody else could have written it."""
     if cohort_dir.endswith("/") and cohort_dir != "/":
         raise BadInput(f"cohort_dir: expected the cohort directory's path without a trailing slash, got {cohort_dir}")
     if os.path.realpath(cohort_dir) != cohort_dir:
@@ -127,25 +111,18 @@ def _read(cohort_dir: str) -> dict[str, Any]:
 
 
 def registered(cfg: Any, party: str) -> dict[str, Any]:
-    """What the registry of cfg's cohort says of `party` (after the same checks as bind)."""
-    entry = _read(cfg.cohort_dir)["parties"].get(party)
+    parties = _read(cfg.cohort_dir)["parties"]
+    entry = parties.get(party)
     if not isinstance(entry, dict):
-        raise BadInput(f"{cfg.source}: no party {party!r} in the cohort's registry")
+        raise BadInput(f"{cfg.source}: no party {party!r} in the cohort's registry (it has {', '.join(sorted(parties))})")
     return entry
 
 
 def bind(cfg: Any, party: str) -> None:
-    """Refuse `cfg`, by key, unless the registry in its cohort_dir names `party` with exactly
-    these bound keys. Runs before the service touches any path."""
-    doc = _read(cfg.cohort_dir)
-    registered = doc["parties"].get(party)
-    if not isinstance(registered, dict):
-        known = ", ".join(sorted(doc["parties"]))
-        raise BadInput(f"{cfg.source}: no party {party!r} in the cohort's registry (it has {known})")
-    mine = bound_keys(cfg)
-    wrong = [f"{cfg.source}: {key}: expected {registered.get(key)!r}, the value cohort init gave {party}, "
-             f"got {mine.get(key)!r}" for key in sorted(set(mine) | set(registered))
-             if mine.get(key) != registered.get(key)]
+    """Refuse `cfg`, by key, unless its cohort's registry names `party` with exactly these bound keys."""
+    theirs, mine = registered(cfg, party), bound_keys(cfg)
+    wrong = [f"{cfg.source}: {key}: expected {theirs.get(key)!r}, the value cohort init gave {party}, "
+             f"got {mine.get(key)!r}" for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]
     if wrong:
         raise BadInput("\n".join(wrong + [(f"{cfg.source}: a service acts only as the party cohort init made "
                                            f"({Path(cfg.cohort_dir) / REGISTRY_FILE})")]))
