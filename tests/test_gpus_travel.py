@@ -48,7 +48,7 @@ class WatchedCohorts(GpuCohorts):
             "uids": [set(c.isolation.uids.values()) for c in self.cohorts],
             "isolated": all(c.isolation.on for c in self.cohorts),
             "configs_hold_roots": any(x.roots is not None for c in self.cohorts
-                                      for x in (c.config, c.supervisor.config, c.client.config)),
+                                      for x in (c.config, c.client.config)),  # the cohort is its supervisor
         })
 
     def close(self) -> None:

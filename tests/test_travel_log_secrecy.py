@@ -38,11 +38,11 @@ def test_a_guessed_chunk_matches_no_published_entry_but_its_holder_checks_its_ow
         size = cohort.dataset_bytes["comedies"]
         offsets = list(range(0, size, BUFFER))
         reports = [cohort.travel("comedies", offset) for offset in offsets]
-        pki = cohort.supervisor.dir / "pki" / "comedies"
+        pki = cohort.dir / "pki" / "comedies"
         key = read_log_key(pki)
         assert stat.S_IMODE(os.stat(pki / LOG_KEY_FILE).st_mode) == 0o600
         # Never in a file of the cohort but its own (the parties' logs included), nor in the log.
-        for path in cohort.supervisor.dir.rglob("*"):
+        for path in cohort.dir.rglob("*"):
             if path.is_file() and path.name != LOG_KEY_FILE:
                 body = path.read_bytes()
                 assert key not in body and key.hex().encode() not in body, path

@@ -117,15 +117,13 @@ class GpuCohorts:
         return configs
 
     def _forget_roots(self) -> None:
-        """Every cohort has certified its GPU and TDX module: no copy of the roots stays in
-        any cohort's configuration (the supervisor's trust dropped its own once used)."""
+        """No copy of the roots stays in any cohort's configuration once all have booted."""
         for cohort in self.cohorts:
             stripped = dataclasses.replace(cohort.config, roots=None)
-            cohort.config = cohort.supervisor.config = cohort.client.config = stripped
+            cohort.config = cohort.client.config = stripped
 
     def _join_servers(self) -> None:
-        """A switch and one shaped link to each server's orchestrator namespace (the hub of
-        its own holders' star), on a subnet of its own."""
+        """A switch and one shaped link to each server's orchestrator namespace, on a subnet of its own."""
         hubs = {}
         for k, cohort in enumerate(self.cohorts):
             shaped = cohort.links.shaped if cohort.links is not None else None

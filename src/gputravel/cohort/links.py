@@ -1,20 +1,6 @@
-"""How a cohort's data holders reach its orchestrator: the link each TLS connection runs on.
-
-Three kinds, and every result names the one it ran on (:attr:`CohortLinks.kind`):
-
-* ``"netns-tc"`` (:data:`~gputravel.net.shaped.LINK_NETNS`): each holder and the orchestrator
-  run inside their own network namespace of a :class:`~gputravel.net.shaped.ShapedLinks`
-  star, capped in the kernel (tc tbf, both directions). The orchestrator's TLS listener binds
-  the hub's address; holders connect to it through their shaped veth.
-* ``"token-bucket"`` (:data:`~gputravel.net.shaped.LINK_TOKEN_BUCKET`): every process stays on
-  loopback and each end of each holder<->orchestrator TLS connection paces what it sends with
-  its own :class:`~gputravel.net.shaped.TokenBucket` (the fallback where namespaces are
-  unavailable; each party paces itself with net/pace.py).
-* ``"none"``: loopback, no cap (what a cohort did before links existed).
-
-``link="auto"`` picks netns-tc when there is a cap and namespaces work, the token bucket when
-there is a cap and they do not, and none without a cap. Host and device always stay in the
-root namespace: they are reached by Unix socket path, which namespaces do not change.
+"""How a cohort's holders reach its orchestrator: "netns-tc" (a star of namespaces, capped by
+the kernel), "token-bucket" (loopback, each TLS end paces itself) or "none" (loopback, no cap).
+Host and device stay in the root namespace: they are reached by Unix socket path.
 """
 
 from __future__ import annotations
@@ -37,7 +23,6 @@ LOOPBACK = "127.0.0.1"
 
 
 def check_link_config(link: str, bandwidth_mbit: float | None, tap: bool) -> None:
-    """Validate a cohort's link settings without building anything."""
     if link not in LINK_CHOICES:
         raise BadInput(f"link must be one of {', '.join(LINK_CHOICES)}, not {link!r}")
     check_bandwidth(bandwidth_mbit)  # the same limits the links themselves apply, before anything boots
@@ -49,7 +34,7 @@ def check_link_config(link: str, bandwidth_mbit: float | None, tap: bool) -> Non
 
 
 def resolve_link(link: str, bandwidth_mbit: float | None) -> str:
-    """The kind of link a cohort with these settings runs on (netns-tc, token-bucket or none)."""
+    """The kind a cohort runs on: "auto" is netns-tc when capped and namespaces work, else the bucket."""
     if link == "none" or (link == "auto" and bandwidth_mbit is None):
         return LINK_NONE
     if link == "token-bucket":
@@ -61,9 +46,7 @@ def resolve_link(link: str, bandwidth_mbit: float | None) -> str:
 
 
 class CohortLinks:
-    """The links of one cohort: where to start each member, where to listen and connect, and
-    whether the TLS ends pace themselves. ``open`` builds namespaces (netns-tc only);
-    ``close`` deletes them, after the supervisor has reaped the processes inside."""
+    """One cohort's links: where each member starts, listens and connects, and whether it paces."""
 
     def __init__(self, kind: str, holders: tuple[str, ...], bandwidth_mbit: float | None) -> None:
         self.kind = kind
@@ -72,40 +55,27 @@ class CohortLinks:
         if kind == LINK_NETNS:
             self.shaped = ShapedLinks(holders, hub=ORCHESTRATOR, bandwidth_mbit=bandwidth_mbit)
 
-    @classmethod
-    def for_cohort(cls, link: str, holders: tuple[str, ...], bandwidth_mbit: float | None) -> CohortLinks:
-        return cls(resolve_link(link, bandwidth_mbit), holders, bandwidth_mbit)
-
     def open(self) -> None:
         if self.shaped is not None:
             self.shaped.open()
 
     def close(self) -> None:
-        """Delete the namespaces (idempotent); raises LinkError if any is left behind."""
         if self.shaped is not None:
             self.shaped.close()
 
     def prefix(self, member: str) -> list[str]:
-        """What to put before a member's argv so that it starts on its side of the link."""
         return self.shaped.exec_prefix(member) if self.shaped is not None else []
 
     def netns_path(self, member: str) -> str | None:
-        """The file of a member's network namespace, for a child that enters it itself
-        (setns) before it drops root; None without namespaces."""
+        """A member's namespace file, for a child that enters it itself before it drops root."""
         return f"/var/run/netns/{self.shaped.namespace(member)}" if self.shaped is not None else None
 
     @property
     def listen_host(self) -> str:
-        """Where the orchestrator's TLS listener binds."""
+        """Where the orchestrator's TLS listener binds, and holders reach it."""
         return self.shaped.address(ORCHESTRATOR) if self.shaped is not None else LOOPBACK
 
     @property
-    def connect_host(self) -> str:
-        """Where holders reach the orchestrator."""
-        return self.listen_host
-
-    @property
     def pace_mbit(self) -> float | None:
-        """The rate each TLS end paces itself to (token-bucket links only)."""
         return self.bandwidth_mbit if self.kind == LINK_TOKEN_BUCKET else None
 

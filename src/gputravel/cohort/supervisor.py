@@ -1,10 +1,6 @@
-"""The supervisor: starts a whole local cohort, one OS process per trust domain, reads back
-that each runs as planned (cohort/isolation.py), and tears it all down on any failure, leaving
-no process, socket or shared segment behind.
-
-Boot order follows paper 4.1: host, device, then each data holder in turn (each sets up its
-driver while it holds the GPU), then the orchestrator last. Joining the holders and every
-command after that are the client's (cohort/client.py); cohort/local.py puts the two together.
+"""The supervisor: starts a local cohort, one process per trust domain, in paper 4.1's order
+(host, device, holders, the orchestrator last), checks each is isolated as planned, and tears
+it all down on any failure, leaving nothing behind. Commands are the client's (cohort/client.py).
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import tempfile
 import warnings
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gputravel.cohort.client import error_from
@@ -50,8 +46,6 @@ BOOT_WINDOW = min(32, max(4, 2 * (os.cpu_count() or 1)))
 
 @dataclass(frozen=True)
 class PartySpec:
-    """How one party is started: ``python -m ENTRY ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``."""
-
     role: str  # what it is in the cohort: host, device, holder, orchestrator, tdx-module
     key: str  # its name: its uid, its log, its control link
     config: dict
@@ -65,19 +59,30 @@ Launch = Callable[[PartySpec], PartySpec]
 
 @dataclass
 class Child:
+    """A party's role and control link; its process and log are kept by `procs` alone."""
+
     role: str
-    proc: subprocess.Popen
     control: StreamTransport
-    log: Path
+    key: str
+    procs: Children = field(repr=False)
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.procs[self.key]
+
+    @property
+    def log(self) -> Path:
+        return self.procs.logs[self.key]
 
 
 class Supervisor:
-    """The processes of one local cohort: it owns them, from start to close."""
+    """The processes of one local cohort, from start to close. ``launch``: how each party is started,
+    given the spec made for it; None starts every party as specified."""
 
     def __init__(self, config: CohortConfig, launch: Launch | None = None) -> None:
         self.config = config
         self.launch = launch
-        self.children: dict[str, Child] = {}  # each party's process (started and stopped by procs) and link
+        self.children: dict[str, Child] = {}  # each party's role and link; its process is procs'
         self.procs = Children(5)
         self.dir: Path | None = None
         self.port = 0  # where the orchestrator listens for holders
@@ -93,7 +98,6 @@ class Supervisor:
 
     # ------------------------------------------------------------------ starting
     def start(self) -> None:
-        """Boot every party; the holders join afterwards (CohortClient.join)."""
         cfg = self.config
         self._undo_term = stopping.catch_term("the cohort was stopped")  # close() puts it back
         orchestrator, quoting = self._provision()
@@ -108,17 +112,15 @@ class Supervisor:
             self._join_port = self._tap.port
 
     def _provision(self) -> tuple[dict, QuotingLaunch]:
-        """The cohort directory, links, CA and chain of trust; the orchestrator's configuration."""
         cfg = self.config
         if cfg.workdir is None:  # a directory given is the caller's to keep and to clean
             stopping.sweep(None, PREFIX)  # what a launcher killed outright left: its keys among it
         self.dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=cfg.workdir))
         stopping.claim(self.dir)
         place = self.placement = Placement(self.dir, cfg.isolate)
-        self.links = CohortLinks.for_cohort(cfg.link, self.members, cfg.bandwidth_mbit)
+        self.links = CohortLinks(resolve_link(cfg.link, cfg.bandwidth_mbit), self.members, cfg.bandwidth_mbit)
         self.links.open()
-        # Each member makes its own key at boot and sends a request (_certify); the CA's key
-        # stays in this process until close, for late and restarted holders.
+        # Members make their keys at boot (_certify); the CA's key stays here for late holders.
         self._ca = CohortCa()
         for member in ("orchestrator",) + self.members:
             (self.dir / "pki" / member).mkdir(parents=True, mode=0o700)
@@ -141,8 +143,7 @@ class Supervisor:
         return orchestrator, quoting
 
     def _boot_gpu_side(self, orchestrator: dict, quoting: QuotingLaunch) -> int:
-        """Device, holders, then the orchestrator (measured and registered with its TDX
-        module); the port it listens on."""
+        """Device, holders, then the orchestrator (measured, registered with its TDX module); its port."""
         cfg, place = self.config, self.placement
         dev_end, orch_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -162,13 +163,11 @@ class Supervisor:
 
     @property
     def members(self) -> tuple[str, ...]:
-        """Every holder of the cohort: those that boot now, then the late ones."""
         return tuple(h.name for h in self.config.holders + self.config.late_holders)
 
     def _boot_holders(self) -> None:
-        """BOOT_WINDOW holders start at once, loading and making their keys in parallel; their GPU
-        probes (paper 4.1) stay one at a time: a holder probes once certified, and the next is
-        certified only once the one before it is Ready."""
+        """BOOT_WINDOW holders start at once; their GPU probes (paper 4.1) stay one at a time: the next
+        is certified only once the one before it is Ready."""
         started: deque[tuple[str, dict, Child]] = deque()
         for h in self.config.holders:
             spec = self._launched_as(PartySpec("holder", h.name, self._holder_config(h, late=False)))
@@ -179,7 +178,6 @@ class Supervisor:
             self._await_up(*started.popleft())
 
     def spawn_holder(self, h: HolderSpec, *, late: bool = False) -> Ready:
-        """Start a holder CVM (a late or restarted one does its probe when it is lent the GPU)."""
         return self._spawn("holder", self._holder_config(h, late), key=h.name)
 
     def _holder_config(self, h: HolderSpec, late: bool) -> dict:
@@ -194,12 +192,10 @@ class Supervisor:
                 "probe_at_boot": not late, **self._device_timeout(), **self._hardware(), "enroll": h.name}
 
     def forget(self, name: str) -> None:
-        """Drop the record of a party whose process has ended (before it starts again)."""
         self.children.pop(name).control.close()
         self.procs.forget(name)
 
     def _hardware(self) -> dict:
-        """The hardware profile for the host, the holders and the orchestrator (none: emulated)."""
         return {} if self.config.hardware == EMULATED else {"hardware": self.config.hardware}
 
     def _device_timeout(self) -> dict:
@@ -208,12 +204,11 @@ class Supervisor:
 
     def _spawn(self, role: str, config: dict, *, key: str | None = None, extra_fd: int | None = None) -> Ready:
         spec = PartySpec(role, key or role, config)
-        return self._start_party(self._launched_as(spec), extra_fd)
+        return self._await_up(*self._launch(self._launched_as(spec), extra_fd))
 
     def _launched_as(self, spec: PartySpec) -> PartySpec:
-        """The launch hook's spec for a party. It may start an untrusted party (the host, a holder)
-        another way, but never change who a party is (its certificate's name), nor anything of a
-        trusted party: the orchestrator was measured, and holders pinned, before it starts."""
+        """The launch hook's spec: it may start an untrusted party another way, but never change who a
+        party is, nor anything of a trusted one (measured and pinned before it starts)."""
         if self.launch is None:
             return spec
         out = self.launch(spec)
@@ -224,16 +219,11 @@ class Supervisor:
                            f"({', '.join(TRUSTED_ROLES)} start as the launcher measured them)")
         return out
 
-    def _start_party(self, spec: PartySpec, extra_fd: int | None) -> Ready:
-        return self._await_up(*self._launch(spec, extra_fd))
-
     def _launch(self, spec: PartySpec, extra_fd: int | None) -> tuple[str, dict, Child]:
-        """Start a party's process (it is ours to stop from here on); what _await_up needs."""
         assert self.dir is not None
         key = spec.key
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [theirs.fileno()] + ([extra_fd] if extra_fd is not None else [])
-        log = self.dir / f"{key}.log"
         prefix, config = self._on_link(spec.role, key, spec.config)
         netns = self.links.netns_path(key) if prefix and self.placement.on else None
         if netns is not None:
@@ -245,11 +235,10 @@ class Supervisor:
         if spec.umask is not None:
             popen["umask"] = spec.umask
         fds += popen.pop("pass_fds")
-        # In a session of its own: Ctrl-C reaches the launcher alone, which stops the parties in
-        # order (cohort/stopping.py).
-        proc = self.procs.start(key, argv, log=log, pass_fds=fds, start_new_session=True, **popen)
+        # In a session of its own: Ctrl-C reaches the launcher alone, which stops them in order.
+        self.procs.start(key, argv, log=self.dir / f"{key}.log", pass_fds=fds, start_new_session=True, **popen)
         theirs.close()
-        child = Child(spec.role, proc, StreamTransport(ours, key), log)
+        child = Child(spec.role, StreamTransport(ours, key), key, self.procs)
         self.children[key] = child
         return key, config, child
 
@@ -259,7 +248,6 @@ class Supervisor:
         return msg
 
     def _await_ready(self, key: str, config: dict, child: Child) -> Ready:
-        """A child's first words: an enrolment to certify (members), then Ready or Failed."""
         try:
             msg = child.control.recv(timeout=self.config.boot_timeout).message
             if isinstance(msg, Enroll):
@@ -276,8 +264,7 @@ class Supervisor:
         return msg
 
     def _certify(self, key: str, config: dict, child: Child, msg: Enroll) -> None:
-        """Sign the key a member made itself; only the member this child was started as. The
-        device's firmware key is the GPU vendor's to certify, once (cohort/trust.py)."""
+        """Sign the key a member made, only as the member it was started as; the device's, once."""
         if child.role == "device" and msg.name == "device" and self.trust is not None:
             self.trust, (cert_pem, ca_pem) = certify_device(self.trust, msg.csr_pem)
             child.control.send(Certified(cert_pem=cert_pem, ca_pem=ca_pem))
@@ -288,7 +275,6 @@ class Supervisor:
         child.control.send(Certified(cert_pem=self._certs[msg.name], ca_pem=self._ca.cert_pem))
 
     def _on_link(self, role: str, key: str, config: dict) -> tuple[list[str], dict]:
-        """Holders and the orchestrator start on their side of the cohort's link."""
         if self.links is None or role not in ("holder", "orchestrator"):
             return [], config
         extra: dict = {"pace_mbit": self.links.pace_mbit}
@@ -298,9 +284,8 @@ class Supervisor:
 
     # ------------------------------------------------------------------ trust
     def _pin(self, orchestrator: dict, members: tuple[str, ...]) -> CohortTrust:
-        """Holders' policies pin this orchestrator's measurement (cohort/trust.py). Done as
-        late as possible: a source file saved between this and the launch measurement
-        (cohort/quoting.py) would look like a changed orchestrator, and holders would refuse it."""
+        """Holders' policies pin this orchestrator, as late as possible: a source file saved before its
+        launch measurement would look like a changed orchestrator."""
         assert self.trust is not None
         try:
             pinned = OrchestratorConfig(**orchestrator)
@@ -313,7 +298,6 @@ class Supervisor:
         return trust
 
     def _launched(self, orchestrator: dict) -> dict:
-        """What the orchestrator is started with: what was pinned, unless a test changes it."""
         return {**orchestrator, **dict(self.config.trust.orchestrator_changes)}
 
     # ------------------------------------------------------------------ what the client reaches (client.Parties)
@@ -321,23 +305,20 @@ class Supervisor:
         return self.children[name].control
 
     def log_tail(self, name: str) -> str:
-        """The last lines a party logged, to say why it stopped answering ('' when none)."""
-        child = self.children.get(name)
+        log = self.procs.logs.get(name)
         try:
-            text = child.log.read_text(errors="replace").strip().splitlines()[-15:] if child else []
+            text = log.read_text(errors="replace").strip().splitlines()[-15:] if log else []
         except OSError:
             return ""
         return ("\n  " + "\n  ".join(text)) if text else ""
 
     def join_address(self) -> tuple[str, int]:
-        """Where holders reach the orchestrator (through the tap when it records)."""
         assert self.links is not None
-        return self.links.connect_host, self._join_port
+        return self.links.listen_host, self._join_port
 
     # ------------------------------------------------------------------ stopping
     def close(self) -> None:
-        """Stop everything; never raises; leaves nothing behind. A second Ctrl-C or a SIGTERM
-        meanwhile does not cut it short."""
+        """Stop everything, leaving nothing behind; never raises, and no signal cuts it short."""
         with stopping.uninterrupted():
             self._close()
         self._undo_term()
@@ -368,7 +349,6 @@ class Supervisor:
             stopping.release(self.dir)  # a directory given is the caller's to keep
 
     def _close_links(self) -> None:
-        """Delete the namespaces once every process inside has been reaped."""
         if self.links is None:
             return
         try:
@@ -380,7 +360,7 @@ class Supervisor:
     # ------------------------------------------------------------------ looking at it
     @property
     def link(self) -> str:
-        """The kind of link the holders reach the orchestrator on: netns-tc, token-bucket or none."""
+        """netns-tc, token-bucket or none."""
         if self.links is None:
             return resolve_link(self.config.link, self.config.bandwidth_mbit)
         return self.links.kind
@@ -391,21 +371,19 @@ class Supervisor:
 
     @property
     def audit_log_path(self) -> Path | None:
-        """Where the orchestrator writes its signed travel log."""
         if self.config.audit_log:
             return Path(self.config.audit_log)
         return self.dir / "parties" / "orchestrator" / "audit.log" if self.dir is not None else None
 
     def orchestrator_certificate(self) -> bytes:
-        """The orchestrator's cohort certificate (public): the key that signs the travel log."""
+        """The orchestrator's cohort certificate: the key that signs the travel log."""
         assert self.dir is not None
         return self._certs["orchestrator"]
 
     @property
     def isolation(self) -> Isolation:
-        """The isolation this cohort got: on or off (and why), each party's uid and dumpability."""
         return self.placement.isolation if self.placement is not None else Isolation(False, "not started")
 
     def pids(self) -> dict[str, int]:
-        return {k: c.proc.pid for k, c in self.children.items()}
+        return {k: self.procs[k].pid for k in self.children}
 
