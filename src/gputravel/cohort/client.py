@@ -1,9 +1,5 @@
-"""The client of a running cohort: it sends commands (travel, train, baseline, membership) to
-the orchestrator and the holders over their control links, and reads their replies.
-
-It starts and stops nothing: the processes are the supervisor's (cohort/supervisor.py), and
-it reaches them only through :class:`Parties`. A reply that says Failed comes back as the
-typed error it names (an attestation refusal keeps the claim that failed).
+"""The client of a running cohort: it sends the orchestrator and the holders commands over their
+control links and reads their replies; a Failed one comes back as the typed error it names.
 """
 
 from __future__ import annotations
@@ -21,33 +17,16 @@ from gputravel.attest.material import attestation_error_from
 from gputravel.errors import GputravelError, PeerTimeout, ProtocolError, RemoteError, Terminated, TransportClosed
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.control import (
-    AwaitDeparture,
-    AwaitHolders,
-    BaselineReport,
-    DoBaseline,
-    DoTravel,
-    Failed,
-    Holders,
-    JoinCohort,
-    Joined,
-    Leave,
-    Left,
-    LendGpu,
-    ProbeGpu,
-    Probed,
-    ReclaimGpu,
-    Train,
-    TrainDone,
-    TrainStep,
-    TravelReport,
+    AwaitDeparture, AwaitHolders, BaselineReport, DoBaseline, DoTravel, Failed, Holders, JoinCohort, Joined, Leave,
+    Left, LendGpu, ProbeGpu, Probed, ReclaimGpu, Train, TrainDone, TrainStep, TravelReport,
 )
 from gputravel.transport.stream import StreamTransport
 
 
 @dataclass(frozen=True)
 class RankPlace:
-    """An orchestrator's place in a data-parallel job: its rank, how many there are, where
-    rank 0 listens ("host:port") and the job's context the ranks' pair keys are bound to."""
+    """An orchestrator's place in a data-parallel job: where rank 0 listens ("host:port") and the
+    context the ranks' pair keys are bound to."""
 
     rank: int = 0
     world_size: int = 1
@@ -58,8 +37,7 @@ class RankPlace:
 
 
 class Parties(Protocol):
-    """What the client needs of the supervisor: a party's control link, the tail of its log
-    (for an error that says why it stopped answering), and where holders join."""
+    """What the client needs of the supervisor (it starts and stops nothing itself)."""
 
     def control(self, name: str) -> StreamTransport: ...
 
@@ -74,34 +52,30 @@ class CohortClient:
         self.parties = parties
         self.dataset_bytes: dict[str, int] = {}  # of every holder that joined and has not left
         self.attestations: dict[str, Joined] = {}  # what each holder verified when it last joined
-        # Answers each party still owes, by party: sent by `_send`, read by `_recv`. A command
-        # given up on early (a join a holder refused, a reply that timed out) leaves its answer
-        # on the link; `_settle` reads it before the party's next command, so it answers no other.
-        # Keyed by the link itself: a party started again comes with a new link that owes nothing.
+        # Answers each link still owes: one given up on (a refused join, a timeout) is read and
+        # dropped before its party's next command (`_settle`). A restarted party's new link owes none.
         self._owed: dict[StreamTransport, int] = {}
 
     # ------------------------------------------------------------------ membership
     def join(self, names: tuple[str, ...]) -> dict[str, int]:
-        """Holders attest the orchestrator and join; the dataset size of every joined holder."""
+        """Holders attest the orchestrator and join; each joined holder's dataset size."""
         timeout = self.config.boot_timeout
         host, port = self.parties.join_address()
         for name in names:
             self._send(name, JoinCohort(host=host, port=port))
         control = self._send(ORCHESTRATOR, AwaitHolders(names=names, timeout=timeout))
-        # A holder that refuses says so at once; the orchestrator, which only sees a connection
-        # break off (anyone's), waits out its deadline. Its late answer is read before the next command.
+        # A holder that refuses says so at once; the orchestrator only sees a connection break off.
         deadline = time.monotonic() + timeout + 5
-        early = self._holders_answer(names, control, timeout + 5)
+        early = self._holders_answer(names, timeout + 5, until=control)
         if isinstance(early, GputravelError):
             raise early
         try:
             reply = self._reply(max(0.1, deadline - time.monotonic()))  # one deadline for the whole join
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
-            # The orchestrator only saw a holder hang up or go quiet; the holder knows why
-            # (an attestation it refused, naming the claim). An orchestrator's own refusal
-            # (another error type) says why itself and propagates as is.
-            refused = self._holder_failure(tuple(n for n in names if n not in early))
-            if refused is not None:
+            # The holder knows why it hung up (the claim it refused); the orchestrator's own refusal
+            # (another error type) propagates as is.
+            refused = self._holders_answer(tuple(n for n in names if n not in early), 5.0)
+            if isinstance(refused, GputravelError):
                 raise refused from None
             raise exc
         assert isinstance(reply, Holders)
@@ -114,20 +88,19 @@ class CohortClient:
         self.dataset_bytes.update(joined)
         return joined
 
-    def _holders_answer(self, names: tuple[str, ...], control: StreamTransport,
-                        timeout: float) -> dict[str, object] | GputravelError:
-        """What the holders said until the orchestrator's answer is there: the first refusal,
-        or the answers read so far, by holder."""
+    def _holders_answer(self, names: tuple[str, ...], timeout: float,
+                        until: StreamTransport | None = None) -> dict[str, object] | GputravelError:
+        """What the holders said within `timeout`, or until `until` (the orchestrator) has its answer
+        there: the first refusal, or the answers read so far, by holder."""
         answers: dict[str, object] = {}
         pending = {self.parties.control(n).fileno(): n for n in names}
         deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
-            sel.register(control.fileno(), selectors.EVENT_READ)
-            for fd in pending:
+            for fd in pending if until is None else [until.fileno(), *pending]:
                 sel.register(fd, selectors.EVENT_READ)
-            while deadline > time.monotonic():
+            while (pending or until is not None) and deadline > time.monotonic():
                 ready = {key.fd for key, _ in sel.select(deadline - time.monotonic())}
-                if control.fileno() in ready:
+                if until is not None and until.fileno() in ready:
                     return answers
                 for fd in ready:
                     name = pending.pop(fd)
@@ -143,31 +116,9 @@ class CohortClient:
                     answers[name] = msg
         return answers
 
-    def _holder_failure(self, names: tuple[str, ...], grace: float = 5.0) -> GputravelError | None:
-        """The first error a holder reports within `grace` seconds (only used after a failure)."""
-        pending = {self.parties.control(n).fileno(): n for n in names}
-        deadline = time.monotonic() + grace
-        with selectors.DefaultSelector() as sel:
-            for fd in pending:
-                sel.register(fd, selectors.EVENT_READ)
-            while pending and deadline > time.monotonic():
-                for key, _ in sel.select(deadline - time.monotonic()):
-                    name = pending.pop(key.fd)
-                    sel.unregister(key.fd)
-                    try:
-                        msg = self._recv(name, 1)
-                    except Terminated:
-                        raise  # the launcher is being stopped (cohort/stopping.py): never swallowed
-                    except GputravelError:
-                        continue
-                    if isinstance(msg, Failed):
-                        return error_from(msg, f"{name} did not join")
-        return None
-
     def admit(self, name: str) -> int:
-        """Paper 4.5: a holder that just booted (late, or again) gets the GPU lent for its probe
-        between travels, the orchestrator takes it back, then the holder attests the
-        orchestrator and joins. Returns its dataset size."""
+        """Paper 4.5: a holder that just booted probes the GPU lent to it between travels, then
+        attests the orchestrator and joins. Returns its dataset size."""
         wait = self.config.boot_timeout + 5
         self.ask(LendGpu(holder=name), wait)
         try:
@@ -178,28 +129,21 @@ class CohortClient:
         return self.dataset_bytes[name]
 
     def leave(self, name: str, reason: str = "leaving the cohort") -> None:
-        """Paper 4.5: the holder says goodbye to the orchestrator and stops providing data; the
-        orchestrator drops its link (travels to it then fail: HolderLost) until it rejoins."""
+        """Paper 4.5: the holder says goodbye; travels to it fail (HolderLost) until it rejoins."""
         self.from_holder(name, Left, Leave(reason=reason))
         self.ask(AwaitDeparture(holder=name, timeout=self.config.boot_timeout), self.config.boot_timeout + 5)
         self.dataset_bytes.pop(name, None)
         self.attestations.pop(name, None)
 
     def rejoin(self, name: str) -> int:
-        """A holder that left joins again, attesting the orchestrator afresh."""
         self.join((name,))
         return self.dataset_bytes[name]
 
     def from_holder(self, name: str, expect: type, cmd: object | None = None) -> object:
-        """Send a holder ``cmd`` (if any) and read its reply, which must be an ``expect``."""
+        """Send a holder ``cmd`` (if any); its reply, which must be an ``expect``."""
         if cmd is not None:
             self._send(name, cmd)
-        try:
-            msg = self._recv(name, self.config.boot_timeout)
-        except Terminated:
-            raise  # this launcher is being stopped: said as that, not as a holder's silence
-        except GputravelError as exc:
-            raise RemoteError(f"{name} stopped answering: {exc}{self.parties.log_tail(name)}") from None
+        msg = self._read(name, self.config.boot_timeout)
         if isinstance(msg, Failed):
             raise error_from(msg, name)
         if not isinstance(msg, expect):
@@ -213,16 +157,21 @@ class CohortClient:
         return self._reply(timeout)
 
     def _reply(self, timeout: float) -> object:
-        """The orchestrator's answer to the command sent last (a Failed one raised as its error)."""
-        try:
-            msg = self._recv(ORCHESTRATOR, timeout)
-        except (PeerTimeout, Terminated):
-            raise
-        except GputravelError as exc:
-            raise RemoteError(f"orchestrator stopped answering: {exc}{self.parties.log_tail(ORCHESTRATOR)}") from None
+        msg = self._read(ORCHESTRATOR, timeout, passes=(PeerTimeout, Terminated))
         if isinstance(msg, Failed):
             raise error_from(msg, "orchestrator")
         return msg
+
+    def _read(self, name: str, timeout: float, during: str = "",
+              passes: tuple[type[GputravelError], ...] = (Terminated,)) -> object:
+        """`name`'s next answer; a broken link or silence is a RemoteError with its log's tail. What
+        `passes` goes on as is: Terminated says the launcher is being stopped, not that `name` is silent."""
+        try:
+            return self._recv(name, timeout)
+        except passes:
+            raise
+        except GputravelError as exc:
+            raise RemoteError(f"{name} stopped answering{during}: {exc}{self.parties.log_tail(name)}") from None
 
     def _send(self, name: str, cmd: object) -> StreamTransport:
         """Send `name` a command that it answers once, after every answer it still owed."""
@@ -242,12 +191,7 @@ class CohortClient:
         """`name`'s control link, once the answers to commands given up on are read (and dropped)."""
         control = self.parties.control(name)
         while self._owed.get(control, 0) > 0:
-            try:
-                self._recv(name, self.config.boot_timeout + 5)
-            except Terminated:
-                raise
-            except GputravelError as exc:
-                raise RemoteError(f"{name} stopped answering: {exc}{self.parties.log_tail(name)}") from None
+            self._read(name, self.config.boot_timeout + 5)
         return control
 
     def baseline(self, holder: str, dataset_offset: int = 0) -> BaselineReport:
@@ -268,22 +212,14 @@ class CohortClient:
 
     def train(self, config_json: str, run_dir: str = "", resume_checkpoint: str = "",
               on_step: Callable[[TrainStep], None] | None = None, rank: RankPlace | None = None) -> dict:
-        """Run a training job in the orchestrator CVM; returns its report (see train.loop.make_report).
-        The paths are as the orchestrator's process names them (Placement.output); `rank`: its
-        place in a data-parallel job (None: it trains alone)."""
-        control = self._settle(ORCHESTRATOR)  # the job's steps and its end are read below, as they come
+        """Run a training job in the orchestrator CVM, the paths as its process names them; its report."""
+        control = self._settle(ORCHESTRATOR)
         place = rank if rank is not None else RankPlace()
         control.send(Train(config_json=config_json, run_dir=run_dir, resume_checkpoint=resume_checkpoint,
                            rank=place.rank, world_size=place.world_size, master=place.master,
                            ifname=place.ifname, shares=place.shares, ranks_context=place.context))
         while True:
-            try:
-                msg = control.recv(timeout=self.config.travel_timeout + 30).message
-            except Terminated:
-                raise
-            except GputravelError as exc:
-                tail = self.parties.log_tail(ORCHESTRATOR)
-                raise RemoteError(f"orchestrator stopped answering during training: {exc}{tail}") from None
+            msg = self._read(ORCHESTRATOR, self.config.travel_timeout + 30, " during training")
             if isinstance(msg, TrainStep):
                 if on_step is not None:
                     on_step(msg)
