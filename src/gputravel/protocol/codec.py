@@ -1,41 +1,15 @@
 """Typed protocol messages carried as msgpack, by msgspec.
 
-Every message is a frozen msgspec Struct with a unique tag::
+Every message is a frozen Struct with a unique tag (``class X(Message, tag="area.name")``),
+encoded as the map ``{"t": tag, field: value, ...}``, every field in declaration order. Field
+types are limited to None, int, float, str, bytes, bool, IntEnum/StrEnum, registered messages,
+tuples, ``dict[str, X]`` and ``X | None``, and no field has a default: a missing one is an error.
 
-    class CopyToVram(Message, tag="push.copy_to_vram"):
-        src_iova: int
-        ...
-
-Structs defined where this package may not be imported (crypto/: the channel state, the SPDM
-messages) use the same configuration and are added with :func:`register`.
-
-Encoding (documented, stable): a msgpack map ``{"t": tag, field_name: value, ...}``, the tag
-first, then every field in declaration order (none is ever left out). A nested message is a
-map of the same form, tag included. ``bytes`` travel as msgpack ``bin``, ``str`` as ``str``,
-``int`` as the smallest msgpack int, ``float`` as float64, ``bool`` and ``None`` as themselves,
-enums (IntEnum, StrEnum) as their value, tuples as arrays and ``dict[str, X]`` as maps. Field
-types are limited to exactly these (``X | None`` is the only union), and messages take no
-defaults, so that a missing field is always an error.
-
-Decoding is strict: an unknown tag, a missing or extra field, a wrong type (``bool`` is not an
-``int``; an ``int`` is accepted for a ``float``), a tuple of the wrong length or an enum value
-outside the enum all raise :class:`ProtocolError`, and so does a nested message under another
-message's tag (a nested map without a tag is read as the class its field declares). Error
-messages name the tag and the field path but never the offending value, because values may be
-secret (keys, blobs): msgspec's own messages quote some values (enum values, tags, invariants'
-messages), so they are rebuilt from what they say about types and positions only; an unknown
-tag is not echoed either. Encoding checks the field types too (:class:`BadInput`), by
-decoding what it encoded and comparing: a sender finds its own mistakes as the receiver would
-see them, and a field that packs but does not come back equal (a list for a tuple, a dict for
-a nested message) is refused (an enum field holding the plain value of a member passes: on
-the wire they are the same, and they compare equal).
-
-One message may have more than one decodable encoding (fields in any order; a nested map with
-or without its tag). Whatever is hashed or signed as encoded bytes must therefore be checked
-by re-encoding and comparing, as the travel log's verifier does (orchestrator/audit/verify.py).
-
-Fields whose values are secret are named in ``secret=(...)`` on the class line and left out
-of ``repr`` (and of rich's pretty printing).
+Decoding is strict (unknown tag, missing or extra field, wrong type, NaN: ProtocolError), and
+its errors name the tag and field path but never a value, which may be secret. Encoding decodes
+what it encoded and compares, so a field that would not come back equal is refused (BadInput).
+A message may have more than one decodable encoding, so whatever is signed as bytes must be
+checked by re-encoding (orchestrator/audit/verify.py). ``secret=(...)`` fields stay out of repr.
 """
 
 from __future__ import annotations
@@ -117,10 +91,8 @@ _O = TypeVar("_O")
 
 
 def register(cls: _C) -> _C:
-    """Register a Struct as a wire message under its tag (done for every :class:`Message`).
-
-    For structs that cannot subclass :class:`Message` (crypto/ may not import this package):
-    they must be configured as it is (frozen, forbid_unknown_fields, tag_field "t", a tag)."""
+    """Register a Struct as a wire message (every :class:`Message` is): for crypto/'s structs,
+    which may not import this package, configured as Message is."""
     global _DECODER
     tag = _check_config(cls)
     with _LOCK:
@@ -311,9 +283,8 @@ def encode(msg: object) -> bytes:
         back = decoder.decode(data)
     except Exception as e:  # the receiver would refuse it: say so here, in the same words
         raise BadInput(_explain(data, e)) from None
-    # msgspec packs any sequence as an array and any mapping as a map, so a list where a tuple
-    # is declared, or a plain dict where a nested message is, round-trips into something
-    # else: refuse what does not come back equal (the bytes would not be canonical).
+    # A list for a tuple, or a dict for a nested message, packs but comes back as something
+    # else: refuse it (the bytes would not be canonical).
     if back != msg:
         raise BadInput(f"message {tag}: a field does not hold its declared type")
     return data
@@ -331,11 +302,8 @@ def decode(data: bytes | bytearray | memoryview, *, expect: None = None) -> obje
 
 def decode(data: bytes | bytearray | memoryview, *,
            expect: type | tuple[type, ...] | None = None) -> object:
-    """Decode and strictly validate one message; anything wrong raises ProtocolError.
-
-    With ``expect`` (a class, or a tuple of them) any other message raises too, and type
-    checkers take the result as of that class, or their union (for a tuple of more than
-    three, declare it: ``tuple[type[A | B | C | D], ...]``)."""
+    """Decode and strictly validate one message; anything wrong raises ProtocolError, and so
+    does a message not of ``expect`` (a class or tuple of classes) when given."""
     n = len(data)
     if n > MAX_FRAME_BYTES:
         raise ProtocolError(f"message of {n} bytes exceeds {MAX_FRAME_BYTES}")
@@ -348,7 +316,7 @@ def decode(data: bytes | bytearray | memoryview, *,
         raise ProtocolError(_explain(data, e)) from None
     if _may_hold_float(type(msg)) and _holds_nan(msg):
         raise ProtocolError(f"message {_TAG_BY_CLASS[type(msg)]}: a number field holds NaN")
-    if expect is not None and not _expected(type(msg), expect):
+    if expect is not None and type(msg) not in (expect if isinstance(expect, tuple) else (expect,)):
         raise ProtocolError(f"unexpected message {_TAG_BY_CLASS[type(msg)]}; expected {_names(expect)}")
     return msg
 
@@ -357,8 +325,8 @@ _FLOATY: dict[type, bool] = {}  # message class -> whether any field, however ne
 
 
 def _may_hold_float(cls: type) -> bool:
-    """Whether a message of `cls` can hold a float at all, from its schema, once per class: most
-    messages on the hot path (a push per copy record) hold none, and need no walk for NaN."""
+    """Whether a `cls` can hold a float, from its schema, once per class: the hot path's
+    messages (a push per copy record) hold none and skip the walk for NaN."""
     known = _FLOATY.get(cls)
     if known is None:
         known = _FLOATY[cls] = _floaty(msgspec.inspect.type_info(cls), set())
@@ -379,9 +347,8 @@ def _floaty(t: msgspec.inspect.Type, seen: set[type]) -> bool:
 
 
 def _holds_nan(value: object) -> bool:
-    """Whether a decoded message holds a NaN anywhere: no field means "not a number" (a timeout
-    or a deadline of NaN compares false with everything), and such a message could not be sent
-    on, as it never equals itself (encode's round-trip check)."""
+    """Whether a decoded message holds a NaN anywhere: a NaN deadline compares false with
+    everything, and the message could not be sent on (it never equals itself)."""
     if isinstance(value, float):
         return value != value
     if isinstance(value, msgspec.Struct):
@@ -391,12 +358,6 @@ def _holds_nan(value: object) -> bool:
     if isinstance(value, dict):
         return any(_holds_nan(v) for v in value.values())
     return False
-
-
-def _expected(cls: type, expect: type | tuple[type, ...]) -> bool:
-    if isinstance(expect, tuple):
-        return cls in expect
-    return cls is expect
 
 
 def _names(expect: type | tuple[type, ...]) -> str:
