@@ -1,9 +1,6 @@
 """Process entry point: ``python -m gputravel.cohort.entry ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``.
 
-The supervisor starts every trust domain through here; each reports Ready (or Failed) over
-its control link, then serves until told to stop or its peers go away. The roles are the
-production ones (host, device, holder, orchestrator, tdx-module); another entry module (a
-party spec's ``entry``) reuses :func:`run_party` and :func:`load_config` for roles of its own.
+Every trust domain starts here, reports Ready (or Failed) on its control link, then serves.
 """
 
 from __future__ import annotations
@@ -27,23 +24,20 @@ from gputravel.attest.material import DeviceMaterial
 
 
 def load_config(cls, raw: dict):
-    """A role's configuration from the JSON the supervisor passed (its layout rebuilt)."""
     if isinstance(raw.get("layout"), dict):
         raw = {**raw, "layout": Layout(**raw["layout"])}
     return cls(**raw)
 
 
 def jsonable(obj: object) -> object:
-    """json.dumps' default for a party's configuration (its dataclasses, the layout): the launchers'
-    side of load_config."""
+    """json.dumps' default for a party's configuration: the launchers' side of load_config."""
     if dataclasses.is_dataclass(obj):
         return dataclasses.asdict(obj)
     raise TypeError(f"cannot pass {type(obj).__name__} to a child process")
 
 
 def _certified(control: StreamTransport, name: str, csr_pem: bytes) -> tuple[bytes, bytes]:
-    """Send the launcher a request for a key this process made; (certificate, CA) as PEM.
-    Only the request and the certificates cross the control link."""
+    """Have the launcher certify a key this process made; (certificate, CA) as PEM."""
     control.send(Enroll(name=name, csr_pem=csr_pem))
     reply = control.recv(timeout=60).message
     if not isinstance(reply, Certified):
@@ -51,20 +45,12 @@ def _certified(control: StreamTransport, name: str, csr_pem: bytes) -> tuple[byt
     return reply.cert_pem, reply.ca_pem
 
 
-def _enroll(control: StreamTransport, name: str, pki_dir: str) -> None:
-    """Make this member's TLS key here, in its own directory, and have the launcher's cohort
-    CA certify it."""
-    cert_pem, ca_pem = _certified(control, name, member_csr(Path(pki_dir), name))
-    install_member_cert(Path(pki_dir), name, cert_pem, ca_pem)
-
-
 # How an entry module serves a role: (role, its configuration, the control link, the extra socket).
 ServeRole = Callable[[str, dict, StreamTransport, socket.socket | None], None]
 
 
 def run_party(argv: list[str], serve_role: ServeRole) -> int:
-    """``ROLE CONFIG_JSON CONTROL_FD [EXTRA_FD]``: enrol if asked, then ``serve_role`` until it
-    returns; a failure goes back to the supervisor as Failed. Every entry module runs this."""
+    """Enrol if asked, then ``serve_role`` until it returns; a failure goes back as Failed."""
     if os.environ.get("GPUTRAVEL_NONDUMPABLE") == "1":  # isolated: see cohort/isolation.py
         make_nondumpable()
     role, payload, control_fd = argv[0], json.loads(argv[1]), int(argv[2])
@@ -72,8 +58,9 @@ def run_party(argv: list[str], serve_role: ServeRole) -> int:
     control = StreamTransport(socket.socket(fileno=control_fd), "supervisor")
     try:
         member = payload.pop("enroll", None)
-        if member is not None:
-            _enroll(control, member, payload["pki_dir"])
+        if member is not None:  # its TLS key, made here, certified by the launcher's cohort CA
+            pki = Path(payload["pki_dir"])
+            install_member_cert(pki, member, *_certified(control, member, member_csr(pki, member)))
         pinned = payload.pop("self_sign", None)  # a deployed member (service/): its peers pin its certificate
         if pinned is not None:
             self_signed_member(Path(payload["pki_dir"]), pinned)
@@ -88,17 +75,16 @@ def run_party(argv: list[str], serve_role: ServeRole) -> int:
     return 0
 
 
-# Each role's module is imported inside its branch: a process imports only the code of the
-# role it runs (the device never loads the orchestrator, a holder never loads the host).
+# Each role's module is imported inside its branch: a process imports only its own role's code.
 def _serve(role: str, payload: dict, control: StreamTransport, extra: socket.socket | None) -> None:
     if role == "host":
-        from gputravel.host.process import HostConfig, HostProcess  # lazy: only this role's code
+        from gputravel.host.process import HostConfig, HostProcess
 
         host = HostProcess(load_config(HostConfig, payload))
         control.send(Ready(role="host", detail={}))
         host.serve()
     elif role == "device":
-        from gputravel.device.process import DeviceConfig, DeviceProcess  # lazy: only this role's code
+        from gputravel.device.process import DeviceConfig, DeviceProcess
 
         # extra: the orchestrator's link, inherited; None when the device listens on config.link_socket
         config = load_config(DeviceConfig, payload)
@@ -109,26 +95,22 @@ def _serve(role: str, payload: dict, control: StreamTransport, extra: socket.soc
         control.send(Ready(role="device", detail={"vram_bytes": dev.config.vram_bytes}))
         dev.serve()
     elif role == "holder":
-        from gputravel.holder.cvm import HolderConfig, serve  # lazy: only this role's code
+        from gputravel.holder.cvm import HolderConfig, serve
 
         serve(load_config(HolderConfig, payload), control)
     elif role == "orchestrator":
-        from gputravel.orchestrator.cvm import OrchestratorConfig  # lazy: only this role's code
-        from gputravel.orchestrator.process import serve  # lazy: only this role's code
+        from gputravel.orchestrator.cvm import OrchestratorConfig
+        from gputravel.orchestrator.process import serve
 
         assert extra is not None
         serve(load_config(OrchestratorConfig, payload), control, extra)
     elif role == "tdx-module":  # the emulated TDX module / quoting enclave (firmware/tdx_module.py)
-        from gputravel.firmware.tdx_module import TdxModuleConfig, serve as serve_tdx_module  # lazy: only this role's code
+        from gputravel.firmware.tdx_module import TdxModuleConfig, serve as serve_tdx_module
 
         serve_tdx_module(TdxModuleConfig(**payload), control)
     else:
         raise SystemExit(f"unknown role {role!r}")
 
 
-def main(argv: list[str]) -> int:
-    return run_party(argv, _serve)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_party(sys.argv[1:], _serve))
