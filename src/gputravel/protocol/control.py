@@ -1,5 +1,4 @@
-"""Messages between the supervisor and the processes it owns (never crosses a trust boundary
-of the threat model: the supervisor stands for whoever launches each CVM)."""
+"""Supervisor <-> the processes it owns; no trust boundary (it stands for each CVM's launcher)."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ class Failed(Message, tag="ctl.failed"):
 
 
 class Enroll(Message, tag="ctl.enroll"):
-    """A member asks the launcher's cohort CA to certify the key it made itself (a CSR:
-    public material only; the private key never leaves the member)."""
+    """A member's CSR for the launcher's cohort CA: its private key never leaves it."""
 
     name: str
     csr_pem: bytes
@@ -82,8 +80,7 @@ class Certified(Message, tag="ctl.certified"):
 
 
 # ----------------------------------------------------------------------------- membership
-# Joining and leaving a running cohort (paper 4.5): the supervisor drives the order
-# (holder/membership.py, orchestrator/membership.py).
+# Joining and leaving a running cohort (paper 4.5), in the order the supervisor drives.
 class Joined(Message, tag="ctl.member.joined"):
     """Holder -> supervisor: attested the orchestrator and was welcomed."""
 
@@ -139,19 +136,15 @@ class Shutdown(Message, tag="ctl.shutdown"):
     pass
 
 
-
-# Training is driven over the control link; configs and reports are JSON text because they
-# are nested and heterogeneous, and never cross a trust boundary.
+# Training configs and reports travel as JSON text: nested, heterogeneous, never untrusted.
 class Train(Message, tag="ctl.train"):
     """Run a training job inside the orchestrator CVM, fed by travels (the TravellingLoader)."""
 
     config_json: str
     run_dir: str  # "" for none
     resume_checkpoint: str  # a checkpoint of this job to continue from; "" to start afresh
-    # Data parallelism (issue 14): this orchestrator's rank among `world_size` (one per GPU),
-    # where rank 0 listens for torch.distributed ("host:port", env:// style), the interface
-    # the ranks' traffic takes ("": gloo's choice), every rank's holders, and the job's context
-    # that the ranks' pair keys are bound to. world_size 1: train alone, as ever.
+    # Data parallelism (issue 14; world_size 1: alone): rank 0's torch.distributed "host:port",
+    # the ranks' interface ("": gloo's choice), every rank's holders, the pair keys' context.
     rank: int
     world_size: int
     master: str

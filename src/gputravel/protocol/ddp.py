@@ -1,7 +1,5 @@
-"""Messages between the ranks of a data-parallel job while they set up their pairwise keys
-(ddp/keys.py). They travel over torch.distributed as encoded bytes, never as pickles: a peer,
-or whoever sits on the wire, must not be able to make a rank unpickle objects before it has
-been attested."""
+"""Messages between data-parallel ranks setting up their pair keys (ddp/keys.py): encoded bytes,
+never pickles, so nobody can make a rank unpickle objects before it is attested."""
 
 from __future__ import annotations
 
@@ -9,8 +7,7 @@ from gputravel.protocol.codec import Message
 
 
 class KeyShare(Message, tag="ddp.key_share"):
-    """A rank's ephemeral ECDH public key and its TEE's evidence binding that key (report data
-    = ddp.keys.report_data(rank, world_size, public_key, context))."""
+    """A rank's ephemeral ECDH key and its TEE's evidence binding it (ddp.keys.report_data)."""
 
     rank: int
     world_size: int

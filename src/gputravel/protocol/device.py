@@ -10,6 +10,6 @@ class VramRequest(Message, tag="device.vram_request"):
 
 
 class VramGrant(Message, tag="device.vram"):
-    """fds: [VRAM memfd]. Emulates kernels the orchestrator launches reading protected memory."""
+    """fds: [VRAM memfd]: what the orchestrator's kernels read."""
 
     vram_bytes: int

@@ -1,15 +1,9 @@
 """Hardware profiles: what the steps of a travel cost on the hardware a run stands for.
 
-``emulated`` injects nothing: every step costs what the emulation pays. ``paper-h100`` stands
-for the paper's prototype (Intel TDX, NVIDIA H100, paper section 7): each of its costs is a
-measurement of the paper, named with the table, column and row it comes from. The process
-that carries out a step waits where the step really happens until at least that cost has
-elapsed (:func:`hold_until`, :func:`at_least`); a step the emulation already pays more for
-gets nothing added, so no real cost is ever hidden. A profile is not a security input: it
-changes how long steps take, never what is checked.
-
-The paper's Table 1 and Table 2 are here too, as printed, so that every figure in a profile,
-in `bench compare` and in `gputravel plan` traces to one place.
+``emulated`` injects nothing; ``paper-h100`` holds each step, where it really happens, to at
+least the paper's measurement (section 7; each cost names its table, column and row), so no
+real cost is hidden. Not a security input: it changes how long steps take, never what is
+checked. The paper's Tables 1 and 2 are here as printed, the one source of every figure.
 """
 
 from __future__ import annotations
@@ -39,8 +33,7 @@ TABLE_1 = {
     256: (0.274, 0.427, 143.073, 0.345, 147.382, 178.816, 0.137, 35.686, 146.134, 0.282, 652.282),
     512: (0.533, 0.206, 147.968, 0.322, 288.922, 349.278, 0.131, 44.112, 147.727, 0.303, 978.969),
 }
-#: The paper's Table 2 (llm.c, one 512 MiB buffer): per link (Mbit/s; None: uncapped, about
-#: 1 Gbit/s there), (baseline training s, baseline Tx s, baseline Tx %, ours training s, ours Tx s, ours Tx %).
+#: The paper's Table 2 (llm.c, one 512 MiB buffer), s and %, per link (Mbit/s; None: uncapped, ~1 Gbit/s).
 TABLE_2_COLUMNS = ("Baseline Training", "Baseline Tx", "Baseline Tx Percentage", "Ours Training", "Ours Tx",
                    "Ours Tx Percentage")
 TABLE_2 = {
@@ -107,8 +100,7 @@ class HardwareProfile:
         return self.gpu_write.seconds(nbytes) if self.gpu_write else 0.0
 
     def copy_s(self, nbytes: int) -> float:
-        """A travel's copy: the paper read the dataset, then wrote the GPU (Table 1: two
-        columns, one after the other); the pipeline's overlap of the two is not credited."""
+        """A travel's copy: read, then write (Table 1's two columns); no overlap is credited."""
         return self.read_s(nbytes) + self.write_s(nbytes)
 
     def exchange_s(self) -> float:
@@ -145,8 +137,7 @@ def hardware_profile(name: str) -> HardwareProfile:
 # ----------------------------------------------------------------------------- waiting
 def hold_until(started: float, floor_s: float, *, clock: Callable[[], float] = time.perf_counter,
                sleep: Callable[[float], None] = time.sleep) -> float:
-    """Wait until at least ``floor_s`` has elapsed since ``started`` (a ``clock`` reading, s);
-    returns the seconds added (0 when the step already took that long)."""
+    """Wait until ``floor_s`` has elapsed since ``started`` (a ``clock`` reading); the seconds added."""
     left = started + floor_s - clock()
     added = max(left, 0.0)
     while left > 0:
@@ -166,9 +157,7 @@ def at_least(floor_s: float, *, clock: Callable[[], float] = time.perf_counter) 
 
 def hold_exchange(profile: HardwareProfile, sent: float, remote_s: float, *,
                   clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep) -> float:
-    """A round trip that left at ``sent`` (a ``clock`` reading) and whose peer says it spent
-    ``remote_s`` handling it: hold it until, less that handling, at least the profile's
-    context exchange has elapsed. The peer's figure is clamped to what has elapsed, so a peer
-    cannot make us wait longer than the floor."""
+    """Hold a round trip sent at ``sent`` to the profile's context exchange, less the peer's
+    ``remote_s`` handling, clamped to what elapsed so a peer cannot stretch the wait."""
     remote = min(max(remote_s, 0.0), clock() - sent)
     return hold_until(sent + remote, profile.exchange_s(), clock=clock, sleep=sleep)

@@ -31,8 +31,8 @@ class SwitchRequest(Message, tag="host.switch"):
 
 
 class Switched(Message, tag="host.switched"):
-    """Host -> the CVM that asked. ``seq`` numbers the MUX's switches: an ``Attached`` with a
-    lower number is older than this switch. ``elapsed_ns``: the MUX's own time to re-route."""
+    """Host -> the CVM that asked. ``seq`` numbers the MUX's switches (an older ``Attached`` has
+    a lower one); ``elapsed_ns``: the MUX's own time to re-route."""
 
     target: str
     elapsed_ns: int
@@ -40,12 +40,8 @@ class Switched(Message, tag="host.switched"):
 
 
 class Attached(Message, tag="host.attached"):
-    """Host -> the CVM the GPU was just switched to, when another CVM asked for the switch.
-
-    The orchestrator hands its context over while the MUX switches, so the holder learns
-    here when the GPU is its own (and the orchestrator, when a holder sends it home). The
-    host is untrusted: a false notice only makes the CVM's pushes go unseen (a timeout),
-    as a host that never switches would."""
+    """Host -> the CVM the GPU was just switched to, when another CVM asked for the switch. The
+    host is untrusted: a false notice only makes the CVM's pushes go unseen (a timeout)."""
 
     target: str
     elapsed_ns: int

@@ -1,10 +1,6 @@
-"""Fixed memory layouts shared by the device and every CVM's driver.
-
-Paper 5.4: the GPU learns the addresses of its bounce buffers once, at setup, so every CVM
-reserves unprotected memory at boot and allocates each buffer in a fixed *slot* at the same
-guest-physical address (IOVA). This module is that slot table, plus the layout of the
-device's BAR0 (MMIO) window.
-"""
+"""Fixed memory layouts shared by the device and every CVM's driver: the GPU learns its bounce
+buffers' addresses once (paper 5.4), so every CVM puts each in the same slot at the same IOVA.
+The slot table, and the device's BAR0 (MMIO) window."""
 
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ class PushChannel(IntEnum):
 
 
 def record_bytes_for(buffer_bytes: int) -> int:
-    """Bounce-buffer records of 1 MiB, or smaller where the dataset buffer is: the largest power
-    of two up to 1 MiB that tiles it (a buffer is whole records)."""
+    """The largest power of two up to 1 MiB that tiles the dataset buffer (whole records)."""
     if buffer_bytes <= 0 or buffer_bytes % PAGE:
         raise BadInput(f"the dataset buffer must be a positive multiple of {PAGE} bytes (got {buffer_bytes})")
     record = MIB
@@ -110,11 +105,8 @@ class Layout:
 
 
 class Bar0:
-    """Offsets in the device's BAR0 window (emulated MMIO registers).
-
-    BAR mappings stay in every CVM across switches (paper 5.1), so nothing secret lives here:
-    GPFIFO entries only point at encrypted pushes in the current CVM's unprotected memory.
-    """
+    """Offsets in the device's BAR0 window. It stays mapped in every CVM (paper 5.1), so nothing
+    secret lives here: GPFIFO entries only point at encrypted pushes."""
 
     # per push channel: put (u32, CVM writes), get (u32, device writes), doorbell token (u32)
     CHANNEL_REGS = 0x000

@@ -1,17 +1,10 @@
 """What the two travel machines share (holder/machine.py, orchestrator/machine.py), sans IO.
 
-A machine is a table ``{(phase, event type): phases it may go to}``. ``handle(event, now)``
-looks the pair up, lets the machine's handler for that event check it and pick the next phase
-and action, and moves there: a travel's order is written once, in the table, and checked
-here. Any exception on the way (an event out of order, a peer's bad answer, a bug) leaves the
-machine in its error phase, where every event is refused until ``abort()``: a runtime cannot
-carry on from a half-done step by mistake (h11's rule).
-
-Time comes in as ``now`` (seconds on the runtime's monotonic clock), as in aioquic. A phase
-that waits on a peer has a time budget: ``next_deadline()`` says when the pending action must
-be done, ``time_left(now)`` how long the runtime may block on it, and ``on_timeout(now)``,
-past the deadline, hands the machine a ``TimedOut`` event where its table takes one (a
-holder refusing the travel, say); anywhere else the machine gives up (error phase).
+A machine is a table ``{(phase, event type): phases it may go to}``, so a travel's order is
+written once and checked here. Any exception on the way leaves the machine in its error phase,
+refusing every event until ``abort()``: no runtime carries on from a half-done step (h11's rule).
+Time comes in as ``now``; a waiting phase has a budget, and past it ``on_timeout`` hands the
+machine a ``TimedOut`` where its table takes one, else the error phase.
 """
 
 from __future__ import annotations
@@ -74,8 +67,7 @@ class TravelMachine:
         return (self._phase, event_type) in self.TABLE
 
     def abort(self) -> None:
-        """Forget the travel (or exchange) under way, whatever its phase, error included: the
-        runtime has dealt with what it left (the orchestrator recovered the GPU, say)."""
+        """Forget the travel under way, whatever its phase: the runtime has dealt with what it left."""
         self._phase, self._deadline = self.IDLE, None
         self._forget()
 
@@ -91,9 +83,8 @@ class TravelMachine:
         return None if self._deadline is None else max(self._deadline - now, 0.0)
 
     def on_timeout(self, now: float) -> Any:
-        """The runtime's wait ended at ``now`` without the pending action done. Before the
-        deadline: nothing changes (None). Past it: the machine's ``TimedOut`` transition if its
-        table has one (its action is returned), else the error phase (None)."""
+        """The wait ended undone: before the deadline nothing changes (None); past it, the
+        ``TimedOut`` transition's action if the table has one, else the error phase (None)."""
         if self._deadline is None or now < self._deadline:
             return None
         if self.accepts(TimedOut):

@@ -1,14 +1,8 @@
-"""Dataset manifests: a SHA-256 per fixed-size piece, so any piece-aligned chunk has a digest.
+"""Dataset manifests: a SHA-256 per fixed-size piece; a chunk's digest is the SHA-256 of its
+pieces' digests, recomputed by the orchestrator over VRAM after a travel.
 
-A holder computes its manifest once, when it loads its dataset; a chunk's digest is the
-SHA-256 over the digests of its pieces. The orchestrator recomputes it over what the device
-holds after a travel and compares.
-
-That digest is a function of the plaintext alone: anyone who can guess a chunk can compute it.
-So what leaves the trusted parties (the orchestrator's published travel log) is never the
-digest itself but :func:`chunk_mac`, keyed with a secret of the chunk's holder
-(``LOG_KEY_BYTES`` random bytes it makes once and sends only to the attested orchestrator,
-in its hello): only the holder and the orchestrator can compute or check it.
+Anyone who guesses a chunk can compute its digest, so the public travel log shows
+:func:`chunk_mac` instead, keyed with a secret only the holder and the orchestrator have.
 """
 
 from __future__ import annotations
@@ -47,9 +41,8 @@ def chunk_digest(data: memoryview | bytes, piece_bytes: int = PIECE_BYTES) -> by
 
 
 def chunk_nbytes(holder: str, dataset_bytes: int, piece_bytes: int, dataset_offset: int, buffer_bytes: int) -> int:
-    """How many bytes a chunk starting at ``dataset_offset`` holds: a travel's or a baseline
-    transfer's. A chunk may start at any manifest piece boundary inside the dataset (training
-    resumes mid-dataset), so its digest is checkable from the manifest."""
+    """How many bytes a chunk at ``dataset_offset`` holds; it may start at any piece boundary
+    (training resumes mid-dataset), so its digest is checkable from the manifest."""
     if dataset_bytes == 0:
         raise BadInput(f"holder {holder!r} has an empty dataset: nothing to copy")
     if dataset_offset % piece_bytes or not 0 <= dataset_offset < dataset_bytes:
@@ -59,12 +52,9 @@ def chunk_nbytes(holder: str, dataset_bytes: int, piece_bytes: int, dataset_offs
 
 
 def chunk_mac(key: bytes, job: bytes, holder: str, dataset_offset: int, nbytes: int, digest: bytes) -> bytes:
-    """HMAC-SHA256 under ``key`` (the holder's travel-log key) of the chunk's digest, of the job
-    whose log it is in and of where it lies (holder, offset, size): what the travel log
-    publishes instead of the digest. Binding the place means two entries' MACs are equal only for
-    the same chunk, not for equal contents at two offsets; binding the job, that the logs of two
-    jobs do not show which chunks stayed the same between them (the key is the holder's for
-    good). The key never appears in an error."""
+    """HMAC-SHA256 under the holder's travel-log key of the chunk's digest, job and place: the
+    place binds so equal contents at two offsets do not show equal MACs; the job, so two jobs'
+    logs do not show which chunks stayed the same. The key never appears in an error."""
     if not isinstance(key, bytes) or len(key) != LOG_KEY_BYTES:
         raise BadInput(f"a holder's travel-log key is {LOG_KEY_BYTES} bytes")
     if not isinstance(digest, bytes) or not 0 < len(digest) <= 64:

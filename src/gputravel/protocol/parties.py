@@ -1,11 +1,6 @@
-"""How the parties of a cohort name each other on every link.
-
-The orchestrator is one name, fixed: its certificate's common name, the PCIe MUX target that
-means "the GPU is home", and the supervisor's control link to it. A data holder is named by
-its own name (any other), so this is the one constant the two trust domains share.
-"""
+"""The orchestrator's fixed party name (its certificate's CN, the MUX target meaning "GPU home"): the
+one constant the two trust domains share; a holder is any other name."""
 
 from __future__ import annotations
 
-#: The orchestrator's party name.
 ORCHESTRATOR = "orchestrator"

@@ -36,11 +36,8 @@ class Memset(Message, tag="push.memset"):
 
 
 class RotateKeys(Message, tag="push.rotate"):
-    """Move every channel to the keys of ``epoch`` (kernel channel only).
-
-    Also clears a faulted user channel and discards its pending GPFIFO entries: after a
-    rotation the device and the orchestrator agree on fresh counters again.
-    """
+    """Move every channel to the keys of ``epoch`` (kernel channel only); also clears a faulted
+    user channel and its pending GPFIFO entries, so both ends start on fresh counters."""
 
     epoch: int
     release: int
@@ -48,11 +45,8 @@ class RotateKeys(Message, tag="push.rotate"):
 
 
 class GrantWindow(Message, tag="push.grant_window"):
-    """Open the VRAM range the user channel may copy to and from (kernel channel only).
-
-    The orchestrator grants exactly the dataset buffer, so a holder holding the user keys
-    can reach that buffer and nothing else of protected memory (model, other allocations).
-    """
+    """Open the VRAM range the user channel may copy to and from (kernel channel only): the
+    dataset buffer alone, so a holder with the user keys reaches nothing else of VRAM."""
 
     offset: int
     nbytes: int

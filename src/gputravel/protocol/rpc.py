@@ -36,10 +36,8 @@ class RpcError(Message, tag="rpc.error"):
 
 
 class GetEvidence(Message, tag="rpc.get_evidence"):
-    """GET_MEASUREMENTS over the session: the device's signed evidence for ``nonce`` (32 bytes).
-
-    Encrypted RPC only: the orchestrator asks inside the SPDM session it just opened, so the
-    evidence comes from the device that holds the session key (paper 4.5, GPU phase)."""
+    """GET_MEASUREMENTS for ``nonce``, encrypted RPC only: the evidence comes from the device
+    that holds the SPDM session key (paper 4.5, GPU phase)."""
 
     nonce: bytes
 
@@ -48,9 +46,8 @@ class Evidence(Message, tag="rpc.evidence"):
     blob: bytes  # an encoded attest.GpuEvidence
 
 
-# SPDM messages are the sans-IO structs of crypto.spdm (tagged "spdm.<name>" there, since
-# crypto/ may not import this package); registering them lets the same plaintext RPC slot
-# carry them before a session exists.
+# crypto.spdm's structs (which may not import this package), so the plaintext RPC slot carries
+# them before a session exists.
 for _cls in (_spdm.GetCertificate, _spdm.Certificate, _spdm.KeyExchange, _spdm.KeyExchangeResponse,
              _spdm.Finish, _spdm.FinishResponse):
     register(_cls)

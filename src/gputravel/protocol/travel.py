@@ -6,22 +6,18 @@ from gputravel.protocol.codec import Message
 
 
 class HolderHello(Message, tag="travel.hello", secret=("log_key",)):
-    """Holder -> orchestrator on joining (every join, rejoins and joins to a restarted
-    orchestrator included): its dataset's size and manifest (SHA-256 per piece), the tokenizer
-    its tokens were made with ("" for a dataset of raw bytes), and its travel-log key."""
+    """Holder -> orchestrator on every join: its dataset's size and manifest (SHA-256 per
+    piece), its tokenizer ("" for raw bytes), and its travel-log key."""
 
     holder: str
     dataset_bytes: int
     piece_bytes: int
     manifest: tuple[bytes, ...]
     tokenizer: str
-    # False: this holder booted after the orchestrator and has not probed the GPU (paper 4.1).
-    # The orchestrator then lends it the GPU between travels (ProbeNow) before welcoming it.
+    # False: booted after the orchestrator, not probed the GPU yet (paper 4.1): lent it first.
     probed: bool
-    # The holder's secret for the public travel log (protocol/manifest.py chunk_mac): the log
-    # shows each of its chunks' digests keyed with it, never the bare digest, which anyone who
-    # can guess the chunk could recompute. Made once by the holder and kept in its own private
-    # state (holder/log_key.py); sent only here, inside the attested TLS channel.
+    # Keys the public travel log's chunk MACs (manifest.chunk_mac), never the guessable digest;
+    # sent only here, inside the attested TLS channel.
     log_key: bytes
 
 
@@ -30,8 +26,7 @@ class Welcome(Message, tag="travel.welcome"):
 
 
 class ProbeNow(Message, tag="travel.probe_now"):
-    """Orchestrator -> a late holder, between travels, with no key exported: the MUX may switch
-    the GPU to you now; probe it, hand it back, then say ProbeDone."""
+    """Orchestrator -> a late holder, between travels, no key exported: probe the GPU now."""
 
 
 class ProbeDone(Message, tag="travel.probe_done"):
@@ -59,9 +54,7 @@ class TravelResult(Message, tag="travel.result", secret=("context",)):
     context: bytes  # context blob: keys inside, never printed
     chunk: ChunkInfo
     steps_ns: dict[str, int]  # dh_import, dh_copy, dh_export, o_switch, handler
-    #: Non-zero bytes the holder found in the buffer on arrival (-1: not checked). A holder
-    #: may read the buffer back before copying to audit that the previous chunk was scrubbed.
-    nonzero_on_arrival: int
+    nonzero_on_arrival: int  # non-zero bytes found in the buffer before copying (-1: not audited)
 
 
 class TravelRefused(Message, tag="travel.refused", secret=("context",)):
