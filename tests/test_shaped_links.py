@@ -19,13 +19,13 @@ from gputravel.net import (
     LINK_TOKEN_BUCKET,
     LinkError,
     LinkShape,
+    PacedSocket,
     ShapedLinks,
     TokenBucket,
     cleanup_stale,
     default_burst_bytes,
     netem_available,
     netns_available,
-    paced_socket,
     transfer,
 )
 from gputravel.net import shaped
@@ -294,7 +294,7 @@ class FakeSocket:
 def test_paced_socket_sends_everything_at_the_rate_in_burst_sized_chunks():
     b, clock = bucket()
     raw = FakeSocket(clock)
-    sock = paced_socket(raw, b)
+    sock = PacedSocket(raw, b)
     data = bytes(range(256)) * 40  # 10240 bytes
     start = clock.now
     sock.sendall(data)
@@ -307,7 +307,7 @@ def test_paced_socket_sends_everything_at_the_rate_in_burst_sized_chunks():
 def test_paced_socket_charges_only_what_a_short_send_took():
     b, clock = bucket()
     raw = FakeSocket(clock, take=100)
-    sock = paced_socket(raw, b)
+    sock = PacedSocket(raw, b)
     start = clock.now
     sock.sendall(b"x" * 1000)
     assert b"".join(chunk for _, chunk in raw.sends) == b"x" * 1000

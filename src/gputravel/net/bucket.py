@@ -1,8 +1,4 @@
-"""The in-process fallback link: a token bucket that paces ``send``.
-
-It serves where namespaces are unavailable (no root, no ``ip``, no ``sch_tbf``); it caps what
-one sender writes, not the wire, and every result run on it says ``LINK_TOKEN_BUCKET``.
-"""
+"""The in-process fallback link where namespaces are unavailable: a token bucket that paces ``send``."""
 
 from __future__ import annotations
 
@@ -17,12 +13,8 @@ LINK_TOKEN_BUCKET = "token-bucket"
 
 
 class TokenBucket:
-    """A token bucket in bytes: ``rate_bps`` bits/s refill, at most ``burst_bytes`` banked.
-
-    Pure logic over an injectable clock: :meth:`consume` takes ``n`` bytes and says how long
-    the caller must wait before they may leave. Tokens may go negative (a debt), so a send
-    larger than the burst is still paced exactly, and back-to-back sends each wait n/rate.
-    Not thread-safe: use one bucket per sending direction, as a duplex link has."""
+    """A token bucket in bytes: ``rate_bps`` bits/s refill, at most ``burst_bytes`` banked. Tokens
+    may go negative (a debt), so a send above the burst is still paced exactly. One per direction."""
 
     def __init__(self, rate_bps: float, burst_bytes: int, *,
                  clock: Callable[[], float] = time.monotonic,
@@ -81,11 +73,8 @@ class TokenBucket:
 
 
 class PacedSocket:
-    """A socket whose ``send``/``sendall`` are paced by a :class:`TokenBucket`; every other
-    attribute is the wrapped socket's. Each send offers at most one burst (and 64 KiB) and
-    then pays for what the socket took, sleeping off any debt: so only bytes really sent are
-    charged, however short the sends. It paces application bytes: TLS record and TCP/IP
-    overhead come on top (under 5 %)."""
+    """A socket whose sends are paced by a :class:`TokenBucket`: each offers at most one burst (and
+    64 KiB), then pays for what the socket took, so only bytes really sent are charged."""
 
     link = LINK_TOKEN_BUCKET
 
@@ -107,8 +96,3 @@ class PacedSocket:
 
     def __getattr__(self, name: str):
         return getattr(self._sock, name)
-
-
-def paced_socket(sock, bucket: TokenBucket) -> PacedSocket:
-    """Wrap a socket-like object so its sends keep to ``bucket``'s rate (the fallback link)."""
-    return PacedSocket(sock, bucket)

@@ -1,11 +1,5 @@
-"""Bytes over a shaped link, counted by the kernel, not estimated.
-
-Each holder's link ends in the hub's namespace at a veth (:meth:`ShapedLinks.hub_device`).
-Its interface counters see every frame of that link: ``rx`` what the holder sent to the hub,
-``tx`` what the hub sent to the holder. They count Ethernet frames (IP, TCP and TLS headers
-and retransmissions included), which is what a capped link has to carry. A benchmark takes a
-:func:`link_bytes` snapshot before and after the work it measures and reports the difference.
-"""
+"""Bytes over a shaped link, counted by the kernel at the hub's end of each holder's veth: whole
+frames, headers and retransmissions included, which is what a capped link has to carry."""
 
 from __future__ import annotations
 
@@ -19,8 +13,6 @@ from gputravel.net.shaped import ShapedLinks
 
 @dataclass(frozen=True)
 class LinkBytes:
-    """One holder's link at one moment: bytes the holder sent up, and bytes it received."""
-
     up: int  # holder -> hub
     down: int  # hub -> holder
 

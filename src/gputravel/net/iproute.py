@@ -11,12 +11,10 @@ _CMD_TIMEOUT = 30.0
 
 
 class LinkError(LocalError):
-    """Setting up or tearing down shaped links failed; the message names the command and
-    carries its stderr."""
+    """Setting up or tearing down shaped links failed (the message names the command, with its stderr)."""
 
 
 def run_iproute(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run one ip/tc command; a failure becomes LinkError with the command and its stderr."""
     try:
         done = subprocess.run(list(argv), capture_output=True, text=True, timeout=_CMD_TIMEOUT,
                               stdin=subprocess.DEVNULL)

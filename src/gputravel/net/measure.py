@@ -1,5 +1,4 @@
-"""Measuring a shaped link: one real TCP transfer between two members' namespaces, timed
-by the receiver, and the benchmark's check of its duration against size/cap."""
+"""Measuring a shaped link: a real TCP transfer between two namespaces, timed by the receiver."""
 
 from __future__ import annotations
 
@@ -40,8 +39,6 @@ print(hashlib.sha256(data).hexdigest(), flush=True)
 
 @dataclass(frozen=True)
 class Transfer:
-    """One TCP transfer between two members, timed by the receiver."""
-
     link: str
     src: str
     dst: str
@@ -62,7 +59,6 @@ class Transfer:
 
 def transfer(links: ShapedLinks, src: str, dst: str, nbytes: int, *,
              timeout: float | None = None) -> Transfer:
-    """Send ``nbytes`` over TCP from ``src``'s namespace to ``dst``'s and time the receipt."""
     if not isinstance(nbytes, int) or nbytes <= 0:
         raise BadInput(f"transfer size must be a positive number of bytes, got {nbytes!r}")
     if timeout is None:
@@ -103,9 +99,8 @@ class RateCheck:
 
 def check_rate(links: ShapedLinks, src: str, dst: str, nbytes: int, *,
                tolerance: float = 0.15) -> RateCheck:
-    """Measure one transfer and compare its duration with size/cap (for the benchmark; unit
-    tests make no timing claims). The cap counts frame bytes, so TCP goodput sits ~4-5 %
-    under it at MTU 1500, well inside the tolerance."""
+    """One transfer's duration against size/cap. The cap counts frame bytes, so TCP goodput sits
+    ~4-5 % under it at MTU 1500, well inside the tolerance."""
     cap = links.shape.bandwidth_mbit
     if cap is None:
         raise BadInput("an uncapped link has no rate to check")

@@ -1,8 +1,5 @@
-"""Network namespaces: whether they work here, and deleting them (a crashed run's too).
-
-Every namespace we create is named gt-<owner pid, hex>-<random>-<index><member>, so that
-:func:`cleanup_stale` can tell a crashed run's leftovers (owner dead) from a live run's.
-"""
+"""Network namespaces: whether they work here, and deleting them. Each is named
+gt-<owner pid, hex>-..., so a crashed run's (owner dead) can be told from a live run's."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ BRIDGE = "gt-br"  # the hub's bridge (also built by the probe)
 
 
 def _list_namespaces() -> list[str]:
-    # Lines look like "name" or "name (id: 3)".
     out = run_iproute(["ip", "netns", "list"]).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
@@ -43,16 +39,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 def delete_namespace(ns: str) -> None:
-    """Kill what still runs inside, then delete. A process left inside would keep the
-    namespace (and its veths) alive after its name is gone."""
+    """Kill what still runs inside (it would keep the namespace and its veths alive), then delete."""
     pids = _namespace_pids(ns)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    # Re-ask the kernel rather than probing pids: a killed child of ours stays a zombie
-    # until reaped, yet it has already left the namespace.
+    # Ask the kernel, not the pids: a killed child of ours stays a zombie, yet has left the namespace.
     deadline = time.monotonic() + 5.0
     while pids and _namespace_pids(ns) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -60,11 +54,8 @@ def delete_namespace(ns: str) -> None:
 
 
 def cleanup_stale(prefix: str = NS_PREFIX) -> list[str]:
-    """Delete namespaces named by an earlier run whose owner process is dead.
-
-    Only names that start with ``prefix`` and follow our pattern are touched, and a live
-    owner's namespaces are left alone, so concurrent runs do not tear each other down.
-    Returns the names deleted."""
+    """Delete (and return) our namespaces under ``prefix`` whose owner process is dead; a live
+    owner's are left alone, so concurrent runs do not tear each other down."""
     if not prefix.startswith(NS_PREFIX):
         raise BadInput(f"prefix must start with {NS_PREFIX!r}, got {prefix!r}")
     removed = []
@@ -80,8 +71,8 @@ def cleanup_stale(prefix: str = NS_PREFIX) -> list[str]:
 # ----------------------------------------------------------------------------- probe
 @functools.cache
 def netns_available() -> tuple[bool, str]:
-    """Whether ShapedLinks can work here, and why not: checks root, the tools, and actually
-    builds a throwaway namespace with a bridge, a veth pair and a tbf qdisc."""
+    """Whether ShapedLinks can work here, and why not: it builds a throwaway namespace with a
+    bridge, a veth pair and a tbf qdisc."""
     if os.geteuid() != 0:
         return False, "network namespaces need root (euid is not 0)"
     for tool in ("ip", "tc"):

@@ -1,5 +1,4 @@
-"""Pacing one end of a TLS connection on token-bucket links (the fallback where network
-namespaces are unavailable): each party paces what it sends itself, so this sits below them."""
+"""Pacing one end of a TLS connection on token-bucket links: each party paces what it sends itself."""
 
 from __future__ import annotations
 
@@ -8,8 +7,7 @@ from gputravel.net.bucket import TokenBucket
 
 
 def pace(conn: object, pace_mbit: float | None) -> None:
-    """Give one end of a TLS connection its own token bucket (one per direction, as a duplex
-    link has); nothing when there is no rate to keep."""
+    """Give one end of a TLS connection its own token bucket; nothing without a rate."""
     if pace_mbit is None:
         return
     if not hasattr(conn, "pace"):

@@ -1,12 +1,5 @@
-"""Kernel-shaped links: a star of network namespaces around the orchestrator's.
-
-:class:`ShapedLinks` puts each cohort member in its own network namespace, wired as a star
-around the orchestrator's namespace (a bridge in the hub, one veth pair per holder), and caps
-both directions of each holder's link with a kernel token bucket filter (``tc qdisc ... tbf``,
-see :mod:`.tc`). Traffic between two processes then crosses a real TCP/IP stack and a real
-queue, as it did between the paper's CVMs. See docs/links.md for the picture, the tc
-parameters and how to inspect a live set-up.
-"""
+"""Kernel-shaped links: a star of network namespaces around the orchestrator's, each holder's
+link capped both ways by tc, so traffic crosses a real TCP/IP stack and queue (docs/links.md)."""
 
 from __future__ import annotations
 
@@ -43,19 +36,9 @@ def _slug(member: str) -> str:
 
 
 class ShapedLinks:
-    """A star of network namespaces, one per cohort member, the hub in the middle.
-
-    ::
-
-        holder a [gt-up]==veth==[gt-h1]--+
-        holder b [gt-up]==veth==[gt-h2]--+-- gt-br 10.213.0.1  (hub: the orchestrator)
-        holder c [gt-up]==veth==[gt-h3]--+
-
-    Holder i is 10.213.0.(i+1)/24. Each veth end's egress carries the link shape, so each
-    direction of each holder's link is capped on its own, like a full-duplex NIC. Use as a
-    context manager; teardown deletes every namespace (and so every veth and the bridge),
-    even when the body raises, and again at interpreter exit if close() was never reached.
-    """
+    """A star of network namespaces, one per member: holder i's veth (10.213.0.(i+1)) to the hub's
+    bridge gt-br (10.213.0.1), each end's egress shaped. Use as a context manager; teardown
+    deletes every namespace, even when the body raises, and at exit if close() was never reached."""
 
     link = LINK_NETNS
 
@@ -64,9 +47,8 @@ class ShapedLinks:
                  burst_bytes: int | None = None, latency_ms: float | None = None,
                  subnet: str = _SUBNET, member_if: str = _HOLDER_IF,
                  joined: Mapping[str, str] | None = None) -> None:
-        """`joined` puts members in namespaces that exist already (a cohort's hub, for the
-        links between servers: cohort/gpus.py): they are wired, never created nor deleted
-        here; their end of the link is `member_if`, on `subnet` (one their own links do not use)."""
+        """`joined`: members whose namespaces exist already (cohort/gpus.py's servers), wired here but
+        never created nor deleted; their end is `member_if`, on `subnet`."""
         self.shape = LinkShape(bandwidth_mbit, delay_ms, burst_bytes, latency_ms)
         if isinstance(holders, str):  # a lone name would be split into one holder per letter
             raise BadInput(f"holders must be a sequence of names, got the string {holders!r}")
@@ -96,24 +78,20 @@ class ShapedLinks:
         return self._ns[self._known(member)]
 
     def address(self, member: str) -> str:
-        """The IPv4 address the other members use to reach ``member``."""
         return self._addr[self._known(member)]
 
     def hub_device(self, member: str) -> str:
-        """The hub's end of a holder's veth (in the hub's namespace): its counters count
-        every frame of that holder's link, both directions (net/counters.py)."""
+        """The hub's end of a holder's veth: its counters see all of that link (net/counters.py)."""
         i = self.members.index(self._known(member))
         if i == 0:
             raise BadInput(f"{member!r} is the hub: it has no link of its own")
         return f"gt-h{i}"
 
     def exec_prefix(self, member: str) -> list[str]:
-        """Prepend to an argv to run it inside ``member``'s namespace."""
         return ["ip", "netns", "exec", self.namespace(member)]
 
     def run(self, member: str, argv: Sequence[str], *, input: bytes | None = None,
             timeout: float = 60.0) -> subprocess.CompletedProcess[bytes]:
-        """Run ``argv`` to completion inside ``member``'s namespace (output captured)."""
         self._check_open()
         return subprocess.run([*self.exec_prefix(member), *argv], input=input,
                               capture_output=True, timeout=timeout)
@@ -138,7 +116,6 @@ class ShapedLinks:
         except LinkError as e:
             if exc is None:
                 raise
-            # Do not hide the body's error behind a teardown one; attach it instead.
             exc.add_note(f"also, shaped-link teardown failed: {e}")
 
     def open(self) -> None:
@@ -173,10 +150,8 @@ class ShapedLinks:
 
     def _wire_holder(self, member: str, hub_dev: str) -> None:
         hub, ns = self._ns[self.hub], self._ns[member]
-        # Both ends are created directly inside their namespaces: no name ever appears in the
-        # root namespace, so concurrent runs cannot collide on interface names.
-        # A joined namespace loses its end when the hub's namespace is deleted (a veth pair dies
-        # with either end), so close() needs no step of its own for it.
+        # Both ends are made inside their namespaces, so concurrent runs never collide on names; a
+        # joined namespace loses its end with the hub's (a veth pair dies with either end).
         end = self._member_if
         run_iproute(["ip", "link", "add", hub_dev, "netns", hub, "type", "veth",
               "peer", "name", end, "netns", ns])
@@ -189,8 +164,7 @@ class ShapedLinks:
         run_iproute(["ip", "-n", ns, "link", "set", end, "up"])
 
     def close(self) -> None:
-        """Delete every namespace this instance created; idempotent. Processes still inside
-        are killed first (they would otherwise keep the namespace alive)."""
+        """Delete every namespace this instance created, killing what runs inside; idempotent."""
         self._open = False
         atexit.unregister(self.close)
         errors = []
@@ -204,6 +178,5 @@ class ShapedLinks:
             raise LinkError("teardown left namespaces behind: " + "; ".join(errors))
 
     def qdisc_report(self, member: str) -> str:
-        """``tc -s qdisc show`` inside a member's namespace: the counters prove shaping ran."""
         self._check_open()
         return run_iproute(["tc", "-n", self.namespace(member), "-s", "qdisc", "show"]).stdout

@@ -24,26 +24,20 @@ def check_bandwidth(bandwidth_mbit: float | None) -> None:
 
 
 def default_burst_bytes(bandwidth_mbit: float) -> int:
-    """Bucket depth for a cap: 5 ms of traffic, at least 32 KiB.
-
-    The floor keeps a bucket above one 64 KiB GSO super-packet's worth of halves at low rates
-    (tbf splits larger ones), and 5 ms at high rates covers timer slack, so the queue drains
-    at the cap rather than below it. A burst is sent at once, so it inflates a short
-    transfer's rate: 32 KiB is 1.6 % of a 2 MiB transfer."""
+    """Bucket depth for a cap: 5 ms of traffic (timer slack at high rates), at least 32 KiB (half
+    a 64 KiB GSO super-packet at low rates), so the queue drains at the cap, not below it."""
     return max(32 * 1024, int(bandwidth_mbit * 1e6 / 8 * 0.005))
 
 
-# The tbf queue bound. Measured: 20, 50 and 200 ms give the same goodput (within 0.1 %) at
-# 4-500 Mbit/s, because the senders are local and TCP backs off on a qdisc drop without a
-# retransmission timeout; 50 ms keeps the queueing delay that control messages see behind a
-# bulk transfer modest while leaving room for a real sender's bursts.
+# The tbf queue bound: 20, 50 and 200 ms measured the same goodput; 50 ms keeps control messages'
+# delay behind a bulk transfer modest.
 DEFAULT_LATENCY_MS = 50.0
 
 
 @dataclass(frozen=True)
 class LinkShape:
-    """What one holder<->hub link looks like, each direction: a rate cap (None: uncapped),
-    a one-way delay, and the tbf bucket depth and queue bound (None: the defaults)."""
+    """One holder<->hub link, each direction: a cap (None: uncapped), a one-way delay, and the tbf
+    bucket depth and queue bound (None: the defaults)."""
 
     bandwidth_mbit: float | None = None
     delay_ms: float = 0.0
@@ -66,8 +60,7 @@ class LinkShape:
         return self.bandwidth_mbit is not None
 
     def tbf_args(self) -> list[str]:
-        """The tbf part of a tc command line: rate in bit/s (exact, no unit rounding), burst
-        in bytes, latency in ms."""
+        """The tbf part of a tc command line (the rate in bit/s: exact, no unit rounding)."""
         assert self.bandwidth_mbit is not None
         burst = self.burst_bytes or default_burst_bytes(self.bandwidth_mbit)
         latency = self.latency_ms or DEFAULT_LATENCY_MS
@@ -76,9 +69,8 @@ class LinkShape:
 
 
 def shape_device(ns: str, dev: str, shape: LinkShape) -> None:
-    """Apply the shape to one device's egress. With a delay, netem is the root and tbf its
-    child, so packets are first rate-limited, then delayed (netem's own rate is not used:
-    this kernel family may lack it, and tbf was measured accurate)."""
+    """Apply the shape to one device's egress. With a delay, netem is the root and tbf its child
+    (netem's own rate is not used: this kernel family may lack it)."""
     base = ["tc", "-n", ns, "qdisc", "add", "dev", dev]
     if shape.delay_ms > 0:
         # The netem queue must hold a delay's worth of packets at line rate.
