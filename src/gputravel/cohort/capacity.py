@@ -1,22 +1,6 @@
-"""How many data holders this machine can carry in one local cohort.
-
-Every holder is a CVM process of its own, so what a cohort needs grows with their number:
-
-- **uids**: each party runs under its own uid from the cohort's block (cohort/isolation.py);
-- **descriptors**: the host keeps three per CVM (its connection, the CVM's DMA segment, its
-  interrupt endpoint) and the orchestrator one TLS link per holder, all under the launcher's
-  open-file limit, which the children inherit;
-- **memory**: each holder's interpreter (about 25 MiB private, measured with `gputravel bench
-  scale`), its DMA segment (unprotected memory, populated) and its dataset, mapped resident.
-
-:func:`check` refuses, before anything starts, a cohort the machine cannot carry, naming the
-limit it would hit. :func:`check_buffer` does the same for one dataset buffer, naming the flag
-that set it, and :func:`check_memory` for any one part (the training's own memory, say): every
-command's memory check goes through :func:`check_memory`, against MemAvailable less RESERVE_MIB.
-
-The GPU's protected memory (VRAM) is a memfd the device populates when it boots: shared memory
-the kernel charges to the machine's memory (MemAvailable), not to /dev/shm's tmpfs, whose size
-does not bound it.
+"""How many data holders this machine can carry in one local cohort: each is a process, so uids,
+the host's descriptors and memory grow with their number. Checked before anything starts, naming
+the limit; memory against MemAvailable (the device's VRAM memfd is charged there, not to /dev/shm).
 """
 
 from __future__ import annotations
@@ -28,14 +12,11 @@ from gputravel.errors import BadInput
 from gputravel.protocol.layout import PAGE
 
 MIB = 1 << 20
-#: The most holders one cohort may have: the uid block less the host, device, TDX module and
-#: orchestrator, rounded down.
+#: The uid block less the other parties, rounded down.
 MAX_HOLDERS = (BLOCK - 8) // 100 * 100
-#: Descriptors the host holds per CVM (connection, DMA segment, interrupt), with a margin, and
-#: what every process holds anyway (interpreter, logs, its own links).
+#: The host's per CVM (connection, DMA segment, interrupt) with a margin, and every process's own.
 FDS_PER_HOLDER, FDS_BASE = 4, 64
-#: A holder process's private memory (interpreter, libraries, heap), rounded up from the ~25
-#: MiB measured, plus what is left free for everything else.
+#: A holder process's private memory (~25 MiB measured, rounded up), and what is left free.
 PROCESS_MIB, RESERVE_MIB = 40, 512
 #: The largest dataset buffer any command takes, MiB (the paper's Table 1 goes up to 512).
 MAX_BUFFER_MIB = 1024
@@ -52,7 +33,6 @@ def mib_per_holder(sysmem_bytes: int, dataset_bytes: int) -> int:
 
 
 def available_mib() -> int | None:
-    """MemAvailable from /proc/meminfo, in MiB (None where it cannot be read)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -64,10 +44,8 @@ def available_mib() -> int | None:
 
 
 def check_memory(need_mib: int, what_needs: str, fix: str, detail: str = "") -> None:
-    """BadInput if what needs about `need_mib` MiB of memory (`what_needs`: "the training
-    needs", say; `detail`: where the figure comes from) does not fit in what this machine has
-    available, less RESERVE_MIB kept free; `fix` says what to change. Nothing is checked where
-    MemAvailable cannot be read."""
+    """BadInput, saying `fix`, if `need_mib` does not fit in MemAvailable less RESERVE_MIB (unchecked
+    where it cannot be read)."""
     have = available_mib()
     if have is not None and need_mib + RESERVE_MIB > have:
         raise BadInput(f"{what_needs} about {need_mib} MiB of memory{f' ({detail})' if detail else ''}, above the "
@@ -76,10 +54,8 @@ def check_memory(need_mib: int, what_needs: str, fix: str, detail: str = "") -> 
 
 
 def check_buffer(buffer_bytes: int, flag: str, unit: int = MIB, given: object = None) -> None:
-    """BadInput naming `flag` (which gives the buffer in units of `unit` bytes; `given`: the
-    value as typed, when the bytes were rounded from it) unless the dataset buffer is a positive
-    multiple of a page, at most MAX_BUFFER_MIB, and the device's VRAM (the buffer and
-    VRAM_MARGIN_MIB more, populated when it boots) fits in memory."""
+    """BadInput naming `flag` (in `unit` bytes; `given`: as typed) unless the buffer is a positive
+    multiple of a page, at most MAX_BUFFER_MIB, and the device's VRAM fits in memory."""
     name = {MIB: "MiB", 1 << 10: "KiB"}.get(unit, f"x {unit} bytes")
     shown = f"{buffer_bytes / unit:.12g}" if given is None else str(given)
     page, top = f"{PAGE / unit:.12g}", f"{MAX_BUFFER_MIB * MIB / unit:.12g}"
@@ -93,12 +69,8 @@ def check_buffer(buffer_bytes: int, flag: str, unit: int = MIB, given: object = 
 
 def check(holders: int, *, sysmem_bytes: int, dataset_bytes: int, gpus: int = 1, vram_mib: int = 0,
           train_mib: int = 0, fix: str = "use fewer holders or GPUs, or smaller datasets") -> None:
-    """BadInput, naming the limit, if this machine cannot carry ``holders`` holders whose DMA
-    segments and datasets are this large (bytes each), beside each GPU's device, whose
-    ``vram_mib`` is populated, and its orchestrator's training (``train_mib``). With several
-    ``gpus`` (cohort/gpus.py: one cohort each), each GPU's own host, TDX module and
-    orchestrator processes too, and the launcher's descriptors for them. `fix`: what the
-    message tells to change when memory is short."""
+    """BadInput, naming the limit, if this machine cannot carry these holders beside each of the
+    `gpus` cohorts' own processes, VRAM and training."""
     if not 1 <= holders <= MAX_HOLDERS:
         raise BadInput(f"a cohort has between 1 and {MAX_HOLDERS} holders (its parties share a block of "
                        f"{BLOCK} uids), not {holders}")

@@ -1,8 +1,4 @@
-"""What a local cohort is made of: its data holders and how the supervisor runs it.
-
-A :class:`CohortConfig` is checked when it is made (unique names, datasets that exist, a
-buffer of whole records, a link the machine can give), so nothing starts on a bad one.
-"""
+"""What a local cohort is made of, checked when it is made, so nothing starts on a bad one."""
 
 from __future__ import annotations
 
@@ -19,16 +15,12 @@ from gputravel.protocol.hardware import EMULATED, hardware_profile
 from gputravel.protocol.layout import Layout
 
 
-# A data holder's name keys its process, uid, directories and certificate in the cohort: the
-# members' own rule (crypto/pki.MEMBER_NAME, what a holder checks at boot), checked here
-# before anything is made for it, and never a name the cohort's other parties are keyed by. A
-# holder named "device" would otherwise run under the emulated GPU's uid (the second hostile
-# review of session 23 showed it reading the GPU's firmware key).
+# A holder's name keys its uid, directories and certificate: never another party's (a holder named
+# "device" would run under the GPU's uid and read its firmware key: docs/security.md, threat 49).
 RESERVED_NAMES = frozenset({"orchestrator", "host", "device", "tdx-module", "ca"})
 
 
 def is_holder_name(name: object) -> bool:
-    """Whether `name` may name a data holder (the launcher's rule, and `cohort init`'s)."""
     return isinstance(name, str) and MEMBER_NAME.fullmatch(name) is not None and name not in RESERVED_NAMES
 
 
@@ -51,41 +43,31 @@ class CohortConfig:
     tap: bool = False  # holders reach the orchestrator through a recording TCP tap (tap.bin)
     audit_arrival: bool = False
     tokenizer: str = ""  # for training: the tokenizer every holder's tokens must come from
-    # The orchestrator's signed travel log (orchestrator/travel_log.py); None: audit.log in the
-    # cohort's directory (gone with it unless `workdir` is set).
+    # The orchestrator's signed travel log; None: audit.log in the cohort's directory.
     audit_log: str | None = None
     boot_timeout: float = 60.0
     travel_timeout: float = 120.0
-    # How long the orchestrator and holders wait for the device (a semaphore, an RPC, a switch);
-    # None: their own defaults. The red team makes it small so dropped pushes time out quickly.
+    # How long the orchestrator and holders wait for the device; None: their own defaults.
     device_timeout: float | None = None
-    # The holder<->orchestrator links (cohort/links.py): a cap per link and direction in
-    # Mbit/s (None: uncapped), and the kind: "auto" (netns-tc when capped and namespaces work,
-    # else the in-process token bucket; no shaping when uncapped), "netns", "token-bucket", "none".
+    # The holder<->orchestrator links (cohort/links.py): a cap per link and direction in Mbit/s
+    # (None: uncapped), and the kind: "auto", "netns", "token-bucket", "none".
     bandwidth_mbit: float | None = None
     link: str = "auto"
-    # The chain of trust (cohort/trust.py): the defaults give an honest cohort; tests break one
-    # link on purpose to see it refused.
+    # The chain of trust (cohort/trust.py); the defaults give an honest cohort.
     trust: TrustOptions = field(default_factory=TrustOptions)
     # Holders enrolled now (certificate, policy) that boot and join later: Cohort.add_holder.
     late_holders: tuple[HolderSpec, ...] = ()
-    # Each party under its own uid, non-dumpable (cohort/isolation.py): None (auto) whenever
-    # the launcher is root; False turns it off; True insists (BadInput without root).
+    # Each party under its own uid (cohort/isolation.py): None: whenever root; True insists.
     isolate: bool | None = None
-    # Directories the orchestrator writes into (a training run directory): lent to its uid
-    # while the cohort runs, given back at close. Paths in them reach it however deep they lie.
+    # Directories the orchestrator writes into (a run directory), lent to its uid while it runs.
     output_dirs: tuple[str, ...] = ()
-    # The hardware the cohort stands for (protocol/hardware.py): "emulated" injects nothing;
-    # "paper-h100" holds the switches, the copy, the baseline's read and write and the context
-    # exchange to the paper's measured times. Never a security input.
+    # The hardware profile (protocol/hardware.py): the paper's measured times, or none. Never a
+    # security input.
     hardware: str = EMULATED
-    # Several GPUs (cohort/gpus.py): every GPU chains to one GPU vendor root and every TDX quote
-    # to one CPU-TEE root, as in reality. `roots` are those roots, in the multi-GPU launcher's
-    # memory only (it drops them once every cohort has booted); None: this cohort makes fresh
-    # roots of its own. `gpu_index` k names this cohort's device GPU-EMU-k.
+    # Several GPUs (cohort/gpus.py) share vendor roots, in memory only; None: fresh ones. `gpu_index`
+    # k names this cohort's device GPU-EMU-k.
     roots: SharedRoots | None = field(default=None, repr=False, compare=False)
-    # The training job the orchestrator runs (train/job.py TrainConfig.canonical_json): part of its measurement,
-    # which the holders pin; "": any job (a cohort that travels, or the red team's).
+    # The training job (TrainConfig.canonical_json), part of the measurement holders pin; "": any.
     job_json: str = ""
     gpu_index: int = 0
 

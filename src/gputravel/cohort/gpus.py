@@ -1,22 +1,6 @@
-"""Several GPUs on one machine: G single-GPU cohorts that share one set of vendor roots.
-
-NVIDIA CC passes one confidential GPU to one CVM, so each GPU gets a cohort stack of its own
-(host route, device, TDX module, orchestrator: a rank) and travels only to its share of the
-holders (paper 9). In reality every GPU chains to one GPU vendor root and every TDX quote to
-one CPU-TEE root: :class:`GpuCohorts` makes those roots once, in its memory only (no root key
-is ever written to disk), hands them to each cohort (CohortConfig.roots: each writes the
-certificates and certifies its GPU and TDX module with the keys) and drops them as soon as
-every cohort has booted, or on any failure.
-
-    with GpuCohorts(base, partition(sizes, gpus)) as gpus:
-        gpus.cohorts[gpus.gpu_of("alice")].travel("alice", 0)
-
-Late holders (base.late_holders, paper 4.5) are placed in a share too (`place_late`): each is
-enrolled at boot on its own GPU's cohort only (certificate, policy, link), so it can join,
-leave and rejoin that GPU and no other: a holder serves one GPU by construction.
-
-Cohorts boot one after another: each picks its uid block among the uids that running
-processes hold (cohort/isolation.py), so a booted cohort's block is never picked again.
+"""Several GPUs on one machine: one single-GPU cohort (a rank) per GPU, each travelling only to its
+share of the holders (paper 9), all chained to one set of vendor roots, held in memory only and
+dropped once every cohort has booted. A late holder is enrolled on its own GPU's cohort alone.
 """
 
 from __future__ import annotations
@@ -49,16 +33,13 @@ T = TypeVar("T")
 
 
 class GpuCohorts:
-    """G running single-GPU cohorts, one per share of the holders (late ones included).
-    Use as a context manager."""
+    """A running cohort per share of the holders (late ones included). Use as a context manager."""
 
     def __init__(self, base: CohortConfig, shares: tuple[tuple[str, ...], ...], *,
                  per_gpu: PerGpu | None = None, launch: Launch | None = None,
                  servers: bool = False, server_mbit: float | None = None) -> None:
-        """`servers`: each GPU's cohort is an emulated server of its own: its members in network
-        namespaces (link "netns"), its orchestrator's joined to the others' by a shaped link
-        (`server_mbit`, None: uncapped) through a switch, which the ranks' torch.distributed
-        traffic crosses (`rank_address`, `rank_ifname`)."""
+        """`servers`: each cohort is an emulated server (link "netns"), its orchestrator's namespace
+        joined to the others' through a switch by a link capped at `server_mbit`."""
         if servers and base.link != "netns":
             raise BadInput("GPUs on servers of their own need their cohorts on network namespaces (link 'netns')")
         check_bandwidth(server_mbit)
@@ -82,8 +63,7 @@ class GpuCohorts:
         self.close()
 
     def start(self) -> None:
-        """Make the roots, boot every GPU's cohort in turn, delete the roots. On any failure the
-        cohorts already started are closed and the error goes on."""
+        """Make the roots, boot every cohort in turn, drop the roots; on failure close them all."""
         try:
             self.roots = SharedRoots.make()
             for config in self._configs():
@@ -103,8 +83,7 @@ class GpuCohorts:
         """Each GPU's cohort config, all checked before any boots."""
         configs = []
         for k, share in enumerate(self.shares):
-            # A late holder is enrolled on its own GPU's cohort only: no other cohort's CA
-            # certifies it, nor does any other cohort hold a policy or a link for it.
+            # A late holder is enrolled on its own GPU's cohort only: no other certifies or pins it.
             pinned = {"holders": _specs(self.base.holders, share), "late_holders": _specs(self.base.late_holders, share),
                       "roots": self.roots, "gpu_index": k}
             config = dataclasses.replace(self.base, **pinned)
@@ -147,9 +126,8 @@ class GpuCohorts:
         self.roots = None  # the last reference besides the cohorts' trust, itself dropped once used
 
     def close(self) -> None:
-        """Stop every cohort, the last started first (lent outputs go back in the reverse
-        order they were lent); never raises, but warns of what it could not stop. Safe to call
-        from several threads (a failing rank closes everything while the others run)."""
+        """Stop every cohort, the last started first; never raises, but warns of what it could not
+        stop. Thread-safe: a failing rank closes everything while the others run."""
         with self._closing:
             failures = []
             if self.fabric is not None:
@@ -171,7 +149,6 @@ class GpuCohorts:
 
     # ------------------------------------------------------------------ looking at it
     def gpu_of(self, holder: str) -> int:
-        """The GPU whose cohort `holder` belongs to."""
         try:
             return self._gpu[holder]
         except KeyError:
@@ -184,29 +161,23 @@ class GpuCohorts:
         return self.cohorts[k]
 
     # ------------------------------------------------------------------ membership (paper 4.5)
-    # Each goes to the one cohort the holder was enrolled in: no other GPU knows it.
     def add_holder(self, name: str) -> int:
-        """A late holder boots and joins its own GPU's cohort; its dataset size."""
         return self.cohort_of(name).add_holder(name)
 
     def restart_holder(self, name: str) -> int:
-        """A holder whose process ended boots again and rejoins its own GPU's cohort."""
         return self.cohort_of(name).restart_holder(name)
 
     def leave(self, name: str, reason: str = "leaving the cohort") -> None:
-        """The holder says goodbye to its own GPU's orchestrator; travels to it then fail there."""
         self.cohort_of(name).leave(name, reason)
 
     def rejoin(self, name: str) -> int:
-        """A holder that left joins its own GPU's cohort again, attesting its orchestrator afresh."""
         return self.cohort_of(name).rejoin(name)
 
 
 def place_late(shares: tuple[tuple[str, ...], ...], sizes: Mapping[str, int],
                late: Iterable[str]) -> tuple[tuple[str, ...], ...]:
-    """`shares` with each of the `late` holders added to one: largest dataset first, each to
-    the GPU with the fewest bytes so far (ties: lower index; names break size ties), as
-    train/schedule.partition balances those present at boot. `sizes`: every holder's bytes."""
+    """`shares` with each `late` holder added, largest dataset first, to the GPU with the fewest
+    bytes so far (as train/schedule.partition balances those present at boot)."""
     shares = tuple(tuple(s) for s in shares)
     late = tuple(late)
     placed = {n for s in shares for n in s}
@@ -231,13 +202,11 @@ def place_late(shares: tuple[tuple[str, ...], ...], sizes: Mapping[str, int],
 
 
 def _specs(specs: tuple[HolderSpec, ...], share: tuple[str, ...]) -> tuple[HolderSpec, ...]:
-    """The specs of `share`'s holders, in the order `specs` gives them."""
     return tuple(h for h in specs if h.name in share)
 
 
 def _checked_shares(base: CohortConfig, shares: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:
-    """BadInput unless every holder of `base`, late ones included, is in exactly one share and
-    every share has a holder present at boot (a cohort boots with one at least)."""
+    """BadInput unless every holder is in exactly one share, each with a holder present at boot."""
     shares = tuple(tuple(s) for s in shares)
     if not shares:
         raise BadInput("several GPUs need at least one share of holders")
@@ -260,8 +229,8 @@ def _checked_shares(base: CohortConfig, shares: tuple[tuple[str, ...], ...]) -> 
 
 
 def _check_outputs(configs: list[CohortConfig]) -> None:
-    """Each orchestrator writes its own audit log and output directories: two would mix their
-    logs' signed records, and isolated, a directory lent to one rank's uid is closed to the next."""
+    """Each orchestrator needs its own audit log (two would mix signed records) and output directories
+    (one lent to a rank's uid is closed to the next)."""
     logs = [str(Path(c.audit_log).resolve()) for c in configs if c.audit_log]
     if len(set(logs)) != len(logs):
         raise BadInput("each GPU's orchestrator needs an audit log of its own: set them with the per-GPU hook")
@@ -274,10 +243,8 @@ def _check_outputs(configs: list[CohortConfig]) -> None:
 
 
 def on_each(cohorts: list[Cohort], work: Callable[[int, Cohort], T], *, stop_all: Callable[[], None]) -> list[T]:
-    """`work(k, cohort)` for every GPU at once, one thread each; what each returned, by GPU.
-    The first failure calls `stop_all` (so the others stop too: a flag they check, or closing
-    every cohort under ranks blocked in a collective) and is raised as it was, once every
-    thread is done; so is an interruption of the caller's wait."""
+    """`work(k, cohort)` for every GPU at once, one thread each; what each returned, by GPU. The
+    first failure (or an interrupted wait) calls `stop_all` and is raised once every thread is done."""
     out: list = [None] * len(cohorts)
     failures: list[BaseException] = []
     lock = threading.Lock()

@@ -1,18 +1,7 @@
-"""Each party of a local cohort under its own unprivileged uid (what stands for TDX here).
-
-A real CVM's memory is encrypted; here each emulated CVM, the device and the host is a
-process. When the launcher runs as root it gives each one a uid and gid of its own from a
-per-cohort block (no supplementary groups), so no party can ptrace, or read through
-/proc, another party's memory, descriptors or files; and each child makes itself
-non-dumpable (`make_nondumpable`), so not even a process of its own uid can. Without root
-the cohort runs as one user, as before, and says so (`Isolation.on` False).
-
-Paths: the cohort directory may sit under a directory other uids cannot search (pytest's
-0700 tmp_path). Children therefore reach it through a descriptor the launcher opens,
-``/proc/self/fd/N/...``: the magic link skips the ancestors' permission checks, while every
-directory below it is checked as usual. The interpreter itself may live under such a
-directory too (pyenv in /root): each child then gets a private mount namespace in which the
-blocking directory is covered by a tmpfs holding only bind mounts of what Python needs.
+"""Each party of a local cohort under its own unprivileged uid, non-dumpable (what stands for TDX
+here): no party can ptrace or read through /proc another's memory, descriptors or files. Without
+root the cohort runs as one user and says so. Children reach the cohort directory through a
+descriptor (/proc/self/fd/N), and an interpreter under a closed directory through a tmpfs of binds.
 """
 
 from __future__ import annotations
@@ -40,8 +29,6 @@ _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 1 << 14, 1 << 18
 
 @dataclass(frozen=True)
 class PartyIsolation:
-    """What /proc says about one running child: its ids and whether it can be dumped."""
-
     uid: int
     gid: int
     groups: tuple[int, ...]
@@ -50,8 +37,6 @@ class PartyIsolation:
 
 @dataclass
 class Isolation:
-    """The isolation a cohort got: `on`, why not if not, and each party's ids as checked."""
-
     on: bool
     reason: str = ""
     parties: dict[str, PartyIsolation] = field(default_factory=dict)
@@ -61,14 +46,12 @@ class Isolation:
         return {k: p.uid for k, p in self.parties.items()}
 
     def summary(self) -> dict:
-        """For reports: on or off (and why), and each party's uid and dumpability."""
         return {"on": self.on, "reason": self.reason,
                 "parties": {k: {"uid": p.uid, "dumpable": p.dumpable} for k, p in self.parties.items()}}
 
 
 def make_nondumpable() -> None:
-    """Called by each child first thing: /proc/PID/mem, maps and fd become root-only, even
-    for a process of the same uid (prctl PR_SET_DUMPABLE 0)."""
+    """Each child's first step: its /proc/PID/mem, maps and fd become root-only, even to its own uid."""
     if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
@@ -85,13 +68,11 @@ def decide(isolate: bool | None) -> tuple[bool, str]:
 
 
 def read_party(pid: int) -> PartyIsolation:
-    """A child's real ids and dumpability from /proc. A non-dumpable process's /proc files
-    belong to root, whatever its uid (task_dump_owner), which is how dumpability shows."""
+    """A child's real ids and dumpability from /proc (a non-dumpable process's files belong to root)."""
     status = Path(f"/proc/{pid}/status")
     fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
     uid, gid = int(fields["Uid"].split()[0]), int(fields["Gid"].split()[0])
     groups = tuple(int(g) for g in fields["Groups"].split())
-    # A root process's files belong to root either way: its dumpability does not show.
     return PartyIsolation(uid, gid, groups, dumpable=None if uid == 0 else status.stat().st_uid == uid)
 
 
@@ -121,8 +102,7 @@ def _uids_in_use() -> set[int]:
 
 
 def allocate_block() -> int:
-    """The first uid of a random block of BLOCK ids no process uses (another cohort's block
-    would show as its processes' uids). Numeric ids need no /etc/passwd entry."""
+    """The first uid of a random block of BLOCK ids no process uses (another cohort's shows as its uids)."""
     used = _uids_in_use()
     for _ in range(100):
         base = secrets.randbelow((UID_HIGH - UID_LOW) // BLOCK) * BLOCK + UID_LOW
@@ -133,8 +113,7 @@ def allocate_block() -> int:
 
 # ----------------------------------------------------------------------------- reaching the interpreter
 def _closed(path: str | Path) -> list[Path]:
-    """The directories on the way to `path` (and `path`, if a directory) that others
-    cannot search, top down."""
+    """The directories on the way to `path` (and `path`, if one) that others cannot search, top down."""
     p = Path(path)
     walk = [*list(reversed(p.parents))[1:], *([p] if p.is_dir() else [])]
     return [d for d in walk if not os.stat(d).st_mode & stat.S_IXOTH]
@@ -148,10 +127,8 @@ def _needed_paths() -> list[str]:
 
 
 def interpreter_reach() -> dict[str, tuple[str, ...]]:
-    """Directories others cannot search on the way to this interpreter and its packages,
-    with the entries under each that a child needs. A needed directory closed itself (a
-    checkout in a 0700 `mktemp -d`, on sys.path) shows all its entries. BadInput where a tmpfs
-    cannot help: a second closed directory further down."""
+    """Closed directories on the way to this interpreter and its packages, with the entries under
+    each a child needs; BadInput where a tmpfs cannot help (a second closed one further down)."""
     cover: dict[str, set[str]] = {}
     for path in _needed_paths():
         closed = _closed(path)
@@ -175,8 +152,7 @@ def _check(rc: int, what: str) -> None:
 
 
 def _cover(reach: dict[str, tuple[str, ...]]) -> None:
-    """In a private mount namespace: a tmpfs over each blocking directory, with bind mounts
-    of only the entries Python needs. Nothing else of that directory (root's home) shows."""
+    """In a private mount namespace: a tmpfs over each closed directory, binding only what Python needs."""
     _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
     for top, entries in reach.items():
@@ -195,9 +171,8 @@ def _cover(reach: dict[str, tuple[str, ...]]) -> None:
 
 
 def dropper(uid: int, *, netns: str | None, reach: dict[str, tuple[str, ...]]) -> Callable[[], None]:
-    """A Popen preexec_fn: enter the link's network namespace and cover the blocking
-    directories while still root, then drop to `uid` (gid `uid`, no groups), then ask to die
-    with the launcher (a change of credentials clears that request, so it comes last)."""
+    """A Popen preexec_fn: while root, enter the namespace and cover closed directories; drop to
+    `uid` (no groups); then ask to die with the launcher (a change of credentials clears that)."""
 
     def run() -> None:
         if netns is not None:
@@ -220,7 +195,6 @@ def die_with_parent() -> None:
 
 
 def parent_death_signal() -> int:
-    """The signal this process gets when its parent dies (0: none)."""
     sig = ctypes.c_int(0)
     _check(_libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0), "prctl(PR_GET_PDEATHSIG)")
     return sig.value
@@ -236,16 +210,13 @@ def rearm_parent_death(sig: int, parent: int) -> None:
 
 
 def private_env(home: str) -> dict[str, str]:
-    """A child's own HOME and caches (torch, matplotlib), in its own directory."""
     return {"HOME": home, "XDG_CACHE_HOME": f"{home}/.cache", "XDG_CONFIG_HOME": f"{home}/.config",
             "MPLCONFIGDIR": f"{home}/.config/matplotlib", "TORCHINDUCTOR_CACHE_DIR": f"{home}/.cache/torchinductor",
             "TRITON_CACHE_DIR": f"{home}/.cache/triton"}
 
 
 def party_env(role: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment `role`'s process starts with: `env` (default ours), plus, for the
-    device, the glibc tunables its copy engine's writes need (device/memory.py). Tunables are
-    read once, when a process starts, so they can only be given here."""
+    """`env` (default ours), plus the device's copy-engine glibc tunables, read only at its start."""
     out = dict(os.environ if env is None else env)
     if role == "device":
         out["GLIBC_TUNABLES"] = ":".join(filter(None, (out.get("GLIBC_TUNABLES"), COPY_ENGINE_TUNABLES)))
@@ -254,18 +225,16 @@ def party_env(role: str, env: Mapping[str, str] | None = None) -> dict[str, str]
 
 # ----------------------------------------------------------------------------- files
 def give(path: Path, uid: int, mode: int | None = None) -> None:
-    """Hand a tree to `uid` (its own gid); the launcher, root, still reads it. It follows no
-    link: one at `path` is refused, one inside is handed over itself, never what it names."""
+    """Hand a tree to `uid` (its own gid), following no link: one at `path` is refused, one inside
+    is handed over itself, never what it names."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # ELOOP for a link
     try:
         os.fchown(fd, uid, uid)
         if mode is not None:
             os.fchmod(fd, mode)
         if stat.S_ISDIR(os.fstat(fd).st_mode):
-            # By descriptor, never by path: the tree may already be the party's, and a party that
-            # swaps one of its directories for a link mid-walk must not send root's chown through
-            # it (a path walk follows a link in the middle of a path; fwalk opens each directory
-            # from its parent's descriptor and checks it is the one it listed).
+            # By descriptor (fwalk): a party that swaps a directory for a link mid-walk must not
+            # send root's chown through it, as a path walk would.
             for _, dirs, files, dirfd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
                 for name in dirs + files:
                     os.chown(name, uid, uid, dir_fd=dirfd, follow_symlinks=False)
@@ -274,8 +243,7 @@ def give(path: Path, uid: int, mode: int | None = None) -> None:
 
 
 def readable_by_others(path: Path) -> Path | None:
-    """The first file or directory of a dataset another uid cannot read, or None. Only the
-    dataset itself counts: the holder reaches it through a descriptor, not its ancestors."""
+    """The first item of a dataset another uid cannot read (its ancestors do not count), or None."""
     items = [path, *(path.iterdir() if path.is_dir() else ())]
     for item in items:
         st = item.stat()

@@ -1,15 +1,5 @@
-"""Where each party of one local cohort runs: its uid, its own directory, the descriptors and
-paths it is handed (cohort/isolation.py says why and how each is isolated).
-
-The cohort directory, for the launcher:
-
-    sockets/            the host's listening socket (owned by the host, searchable by all)
-    parties/KEY/        one per party, 0700 and owned by it: its HOME and caches, the links
-                        to its dataset (holders), the default travel log (orchestrator)
-    pki/, trust/        each party's share in a subdirectory owned by that party
-
-With isolation off (not root, or CohortConfig.isolate=False) the same layout is used, every
-path is handed over as is, and nothing changes owner.
+"""Where each party of one local cohort runs: its uid, its own directory (parties/KEY/, 0700,
+its own), the descriptors and paths it is handed. Isolation off, every path is handed as is.
 """
 
 from __future__ import annotations
@@ -25,7 +15,6 @@ from gputravel.errors import BadInput, GputravelError
 from gputravel.cohort import isolation
 from gputravel.cohort.isolation import Isolation
 
-# What a child needs from a descriptor the launcher opened for it; never followed by the launcher.
 _PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
 
 
@@ -69,18 +58,15 @@ class Placement:
 
     @property
     def root_fd(self) -> int:
-        """The descriptor of the cohort directory every child is handed (-1: isolation off)."""
         return self._root_fd
 
     def path(self, p: Path) -> str:
-        """How a child names a path in the cohort directory: through the launcher's
-        descriptor, so that the directories above the cohort need not be open to it."""
+        """How a child names a path in the cohort directory: through the launcher's descriptor."""
         if not self.on:
             return str(p)
         return f"/proc/self/fd/{self._root_fd}/{Path(p).relative_to(self.dir)}"
 
     def own(self, path: Path, key: str, mode: int = 0o700) -> Path:
-        """Hand a file or tree of the cohort directory to one party."""
         if self.on:
             isolation.give(path, self.uid(key), mode)
         return path
@@ -92,12 +78,10 @@ class Placement:
 
     @property
     def socket_dir(self) -> Path:
-        """The host listens here; every party may search it, only the host writes."""
         return self.own(self.dir / "sockets", "host", 0o711)
 
     # ------------------------------------------------------------------ starting a child
     def popen_kwargs(self, key: str, netns: str | None) -> dict:
-        """preexec_fn, env, cwd and the extra descriptors for `key`'s Popen."""
         home = self.party_dir(key)
         if not self.on:
             return {"preexec_fn": isolation.die_with_parent, "pass_fds": self._fds.get(key, [])}
@@ -106,7 +90,7 @@ class Placement:
                 "cwd": str(home), "pass_fds": [self._root_fd, *self._fds.get(key, [])]}
 
     def check(self, key: str, pid: int) -> None:
-        """Read back what the child got; a party that is not isolated as planned stops the cohort."""
+        """A party not isolated as planned (read back from /proc) stops the cohort."""
         try:
             got = isolation.read_party(pid)
         except (OSError, KeyError, ValueError):
@@ -123,8 +107,8 @@ class Placement:
 
     # ------------------------------------------------------------------ inputs
     def dataset(self, key: str, path: str) -> str:
-        """A holder's dataset, handed over as a descriptor and named by a link in its own
-        directory that keeps the file name (a shard's .bin) and a shard's tokenizer.json."""
+        """A holder's dataset (and a shard's tokenizer.json), as a descriptor named by a link in its
+        own directory."""
         if not self.on:
             return path
         source = Path(path).resolve()
@@ -147,8 +131,7 @@ class Placement:
 
     # ------------------------------------------------------------------ outputs
     def lend_dir(self, key: str, path: str) -> None:
-        """A directory `key` writes into (a training run directory) is its own while the
-        cohort runs, and goes back to its owner at `close`."""
+        """Lend `key` a directory it writes into until `close`."""
         if not self.on:
             return
         p = Path(path).resolve()
@@ -156,8 +139,7 @@ class Placement:
         self._lend(key, p)
 
     def lend_file(self, key: str, path: str) -> str:
-        """A file `key` writes (the travel log) outside every lent directory: created empty
-        if missing and lent like a directory; the child opens it again through /proc."""
+        """Lend `key` a file it writes (the travel log), created empty if missing; named through /proc."""
         if not self.on:
             return path
         p = Path(path).resolve()
@@ -184,7 +166,7 @@ class Placement:
         return None
 
     def output(self, key: str, path: str) -> str:
-        """How `key` names a path it writes or reads later (a run directory, a checkpoint)."""
+        """How `key` names a path it writes or reads later (a run directory)."""
         if not self.on or not path:
             return path
         p = Path(path).resolve()
@@ -199,18 +181,15 @@ class Placement:
         return path
 
     def stage(self, key: str, path: str) -> str:
-        """How `key` names a file it only reads (a checkpoint to resume from): inside what it
-        was lent, through that; elsewhere, a copy in its own directory, so the directories
-        above the file need not be open to it (a rank other than 0 is lent no run directory).
-        The launcher is root: it follows no link at either end, so a link the party planted
-        (or found) cannot make it read or overwrite another file."""
+        """How `key` names a file it only reads (a checkpoint): through what it was lent, or a copy
+        in its own directory. Root follows no link at either end: a link the party planted cannot
+        make it read or overwrite another file."""
         if not self.on or not path:
             return path
         inside = self._inside_lent(Path(path).resolve())
         if inside is not None:
             return inside
-        # The party's directory is the party's to write while it runs: every step below goes
-        # through descriptors, so nothing it swaps in (a link, a FIFO) redirects root.
+        # Descriptors all the way: nothing the party swaps in (a link, a FIFO) redirects root.
         home = self.dir / "parties" / key
         name = Path(path).name
         try:
@@ -238,7 +217,7 @@ class Placement:
         return self.path(home / name)
 
     def close(self) -> None:
-        """Give lent outputs back to their owners; close every descriptor. Never raises."""
+        """Give lent outputs back to their owners; close every descriptor; never raises."""
         for path, _, uid, gid in self._lent:
             try:
                 for p in [path, *(path.rglob("*") if path.is_dir() else ())]:

@@ -1,15 +1,6 @@
-"""The launcher's side of the emulated TDX module (firmware/tdx_module.py).
-
-The supervisor starts the module as a child of its own, before the orchestrator, and then:
-
-1. certifies the quoting key the module made, with the CPU-TEE root key it kept in memory
-   since provisioning, and drops that key (`certify`);
-2. measures the orchestrator it is about to launch: the configuration it hands it and the
-   `gputravel` package that interpreter, with that environment and working directory, will
-   import (`measure_launch`; a child on another PYTHONPATH runs other code, and is measured
-   as such);
-3. once the orchestrator is started, tells the module its pid, uid and that measurement over
-   the module's control link (`register`). The orchestrator never names a measurement.
+"""The launcher's side of the emulated TDX module (firmware/tdx_module.py): it certifies the
+module's quoting key, measures the orchestrator it launches, and registers that process's pid
+and measurement with the module. The orchestrator never names a measurement.
 """
 
 from __future__ import annotations
@@ -59,8 +50,7 @@ class QuotingLaunch:
 
     @classmethod
     def at(cls, socket_path: str, *, hold_s: float = 30.0) -> QuotingLaunch:
-        """A module listening at `socket_path` in a directory the caller made (a deployed
-        orchestrator's service: service/members.py)."""
+        """A module listening at `socket_path` in a directory the caller made (service/members.py)."""
         launch = cls.__new__(cls)
         launch.socket = socket_path
         launch.config = {"socket_path": socket_path, "hold_s": hold_s}
@@ -68,8 +58,7 @@ class QuotingLaunch:
 
     @staticmethod
     def certify(control: StreamTransport, trust: CohortTrust, timeout: float) -> CohortTrust:
-        """Issue the module's quoting-key certificate under the CPU-TEE root; the root key is
-        dropped here (the returned trust no longer holds it)."""
+        """Certify the module's quoting key under the CPU-TEE root, and drop the root key."""
         if trust.tee_root is None:
             raise BadInput("the CPU-TEE root key is gone: nothing can certify a quoting key")
         msg = control.recv(timeout=timeout, expect=QuotingKey).message
@@ -86,9 +75,8 @@ class QuotingLaunch:
 
     @staticmethod
     def measure_launch(config: dict, popen: dict) -> bytes:
-        """The measurement of an orchestrator started with `config` and the Popen arguments
-        `popen` (uid, environment, working directory): its measured configuration, and the
-        package that interpreter will import there."""
+        """The measurement of an orchestrator started so: its configuration, and the package that
+        interpreter imports with these Popen arguments (another PYTHONPATH runs other code)."""
         kwargs = {k: popen[k] for k in ("preexec_fn", "env", "cwd", "pass_fds") if k in popen}
         try:
             found = subprocess.run([sys.executable, "-c", _FIND_PACKAGE], capture_output=True, text=True,
@@ -102,7 +90,6 @@ class QuotingLaunch:
 
     @staticmethod
     def register(control: StreamTransport, pid: int, uid: int | None, measurement: bytes, timeout: float) -> None:
-        """Tell the module which process it quotes for and with what measurement."""
         control.send(LaunchedCvm(pid=pid, uid=os.geteuid() if uid is None else uid, measurement=measurement))
         reply = control.recv(timeout=timeout, expect=CvmRegistered).message
         if not isinstance(reply, CvmRegistered) or reply.pid != pid:

@@ -1,27 +1,9 @@
 """How a launcher stops, whatever stops it, leaving no party process and no key behind.
 
-A launcher (cohort/supervisor.py for a local cohort, service/launch.py for the deployed
-services) owns a directory with its parties' keys in it and a process per party. Three ways
-it can be stopped, and what each needs:
-
-- **Ctrl-C** (SIGINT) raises KeyboardInterrupt in the launcher, which unwinds and stops its
-  parties in order. The parties run in sessions of their own (`start_new_session`), so a
-  terminal's Ctrl-C, or a `timeout` signalling its process group, reaches the launcher alone:
-  otherwise every party got it at once and none was stopped in order.
-- **SIGTERM or SIGHUP** would end the launcher without unwinding (their default), leaving its
-  directory, keys and all. While it runs, :func:`catch_term` makes them unwind like Ctrl-C.
-- **SIGKILL** runs nothing of the launcher: its parties die with it (PDEATHSIG,
-  cohort/isolation.die_with_parent) and the next launcher deletes what it left. A launcher
-  holds a lock on its directory's `launcher.pid` for as long as it lives (:func:`claim`); the
-  kernel lets go of it when the process dies, however it dies, so :func:`sweep` deletes a
-  directory only when it can take that lock: never a live launcher's, in whatever pid
-  namespace it runs, and always a dead one's, whatever became of its pid.
-
-Deleting (:func:`remove_tree`) goes through `rm`, which walks a tree of any depth without
-following links: a party can nest directories in its own deeper than Python's recursion
-limit, which `shutil.rmtree` of Python 3.11 does not survive. The keys go first, and the lock
-file only once nothing else is left, so a deletion that fails or is cut short leaves a
-directory the next sweep finds.
+Ctrl-C unwinds it (its parties run in sessions of their own, so it alone gets it); SIGTERM
+and SIGHUP are made to unwind the same (:func:`catch_term`); after a SIGKILL its parties die
+with it (PDEATHSIG) and the next launcher sweeps its directory, once the lock the dead one
+held on `launcher.pid` is free (docs/security.md, threat 50).
 """
 
 from __future__ import annotations
@@ -65,11 +47,9 @@ def _term(signum: int, frame: object) -> None:
 
 
 def catch_term(what: str) -> Callable[[], None]:
-    """While a launcher runs, SIGTERM and SIGHUP raise Terminated(`what`) in the main thread,
-    which unwinds it as Ctrl-C does. Returns what ends that for this launcher: once every
-    launcher that asked has ended it, the signals act as before. Each signal is taken only if
-    it acts by default: one someone else handles or ignores (the caller, an outer deployment,
-    `nohup` for SIGHUP) is left to them, and the other is still taken."""
+    """While a launcher runs, SIGTERM and SIGHUP raise Terminated(`what`) in the main thread; the
+    undo it returns puts them back once every launcher has undone. A signal someone else handles
+    or ignores (`nohup`) is left to them."""
     with _lock:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
@@ -115,9 +95,8 @@ _held: dict[Path, int] = {}  # directory -> the locked descriptor of its launche
 
 
 def claim(directory: Path) -> None:
-    """Mark a launcher's new directory as this process's for as long as it lives: its pid in
-    `launcher.pid`, locked. The file is locked before it takes its name, so no sweep ever
-    finds it unlocked while this process lives."""
+    """Mark a launcher's new directory as this process's while it lives: `launcher.pid`, locked
+    before it takes its name, so no sweep ever finds it unlocked."""
     staging = directory / f".{LAUNCHER_PID}.new"
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -134,10 +113,8 @@ def release(directory: Path) -> None:
 
 
 def sweep(workdir: str | None, prefix: str) -> None:
-    """Delete the directories (named `prefix`*) of launchers that are gone: killed outright,
-    nothing of theirs ran to delete them, with the keys in them. Only a real directory of this
-    user, whose `launcher.pid` is a plain file no live launcher holds locked; never what a
-    link points to. Whatever one directory does, the others are still looked at."""
+    """Delete the directories (`prefix`*) of launchers killed outright, keys and all: only a real
+    directory of this user whose `launcher.pid` no live launcher holds locked; never a link."""
     for d in Path(workdir or tempfile.gettempdir()).glob(prefix + "*"):
         try:
             st = d.lstat()
@@ -158,9 +135,8 @@ def sweep(workdir: str | None, prefix: str) -> None:
 
 
 def delete(d: Path, wait: float = 0.0) -> bool:
-    """Delete a launcher's directory (:func:`remove_tree`), trying again for `wait` seconds (a
-    party process that outlived its stop may still write there a moment), then let go of its
-    lock. Whether it is gone; if not, it is said once on stderr, and the next sweep deletes it."""
+    """Delete a launcher's directory, trying again for `wait` seconds, then let go of its lock.
+    Whether it is gone; if not, it is said on stderr, and the next sweep deletes it."""
     deadline = time.monotonic() + wait
     while not (gone := remove_tree(d)) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -173,10 +149,8 @@ def delete(d: Path, wait: float = 0.0) -> bool:
 
 
 def remove_tree(d: Path) -> bool:
-    """Delete `d` and everything in it, of any depth, following no link: the keys first, then
-    the rest, and the lock file and `d` itself only once nothing else is left, so a directory
-    not wholly deleted keeps what makes the next sweep find it. Whether it is gone. Never
-    raises, and says nothing: the caller decides whether a failure is worth a word."""
+    """Delete `d` whatever its depth (`rm`: a party may nest deeper than rmtree survives), keys
+    first and the lock file last, so what is left is swept later. Whether it is gone; never raises."""
     try:
         entries = os.listdir(d)
     except FileNotFoundError:

@@ -1,29 +1,13 @@
 """A cohort's trust material (paper 4.5): who gets which part of the chain of trust.
 
-The supervisor stands for the hardware vendors and the launcher. For each cohort it creates,
-under its temporary directory:
+    trust/roots/         the GPU-vendor and CPU-TEE root certificates (their keys never stay on disk)
+    trust/device/        the GPU's firmware state: the device makes its firmware key there
+    trust/orchestrator/  the roots, the GPU's reference values, the evidence age limit, its TDX socket
+    trust/holders/NAME/  the roots, the reference values and NAME's policy pinning the orchestrator
 
-    trust/roots/         the emulated GPU-vendor and CPU-TEE roots (certificates only once
-                         provisioning is done: the root keys are deleted, like the cohort CA's).
-                         With several GPUs (cohort/gpus.py) the cohorts share one set of roots:
-                         each copies only the certificates, and reads the keys where they lie
-    trust/device/        the GPU's firmware state -> the device process only, which makes its
-                         firmware key there itself at boot and stores the 5-certificate chain
-                         the launcher (the vendor) issued it (`certify_device`)
-    trust/orchestrator/  both root certificates, the GPU's reference values, the evidence age
-                         limit and where its TDX module listens -> the orchestrator
-    trust/holders/NAME/  both root certificates, the GPU's reference values and NAME's policy,
-                         which pins the orchestrator's measurement -> that holder only
-                         (written right before the orchestrator boots: `pin_orchestrator`)
-
-No CVM ever gets a root's private key, nor a quoting key: the TDX module (its own process,
-firmware/tdx_module.py) makes its key itself, and the CPU-TEE root key stays in the launcher's
-memory only (`CohortTrust.tee_root`) until it has certified that key (cohort/quoting.py).
-Likewise no process but the device ever holds the GPU's firmware key: the vendor's per-device
-CA that signs it stays in the launcher's memory only (`CohortTrust.gpu_vendor`) until it has
-certified the key the device made, and is dropped then.
-
-Each party loads its own share with attest/material.py.
+No CVM ever holds a root's key, the quoting key or the GPU's firmware key: the CPU-TEE root and
+the GPU's per-device CA stay in the launcher's memory until they certify the keys the TDX module
+and the device made themselves, and are dropped then.
 """
 
 from __future__ import annotations
@@ -60,9 +44,8 @@ if TYPE_CHECKING:
 __all__ = ["CohortTrust", "SharedRoots", "TrustOptions", "certify_device", "measure_orchestrator", "measured_config",
            "pin_orchestrator", "provision_cohort_trust"]
 
-#: Orchestrator settings that say where it runs, not what it does: left out of its measurement,
-#: so a holder can pin the code and configuration it inspected wherever the cohort is placed.
-#: Every other field is measured (an unknown new field is measured: failing closed).
+#: Where the orchestrator runs, not what it does: left out of its measurement so a holder's pin holds
+#: wherever the cohort is placed. Every other field, an unknown new one too, is measured.
 PLACEMENT_FIELDS = frozenset({"host_socket", "pki_dir", "trust_dir", "listen_host", "listen_port", "pace_mbit",
                               "audit_log"})
 GPU_VENDORS = ("cohort", "foreign")
@@ -72,8 +55,7 @@ _HEX96 = re.compile(r"[0-9a-f]{96}")
 # ----------------------------------------------------------------------------- options
 @dataclass(frozen=True)
 class TrustOptions:
-    """How the supervisor provisions a cohort's chain of trust. The defaults give an honest
-    cohort; each other value breaks one link on purpose, to show that it is refused."""
+    """The defaults give an honest cohort; each other value breaks one link on purpose, to be refused."""
 
     max_evidence_age_s: int = 3600  # holders' limit on the age of the orchestrator's GPU attestation
     # Measurements (hex) the holders' policies accept; None: the orchestrator being launched.
@@ -98,20 +80,17 @@ class TrustOptions:
 
 # ----------------------------------------------------------------------------- measurement
 def measured_config(config: OrchestratorConfig) -> dict[str, object]:
-    """The part of the orchestrator's configuration its measurement covers (JSON-ready)."""
     return {k: v for k, v in dataclasses.asdict(config).items() if k not in PLACEMENT_FIELDS}
 
 
 def measure_orchestrator(config: OrchestratorConfig) -> bytes:
-    """48 bytes: the code this process runs (the installed gputravel package) and its config."""
     return orchestrator_measurement(measured_config(config))
 
 
 # ----------------------------------------------------------------------------- provisioning
 @dataclass(frozen=True)
 class CohortTrust:
-    """Where each process's share of the trust material lies, and what the holders pinned
-    (empty until `pin_orchestrator`)."""
+    """Where each process's share of the trust material lies, and what the holders pinned."""
 
     root: Path
     gpu_serial: str
@@ -119,8 +98,7 @@ class CohortTrust:
     pinned: tuple[bytes, ...] = ()
     # The CPU-TEE root, in the launcher's memory only, until it certifies the TDX module's key.
     tee_root: Authority | None = field(default=None, repr=False, compare=False)
-    # The GPU vendor's CA for this device, in the launcher's memory only, until it certifies
-    # the firmware key the device process made.
+    # The GPU vendor's CA for this device, in memory only, until it certifies the device's key.
     gpu_vendor: GpuIssuer | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -137,8 +115,7 @@ class CohortTrust:
 
 @dataclass(frozen=True)
 class SharedRoots:
-    """The vendor roots several GPUs' cohorts share (cohort/gpus.py), in the launcher's memory
-    only: no key of theirs is ever written to disk; each cohort writes the certificates."""
+    """The vendor roots several GPUs' cohorts share, in memory only: no key of theirs reaches disk."""
 
     gpu: Authority = field(repr=False)
     tee: Authority = field(repr=False)
@@ -156,13 +133,8 @@ class SharedRoots:
 def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datetime | None = None,
                            quoting_socket: str = "", roots_from: SharedRoots | None = None,
                            gpu_index: int = 0) -> CohortTrust:
-    """Create the roots (or take those in `roots_from`, shared by several GPUs' cohorts) and
-    the GPU's CAs (its serial GPU-EMU-`gpu_index`); fill the device's (firmware state, no key)
-    and the orchestrator's directories (`quoting_socket`: where the orchestrator's TDX module
-    listens). Fresh root keys leave the disk here (shared ones never reach it); the CPU-TEE
-    root and the GPU's per-device CA stay in the returned trust's memory, for the TDX module's
-    key and the device's firmware key (`certify_device`). Holders get their share from
-    `pin_orchestrator`."""
+    """The roots (fresh, or `roots_from`) and GPU GPU-EMU-`gpu_index`'s CAs; the device's and the
+    orchestrator's directories. The CPU-TEE root and the per-device CA stay in memory only."""
     directory = Path(directory)
     roots = directory / "roots"
     if roots_from is not None:
@@ -177,8 +149,7 @@ def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datet
 
 
 def _fresh_roots(roots: Path, now: datetime | None) -> SharedRoots:
-    """This cohort's own roots: made in `roots`, read back into memory, their keys deleted from
-    the disk at once (nobody needs them there again)."""
+    """This cohort's own roots, read back into memory and their keys deleted from the disk at once."""
     init_roots(roots, now=now)
     made = SharedRoots(load_authority(roots, "gpu"), load_authority(roots, "tee"))
     _discard_root_keys(roots)
@@ -186,8 +157,8 @@ def _fresh_roots(roots: Path, now: datetime | None) -> SharedRoots:
 
 
 def certify_device(trust: CohortTrust, csr_pem: bytes) -> tuple[CohortTrust, tuple[bytes, bytes]]:
-    """The vendor certifies the firmware key the device process made (its request `csr_pem`):
-    (the trust without the vendor's CA, which is dropped here; (chain, vendor root) as PEM)."""
+    """The vendor certifies the firmware key the device made, and its CA is dropped: (trust, (chain,
+    vendor root) as PEM)."""
     if trust.gpu_vendor is None:
         raise BadInput("the GPU vendor's CA is gone: nothing can certify a firmware key")
     issued = trust.gpu_vendor.certify_request(csr_pem)
@@ -196,9 +167,8 @@ def certify_device(trust: CohortTrust, csr_pem: bytes) -> tuple[CohortTrust, tup
 
 def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, holders: tuple[str, ...],
                      options: TrustOptions) -> CohortTrust:
-    """Write each holder's policy, pinning the measurement of `orchestrator` with the code
-    this process runs (or options.pinned_measurements). The supervisor calls it right before
-    the orchestrator boots and measures itself: the two measurements are of the same files."""
+    """Write each holder's policy, pinning `orchestrator`'s measurement with the code this process
+    runs (or options.pinned_measurements); called right before the orchestrator boots."""
     pinned = (tuple(bytes.fromhex(m) for m in options.pinned_measurements)
               if options.pinned_measurements is not None else (measure_orchestrator(orchestrator),))
     policy = Policy(pinned, GpuRequirements(driver_versions=(trust.gpu_driver,)), options.max_evidence_age_s,
