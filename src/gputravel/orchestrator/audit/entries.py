@@ -1,44 +1,11 @@
-"""What the travel log holds: entries, the records that carry them, and how a log fails.
+"""The travel log's entries, the records that carry them, and how a log fails.
 
-File format: one record per entry, appended in order::
-
-    +---------------------------+------------------------------------------------+
-    | length: u32 big-endian    | msgpack record {entry: bytes, signature: bytes} |
-    +---------------------------+------------------------------------------------+
-
-``entry`` holds the encoded entry (the bytes that are hashed); ``signature`` is raw ``r || s``
-(48 bytes each, low-s; see :mod:`.signature`). An entry's hash is SHA-384 over its encoding,
-and every entry carries the hash of the one before it (48 zero bytes for seq 0).
-
-Every entry names the GPU that travelled (``gpu``): the serial its vendor certified in its
-per-device certificate, as the orchestrator verified it over SPDM (orchestrator/attester.py).
-It is inside the hashed, signed bytes, so a log says which GPU went to which holder without
-trusting the file's name.
-
-The log is public, so an entry never carries a chunk's bare digest (SHA-256 over its pieces'
-SHA-256s: a function of the plaintext alone, which anyone who can guess the chunk could
-recompute and so confirm what a holder has). It carries ``chunk_mac``: HMAC-SHA256 of that
-digest, and of the chunk's place, under its holder's travel-log key
-(``protocol.manifest.chunk_mac``), which only the holder and the orchestrator know. Anyone
-else learns from an entry only the holder, the offset, the size and the time.
-
-A job's log ends with a closing entry (:attr:`AuditEvent.CLOSED`, no chunk): the orchestrator
-signs it when its job is done, and nothing may follow it (the writer refuses, the verifier
-too). A log without one may have lost entries at its end: truncation to whole entries leaves
-a valid, shorter chain, which only the closing entry, or a head a party kept, shows.
-
-Every entry names its job (``job``: 16 random bytes the orchestrator chose when the job's
-first log was created), so one job's log is never taken for another's, and counts the job's
-travel attempts (``travels``: this one included; the closing entry's is the total). A log
-starts its job (seq 0 follows the zero hash, and counts travel 1) or continues an earlier log
-of the same job signed by another orchestrator (a run resumed in a new cohort, with a new key):
-then seq 0's ``prev_hash`` is the hash of the entry of that log at which the job's checkpoint
-was taken, and its count goes on from that entry's.
-
-Entries of earlier formats do not decode, and the verifier refuses them as
-:attr:`Failure.VERSION`, never as tampering: those from before entries named their GPU
-(issue 14), those that logged the bare chunk digest (``chunk_digest``, before the key), and
-those from before entries named their job.
+A record is a u32 big-endian length, then msgpack {entry: the encoded Entry, signature}. An
+entry's hash is SHA-384 over its encoding; each carries the one before's (zeros for seq 0, or the
+hash of the entry of an earlier log of its job it continues). The log is public: an entry names
+its GPU (its attested serial), job and holder, but logs a chunk only as ``chunk_mac``, keyed with
+the holder's travel-log key, since a bare digest would confirm a guessed chunk. Entries of
+earlier formats are refused as :attr:`Failure.VERSION`, never as tampering.
 """
 
 from __future__ import annotations
@@ -68,8 +35,6 @@ class AuditEvent(enum.StrEnum):
 
 
 class Failure(enum.StrEnum):
-    """How a log failed to verify (the text reads after "audit log: ... at seq N")."""
-
     TRUNCATED = "truncated final entry"
     MALFORMED = "malformed entry"
     SEQUENCE = "seq gap"
@@ -115,18 +80,14 @@ class ChunkId(Message, tag="audit.chunk"):
 class Entry(Message, tag="audit.entry"):
     seq: int
     time: float  # seconds since the epoch, as the caller's clock said
-    gpu: str  # the GPU that travelled: its attested serial (see the module's docstring)
+    gpu: str  # the GPU that travelled: its attested serial
     job: bytes  # the job's random id (JOB_BYTES), the same in every entry of its logs
     event: AuditEvent
     chunk: ChunkId | None  # None only in the closing entry
-    # The job's travel attempts so far, this one included (from 1); the closing entry's is the
-    # job's total. A log that continues another goes on from that log's count.
-    travels: int
+    travels: int  # the job's travel attempts so far, this one included; the closing entry's: the total
     epoch_before: int
     epoch_after: int
-    # HMAC-SHA256 of the chunk's digest and place under its holder's travel-log key
-    # (protocol.manifest.chunk_mac); never the bare digest. Empty when nothing was copied.
-    chunk_mac: bytes
+    chunk_mac: bytes  # protocol.manifest.chunk_mac under the holder's key, never the bare digest; b"": no copy
     prev_hash: bytes
 
     def __post_init__(self) -> None:
@@ -151,8 +112,7 @@ class Entry(Message, tag="audit.entry"):
             raise BadInput(f"prev_hash must be {HASH_BYTES} bytes")
 
     @property
-    def holder(self) -> str:
-        """The chunk's holder ("" for the closing entry)."""
+    def holder(self) -> str:  # "" for the closing entry
         return self.chunk.holder if self.chunk is not None else ""
 
 
@@ -162,5 +122,4 @@ class Record(Message, tag="audit.record"):
 
 
 def entry_hash(entry: Entry) -> bytes:
-    """SHA-384 over the entry's encoding (what the next entry's prev_hash must be)."""
     return hashlib.sha384(encode(entry)).digest()

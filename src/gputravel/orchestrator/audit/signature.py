@@ -1,9 +1,5 @@
-"""The orchestrator's signature on each head of the travel log, and loading its keys.
-
-The orchestrator signs every entry's ``(seq, hash)`` with its ECDSA P-384 key, so any prefix
-of the log is a signed head a holder can check on its own. Signatures are raw ``r || s``
-(48 bytes each) in low-s form, so each entry has exactly one valid signature encoding.
-"""
+"""The orchestrator's ECDSA P-384 signature on every entry's ``(seq, hash)``, so any prefix of the
+log is a signed head a holder can check on its own; and loading its keys."""
 
 from __future__ import annotations
 
@@ -27,8 +23,8 @@ SIGNATURE_BYTES = 2 * _SCALAR_BYTES
 # made with the orchestrator's key (and vice versa).
 _SIGNED_PREFIX = b"gputravel/audit/v1/head\x00"
 _SEQ = struct.Struct(">Q")
-# Order of the P-384 group (SEC 2, FIPS 186-4). Signatures are normalised to s <= n/2 so each
-# entry has exactly one valid signature encoding: no byte of the file can change unnoticed.
+# Order of the P-384 group. Signatures are raw r || s with s <= n/2: one valid encoding per
+# entry, so no byte of the file can change unnoticed.
 _P384_ORDER = int("ffffffffffffffffffffffffffffffffffffffffffffffffc7634d81f4372ddf"
                   "581a0db248b0a77aecec196accc52973", 16)
 

@@ -1,23 +1,9 @@
 """Reading the travel log and verifying it: seq contiguity, the hash chain, every signature.
 
-A crash mid-write leaves a torn final record, which reads as "truncated final entry" rather
-than as tampering: a torn record is a strict prefix of a record, which a record whose length
-prefix was altered is not. Dropping whole entries off the end leaves a valid shorter chain
-(the empty log included), so a verdict says whether the log is closed: whether it ends with
-the orchestrator's signed closing entry, after which nothing may follow. A log that is not
-closed (a job still running, or one cut short) may be missing entries at its end; a party
-that kept a head it saw (its hash) detects a cut with ``known_head``.
-
-A log names one GPU: each rank's orchestrator keeps its own log and pins its GPU across
-re-keys (orchestrator/attester.py), so entries naming two GPUs are never honest, and the
-verifier refuses them rather than summarising per GPU. A verifier that knows which GPU it
-expects (a holder saw its serial when it attested the GPU) passes ``gpu``: a log of another
-GPU, renamed or swapped in with that GPU's key, is refused too.
-
-A log names one job, and its entries count the job's travels without a gap. A log whose seq 0
-follows the zero hash starts its job; one whose seq 0 follows another hash continues an earlier
-log of its job (``continues``: a run resumed by another orchestrator), so even closed it is
-not the job's whole log. A verifier that knows the job passes ``job``.
+A torn final record (a crash mid-write: a strict prefix of a record) reads as truncated, not
+tampered. Dropping whole entries off the end leaves a valid chain, so a verdict says whether the
+log is closed; a party that kept a head detects a cut with ``known_head``. A log names one GPU and
+one job (entries naming two are never honest), and counts the job's travels without a gap.
 """
 
 from __future__ import annotations
@@ -28,6 +14,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import msgpack
 from cryptography import x509
@@ -51,6 +38,7 @@ from gputravel.orchestrator.audit.signature import load_verifier, verify_head
 from gputravel.protocol.manifest import chunk_mac
 from gputravel.protocol.codec import TAG_FIELD, decode, encode, tag_of
 
+T = TypeVar("T")
 
 @dataclass(frozen=True)
 class _Parsed:
@@ -62,13 +50,12 @@ class _Parsed:
 
 # ----------------------------------------------------------------------------- reading
 def _records(data: bytes, allow_truncated_tail: bool) -> Iterator[_Parsed]:
-    """Parse records in file order; ``seq`` in errors is the record's position."""
+    """Parse records in file order (``seq`` in errors is the record's position)."""
     pos, index = 0, 0
     while pos < len(data):
         rest = len(data) - pos
         if rest < LENGTH.size or (data.startswith(bytes(LENGTH.size), pos) and data.count(0, pos) == rest):
-            # A crash mid-write leaves a prefix of the record or, on some file systems, the
-            # file extended with zeros that were never written: both are a torn final entry.
+            # A crash mid-write leaves a prefix of the record, or zeros never written: both torn.
             if allow_truncated_tail:
                 return
             raise AuditError(Failure.TRUNCATED, index, "the final record is cut short or zero-filled")
@@ -88,8 +75,8 @@ def _records(data: bytes, allow_truncated_tail: bool) -> Iterator[_Parsed]:
 
 
 def _is_torn(fragment: bytes) -> bool:
-    """Whether ``fragment`` is a strict prefix of one msgpack record: what a crash mid-write
-    leaves. A complete record (so its length prefix was made longer) or invalid bytes are not."""
+    """Whether ``fragment`` is a strict prefix of one msgpack record (what a crash leaves), not a
+    complete one (its length prefix made longer) or invalid bytes."""
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_RECORD_BYTES)
     unpacker.feed(fragment)  # shorter than the declared length, itself <= MAX_RECORD_BYTES
     try:
@@ -114,16 +101,13 @@ def _parse(payload: bytes, index: int, end: int) -> _Parsed:
             raise AuditError(Failure.VERSION, index, f"{earlier}: an earlier gputravel wrote this log; verify it "
                                                      "with that version, and start a new log") from None
         raise AuditError(Failure.MALFORMED, index, str(exc)) from None
-    # Hashes are taken over the stored bytes; a decodable but different encoding of the same
-    # entry is refused, so the stored bytes and entry_hash() can never disagree.
+    # Another decodable encoding of the entry is refused: the stored bytes and entry_hash() agree.
     if encode(entry) != record.entry:
         raise AuditError(Failure.MALFORMED, index, "the entry is not in canonical encoding")
     return _Parsed(entry, hashlib.sha384(record.entry).digest(), record.signature, end)
 
 
-# The keys of an entry of each earlier format, and what tells it apart. Entries that logged the
-# chunk's bare digest (``chunk_digest``: anyone who guesses a chunk can recompute it); before
-# them, entries that named no GPU either (issue 14).
+# The keys of an entry of each earlier format, and what tells it apart.
 _UNKEYED_KEYS = frozenset({TAG_FIELD, "seq", "time", "gpu", "event", "chunk", "epoch_before", "epoch_after",
                            "chunk_digest", "prev_hash"})
 _JOBLESS_KEYS = _UNKEYED_KEYS - {"chunk_digest"} | {"chunk_mac"}
@@ -135,9 +119,8 @@ _EARLIER_FORMATS = {
 
 
 def _earlier_format(raw: bytes) -> str | None:
-    """What marks ``raw`` as an entry of an earlier format (exactly its keys), so that such a log
-    is refused as from an earlier version, not as corrupt; None if it is none. Only a hint for
-    the error: nothing decoded here is trusted."""
+    """What marks ``raw`` as an entry of an earlier format (exactly its keys), or None: only a hint
+    for the error, nothing decoded here is trusted."""
     try:
         fields = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_RECORD_BYTES, max_str_len=MAX_RECORD_BYTES)
     except Exception:  # malformed, whatever msgpack chose to raise
@@ -176,23 +159,15 @@ class AuditSummary:
     holder: str | None
     gpu: str | None  # the GPU every entry names; None for an empty log
     job: bytes | None  # the job every entry names; None for an empty log
-    # The hash of the entry of an earlier log of the job that this log continues (seq 0's
-    # prev_hash); None when it starts its job (or is empty). A closed log that continues
-    # another is not its job's whole log: the earlier one holds the travels before.
-    continues: bytes | None
+    continues: bytes | None  # seq 0's prev_hash if it continues an earlier log of its job, else None
     travels: int  # the job's travel attempts counted up to the log's last entry (0 when empty)
-    # The travel attempts: the holder's own (every holder's when holder is None); never the
-    # closing entry, which names no chunk (see closed).
-    entries: tuple[Entry, ...]
+    entries: tuple[Entry, ...]  # the travel attempts: the holder's (all if holder is None), not the close
     truncated_tail: bool  # a torn final record was ignored (allow_truncated_tail)
-    # The log ends with the orchestrator's closing entry: its job is done and nothing is missing
-    # at the end. False: a job still running, or entries cut off the end (an empty log too).
-    closed: bool
+    closed: bool  # ends with the closing entry; False: still running, or cut short (empty too)
 
 
 def _verify_chain(parsed: list[_Parsed], key: ec.EllipticCurvePublicKey) -> None:
-    # Seq 0 follows the zero hash, or (a continuation) an entry of an earlier log: its
-    # signature covers which; _check_count holds it to its count.
+    # Seq 0 follows the zero hash or an earlier log's entry: its signature covers which.
     prev = parsed[0].entry.prev_hash if parsed else GENESIS_HASH
     for index, p in enumerate(parsed):
         if p.entry.seq != index:
@@ -204,11 +179,8 @@ def _verify_chain(parsed: list[_Parsed], key: ec.EllipticCurvePublicKey) -> None
 
 
 def _signed_if_earlier_version(err: AuditError, key: ec.EllipticCurvePublicKey, data: bytes) -> None:
-    """An "earlier version" verdict only for a log of that version throughout whose first entry
-    this key signed: anyone who can write the file could otherwise turn a tamper verdict into
-    that milder one (and its advice to start a new log) by putting an unsigned entry of an
-    earlier format first (SIGNATURE), or an old signed one before entries of another format
-    (MALFORMED)."""
+    """An "earlier version" verdict only for a log of that version throughout, its first entry
+    signed by this key: else a writer of the file could turn a tamper verdict into that milder one."""
     if err.failure is not Failure.VERSION:
         return
     records = list(_raw_records(data))  # the first is the one _parse refused: it decodes as a Record
@@ -262,35 +234,22 @@ def _check_closing(parsed: list[_Parsed], trailing: bool) -> bool:
     return closed
 
 
-def _check_gpu(parsed: list[_Parsed], expected: str | None) -> str | None:
-    """The one GPU the log names (the expected one if given); AuditError (GPU) at the first
-    entry naming another. Checked after the chain: a changed ``gpu`` is a bad signature."""
-    named = expected if expected is not None else (parsed[0].entry.gpu if parsed else None)
+def _check_one(parsed: list[_Parsed], failure: Failure, expected: T | None, named_in: Callable[[Entry], T],
+               show: Callable[[T | None], str]) -> T | None:
+    """The one GPU or job every entry names (the expected one if given); AuditError at the first
+    entry naming another. Checked after the chain: a changed name is a bad signature."""
+    named = expected if expected is not None else (named_in(parsed[0].entry) if parsed else None)
+    whose = "the verifier expects" if expected is not None else "the log's first entry names"
     for index, p in enumerate(parsed):
-        if p.entry.gpu != named:
-            whose = "the verifier expects" if expected is not None else "the log's first entry names"
-            raise AuditError(Failure.GPU, index, f"it names {p.entry.gpu!r}, {whose} {named!r} "
-                                                 "(a rank's log names only its own GPU)")
-    return named if parsed else None
-
-
-def _check_job(parsed: list[_Parsed], expected: bytes | None) -> bytes | None:
-    """The one job the log names (the expected one if given); AuditError (JOB) at the first
-    entry naming another."""
-    named = expected if expected is not None else (parsed[0].entry.job if parsed else None)
-    for index, p in enumerate(parsed):
-        if p.entry.job != named:
-            whose = "the verifier expects" if expected is not None else "the log's first entry names"
-            raise AuditError(Failure.JOB, index, f"it names job {p.entry.job.hex()}, {whose} "
-                                                 f"{named.hex() if named else None} (a log names only its own job)")
+        if named_in(p.entry) != named:
+            raise AuditError(failure, index, f"it names {show(named_in(p.entry))}, {whose} {show(named)} "
+                                             "(a log names only one)")
     return named if parsed else None
 
 
 def _check_count(parsed: list[_Parsed]) -> int:
-    """The job's travels counted up to the last entry; AuditError (COUNT) where an entry's
-    count is not one more than the entry before's (the closing entry's: the same), or a log
-    that starts its job (seq 0 after the zero hash) does not count from 1, or one that
-    continues another counts no travel before it."""
+    """The job's travels up to the last entry; AuditError (COUNT) where a count is not one more
+    than the entry before's (the close's: equal), or seq 0's disagrees with what it follows."""
     if not parsed:
         return 0
     first = parsed[0].entry
@@ -313,16 +272,9 @@ def verify_log(path: str | os.PathLike[str],
                holder: str | None = None, *, gpu: str | None = None, job: bytes | None = None,
                allow_truncated_tail: bool = False,
                known_head: tuple[int, bytes] | bytes | None = None) -> AuditSummary:
-    """Check seq contiguity, the hash chain, every signature, that every entry names the same
-    GPU (``gpu``, if given) and that nothing follows a closing entry; raise AuditError on the
-    first fault. Whether the log is closed is the summary's ``closed``: a log that verifies but
-    is not closed (the empty log too) may be missing entries at its end.
-
-    ``allow_truncated_tail`` verifies the intact prefix of a log whose last record is torn.
-    ``known_head`` is a (seq, hash), or only the hash of an entry, that the caller saw signed
-    before: the log must still hold it. ``job`` (its id), if given, must be the one every entry
-    names; whether the log starts its job or continues another is the summary's ``continues``.
-    """
+    """AuditError at the first fault: seq, chain, signature, one GPU and job (``gpu``, ``job`` if
+    given), the count, nothing after a close, and ``known_head`` ((seq, hash) or a hash seen signed
+    before) still held. A log not ``closed`` may be missing entries at its end."""
     key = load_verifier(orchestrator_key)
     expected = check_gpu(gpu) if gpu is not None else None
     if job is not None and (not isinstance(job, bytes) or len(job) != JOB_BYTES):
@@ -334,11 +286,12 @@ def verify_log(path: str | os.PathLike[str],
         _signed_if_earlier_version(err, key, data)
         raise
     _verify_chain(parsed, key)
-    named = _check_gpu(parsed, expected)
-    named_job = _check_job(parsed, job)
+    named = _check_one(parsed, Failure.GPU, expected, lambda e: e.gpu, repr)
+    named_job = _check_one(parsed, Failure.JOB, job, lambda e: e.job, lambda j: f"job {j.hex() if j else None}")
     travels = _check_count(parsed)
     last = parsed[-1] if parsed else None
-    closed = _check_closing(parsed, (last.end if last else 0) != len(data))
+    torn = (last.end if last else 0) != len(data)
+    closed = _check_closing(parsed, torn)
     if known_head is not None:
         _check_known_head(parsed, known_head)
     return AuditSummary(
@@ -353,7 +306,7 @@ def verify_log(path: str | os.PathLike[str],
         travels=travels,
         entries=tuple(p.entry for p in parsed
                       if p.entry.chunk is not None and (holder is None or p.entry.holder == holder)),
-        truncated_tail=(last.end if last else 0) != len(data),
+        truncated_tail=torn,
         closed=closed,
     )
 
@@ -361,11 +314,8 @@ def verify_log(path: str | os.PathLike[str],
 # ----------------------------------------------------------------------------- a holder's own entries
 def mismatched_chunks(entries: Iterable[Entry], holder_key: bytes,
                       digest_of: Callable[[int, int], bytes]) -> tuple[int, ...]:
-    """What a holder runs over its own entries (of a log that verified): the seqs of those whose
-    chunk MAC is not the MAC, under its travel-log key, of the digest of the chunk its data holds
-    there (``digest_of(dataset_offset, nbytes)``; one that raises GputravelError, a chunk past its
-    data, is a mismatch too). Entries without a MAC (nothing copied) are skipped. Only the
-    holder and the orchestrator can compute these MACs: nobody else learns the digest."""
+    """What a holder runs over its own entries of a verified log: the seqs whose MAC is not that of
+    ``digest_of(dataset_offset, nbytes)`` under its key (a GputravelError is a mismatch too)."""
     bad = []
     for e in entries:
         if e.chunk is None or not e.chunk_mac:

@@ -1,20 +1,6 @@
-"""The orchestrator's writer of the travel log: sign each entry and append it durably.
-
-Each record is written with one ``write`` and ``fsync``-ed, so a crash loses at most the
-entry being written (its torn remains read as a truncated final entry, see :mod:`.verify`).
-A writer is for one GPU, named when the log is created or opened: every entry it signs names
-that GPU, and it refuses to continue a log that names another.
-
-A chunk's digest is logged only keyed with its holder's travel-log key (``append`` takes the
-digest and the key and signs their MAC: no caller can put a bare digest in the public log).
-``seal`` signs the closing entry when the job is done; after it nothing is appended, and a
-closed log is never continued (``open`` refuses it): a continuation could be cut back to the
-closing entry and verify as a complete log.
-
-A writer names one job (``job``, random unless given) and counts its travels in every entry;
-a log that continues an earlier log of its job (another orchestrator's: ``create(after=...)``,
-or ``start_after`` while it is still empty) follows that log's entry and count.
-"""
+"""The orchestrator's writer of the travel log: sign each entry and append it durably (one
+``write`` and ``fsync`` each, so a crash tears at most the last). A closed log is never continued:
+a continuation could be cut back to the closing entry and verify as a complete log."""
 
 from __future__ import annotations
 
@@ -104,9 +90,8 @@ class AuditLog:
     @classmethod
     def create(cls, path: str | os.PathLike[str], signing_key: bytes | ec.EllipticCurvePrivateKey, *,
                gpu: str, job: bytes | None = None, after: tuple[bytes, int] | None = None) -> AuditLog:
-        """Start a new, empty log of ``gpu`` (its attested serial); refuses to overwrite a file.
-        ``job``: the job's id (random if None); ``after``: (hash, count) of the entry of an
-        earlier log of the job that this one continues (see :meth:`start_after`)."""
+        """A new, empty log of ``gpu`` (never over a file) for ``job`` (random if None), continuing
+        ``after`` (see :meth:`start_after`) if given."""
         key, p, gpu = load_signer(signing_key), Path(path), check_gpu(gpu)
         job = _job_id(job)
         prev, travels = _after(after)
@@ -120,12 +105,8 @@ class AuditLog:
     @classmethod
     def open(cls, path: str | os.PathLike[str], signing_key: bytes | ec.EllipticCurvePrivateKey, *,
              gpu: str, repair_truncated_tail: bool = False) -> AuditLog:
-        """Continue an existing log of ``gpu`` after verifying it with the signer's own public
-        key (AuditError GPU if its entries name another GPU, VERSION if they name none).
-
-        A torn final record (crash mid-write) is refused unless ``repair_truncated_tail``,
-        which cuts it off so that new entries follow the last intact one.
-        """
+        """Continue a log of ``gpu`` once it verifies under the signer's own key; a torn final
+        record is refused unless ``repair_truncated_tail``, which cuts it off."""
         key, p, gpu = load_signer(signing_key), Path(path), check_gpu(gpu)
         summary = verify_log(p, key.public_key(), gpu=gpu, allow_truncated_tail=repair_truncated_tail)
         if summary.closed:
@@ -135,15 +116,13 @@ class AuditLog:
         if summary.truncated_tail:
             os.ftruncate(fd, intact_length(p))
             os.fsync(fd)
-        # An empty log (created, never written) gets a job of its own, unless start_after gives one.
         job = summary.job if summary.job is not None else _job_id(None)
         return cls(p, key, gpu, fd, summary.head_seq + 1, summary.head_hash, job, summary.travels,
                    summary.continues or GENESIS_HASH)
 
     def start_after(self, job: bytes, after: tuple[bytes, int]) -> None:
-        """Make this still-empty log continue an earlier log of job ``job``, signed by another
-        orchestrator: its seq 0 follows the entry whose hash is ``after[0]``, and it counts on
-        from that entry's count ``after[1]`` (a run resumed from a checkpoint taken there)."""
+        """Make this empty log continue another orchestrator's log of ``job`` after the entry
+        ``after`` = (hash, count): a run resumed from a checkpoint taken there."""
         job, (prev, travels) = _job_id(job), _after(after)
         with self._lock:
             if self._next_seq != 0:
@@ -152,26 +131,23 @@ class AuditLog:
 
     @property
     def job(self) -> bytes:
-        """The job's id, in every entry."""
         return self._job
 
     @property
     def continues(self) -> bytes | None:
-        """The hash of the entry of an earlier log that this one's seq 0 follows; None if it starts its job."""
+        """The hash of the earlier log's entry seq 0 follows; None if it starts its job."""
         with self._lock:
             return self._first_prev if self._first_prev != GENESIS_HASH else None
 
     @property
     def mark(self) -> tuple[int, bytes, int]:
-        """(seq, hash, travels) of the last entry, read at once: what a checkpoint records. An
-        empty log's seq is -1; its hash and count are those of the entry it continues, if any."""
+        """(seq, hash, travels) of the last entry, read at once, for a checkpoint (seq -1: empty)."""
         with self._lock:
             return self._next_seq - 1, self._prev, self._travels
 
     def holds(self, seq: int, digest: bytes) -> bool:
-        """Whether the file this writer appends to (read through its own descriptor, whatever
-        the path names now) holds entry ``seq`` with hash ``digest``, verified with this
-        writer's key as a log of its GPU and job."""
+        """Whether the file this writer appends to (its own descriptor, whatever the path names
+        now) verifies and holds entry ``seq`` with hash ``digest``."""
         with self._lock:
             if self._fd < 0:
                 raise BadInput("the audit log is closed")
@@ -186,21 +162,17 @@ class AuditLog:
 
     @property
     def head(self) -> tuple[int, bytes]:
-        """(seq, hash) of the last entry; (-1, GENESIS_HASH) when empty."""
-        with self._lock:
-            return self._next_seq - 1, self._prev
+        return self.mark[:2]
 
     @property
     def sealed(self) -> bool:
-        """Whether the closing entry is signed (then nothing more is appended)."""
         with self._lock:
             return self._sealed
 
     def append(self, event: AuditEvent | str, chunk: ChunkId, *, time: float, epoch_before: int,
                epoch_after: int, chunk_digest: bytes = b"", holder_key: bytes | None = None) -> Entry:
-        """Sign and durably append one entry (written and fsync-ed before this returns). A
-        chunk's digest is logged as its MAC under ``holder_key``, the chunk's holder's
-        travel-log key, which is then required."""
+        """Sign and durably append one entry; a chunk's digest is logged only as its MAC under
+        ``holder_key``, the holder's travel-log key, then required."""
         if event == AuditEvent.CLOSED:
             raise BadInput("the closing entry is signed by seal()")
         mac = self._mac(self._job, chunk, chunk_digest, holder_key)
@@ -209,8 +181,7 @@ class AuditLog:
             return self._write(self._next_entry(event, chunk, time, epoch_before, epoch_after, mac))
 
     def seal(self, *, time: float, epoch: int) -> Entry:
-        """Sign the closing entry: the job is done, and this log ends here. Nothing is appended
-        after it, by this writer or any other (``open`` refuses a closed log)."""
+        """Sign the closing entry: the job is done and nothing follows (``open`` refuses it too)."""
         with self._lock:
             self._writable()
             entry = self._write(self._next_entry(AuditEvent.CLOSED, None, time, epoch, epoch, b""))
@@ -237,8 +208,7 @@ class AuditLog:
             raise BadInput("a chunk digest is logged only keyed with its holder's travel-log key")
         return chunk_mac(holder_key, job, chunk.holder, chunk.dataset_offset, chunk.nbytes, bytes(chunk_digest))
 
-    def _write(self, entry: Entry) -> Entry:
-        """Sign ``entry`` and append it durably (the lock held)."""
+    def _write(self, entry: Entry) -> Entry:  # the lock held
         raw = encode(entry)
         digest = hashlib.sha384(raw).digest()
         payload = encode(Record(entry=raw, signature=sign_head(self._key, entry.seq, digest)))
