@@ -1,8 +1,5 @@
-"""`gputravel serve host|gpu|holder|orchestrator --config FILE`: one party, in the foreground.
-
-Each service waits for the peers it needs (saying what it waits for), starts its party's
-process, and stops it cleanly on SIGTERM or SIGINT. The holder and orchestrator services are
-in service/members.py; the host and the GPU, which stand for the cloud's hardware, are here.
+"""`gputravel serve ROLE --config FILE`: one party in the foreground, waiting for its peers and
+stopping cleanly on SIGTERM or SIGINT; the host and the GPU here, the members in members.py.
 """
 
 from __future__ import annotations
@@ -14,26 +11,22 @@ from pathlib import Path
 from gputravel.attest.provision import GpuIssuer
 from gputravel.errors import BadInput
 from gputravel.protocol.control import Certified, Enroll
-from gputravel.service.config import (GpuService, HolderService, HostService, ServiceConfig, check_before_start,
-                                      load_service)
+from gputravel.service.config import GpuService, HolderService, HostService, check_before_start, load_service
 from gputravel.service.members import serve_holder, serve_orchestrator
-from gputravel.service.registry import bind
 from gputravel.service.party import PartyChild, Stopping, as_party, log, own_state, private_dir, unix_listening, wait_for
-from gputravel.service.registry import vendor_dir
+from gputravel.service.registry import bind, vendor_dir
 from gputravel.service.status import party_name
 
 BOOT_TIMEOUT = 120.0
 
 
 def serve(role: str, config_path: Path) -> int:
-    """Run one party until it is done or told to stop; the exit status. A service never ends
-    non-zero without saying why in its log: a status its party ended with is logged where it
-    is returned (`exited`, `failed`), and an error that ends the service is logged here as a
-    `failed` event before it goes on to the CLI (which says it too) or, a bug, its traceback."""
+    """Run one party until it is done or told to stop; its exit status. An error that ends the
+    service is logged as a `failed` event first: no service ends non-zero without saying why."""
     name = role
     try:
         cfg = load_service(config_path, role)  # BadInput if the file is another party's
-        name = _log_name(cfg)
+        name = cfg.name if isinstance(cfg, HolderService) else party_name(cfg)  # as the party logs
         bind(cfg, party_name(cfg))  # the party cohort init made, or nothing is touched
         check_before_start(cfg)
         stop = Stopping()
@@ -42,12 +35,6 @@ def serve(role: str, config_path: Path) -> int:
     except (Exception, KeyboardInterrupt) as exc:
         log(name, "failed", kind=type(exc).__name__, why=str(exc))
         raise
-
-
-def _log_name(cfg: ServiceConfig) -> str:
-    """The name the party's service logs under (as serve_* below and service/members.py): its
-    party's name, but a holder's own name alone."""
-    return cfg.name if isinstance(cfg, HolderService) else party_name(cfg)
 
 
 def serve_host(cfg: HostService, stop: Stopping) -> int:
@@ -68,9 +55,8 @@ def serve_host(cfg: HostService, stop: Stopping) -> int:
 
 
 def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
-    """The confidential GPU: it makes its firmware key on first start, which the vendor's
-    per-device CA (its stand-in in the cohort's vendor/gpu-K, root's alone) certifies once and is
-    then gone."""
+    """The confidential GPU: its firmware key, made on first start, is certified once by the
+    vendor's per-device CA (root's alone), which is then gone."""
     name = party_name(cfg)
     state = private_dir(cfg.state_dir)
     vendor = vendor_dir(cfg)

@@ -1,14 +1,7 @@
-"""`gputravel status --config FILE`: what the party whose config this is may know, read from
-what it can see without asking anyone: which services are up (the sockets and listeners of
-this machine), which members published a certificate, its own state directory's status.json
-(written by its service), and for a holder the travels to it in the orchestrator's signed
-travel log, when the log is published next to the orchestrator's certificate.
-
-For a holder, the log is checked three ways: its chain and signatures; against the head this
-holder last verified (kept in its state directory, ``audit-head.json``: a later log that no
-longer holds it was cut short, or is another job's); and its own entries' chunk MACs, against
-its own data under its travel-log key (holder/log_key.py), which only it and the orchestrator
-have. Whether the log is closed (the orchestrator signed its closing entry) is shown too.
+"""`gputravel status --config FILE`: what that party may know without asking anyone: which
+services are up, who published a certificate, its own status.json and, for a holder, its
+travels in the orchestrator's published log, checked by signature, against the head it last
+verified (``audit-head.json``: a log cut short or of another job fails) and by its own chunk MACs.
 """
 
 from __future__ import annotations
@@ -24,8 +17,8 @@ from gputravel.holder.cvm import Dataset, manifest_piece_bytes
 from gputravel.holder.log_key import read_log_key
 from gputravel.orchestrator.audit import AuditError, Entry, Failure, mismatched_chunks, verify_log
 from gputravel.protocol.manifest import chunk_digest
-from gputravel.service.config import (AUDIT_LOG, STATUS_FILE, GpuService, HolderService, HostService, OrchestratorService, ServiceConfig,
-                                      host_party, orchestrator_party, public_file)
+from gputravel.service.config import (AUDIT_LOG, STATUS_FILE, GpuService, HolderService, HostService, OrchestratorService,
+                                      ServiceConfig, gpu_socket, host_party, orchestrator_party, public_file)
 from gputravel.service.party import as_party
 from gputravel.service.registry import bind
 
@@ -50,7 +43,6 @@ def party_name(cfg: ServiceConfig) -> str:
 
 # ----------------------------------------------------------------------------- what is up
 def _bound_unix_paths() -> set[str] | None:
-    """Paths of the Unix sockets bound in this network namespace (None: unreadable)."""
     try:
         lines = Path("/proc/net/unix").read_text().splitlines()[1:]
     except OSError:
@@ -84,8 +76,8 @@ def _services(cfg: ServiceConfig) -> dict[str, str]:
     if isinstance(cfg, OrchestratorService):
         up[f"gpu-{cfg.rank}"] = _unix_up(cfg.gpu_link_socket, bound)
         up["orchestrator"] = _tcp_listening(cfg.listen_port)
-    if isinstance(cfg, HolderService):  # the GPU's link socket lies beside its boot lock (run/gpu-K.*)
-        up[Path(cfg.boot_lock).stem] = _unix_up(str(Path(cfg.boot_lock).with_suffix(".sock")), bound)
+    if isinstance(cfg, HolderService):
+        up[Path(cfg.boot_lock).stem] = _unix_up(gpu_socket(cfg.boot_lock), bound)
         if cfg.orchestrator_host not in _LOCAL:  # another machine's listener: not visible here
             return {**{k: "up" if v else "down" for k, v in up.items()}, "orchestrator": "remote"}
         up["orchestrator"] = _tcp_listening(cfg.orchestrator_port)
@@ -94,15 +86,12 @@ def _services(cfg: ServiceConfig) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- what is known
 def _published(public_dir: str) -> list[str]:
-    """Members that published their TLS certificate (public/NAME.pem) on first start."""
     return sorted(p.stem for p in Path(public_dir).glob("*.pem")) if os.path.isdir(public_dir) else []
 
 
 def _own_status(path: Path, uid: int = -1) -> dict:
-    """The status.json at `path`: a plain file of its own, owned by root (the service wrote it)
-    or by the party `uid`. Status runs as root, and a party's operator may leave in its own state
-    directory a link (or a hard link) to another party's private status.json (rank 1's loss)
-    or to any JSON file root reads: such a file is not read, and the output says so."""
+    """The status.json at `path`, read only if a plain file of root's or of party `uid` with one
+    link: status runs as root, and an operator could link another party's private file there."""
     try:
         fd = open_plain(path)  # never through a link, nor blocked on a FIFO
     except FileNotFoundError:
@@ -123,11 +112,8 @@ def _own_status(path: Path, uid: int = -1) -> dict:
 
 
 def _my_travels(cfg: HolderService) -> dict:
-    """The travels to this holder in the published log, checked against the orchestrator's
-    certificate (hash chain and signatures) and against the head this holder last verified
-    (which it then moves on); its own chunks against its own data; a torn last entry (being
-    written) is skipped."""
-    # Its own orchestrator's log, the one its GPU's orchestrator signs (rank K's with several GPUs).
+    """The travels to this holder in its orchestrator's published log, verified, and the head it
+    last verified moved on; a torn last entry (being written) is skipped."""
     log, cert = Path(cfg.public_dir) / public_file(cfg.orchestrator, AUDIT_LOG), Path(cfg.public_dir) / f"{cfg.orchestrator}.pem"
     if not (log.exists() and cert.exists()):
         return {"log": "not published"}
@@ -158,7 +144,6 @@ def _my_travels(cfg: HolderService) -> dict:
 
 
 def _kept_head(path: Path) -> bytes | None:
-    """The hash of the head this holder last verified, or None if it kept none."""
     try:
         kept = json.loads(read_plain(path, 4096))
         return bytes.fromhex(kept["hash"])
@@ -169,10 +154,8 @@ def _kept_head(path: Path) -> bytes | None:
 
 
 def _holders_data(cfg: HolderService) -> Dataset:
-    """The holder's data, opened as its account: root opening any path a config names told a
-    holder's operator about another holder's data (the review of --gpus). The one exception is
-    the data shipped in the package, which a party's processes reach through the cover of a
-    closed checkout (cohort/isolation.py interpreter_reach) and root's `as_party` cannot."""
+    """The holder's data, opened as its account (root opening any path told an operator about
+    another holder's data); the package's shipped data, which as_party cannot reach, as root."""
     try:
         with as_party(cfg.uid):
             return Dataset(cfg.data, cfg.format)
@@ -184,8 +167,7 @@ def _holders_data(cfg: HolderService) -> Dataset:
 
 
 def _my_chunks(cfg: HolderService, travels: list[Entry]) -> dict:
-    """Whether the chunk MAC of each of this holder's travels is the one its own data gives,
-    under its travel-log key (only it and the orchestrator have that key; the key never shows)."""
+    """Whether each travel's chunk MAC matches this holder's data under its travel-log key (never shown)."""
     logged = [e for e in travels if e.chunk_mac]
     if not logged:
         return {}
@@ -210,15 +192,9 @@ def _my_chunks(cfg: HolderService, travels: list[Entry]) -> dict:
 
 
 def cohort_status(cfg: ServiceConfig) -> dict:
-    """Everything `gputravel status` shows for the party of `cfg`, as JSON-ready data. Only for
-    the party cohort init made (its registry, as `serve` checks), and read as that party: run
-    as root with another party's state in a config, it read that party's status, key and data
-    (the hostile review of issue 30)."""
+    """What `gputravel status` shows, only for the party cohort init made and read as that party:
+    as root, a config naming another party's state read its status, key and data (issue 30)."""
     bind(cfg, party_name(cfg))
-    return _status(cfg)  # as root; what lies in a party's own tree, and its data, are read as the party
-
-
-def _status(cfg: ServiceConfig) -> dict:
     out: dict = {"config": cfg.source, "party": party_name(cfg), "services": _services(cfg)}
     if isinstance(cfg, (OrchestratorService, HolderService)):
         out["published"] = _published(cfg.public_dir)
@@ -226,7 +202,6 @@ def _status(cfg: ServiceConfig) -> dict:
     if isinstance(cfg, HolderService):  # the job as its orchestrator publishes it: members, the GPU, travels
         public = Path(cfg.public_dir) / public_file(cfg.orchestrator, STATUS_FILE)
         out.update({k: v for k, v in _own_status(public).items() if k not in out})
-    if isinstance(cfg, HolderService):
         out.update(_my_travels(cfg))
     out["running"] = any(v == "up" for v in out["services"].values())
     return out
