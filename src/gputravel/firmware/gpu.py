@@ -1,9 +1,5 @@
-"""The emulated GPU's attestation firmware as its own OS process, for `gputravel attest gpu`.
-
-``python -m gputravel.firmware.gpu STATE_DIR FD`` loads the provisioned device from
-STATE_DIR (its firmware leaf key stays in this process) and answers ``GetEvidence(nonce)``
-with ``Evidence(blob)`` on the stream socket FD until the peer hangs up. In a cohort, the
-device process hosts the same firmware behind its RPC queue (device/core.py).
+"""The emulated GPU's attestation firmware as its own OS process, for `gputravel attest gpu`: its
+firmware key stays in ``python -m gputravel.firmware.gpu STATE_DIR FD``, which answers GetEvidence.
 """
 
 from __future__ import annotations

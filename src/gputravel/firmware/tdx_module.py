@@ -1,23 +1,8 @@
-"""The emulated TDX module and quoting enclave as its own OS process.
-
-A real TD cannot choose its own measurement: the TDX module measures the TD as it is built,
-and the quoting enclave signs only reports the module produced. The stand-in keeps that
-property with processes:
-
-- it makes its own quoting key, in this process, when it starts. The launcher (standing for
-  the CPU-TEE vendor, whose root key it holds until then) certifies the public key
-  (`QuotingKey` -> `QuotingKeyCertified`) and then discards its root key;
-- the launcher tells it which CVM it launched and that CVM's measurement, computed by the
-  launcher from the code and configuration it launched (`LaunchedCvm` -> `CvmRegistered`),
-  over the launcher's own control link. One module quotes for one CVM;
-- a CVM asks over a unix socket with report data only (`QuoteRequest`); nothing it sends can
-  name a measurement. The module signs only for the connection whose kernel-reported
-  credentials (SO_PEERCRED: pid and uid) are those of the launched CVM, and only while that
-  very process lives (a pidfd, so a recycled pid is not it). A request that comes before the
-  launch is registered is held, up to `hold_s`; every other peer is refused (`QuoteRefused`).
-
-``python -m gputravel.cohort.entry tdx-module CONFIG CONTROL_FD`` runs `serve`. `TdxModule`
-is the sans-IO core; `request_quote` is the CVM's side.
+"""The emulated TDX module and quoting enclave as its own OS process: a TD cannot choose its own
+measurement. It makes its quoting key itself (the launcher certifies it, then drops its root
+key), learns from the launcher alone which CVM it launched and that CVM's measurement, and
+quotes only for the connection whose SO_PEERCRED pid and uid are that very process's (a pidfd
+and its start time, so a recycled pid is not it). A CVM sends report data only.
 """
 
 from __future__ import annotations
@@ -38,14 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from gputravel.crypto.certs import new_key, own_key_request
 from gputravel.files import atomic_write_bytes
-from gputravel.errors import (
-    BadInput,
-    GputravelError,
-    PeerTimeout,
-    ProtocolError,
-    RemoteError,
-    TransportClosed,
-)
+from gputravel.errors import BadInput, GputravelError, PeerTimeout, ProtocolError, RemoteError, TransportClosed
 from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import connect_unix, listen_unix
 from gputravel.protocol.codec import Message
@@ -62,8 +40,7 @@ _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5: a pidfd of 
 
 
 def process_start(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), or None if no
-    such process. A pid names a process only together with its start: pids are reused."""
+    """When ``pid`` started (/proc/PID/stat field 22), or None: pids are reused, a start is not."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -133,8 +110,8 @@ class Launch:
 
 @dataclass
 class TdxModule:
-    """Holds the quoting key; quotes (launch measurement, caller's report data) for the one
-    launched CVM. `decide` returns a quote, None (hold: not ready yet), or raises QuotingRefused."""
+    """The sans-IO core: `decide` returns a quote for the one launched CVM, None (hold: not ready
+    yet), or raises QuotingRefused."""
 
     key: ec.EllipticCurvePrivateKey = field(default_factory=new_key, repr=False)
     cert_chain: tuple[bytes, ...] | None = None
@@ -171,8 +148,7 @@ class TdxModule:
         if peer.pid != launch.pid or peer.uid != launch.uid:
             raise QuotingRefused(f"pid {peer.pid} (uid {peer.uid}) is not the CVM this module launched")
         if peer.started is None or peer.started != launch.started:
-            # The pid was reused: whoever connected is not the process that was launched
-            # (a connection made before the launch, held open, found by review).
+            # A reused pid: a connection made before the launch, held open, is not the launched CVM.
             raise QuotingRefused(f"pid {peer.pid} connected as another process than the CVM this module launched")
         if len(report_data) != REPORT_DATA_BYTES:
             raise QuotingRefused(f"report data must be {REPORT_DATA_BYTES} bytes")
@@ -217,9 +193,10 @@ class _Pending:
 
 
 class _Server:
-    def __init__(self, core: TdxModule, listener: socket.socket, control: StreamTransport, hold_s: float) -> None:
+    def __init__(self, core: TdxModule, listener: socket.socket, control: StreamTransport, hold_s: float,
+                 key_dir: Path | None) -> None:
         self.core, self.listener, self.control, self.hold_s = core, listener, control, hold_s
-        self.key_dir: Path | None = None  # where a deployed module keeps its certified chain
+        self.key_dir = key_dir  # where a deployed module keeps its certified chain
         self.pending: list[_Pending] = []
         self.pidfd = -1
         self.sel = selectors.DefaultSelector()
@@ -313,9 +290,8 @@ class _Server:
 
 
 def _exited(sock: socket.socket) -> bool:
-    """Whether the process that connected ``sock`` has exited, by the pidfd the kernel took at
-    connect time (SO_PEERPIDFD): exact, where a pid alone may name a newer process. False
-    where the kernel has no SO_PEERPIDFD (the start-time check still applies)."""
+    """Whether the process that connected ``sock`` has exited, by its SO_PEERPIDFD (exact, where a
+    pid may name a newer process); False without one (the start-time check still applies)."""
     try:
         pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
     except OSError:
@@ -330,8 +306,8 @@ KEY_FILE, CHAIN_FILE = "quoting.key", "quoting-chain.pem"
 
 
 def _kept_module(directory: Path) -> TdxModule:
-    """The module with the quoting key it made in `directory` (0700, its own), made there now
-    if absent; certified already when the chain it stored is for that key."""
+    """The module with the quoting key kept in `directory` (made if absent), certified if its stored
+    chain is for that key."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     own_key_request(directory / KEY_FILE, QUOTING_KEY_CN)  # makes the key once
     key = serialization.load_pem_private_key((directory / KEY_FILE).read_bytes(), password=None)
@@ -358,8 +334,6 @@ def serve(config: TdxModuleConfig, control: StreamTransport) -> None:
         control.send(Ready(role="tdx-module", detail={"certified": int(core.cert_chain is not None)}))
         if core.cert_chain is None:
             control.send(QuotingKey(public_key=core.public_key_der()))
-        server = _Server(core, listener, control, config.hold_s)
-        server.key_dir = Path(config.key_dir) if config.key_dir else None
-        server.run()
+        _Server(core, listener, control, config.hold_s, Path(config.key_dir) if config.key_dir else None).run()
     finally:
         listener.close()
