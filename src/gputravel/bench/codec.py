@@ -1,22 +1,17 @@
-"""`gputravel bench codec`: encode and decode time of the messages a travel sends.
-
-The travel path's messages, at the sizes a travel gives them: the push-buffer methods, the
-travel request and result with a context blob of about 1 KiB, the sealed context itself, a
-holder's hello with a manifest of 512 digests and a 256 KiB piece of the TLS baseline. Each
-is encoded and decoded ``number`` times per sample, ``repeat`` samples; medians per call.
+"""`gputravel bench codec`: encode and decode time of the travel path's messages, at the sizes a
+travel gives them; medians per call over ``repeat`` samples.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 
 import msgspec
 
+from gputravel.bench.compare import stamp
 from gputravel.crypto.channel import IV_BYTES, KEY_BYTES, ChannelState
 from gputravel.crypto.labels import USER_LABELS, is_h2d
 from gputravel.errors import BadInput
@@ -34,8 +29,7 @@ def _channel(label: str) -> ChannelState:
 
 
 def driver_context() -> DriverContext:
-    """A context blob's body as the orchestrator exports it: the six user channels (kernel
-    channels never travel)."""
+    """A context blob's body as the orchestrator exports it: the user channels only."""
     senders = tuple(_channel(label) for label in USER_LABELS if is_h2d(label))
     receivers = tuple(_channel(label) for label in USER_LABELS if not is_h2d(label))
     return DriverContext(version=CONTEXT_VERSION, layout="0" * 64, epoch=7, senders=senders,
@@ -44,7 +38,6 @@ def driver_context() -> DriverContext:
 
 
 def messages() -> dict[str, object]:
-    """The travel path's messages, named for the report."""
     blob = pack_context(driver_context())
     steps = {name: 1_000_000 for name in ("dh_import", "dh_copy", "dh_export", "o_switch", "handler")}
     return {
@@ -107,9 +100,7 @@ def run(repeat: int = 15, on_row: Callable[[dict], None] | None = None) -> dict:
             on_row(row)
     return {
         "codec": f"msgspec {msgspec.__version__}",
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
-                   f"{platform.python_implementation()} {platform.python_version()}",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **stamp(),
         "repeat": repeat,
         "rows": rows,
     }

@@ -1,27 +1,8 @@
-"""`gputravel bench compare`: GPU Travelling against the centralised TLS baseline (paper 7.2,
-Figure 6), measured side by side on the same capped links.
+"""`gputravel bench compare`: GPU Travelling against the centralised TLS baseline on the same
+capped links (paper 7.2, Figure 6); docs/benchmarks.md gives the method.
 
-For every (bandwidth, buffer size) cell a cohort is booted with one holder whose dataset is
-one buffer, on a link of that bandwidth (paper: the buffer is what one transmission moves).
-In it, travels and baseline transfers each get a warm-up and then ``repeat`` timed runs;
-medians are reported. Every cell uses the same kind of link (netns-tc where namespaces work,
-else the in-process token bucket), uncapped cells included, so only the cap differs.
-
-Sampling: a baseline transfer whose size/rate exceeds ``max_transfer_s`` (512 MiB at 4 Mbit/s
-is 18 minutes) is not run; its time is extrapolated linearly in size from the largest size
-measured at the same bandwidth, and the cell says so (``"extrapolated": true``). The
-smallest size of every bandwidth is always measured. Travels are always measured.
-
-The rate check: at every measured capped cell, the baseline's transfer time against size/cap
-(``"rate_agreement"``; the target is within 15 %). With netns-tc links, each capped
-bandwidth also gets one raw TCP transfer through the same shaped link (``"link_checks"``).
-
-Hardware (``CompareConfig.hardware``, protocol/hardware.py): both methods run on the profile's
-hardware, so under ``paper-h100`` the switches, the copy, the baseline's read and write and the
-context exchange cost at least the paper's Table 1 times, while the baseline's transfer still
-crosses the real capped link. Each cell is set beside the paper's Figure 6 (``"paper"``,
-estimated: bench/paper.py), the 512 MiB cells beside Table 2 (``"table_2"``), and each link
-gets a tie-break fitted over the sizes measured (``"tie_break_estimates"``).
+Baseline transfers longer than ``max_transfer_s`` are extrapolated linearly in size from the
+largest size measured at that bandwidth (``"extrapolated": true``), not run.
 """
 
 from __future__ import annotations
@@ -41,14 +22,15 @@ from gputravel.cohort.links import resolve_link
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 from gputravel.bench import paper
-from gputravel.bench.travel import check_sizes
+from gputravel.cohort import capacity
 from gputravel.protocol.hardware import EMULATED, hardware_profile
+from gputravel.protocol.layout import Layout
 
 MIB = 1 << 20
 HOLDER = "holder-1"
 RATE_TOLERANCE = 0.15
 WARMUP_BYTES = MIB  # the baseline's warm-up moves one record-sized chunk, not a whole buffer
-
+LINKS = ("auto", "netns", "token-bucket")  # auto: netns-tc where namespaces work, else token-bucket
 
 
 @dataclass(frozen=True)
@@ -56,50 +38,57 @@ class CompareConfig:
     sizes_mib: tuple[int, ...]
     bandwidths: tuple[float | None, ...]  # Mbit/s; None: uncapped
     repeat: int = 3
-    link: str = "auto"  # auto: netns-tc where namespaces work, else token-bucket
+    link: str = "auto"
     max_transfer_s: float = 25.0  # longer baseline transfers (size/rate) are extrapolated
     link_check_s: float = 2.0  # netns-tc: a raw TCP transfer of about this long per cap; 0: none
     workdir: str | None = None
     hardware: str = EMULATED  # protocol/hardware.py: the hardware both methods stand for
 
     def __post_init__(self) -> None:
-        if not self.sizes_mib or any(not 1 <= s <= 4096 for s in self.sizes_mib):
-            raise BadInput("sizes must be between 1 and 4096 MiB")
-        if not self.bandwidths or any(b is not None and not 0 < b <= 100_000 for b in self.bandwidths):
-            raise BadInput("bandwidths must be in (0, 100000] Mbit/s, or 'uncapped'")
+        check_sizes(self.sizes_mib)  # what this machine carries, before anything starts
+        check_links(self.bandwidths, self.link)
         if self.repeat < 1:
             raise BadInput("--repeat must be at least 1")
-        if self.link not in ("auto", "netns", "token-bucket"):
-            raise BadInput("--link must be auto, netns or token-bucket")
-        check_sizes(self.sizes_mib)  # what this machine carries, before anything starts
         number_in(self.max_transfer_s, "--max-transfer-s")
         number_in(self.link_check_s, "--link-check-s", low_included=True)
         hardware_profile(self.hardware)  # BadInput for an unknown profile
 
 
+def check_links(bandwidths: tuple[float | None, ...], link: str) -> None:
+    if not bandwidths or any(b is not None and not 0 < b <= 100_000 for b in bandwidths):
+        raise BadInput("bandwidths must be in (0, 100000] Mbit/s, or 'uncapped'")
+    if link not in LINKS:
+        raise BadInput(f"--link must be auto, netns or token-bucket, not {link!r}")
+
+
+def check_sizes(sizes_mib: list[int] | tuple[int, ...]) -> None:
+    """BadInput naming --sizes if this machine cannot carry one holder's cohort at the largest size."""
+    if not sizes_mib or any(not 1 <= s <= 4096 for s in sizes_mib):
+        raise BadInput("sizes must be between 1 and 4096 MiB")
+    size = max(sizes_mib)
+    capacity.check(1, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=size * MIB,
+                   vram_mib=size + capacity.VRAM_MARGIN_MIB, fix=f"use smaller --sizes than {size} MiB")
+
+
 def link_kind(link: str) -> str:
     """The link the whole grid runs on: what a capped cohort would get (cohort/links.py)."""
-    if link not in ("auto", "netns", "token-bucket"):
-        raise BadInput(f"--link must be auto, netns or token-bucket, not {link!r}")
+    check_links((None,), link)
     return resolve_link(link, bandwidth_mbit=1.0)
 
 
 def transfer_s(size_mib: int, bandwidth_mbit: float | None) -> float:
-    """size / rate, the time a transfer of the buffer takes at the cap (0 uncapped)."""
     return 0.0 if bandwidth_mbit is None else size_mib * MIB * 8 / (bandwidth_mbit * 1e6)
 
 
 def run(cfg: CompareConfig, *, on_cell: Callable[[dict], None] | None = None) -> dict:
     kind = link_kind(cfg.link)
     sizes = sorted(set(cfg.sizes_mib))
-    result = {"link": kind, "machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-              "repeat": cfg.repeat, "max_transfer_s": cfg.max_transfer_s, "cells": [], "link_checks": [],
-              "hardware": hardware_profile(cfg.hardware).to_json()}
+    result = {"link": kind, **stamp(), "repeat": cfg.repeat, "max_transfer_s": cfg.max_transfer_s, "cells": [],
+              "link_checks": [], "hardware": hardware_profile(cfg.hardware).to_json()}
     with tempfile.TemporaryDirectory(prefix="gputravel-compare-", dir=cfg.workdir) as tmp:
-        data = {s: _dataset(Path(tmp), s) for s in sizes}
+        data = {s: dataset(Path(tmp), s) for s in sizes}
         for bw in cfg.bandwidths:
-            cells = _bandwidth(cfg, kind, bw, sizes, data, result["link_checks"], on_cell)
-            result["cells"].extend(cells)
+            result["cells"].extend(_bandwidth(cfg, kind, bw, sizes, data, result["link_checks"], on_cell))
     result["tie_breaks"] = tie_breaks(result["cells"], cfg.bandwidths)
     result["tie_break_estimates"] = [{"bandwidth_mbit": bw, "size_mib": paper.tie_break_mib(result["cells"], bw)}
                                      for bw in cfg.bandwidths]
@@ -114,7 +103,8 @@ def _bandwidth(cfg: CompareConfig, kind: str, bw: float | None, sizes: list[int]
     for size in sizes:
         measure = ref is None or transfer_s(size, bw) <= cfg.max_transfer_s
         with Cohort(_cohort_config(kind, bw, size, data[size], cfg)) as cohort:
-            if bw is not None and kind == LINK_NETNS and cfg.link_check_s > 0 and not checks_done(checks, bw):
+            if (bw is not None and kind == LINK_NETNS and cfg.link_check_s > 0
+                    and not any(c["bandwidth_mbit"] == bw for c in checks)):
                 checks.append(_link_check(cohort, bw, cfg.link_check_s))
             travel = _travels(cohort, cfg.repeat)
             base = _baselines(cohort, cfg.repeat) if measure else _extrapolate(ref, size)
@@ -125,10 +115,6 @@ def _bandwidth(cfg: CompareConfig, kind: str, bw: float | None, sizes: list[int]
         if on_cell is not None:
             on_cell(cell)
     return cells
-
-
-def checks_done(checks: list, bw: float | None) -> bool:
-    return any(c["bandwidth_mbit"] == bw for c in checks)
 
 
 def _cohort_config(kind: str, bw: float | None, size: int, dataset: str, cfg: CompareConfig) -> CohortConfig:
@@ -192,19 +178,16 @@ def _cell(size: int, bw: float | None, travel: dict, base: dict) -> dict:
 
 
 def _link_check(cohort: Cohort, bw: float, seconds: float) -> dict:
-    """One raw TCP transfer through the cohort's shaped link, holder to orchestrator: about
-    ``seconds`` worth at the cap (at least 1 MiB, at most 32 MiB)."""
+    """One raw TCP transfer, holder to orchestrator, of about ``seconds`` at the cap (1 to 32 MiB)."""
     nbytes = int(min(32 * MIB, max(MIB, bw * 1e6 / 8 * seconds)))
-    links = cohort.links.shaped
-    check = check_rate(links, HOLDER, "orchestrator", nbytes, tolerance=RATE_TOLERANCE)
+    check = check_rate(cohort.links.shaped, HOLDER, "orchestrator", nbytes, tolerance=RATE_TOLERANCE)
     return {"bandwidth_mbit": bw, "nbytes": nbytes, "measured_mbit": check.measured_mbit,
             "expected_s": check.expected_s, "measured_s": check.measured_s,
             "ratio": check.measured_s / check.expected_s, "ok": check.ok}
 
 
 def tie_breaks(cells: list[dict], bandwidths: tuple[float | None, ...]) -> list[dict]:
-    """Per bandwidth: the sizes at which the baseline was faster, and the size from which GPU
-    Travelling wins at every larger size too (None: it never does)."""
+    """Per bandwidth: where the baseline was faster, and from which size travelling wins for good."""
     out = []
     for bw in bandwidths:
         row = sorted((c for c in cells if c["bandwidth_mbit"] == bw), key=lambda c: c["size_mib"])
@@ -218,7 +201,8 @@ def tie_breaks(cells: list[dict], bandwidths: tuple[float | None, ...]) -> list[
     return out
 
 
-def _dataset(directory: Path, size_mib: int) -> str:
+def dataset(directory: Path, size_mib: int) -> str:
+    """A holder's dataset of random bytes, named for its size."""
     path = directory / f"holder-{size_mib}mib.bin"
     with open(path, "wb") as f:
         f.writelines(os.urandom(MIB) for _ in range(size_mib))
@@ -230,11 +214,14 @@ def machine() -> str:
             f"{platform.python_implementation()} {platform.python_version()}")
 
 
+def stamp() -> dict:
+    """Where and when a benchmark ran, for its JSON."""
+    return {"machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
 # ----------------------------------------------------------------------------- the figure
 def plot(result: dict, path: Path) -> Path:
-    """A figure like the paper's Figure 6: per bandwidth, time per transmission of both
-    methods against the buffer size (log scale), speedups written over the bars; extrapolated
-    baseline bars are hatched."""
+    """Like the paper's Figure 6: one panel per bandwidth; extrapolated baseline bars hatched."""
     from matplotlib.figure import Figure
 
     bws = list(dict.fromkeys(c["bandwidth_mbit"] for c in result["cells"]))
@@ -276,7 +263,7 @@ COLUMNS = ("MiB", "Mbit/s", "travel", "baseline", "speedup", "paper est.", "rate
 
 
 def table_rows(result: dict) -> list[list[str]]:
-    """One printable row per cell; extrapolated baseline times are marked with a '~'."""
+    """One printable row per cell; extrapolated baseline times marked '~'."""
     rows = []
     for c in result["cells"]:
         mark = "~" if c["extrapolated"] else ""

@@ -1,37 +1,9 @@
 """`gputravel bench ddp`: what sealing every hop of the ring all-reduce costs (issue 14).
 
-For each GPU count G and model, G rank processes join one torch.distributed group (gloo on
-CPU, env:// on 127.0.0.1) and train the same GPT-2 data-parallel, three ways:
-
-- ``plain``: DDP without a hook (gloo's own all-reduce, nothing sealed);
-- ``encrypted_naive``: the ring of ddp/ring.py, each hop's segment sealed whole (in records of
-  at most 1 MiB), sent, received, opened, in turn (what the DDP characterization of GPU TEEs
-  measured);
-- ``encrypted``: the same ring pipelined in records, sealing and opening overlapped with the
-  transfers (Fastrack's ideas), its buckets overlapped with the backward pass.
-
-``iter_ms`` is the median of whole training iterations (forward, backward with the gradient
-exchange, optimizer step); ``allreduce_ms`` the median of the gradient exchange alone, on a
-flat tensor the size of the model's gradients. Each rank gets its keys from an ECDHE bound to
-an emulated TDX quote (ddp/keys.py); that set-up is not timed.
-
-``g2_identical`` is issue 14's G2 for the hook, measured in the same run on every rank of
-every cell (``g2`` gives each cell's checks): without encryption the hook's own ring equals
-itself bit for bit (the same all-reduce twice, the same on every rank, and DDP trained twice
-from the same seed through the hook gives the same losses, bit for bit), and it agrees with
-gloo's all_reduce to float tolerance. (Travelling against ``--loader local`` with several
-GPUs needs a travelling GPU per rank, which is not built yet.)
-
-Emulation: the "GPUs" are CPU processes sharing this machine's cores, and the links between
-them are loopback TCP, so the sealing competes with the training for the same cores; on
-H100s the crypto runs on the CPU beside GPUs that compute, and the links are NVLink or a
-network. The ratios, not the milliseconds, are what carries over.
-
-With ``device="cuda"`` (`run`; one GPU per rank, cuda:RANK) the ranks train on real GPUs:
-``plain`` is then DDP over NCCL, and the rings, on a gloo group of their own, stage each
-bucket through a host copy (ddp/hook.py), as GPUs in CC mode have no peer-to-peer path. That
-path has not run in this project (no GPU was at hand); the default, ``"cpu"``, is the
-emulation above, unchanged.
+G ranks train the same GPT-2 data-parallel three ways (METHODS: gloo unsealed, the ring sealed
+hop by hop, the ring pipelined); ``g2_identical`` checks the hook's ring against itself and
+gloo. On CPU the "GPUs" are processes sharing this machine's cores: the ratios carry over, not
+the milliseconds. docs/benchmarks.md gives the method.
 """
 
 from __future__ import annotations
@@ -40,7 +12,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -50,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gputravel.attest import Authority
 from gputravel.attest.quote import EmulatedRankTee
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
-from gputravel.bench.compare import machine
+from gputravel.bench.compare import stamp
 from gputravel.crypto.certs import key_pem
 from gputravel.ddp import Ring, RingHookState, encrypted_allreduce_hook, establish_pair_keys
 from gputravel.ddp.hook import stage, unstage
@@ -72,11 +44,7 @@ G2_TOLERANCE = 1e-5  # rtol and atol of the ring against gloo (the sum's order d
 DEVICES = ("cpu", "cuda")
 
 
-def _no_wait() -> None:
-    pass
-
-
-def _median_ms(run: Callable[[], None], warmup: int, iters: int, done: Callable[[], None] = _no_wait) -> float:
+def _median_ms(run: Callable[[], object], warmup: int, iters: int, done: Callable[[], None]) -> float:
     """`done` waits for work `run` queued on a GPU (CUDA calls return before it finishes)."""
     for _ in range(warmup):
         run()
@@ -92,30 +60,29 @@ def _median_ms(run: Callable[[], None], warmup: int, iters: int, done: Callable[
 
 
 def _ring_exchange(ring: Ring, tensor: torch.Tensor) -> None:
-    """The ring's all-reduce of `tensor` as the hook runs it: a CUDA tensor through a host copy
-    (timed with it), a CPU tensor in place."""
+    """The ring's all-reduce as the hook runs it: a CUDA tensor through a (timed) host copy."""
     host = stage(tensor)
     ring.all_reduce(host)
     unstage(tensor, host)
 
 
-def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     opt.zero_grad(set_to_none=True)
     _, loss = model(x, y)
     loss.backward()
     opt.step()
+    return loss
 
 
 def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes, bytes], context: bytes,
           device: torch.device, group: dist.ProcessGroup | None) -> dict:
-    """One rank's share of one (G, model) cell on `device`, the rings on `group` (None: the
-    default group); rank 0's figures are the cell's."""
+    """One rank's share of one (G, model) cell, the rings on `group` (None: the default group)."""
     cfg = MODELS[model_name]
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch, as DDP's shards
     x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=gen).to(device)
     y = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=gen).to(device)
-    done = torch.cuda.synchronize if device.type == "cuda" else _no_wait
+    done = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     root_cert, root_key = root
     authority = Authority(root_cert, serialization.load_pem_private_key(root_key, password=None))
     tee = EmulatedRankTee(authority, root_cert, MEASURED)
@@ -148,9 +115,7 @@ def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes,
 
 def _g2(rank: int, cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor, params: int,
         group: dist.ProcessGroup | None) -> dict:
-    """The hook's plain ring against itself and against gloo (`group`, None: the default
-    group), on fresh data; every rank's verdict is combined (MIN), so rank 0's answer holds
-    for all."""
+    """The hook's plain ring against itself and gloo; the verdicts are MIN-reduced, so rank 0's holds for all."""
     data = torch.randn(params, generator=torch.Generator().manual_seed(4242 + rank))
     ring = Ring("plain", group=group)
     first, again = ring.all_reduce(data.clone()), ring.all_reduce(data.clone())
@@ -171,28 +136,20 @@ def _g2(rank: int, cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor, params: int
 
 
 def _hook_losses(cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor, group: dist.ProcessGroup | None) -> list[float]:
-    """Losses of G2_STEPS steps of DDP through the hook's plain ring, from seed 0, on x's device."""
+    """Losses of G2_STEPS steps of DDP through the hook's plain ring, from seed 0."""
     torch.manual_seed(0)
     ddp = DDP(GPT(cfg).to(x.device))
     state = RingHookState(Ring("plain", group=group))
     ddp.register_comm_hook(state, encrypted_allreduce_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    losses = []
     try:
-        for _ in range(G2_STEPS):
-            opt.zero_grad(set_to_none=True)
-            _, loss = ddp(x, y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        return [_iteration(ddp, opt, x, y).item() for _ in range(G2_STEPS)]
     finally:
         state.close()
-    return losses
 
 
 def _rank_main(rank: int, world: int, port: int, args: tuple, device_type: str = "cpu") -> dict:
-    """One rank, in its own process (ddp/launch.py): join the cell's group (gloo on the CPU,
-    NCCL on GPU cuda:`rank`, the rings then on a gloo group of their own), run the cell."""
+    """One rank's process: gloo on CPU, or NCCL on cuda:`rank` with the rings on a gloo group of their own."""
     torch.set_num_threads(1)  # the ranks share this machine's cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
@@ -200,7 +157,6 @@ def _rank_main(rank: int, world: int, port: int, args: tuple, device_type: str =
         torch.cuda.set_device(device)  # NCCL's communicator for this rank is on this GPU
     dist.init_process_group(backend_for(device), rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
-        # On the CPU the default group is gloo already: the rings use it, as they always have.
         group = None if backend_for(device) == "gloo" else dist.new_group(backend="gloo")
         return _cell(rank, world, *args, device, group)
     finally:
@@ -214,8 +170,7 @@ def _job_context(world: int, model_name: str) -> bytes:
 
 def run_cell(world: int, model_name: str, iters: int, root: tuple[bytes, bytes], timeout: float = 600.0,
              device: str = "cpu") -> dict:
-    """Start `world` rank processes for one cell and return rank 0's row. A rank that fails,
-    dies or hangs stops the benchmark (ProcessFailed, ProcessesSilent), named with its cell."""
+    """Rank 0's row of one cell; a rank that fails, dies or hangs stops the benchmark."""
     port = free_port()
     context = _job_context(world, model_name)  # one for the whole cell: every rank must share it
     args = (model_name, iters, root, context)
@@ -226,8 +181,7 @@ def run_cell(world: int, model_name: str, iters: int, root: tuple[bytes, bytes],
 
 def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
         on_row: Callable[[dict], None] | None = None, device: str = "cpu") -> dict:
-    """The sweep: one row per (GPU count, model), on `device` ("cpu": emulated GPUs; "cuda":
-    one GPU per rank)."""
+    """One row per (GPU count, model); device "cuda" puts each rank on a GPU of its own."""
     if not gpus or any(g < 1 or g > 8 for g in gpus):
         raise BadInput("--gpus must be GPU counts from 1 to 8, e.g. 1,2,4")
     unknown = [m for m in models if m not in MODELS]
@@ -249,6 +203,5 @@ def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
             rows.append(row)
             if on_row:
                 on_row(row)
-    return {"machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"), "iters": iters,
-            "device": device,
-            "rows": rows, "g2_identical": all(c["identical"] for c in g2), "g2": g2}
+    return {**stamp(), "iters": iters, "device": device, "rows": rows,
+            "g2_identical": all(c["identical"] for c in g2), "g2": g2}

@@ -1,30 +1,18 @@
 """`gputravel bench fl-sweep`: where FedAvg moves fewer bytes than travelling and the TLS
-baseline, and where more, measured over model sizes and the dataset size per holder.
+baseline, and where more, over model sizes and the dataset size per holder.
 
-Every cell is a `bench train` run at one bandwidth (bench/train.py): each holder's training
-tokens cut to ``holder_tokens``, the job one pass over them (FedAvg: ``rounds`` rounds, each
-holder ``windows // rounds`` local steps a round; travel and tls: the same number of steps
-in all). FedAvg runs in every cell. Travel and tls run once per dataset size, with the first
-model: what they put on the link is data chunks (tls) or context blobs (travel), which do not
-depend on the model (the default `bench train` run, another model size, shows the same).
-
-From the measured bytes, per model (``crossover``): what FedAvg moves per holder per round
-(and that over the model's own size, Flower's overhead), what the TLS baseline moves per
-training token, what a travel moves; and from those, the dataset size per holder at which
-FedAvg starts moving fewer bytes than each (below it, FedAvg moves more).
-
-``loss_gap``: at `bench train`'s default size, FedAvg on the three presses (non-IID: one
-press per holder) and on the same tokens dealt out mixed (IID), against travelling on each.
+Each cell is a `bench train` run. Travel and tls run once per dataset size (what they put on
+the link does not depend on the model); ``crossover`` solves, per model, the dataset size per
+holder at which FedAvg's bytes equal each; ``loss_gap`` sets FedAvg non-IID and IID against travel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 from gputravel.bench import train
-from gputravel.bench.compare import machine
+from gputravel.bench.compare import stamp
 from gputravel.errors import BadInput
 from gputravel.fl.config import FedAvgConfig
 from gputravel.fl.local import parameter_count
@@ -74,8 +62,7 @@ def model_config(n_layer: int, n_embd: int, steps: int):
 
 
 def run(cfg: SweepConfig, *, on_cell: Callable[[dict], None] | None = None) -> dict:
-    result = {"machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-              "bandwidth_mbit": cfg.bandwidth_mbit, "rounds": cfg.rounds, "holders": HOLDERS,
+    result = {**stamp(), "bandwidth_mbit": cfg.bandwidth_mbit, "rounds": cfg.rounds, "holders": HOLDERS,
               "buffer_bytes": BUFFER_BYTES, "cells": [], "loss_gap": None}
     for d in cfg.holder_tokens:
         for k, (n_layer, n_embd) in enumerate(cfg.models):
@@ -152,8 +139,7 @@ def loss_gap(cfg: SweepConfig) -> dict:
 
 # ----------------------------------------------------------------------------- the figure
 def plot(result: dict, path):
-    """Bytes over the links against the dataset size per holder: FedAvg per model size,
-    travel and TLS (log-log)."""
+    """Bytes over the links against the dataset size per holder, log-log."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.4, 4.4), dpi=110)

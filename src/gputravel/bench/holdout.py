@@ -1,16 +1,8 @@
-"""The holders' data for `bench train`: training tokens, and held-out evaluation tokens.
+"""The holders' data for `bench train`: every method trains on the same training tokens and is
+scored on the same held-out ones (``final_loss``), the last ``eval_batches`` batches of each holder.
 
-Every method trains on the same holders' training tokens and is scored on the same held-out
-tokens (``final_loss``). From each holder's tokens, the last ``eval_batches`` batches (plus
-one token) are held out: no method ever trains on them. The rest is written as that
-holder's llm.c shard directory (with its tokenizer record), which the travelling and TLS
-holders serve and the FedAvg holders read: byte for byte the same data.
-
-Two options serve the FL sweep: ``holder_tokens`` cuts each holder's training tokens to
-that many (the dataset size per holder), and ``iid`` deals every holder's training tokens
-out again in batch-sized blocks, round robin, so each holder gets a mix of all presses: the
-IID control for the loss gap that FedAvg's non-IID holders (one press each) cause.
-(The blocks are shuffled with a fixed seed, then dealt, so every holder gets every press.)
+``holder_tokens`` cuts each holder's training tokens (the FL sweep's dataset size); ``iid`` deals
+them out again mixed, the IID control for the loss gap of FedAvg's non-IID holders.
 """
 
 from __future__ import annotations
@@ -71,8 +63,7 @@ def prepare(sources: tuple[tuple[str, str], ...], out: Path, *, batch: int, seq_
 
 
 def _deal(train: dict[str, np.ndarray], window: int) -> dict[str, np.ndarray]:
-    """Every holder's blocks of ``window`` tokens, shuffled (seed 0) and dealt round robin, so
-    each holder ends up with all presses' text."""
+    """Every holder's blocks of ``window`` tokens, shuffled (seed 0) and dealt round robin."""
     names = sorted(train)
     blocks = [t[i:i + window] for n in names for t in [train[n]] for i in range(0, len(t) - window + 1, window)]
     order = np.random.default_rng(0).permutation(len(blocks))  # the presses interleave, reproducibly

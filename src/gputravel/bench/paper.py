@@ -1,13 +1,8 @@
-"""The paper's figures, set beside ours: Table 1 step by step, Figure 6 cell by cell, Table 2
-row by row. Sans-IO: measured results (dicts, as the benchmarks write them) in, comparisons out.
+"""The paper's figures (protocol/hardware.py) beside ours: Table 1, Figure 6 and Table 2. Sans-IO.
 
-The tables themselves are in protocol/hardware.py, the one place every figure traces to.
-Figure 6 is a picture in the paper, so its cells are *estimated*: a travel takes Table 1's total
-at that size (the paper: a travel's time hardly moves with the link), the baseline takes
-Table 2's time for one 512 MiB buffer at that link, scaled linearly to the size (the paper:
-the baseline "fluctuates linearly"). That estimate has no fixed cost per baseline transfer, so
-it puts the paper's tie-break at 500 Mbit/s near 11 MiB, where the paper's text says "around
-a 4 MiB buffer".
+Figure 6 is a picture, so its cells are *estimated*: a travel takes Table 1's total at that
+size, the baseline Table 2's 512 MiB time at that link scaled linearly to the size. With no
+fixed cost per transfer, that puts the 500 Mbit/s tie-break near 11 MiB (the text: "around 4 MiB").
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ def table_1_row(size_mib: int) -> dict | None:
 
 
 def paper_speedup(size_mib: int, bandwidth_mbit: float | None) -> float | None:
-    """The paper's speedup at a Figure 6 cell, estimated (see above); None off the grid."""
+    """The paper's speedup at a Figure 6 cell, estimated; None off the grid."""
     cell = figure_6_cell(size_mib, bandwidth_mbit)
     return None if cell is None else cell["speedup"]
 
@@ -52,7 +47,7 @@ def figure_6_cell(size_mib: int, bandwidth_mbit: float | None) -> dict | None:
 
 
 def against_paper(cell: dict) -> dict | None:
-    """One measured compare cell beside the paper's estimate: each figure and ours / paper's."""
+    """One measured compare cell beside the paper's estimate, with ours / paper's."""
     paper = figure_6_cell(cell["size_mib"], cell["bandwidth_mbit"])
     if paper is None:
         return None
@@ -61,11 +56,11 @@ def against_paper(cell: dict) -> dict | None:
 
 
 def table_2(cells: list[dict]) -> list[dict]:
-    """Table 2 for this run, one row per link measured at 512 MiB: one transmission of each
-    method, and its share of the paper's llm.c training time beside it (the paper's H100
-    trained for about 1230 s per 512 MiB buffer; we have no H100 to train on)."""
+    """Table 2 for this run: per link measured at 512 MiB, each method's share of the paper's
+    llm.c training time (we have no H100 to train on)."""
     rows = []
-    for c in sorted((c for c in cells if c["size_mib"] == TABLE_2_BUFFER_MIB), key=_link_order):
+    at_512 = (c for c in cells if c["size_mib"] == TABLE_2_BUFFER_MIB)
+    for c in sorted(at_512, key=lambda c: float("inf") if c["bandwidth_mbit"] is None else c["bandwidth_mbit"]):
         bw = c["bandwidth_mbit"]
         key = None if bw is None else float(bw)
         if key not in TABLE_2:
@@ -84,15 +79,9 @@ def table_2(cells: list[dict]) -> list[dict]:
     return rows
 
 
-def _link_order(cell: dict) -> float:
-    bw = cell["bandwidth_mbit"]
-    return float("inf") if bw is None else bw
-
-
 def tie_break_mib(cells: list[dict], bandwidth_mbit: float | None) -> float | None:
-    """Where travelling and the baseline cost the same at this link: both times fitted as
-    a + b x size over the sizes measured there (least squares; at least two sizes), and the
-    crossing solved. None: fewer than two sizes, or lines that do not cross at a positive size."""
+    """Where both methods' least-squares lines a + b x size cross at this link; None: fewer than
+    two sizes, or no crossing at a positive size."""
     row = [c for c in cells if c["bandwidth_mbit"] == bandwidth_mbit]
     if len({c["size_mib"] for c in row}) < 2:
         return None

@@ -1,38 +1,9 @@
 """The two-core pipeline limit of the copy: ``pipeline_limit_gbps`` in `gputravel bench travel`.
 
-The copy (docs/architecture.md, "The pipelined copy") is a pipeline of two passes on two cores:
-the holder *seals* record k (AES-256-GCM, straight from its dataset mapping into a staging slot
-of its shared memory) while the device *opens* an earlier record (reads it out of the slot into
-its own memory, checks the tag and decrypts it into a private scratch buffer, then writes the
-plaintext into VRAM). A pipeline runs no faster than its slower pass, and the two passes share
-the machine while they run (memory bandwidth, caches, the hypervisor), so the limit is
-
-    pipeline_limit_gbps = min(seal rate, open rate), both measured while both run.
-
-Each rate includes what the copy path must move besides the crypto, exactly as the copy moves
-it: the sealer reads a source as large as the copy and writes the slot; the opener reads the
-record out of the slot into its own memory, a piece at a time, and opens those copies (the
-device's one read of host-writable bytes: ``device.memory.open_record``, the very function the
-device runs), then copies the plaintext into a populated VRAM-sized buffer. What the limit leaves out is the copy's protocol: the pushes, the
-semaphores, the doorbell and the interrupts, the waits for a free slot. That is what the copy
-is judged on when it is read against this limit.
-
-How: two processes (``python -m gputravel.bench.pipeline sealer|opener``) map one memfd that
-holds a ring of staging slots in the copy's record size and slot count, and pass
-``total_bytes`` of records through it, as the copy does: the sealer seals record k into slot
-k % S once the opener is done with record k - S, the opener opens record k once it is sealed.
-Two counters in the memfd are the whole protocol (each side polls the other's, yielding the
-CPU, as the driver and the device poll), so the passes run concurrently and are coupled as
-in the copy: the faster one waits, and neither runs flat out against the other's memory
-traffic more than the copy lets it. Each process times its pass's work (its waits left out):
-``seal_gbps`` and ``open_gbps``, and the limit is the slower. ``lockstep_gbps`` is what the
-pair moved end to end: the copy with a protocol that costs nothing but the hand-offs.
-``rounds`` runs; the limit reported is the median round's.
-
-The limit assumes each pass keeps to its own core, as the copy does. ``balanced_gbps``
-(``2 / (1/seal + 1/open)``: both passes' work spread evenly over the two cores) is the
-ceiling for a copy that ran part of the device's pass on the holder's idle core; a second
-device thread that did so measured slower on this 2-vCPU machine, so the copy does not.
+The holder seals and the device opens (``device.memory.open_record``, the device's own code) in
+two processes on two cores, coupled through a ring of staging slots in one memfd as the copy is,
+so the copy can go no faster than the slower pass measured while both run. The protocol (pushes,
+semaphores, doorbell) is left out: that is what the copy is judged on. docs/benchmarks.md has the method.
 """
 
 from __future__ import annotations
@@ -59,7 +30,7 @@ _ROLES = ("sealer", "opener")
 
 def pipeline_limit(record_bytes: int, slots: int, total_bytes: int = 256 * MIB, rounds: int = 3,
                    timeout: float = 120.0) -> dict:
-    """Measure the limit ``rounds`` times; the median round's figures, and every round's."""
+    """The median round's figures of ``rounds``, and every round's."""
     if record_bytes <= 0 or slots < 2 or total_bytes < record_bytes * slots or rounds < 1:
         raise BadInput("the pipeline limit needs a record size, at least 2 slots, a total of at least "
                        "one ring of records, and at least one round")
@@ -113,8 +84,17 @@ def _child(role: str, fd: int, record: int, slots: int, total: int) -> None:
     block = os.urandom(MIB)
     for off in range(0, total, MIB):  # touched and written, as a dataset and a used VRAM are
         big[off : off + MIB] = block[: min(MIB, total - off)]
-    sealer = role == "sealer"
-    step = _sealer(keys, memoryview(big), ring, record) if sealer else _opener(keys, memoryview(big), ring, record)
+    sealer, data = role == "sealer", memoryview(big)
+    if sealer:
+        sender = Sender(keys)
+
+        def step(k: int) -> None:
+            sender.encrypt_into(data[k * record : (k + 1) * record], ring[k % slots])
+    else:
+        receiver, piece, scratch = Receiver(keys), bytearray(min(PIECE_BYTES, record)), bytearray(record)
+
+        def step(k: int) -> None:
+            data[k * record : (k + 1) * record] = open_record(receiver, ring[k % slots], piece, scratch)
     records = total // record
     # The sealer may seal record k once record k - slots is opened; the opener opens k once sealed.
     ready = (lambda k: k - counters[1] < slots) if sealer else (lambda k: counters[0] > k)
@@ -131,23 +111,6 @@ def _child(role: str, fd: int, record: int, slots: int, total: int) -> None:
         counters[0 if sealer else 1] = k + 1
     moved = records * record
     json.dump({"gbps": moved / busy / 1e9, "end_to_end_gbps": moved / (time.perf_counter() - t0) / 1e9}, sys.stdout)
-
-
-def _sealer(keys: KeyMaterial, dataset: memoryview, ring: list[memoryview], record: int):
-    sender, slots = Sender(keys), len(ring)
-
-    def step(k: int) -> None:
-        sender.encrypt_into(dataset[k * record : (k + 1) * record], ring[k % slots])
-    return step
-
-
-def _opener(keys: KeyMaterial, vram: memoryview, ring: list[memoryview], record: int):
-    receiver, slots = Receiver(keys), len(ring)
-    piece, scratch = bytearray(min(PIECE_BYTES, record)), bytearray(record)
-
-    def step(k: int) -> None:
-        vram[k * record : (k + 1) * record] = open_record(receiver, ring[k % slots], piece, scratch)
-    return step
 
 
 if __name__ == "__main__":

@@ -1,22 +1,11 @@
 """`gputravel plan`: what travelling would cost a consortium, before it buys hardware. Sans-IO:
-the inputs and the benchmark results (dicts, as the benchmarks write them) in, a prediction out.
+benchmark results in, a prediction out. Per transmission of a buffer of ``b`` bytes:
 
-The model, per transmission of one buffer of ``b`` bytes over a link of ``bw`` Mbit/s:
+* travelling: ``fixed + copy x b + context / goodput(bw)`` (only the context crosses the link);
+* the TLS baseline: ``io x b + b / goodput(bw)`` (the read overlaps the transfer: ``io`` is the write);
+* FL (modelled, not measured): each round every holder receives and sends the model.
 
-* travelling: ``fixed + copy x b + context / goodput(bw)`` (the context blob is all that
-  crosses the link);
-* the TLS baseline: ``io x b + b / goodput(bw)`` (read, send, write into the GPU; measured
-  here, the read overlaps the transfer and ``io`` is the write alone);
-* FL (a model, not measured here): every round each holder receives and sends the model,
-  ``2 x model x holders x rounds`` bytes, the holders' links in parallel.
-
-Training time is the tokens of every pass over the data at the given rate; each method's
-share is its transmission time / (training + transmission), as the paper's Table 2, which
-counts transmission as time the training waits.
-
-Where each constant comes from is in :class:`Constants`' ``sources``: benchmark JSONs measured
-on this machine (`bench travel`, `bench compare`, `bench codec`), or the paper's figures that
-the ``paper-h100`` profile holds (protocol/hardware.py).
+Each method's share is transmission / (training + transmission), as the paper's Table 2.
 """
 
 from __future__ import annotations
@@ -30,7 +19,6 @@ from gputravel.protocol.hardware import EMULATED, PAPER_H100, TABLE_2, TABLE_2_B
 
 MIB = 1 << 20
 TIB = 1 << 40
-#: The paper's uncapped link "reaches around 1 Gbps" (paper 7.4).
 #: "the keys and contexts were small (about 16 KiB)" (paper 7.1): what a travel sends over the link.
 PAPER_CONTEXT_BYTES = 16 * 1024
 SOURCES = ("auto", "results", "paper")
@@ -77,7 +65,6 @@ class PlanInput:
 
     @property
     def rate(self) -> float:
-        """Training tokens per second."""
         return self.tokens_per_s if self.tokens_per_s is not None else self.tokens_per_step / self.step_s
 
     @property
@@ -106,7 +93,7 @@ class Constants:
 
 
 def _interpolate(points: tuple[tuple[float, float], ...], bw: float) -> float:
-    """Piecewise linear in log(bandwidth) between the measured caps; the nearest one outside."""
+    """Piecewise linear in log(bandwidth) between the measured caps; the nearest outside them."""
     pts = sorted(points)
     if bw <= pts[0][0]:
         return pts[0][1]
@@ -119,8 +106,7 @@ def _interpolate(points: tuple[tuple[float, float], ...], bw: float) -> float:
 
 # ----------------------------------------------------------------------------- where constants come from
 def paper_constants() -> Constants:
-    """The paper's own figures (the paper-h100 profile): Table 1 for a travel, Table 2 for the
-    baseline's goodput (its 512 MiB time less the read and write, against the cap)."""
+    """The paper's figures: Table 1 for a travel, Table 2 for the baseline's goodput."""
     hw = hardware_profile(PAPER_H100)
     copy = hw.copy_s(MIB) * 1e3
     total = hw.copy_s(TABLE_2_BUFFER_MIB * MIB)
@@ -138,8 +124,8 @@ def paper_constants() -> Constants:
 
 
 def constants_from(results: list[tuple[str, dict]], hardware: str, source: str = "auto") -> Constants:
-    """The constants for ``hardware``: from the newest benchmark JSONs measured with that profile
-    (``results``: (path, JSON) pairs), or from the paper's figures (paper-h100 only)."""
+    """From the newest benchmark JSONs (``results``: (path, JSON) pairs) measured with ``hardware``,
+    or from the paper's figures (paper-h100 only)."""
     if source not in SOURCES:
         raise BadInput(f"--source must be one of {', '.join(SOURCES)}")
     if source == "paper" or (source == "auto" and hardware == PAPER_H100 and not _newest(results, "travel", hardware)):
@@ -181,9 +167,7 @@ def _travel_constants(path: str, doc: dict) -> tuple[float, float, dict[str, str
 
 
 def _baseline_constants(found: tuple[str, dict] | None, hardware: str, copy_ms_per_mib: float):
-    """Goodput per cap and the GPU write, from the baseline's measured totals. Our baseline reads
-    each piece while the previous ones are on the link, so its read overlaps the transfer and
-    only the write comes after: goodput = size / (total - write)."""
+    """Goodput per cap and the GPU write: the read overlaps the transfer, so goodput = size / (total - write)."""
     hw = hardware_profile(hardware)
     if found is None:
         io = hw.copy_s(MIB) * 1e3 if hardware == PAPER_H100 else copy_ms_per_mib
@@ -225,7 +209,6 @@ def predict(inp: PlanInput, k: Constants) -> dict:
     training_s = moved / inp.bytes_per_token / inp.rate
     travel_s = (k.travel_fixed_ms + k.copy_ms_per_mib * b_mib) / 1e3 + k.context_bytes / link
     base_s = k.baseline_io_ms_per_mib * b_mib / 1e3 + inp.buffer_bytes / link
-    # The last buffer of a dataset may be short; the per-transmission figures are full buffers.
     out = {
         "inputs": {**inp.__dict__, "tokens_per_s_used": inp.rate},
         "constants": {**{k_: v for k_, v in k.__dict__.items() if k_ != "sources"}, "goodput_mbit": link * 8 / 1e6},
@@ -263,8 +246,7 @@ WORKED_EXAMPLE = {"saved_per_transmission_s": 7.0, "saved_s": 1_261_568.0, "data
 
 
 def worked_example_input(**changes) -> PlanInput:
-    """The worked example's inputs. The slides do not name the link: 500 Mbit/s is the Table 2
-    link at which 256 MiB buffers save about 7 s each (uncapped saves about 3 s)."""
+    """The slides name no link: at Table 2's 500 Mbit/s, 256 MiB buffers save about their 7 s each."""
     inp = PlanInput(dataset_bytes=WORKED_EXAMPLE["dataset_bytes"], holders=1, buffer_bytes=WORKED_EXAMPLE["buffer_bytes"],
                     bandwidth_mbit=500.0, hardware=PAPER_H100, tokens_per_s=PAPER_TOKENS_PER_S,
                     model_bytes=GPT2_124M_BYTES)
@@ -272,7 +254,6 @@ def worked_example_input(**changes) -> PlanInput:
 
 
 def against_worked_example(prediction: dict) -> dict:
-    """How close a prediction lands to the slides' figures (ours / theirs)."""
     return {key: {"ours": prediction[key], "paper": WORKED_EXAMPLE[key], "ratio": prediction[key] / WORKED_EXAMPLE[key]}
             for key in ("saved_per_transmission_s", "saved_s")}
 

@@ -1,16 +1,7 @@
 """`gputravel bench scale`: what a travel costs as the cohort grows (issue 17, part 3).
 
-One cohort per row, with that many holders, each holding one buffer of data. After a warm-up
-travel to every holder, the GPU travels to them round robin, as the travel job does, so each
-timed travel goes to the holder that has waited longest. Per row: the median and p90 travel
-time, the fixed overhead (total - copy - scrub, as `bench travel` defines it), the boot time
-(every process started, every holder joined), and each holder process's memory and boot CPU,
-read from /proc.
-
-Round robin is the case that grows. As a control, each row also travels as often to one
-holder only, which stays warm, in alternating blocks so both see the same load: set against the 1-holder row, it separates what the number of
-holders costs the host, device and orchestrator (nothing measurable, so far) from what a holder
-that has not run for a while pays to start cold (the scale section of docs/benchmarks.md).
+Per holder count, travels round robin (the case that grows) alternate in blocks with travels
+to one warm holder (the control), so both see the same load; docs/benchmarks.md reads them.
 """
 
 from __future__ import annotations
@@ -19,11 +10,10 @@ import os
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from gputravel.bench.compare import machine
+from gputravel.bench.compare import stamp
 from gputravel.cohort import capacity
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
@@ -46,7 +36,6 @@ def parse_holders(text: str) -> list[int]:
     return counts
 
 
-
 def run(holders: list[int], travels: int, buffer_mib: int = 1, *, command: str = "",
         on_row: Callable[[dict], None] | None = None, workdir: str | None = None) -> dict:
     if not holders:
@@ -58,14 +47,7 @@ def run(holders: list[int], travels: int, buffer_mib: int = 1, *, command: str =
     for n in holders:  # before anything starts: every row must fit this machine
         capacity.check(n, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=buffer_mib * MIB,
                        vram_mib=buffer_mib + capacity.VRAM_MARGIN_MIB)
-    result = {
-        "machine": machine(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-        "travels": travels,
-        "buffer_mib": buffer_mib,
-        "rows": [],
-    }
+    result = {**stamp(), "command": command, "travels": travels, "buffer_mib": buffer_mib, "rows": []}
     with tempfile.TemporaryDirectory(prefix="gputravel-scale-", dir=workdir) as tmp:
         for n in holders:
             row = measure(Path(tmp), n, travels, buffer_mib * MIB)
@@ -102,8 +84,7 @@ def measure(tmp: Path, n: int, travels: int, buffer_bytes: int) -> dict:
 
 
 def travel_in_blocks(cohort: Cohort, names: list[str], travels: int) -> tuple[list[TravelReport], list[TravelReport]]:
-    """``travels`` round robin over every holder and as many to the last one (the control), in
-    alternating blocks of BLOCK, so that both see the same load from whatever else runs."""
+    """``travels`` round robin and as many to the last holder (the control), in alternating blocks."""
     rotation: list[TravelReport] = []
     control: list[TravelReport] = []
     while len(rotation) < travels:
@@ -134,13 +115,12 @@ def row_of(n: int, reports: list[TravelReport], boot_s: float, memory: list[dict
 
 
 def fixed_ms(r: TravelReport) -> float:
-    """What a travel costs beyond moving and scrubbing the data (bench/travel.py's fixed overhead)."""
+    """A travel beyond moving and scrubbing the data (bench/travel.py's fixed overhead)."""
     return r.total_ms - r.steps_ms["dh_copy"] - r.steps_ms["o_cleanup"]
 
 
 def holder_memory(pid: int) -> dict:
-    """A holder process's resident memory (VmRSS: with shared libraries and its DMA segment;
-    RssAnon: its own) and the CPU it has used so far, from /proc."""
+    """A holder's VmRSS (shared libraries and DMA segment too), RssAnon and CPU so far, from /proc."""
     fields = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:

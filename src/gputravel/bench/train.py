@@ -1,21 +1,8 @@
 """`gputravel bench train`: the paper's Table 2 for this system, and federated learning beside it.
 
-The same training job (GPT-2 on the holders' tokens, same seed, same schedule, same number
-of training tokens) runs once per method and bandwidth, on links of that bandwidth:
-
-* ``travel``: GPU Travelling feeds the training loop inside the orchestrator CVM;
-* ``tls``: the centralised TLS baseline feeds the same loop (paper 7.2): the holders send
-  their chunks over TLS. Both put the same bytes in the buffer, so their losses must be
-  identical (goal G2); the result says whether they were;
-* ``fl``: FedAvg on a real Flower deployment (gputravel/fl/): the holders train locally on
-  their own compute and the model goes over the links every round.
-
-Reported per method and bandwidth (docs/benchmarks.md): ``tx_s``, the time the run waited on
-the link (the loader's waits for data; for FL see fl/run.py), ``training_s`` (the rest),
-``bytes_over_link`` (counted on the holders' links by the kernel; None on token-bucket links,
-which have no wire to count), ``holder_compute_s`` (0 unless the holders train),
-``final_loss`` (the final model on the same held-out tokens, bench/holdout.py), and for FL
-``rounds`` and ``framework``.
+The same job runs once per method and bandwidth: ``travel`` and ``tls`` (the centralised
+baseline) feed the loop in the orchestrator and must give identical losses (G2); ``fl`` is
+FedAvg on a real Flower deployment (fl/). docs/benchmarks.md describes each row's fields.
 """
 
 from __future__ import annotations
@@ -23,14 +10,13 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from gputravel.bench import holdout
-from gputravel.bench.compare import link_kind, machine
-from gputravel.bench.train_report import PAPER_TABLE2, check_pair, fl_row, method_row
+from gputravel.bench.compare import check_links, link_kind, stamp
+from gputravel.bench.train_report import check_pair, fl_row, method_row
 from gputravel.cohort import capacity
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
@@ -48,13 +34,11 @@ from gputravel.train.rundir import load_checkpoint
 
 METHODS = ("travel", "tls", "fl")
 SOURCE = {"travel": "travelling", "tls": "baseline"}  # the training loader of each centralised method
-__all__ = ["METHODS", "PAPER_TABLE2", "TrainBenchConfig", "bench_train_config", "parse_methods", "run"]
 
 
 def bench_train_config(steps: int = 600, buffer_bytes: int = 128 << 10, *, n_layer: int = 4, n_embd: int = 128,
                        n_head: int = 4) -> TrainConfig:
-    """The job every method runs: a small GPT-2 (4 layers, 128 wide), no sample at the end, and
-    one checkpoint, at the end (the one its final loss is measured on): none within the timing."""
+    """The job every method runs: a small GPT-2, no sample, and no checkpoint until the end."""
     return TrainConfig(steps=steps, buffer_bytes=buffer_bytes, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                        sample_tokens=0, checkpoint_every=0)
 
@@ -83,10 +67,7 @@ class TrainBenchConfig:
     hardware: str = EMULATED  # protocol/hardware.py: travel and tls runs only (FedAvg moves no GPU)
 
     def __post_init__(self) -> None:
-        if not self.bandwidths or any(b is not None and not 0 < b <= 100_000 for b in self.bandwidths):
-            raise BadInput("bandwidths must be in (0, 100000] Mbit/s, or 'uncapped'")
-        if self.link not in ("auto", "netns", "token-bucket"):
-            raise BadInput("--link must be auto, netns or token-bucket")
+        check_links(self.bandwidths, self.link)
         if not self.methods or any(m not in METHODS for m in self.methods):
             raise BadInput(f"--methods takes {', '.join(METHODS)}")
         hardware_profile(self.hardware)  # BadInput for an unknown profile
@@ -94,8 +75,7 @@ class TrainBenchConfig:
             raise BadInput("--eval-batches must be between 1 and 256")
         if self.holder_tokens is not None and self.holder_tokens < 1:
             raise BadInput("--holder-tokens must be positive")
-        # What this machine carries, before anything starts (cohort/capacity.py): the buffer in
-        # the GPU's protected memory (travel and tls runs), the training in one process.
+        # What this machine carries, before anything starts: the buffer (travel, tls), the training.
         if set(self.methods) - {"fl"}:
             capacity.check_buffer(self.train.buffer_bytes, "--buffer-kib", 1 << 10)
         capacity.check_memory(self.train.memory_mib(), "the training needs", "use a smaller model or batch")
@@ -108,13 +88,12 @@ def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) 
         if kind != LINK_NETNS:
             raise BadInput("the FL baseline runs Flower's processes on netns-tc links, which are not available "
                            "here (root, iproute2 and sch_tbf are needed): run without fl, or where namespaces work")
-    result = {"link": kind, "machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-              "methods": list(cfg.methods), "fl_config": cfg.fl.to_dict(),
+    result = {"link": kind, **stamp(), "methods": list(cfg.methods), "fl_config": cfg.fl.to_dict(),
               "eval_batches": cfg.eval_batches, "holder_tokens": cfg.holder_tokens, "iid": cfg.iid,
               "hardware": hardware_profile(cfg.hardware).to_json(), "rows": [], "checks": []}
     with tempfile.TemporaryDirectory(prefix="gputravel-train-bench-", dir=cfg.workdir) as tmp:
         job, data = _prepare(cfg, Path(tmp))
-        fedavg = check_fl(_fl_job(cfg, job, data, None, Path(tmp))) if "fl" in cfg.methods else None
+        fedavg = check_fl(FlJob(job.train, cfg.fl, data.holders, None, Path(tmp))) if "fl" in cfg.methods else None
         result.update(config=job.train.to_dict(), holders_train_tokens=data.train_tokens,
                       fl_plan=None if fedavg is None else fedavg.to_dict())
         for i, bw in enumerate(cfg.bandwidths):
@@ -122,7 +101,7 @@ def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) 
             for method in cfg.methods:
                 where = Path(tmp) / f"run-{i}-{method}"
                 if method == "fl":
-                    rep = run_fedavg(_fl_job(cfg, job, data, bw, where), fedavg)
+                    rep = run_fedavg(FlJob(job.train, cfg.fl, data.holders, bw, where), fedavg)
                     rows[method] = fl_row(bw, rep, _final_loss(job.train, data, fl_model=rep["model_path"]))
                 else:
                     rep, moved = _centralised(job, data, kind, bw, method, where, cfg)
@@ -143,15 +122,9 @@ def _prepare(cfg: TrainBenchConfig, tmp: Path) -> tuple[TrainingJobConfig, holdo
     return job, data
 
 
-def _fl_job(cfg: TrainBenchConfig, job: TrainingJobConfig, data: holdout.HeldOut, bw: float | None,
-            where: Path) -> FlJob:
-    return FlJob(job.train, cfg.fl, data.holders, bw, where)
-
-
 def _centralised(job: TrainingJobConfig, data: holdout.HeldOut, kind: str, bw: float | None, method: str,
                  where: Path, cfg: TrainBenchConfig) -> tuple[dict, dict | None]:
-    """One travelling or TLS run; its report, and the bytes its holders' links carried
-    during training (None on token-bucket links)."""
+    """One travel or tls run's report, and its holders' link bytes (None on token-bucket links)."""
     t = job.train.replace(loader=SOURCE[method])
     where.mkdir(parents=True)
     holders = tuple(HolderSpec(name, path, "tokens") for name, path in job.holders)

@@ -1,7 +1,5 @@
-"""The rows, checks and figure of `bench train` (bench/train.py runs the jobs).
-
-One row per method and bandwidth, the same fields for every method (fields a method has no
-use for are 0 or None, never left out), so a table or a plot can set them side by side.
+"""The rows, checks and figure of `bench train`: every method's row has the same fields (0 or
+None where it has no use for one), so a table or a plot can set them side by side.
 """
 
 from __future__ import annotations
@@ -9,15 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from gputravel.bench.compare import bandwidth_label
+from gputravel.protocol.hardware import TABLE_2
 
-#: The paper's Table 2 (llm.c GPT-2, one 512 MiB transmission): training (s), Tx (s), Tx share.
-PAPER_TABLE2 = {
-    4.0: {"baseline": (1230.00, 1115.88, 0.47568), "travelling": (1230.26, 1.01, 0.00082)},
-    20.0: {"baseline": (1231.39, 230.84, 0.15787), "travelling": (1229.39, 1.03, 0.00084)},
-    100.0: {"baseline": (1231.17, 60.36, 0.04674), "travelling": (1230.57, 1.02, 0.00083)},
-    500.0: {"baseline": (1230.73, 15.86, 0.01272), "travelling": (1229.67, 0.98, 0.00080)},
-    None: {"baseline": (1229.36, 7.34, 0.00594), "travelling": (1231.46, 0.98, 0.00079)},
-}
+#: The paper's Table 2 by link and method: training (s), Tx (s), Tx share.
+PAPER_TABLE2 = {bw: {"baseline": (r[0], r[1], r[2] / 100), "travelling": (r[3], r[4], r[5] / 100)}
+                for bw, r in TABLE_2.items()}
 PAPER_KEY = {"travel": "travelling", "tls": "baseline"}
 TAIL = 10  # training losses averaged for train_loss_tail
 
@@ -71,8 +65,7 @@ NAMES = {"travel": "GPU Travelling", "tls": "TLS baseline", "fl": "FedAvg (Flowe
 
 
 def plot(result: dict, path: Path) -> Path:
-    """Two panels per run: time (training + Tx, stacked) and bytes over the link (log), one
-    bar per method in each bandwidth's group."""
+    """Two panels: time (training + Tx, stacked) and bytes over the link (log), a bar per method."""
     from matplotlib.figure import Figure
 
     rows = result["rows"]

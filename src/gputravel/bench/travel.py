@@ -1,36 +1,22 @@
-"""`gputravel bench travel`: the paper's Table 1 for this system.
-
-One cohort per buffer size (one holder whose dataset is exactly one buffer), a warm-up
-travel, then ``repeat`` timed travels; medians per step. Two limits are measured in the same
-run, so that copy throughput can be read against what this machine can do:
-
-- ``crypto_limit_gbps``: one core doing both AES-256-GCM passes every byte needs (seal, then
-  open), one after the other;
-- ``pipeline_limit_gbps``: the copy's real limit. The holder seals and the device opens in two
-  processes on two cores at once, so the copy can go no faster than the slower of the two
-  passes measured while both run, each pass including what the copy must also move (the
-  holder's read of its dataset; the device's read of the record out of the host-writable slot
-  into its own memory and its write of the plaintext into VRAM). Definition and method:
-  ``bench/pipeline.py``. Each row's ``copy_vs_pipeline_limit`` is the copy's share of it.
+"""`gputravel bench travel`: the paper's Table 1 for this system, read against two limits of this
+machine: one core's AES-GCM (``crypto_limit_gbps``) and the two-core copy pipeline (bench/pipeline.py).
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 from gputravel.crypto.channel import KeyMaterial, Receiver, Sender
 from gputravel.errors import BadInput
 from gputravel.protocol.control import STEPS
-from gputravel.cohort import capacity
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
+from gputravel.bench.compare import check_sizes, dataset, stamp
 from gputravel.bench.paper import table_1_row
 from gputravel.bench.pipeline import pipeline_limit
 from gputravel.protocol.layout import Layout
@@ -40,11 +26,7 @@ MIB = 1 << 20
 
 
 def crypto_limit_gbps(total_bytes: int = 256 * MIB, record: int = MIB) -> float:
-    """Rate at which one core does both AES-256-GCM passes every byte needs.
-
-    Encrypt each 1 MiB record into a preallocated buffer, then decrypt into another, through
-    the project's channel recipe: bytes / (encrypt time + decrypt time), in GB/s.
-    """
+    """GB/s of one core sealing then opening 1 MiB records with the channel's recipe."""
     keys = KeyMaterial("bench", os.urandom(32), os.urandom(12))
     plain = bytearray(os.urandom(record))
     sealed = bytearray(record + 16)
@@ -71,21 +53,8 @@ def crypto_limit_gbps(total_bytes: int = 256 * MIB, record: int = MIB) -> float:
     return records * record / (t_enc + t_dec) / 1e9
 
 
-def _dataset(directory: Path, size: int) -> str:
-    path = directory / f"holder-{size // MIB}mib.bin"
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            n = min(left, 16 * MIB)
-            f.write(os.urandom(n))
-            left -= n
-    return str(path)
-
-
 def run(sizes_mib: list[int], repeat: int, *, on_row: Callable[[dict], None] | None = None,
         workdir: str | None = None, hardware: str = EMULATED) -> dict:
-    if not sizes_mib or any(s <= 0 or s > 4096 for s in sizes_mib):
-        raise BadInput("sizes must be between 1 and 4096 MiB")
     if repeat < 1:
         raise BadInput("--repeat must be at least 1")
     profile = hardware_profile(hardware)  # BadInput for an unknown profile, before anything is measured
@@ -93,8 +62,7 @@ def run(sizes_mib: list[int], repeat: int, *, on_row: Callable[[dict], None] | N
     result = {
         "crypto_limit_gbps": crypto_limit_gbps(),
         **pipeline_limit(Layout().record_bytes, Layout().staging_slots),  # the cohorts' layout
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, {platform.python_implementation()} {platform.python_version()}",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **stamp(),
         "repeat": repeat,
         "rows": [],
         "hardware": profile.to_json(),
@@ -110,16 +78,8 @@ def run(sizes_mib: list[int], repeat: int, *, on_row: Callable[[dict], None] | N
     return result
 
 
-def check_sizes(sizes_mib: list[int] | tuple[int, ...]) -> None:
-    """BadInput naming --sizes if this machine cannot carry the largest size's cohort: one
-    holder with a dataset of that size, and a buffer of that size in the GPU's VRAM."""
-    size = max(sizes_mib)
-    capacity.check(1, sysmem_bytes=Layout().sysmem_bytes, dataset_bytes=size * MIB,
-                   vram_mib=size + capacity.VRAM_MARGIN_MIB, fix=f"use smaller --sizes than {size} MiB")
-
-
 def _measure(tmp: Path, size_mib: int, repeat: int, hardware: str = EMULATED) -> dict:
-    data = _dataset(tmp, size_mib * MIB)
+    data = dataset(tmp, size_mib)
     config = CohortConfig(holders=(HolderSpec("holder-1", data),), buffer_bytes=size_mib * MIB, hardware=hardware)
     with Cohort(config) as cohort:
         cohort.travel("holder-1", 0)  # warm-up: first-touch of staging slots and code paths
