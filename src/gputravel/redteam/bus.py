@@ -294,14 +294,12 @@ class HostBus:
 
     # ------------------------------------------------------------------ touching
     def hand_over_semaphore(self, src: str, to: str) -> None:
-        """Copy the user channel's latest semaphore record (its IV index is plain text) from
-        ``src``'s bounce buffers into ``to``'s."""
+        """Copy the user channel's latest semaphore record (its IV index is plain) from ``src``'s memory to ``to``'s."""
         off = self.layout.semaphore_offset(USER)
         self.mem[to][off : off + SEMAPHORE_RECORD_BYTES] = self.mem[src][off : off + SEMAPHORE_RECORD_BYTES]
 
     def append_user_push(self, cvm: str, ct: bytes) -> int:
-        """Write ``ct`` into ``cvm``'s push buffer as the user channel's next GPFIFO entry and
-        move put past it (the device hears of it at the next doorbell); its index."""
+        """Write ``ct`` as the user channel's next GPFIFO entry of ``cvm`` and move put past it; its index."""
         n = self.layout.gpfifo_entries
         index = self.reg32(Bar0.put(USER)) % n
         slot = self.layout.pushbuf_offset(USER, index)

@@ -1,9 +1,5 @@
-"""Canaries: marked datasets, and the search for them in whatever an attacker read.
-
-Each holder's dataset is random bytes with its own random 16-byte marker every 4 KiB, so
-any leak of a record shows up many times. The search also looks for plain 32-byte samples of
-the dataset taken between the markers. A count is in bytes: matches times needle length.
-"""
+"""Canaries: each holder's dataset is random bytes with its own 16-byte marker every 4 KiB (a leaked record
+shows up many times), searched for, with 32-byte samples between markers, in whatever an attacker read."""
 
 from __future__ import annotations
 

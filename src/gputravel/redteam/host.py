@@ -87,8 +87,7 @@ class HostAdversary:
         threading.Thread(target=self._snapshotter, daemon=True, name="snapshots").start()
 
     def on_register(self, reg: CvmRegistration, doorbell: int) -> int:
-        """A CVM registers: map its memory read-write, give it a doorbell of ours (the relay
-        rings the device's, or not)."""
+        """A CVM registers: map its memory read-write, give it a doorbell of ours."""
         mem = mmap.mmap(reg.sysmem_fd, reg.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         with self.lock:
             self.bus.add(reg, mem)
@@ -226,8 +225,7 @@ class HostAdversary:
 
     # ------------------------------------------------------------------ the doorbell relay
     def _on_ring(self, cvm: str) -> None:
-        """A CVM rang: capture its new pushes, decide whether the device hears of it; the
-        snapshot of its bounce buffers is taken aside, so the relay stays fast."""
+        """A CVM rang: capture its pushes, decide whether the device hears of it; snapshot aside, to stay fast."""
         with self.lock:
             fresh = {ch: self.bus.capture(cvm, ch) for ch in PushChannel}
             if fresh[USER]:
@@ -305,8 +303,7 @@ class HostAdversary:
                          daemon=True, name="forged-get").start()
 
     def _unforge_kernel_get(self, forged: int, real: int, deadline: float) -> None:
-        """Cover the tracks: at the deadline, the real get back, so the next travel finds room;
-        unless the device wrote get meanwhile (say, after a new SPDM session): then leave it."""
+        """At the deadline, the real get back so the next travel finds room, unless the device wrote get since."""
         while time.monotonic() < deadline:
             if self.bus.reg32(Bar0.get(KERNEL)) != forged:
                 with self.lock:
