@@ -1,10 +1,5 @@
-"""Attestation: emulated roots of trust, H100-style GPU evidence, TDX-style CVM quotes,
-RA-TLS binding, holder policies, and the verifiers that turn evidence into claims.
-
-Everything here is pure: evidence, a trust store and `now` in; claims or an
-AttestationError naming the failed claim out. The roots are emulated stand-ins for NVIDIA's
-and Intel's and say so in their names. See docs/attestation.md for the chain of trust.
-"""
+"""Attestation, pure: evidence, a trust store and `now` in; claims or an AttestationError naming
+the failed claim out. The roots are emulated and say so in their names (docs/attestation.md)."""
 
 from gputravel.attest.chain import CVM_QUOTE_OID, FWID_OID, verify_chain
 from gputravel.attest.errors import CLAIMS, AttestationError

@@ -1,12 +1,6 @@
-"""X.509 chain checks shared by GPU evidence and CVM quotes, and our private OIDs.
-
-`verify_chain` is deliberately explicit rather than a WebPKI verifier: device chains are not
-WebPKI certificates, and each failure must name the attestation claim it breaks.
-Signature checks are `cryptography`'s; nothing here implements crypto.
-
-Private OIDs live under a UUID arc (ITU-T X.667, OID 2.25.<uuid>): anyone may mint one from
-a random UUID without registration, so the arc below is ours and collides with no one's.
-"""
+"""X.509 chain checks shared by GPU evidence and CVM quotes, and our private OIDs. Explicit, not a
+WebPKI verifier: each failure must name the attestation claim it breaks. The OIDs live under a
+UUID arc (X.667, 2.25.<uuid>), which anyone may mint without registration."""
 
 from __future__ import annotations
 
@@ -126,14 +120,9 @@ def verify_chain(
     what: str,
     length: int | None = None,
 ) -> x509.Certificate:
-    """Check a chain (leaf first, self-signed root last) and return the leaf.
-
-    Every certificate: DER, P-384 key, ecdsa-with-SHA384. Every link: signed by the next
-    certificate, which is a CA allowed to sign certificates. The leaf is not a CA. The root
-    is byte-for-byte one of `trusted_roots_der` and signed by itself. Every certificate is
-    valid at `now`. Failures raise AttestationError("chain") or ("expired"), a certificate
-    that cryptography parses only lazily and then finds malformed included.
-    """
+    """Check a chain (leaf first, self-signed root last) and return the leaf: every certificate
+    P-384 and ecdsa-with-SHA384, valid at `now`, signed by the next, a CA allowed to sign; the
+    leaf no CA; the root byte-for-byte a trusted one. AttestationError("chain" or "expired")."""
     check_now(now)
     try:
         return _verify_chain(chain_der, trusted_roots_der, now, what=what, length=length)
@@ -141,9 +130,8 @@ def verify_chain(
         raise AttestationError("chain", f"{what} certificate chain holds a malformed certificate") from None
 
 
-#: What cryptography raises from a malformed certificate, some of it only when a field is
-#: first read (its parsing is lazy): a host that flips a byte of an unauthenticated chain
-#: must get a typed refusal, never an exception that ends the process.
+#: What cryptography raises from a malformed certificate, some only when a field is first read:
+#: a byte flipped in an unauthenticated chain gets a typed refusal, never a crash.
 MALFORMED_CERTIFICATE = (ValueError, TypeError, UnsupportedAlgorithm, x509.DuplicateExtension, x509.InvalidVersion)
 
 

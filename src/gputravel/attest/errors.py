@@ -28,11 +28,8 @@ CLAIMS = frozenset({
 
 
 class AttestationError(RemoteError):
-    """Evidence was refused. `claim` names the check that failed (one of CLAIMS).
-
-    `claims` holds the claims computed before the failure (the failing one set to False),
-    for display; it never holds keys or secrets.
-    """
+    """Evidence was refused: `claim` (one of CLAIMS) failed; `claims`, those computed before it,
+    for display (never a key or secret)."""
 
     def __init__(self, claim: str, reason: str, claims: Mapping[str, object] | None = None) -> None:
         if claim not in CLAIMS:
@@ -44,10 +41,8 @@ class AttestationError(RemoteError):
 
 
 class ClaimTracker:
-    """Claims gathered while verifying; `fail` raises AttestationError with them attached.
-
-    `on_fail` maps an attestation claim to (claim key, value it takes on failure).
-    """
+    """Claims gathered while verifying; `fail` raises AttestationError with them, setting the key
+    `on_fail` maps the failed claim to (claim key, value)."""
 
     def __init__(self, base: Mapping[str, object], on_fail: Mapping[str, tuple[str, object]]) -> None:
         self.claims: dict[str, object] = dict(base)

@@ -1,24 +1,14 @@
-"""The holder <-> orchestrator attestation exchange (paper section 4.5), sans-IO.
+"""The holder <-> orchestrator attestation exchange (paper section 4.5), sans-IO:
 
     holder                                         orchestrator
     AttestChallenge{nonce}          ------------>
                                     <------------  AttestEvidence{quote, gpu_evidence}
     AttestAccepted{reattest_after_s} ----------->  (or the holder hangs up)
 
-`quote`: the orchestrator CVM's quote over report_data_for_tls(its TLS SPKI, nonce), made by
-its TDX module (firmware/tdx_module.py) with the measurement its launcher registered.
-`gpu_evidence`: the GPU's own signed evidence (an encoded GpuEvidence, certificate chain
-included) for the same nonce, asked by the orchestrator inside its SPDM session and relayed
-as the device signed it. The holder verifies both itself: the quote against the CPU-TEE root
-and its pinned measurements, bound to the TLS peer certificate; the GPU evidence against the
-GPU-vendor root and the reference values, answering *its* nonce, as NVIDIA's relying parties
-do. Nothing the orchestrator could sign on its own stands for the GPU.
-
-`AttestDue` (orchestrator -> holder, between travels, with the GPU home) asks a holder whose
-attestation is half its policy's age limit old to challenge again.
-
-A holder calls `attest_orchestrator` on what it received, with the peer certificate from
-the TLS handshake, and sends nothing else until it returns.
+The holder verifies both itself: the quote (from the orchestrator's TDX module) against its
+pinned measurements, bound to the TLS peer certificate and its nonce; the GPU's own signed
+evidence for the same nonce, relayed as the device signed it. Nothing the orchestrator could
+sign alone stands for the GPU. `AttestDue` asks a holder to challenge again.
 """
 
 from __future__ import annotations

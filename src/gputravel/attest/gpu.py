@@ -1,22 +1,6 @@
-"""GPU evidence, H100-style: a GET_MEASUREMENTS exchange signed by the firmware leaf key.
-
-Wire format (msgpack, through gputravel.protocol.codec; no home-made framing):
-
-    GpuEvidence {request, response, signature, cert_chain}
-      request   = encode(GetMeasurements{nonce: 32 bytes})
-      response  = encode(Measurements{responder_nonce, blocks, opaque})
-      signature = raw ECDSA P-384 r||s (96 bytes) over SHA-384(request || response)
-      cert_chain: 5 DER certificates, firmware leaf first, vendor root last
-
-Measurement blocks map an index to a 48-byte SHA-384 digest. Opaque fields are typed
-values (a u16 type and at most 65535 bytes, like SPDM opaque TLVs); the type numbers for
-driver version (3), VBIOS version (6) and FWID (20) follow NVIDIA's opaque-data table,
-CC mode (0x8001) is ours: a real H100 reports it through NVML, not in the report.
-
-`EmulatedGpuFirmware` is the device side: it holds the firmware leaf key and answers
-`get_evidence(nonce)`. It is pure (no sockets, no clock; randomness injectable) so the
-emulated device process can host it and answer requests arriving over its RPC queue.
-"""
+"""GPU evidence, H100-style: a GET_MEASUREMENTS exchange signed by the firmware leaf key, and the
+pure device side that answers it (`EmulatedGpuFirmware`). Wire format in docs/attestation.md;
+opaque types follow NVIDIA's table except CC mode (0x8001), which a real H100 reports via NVML."""
 
 from __future__ import annotations
 
@@ -177,11 +161,8 @@ class ReferenceValues:
 
 # ----------------------------------------------------------------------------- firmware
 class EmulatedGpuFirmware:
-    """The device side of GET_MEASUREMENTS: answers a nonce with signed evidence.
-
-    `fwid` defaults to the FWID in the firmware leaf certificate; pass another value only to
-    emulate firmware that no longer matches its certificate.
-    """
+    """The device side of GET_MEASUREMENTS. Another `fwid` than the leaf certificate's emulates
+    firmware that no longer matches it."""
 
     def __init__(
         self,

@@ -1,18 +1,6 @@
-"""What each party reads from its own trust directory (paper 4.5), and the time it checks by.
-
-The launcher (cohort/trust.py) writes each party's share of the chain of trust into a
-directory of its own; here each party loads its share:
-
-- the device process: its firmware state, to make its key and have it certified
-  (:class:`DeviceMaterial`);
-- the orchestrator: the roots, the GPU's reference values, the evidence age limit and where
-  its TDX module listens (:class:`OrchestratorMaterial`);
-- a data holder: the roots, the GPU's reference values and its policy, which pins the
-  orchestrator's measurement (:class:`HolderMaterial`).
-
-Below the parties (holder/, orchestrator/) and the launcher (cohort/), so that each of them
-reads the same files by the same names without importing the others.
-"""
+"""What each party reads from its own trust directory (paper 4.5), written by the launcher
+(cohort/trust.py): here, below the parties and the launcher, so all read the same files by
+the same names."""
 
 from __future__ import annotations
 
@@ -64,9 +52,8 @@ class DeviceMaterial:
 
 @dataclass(frozen=True)
 class OrchestratorMaterial:
-    """What the orchestrator holds: the roots it trusts, the GPU's reference values, how old
-    GPU claims may get before holders refuse them, and where its TDX module listens (it
-    holds no quoting key: firmware/tdx_module.py)."""
+    """The orchestrator's share: roots, reference values, GPU claims' age limit, and where its
+    TDX module listens (it holds no quoting key)."""
 
     trust: TrustStore
     reference: ReferenceValues

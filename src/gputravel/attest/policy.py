@@ -1,20 +1,9 @@
 """A data holder's attestation policy: which orchestrators and GPUs it will send data to.
 
-JSON file (unknown keys are refused, so a typo cannot silently weaken a policy):
-
-    {
-      "format": "gputravel-holder-policy-v1",
-      "orchestrator_measurements": ["<96 hex chars>", ...],   # the code+config pinned
-      "gpu": {
-        "cc_mode": "on",                      # the only accepted value
-        "measurement_result": "success",      # the only accepted value
-        "driver_versions": ["550.54.15-emulated"],   # optional; empty or absent = any
-        "vbios_versions": []                  # optional; empty or absent = any
-      },
-      "max_evidence_age_s": 3600,             # how old the orchestrator's GPU attestation may be
-      "gpu_reference_values": "reference-values.json"   # optional, relative to this file;
-                                                        # used by `gputravel attest verify`
-    }
+JSON, unknown keys refused so a typo cannot weaken it: {"format": "gputravel-holder-policy-v1",
+"orchestrator_measurements": [96 hex chars, ...], "gpu": {"cc_mode": "on", "measurement_result":
+"success", "driver_versions": [...], "vbios_versions": [...]} (empty or absent lists: any),
+"max_evidence_age_s": 3600, "gpu_reference_values": path relative to the file (optional)}.
 """
 
 from __future__ import annotations

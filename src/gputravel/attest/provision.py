@@ -1,25 +1,10 @@
-"""Provisioning an emulated H100: its 5-certificate chain, firmware key and reference values.
+"""Provisioning an emulated H100: its 5-certificate chain (vendor root, identity CA, provisioner
+ICA, per-device CA, firmware leaf with the FWID), firmware key and reference values.
 
-    vendor root (from `pki init`, self-signed)
-      <- identity CA            "EMULATED GH100 Identity CA (not NVIDIA)"
-        <- provisioner ICA      "EMULATED GH100 Provisioner ICA (not NVIDIA)"
-          <- per-device cert    "EMULATED GH100 FSP BROM <serial> (not NVIDIA)"   (a CA)
-            <- firmware leaf    "EMULATED GH100 GSP-FMC LF <serial> (not NVIDIA)" (FWID ext.)
-
-In a real fleet the identity CA and provisioner ICA are shared by many devices; here each
-provisioning makes its own, which a verifier cannot tell apart. A device directory holds:
-device-chain.pem (leaf first), device-firmware.key (0600), device.json (firmware state)
-and reference-values.json (what a verifier of this device compares with).
-
-Two ways to get there. `provision_gpu` makes everything, firmware key included, in one
-process (the CLI and in-process tests). In a cohort the vendor and the device are apart:
-the launcher, standing for the vendor, makes the three CAs above the leaf (`issue_gpu_ca`)
-and writes the public firmware state (`GpuIssuer.save_state`); the device process makes its
-firmware key itself at boot and sends a certificate request (`enroll_gpu`), which the
-vendor signs with the per-device CA's key (`GpuIssuer.certify_request`), held in memory.
-A per-party service keeps the vendor apart in time instead: `cohort init` saves one device's
-issuer (`GpuIssuer.save`) in the GPU's state directory, and the gpu service, at its first
-start, certifies the key its device made and deletes the issuer (`GpuIssuer.discard`).
+`provision_gpu` makes everything in one process. In a cohort the vendor and the device are
+apart: the vendor makes the CAs (`issue_gpu_ca`) and the device makes its own firmware key at
+boot and has it certified (`enroll_gpu`); a per-party service saves the issuer once and
+discards it after its first use (`GpuIssuer.save`, `GpuIssuer.discard`).
 """
 
 from __future__ import annotations
@@ -157,10 +142,8 @@ class GpuDevice(_FirmwareState):
 
 @dataclass(frozen=True)
 class GpuIssuer(_FirmwareState):
-    """The vendor's side of one device whose firmware key is not certified yet: the
-    per-device CA (its key signs the firmware leaf) under the provisioner ICA, the identity
-    CA and the vendor root, and the firmware state the vendor vouches for. In memory, or
-    saved for one gpu service to use once (`save`, `load`, `discard`)."""
+    """The vendor's side of a device whose firmware key is not certified yet: the per-device CA
+    and its chain, and the firmware state the vendor vouches for."""
 
     ca: Authority = field(repr=False)
     chain_der: tuple[bytes, ...]  # per-device cert, provisioner ICA, identity CA, vendor root
@@ -237,10 +220,8 @@ class GpuIssuer(_FirmwareState):
 
 
 def enroll_gpu(directory: Path, certify: Callable[[bytes], tuple[bytes, bytes]]) -> GpuDevice:
-    """Run by the device itself at boot, in the directory whose firmware state the vendor
-    wrote: make its firmware key there (0600), have
-    the vendor certify it (`certify`: request -> (chain without the root, root), PEM), store
-    the chain and return the device. Only the request and certificates leave this process."""
+    """Run by the device at boot: make its firmware key (0600) where the vendor wrote its state,
+    have `certify` sign the request ((chain less root, root) PEM); the key never leaves."""
     directory = Path(directory)
     try:
         serial = json.loads((directory / STATE_FILE).read_text())["serial"]

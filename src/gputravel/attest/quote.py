@@ -1,17 +1,10 @@
 """CVM quotes, TDX-style: a measurement of the CVM and 64 bytes of report data, signed by a
-quoting key that chains to the emulated CPU-TEE quoting root.
+quoting key that chains to the emulated CPU-TEE quoting root (format in docs/attestation.md).
 
-Measurement (what holders pin; 48 bytes):
-
-    code   = SHA-384(msgpack([[relative path, file bytes], ...]))   every src/gputravel/**/*.py,
-             sorted by POSIX relative path, found from the package's __file__
-    config = SHA-384(canonical JSON of the orchestrator's configuration)
-    mr_td  = SHA-384("gputravel cvm measurement v1\\0" || code || config)
-
-A real TDX quote carries MRTD/RTMRs measured by the TDX module. `EmulatedQuotingEnclave` only
-signs; in a cohort it lives in the emulated TDX module's own process (firmware/tdx_module.py),
-which takes the measurement from the launcher, never from the CVM it quotes. Wire format: Quote{body = encode(QuoteBody{tee, mr_td, report_data}),
-signature = raw ECDSA P-384 over SHA-384(body), cert_chain = (quoting-key cert, root)}.
+The measurement (what holders pin) is SHA-384 over a label, every src/gputravel/**/*.py and
+the orchestrator's canonical config. `EmulatedQuotingEnclave` only signs; in a cohort it lives
+in the emulated TDX module's process, which takes the measurement from the launcher, never
+from the CVM it quotes.
 """
 
 from __future__ import annotations

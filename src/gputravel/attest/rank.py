@@ -1,17 +1,7 @@
-"""A data-parallel rank's orchestrator CVM as ddp/keys.py needs it: evidence from its own TDX
-module, and the check it runs on every peer rank before any gradient moves (issue 14).
-
-A peer is accepted when its quote chains to a CPU-TEE root this CVM trusts (its trust
-material, provisioned by the launcher: the same vendor root for every rank), is signed by the
-quoting key that chain certifies, binds the report data that peer must carry for its place in
-the group, and names *the same measurement as this CVM's own quote*: every rank runs the same
-orchestrator code and measured configuration, so a rank launched with other code or another
-job's settings is refused. The measurement comes from the TDX module, never from the peer or
-from this process's own idea of itself.
-
-Report data shorter than a quote's 64 bytes is zero-padded, on both sides alike (as in
-attest/quote.EmulatedRankTee, the stand-in the benchmarks use).
-"""
+"""A data-parallel rank's CVM as ddp/keys.py needs it (issue 14): quotes from its own TDX module,
+and the check on every peer before any gradient moves. A peer must chain to a trusted CPU-TEE
+root, bind its report data, and carry *this CVM's own measurement* as its module quoted it: a
+rank with other code or another job's settings is refused."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
-"""RA-TLS: binding a CVM quote to the orchestrator's TLS key and a holder's nonce.
-
-Binding rule (one, used everywhere):
+"""RA-TLS: binding a CVM quote to the orchestrator's TLS key and a holder's 32-byte nonce, by one rule:
 
     report_data = SHA-512("gputravel ra-tls report data v1\\0" || SHA-384(SPKI DER) || nonce)
 
-64 bytes, no padding: SHA-512 fills REPORTDATA exactly, and the domain label keeps it from
-meaning anything else. The SPKI is the orchestrator's TLS certificate's public key; the
-nonce (32 bytes) is the holder's, sent in its first message.
-
-Chosen flow: the holder sends a fresh nonce; the orchestrator answers with a fresh quote
-over (its TLS SPKI, that nonce). The quote can travel in a message on the established TLS
-connection (`verify_bound_quote`, with the certificate seen in the handshake) or inside a
-TLS certificate minted for that nonce (`make_ra_tls_certificate` / `verify_ra_tls`). A man
-in the middle re-using a genuine quote under its own TLS key fails the binding check, as
-does any quote made for another nonce.
+The quote travels on the established TLS connection (`verify_bound_quote`) or in a certificate
+minted for the nonce (`make_ra_tls_certificate`, `verify_ra_tls`); a man in the middle with its
+own TLS key, or a quote for another nonce, fails the binding.
 """
 
 from __future__ import annotations

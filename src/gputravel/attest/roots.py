@@ -1,11 +1,6 @@
-"""The emulated roots of trust: a GPU vendor root and a CPU-TEE quoting root.
-
-They stand for NVIDIA's Device Identity CA and Intel's quoting root, and say so: their
-common names end in "(not NVIDIA)" / "(not Intel)". `init_roots` writes, into one
-directory, each root's certificate (what verifiers trust) and private key (0600; what the
-emulated hardware vendor uses to provision devices and quoting keys). A verifier only ever
-reads the certificates, through `TrustStore.load`.
-"""
+"""The emulated roots of trust, a GPU vendor root and a CPU-TEE quoting root, named "(not NVIDIA)"
+and "(not Intel)". A verifier only reads their certificates (`TrustStore.load`); the keys
+(0600) are the emulated vendor's, to provision devices and quoting keys."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Verifiers: the interface, and the emulated GPU verifier behind it.
-
-A verifier is pure: evidence bytes, a challenge and `now` in; claims or AttestationError
-out. No clock, no network, no files. Real verifiers (NVIDIA's local verifier or NRAS for a
-real H100, a DCAP library for a real TDX quote) would implement `Verifier` as well; none is
-shipped here, and nothing pretends to be one.
-
-The emulated GPU verifier follows nv-local-gpu-verifier's order: certificate chain to the
-trusted vendor root, report signature with the firmware leaf key, nonce, leaf FWID against
-the report's FWID, then measurements against reference values; plus CC mode, which a real
-deployment reads through NVML. Claims use NVIDIA's EAT claim names where one exists.
-"""
+"""Verifiers: the interface, and the emulated GPU verifier behind it. Pure: evidence, a challenge
+and `now` in; claims or AttestationError out. It follows nv-local-gpu-verifier's order and
+claim names (chain, signature, nonce, FWID, measurements), plus CC mode."""
 
 from __future__ import annotations
 
@@ -172,9 +163,8 @@ class EmulatedGpuVerifier(Verifier[GpuClaims]):
 
 
 def spdm_chain_verifier(trust: TrustStore, now: datetime) -> Callable[[tuple[bytes, ...]], ec.EllipticCurvePublicKey]:
-    """A `verify_chain` hook for crypto.spdm.SpdmRequester: the device's 5-certificate
-    chain must reach the trusted vendor root at `now`; returns the firmware leaf key that
-    then signs the SPDM key exchange. Raises AttestationError("chain" / "expired")."""
+    """SpdmRequester's `verify_chain`: the device's chain must reach the trusted vendor root at
+    `now`; the firmware leaf key, which then signs the key exchange."""
     check_now(now)
 
     def verify(chain_der: tuple[bytes, ...]) -> ec.EllipticCurvePublicKey:
@@ -223,19 +213,14 @@ def _check_fwid(p: ClaimTracker, leaf: x509.Certificate, report_fwid: bytes) -> 
     return cert_fwid
 
 
-#: A serial that names the GPU as it is: ASCII letters, digits, '.', '_' and '-', up to X.520
-#: serialNumber's 64 characters. Anything else (look-alike or reordering characters, control
-#: characters, spaces) is named by the certificate's fingerprint instead, so two GPUs can
-#: never read alike and nothing reaches a terminal that it would act on.
+#: A serial shown as it is (X.520's 64 characters at most); any other (look-alikes, control
+#: characters) is replaced by a fingerprint, so no two GPUs read alike and no terminal acts on it.
 _SERIAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def gpu_identity(device_chain: tuple[bytes, ...]) -> str:
-    """The GPU's name, from its verified chain (firmware leaf first): the serial its vendor
-    certified in the per-device certificate, the same across the GPU's restarts and firmware
-    keys and distinct between GPUs. For a chain that names none, or one outside _SERIAL,
-    the SHA-256 fingerprint of that certificate. Holders
-    see it as the UEID; the orchestrator's travel log names the GPU by it."""
+    """The GPU's name (UEID, and in the travel log): the serial its per-device certificate
+    carries, stable across firmware keys; else (none, or outside _SERIAL) its SHA-256."""
     try:
         serials = x509.load_der_x509_certificate(device_chain[1]).subject.get_attributes_for_oid(
             x509.NameOID.SERIAL_NUMBER)
