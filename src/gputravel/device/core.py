@@ -1,20 +1,14 @@
 """The emulated confidential GPU's firmware: GSP RPC queue, work-launch channels, copy engines.
 
-Sans-IO: memory comes in as buffers (VRAM, BAR0, and whatever DMA window the PCIe MUX maps,
-see ``device.memory``), no sockets, no clocks. The device process (``device.process``) owns the
-descriptors and calls :meth:`DeviceCore.service` whenever the doorbell rings.
+Sans-IO: memory comes in as buffers (VRAM, BAR0, the DMA window the PCIe MUX maps); the device
+process calls :meth:`DeviceCore.service` when the doorbell rings. What it enforces, as H100 CC:
 
-What it enforces, as H100 CC does:
 - every push and copy record is authenticated with receiver-tracked IVs (replays fail);
-- a copy record is read out of the host-writable staging slot once, a piece at a time into
-  the device's own memory, and verified and decrypted from those copies only (no byte changes
-  between the check and the use); a tag failure writes nothing to VRAM (records decrypt into
-  a private scratch buffer first) and faults that channel until the orchestrator rotates keys
-  through the kernel channel;
-- the kernel channel's keys are never exported, so only the orchestrator can scrub or rotate;
+- a copy record is read out of the host-writable staging slot once, into the device's own memory,
+  and verified and decrypted from that copy only; a bad tag writes nothing to VRAM and faults the
+  channel until the orchestrator rotates keys through the kernel channel, whose keys never leave;
 - a new SPDM session wipes VRAM and all channel state (the last CVM to boot owns the GPU);
-- attestation evidence (GET_MEASUREMENTS, signed by the firmware leaf key) is answered only
-  on the encrypted RPC queue, i.e. to whoever holds the session (paper 4.5, GPU phase).
+- attestation evidence is answered only on the encrypted RPC queue, to the session's holder.
 """
 
 from __future__ import annotations
@@ -74,7 +68,6 @@ class DeviceStats:
     faults: list[str] = field(default_factory=list)
     records_in: int = 0
     records_out: int = 0
-    rotations: int = 0
 
 
 class DeviceCore:
@@ -95,7 +88,6 @@ class DeviceCore:
         self.bar = bar
         self.serial = serial
         self.stats = DeviceStats()
-        self._rng = rng
         self._responder_factory = responder_factory
         self._spdm: SpdmResponder | None = None
         self._session_secret: bytes | None = None
@@ -112,8 +104,7 @@ class DeviceCore:
         self._piece = bytearray(min(PIECE_BYTES, layout.record_bytes))  # a record's DMA reads land here
         self._scratch = bytearray(layout.record_bytes)
         self._tokens = {ch: int.from_bytes(rng(4), "little") | 1 for ch in PushChannel}
-        #: Called at once when work asks for an interrupt (the process signals the CVM's eventfd).
-        #: Immediately, not at the end of a batch: the CVM reuses staging slots as they free up.
+        #: Called as soon as work asks for an interrupt, not after a batch: the CVM reuses slots as they free.
         self.on_interrupt: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ PCIe MUX side
@@ -139,8 +130,7 @@ class DeviceCore:
         try:
             reply, encrypted = self._handle_rpc(put)
         except GputravelError as exc:
-            # Drop the request and do not advance: the requester times out, a later
-            # well-formed request with the right sequence number still works.
+            # Dropped without advancing: the requester times out, a later well-formed request works.
             self.stats.faults.append(f"rpc: {type(exc).__name__}")
             return
         self._rpc_seq = put
@@ -320,27 +310,23 @@ class DeviceCore:
             self._user_window = (push.offset, push.nbytes)
 
     def _check_user_window(self, offset: int, nbytes: int) -> None:
-        """Copies run on the user channel: only inside the window the orchestrator granted."""
+        """Copies run on the user channel: one record at most, inside the window the orchestrator granted."""
+        if not 0 < nbytes <= self.layout.record_bytes:
+            raise DeviceError("copy record size out of range")
         if self._user_window is None:
             raise DeviceError("no VRAM window is granted to the user channel")
         start, size = self._user_window
         check_range(offset - start, nbytes, size)
 
     def _copy_in(self, push: CopyToVram) -> None:
-        if not 0 < push.nbytes <= self.layout.record_bytes:
-            raise DeviceError("copy record size out of range")
         self._check_user_window(push.dst_offset, push.nbytes)
         record = self._dma_view(push.src_iova, push.nbytes + TAG_BYTES)
-        # Read into the device's own memory and verified there, decrypted into the private
-        # scratch: the tag is only known at the end, and unauthenticated bytes must never
-        # reach protected memory.
+        # Verified in the device's own memory, decrypted into private scratch: no unauthenticated byte reaches VRAM.
         plain = open_record(self._rx["Lce00_h2d_user"], record, self._piece, self._scratch)
         self.vram[push.dst_offset : push.dst_offset + push.nbytes] = plain
         self.stats.records_in += 1
 
     def _copy_out(self, push: CopyFromVram) -> None:
-        if not 0 < push.nbytes <= self.layout.record_bytes:
-            raise DeviceError("copy record size out of range")
         self._check_user_window(push.src_offset, push.nbytes)
         out = self._dma_view(push.dst_iova, push.nbytes + TAG_BYTES)
         self._tx["Lce00_d2h_user"].encrypt_into(self.vram[push.src_offset : push.src_offset + push.nbytes], out)
@@ -350,7 +336,6 @@ class DeviceCore:
         if epoch <= self._epoch:
             raise ProtocolError("key rotation to an older epoch")
         self._install_epoch(epoch)
-        self.stats.rotations += 1
         # A rotation is also the reset of a faulted user channel: drop its pending entries.
         self._faulted.pop(PushChannel.USER, None)
         U32.pack_into(self.bar, Bar0.put(PushChannel.USER) + FAULT_REG, 0)

@@ -1,10 +1,5 @@
-"""The emulated GPU's memory: the DMA window the PCIe MUX maps, records in, and VRAM scrubs.
-
-The device reaches CVM memory only through the one window the IOMMU (the PCIe MUX) maps at
-the moment; anything outside it is a :class:`DmaFault`. A sealed copy record is first read
-out of that window into the device's own memory as it is opened (:func:`open_record`).
-Scrubbing VRAM (a new SPDM session, a Memset) runs at memory bandwidth through :func:`fill`.
-"""
+"""The emulated GPU's memory: the one DMA window the PCIe MUX maps (outside it, a DmaFault),
+records read in from it, and VRAM scrubs at memory bandwidth."""
 
 from __future__ import annotations
 
@@ -47,34 +42,26 @@ class Opener(Protocol):
                           aad: bytes | None = None) -> None: ...
 
 
-#: The copy engine's own buffer for a record on its way in: small enough to stay in a core's
-#: L2 cache (1 MiB here), so that reading the record through it costs little more than reading
-#: it once. 256 KiB measured faster in the cohort than 128 or 512 KiB (docs/benchmarks.md).
+#: The copy engine's own buffer for a record on its way in: it stays in L2, so reading through it
+#: costs little more than reading once (256 KiB beat 128 and 512 KiB: docs/benchmarks.md).
 PIECE_BYTES = 256 * 1024
 
 
 def open_record(receiver: Opener, record: memoryview, piece: bytearray, scratch: bytearray) -> memoryview:
     """Read a sealed record (ciphertext || tag) out of a DMA window, verify and decrypt it.
 
-    ``record`` lies in memory the host (and the holder) can write while the device works, so
-    its bytes are read exactly once, a piece at a time into ``piece``, the copy engine's own
-    buffer, and the tag check and the decryption read only those private copies
-    (Receiver.decrypt_once_into). AES-GCM implementations may read their input twice (GHASH,
-    then the CTR pass); decrypting straight from the slot, a host rewriting it in between
-    could have bytes decrypted that the tag never covered. The plaintext lands in the private
-    ``scratch`` (IntegrityError, with scratch zeroed, on a bad tag); the caller copies the
-    returned view on into VRAM only after this returns.
+    The host can rewrite ``record`` while the device works, and AES-GCM may read its input twice
+    (GHASH, then CTR): so each byte is read once, into ``piece``, and only those private copies
+    are checked and decrypted, into ``scratch`` (zeroed, IntegrityError, on a bad tag).
     """
     out = memoryview(scratch)[: len(record) - TAG_BYTES]
     receiver.decrypt_once_into(record, out, piece)
     return out
 
 
-#: glibc tunables the device process starts with (cohort/isolation.party_env sets them). The
-#: VRAM write stands for a copy engine's DMA, which does not pass through a CPU's cache; with
-#: this threshold glibc writes any copy over 256 KiB with non-temporal stores, so writing a
-#: 1 MiB record into VRAM no longer evicts the cache the next record is opened in
-#: (docs/benchmarks.md, "non-temporal stores"). It changes no byte written, only how.
+#: glibc tunables for the device process (cohort/isolation.party_env): copies over 256 KiB use
+#: non-temporal stores, as a copy engine's DMA bypasses the CPU cache, so a record written to VRAM
+#: does not evict the next one being opened (docs/benchmarks.md, "non-temporal stores").
 COPY_ENGINE_TUNABLES = "glibc.cpu.x86_non_temporal_threshold=0x40000"
 
 
@@ -83,8 +70,7 @@ def check_range(offset: int, nbytes: int, limit: int) -> None:
         raise DeviceError(f"VRAM range {offset:#x}+{nbytes} out of bounds")
 
 
-#: Buffers at least this large are filled by several threads: one core's stores do not
-#: reach the memory bandwidth (two threads scrubbed 512 MiB about 20% faster here).
+#: Buffers this large are filled by several threads: one core's stores fall short of the bandwidth.
 FILL_SPLIT_BYTES = 64 << 20
 _FILL_THREADS = max(1, min(os.cpu_count() or 1, 4))
 _fill_pool: ThreadPoolExecutor | None = None

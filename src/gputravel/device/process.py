@@ -1,15 +1,11 @@
-"""The confidential GPU as its own OS process.
+"""The confidential GPU as its own OS process: VRAM (a memfd only the orchestrator gets, over
+their private link), BAR0 and the doorbell (handed to the host for every CVM), and the DMA window
+and interrupt the PCIe MUX attached last.
 
-It owns VRAM (a memfd it hands only to the orchestrator, over their private link), BAR0 and
-the doorbell (handed to the host, which maps them into every CVM), and whatever DMA window
-and interrupt endpoint the host's PCIe MUX attached last.
-
-The private link comes one of two ways. Launched by the supervisor, the device inherits it (a
-socket pair). As a service, it listens on `link_socket` and takes as its link each connection
-from `link_uid` (the orchestrator's uid, by SO_PEERCRED), a newer one replacing the older: a
-restarted orchestrator reconnects, and its new SPDM session wipes VRAM as a first one does.
-Any other uid (the host, a holder) is hung up on before it can ask for VRAM. With link_uid -1
-(no isolation: every party runs as one uid) there is no uid boundary, as for the local cohort.
+The private link is inherited (launched by the supervisor) or, as a service, each connection on
+`link_socket` from `link_uid` (SO_PEERCRED), a newer replacing the older: a restarted
+orchestrator reconnects (its new SPDM session wipes VRAM). Any other uid is hung up on before it
+can ask for VRAM; link_uid -1 (every party one uid) has no uid boundary.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClos
 from gputravel.protocol.layout import Bar0, Layout
 from gputravel.protocol.host import AttachCvm, DeviceAck, DeviceAttach
 from gputravel.protocol.device import VramGrant, VramRequest
+from gputravel.transport.base import close_fds
 from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import connect_unix, listen_unix
 from gputravel.device.core import DeviceCore
@@ -55,17 +52,15 @@ _LISTENER = "link-listener"
 
 
 def _listen_link(path: str, uid_checked: bool) -> socket.socket:
-    """The link's listener at `path`, replacing the socket a previous device left there (its
-    boot lock, held by the gpu service, keeps two devices from sharing a path)."""
+    """The link's listener at `path`, replacing a previous device's socket (the gpu service's boot
+    lock keeps two devices from sharing a path)."""
     try:
         if stat.S_ISSOCK(os.lstat(path).st_mode):
             os.unlink(path)
     except FileNotFoundError:
         pass
     listener = listen_unix(path)
-    # Isolated, the orchestrator runs under a uid of its own: anyone may connect, and the
-    # SO_PEERCRED check decides whose connection becomes the link. Without a uid to check,
-    # only our own user may connect at all (0600): never every local account.
+    # With a uid to check, SO_PEERCRED decides whose connection becomes the link; without, 0600.
     os.chmod(path, 0o666 if uid_checked else 0o600)
     listener.setblocking(False)
     return listener
@@ -85,8 +80,7 @@ class DeviceProcess:
         if (orchestrator_link is None) == (not config.link_socket):
             raise BadInput("the device takes its orchestrator link either inherited or on link_socket: one of them")
         self.config = config
-        # VRAM is populated up front: real VRAM is physically there, and first-touch page
-        # faults would otherwise be charged to the first travel.
+        # Populated up front, as real VRAM is: first-touch faults would be charged to the first travel.
         self.vram_fd, self.vram = _memfd("gputravel-vram", config.vram_bytes, populate=True)
         self.bar_fd, self.bar = _memfd("gputravel-bar0", Bar0.size(config.layout), populate=True)
         self.doorbell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
@@ -131,9 +125,8 @@ class DeviceProcess:
     def _loop(self, sel: selectors.BaseSelector) -> None:
         last_work = 0.0
         while True:
-            # Like GPU firmware (and KVM halt-polling), keep polling for a moment after work
-            # before sleeping: a travel's steps come in quick succession, and waking an idle
-            # vCPU costs more than the whole step.
+            # Poll a moment after work before sleeping (as GPU firmware and KVM halt-polling do):
+            # waking an idle vCPU costs more than a travel's whole next step.
             hot = time.monotonic() - last_work < self.config.poll_window
             events = sel.select(timeout=0 if hot else None)
             if hot and not events:
@@ -163,35 +156,27 @@ class DeviceProcess:
         except (ProtocolError, PeerTimeout):
             return True  # garbage or a stalled frame from the (untrusted) host: ignore it, keep serving
         msg = got.message
-        if isinstance(msg, AttachCvm) and len(got.fds) != 2:
-            for fd in got.fds:
-                os.close(fd)
-            return True  # an attach without exactly a memory segment and an interrupt: ignored
-        if isinstance(msg, AttachCvm):
-            sysmem_fd, irq_fd = got.fds
-            try:
-                view = self._map_segment(sysmem_fd, msg.nbytes)
-            except (OSError, ValueError, OverflowError):  # a size or descriptor that cannot be mapped
-                os.close(irq_fd)
-                return True
-            finally:
-                os.close(sysmem_fd)
-            self._replace_window(view, msg.cvm, msg.iova, irq_fd)
-        else:
-            for fd in got.fds:
-                os.close(fd)
+        if not isinstance(msg, AttachCvm) or len(got.fds) != 2:
+            close_fds(got.fds)  # not an attach of exactly a memory segment and an interrupt: ignored
             return True
-        self.host.send(DeviceAck(cvm=getattr(msg, "cvm", "")))
+        sysmem_fd, irq_fd = got.fds
+        try:
+            view = self._map_segment(sysmem_fd, msg.nbytes)
+        except (OSError, ValueError, OverflowError):  # a size or descriptor that cannot be mapped
+            os.close(irq_fd)
+            return True
+        finally:
+            os.close(sysmem_fd)
+        self.core.attach(DmaWindow(msg.cvm, msg.iova, view))
+        old_irq, self._irq_fd = self._irq_fd, irq_fd
+        if old_irq is not None:
+            os.close(old_irq)
+        self.host.send(DeviceAck(cvm=msg.cvm))
         return True
 
     def _map_segment(self, fd: int, nbytes: int) -> memoryview:
-        """Map a CVM segment the host attaches, reusing the mapping of a segment seen before.
-
-        This is the emulation's IOMMU page-table cache: the host replays saved mappings, and
-        re-creating a populated mapping on every switch would cost a millisecond of page-table
-        work that a real IOMMU replay does not have. What the device may touch is still only
-        the window attached last (DeviceCore.attach); a detached segment is never reachable.
-        """
+        """Map a CVM segment the host attaches, reusing a mapping seen before: the IOMMU replay's page
+        tables, a millisecond a switch otherwise. Only the window attached last is reachable."""
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, nbytes)
         cached = self._segments.get(key)
@@ -199,12 +184,6 @@ class DeviceProcess:
             mem = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             cached = self._segments[key] = (mem, memoryview(mem))
         return cached[1]
-
-    def _replace_window(self, view: memoryview | None, cvm: str, iova: int, irq_fd: int | None) -> None:
-        self.core.attach(DmaWindow(cvm, iova, view) if view is not None else None)
-        old_irq, self._irq_fd = self._irq_fd, irq_fd
-        if old_irq is not None:
-            os.close(old_irq)
 
     def _accept_link(self, sel: selectors.BaseSelector) -> None:
         assert self.listener is not None
@@ -233,8 +212,7 @@ class DeviceProcess:
         assert link is not None
         try:
             got = link.recv(timeout=10)
-            for fd in got.fds:
-                os.close(fd)
+            close_fds(got.fds)
             if isinstance(got.message, VramRequest):
                 link.send(VramGrant(vram_bytes=len(self.vram)), fds=(self.vram_fd,))
         except TransportClosed:
