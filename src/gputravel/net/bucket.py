@@ -41,8 +41,7 @@ class TokenBucket:
 
     def _refill(self) -> None:
         now = self._clock()
-        self._tokens = min(float(self.burst_bytes),
-                           self._tokens + (now - self._stamp) * self._bytes_per_s)
+        self._tokens = min(float(self.burst_bytes), self._tokens + (now - self._stamp) * self._bytes_per_s)
         self._stamp = now
 
     @property

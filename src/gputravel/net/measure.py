@@ -77,8 +77,7 @@ def transfer(links: ShapedLinks, src: str, dst: str, nbytes: int, *,
         if server.returncode != 0:
             raise LinkError(f"receiver in {dst!r} failed: {err.strip()}")
     got, seconds, digest = out.split()
-    return Transfer(links.link, src, dst, nbytes, int(got), float(seconds),
-                    client.stdout.decode().strip(), digest)
+    return Transfer(links.link, src, dst, nbytes, int(got), float(seconds), client.stdout.decode().strip(), digest)
 
 
 @dataclass(frozen=True)

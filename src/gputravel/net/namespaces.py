@@ -78,35 +78,29 @@ def netns_available() -> tuple[bool, str]:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return False, f"{tool!r} (iproute2) is not installed"
-    ns = f"{NS_PREFIX}{os.getpid():x}-probe"
-    try:
-        run_iproute(["ip", "netns", "add", ns])
-    except LinkError as e:
-        return False, f"cannot create a network namespace: {e}"
-    try:
-        run_iproute(["ip", "-n", ns, "link", "add", "gt-a", "type", "veth", "peer", "name", "gt-b"])
-        run_iproute(["ip", "-n", ns, "link", "add", BRIDGE, "type", "bridge"])
-        run_iproute(["tc", "-n", ns, "qdisc", "add", "dev", "gt-a", "root", "tbf", "rate", "20mbit",
-                     "burst", "32768", "latency", "100ms"])
-    except LinkError as e:
-        return False, f"veth, bridge or tc tbf unavailable: {e}"
-    finally:
-        run_iproute(["ip", "netns", "delete", ns], check=False)
-    return True, "network namespaces, veth, bridge and tc tbf are available"
+    why = _probe("probe", "tbf", "rate", "20mbit", "burst", "32768", "latency", "100ms")
+    return (False, why) if why else (True, "network namespaces, veth, bridge and tc tbf are available")
 
 
 @functools.cache
 def netem_available() -> bool:
     """Whether the kernel has sch_netem, needed only for ``delay_ms`` > 0."""
-    if not netns_available()[0]:
-        return False
-    ns = f"{NS_PREFIX}{os.getpid():x}-probenetem"
+    return netns_available()[0] and not _probe("probenetem", "netem", "delay", "1ms")
+
+
+def _probe(name: str, *qdisc: str) -> str:
+    """Why a throwaway namespace cannot take a veth pair, a bridge and `qdisc` ("": it can)."""
+    ns = f"{NS_PREFIX}{os.getpid():x}-{name}"
     try:
         run_iproute(["ip", "netns", "add", ns])
+    except LinkError as e:
+        return f"cannot create a network namespace: {e}"
+    try:
         run_iproute(["ip", "-n", ns, "link", "add", "gt-a", "type", "veth", "peer", "name", "gt-b"])
-        run_iproute(["tc", "-n", ns, "qdisc", "add", "dev", "gt-a", "root", "netem", "delay", "1ms"])
-        return True
-    except LinkError:
-        return False
+        run_iproute(["ip", "-n", ns, "link", "add", BRIDGE, "type", "bridge"])
+        run_iproute(["tc", "-n", ns, "qdisc", "add", "dev", "gt-a", "root", *qdisc])
+    except LinkError as e:
+        return f"veth, bridge or tc {qdisc[0]} unavailable: {e}"
     finally:
         run_iproute(["ip", "netns", "delete", ns], check=False)
+    return ""

@@ -93,8 +93,7 @@ class ShapedLinks:
     def run(self, member: str, argv: Sequence[str], *, input: bytes | None = None,
             timeout: float = 60.0) -> subprocess.CompletedProcess[bytes]:
         self._check_open()
-        return subprocess.run([*self.exec_prefix(member), *argv], input=input,
-                              capture_output=True, timeout=timeout)
+        return subprocess.run([*self.exec_prefix(member), *argv], input=input, capture_output=True, timeout=timeout)
 
     def _known(self, member: str) -> str:
         if member not in self._ns:
@@ -142,8 +141,7 @@ class ShapedLinks:
             run_iproute(["ip", "-n", self._ns[m], "link", "set", "lo", "up"])
         hub = self._ns[self.hub]
         run_iproute(["ip", "-n", hub, "link", "add", BRIDGE, "type", "bridge"])
-        run_iproute(["ip", "-n", hub, "addr", "add", f"{self._addr[self.hub]}/{_PREFIX_LEN}",
-              "dev", BRIDGE])
+        run_iproute(["ip", "-n", hub, "addr", "add", f"{self._addr[self.hub]}/{_PREFIX_LEN}", "dev", BRIDGE])
         run_iproute(["ip", "-n", hub, "link", "set", BRIDGE, "up"])
         for m in self.members[1:]:
             self._wire_holder(m, self.hub_device(m))
@@ -153,11 +151,9 @@ class ShapedLinks:
         # Both ends are made inside their namespaces, so concurrent runs never collide on names; a
         # joined namespace loses its end with the hub's (a veth pair dies with either end).
         end = self._member_if
-        run_iproute(["ip", "link", "add", hub_dev, "netns", hub, "type", "veth",
-              "peer", "name", end, "netns", ns])
+        run_iproute(["ip", "link", "add", hub_dev, "netns", hub, "type", "veth", "peer", "name", end, "netns", ns])
         run_iproute(["ip", "-n", hub, "link", "set", hub_dev, "master", BRIDGE])
-        run_iproute(["ip", "-n", ns, "addr", "add", f"{self._addr[member]}/{_PREFIX_LEN}",
-              "dev", end])
+        run_iproute(["ip", "-n", ns, "addr", "add", f"{self._addr[member]}/{_PREFIX_LEN}", "dev", end])
         shape_device(ns, end, self.shape)  # holder -> hub
         shape_device(hub, hub_dev, self.shape)  # hub -> holder
         run_iproute(["ip", "-n", hub, "link", "set", hub_dev, "up"])

@@ -74,8 +74,7 @@ def shape_device(ns: str, dev: str, shape: LinkShape) -> None:
     base = ["tc", "-n", ns, "qdisc", "add", "dev", dev]
     if shape.delay_ms > 0:
         # The netem queue must hold a delay's worth of packets at line rate.
-        run_iproute([*base, "root", "handle", "1:", "netem", "delay", f"{shape.delay_ms:g}ms",
-                     "limit", "100000"])
+        run_iproute([*base, "root", "handle", "1:", "netem", "delay", f"{shape.delay_ms:g}ms", "limit", "100000"])
         if shape.capped:
             run_iproute([*base, "parent", "1:1", "handle", "10:", *shape.tbf_args()])
     elif shape.capped:
