@@ -1,45 +1,34 @@
-"""The centralised TLS baseline (paper 7.2): what confidential training does without travelling.
+"""The centralised TLS baseline (paper 7.2): confidential training without travelling.
 
-The data holder sends its chunk over its TLS connection to the orchestrator (the same
-connection, on the same link, that carries a travel's context blobs), and the orchestrator
-writes it into the GPU's dataset buffer through its own encrypted channel: the same pipelined
-copy through bounce buffers that a holder uses during a travel. The orchestrator then checks
-the digest of what the device holds against the holder's manifest, as after a travel.
-
-Three steps are timed, as the paper breaks the baseline down:
-
-* ``read``: the holder reading its chunk out of its dataset (summed over the pieces);
-* ``tls``: the transfer, from the request leaving the orchestrator to the last piece having
-  arrived, less the holder's reading;
-* ``gpu_write``: the orchestrator's encrypted copy into VRAM.
-
-The chunk crosses in pieces (one frame each, far under the stream transport's 64 MiB frame
-limit; the holder's side, holder/baseline.py, picks their size) into a staging buffer the
-orchestrator allocates once. Which pieces are accepted is decided by :class:`ChunkReceipt`,
-sans-IO; :func:`_take_pieces` only carries messages to it and bytes out of it.
+The holder sends its chunk in pieces over its TLS link into a staging buffer, and the
+orchestrator writes it into the dataset buffer through its own encrypted channel and checks its
+digest against the manifest. Timed as the paper breaks it down: ``read`` (the holder's), ``tls``
+(the transfer, less the reading) and ``gpu_write``. :class:`ChunkReceipt` decides, sans-IO,
+which pieces are accepted.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from gputravel.errors import BadInput, GputravelError, HolderLost, ProtocolError, RemoteError
 from gputravel.protocol.control import BaselineReport
-from gputravel.driver.orchestrator import OrchestratorDriver
-from gputravel.orchestrator.machine import Buffer, OrchestratorTravel
-from gputravel.protocol.hardware import HardwareProfile, at_least
+from gputravel.orchestrator.machine import Buffer
+from gputravel.protocol.hardware import at_least
 from gputravel.protocol.manifest import chunk_digest, chunk_digest_from_manifest, chunk_nbytes
 from gputravel.protocol.travel import ChunkInfo, ChunkPiece, ChunkRefused, ChunkSent, HolderHello, SendChunk
 from gputravel.transport.base import Transport
+
+if TYPE_CHECKING:
+    from gputravel.orchestrator.cvm import Orchestrator
 
 _PAGE = 4096
 
 
 class HolderRefused(RemoteError):
-    """The holder would not send the chunk asked for (its reason is in the message)."""
+    """The holder would not send the chunk asked for."""
 
 
 # ----------------------------------------------------------------------------- piece accounting (sans-IO)
@@ -59,10 +48,8 @@ class Received:
 
 
 class ChunkReceipt:
-    """Which answers to one SendChunk are accepted, sans-IO: pieces of this transfer only, in
-    order, none empty, none past the bytes asked for, and a ChunkSent only once exactly those
-    bytes arrived. Anything else raises (the stream is then out of step); a refusal raises
-    HolderRefused (the exchange ended cleanly)."""
+    """Which answers to one SendChunk are accepted: this transfer's pieces in order, none empty or
+    past the bytes asked, then ChunkSent once exactly those arrived. Anything else raises."""
 
     def __init__(self, req: SendChunk, peer: str) -> None:
         self.req = req
@@ -95,35 +82,10 @@ def _prefaulted(nbytes: int) -> bytearray:
     return buf
 
 
-class _Timeouts(Protocol):
-    @property
-    def device_timeout(self) -> float: ...
-    @property
-    def holder_timeout(self) -> float: ...
-
-
-class BaselineOrchestrator(Protocol):
-    """The orchestrator as its baseline uses it (orchestrator/cvm.Orchestrator, whose module
-    imports this one: named here by what is used, so that nothing here imports it back)."""
-
-    @property
-    def config(self) -> _Timeouts: ...
-    @property
-    def driver(self) -> OrchestratorDriver: ...
-    @property
-    def profile(self) -> HardwareProfile: ...
-    @property
-    def travel_sm(self) -> OrchestratorTravel | None: ...
-    @property
-    def holders(self) -> Mapping[str, Transport]: ...  # the holders connected now
-    def drop(self, holder: str) -> None: ...
-    def buffer_view(self) -> memoryview: ...
-
-
 class BaselinePath:
     """The orchestrator's side of the baseline. One per orchestrator (it owns the staging buffer)."""
 
-    def __init__(self, orch: BaselineOrchestrator) -> None:
+    def __init__(self, orch: Orchestrator) -> None:
         self.orch = orch
         self._staging: bytearray | None = None
         self._ids = 0
@@ -165,16 +127,14 @@ class BaselinePath:
         return hello
 
     def _write(self, nbytes: int) -> None:
-        """The orchestrator's own encrypted copy into the dataset buffer (bounce buffers, CE)."""
         buf = self._buffer
         with memoryview(self._staged) as staging, at_least(self.orch.profile.write_s(nbytes)):  # the hardware's write
             self.orch.driver.copy_to_vram(staging[:nbytes], buf.offset, buffer_bytes=buf.nbytes,
                                           timeout=max(self.orch.config.device_timeout, 30.0))
 
     def _receive(self, holder: str, req: SendChunk) -> int:
-        """Ask for the chunk and take the pieces into the staging buffer; returns the holder's
-        read time (ns). A holder that dies, hangs or breaks the exchange loses its connection
-        (the stream would be out of step) and is reported lost, as in a travel."""
+        """Take the chunk into the staging buffer; returns the holder's read time (ns). A holder
+        that breaks the exchange is dropped (its stream is out of step), as in a travel."""
         conn = self.orch.holders[holder]
         try:
             conn.send(req)
@@ -199,8 +159,7 @@ class BaselinePath:
 
 
 def _take_pieces(conn: Transport, req: SendChunk, staging: bytearray, timeout: float) -> int:
-    """Carry the holder's answers to a ChunkReceipt and its pieces into ``staging``; returns
-    the holder's read time (ns)."""
+    """Carry the holder's answers to a ChunkReceipt, its pieces into ``staging``; returns its read ns."""
     receipt = ChunkReceipt(req, conn.name)
     while True:
         msg = conn.recv(timeout=timeout, expect=(ChunkPiece, ChunkSent, ChunkRefused)).message
