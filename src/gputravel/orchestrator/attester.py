@@ -1,27 +1,10 @@
 """The chain of trust at run time (paper 4.5), around the pure checks of `gputravel.attest`.
 
-GPU phase, in the orchestrator at boot (:class:`GpuAttester`): the SPDM handshake accepts
-only a device whose 5-certificate chain reaches the trusted GPU-vendor root; then, inside
-that session, the device's evidence for a fresh nonce is verified against the reference
-values, and must be signed by the very device that holds the session.
-
-CPU phase, when a holder joins (:meth:`GpuAttester.answer`; the holder's side is in
-holder/attestation.py): right after the TLS handshake the holder sends a fresh nonce; the
-orchestrator asks the GPU, inside its SPDM session, for evidence on that very nonce, checks
-it as at boot, and answers
-with that evidence as the device signed it plus a quote from its TDX module (its own process,
-which knows the orchestrator's measurement from the launcher) binding its TLS key and the
-nonce. The holder verifies both itself against its roots, reference values and policy before
-it sends anything else, then tells the orchestrator when to ask it again (`AttestAccepted`).
-
-The GPU's identity (attest.verifier.gpu_identity, :attr:`GpuAttester.gpu`) is the serial its
-vendor certified, read from the chain the SPDM handshake verified: the UEID holders see, and
-the name of the GPU in the signed travel log. A re-key (a new SPDM session) must reach that
-same GPU: its chain hook refuses another device's chain before the key exchange.
-
-Re-attestation (:meth:`GpuAttester.reattest_if_due`): fresh GPU evidence needs the GPU home,
-so the orchestrator, at the start of a travel to a holder whose attestation is due, sends
-`AttestDue` and serves its challenge like a join's.
+GPU phase, at boot: SPDM only with a device chaining to the trusted vendor root, then its
+evidence on a fresh nonce, signed by the device holding the session. CPU phase, when a holder
+joins or its re-attestation is due: its nonce answered with the GPU's evidence and a TDX quote
+binding our TLS key. The GPU's identity (its certified serial) names it in the travel log, and a
+re-key must reach that same GPU.
 """
 
 from __future__ import annotations
@@ -67,8 +50,7 @@ MIN_REATTEST_S = 1.0  # however often a holder asks, the orchestrator re-attests
 
 @dataclass(frozen=True)
 class TlsIdentity:
-    """The orchestrator's cohort TLS certificate: what its quotes bind (the TDX module signs,
-    so the attester needs no private key)."""
+    """The orchestrator's cohort TLS certificate, which its quotes bind (the TDX module signs)."""
 
     cert_der: bytes
 
@@ -78,12 +60,8 @@ class TlsIdentity:
 
 
 class GpuAttester:
-    """The orchestrator's side of the chain: attests the GPU, and relays its evidence for each
-    holder's own nonce with a quote from the TDX module (holders verify both themselves).
-
-    Keeps the claims of the last successful attestation. They are dropped before every new
-    attempt, so a GPU that fails attestation is not relayed for until it passes again.
-    """
+    """Attests the GPU and relays its evidence for each holder's nonce with a TDX quote. The last
+    claims are dropped before every attempt: a GPU that fails is not vouched for until it passes."""
 
     def __init__(self, material: OrchestratorMaterial, quote: Callable[[bytes], bytes], identity: TlsIdentity, *,
                  rng: Callable[[int], bytes] = os.urandom) -> None:
@@ -98,16 +76,11 @@ class GpuAttester:
         # When each holder's link is due for re-attestation, on the shell's clock (its `now`).
         self._due: weakref.WeakKeyDictionary[Transport, float] = weakref.WeakKeyDictionary()
 
-    @property
-    def refresh_after_s(self) -> int:
-        # Half the holders' limit: what a joining holder receives is never close to expiring.
-        return max(1, self.material.max_evidence_age_s // 2)
 
     # ------------------------------------------------------------------ GPU phase
     def open_session(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> GpuClaims:
-        """SPDM only with a device chaining to the trusted vendor root, and after the first
-        session only with the same GPU (a host must not swap GPUs under a rank: its travel
-        log names one); then attest it."""
+        """SPDM with a device under the vendor root (after the first, the same GPU: its log names
+        one), then attest it."""
         requester = SpdmRequester(verify_chain=self._pinned(spdm_chain_verifier(self.material.trust, now)))
         self._session_chain = self.claims = None  # whatever the session was, it is being replaced
         driver.establish_session(requester, timeout=timeout)
@@ -122,13 +95,12 @@ class GpuAttester:
 
     def _pinned(self, verify: Callable[[tuple[bytes, ...]], ec.EllipticCurvePublicKey]
                 ) -> Callable[[tuple[bytes, ...]], ec.EllipticCurvePublicKey]:
-        """The chain hook, with the GPU pinned once one has attested: it runs on the device's
-        Certificate, before the key exchange, so another GPU's session never gets keys."""
+        """The chain hook, GPU pinned once one attested: it runs before the key exchange, so
+        another GPU's session never gets keys."""
         def check(chain: tuple[bytes, ...]) -> ec.EllipticCurvePublicKey:
             key = verify(chain)  # the vendor root first: only then is chain[1] a per-device certificate
             if self._gpu_cert is not None and chain[1] != self._gpu_cert:
-                # The whole per-device certificate, not only its serial: another device certified
-                # with the same serial is another GPU too.
+                # The whole certificate: another device certified with the same serial is another GPU.
                 gpu = gpu_identity(chain)
                 which = f"another device certified as {gpu}" if gpu == self.gpu else f"GPU {gpu}, not {self.gpu}"
                 raise AttestationError("chain", f"the new SPDM session reached {which}, "
@@ -137,12 +109,11 @@ class GpuAttester:
         return check
 
     def attest(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> GpuClaims:
-        """Ask the device for evidence on a fresh nonce inside the session and verify it."""
         return self._evidence(driver, self._rng(NONCE_BYTES), now, timeout)[0]
 
     def _evidence(self, driver: OrchestratorDriver, nonce: bytes, now: datetime,
                   timeout: float) -> tuple[GpuClaims, bytes]:
-        """The device's evidence for `nonce` (inside the session), verified; the claims kept."""
+        """The device's evidence for `nonce` inside the session, verified; the claims kept."""
         if self._session_chain is None:
             raise IllegalTransition("gpu attester", "no-session", "attest the GPU")
         self.claims = None
@@ -150,21 +121,19 @@ class GpuAttester:
         claims = EmulatedGpuVerifier(self.material.trust, self.material.reference).verify(blob, nonce, now)
         evidence = decode(blob, expect=GpuEvidence)  # verified: decodes
         if tuple(evidence.cert_chain[:2]) != self._session_chain:
-            # The per-device certificate too, not only the leaf: holders read the GPU's name
-            # (the UEID) from the evidence's chain, the log from the session's; they must agree.
+            # Holders read the GPU's name from the evidence's chain, the log from the session's.
             raise AttestationError("chain", "the evidence is signed by another device than the one "
                                             "holding the SPDM session")
         self.claims = claims
         return claims, blob
 
-    def stale(self, now: datetime) -> bool:
-        claims = self.claims
-        return claims is None or int(now.timestamp()) - claims.verified_at >= self.refresh_after_s
-
     def refresh(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> bool:
-        """Re-attest if the claims are stale and the GPU is home (context not away).
-        Returns whether it re-attested; raises AttestationError if the GPU now fails."""
-        if not self.stale(now) or driver.away:
+        """Re-attest if the claims are stale (half the holders' limit, so what a holder receives
+        is never close to expiring) and the GPU is home; whether it did."""
+        refresh_after_s = max(1, self.material.max_evidence_age_s // 2)
+        claims = self.claims
+        fresh = claims is not None and int(now.timestamp()) - claims.verified_at < refresh_after_s
+        if fresh or driver.away:
             return False
         self.attest(driver, now, timeout)
         return True
@@ -172,9 +141,8 @@ class GpuAttester:
     # ------------------------------------------------------------------ CPU phase
     def answer(self, challenge: AttestChallenge, driver: OrchestratorDriver, now: datetime,
                timeout: float) -> AttestEvidence:
-        """GPU evidence for the holder's own nonce, asked inside our session and checked as at
-        boot, relayed as the device signed it; and our TDX module's quote binding our TLS key
-        and that nonce. Only with the GPU home, and never for a GPU that failed attestation."""
+        """GPU evidence for the holder's nonce, checked as at boot, and a TDX quote binding our TLS
+        key and that nonce; only with the GPU home and attested."""
         if self.claims is None:
             raise IllegalTransition("gpu attester", "gpu-unattested", "vouch for the GPU")
         if driver.away:
@@ -185,10 +153,8 @@ class GpuAttester:
         return answer_challenge(challenge, quote=self.quote, tls_cert_der=self.identity.cert_der, gpu_evidence=blob)
 
     def serve_challenge(self, conn: Transport, driver: OrchestratorDriver, timeout: float, now: float) -> None:
-        """A holder's challenge comes first (on joining, or after `AttestDue`): answer it with
-        fresh evidence, then learn when it wants to attest us again (or that it refused us:
-        it hangs up, and this raises). ``now`` is the shell's monotonic clock as the exchange
-        starts: the next one falls due that long after it, never later than the holder asked."""
+        """Answer a holder's challenge (on joining, or after `AttestDue`) and learn when it wants
+        to attest us again, counted from ``now`` (monotonic) so never later than it asked."""
         challenge = conn.recv(timeout=timeout, expect=AttestChallenge).message
         assert isinstance(challenge, AttestChallenge)
         self.refresh(driver, utcnow(), timeout)  # a GPU that failed before gets one more try
@@ -198,9 +164,7 @@ class GpuAttester:
         self._due[conn] = now + max(MIN_REATTEST_S, float(accepted.reattest_after_s))
 
     def reattest_if_due(self, conn: Transport, driver: OrchestratorDriver, timeout: float, now: float) -> bool:
-        """Before a travel, with the GPU home: a holder whose attestation of us is due at
-        ``now`` (the shell's monotonic clock) attests again now (fresh GPU evidence cannot be
-        had once the GPU is away)."""
+        """Before a travel, with the GPU home (fresh evidence needs it): re-attest if due at ``now``."""
         due = self._due.get(conn)
         if due is None or now < due:
             return False
