@@ -1,9 +1,5 @@
-"""The orchestrator CVM: boots last, owns the session with the GPU, runs travels.
-
-:class:`Orchestrator` is the travelling engine (used by the demo, benchmarks and training):
-it carries out the actions its travel machine (orchestrator/machine.py) returns, one IO step
-each. The process main loop that the supervisor drives is orchestrator/process.py.
-"""
+"""The orchestrator CVM's engine: boots last, owns the session with the GPU, and carries out the
+actions its travel machine (orchestrator/machine.py) returns, one IO step each."""
 
 from __future__ import annotations
 
@@ -65,9 +61,7 @@ class OrchestratorConfig:
     trust_dir: str = ""  # roots, GPU reference values, where its TDX module listens (cohort/trust.py); required
     audit_log: str = ""  # where the signed travel log goes (orchestrator/travel_log.py); "": none
     hardware: str = "emulated"  # protocol/hardware.py: floors on the context exchange and the baseline's write
-    # The one training job this orchestrator runs (train/job.py TrainConfig.canonical_json), or "" for
-    # any. Measured like every field here, so a holder's policy pins the job run on its data;
-    # a Train command for another job is refused (orchestrator/process.py).
+    # The one job it runs (TrainConfig.canonical_json; "": any): measured, so holders pin it.
     job_json: str = ""
 
     def __post_init__(self) -> None:
@@ -76,8 +70,7 @@ class OrchestratorConfig:
 
 
 class Listener(Protocol):
-    """Where holders connect: the TLS listener (transport/tls.py), or a test's stand-in. ``accept``
-    returns a holder's link and the holder's name as its verified certificate says."""
+    """Where holders connect; ``accept`` names the holder as its verified certificate does."""
 
     port: int
 
@@ -89,12 +82,8 @@ class Listener(Protocol):
 
 
 class Orchestrator:
-    """The travelling engine. One dataset buffer in VRAM, one travel at a time.
-
-    It is given its links already open (:meth:`from_config` opens them as the CVM does): the
-    host (``host``, closed with the engine; ``mux`` switches the GPU over it), its driver on
-    the device, the device's link that grants VRAM, the listener holders join at, and the key
-    that signs its travel log. Building one does no IO; :meth:`boot` starts the cohort."""
+    """The travelling engine: one dataset buffer in VRAM, one travel at a time. It is given its
+    links open (:meth:`from_config`); building one does no IO, :meth:`boot` starts the cohort."""
 
     _clock = staticmethod(time.perf_counter)  # the one clock the machine is told (step timings, deadlines)
 
@@ -107,8 +96,7 @@ class Orchestrator:
         self.holders: dict[str, Transport] = {}
         self.vram: mmap.mmap | None = None
         self.travel_sm: OrchestratorTravel | None = None
-        self._log_key = log_key  # signs the travel log, opened at boot
-        self._make_attester = attester  # at boot: its trust material, its TDX module, its TLS identity
+        self._log_key, self._make_attester = log_key, attester  # both used at boot
         self.travel_log: TravelLog | None = None  # opened at boot, once the GPU it names is attested
 
     @classmethod
@@ -132,8 +120,7 @@ class Orchestrator:
     def boot(self) -> None:
         """Paper 4.1: the orchestrator boots last, attests and keys the GPU, allocates its buffer."""
         self.switch(NAME)
-        # Paper 4.5, GPU phase: SPDM only with a GPU under the trusted vendor root, then its
-        # evidence verified; an AttestationError (naming the claim) stops the boot here.
+        # Paper 4.5, GPU phase: an AttestationError (naming the claim) stops the boot here.
         assert self._make_attester is not None, "from_config gives the engine its attester"
         self.attester: GpuAttester = self._make_attester(self.config)
         self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)
@@ -150,9 +137,8 @@ class Orchestrator:
         self.travel_sm = OrchestratorTravel(Buffer(buf.offset, buf.nbytes), deadlines, verify=self.config.verify)
 
     def rekey(self) -> None:
-        """Fail-closed recovery: a new SPDM session with the GPU, verified as at boot. The device
-        wipes VRAM and every channel, so the dataset buffer is allocated and granted again.
-        Raises TravelHalted, naming the step, if the GPU cannot be re-keyed: the cohort stops."""
+        """Fail-closed recovery: a new SPDM session, verified as at boot, and the buffer granted
+        again (VRAM is wiped); TravelHalted, naming the step, if the GPU cannot be re-keyed."""
         assert self.travel_sm is not None
         try:
             self.switch(NAME)
@@ -166,10 +152,8 @@ class Orchestrator:
         log.warning("re-keyed the GPU through a new SPDM session (VRAM wiped)")
 
     def _halt(self, why: str) -> NoReturn:
-        """A re-key that failed: the driver may already hold the new session's keys (a GPU
-        that then failed attestation, a buffer placed elsewhere) or the old session's (another
-        GPU, refused before its key exchange), so it is halted, and exports and lends nothing,
-        before TravelHalted stops travel."""
+        """A failed re-key: the driver may hold either session's keys, so it is halted (exports
+        and lends nothing) before TravelHalted stops travel."""
         self.driver.ledger.halt(why)
         raise TravelHalted(why) from None
 
@@ -178,9 +162,8 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ cohort
     def accept_holder(self, timeout: float, probe: Callable[[str, Transport], None] | None = None) -> str:
-        """Admit one holder: it attests us, introduces itself, and is welcomed. A late holder
-        (its hello says it has not probed the GPU) is lent the GPU first through ``probe``
-        (orchestrator/membership.py); without one it is refused."""
+        """Admit one holder: it attests us, introduces itself, and is welcomed; a late one (not
+        probed) is lent the GPU first through ``probe``, or refused without one."""
         conn, peer = self.listener.accept(timeout=timeout)
         try:  # paper 4.5, CPU phase: the holder attests us before it says anything else
             self.attester.serve_challenge(conn, self.driver, timeout, self._clock())
@@ -213,8 +196,7 @@ class Orchestrator:
             old.close()
         self.holders[peer] = conn
         conn.send(Welcome(cohort=NAME))
-        # Token-bucket links: each end paces itself, this link once, from its start (pacing
-        # the links of earlier joins again would hand each of them a fresh burst).
+        # Each link paced once, from its start: pacing earlier ones again would give fresh bursts.
         pace(conn, self.config.pace_mbit)
         return peer
 
@@ -243,9 +225,7 @@ class Orchestrator:
                 self.accept_holder(left, probe)
             except PeerTimeout:  # every wait in a join runs to the deadline: said above, with who is missing
                 continue
-            except TransportClosed as exc:
-                # A holder whose CVM went away mid-join (its service boots another, which tries
-                # again): not a reason to stop waiting for the others. A refusal still is.
+            except TransportClosed as exc:  # its CVM went away mid-join (it tries again); a refusal stops
                 broken = str(exc)
                 log.warning("a holder's connection broke off while it joined: %s", exc)
         assert self.travel_sm is not None
@@ -253,11 +233,8 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ the travel cycle
     def travel(self, holder: str, dataset_offset: int) -> TravelReport:
-        """One travel (paper Fig. 3), written to the signed travel log when it completes and
-        when a remote party (holder, host, device) makes it fail; a local error (a bug, an
-        exhausted counter) is raised without an entry. Once the job is done (its log closed), no
-        travel starts. A chunk's digest is logged keyed with its holder's travel-log key, from
-        the hello it joined with."""
+        """One travel (paper Fig. 3), logged when it completes or a remote party makes it fail (a
+        local error, a bug, is raised without an entry); none once the job's log is closed."""
         if self.travel_log is not None:
             self.travel_log.check_open()
         before = self.driver.epoch or 0
@@ -274,15 +251,13 @@ class Orchestrator:
         return report
 
     def job_done(self) -> None:
-        """The job is done: sign the travel log's closing entry (nothing may follow it), so that a
-        log cut short of it reads as not closed. No travel starts after this."""
+        """Sign the travel log's closing entry, so a log cut short of it reads as not closed."""
         if self.travel_log is not None and not self.travel_log.closed:
             self.travel_log.job_done(self.driver.epoch or 0)
 
     def _travel(self, holder: str, dataset_offset: int) -> TravelReport:
-        """Carry out each action the machine returns, telling it when each is done (the clock
-        read once a turn), until it reports: the order of the cycle is the machine's. Whatever
-        fails once the travel started (a bug too), the GPU is recovered before anything else."""
+        """Carry out the machine's actions until it reports; whatever fails once the travel started
+        (a bug too), the GPU is recovered before anything else."""
         sm, drv = self.travel_sm, self.driver
         assert sm is not None
         if holder in sm.holders and holder not in self.holders:
@@ -316,8 +291,8 @@ class Orchestrator:
         try:
             return self.travel_sm.handle(event, now)
         except ProtocolError:
-            if isinstance(event, Replied):  # the holder broke the protocol (another travel's reply,
-                self.drop(holder)          # a chunk unlike its manifest): its link is out of step
+            if isinstance(event, Replied):  # the holder broke the protocol: its link is out of step
+                self.drop(holder)
             raise
 
     # ------------------------------------------------------------------ one step each
@@ -352,7 +327,6 @@ class Orchestrator:
         return Switched()
 
     def _await_reply(self, act: AwaitReply, timeout: float | None) -> Replied:
-        """A holder that dies, hangs or sends garbage here is dropped (it may join again)."""
         try:
             reply = self.holders[act.holder].recv(timeout=timeout, expect=(TravelResult, TravelRefused)).message
         except (TransportClosed, PeerTimeout, ProtocolError) as exc:
@@ -370,8 +344,7 @@ class Orchestrator:
         return RotationStarted()
 
     def _import(self, act: ImportContext, timeout: float | None) -> Imported:
-        """A holder that returns a context it could not have (keys, counters or positions it
-        did not get or could not reach) is dropped; the rotation under way recovers the GPU."""
+        """A holder that returns a context it could not have is dropped; the rotation recovers."""
         try:
             self.driver.import_returned(act.blob)
         except ContextBlobError as exc:
@@ -384,7 +357,6 @@ class Orchestrator:
         return Rotated()
 
     def _verify(self, act: VerifyChunk, timeout: float | None) -> Verified:
-        """The digest of what VRAM holds; the machine compares it with the holder's manifest."""
         assert self.vram is not None
         view = memoryview(self.vram)[act.offset : act.offset + act.nbytes]
         try:
@@ -392,9 +364,7 @@ class Orchestrator:
         finally:
             view.release()
 
-    #: How each action the machine returns is carried out: one IO step, reporting one event.
-    #: Its timeout is ``sm.time_left``: a float in each phase whose step waits (the machine's
-    #: budgets), None in the others; each step's own signature says which it takes.
+    #: Each action's IO step; its timeout is ``sm.time_left`` (None where the step does not wait).
     ACTIONS: dict[type, Callable[[Any, Any, Any], object]] = {
         StartScrub: _start_scrub, ExportContext: _export, AwaitScrub: _await_scrub, SwitchTo: _switch_to,
         SendRequest: _send_request, AwaitSwitch: _await_switch, AwaitReply: _await_reply, AwaitGpu: _await_gpu,
@@ -403,20 +373,17 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ around a travel
     def _attest_before(self, holder: str) -> None:
-        """With the GPU home, before a travel or a baseline transfer: fresh GPU claims, and the
-        holder re-attests us if its time has come."""
+        """Before a travel or baseline transfer: fresh GPU claims, and the holder's re-attestation if due."""
         try:
             self.attester.refresh(self.driver, utcnow(), self.config.device_timeout)
             self._reattest(holder)
         except GputravelError:
-            # A dropped RPC leaves the encrypted RPC queue out of step until a rotation (or a
-            # re-key) resets it: without this, one dropped doorbell stalled every later travel.
+            # A dropped RPC leaves the queue out of step until a rotation, stalling every later travel.
             self._recover()
             raise
 
     def _reattest(self, holder: str) -> None:
-        """Fresh GPU evidence needs the GPU home, so re-attestation happens here, before the
-        scrub; a holder that fails it (or refuses us) is dropped and may join again."""
+        """A holder that fails its re-attestation (or refuses us) is dropped; it may join again."""
         conn = self.holders.get(holder)
         if conn is None:
             return  # the machine's Start says why there is no travel
@@ -427,15 +394,13 @@ class Orchestrator:
             raise HolderLost(holder, f"{type(exc).__name__}: {exc}", during="its re-attestation") from None
 
     def drop(self, holder: str) -> None:
-        """Close a holder's link and forget it (it may join again)."""
         conn = self.holders.pop(holder, None)
         if conn is not None:
             conn.close()
 
     def _recover(self) -> None:
-        """A travel failed: take the GPU back and rotate, so whatever the holder kept is useless.
-        If the device cannot be shown to have rotated, re-key it through a new SPDM session;
-        if that fails too, TravelHalted stops the cohort (the driver refuses every export)."""
+        """Take the GPU back and rotate, so whatever the holder kept is useless; re-key if the
+        rotation cannot be shown (TravelHalted if that fails too)."""
         try:
             self.switch(NAME)
             if self.driver.rotating:  # submitted when the GPU came home: finish it (it takes the context back)
@@ -449,8 +414,7 @@ class Orchestrator:
             self.rekey()
 
     def _fresh_epoch(self) -> None:
-        """Before a travel: an epoch the orchestrator used itself, or a halt, is replaced by a
-        confirmed rotation, or else a new SPDM session (the driver refuses to export either)."""
+        """Replace an epoch the orchestrator used, or a halt, by a confirmed rotation or a re-key."""
         if self.driver.ledger.halted is None:
             try:
                 self.driver.rotate(timeout=self.config.device_timeout)
@@ -464,14 +428,13 @@ class Orchestrator:
         return BaselinePath(self)
 
     def baseline(self, holder: str, dataset_offset: int) -> BaselineReport:
-        """The centralised TLS baseline (paper 7.2): the holder sends the chunk over TLS and this
-        CVM writes it into the dataset buffer; the GPU does not travel (see orchestrator/baseline.py)."""
+        """The centralised TLS baseline (paper 7.2, orchestrator/baseline.py): the GPU does not travel."""
         if holder in self.holders:  # as before a travel (an offline holder is reported by run)
             self._attest_before(holder)
         return self.baseline_path.run(holder, dataset_offset)
 
     def buffer_view(self) -> memoryview:
-        """Read-only view of the dataset buffer (what a training kernel on the GPU reads)."""
+        """Read-only view of the dataset buffer (what a training kernel reads)."""
         assert self.vram is not None and self.travel_sm is not None
         b = self.travel_sm.buffer
         return memoryview(self.vram)[b.offset : b.offset + b.nbytes]

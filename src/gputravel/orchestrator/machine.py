@@ -1,20 +1,11 @@
 """The orchestrator's side of one travel (paper Fig. 3) as a sans-IO state machine
-(protocol/machine.py: the transition table, the sticky error phase, the deadlines).
+(protocol/machine.py): each event comes with ``now`` and returns the next IO action, so the
+cycle's order is written here only; what the holder sends back is checked against its manifest.
 
-Each event (a step finished, a message arrived) comes with ``now``; each returns the next
-action for the runtime to carry out, one IO step each, so the order of the cycle is written
-here only. The machine checks the order of steps, validates what the holder sends back
-against its manifest, times every step and gives each wait its deadline.
-
-Steps of the paper's cycle overlap here where nothing forces them to wait: the context is
-exported while the device scrubs (the scrub is kernel-channel work, the context the user
-channel's), the context goes to the holder over TLS while the PCIe MUX switches the GPU to
-it, the holder exports while the MUX switches the GPU home, and the orchestrator imports
-the returned context while the device rotates (the rotation, again kernel-channel work,
-happens whatever comes back). So each step's figure is its share of the travel's critical
-path: ``dh_switch`` and ``o_switch`` are only what the holder and the orchestrator still had
-to wait for the MUX, ``o_rotate`` only what was left of the rotation after the import, and
-``o_export`` lies inside ``o_cleanup``.
+Steps overlap where nothing forces a wait (export during the scrub, the request over TLS during
+the MUX switch, the import during the rotation), so each step's figure is its share of the
+critical path: ``o_switch``, ``o_rotate`` only what was left to wait for; ``o_export`` lies
+inside ``o_cleanup``.
 """
 
 from __future__ import annotations
@@ -47,9 +38,7 @@ class Phase(Enum):
 
 
 @dataclass(frozen=True)
-class Deadlines:
-    """Seconds each wait may take (OrchestratorConfig sets them)."""
-
+class Deadlines:  # seconds each wait may take
     device: float = 10.0  # the device and the host's MUX
     holder: float = 60.0  # a holder's reply to its travel request
 
@@ -87,8 +76,8 @@ class RequestSent:
 
 
 @dataclass(frozen=True)
-class Switched:
-    """The MUX answered: the GPU is the holder's (it may already be working on it)."""
+class Switched:  # the MUX answered: the GPU is the holder's
+    pass
 
 
 @dataclass(frozen=True)
@@ -97,8 +86,8 @@ class Replied:
 
 
 @dataclass(frozen=True)
-class Home:
-    """The MUX has switched the GPU back (the holder asked before it exported)."""
+class Home:  # the MUX switched the GPU back (the holder asked before it exported)
+    pass
 
 
 @dataclass(frozen=True)
@@ -187,7 +176,7 @@ class VerifyChunk:
     piece_bytes: int  # the holder's manifest pieces: the digest is computed over pieces this size
 
 
-#: Every action the machine returns but its report: each is one IO step the runtime carries out.
+#: Every action the machine returns but its report: one IO step each.
 ACTIONS = (StartScrub, ExportContext, AwaitScrub, SwitchTo, SendRequest, AwaitSwitch, AwaitReply, AwaitGpu,
            StartRotation, ImportContext, AwaitRotation, VerifyChunk)
 
@@ -254,8 +243,7 @@ class OrchestratorTravel(TravelMachine):
             raise ProtocolError(f"holder {hello.holder}: its travel-log key must be {LOG_KEY_BYTES} bytes")
         self.holders[hello.holder] = hello
 
-    def chunk_nbytes(self, holder: str, offset: int) -> int:
-        """The bytes of `holder`'s chunk at `offset` (BadInput if no chunk starts there)."""
+    def chunk_nbytes(self, holder: str, offset: int) -> int:  # BadInput if no chunk starts there
         hello = self.holders[holder]
         return chunk_nbytes(holder, hello.dataset_bytes, hello.piece_bytes, offset, self.buffer.nbytes)
 
@@ -277,15 +265,12 @@ class OrchestratorTravel(TravelMachine):
         self._release = ev.release
         return P.EXPORT, ExportContext()
 
-    def _on_exported(self, ev: Exported, now: float) -> Step:
-        """The context is packed (while the device scrubs); it leaves only after the scrub."""
+    def _on_exported(self, ev: Exported, now: float) -> Step:  # it leaves only after the scrub
         self._blob = ev.blob
         self._step("o_export", "start", now)
         return P.SCRUB, AwaitScrub(self._release)
 
     def _on_scrubbed(self, ev: Scrubbed, now: float) -> Step:
-        """The scrub is confirmed. ``reexported``: the driver had to export the context again
-        (the device had moved on since the first export); that one travels."""
         if ev.reexported is not None:
             self._blob = ev.reexported
         self._step("o_cleanup", "start", now)

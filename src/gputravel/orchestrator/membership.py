@@ -1,17 +1,9 @@
-"""The orchestrator's side of joining and leaving a running cohort (paper 4.5, last paragraph).
+"""The orchestrator's side of joining and leaving a running cohort (paper 4.5).
 
-- **Late join**: a holder booted after the orchestrator must probe the GPU while it holds
-  it, but its probe moves the device's RPC queue. So the orchestrator lends the GPU
-  (`LendGpu`: only between travels, with no keys exported), the holder probes (its side:
-  holder/membership.py), and the orchestrator takes the GPU back (`ReclaimGpu`): it rejoins
-  the RPC queue and proves with an encrypted RPC that the device still holds its session.
-- **Leave**: the holder tells the orchestrator `Bye` over their TLS link and closes it; the
-  orchestrator reads that goodbye (`AwaitDeparture`) and drops the link, so the holder is
-  offline until it joins again. Its enrolment (manifest) is kept.
-
-:class:`Lending` decides, sans-IO (facts and ``now`` in, actions out, the departure deadline
-inside); :class:`Membership` carries its actions out on the MUX, the driver and the links.
-The supervisor drives the order (cohort/client.py).
+A late holder must probe the GPU, which moves the device's RPC queue: the GPU is lent only
+between travels, with no key exported, and reclaimed with an encrypted RPC proving the session
+is still ours. A leaving holder's goodbye is read and its link dropped; its enrolment stays.
+:class:`Lending` decides, sans-IO; :class:`Membership` carries its actions out.
 """
 
 from __future__ import annotations
@@ -38,8 +30,6 @@ ORCHESTRATOR_COMMANDS = (LendGpu, ReclaimGpu, AwaitDeparture)
 # ----------------------------------------------------------------------------- the core (sans-IO)
 @dataclass(frozen=True)
 class GpuState:
-    """What the driver says about the GPU when a lend is asked for."""
-
     away: bool  # the context is with a holder (a travel is under way)
     rotating: bool  # a key rotation was submitted and not confirmed
     halted: bool  # travel is halted: the device may be on an epoch a holder had
@@ -47,8 +37,6 @@ class GpuState:
 
 @dataclass(frozen=True)
 class SwitchTo:
-    """Have the PCIe MUX switch the GPU to ``target``."""
-
     target: str
 
 
@@ -59,25 +47,17 @@ class RejoinRpcQueue:
 
 @dataclass(frozen=True)
 class AwaitBye:
-    """Read the holder's goodbye on its link, until ``Lending.next_deadline()``."""
-
     holder: str
 
 
 @dataclass(frozen=True)
 class DropLink:
-    """Close the holder's link and forget it (its enrolment stays)."""
-
     holder: str
 
 
 class Lending:
-    """Who has the GPU between travels, and whose departure is awaited.
-
-    Idle, lent to a booting holder (from `LendGpu` until `ReclaimGpu` is done), or awaiting a
-    departure (until the goodbye, the link closing, or the deadline). Lending again while lent
-    and reclaiming when idle are allowed, as they always were: the supervisor orders them.
-    """
+    """Who has the GPU between travels, and whose departure is awaited (the supervisor orders
+    lends and reclaims: lending while lent and reclaiming when idle are allowed)."""
 
     def __init__(self) -> None:
         self.lent_to: str | None = None
@@ -91,7 +71,7 @@ class Lending:
         return f"lent-to-{self.lent_to}" if self.lent_to is not None else "idle"
 
     def lend(self, holder: str, gpu: GpuState) -> SwitchTo:
-        # Only between travels: the context is home, so the borrower gets the PCIe link but no key.
+        # Only between travels: the borrower gets the PCIe link but no key.
         if gpu.away:
             raise IllegalTransition(ORCHESTRATOR, "context-away", f"lend the GPU to {holder!r}")
         if gpu.rotating or gpu.halted:  # the device may be on an epoch a holder had
@@ -107,8 +87,7 @@ class Lending:
     def reclaim(self) -> tuple[SwitchTo, RejoinRpcQueue]:
         return SwitchTo(ORCHESTRATOR), RejoinRpcQueue()
 
-    def reclaimed(self) -> GpuReclaimed:
-        """Both reclaim actions were carried out: the GPU is home, its session proven."""
+    def reclaimed(self) -> GpuReclaimed:  # both reclaim actions were carried out
         self.lent_to = None
         return GpuReclaimed()
 
@@ -122,18 +101,16 @@ class Lending:
         return self._deadline
 
     def departed(self, reason: str) -> tuple[DropLink, Departed]:
-        """The holder said goodbye (or closed its link: ``reason`` says which)."""
         holder = self._end_departure()
         return DropLink(holder), Departed(holder=holder, reason=reason)
 
     def on_timeout(self, now: float) -> DropLink | None:
-        """No goodbye by the deadline (None before it): the link is dropped all the same."""
+        """No goodbye by the deadline (None before it): the link is dropped anyway."""
         if self._deadline is None or now < self._deadline:
             return None
         return DropLink(self._end_departure())
 
     def link_failed(self) -> DropLink:
-        """The link broke while we waited (garbage, a transport error): it is dropped."""
         return DropLink(self._end_departure())
 
     def _end_departure(self) -> str:
@@ -146,9 +123,7 @@ class Lending:
 
 # ----------------------------------------------------------------------------- the shell
 class Membership:
-    """Carries out :class:`Lending`'s actions for one orchestrator; the serve loop
-    (orchestrator/process.py) keeps one for the orchestrator's life, so the lending state
-    lasts from one command to the next."""
+    """Carries out :class:`Lending`'s actions; one for the orchestrator's life (process.py)."""
 
     def __init__(self, orch: Orchestrator, core: Lending | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -157,7 +132,6 @@ class Membership:
         self._clock = clock
 
     def command(self, cmd: object) -> object:
-        """Carry out one membership command; errors propagate (the serve loop reports them)."""
         if isinstance(cmd, LendGpu):
             return self.lend(cmd.holder)
         if isinstance(cmd, ReclaimGpu):
@@ -173,9 +147,8 @@ class Membership:
         return self.core.lent(holder)
 
     def probe_over(self, holder: str, conn: Transport) -> None:
-        """A late holder that joined by itself (a deployed service: no launcher orders the
-        lend): lend it the GPU between travels, let it probe over its own link (ProbeNow ->
-        ProbeDone), and take the GPU back whatever happened."""
+        """A late holder that joined by itself: lend it the GPU to probe over its own link
+        (ProbeNow, ProbeDone), and take the GPU back whatever happened."""
         try:
             self.lend(holder)  # a switch the host fails leaves the GPU maybe lent: reclaimed below
             conn.send(ProbeNow())
@@ -202,7 +175,6 @@ class Membership:
         except TransportClosed:
             reason = "closed its connection"
         except BaseException:
-            # Whatever it sent, it is offline now: the link is dropped, the enrolment kept.
             self._drop(self.core.on_timeout(self._clock()) or self.core.link_failed())
             raise
         drop, departed = self.core.departed(reason)

@@ -1,7 +1,5 @@
-"""The orchestrator CVM's process main loop: boot the engine, then answer the supervisor's
-commands over the control link (travels, baseline transfers, joins and leaves, training).
-The engine itself, and the travel loop, are orchestrator/cvm.py.
-"""
+"""The orchestrator CVM's main loop: boot the engine (orchestrator/cvm.py), then answer the
+supervisor's commands (travels, baseline transfers, joins and leaves, training)."""
 
 from __future__ import annotations
 
@@ -45,9 +43,8 @@ log = logging.getLogger(__name__)
 
 
 class Admitting:
-    """The engine training travels with: before each travel, with the GPU home, it admits the
-    holders waiting at the listener (late, or back after leaving: paper 4.5) and drops those
-    that said goodbye, so a deployed cohort changes membership while it trains."""
+    """The engine training travels with: before each travel it admits waiting holders and drops
+    those that said goodbye, so a deployed cohort changes membership while it trains (paper 4.5)."""
 
     def __init__(self, orch: Orchestrator, membership: Membership) -> None:
         self.orch, self.membership = orch, membership
@@ -65,8 +62,7 @@ class Admitting:
     def admit_waiting(self) -> None:
         for name in [n for n, conn in self.orch.holders.items() if _readable(conn.fileno())]:
             self._departure(name)  # between travels a holder only ever says goodbye
-        # One admission per travel at most: a stream of connections (a non-member's that never
-        # finish their handshake, say) delays each travel by one handshake, never starves them.
+        # One admission per travel at most: a stream of connections delays travels, never starves them.
         if _readable(self.orch.listener.fileno()):
             try:
                 name = self.orch.accept_holder(self.orch.config.holder_timeout, self.membership.probe_over)
@@ -91,7 +87,6 @@ def _readable(fd: int) -> bool:
 def run_training(orch: Orchestrator, cmd: Train, control: Transport,
                  membership: Membership | None = None) -> dict[str, Any]:
     """Train inside this CVM on batches the GPU fetched by travelling; stream each step out."""
-    # Here, not at the top: training needs torch, which a cohort that only travels never loads.
     from gputravel.train.loader import BaselineSource, TravelSource  # lazy: torch, for training only
     from gputravel.train.job import TrainConfig  # lazy: pydantic, for training only
     from gputravel.train.loop import make_report, sample_tokenizer, train  # lazy: torch
@@ -122,8 +117,8 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport,
 
 
 class _ShutdownAsked:
-    """Between steps: has the launcher asked this CVM to shut down? A service stopping (its
-    SIGTERM) ends training at a step boundary, checkpointed there, rather than mid-step."""
+    """Between steps: has the launcher asked this CVM to shut down? (A stopping service ends
+    training checkpointed at a step boundary.)"""
 
     def __init__(self, control: Transport) -> None:
         self.control, self.asked = control, False
@@ -138,9 +133,8 @@ class _ShutdownAsked:
 
 
 def _ranks(orch: Orchestrator, cmd: Train) -> Ranks | None:
-    """This CVM as one rank of a data-parallel job (issue 14), or None to train alone. Its
-    peers are checked against its own TDX module's measurement and its own trusted roots
-    (attest/rank.py) before any gradient moves; the launcher only says where rank 0 listens."""
+    """This CVM as one rank of a data-parallel job, or None to train alone; its peers are attested
+    (attest/rank.py) before any gradient moves, the launcher only says where rank 0 listens."""
     if cmd.world_size == 1 and cmd.rank == 0:
         return None
     from gputravel.train.ranks import Ranks  # lazy: torch, for training only
@@ -150,9 +144,7 @@ def _ranks(orch: Orchestrator, cmd: Train) -> Ranks | None:
         raise BadInput(f"rank {cmd.rank} of {cmd.world_size} with rank 0 at {cmd.master!r}: expected host:port")
     # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank.
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
-    # Where CUDA exists, each rank takes a GPU of its own (train/model.pick_device): every rank
-    # of a cohort's job runs on this machine, so its local rank is its rank (whatever the
-    # launcher's environment said). It picks a device only, never a security decision.
+    # Every rank of a cohort's job runs on this machine: its local rank (a device, nothing more) is its rank.
     os.environ["LOCAL_RANK"] = str(cmd.rank)
     if cmd.ifname:  # a server's link to the others (cohort/gpus.py), not its holders' star
         os.environ["GLOO_SOCKET_IFNAME"] = cmd.ifname
@@ -176,9 +168,8 @@ def _checkpoint_digest(path: str) -> bytes:
 
 
 def _job_context(cmd: Train, resumed: bytes) -> bytes:
-    """What the ranks' pair keys are bound to: the launcher's context, and the job itself (its
-    settings, the checkpoint it resumes, every rank's holders). Ranks told different jobs
-    derive different contexts, refuse each other's quotes, and stop before any step."""
+    """What the ranks' pair keys are bound to: the launcher's context and the job (settings,
+    checkpoint, every rank's holders), so ranks told different jobs refuse each other's quotes."""
     job = json.dumps({"config": json.loads(cmd.config_json), "shares": cmd.shares, "checkpoint": resumed.hex()},
                      sort_keys=True)
     return b"gputravel ranks v1\0" + hashlib.sha384(hashlib.sha384(cmd.ranks_context).digest() + job.encode()).digest()

@@ -1,21 +1,8 @@
-"""The orchestrator's travel log: one signed, hash-chained audit entry per travel attempt
-(see orchestrator/audit/). It is signed with the orchestrator's cohort TLS key, the key its attestation
-quote binds, and every entry names the GPU the orchestrator attested (its serial), so a holder
-that attested the orchestrator and saw that GPU's serial can check the log with
-`gputravel audit verify LOG --key orchestrator.pem --holder NAME --gpu SERIAL`.
-
-The log is published, so a copied chunk's digest is logged only keyed with its holder's
-travel-log key (the holder's hello carries it, on every join); when the job is done the log is
-closed with a signed closing entry, and this orchestrator travels no more.
-
-The log is the job's: every entry names the job's random id and counts its travels, and every
-checkpoint records the log's head (:meth:`TravelLog.record`: job, signer, seq, hash, count). A
-job resumed from a checkpoint first hands that record back (:meth:`TravelLog.resume`): the log
-this orchestrator signed must still be there and hold that head, or nothing travels
-(TravelLogMismatch); a log only an operator's file system holds can be moved, cut or swapped,
-the checkpoint's record of it cannot. A checkpoint taken by another orchestrator (a run resumed
-in a new cohort, with a key of its own) is continued in a new log that names the head it
-follows (seq 0's prev_hash) and counts on from it."""
+"""The orchestrator's travel log (orchestrator/audit/): one signed entry per travel attempt,
+naming the attested GPU, closed when the job is done. Every checkpoint records its head
+(:class:`LogHead`); a resumed job travels only if the log still holds it, since a log on an
+operator's file system can be moved, cut or swapped, the checkpoint's record cannot. Another
+orchestrator's head is continued in a new log that names it."""
 
 from __future__ import annotations
 
@@ -36,8 +23,7 @@ from gputravel.protocol.control import TravelReport
 
 @dataclass(frozen=True)
 class LogHead:
-    """A travel log's head as a checkpoint records it: whose log (job id, and the signer's key
-    fingerprint), which entry (seq, hash), and the job's travels counted up to it."""
+    """A travel log's head as a checkpoint records it."""
 
     job: bytes
     signer: str  # SHA-256 of the signing key's SubjectPublicKeyInfo, hex
@@ -45,8 +31,7 @@ class LogHead:
     hash: bytes
     travels: int
 
-    def to_dict(self) -> dict[str, object]:
-        """Plain types only: a checkpoint is loaded with weights_only."""
+    def to_dict(self) -> dict[str, object]:  # plain types: a checkpoint is loaded with weights_only
         return {"job": self.job.hex(), "signer": self.signer, "seq": self.seq, "hash": self.hash.hex(),
                 "travels": self.travels}
 
@@ -78,11 +63,8 @@ def signer_id(key_pem: bytes) -> str:
 
 class TravelLog:
     def __init__(self, path: str, key_pem: bytes, gpu: str) -> None:
-        # A restarted orchestrator continues its own log (verified first), never a new one over
-        # it; a log that names another GPU, or none (an earlier version's), is refused, and so
-        # is a closed one: its job is done, and a continuation could be cut back to its close.
-        # A missing log is created only when its first entry is written: a resumed job must
-        # first say which log it continues (resume), and a missing one is then refused.
+        # A restart continues its own log (verified; a closed one is refused). A missing log is
+        # created at its first entry: a resumed job first says which log it continues.
         self.path, self._key_pem, self._gpu, self._signer = path, key_pem, gpu, signer_id(key_pem)
         self._followed: LogHead | None = None  # another orchestrator's head this log continues
         self._log = AuditLog.open(path, key_pem, gpu=gpu) if Path(path).exists() else None
@@ -95,30 +77,25 @@ class TravelLog:
         return self._log
 
     @property
-    def closed(self) -> bool:
-        """The job is done: the closing entry is signed, and no travel may follow."""
+    def closed(self) -> bool:  # the job is done: no travel may follow
         return self._log is not None and self._log.sealed
 
     def check_open(self) -> None:
-        """BadInput if the job is done (before a travel: it could not be logged)."""
         if self.closed:
             raise BadInput("this orchestrator's job is done and its travel log closed: no travel may follow; "
                            "a new job needs a new orchestrator and log")
 
     # ------------------------------------------------------------------ checkpoints
     def record(self) -> dict[str, object] | None:
-        """What a checkpoint records of the log: its head (LogHead.to_dict); None while the job
-        has logged nothing. A continuation not yet written records the head it follows."""
+        """What a checkpoint records: the head, or the one it follows if not yet written (None: nothing)."""
         if self._log is None or self._log.mark[0] < 0:
             return self._followed.to_dict() if self._followed is not None else None
         seq, digest, travels = self._log.mark
         return LogHead(self._log.job, self._signer, seq, digest, travels).to_dict()
 
     def resume(self, recorded: object) -> None:
-        """Before a resumed job travels: the checkpoint's record of the log (None: a checkpoint
-        of a job that had logged nothing, or from before records). TravelLogMismatch, naming what
-        is missing, unless this orchestrator's log is there and holds the recorded head; a head
-        of another orchestrator's log is continued in a new log (this one, still empty)."""
+        """Before a resumed job travels: TravelLogMismatch unless this orchestrator's log holds the
+        recorded head; another orchestrator's head is continued in this, still empty, log."""
         if recorded is None:
             return
         head = LogHead.from_dict(recorded)
@@ -157,7 +134,6 @@ class TravelLog:
     # ------------------------------------------------------------------ entries
     def travelled(self, report: TravelReport, dataset_offset: int, epoch_before: int, epoch_after: int,
                   holder_key: bytes) -> None:
-        """Log a travel; its chunk's digest keyed with ``holder_key``, the holder's travel-log key."""
         chunk = report.chunk
         if chunk is None:
             self._writer().append("refused", ChunkId(report.holder, dataset_offset, 0), time=time.time(),
@@ -172,8 +148,6 @@ class TravelLog:
                               epoch_before=epoch_before, epoch_after=epoch_after)
 
     def job_done(self, epoch: int) -> None:
-        """Sign the closing entry, which counts the job's travels: the job is done; nothing
-        follows it (not even after a restart)."""
         self._writer().seal(time=time.time(), epoch=epoch)
 
     def close(self) -> None:
