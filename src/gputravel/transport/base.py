@@ -1,9 +1,5 @@
-"""The transport interface: typed wire messages (plus optional file descriptors) between peers.
-
-A transport moves registered :mod:`gputravel.protocol.codec` messages; encoding and decoding happen
-inside it, so callers only ever see message structs. File descriptors received are new descriptors
-owned by the caller (it must close them), mirroring SCM_RIGHTS semantics.
-"""
+"""The transport interface: codec messages (and file descriptors, which the receiver owns and must
+close, as with SCM_RIGHTS) between two peers; callers only ever see message structs."""
 
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ __all__ = ["Received", "Transport", "MAX_FDS"]
 MAX_FDS = 253
 """Most descriptors one message may carry (Linux SCM_MAX_FD)."""
 
-# What ``recv(expect=...)`` returns, for type checkers: the class expected, or the union of a
-# tuple of up to three (a longer one typed ``tuple[type[A | B | C | D], ...]``).
+# What ``recv(expect=...)`` returns, for type checkers: the class, or the union of up to three.
 M = TypeVar("M")
 N = TypeVar("N")
 O = TypeVar("O")  # noqa: E741  # M, N, O: three message classes
@@ -57,12 +52,9 @@ class Transport(abc.ABC):
 
     def recv(self, timeout: float | None = None, *,
              expect: type | tuple[type, ...] | None = None) -> Received[Any]:
-        """Receive the next message.
-
-        Raises PeerTimeout when ``timeout`` seconds pass with nothing received (the transport
-        stays usable), TransportClosed once the peer has closed and everything it sent has been
-        drained, ProtocolError for a malformed message or one not in ``expect``.
-        """
+        """Receive the next message. PeerTimeout after ``timeout`` (the transport stays usable),
+        TransportClosed once the peer closed and all it sent is read, ProtocolError for a malformed
+        message or one not in ``expect``."""
         return self._recv(timeout, expect)  # the typed overloads above live here only
 
     @abc.abstractmethod
@@ -78,8 +70,7 @@ class Transport(abc.ABC):
         raise BadInput(f"{self.name}: this transport has no file descriptor")
 
     def peer_certificate(self) -> bytes:
-        """DER of the certificate the TLS peer presented: what an attestation binds to this
-        connection. ProtocolError on a link without one (any but TLS)."""
+        """DER of the TLS peer's certificate, what an attestation binds to; ProtocolError if none."""
         raise ProtocolError(f"{self.name}: no TLS peer certificate on this link")
 
     def __enter__(self) -> Transport:

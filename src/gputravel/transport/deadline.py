@@ -1,9 +1,5 @@
-"""Waiting on a socket against a deadline, in slices.
-
-No wait lasts longer than :data:`WAKE_SLICE`: a thread blocked on a socket re-checks, between
-slices, whether another thread closed it (``close`` never calls ``shutdown``, which would cut
-the connection for every process holding a copy of the socket).
-"""
+"""Waiting on a socket against a deadline, in slices of at most :data:`WAKE_SLICE`, so a blocked
+thread sees a close by another (``close`` never calls ``shutdown``: see :mod:`.stream`)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""An in-process transport pair for tests: two queues, but the real codec and fd semantics.
-
-Messages are encoded on send and decoded on recv so tests exercise :mod:`gputravel.protocol.codec`
-exactly as a socket would. Descriptors are ``os.dup``-ed on send, like SCM_RIGHTS, so the
-receiver owns fresh descriptors and the sender may close its own.
-"""
+"""An in-process transport pair for tests: two queues, but the real codec (encoded on send,
+decoded on recv) and SCM_RIGHTS semantics (descriptors ``os.dup``-ed on send)."""
 
 from __future__ import annotations
 
-import enum
 import os
 import queue
 import threading
@@ -20,12 +15,7 @@ from gputravel.transport.base import Received, Transport, check_fds, close_fds
 
 __all__ = ["MemoryTransport", "memory_pair"]
 
-class _End(enum.Enum):
-    CLOSED = "closed"
-
-
-_CLOSED = _End.CLOSED  # end-of-stream marker queued to the peer when one end closes
-_Inbox = queue.SimpleQueue[tuple[bytes, tuple[int, ...]] | _End]  # a message and its descriptors, or the end
+_Inbox = queue.SimpleQueue[tuple[bytes, tuple[int, ...]] | None]  # a message and its descriptors; None: closed
 
 
 class MemoryTransport(Transport):
@@ -66,7 +56,7 @@ class MemoryTransport(Transport):
             item = self._inbox.get(timeout=timeout)
         except queue.Empty:
             raise PeerTimeout(f"{self.name}: nothing received within {timeout}s") from None
-        if item is _CLOSED:
+        if item is None:
             if self._closed:
                 raise TransportClosed(f"{self.name}: transport is closed")
             self._peer_closed = True
@@ -84,10 +74,9 @@ class MemoryTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-            self._outbox.put(_CLOSED)
-            # Undelivered descriptors would leak: close what is still queued to us.
-            self._drain()
-            self._inbox.put(_CLOSED)  # wakes a recv blocked on this end in another thread
+            self._outbox.put(None)
+            self._drain()  # undelivered descriptors would leak
+            self._inbox.put(None)  # wakes a recv blocked on this end in another thread
 
     def _drain(self) -> None:
         while True:
@@ -95,7 +84,7 @@ class MemoryTransport(Transport):
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if item is not _CLOSED:
+            if item is not None:
                 close_fds(item[1])
 
 

@@ -1,26 +1,14 @@
 """Length-prefixed message frames over any connected stream socket (AF_UNIX, TCP, TLS).
 
-Frame layout: a 5-byte header, then the payload (one :mod:`gputravel.protocol.codec` message)::
+A frame is a 5-byte header (payload length: u32 big-endian, descriptor count: u8), then one
+codec message. Descriptors (SCM_RIGHTS, AF_UNIX only) ride on the frame's first byte, so the
+receiver collects them with the header and checks that exactly ``nfds`` arrived.
 
-    +----------------------+-----------+----------------------+
-    | length: u32 big-end. | nfds: u8  | payload (length B)   |
-    +----------------------+-----------+----------------------+
-
-``nfds`` is how many descriptors travel with the frame (SCM_RIGHTS, AF_UNIX only); the
-sender attaches them to the frame's first byte, so the receiver collects them while reading
-the header and can check that exactly ``nfds`` arrived.
-
-The socket is switched to non-blocking mode and every wait is an explicit ``poll`` against a
-deadline. That keeps timeouts exact for TLS too (an SSL socket can be readable with no
-application data, e.g. a session ticket), lets send and recv run in two threads without
-fighting over the socket's timeout, and lets a receive that times out mid-frame keep its
-partial state and resume on the next call instead of desynchronising the stream.
-
-``close`` never calls ``shutdown``: that would also cut the connection for any other process
-holding a copy of the socket (after fork or fd passing). Instead, waits are sliced
-(:mod:`.deadline`) and every socket call re-checks the closed flag, so a thread blocked in recv
-notices a close from another thread within one slice. AF_UNIX endpoints (listen, accept,
-connect, socket pairs) are in :mod:`.unix`.
+The socket is non-blocking and every wait an explicit ``poll`` against a deadline: timeouts stay
+exact for TLS (a socket can be readable with no application data), send and recv can run in two
+threads, and a receive that times out mid-frame keeps its partial state and resumes. ``close``
+never calls ``shutdown`` (that would cut the connection for every process holding a copy);
+waits are sliced (:mod:`.deadline`) so a blocked thread notices a close within one slice.
 """
 
 from __future__ import annotations
@@ -59,11 +47,8 @@ _CLOSED_ERRORS = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
 
 
 class StreamTransport(Transport):
-    """A :class:`Transport` over a connected stream socket; it takes ownership of ``sock``.
-
-    ``send_timeout`` bounds how long a send may wait for a peer that stopped reading; when it
-    expires the frame may be half written, so the transport closes and raises PeerTimeout.
-    """
+    """A :class:`Transport` over a connected stream socket, which it owns. A send that waits past
+    ``send_timeout`` for a peer that stopped reading closes the transport (PeerTimeout)."""
 
     _payload: memoryview | None  # the frame being read (None: its header first)
 
@@ -87,9 +72,8 @@ class StreamTransport(Transport):
         self._wpoll.register(self._fd, select.POLLOUT)
         self._send_lock = threading.Lock()  # one frame at a time per direction
         self._recv_lock = threading.Lock()
-        # Every socket call and the socket's close happen under this lock, after a closed
-        # check: no call can hit a closed (or reused) descriptor, and OpenSSL objects get the
-        # serialised read/write calls they need when send and recv run in two threads.
+        # Every socket call and the close, after a closed check: no call hits a closed (or reused)
+        # descriptor, and OpenSSL gets the serialised calls it needs across two threads.
         self._io_lock = threading.Lock()
         self._closed = False
         self._eof = False
@@ -99,9 +83,8 @@ class StreamTransport(Transport):
         self._reset_frame()
 
     def pace(self, bucket: Pacer | None) -> None:
-        """Keep what this end sends to ``bucket``'s rate (the in-process fallback link, a
-        :class:`gputravel.net.TokenBucket`); None stops pacing. Bytes are paid for
-        before they leave, at most one burst (and 64 KiB) per socket write, each byte once."""
+        """Keep what this end sends to ``bucket``'s rate (a net.TokenBucket; None: unpaced), each
+        byte paid once before it leaves, at most one burst (and 64 KiB) a write."""
         with self._send_lock:
             self._pacer = bucket
             self._prepaid = 0
@@ -150,8 +133,7 @@ class StreamTransport(Transport):
             self._prepaid = max(self._prepaid - n, 0)
 
     def _paid(self, rest: memoryview) -> memoryview:
-        """The next piece to offer the socket, once the pacer has been paid for all of it
-        (a retry after a short write offers what was already paid for; never pay twice)."""
+        """The next piece to offer the socket, paid for (a retry after a short write pays nothing more)."""
         assert self._pacer is not None
         piece = rest[: max(1, min(self._pacer.burst_bytes, 64 * 1024))]
         if self._prepaid < len(piece):
@@ -251,8 +233,7 @@ class StreamTransport(Transport):
         while True:
             try:
                 with self._io_lock:
-                    if self._closed:
-                        raise TransportClosed(f"{self.name}: transport is closed")
+                    self._check_open()
                     if self._unix:
                         n, anc, flags, _ = self._sock.recvmsg_into(
                             [view], _ANCBUF, socket.MSG_CMSG_CLOEXEC)
@@ -310,13 +291,11 @@ class StreamTransport(Transport):
 
     # ------------------------------------------------------------------------- lifecycle
     def fileno(self) -> int:
-        """The socket's descriptor. For TLS, decrypted bytes may already be buffered: a
-        selector can miss them, so prefer ``recv(timeout=...)`` over select for TLS links."""
+        """The socket's descriptor. A selector can miss TLS bytes already decrypted: prefer recv(timeout)."""
         return self._fd
 
     def peer_certificate(self) -> bytes:
-        """DER of the certificate the TLS peer presented (and the handshake verified): what
-        an attestation binds to this connection. ProtocolError on a link without one."""
+        """DER of the certificate the TLS peer presented (and the handshake verified)."""
         der = self._sock.getpeercert(binary_form=True) if isinstance(self._sock, ssl.SSLSocket) else None
         if not der:
             raise ProtocolError(f"{self.name}: no TLS peer certificate on this link")
@@ -327,8 +306,7 @@ class StreamTransport(Transport):
             if self._closed:
                 return
             self._close_socket()
-        # A receiver blocked in another thread owns the partial frame; it discards it itself
-        # when it notices the close. Otherwise drop any descriptors collected so far.
+        # A receiver blocked in another thread discards its partial frame itself; else drop it here.
         if self._recv_lock.acquire(blocking=False):
             try:
                 self._discard_frame()
@@ -353,9 +331,7 @@ class StreamTransport(Transport):
         return TransportClosed(f"{self.name}: connection lost ({type(e).__name__})")
 
     def _fail(self, error: Exception) -> None:
-        """Close the socket (the stream can no longer be trusted to be in sync), raise ``error``.
-
-        Called with the send or recv lock held; ``close()`` finishes the cleanup later."""
+        """Close the socket (the stream may be out of sync) and raise ``error``; close() cleans up."""
         with self._io_lock:
             if not self._closed:
                 self._close_socket()

@@ -1,9 +1,5 @@
-"""Mutual TLS 1.3 over TCP (stdlib ``ssl``), giving :class:`StreamTransport` links.
-
-The caller builds the ``ssl.SSLContext`` (certificates, CA, TLS 1.3 minimum); these helpers do
-the connect / accept / handshake dance, turn ssl failures into typed errors, insist on
-TLS 1.3, and report the peer's verified certificate commonName on the server side.
-"""
+"""Mutual TLS 1.3 over TCP, giving :class:`StreamTransport` links: the caller's ``ssl.SSLContext``,
+the handshake with typed errors, TLS 1.3 insisted on, the peer named by its certificate's CN."""
 
 from __future__ import annotations
 
@@ -23,11 +19,8 @@ __all__ = ["connect_tls", "TlsListener"]
 
 def connect_tls(host: str, port: int, context: ssl.SSLContext, server_hostname: str, *,
                 timeout: float = 10.0) -> StreamTransport:
-    """Connect, handshake (within ``timeout``) and verify the server as ``server_hostname``.
-
-    In TLS 1.3 the server judges our certificate after our side of the handshake is done, so a
-    rejected client certificate surfaces on the first ``recv`` as ProtocolError, not here.
-    """
+    """Connect, handshake (within ``timeout``) and verify the server as ``server_hostname``. A
+    rejected client certificate surfaces on the first ``recv`` (TLS 1.3), not here."""
     name = f"tls:{server_hostname}"
     try:
         raw = socket.create_connection((host, port), timeout=timeout)
@@ -42,13 +35,8 @@ def connect_tls(host: str, port: int, context: ssl.SSLContext, server_hostname: 
 
 
 class TlsListener:
-    """A TCP listener whose ``accept`` completes a mutual-TLS handshake.
-
-    The context must require client certificates (CERT_REQUIRED): every peer is identified by
-    its certificate's commonName. A failed handshake raises ProtocolError from ``accept`` but
-    leaves the listener serving. The handshake runs inside ``accept`` (bounded by
-    ``handshake_timeout``), so one slow client delays the next accept by at most that much.
-    """
+    """A TCP listener whose ``accept`` completes a mutual-TLS handshake (bounded by
+    ``handshake_timeout``) and names the peer by its certificate; a failed one leaves it serving."""
 
     def __init__(self, host: str, port: int, context: ssl.SSLContext, *, backlog: int = 16,
                  handshake_timeout: float = 10.0) -> None:

@@ -1,7 +1,4 @@
-"""AF_UNIX endpoints for stream transports: socket pairs, listeners, accept and connect.
-
-Only AF_UNIX transports carry descriptors (SCM_RIGHTS); see :mod:`.stream` for the framing.
-"""
+"""AF_UNIX endpoints for stream transports (the only ones that carry descriptors)."""
 
 from __future__ import annotations
 
