@@ -81,6 +81,11 @@ class Listener(Protocol):
     def close(self) -> None: ...
 
 
+def _refuse(conn: Transport, reason: str, error: GputravelError) -> NoReturn:
+    conn.send(Bye(reason=reason))
+    raise error
+
+
 class Orchestrator:
     """The travelling engine: one dataset buffer in VRAM, one travel at a time. It is given its
     links open (:meth:`from_config`); building one does no IO, :meth:`boot` starts the cohort."""
@@ -168,29 +173,27 @@ class Orchestrator:
         try:  # paper 4.5, CPU phase: the holder attests us before it says anything else
             self.attester.serve_challenge(conn, self.driver, timeout, self._clock())
             hello = conn.recv(timeout=timeout).message
-        except GputravelError:
+            if not isinstance(hello, HolderHello) or hello.holder != peer:
+                _refuse(conn, "the first message must be a hello naming the certificate's holder",
+                        ProtocolError(f"holder {peer!r} did not introduce itself correctly"))
+            want = self.config.tokenizer
+            if want and hello.tokenizer != want:
+                reason = (f"holder {peer!r} tokenized its data with {hello.tokenizer or 'no tokenizer (raw bytes)'!r}, "
+                          f"this cohort trains on {want!r} tokens: re-run `gputravel data prepare --tokenizer {want}`")
+                _refuse(conn, reason, BadInput(reason))
+            assert self.travel_sm is not None
+            try:
+                self.travel_sm.enrol(hello)
+            except GputravelError as exc:  # a bad manifest or piece size: refused like any bad hello
+                _refuse(conn, str(exc), exc)
+            if not hello.probed:
+                if probe is None:
+                    _refuse(conn, "the GPU cannot be lent for a probe here: boot before the orchestrator",
+                            BadInput(f"holder {peer!r} has not probed the GPU and cannot be lent it now"))
+                probe(peer, conn)
+        except BaseException:
             conn.close()
             raise
-        if not isinstance(hello, HolderHello) or hello.holder != peer:
-            conn.send(Bye(reason="the first message must be a hello naming the certificate's holder"))
-            conn.close()
-            raise ProtocolError(f"holder {peer!r} did not introduce itself correctly")
-        want = self.config.tokenizer
-        if want and hello.tokenizer != want:
-            reason = (f"holder {peer!r} tokenized its data with {hello.tokenizer or 'no tokenizer (raw bytes)'!r}, "
-                      f"this cohort trains on {want!r} tokens: re-run `gputravel data prepare --tokenizer {want}`")
-            conn.send(Bye(reason=reason))
-            conn.close()
-            raise BadInput(reason)
-        assert self.travel_sm is not None
-        try:
-            self.travel_sm.enrol(hello)
-        except GputravelError as exc:  # a bad manifest or piece size: refused like any bad hello
-            conn.send(Bye(reason=str(exc)))
-            conn.close()
-            raise
-        if not hello.probed:
-            self._probe_first(peer, conn, probe)
         old = self.holders.pop(peer, None)
         if old is not None:
             old.close()
@@ -199,18 +202,6 @@ class Orchestrator:
         # Each link paced once, from its start: pacing earlier ones again would give fresh bursts.
         pace(conn, self.config.pace_mbit)
         return peer
-
-    @staticmethod
-    def _probe_first(peer: str, conn: Transport, probe: Callable[[str, Transport], None] | None) -> None:
-        if probe is None:
-            conn.send(Bye(reason="the GPU cannot be lent for a probe here: boot before the orchestrator"))
-            conn.close()
-            raise BadInput(f"holder {peer!r} has not probed the GPU and cannot be lent it now")
-        try:
-            probe(peer, conn)
-        except BaseException:
-            conn.close()
-            raise
 
     def await_holders(self, names: tuple[str, ...], timeout: float,
                       probe: Callable[[str, Transport], None] | None = None) -> dict[str, int]:
