@@ -1,27 +1,16 @@
-"""The channel crypto recipe: AES-256-GCM with H100-style counter IVs.
-
-This is the only module in gputravel that touches AES-GCM. Everything else (device, driver,
-context blobs) goes through `Sender` / `Receiver`, so the recipe is defined in one place.
-
-The recipe mirrors H100 confidential computing (spec section 1):
-
-* AES-256-GCM, 32-byte key, 96-bit IV, 16-byte tag.
-* IV = three little-endian u32 words: word 0 a per-message counter incremented *before* use
-  (the first message uses 1), words 1-2 a 64-bit channel counter (low word first).
-* GCM nonce = IV XOR a per-key 96-bit IV mask.
-* The IV is never transmitted: the receiver tracks it, so a replayed, dropped or reordered
-  message fails authentication.
-
-Where gputravel deliberately differs from H100 (key rotation and implicit counter rollover)
-is explained next to the code that does it.
+"""The channel crypto recipe, the only AES-GCM user in gputravel: AES-256-GCM with H100-style
+counter IVs (spec section 1). IV = a u32 message counter, incremented before use, then a u64
+channel counter, little-endian; GCM nonce = IV XOR a per-key mask. The IV is never sent: the
+receiver tracks it, so a replayed, dropped or reordered message fails authentication.
+Where this differs from H100 (rotation, counter rollover) is said next to the code.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sized
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Self
+from typing import TYPE_CHECKING, Protocol, Self, TypeVar
 
 import msgspec
 from cryptography.exceptions import InvalidTag
@@ -70,12 +59,12 @@ MAX_MESSAGE_COUNTER = 0xFFFFFFFF
 MAX_CHANNEL_COUNTER = 2**64 - 1
 
 MIN_SESSION_SECRET_BYTES = 32
+_T = TypeVar("_T")
 
 _IV_LAYOUT = struct.Struct("<IQ")  # u32 message counter, then the u64 channel counter
 _EPOCH_INFO = b"gputravel/epoch/"
 _IVMASK_INFO = b"gputravel/ivmask/"
-# Labels may not start with this prefix: a key label equal to an iv-mask info string would
-# make the first 12 key bytes equal to another label's iv mask (same HKDF-Expand input).
+# No label starts with this: one equal to an iv-mask info string would share its HKDF input.
 _RESERVED_LABEL_PREFIX = "gputravel/"
 
 
@@ -133,14 +122,9 @@ def _hkdf_expand(algorithm: hashes.HashAlgorithm, secret: bytes, info: bytes, le
 def derive_epoch_keys(
     session_secret: bytes, epoch: int, labels: Iterable[str]
 ) -> dict[str, KeyMaterial]:
-    """Keys and IV masks for every label in one key epoch.
-
-    Why not H100's ratchet (new = HKDF-Expand(SHA256(old), label))? Anyone who holds the old
-    key can follow that ratchet, and in GPU Travelling every data holder briefly holds the
-    channel keys. Here each epoch's keys come from the SPDM session secret, which never leaves
-    the orchestrator and the device, so a holder that kept epoch-N keys learns nothing about
-    epoch N+1.
-    """
+    """Keys and IV masks for every label of one epoch. Not H100's ratchet, which anyone holding
+    the old key can follow (every holder briefly does): each epoch comes from the SPDM session
+    secret, which never leaves the orchestrator and the device."""
     if not isinstance(session_secret, (bytes, bytearray)) or len(session_secret) < MIN_SESSION_SECRET_BYTES:
         raise BadInput(f"session secret must be at least {MIN_SESSION_SECRET_BYTES} bytes")
     if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**64:
@@ -166,12 +150,8 @@ def derive_epoch_keys(
 # ----------------------------------------------------------------------------- state
 class ChannelState(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t",
                    tag="crypto.channel_state"):
-    """One direction of one channel as a context blob carries it.
-
-    `message_counter` is the last counter used (0 = nothing sent yet on this channel counter).
-    A wire message configured as protocol.codec.Message is (this package may not import it):
-    driver/context.py registers it with the codec.
-    """
+    """One direction of one channel as a context blob carries it (`message_counter`: the last
+    used, 0 for none); configured as a codec Message, registered by driver/context.py."""
 
     label: str
     key: bytes  # secret: left out of repr
@@ -213,14 +193,8 @@ def _check_max(max_message_counter: int) -> int:
 class _Endpoint:
     """Counter bookkeeping and the cached cipher shared by Sender and Receiver."""
 
-    def __init__(
-        self,
-        keys: KeyMaterial,
-        channel_counter: int = 1,
-        message_counter: int = 0,
-        *,
-        max_message_counter: int = MAX_MESSAGE_COUNTER,
-    ) -> None:
+    def __init__(self, keys: KeyMaterial, channel_counter: int = 1, message_counter: int = 0, *,
+                 max_message_counter: int = MAX_MESSAGE_COUNTER) -> None:
         if not isinstance(keys, KeyMaterial):
             raise BadInput("keys must be a KeyMaterial")
         self._max = _check_max(max_message_counter)
@@ -233,10 +207,8 @@ class _Endpoint:
         self._message = message_counter
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(label={self._keys.label!r}, "
-            f"channel_counter={self._channel}, message_counter={self._message})"
-        )
+        return (f"{type(self).__name__}(label={self._keys.label!r}, "
+                f"channel_counter={self._channel}, message_counter={self._message})")
 
     @property
     def label(self) -> str:
@@ -251,32 +223,20 @@ class _Endpoint:
         return self._message
 
     def export_state(self) -> ChannelState:
-        return ChannelState(
-            label=self._keys.label,
-            key=self._keys.key,
-            iv_mask=self._keys.iv_mask,
-            channel_counter=self._channel,
-            message_counter=self._message,
-        )
+        return ChannelState(label=self._keys.label, key=self._keys.key, iv_mask=self._keys.iv_mask,
+                            channel_counter=self._channel, message_counter=self._message)
 
     @classmethod
     def from_state(cls, state: ChannelState, *, max_message_counter: int = MAX_MESSAGE_COUNTER) -> Self:
         if not isinstance(state, ChannelState):
             raise BadInput("state must be a ChannelState")
         keys = KeyMaterial(label=state.label, key=state.key, iv_mask=state.iv_mask)
-        return cls(
-            keys, state.channel_counter, state.message_counter, max_message_counter=max_message_counter
-        )
+        return cls(keys, state.channel_counter, state.message_counter, max_message_counter=max_message_counter)
 
     def _next_pair(self) -> tuple[int, int]:
-        """(channel, message) counters of the next message, without committing them.
-
-        Implicit rollover: when the message counter is spent, the channel counter moves on and
-        the message counter restarts at 1. H100 treats overflow as an error and has the driver
-        rotate the IV; in gputravel each key serves exactly one channel and direction, so
-        bumping the channel counter cannot collide with another channel's IVs, and both ends
-        apply the same deterministic rule, so nothing needs to be signalled.
-        """
+        """(channel, message) counters of the next message, not committed. A spent message
+        counter rolls the channel counter on (H100 errors instead): each key serves one channel
+        and direction, so no IV can collide, and both ends apply the rule unsignalled."""
         if self._message < self._max:
             return self._channel, self._message + 1
         if self._channel >= MAX_CHANNEL_COUNTER:
@@ -284,8 +244,7 @@ class _Endpoint:
         return self._channel + 1, 1
 
     def _nonce(self, channel_counter: int, message_counter: int) -> bytes:
-        # Same value as gcm_nonce(build_iv(...), mask) without the intermediate objects:
-        # the IV is the 96-bit little-endian integer message | channel << 32.
+        # gcm_nonce(build_iv(...), mask) without the intermediate objects.
         iv = message_counter | (channel_counter << 32)
         return (iv ^ self._mask).to_bytes(IV_BYTES, "little")
 
@@ -295,30 +254,25 @@ class Sender(_Endpoint):
 
     def encrypt_into(self, plaintext: Buffer, out: Buffer, aad: bytes | None = None) -> None:
         """Write ciphertext||tag into `out`, a writable buffer of len(plaintext) + 16 bytes."""
-        channel, message = self._next_pair()
-        try:
-            self._aead.encrypt_into(self._nonce(channel, message), plaintext, aad, out)
-        except (ValueError, TypeError) as exc:
-            raise BadInput(f"encrypt_into: {exc}") from None
-        self._channel, self._message = channel, message
+        self._seal("encrypt_into", lambda nonce: self._aead.encrypt_into(nonce, plaintext, aad, out))
 
     def encrypt(self, plaintext: Buffer, aad: bytes | None = None) -> bytes:
         """Return ciphertext||tag for `plaintext`."""
+        return self._seal("encrypt", lambda nonce: self._aead.encrypt(nonce, plaintext, aad))
+
+    def _seal(self, what: str, seal: Callable[[bytes], _T]) -> _T:
         channel, message = self._next_pair()
         try:
-            data = self._aead.encrypt(self._nonce(channel, message), plaintext, aad)
+            sealed = seal(self._nonce(channel, message))
         except (ValueError, TypeError) as exc:
-            raise BadInput(f"encrypt: {exc}") from None
-        self._channel, self._message = channel, message
-        return data
+            raise BadInput(f"{what}: {exc}") from None
+        self._channel, self._message = channel, message  # only once sealed
+        return sealed
 
 
 class Receiver(_Endpoint):
-    """Decrypts one direction of one channel; the expected IV is tracked, never received.
-
-    State advances only on success, so after a failure the same expected IV is still
-    waiting: a replayed or reordered message keeps failing.
-    """
+    """Decrypts one direction of one channel. The IV is tracked, never received, and advances only
+    on success, so a replayed or reordered message keeps failing."""
 
     def decrypt(self, data: Buffer, aad: bytes | None = None) -> bytes:
         """Return the plaintext of ciphertext||tag `data`, or raise IntegrityError."""
@@ -328,13 +282,9 @@ class Receiver(_Endpoint):
         return plaintext
 
     def decrypt_into(self, data: Buffer, out: Buffer, aad: bytes | None = None) -> None:
-        """Decrypt ciphertext||tag `data` into `out` (len(data) - 16 bytes).
-
-        WARNING: `out` must be a private scratch buffer, never the final destination (e.g.
-        protected memory). The AES-GCM backend writes the plaintext into `out` *before* it
-        checks the tag, so on a forgery `out` briefly holds attacker-chosen bytes. On failure
-        `out` is zeroed before IntegrityError is raised, but only copy it onward on success.
-        """
+        """Decrypt ciphertext||tag `data` into `out` (len(data) - 16 bytes). `out` must be private
+        scratch: the backend writes plaintext before checking the tag, so on a forgery it briefly
+        holds attacker-chosen bytes (zeroed before IntegrityError); copy onward only on success."""
         channel, message = self._next_pair()
         nonce = self._nonce(channel, message)
         try:
@@ -348,13 +298,9 @@ class Receiver(_Endpoint):
 
     def decrypt_once_into(self, data: SizedBuffer, out: SizedBuffer, piece: SizedBuffer,
                           aad: bytes | None = None) -> None:
-        """:meth:`decrypt_into` for ciphertext||tag that others may rewrite while it is read
-        (a staging slot): each byte of ``data`` is read once, the tag first, then the
-        ciphertext a piece at a time into ``piece`` (a small private buffer, as a copy engine
-        DMAs a record in). The tag check and the decryption read only those copies, so the
-        bytes decrypted are the bytes the tag covers, however often AES-GCM reads its input.
-        Same recipe and contract as decrypt_into: ``out`` private, zeroed on failure.
-        """
+        """:meth:`decrypt_into` for data others may rewrite meanwhile (a staging slot): each byte is
+        read once, into the private ``piece`` buffer, and only those copies are checked and
+        decrypted, so the bytes decrypted are the bytes the tag covers. ``out`` as decrypt_into."""
         nbytes = len(data) - TAG_BYTES
         src, dst, own = memoryview(data), memoryview(out), memoryview(piece)
         if nbytes < 0 or len(out) < nbytes or len(piece) == 0 or dst.readonly or own.readonly:
@@ -379,13 +325,8 @@ class Receiver(_Endpoint):
         self._channel, self._message = channel, message
 
     def accept_at(self, message_counter: int, channel_counter: int, data: Buffer, aad: bytes | None = None) -> bytes:
-        """Decrypt a payload whose IV index is published next to it (device semaphores).
-
-        H100 publishes the IV of encrypted semaphore payloads because the CPU may read them
-        at any time and miss updates. Accepted only if (channel, message) is strictly newer
-        than the last accepted pair, so old values cannot be replayed; the tracked state
-        then jumps to that pair.
-        """
+        """Decrypt a payload whose IV index is published beside it (semaphores, which the CPU may
+        read at any time and miss updates of): only a strictly newer pair, so none replays."""
         pair = (channel_counter, message_counter)
         if not self._valid_published(channel_counter, message_counter) or pair <= (self._channel, self._message):
             raise IntegrityError()
@@ -394,8 +335,7 @@ class Receiver(_Endpoint):
         return plaintext
 
     def _valid_published(self, channel_counter: object, message_counter: object) -> bool:
-        # A published index is remote input: out-of-range values are an authentication
-        # failure like any other, not a local misuse.
+        # A published index is remote input: out of range is an authentication failure, not misuse.
         return (
             type(channel_counter) is int
             and type(message_counter) is int
