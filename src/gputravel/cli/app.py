@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from typer.core import TyperGroup
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -24,33 +23,14 @@ from gputravel.cli.plan import plan_command
 from gputravel.cli.scale import bench_scale
 from gputravel.cli.service import cohort_app, serve_command, status_command
 from gputravel.cli.train_bench import bench_fl_sweep, bench_train
-from gputravel.errors import GputravelError
 from gputravel.jobs.travel import Travel, TravelJobConfig, check_capacity, run_travels, summarise
 from gputravel.protocol.control import STEPS, TravelReport
 from gputravel.protocol.hardware import hardware_profile
-from gputravel.cli.output import check_output_dir, check_output_file, console, fail, numeric_table, write_results
+from gputravel.cli.output import (Commands, check_output_dir, check_output_file, console, fail, numeric_table,
+                                  write_results)
 
 
-class _Commands(TyperGroup):
-    """Every command runs inside this group. Input problems are BadInput, said as one line by
-    the command itself; two errors that input can still cause past a command's checks end here
-    as one line too, never as a traceback: an OSError on a path (a file where a directory must
-    be, a full disk, a permission), and a RecursionError (a parser meeting input nested deeper
-    than Python's stack). Every other exception is a bug and keeps its traceback."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except OSError as exc:
-            if exc.filename is None:  # not about a path: ours to fix
-                raise
-            where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
-            fail(f"{exc.strerror or exc}: {where}")
-        except RecursionError:
-            fail("the input is nested too deeply to read (RecursionError); if it is not, this is a bug: please report it")
-
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_Commands,
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands,
                   help="GPU Travelling: confidential collaborative training with a travelling (emulated) H100 in CC mode.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (numbers live here, never in tests).")
 app.add_typer(bench_app, name="bench")
@@ -114,14 +94,11 @@ def travel_job(
     table of where the time went in each travel. With --gpus N, N single-GPU cohorts travel in
     parallel, each to its own share of the holders."""
     out = workdir or Path("runs/demo")
-    try:
-        check_output_dir(out, "--workdir")
-        check_output_file(json_path, "--json")
-        cfg = TravelJobConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed, hardware=hardware,
-                              gpus=gpus)
-        check_capacity(cfg)
-    except GputravelError as exc:
-        fail(exc)
+    check_output_dir(out, "--workdir")
+    check_output_file(json_path, "--json")
+    cfg = TravelJobConfig(holders=holders, dataset_mib=dataset_mib, buffer_mib=buffer_mib, seed=seed, hardware=hardware,
+                          gpus=gpus)
+    check_capacity(cfg)
     total = holders * -(-dataset_mib // buffer_mib)
     on = f"{gpus} GPUs in parallel" if gpus > 1 else "one GPU"
     console.print(f"[bold]gputravel travel[/bold]: {holders} holders x {dataset_mib} MiB, buffer {buffer_mib} MiB, "
@@ -139,10 +116,7 @@ def travel_job(
             progress.update(task, advance=1, description=f"GPU {t.gpu} back from {t.holder}" if gpus > 1
                             else f"GPU back from {t.holder}")
 
-        try:
-            run_travels(cfg, out, on_travel)
-        except GputravelError as exc:
-            fail(exc)
+        run_travels(cfg, out, on_travel)
     console.print(table)
     summary = summarise([t.report for t in travels])
     console.print(f"{summary['verified']}/{summary['travels']} chunks verified by digest, "
@@ -194,11 +168,8 @@ def bench_travel(
                       f"{row['fixed_ms']:.2f}", f"{row['copy_gbps']:.2f}")
         console.print(f"  {row['size_mib']} MiB done: copy {row['copy_gbps']:.2f} GB/s, fixed {row['fixed_ms']:.2f} ms")
 
-    try:
-        with console.status("measuring the crypto and pipeline limits and booting cohorts..."):
-            result = travel_bench.run(size_list, repeat, on_row=on_row, hardware=hardware)
-    except GputravelError as exc:
-        fail(exc)
+    with console.status("measuring the crypto and pipeline limits and booting cohorts..."):
+        result = travel_bench.run(size_list, repeat, on_row=on_row, hardware=hardware)
     console.print(table)
     limit, pipe = result["crypto_limit_gbps"], result["pipeline_limit_gbps"]
     last = result["rows"][-1]
@@ -224,16 +195,13 @@ def bench_compare(
     hardware: str = hardware_option(),
 ) -> None:
     """GPU Travelling vs the centralised TLS baseline on capped links (paper 7.2, Figure 6)."""
-    try:
-        check_output_file(plot_path, "--plot")  # a directory is refused before the cells run, not after
-        cfg = compare.CompareConfig(tuple(_sizes(sizes)), compare.parse_bandwidths(bandwidths), repeat, link,
-                                    max_transfer_s, link_check_s, hardware=hardware)
-        with console.status("booting a cohort per cell and measuring both methods..."):
-            result = compare.run(cfg, on_cell=lambda c: console.print(
-                f"  {c['size_mib']} MiB @ {compare.bandwidth_label(c['bandwidth_mbit'])}: travel {c['travel_ms']:.1f} ms, "
-                f"baseline {'~' if c['extrapolated'] else ''}{c['baseline_ms']:.1f} ms"))
-    except GputravelError as exc:
-        fail(exc)
+    check_output_file(plot_path, "--plot")  # a directory is refused before the cells run, not after
+    cfg = compare.CompareConfig(tuple(_sizes(sizes)), compare.parse_bandwidths(bandwidths), repeat, link,
+                                max_transfer_s, link_check_s, hardware=hardware)
+    with console.status("booting a cohort per cell and measuring both methods..."):
+        result = compare.run(cfg, on_cell=lambda c: console.print(
+            f"  {c['size_mib']} MiB @ {compare.bandwidth_label(c['bandwidth_mbit'])}: travel {c['travel_ms']:.1f} ms, "
+            f"baseline {'~' if c['extrapolated'] else ''}{c['baseline_ms']:.1f} ms"))
     _print_compare(result)
     print_against_paper(result)
     if plot_path:
@@ -266,11 +234,8 @@ def bench_codec(
     """Encode and decode time of the travel path's messages (the wire codec)."""
     table = numeric_table("Wire codec, travel path (medians, µs per call)",
                           ("message", "bytes", "encode", "decode", "round trip"))
-    try:
-        result = codec_bench.run(repeat, on_row=lambda r: table.add_row(
-            r["message"], str(r["bytes"]), f"{r['encode_us']:.2f}", f"{r['decode_us']:.2f}", f"{r['round_trip_us']:.2f}"))
-    except GputravelError as exc:
-        fail(exc)
+    result = codec_bench.run(repeat, on_row=lambda r: table.add_row(
+        r["message"], str(r["bytes"]), f"{r['encode_us']:.2f}", f"{r['decode_us']:.2f}", f"{r['round_trip_us']:.2f}"))
     console.print(table)
     console.print(f"codec: {result['codec']}")
     write_results(json_path, result)
@@ -309,11 +274,8 @@ def bench_ddp(
         counts = tuple(int(x) for x in gpus.split(",") if x.strip())
     except ValueError:
         raise typer.BadParameter("--gpus takes comma-separated integers, e.g. 1,2,4") from None
-    try:
-        result = ddp_bench.run(counts, tuple(m.strip() for m in models.split(",") if m.strip()),
-                               iters, on_row=row, device=device)
-    except GputravelError as exc:
-        fail(exc)
+    result = ddp_bench.run(counts, tuple(m.strip() for m in models.split(",") if m.strip()),
+                           iters, on_row=row, device=device)
     console.print(table)
     write_results(json_path, result)
 
@@ -339,10 +301,7 @@ def redteam(
     def show(a: Attack, v: Verdict) -> None:
         console.print(f"  {a.name}: {'stopped' if v.stopped else '[red]NOT stopped[/red]'}")
 
-    try:
-        report = run_redteam(only=tuple(only or ()), on_result=show)
-    except GputravelError as exc:
-        fail(exc)
+    report = run_redteam(only=tuple(only or ()), on_result=show)
     print_report(report, console, evidence=evidence)
     write_results(json_path, report.to_json())
     if report.failed:

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from gputravel.attest.errors import AttestationError
+from gputravel.cli.output import Commands, console, hex_bytes
 from gputravel.attest.gpu import NONCE_BYTES, ReferenceValues
 from gputravel.attest.policy import Policy
 from gputravel.attest.provision import REFERENCE_FILE, GpuDevice, provision_gpu
@@ -39,24 +39,18 @@ from gputravel.attest.roots import (
 from gputravel.attest.material import utcnow
 from gputravel.attest.verifier import EmulatedGpuVerifier
 from gputravel.firmware.gpu import FirmwareProcess
-from gputravel.errors import BadInput, GputravelError
+from gputravel.errors import BadInput
 from gputravel.files import write_json
 
 __all__ = ["attest_app", "pki_app"]
 
 EVIDENCE_FORMAT = "gputravel-gpu-attestation-v1"
-EXIT_BAD_INPUT, EXIT_REFUSED = 1, 2
+EXIT_REFUSED = 2  # bad input: 1, as every command
 
-pki_app = typer.Typer(no_args_is_help=True, add_completion=False,
+pki_app = typer.Typer(no_args_is_help=True, add_completion=False, cls=Commands,
                       help="Emulated roots of trust (stand-ins for NVIDIA's and Intel's; not theirs).")
-attest_app = typer.Typer(no_args_is_help=True, add_completion=False,
+attest_app = typer.Typer(no_args_is_help=True, add_completion=False, cls=Commands,
                          help="Attestation: emulated H100 evidence, CVM measurements, offline verification.")
-console = Console()
-
-
-def _bad_input(exc: Exception) -> typer.Exit:
-    console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
-    return typer.Exit(EXIT_BAD_INPUT)
 
 
 def _refused(exc: AttestationError) -> typer.Exit:
@@ -85,10 +79,7 @@ def pki_init(
     directory: Path = typer.Option(..., "--dir", help="Directory for the emulated roots (must not hold any)."),
 ) -> None:
     """Create the emulated GPU vendor root and CPU-TEE quoting root (keys written 0600)."""
-    try:
-        init_roots(directory)
-    except BadInput as e:
-        raise _bad_input(e) from None
+    init_roots(directory)
     console.print(f"[bold]EMULATED roots of trust[/bold] in {escape(str(directory))} (stand-ins, not vendor roots):")
     console.print(f"  {GPU_ROOT_CERT} / {GPU_ROOT_KEY} (0600): {escape(GPU_VENDOR_ROOT_CN)}")
     console.print(f"  {TEE_ROOT_CERT} / {TEE_ROOT_KEY} (0600): {escape(TEE_QUOTING_ROOT_CN)}")
@@ -113,19 +104,13 @@ def attest_gpu(
 ) -> None:
     """Fetch fresh evidence from the emulated GPU for a random nonce and verify it."""
     roots_dir = roots if roots is not None else state
-    try:
-        trust = TrustStore.load(roots_dir)
-        device = _load_or_provision(state, roots_dir)
-        reference = ReferenceValues.load(state / REFERENCE_FILE)
-    except BadInput as e:
-        raise _bad_input(e) from None
+    trust = TrustStore.load(roots_dir)
+    device = _load_or_provision(state, roots_dir)
+    reference = ReferenceValues.load(state / REFERENCE_FILE)
     nonce = os.urandom(NONCE_BYTES)
     del device  # provisioned or checked; the firmware runs in a process of its own:
-    try:
-        with FirmwareProcess(state) as gpu:
-            evidence = gpu.evidence(nonce)
-    except GputravelError as e:
-        raise _bad_input(e) from None
+    with FirmwareProcess(state) as gpu:
+        evidence = gpu.evidence(nonce)
     try:
         claims = EmulatedGpuVerifier(trust, reference).verify(evidence, nonce, utcnow())
     except AttestationError as e:
@@ -153,16 +138,6 @@ def _read_evidence(path: Path) -> bytes:
         raise BadInput(f"{path}: evidence is not base64") from None
 
 
-def _parse_nonce(text: str) -> bytes:
-    try:
-        nonce = bytes.fromhex(text)
-    except ValueError:
-        nonce = b""
-    if len(nonce) != NONCE_BYTES:
-        raise BadInput(f"--nonce must be {2 * NONCE_BYTES} hex characters")
-    return nonce
-
-
 def _reference(reference: Optional[Path], policy: Policy) -> ReferenceValues:
     path = reference if reference is not None else policy.gpu_reference_values
     if path is None:
@@ -179,14 +154,11 @@ def attest_verify(
     reference: Optional[Path] = typer.Option(None, "--reference", help="Reference values (default: the policy's)."),
 ) -> None:
     """Verify saved GPU evidence offline; exit 2 naming the failing claim."""
-    try:
-        data = _read_evidence(evidence)
-        expected = _parse_nonce(nonce)
-        pol = Policy.load(policy)
-        trust = TrustStore.load(roots)
-        ref = _reference(reference, pol)
-    except BadInput as e:
-        raise _bad_input(e) from None
+    data = _read_evidence(evidence)
+    expected = hex_bytes(nonce, NONCE_BYTES, f"--nonce must be {2 * NONCE_BYTES} hex characters")
+    pol = Policy.load(policy)
+    trust = TrustStore.load(roots)
+    ref = _reference(reference, pol)
     now = utcnow()
     try:
         claims = EmulatedGpuVerifier(trust, ref).verify(data, expected, now)
@@ -213,11 +185,8 @@ def attest_measure(
     package: Optional[Path] = typer.Option(None, "--package", help="Package tree (default: installed gputravel)."),
 ) -> None:
     """Print the orchestrator measurement holders pin in their policy."""
-    try:
-        cfg = _read_config(config)
-        value = orchestrator_measurement(cfg, package_dir=package)
-        code = measure_code(package)
-    except BadInput as e:
-        raise _bad_input(e) from None
+    cfg = _read_config(config)
+    value = orchestrator_measurement(cfg, package_dir=package)
+    code = measure_code(package)
     console.print(f"code sha384:              {code.hex()}", soft_wrap=True)
     console.print(f"orchestrator measurement: {value.hex()}", soft_wrap=True)

@@ -16,18 +16,17 @@ import stat
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gputravel.cli.output import Commands, console, hex_bytes
 from gputravel.orchestrator.audit import AuditError, AuditSummary, Entry, entry_hash, verify_log
 from gputravel.orchestrator.audit.entries import HASH_BYTES
 from gputravel.errors import BadInput, GputravelError
 from gputravel.files import write_json
 
-audit_app = typer.Typer(add_completion=False, no_args_is_help=True,
+audit_app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands,
                         help="The orchestrator's hash-chained, signed log of travels.")
-console = Console()
 NOT_CLOSED = 3  # the exit status of a log that verifies but is not closed (see the module's docstring)
 CONTINUES = 4  # the exit status of a closed log that continues an earlier one: not its job's whole log
 #: The largest log `verify` reads, all of it in memory: an entry is a few hundred bytes, so
@@ -73,18 +72,6 @@ def _summary_json(s: AuditSummary) -> dict[str, object]:
             "head": {"seq": s.head_seq, "hash": s.head_hash.hex(), "signature": s.head_signature.hex()},
             "holder": s.holder, "gpu": s.gpu, "truncated_tail": s.truncated_tail,
             "entries": [_entry_json(e) for e in s.entries]}
-
-
-def _head(text: str | None) -> bytes | None:
-    if text is None:
-        return None
-    try:
-        head = bytes.fromhex(text)
-    except ValueError:
-        head = b""
-    if len(head) != HASH_BYTES:
-        raise BadInput(f"--head is the hash of an entry: {2 * HASH_BYTES} hex digits")
-    return head
 
 
 def _regular(path: Path, what: str, limit: int) -> None:
@@ -147,8 +134,10 @@ def verify(
     """
     try:
         _regular(log, "audit log", MAX_LOG_BYTES)  # before it is read whole: no FIFO, device or giant
+        known = None if head is None else hex_bytes(head, HASH_BYTES,
+                                                    f"--head is the hash of an entry: {2 * HASH_BYTES} hex digits")
         summary = verify_log(log, _read_key(key), holder, gpu=gpu, allow_truncated_tail=allow_truncated_tail,
-                             known_head=_head(head))
+                             known_head=known)
     except (GputravelError, OSError) as exc:
         if json_out is not None:
             write_json(json_out, _error_json(exc))

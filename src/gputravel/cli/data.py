@@ -6,17 +6,15 @@ import enum
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-from gputravel.cli.output import fail
+from gputravel.cli.output import Commands, console
 from gputravel.cohort.stopping import catch_term
 from gputravel.data.prepare import prepare as run_prepare
 from gputravel.data.tokenizer import get_tokenizer
-from gputravel.errors import GputravelError
 
-data_app = typer.Typer(no_args_is_help=True, help="Training data: tokenize holders' text into llm.c shards.")
-console = Console()
+data_app = typer.Typer(no_args_is_help=True, cls=Commands,
+                       help="Training data: tokenize holders' text into llm.c shards.")
 
 
 class TokenizerChoice(str, enum.Enum):
@@ -46,8 +44,6 @@ def prepare(
     try:
         tok = get_tokenizer(tokenizer.value)
         result = run_prepare(inputs, out, tok, shard_tokens, progress=True, overwrite=overwrite)
-    except GputravelError as exc:
-        fail(exc)
     finally:
         undo_term()
     shards = f"{len(result.shards)} shard{'s' if len(result.shards) != 1 else ''}"

@@ -1,5 +1,5 @@
-"""What every command prints the same way: errors, right-aligned tables of figures, and
-where its JSON went."""
+"""What every command does the same way: its errors, its output paths checked before it runs,
+right-aligned tables of figures, and where its JSON went."""
 
 from __future__ import annotations
 
@@ -13,32 +13,60 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, GputravelError
 from gputravel.files import write_json
 
 console = Console()
 
 
-def fail(exc: Exception) -> NoReturn:
+def fail(exc: Exception | str) -> NoReturn:
     # escape: paths and lists are no markup; soft_wrap: a long path is never cut by a newline
-    # (the terminal wraps it; a script or a test reads it whole)
     console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
     raise typer.Exit(1)
 
 
+class Commands(TyperGroup):
+    """Every command group: a typed error (BadInput and the rest), an OSError on a path and a
+    RecursionError (input nested deeper than Python's stack) end as one line, exit 1; any
+    other exception is a bug and keeps its traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except GputravelError as exc:
+            fail(exc)
+        except OSError as exc:
+            if exc.filename is None:  # not about a path: ours to fix
+                raise
+            where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+            fail(f"{exc.strerror or exc}: {where}")
+        except RecursionError:
+            fail("the input is nested too deeply to read (RecursionError); if it is not, this is a bug: please report it")
+
+
+def hex_bytes(text: str, size: int, error: str) -> bytes:
+    """`text` as `size` bytes written in hex, else BadInput(`error`)."""
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        value = b""
+    if len(value) != size:
+        raise BadInput(error)
+    return value
+
+
 def check_output_dir(path: Path, flag: str) -> None:
-    """BadInput naming `flag` unless `path` is a directory or can be made one (nothing there, and
-    the nearest existing parent a directory): said before anything starts, not after."""
+    """BadInput naming `flag` unless `path` is a directory or can be made one: said before anything starts."""
     _check_parents(path, flag)
     if path.exists() and not path.is_dir():
         raise BadInput(f"{flag} {path} exists and is not a directory")
 
 
 def make_output_dir(path: Path, flag: str) -> None:
-    """Create the directory `path` (and its parents) if need be, and write and delete a file in
-    it: BadInput naming `flag` if that fails (/proc/self, a read-only mount), said before a run
-    whose results go there starts, not when it ends."""
+    """Make the directory `path` and write a file in it: BadInput naming `flag` if that fails
+    (/proc/self, a read-only mount), before a run whose results go there starts."""
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".gputravel-probe-")
@@ -49,8 +77,7 @@ def make_output_dir(path: Path, flag: str) -> None:
 
 
 def check_output_file(path: Path | None, flag: str) -> None:
-    """BadInput naming `flag` if the file `path` (None: not asked for) could not be written
-    there: it is a directory, or a parent of it is not one."""
+    """BadInput naming `flag` if the file `path` (None: not asked for) could not be written there."""
     if path is None:
         return
     _check_parents(path, flag)
@@ -67,7 +94,6 @@ def _check_parents(path: Path, flag: str) -> None:
 
 
 def numeric_table(title: str, columns: Iterable[str], **options) -> Table:
-    """A table whose columns are figures (right-aligned)."""
     table = Table(title=title, **options)
     for col in columns:
         table.add_column(col, justify="right")

@@ -11,10 +11,10 @@ import typer
 
 from gputravel.bench import plan as model
 from gputravel.cli.hardware import hardware_option
-from gputravel.errors import BadInput, GputravelError
+from gputravel.errors import BadInput
 from gputravel.files import MISSING, not_data, write_json
 from gputravel.protocol.hardware import EMULATED
-from gputravel.cli.output import console, fail, numeric_table
+from gputravel.cli.output import console, numeric_table
 
 #: Where benchmark JSONs measured on this machine are kept (the first that exist are read).
 RESULT_DIRS = (Path("docs/results"), Path("docs/benchmarks-data"))
@@ -52,13 +52,10 @@ def plan_command(
     figures; the output says which."""
     if worked_example and source == "auto":
         source = "paper"  # the example reproduces the paper's figures unless --source says otherwise
-    try:
-        inp = _input(dataset, holders, buffer, bandwidth, hardware, tokens_per_s, step_s, tokens_per_step,
-                     bytes_per_token, model_size, fl_rounds, epochs, worked_example)
-        constants = model.constants_from(_read_results(results), inp.hardware, source)
-        out = model.predict(inp, constants)
-    except GputravelError as exc:
-        fail(exc)  # escaped: a path or a flag's value is no markup
+    inp = _input(dataset, holders, buffer, bandwidth, hardware, tokens_per_s, step_s, tokens_per_step,
+                 bytes_per_token, model_size, fl_rounds, epochs, worked_example)
+    constants = model.constants_from(_read_results(results), inp.hardware, source)
+    out = model.predict(inp, constants)
     if worked_example:
         out["worked_example"] = model.against_worked_example(out)
     _print(out)

@@ -8,8 +8,7 @@ from typing import Optional
 import typer
 
 from gputravel.bench import scale
-from gputravel.errors import GputravelError
-from gputravel.cli.output import console, fail, numeric_table, write_results
+from gputravel.cli.output import console, numeric_table, write_results
 
 COLUMNS = ("holders", "median ms", "p90 ms", "fixed ms", "x 1 holder", "same holder ms", "boot s", "RSS MiB",
            "private MiB")
@@ -26,13 +25,10 @@ def bench_scale(
     """Travel time, fixed overhead, boot time and memory per holder, as the number of holders grows."""
     command = f"gputravel bench scale --holders {holders} --travels {travels} --buffer-mib {buffer_mib}"
     table = numeric_table("GPU Travelling with more holders (round robin; medians unless named)", COLUMNS)
-    try:
-        counts = scale.parse_holders(holders)
-        with console.status("booting a cohort per row..."):
-            result = scale.run(counts, travels, buffer_mib, command=command, on_row=lambda r: console.print(
-                f"  {r['holders']} holders: median {r['median_ms']:.2f} ms, booted in {r['boot_s']:.1f} s"))
-    except GputravelError as exc:
-        fail(exc)
+    counts = scale.parse_holders(holders)
+    with console.status("booting a cohort per row..."):
+        result = scale.run(counts, travels, buffer_mib, command=command, on_row=lambda r: console.print(
+            f"  {r['holders']} holders: median {r['median_ms']:.2f} ms, booted in {r['boot_s']:.1f} s"))
     for r in result["rows"]:
         ratio = f"{r['vs_1_holder']:.2f}" if r["vs_1_holder"] else "-"
         table.add_row(str(r["holders"]), f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}", f"{r['fixed_ms']:.2f}", ratio,

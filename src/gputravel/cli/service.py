@@ -12,10 +12,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from gputravel.cli.output import console, fail
+from gputravel.cli.output import Commands, console
 from gputravel.cohort.capacity import check_buffer
 from gputravel.cohort.stopping import catch_term
-from gputravel.errors import GputravelError
 from gputravel.files import MISSING, not_data
 from gputravel.service.config import load_service
 from gputravel.service.init import init_cohort
@@ -26,7 +25,7 @@ JOB = TrainConfig().to_dict()  # the defaults of a training job, for the options
 
 __all__ = ["cohort_app", "serve_command", "status_command"]
 
-cohort_app = typer.Typer(no_args_is_help=True, add_completion=False,
+cohort_app = typer.Typer(no_args_is_help=True, add_completion=False, cls=Commands,
                          help="A cohort as a consortium deploys it: one config file and one service per party.")
 
 
@@ -69,8 +68,6 @@ def init(
             check_buffer(buffer_kib << 10, "--buffer-kib", 1 << 10)
         written = init_cohort(directory, pairs, gpus=gpus, steps=steps,
                               buffer_bytes=None if buffer_kib is None else buffer_kib << 10)
-    except GputravelError as exc:
-        fail(exc)
     finally:
         undo_term()
     root = written[0].parent
@@ -88,10 +85,7 @@ def serve_command(
     """Run one party in the foreground until SIGTERM or SIGINT (the orchestrator: until its job ends)."""
     from gputravel.service.serve import serve  # lazy: loads the party's engine (torch for the orchestrator)
 
-    try:
-        code = serve(role.value, Path(config))
-    except GputravelError as exc:
-        fail(exc)
+    code = serve(role.value, Path(config))
     raise typer.Exit(code or 0)
 
 
@@ -113,10 +107,7 @@ def status_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """What this party may know: which services are up, the members, where the GPU is, the travels."""
-    try:
-        found = cohort_status(load_service(config))
-    except GputravelError as exc:
-        fail(exc)
+    found = cohort_status(load_service(config))
     if as_json:
         print(json.dumps(found, indent=2))
         return

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from gputravel.files import write_json
 from gputravel.cohort.capacity import MAX_BUFFER_MIB, MIB, check_buffer
-from gputravel.errors import BadInput, GputravelError, number_in
+from gputravel.errors import BadInput, number_in
 from gputravel.protocol.control import STEPS
 from gputravel.cli.hardware import hardware_option
 from gputravel.cli.output import check_output_dir, check_output_file, console, fail, make_output_dir
@@ -74,25 +74,23 @@ def training_job(
     if resume and run_dir is None:
         fail(BadInput("--resume needs the --run-dir of the run to continue"))
     out = run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    try:  # every value checked, and the job against this machine, before anything starts
-        check_output_dir(out, "--run-dir")
-        check_output_file(json_path, "--json")
-        if steps > MAX_STEPS:  # the job takes any positive count
-            raise BadInput(f"--steps must be at most {MAX_STEPS:,}, got {steps}")
-        number_in(buffer_mib, "--buffer-mib", high=MAX_BUFFER_MIB, unit=" MiB")
-        if loader != "local":  # in the GPU's protected memory: whole pages (the local loader reads from disk)
-            check_buffer(round(buffer_mib * MIB), "--buffer-mib", given=buffer_mib)
-        cfg = TrainingJobConfig(
-            train=JOB.replace(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
-                              schedule=schedule, seed=seed, loader=loader, threads=threads,
-                              checkpoint_every=checkpoint_every),  # BadInput naming the flag
-            holders=_holder_data(holder_data) if holder_data else default_holders(holders, out),
-            run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
-            servers=servers, server_mbit=server_mbit)
-        check_capacity(cfg)
-        make_output_dir(out, "--run-dir")  # last, as it creates the directory: writable before the run
-    except GputravelError as exc:
-        fail(exc)
+    # Every value checked, and the job against this machine, before anything starts.
+    check_output_dir(out, "--run-dir")
+    check_output_file(json_path, "--json")
+    if steps > MAX_STEPS:  # the job takes any positive count
+        raise BadInput(f"--steps must be at most {MAX_STEPS:,}, got {steps}")
+    number_in(buffer_mib, "--buffer-mib", high=MAX_BUFFER_MIB, unit=" MiB")
+    if loader != "local":  # in the GPU's protected memory: whole pages (the local loader reads from disk)
+        check_buffer(round(buffer_mib * MIB), "--buffer-mib", given=buffer_mib)
+    cfg = TrainingJobConfig(
+        train=JOB.replace(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
+                          schedule=schedule, seed=seed, loader=loader, threads=threads,
+                          checkpoint_every=checkpoint_every),  # BadInput naming the flag
+        holders=_holder_data(holder_data) if holder_data else default_holders(holders, out),
+        run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
+        servers=servers, server_mbit=server_mbit)
+    check_capacity(cfg)
+    make_output_dir(out, "--run-dir")  # last, as it creates the directory: writable before the run
     names = ", ".join(n for n, _ in cfg.holders)
     console.print(f"[bold]gputravel demo[/bold]: GPT-2 ({cfg.train.n_layer} layers, {cfg.train.n_embd} wide), "
                   f"{steps} steps of {batch}x{seq_len} tokens, {loader} loader, holders: {names}; "
@@ -106,11 +104,8 @@ def training_job(
         console.print("Booting host, GPU, holders, then the orchestrator (paper 4.1)..." if gpus == 1 else
                       "Booting each GPU's host route, GPU, holders and orchestrator rank (paper 4.1, 9)...")
     view = _LiveView(steps)
-    try:
-        with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
-            report = run_training_job(cfg, on_step=lambda e: view.update(e, live))
-    except GputravelError as exc:
-        fail(exc)
+    with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
+        report = run_training_job(cfg, on_step=lambda e: view.update(e, live))
     _summary(report, out)
     if json_path:
         write_json(json_path, report)

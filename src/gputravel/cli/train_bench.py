@@ -10,8 +10,7 @@ import typer
 
 from gputravel.bench import compare
 from gputravel.cli.hardware import hardware_option
-from gputravel.errors import GputravelError
-from gputravel.cli.output import console, fail, numeric_table, write_results
+from gputravel.cli.output import console, numeric_table, write_results
 
 
 
@@ -40,18 +39,15 @@ def bench_train(
     from gputravel.bench import train, train_report  # lazy: imports torch (about a second), which the other commands do without
     from gputravel.fl.config import FedAvgConfig  # lazy: with the benchmark it configures
 
-    try:
-        fl = FedAvgConfig(rounds=fl_rounds, local_steps=fl_local_steps, fraction=fl_fraction, drop=fl_drop,
-                          drop_mode=fl_drop_mode)
-        cfg = train.TrainBenchConfig(compare.parse_bandwidths(bandwidths), link=link, holders=holders,
-                                     train=train.bench_train_config(steps, buffer_kib << 10),
-                                     methods=train.parse_methods(methods), fl=fl, eval_batches=eval_batches, iid=iid,
-                                     hardware=hardware)
-        with console.status(f"training once per method ({', '.join(cfg.methods)}) and bandwidth..."):
-            result = train.run(cfg, on_row=lambda r: console.print(
-                f"  {compare.bandwidth_label(r['bandwidth_mbit'])} {r['method']} done"))
-    except GputravelError as exc:
-        fail(exc)
+    fl = FedAvgConfig(rounds=fl_rounds, local_steps=fl_local_steps, fraction=fl_fraction, drop=fl_drop,
+                      drop_mode=fl_drop_mode)
+    cfg = train.TrainBenchConfig(compare.parse_bandwidths(bandwidths), link=link, holders=holders,
+                                 train=train.bench_train_config(steps, buffer_kib << 10),
+                                 methods=train.parse_methods(methods), fl=fl, eval_batches=eval_batches, iid=iid,
+                                 hardware=hardware)
+    with console.status(f"training once per method ({', '.join(cfg.methods)}) and bandwidth..."):
+        result = train.run(cfg, on_row=lambda r: console.print(
+            f"  {compare.bandwidth_label(r['bandwidth_mbit'])} {r['method']} done"))
     table = numeric_table(f"Training and transmission (link: {result['link']}); final loss on held-out tokens",
                           train_report.COLUMNS)
     for row in train_report.table_rows(result):
@@ -85,15 +81,12 @@ def bench_fl_sweep(
     """Where FedAvg moves fewer bytes than travelling and the TLS baseline, and where more."""
     from gputravel.bench import fl_sweep  # lazy: imports torch and the training benchmark
 
-    try:
-        cfg = fl_sweep.SweepConfig(fl_sweep.parse_models(models), fl_sweep.parse_tokens(holder_tokens),
-                                   bandwidth, rounds, link, loss_gap)
-        with console.status("one bench train per cell..."):
-            result = fl_sweep.run(cfg, on_cell=lambda c: console.print(
-                f"  {c['holder_tokens']} tokens/holder, {c['n_layer']}x{c['n_embd']}: "
-                + ", ".join(f"{m} {r['bytes_over_link']:,} B" for m, r in c["rows"].items())))
-    except GputravelError as exc:
-        fail(exc)
+    cfg = fl_sweep.SweepConfig(fl_sweep.parse_models(models), fl_sweep.parse_tokens(holder_tokens),
+                               bandwidth, rounds, link, loss_gap)
+    with console.status("one bench train per cell..."):
+        result = fl_sweep.run(cfg, on_cell=lambda c: console.print(
+            f"  {c['holder_tokens']} tokens/holder, {c['n_layer']}x{c['n_embd']}: "
+            + ", ".join(f"{m} {r['bytes_over_link']:,} B" for m, r in c["rows"].items())))
     for name, m in result["crossover"].get("models", {}).items():
         console.print(f"  {name} ({m['params']:,} params): FedAvg moves fewer bytes than TLS above "
                       f"{m['tls_parity_holder_tokens']:,.0f} tokens/holder, than travelling above "
