@@ -1,12 +1,6 @@
-"""A data holder attests the orchestrator (paper 4.5, CPU phase), on every join and whenever
-the orchestrator says its attestation is due.
-
-Right after the TLS handshake the holder sends a fresh nonce; the orchestrator answers with
-the GPU's own evidence for that nonce, as the device signed it, and a quote from its TDX
-module binding its TLS key and the nonce (its side: orchestrator/attester.py). The holder
-verifies both itself against its roots, reference values and policy before it sends anything
-else, then tells the orchestrator when to ask it again (`AttestAccepted`).
-"""
+"""A data holder attests the orchestrator (paper 4.5, CPU phase) on every join and when told it
+is due: a fresh nonce; the GPU's own evidence for it and a TDX quote binding the TLS key and the
+nonce come back (orchestrator/attester.py), verified here before anything else is sent."""
 
 from __future__ import annotations
 
@@ -32,12 +26,8 @@ __all__ = ["challenge_orchestrator"]
 def challenge_orchestrator(conn: Transport, material: HolderMaterial, *, timeout: float,
                            now: Callable[[], datetime] = utcnow,
                            rng: Callable[[int], bytes] = os.urandom) -> OrchestratorAttestation:
-    """Attest the orchestrator on a fresh TLS connection before anything else is sent.
-
-    The GPU is verified here, from its own evidence for our nonce: the orchestrator only
-    relays it. On success the orchestrator is told to ask again after half the policy's age
-    limit. On any failure the connection is closed (nothing of ours went out but the nonce)
-    and the error, an AttestationError naming the claim when the evidence was refused, is raised."""
+    """Attest the orchestrator (and the GPU, from its own evidence, relayed); on success tell it to
+    ask again after half the policy's age limit. Any failure closes the connection and is raised."""
     try:
         nonce = rng(NONCE_BYTES)
         conn.send(AttestChallenge(nonce))

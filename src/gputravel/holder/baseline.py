@@ -1,10 +1,6 @@
-"""The data holder's side of the centralised TLS baseline (paper 7.2).
-
-Asked for a chunk (`SendChunk`) over its attested TLS link, the holder reads it out of its
-dataset and sends it to the orchestrator in pieces of :data:`PIECE_BYTES`, each one frame,
-then `ChunkSent` with the time it spent reading; or `ChunkRefused` saying why not. The
-orchestrator's side (orchestrator/baseline.py) writes the chunk into VRAM and checks it.
-"""
+"""The data holder's side of the centralised TLS baseline (paper 7.2): a chunk asked for
+(`SendChunk`) goes over the attested TLS link in ChunkPiece frames, then `ChunkSent`, or
+`ChunkRefused` (orchestrator/baseline.py is the other side)."""
 
 from __future__ import annotations
 
@@ -33,10 +29,8 @@ def refusal(req: SendChunk, dataset_bytes: int, piece_bytes: int) -> str | None:
 
 def send_chunk(dataset: memoryview, piece_bytes: int, conn: Transport, req: SendChunk,
                profile: HardwareProfile = hardware_profile(EMULATED)) -> None:
-    """Serve one SendChunk: read the chunk piece by piece and send each piece over TLS. Under a
-    hardware profile the first ``x`` bytes are read no sooner than the profile's rate allows
-    since the first read began (one deadline for the whole chunk, so the sleeps' overshoots
-    do not add up over thousands of pieces)."""
+    """Serve one SendChunk piece by piece. A hardware profile's read rate is held against one
+    deadline for the whole chunk, so the sleeps' overshoots do not add up."""
     reason = refusal(req, len(dataset), piece_bytes)
     if reason is not None:
         conn.send(ChunkRefused(req.travel_id, reason))

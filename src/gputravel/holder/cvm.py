@@ -168,9 +168,7 @@ class DataHolder:
         try:
             self._run(Attest(joining=True))
         except BaseException:
-            self.orchestrator.close()
-            self.orchestrator = None
-            self.sm.abort()
+            self.drop_orchestrator()
             raise
         assert self.attestation is not None
         return self.attestation
@@ -181,6 +179,13 @@ class DataHolder:
         self._policy = self._load_policy()  # the policy as it is now
         self._run(Attest(joining=False))
         print(f"{self.config.name}: re-attested the orchestrator", flush=True)
+
+    def drop_orchestrator(self) -> None:
+        """Close the link to the orchestrator: whatever travel or attestation ran on it is over."""
+        if self.orchestrator is not None:
+            self.orchestrator.close()
+        self.orchestrator = None
+        self.sm.abort()
 
     def handle(self, msg: object) -> None:
         """One message from the orchestrator (a Bye is the caller's to handle)."""
@@ -375,7 +380,5 @@ def _leave_after(holder: DataHolder, sel: selectors.BaseSelector, why: str) -> b
     assert conn is not None
     print(f"{holder.config.name}: left the cohort: {why}", flush=True)
     sel.unregister(conn.fileno())
-    conn.close()
-    holder.orchestrator = None
-    holder.sm.abort()  # whatever travel or attestation was under way on that link is over
+    holder.drop_orchestrator()
     return True

@@ -1,13 +1,7 @@
-"""A data holder's travel-log key: the secret that keys its chunks' digests in the public log.
-
-The orchestrator's travel log is public (every party and the host may read it), so it never
-shows a chunk's bare digest, which anyone who can guess the chunk could recompute; it shows
-``protocol.manifest.chunk_mac`` under this key. The holder makes the key once, ``LOG_KEY_BYTES``
-random bytes in its own private directory (its pki directory, mode 0600), keeps it across
-restarts and rejoins, and sends it only to the orchestrator it attested, in its hello (every
-join, so a restarted orchestrator has it again). With it, and its own data, the holder can
-check its own entries (`gputravel status`); without it, an entry says only which holder, which
-offset, how many bytes and when.
+"""A data holder's travel-log key. The public travel log shows ``chunk_mac`` under this key, never
+a bare digest anyone guessing the chunk could recompute. Made once in the holder's pki directory
+(0600), kept across restarts, sent only to the attested orchestrator in each hello; with it the
+holder checks its own entries (`gputravel status`).
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ LOG_KEY_FILE = "travel-log-mac.secret"  # in the holder's pki directory (not a .
 
 
 def read_log_key(directory: Path) -> bytes:
-    """The key kept in ``directory``; BadInput (never its value) if it is not one. A link or a
-    FIFO left in its place is not followed."""
+    """The key kept in ``directory``; BadInput (never its value) if not one. A link or FIFO is not followed."""
     path = Path(directory) / LOG_KEY_FILE
     try:
         key = read_plain(path, LOG_KEY_BYTES + 1)
@@ -42,9 +35,8 @@ def read_log_key(directory: Path) -> bytes:
 
 
 def own_log_key(directory: Path) -> bytes:
-    """Run by the holder itself: its key in ``directory``, made there (0600) on first use or,
-    after a restart, the one it made before. The file appears whole or not at all (written
-    beside it, then linked under its name), so a crash never leaves a short key."""
+    """The holder's key in ``directory``, made (0600) on first use. Written beside, then linked:
+    a crash never leaves a short key."""
     directory = Path(directory)
     path = directory / LOG_KEY_FILE
     if os.path.lexists(path):

@@ -1,16 +1,11 @@
-"""A data holder's side of the cohort, as a sans-IO state machine (protocol/machine.py).
+"""A data holder's side of the cohort, as a sans-IO state machine (paper 4.2): the order of
+holder/steps.py's events and actions.
 
-The holder is essentially a server (paper 4.2). It attests the orchestrator on every join
-and whenever told its evidence is due, and touches a context only while that attestation is
-within its policy's age limit. A travel request arrives while the PCIe MUX switches the GPU
-to it; it imports the context, waits until the GPU is its own, checks the granted buffer,
-copies the chunk through the driver copy API, asks for the switch back, exports the context
-while that runs and replies at once (the orchestrator imports while the switch goes on), then
-waits for the switch. A request it cannot serve, or a step that fails or runs past its
-deadline before the copy is done, is refused; the context and the GPU still go back.
-
-What it is told (events) and what it asks for (actions) are in holder/steps.py; this module
-is the order they come in.
+It touches a context only while its attestation of the orchestrator is within its policy's age
+limit. A travel imports the context while the MUX switches the GPU over, checks the granted
+buffer, copies, asks for the switch back and replies while it runs. A request it cannot serve,
+or a step that fails or times out before the copy is done, is refused; the context and the GPU
+still go back.
 """
 
 from __future__ import annotations
@@ -122,8 +117,7 @@ class HolderTravel(TravelMachine):
         return P.IDLE, None
 
     def _check_attested(self, now: float) -> None:
-        """Before we touch a context or send plaintext: our attestation of the orchestrator is
-        within our policy's age limit. An orchestrator that never asked us to re-attest is left."""
+        """Before we touch a context or send plaintext: our attestation of the orchestrator is fresh."""
         age = now - self._attested_at
         if age > self._valid_s:
             raise AttestationError("expired", f"our attestation of the orchestrator is {age:.0f} s old; the "
@@ -142,8 +136,7 @@ class HolderTravel(TravelMachine):
         self._req, self._marks = req, {"start": now}
         self._refusal = self._check(req)
         if self._refusal is not None:
-            # Refuse without touching the context; still wait for the GPU (so the switch home
-            # comes after the switch here), then hand back the untouched context and the link.
+            # Refused untouched; still wait for the GPU, so the switch home comes after this one.
             self._blob = req.context
             self._marks["dh_import"] = now
             return P.ATTACH, AwaitGpu()
@@ -213,8 +206,7 @@ class HolderTravel(TravelMachine):
         return P.SWITCH, SwitchBack()
 
     def _on_switch_asked(self, ev: SwitchAsked, now: float) -> Step:
-        """The switch home is asked for (we are done with the device): export the context
-        while the MUX switches, or, if we never took it, reply with it untouched."""
+        """Export the context while the MUX switches home, or, never imported, reply with it untouched."""
         self._marks["left"] = now
         if not self._imported:
             return P.REPLY, self._reply(now)

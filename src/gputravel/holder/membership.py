@@ -1,22 +1,15 @@
 """A data holder's side of joining and leaving a running cohort (paper 4.5, last paragraph).
 
-- **Join** (every time, first join or rejoin): the holder attests the orchestrator afresh
-  (holder/attestation.py) and reports `Joined` with what it verified, or `Failed` and stays
-  up, free to try again.
-- **Late join**: a holder booted after the orchestrator probes the GPU (paper 4.1) while
-  the orchestrator lends it (orchestrator/membership.py), then hands it back (`ProbeGpu`).
-- **Leave**: the holder tells the orchestrator `Bye` over their TLS link and closes it
-  (`Leave`); it stays up, out of the cohort, until it joins again.
-
-:func:`plan` decides, sans-IO (a command and what the holder is in, actions out);
-:func:`holder_command` carries the actions out. The supervisor drives the order.
+Every join attests the orchestrator afresh and reports `Joined` or `Failed` (the holder stays up);
+a late holder probes the GPU the orchestrator lends it (`ProbeGpu`); `Leave` says `Bye` and closes
+the link. :func:`plan` decides, sans-IO; :func:`holder_command` carries the actions out.
 """
 
 from __future__ import annotations
 
 import selectors
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from gputravel.attest import OrchestratorAttestation
 from gputravel.errors import GputravelError, IllegalTransition, ProtocolError
@@ -25,9 +18,10 @@ from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.travel import Bye
 
 if TYPE_CHECKING:
+    from gputravel.holder.cvm import DataHolder
     from gputravel.transport.base import Transport
 
-__all__ = ["HOLDER_COMMANDS", "Member", "holder_command", "join", "joined", "plan"]
+__all__ = ["HOLDER_COMMANDS", "holder_command", "join", "joined", "plan"]
 
 HOLDER_COMMANDS = (ProbeGpu, Leave)
 
@@ -53,8 +47,8 @@ class SayGoodbye:
 
 
 def plan(cmd: object, name: str, joined: bool) -> tuple[object, ...]:
-    """The actions a membership command asks of holder ``name``, its reply to the supervisor last.
-    ``joined``: whether it has a link to the orchestrator."""
+    """The actions a membership command asks of holder ``name`` (``joined``: linked to the
+    orchestrator), its reply to the supervisor last."""
     if isinstance(cmd, ProbeGpu):  # the orchestrator lent us the GPU: probe, then hand it back
         return SwitchTo(name), ProbeDriver(), SwitchTo(ORCHESTRATOR), Probed(holder=name)
     if isinstance(cmd, Leave):
@@ -75,35 +69,8 @@ def _failed(exc: GputravelError) -> Failed:
 
 
 # ----------------------------------------------------------------------------- the shell
-class _MemberConfig(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def device_timeout(self) -> float: ...
-
-
-class _Prober(Protocol):
-    def probe(self, timeout: float = ...) -> object: ...
-
-
-class Member(Protocol):
-    """The holder as its membership commands drive it (holder/cvm.DataHolder, which imports
-    this module: named here by what is used, so that nothing here imports it back)."""
-
-    orchestrator: Transport | None  # its link to the orchestrator, while joined
-    probed: bool  # whether its driver is set up on the GPU
-
-    @property
-    def config(self) -> _MemberConfig: ...
-    @property
-    def driver(self) -> _Prober: ...
-    def join(self, host: str, port: int) -> OrchestratorAttestation: ...
-    def switch(self, target: str) -> object: ...
-
-
-def join(holder: Member, cmd: JoinCohort, control: Transport) -> bool:
-    """Attest the orchestrator and join; report Joined or Failed. A failure leaves the holder
-    up and out of the cohort (it may be told to join again)."""
+def join(holder: DataHolder, cmd: JoinCohort, control: Transport) -> bool:
+    """Attest the orchestrator and join; report Joined or Failed (the holder stays up, out)."""
     try:
         att = holder.join(cmd.host, cmd.port)
     except GputravelError as exc:
@@ -113,7 +80,7 @@ def join(holder: Member, cmd: JoinCohort, control: Transport) -> bool:
     return True
 
 
-def holder_command(holder: Member, cmd: object, control: Transport, sel: selectors.BaseSelector) -> None:
+def holder_command(holder: DataHolder, cmd: object, control: Transport, sel: selectors.BaseSelector) -> None:
     """Carry out one membership command and report its reply (or Failed) to the supervisor."""
     try:
         *actions, reply = plan(cmd, holder.config.name, holder.orchestrator is not None)
@@ -124,7 +91,7 @@ def holder_command(holder: Member, cmd: object, control: Transport, sel: selecto
     control.send(reply)
 
 
-def _carry_out(holder: Member, act: object, sel: selectors.BaseSelector) -> None:
+def _carry_out(holder: DataHolder, act: object, sel: selectors.BaseSelector) -> None:
     if isinstance(act, SwitchTo):
         holder.switch(act.target)
     elif isinstance(act, ProbeDriver):

@@ -1,9 +1,5 @@
-"""What a data holder's travel machine (holder/machine.py) is told and what it asks for.
-
-Events are what the holder's runtime (holder/cvm.py) reports after each step; actions are the
-IO steps the machine returns for the runtime to carry out, one each. The runtime's dispatch
-(``DataHolder.ACTIONS``) has an entry for every one of :data:`ACTIONS`.
-"""
+"""What a data holder's travel machine (holder/machine.py) is told (events, reported by
+holder/cvm.py after each step) and what it asks for (actions: one IO step each)."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from gputravel.protocol.travel import TravelRefused, TravelRequest, TravelResult
 # ----------------------------------------------------------------------------- events
 @dataclass(frozen=True)
 class Attest:
-    """Attest the orchestrator: we just connected to it (joining), or it said AttestDue
-    (between travels, with the GPU home)."""
+    """Attest the orchestrator: joining, or told AttestDue (between travels, the GPU home)."""
 
     joining: bool
 
@@ -154,6 +149,6 @@ class AwaitSwitchHome:
     pass
 
 
-#: Every action the machine returns (None: nothing to do): each is one IO step the runtime carries out.
+#: Every action the machine returns (DataHolder.ACTIONS carries out each).
 ACTIONS = (Challenge, Introduce, ImportBlob, AwaitGpu, AuditArrival, CheckBuffer, CopyChunk, SwitchBack, ExportBlob,
            Reply, AwaitSwitchHome)

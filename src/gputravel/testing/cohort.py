@@ -249,9 +249,7 @@ class InProcessCohort:
             except GputravelError as exc:
                 self.left[name] = f"{type(msg).__name__} failed ({type(exc).__name__}: {exc})"
                 break
-        conn.close()
-        holder.orchestrator = None
-        holder.sm.abort()
+        holder.drop_orchestrator()
 
     def close(self) -> None:
         self.orchestrator.close()
