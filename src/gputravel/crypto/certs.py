@@ -1,10 +1,6 @@
-"""X.509 building blocks shared by the cohort PKI, the device identity and attestation.
-
-Every key is P-384 and every certificate is signed with ecdsa-with-SHA384, through one
-:func:`issue_certificate`, so a chain of any depth is built from the same piece. Private keys
-are written 0600 from the start. A party that needs a certificate keeps its key and sends a
-request (:func:`own_key_request`); the issuer takes the key from it (:func:`requested_key`).
-"""
+"""X.509 building blocks shared by the cohort PKI, the device identity and attestation: P-384
+keys, ecdsa-with-SHA384 certificates through one :func:`issue_certificate`, private keys 0600
+from the start, and requests so that a party's private key never leaves it."""
 
 from __future__ import annotations
 
@@ -130,8 +126,7 @@ def key_matches(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> bool
 
 
 def write_private(path: Path, data: bytes) -> None:
-    # Created 0600 from the start (no window where the key is world-readable); fchmod
-    # as well in case the file already existed with a looser mode.
+    # 0600 from creation (never world-readable), and fchmod for a file that existed looser.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)
@@ -142,8 +137,7 @@ def write_private(path: Path, data: bytes) -> None:
 
 # ----------------------------------------------------------------------------- requests
 def requested_key(csr_pem: bytes, common_name: str, who: str) -> ec.EllipticCurvePublicKey:
-    """Run by the issuer: the P-384 key that self-signed `csr_pem`, a request that names
-    `common_name` (BadInput otherwise; `who` names the requester in the message)."""
+    """Run by the issuer: the P-384 key that self-signed `csr_pem` for `common_name`, or BadInput."""
     try:
         csr = x509.load_pem_x509_csr(csr_pem)
     except ValueError:
@@ -159,9 +153,7 @@ def requested_key(csr_pem: bytes, common_name: str, who: str) -> ec.EllipticCurv
 
 
 def own_key_request(path: Path, common_name: str) -> bytes:
-    """Run by the party itself: its key at `path`, made there (0600) or, after a restart,
-    the one it made before; and a request to certify it for `common_name` (public material
-    only: the private key never leaves the party)."""
+    """Run by the party itself: its key at `path` (made once, 0600) and a request to certify it."""
     path = Path(path)
     if path.exists():
         try:

@@ -1,7 +1,5 @@
-"""The emulated GPU's identity: its signing key and certificate chain, rooted in an emulated
-vendor root that says plainly it is not NVIDIA's. The real H100 chain has five certificates
-(spec section 4); this one has two for now, built with the same
-:func:`~gputravel.crypto.certs.issue_certificate` so more levels slot in between."""
+"""The emulated GPU's SPDM identity: a signing key under a two-certificate chain whose root says
+it is not NVIDIA's (attest/provision.py builds the real five-certificate one)."""
 
 from __future__ import annotations
 

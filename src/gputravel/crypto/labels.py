@@ -1,9 +1,5 @@
-"""Labels of the per-channel keys derived in each epoch (one key per CE keyspace and direction, as
-H100 does). The direction is part of each label's record, never parsed out of the string.
-
-The label strings are HKDF inputs (crypto/channel.py derive_epoch_keys): changing one changes
-its key, so they stay exactly as they are.
-"""
+"""Labels of the keys derived each epoch, one per CE keyspace and direction as on H100; each
+record holds its direction, never parsed from the string. Labels are HKDF inputs: never edit one."""
 
 from __future__ import annotations
 
@@ -66,8 +62,5 @@ def direction_of(label: str) -> Direction | None:
 
 
 def is_h2d(label: str) -> bool:
-    """Whether a known label's channel runs host to device (the CPU side holds its Sender).
-
-    Raises KeyError for an unknown label: a key is never installed on a guessed side.
-    """
+    """Whether a known label runs host to device; KeyError for another: no key on a guessed side."""
     return KEYS[label].direction is Direction.H2D

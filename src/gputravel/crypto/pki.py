@@ -1,14 +1,7 @@
-"""The cohort PKI for mutual TLS 1.3.
-
-One cohort CA (P-384, ecdsa-with-SHA384) signs a leaf per member (orchestrator, data
-holders, host). Every TLS connection in a cohort is mutually authenticated against that CA
-and the peer is named by its certificate CN. `CohortPki.create` makes every key itself and
-discards the CA key after it, on purpose: nobody can mint a new member afterwards. A running
-cohort uses `CohortCa` instead: each member makes its own key (`member_csr`) and the CA,
-held only in the launcher's memory, signs the request.
-
-The certificate building blocks are in :mod:`gputravel.crypto.certs`, the emulated GPU's
-identity in :mod:`gputravel.crypto.device_identity`.
+"""The cohort PKI for mutual TLS 1.3: one cohort CA signs a leaf per member, and every peer is
+named by its certificate's CN. `CohortPki.create` drops the CA key once done, so nobody can mint
+a member later; a running cohort's `CohortCa` lives only in the launcher's memory and signs the
+members' own keys' requests (`member_csr`). Deployed services pin self-signed peers instead.
 """
 
 from __future__ import annotations
@@ -135,8 +128,7 @@ class CohortPki:
 
     @classmethod
     def load(cls, directory: str | Path) -> CohortPki:
-        """Read a cohort directory. Members whose .key is absent are skipped: a deployed
-        member typically holds only ca.pem and its own certificate and key."""
+        """Read a cohort directory; members without a .key (others', when deployed) are skipped."""
         directory = Path(directory)
         try:
             ca_pem = (directory / CA_FILE).read_bytes()
@@ -226,8 +218,7 @@ class CohortCa:
 
 
 def member_csr(directory: Path, name: str) -> bytes:
-    """Run by the member itself: its key, made in its own directory (0600) or, after a
-    restart, the one it made before; and a request to certify it (public material only)."""
+    """Run by the member itself: its key (made once, 0600) and a request to certify it."""
     return own_key_request(Path(directory) / f"{_check_name(name)}.key", name)
 
 
@@ -239,8 +230,7 @@ def install_member_cert(directory: Path, name: str, cert_pem: bytes, ca_pem: byt
 
 
 def _check_member(ident: MemberIdentity, anchors: list[x509.Certificate]) -> None:
-    """A loaded member must be issued by one of the trust anchors (the cohort CA, or itself when
-    self-signed and pinned) and its key must match its certificate."""
+    """A loaded member is issued by a trust anchor (the CA, or itself if pinned) and holds its key."""
     try:
         cert = x509.load_pem_x509_certificate(ident.cert_pem)
         key = load_key(ident.key_pem)
@@ -262,10 +252,8 @@ def _issued_by(cert: x509.Certificate, anchor: x509.Certificate) -> bool:
 
 # ----------------------------------------------------------------------------- pinned peers
 def self_signed_member(directory: Path, name: str, *, now: datetime | None = None, valid_days: int = 365) -> bytes:
-    """Run by a deployed member itself (service/): its key, made in its own directory (0600) or
-    the one it made before, and a certificate it signs itself, which its peers pin (the
-    consortium exchanges these, not a CA). Returns the certificate (PEM, public). Until
-    `pin_peers` runs, the member trusts only itself."""
+    """Run by a deployed member itself (service/): its key (made once, 0600) and the certificate
+    it signs itself, which its peers pin (no CA); PEM. It trusts only itself until `pin_peers`."""
     directory = Path(directory)
     key_path = directory / f"{_check_name(name)}.key"
     own_key_request(key_path, name)  # makes the key once; the request itself is not needed
