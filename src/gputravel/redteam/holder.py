@@ -18,7 +18,7 @@ from gputravel.crypto.channel import Receiver
 from gputravel.driver.context import DriverContext, pack_context, unpack_context
 from gputravel.errors import GputravelError, IntegrityError, TransportClosed
 from gputravel.protocol.layout import SEMAPHORE_HEADER, TAG_BYTES, PushChannel
-from gputravel.protocol.travel import Bye, TravelRequest
+from gputravel.protocol.travel import TravelRequest
 from gputravel.protocol.push import CopyFromVram
 from gputravel.holder.steps import CopyChunk, ExportBlob, Exported, StepFailed, SwitchBack
 from gputravel.protocol.control import JoinCohort, Ready, Shutdown
@@ -273,8 +273,8 @@ class MaliciousHolder(DataHolder):
         for blob in self.kept:
             self.loot.keep("blobs", blob)
 
-    def event(self, e: Event) -> None:
-        self._news.events.append(e)
+    def event(self, *events: Event) -> None:
+        self._news.events.extend(events)
 
     def news(self) -> HolderNews:
         news, self._news = self._news.message(), _News()
@@ -336,8 +336,7 @@ def _order(holder: MaliciousHolder, cmd: object, control: Transport, sel: select
     elif isinstance(cmd, DecryptCaptured):
         holder.decrypt_captured(cmd)
     elif isinstance(cmd, ProbePaths):  # from this process, under mallory's own uid
-        for e in probe(cmd, holder.loot):
-            holder.event(e)
+        holder.event(*probe(cmd, holder.loot))
     elif isinstance(cmd, AskQuote):
         holder.event(ask_quote(cmd, holder.loot))
     elif not isinstance(cmd, HolderQuery):
@@ -363,7 +362,5 @@ def _from_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -> 
         _forget_orchestrator(holder, sel)
         holder.event(event(Did.CONNECTION_DROPPED, "the orchestrator dropped the connection"))
         return
-    if isinstance(msg, Bye):
-        return
-    if isinstance(msg, TravelRequest):
+    if isinstance(msg, TravelRequest):  # anything else (a Bye) needs nothing here
         holder.serve_travel(msg)
