@@ -16,8 +16,7 @@ NONCE_BYTES = 32
 @dataclass_transform(frozen_default=True, field_specifiers=(msgspec.field,))
 class SpdmMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t",
                   tag=lambda name: f"spdm.{name}"):
-    """Base of the six messages: configured as protocol.codec.Message is (this package may not
-    import it), each tagged ``spdm.<class name>``."""
+    """Base of the six messages, configured as protocol.codec.Message (which crypto/ may not import)."""
 
 
 class GetCertificate(SpdmMessage):
@@ -28,8 +27,7 @@ class Certificate(SpdmMessage):
     chain_der: tuple[bytes, ...]  # leaf first
 
     def __post_init__(self) -> None:
-        # A caller may hand in a list; keep the field hashable and the transcript encoding
-        # identical on both sides.
+        # A list from a caller would break hashing and the transcript's encoding.
         if isinstance(self.chain_der, list):
             force_setattr(self, "chain_der", tuple(self.chain_der))
 

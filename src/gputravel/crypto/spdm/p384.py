@@ -1,6 +1,5 @@
-"""The P-384 operations of the handshake: ephemeral ECDH keys drawn from the injected rng,
-the responder's deterministic ECDSA signature (RFC 6979) in raw ``r || s`` form, and the
-device's leaf key."""
+"""The handshake's P-384 operations: ephemeral ECDH keys from the injected rng, deterministic
+ECDSA (RFC 6979) as raw ``r || s``, and the device's leaf key."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def draw(rng: Rng, n: int) -> bytes:
 
 
 def ephemeral_key(rng: Rng) -> ec.EllipticCurvePrivateKey:
-    # Drawn from the injected rng (not generate_private_key) so sessions are reproducible in
-    # tests. 64 bytes reduced mod n-1 keeps the modulo bias below 2**-128.
+    # From the injected rng so sessions replay; 64 bytes mod n-1 keep the bias below 2**-128.
     scalar = int.from_bytes(draw(rng, 64), "big") % (_P384_ORDER - 1) + 1
     return ec.derive_private_key(scalar, ec.SECP384R1())
 
@@ -87,11 +85,8 @@ def is_p384(key: object) -> TypeIs[ec.EllipticCurvePublicKey]:
 
 
 def load_leaf_key(chain_der: tuple[bytes, ...]) -> CertificatePublicKeyTypes:
-    """Default `verify_chain`: takes the leaf's public key and checks NOTHING else.
-
-    This is the attestation seam: a real verifier checks the chain against a trusted vendor
-    root (and the FWID, measurements...) and is passed to SpdmRequester as `verify_chain`.
-    """
+    """Default `verify_chain`: the leaf's public key, checking NOTHING else (attestation passes
+    a real one: attest.spdm_chain_verifier)."""
     try:
         return x509.load_der_x509_certificate(chain_der[0]).public_key()
     except (ValueError, UnsupportedAlgorithm):  # parsed lazily: a flipped byte can surface either

@@ -1,5 +1,4 @@
-"""The driver side of the handshake (in the orchestrator's CVM): authenticates the device
-and derives the session secret."""
+"""The driver side of the handshake, in the orchestrator's CVM."""
 
 from __future__ import annotations
 
@@ -37,12 +36,8 @@ from gputravel.errors import IllegalTransition, IntegrityError, ProtocolError
 
 
 class SpdmRequester(Machine):
-    """The driver side (in the orchestrator's CVM): authenticates the device, derives the key.
-
-    `verify_chain` maps the device's certificate chain to the public key that must have
-    signed the key exchange. The default only loads the leaf key and verifies nothing: it is
-    the seam where attestation (chain to a trusted root, FWID, ...) plugs in.
-    """
+    """Authenticates the device and derives the session secret. `verify_chain` maps the device's
+    chain to the key that must sign the exchange: attestation's seam (the default checks nothing)."""
 
     _role = "spdm requester"
 

@@ -1,4 +1,4 @@
-"""The device side of the handshake: holds the identity key and answers requests in order."""
+"""The device side of the handshake."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives import constant_time
 from cryptography.hazmat.primitives.asymmetric import ec
+from msgspec.structs import replace
 
 from gputravel.crypto.spdm.machine import Machine
 from gputravel.crypto.spdm.messages import (
@@ -97,15 +98,10 @@ class SpdmResponder(Machine):
             signature=b"",
             responder_verify=b"",
         )
-        signature = sign(self._key, self._transcript.digest_with(unsigned, SIG_FIELDS))
-        signed = KeyExchangeResponse(
-            unsigned.responder_nonce, unsigned.responder_public, signature, b""
-        )
+        signed = replace(unsigned, signature=sign(self._key, self._transcript.digest_with(unsigned, SIG_FIELDS)))
         th1 = self._transcript.digest_with(signed, RSP_VERIFY)
         self._schedule = KeySchedule(ephemeral.exchange(ec.ECDH(), peer), th1)
-        response = KeyExchangeResponse(
-            signed.responder_nonce, signed.responder_public, signature, self._schedule.responder_verify()
-        )
+        response = replace(signed, responder_verify=self._schedule.responder_verify())
         self._transcript.append(response)
         self._state = "awaiting_finish"
         return response

@@ -1,11 +1,7 @@
-"""The SPDM transcript: what both sides hash, sign and MAC.
-
-Encoding (private, but deterministic and unambiguous): each message contributes
-    lp(type name) || u32 field count || for each field: lp(field name) || tag || value
-where lp(x) = u32 big-endian length || x, and the value is lp(bytes) for tag b"B", or
-u32 count || lp(item)... for tag b"T" (a tuple of bytes). Fields left out of a partial
-encoding (the signature and verify data, which cannot cover themselves) are simply absent,
-and the field count says so.
+"""The SPDM transcript: what both sides hash, sign and MAC, encoded unambiguously. Each message:
+lp(type name) || u32 field count || per field lp(name) || b"B" lp(bytes) or b"T" u32 count lp(item)...,
+lp(x) = u32 BE length || x. A partial encoding leaves out what cannot cover itself (signature,
+verify data), and the field count says so.
 """
 
 from __future__ import annotations
