@@ -1,10 +1,6 @@
-"""The PCIe MUX (paper 4.3, 5.1) as a sans-IO state machine.
-
-Per CVM it saves the DMA mappings (an IOVA range backed by that CVM's unprotected-memory
-segment) and the interrupt endpoint (an eventfd). ``switch`` yields the plan the host
-executes: drop the current CVM's mappings from the device's view, replay the target's, swap
-the interrupt endpoint. BAR mappings are not part of it: they stay in every CVM.
-"""
+"""The PCIe MUX (paper 4.3, 5.1) as a sans-IO state machine: per CVM its saved DMA mapping and
+interrupt endpoint; ``switch`` plans replaying the target's in place of the current CVM's (BAR
+mappings stay in every CVM)."""
 
 from __future__ import annotations
 

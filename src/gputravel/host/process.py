@@ -1,14 +1,9 @@
 """The untrusted host as its own OS process: the hypervisor side of the PCIe MUX.
 
-It accepts the device's BAR0 and doorbell, and each CVM's DMA segment and interrupt
-endpoint, and switches the GPU on request. It never holds a descriptor of VRAM. Being the
-hypervisor it can read every CVM's unprotected memory; with ``snoop`` set it does exactly
-that, continuously, so tests can prove that what it sees holds no plaintext.
-
-What it hands out and where a switch goes pass through its hooks (:class:`HostHooks`, here):
-an honest host's (:class:`NoHooks`) do nothing; a malicious hypervisor's (the red team's, for
-one) may hand each CVM a doorbell of its own, route a switch to the wrong CVM, or split a CVM's
-DMA mapping from its interrupt. The host never knows whose hooks it runs.
+It holds the device's BAR0 and doorbell and each CVM's DMA segment and interrupt, never VRAM, and
+switches the GPU on request. With ``snoop`` it reads every CVM's unprotected memory continuously,
+so tests can show it holds no plaintext. What it hands out and where a switch goes pass through
+its :class:`HostHooks`: the honest :class:`NoHooks`, or a malicious hypervisor's (the red team's).
 """
 
 from __future__ import annotations
@@ -38,9 +33,7 @@ class HostConfig:
     snoop_limit_bytes: int = 256 << 20
     switch_timeout: float = 10.0
     hardware: str = "emulated"  # protocol/hardware.py: a profile may hold each switch for its hardware's time
-    # A deployed host (service/) outlives its GPU: a restarted GPU attaches again. The launcher's
-    # host stops with the GPU, as the cohort does.
-    outlive_device: bool = False
+    outlive_device: bool = False  # a deployed host (service/) waits for a restarted GPU; the launcher's stops
 
 
 class Snooper(threading.Thread):
@@ -76,16 +69,13 @@ class HostHooks(Protocol):
     """What the host loop lets a hook decide: which doorbell a CVM gets, where a switch goes."""
 
     def on_serve(self, host: HostProcess, sel: selectors.BaseSelector) -> None:
-        """The host loop starts. A hook may add endpoints of its own to ``sel``: the loop calls
-        an endpoint's data (a callable, no arguments) whenever it is readable."""
+        """The loop starts; a hook may add endpoints to ``sel`` whose data, a callable, runs when readable."""
 
     def on_register(self, reg: CvmRegistration, doorbell: int) -> int:
-        """A CVM registered its bounce buffers (``reg.sysmem_fd``) and interrupt: the doorbell
-        descriptor to hand it. ``doorbell`` is the device's own."""
+        """The doorbell descriptor to hand a CVM that registered (``doorbell``: the device's own)."""
 
     def on_switch(self, requester: str, plan: SwitchPlan) -> tuple[CvmRegistration, CvmRegistration]:
-        """``requester`` asked for the GPU to go to ``plan.target``: the CVM whose DMA range the
-        device gets mapped, and the CVM its interrupt is routed to."""
+        """The CVM whose DMA range the device gets, and the one its interrupt goes to, for a switch."""
 
 
 class NoHooks:
@@ -147,7 +137,7 @@ class HostProcess:
                 self._snooper.join(timeout=1)
 
     def _device_gone(self) -> None:
-        """Forget the GPU that left (its BAR0 and doorbell with it) until one attaches again."""
+        """Forget the GPU that left, its BAR0 and doorbell with it, until one attaches again."""
         for fd in self._device_fds or ():
             os.close(fd)
         self.device, self._device_fds, self._bar_bytes = None, None, 0
@@ -225,8 +215,8 @@ class HostProcess:
         return time.perf_counter_ns() - started
 
     def attach(self, dma: CvmRegistration, irq: CvmRegistration) -> None:
-        """Map ``dma``'s unprotected memory for the device and route its interrupt to ``irq``
-        (the same CVM unless the host is malicious)."""
+        """Map ``dma``'s unprotected memory for the device, route its interrupt to ``irq`` (the same
+        CVM unless the host is malicious)."""
         if self.device is None:
             raise BadInput("no device is attached")
         self.device.send(AttachCvm(cvm=dma.cvm, iova=dma.iova, nbytes=dma.nbytes), fds=(dma.sysmem_fd, irq.irq_fd))
@@ -242,7 +232,3 @@ class HostProcess:
     @property
     def bar_bytes(self) -> int:
         return self._bar_bytes
-
-
-def run_host(config: HostConfig) -> None:
-    HostProcess(config).serve()

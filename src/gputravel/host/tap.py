@@ -1,8 +1,5 @@
-"""A TCP tap: what the untrusted host sees of the network between CVMs.
-
-It forwards a listening port to the orchestrator's TLS port and records every byte in both
-directions, so tests can show that TLS bytes carry no holder plaintext.
-"""
+"""A TCP tap: the untrusted host's view of the network. It forwards a port to the orchestrator's
+and records every byte both ways, so tests can show TLS carries no holder plaintext."""
 
 from __future__ import annotations
 
