@@ -1,8 +1,5 @@
-"""Typed errors, split into local (our own misuse or bad input) and remote (a peer misbehaved).
-
-Error messages never carry key material, plaintext or context blobs: they name what failed
-and what to fix.
-"""
+"""Typed errors: local (our misuse or bad input) and remote (a peer misbehaved). Messages name what
+failed and what to fix, never key material, plaintext or context blobs."""
 
 from __future__ import annotations
 
@@ -25,16 +22,14 @@ class BadInput(LocalError):
 
 
 class TravelLogMismatch(BadInput):
-    """A job resumed from its checkpoint, but the travel log beside it is not the one that
-    checkpoint was taken in (missing, empty, another job's, or without the entry it names): the
-    orchestrator refuses to travel rather than start a log that leaves earlier travels out."""
+    """A resumed job's travel log is not the one its checkpoint was taken in: refused, rather than
+    start a log that leaves earlier travels out."""
 
 
 def number_in(value: float, flag: str, low: float = 0.0, high: float = float("inf"), *,
               low_included: bool = False, unit: str = "") -> float:
-    """`value` if it is a finite number above `low` (or equal to it, with `low_included`) and at
-    most `high`; else BadInput naming `flag`. NaN and infinity are refused too (every comparison
-    with NaN is false, so a range check alone would let it through)."""
+    """`value` if a finite number above `low` (or equal, with `low_included`) and at most `high`;
+    else BadInput naming `flag`. NaN is refused explicitly: it passes any range check."""
     above = value >= low if low_included else value > low
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
             or value in (float("inf"), float("-inf")) or not above or value > high:
@@ -55,8 +50,7 @@ class IllegalTransition(LocalError):
 
 
 class EpochSpent(LocalError):
-    """A key epoch's user keys already reached a party: they may not reach another
-    (driver/epochs.py). The orchestrator must rotate before it exports or copies."""
+    """An epoch's user keys already reached a party and may not reach another: rotate first."""
 
 
 class CounterExhausted(LocalError):
@@ -105,9 +99,8 @@ class PeerTimeout(RemoteError):
 
 
 class TravelHalted(RemoteError):
-    """Fail closed: the orchestrator cannot show that the GPU moved to keys no holder had (a
-    rotation was not confirmed), so no context leaves and no data moves until a new SPDM
-    session re-keys and wipes the GPU. If that fails too, the cohort stops with this error."""
+    """Fail closed: a rotation was not confirmed, so nothing travels until a new SPDM session
+    re-keys and wipes the GPU (if that fails too, the cohort stops)."""
 
 
 class TransportClosed(RemoteError):
@@ -115,9 +108,8 @@ class TransportClosed(RemoteError):
 
 
 class HolderLost(RemoteError):
-    """A data holder died, hung or broke the protocol during a travel. The orchestrator has
-    taken the GPU back and rotated the keys; the partial chunk is never used; the holder is
-    offline until it joins again."""
+    """A holder died, hung or broke the protocol during a travel: the GPU is back, keys rotated,
+    the partial chunk unused, and the holder offline until it joins again."""
 
     def __init__(self, holder: str, why: str, during: str = "a travel") -> None:
         super().__init__(f"holder {holder!r} lost during {during}: {why}")
@@ -125,9 +117,8 @@ class HolderLost(RemoteError):
 
 
 class ContextRefused(HolderLost, ContextBlobError):
-    """A holder returned a context it could not have (keys, counters or positions it did not
-    get or could not reach): it is dropped, as a lost holder is, and the GPU is recovered by
-    the rotation under way, so training goes on without it."""
+    """A holder returned a context it could not have: dropped as a lost holder, and training goes
+    on without it."""
 
     def __init__(self, holder: str, why: str) -> None:
         super().__init__(holder, f"it returned a context that was refused: {why}")

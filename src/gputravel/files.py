@@ -1,5 +1,4 @@
-"""Whole-or-nothing file writes, shared by every layer that leaves files behind (shards and
-their tokenizer record, a training run's directory and report, the command line's ``--json``)."""
+"""Whole-or-nothing file writes, and reads that follow no link, for every layer that keeps files."""
 
 from __future__ import annotations
 
@@ -22,15 +21,13 @@ def _umask() -> int:
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a file through a temporary sibling and os.replace, so a crash never leaves a
-    half-written file under the final name (a reader would take it for a real shard)."""
+    """Write through a temporary sibling and os.replace: a crash never leaves a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The temporary name ends in .tmp, so data/shards.py list_shards never picks it up.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        # mkstemp makes it 0600; give it the mode open() would (a dataset is read by its
-        # holder's CVM, which runs under a uid of its own: cohort/isolation.py).
+        # The mode open() would give (mkstemp's 0600): a holder's CVM runs under its own uid.
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -52,11 +49,8 @@ def write_json(path: Path, data: object) -> None:
     atomic_write_bytes(Path(path), (json.dumps(data, indent=2) + "\n").encode())
 
 
-#: What a data holder's dataset on disk is, the one definition (issue 26): "raw", one file
-#: whose bytes travel as they are; "tokens", llm.c shards (a directory or one .bin shard) or
-#: text, travelling as uint16 tokens. A cohort that only travels moves raw bytes unless told
-#: (cohort/config.py HolderSpec, holder/cvm.py HolderConfig); a holder of the services feeds a
-#: training job, so its config's default is tokens (service/config.py HolderService).
+#: A holder's dataset on disk: "raw", one file whose bytes travel as they are; "tokens", llm.c
+#: shards or text, travelling as uint16 tokens.
 DatasetFormat = Literal["raw", "tokens"]
 DATASET_FORMATS: tuple[DatasetFormat, ...] = get_args(DatasetFormat)
 RAW: Final = "raw"
@@ -64,8 +58,7 @@ TOKENS: Final = "tokens"
 
 
 def dataset_kind(fmt: str) -> str:
-    """What must exist for a dataset of format `fmt`: "file" (raw) or "path" (tokens: a file or
-    a directory). ValueError, saying the formats there are, for any other `fmt`."""
+    """What must exist for a dataset of format `fmt`: "file" (raw) or "path" (tokens); else ValueError."""
     if fmt not in DATASET_FORMATS:
         raise ValueError(f"unknown dataset format {fmt!r}: use {' or '.join(map(repr, DATASET_FORMATS))}")
     return "file" if fmt == RAW else "path"
@@ -76,9 +69,8 @@ MISSING = "does not exist"
 
 
 def not_data(path: Path | str) -> str | None:
-    """None if `path` is a regular file or a directory (links followed); else why it cannot be
-    read as data: MISSING, "is not a regular file or directory" (a FIFO blocks its reader until a
-    writer comes, a device may never end: refused before anything starts), or "cannot be read"."""
+    """None if `path` is a regular file or directory (links followed), else why it cannot be data:
+    a FIFO would block its reader and a device may never end, so both are refused up front."""
     try:
         mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
@@ -89,9 +81,8 @@ def not_data(path: Path | str) -> str | None:
 
 
 def open_plain(path: Path) -> int:
-    """A descriptor of `path` if it is a plain file, without following a link or blocking on a
-    FIFO. For root reading files another account wrote (a party's own directory): a link or a
-    FIFO left there must not send it to another file or stall it. OSError otherwise."""
+    """A descriptor of the plain file `path`, not following a link nor blocking on a FIFO (root
+    reading another account's files must not be redirected or stalled); OSError otherwise."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -107,8 +98,7 @@ def read_plain(path: Path, limit: int = -1, offset: int = 0) -> bytes:
 
 
 def copy_plain(src: Path, dest: Path, limit: int | None = None) -> None:
-    """Copy the plain file `src` (open_plain) to `dest`, replacing whatever is there, a link
-    included, never writing through it; OSError if `src` is over `limit` bytes."""
+    """Copy the plain file `src` to `dest`, replacing (never writing through) a link; OSError over `limit`."""
     with os.fdopen(open_plain(Path(src)), "rb") as inp:
         if limit is not None and os.fstat(inp.fileno()).st_size > limit:
             raise OSError(f"{src} is over {limit} bytes")
