@@ -86,7 +86,7 @@ def test_checkpoint_round_trip(tmp_path):
     rng = torch.get_rng_state()
     rd.save_checkpoint(m, opt, step=2, extra={"rng": rng, "note": "x"})
     m2, opt2 = trained(seed=1)  # different weights and moments, to be overwritten
-    step, extra = rd.load_checkpoint(rd.checkpoint_path, m2, opt2)
+    step, extra = load_checkpoint(rd.checkpoint_path, m2, opt2)
     assert step == 2 and extra["note"] == "x" and torch.equal(extra["rng"], rng)
     for (n1, p1), (n2, p2) in zip(m.state_dict().items(), m2.state_dict().items(), strict=True):
         assert n1 == n2 and torch.equal(p1, p2)

@@ -22,13 +22,14 @@ from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 from gputravel.errors import BadInput
 from gputravel.fl.config import FedAvgConfig, framework
-from gputravel.fl.local import evaluate, gpt_config, load_arrays
+from gputravel.fl.local import evaluate, load_arrays
 from gputravel.fl.run import FlJob, check as check_fl, run_fedavg
 from gputravel.jobs.training import TrainingJobConfig, default_holders, layout_for, resolve
 from gputravel.net import LINK_NETNS
 from gputravel.net.counters import bytes_between, link_bytes
 from gputravel.protocol.hardware import EMULATED, hardware_profile
 from gputravel.train.job import TrainConfig
+from gputravel.train.loop import gpt_config
 from gputravel.train.model import GPT
 from gputravel.train.rundir import load_checkpoint
 

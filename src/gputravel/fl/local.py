@@ -20,15 +20,10 @@ import torch
 
 from gputravel.errors import BadInput
 from gputravel.train.job import TrainConfig
-from gputravel.train.loop import _lr as lr_at, build_model
-from gputravel.train.model import GPT, GPTConfig
+from gputravel.train.loop import build_model, gpt_config, lr_at, train_step
+from gputravel.train.model import GPT
 
 TIED = "lm_head.weight"  # the same Parameter as transformer.wte.weight
-
-
-def gpt_config(cfg: TrainConfig) -> GPTConfig:
-    return GPTConfig(block_size=cfg.seq_len, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
-                     n_head=cfg.n_head, n_embd=cfg.n_embd)
 
 
 def initial_model(cfg: TrainConfig) -> GPT:
@@ -104,14 +99,7 @@ def local_train(cfg: TrainConfig, arrays: Mapping[str, torch.Tensor], tokens: np
     wall0, cpu0 = time.perf_counter(), time.process_time()
     for i in range(steps):
         x, y = batch_at(tokens, (first_window + i) % n, cfg.batch, cfg.seq_len)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(schedule, schedule_offset + i)
-        _, loss = model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
+        losses.append(train_step(model, optimizer, x, y, lr_at(schedule, schedule_offset + i)))
     compute, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     return LocalResult(model_arrays(model), losses, compute, cpu, (first_window + steps) % n)
 

@@ -1,27 +1,8 @@
-"""The training job, described once (issue 26): what to train, on what model, for how long.
+"""The training job, described once (issue 26): `TrainConfig` is the one validated model that the
+demo's options, the services' ``[job]`` table, checkpoints, the measured job (``canonical_json``,
+which holders pin) and FedAvg all build or read, so a job has one set of defaults and rules.
 
-`TrainConfig` is the one validated model of a training job. Everything that starts, records
-or checks a job builds or reads this model, so a job has one set of defaults and one set of
-rules wherever it comes from:
-
-* `gputravel demo`'s options (cli/train.py) build it; a bad value names the flag (``--steps``);
-* the services' ``[job]`` table (service/config.py ``JobSection``: this model plus
-  ``run_dir``) reads it from TOML under the same key names; errors name ``job.KEY``;
-* a checkpoint stores it (train/loop.py) and a resume compares the stored model with the
-  job's own, field by field;
-* the orchestrator is measured with its canonical JSON (``canonical_json``), which the
-  holders pin; the orchestrator's CVM takes the job it is told only if it is that job;
-* the FedAvg baseline (fl/) trains every holder with its settings.
-
-The defaults are the demo's job (`gputravel demo`, README): a 6-layer, 256-wide GPT-2 on
-the byte tokenizer, 300 steps of 8 x 64 tokens, a 64 KiB dataset buffer, two threads, a
-checkpoint every 100 steps and a 200-token sample at the end: about a minute on two cores.
-
-Extending it: a later part of the job (a workload, a manifest, differential privacy) is a
-section of its own, a `JobPart` subclass nested here as a field with a default. Jobs written
-before it (TOML files, checkpoints, JSON) then read as that default, and comparing models
-(not dicts) keeps them equal to a job that leaves the section at its default. Its errors
-name the nested key (``job.privacy.epsilon``, ``--privacy-epsilon``).
+A later part of the job is a nested `JobPart` with a default, so jobs written before it still read.
 """
 
 from __future__ import annotations
@@ -40,11 +21,8 @@ from gputravel.train.schedule import POLICIES
 __all__ = ["DATASET_FORMATS", "LOADERS", "MAX_THREADS", "TORCH_MIB", "DatasetFormat", "JobPart", "TrainConfig"]
 
 LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (orchestrator/baseline.py)
-#: The most CPU threads a run may ask for (torch crashes far above; 256 is more than any one
-#: machine here has, and the same value gives the same losses anywhere).
-MAX_THREADS = 256
-#: What the training process holds besides the model and its batch: the interpreter, torch
-#: and its allocator's slack, MiB (about 300 measured with torch 2 on CPU, rounded up).
+MAX_THREADS = 256  # torch crashes far above
+#: MiB the training process holds besides the model and its batch (about 300 measured, rounded up).
 TORCH_MIB = 400
 
 
@@ -59,11 +37,8 @@ Count = Annotated[int, Field(ge=0)]
 
 
 class _SaysWhich(type(BaseModel)):  # type: ignore[misc]
-    """Made in code (``TrainConfig(steps=0)``), a job part that does not validate is a BadInput
-    naming each bad value by its `key`. Only a call goes through here: pydantic validating a
-    part nested in another model (a [job] table in its TOML file) raises its ValidationError,
-    which the outer model's reader words (service/config.py _explain), as before. (An
-    overridden __init__ would not do: pydantic calls that when it validates a nested part too.)"""
+    """Made in code, a job part that does not validate is a BadInput naming each bad value by its
+    `key`; nested in another model, pydantic's ValidationError is left for that model's reader."""
 
     def __call__(cls, *args: Any, **values: Any) -> Any:
         try:
@@ -73,19 +48,18 @@ class _SaysWhich(type(BaseModel)):  # type: ignore[misc]
 
 
 class JobPart(BaseModel, metaclass=_SaysWhich):
-    """A part of a training job: strict about types (a quoted number is an error, not a
-    number), no unknown key, never changed once made."""
+    """Strict about types (a quoted number is an error), no unknown key, frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     @classmethod
     def key(cls, loc: tuple[str, ...]) -> str:
-        """How an error names the value at `loc`: the command line's flag, ``--seq-len``."""
+        """How an error names the value at `loc`: its flag, ``--seq-len``."""
         return "--" + "-".join(loc).replace("_", "-")
 
     @classmethod
     def explain(cls, exc: ValidationError) -> str:
-        """pydantic's errors as one line each, ``KEY: expected ..., got ...`` (KEY: `key`)."""
+        """pydantic's errors, one line each: ``KEY: expected ..., got ...``."""
         lines = []
         for err in exc.errors():
             loc, msg = tuple(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, ")
@@ -105,9 +79,6 @@ class JobPart(BaseModel, metaclass=_SaysWhich):
 
 
 class TrainConfig(JobPart):
-    """A training job; see the module's docstring. Made in code, `TrainConfig(...)` raises
-    BadInput naming the flag of each bad value (`key`)."""
-
     steps: Positive = 300
     batch: Positive = 8
     seq_len: Positive = 64
@@ -133,10 +104,9 @@ class TrainConfig(JobPart):
             raise ValueError(f"n_embd: expected a multiple of n_head ({self.n_head}), got {self.n_embd}")
         return self
 
-    # ------------------------------------------------------------------ reading and writing
     @classmethod
     def from_dict(cls, values: object) -> TrainConfig:
-        """The job `values` (a dict, as `to_dict` wrote it) describe; BadInput otherwise."""
+        """The job `values` (as `to_dict` wrote them) describe; BadInput otherwise."""
         if not isinstance(values, Mapping):
             raise BadInput(f"a training job is a table of settings, got {type(values).__name__}")
         return cls(**values)
@@ -158,7 +128,7 @@ class TrainConfig(JobPart):
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def replace(self, **changes: Any) -> TrainConfig:
-        """This job with `changes`, checked as a new job is (dataclasses.replace's contract)."""
+        """This job with `changes`, checked as a new job is."""
         return type(self)(**{**self.to_dict(), **changes})
 
     def differences(self, other: TrainConfig | None) -> list[str]:
@@ -166,19 +136,15 @@ class TrainConfig(JobPart):
         fields = type(self).model_fields
         return sorted(k for k in fields if other is None or getattr(other, k, None) != getattr(self, k))
 
-    # ------------------------------------------------------------------ what it takes
     def params(self) -> int:
         """The model's parameters (train/model.py's GPT, lm_head tied to wte, block_size seq_len)."""
         c, layers = self.n_embd, self.n_layer
         return (self.vocab_size + self.seq_len) * c + layers * (12 * c * c + 13 * c) + 2 * c
 
     def memory_mib(self) -> int:
-        """About the most memory one training step takes, MiB: torch itself (TORCH_MIB); the
-        weights, their gradients and AdamW's two moments (16 bytes a parameter; the position
-        embedding alone is seq_len x n_embd); and what backward keeps of a batch of B x T
-        tokens, float32: about 20 values of n_embd a token a layer, plus the logits over the
-        vocabulary (three copies). Attention keeps no T x T matrix (scaled_dot_product_attention
-        on CPU runs its flash kernel). Checked against measured peaks: the demo's model, B 8, T 64 to 4096."""
+        """About the most memory one step takes, MiB: torch, 16 bytes a parameter (weights, grads,
+        AdamW's moments) and backward's float32 activations (no T x T: SDPA's flash kernel on CPU).
+        Checked against measured peaks: the demo's model, B 8, T 64 to 4096."""
         tokens = self.batch * self.seq_len
         activations = 4 * tokens * (20 * self.n_layer * self.n_embd + 3 * self.vocab_size + 2 * self.n_embd)
         return TORCH_MIB + -(-(16 * self.params() + activations) // (1 << 20))

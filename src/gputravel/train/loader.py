@@ -1,17 +1,6 @@
-"""The one iterator training reaches data through.
-
-:class:`TravellingLoader` yields ``(x, y)`` batches of B x T tokens, with llm.c's semantics:
-a window of B*T+1 tokens, ``x`` the first B*T, ``y`` the same shifted by one, the next window
-B*T further on. Where the tokens come from is a :class:`ChunkSource`:
-
-- :class:`TravelSource` makes the GPU travel to the holder and reads the dataset buffer in the
-  GPU's protected memory (the orchestrator CVM's view of VRAM);
-- :class:`BaselineSource` fills the same buffer the centralised TLS baseline's way (paper 7.2:
-  the holder sends its chunk over TLS, the orchestrator writes it into VRAM), no travelling;
-- :class:`LocalSource` reads the same holders' tokens straight from disk, with no travelling:
-  the reference that shows travelling does not change what the model learns (paper goal G2).
-
-The scheduler decides the visits; both sources see the same visits, so the batches are equal.
+"""The one iterator training reaches data through: llm.c's (x, y) batches of B x T tokens, from a
+:class:`ChunkSource`. A travel (:class:`TravelSource`), the TLS baseline (:class:`BaselineSource`)
+and local files (:class:`LocalSource`, the G2 reference) see the same visits, so give equal batches.
 """
 
 from __future__ import annotations
@@ -40,8 +29,6 @@ class ChunkSource(Protocol):
 
 @dataclass(frozen=True)
 class Fetched:
-    """What one visit cost: for the report and the live view."""
-
     visit: Visit
     seconds: float
     report: object | None  # the travel report, when the source travelled
@@ -68,10 +55,19 @@ class TravellingEngine(Protocol):
     def buffer_view(self) -> memoryview: ...
 
 
+class BaselineEngine(Protocol):
+    """What BaselineSource needs of the orchestrator: a baseline transfer, then read the buffer."""
+
+    def baseline(self, holder: str, dataset_offset: int) -> BaselineReport: ...
+    def buffer_view(self) -> memoryview: ...
+
+
 class TravelSource:
     """Each fetch is one travel (paper Fig. 3): the chunk lands in the GPU's protected memory."""
 
-    def __init__(self, engine: TravellingEngine, dataset_bytes: Mapping[str, int]) -> None:
+    move = "travel"  # the engine's method that fills the buffer
+
+    def __init__(self, engine: TravellingEngine | BaselineEngine, dataset_bytes: Mapping[str, int]) -> None:
         self.engine = engine
         self._sizes = {name: n // TOKEN_BYTES for name, n in dataset_bytes.items()}
         self.last_report = None
@@ -80,12 +76,12 @@ class TravelSource:
         return self._sizes
 
     def online(self) -> set[str]:
-        """Holders the engine can travel to now (one that left and came back is again)."""
-        online = getattr(self.engine, "online", None)  # an engine that admits holders while training says so
-        return set(online()) if online is not None else set(self._sizes)
+        """Holders lost earlier that the engine can reach again (one that admits holders while training says)."""
+        online = getattr(self.engine, "online", None)
+        return set(online()) if online is not None else set()
 
     def fetch(self, visit: Visit) -> np.ndarray:
-        report = self.engine.travel(visit.holder, visit.token_offset * TOKEN_BYTES)
+        report = getattr(self.engine, self.move)(visit.holder, visit.token_offset * TOKEN_BYTES)
         self.last_report = report
         chunk = getattr(report, "chunk", None)
         if chunk is None:
@@ -95,42 +91,10 @@ class TravelSource:
         return np.frombuffer(self.engine.buffer_view(), dtype=np.uint16, count=visit.ntokens)
 
 
-class BaselineEngine(Protocol):
-    """What BaselineSource needs of the orchestrator: a baseline transfer, then read the buffer."""
+class BaselineSource(TravelSource):
+    """Fed by the centralised TLS baseline (paper 7.2): the same visits, buffer and bytes as travels."""
 
-    def baseline(self, holder: str, dataset_offset: int) -> BaselineReport: ...
-    def buffer_view(self) -> memoryview: ...
-
-
-class _BaselineEngine:
-    """Looks like the travelling engine to TravelSource, but fills the buffer the baseline way."""
-
-    def __init__(self, engine: BaselineEngine) -> None:
-        self.engine = engine
-
-    def travel(self, holder: str, dataset_offset: int) -> BaselineReport:
-        return self.engine.baseline(holder, dataset_offset)
-
-    def buffer_view(self) -> memoryview:
-        return self.engine.buffer_view()
-
-
-class BaselineSource:
-    """A training loader source fed by the centralised TLS baseline instead of travels: the
-    same visits, the same buffer, the same bytes; only the way they reach VRAM differs."""
-
-    def __init__(self, engine: BaselineEngine, dataset_bytes: Mapping[str, int]) -> None:
-        self._inner = TravelSource(_BaselineEngine(engine), dataset_bytes)
-
-    def sizes(self) -> Mapping[str, int]:
-        return self._inner.sizes()
-
-    def fetch(self, visit: Visit) -> np.ndarray:
-        return self._inner.fetch(visit)
-
-    @property
-    def last_report(self) -> BaselineReport | None:
-        return self._inner.last_report
+    move = "baseline"
 
 
 class TravellingLoader:
@@ -144,7 +108,6 @@ class TravellingLoader:
         self.source = source
         self.B, self.T = batch, seq_len
         self.scheduler = Scheduler(source.sizes(), buffer_bytes // TOKEN_BYTES, batch * seq_len, policy)
-        # `state` is always where a run stopped now would resume (saved in checkpoints).
         self.state = state or LoaderState()
         self.on_fetch = on_fetch
         self.device = device
@@ -176,7 +139,7 @@ class TravellingLoader:
             self.state = done
 
     def _rejoined(self) -> None:
-        """A holder lost in a travel that has joined again is scheduled again, from its cursor."""
+        """A lost holder that has joined again is scheduled again, from its cursor."""
         online = getattr(self.source, "online", None)
         if online is not None and self.scheduler.offline:
             self.scheduler.offline -= online()

@@ -1,12 +1,7 @@
 """The training job: GPT-2 trained on batches from the one loader, wherever they come from.
 
-`train` is the same function for ``--loader travelling`` (run inside the orchestrator CVM,
-batches read from the dataset buffer in the GPU's protected memory) and ``--loader local``
-(batches read from disk): with the same seed, order and thread count, their losses are
-bit-identical on CPU (paper goal G2).
-
-With `ranks` (train/ranks.py) the same loop is one rank of a data-parallel job: its model in
-DDP over the encrypted ring, its batches from its own source, rank 0 writing the run directory.
+The same `train` runs ``--loader travelling`` (in the orchestrator CVM) and ``--loader local``:
+with the same seed, order and thread count their losses are bit-identical on CPU (goal G2).
 """
 
 from __future__ import annotations
@@ -34,10 +29,9 @@ from gputravel.train.schedule import LoaderState
 
 
 class Anchor(Protocol):
-    """State the caller keeps outside the checkpoint that must go on with it: the orchestrator's
-    travel log (orchestrator/travel_log.py). Every checkpoint stores ``record()`` (plain types,
-    or None); a resume hands the stored one to ``resume()`` before any batch is fetched, which
-    raises if that state is not there to go on with."""
+    """State kept outside the checkpoint that must go on with it (the orchestrator's travel log):
+    each checkpoint stores ``record()``; a resume hands it to ``resume()``, which raises if that
+    state is not there to go on with."""
 
     def record(self) -> dict[str, object] | None: ...
 
@@ -46,8 +40,6 @@ class Anchor(Protocol):
 
 @dataclass(frozen=True)
 class StepEvent:
-    """One optimizer step, for the live view and metrics.csv."""
-
     step: int
     loss: float
     tokens_per_s: float
@@ -74,15 +66,14 @@ class TrainResult:
 
 
 def sample_tokenizer(name: str):
-    """The tokenizer to decode the final sample with, or None where it cannot load (GPT-2 BPE
-    offline without its encoding file): the run then simply has no sample."""
+    """The tokenizer for the final sample, or None where it cannot load (the run then has no sample)."""
     try:
         return get_tokenizer(name)
     except BadInput:
         return None
 
 
-def _lr(cfg: TrainConfig, step: int) -> float:
+def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up then cosine decay to 10%, as llm.c schedules it."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -90,39 +81,42 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+def gpt_config(cfg: TrainConfig) -> GPTConfig:
+    return GPTConfig(block_size=cfg.seq_len, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
+                     n_head=cfg.n_head, n_embd=cfg.n_embd)
+
+
 def build_model(cfg: TrainConfig, device: str):
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, n_embd=cfg.n_embd)).to(device)
+    model = GPT(gpt_config(cfg)).to(device)
     optimizer = model.configure_optimizer(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     return model, optimizer
+
+
+def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, lr: float, *, forward=None,
+               backward: Callable[[torch.Tensor], None] | None = None) -> float:
+    """One step as every method trains (FedAvg's holders too): AdamW at `lr`, clipped to norm 1."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    _, loss = (forward or model)(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    (backward or torch.Tensor.backward)(loss)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
 
 
 def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
           on_step: Callable[[StepEvent], None] | None = None, resume_from: Path | None = None,
           tokenizer=None, ranks: Ranks | None = None,
           should_stop: Callable[[], bool] | None = None, anchor: Anchor | None = None) -> TrainResult:
-    """Train for cfg.steps; `tokenizer` (encode/decode) is only used for the final text sample.
+    """Train for cfg.steps; `tokenizer` only decodes the final sample.
 
-    With `resume_from` (a checkpoint of the same job), training continues from the checkpoint's
-    step with its model, optimizer and per-holder cursors: the losses are the ones an
-    uninterrupted run would have had, and no window is trained on twice.
-
-    With `ranks`, this process is one rank of a data-parallel job (every rank calls `train` with
-    the same cfg and its own `source`): the gradients are averaged over the ranks through the
-    encrypted ring, which the ranks key by attesting one another before any gradient moves
-    (PeerAttestationError if one refuses another). Each rank's result holds its own batch
-    losses and travels, so rank 0's report is rank 0's losses. Only rank 0 writes `run_dir`
-    (the other ranks ignore it) and samples; its checkpoints hold every rank's loader state,
-    and a resume needs the same number of ranks, each loading the same checkpoint. A failed
-    all-reduce stops the step with its typed error (IntegrityError, ChannelFaulted, ...).
-
-    `should_stop` (training alone only: ranks stop together or not at all) is asked after each
-    step; when it says so the run ends there, as if that were its last step: the checkpoint is
-    of that step, and a resume continues from it with nothing lost.
-
-    `anchor` (each rank its own) is recorded in every checkpoint and, on a resume, handed its
-    record back before any batch is fetched (see :class:`Anchor`)."""
+    `resume_from` continues a checkpoint of the same job with the losses an uninterrupted run
+    would have had. With `ranks` this is one rank of a data-parallel job: gradients are averaged
+    through the encrypted ring, keyed by the ranks attesting one another first; only rank 0
+    writes `run_dir` and samples. `should_stop` (alone only: ranks stop together or not at all)
+    ends the run after a step, checkpointed there. `anchor`: see :class:`Anchor`."""
     if should_stop is not None and ranks is not None:
         raise BadInput("a data-parallel rank cannot stop on its own: its peers would wait for it")
     torch.set_num_threads(cfg.threads)
@@ -136,9 +130,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     dp = DataParallel.open(ranks, device) if ranks is not None else None  # the ranks attest one another here
     try:
         if out is not None:
-            # A fresh run into a used directory starts its metrics over; a resumed one trains
-            # the steps after its checkpoint again (an earlier attempt may have logged them).
-            out.truncate_metrics(start)
+            out.truncate_metrics(start)  # a resumed run trains the steps after its checkpoint again
         step_model = dp.wrap(model) if dp is not None else model  # `model` stays the bare GPT
         loader = _loop(cfg, source, device, model, step_model, optimizer, start, resume, result, out, dp, on_step,
                        should_stop, anchor)
@@ -182,17 +174,9 @@ def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model,
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         x, y = next(batches)
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(cfg, step)
-        _, loss = step_model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        if dp is not None:
-            dp.backward(loss)  # the gradients' all-reduce runs in here, over the ring
-        else:
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        value = loss.item()
+        # With ranks, the gradients' all-reduce runs in dp.backward, over the ring.
+        value = train_step(model, optimizer, x, y, lr_at(cfg, step), forward=step_model,
+                           backward=dp.backward if dp is not None else None)
         result.losses.append(value)
         now = time.perf_counter()
         event = StepEvent(step=step, loss=value, tokens_per_s=cfg.batch * cfg.seq_len / (now - t0),
@@ -216,10 +200,8 @@ def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model,
 
 def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataParallel | None,
            anchor: Anchor | None = None) -> dict:
-    """What a checkpoint carries besides the model and optimizer: enough to resume exactly.
-    With ranks also every rank's loader state, losses and travels, gathered (a collective:
-    every rank calls this at the same step); "losses" and "travels" stay rank 0's. The
-    anchor's record ("travel_log") is each rank's own, beside its loader state."""
+    """A checkpoint's extra: enough to resume exactly. With ranks a collective gathering every
+    rank's loader state, losses, travels and anchor record; "losses" and "travels" stay rank 0's."""
     extra = {"config": cfg.to_dict(), "losses": list(result.losses), "travels": list(result.travels)}
     anchored = {"travel_log": anchor.record()} if anchor is not None else {}
     if dp is None:
@@ -235,7 +217,7 @@ def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataPa
 
 
 def checkpoint_world_size(path: Path) -> int:
-    """How many ranks the job that wrote the checkpoint had (1 for a job without ranks)."""
+    """The ranks of the job that wrote the checkpoint (1 without ranks)."""
     world = checkpoint_extra(path).get("world_size", 1)
     if type(world) is not int or world < 1:
         raise BadInput(f"checkpoint {path} is inconsistent (no world size); start the run afresh")
@@ -272,7 +254,7 @@ def _resume(cfg: TrainConfig, path: Path, model, optimizer, ranks: Ranks | None,
 
 
 def _stored_job(values: object) -> TrainConfig | None:
-    """The job a checkpoint records (None: none, or none this schema reads)."""
+    """The job a checkpoint records (None: none this schema reads)."""
     try:
         return TrainConfig.from_dict(values)
     except BadInput:
@@ -291,8 +273,7 @@ def _read_bound(path: Path, digest: bytes) -> bytes:
 
 
 def _rank_share(path: Path, extra: dict, step: int, ranks: Ranks | None) -> tuple[dict, dict]:
-    """This rank's loader state, and its losses and travels, in the checkpoint; the job's rank
-    count must be the checkpoint's."""
+    """This rank's loader state, and its losses and travels; the rank count must be the checkpoint's."""
     rank, world = (0, 1) if ranks is None else (ranks.rank, ranks.world_size)
     if "loaders" not in extra:  # a checkpoint of a job without ranks
         if world != 1:
@@ -309,8 +290,8 @@ def _rank_share(path: Path, extra: dict, step: int, ranks: Ranks | None) -> tupl
 
 
 def _check_shares(path: Path, extra: dict, loader: dict, ranks: Ranks | None) -> None:
-    """A resumed rank trains on the holders it trained on: the job's shares must be the
-    checkpoint's, and its cursors name only its own holders (or a chunk reaches two ranks)."""
+    """A resumed rank keeps its holders: the shares must be the checkpoint's and its cursors its
+    own holders', or a chunk would reach two ranks."""
     if ranks is None or not ranks.shares:
         return
     mine = set(ranks.shares[ranks.rank])

@@ -1,19 +1,9 @@
-"""GPT-2 in plain PyTorch (the llm.c / nanoGPT architecture), small enough to train on a CPU.
+"""GPT-2 in plain PyTorch (the llm.c / nanoGPT architecture, GPT-2's parameter names), small enough
+to train on a CPU.
 
-Architecture: token + learned position embeddings; ``n_layer`` pre-LayerNorm blocks, each
-``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``; a final LayerNorm; an ``lm_head`` whose
-weight *is* the token embedding (weight tying, as in GPT-2). Attention is causal
-self-attention with one fused qkv projection; the MLP widens 4x with tanh-approximated GELU.
-Parameter names follow the GPT-2 checkpoints (``transformer.h.0.attn.c_attn.weight`` ...), so
-GPT-2 weights could be mapped onto this module if a run ever needs them.
-
-Determinism: with the same seed, the same ``torch.get_num_threads()`` and the same inputs, a
-CPU run (forward, backward, :meth:`GPT.configure_optimizer`'s AdamW step, and
-:meth:`GPT.generate` with a seeded ``torch.Generator``) is bit-identical from run to run. The
-model has no dropout and uses no op with nondeterministic CPU kernels; the optimizer is forced
-onto its single-tensor path. Changing the thread count changes reduction order, so losses
-then differ in the last bits. On CUDA, bit-equality is not promised (cuBLAS/SDPA kernels may
-pick different algorithms).
+Determinism (goal G2 rests on it): with the same seed, thread count and inputs, a CPU run is
+bit-identical from run to run: no dropout, no nondeterministic CPU kernel, and AdamW on its
+single-tensor path. Other thread counts reorder reductions; on CUDA bit-equality is not promised.
 """
 
 from __future__ import annotations
@@ -21,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -35,8 +25,6 @@ IGNORE_INDEX = -1
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Model sizes. ``n_embd`` must split evenly into ``n_head`` heads."""
-
     block_size: int
     vocab_size: int
     n_layer: int
@@ -44,16 +32,12 @@ class GPTConfig:
     n_embd: int
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            # bool is an int subclass; True as a size is always a mistake
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        for name, value in asdict(self).items():
+            if type(value) is not int or value <= 0:  # not isinstance: True as a size is a mistake
                 raise BadInput(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if self.n_embd % self.n_head:
-            raise BadInput(
-                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
-                "pick n_embd as a multiple of n_head"
-            )
+            raise BadInput(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                           "pick n_embd as a multiple of n_head")
 
     @classmethod
     def gpt2_124m(cls) -> GPTConfig:
@@ -62,37 +46,25 @@ class GPTConfig:
 
     @classmethod
     def tiny(cls, vocab_size: int) -> GPTConfig:
-        """Demo size for a byte/char vocabulary: 4.8M parameters at vocab 256.
-
-        Measured (torch 2.13 CPU, 2 threads, B=8, T=64, forward + backward + AdamW step):
-        about 7 steps/s on an idle 2-core machine, so 300 steps take ~40-45 s. The lm_head
-        grows with ``vocab_size``: with GPT-2's 50257 tokens a step is ~10x slower."""
-        # head_dim 64 as in GPT-2; 6 layers of width 256 is the most that fits the minute
+        """The demo's size: 300 steps of 8 x 64 tokens take about 40 s on two idle cores (vocab 256)."""
         return cls(block_size=64, vocab_size=vocab_size, n_layer=6, n_head=4, n_embd=256)
 
     def to_dict(self) -> dict[str, int]:
-        return {
-            "block_size": self.block_size,
-            "vocab_size": self.vocab_size,
-            "n_layer": self.n_layer,
-            "n_head": self.n_head,
-            "n_embd": self.n_embd,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> GPTConfig:
         if not isinstance(d, dict):
             raise BadInput(f"a GPTConfig dict is expected, got {type(d).__name__}")
-        names = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}
+        names = {f.name for f in fields(cls)}
         if set(d) != names:
             raise BadInput(f"a GPTConfig dict needs exactly the keys {sorted(names)}, got {sorted(d)}")
         return cls(**d)
 
 
 def pick_device() -> str:
-    """``"cpu"`` when no CUDA GPU is usable. Otherwise ``"cuda"``, or ``"cuda:{LOCAL_RANK}"`` in
-    a process launched as one of several ranks on one machine (torchrun and jobs/local_ranks.py
-    set LOCAL_RANK): each rank its own GPU, as NCCL requires."""
+    """"cpu" without a usable GPU, else "cuda", or "cuda:{LOCAL_RANK}" for one of several ranks on
+    one machine (torchrun sets LOCAL_RANK): each rank its own GPU, as NCCL requires."""
     if not torch.cuda.is_available():
         return "cpu"
     local = os.environ.get("LOCAL_RANK")
@@ -150,21 +122,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 language model. See the module docstring for the determinism contract."""
-
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise BadInput(f"GPT needs a GPTConfig, got {type(config).__name__}")
         self.config = config
-        self.transformer = nn.ModuleDict(
-            {
-                "wte": nn.Embedding(config.vocab_size, config.n_embd),
-                "wpe": nn.Embedding(config.block_size, config.n_embd),
-                "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-                "ln_f": nn.LayerNorm(config.n_embd),
-            }
-        )
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),
+            "wpe": nn.Embedding(config.block_size, config.n_embd),
+            "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            "ln_f": nn.LayerNorm(config.n_embd),
+        })
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # tie: one matrix both embeds tokens and scores them (GPT-2; saves vocab*n_embd params)
         self.lm_head.weight = self.transformer.wte.weight
@@ -188,16 +156,11 @@ class GPT(nn.Module):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
             raise BadInput(f"{what} must be a (batch, time) torch.long tensor of token ids")
         if idx.shape[1] == 0 or idx.shape[1] > self.config.block_size:
-            raise BadInput(
-                f"{what} has {idx.shape[1]} positions; it needs 1..block_size="
-                f"{self.config.block_size} (crop or split the sequence)"
-            )
+            raise BadInput(f"{what} has {idx.shape[1]} positions; it needs 1..block_size="
+                           f"{self.config.block_size} (crop or split the sequence)")
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``(B, T, vocab_size)`` and, if ``targets`` (B, T) are given, the mean
-        cross-entropy over positions whose target is not :data:`IGNORE_INDEX`; else ``None``."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab_size), and the mean cross-entropy over targets not IGNORE_INDEX if given."""
         self._check_idx(idx, "idx")
         pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
@@ -208,17 +171,13 @@ class GPT(nn.Module):
             return logits, None
         if not isinstance(targets, torch.Tensor) or targets.shape != idx.shape:
             raise BadInput(f"targets must have the shape of idx {tuple(idx.shape)}")
-        loss = F.cross_entropy(
-            logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX
-        )
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
         return logits, loss
 
-    def configure_optimizer(
-        self, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)
-    ) -> torch.optim.AdamW:
-        """AdamW decaying only matrices and embeddings (>= 2-D); biases and LayerNorm
-        parameters are not decayed (decaying them only hurts). Single-tensor path on purpose:
-        no fused/foreach kernels, so CPU steps are reproducible bit for bit."""
+    def configure_optimizer(self, lr: float, weight_decay: float,
+                            betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+        """AdamW decaying only matrices and embeddings; no fused/foreach kernels, so CPU steps
+        are reproducible bit for bit."""
         if not lr > 0 or not math.isfinite(lr):
             raise BadInput(f"lr must be a positive finite float, got {lr!r}")
         if not weight_decay >= 0:
@@ -231,26 +190,13 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(
-            groups, lr=lr, betas=tuple(betas), foreach=False, fused=False
-        )
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), foreach=False, fused=False)
 
     @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T) and return (B, T + n).
-
-        The context is cropped to the last ``block_size`` tokens. Sampling draws only from
-        ``generator`` (on the model's device), so the same generator seed gives the same
-        sample. Call ``model.eval()`` first if the caller cares; this model has no dropout,
-        so train/eval mode does not change the result.
-        """
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """``idx`` (B, T) with ``max_new_tokens`` sampled tokens appended; sampling draws only from
+        ``generator``, so its seed fixes the sample."""
         self._check_idx(idx[:, -self.config.block_size :] if idx.dim() == 2 else idx, "idx")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise BadInput(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")

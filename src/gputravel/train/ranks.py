@@ -1,27 +1,10 @@
-"""One rank of a data-parallel training job over torch.distributed (issue 14).
+"""One rank of a data-parallel training job over torch.distributed (issue 14): DDP whose gradient
+all-reduce is the encrypted ring of ddp/, every hop sealed with keys bound to both ranks' attestation.
 
-Each rank is an orchestrator CVM with its own GPU and its own data; the ranks train one model
-with DistributedDataParallel, whose gradient all-reduce is the encrypted ring of ddp/ (every
-hop sealed with per-pair keys bound to both ranks' attestation)::
-
-    ranks = Ranks(rank, world_size, attest=tee.attest, verify=tee.verify, context=job_id)
-    with DataParallel.open(ranks) as dp:   # env:// rendezvous, attested pair keys, the ring
-        ddp = dp.wrap(model)                # DDP + the encrypted all-reduce hook
-        _, loss = ddp(x, y)
-        dp.backward(loss)                   # a broken ring raises its typed error
-        states = dp.gather(loader_state)    # every rank's, through the sealed ring
-
-What crosses the wire outside the ring, in the clear: the rendezvous (ranks, addresses), the
-key shares (public keys and quotes, which are public) and the refusal verdicts, on the ring's
-gloo group, and DDP's own bookkeeping (which parameters each rank used in a step, a bitmap) on
-the default group (gloo, or NCCL on CUDA). Parameters are never broadcast (see `wrap`), and
-gradients and `gather`'s objects go through the sealed ring only.
-
-The default group's backend follows this rank's device (`backend_for`): gloo on the CPU, NCCL
-on a CUDA device, where DDP's bookkeeping then stays on the GPU. The ring always has a gloo
-group of its own and reduces CPU tensors: a CUDA bucket is staged through a host copy
-(ddp/hook.py), as GPUs in CC mode have no peer-to-peer path and exchange through the CPU
-anyway. (The CUDA path has not run in this project: no GPU was at hand.)
+In the clear: the rendezvous, the key shares (public keys and quotes) and refusal verdicts on
+the ring's gloo group, and DDP's bookkeeping (which parameters a step used) on the default group
+(gloo, or NCCL on CUDA). Parameters are never broadcast (`wrap`); gradients and `gather`'s objects
+cross only the sealed ring, a CUDA bucket staged through a host copy (GPUs in CC mode have no P2P).
 """
 
 from __future__ import annotations
@@ -47,19 +30,15 @@ __all__ = ["ENCRYPTED_VARIANTS", "DataParallel", "Ranks", "backend_for", "rank_d
 
 log = logging.getLogger(__name__)
 
-#: The ring variants a training job may use: both seal every hop. The ring's `plain` variant
-#: is for benchmarks; a job never sends gradients in the clear.
+#: Both seal every hop: the ring's `plain` variant is for benchmarks, never a job's gradients.
 ENCRYPTED_VARIANTS = (Variant.NAIVE.value, Variant.PIPELINED.value)
 MAX_GATHER_BYTES = 64 << 20  # one rank's object in `gather`: loader cursors and losses, far less
 
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place in a data-parallel job and its TEE.
-
-    `attest(report_data) -> evidence` quotes with this rank's TEE; `verify(peer, evidence,
-    report_data)` raises when a peer's evidence is refused (ddp/keys.py). `context` names the
-    job (and should carry a nonce every rank shares): it is bound into the pair keys, so
+    """This process's place in a data-parallel job and its TEE (`attest`, `verify`: ddp/keys.py).
+    `context` names the job (with a nonce every rank shares) and is bound into the pair keys, so
     evidence made for one job is refused in any other."""
 
     rank: int
@@ -69,11 +48,9 @@ class Ranks:
     context: bytes
     variant: str = Variant.PIPELINED.value
     timeout_s: float = 300.0  # rendezvous and any one ring transfer
-    # Which holders each rank trains on (by rank), when the job says: a checkpoint records
-    # them and a resume with other shares is refused (a chunk would reach two ranks).
+    # Each rank's holders: a resume with other shares is refused (a chunk would reach two ranks).
     shares: tuple[tuple[str, ...], ...] = ()
-    # SHA-384 of the checkpoint this rank resumes, as bound into `context`: the loop loads the
-    # bytes it checked against it, so a file swapped after binding is refused, not loaded.
+    # The checkpoint this rank resumes, as bound into `context`: a file swapped after binding is refused.
     resume_sha384: bytes = b""
 
     def __post_init__(self) -> None:
@@ -103,8 +80,7 @@ def backend_for(device: str | torch.device) -> str:
 
 
 def rank_device(device: str | torch.device | None = None) -> torch.device:
-    """This rank's device, `device` or else train/model.py's pick_device (as the training loop
-    picks it), with a CUDA index made explicit: the GPU the rank's model must be on."""
+    """`device`, or the loop's pick_device, with a CUDA index made explicit."""
     dev = torch.device(pick_device() if device is None else device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -112,9 +88,7 @@ def rank_device(device: str | torch.device | None = None) -> torch.device:
 
 
 class DataParallel:
-    """This rank's membership in the job: the process group, the attested ring, the DDP hook.
-
-    Make it with `DataParallel.open(ranks)`; `close()` (or leaving a `with` block) ends it."""
+    """This rank's membership in the job: the process group, the attested ring, the DDP hook."""
 
     def __init__(self, ranks: Ranks, group: dist.ProcessGroup, ring: Ring, owns_default: bool,
                  device: torch.device = torch.device("cpu")) -> None:
@@ -131,15 +105,8 @@ class DataParallel:
 
     @classmethod
     def open(cls, ranks: Ranks, device: str | torch.device | None = None) -> DataParallel:
-        """Join the job and make the attested pair keys, before any gradient moves.
-
-        The rendezvous is torchrun-compatible env://: the caller (torchrun, or a launcher such
-        as jobs/local_ranks.py) sets MASTER_ADDR and MASTER_PORT; rank and world size come from
-        `ranks`. A default group already initialised by the caller is used as it is (its rank
-        and size must match) and left to the caller at close. Collective: every rank calls it.
-        `device` is where this rank's model is (default: `rank_device()`, the loop's choice); it
-        picks the default group's backend (`backend_for`).
-        Raises PeerAttestationError when a rank refuses a peer's evidence."""
+        """Join the job (env://, or the caller's default group) and make the attested pair keys,
+        before any gradient moves; PeerAttestationError when a rank refuses a peer. Collective."""
         timeout = timedelta(seconds=ranks.timeout_s)
         dev = rank_device(device)
         owns_default = not dist.is_initialized()
@@ -165,20 +132,15 @@ class DataParallel:
         return cls(ranks, group, ring, owns_default, dev)
 
     def wrap(self, model: torch.nn.Module) -> DistributedDataParallel:
-        """`model` in DDP whose gradient all-reduce is the encrypted ring. Keep `model` itself
-        for checkpoints and sampling: the wrapper shares its parameters. The model must lie
-        wholly on this rank's device (another rank's GPU would be shared with it)."""
+        """`model` in DDP over the encrypted ring; it must lie wholly on this rank's device."""
         devices = {p.device for p in model.parameters()}
         if devices != {self.device}:
             found = ", ".join(sorted(map(str, devices))) or "no device (it has no parameters)"
             raise BadInput(f"the model is on {found}, not on this rank's device {self.device}")
-        # init_sync=False: DDP would otherwise broadcast rank 0's parameters at start, in the
-        # clear over the default group. No broadcast is needed: every rank builds the same model from the
-        # job's seed, or loads the same checkpoint. Buffers likewise are never synced.
-        # find_unused_parameters=True keeps DDP from re-bucketing the gradients after its first
-        # step (it re-buckets only when that flag is off). The ring adds each value in an order
-        # set by where it lies in its bucket, so a run resumed mid-way (whose DDP is new) must
-        # bucket as the uninterrupted run did, or its sums, hence losses, differ in the last bits.
+        # init_sync=False: no broadcast of rank 0's parameters in the clear (every rank builds the
+        # same model from the seed or checkpoint); buffers are never synced either.
+        # find_unused_parameters=True: DDP never re-buckets, so a resumed run sums in the same
+        # order as an uninterrupted one, and its losses stay bit-identical.
         args: dict = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS
                       else {"broadcast_buffers": False})
         if self.device.type == "cuda":  # a single-GPU module: DDP's own form for it
@@ -188,8 +150,7 @@ class DataParallel:
         return ddp
 
     def backward(self, loss: torch.Tensor) -> None:
-        """`loss.backward()` through the ring; a failed all-reduce raises its typed error
-        (IntegrityError, ChannelFaulted, PeerTimeout, ...) rather than DDP's RuntimeError."""
+        """`loss.backward()`; a failed all-reduce raises its typed error, not DDP's RuntimeError."""
         try:
             loss.backward()
         except RuntimeError:
@@ -198,12 +159,8 @@ class DataParallel:
             raise
 
     def gather(self, obj: object) -> list:
-        """Every rank's `obj` (JSON types), by rank. Collective: every rank calls it at the same
-        point, between steps (the ring serves one all-reduce at a time).
-
-        It travels through the sealed ring, as an all-reduce in which each rank fills its own
-        row with its bytes and zeros elsewhere (x + 0 is exact): peers' data is neither sent
-        in the clear nor unpickled."""
+        """Every rank's `obj` (JSON types), by rank; collective, between steps. An all-reduce through
+        the sealed ring, each rank filling its own row (x + 0 is exact): never in the clear, never unpickled."""
         mine = json.dumps(obj, separators=(",", ":")).encode()
         if len(mine) > MAX_GATHER_BYTES:
             raise BadInput(f"gather takes at most {MAX_GATHER_BYTES} bytes a rank (got {len(mine)})")
@@ -227,12 +184,10 @@ class DataParallel:
 
     @property
     def failure(self) -> BaseException | None:
-        """The typed error that stopped a step, if one did."""
         return self._state.failure
 
     def close(self) -> None:
-        """Stop the hook's worker and leave the process group; never raises (it runs on the
-        way out of a failed step, whose error matters more)."""
+        """Stop the hook and leave the group; never raises (a failed step's error matters more)."""
         if self._closed:
             return
         self._closed = True

@@ -1,15 +1,5 @@
-"""A training run's outputs on disk: report, metrics, loss plot, checkpoint, sample.
-
-Layout of a run directory::
-
-    report.json     final summary (atomic: a reader never sees half a file)
-    metrics.csv     one row per logged step, appended and flushed as training goes
-    loss.png        loss curve
-    checkpoint.pt   model + optimizer + step + the model's GPTConfig (atomic)
-    sample.txt      generated text
-
-Files that are rewritten whole are written to a temporary file in the same directory and
-then ``os.replace``-d, so a crash mid-write leaves the previous version, never a torn one.
+"""A training run's outputs on disk: report.json, metrics.csv, loss.png, checkpoint.pt and
+sample.txt. Files rewritten whole are replaced atomically: a crash leaves the old one, never a torn one.
 """
 
 from __future__ import annotations
@@ -48,41 +38,22 @@ class RunDir:
             raise BadInput(f"run directory {self.path} exists and is not a directory")
         self.path.mkdir(parents=True, exist_ok=True)
         self._metrics_header: list[str] | None = None
+        self.report_path = self.path / "report.json"
+        self.metrics_path = self.path / "metrics.csv"
+        self.checkpoint_path = self.path / "checkpoint.pt"
+        self.sample_path = self.path / "sample.txt"
 
-    # ------------------------------------------------------------------ paths
-    @property
-    def report_path(self) -> Path:
-        return self.path / "report.json"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.path / "metrics.csv"
-
-    @property
-    def checkpoint_path(self) -> Path:
-        return self.path / "checkpoint.pt"
-
-    @property
-    def sample_path(self) -> Path:
-        return self.path / "sample.txt"
-
-    # ------------------------------------------------------------------ report
     def write_report(self, report: dict) -> Path:
-        """Write ``report`` as report.json (sorted keys, atomically). Values must be JSON
-        types; NaN and infinity are refused because strict JSON readers reject them."""
+        """report.json, sorted; NaN and infinity are refused, as strict JSON readers reject them."""
         if not isinstance(report, dict):
             raise BadInput(f"a report must be a dict, got {type(report).__name__}")
         try:
             text = json.dumps(report, indent=2, sort_keys=True, allow_nan=False)
         except ValueError as e:
-            raise BadInput(
-                f"report.json cannot hold NaN or infinity ({e}); store None or a string instead"
-            ) from None
+            raise BadInput(f"report.json cannot hold NaN or infinity ({e}); store None or a string instead") from None
         except TypeError as e:
-            raise BadInput(
-                f"report.json takes only JSON types ({e}); convert tensors with .item() "
-                "and paths with str()"
-            ) from None
+            raise BadInput(f"report.json takes only JSON types ({e}); convert tensors with .item() "
+                           "and paths with str()") from None
         atomic_write_bytes(self.report_path, (text + "\n").encode())
         return self.report_path
 
@@ -94,7 +65,6 @@ class RunDir:
         except ValueError as e:
             raise BadInput(f"{self.report_path} is not valid JSON: {e}") from None
 
-    # ------------------------------------------------------------------ metrics
     def _existing_header(self) -> list[str] | None:
         """The header of a metrics.csv left by an earlier process (a resumed run)."""
         if not self.metrics_path.exists() or self.metrics_path.stat().st_size == 0:
@@ -103,9 +73,7 @@ class RunDir:
             return next(csv.reader(f), None)
 
     def append_metrics(self, row: dict) -> None:
-        """Append one row to metrics.csv. The first row's keys become the header; every
-        later row must have the same keys. Each call opens, writes and closes the file,
-        so a crash loses at most the row being written."""
+        """One row more in metrics.csv, the file closed after it: a crash loses at most that row."""
         if not isinstance(row, dict) or not row:
             raise BadInput("a metrics row must be a non-empty dict of column -> value")
         if self._metrics_header is None:
@@ -113,10 +81,8 @@ class RunDir:
         header = self._metrics_header
         keys = [str(k) for k in row]
         if header is not None and sorted(keys) != sorted(header):
-            raise BadInput(
-                f"metrics row has columns {keys} but metrics.csv has {header}; "
-                "log the same columns on every row"
-            )
+            raise BadInput(f"metrics row has columns {keys} but metrics.csv has {header}; "
+                           "log the same columns on every row")
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         if header is None:
@@ -136,8 +102,7 @@ class RunDir:
             return list(csv.DictReader(f))
 
     def truncate_metrics(self, step: int) -> None:
-        """Keep only the rows of steps before `step`: a run resumed from the checkpoint of
-        that step trains the later ones again (an earlier attempt may have logged them)."""
+        """Keep the rows of steps before `step`: a run resumed there trains the later ones again."""
         rows = self.read_metrics()
         if not rows:
             return
@@ -148,65 +113,37 @@ class RunDir:
         writer.writerows(r for r in rows if int(r["step"]) < step)
         atomic_write_bytes(self.metrics_path, buf.getvalue().encode())
 
-    # ------------------------------------------------------------------ plot
-    def plot_losses(
-        self,
-        steps: Sequence[float],
-        losses: Sequence[float],
-        out: str = "loss.png",
-        title: str = "training loss",
-        val: tuple[Sequence[float], Sequence[float]] | None = None,
-    ) -> Path:
-        """Plot loss against step into ``out`` (a file name inside the run directory).
-        ``val`` is an optional (steps, losses) pair drawn as a second curve."""
+    def plot_losses(self, steps: Sequence[float], losses: Sequence[float], title: str = "training loss") -> Path:
+        """loss.png: loss against step."""
         if len(steps) != len(losses):
             raise BadInput(f"plot_losses got {len(steps)} steps but {len(losses)} losses")
         if not steps:
             raise BadInput("plot_losses needs at least one (step, loss) point")
-        if Path(out).name != out:
-            raise BadInput(f"out must be a file name inside the run directory, got {out!r}")
-        # imported here: matplotlib costs a noticeable import time that only plotting needs.
-        # The Figure API draws with Agg and never touches pyplot's global state or a display,
-        # so this works headless and from any thread.
+        # The Figure API (not pyplot) draws headless, from any thread; imported here, as it is slow.
         from matplotlib.figure import Figure
 
         fig = Figure(figsize=(6.4, 4.0), dpi=100)
         ax = fig.add_subplot()
         ax.plot(list(steps), list(losses), label="train")
-        if val is not None:
-            ax.plot(list(val[0]), list(val[1]), marker="o", label="val")
-            ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
-        target = self.path / out
+        target = self.path / "loss.png"
         atomic_write_bytes(target, buf.getvalue())
         return target
 
-    # ------------------------------------------------------------------ sample
     def write_sample(self, text: str) -> Path:
         if not isinstance(text, str):
             raise BadInput(f"a sample must be str, got {type(text).__name__}; decode tokens first")
         atomic_write_bytes(self.sample_path, text.encode("utf-8", errors="replace"))
         return self.sample_path
 
-    # ------------------------------------------------------------------ checkpoint
-    def save_checkpoint(
-        self,
-        model: GPT,
-        optimizer: torch.optim.Optimizer | None,
-        step: int,
-        extra: dict | None = None,
-    ) -> Path:
-        """Save model, optimizer, step and ``extra`` to checkpoint.pt atomically.
-
-        ``extra`` must hold only plain types (numbers, str, lists, dicts, tensors) because
-        checkpoints are loaded with ``weights_only=True``, which refuses arbitrary pickles.
-        Put RNG states there (``torch.get_rng_state()``) if a resumed run must continue
-        bit-identically."""
+    def save_checkpoint(self, model: GPT, optimizer: torch.optim.Optimizer | None, step: int,
+                        extra: dict | None = None) -> Path:
+        """checkpoint.pt; ``extra`` holds plain types and tensors only, as loading is weights_only."""
         config = getattr(model, "config", None)
         if not isinstance(config, GPTConfig):
             raise BadInput("save_checkpoint needs a GPT model (one with a GPTConfig .config)")
@@ -225,16 +162,6 @@ class RunDir:
         atomic_write_bytes(self.checkpoint_path, buf.getvalue())
         return self.checkpoint_path
 
-    @staticmethod
-    def load_checkpoint(
-        path: str | os.PathLike,
-        model: GPT,
-        optimizer: torch.optim.Optimizer | None = None,
-    ) -> tuple[int, dict]:
-        """Restore ``model`` (and ``optimizer`` if given) from ``path``; return (step, extra).
-        Also available as the module function :func:`load_checkpoint`."""
-        return load_checkpoint(path, model, optimizer)
-
 
 def _read_checkpoint(path: Path, data: bytes | None = None) -> dict:
     """The checkpoint at `path`, or in `data`: its bytes, read once by a caller that checked them."""
@@ -244,37 +171,25 @@ def _read_checkpoint(path: Path, data: bytes | None = None) -> dict:
         # weights_only: a checkpoint is data, never code to run (it may come from elsewhere)
         payload = torch.load(io.BytesIO(data) if data is not None else path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged file
-        raise BadInput(
-            f"checkpoint {path} is corrupt or not a gputravel checkpoint "
-            f"({type(e).__name__}); delete it or restore it from a copy"
-        ) from None
+        raise BadInput(f"checkpoint {path} is corrupt or not a gputravel checkpoint "
+                       f"({type(e).__name__}); delete it or restore it from a copy") from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise BadInput(f"{path} is not a {CHECKPOINT_FORMAT} file")
     return payload
 
 
 def checkpoint_extra(path: str | os.PathLike) -> dict:
-    """What a checkpoint carries besides the model and optimizer (its ``extra``), without
-    building a model to load it into; BadInput if it has none."""
+    """A checkpoint's ``extra``, without building a model to load it into."""
     extra = _read_checkpoint(Path(path)).get("extra")
     if not isinstance(extra, dict):
         raise BadInput(f"checkpoint {path} is inconsistent (no extra); start the run afresh")
     return extra
 
 
-def load_checkpoint(
-    path: str | os.PathLike,
-    model: GPT,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    data: bytes | None = None,
-) -> tuple[int, dict]:
-    """Restore ``model`` (and ``optimizer`` if given) from a checkpoint; return (step, extra).
-    With ``data``, from those bytes (the file's, read once by the caller) rather than the file.
-
-    Tensors are loaded onto the CPU and copied into the model's parameters, so a checkpoint
-    saved on CUDA loads into a CPU model and back. The stored GPTConfig must equal
-    ``model.config``; a mismatch is a BadInput naming the differing fields."""
+def load_checkpoint(path: str | os.PathLike, model: GPT, optimizer: torch.optim.Optimizer | None = None, *,
+                    data: bytes | None = None) -> tuple[int, dict]:
+    """(step, extra), ``model`` (and ``optimizer``) restored from the checkpoint at ``path``, or
+    from ``data``, its bytes as the caller read and checked them. Loads onto the CPU."""
     path = Path(path)
     payload = _read_checkpoint(path, data)
     config = getattr(model, "config", None)
@@ -282,19 +197,11 @@ def load_checkpoint(
         raise BadInput("load_checkpoint needs a GPT model (one with a GPTConfig .config)")
     stored = payload.get("config")
     if stored != config.to_dict():
-        diffs = (
-            ", ".join(
-                f"{k}: checkpoint {stored.get(k)!r} vs model {v!r}"
-                for k, v in config.to_dict().items()
-                if stored.get(k) != v
-            )
-            if isinstance(stored, dict)
-            else "checkpoint has no config"
-        )
-        raise BadInput(
-            f"checkpoint {path} is for another model config ({diffs}); "
-            "build the model with the checkpoint's GPTConfig"
-        )
+        diffs = (", ".join(f"{k}: checkpoint {stored.get(k)!r} vs model {v!r}"
+                           for k, v in config.to_dict().items() if stored.get(k) != v)
+                 if isinstance(stored, dict) else "checkpoint has no config")
+        raise BadInput(f"checkpoint {path} is for another model config ({diffs}); "
+                       "build the model with the checkpoint's GPTConfig")
     try:
         model.load_state_dict(payload["model"])
         if optimizer is not None:

@@ -1,17 +1,9 @@
-"""Which data holder the GPU travels to next, and where in its dataset.
+"""Which data holder the GPU travels to next, and where in its dataset (pure: sizes and a cursor
+state in, the next visit out). A visit moves at most one buffer; the holder's cursor then moves
+past it all, the tail too short for a window skipped, so no token repeats within an epoch.
 
-The scheduler is pure: per-holder token counts and a cursor state in, the next visit out. A
-visit moves at most one dataset buffer of tokens, and the holder's cursor then moves past the
-whole visit: the loader trains on the whole B x T windows it holds (each needs B x T + 1
-tokens) and the tail that cannot fill one is skipped, so no token is repeated within an epoch
-and the next visit starts right after this one.
-
-Policies:
-- ``round_robin``: holders take turns in name order; a holder whose data is used up for this
-  epoch is skipped.
-- ``proportional``: the holder that has the smallest share of its data consumed goes next
-  (ties by name), so large datasets are visited proportionally more often and all holders
-  finish the epoch together.
+``round_robin``: holders take turns in name order. ``proportional``: the holder with the smallest
+share of its data consumed goes next, so all holders finish the epoch together.
 """
 
 from __future__ import annotations
@@ -33,9 +25,7 @@ class Visit:
 
 @dataclass(frozen=True)
 class LoaderState:
-    """Everything needed to resume: the epoch, each holder's cursor (tokens), the last holder,
-    and how many windows of the next visit were already trained on (a run stopped mid-chunk
-    resumes with the same visit and skips those, so no window is trained on twice)."""
+    """Everything needed to resume; ``skip``: windows of the next visit already trained on."""
 
     epoch: int = 0
     cursors: Mapping[str, int] = field(default_factory=dict)
@@ -57,7 +47,7 @@ class LoaderState:
 
 
 class Scheduler:
-    """Plans visits over holders' token streams; `window` is the tokens one batch consumes (B*T)."""
+    """Plans visits; `window` is the tokens one batch consumes (B*T)."""
 
     def __init__(self, sizes: Mapping[str, int], capacity: int, window: int, policy: str = "round_robin") -> None:
         if policy not in POLICIES:
@@ -71,8 +61,7 @@ class Scheduler:
         self.capacity = capacity
         self.window = window
         self.policy = policy
-        # Holders lost in a travel (dead, hung): skipped until they come back. The cursor of a
-        # lost holder stays where its last whole chunk ended: the partial chunk is redone.
+        # Holders lost in a travel: skipped until they come back, their partial chunk then redone.
         self.offline: set[str] = set()
         if not any(self._usable(n, 0) for n in self.sizes.values()):
             raise BadInput(f"no holder has enough tokens for one batch of {window + 1}")
@@ -85,8 +74,7 @@ class Scheduler:
                 if h not in self.offline and self._usable(n, state.cursors.get(h, 0))]
 
     def next_visit(self, state: LoaderState) -> tuple[Visit, LoaderState]:
-        """The next visit; starts a new epoch (all cursors back to 0) when every online holder
-        is used up (the rest of an offline holder's data is then missed for that epoch)."""
+        """The next visit; a new epoch when every online holder is used up (an offline one's rest is missed)."""
         open_ = self._open(state)
         if not open_:
             if set(self.sizes) <= self.offline:
@@ -110,22 +98,19 @@ class Scheduler:
         raise AssertionError("an open holder always exists here")
 
     def consumed(self, state: LoaderState, visit: Visit) -> LoaderState:
-        """The loader trained on every window of the visit: that holder's cursor moves past it."""
+        """Every window of the visit trained on: the holder's cursor moves past it."""
         cursors = dict(state.cursors)
         cursors[visit.holder] = visit.token_offset + visit.ntokens
         return replace(state, cursors=cursors, skip=0)
 
     def windows_in(self, ntokens: int) -> int:
-        """How many (x, y) windows a visit of ntokens yields: y needs one token past x."""
+        """(x, y) windows in ntokens: y needs one token past x."""
         return (ntokens - 1) // self.window
 
 
 def partition(sizes: Mapping[str, int], gpus: int) -> tuple[tuple[str, ...], ...]:
-    """Which holders each of `gpus` GPUs travels to (paper 9: with data parallelism a GPU
-    travels only to the holders whose data it needs). Every holder goes to exactly one GPU, so a
-    holder serves one GPU at a time and each of its chunks reaches one rank only. Largest
-    dataset first, each to the GPU with the fewest bytes so far (ties: lower index), so the
-    ranks' shares are balanced; names break size ties, so every caller gets the same answer."""
+    """Which holders each of `gpus` GPUs travels to (paper 9): each holder to one GPU only, so each
+    chunk reaches one rank; largest first to the least loaded GPU, deterministically."""
     if type(gpus) is not int or gpus < 1:
         raise BadInput(f"--gpus must be a positive integer, got {gpus!r}")
     if len(sizes) < gpus:
