@@ -1,10 +1,8 @@
-"""Command line: `gputravel demo` (the training job), `gputravel travel` (the travel job: travels
-only), `gputravel bench ...`, `gputravel redteam`; `data`, `pki`, `attest` and `audit` live in
-their own modules."""
+"""Command line: `gputravel travel`, `bench travel|compare|codec|ddp` and `redteam` here; every
+other command in a module of its own."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -24,7 +22,7 @@ from gputravel.cli.scale import bench_scale
 from gputravel.cli.service import cohort_app, serve_command, status_command
 from gputravel.cli.train_bench import bench_fl_sweep, bench_train
 from gputravel.jobs.travel import Travel, TravelJobConfig, check_capacity, run_travels, summarise
-from gputravel.protocol.control import STEPS, TravelReport
+from gputravel.protocol.control import STEPS
 from gputravel.protocol.hardware import hardware_profile
 from gputravel.cli.output import (Commands, check_output_dir, check_output_file, console, fail, numeric_table,
                                   write_results)
@@ -52,10 +50,8 @@ SHORT = {"o_cleanup": "scrub", "o_export": "O exp", "dh_switch": "→H sw", "dh_
          "dh_export": "H exp", "tls": "TLS", "o_switch": "→O sw", "o_import": "O imp", "o_rotate": "rotate"}
 
 
-# Columns of the per-travel table, grouped so it fits a terminal: the two PCIe switches (what
-# was waited for them), the context steps (imports, the holder's export, the rotation's
-# remainder) and the TLS round trip each get one column. The orchestrator's export runs
-# inside the scrub, so it is not added again: the columns add up to the total.
+# The per-travel table's steps, grouped so it fits a terminal and adds up to the total (the
+# orchestrator's export runs inside the scrub, so it is not added again).
 CONTEXT_STEPS = ("dh_import", "dh_export", "o_import", "o_rotate")
 
 
@@ -90,9 +86,8 @@ def travel_job(
 ) -> None:
     """Travels only, no training: every chunk verified by digest.
 
-    A whole local cohort moves every holder's synthetic dataset through the GPU once, with a
-    table of where the time went in each travel. With --gpus N, N single-GPU cohorts travel in
-    parallel, each to its own share of the holders."""
+    A local cohort moves every holder's synthetic dataset through the GPU once, with where the
+    time went in each travel; with --gpus N, N cohorts travel in parallel, each to its share."""
     out = workdir or Path("runs/demo")
     check_output_dir(out, "--workdir")
     check_output_file(json_path, "--json")
@@ -132,22 +127,22 @@ def travel_job(
 
 def _travel_json(t: Travel) -> dict:
     """A travel's report, with the GPU that made it and when (seconds from the job's start)."""
-    return {"gpu": t.gpu, **_report_json(t.report), "dataset_offset": t.dataset_offset, "start_s": t.start_s,
-            "end_s": t.end_s}
-
-
-def _report_json(r: TravelReport) -> dict:
-    return {"travel_id": r.travel_id, "holder": r.holder, "steps_ms": r.steps_ms, "total_ms": r.total_ms,
+    r = t.report
+    return {"gpu": t.gpu, "travel_id": r.travel_id, "holder": r.holder, "steps_ms": r.steps_ms, "total_ms": r.total_ms,
             "verify_ms": r.verify_ms, "refused": r.refused,
             "chunk": None if r.chunk is None else {"dataset_offset": r.chunk.dataset_offset, "nbytes": r.chunk.nbytes,
-                                                   "digest": r.chunk.digest.hex()}}
+                                                   "digest": r.chunk.digest.hex()},
+            "dataset_offset": t.dataset_offset, "start_s": t.start_s, "end_s": t.end_s}
 
 
-def _sizes(text: str) -> list[int]:
+def _ints(text: str, error: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise typer.BadParameter("sizes are comma-separated integers (MiB), e.g. 4,8,16") from None
+        raise typer.BadParameter(error) from None
+
+
+_SIZES = "sizes are comma-separated integers (MiB), e.g. 4,8,16"
 
 
 @bench_app.command("travel")
@@ -158,7 +153,7 @@ def bench_travel(
     hardware: str = hardware_option(),
 ) -> None:
     """The paper's Table 1 for this system: per-step time of a travel at each buffer size."""
-    size_list = _sizes(sizes)
+    size_list = _ints(sizes, _SIZES)
     table = numeric_table("GPU Travelling overheads (medians, ms) — paper Table 1 layout",
                           ("MiB", *(SHORT[s] for s in STEPS), "total", "fixed", "copy GB/s"))
 
@@ -196,7 +191,7 @@ def bench_compare(
 ) -> None:
     """GPU Travelling vs the centralised TLS baseline on capped links (paper 7.2, Figure 6)."""
     check_output_file(plot_path, "--plot")  # a directory is refused before the cells run, not after
-    cfg = compare.CompareConfig(tuple(_sizes(sizes)), compare.parse_bandwidths(bandwidths), repeat, link,
+    cfg = compare.CompareConfig(tuple(_ints(sizes, _SIZES)), compare.parse_bandwidths(bandwidths), repeat, link,
                                 max_transfer_s, link_check_s, hardware=hardware)
     with console.status("booting a cohort per cell and measuring both methods..."):
         result = compare.run(cfg, on_cell=lambda c: console.print(
@@ -257,10 +252,9 @@ def bench_ddp(
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter("--device is cpu or cuda")
     where = "emulated GPUs are CPU processes" if device == "cpu" else "one CUDA GPU per rank"
-    table = Table(title=f"DDP between GPU TEEs (medians, ms; {where})")
     # it: a whole training iteration; ar: the gradient all-reduce alone; x: encrypted / plain.
-    for col in ("G", "model", "it plain", "it naive", "it enc", "it x", "ar plain", "ar naive", "ar enc", "ar x"):
-        table.add_column(col, justify="right")
+    table = numeric_table(f"DDP between GPU TEEs (medians, ms; {where})", ("G", "model", "it plain", "it naive",
+                          "it enc", "it x", "ar plain", "ar naive", "ar enc", "ar x"))
 
     def row(r: dict) -> None:
         it, ar = r["iter_ms"], r["allreduce_ms"]
@@ -270,15 +264,11 @@ def bench_ddp(
                       f"{ar['encrypted']:.2f}", f"{ar['encrypted'] / max(ar['plain'], 1e-9):.2f}")
         console.print(f"  {r['gpus']} GPU(s), {r['model']} ({r['params']:,} parameters): done")
 
-    try:
-        counts = tuple(int(x) for x in gpus.split(",") if x.strip())
-    except ValueError:
-        raise typer.BadParameter("--gpus takes comma-separated integers, e.g. 1,2,4") from None
+    counts = tuple(_ints(gpus, "--gpus takes comma-separated integers, e.g. 1,2,4"))
     result = ddp_bench.run(counts, tuple(m.strip() for m in models.split(",") if m.strip()),
                            iters, on_row=row, device=device)
     console.print(table)
     write_results(json_path, result)
-
 
 
 @app.command("redteam")
@@ -308,10 +298,5 @@ def redteam(
         raise typer.Exit(1)
 
 
-def main() -> None:  # pragma: no cover
-    app()
-
-
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
+    app()

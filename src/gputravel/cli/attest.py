@@ -1,8 +1,5 @@
-"""Command line for attestation: `gputravel pki init` and `gputravel attest gpu|verify|measure`.
-
-Two typer sub-apps, mounted by cli/app.py: `pki_app` and `attest_app`. Exit codes: 0 verified,
-1 bad input (a missing file, a malformed policy), 2 attestation refused (the failing claim
-is named on stderr-style output and in the claims table).
+"""`gputravel pki init` and `gputravel attest gpu|verify|measure`. Exit codes: 0 verified, 1 bad
+input, 2 attestation refused (the failing claim named, and the claims table).
 """
 
 from __future__ import annotations
@@ -105,10 +102,9 @@ def attest_gpu(
     """Fetch fresh evidence from the emulated GPU for a random nonce and verify it."""
     roots_dir = roots if roots is not None else state
     trust = TrustStore.load(roots_dir)
-    device = _load_or_provision(state, roots_dir)
+    _load_or_provision(state, roots_dir)  # provisioned or checked; the firmware runs in a process of its own
     reference = ReferenceValues.load(state / REFERENCE_FILE)
     nonce = os.urandom(NONCE_BYTES)
-    del device  # provisioned or checked; the firmware runs in a process of its own:
     with FirmwareProcess(state) as gpu:
         evidence = gpu.evidence(nonce)
     try:

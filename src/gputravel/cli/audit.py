@@ -1,12 +1,5 @@
-"""`gputravel audit verify`: check the orchestrator's signed travel log (see gputravel.orchestrator.audit).
-
-Exit status: 0 the chain verifies and the log is closed (it ends with the orchestrator's
-signed closing entry); 1 it does not verify (or --head names an entry it does not hold); 3 the
-chain verifies but the log is not closed, the empty log included: a job still running, or
-entries cut off its end, which nothing in the log can tell apart (a head kept from before can);
-4 the log is closed but continues an earlier log of its job (a run resumed by another
-orchestrator: its seq 0 follows an entry of that log), which holds the job's earlier travels.
-"""
+"""`gputravel audit verify`: check the orchestrator's signed travel log (orchestrator/audit);
+its exit statuses are in the command's help."""
 
 from __future__ import annotations
 
@@ -27,10 +20,9 @@ from gputravel.files import write_json
 
 audit_app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands,
                         help="The orchestrator's hash-chained, signed log of travels.")
-NOT_CLOSED = 3  # the exit status of a log that verifies but is not closed (see the module's docstring)
+NOT_CLOSED = 3  # the exit status of a log that verifies but is not closed
 CONTINUES = 4  # the exit status of a closed log that continues an earlier one: not its job's whole log
-#: The largest log `verify` reads, all of it in memory: an entry is a few hundred bytes, so
-#: about a million travels. The largest key: a PEM certificate or public key is a few KiB.
+# The largest log read (in memory: about a million travels) and key (a PEM is a few KiB).
 MAX_LOG_BYTES, MAX_KEY_BYTES = 256 << 20, 64 << 10
 
 
@@ -75,8 +67,7 @@ def _summary_json(s: AuditSummary) -> dict[str, object]:
 
 
 def _regular(path: Path, what: str, limit: int) -> None:
-    """BadInput unless `path` is a regular file (a link followed) of at most `limit` bytes: a
-    FIFO blocks its reader until a writer comes, a device may never end."""
+    """BadInput unless `path` is a regular file (a link followed) within `limit`: a FIFO or a device may never end."""
     try:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -90,7 +81,6 @@ def _regular(path: Path, what: str, limit: int) -> None:
 
 
 def _read_key(path: Path) -> bytes:
-    """The --key file, read only if it is a regular file, and never past MAX_KEY_BYTES."""
     _regular(path, "--key", MAX_KEY_BYTES)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # replaced by a FIFO since: no wait
     with os.fdopen(fd, "rb") as f:
@@ -123,14 +113,12 @@ def verify(
                                     help="The hash of an entry you saw before (a head you kept: the full hash "
                                          "this command prints): fail unless the log still holds it."),
 ) -> None:
-    """Check the hash chain, every signature, seq contiguity, that every entry names one GPU
-    (the one --gpu names, if given) and that the log still holds --head; say whether the log
-    is closed (ends with the orchestrator's signed closing entry); list the holder's travels.
+    """Check the hash chain, every signature, seq contiguity, one GPU (--gpu's) and --head; say
+    whether the log is closed (by the orchestrator's signed entry); list the holder's travels.
 
-    Exit status: 0 the chain verifies and the log is closed; 1 it does not verify, or does not
-    hold --head; 3 the chain verifies but the log is not closed, or is empty: entries may be
-    missing at its end (a job still running, or a log cut short); 4 the log is closed but
-    continues an earlier log of its job, which holds the travels before it.
+    Exit status: 0 verified and closed; 1 it does not verify, or does not hold --head; 3 it
+    verifies but is not closed, or is empty: entries may be missing at its end (a job still
+    running, or a log cut short); 4 closed, but it continues an earlier log of its job.
     """
     try:
         _regular(log, "audit log", MAX_LOG_BYTES)  # before it is read whole: no FIFO, device or giant

@@ -1,5 +1,4 @@
-"""The `--hardware` option the travel, demo and benchmark commands share, and what `bench compare`
-prints beside the paper (bench/paper.py)."""
+"""The shared `--hardware` option, and what `bench compare` prints beside the paper (bench/paper.py)."""
 
 from __future__ import annotations
 

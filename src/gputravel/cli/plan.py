@@ -1,5 +1,4 @@
-"""`gputravel plan`: a what-if for a consortium (the model: bench/plan.py). This module reads the
-benchmark JSONs the constants come from and prints the prediction."""
+"""`gputravel plan`: a consortium's what-if (the model: bench/plan.py), from benchmark JSONs."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from gputravel.files import MISSING, not_data, write_json
 from gputravel.protocol.hardware import EMULATED
 from gputravel.cli.output import console, numeric_table
 
-#: Where benchmark JSONs measured on this machine are kept (the first that exist are read).
+# Where benchmark JSONs measured on this machine are kept (the first that exist are read).
 RESULT_DIRS = (Path("docs/results"), Path("docs/benchmarks-data"))
 
 

@@ -1,5 +1,5 @@
-"""`gputravel cohort init`, `gputravel serve ROLE --config FILE` and `gputravel status --config
-FILE`: a cohort as a consortium deploys it, one service per party (issue 16, docs/deploy.md)."""
+"""`gputravel cohort init`, `serve ROLE --config FILE` and `status --config FILE`: a cohort as a
+consortium deploys it, one service per party (issue 16, docs/deploy.md)."""
 
 from __future__ import annotations
 

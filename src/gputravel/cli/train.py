@@ -1,5 +1,4 @@
-"""`gputravel demo`: the training job (jobs/training.py), a local cohort training GPT-2 on
-travelled data, with a live view."""
+"""`gputravel demo`: the training job (jobs/training.py), with a live view."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ from gputravel.train.job import TrainConfig
 
 JOB = TrainConfig()  # the options' defaults are the job's (train/job.py)
 
-#: The most --steps a run may ask for: days of training even on a GPU (the demo does 300), and
-#: a count every step counter (torch's int64 included) holds.
+# The most --steps a run may ask for: days of training even on a GPU (the demo does 300).
 MAX_STEPS = 10_000_000
 STEP_NAMES = {"o_cleanup": "scrub", "o_export": "O export (during the scrub)", "dh_switch": "switch to H (wait)", "dh_import": "H import",
               "dh_copy": "H copy", "dh_export": "H export", "tls": "TLS", "o_switch": "switch to O (wait)",
@@ -65,10 +63,9 @@ def training_job(
 ) -> None:
     """Train GPT-2 on the holders' data, fed by a travelling GPU.
 
-    A whole local cohort runs (host, GPU, orchestrator, data holders as processes); the
-    orchestrator trains on each chunk the GPU brings back from a holder."""
-    # It imports torch (about a second), which `gputravel --help` and the other commands do without.
-    from gputravel.jobs.training import (  # lazy: torch
+    A local cohort runs (host, GPU, orchestrator, holders as processes); the orchestrator trains
+    on each chunk the GPU brings back from a holder."""
+    from gputravel.jobs.training import (  # lazy: torch, about a second, which the other commands do without
         TrainingJobConfig, check_capacity, default_holders, run_training_job)
 
     if resume and run_dir is None:

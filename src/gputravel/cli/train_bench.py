@@ -13,8 +13,6 @@ from gputravel.cli.hardware import hardware_option
 from gputravel.cli.output import console, numeric_table, write_results
 
 
-
-
 def bench_train(
     bandwidths: str = typer.Option("4,20,100,500,uncapped", help="Link caps in Mbit/s, comma separated; 'uncapped' for none."),
     steps: int = typer.Option(600, help="Training steps per run (a small GPT-2: 4 layers, 128 wide)."),
