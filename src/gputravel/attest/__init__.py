@@ -1,8 +1,8 @@
 """Attestation, pure: evidence, a trust store and `now` in; claims or an AttestationError naming
 the failed claim out. The roots are emulated and say so in their names (docs/attestation.md)."""
 
-from gputravel.attest.chain import CVM_QUOTE_OID, FWID_OID, verify_chain
-from gputravel.attest.errors import CLAIMS, AttestationError
+from gputravel.attest.chain import FWID_OID
+from gputravel.attest.errors import AttestationError
 from gputravel.attest.exchange import (
     AttestAccepted,
     AttestChallenge,
@@ -11,16 +11,13 @@ from gputravel.attest.exchange import (
     OrchestratorAttestation,
     answer_challenge,
     attest_orchestrator,
-    verify_gpu_evidence,
 )
-from gputravel.attest.gpu import EmulatedGpuFirmware, GpuEvidence, ReferenceValues
+from gputravel.attest.gpu import GpuEvidence, ReferenceValues
 from gputravel.attest.policy import GpuRequirements, Policy
-from gputravel.attest.provision import GpuDevice, GpuIssuer, enroll_gpu, issue_gpu_ca, provision_gpu
+from gputravel.attest.provision import GpuIssuer, enroll_gpu, issue_gpu_ca, provision_gpu
 from gputravel.attest.quote import (
     EmulatedQuoteVerifier,
     EmulatedQuotingEnclave,
-    Quote,
-    QuoteClaims,
     measure_code,
     orchestrator_measurement,
 )
@@ -35,8 +32,6 @@ from gputravel.attest.roots import Authority, TrustStore, init_roots, load_autho
 from gputravel.attest.verifier import EmulatedGpuVerifier, GpuClaims, Verifier, spdm_chain_verifier
 
 __all__ = [
-    "CLAIMS",
-    "CVM_QUOTE_OID",
     "FWID_OID",
     "AttestAccepted",
     "AttestChallenge",
@@ -44,19 +39,15 @@ __all__ = [
     "AttestEvidence",
     "AttestationError",
     "Authority",
-    "EmulatedGpuFirmware",
     "EmulatedGpuVerifier",
     "EmulatedQuoteVerifier",
     "EmulatedQuotingEnclave",
     "GpuClaims",
-    "GpuDevice",
     "GpuEvidence",
     "GpuIssuer",
     "GpuRequirements",
     "OrchestratorAttestation",
     "Policy",
-    "Quote",
-    "QuoteClaims",
     "ReferenceValues",
     "TrustStore",
     "Verifier",
@@ -74,7 +65,5 @@ __all__ = [
     "report_data_for_tls",
     "spdm_chain_verifier",
     "verify_bound_quote",
-    "verify_chain",
     "verify_ra_tls",
-    "verify_gpu_evidence",
 ]
