@@ -13,8 +13,7 @@ bucket is staged through pinned host memory, as CC-mode GPUs exchange through th
 (that path has not run in this project: no GPU was at hand).
 """
 
-# No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's
-# annotations with dist.GradBucket and Future[Tensor] as objects, not strings.
+# No `from __future__ import annotations`: register_comm_hook compares the hook's annotations as objects.
 
 import threading
 from concurrent.futures import ThreadPoolExecutor

@@ -5,12 +5,9 @@ fully reduced segment, N - 1 all-gather hops pass those round. Every hop leaves 
 so the sender seals it (AES-256-GCM) and the receiver opens it: the cost the DDP
 characterization measures. Variants, so a benchmark shows what each idea buys:
 
-* `plain`: no encryption (equal to itself bit for bit, and to gloo's all_reduce within tolerance).
-* `naive`: a hop's records all sealed, then sent, then received, then opened: nothing overlaps.
-* `pipelined` (Fastrack's idea): as soon as record k of a hop is reduced, record k of the next
-  hop is sealed and sent, while records k+1.. are still on the wire; no Python byte copies.
-
-All three run the same schedule and add in the same order, so their sums are bit-identical.
+`plain` (no encryption), `naive` (a hop's records all sealed, sent, received, then opened) and
+`pipelined` (Fastrack's: record k of the next hop is sealed and sent as soon as record k of this
+one is reduced). All add in the same order, so their sums are bit-identical.
 
 Security: every direction has its own key (ddp/keys.py), the receiver tracks the IVs, and each
 record's AAD binds (all-reduce, hop, segment, record, sender, receiver), so a replayed, moved or
@@ -129,8 +126,7 @@ class Ring:
         self._timeout = timedelta(seconds=timeout_s)
         self._next, self._prev = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         self._sealed = self.variant is not Variant.PLAIN and self.world_size > 1
-        # Every receive of a sealed ring, and every buffer of a record slot: the longest record
-        # the ring can ever send, whatever the tensor (Framing). A multiple of 8: views stay aligned.
+        # Every sealed receive: the longest record the ring can send (Framing), 8-aligned.
         self.slot_bytes = -(-record_bytes // 8) * 8 + TAG_BYTES if self._sealed else 0
         if self._sealed:
             if keys is None or keys.rank != self.rank or keys.world_size != self.world_size:
@@ -176,7 +172,6 @@ class Ring:
             raise
         return tensor
 
-    # Used by _Pass.
     def _buffers(self, nbytes: int) -> torch.Tensor:
         if self._slab.numel() < nbytes:
             self._slab = torch.empty(nbytes, dtype=torch.uint8)
@@ -235,8 +230,7 @@ class _Pass:
         self.sends: dict[tuple[int, int], Work] = {}
         self.recvs: dict[tuple[int, int], Work] = {}
 
-    # Which segment a rank sends and receives at each hop (hops 0..N-2 scatter-reduce, the rest
-    # all-gather). The segment received at hop h is the one sent at hop h + 1.
+    # The segment sent at each hop (0..N-2 scatter-reduce, then all-gather); received = next hop's sent.
     def outgoing(self, hop: int) -> int:
         n, r = self.ring.world_size, self.ring.rank
         return (r - hop) % n if hop < n - 1 else (r + 1 - (hop - n + 1)) % n
@@ -321,15 +315,12 @@ class _Pass:
         ring = self.ring
         for k, (start, stop) in enumerate(self.records[self.incoming(hop)]):
             if ring._sealed:
-                # The whole slot, the ring's one receive size, however short this record: whatever
-                # the wire puts here in its place fits, and `reduce` opens only this record's own
-                # length (Framing, above).
+                # The whole slot however short the record: whatever the wire puts here fits (Framing).
                 buf = self.recv_bufs[hop % 2][k]
             elif self.scatter(hop):
                 buf = self.recv_bufs[hop % 2][k][: (stop - start) * self.item]
             else:
-                # Plain all-gather lands in place, over the segment this rank sent at scatter-reduce
-                # hop (hop - N + 1): that send must be off the wire first.
+                # Lands in place, over what this rank sent at hop - N + 1: that must be off the wire.
                 self.sent(hop - ring.world_size + 1, k)
                 buf = self.flat[start:stop]
             self.recvs[(hop, k)] = ring._post(ring.p2p.irecv, buf, ring._prev, self.lane,
@@ -341,8 +332,7 @@ class _Pass:
         start, stop = self.records[segment][k]
         nbytes = (stop - start) * self.item
         if ring._sealed:
-            # Opened into scratch, never into the gradient: GCM writes before it verifies. The
-            # length is this rank's own, never the wire's: a record of another length fails here.
+            # Into scratch (GCM writes before it verifies), at our own length, never the wire's.
             try:
                 ring._receiver.decrypt_into(self.recv_bufs[hop % 2][k][: nbytes + TAG_BYTES].numpy(),
                                             self.scratch[:nbytes].numpy(),

@@ -59,9 +59,8 @@ def open_record(receiver: Opener, record: memoryview, piece: bytearray, scratch:
     return out
 
 
-#: glibc tunables for the device process (cohort/isolation.party_env): copies over 256 KiB use
-#: non-temporal stores, as a copy engine's DMA bypasses the CPU cache, so a record written to VRAM
-#: does not evict the next one being opened (docs/benchmarks.md, "non-temporal stores").
+#: The device process's glibc tunables: copies over 256 KiB bypass the cache, as a copy engine's
+#: DMA does, so a record written to VRAM keeps the next one's cache (docs/benchmarks.md).
 COPY_ENGINE_TUNABLES = "glibc.cpu.x86_non_temporal_threshold=0x40000"
 
 

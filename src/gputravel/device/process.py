@@ -18,6 +18,7 @@ import socket
 import stat
 import struct
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 
 from gputravel.attest.gpu import EmulatedGpuFirmware
@@ -54,11 +55,9 @@ _LISTENER = "link-listener"
 def _listen_link(path: str, uid_checked: bool) -> socket.socket:
     """The link's listener at `path`, replacing a previous device's socket (the gpu service's boot
     lock keeps two devices from sharing a path)."""
-    try:
+    with suppress(FileNotFoundError):
         if stat.S_ISSOCK(os.lstat(path).st_mode):
             os.unlink(path)
-    except FileNotFoundError:
-        pass
     listener = listen_unix(path)
     # With a uid to check, SO_PEERCRED decides whose connection becomes the link; without, 0600.
     os.chmod(path, 0o666 if uid_checked else 0o600)
@@ -125,8 +124,7 @@ class DeviceProcess:
     def _loop(self, sel: selectors.BaseSelector) -> None:
         last_work = 0.0
         while True:
-            # Poll a moment after work before sleeping (as GPU firmware and KVM halt-polling do):
-            # waking an idle vCPU costs more than a travel's whole next step.
+            # Poll a moment after work (as KVM halt-polling does): waking costs more than the next step.
             hot = time.monotonic() - last_work < self.config.poll_window
             events = sel.select(timeout=0 if hot else None)
             if hot and not events:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from contextlib import suppress
 from pathlib import Path
 
 
@@ -38,10 +39,8 @@ class TcpTap:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self._closed = True

@@ -86,8 +86,7 @@ class FakeLink:
         self.bar = gpu.bar
         #: ``hook(link)`` on every ring, before the device runs; False drops the doorbell.
         self.before_service: Callable[[FakeLink], bool | None] | None = None
-        #: ``hook(link)`` each poll while the driver waits for an interrupt: a late device is
-        #: played from here (``link.gpu.core.service()``).
+        #: ``hook(link)`` each poll while the driver waits: a late device plays from here.
         self.while_waiting: Callable[[FakeLink], None] | None = None
         self.rings = 0
         self.closed = False

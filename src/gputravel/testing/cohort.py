@@ -18,6 +18,7 @@ import os
 import queue
 import threading
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace, TracebackType
@@ -81,10 +82,8 @@ class InProcessHost:
                     return
                 told = self._ends.get(reply.target) if isinstance(reply, Switched) else None
                 if told is not None and told is not end:
-                    try:
+                    with suppress(TransportClosed):  # a CVM that went away
                         told.send(notice(reply))
-                    except TransportClosed:
-                        pass  # a CVM that went away
 
     def _switch(self, plan: SwitchPlan) -> int:
         self.gpu.switch(plan.target.cvm)
@@ -258,10 +257,8 @@ class InProcessCohort:
         for thread in self._threads:
             thread.join(timeout=self.timeout)
         self.listener.close()
-        try:
+        with suppress(BufferError):  # a view is still exported (the orchestrator's mapping): it goes with it
             self._vram.close()
-        except BufferError:
-            pass  # a view is still exported (the orchestrator's mapping): it goes with the objects
         os.close(self._vram_fd)
 
     def __enter__(self) -> InProcessCohort:

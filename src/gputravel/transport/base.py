@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, TypeVar, overload
@@ -98,7 +99,5 @@ def check_fds(name: str, fds: Sequence[int]) -> tuple[int, ...]:
 def close_fds(fds: Sequence[int]) -> None:
     """Close descriptors nobody will own (already-closed ones are skipped)."""
     for fd in fds:
-        try:
+        with suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass

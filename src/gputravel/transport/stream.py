@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from typing import Any, Protocol
 
 from gputravel.protocol import codec
@@ -198,8 +199,7 @@ class StreamTransport(Transport):
         elif length <= _RETAIN:
             buf = self._buf = bytearray(length)
         else:
-            # Large one-off, freed after this frame. It grows as bytes arrive: a 5-byte header
-            # must not make us commit 64 MiB (per connection) for a payload that never comes.
+            # A one-off that grows as bytes arrive: a header alone must not commit 64 MiB.
             buf = bytearray(_RETAIN)
         self._payload = memoryview(buf)[:length]
         self._length = length
@@ -258,8 +258,7 @@ class StreamTransport(Transport):
                 self._eof = True
                 mid = self._hdr_got > 0
                 self._discard_frame()
-                if self._closed:
-                    raise TransportClosed(f"{self.name}: transport is closed")
+                self._check_open()
                 raise TransportClosed(f"{self.name}: peer closed" + (" mid-frame" if mid else ""))
             return n
 
@@ -316,10 +315,8 @@ class StreamTransport(Transport):
     def _close_socket(self) -> None:
         """Caller holds ``_io_lock``, so no socket call is in flight on this descriptor."""
         self._closed = True
-        try:
+        with suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
 
     def _check_open(self) -> None:
         if self._closed:
