@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import struct
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 from gputravel.driver.context import CONTEXT_VERSION, DriverContext, pack_context, unpack_context
 from gputravel.crypto.channel import KeyMaterial, Receiver, Sender
@@ -36,6 +36,7 @@ from gputravel.protocol.push import CopyFromVram, CopyToVram
 from gputravel.protocol.codec import decode, encode
 from gputravel.driver.link import DeviceLink
 
+R = TypeVar("R")
 
 class ChannelKeys:
     """Crypto state of one or both push channels, keyed by label (h2d: Sender, d2h: Receiver)."""
@@ -78,9 +79,7 @@ class Driver:
         learn its work submission tokens."""
         if self.epoch is None:
             self._join_rpc_queue()
-        info = self.rpc(GetDeviceInfo(), encrypted=False, timeout=timeout)
-        if not isinstance(info, DeviceInfo):
-            raise ProtocolError("device did not answer GET_DEVICE_INFO")
+        info = self.ask(GetDeviceInfo(), DeviceInfo, encrypted=False, timeout=timeout)
         if info.layout_digest != self.layout.digest():
             raise ProtocolError("device uses another bounce-buffer layout")
         self.info = info
@@ -139,11 +138,15 @@ class Driver:
             raise DeviceError(reply.reason)
         return reply
 
-    def query_buffer(self, offset: int, timeout: float = 10.0) -> BufferInfo:
-        reply = self.rpc(QueryBuffer(offset=offset), timeout=timeout)
-        if not isinstance(reply, BufferInfo):
-            raise ProtocolError("unexpected reply to QUERY_BUFFER")
+    def ask(self, request: object, want: type[R], *, encrypted: bool = True, timeout: float = 10.0) -> R:
+        """An RPC whose reply must be a ``want``."""
+        reply = self.rpc(request, encrypted=encrypted, timeout=timeout)
+        if not isinstance(reply, want):
+            raise ProtocolError(f"unexpected reply to {type(request).__name__}")
         return reply
+
+    def query_buffer(self, offset: int, timeout: float = 10.0) -> BufferInfo:
+        return self.ask(QueryBuffer(offset=offset), BufferInfo, timeout=timeout)
 
     # ------------------------------------------------------------------ pushes and semaphores
     def submit(self, channel: PushChannel, push: object, timeout: float = 10.0) -> None:

@@ -69,18 +69,12 @@ class OrchestratorDriver(Driver):
 
     # ------------------------------------------------------------------ GSP RPCs
     def alloc_buffer(self, nbytes: int, timeout: float = 10.0) -> BufferInfo:
-        reply = self.rpc(AllocBuffer(nbytes=nbytes), timeout=timeout)
-        if not isinstance(reply, BufferInfo):
-            raise ProtocolError("unexpected reply to ALLOC_BUFFER")
-        return reply
+        return self.ask(AllocBuffer(nbytes=nbytes), BufferInfo, timeout=timeout)
 
     def get_evidence(self, nonce: bytes, timeout: float = 10.0) -> bytes:
         """The device's signed attestation evidence for ``nonce``, asked inside our session."""
         self._require_session("ask for attestation evidence")
-        reply = self.rpc(GetEvidence(nonce=nonce), timeout=timeout)
-        if not isinstance(reply, Evidence):
-            raise ProtocolError("unexpected reply to GET_EVIDENCE")
-        return reply.blob
+        return self.ask(GetEvidence(nonce=nonce), Evidence, timeout=timeout).blob
 
     def reclaim_rpc_queue(self, timeout: float = 10.0) -> DeviceInfo:
         """After a lend (the holder's probe moved the RPC queue): join it where it stands and prove,
@@ -89,8 +83,8 @@ class OrchestratorDriver(Driver):
         if self._exported is not None:
             raise IllegalTransition("orchestrator driver", "context-away", "reclaim the RPC queue")
         self._join_rpc_queue()
-        info = self.rpc(GetDeviceInfo(), timeout=timeout)
-        if not isinstance(info, DeviceInfo) or not info.session:
+        info = self.ask(GetDeviceInfo(), DeviceInfo, timeout=timeout)
+        if not info.session:
             raise ProtocolError("the device no longer holds our session")
         return info
 
