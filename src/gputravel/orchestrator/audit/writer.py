@@ -175,6 +175,8 @@ class AuditLog:
         ``holder_key``, the holder's travel-log key, then required."""
         if event == AuditEvent.CLOSED:
             raise BadInput("the closing entry is signed by seal()")
+        if type(chunk) is not ChunkId:
+            raise BadInput("chunk must be a ChunkId")
         mac = self._mac(self._job, chunk, chunk_digest, holder_key)
         with self._lock:
             self._writable()
@@ -202,8 +204,6 @@ class AuditLog:
             raise BadInput("chunk_digest must be bytes")  # bytes(n) would make n zero bytes
         if not chunk_digest:
             return b""
-        if type(chunk) is not ChunkId:
-            raise BadInput("chunk must be a ChunkId")
         if holder_key is None:
             raise BadInput("a chunk digest is logged only keyed with its holder's travel-log key")
         return chunk_mac(holder_key, job, chunk.holder, chunk.dataset_offset, chunk.nbytes, bytes(chunk_digest))
@@ -227,8 +227,6 @@ class AuditLog:
             event = AuditEvent(event)
         except ValueError:
             raise BadInput(f"unknown audit event {event!r}") from None
-        if chunk is not None and type(chunk) is not ChunkId:
-            raise BadInput("chunk must be a ChunkId")
         if not isinstance(time, (int, float)) or isinstance(time, bool):
             raise BadInput("time must be a number of seconds")
         travels = self._travels + (event is not AuditEvent.CLOSED)
