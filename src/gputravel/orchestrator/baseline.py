@@ -9,6 +9,7 @@ which pieces are accepted.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -75,19 +76,11 @@ class ChunkReceipt:
 
 
 # ----------------------------------------------------------------------------- the transfer
-def _prefaulted(nbytes: int) -> bytearray:
-    """A staging buffer whose pages are already mapped (first touch is not the transfer's cost)."""
-    buf = bytearray(nbytes)
-    buf[::_PAGE] = bytes(len(range(0, nbytes, _PAGE)))
-    return buf
-
-
 class BaselinePath:
     """The orchestrator's side of the baseline. One per orchestrator (it owns the staging buffer)."""
 
     def __init__(self, orch: Orchestrator) -> None:
         self.orch = orch
-        self._staging: bytearray | None = None
         self._ids = 0
 
     def run(self, holder: str, dataset_offset: int) -> BaselineReport:
@@ -110,10 +103,12 @@ class BaselinePath:
         assert self.orch.travel_sm is not None, "the orchestrator has not booted"
         return self.orch.travel_sm.buffer
 
-    @property
-    def _staged(self) -> bytearray:
-        assert self._staging is not None, "made on the first transfer (_enrolled)"
-        return self._staging
+    @functools.cached_property
+    def _staging(self) -> bytearray:
+        """Its pages mapped at once, before a transfer's clock starts (_enrolled): not its cost."""
+        buf = bytearray(self._buffer.nbytes)
+        buf[::_PAGE] = bytes(len(range(0, len(buf), _PAGE)))
+        return buf
 
     def _enrolled(self, holder: str) -> HolderHello:
         assert self.orch.travel_sm is not None, "the orchestrator has not booted"
@@ -122,13 +117,12 @@ class BaselinePath:
             raise BadInput(f"unknown holder {holder!r} (enrolled: {', '.join(sorted(self.orch.holders)) or 'none'})")
         if holder not in self.orch.holders:  # as for a travel: the training loop skips it
             raise HolderLost(holder, "it is offline (not connected); it may join again", "a baseline transfer")
-        if self._staging is None:
-            self._staging = _prefaulted(self._buffer.nbytes)
+        self._staging  # noqa: B018  made now, off the transfer's clock
         return hello
 
     def _write(self, nbytes: int) -> None:
         buf = self._buffer
-        with memoryview(self._staged) as staging, at_least(self.orch.profile.write_s(nbytes)):  # the hardware's write
+        with memoryview(self._staging) as staging, at_least(self.orch.profile.write_s(nbytes)):  # the hardware's write
             self.orch.driver.copy_to_vram(staging[:nbytes], buf.offset, buffer_bytes=buf.nbytes,
                                           timeout=max(self.orch.config.device_timeout, 30.0))
 
@@ -138,7 +132,7 @@ class BaselinePath:
         conn = self.orch.holders[holder]
         try:
             conn.send(req)
-            return _take_pieces(conn, req, self._staged, self.orch.config.holder_timeout)
+            return _take_pieces(conn, req, self._staging, self.orch.config.holder_timeout)
         except HolderRefused:
             raise  # the exchange ended cleanly: the connection stays in step
         except GputravelError as exc:

@@ -92,9 +92,8 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport,
     from gputravel.train.loop import make_report, sample_tokenizer, train  # lazy: torch
 
     cfg = TrainConfig.from_json(cmd.config_json)
-    if orch.travel_log is not None and orch.travel_log.closed:
-        raise BadInput("this orchestrator's job is done and its travel log closed: launch a new orchestrator "
-                       "(and log) for another job")
+    if orch.travel_log is not None:
+        orch.travel_log.check_open()
     if orch.config.job_json and TrainConfig.from_json(orch.config.job_json) != cfg:
         raise BadInput("the job differs from the one this orchestrator was measured with, "
                        "which the holders pinned: launch an orchestrator for this job")
