@@ -11,17 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from gputravel.cli.data import data_app
-from gputravel.data import (
-    ByteTokenizer,
-    list_shards,
-    load_tokens,
-    prepare,
-    read_shard,
-    read_tokenizer_record,
-    shakespeare_holders,
-    write_shard,
-    write_tokenizer_record,
-)
+from gputravel.data.holder_tokens import load_tokens
+from gputravel.data.prepare import prepare
+from gputravel.data.shakespeare import shakespeare_holders
+from gputravel.data.shards import list_shards, read_shard, write_shard
+from gputravel.data.tokenizer import ByteTokenizer, read_tokenizer_record, write_tokenizer_record
 from gputravel.errors import BadInput
 
 MAGIC = 20240520

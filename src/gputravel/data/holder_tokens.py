@@ -1,8 +1,5 @@
-"""One data holder's training tokens, from whatever the holder points at: a directory of llm.c
-shards, one shard, a text file or a directory of text files.
-
-The concatenation order, shards sorted by file name, is part of the training contract: a
-local loader and the travelling loader must see the same tokens.
+"""One data holder's training tokens, from a directory of llm.c shards, one shard, a text file or
+a directory of text files. Shards concatenate in file-name order: the loaders rely on it.
 """
 
 from __future__ import annotations
@@ -22,17 +19,11 @@ from gputravel.files import not_data
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing arrays element-wise has no single truth value
 class HolderTokens:
-    """One holder's training tokens, ready for a loader.
-
-    tokens: the concatenation of every shard (or text document), read-only uint16.
-    tokenizer: the tokenizer's name ("gpt2", "bytes", ...); vocab_size and eot come with it
-    so a trainer can size the embedding without loading the tokenizer itself.
-    files: the files the tokens came from, in concatenation order.
-    """
+    """One holder's training tokens (read-only uint16), with its tokenizer's name, size and eot."""
 
     tokens: np.ndarray
     tokenizer: str
-    files: tuple[str, ...]
+    files: tuple[str, ...]  # in concatenation order
     vocab_size: int
     eot: int
 
@@ -41,14 +32,8 @@ class HolderTokens:
 
 
 def load_tokens(path: Path | str, tokenizer: str | Tokenizer | None = None) -> HolderTokens:
-    """Load a holder's tokens from a directory of shards, one `.bin` shard, a text file, or a
-    directory of `.txt` files (tokenized on the fly, documents delimited as `prepare` does).
-
-    The tokenizer of shards comes from `tokenizer.json` next to them. llm.c's own scripts do
-    not write that record: then `tokenizer` names it, and without either "gpt2" is assumed,
-    since GPT-2 tokens are what llm.c's version 1 shards hold. For text, `tokenizer` picks the
-    tokenizer (default: `default_tokenizer()`, GPT-2 when available offline, else bytes).
-    """
+    """A holder's tokens from shards (their tokenizer.json, else `tokenizer`, else llm.c's gpt2) or
+    text tokenized as `prepare` does (with `tokenizer`, else `default_tokenizer()`)."""
     path = Path(path)
     why = not_data(path)  # a FIFO, socket or device is refused, not read
     if why is not None:
@@ -71,10 +56,8 @@ def _load_shards(directory: Path, shards: list[Path], tokenizer: str | Tokenizer
 
 
 def _load_text(path: Path, tokenizer: str | Tokenizer | None) -> HolderTokens:
-    if tokenizer is None:
-        tok = default_tokenizer()
-    else:
-        tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    tok = (default_tokenizer() if tokenizer is None
+           else get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer)
     encoded = list(encode_files(text_files([path]), tok))  # empty files add no document
     return _holder(path, [t for _, t in encoded], tok.name, tok.vocab_size, tok.eot, [f for f, _ in encoded])
 

@@ -1,24 +1,18 @@
 """Tokenize a holder's text files into llm.c shards plus a `tokenizer.json` record.
 
-Each text file is one document. As in llm.c's data scripts, every document is *preceded*
-by the end-of-text token, so the token stream starts with EOT and EOT separates documents;
-`load_tokens` on text uses the same convention, so text and its shards give equal tokens.
-Shards are filled to `shard_tokens` and a document may continue in the next shard, as llm.c
-does; they are named `<prefix>_000000.bin`, ... after the output directory.
-
-The output is built in a temporary sibling directory and renamed into place at the end, so
-an interrupted run never leaves a mix of old and new shards behind.
+As llm.c's data scripts do, each file is one document *preceded* by the end-of-text token, and
+a document may continue in the next shard. The output is built in a temporary sibling directory
+and renamed into place, so an interrupted run never leaves a mix of old and new shards.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +31,6 @@ MAX_SHARDS = 1024
 
 @dataclass(frozen=True)
 class PrepareResult:
-    """What `prepare` wrote: shards in training order, and the counts behind them."""
-
     out: Path
     shards: tuple[Path, ...]
     files: int  # documents tokenized
@@ -49,15 +41,16 @@ class PrepareResult:
 
 # ----------------------------------------------------------------------------- text input
 def text_files(inputs: Sequence[Path | str]) -> list[Path]:
-    """The text files named by `inputs`, in order: a file as given, a directory as its
-    `*.txt` files (recursively, sorted by relative path, hidden ones skipped)."""
+    """The text files `inputs` name: a file as given, a directory's `*.txt` (recursively, sorted,
+    hidden ones skipped)."""
     files: list[Path] = []
     for item in map(Path, inputs):
         why = not_data(item)  # a FIFO, socket or device is refused, not read
         if why is not None:
             raise BadInput(f"input {item} {why + '; check the path' if why == MISSING else why}")
         if item.is_dir():
-            found = sorted((p for p in item.rglob("*.txt") if p.is_file() and not _hidden(p, item)),
+            found = sorted((p for p in item.rglob("*.txt")
+                            if p.is_file() and not any(s.startswith(".") for s in p.relative_to(item).parts)),
                            key=lambda p: p.relative_to(item).as_posix())
             if not found:
                 raise BadInput(f"no .txt files in {item}; put the holder's text there as .txt files")
@@ -66,10 +59,6 @@ def text_files(inputs: Sequence[Path | str]) -> list[Path]:
             files.append(item)
     _reject_duplicates(files)
     return files
-
-
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
 def _reject_duplicates(files: list[Path]) -> None:
@@ -82,17 +71,13 @@ def _reject_duplicates(files: list[Path]) -> None:
         seen[key] = f
 
 
-def read_text(path: Path) -> str:
+def encode_file(path: Path, tok: Tokenizer) -> np.ndarray | None:
+    """EOT followed by the file's tokens, or None for an empty file (it adds nothing)."""
     try:
-        return path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise BadInput(f"{path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
                        "convert it to UTF-8 or leave it out") from None
-
-
-def encode_file(path: Path, tok: Tokenizer) -> np.ndarray | None:
-    """EOT followed by the file's tokens, or None for an empty file (it adds nothing)."""
-    text = read_text(path)
     if not text:
         return None
     return np.concatenate([np.array([tok.eot], dtype=np.uint16), tok.encode(text)])
@@ -171,35 +156,23 @@ def _publish(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)  # rename(2) replaces an empty directory
 
 
-def _check_shard_tokens(shard_tokens: int) -> None:
-    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or not 0 < shard_tokens <= MAX_TOKENS:
+# ----------------------------------------------------------------------------- prepare
+def prepare(inputs: Sequence[Path | str], out: Path | str, tokenizer: Tokenizer | str, shard_tokens: int = 10**8,
+            *, progress: bool = False, overwrite: bool = False) -> PrepareResult:
+    """Tokenize `inputs` (text files, or directories of .txt files) into shards in `out`;
+    `overwrite` replaces a directory of earlier shards as a whole."""
+    out = Path(out)
+    tokenizer = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    if type(shard_tokens) is not int or not 0 < shard_tokens <= MAX_TOKENS:
         raise BadInput(f"--shard-tokens must be an integer in 1..{MAX_TOKENS}, got {shard_tokens!r}")
-
-
-def _check_shard_count(files: list[Path], shard_tokens: int) -> None:
-    """At most MAX_SHARDS shards, whatever the text: a token is at least a byte (the byte
-    tokenizer's one a byte, GPT-2's byte pairs more), and every file adds its EOT."""
+    if not inputs:
+        raise BadInput("no inputs given; pass at least one text file or directory of .txt files")
+    files = text_files(inputs)
+    # At most MAX_SHARDS, whatever the text: a token is at least a byte, and every file adds its EOT.
     most = sum(f.stat().st_size for f in files) + len(files)
     if -(-most // shard_tokens) > MAX_SHARDS:
         raise BadInput(f"--shard-tokens {shard_tokens:,} would cut the input's up to {most:,} tokens into more than "
                        f"{MAX_SHARDS:,} shards: use --shard-tokens {-(-most // MAX_SHARDS):,} or more")
-
-
-# ----------------------------------------------------------------------------- prepare
-def prepare(inputs: Sequence[Path | str], out: Path | str, tokenizer: Tokenizer | str, shard_tokens: int = 10**8,
-            *, progress: bool = False, overwrite: bool = False) -> PrepareResult:
-    """Tokenize `inputs` (text files, or directories of .txt files) into shards in `out`.
-
-    `overwrite` lets `out` be a directory of earlier shards, replaced as a whole; `progress`
-    shows a bar when there are many files.
-    """
-    out = Path(out)
-    tokenizer = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    _check_shard_tokens(shard_tokens)
-    if not inputs:
-        raise BadInput("no inputs given; pass at least one text file or directory of .txt files")
-    files = text_files(inputs)
-    _check_shard_count(files, shard_tokens)
     _check_out(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     # os.mkdir, not mkdtemp: the published directory should get the umask's permissions, not 0700.
@@ -223,25 +196,12 @@ def prepare(inputs: Sequence[Path | str], out: Path | str, tokenizer: Tokenizer 
 
 def _tokenize(files: list[Path], tok: Tokenizer, writer: _ShardWriter, show: bool) -> list[Path]:
     """Feed every file's tokens to `writer`; return the files that had text."""
+    from rich.progress import track  # the CLI's, already loaded there
+
     used: list[Path] = []
-    with _progress(show, len(files), f"tokenizing ({tok.name})") as advance:
-        for f in files:
-            tokens = encode_file(f, tok)
-            if tokens is not None:
-                writer.add(tokens)
-                used.append(f)
-            advance()
+    for f in track(files, f"tokenizing ({tok.name})", transient=True, disable=not show):
+        tokens = encode_file(f, tok)
+        if tokens is not None:
+            writer.add(tokens)
+            used.append(f)
     return used
-
-
-@contextlib.contextmanager
-def _progress(show: bool, total: int, what: str) -> Iterator[Callable[[], None]]:
-    """A transient rich progress bar, or a no-op when `show` is false."""
-    if not show:
-        yield lambda: None
-        return
-    from rich.progress import Progress  # only imported when a bar is actually shown
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task(what, total=total)
-        yield lambda: bar.advance(task)

@@ -1,12 +1,6 @@
-"""llm.c token shards: the on-disk format of a holder's training tokens.
-
-A shard is what llm.c's `dev/data/data_common.py` writes for GPT-2 (version 1): a header of
-256 little-endian int32 (magic 20240520, version 1, token count, the rest zero) followed by
-the tokens as little-endian uint16. Shards written by llm.c's own scripts load here
-unchanged, and ours load in llm.c.
-
-Shards are written atomically (gputravel/files.py); `list_shards` gives them in training
-order. data/holder_tokens.py turns whatever a holder points at into one token array.
+"""llm.c token shards (version 1, as llm.c's `dev/data/data_common.py` writes them for GPT-2): a
+header of 256 little-endian int32 (magic, version, token count) then the tokens as uint16. Shards
+of llm.c's own scripts load here unchanged, and ours load in llm.c.
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ SHARD_GLOB = "*.bin"
 
 # ----------------------------------------------------------------------------- writing
 def _as_tokens(path: Path, tokens: np.ndarray | Sequence[int]) -> np.ndarray:
-    """Check that `tokens` fit a version 1 shard and return them as little-endian uint16."""
+    """`tokens` as little-endian uint16, once checked to fit a version 1 shard."""
     arr = np.asarray(tokens)
     if arr.size == 0:
         return np.empty(0, dtype=TOKEN_DTYPE)
@@ -64,8 +58,8 @@ def write_shard(path: Path | str, tokens: np.ndarray | Sequence[int]) -> None:
 
 
 # ----------------------------------------------------------------------------- reading
-def _read_header(path: Path) -> tuple[int, int]:
-    """Validate the header against the file size; return (token count, file size)."""
+def _read_header(path: Path) -> int:
+    """The token count, once the header is checked against the file size."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -86,11 +80,6 @@ def _read_header(path: Path) -> tuple[int, int]:
                        "uint16 GPT-2 tokens); re-export the data as version 1")
     if count < 0:
         raise BadInput(f"{path}: the header's token count is negative ({count}); the shard is corrupt, re-write it")
-    _check_size(path, count, size)
-    return count, size
-
-
-def _check_size(path: Path, count: int, size: int) -> None:
     expected = HEADER_BYTES + count * TOKEN_DTYPE.itemsize
     if size < expected:
         raise BadInput(f"{path}: truncated: the header says {count} tokens ({expected} bytes in all) "
@@ -98,12 +87,13 @@ def _check_size(path: Path, count: int, size: int) -> None:
     if size > expected:
         raise BadInput(f"{path}: {size - expected} trailing bytes: the header says {count} tokens "
                        f"({expected} bytes in all) but the file has {size} bytes; re-write the shard")
+    return count
 
 
 def read_shard(path: Path | str) -> np.ndarray:
     """Return a shard's tokens as a read-only uint16 array (memory-mapped: shards can be large)."""
     path = Path(path)
-    count, _ = _read_header(path)
+    count = _read_header(path)
     if count == 0:
         return np.empty(0, dtype=TOKEN_DTYPE)  # mmap cannot map zero bytes
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))

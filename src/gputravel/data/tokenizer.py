@@ -1,12 +1,6 @@
-"""Tokenizers for holders' text, and the `tokenizer.json` record kept next to shards.
-
-Two tokenizers: GPT-2 BPE through tiktoken (what llm.c trains on), and a byte tokenizer
-that needs nothing and always works offline. tiktoken downloads its BPE file on first use,
-so GPT-2 counts as available only when tiktoken is installed and that load succeeds (from
-its cache, e.g. TIKTOKEN_CACHE_DIR); otherwise the default falls back to bytes.
-
-Shards carry only token ids, so a directory of shards says which tokenizer made them in
-`tokenizer.json`: {"name": ..., "vocab_size": ..., "eot": ...}.
+"""Tokenizers for holders' text, and the `tokenizer.json` record kept next to shards (which carry
+only ids). GPT-2 BPE through tiktoken counts as available only when its BPE file loads offline;
+the byte tokenizer always works.
 """
 
 from __future__ import annotations
@@ -37,14 +31,14 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def encode(self, text: str) -> np.ndarray:
-        """Token ids of `text` (uint16); `text` is taken literally, never as special tokens."""
+        """uint16 ids of `text`, taken literally, never as special tokens."""
 
     @abstractmethod
     def decode(self, tokens: Sequence[int] | np.ndarray) -> str:
-        """Text of `tokens`; end-of-text tokens are dropped."""
+        """Text of `tokens`, end-of-text tokens dropped."""
 
     def _ids(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-        """`tokens` as int64 without the eot, after checking they are in the vocabulary."""
+        """`tokens` as int64 without the eot, once checked to be in the vocabulary."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
@@ -115,14 +109,9 @@ def _gpt2_encoding() -> tuple[Any | None, str]:
     return enc, ""
 
 
-def gpt2_available() -> bool:
-    """Whether GPT-2 BPE can be used here without network access."""
-    return _gpt2_encoding()[0] is not None
-
-
 def default_tokenizer() -> Tokenizer:
     """GPT-2 when tiktoken and its BPE file are available offline, else bytes."""
-    return Gpt2Tokenizer() if gpt2_available() else ByteTokenizer()
+    return Gpt2Tokenizer() if _gpt2_encoding()[0] is not None else ByteTokenizer()
 
 
 def get_tokenizer(name: str) -> Tokenizer:
@@ -139,8 +128,6 @@ def get_tokenizer(name: str) -> Tokenizer:
 # ----------------------------------------------------------------------------- the record
 @dataclass(frozen=True)
 class TokenizerRecord:
-    """What `tokenizer.json` says about the shards next to it."""
-
     name: str
     vocab_size: int
     eot: int
@@ -150,14 +137,13 @@ class TokenizerRecord:
         return cls(name=tok.name, vocab_size=tok.vocab_size, eot=tok.eot)
 
 
-# Records of the tokenizers we know, usable without loading them (gpt2 needs no tiktoken
-# just to read shards).
+# The known tokenizers' records, usable without loading them (reading gpt2 shards needs no tiktoken).
 KNOWN = {t.name: TokenizerRecord(t.name, t.vocab_size, t.eot) for t in (ByteTokenizer, Gpt2Tokenizer)}
 LLMC_DEFAULT = "gpt2"  # llm.c's scripts write GPT-2 tokens and no record
 
 
 def write_tokenizer_record(directory: Path | str, tok: Tokenizer | TokenizerRecord) -> Path:
-    """Write `tokenizer.json` for `tok` into `directory` (atomically); return its path."""
+    """`directory`/tokenizer.json for `tok`, written atomically."""
     record = tok if isinstance(tok, TokenizerRecord) else TokenizerRecord.of(tok)
     path = Path(directory) / RECORD_NAME
     atomic_write_bytes(path, (json.dumps(asdict(record), indent=2) + "\n").encode())
@@ -199,8 +185,8 @@ def _record_from(path: Path, data: Any) -> TokenizerRecord:
 
 
 def resolve_record(directory: Path, tokenizer: str | Tokenizer | None) -> TokenizerRecord:
-    """The tokenizer of the shards in `directory`: its record, else `tokenizer`, else gpt2
-    (llm.c's default). An explicit tokenizer that contradicts the record is an error."""
+    """The shards' tokenizer: their record (which `tokenizer` may not contradict), else `tokenizer`,
+    else llm.c's gpt2."""
     asked = tokenizer if isinstance(tokenizer, str) or tokenizer is None else tokenizer.name
     if (directory / RECORD_NAME).exists():
         record = read_tokenizer_record(directory)
