@@ -9,6 +9,7 @@ discards it after its first use (`GpuIssuer.save`, `GpuIssuer.discard`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -51,28 +52,30 @@ def _der_chain(pem: bytes) -> tuple[bytes, ...]:
     return tuple(c.public_bytes(serialization.Encoding.DER) for c in x509.load_pem_x509_certificates(pem))
 
 
-def _parse_state(state: dict[str, Any]) -> tuple[str, tuple[tuple[int, bytes], ...], str, str, bool]:
-    """(serial, measurements, driver, vbios, cc_mode) from what `_FirmwareState._state` wrote;
-    ValueError, TypeError or KeyError when it is not that."""
-    serial, driver, vbios, cc_mode = (state["serial"], state["driver_version"], state["vbios_version"],
-                                      state["cc_mode"])
-    if not isinstance(serial, str) or not _SERIAL_RE.fullmatch(serial):
-        raise ValueError("serial")
-    if not isinstance(driver, str) or not isinstance(vbios, str) or not isinstance(cc_mode, bool):
-        raise TypeError("versions or cc_mode")
-    measurements = {int(k): bytes.fromhex(v) for k, v in state["measurements"].items()}
-    return serial, tuple(sorted(measurements.items())), driver, vbios, cc_mode
-
-
+@dataclass(frozen=True)
 class _FirmwareState:
-    """What a device's firmware measures and reports (public), shared by the vendor's view
-    of a device (`GpuIssuer`) and the device's own (`GpuDevice`)."""
+    """What a device's firmware measures and reports (public): the vendor's and the device's view."""
 
     serial: str
     measurements: tuple[tuple[int, bytes], ...]
     driver_version: str
     vbios_version: str
     cc_mode: bool
+
+    @staticmethod
+    def _parse(state: dict[str, Any]) -> dict[str, Any]:
+        """The fields from what `_state` wrote; ValueError, TypeError or KeyError for anything else."""
+        fields = {k: state[k] for k in ("serial", "driver_version", "vbios_version", "cc_mode")}
+        if not isinstance(fields["serial"], str) or not _SERIAL_RE.fullmatch(fields["serial"]):
+            raise ValueError("serial")
+        if not isinstance(fields["driver_version"], str) or not isinstance(fields["vbios_version"], str) \
+                or not isinstance(fields["cc_mode"], bool):
+            raise TypeError("versions or cc_mode")
+        measurements = {int(k): bytes.fromhex(v) for k, v in state["measurements"].items()}
+        return {**fields, "measurements": tuple(sorted(measurements.items()))}
+
+    def _fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(_FirmwareState)}
 
     def reference_values(self) -> ReferenceValues:
         return ReferenceValues.of(dict(self.measurements), self.driver_version, self.vbios_version)
@@ -90,17 +93,12 @@ class _FirmwareState:
         (directory / STATE_FILE).write_text(json.dumps(self._state(), indent=2) + "\n")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GpuDevice(_FirmwareState):
     """One provisioned emulated GPU: what its firmware holds."""
 
-    serial: str
     chain_der: tuple[bytes, ...]  # firmware leaf first, vendor root last
     leaf_key: ec.EllipticCurvePrivateKey = field(repr=False)
-    measurements: tuple[tuple[int, bytes], ...]
-    driver_version: str
-    vbios_version: str
-    cc_mode: bool = True
 
     def firmware(self, **overrides: object) -> EmulatedGpuFirmware:
         """The firmware answering GET_MEASUREMENTS; overrides emulate a changed device."""
@@ -127,8 +125,7 @@ class GpuDevice(_FirmwareState):
     def load(cls, directory: Path) -> GpuDevice:
         directory = Path(directory)
         try:
-            serial, measurements, driver, vbios, cc_mode = _parse_state(
-                json.loads((directory / STATE_FILE).read_text()))
+            state = cls._parse(json.loads((directory / STATE_FILE).read_text()))
             chain = _der_chain((directory / CHAIN_FILE).read_bytes())
             key = load_key((directory / KEY_FILE).read_bytes())
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -137,21 +134,16 @@ class GpuDevice(_FirmwareState):
             raise BadInput(f"{directory}: device key or certificate chain is malformed")
         if not key_matches(x509.load_der_x509_certificate(chain[0]), key):
             raise BadInput(f"{directory}: the firmware key does not match the leaf certificate")
-        return cls(serial, chain, key, measurements, driver, vbios, cc_mode)
+        return cls(**state, chain_der=chain, leaf_key=key)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GpuIssuer(_FirmwareState):
     """The vendor's side of a device whose firmware key is not certified yet: the per-device CA
     and its chain, and the firmware state the vendor vouches for."""
 
     ca: Authority = field(repr=False)
     chain_der: tuple[bytes, ...]  # per-device cert, provisioner ICA, identity CA, vendor root
-    serial: str
-    measurements: tuple[tuple[int, bytes], ...]
-    driver_version: str
-    vbios_version: str
-    cc_mode: bool = True
     now: datetime | None = None
     days: int = DEVICE_VALID_DAYS
 
@@ -169,8 +161,7 @@ class GpuIssuer(_FirmwareState):
         return _pem(chain[:-1]), _pem(chain[-1:])
 
     def device(self, leaf_key: ec.EllipticCurvePrivateKey) -> GpuDevice:
-        return GpuDevice(self.serial, self.certify(leaf_key.public_key()), leaf_key, self.measurements,
-                         self.driver_version, self.vbios_version, self.cc_mode)
+        return GpuDevice(**self._fields(), chain_der=self.certify(leaf_key.public_key()), leaf_key=leaf_key)
 
     # ------------------------------------------------------------------ files
     def save(self, directory: Path) -> None:
@@ -193,7 +184,7 @@ class GpuIssuer(_FirmwareState):
         directory = Path(directory)
         try:
             state = json.loads((directory / ISSUER_STATE).read_text())
-            serial, measurements, driver, vbios, cc_mode = _parse_state(state)
+            fields = cls._parse(state)
             days, now = state["days"], state["now"]
             now = datetime.fromisoformat(now) if now is not None else None
             chain = _der_chain((directory / ISSUER_CHAIN).read_bytes())
@@ -204,7 +195,7 @@ class GpuIssuer(_FirmwareState):
             raise BadInput(f"{directory}: the GPU vendor CA's validity or certificate chain is malformed")
         if not key_matches(x509.load_der_x509_certificate(chain[0]), key):
             raise BadInput(f"{directory}: the GPU vendor CA's key does not match its certificate")
-        return cls(Authority(chain[0], key), chain, serial, measurements, driver, vbios, cc_mode, now, days)
+        return cls(**fields, ca=Authority(chain[0], key), chain_der=chain, now=now, days=days)
 
     @staticmethod
     def discard(directory: Path) -> None:
@@ -255,8 +246,8 @@ def issue_gpu_ca(
     device = provisioner.child(f"EMULATED GH100 FSP BROM {serial} (not NVIDIA)", now=now, days=days,
                                serial=serial)
     chain = (device.cert_der, provisioner.cert_der, identity.cert_der, vendor.cert_der)
-    return GpuIssuer(device, chain, serial, tuple(sorted(measurements.items())), driver_version, vbios_version,
-                     cc_mode, now, days)
+    return GpuIssuer(serial, tuple(sorted(measurements.items())), driver_version, vbios_version, cc_mode,
+                     ca=device, chain_der=chain, now=now, days=days)
 
 
 def provision_gpu(vendor: Authority, **options: Any) -> GpuDevice:
