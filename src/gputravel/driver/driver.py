@@ -38,6 +38,7 @@ from gputravel.driver.link import DeviceLink
 
 R = TypeVar("R")
 
+
 class ChannelKeys:
     """Crypto state of one or both push channels, keyed by label (h2d: Sender, d2h: Receiver)."""
 

@@ -76,7 +76,6 @@ class GpuAttester:
         # When each holder's link is due for re-attestation, on the shell's clock (its `now`).
         self._due: weakref.WeakKeyDictionary[Transport, float] = weakref.WeakKeyDictionary()
 
-
     # ------------------------------------------------------------------ GPU phase
     def open_session(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> GpuClaims:
         """SPDM with a device under the vendor root (after the first, the same GPU: its log names

@@ -40,6 +40,7 @@ from gputravel.protocol.codec import TAG_FIELD, decode, encode, tag_of
 
 T = TypeVar("T")
 
+
 @dataclass(frozen=True)
 class _Parsed:
     entry: Entry
