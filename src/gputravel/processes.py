@@ -1,11 +1,5 @@
 """The one way a child process is started and owned (:class:`Children`), and the one way it is
-stopped: asked, then SIGTERM, then SIGKILL, and always reaped.
-
-Every launcher (the local supervisor, the services' demo, the Flower deployment, the
-benchmarks' helpers) starts its children through a :class:`Children`, which stops them all,
-last started first, when it closes; a service's one child and the ranks go through
-:func:`stop_processes` directly. So a child never outlives its launcher and none is left a
-zombie, whatever state it is in.
+stopped: asked, then SIGTERM, then SIGKILL, and always reaped, so none outlives its launcher.
 """
 
 from __future__ import annotations
@@ -39,7 +33,6 @@ def _wait(proc: Child, timeout: float | None) -> None:
 
 
 def _wait_all(procs: list[Child], grace: float) -> list[Child]:
-    """Wait for all of them within one `grace`; those still alive."""
     deadline = time.monotonic() + grace
     for proc in procs:
         _wait(proc, max(0.0, deadline - time.monotonic()))
@@ -47,9 +40,8 @@ def _wait_all(procs: list[Child], grace: float) -> list[Child]:
 
 
 def stop_processes(procs: Iterable[Child], grace: float, *, asked: bool = False) -> None:
-    """Stop every process of `procs` and reap it; never raises. `asked`: the caller has already
-    told them to stop (a Shutdown message, a closed link), so each first gets `grace` to end by
-    itself; then SIGTERM and `grace` more; then SIGKILL."""
+    """Stop and reap every one of `procs`; never raises. `asked`: they were told to stop (a Shutdown,
+    a closed link), so first get `grace` to end by themselves; then SIGTERM, `grace`, SIGKILL."""
     alive = [p for p in procs if _alive(p)]
     if asked:
         alive = _wait_all(alive, grace)
@@ -68,12 +60,9 @@ def stop_process(proc: Child, grace: float, *, asked: bool = False) -> int | Non
 
 
 class Children:
-    """The child processes one launcher owns, by key (iterated in the order started): each started
-    by :meth:`start`, all stopped and reaped by :meth:`close`, last started first. A context
-    manager: a failure while starting them stops those already started. `grace`: what a stop
-    gives a child before SIGTERM becomes SIGKILL. `in_turn`: close reaps each before signalling
-    the one started before it (a service that checkpoints before the others leave); otherwise
-    all are signalled at once and share one grace."""
+    """The child processes one launcher owns, by key, all stopped and reaped at :meth:`close`, last
+    started first (a context manager). `in_turn`: each is reaped before the one started before it
+    is signalled (a service that checkpoints before the others leave); else all share one grace."""
 
     def __init__(self, grace: float, *, in_turn: bool = False) -> None:
         self.grace, self.in_turn = grace, in_turn
@@ -81,10 +70,8 @@ class Children:
         self.logs: dict[str, Path] = {}  # where each child started with a log writes
 
     def start(self, key: str, argv: Sequence[str], *, log: Path | None = None, **popen: Any) -> subprocess.Popen:
-        """Start `argv` as `key`, ours to stop from here on. Its stdin is /dev/null unless
-        `popen` says otherwise; with `log`, its stdout and stderr both go to that file (made
-        anew). Every other Popen argument (preexec_fn, env, cwd, pass_fds, start_new_session,
-        umask) is passed as given: the isolation is the caller's."""
+        """Start `argv` as `key` (stdin /dev/null unless `popen` says; with `log`, its stdout and stderr
+        go to that file, made anew). Other Popen arguments pass as given: isolation is the caller's."""
         if key in self._procs:
             raise ValueError(f"a child {key!r} was already started")
         popen.setdefault("stdin", subprocess.DEVNULL)
@@ -104,7 +91,7 @@ class Children:
         return iter(list(self._procs))
 
     def stop(self, keys: Iterable[str], *, asked: bool = False) -> None:
-        """Stop these children together (:func:`stop_processes`); they stay known, ended."""
+        """Stop these children together; they stay known, ended."""
         stop_processes([self._procs[k] for k in keys if k in self._procs], self.grace, asked=asked)
 
     def forget(self, key: str) -> None:
