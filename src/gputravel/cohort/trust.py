@@ -24,14 +24,7 @@ from typing import TYPE_CHECKING
 from cryptography.hazmat.primitives import serialization
 
 from gputravel.attest import (
-    Authority,
-    GpuIssuer,
-    GpuRequirements,
-    Policy,
-    init_roots,
-    issue_gpu_ca,
-    load_authority,
-    orchestrator_measurement,
+    Authority, GpuIssuer, GpuRequirements, Policy, init_roots, issue_gpu_ca, load_authority, orchestrator_measurement,
 )
 from gputravel.attest.material import LIMITS_FILE, POLICY_FILE, REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
@@ -142,17 +135,19 @@ def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datet
     shared = roots_from if roots_from is not None else _fresh_roots(roots, now)
     gpu = _provision_device(directory, shared.gpu, options, now, gpu_index)
     gpu.save_state(directory / "device")
-    tee_root = shared.tee
     gpu.reference_values().save(roots / REFERENCE_FILE)  # what the vendor publishes: the launcher's copy
-    _write_orchestrator(directory / "orchestrator", roots, options, quoting_socket)
-    return CohortTrust(directory, gpu.serial, gpu.driver_version, tee_root=tee_root, gpu_vendor=gpu)
+    _private_dir(directory / "orchestrator", roots)
+    limits = {"max_evidence_age_s": options.max_evidence_age_s, "quoting_socket": quoting_socket}
+    (directory / "orchestrator" / LIMITS_FILE).write_text(json.dumps(limits) + "\n")
+    return CohortTrust(directory, gpu.serial, gpu.driver_version, tee_root=shared.tee, gpu_vendor=gpu)
 
 
 def _fresh_roots(roots: Path, now: datetime | None) -> SharedRoots:
     """This cohort's own roots, read back into memory and their keys deleted from the disk at once."""
     init_roots(roots, now=now)
     made = SharedRoots(load_authority(roots, "gpu"), load_authority(roots, "tee"))
-    _discard_root_keys(roots)
+    for name in (GPU_ROOT_KEY, TEE_ROOT_KEY):
+        (roots / name).unlink()
     return made
 
 
@@ -173,26 +168,19 @@ def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, ho
               if options.pinned_measurements is not None else (measure_orchestrator(orchestrator),))
     policy = Policy(pinned, GpuRequirements(driver_versions=(trust.gpu_driver,)), options.max_evidence_age_s,
                     Path(REFERENCE_FILE))
-    for name in holders:
-        _write_holder(trust.holder_dir(name), trust.root / "roots", policy)
+    for name in holders:  # the roots and the reference values too: each holder verifies the GPU itself
+        _private_dir(trust.holder_dir(name), trust.root / "roots")
+        (trust.holder_dir(name) / POLICY_FILE).write_text(json.dumps(policy.to_json(), indent=2) + "\n")
     return dataclasses.replace(trust, pinned=pinned)
 
 
 def _provision_device(directory: Path, vendor: Authority, options: TrustOptions, now: datetime | None,
                       index: int) -> GpuIssuer:
-    if options.gpu_vendor == "foreign":  # a vendor root that is in nobody's trust store
-        foreign = directory / "foreign-roots"
-        init_roots(foreign, now=now)
-        gpu = issue_gpu_ca(load_authority(foreign, "gpu"), serial=f"GPU-FOREIGN-{index}", now=now,
-                           cc_mode=options.gpu_cc_mode)
-        _discard_root_keys(foreign)
-        return gpu
-    return issue_gpu_ca(vendor, serial=f"GPU-EMU-{index}", now=now, cc_mode=options.gpu_cc_mode)
-
-
-def _discard_root_keys(roots: Path) -> None:
-    for name in (GPU_ROOT_KEY, TEE_ROOT_KEY):
-        (roots / name).unlink()
+    foreign = options.gpu_vendor == "foreign"
+    if foreign:  # a vendor root that is in nobody's trust store
+        vendor = _fresh_roots(directory / "foreign-roots", now).gpu
+    serial = f"GPU-{'FOREIGN' if foreign else 'EMU'}-{index}"
+    return issue_gpu_ca(vendor, serial=serial, now=now, cc_mode=options.gpu_cc_mode)
 
 
 def _private_dir(path: Path, roots: Path) -> None:
@@ -200,13 +188,3 @@ def _private_dir(path: Path, roots: Path) -> None:
     for name in (GPU_ROOT_CERT, TEE_ROOT_CERT, REFERENCE_FILE):
         shutil.copy2(roots / name, path / name)
 
-
-def _write_orchestrator(path: Path, roots: Path, options: TrustOptions, quoting_socket: str) -> None:
-    _private_dir(path, roots)
-    limits = {"max_evidence_age_s": options.max_evidence_age_s, "quoting_socket": quoting_socket}
-    (path / LIMITS_FILE).write_text(json.dumps(limits) + "\n")
-
-
-def _write_holder(path: Path, roots: Path, policy: Policy) -> None:
-    _private_dir(path, roots)  # the roots and the reference values: it verifies the GPU itself
-    (path / POLICY_FILE).write_text(json.dumps(policy.to_json(), indent=2) + "\n")
