@@ -77,7 +77,7 @@ class GpuCohorts:
             self.close()
             raise
         finally:
-            self._drop_roots()
+            self.roots = None  # the last reference besides the cohorts' trust, itself dropped once used
 
     def _configs(self) -> list[CohortConfig]:
         """Each GPU's cohort config, all checked before any boots."""
@@ -122,9 +122,6 @@ class GpuCohorts:
         """The interface the ranks' gloo traffic must use ("" : gloo's own choice, loopback)."""
         return RANK_IF if self.fabric is not None else ""
 
-    def _drop_roots(self) -> None:
-        self.roots = None  # the last reference besides the cohorts' trust, itself dropped once used
-
     def close(self) -> None:
         """Stop every cohort, the last started first; never raises, but warns of what it could not
         stop. Thread-safe: a failing rank closes everything while the others run."""
@@ -145,7 +142,7 @@ class GpuCohorts:
             for failure in failures:  # said once everything that could stop has stopped
                 with contextlib.suppress(Exception):  # a filter that turns warnings into errors
                     warnings.warn(failure, RuntimeWarning, stacklevel=2)
-            self._drop_roots()
+            self.roots = None
 
     # ------------------------------------------------------------------ looking at it
     def gpu_of(self, holder: str) -> int:

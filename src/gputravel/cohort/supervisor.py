@@ -128,8 +128,7 @@ class Supervisor:
         self._host_sock = place.path(place.socket_dir / "host.sock")
         quoting = QuotingLaunch(place, self.dir)  # the orchestrator's TDX module (cohort/quoting.py)
         self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust, quoting_socket=quoting.socket,
-                                            roots_from=cfg.roots,
-                                            gpu_index=cfg.gpu_index)
+                                            roots_from=cfg.roots, gpu_index=cfg.gpu_index)
         place.own(self.trust.device_dir, "device")
         place.own(self.trust.orchestrator_dir, "orchestrator")
         for out in cfg.output_dirs:
@@ -182,8 +181,7 @@ class Supervisor:
 
     def _holder_config(self, h: HolderSpec, late: bool) -> dict:
         assert self.dir is not None
-        cfg = self.config
-        place = self.placement
+        cfg, place = self.config, self.placement
         return {"name": h.name, "dataset_path": place.dataset(h.name, h.dataset), "host_socket": self._host_sock,
                 "pki_dir": place.path(self.dir / "pki" / h.name), "layout": cfg.layout,
                 "audit_arrival": cfg.audit_arrival, "dataset_format": h.format,
@@ -243,11 +241,6 @@ class Supervisor:
         return key, config, child
 
     def _await_up(self, key: str, config: dict, child: Child) -> Ready:
-        msg = self._await_ready(key, config, child)
-        self.placement.check(key, child.proc.pid)  # what it runs as, read back from /proc once it is up
-        return msg
-
-    def _await_ready(self, key: str, config: dict, child: Child) -> Ready:
         try:
             msg = child.control.recv(timeout=self.config.boot_timeout).message
             if isinstance(msg, Enroll):
@@ -261,6 +254,7 @@ class Supervisor:
             raise error_from(msg, f"{key} failed to boot")
         if not isinstance(msg, Ready):
             raise RemoteError(f"{key} sent {type(msg).__name__} instead of ready")
+        self.placement.check(key, child.proc.pid)  # what it runs as, read back from /proc once it is up
         return msg
 
     def _certify(self, key: str, config: dict, child: Child, msg: Enroll) -> None:
@@ -339,7 +333,12 @@ class Supervisor:
         if self._tap is not None:
             self._tap.close()
             self._tap = None
-        self._close_links()
+        if self.links is not None:  # once every process inside its namespaces is reaped
+            try:
+                self.links.close()
+            except LinkError as exc:
+                warnings.warn(f"shaped-link teardown: {exc}", RuntimeWarning, stacklevel=3)
+            self.links = None
         self._ca = None  # nobody is certified any more
         if self.placement is not None:
             self.placement.close()  # lent outputs go back to their owners
@@ -348,22 +347,11 @@ class Supervisor:
         elif self.dir is not None:
             stopping.release(self.dir)  # a directory given is the caller's to keep
 
-    def _close_links(self) -> None:
-        if self.links is None:
-            return
-        try:
-            self.links.close()
-        except LinkError as exc:
-            warnings.warn(f"shaped-link teardown: {exc}", RuntimeWarning, stacklevel=4)
-        self.links = None
-
     # ------------------------------------------------------------------ looking at it
     @property
     def link(self) -> str:
         """netns-tc, token-bucket or none."""
-        if self.links is None:
-            return resolve_link(self.config.link, self.config.bandwidth_mbit)
-        return self.links.kind
+        return self.links.kind if self.links is not None else resolve_link(self.config.link, self.config.bandwidth_mbit)
 
     @property
     def snoop_path(self) -> Path | None:
