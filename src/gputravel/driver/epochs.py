@@ -1,8 +1,6 @@
-"""Who has had each key epoch's user keys (sans-IO): at most one party, one holder's travel or
-the orchestrator's own copy, since a holder that kept its keys reads everything sent under them
-(docs/security.md, "Key epochs"). It moves only on a device-confirmed rotation or a new SPDM
-session; an unconfirmed rotation halts it until one of those. The orchestrator's RPCs (nothing
-secret) are deliberately not counted."""
+"""Who has had each key epoch's user keys (sans-IO): at most one party, since a holder that kept
+them reads everything sent under them (docs/security.md, "Key epochs"). Only a device-confirmed
+rotation or a new SPDM session moves it; the orchestrator's RPCs (nothing secret) are not counted."""
 
 from __future__ import annotations
 

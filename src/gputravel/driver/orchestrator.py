@@ -1,9 +1,6 @@
-"""The orchestrator's driver: sole owner of the SPDM session secret and the kernel channel.
-
-Holders only get one epoch's user keys in a context blob, each epoch at most once (EpochLedger).
-What the host can write moves positions here, never the ledger: a rotation counts only once the
-device confirmed it under the new kernel key; one that cannot be confirmed halts travel.
-"""
+"""The orchestrator's driver: sole owner of the SPDM session secret and the kernel channel. What
+the host can write moves positions here, never the ledger: a rotation counts once the device
+confirmed it under the new kernel key; one that cannot be confirmed halts travel."""
 
 from __future__ import annotations
 

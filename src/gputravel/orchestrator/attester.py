@@ -1,11 +1,6 @@
-"""The chain of trust at run time (paper 4.5), around the pure checks of `gputravel.attest`.
-
-GPU phase, at boot: SPDM only with a device chaining to the trusted vendor root, then its
-evidence on a fresh nonce, signed by the device holding the session. CPU phase, when a holder
-joins or its re-attestation is due: its nonce answered with the GPU's evidence and a TDX quote
-binding our TLS key. The GPU's identity (its certified serial) names it in the travel log, and a
-re-key must reach that same GPU.
-"""
+"""The chain of trust at run time (paper 4.5): the GPU attested at boot under the vendor root, and
+each holder's nonce answered with its evidence and a TDX quote binding our TLS key. The GPU's
+certified serial names it in the travel log: a re-key must reach that same GPU."""
 
 from __future__ import annotations
 

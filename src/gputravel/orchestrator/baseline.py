@@ -1,11 +1,6 @@
-"""The centralised TLS baseline (paper 7.2): confidential training without travelling.
-
-The holder sends its chunk in pieces over its TLS link into a staging buffer, and the
-orchestrator writes it into the dataset buffer through its own encrypted channel and checks its
-digest against the manifest. Timed as the paper breaks it down: ``read`` (the holder's), ``tls``
-(the transfer, less the reading) and ``gpu_write``. :class:`ChunkReceipt` decides, sans-IO,
-which pieces are accepted.
-"""
+"""The centralised TLS baseline (paper 7.2): the holder sends its chunk over TLS, the orchestrator
+writes it into VRAM through its own channel and checks its digest. Timed as the paper does:
+``read`` (the holder's), ``tls`` (less the reading) and ``gpu_write``."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The orchestrator's side of one travel (paper Fig. 3) as a sans-IO state machine
-(protocol/machine.py): each event comes with ``now`` and returns the next IO action, so the
-cycle's order is written here only; what the holder sends back is checked against its manifest.
-
-Steps overlap where nothing forces a wait (export during the scrub, the request over TLS during
-the MUX switch, the import during the rotation), so each step's figure is its share of the
-critical path: ``o_switch``, ``o_rotate`` only what was left to wait for; ``o_export`` lies
-inside ``o_cleanup``.
-"""
+"""The orchestrator's side of one travel (paper Fig. 3), a sans-IO state machine: the one place
+the cycle's order is written. Steps overlap where nothing forces a wait, so each step's figure is
+its share of the critical path (``o_export`` lies inside ``o_cleanup``)."""
 
 from __future__ import annotations
 

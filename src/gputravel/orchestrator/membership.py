@@ -1,10 +1,6 @@
-"""The orchestrator's side of joining and leaving a running cohort (paper 4.5).
-
-A late holder must probe the GPU, which moves the device's RPC queue: the GPU is lent only
-between travels, with no key exported, and reclaimed with an encrypted RPC proving the session
-is still ours. A leaving holder's goodbye is read and its link dropped; its enrolment stays.
-:class:`Lending` decides, sans-IO; :class:`Membership` carries its actions out.
-"""
+"""The orchestrator's side of joining and leaving a running cohort (paper 4.5): a late holder's
+probe gets the GPU only between travels, with no key out, and it is reclaimed with an encrypted RPC
+proving the session is still ours. :class:`Lending` decides, sans-IO; :class:`Membership` acts."""
 
 from __future__ import annotations
 

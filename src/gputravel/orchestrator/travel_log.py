@@ -1,8 +1,5 @@
-"""The orchestrator's travel log (orchestrator/audit/): one signed entry per travel attempt,
-naming the attested GPU, closed when the job is done. Every checkpoint records its head
-(:class:`LogHead`); a resumed job travels only if the log still holds it, since a log on an
-operator's file system can be moved, cut or swapped, the checkpoint's record cannot. Another
-orchestrator's head is continued in a new log that names it."""
+"""The orchestrator's travel log (orchestrator/audit/). A checkpoint records its head, and a resumed
+job travels only if the log still holds it: a file can be moved, cut or swapped, the record cannot."""
 
 from __future__ import annotations
 

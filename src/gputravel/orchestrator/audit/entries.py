@@ -1,12 +1,7 @@
-"""The travel log's entries, the records that carry them, and how a log fails.
-
-A record is a u32 big-endian length, then msgpack {entry: the encoded Entry, signature}. An
-entry's hash is SHA-384 over its encoding; each carries the one before's (zeros for seq 0, or the
-hash of the entry of an earlier log of its job it continues). The log is public: an entry names
-its GPU (its attested serial), job and holder, but logs a chunk only as ``chunk_mac``, keyed with
-the holder's travel-log key, since a bare digest would confirm a guessed chunk. Entries of
-earlier formats are refused as :attr:`Failure.VERSION`, never as tampering.
-"""
+"""The travel log's entries, the records that carry them (a u32 length, then msgpack {entry,
+signature}), and how a log fails. The log is public: a chunk is logged only as its MAC under the
+holder's travel-log key, since a bare digest would confirm a guessed chunk. Entries of earlier
+formats are refused as :attr:`Failure.VERSION`, never as tampering."""
 
 from __future__ import annotations
 

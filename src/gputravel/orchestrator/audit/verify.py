@@ -1,10 +1,6 @@
-"""Reading the travel log and verifying it: seq contiguity, the hash chain, every signature.
-
-A torn final record (a crash mid-write: a strict prefix of a record) reads as truncated, not
-tampered. Dropping whole entries off the end leaves a valid chain, so a verdict says whether the
-log is closed; a party that kept a head detects a cut with ``known_head``. A log names one GPU and
-one job (entries naming two are never honest), and counts the job's travels without a gap.
-"""
+"""Reading the travel log and verifying it. A torn final record reads as truncated, not tampered;
+entries dropped off the end leave a valid chain, so a verdict says whether the log is closed, and a
+party that kept a head detects a cut with ``known_head``."""
 
 from __future__ import annotations
 
