@@ -17,20 +17,6 @@ from gputravel.attest.errors import AttestationError
 from gputravel.crypto.spdm import p384
 from gputravel.errors import BadInput, IntegrityError
 
-__all__ = [
-    "CVM_QUOTE_OID",
-    "FWID_OID",
-    "GPUTRAVEL_OID_ARC",
-    "TCG_DICE_TCBINFO_OID",
-    "check_now",
-    "common_name",
-    "leaf_fwid",
-    "sha384",
-    "sign_p384",
-    "verify_chain",
-    "verify_p384",
-]
-
 # urn:uuid:836eb01e-d856-4ded-ba73-e0a9d3a30800 as an OID arc (X.667).
 GPUTRAVEL_OID_ARC = "2.25.174703592250151026260892070534287919104"
 FWID_OID = x509.ObjectIdentifier(GPUTRAVEL_OID_ARC + ".1")

@@ -9,8 +9,6 @@ from typing import NoReturn, TypeVar, cast
 from gputravel.errors import ProtocolError, RemoteError
 from gputravel.protocol.codec import decode
 
-__all__ = ["CLAIMS", "AttestationError", "ClaimTracker"]
-
 M = TypeVar("M")
 
 CLAIMS = frozenset({

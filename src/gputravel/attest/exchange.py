@@ -27,17 +27,6 @@ from gputravel.attest.verifier import EmulatedGpuVerifier, GpuClaims
 from gputravel.errors import BadInput
 from gputravel.protocol.codec import Message
 
-__all__ = [
-    "AttestAccepted",
-    "AttestChallenge",
-    "AttestDue",
-    "AttestEvidence",
-    "OrchestratorAttestation",
-    "answer_challenge",
-    "attest_orchestrator",
-    "verify_gpu_evidence",
-]
-
 
 class AttestChallenge(Message, tag="attest.challenge"):
     nonce: bytes

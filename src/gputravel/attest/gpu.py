@@ -20,21 +20,6 @@ from gputravel.attest.chain import leaf_fwid, sha384, sign_p384
 from gputravel.errors import BadInput
 from gputravel.protocol.codec import Message, decode, encode
 
-__all__ = [
-    "DIGEST_BYTES",
-    "NONCE_BYTES",
-    "EmulatedGpuFirmware",
-    "GetMeasurements",
-    "GpuEvidence",
-    "MeasurementBlock",
-    "Measurements",
-    "OpaqueField",
-    "OpaqueType",
-    "ReferenceValues",
-    "default_measurements",
-    "fwid_of",
-]
-
 NONCE_BYTES = 32
 DIGEST_BYTES = 48
 MAX_OPAQUE_BYTES = 0xFFFF

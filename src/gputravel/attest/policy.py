@@ -19,8 +19,6 @@ from gputravel.attest.quote import MEASUREMENT_BYTES
 from gputravel.attest.verifier import GpuClaims
 from gputravel.errors import BadInput
 
-__all__ = ["POLICY_FORMAT", "GpuRequirements", "Policy"]
-
 POLICY_FORMAT = "gputravel-holder-policy-v1"
 FUTURE_SKEW_S = 300  # claims stamped up to this far in the future are tolerated (clock skew)
 _TOP_KEYS = {"format", "orchestrator_measurements", "gpu", "max_evidence_age_s", "gpu_reference_values"}

@@ -31,8 +31,6 @@ from gputravel.crypto.device_identity import DEVICE_VALID_DAYS
 from gputravel.errors import BadInput
 from gputravel.files import atomic_write_bytes, write_json
 
-__all__ = ["GpuDevice", "GpuIssuer", "enroll_gpu", "issue_gpu_ca", "provision_gpu"]
-
 CHAIN_FILE, KEY_FILE = "device-chain.pem", "device-firmware.key"
 STATE_FILE, REFERENCE_FILE = "device.json", "reference-values.json"
 ISSUER_KEY, ISSUER_CHAIN, ISSUER_STATE = "vendor-ca.key", "vendor-chain.pem", "vendor.json"

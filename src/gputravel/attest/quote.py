@@ -28,21 +28,6 @@ from gputravel.crypto.certs import new_key
 from gputravel.errors import BadInput
 from gputravel.protocol.codec import Message, encode
 
-__all__ = [
-    "MEASUREMENT_BYTES",
-    "REPORT_DATA_BYTES",
-    "TEE",
-    "EmulatedQuoteVerifier",
-    "EmulatedRankTee",
-    "EmulatedQuotingEnclave",
-    "Quote",
-    "QuoteBody",
-    "QuoteClaims",
-    "canonical_json",
-    "measure_code",
-    "orchestrator_measurement",
-]
-
 TEE = "emulated-tdx"
 MEASUREMENT_BYTES = 48
 REPORT_DATA_BYTES = 64

@@ -14,8 +14,6 @@ from gputravel.attest.roots import TrustStore
 from gputravel.errors import BadInput, ProtocolError
 from gputravel.protocol.codec import decode
 
-__all__ = ["QuotingRankTee"]
-
 Clock = Callable[[], datetime]
 
 

@@ -25,17 +25,6 @@ from gputravel.attest.roots import TrustStore
 from gputravel.crypto.certs import issue_certificate, new_key, subject_name, utc_now
 from gputravel.errors import BadInput
 
-__all__ = [
-    "RA_TLS_LABEL",
-    "extract_quote",
-    "make_ra_tls_certificate",
-    "quote_extension",
-    "report_data_for_tls",
-    "spki_der",
-    "verify_bound_quote",
-    "verify_ra_tls",
-]
-
 RA_TLS_LABEL = b"gputravel ra-tls report data v1\x00"
 
 

@@ -18,19 +18,6 @@ from gputravel.crypto.certs import self_signed_ca, subject_name, utc_now, write_
 from gputravel.crypto.device_identity import DEVICE_VALID_DAYS, VENDOR_ROOT_CN
 from gputravel.errors import BadInput
 
-__all__ = [
-    "GPU_ROOT_CERT",
-    "GPU_ROOT_KEY",
-    "GPU_VENDOR_ROOT_CN",
-    "TEE_QUOTING_ROOT_CN",
-    "TEE_ROOT_CERT",
-    "TEE_ROOT_KEY",
-    "Authority",
-    "TrustStore",
-    "init_roots",
-    "load_authority",
-]
-
 GPU_VENDOR_ROOT_CN = VENDOR_ROOT_CN  # "EMULATED GPU vendor root (not NVIDIA)"
 TEE_QUOTING_ROOT_CN = "EMULATED CPU-TEE quoting root (not Intel)"
 GPU_ROOT_CERT, GPU_ROOT_KEY = "gpu-vendor-root.pem", "gpu-vendor-root.key"

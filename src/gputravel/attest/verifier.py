@@ -31,8 +31,6 @@ from gputravel.attest.roots import TrustStore
 from gputravel.errors import BadInput
 from gputravel.protocol.codec import Message
 
-__all__ = ["EAT", "GPU_CHAIN_LENGTH", "EmulatedGpuVerifier", "GpuClaims", "Verifier", "gpu_identity"]
-
 C = TypeVar("C")
 GPU_CHAIN_LENGTH = 5
 HWMODEL = "EMULATED GH100 (gputravel, not NVIDIA)"

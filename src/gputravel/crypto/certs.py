@@ -16,21 +16,6 @@ from cryptography.x509.oid import NameOID
 
 from gputravel.errors import BadInput
 
-__all__ = [
-    "cert_pem",
-    "issue_certificate",
-    "key_matches",
-    "key_pem",
-    "load_key",
-    "new_key",
-    "own_key_request",
-    "requested_key",
-    "self_signed_ca",
-    "subject_name",
-    "utc_now",
-    "write_private",
-]
-
 # Certificates start a little in the past so peers with slightly skewed clocks accept them.
 _CLOCK_SKEW = timedelta(minutes=5)
 _EMULATION_ORG = "gputravel emulation"

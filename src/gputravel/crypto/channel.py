@@ -37,21 +37,6 @@ if TYPE_CHECKING:
         def encrypt_into(self, nonce: bytes, data: Buffer, associated_data: Buffer | None, buf: Buffer) -> int: ...
         def decrypt_into(self, nonce: bytes, data: Buffer, associated_data: Buffer | None, buf: Buffer) -> int: ...
 
-__all__ = [
-    "IV_BYTES",
-    "KEY_BYTES",
-    "MAX_CHANNEL_COUNTER",
-    "MAX_MESSAGE_COUNTER",
-    "TAG_BYTES",
-    "ChannelState",
-    "KeyMaterial",
-    "Receiver",
-    "Sender",
-    "build_iv",
-    "derive_epoch_keys",
-    "gcm_nonce",
-]
-
 KEY_BYTES = 32
 IV_BYTES = 12
 TAG_BYTES = 16

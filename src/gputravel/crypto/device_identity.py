@@ -15,8 +15,6 @@ from cryptography.x509.oid import NameOID
 from gputravel.crypto.certs import issue_certificate, new_key, self_signed_ca, subject_name, utc_now
 from gputravel.errors import BadInput
 
-__all__ = ["DEVICE_VALID_DAYS", "VENDOR_ROOT_CN", "DeviceIdentity", "make_device_identity"]
-
 DEVICE_VALID_DAYS = 3650
 VENDOR_ROOT_CN = "EMULATED GPU vendor root (not NVIDIA)"
 _SERIAL_RE = re.compile(r"[A-Za-z0-9-]{1,64}")

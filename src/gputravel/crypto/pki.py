@@ -35,18 +35,6 @@ from gputravel.crypto.certs import (
 from gputravel.errors import BadInput, ProtocolError
 from gputravel.files import atomic_write_bytes, read_plain
 
-__all__ = [
-    "MEMBER_NAME",
-    "CohortCa",
-    "CohortPki",
-    "MemberIdentity",
-    "install_member_cert",
-    "member_csr",
-    "peer_name",
-    "pin_peers",
-    "self_signed_member",
-]
-
 CA_FILE = "ca.pem"
 MAX_PEM_BYTES = 64 << 10  # a member's certificate is about 1 KiB
 MEMBER_NAME = re.compile(r"[a-z0-9-]{1,32}")  # a member's name: its files, certificate and peers are keyed by it

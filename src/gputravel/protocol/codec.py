@@ -27,8 +27,6 @@ import msgspec.inspect
 
 from gputravel.errors import BadInput, ProtocolError
 
-__all__ = ["MAX_FRAME_BYTES", "Message", "register", "encode", "decode", "tag_of", "registered"]
-
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 """Largest encoded message (and transport frame payload) accepted anywhere."""
 
