@@ -650,7 +650,7 @@ def test_a_rekey_that_reaches_another_gpu_halts_the_driver_and_every_later_trave
     (no export, no lending) and every later travel fails naming why; the log keeps naming the
     first GPU (second review of session 23: the driver was left fresh)."""
     import test_orchestrator_shell as shell  # lazy: its in-process cohort of fakes
-    from gputravel.crypto.spdm import SpdmResponder
+    from gputravel.crypto.device_identity import DeviceIdentity
     from gputravel.errors import TravelHalted
 
     now = datetime.now(timezone.utc)
@@ -672,7 +672,7 @@ def test_a_rekey_that_reaches_another_gpu_halts_the_driver_and_every_later_trave
     cohort.driver.alloc_dataset_buffer(shell.BUFFER)  # the new session wiped VRAM
     assert cohort.travel("alice")[0] == "reported"
     exports = len(cohort.exports)
-    cohort.gpu.core._responder_factory = lambda: SpdmResponder(other.leaf_key, other.chain_der)
+    cohort.gpu.core._identity = DeviceIdentity(other.leaf_key, other.chain_der)
     cohort.gpu.core._firmware = other.firmware()
     with pytest.raises(TravelHalted, match=f"reached GPU {OTHER_GPU}, not {GPU}"):
         orch.rekey()

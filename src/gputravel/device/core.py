@@ -57,6 +57,7 @@ from gputravel.protocol.codec import decode, encode
 
 if TYPE_CHECKING:
     from gputravel.attest.gpu import EmulatedGpuFirmware
+    from gputravel.crypto.device_identity import DeviceIdentity
 
 Push = CopyToVram | CopyFromVram | Memset | RotateKeys | GrantWindow | SemaphoreRelease
 USER_METHODS: tuple[type[Push], ...] = (CopyToVram, CopyFromVram, SemaphoreRelease)
@@ -71,24 +72,16 @@ class DeviceStats:
 
 
 class DeviceCore:
-    def __init__(
-        self,
-        layout: Layout,
-        vram: memoryview,
-        bar: memoryview,
-        responder_factory: Callable[[], SpdmResponder],
-        *,
-        serial: str = "GPU-EMU-0",
-        rng: Callable[[int], bytes] = os.urandom,
-        firmware: EmulatedGpuFirmware | None = None,
-    ) -> None:
+    def __init__(self, layout: Layout, vram: memoryview, bar: memoryview, identity: DeviceIdentity, *,
+                 serial: str = "GPU-EMU-0", rng: Callable[[int], bytes] = os.urandom,
+                 firmware: EmulatedGpuFirmware | None = None) -> None:
         self.layout = layout
         self._firmware = firmware  # answers GET_MEASUREMENTS; None: a device without attestation
         self.vram = vram
         self.bar = bar
         self.serial = serial
         self.stats = DeviceStats()
-        self._responder_factory = responder_factory
+        self._identity = identity  # its SPDM responder's key and certificate chain
         self._spdm: SpdmResponder | None = None
         self._session_secret: bytes | None = None
         self._epoch = -1
@@ -180,7 +173,7 @@ class DeviceCore:
         if isinstance(request, GetCertificate):
             if self._session_secret is not None:
                 self._wipe()  # a new owner: nothing of the old session may survive
-            self._spdm = self._responder_factory()
+            self._spdm = SpdmResponder(self._identity.private_key, self._identity.chain_der)
         if self._spdm is None:
             raise ProtocolError("SPDM message before GET_CERTIFICATE/KEY_EXCHANGE")
         try:

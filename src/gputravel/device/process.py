@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from gputravel.attest.gpu import EmulatedGpuFirmware
 from gputravel.crypto.device_identity import DeviceIdentity
-from gputravel.crypto.spdm import SpdmResponder
 from gputravel.errors import BadInput, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.protocol.layout import Bar0, Layout
 from gputravel.protocol.host import AttachCvm, DeviceAck, DeviceAttach
@@ -83,14 +82,8 @@ class DeviceProcess:
         self.vram_fd, self.vram = _memfd("gputravel-vram", config.vram_bytes, populate=True)
         self.bar_fd, self.bar = _memfd("gputravel-bar0", Bar0.size(config.layout), populate=True)
         self.doorbell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self.core = DeviceCore(
-            config.layout,
-            memoryview(self.vram),
-            memoryview(self.bar),
-            lambda: SpdmResponder(identity.private_key, identity.chain_der),
-            serial=config.serial,
-            firmware=firmware,
-        )
+        self.core = DeviceCore(config.layout, memoryview(self.vram), memoryview(self.bar), identity,
+                               serial=config.serial, firmware=firmware)
         self.core.on_interrupt = self._interrupt
         self._irq_fd: int | None = None
         self._segments: dict[tuple[int, int, int], tuple[mmap.mmap, memoryview]] = {}

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from gputravel.crypto.device_identity import DeviceIdentity, make_device_identity
-from gputravel.crypto.spdm import SpdmResponder
 from gputravel.device.core import DeviceCore
 from gputravel.device.memory import DmaWindow
 from gputravel.driver.driver import Driver
@@ -136,15 +135,8 @@ class InProcessGpu:
             self.identity = make_device_identity(serial=serial)
         else:
             self.identity = DeviceIdentity(device.leaf_key, device.chain_der)
-        identity = self.identity
-        self.core = DeviceCore(
-            layout,
-            memoryview(self.vram),
-            memoryview(self.bar),
-            lambda: SpdmResponder(identity.private_key, identity.chain_der),
-            serial=serial,
-            firmware=device.firmware() if device is not None else None,
-        )
+        self.core = DeviceCore(layout, memoryview(self.vram), memoryview(self.bar), self.identity, serial=serial,
+                               firmware=device.firmware() if device is not None else None)
         #: Handed to every driver this harness builds.
         self.clock: Callable[[], float] = clock if clock is not None else FakeClock()
         self.links: dict[str, FakeLink] = {}
