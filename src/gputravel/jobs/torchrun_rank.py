@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -28,22 +29,21 @@ __all__ = ["JOB_FILE", "main", "read_torchrun_job", "write_torchrun_job"]
 JOB_FILE = "job.json"
 ROOT_CERT_FILE = "quoting-root.der"  # the emulated quoting root's certificate
 ROOT_KEY_FILE = "quoting-root-key.pem"  # and its private key: emulation only (module docstring)
-FORMAT = "gputravel torchrun job v1"
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets per rank
 
 
 class _JobFile(BaseModel):
     """job.json as written by write_torchrun_job; anything else is refused before training."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, ser_json_bytes="hex", val_json_bytes="hex")
 
-    format: str
+    format: Literal["gputravel torchrun job v1"]
     train: TrainConfig
     shares: list[list[tuple[str, str]]]  # per rank: (holder name, path of its tokens)
     run_dir: str
     resume_from: str | None
-    context: str  # hex
-    measurement: str  # hex
+    context: bytes
+    measurement: bytes
 
 
 def write_torchrun_job(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]], job_dir: Path,
@@ -62,10 +62,10 @@ def write_torchrun_job(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, st
     write_private(job_dir / ROOT_KEY_FILE, key)
     # Names this job and is fresh: quotes made for it are refused in any other (ddp/keys.py).
     context = b"gputravel torchrun ranks/" + os.urandom(32)
-    job = _JobFile(format=FORMAT, train=cfg, shares=[list(share) for share in shares],
+    job = _JobFile(format="gputravel torchrun job v1", train=cfg, shares=[list(share) for share in shares],
                    run_dir=str(Path(run_dir).resolve()), resume_from=str(resume) if resume else None,
-                   context=context.hex(), measurement=MEASUREMENT.hex())
-    write_json(job_dir / JOB_FILE, job.model_dump())  # written last: a job.json means a whole job
+                   context=context, measurement=MEASUREMENT)
+    write_json(job_dir / JOB_FILE, job.model_dump(mode="json"))  # written last: a job.json means a whole job
     return job_dir
 
 
@@ -78,27 +78,19 @@ def read_torchrun_job(job_dir: Path, rank: int, world_size: int) -> RankJob:
                        f"{world_size}: launch {len(job.shares)} ranks in all (--nnodes x --nproc-per-node)")
     if not 0 <= rank < world_size:
         raise BadInput(f"RANK={rank} is not in 0..{world_size - 1}")
-    cfg = job.train
-    try:
-        context, measurement = bytes.fromhex(job.context), bytes.fromhex(job.measurement)
-    except ValueError as exc:
-        raise BadInput(f"{job_dir / JOB_FILE}: malformed ({exc})") from None
     shares = rank_shares(job.shares, Path(job.resume_from) if job.resume_from else None)
     root = (_read_file(job_dir / ROOT_CERT_FILE), _read_file(job_dir / ROOT_KEY_FILE))
     names = tuple(tuple(name for name, _ in share) for share in shares)
-    return RankJob(cfg, world_size, shares[rank], job.run_dir if rank == 0 else None, job.resume_from, root,
-                   context, measurement, shares=names)
+    return RankJob(job.train, world_size, shares[rank], job.run_dir if rank == 0 else None, job.resume_from, root,
+                   job.context, job.measurement, shares=names)
 
 
 def _read_job_file(path: Path) -> _JobFile:
     try:
-        job = _JobFile.model_validate_json(_read_file(path))  # JSON mode: arrays are the shares' tuples
+        return _JobFile.model_validate_json(_read_file(path))  # JSON mode: arrays are the shares' tuples
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}" for e in exc.errors())
         raise BadInput(f"{path} is malformed: {problems}; write it with write_torchrun_job") from None
-    if job.format != FORMAT:
-        raise BadInput(f"{path} is of format {job.format!r}, not {FORMAT!r}: write it again with write_torchrun_job")
-    return job
 
 
 def _read_file(path: Path) -> bytes:
