@@ -367,22 +367,17 @@ class Orchestrator:
         """Before a travel or baseline transfer: fresh GPU claims, and the holder's re-attestation if due."""
         try:
             self.attester.refresh(self.driver, utcnow(), self.config.device_timeout)
-            self._reattest(holder)
+            conn = self.holders.get(holder)  # None: the machine's Start says why there is no travel
+            try:
+                if conn is not None:
+                    self.attester.reattest_if_due(conn, self.driver, self.config.holder_timeout, self._clock())
+            except GputravelError as exc:  # it failed (or refused us): dropped, it may join again
+                self.drop(holder)
+                raise HolderLost(holder, f"{type(exc).__name__}: {exc}", during="its re-attestation") from None
         except GputravelError:
             # A dropped RPC leaves the queue out of step until a rotation, stalling every later travel.
             self._recover()
             raise
-
-    def _reattest(self, holder: str) -> None:
-        """A holder that fails its re-attestation (or refuses us) is dropped; it may join again."""
-        conn = self.holders.get(holder)
-        if conn is None:
-            return  # the machine's Start says why there is no travel
-        try:
-            self.attester.reattest_if_due(conn, self.driver, self.config.holder_timeout, self._clock())
-        except GputravelError as exc:
-            self.drop(holder)
-            raise HolderLost(holder, f"{type(exc).__name__}: {exc}", during="its re-attestation") from None
 
     def drop(self, holder: str) -> None:
         conn = self.holders.pop(holder, None)

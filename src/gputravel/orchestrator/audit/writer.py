@@ -57,15 +57,6 @@ def _after(after: tuple[bytes, int] | None) -> tuple[bytes, int]:
     return digest, travels
 
 
-def _fsync_dir(path: Path) -> None:
-    # A new file's directory entry must be durable too, or a crash can lose the whole log.
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class AuditLog:
     """The orchestrator's writer for one GPU. One writer per file; ``append`` is thread-safe."""
 
@@ -99,7 +90,11 @@ class AuditLog:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
         except FileExistsError:
             raise BadInput(f"audit log {os.fspath(p)!r} already exists (use AuditLog.open)") from None
-        _fsync_dir(p)
+        dir_fd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY)  # a crash must not lose the new file
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
         return cls(p, key, gpu, fd, 0, prev, job, travels)
 
     @classmethod
