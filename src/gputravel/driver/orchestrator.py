@@ -128,9 +128,8 @@ class OrchestratorDriver(Driver):
     def _resync(self) -> None:
         """After a confirmed kernel push (the device ran everything before it in order), continue
         the user channel and the RPC queue where the device stands, whatever was left behind."""
-        self._put[PushChannel.USER] = self._get(PushChannel.USER)
+        self.join_queues_where_they_stand()
         U32.pack_into(self.link.bar, Bar0.put(PushChannel.USER), self._put[PushChannel.USER])
-        self._join_rpc_queue()
 
     def scrub(self, offset: int, nbytes: int, timeout: float = 10.0) -> None:
         """Device-side memset of the dataset buffer: nothing of the last chunk may travel on."""
@@ -273,11 +272,10 @@ def _check_consistent(sent: DriverContext, back: DriverContext) -> None:
         raise ContextBlobError("returned context blob is inconsistent: a channel counter changed during the travel")
     if any(after[label][1] < before[label][1] for label in before):
         raise ContextBlobError("returned context blob is stale: counters went backwards")
-    if back.semaphore < sent.semaphore or back.rpc_tx_seq < sent.rpc_tx_seq or back.rpc_rx_seq < sent.rpc_rx_seq:
+    moved = ((sent.semaphore, back.semaphore), (sent.rpc_tx_seq, back.rpc_tx_seq), (sent.rpc_rx_seq, back.rpc_rx_seq))
+    if any(now < was for was, now in moved):
         raise ContextBlobError("returned context blob is stale: semaphore or RPC sequence went backwards")
-    if any(after - before > MAX_ADVANCE for before, after in ((sent.semaphore, back.semaphore),
-                                                              (sent.rpc_tx_seq, back.rpc_tx_seq),
-                                                              (sent.rpc_rx_seq, back.rpc_rx_seq))):
+    if any(now - was > MAX_ADVANCE for was, now in moved):
         raise ContextBlobError("returned context blob is inconsistent: semaphore or RPC sequence moved too far")
 
 
