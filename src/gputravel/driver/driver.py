@@ -76,8 +76,7 @@ class Driver:
 
     # ------------------------------------------------------------------ boot
     def probe(self, timeout: float = 10.0) -> DeviceInfo:
-        """Boot (paper 4.1): join the RPC queue where BAR0 says it stands, check the device and
-        learn its work submission tokens."""
+        """Boot (paper 4.1): join the RPC queue where it stands, check the device, learn its tokens."""
         if self.epoch is None:
             self._join_rpc_queue()
         info = self.ask(GetDeviceInfo(), DeviceInfo, encrypted=False, timeout=timeout)
@@ -151,8 +150,7 @@ class Driver:
 
     # ------------------------------------------------------------------ pushes and semaphores
     def submit(self, channel: PushChannel, push: object, timeout: float = 10.0) -> None:
-        """Encrypt a push into its slot, append a GPFIFO entry, ring the doorbell. The user channel
-        needs the context home; the kernel channel its keys (only the orchestrator's driver)."""
+        """Encrypt a push into its slot, append a GPFIFO entry, ring the doorbell."""
         if channel is PushChannel.USER:
             self._require_context("submit work")
         elif PUSH_LABEL[channel] not in self.keys.tx:
@@ -239,8 +237,7 @@ class Driver:
 
     # ------------------------------------------------------------------ copy API (paper 5.5)
     def copy_to_vram(self, data: memoryview, dst_offset: int, *, buffer_bytes: int, timeout: float = 30.0) -> None:
-        """Copy ``data`` into VRAM through the staging slots, pipelined: record k is encrypted
-        into slot k % S while the device decrypts earlier ones. Nothing is sent if it won't fit."""
+        """Copy ``data`` into VRAM through the staging slots, pipelined; nothing is sent if it won't fit."""
         self._require_context("copy")
         if len(data) > buffer_bytes:
             raise BadInput(f"chunk of {len(data)} bytes is larger than the {buffer_bytes}-byte dataset buffer")

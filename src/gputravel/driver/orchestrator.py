@@ -136,14 +136,12 @@ class OrchestratorDriver(Driver):
         self.finish_scrub(self.start_scrub(offset, nbytes, timeout), timeout)
 
     def start_scrub(self, offset: int, nbytes: int, timeout: float = 10.0) -> int:
-        """Submit the scrub; returns the release value ``finish_scrub`` waits for (a travel
-        exports the user context meanwhile: the scrub is kernel-channel work)."""
+        """Submit the scrub (kernel work: a travel exports meanwhile); ``finish_scrub`` waits for it."""
         return self._submit_kernel(
             lambda v: Memset(offset=offset, nbytes=nbytes, value=0, release=v, interrupt=True), timeout)
 
     def finish_scrub(self, value: int, timeout: float = 10.0) -> bytes | None:
-        """Wait for the scrub. Returns None, or a fresh context blob when one exported during
-        the scrub no longer matches the device, which must then travel instead."""
+        """Wait for the scrub; a fresh context blob if the one exported meanwhile no longer matches."""
         # Sleep at once instead of polling: the device fills large buffers on every core
         # (device/core.py), and a polling orchestrator would take one of them.
         self.wait_release(PushChannel.KERNEL, value, timeout, poll=False)
@@ -173,8 +171,7 @@ class OrchestratorDriver(Driver):
         return self.finish_rotation(timeout)
 
     def start_rotation(self, timeout: float = 10.0) -> int:
-        """Submit the rotation (kernel work: a travel imports the returned context meanwhile);
-        ``finish_rotation`` moves the driver and waits for the device."""
+        """Submit the rotation (kernel work: a travel imports meanwhile); ``finish_rotation`` waits."""
         self._require_session("rotate keys")
         if self._rotating is not None:
             raise IllegalTransition("orchestrator driver", "rotating", "start another rotation")
@@ -188,8 +185,7 @@ class OrchestratorDriver(Driver):
         return epoch
 
     def finish_rotation(self, timeout: float = 10.0) -> int:
-        """Install the new epoch's keys and wait for the device's confirmation. A context that
-        never came back in good order is taken back first (as ``abandon_travel``)."""
+        """Take back a context still away, install the new epoch's keys, wait for the confirmation."""
         if self._rotating is None:
             raise IllegalTransition("orchestrator driver", "not-rotating", "finish a rotation")
         value, self._rotating = self._rotating, None
@@ -211,8 +207,7 @@ class OrchestratorDriver(Driver):
 
     # ------------------------------------------------------------------ travel
     def export_for_travel(self) -> bytes:
-        """The current epoch's user context for one holder's travel; refused if any party had
-        that epoch before (EpochSpent) or travel is halted (TravelHalted)."""
+        """The current epoch's user context for one holder's travel, if no party had that epoch."""
         self._require_session("export the context")
         if self._exported is not None:
             raise IllegalTransition("orchestrator driver", "context-away", "export the context")

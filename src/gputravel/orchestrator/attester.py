@@ -73,8 +73,7 @@ class GpuAttester:
 
     # ------------------------------------------------------------------ GPU phase
     def open_session(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> GpuClaims:
-        """SPDM with a device under the vendor root (after the first, the same GPU: its log names
-        one), then attest it."""
+        """SPDM with a device under the vendor root (after the first, the same GPU), then attest it."""
         requester = SpdmRequester(verify_chain=self._pinned(spdm_chain_verifier(self.material.trust, now)))
         self._session_chain = self.claims = None  # whatever the session was, it is being replaced
         driver.establish_session(requester, timeout=timeout)
@@ -135,8 +134,7 @@ class GpuAttester:
     # ------------------------------------------------------------------ CPU phase
     def answer(self, challenge: AttestChallenge, driver: OrchestratorDriver, now: datetime,
                timeout: float) -> AttestEvidence:
-        """GPU evidence for the holder's nonce, checked as at boot, and a TDX quote binding our TLS
-        key and that nonce; only with the GPU home and attested."""
+        """GPU evidence for the holder's nonce and a TDX quote binding it and our TLS key."""
         if self.claims is None:
             raise IllegalTransition("gpu attester", "gpu-unattested", "vouch for the GPU")
         if driver.away:

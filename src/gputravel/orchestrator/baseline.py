@@ -122,8 +122,7 @@ class BaselinePath:
                                           timeout=max(self.orch.config.device_timeout, 30.0))
 
     def _receive(self, holder: str, req: SendChunk) -> int:
-        """Take the chunk into the staging buffer; returns the holder's read time (ns). A holder
-        that breaks the exchange is dropped (its stream is out of step), as in a travel."""
+        """Take the chunk into staging; the holder's read ns. One that breaks the exchange is dropped."""
         conn = self.orch.holders[holder]
         try:
             conn.send(req)

@@ -167,8 +167,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ cohort
     def accept_holder(self, timeout: float, probe: Callable[[str, Transport], None] | None = None) -> str:
-        """Admit one holder: it attests us, introduces itself, and is welcomed; a late one (not
-        probed) is lent the GPU first through ``probe``, or refused without one."""
+        """Admit one holder: it attests us and introduces itself; a late one is lent the GPU via ``probe``."""
         conn, peer = self.listener.accept(timeout=timeout)
         try:  # paper 4.5, CPU phase: the holder attests us before it says anything else
             self.attester.serve_challenge(conn, self.driver, timeout, self._clock())
@@ -247,8 +246,7 @@ class Orchestrator:
             self.travel_log.job_done(self.driver.epoch or 0)
 
     def _travel(self, holder: str, dataset_offset: int) -> TravelReport:
-        """Carry out the machine's actions until it reports; whatever fails once the travel started
-        (a bug too), the GPU is recovered before anything else."""
+        """Carry out the machine's actions until it reports; on any failure, recover the GPU first."""
         sm, drv = self.travel_sm, self.driver
         assert sm is not None
         if holder in sm.holders and holder not in self.holders:

@@ -143,8 +143,7 @@ class Membership:
         return self.core.lent(holder)
 
     def probe_over(self, holder: str, conn: Transport) -> None:
-        """A late holder that joined by itself: lend it the GPU to probe over its own link
-        (ProbeNow, ProbeDone), and take the GPU back whatever happened."""
+        """Lend a late holder the GPU to probe over its own link; take it back whatever happened."""
         try:
             self.lend(holder)  # a switch the host fails leaves the GPU maybe lent: reclaimed below
             conn.send(ProbeNow())

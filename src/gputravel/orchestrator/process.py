@@ -116,8 +116,7 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport,
 
 
 class _ShutdownAsked:
-    """Between steps: has the launcher asked this CVM to shut down? (A stopping service ends
-    training checkpointed at a step boundary.)"""
+    """Has the launcher asked this CVM to shut down? Asked between steps, so it stops checkpointed."""
 
     def __init__(self, control: Transport) -> None:
         self.control, self.asked = control, False

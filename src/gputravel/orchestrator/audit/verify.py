@@ -220,8 +220,7 @@ def _check_known_head(parsed: list[_Parsed], known_head: tuple[int, bytes] | byt
 
 
 def _check_closing(parsed: list[_Parsed], trailing: bool) -> bool:
-    """Whether the log is closed; AuditError (AFTER_CLOSE) if anything follows a closing entry
-    (the writer never continues a closed log: a continuation could be cut back to it)."""
+    """Whether the log is closed; AuditError (AFTER_CLOSE) if anything follows a closing entry."""
     for index, p in enumerate(parsed):
         if p.entry.event is AuditEvent.CLOSED and index != len(parsed) - 1:
             raise AuditError(Failure.AFTER_CLOSE, index + 1, f"the log was closed at seq {index}")

@@ -81,8 +81,7 @@ class AuditLog:
     @classmethod
     def create(cls, path: str | os.PathLike[str], signing_key: bytes | ec.EllipticCurvePrivateKey, *,
                gpu: str, job: bytes | None = None, after: tuple[bytes, int] | None = None) -> AuditLog:
-        """A new, empty log of ``gpu`` (never over a file) for ``job`` (random if None), continuing
-        ``after`` (see :meth:`start_after`) if given."""
+        """A new, empty log (never over a file); ``job`` is random if None, ``after`` as in start_after."""
         key, p, gpu = load_signer(signing_key), Path(path), check_gpu(gpu)
         job = _job_id(job)
         prev, travels = _after(after)
@@ -141,8 +140,7 @@ class AuditLog:
             return self._next_seq - 1, self._prev, self._travels
 
     def holds(self, seq: int, digest: bytes) -> bool:
-        """Whether the file this writer appends to (its own descriptor, whatever the path names
-        now) verifies and holds entry ``seq`` with hash ``digest``."""
+        """Whether this writer's own file (whatever the path names now) verifies and holds the entry."""
         with self._lock:
             if self._fd < 0:
                 raise BadInput("the audit log is closed")
