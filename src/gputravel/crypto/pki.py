@@ -61,38 +61,24 @@ class MemberIdentity:
     key_pem: bytes = field(repr=False)
 
 
+@dataclass(frozen=True, eq=False)
 class CohortPki:
     """The cohort CA certificate plus the member identities found in one directory."""
 
-    def __init__(self, directory: Path, ca_pem: bytes, members: Mapping[str, MemberIdentity]) -> None:
-        self._directory = Path(directory)
-        self._ca_pem = ca_pem
-        self._members = dict(members)
+    directory: Path
+    ca_pem: bytes = field(repr=False)
+    _members: Mapping[str, MemberIdentity] = field(repr=False)
 
     def __repr__(self) -> str:
-        return f"CohortPki(directory={str(self._directory)!r}, members={self.names!r})"
-
-    @property
-    def directory(self) -> Path:
-        return self._directory
-
-    @property
-    def ca_pem(self) -> bytes:
-        return self._ca_pem
+        return f"CohortPki(directory={str(self.directory)!r}, members={self.names!r})"
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._members))
 
     @classmethod
-    def create(
-        cls,
-        directory: Path,
-        members: Iterable[str],
-        *,
-        now: datetime | None = None,
-        valid_days: int = 30,
-    ) -> CohortPki:
+    def create(cls, directory: Path, members: Iterable[str], *, now: datetime | None = None,
+               valid_days: int = 30) -> CohortPki:
         """Make a cohort CA and one leaf per member; write ca.pem, <name>.pem, <name>.key."""
         names = [_check_name(n) for n in members]
         if not names:
@@ -159,9 +145,9 @@ class CohortPki:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.maximum_version = ssl.TLSVersion.TLSv1_3
         ctx.verify_mode = ssl.CERT_REQUIRED  # mutual authentication on both sides
-        ctx.load_verify_locations(cadata=self._ca_pem.decode("ascii"))
+        ctx.load_verify_locations(cadata=self.ca_pem.decode("ascii"))
         # ssl wants paths; the files are the ones create()/load() wrote or read.
-        ctx.load_cert_chain(self._directory / f"{name}.pem", self._directory / f"{name}.key")
+        ctx.load_cert_chain(self.directory / f"{name}.pem", self.directory / f"{name}.key")
         return ctx
 
 
