@@ -47,7 +47,6 @@ def _load(cert_der: bytes) -> x509.Certificate:
 
 
 def spki_der(cert_der: bytes) -> bytes:
-    """The DER SubjectPublicKeyInfo of a certificate."""
     return _load(cert_der).public_key().public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 

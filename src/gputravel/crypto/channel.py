@@ -242,7 +242,6 @@ class Sender(_Endpoint):
         self._seal("encrypt_into", lambda nonce: self._aead.encrypt_into(nonce, plaintext, aad, out))
 
     def encrypt(self, plaintext: Buffer, aad: bytes | None = None) -> bytes:
-        """Return ciphertext||tag for `plaintext`."""
         return self._seal("encrypt", lambda nonce: self._aead.encrypt(nonce, plaintext, aad))
 
     def _seal(self, what: str, seal: Callable[[bytes], _T]) -> _T:

@@ -42,8 +42,6 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 # ----------------------------------------------------------------------------- registration
 class _MessageMeta(msgspec.StructMeta):
-    """Registers each subclass of :class:`Message` under its tag when its class is created."""
-
     def __new__(mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], *,
                 secret: tuple[str, ...] = (), **config: Any) -> type:
         is_message = any(isinstance(b, _MessageMeta) for b in bases)  # not Message itself
@@ -163,7 +161,6 @@ def _check_hint(hint: Any) -> None:
 
 
 def tag_of(cls: type) -> str:
-    """The tag a message class is registered under."""
     try:
         return _TAG_BY_CLASS[cls]
     except KeyError:
@@ -171,7 +168,6 @@ def tag_of(cls: type) -> str:
 
 
 def registered(tag: str) -> type:
-    """The message class registered under ``tag``."""
     try:
         return _CLASS_BY_TAG[tag]
     except KeyError:

@@ -8,8 +8,6 @@ from gputravel.errors import BadInput, IllegalTransition
 
 
 class Machine:
-    """Shared state-machine plumbing."""
-
     _role = "spdm"
 
     def __init__(self, rng: Rng) -> None:

@@ -65,7 +65,6 @@ class SpdmResponder(Machine):
         self._schedule: KeySchedule | None = None
 
     def handle(self, msg: object) -> object:
-        """Process one request and return the response message."""
         # Each handler takes the message of its key's type.
         handlers: dict[type, tuple[str, Callable[[Any], object]]] = {
             GetCertificate: ("idle", self._on_get_certificate),

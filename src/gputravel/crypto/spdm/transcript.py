@@ -25,7 +25,6 @@ def _lp(data: bytes) -> bytes:
 
 
 def _encode(msg: Struct, omit: frozenset[str] = frozenset()) -> bytes:
-    """Canonical transcript bytes of `msg` (see the module docstring)."""
     kept = [f for f in fields(msg) if f.name not in omit]
     parts = [_lp(type(msg).__name__.encode("ascii")), struct.pack(">I", len(kept))]
     for f in kept:
