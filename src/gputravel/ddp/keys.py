@@ -31,17 +31,8 @@ from gputravel.errors import BadInput, PeerAttestationError, ProtocolError
 from gputravel.protocol.codec import decode, encode
 from gputravel.protocol.ddp import KeyShare, KeyVerdict
 
-__all__ = [
-    "REPORT_DATA_BYTES",
-    "Attest",
-    "Exchange",
-    "PairKeys",
-    "Verify",
-    "all_gather_bytes",
-    "establish_pair_keys",
-    "pair_label",
-    "report_data",
-]
+__all__ = ["REPORT_DATA_BYTES", "Attest", "Exchange", "PairKeys", "Verify", "all_gather_bytes", "establish_pair_keys",
+           "pair_label", "report_data"]
 
 REPORT_DATA_BYTES = 48  # SHA-384; the caller fits it into its evidence (a quote has 64 bytes)
 _REPORT_LABEL = b"gputravel ddp ring key v1\x00"

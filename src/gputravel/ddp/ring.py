@@ -38,16 +38,8 @@ from gputravel.crypto.channel import TAG_BYTES
 from gputravel.ddp.keys import PairKeys
 from gputravel.errors import BadInput, ChannelFaulted, IntegrityError, PeerTimeout, TransportClosed
 
-__all__ = [
-    "DEFAULT_RECORD_BYTES",
-    "DEFAULT_TIMEOUT_S",
-    "LANES",
-    "PointToPoint",
-    "Ring",
-    "TorchPointToPoint",
-    "Variant",
-    "record_aad",
-]
+__all__ = ["DEFAULT_RECORD_BYTES", "DEFAULT_TIMEOUT_S", "LANES", "PointToPoint", "Ring", "TorchPointToPoint", "Variant",
+           "record_aad"]
 
 DEFAULT_RECORD_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 120.0

@@ -1,14 +1,9 @@
-"""The emulated confidential GPU's firmware: GSP RPC queue, work-launch channels, copy engines.
-
-Sans-IO: memory comes in as buffers (VRAM, BAR0, the DMA window the PCIe MUX maps); the device
-process calls :meth:`DeviceCore.service` when the doorbell rings. What it enforces, as H100 CC:
-
-- every push and copy record is authenticated with receiver-tracked IVs (replays fail);
-- a copy record is read out of the host-writable staging slot once, into the device's own memory,
-  and verified and decrypted from that copy only; a bad tag writes nothing to VRAM and faults the
-  channel until the orchestrator rotates keys through the kernel channel, whose keys never leave;
-- a new SPDM session wipes VRAM and all channel state (the last CVM to boot owns the GPU);
-- attestation evidence is answered only on the encrypted RPC queue, to the session's holder.
+"""The emulated confidential GPU's firmware (GSP RPC queue, work channels, copy engines), sans-IO:
+the device process calls :meth:`DeviceCore.service` when the doorbell rings. As H100 CC does, it
+authenticates every push and record with receiver-tracked IVs, reads a record out of the staging
+slot once and decrypts only that copy (a bad tag writes nothing and faults the channel until a
+rotation on the kernel channel, whose keys only the orchestrator holds), wipes VRAM on a new SPDM
+session, and answers attestation only on the encrypted RPC queue (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -22,37 +17,12 @@ from gputravel.crypto.channel import Receiver, Sender, derive_epoch_keys
 from gputravel.crypto.spdm import Finish, GetCertificate, SpdmResponder
 from gputravel.device.memory import PIECE_BYTES, DmaFault, DmaWindow, check_range, dma_view, fill, open_record
 from gputravel.errors import DeviceError, GputravelError, ProtocolError
-from gputravel.protocol.layout import (
-    FAULT_REG,
-    GPFIFO_ENTRY,
-    RPC_HEADER,
-    PAGE,
-    SEMAPHORE_HEADER,
-    TAG_BYTES,
-    U32,
-    Bar0,
-    Layout,
-    PushChannel,
-)
+from gputravel.protocol.layout import (FAULT_REG, GPFIFO_ENTRY, PAGE, RPC_HEADER, SEMAPHORE_HEADER, TAG_BYTES, U32,
+                                       Bar0, Layout, PushChannel)
 from gputravel.crypto.labels import ALL_LABELS, PUSH_LABEL, SEM_LABEL, is_h2d
-from gputravel.protocol.rpc import (
-    AllocBuffer,
-    BufferInfo,
-    DeviceInfo,
-    Evidence,
-    GetDeviceInfo,
-    GetEvidence,
-    QueryBuffer,
-    RpcError,
-)
-from gputravel.protocol.push import (
-    CopyFromVram,
-    CopyToVram,
-    GrantWindow,
-    Memset,
-    RotateKeys,
-    SemaphoreRelease,
-)
+from gputravel.protocol.rpc import (AllocBuffer, BufferInfo, DeviceInfo, Evidence, GetDeviceInfo, GetEvidence,
+                                    QueryBuffer, RpcError)
+from gputravel.protocol.push import CopyFromVram, CopyToVram, GrantWindow, Memset, RotateKeys, SemaphoreRelease
 from gputravel.protocol.codec import decode, encode
 
 if TYPE_CHECKING:

@@ -8,13 +8,8 @@ import os
 from collections.abc import Callable
 from datetime import datetime
 
-from gputravel.attest import (
-    AttestAccepted,
-    AttestChallenge,
-    AttestEvidence,
-    OrchestratorAttestation,
-    attest_orchestrator,
-)
+from gputravel.attest import (AttestAccepted, AttestChallenge, AttestEvidence, OrchestratorAttestation,
+                              attest_orchestrator)
 from gputravel.attest.gpu import NONCE_BYTES
 from gputravel.attest.material import HolderMaterial, utcnow
 from gputravel.errors import GputravelError

@@ -16,14 +16,7 @@ from typing import Any, Self
 from gputravel.crypto.pki import CohortPki
 from gputravel.driver.driver import Driver
 from gputravel.driver.link import PcieMuxClient, register_with_host
-from gputravel.errors import (
-    BadInput,
-    GputravelError,
-    IllegalTransition,
-    PeerTimeout,
-    ProtocolError,
-    TransportClosed,
-)
+from gputravel.errors import BadInput, GputravelError, IllegalTransition, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.files import RAW, TOKENS, DatasetFormat, dataset_kind
 from gputravel.protocol.layout import Layout
 from gputravel.protocol.parties import ORCHESTRATOR

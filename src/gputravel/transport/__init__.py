@@ -6,17 +6,5 @@ from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import accept_unix, connect_unix, listen_unix, socketpair_transports
 from gputravel.transport.tls import TlsListener, connect_tls
 
-__all__ = [
-    "MAX_FDS",
-    "MemoryTransport",
-    "Received",
-    "StreamTransport",
-    "TlsListener",
-    "Transport",
-    "accept_unix",
-    "connect_tls",
-    "connect_unix",
-    "listen_unix",
-    "memory_pair",
-    "socketpair_transports",
-]
+__all__ = ["MAX_FDS", "MemoryTransport", "Received", "StreamTransport", "TlsListener", "Transport", "accept_unix",
+           "connect_tls", "connect_unix", "listen_unix", "memory_pair", "socketpair_transports"]
