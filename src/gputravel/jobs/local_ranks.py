@@ -1,6 +1,5 @@
-"""`--loader local` with N ranks, the data-parallel reference for paper goal G2 (issue 14):
-rank processes reading their shares from disk run the travelling ranks' loop (DDP over the
-encrypted ring, keyed by attesting one another), so the losses are bit-identical. Each rank's
+"""`--loader local` with N ranks, the G2 reference (issue 14): rank processes reading their
+shares from disk run the travelling ranks' loop, so the losses are bit-identical; each rank's
 TEE is emulated under one quoting root the parent makes for the job.
 """
 
@@ -35,8 +34,7 @@ DEFAULT_TIMEOUT_S = 4 * 3600.0  # the whole job; a rank silent that long is hung
 
 @dataclass(frozen=True)
 class RankJob:
-    """What one rank needs besides its place: picklable, sent to a spawned process here or read
-    back from a job directory by jobs/torchrun_rank.py."""
+    """What one rank needs besides its place; picklable, or read from a job directory (jobs/torchrun_rank.py)."""
 
     cfg: TrainConfig
     world_size: int

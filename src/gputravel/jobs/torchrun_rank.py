@@ -130,8 +130,7 @@ def run(job_dir: Path) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m gputravel.jobs.torchrun_rank JOB_DIR`: 0 trained, 2 bad input; a failing peer
-    raises (exit 1), and torchrun stops the job."""
+    """`python -m gputravel.jobs.torchrun_rank JOB_DIR`: 0 trained, 2 bad input; a failing peer raises (exit 1)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if len(args) != 1:

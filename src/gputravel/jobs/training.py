@@ -95,8 +95,7 @@ def layout_for(buffer_bytes: int) -> Layout:
 
 
 def default_holders(count: int, workdir: Path) -> tuple[tuple[str, str], ...]:
-    """The shipped Shakespeare: three presses (tragedies, comedies, histories); for another
-    count, the plays are dealt to `count` holders in turn."""
+    """The shipped Shakespeare: its three presses, or its plays dealt to `count` holders in turn."""
     presses = shakespeare_holders()
     if count == len(presses):
         return tuple((name, str(path)) for name, path in presses.items())
@@ -145,8 +144,7 @@ def _run_local(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
 
 
 def _run_services(cfg: TrainingJobConfig, run_dir: Path, on_step, shares=None) -> dict:
-    """The cohort as a consortium deploys it, each party its own service (service/launch.py);
-    with `shares`, every GPU's orchestrator trains as a rank of one job, rank 0 streaming its steps."""
+    """Each party its own service (service/launch.py); with `shares`, each GPU's orchestrator a rank of one job."""
     logs = [_audit_paths(run_dir, f"gpu-{k}-" if shares is not None else "") for k in range(cfg.gpus)]
     _checkpoint(cfg, run_dir)  # --resume with no checkpoint: said before anything starts
     relay = None if on_step is None else (lambda row: on_step(StepEvent(**row)))
@@ -189,8 +187,7 @@ def _checkpoint(cfg: TrainingJobConfig, run_dir: Path) -> Path | None:
 
 # ----------------------------------------------------------------------------- several GPUs
 def shares_of(cfg: TrainingJobConfig) -> tuple[tuple[str, ...], ...]:
-    """Which holders each GPU travels to, balanced by their data's bytes: the same for the
-    travelling run and its local reference (G2)."""
+    """Each GPU's holders, balanced by their data's bytes: the same for a run and its local reference (G2)."""
     return tuple(map(tuple, holder_shares(cfg.holders, cfg.gpus)))
 
 
@@ -221,8 +218,7 @@ def _run_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
 
 
 def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares) -> dict:
-    """--servers: each GPU a cohort of its own in network namespaces, which the services do not
-    make (cohort/gpus.py), all training as the ranks of one job; any rank failing stops them all."""
+    """--servers: a cohort per GPU in network namespaces (cohort/gpus.py), the ranks of one job."""
     t = cfg.train
     logs = [_audit_paths(run_dir, f"gpu-{k}-") for k in range(cfg.gpus)]
     base = CohortConfig(holders=tuple(HolderSpec(n, p, TOKENS) for n, p in cfg.holders),

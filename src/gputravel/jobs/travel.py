@@ -79,8 +79,7 @@ def plan(dataset_bytes: dict[str, int], buffer_bytes: int) -> Iterator[tuple[str
 
 
 def run_travels(config: TravelJobConfig, workdir: Path, on_travel: Callable[[Travel], None]) -> list[Travel]:
-    """Every chunk of every holder once, each travel handed to `on_travel` as it ends; the
-    first typed error of any GPU stops them all and is raised."""
+    """Every chunk of every holder once, each travel to `on_travel`; the first error of any GPU stops them all."""
     check_capacity(config)
     base = CohortConfig(holders=_datasets(config, workdir), buffer_bytes=config.buffer_mib * MIB,
                         hardware=config.hardware)

@@ -11,8 +11,7 @@ __all__ = ["orchestrator_engine_config"]
 
 
 def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_dir: str) -> OrchestratorConfig:
-    """The orchestrator engine's configuration; its placement (pki_dir, trust_dir) is not
-    measured, so init's measurement with placeholders is the running service's."""
+    """The engine's config; its placement is not measured, so init's measurement is the running service's."""
     return OrchestratorConfig(
         host_socket=cfg.host_socket, pki_dir=pki_dir, layout=cfg.layout.to_layout(),
         buffer_bytes=cfg.job.buffer_bytes, listen_host=cfg.listen_host, listen_port=cfg.listen_port,

@@ -1,12 +1,7 @@
-"""`gputravel cohort init` (issue 16; docs/deploy.md): one config file per party, the registry,
-the public trust anchors and each party's empty state directory, standing for the hardware
-vendors and the consortium's agreement as cohort/trust.py does for the supervisor.
-
-    D/host.toml gpu-K.toml orchestrator.toml holder-NAME.toml (host-K, orchestrator-K: --gpus N)
-    D/cohort.registry  who each party is and where it acts (service/registry.py)
-    D/trust/ public/ run/ state/P/ (0700: party P's own)
-    D/vendor/gpu-K/ platform/ platform-K/  root's alone (0700): the emulated vendors' keys, outside
-                 every party's tree, where a party could rename or relink them
+"""`gputravel cohort init` (issue 16; docs/deploy.md): each party's config, the registry, the
+public trust anchors and empty state directories, standing for the hardware vendors and the
+consortium's agreement. The emulated vendors' keys (vendor/gpu-K/, platform[-K]/) are root's
+alone, outside every party's tree, where a party could rename or relink them.
 """
 
 from __future__ import annotations
@@ -106,8 +101,7 @@ def _record_bytes(buffer_bytes: int) -> int:
 
 
 def _check_gpus(gpus: int, holders: int, buffer_bytes: int) -> None:
-    """--gpus within what this machine carries (cohort/capacity.py): the parties' uids come from
-    one block, each GPU populates its VRAM at boot, and each GPU needs one holder at least."""
+    """--gpus within this machine: one block of uids, each GPU's VRAM populated at boot, a holder per GPU at least."""
     if holders > capacity.MAX_HOLDERS:
         raise BadInput(f"--holder: a cohort has at most {capacity.MAX_HOLDERS} holders, not {holders}")
     most = min(holders, (isolation.BLOCK - 1 - holders) // len(_PER_GPU))  # _uids: base + 1 onwards
@@ -138,8 +132,7 @@ def data_bytes(path: str | Path) -> int:
 
 def holder_shares(holders: Sequence[tuple[str, str]], gpus: int, shares: Sequence[Sequence[str]] | None = None,
                   where: str = "shares") -> list[list[str]]:
-    """Which holders each GPU travels to: `shares` checked (a resumed job keeps its checkpoint's),
-    or balanced by the bytes of their data. A holder serves one GPU: it is in exactly one share."""
+    """Each GPU's holders: `shares` checked, else balanced by their data's bytes; a holder is in exactly one."""
     if shares is None:
         return [list(s) for s in partition({name: data_bytes(path) for name, path in holders}, gpus)]
     out = [list(s) for s in shares]
@@ -180,8 +173,7 @@ def _open_to_parties(d: Path) -> None:
 
 
 def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
-    """The emulated vendors: both roots in trust/, one GPU CA per GPU in vendor/gpu-K/, the
-    CPU-TEE root in each rank's platform directory; then the root keys leave trust/."""
+    """The emulated vendors' roots, a GPU CA per GPU, a CPU-TEE root per rank; then the root keys leave trust/."""
     trust = d / "trust"
     init_roots(trust)
     gpu_root = load_authority(trust, "gpu")
@@ -200,8 +192,7 @@ def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
 
 def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], job: JobSection,
              ports: list[int], shares: list[list[str]], hardware: str = "emulated") -> list[tuple[Path, ServiceConfig]]:
-    """Every party's config. GPU K's stack: its host route, the GPU, and rank K's orchestrator
-    with its share of the holders; `ports`: each orchestrator's listener, then rank 0's for the ranks."""
+    """Every party's config, a stack per GPU; `ports`: each orchestrator's listener, then rank 0's for the ranks."""
     run, state = d / "run", d / "state"
     layout = LayoutSection(record_bytes=_record_bytes(job.buffer_bytes))
     shared = {"trust_dir": str(d / "trust"), "public_dir": str(d / "public")}
@@ -256,8 +247,7 @@ def _tdx(rank: int) -> str:
 
 
 def _uids(gpus: int, holders: list[str]) -> dict[str, int]:
-    """One account per party when init runs as root (a free block, as the supervisor's); -1
-    otherwise: the services then run as whoever starts them, with no uid boundary."""
+    """One account per party when init runs as root; -1 otherwise: each runs as whoever starts its service."""
     parties = [*(p for k in range(gpus) for p in (host_party(k), orchestrator_party(k), _tdx(k))),
                *(f"gpu-{k}" for k in range(gpus)), *(f"holder-{n}" for n in holders)]
     if not isolation.decide(None)[0]:

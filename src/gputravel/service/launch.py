@@ -1,11 +1,7 @@
-"""The demo's cohort as a consortium deploys one (issue 16): `cohort init` into a directory of
-its own, then each party's service (`gputravel serve ROLE`) as a child of this launcher, which
-leaves none behind. The orchestrator's run directory is staged in (a checkpoint to resume) and
-copied back whatever the end, with each rank's signed travel log; its metrics.csv drives the
-live view. Data other accounts cannot reach is copied into a directory its holder's alone.
-
-    with ServiceLaunch(holders, job, run_dir) as cohort:
-        report = cohort.train(on_step)
+"""The demo's cohort as a consortium deploys one (issue 16): `cohort init`, then each party's
+service as a child of this launcher, which leaves none behind. The run directory is staged in
+and copied back whatever the end, with each rank's signed travel log; data other accounts
+cannot reach is copied into a directory its holder's alone.
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ StepRow = dict  # one metrics.csv row, typed by STEP_COLUMNS
 
 
 class ServiceLaunch:
-    """One local cohort of services on `gpus` GPUs. `shares`: each GPU's holders (None: balanced);
-    `rank_audit`: where each rank's signed travel log and certificate go."""
+    """A local cohort of services on `gpus` GPUs; `rank_audit`: where each rank's log and certificate go."""
 
     def __init__(self, holders: Sequence[tuple[str, str]], job: Mapping[str, object], run_dir: Path, *,
                  audit_log: Path, certificate: Path, hardware: str = "emulated", resume: bool = False,
@@ -142,8 +137,7 @@ class ServiceLaunch:
 
     # ------------------------------------------------------------------ the job
     def train(self, on_step: Callable[[StepRow], None] | None = None, timeout: float = 24 * 3600.0) -> dict:
-        """Wait for every rank's orchestrator to train and exit, relaying rank 0's steps; its
-        report (each rank's in `rank_reports`), or why it stopped."""
+        """Wait for every rank's orchestrator to exit, relaying rank 0's steps; its report, or why it stopped."""
         ranks = [self.children[orchestrator_party(k)] for k in range(self.gpus)]
         orchestrator, seen = ranks[0], -1
         deadline = time.monotonic() + timeout
@@ -263,8 +257,7 @@ class ServiceLaunch:
         return sorted(p.stem for p in self.cohort.glob("*.toml"))
 
     def _reachable(self, name: str, path: str) -> str:
-        """`path`, or a copy other accounts can read when they cannot (a checkout in a closed
-        home, say): a holder's service reads its data by path, under its own account."""
+        """`path`, or a copy when other accounts cannot read it: a holder's service reads it as its account."""
         src = Path(path).resolve()
         if not isolation.decide(None)[0] or (isolation.unreachable(src) is None and
                                               isolation.readable_by_others(src) is None):

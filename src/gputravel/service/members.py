@@ -1,8 +1,6 @@
-"""The cohort's members as services: a data holder and the orchestrator (one per GPU, rank K
-of one job, with several). Trust is pinned, not issued: each makes its TLS key in its own state
-directory and publishes only its certificate, standing for certificates exchanged out of band;
-a holder pins its one orchestrator and checks its attestation on every join. The GPU's boot
-lock keeps paper 4.1's order: a holder holding it probes the GPU at boot, later ones join late.
+"""The holder and orchestrator services. Trust is pinned, not issued: each makes its TLS key in
+its own state directory and publishes only its certificate; a holder pins its one orchestrator
+and checks its attestation on every join. The GPU's boot lock keeps paper 4.1's boot order.
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ def _try_lock(path: str) -> int | None:
 
 # ----------------------------------------------------------------------------- holder
 def serve_holder(cfg: HolderService, stop: Stopping) -> int:
-    """Serve this holder until the job is done or we are stopped; an orchestrator that went away
-    first ends the holder's CVM, and a new one boots and joins it when it is back."""
+    """Serve this holder until the job is done or we stop; a new CVM rejoins an orchestrator that went away."""
     name = cfg.name
     state = private_dir(cfg.state_dir)
     gpu = gpu_socket(cfg.boot_lock)
@@ -233,8 +230,7 @@ def _gpu_link(path: str, uid: int, gpu_uid: int) -> socket.socket:
 
 
 def _start_tdx_module(cfg: OrchestratorService, state: Path, platform: Path) -> tuple[PartyChild, QuotingLaunch]:
-    """The orchestrator's TDX module under its own account, in a searchable directory (the
-    orchestrator reaches its socket); its quoting key is certified once by the platform's."""
+    """The TDX module under its own account; its directory is searchable, so the orchestrator reaches its socket."""
     socket_path = quoting_socket(str(state))
     home = Path(socket_path).parent
     home.mkdir(mode=0o711, exist_ok=True)
@@ -268,8 +264,7 @@ def _certify_quoting_key(tdx: PartyChild, platform: Path) -> None:
 
 
 def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Stopping) -> int:
-    """Wait for the config's holders to join, then train (resuming a checkpoint found), streaming
-    progress to the log and status.json; with several GPUs as rank `cfg.rank` of one job."""
+    """Wait for the holders to join, then train (resuming a checkpoint found), saying it in the log and status.json."""
     name = orchestrator_party(cfg.rank)  # the name this rank logs and publishes under
     status, stopping, said = state / STATUS_FILE, False, 0.0
     _say_status(cfg, status, {"phase": "admitting", "members": [], "step": 0})

@@ -1,7 +1,6 @@
-"""The cohort's registry, `D/cohort.registry`: who each party is and where it may act, as
-`cohort init` wrote it, owned by init's account and writable by nobody else. A service runs as
-root from a config whoever starts it gives, so before touching any file it checks that config
-against the registry on every key saying who the party is, where it acts and whom it serves.
+"""The cohort's registry (`D/cohort.registry`, init's and writable by nobody else): a service
+runs as root from whatever config it is given, so it checks that config against the registry
+on every key saying who the party is, where it acts and whom it serves.
 """
 
 from __future__ import annotations

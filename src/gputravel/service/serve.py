@@ -55,8 +55,7 @@ def serve_host(cfg: HostService, stop: Stopping) -> int:
 
 
 def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
-    """The confidential GPU: its firmware key, made on first start, is certified once by the
-    vendor's per-device CA (root's alone), which is then gone."""
+    """The GPU: its firmware key is certified once by the vendor's per-device CA (root's), which is then gone."""
     name = party_name(cfg)
     state = private_dir(cfg.state_dir)
     vendor = vendor_dir(cfg)

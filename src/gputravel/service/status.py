@@ -1,7 +1,6 @@
-"""`gputravel status --config FILE`: what that party may know without asking anyone: which
-services are up, who published a certificate, its own status.json and, for a holder, its
-travels in the orchestrator's published log, checked by signature, against the head it last
-verified (``audit-head.json``: a log cut short or of another job fails) and by its own chunk MACs.
+"""`gputravel status --config FILE`: what that party may know without asking anyone; for a
+holder, its travels in the published log, checked by signature, against the head it last
+verified (a log cut short or of another job fails) and by its own chunk MACs.
 """
 
 from __future__ import annotations
@@ -112,8 +111,7 @@ def _own_status(path: Path, uid: int = -1) -> dict:
 
 
 def _my_travels(cfg: HolderService) -> dict:
-    """The travels to this holder in its orchestrator's published log, verified, and the head it
-    last verified moved on; a torn last entry (being written) is skipped."""
+    """This holder's travels in its orchestrator's published log, verified; the head it keeps moves on."""
     log, cert = Path(cfg.public_dir) / public_file(cfg.orchestrator, AUDIT_LOG), Path(cfg.public_dir) / f"{cfg.orchestrator}.pem"
     if not (log.exists() and cert.exists()):
         return {"log": "not published"}
