@@ -87,10 +87,8 @@ class PcieMuxClient:
             raise ProtocolError("no switch request is waiting for a reply")
         target = self._pending[0]  # answered in order; it stays pending if its reply is late
         deadline = time.monotonic() + timeout
-        reply = self._next(timeout, f"the switch to {target}")
-        while isinstance(reply, Attached):
+        while isinstance(reply := self._next(deadline - time.monotonic(), f"the switch to {target}"), Attached):
             self._keep(reply)
-            reply = self._next(deadline - time.monotonic(), f"the switch to {target}")
         self._pending.popleft()
         if not isinstance(reply, Switched) or reply.target != target:
             raise ProtocolError(f"host could not switch the GPU to {target}: {getattr(reply, 'reason', reply)}")
@@ -108,19 +106,16 @@ class PcieMuxClient:
         """Wait until another CVM's switch made the GPU ours (newer than our last reply)."""
         if self._pending:
             raise ProtocolError("a switch this CVM asked for is still unanswered")
-        notice, self._notice = self._notice, None
-        if notice is not None and notice.seq > self._seq:
-            self._seq = notice.seq
-            return notice
         deadline = time.monotonic() + timeout
-        while True:
-            msg = self._next(deadline - time.monotonic(), "the GPU to be switched to us")
+        msg: object
+        msg, self._notice = self._notice, None  # first a notice kept while waiting for a reply
+        while True:  # skipping an older notice, or a reply to nothing: not ours to act on
             if isinstance(msg, Attached) and msg.target == self.cvm and msg.seq > self._seq:
                 self._seq = msg.seq
                 return msg
             if isinstance(msg, HostError):
                 raise ProtocolError(f"host error while waiting for the GPU: {msg.reason}")
-            # an older notice, or a reply to nothing: not ours to act on
+            msg = self._next(deadline - time.monotonic(), "the GPU to be switched to us")
 
     def _keep(self, notice: Attached) -> None:
         if notice.target == self.cvm and (self._notice is None or notice.seq > self._notice.seq):
