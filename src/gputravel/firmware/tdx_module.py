@@ -15,7 +15,6 @@ import struct
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -135,16 +134,12 @@ class TdxModule:
             raise ProtocolError("a launch needs a pid and a 48-byte measurement")
         self.launch = launch
 
-    @property
-    def ready(self) -> bool:
-        return self.cert_chain is not None and self.launch is not None
-
     def decide(self, peer: Peer, report_data: bytes) -> bytes | None:
         if self.ended:
             raise QuotingRefused("the CVM this module launched has ended")
-        if not self.ready:
-            return None
-        launch = cast(Launch, self.launch)
+        launch = self.launch
+        if self.cert_chain is None or launch is None:
+            return None  # not ready: held
         if peer.pid != launch.pid or peer.uid != launch.uid:
             raise QuotingRefused(f"pid {peer.pid} (uid {peer.uid}) is not the CVM this module launched")
         if peer.started is None or peer.started != launch.started:
@@ -152,7 +147,7 @@ class TdxModule:
             raise QuotingRefused(f"pid {peer.pid} connected as another process than the CVM this module launched")
         if len(report_data) != REPORT_DATA_BYTES:
             raise QuotingRefused(f"report data must be {REPORT_DATA_BYTES} bytes")
-        return EmulatedQuotingEnclave(self.key, cast(tuple, self.cert_chain)).quote(launch.measurement, report_data)
+        return EmulatedQuotingEnclave(self.key, self.cert_chain).quote(launch.measurement, report_data)
 
 
 def _spki(key: object) -> bytes:
