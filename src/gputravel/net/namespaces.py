@@ -18,11 +18,6 @@ _NS_RE = re.compile(r"^gt-([0-9a-f]+)-")
 BRIDGE = "gt-br"  # the hub's bridge (also built by the probe)
 
 
-def _list_namespaces() -> list[str]:
-    out = run_iproute(["ip", "netns", "list"]).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
 def _namespace_pids(ns: str) -> list[int]:
     out = run_iproute(["ip", "netns", "pids", ns], check=False).stdout
     return [int(tok) for tok in out.split() if tok.isdigit()]
@@ -59,7 +54,8 @@ def cleanup_stale(prefix: str = NS_PREFIX) -> list[str]:
     if not prefix.startswith(NS_PREFIX):
         raise BadInput(f"prefix must start with {NS_PREFIX!r}, got {prefix!r}")
     removed = []
-    for ns in _list_namespaces():
+    for line in run_iproute(["ip", "netns", "list"]).stdout.splitlines():  # "name" or "name (id: 3)"
+        ns = line.split()[0] if line.strip() else ""
         m = _NS_RE.match(ns)
         if not ns.startswith(prefix) or m is None or _pid_alive(int(m.group(1), 16)):
             continue

@@ -31,10 +31,6 @@ _MAX_HOLDERS = 250
 _HOLDER_IF = "gt-up"  # the holder's end of its link, inside the holder's namespace
 
 
-def _slug(member: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", member.lower())[:8]
-
-
 class ShapedLinks:
     """A star of network namespaces, one per member: holder i's veth (10.213.0.(i+1)) to the hub's
     bridge gt-br (10.213.0.1), each end's egress shaped. Use as a context manager; teardown
@@ -68,7 +64,8 @@ class ShapedLinks:
         if set(self._joined) - set(holders):
             raise BadInput("only holders (spokes) of the star may be joined to existing namespaces")
         self._member_if = member_if
-        self._ns = {m: self._joined.get(m) or f"{NS_PREFIX}{self.run_id}-{i}{_slug(m)}" for i, m in enumerate(members)}
+        slug = {m: re.sub(r"[^a-z0-9]", "", m.lower())[:8] for m in members}
+        self._ns = {m: self._joined.get(m) or f"{NS_PREFIX}{self.run_id}-{i}{slug[m]}" for i, m in enumerate(members)}
         self._addr = {m: f"{subnet}.{i + 1}" for i, m in enumerate(members)}
         self._created: list[str] = []
         self._open = False
