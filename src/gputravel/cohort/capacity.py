@@ -24,10 +24,6 @@ MAX_BUFFER_MIB = 1024
 VRAM_MARGIN_MIB = 64
 
 
-def fds_needed(holders: int) -> int:
-    return FDS_BASE + FDS_PER_HOLDER * holders
-
-
 def mib_per_holder(sysmem_bytes: int, dataset_bytes: int) -> int:
     return PROCESS_MIB + -(-(sysmem_bytes + dataset_bytes) // MIB)
 
@@ -77,7 +73,7 @@ def check(holders: int, *, sysmem_bytes: int, dataset_bytes: int, gpus: int = 1,
     who = f"{holders} holder{'s' if holders != 1 else ''}" if gpus == 1 else f"{gpus} GPUs with {holders} holders"
     need = "needs" if holders == 1 and gpus == 1 else "need"
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    fds = fds_needed(holders) + (gpus - 1) * FDS_BASE
+    fds = FDS_PER_HOLDER * holders + gpus * FDS_BASE
     if soft != resource.RLIM_INFINITY and soft < fds:
         raise BadInput(f"{who} {need} about {fds} open files in the host process, above this "
                        f"process's limit of {soft} (RLIMIT_NOFILE): raise it (ulimit -n {fds}) or use fewer holders")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 from pathlib import Path
 
-from gputravel.cohort.config import CohortConfig, HolderSpec
+from gputravel.cohort.config import CohortConfig
 from gputravel.cohort.local import Cohort
 from gputravel.cohort.supervisor import Launch
 from gputravel.cohort.trust import SharedRoots
@@ -84,7 +84,8 @@ class GpuCohorts:
         configs = []
         for k, share in enumerate(self.shares):
             # A late holder is enrolled on its own GPU's cohort only: no other certifies or pins it.
-            pinned = {"holders": _specs(self.base.holders, share), "late_holders": _specs(self.base.late_holders, share),
+            pinned = {"holders": tuple(h for h in self.base.holders if h.name in share),
+                      "late_holders": tuple(h for h in self.base.late_holders if h.name in share),
                       "roots": self.roots, "gpu_index": k}
             config = dataclasses.replace(self.base, **pinned)
             if self.per_gpu is not None:
@@ -196,10 +197,6 @@ def place_late(shares: tuple[tuple[str, ...], ...], sizes: Mapping[str, int],
         out[k].append(name)
         loads[k] += sizes[name]
     return tuple(tuple(s) for s in out)
-
-
-def _specs(specs: tuple[HolderSpec, ...], share: tuple[str, ...]) -> tuple[HolderSpec, ...]:
-    return tuple(h for h in specs if h.name in share)
 
 
 def _checked_shares(base: CohortConfig, shares: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:

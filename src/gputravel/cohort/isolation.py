@@ -52,8 +52,7 @@ class Isolation:
 
 def make_nondumpable() -> None:
     """Each child's first step: its /proc/PID/mem, maps and fd become root-only, even to its own uid."""
-    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    _check(_libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
 def decide(isolate: bool | None) -> tuple[bool, str]:
@@ -89,7 +88,8 @@ def unavailable() -> str:
 
 
 # ----------------------------------------------------------------------------- uids
-def _uids_in_use() -> set[int]:
+def allocate_block() -> int:
+    """The first uid of a random block of BLOCK ids no process uses (another cohort's shows as its uids)."""
     used = set()
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
@@ -98,12 +98,6 @@ def _uids_in_use() -> set[int]:
                     used.update(int(v) for v in line.split()[1:])
         except (OSError, ValueError):
             continue  # the process ended while we looked
-    return used
-
-
-def allocate_block() -> int:
-    """The first uid of a random block of BLOCK ids no process uses (another cohort's shows as its uids)."""
-    used = _uids_in_use()
     for _ in range(100):
         base = secrets.randbelow((UID_HIGH - UID_LOW) // BLOCK) * BLOCK + UID_LOW
         if not used.intersection(range(base, base + BLOCK)):

@@ -15,9 +15,6 @@ from gputravel.errors import BadInput, GputravelError
 from gputravel.cohort import isolation
 from gputravel.cohort.isolation import Isolation
 
-_PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
-
-
 class Placement:
     def __init__(self, directory: Path, isolate: bool | None) -> None:
         self.dir = directory
@@ -38,7 +35,7 @@ class Placement:
         self._uids: dict[str, int] = {}
         self._fds: dict[str, list[int]] = {}  # descriptors handed to one party (datasets, lent outputs)
         self._lent: list[tuple[Path, int, int, int]] = []  # (path, descriptor, former uid, former gid)
-        self._root_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if on else -1
+        self.root_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if on else -1
         if on:
             os.chmod(directory, 0o711)  # searchable, not listable: each party finds only its own
         for sub in ("parties", "sockets"):
@@ -56,15 +53,11 @@ class Placement:
                 raise BadInput(f"a cohort has at most {isolation.BLOCK - 1} parties")
         return self._uids[key]
 
-    @property
-    def root_fd(self) -> int:
-        return self._root_fd
-
     def path(self, p: Path) -> str:
         """How a child names a path in the cohort directory: through the launcher's descriptor."""
         if not self.on:
             return str(p)
-        return f"/proc/self/fd/{self._root_fd}/{Path(p).relative_to(self.dir)}"
+        return f"/proc/self/fd/{self.root_fd}/{Path(p).relative_to(self.dir)}"
 
     def own(self, path: Path, key: str, mode: int = 0o700) -> Path:
         if self.on:
@@ -87,7 +80,7 @@ class Placement:
             return {"preexec_fn": isolation.die_with_parent, "pass_fds": self._fds.get(key, [])}
         env = {**os.environ, **isolation.private_env(self.path(home)), "GPUTRAVEL_NONDUMPABLE": "1"}
         return {"preexec_fn": isolation.dropper(self.uid(key), netns=netns, reach=self.reach), "env": env,
-                "cwd": str(home), "pass_fds": [self._root_fd, *self._fds.get(key, [])]}
+                "cwd": str(home), "pass_fds": [self.root_fd, *self._fds.get(key, [])]}
 
     def check(self, key: str, pid: int) -> None:
         """A party not isolated as planned (read back from /proc) stops the cohort."""
@@ -101,7 +94,7 @@ class Placement:
                                  f"groups {list(got.groups)}, dumpable {got.dumpable}")
 
     def _hand(self, key: str, path: Path) -> int:
-        fd = os.open(path, _PATH_FLAGS)
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)  # what a child needs; never followed by the launcher
         self._fds.setdefault(key, []).append(fd)
         return fd
 
@@ -225,8 +218,8 @@ class Placement:
             except OSError as exc:
                 warnings.warn(f"could not give {path} back to uid {uid}: {exc}", RuntimeWarning, stacklevel=3)
         self._lent.clear()
-        for fd in [self._root_fd, *(f for fds in self._fds.values() for f in fds)]:
+        for fd in [self.root_fd, *(f for fds in self._fds.values() for f in fds)]:
             if fd >= 0:
                 os.close(fd)
         self._fds.clear()
-        self._root_fd = -1
+        self.root_fd = -1
