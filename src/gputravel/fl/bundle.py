@@ -1,16 +1,6 @@
-"""What a Flower deployment needs on disk: the Flower App, the CLI's configuration, and TLS.
-
-* The Flower App (``flwr run`` builds it into a FAB and the SuperLink hands it to every
-  SuperNode): only a pyproject.toml naming the apps in this package (fl/server_app.py,
-  fl/client_app.py), which every process imports from the installed gputravel. Runtime
-  dependency installation stays off everywhere: nothing is fetched, so it works offline.
-* The Flower CLI's configuration (``$FLWR_HOME/config.toml``): one SuperLink connection,
-  to the orchestrator's address on the links.
-* TLS, as the travels and the TLS baseline have: a CA made for this one deployment, and a
-  certificate for the SuperLink's address (P-384, from crypto/certs.py). Every Flower
-  connection (SuperNodes, `flwr run`, the SuperExec) verifies it against that CA. The CA's
-  key is never written; the SuperLink's key is written 0600 in the deployment's directory,
-  which is removed at the end.
+"""What a Flower deployment needs on disk: the Flower App (only a pyproject.toml naming this
+package's apps; nothing is installed at run time, so it works offline), the Flower CLI's
+configuration, and TLS as the travels have it: a CA made for this deployment only.
 """
 
 from __future__ import annotations
@@ -61,7 +51,6 @@ root-certificates = "{ca}"
 
 
 def write_app(directory: Path) -> Path:
-    """The Flower App directory `flwr run` builds its FAB from."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "pyproject.toml").write_text(_PYPROJECT.format(name=APP_NAME, publisher=PUBLISHER))
     return directory
@@ -73,7 +62,7 @@ def write_cli_config(flwr_home: Path, address: str, ca: Path) -> None:
 
 
 def write_tls(directory: Path, host: str) -> tuple[Path, Path, Path]:
-    """(CA certificate, SuperLink certificate, SuperLink key) for a SuperLink at ``host``."""
+    """(CA certificate, SuperLink certificate, SuperLink key) for ``host``; the CA's key is never written."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     now = datetime.now(timezone.utc)
     ca_key, key = new_key(), new_key()

@@ -1,11 +1,6 @@
-"""The Flower ClientApp: one holder's local round of FedAvg, on the holder's own compute.
-
-Each holder's SuperNode starts it (through its SuperExec) in the holder's namespace, one
-process per round, as Flower's subprocess isolation does. Its SuperNode was started with
-``--node-config 'holder="NAME" index=I data="PATH"'`` (fl/deploy.py): the holder's name,
-its place in the sorted holder list, and where its training tokens lie, which never leave
-this process. Where the previous round stopped in the holder's data is kept in the
-Context's state, which Flower carries from round to round.
+"""The Flower ClientApp: one holder's local round of FedAvg, on the holder's own compute, in a
+process of its own per round. Its SuperNode's node config names the holder, its index and its
+data, which never leaves this process; the Context's state carries where the last round stopped.
 """
 
 from __future__ import annotations
@@ -43,15 +38,14 @@ def train(msg: Message, context: Context) -> Message:
     metrics = MetricRecord({"num-examples": steps * cfg.batch * cfg.seq_len, "holder-index": index,
                             "compute-s": result.compute_s, "cpu-s": result.cpu_s,
                             "loss-first": result.losses[0], "loss-last": result.losses[-1],
-                            # when this process started, and its steps began and ended (epoch s):
-                            # where the round's time went (fl/run.py)
+                            # where the round's time went (fl/run.py), epoch s
                             "t-process": process_started_at(), "t-train-start": started, "t-train-end": time.time()})
     return Message(content=RecordDict({"arrays": ArrayRecord(torch_state_dict=result.arrays), "metrics": metrics}),
                    reply_to=msg)
 
 
 def process_started_at() -> float:
-    """When this ClientApp process started (epoch s, to 10 ms): /proc's start time after boot."""
+    """When this process started (epoch s, to 10 ms), from /proc."""
     with open("/proc/self/stat") as f:
         ticks = int(f.read().rsplit(")", 1)[1].split()[19])
     with open("/proc/uptime") as f:

@@ -1,16 +1,13 @@
-"""FedAvg's knobs, and the plan they make for one job: checked before any process starts.
-
-The plan keeps the comparison fair: FedAvg trains on as many tokens as the travelling and
-TLS runs do (``rounds x clients per round x local steps = steps``, each step one B x T batch),
-and no holder is asked for more local steps in one round than its data holds (it would
-train on the same tokens twice within a round).
+"""FedAvg's knobs, and the plan they make for one job, checked before any process starts: FedAvg
+trains on as many tokens as the other methods (rounds x clients per round x local steps = steps),
+and no holder is asked for more local steps in a round than its data holds.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 from gputravel.errors import BadInput
@@ -29,8 +26,6 @@ def framework() -> str:
 
 @dataclass(frozen=True)
 class FedAvgConfig:
-    """FedAvg's knobs (Flower's FedAvg strategy with these settings)."""
-
     rounds: int = 4
     local_steps: int | None = None  # None: whatever gives the same training tokens as the others
     fraction: float = 1.0  # of the connected holders sampled each round (fraction_train)
@@ -57,9 +52,7 @@ class FedAvgConfig:
             drop_target(self.drop)
 
     def to_dict(self) -> dict:
-        return {"rounds": self.rounds, "local_steps": self.local_steps, "fraction": self.fraction,
-                "holder_threads": self.holder_threads, "round_timeout_s": self.round_timeout_s,
-                "drop": self.drop, "drop_mode": self.drop_mode}
+        return asdict(self)
 
 
 def drop_target(text: str) -> tuple[str, int]:
@@ -72,8 +65,6 @@ def drop_target(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class FedAvgPlan:
-    """What the FedAvg run will do, fixed before it starts."""
-
     rounds: int
     local_steps: int
     clients_per_round: int
@@ -85,19 +76,16 @@ class FedAvgPlan:
         return self.rounds * self.clients_per_round * self.local_steps
 
     def to_dict(self) -> dict:
-        return {"rounds": self.rounds, "local_steps": self.local_steps, "clients_per_round": self.clients_per_round,
-                "holders": list(self.holders), "fraction": self.fraction, "total_steps": self.total_steps}
+        return {**asdict(self), "holders": list(self.holders), "total_steps": self.total_steps}
 
 
 def clients_per_round(holders: int, fraction: float) -> int:
-    """How many holders Flower's FedAvg samples: int(connected x fraction), at least one
-    (min_train_nodes is 1 here, so a round goes on with whoever is left)."""
+    """How many holders Flower's FedAvg samples: int(connected x fraction), at least one."""
     return max(1, int(holders * fraction))
 
 
 def plan(cfg: FedAvgConfig, *, steps: int, batch: int, seq_len: int, holder_tokens: Mapping[str, int]) -> FedAvgPlan:
-    """The plan for a job of ``steps`` steps of ``batch`` x ``seq_len`` tokens, or BadInput
-    naming what to change."""
+    """The plan for a job of ``steps`` steps of ``batch`` x ``seq_len`` tokens, or BadInput naming what to change."""
     if not holder_tokens:
         raise BadInput("federated learning needs at least one holder")
     k = clients_per_round(len(holder_tokens), cfg.fraction)

@@ -1,22 +1,9 @@
 """The supervisor of one Flower deployment: it owns the links and every Flower process.
 
-Layout (the cohort's links, cohort/links.py, netns-tc only)::
-
-    orchestrator's namespace: flower-superlink (TLS, the hub's address) -> its SuperExec -> the ServerApp
-                              `flwr run` (submits the app, then exits)
-    holder i's namespace:     flower-supernode -> its SuperExec -> one ClientApp per round
-
-Every SuperNode reaches the SuperLink over its holder's capped link; that is all the traffic
-the links carry, and what net/counters.py counts. Each process gets its own FLWR_HOME under
-the deployment's directory, and PATH starts with this interpreter's bin directory, where the
-Flower commands lie (the SuperLink and SuperNodes start their SuperExecs by name).
-
-Nothing is left behind: each direct child dies with this process (PR_SET_PDEATHSIG), Flower's
-own children watch their parent's pid, ``close`` stops the children (TERM, then KILL), and
-deleting the namespaces kills whatever still runs inside them (net/namespaces.py). A SIGTERM
-to this process is turned into an exception while the deployment runs, so ``close`` runs
-then too; after a SIGKILL, the next run's links delete the dead run's namespaces (and what
-still runs in them) before they build their own (net/shaped.py, cleanup_stale).
+The SuperLink (TLS, the hub's address) runs in the orchestrator's namespace, one SuperNode in
+each holder's (cohort/links.py, netns-tc only), so the SuperNodes' traffic is all the capped links
+carry. Nothing is left behind: children die with this process, ``close`` stops them, deleting
+the namespaces kills the rest, and a SIGTERM unwinds into ``close``.
 """
 
 from __future__ import annotations
@@ -47,8 +34,6 @@ _READY = "Application startup complete"
 
 
 class FlowerDeployment:
-    """SuperLink, SuperNodes and their links; use as a context manager."""
-
     def __init__(self, holders: Mapping[str, str], bandwidth_mbit: float | None, directory: Path) -> None:
         ok, why = netns_available()
         if not ok:
@@ -61,7 +46,6 @@ class FlowerDeployment:
         self.children = Children(5)  # Flower's processes, each with its log
         self._undo_term: Callable[[], None] = lambda: None
 
-    # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> FlowerDeployment:
         # SIGTERM and SIGHUP unwind it into close(), as Ctrl-C does (cohort/stopping.py).
         self._undo_term = stopping.catch_term("the Flower deployment was taken down")
@@ -93,21 +77,16 @@ class FlowerDeployment:
                                      "--node-config", node_config])
 
     def close(self) -> None:
-        """Stop every process (TERM, then KILL after 5 s), then delete the namespaces, which
-        kills what Flower started inside them; a namespace left behind raises LinkError. A
-        second SIGTERM meanwhile is ignored, so it cannot cut the teardown short."""
+        """Stop every process, then delete the namespaces, which kills what Flower started in them
+        (LinkError if one is left); a second SIGTERM cannot cut this short."""
         try:
             with stopping.uninterrupted():
-                self._stop_all()
+                self.children.close()
+                self.links.close()
         finally:
             self._undo_term()
             self._undo_term = lambda: None
 
-    def _stop_all(self) -> None:
-        self.children.close()
-        self.links.close()  # kills whatever Flower started that still runs inside
-
-    # ------------------------------------------------------------------ processes
     def _home(self, who: str) -> Path:
         home = self.dir / "home" / who
         home.mkdir(parents=True, exist_ok=True)
@@ -141,31 +120,31 @@ class FlowerDeployment:
             return ""
         return ("\n  " + "\n  ".join(text)) if text else ""
 
-    # ------------------------------------------------------------------ the run
-    def submit(self, app_dir: Path, job_path: Path) -> str:
-        """`flwr run` from the orchestrator's namespace; the run's id."""
-        write_app(app_dir)
-        argv = self._argv(ORCHESTRATOR, ["flwr", "run", str(app_dir), CONNECTION, "--format", "json",
-                                         "--run-config", f'job="{job_path}"'])
-        done = subprocess.run(argv, env=self._env("cli"), capture_output=True, text=True, timeout=120,
+    def _flwr(self, args: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
+        """The Flower CLI from the orchestrator's namespace, and its JSON reply ({} if none)."""
+        argv = self._argv(ORCHESTRATOR, ["flwr", *args, "--format", "json"])
+        done = subprocess.run(argv, env=self._env("cli"), capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, cwd=self.dir)
         try:
-            reply = json.loads(done.stdout[done.stdout.index("{"):])
+            return done, json.loads(done.stdout[done.stdout.index("{"):])
         except ValueError:
-            reply = {}
+            return done, {}
+
+    def submit(self, app_dir: Path, job_path: Path) -> str:
+        """`flwr run`; the run's id."""
+        write_app(app_dir)
+        done, reply = self._flwr(["run", str(app_dir), CONNECTION, "--run-config", f'job="{job_path}"'], 120)
         if done.returncode != 0 or not reply.get("success"):
             why = reply.get("error-message") or done.stderr.strip() or done.stdout.strip()
             raise RemoteError(f"`flwr run` failed: {why}{self.log_tail('superlink')}")
         return str(reply["run-id"])
 
     def wait(self, status_path: Path, timeout_s: float, on_poll: Callable[[], None] | None = None) -> dict:
-        """Until the ServerApp writes its status; RemoteError if a Flower process dies or the
-        time runs out."""
+        """Until the ServerApp writes its status; RemoteError if the SuperLink dies or time runs out."""
         deadline = time.monotonic() + timeout_s
         while not status_path.exists():
-            for key in ("superlink",):
-                if self.children[key].poll() is not None:
-                    raise RemoteError(f"the SuperLink exited during the run:{self.log_tail(key)}")
+            if self.children["superlink"].poll() is not None:
+                raise RemoteError(f"the SuperLink exited during the run:{self.log_tail('superlink')}")
             if time.monotonic() > deadline:
                 raise RemoteError(f"the FedAvg run did not finish in {timeout_s:g} s:{self.log_tail('superlink')}")
             if on_poll is not None:
@@ -175,22 +154,15 @@ class FlowerDeployment:
 
     def runs(self) -> list[dict]:
         """`flwr ls`: Flower's own account of the runs (status, its traffic count, compute time)."""
-        argv = self._argv(ORCHESTRATOR, ["flwr", "ls", CONNECTION, "--format", "json"])
-        done = subprocess.run(argv, env=self._env("cli"), capture_output=True, text=True, timeout=60,
-                              stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, cwd=self.dir)
-        try:
-            return json.loads(done.stdout[done.stdout.index("{"):]).get("runs", [])
-        except ValueError:
-            return []
+        return self._flwr(["ls", CONNECTION], 60)[1].get("runs", [])
 
     def link_bytes(self) -> dict[str, LinkBytes]:
         assert self.links.shaped is not None
         return link_bytes(self.links.shaped)
 
     def drop(self, holder: str, mode: str) -> None:
-        """Make a holder drop out now. crash: every process in its namespace is killed
-        outright (no goodbye; Flower notices the missing heartbeats). leave: its SuperNode is
-        stopped (it tells the SuperLink it is leaving)."""
+        """A holder drops out now: crash kills its namespace's processes (no goodbye); leave stops its
+        SuperNode, which tells the SuperLink."""
         if mode == "leave":
             self.children[holder].terminate()
             return

@@ -1,12 +1,8 @@
 """What a holder computes in FedAvg, and the held-out evaluation every method is scored on.
 
-The model is the same GPT-2 the travelling and TLS runs train (train/model.py), built with
-the same seed (train.loop.build_model), so all three start from identical weights. A holder's
-local round: load the global weights, run ``steps`` AdamW steps on its own next batches
-(llm.c windows: B*T tokens in, the same shifted by one as targets), hand the weights back.
-The optimizer starts afresh every round (FedAvg exchanges weights only); the learning rate
-follows the centralised run's schedule (warm-up, cosine) stretched over the holder's own
-steps. Weight tying: the token embedding and lm_head are one matrix; it is sent once.
+Every method starts from the same weights (train.loop.build_model). A local round trains the
+holder's next batches from the global weights with a fresh optimizer (FedAvg exchanges weights
+only), the learning rate following the centralised schedule stretched over the holder's steps.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ TIED = "lm_head.weight"  # the same Parameter as transformer.wte.weight
 
 
 def initial_model(cfg: TrainConfig) -> GPT:
-    """The model every method starts from: built exactly as train.loop builds it."""
+    """The model every method starts from, built as train.loop builds it."""
     model, _ = build_model(cfg, "cpu")
     return model
 
@@ -56,8 +52,7 @@ def load_arrays(model: GPT, arrays: Mapping[str, torch.Tensor]) -> None:
 
 
 def schedule_config(cfg: TrainConfig, holder_steps: int) -> TrainConfig:
-    """The learning-rate schedule of one holder: the centralised run's, stretched over its own
-    ``holder_steps`` (rounds x local steps), warm-up in proportion."""
+    """One holder's schedule: the centralised run's stretched over its ``holder_steps``."""
     warmup = max(1, round(cfg.warmup_steps * holder_steps / cfg.steps)) if cfg.warmup_steps else 0
     return cfg.replace(steps=holder_steps, warmup_steps=min(warmup, holder_steps))
 
@@ -85,8 +80,7 @@ class LocalResult:
 
 def local_train(cfg: TrainConfig, arrays: Mapping[str, torch.Tensor], tokens: np.ndarray, *, first_window: int,
                 steps: int, schedule: TrainConfig, schedule_offset: int, threads: int) -> LocalResult:
-    """``steps`` AdamW steps on the holder's batches from ``first_window`` on (wrapping to the
-    start of its data, a new epoch, at the end)."""
+    """``steps`` steps on the holder's batches from ``first_window`` on, wrapping at the end."""
     n = windows(tokens, cfg.batch, cfg.seq_len)
     if steps > n:
         raise BadInput(f"{steps} local steps, but the holder's data holds only {n} batches")
@@ -106,8 +100,7 @@ def local_train(cfg: TrainConfig, arrays: Mapping[str, torch.Tensor], tokens: np
 
 @torch.no_grad()
 def evaluate(model: GPT, eval_tokens: Mapping[str, np.ndarray], batch: int, seq_len: int, threads: int) -> float:
-    """Mean cross-entropy over every held-out batch of every holder (the same batches for
-    every method): ``final_loss``."""
+    """``final_loss``: mean cross-entropy over every holder's held-out batches, the same for every method."""
     torch.set_num_threads(threads)
     model.eval()
     losses = []

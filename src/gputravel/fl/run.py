@@ -1,18 +1,8 @@
 """One FedAvg job on a Flower deployment, from the checks before it starts to its report.
 
-The report's times, comparable with a training run's (train.loop.make_report):
-
-* ``wall_s``: FedAvg's rounds, first to last (Flower's ``strategy.start`` in the ServerApp);
-  the deployment's start-up and `flwr run` are ``setup_s``, as a cohort's boot is not counted.
-* ``tx_s``: per round, the round's time minus its slowest holder's local compute, summed:
-  what the rounds spent on anything but the holders' compute, i.e. the model going down and
-  the update coming up over the capped links, plus Flower's own round trip (a SuperNode's
-  poll, a ClientApp process starting). ``tx_floor_s`` is the link's share alone: the bytes
-  counted on the busiest holder link over its cap.
-* ``training_s``: ``wall_s - tx_s``, the compute on the critical path (the slowest holder of
-  each round, and the SuperLink's averaging).
-* ``holder_compute_s``: every holder's local compute, summed over holders and rounds (wall
-  time of the local steps; ``holder_cpu_s``: their CPU time).
+Its times match a training run's: ``wall_s`` is the rounds (set-up is ``setup_s``); ``tx_s`` per
+round is the round's time less its slowest holder's compute (the links and Flower's round trip;
+``tx_floor_s`` the links alone); ``training_s`` the rest; ``holder_compute_s`` every holder's.
 """
 
 from __future__ import annotations
@@ -51,7 +41,7 @@ def check(job: FlJob) -> FedAvgPlan:
 
 
 def run_fedavg(job: FlJob, fedavg: FedAvgPlan | None = None) -> dict:
-    """Run the job; the report (see the module docstring), with the final weights' path."""
+    """The job's report, with the final weights' path."""
     fedavg = fedavg or check(job)
     out, progress = job.workdir / "out", job.workdir / "progress"
     out.mkdir(parents=True, exist_ok=True)
@@ -123,10 +113,8 @@ def _round(r: dict, names: list[str]) -> dict:
 
 
 def _holder_round(x: dict, r: dict, names: list[str]) -> dict:
-    """One holder's round, in phases: until its ClientApp process started (the SuperNode's
-    poll, the model coming down the link, the SuperExec starting it), the ClientApp's start
-    (Python, Flower and torch imports, the FAB, the holder's data), its local steps, and
-    until the round ended (the update going up, the ServerApp's poll; the slowest holder's)."""
+    """One holder's round in phases: the model coming down until its ClientApp started, the
+    ClientApp's start-up, its local steps, and the update going up until the round ended."""
     return {"holder": names[int(x["holder-index"])], "node": x["node"], "compute_s": x["compute-s"],
             "cpu_s": x["cpu-s"], "loss_first": x["loss-first"], "loss_last": x["loss-last"],
             "phases_s": {"to_clientapp": x["t-process"] - r["start"], "clientapp_start": x["t-train-start"] - x["t-process"],
@@ -140,8 +128,7 @@ def _phases(rounds: list[dict]) -> dict:
 
 
 def _drop(dropper: _Dropper, rounds: list[dict]) -> dict | None:
-    """What Flower did about the holder that dropped out: the round's failures, and who took
-    part in the rounds after."""
+    """What Flower did about the holder that dropped out, that round and after."""
     if dropper.target is None:
         return None
     holder, at = dropper.target

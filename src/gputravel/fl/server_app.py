@@ -1,17 +1,6 @@
-"""The Flower ServerApp: Flower's own FedAvg strategy over the holders' SuperNodes.
-
-Flower's SuperLink starts it (through its SuperExec) in the orchestrator's namespace when
-`flwr run` submits the app (fl/bundle.py). The job comes as a JSON file named by the run
-config key ``job`` (fl/run.py writes it). The app waits until every holder's SuperNode is
-connected, then runs ``FedAvg.start`` for the planned rounds. FedAvg is Flower's, unchanged:
-the subclass only records what each round did (when it started and ended, who replied, who
-failed and why, what each holder computed) for the report. A holder that drops out is
-handled as Flower handles it: its reply becomes an error (Flower's SuperLink answers for a
-node that stopped sending heartbeats, or that left), FedAvg averages the replies it got,
-and later rounds sample the holders still connected.
-
-What it writes in the job's ``out_dir``: ``model.pt`` (the final weights), ``rounds.json``
-(the record) and ``status.json`` (done, or failed with the reason), last.
+"""The Flower ServerApp: Flower's own FedAvg, unchanged but for recording each round, over the
+holders' SuperNodes once all are connected. A holder that drops out is handled as Flower does.
+It writes model.pt, rounds.json and, last, status.json in the job's ``out_dir``.
 """
 
 from __future__ import annotations
@@ -64,8 +53,7 @@ def _metrics(message) -> dict:
 
 
 def _wait_for_holders(grid: Grid, expected: int, timeout_s: float) -> list[int]:
-    """Every holder's SuperNode connected, or RuntimeError: a round must not start with a
-    federation that is still assembling (it would sample fewer holders than planned)."""
+    """Every holder's SuperNode connected, or RuntimeError: a round must not sample a federation still assembling."""
     deadline = time.monotonic() + timeout_s
     while len(nodes := list(grid.get_node_ids())) < expected:
         if time.monotonic() > deadline:

@@ -159,7 +159,8 @@ class GPT(nn.Module):
             raise BadInput(f"{what} has {idx.shape[1]} positions; it needs 1..block_size="
                            f"{self.config.block_size} (crop or split the sequence)")
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab_size), and the mean cross-entropy over targets not IGNORE_INDEX if given."""
         self._check_idx(idx, "idx")
         pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)
