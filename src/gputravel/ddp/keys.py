@@ -112,13 +112,10 @@ class PairKeys:
 
 def establish_pair_keys(attest: Attest, verify: Verify, *, group: dist.ProcessGroup | None = None,
                         context: bytes, exchange: Exchange | None = None) -> PairKeys:
-    """Run steps 1-5 above with every rank of `group` (collective).
-
-    `context` names this job, group and establishment (a job id, the global ranks, a shared
-    nonce), so the wire cannot pair ranks of two jobs or groups. A rank that refuses a peer raises
-    PeerAttestationError; the verdicts are not authenticated, so a hostile wire can only hide one
-    (the others' ring then times out): liveness, never a key shared with a refused peer.
-    """
+    """Run steps 1-5 above with every rank of `group` (collective). `context` names this job, group
+    and establishment, so the wire cannot pair ranks of two jobs. A rank that refuses a peer raises
+    PeerAttestationError; the verdicts are unauthenticated, so a hostile wire can only hide one (the
+    others' ring then times out): liveness, never a key shared with a refused peer."""
     if not isinstance(context, bytes) or not context:
         raise BadInput("context must be non-empty bytes naming this job and group")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)

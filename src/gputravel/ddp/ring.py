@@ -1,25 +1,17 @@
 """Ring all-reduce between GPU TEEs over torch.distributed point-to-point, every hop sealed.
 
-The flat tensor is cut into one segment per rank: N - 1 scatter-reduce hops leave each rank one
-fully reduced segment, N - 1 all-gather hops pass those round. Every hop leaves the GPU package,
-so the sender seals it (AES-256-GCM) and the receiver opens it: the cost the DDP
-characterization measures. Variants, so a benchmark shows what each idea buys:
-
+N - 1 scatter-reduce hops then N - 1 all-gather hops, one segment per rank; each hop leaves the
+GPU package, so the sender seals it and the receiver opens it. Variants, for the benchmark:
 `plain` (no encryption), `naive` (a hop's records all sealed, sent, received, then opened) and
-`pipelined` (Fastrack's: record k of the next hop is sealed and sent as soon as record k of this
-one is reduced). All add in the same order, so their sums are bit-identical.
+`pipelined` (record k of the next hop is sealed and sent as soon as record k of this one is
+reduced). All add in the same order, so their sums are bit-identical.
 
-Security: every direction has its own key (ddp/keys.py), the receiver tracks the IVs, and each
-record's AAD binds (all-reduce, hop, segment, record, sender, receiver), so a replayed, moved or
-dropped record fails authentication; any failure stops the all-reduce with a typed error and
-breaks the ring (ChannelFaulted until new keys make a new ring).
-
-Framing (docs/security.md row 37): the wire carries no length; each rank opens exactly the
-record length it computes. gloo aborts the process on a message longer than the receive posted
-for it, so a sealed ring posts every receive at one size for its whole life (`slot_bytes`: the
-longest record it can send, `record_bytes` rounded up to 8, plus the tag), and consecutive
-all-reduces alternate two gloo tags (`lane`) so a failed one's pending receives take nothing of
-the next. The plain ring checks nothing and keeps exact-length receives.
+Security (docs/security.md row 37): per-direction keys (ddp/keys.py), receiver-tracked IVs and an
+AAD naming (all-reduce, hop, segment, record, sender, receiver): a replayed, moved or dropped
+record stops the all-reduce with a typed error and breaks the ring. Framing: the wire carries no
+length; each rank opens exactly the length it computes. gloo aborts on a message longer than its
+receive, so a sealed ring posts every receive at one size for its whole life (`slot_bytes`), and
+consecutive all-reduces alternate two gloo tags (`lane`).
 """
 
 from __future__ import annotations
@@ -65,11 +57,8 @@ class Work(Protocol):
 
 
 class PointToPoint(Protocol):
-    """What the ring needs from the wire: ranks are the group's. A test wraps it to tamper.
-
-    `lane` (0 .. LANES - 1) keeps the messages of one all-reduce apart from the next one's:
-    a receive of one lane is matched only by a send of the same lane, in order. A receive's
-    buffer may be longer than the message it gets (a sealed ring posts each at `slot_bytes`)."""
+    """What the ring needs from the wire (a test wraps it to tamper): ranks are the group's; a
+    receive is matched only by a send of its `lane`, in order, and may be longer than the message."""
 
     rank: int
     world_size: int
@@ -252,8 +241,7 @@ class _Pass:
             self.sent(hop, k)
 
     def run_in_turn(self) -> None:
-        """The naive schedule: a hop's records all sealed, then all sent; all received, then all
-        opened and reduced; then the next hop."""
+        """The naive schedule: each hop's records all sealed, sent, received, then opened and reduced."""
         self.post_receives(0)
         for hop in range(self.hops):
             outgoing = range(len(self.records[self.outgoing(hop)]))

@@ -48,12 +48,9 @@ PIECE_BYTES = 256 * 1024
 
 
 def open_record(receiver: Opener, record: memoryview, piece: bytearray, scratch: bytearray) -> memoryview:
-    """Read a sealed record (ciphertext || tag) out of a DMA window, verify and decrypt it.
-
-    The host can rewrite ``record`` while the device works, and AES-GCM may read its input twice
-    (GHASH, then CTR): so each byte is read once, into ``piece``, and only those private copies
-    are checked and decrypted, into ``scratch`` (zeroed, IntegrityError, on a bad tag).
-    """
+    """Verify and decrypt a sealed record (ciphertext || tag) in a DMA window. The host can rewrite
+    it meanwhile and AES-GCM may read its input twice, so each byte is read once, into ``piece``, and
+    only those copies are checked and decrypted, into ``scratch`` (zeroed on a bad tag)."""
     out = memoryview(scratch)[: len(record) - TAG_BYTES]
     receiver.decrypt_once_into(record, out, piece)
     return out

@@ -1,11 +1,9 @@
-"""The confidential GPU as its own OS process: VRAM (a memfd only the orchestrator gets, over
-their private link), BAR0 and the doorbell (handed to the host for every CVM), and the DMA window
-and interrupt the PCIe MUX attached last.
+"""The confidential GPU as its own OS process: VRAM (a memfd only the orchestrator gets), BAR0
+and the doorbell (for the host to hand out), and the DMA window and interrupt attached last.
 
-The private link is inherited (launched by the supervisor) or, as a service, each connection on
-`link_socket` from `link_uid` (SO_PEERCRED), a newer replacing the older: a restarted
-orchestrator reconnects (its new SPDM session wipes VRAM). Any other uid is hung up on before it
-can ask for VRAM; link_uid -1 (every party one uid) has no uid boundary.
+Its link to the orchestrator is inherited, or, as a service, each connection on `link_socket`
+from `link_uid` (SO_PEERCRED; -1: any), the newest replacing the older; any other uid is hung up
+on before it can ask for VRAM.
 """
 
 from __future__ import annotations
@@ -64,7 +62,8 @@ def _listen_link(path: str, uid_checked: bool) -> socket.socket:
     return listener
 
 
-def _memfd(name: str, size: int, populate: bool) -> tuple[int, mmap.mmap]:
+def memfd(name: str, size: int, populate: bool) -> tuple[int, mmap.mmap]:
+    """A shared memory file of ``size`` bytes and its mapping (VRAM, BAR0)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
     flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
@@ -79,8 +78,8 @@ class DeviceProcess:
             raise BadInput("the device takes its orchestrator link either inherited or on link_socket: one of them")
         self.config = config
         # Populated up front, as real VRAM is: first-touch faults would be charged to the first travel.
-        self.vram_fd, self.vram = _memfd("gputravel-vram", config.vram_bytes, populate=True)
-        self.bar_fd, self.bar = _memfd("gputravel-bar0", Bar0.size(config.layout), populate=True)
+        self.vram_fd, self.vram = memfd("gputravel-vram", config.vram_bytes, populate=True)
+        self.bar_fd, self.bar = memfd("gputravel-bar0", Bar0.size(config.layout), populate=True)
         self.doorbell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self.core = DeviceCore(config.layout, memoryview(self.vram), memoryview(self.bar), identity,
                                serial=config.serial, firmware=firmware)

@@ -1,11 +1,7 @@
-"""A data holder's side of the cohort, as a sans-IO state machine (paper 4.2): the order of
-holder/steps.py's events and actions.
-
-It touches a context only while its attestation of the orchestrator is within its policy's age
-limit. A travel imports the context while the MUX switches the GPU over, checks the granted
-buffer, copies, asks for the switch back and replies while it runs. A request it cannot serve,
-or a step that fails or times out before the copy is done, is refused; the context and the GPU
-still go back.
+"""A data holder's side of the cohort as a sans-IO state machine (paper 4.2): the order of
+holder/steps.py's events and actions. It touches a context only while its attestation of the
+orchestrator is fresh. A request it cannot serve, or a step that fails or times out before the
+copy is done, is refused; the context and the GPU still go back.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
-"""The emulated device and CVM drivers in one process, for tests and red-team drills.
-
-VRAM, BAR0 and every CVM's sysmem are bytearrays, and ringing the doorbell runs the device at
-once; everything else (DeviceCore, the drivers, SPDM, the channel crypto) is the real code::
+"""The emulated device and CVM drivers in one process, for tests and red-team drills: memory is
+bytearrays and the doorbell runs the device at once; the rest is the real code::
 
     gpu = InProcessGpu()
     orch, holders = gpu.boot("alice", "bob")      # holders probe first, orchestrator last
     buf = orch.alloc_dataset_buffer(256 * 1024)
-    back = gpu.travel(holders["alice"], data, buf)  # export, switch, import, copy, export, home
+    back = gpu.travel(holders["alice"], data, buf)
 
-Boot order matters (paper 4.1): a driver joins the RPC queue where it stands when it probes, so
-:meth:`InProcessGpu.holder` refuses once a session exists; a drill that wants a late driver builds
-one by hand (``Driver(gpu.add_cvm("mallory"), clock=gpu.clock)``). The host's powers are
-:meth:`InProcessGpu.switch` (the MUX), :meth:`snoop`, writes to ``link.sysmem`` and ``gpu.bar``,
-and the hooks :attr:`FakeLink.before_service` (between doorbell and service) and
-:attr:`FakeLink.while_waiting` (while a driver waits: a late device).
+:meth:`InProcessGpu.holder` refuses once a session exists (paper 4.1: a driver joins the RPC queue
+where it stands); a drill builds a late one by hand (``Driver(gpu.add_cvm("mallory"))``). The
+host's powers: :meth:`InProcessGpu.switch`, :meth:`snoop`, writes to ``link.sysmem`` and ``gpu.bar``,
+and the hooks :attr:`FakeLink.before_service` and :attr:`FakeLink.while_waiting`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ process cohorts (gputravel.cohort). Travels, their checks and recovery, and join
 
 from __future__ import annotations
 
-import mmap
 import os
 import queue
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace, TracebackType
 from typing import Any
 
+from gputravel.device.process import memfd
 from gputravel.driver.driver import Driver
 from gputravel.driver.link import PcieMuxClient
 from gputravel.driver.orchestrator import OrchestratorDriver
@@ -157,9 +157,7 @@ class InProcessCohort:
                  tokenizer: str = "") -> None:
         self.datasets, self.timeout = datasets, timeout * TIMEOUT_SCALE
         formats = formats or {}
-        fd = os.memfd_create("gputravel-vram", os.MFD_CLOEXEC)
-        os.ftruncate(fd, vram_bytes)
-        self._vram_fd, self._vram = fd, mmap.mmap(fd, vram_bytes, flags=mmap.MAP_SHARED)
+        self._vram_fd, self._vram = memfd("gputravel-vram", vram_bytes, populate=False)
         self.gpu = InProcessGpu(layout, vram_bytes, vram=self._vram)
         self.host = InProcessHost(self.gpu)
         self.listener = MemoryListener()

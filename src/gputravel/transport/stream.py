@@ -1,14 +1,10 @@
 """Length-prefixed message frames over any connected stream socket (AF_UNIX, TCP, TLS).
 
-A frame is a 5-byte header (payload length: u32 big-endian, descriptor count: u8), then one
-codec message. Descriptors (SCM_RIGHTS, AF_UNIX only) ride on the frame's first byte, so the
-receiver collects them with the header and checks that exactly ``nfds`` arrived.
-
-The socket is non-blocking and every wait an explicit ``poll`` against a deadline: timeouts stay
-exact for TLS (a socket can be readable with no application data), send and recv can run in two
-threads, and a receive that times out mid-frame keeps its partial state and resumes. ``close``
-never calls ``shutdown`` (that would cut the connection for every process holding a copy);
-waits are sliced (:mod:`.deadline`) so a blocked thread notices a close within one slice.
+A frame: payload length (u32 big-endian), descriptor count (u8), one codec message. Descriptors
+(SCM_RIGHTS, AF_UNIX only) ride on the first byte and are counted on arrival. The socket is
+non-blocking and every wait a sliced ``poll`` against a deadline: timeouts stay exact for TLS, two
+threads can send and recv, a receive that times out mid-frame resumes, and a blocked thread sees
+a close (which never calls ``shutdown``: that would cut the connection for every process).
 """
 
 from __future__ import annotations
