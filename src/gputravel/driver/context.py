@@ -45,11 +45,8 @@ def unpack_context(blob: bytes, *, layout: str, epoch: int | None = None) -> Dri
     """Decode and validate a blob; raise ContextBlobError naming what is wrong (never a value)."""
     try:
         sealed = decode(blob, expect=SealedContext)
-    except ProtocolError as exc:
-        raise ContextBlobError(f"context blob is corrupted: {exc}") from None
-    if hashlib.sha256(sealed.body).digest() != sealed.sha256:
-        raise ContextBlobError("context blob is corrupted: checksum mismatch")
-    try:
+        if hashlib.sha256(sealed.body).digest() != sealed.sha256:  # before any field is decoded
+            raise ProtocolError("checksum mismatch")
         ctx = decode(sealed.body, expect=DriverContext)
     except ProtocolError as exc:
         raise ContextBlobError(f"context blob is corrupted: {exc}") from None

@@ -170,12 +170,8 @@ class Membership:
         except TransportClosed:
             reason = "closed its connection"
         except BaseException:
-            self._drop(self.core.on_timeout(self._clock()) or self.core.link_failed())
+            self.orch.drop((self.core.on_timeout(self._clock()) or self.core.link_failed()).holder)
             raise
         drop, departed = self.core.departed(reason)
-        self._drop(drop)
+        self.orch.drop(drop.holder)
         return departed
-
-    def _drop(self, act: DropLink) -> None:
-        self.orch.drop(act.holder)
-
