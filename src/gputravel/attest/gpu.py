@@ -10,7 +10,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import cast
 
 import msgpack
 from cryptography import x509
@@ -18,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from gputravel.attest.chain import leaf_fwid, sha384, sign_p384
 from gputravel.errors import BadInput
-from gputravel.protocol.codec import Message, decode, encode
+from gputravel.protocol.codec import Message, encode
 
 NONCE_BYTES = 32
 DIGEST_BYTES = 48
@@ -149,18 +148,9 @@ class EmulatedGpuFirmware:
     """The device side of GET_MEASUREMENTS. Another `fwid` than the leaf certificate's emulates
     firmware that no longer matches it."""
 
-    def __init__(
-        self,
-        *,
-        leaf_key: ec.EllipticCurvePrivateKey,
-        cert_chain: tuple[bytes, ...],
-        measurements: Mapping[int, bytes],
-        driver_version: str,
-        vbios_version: str,
-        cc_mode: bool = True,
-        fwid: bytes | None = None,
-        rng: Rng = os.urandom,
-    ) -> None:
+    def __init__(self, *, leaf_key: ec.EllipticCurvePrivateKey, cert_chain: tuple[bytes, ...],
+                 measurements: Mapping[int, bytes], driver_version: str, vbios_version: str, cc_mode: bool = True,
+                 fwid: bytes | None = None, rng: Rng = os.urandom) -> None:
         if not isinstance(leaf_key, ec.EllipticCurvePrivateKey) or not cert_chain:
             raise BadInput("firmware needs its leaf key and certificate chain")
         self._key = leaf_key
@@ -179,10 +169,6 @@ class EmulatedGpuFirmware:
     def __repr__(self) -> str:
         return f"EmulatedGpuFirmware(fwid={self._fwid.hex()[:16]}..., blocks={len(self._measurements)})"
 
-    @property
-    def cert_chain(self) -> tuple[bytes, ...]:
-        return self._chain
-
     def get_evidence(self, nonce: bytes) -> GpuEvidence:
         """Answer GET_MEASUREMENTS for `nonce` (32 bytes) with signed evidence."""
         if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
@@ -191,8 +177,3 @@ class EmulatedGpuFirmware:
         blocks = tuple(MeasurementBlock(i, d) for i, d in sorted(self._measurements.items()))
         response = encode(Measurements(self._rng(NONCE_BYTES), blocks, self._opaque))
         return GpuEvidence(request, response, sign_p384(self._key, request + response), self._chain)
-
-    def answer(self, request: bytes) -> bytes:
-        """Wire form of get_evidence: encoded GetMeasurements in, encoded GpuEvidence out."""
-        msg = cast(GetMeasurements, decode(request, expect=GetMeasurements))
-        return encode(self.get_evidence(msg.nonce))
