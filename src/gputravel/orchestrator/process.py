@@ -84,8 +84,7 @@ def _readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-def run_training(orch: Orchestrator, cmd: Train, control: Transport,
-                 membership: Membership | None = None) -> dict[str, Any]:
+def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership: Membership) -> dict[str, Any]:
     """Train inside this CVM on batches the GPU fetched by travelling; stream each step out."""
     from gputravel.train.loader import BaselineSource, TravelSource  # lazy: torch, for training only
     from gputravel.train.job import TrainConfig  # lazy: pydantic, for training only
@@ -104,7 +103,7 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport,
     assert orch.travel_sm is not None
     sizes = {name: orch.travel_sm.holders[name].dataset_bytes for name in orch.holders}
     ranks = _ranks(orch, cmd)
-    engine = Admitting(orch, membership if membership is not None else Membership(orch))
+    engine = Admitting(orch, membership)
     source = BaselineSource(orch, sizes) if cfg.loader == "baseline" else TravelSource(engine, sizes)
     result = train(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
                    on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
@@ -175,10 +174,10 @@ def _job_context(cmd: Train, resumed: bytes) -> bytes:
 
 def serve(config: OrchestratorConfig, control: Transport, device_link: socket.socket) -> None:
     orch = Orchestrator.from_config(config, device_link)
-    orch.boot()
-    membership = Membership(orch)  # who has the GPU between travels: kept across commands
-    control.send(Ready(role=NAME, detail={"port": orch.listener.port}))
-    try:
+    try:  # a boot that fails closes the links too
+        orch.boot()
+        membership = Membership(orch)  # who has the GPU between travels: kept across commands
+        control.send(Ready(role=NAME, detail={"port": orch.listener.port}))
         while True:
             cmd = control.recv().message
             if isinstance(cmd, Shutdown):

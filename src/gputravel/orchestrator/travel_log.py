@@ -150,4 +150,3 @@ class TravelLog:
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
-
