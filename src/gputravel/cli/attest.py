@@ -70,7 +70,6 @@ def _print_claims(title: str, claims: Mapping[str, object]) -> None:
     console.print(table)
 
 
-# ----------------------------------------------------------------------------- pki
 @pki_app.command("init")
 def pki_init(
     directory: Path = typer.Option(..., "--dir", help="Directory for the emulated roots (must not hold any)."),
@@ -83,7 +82,6 @@ def pki_init(
     console.print("Verifiers need only the .pem files; the .key files stand for the vendors' HSMs.")
 
 
-# ----------------------------------------------------------------------------- attest gpu
 def _load_or_provision(state: Path, roots: Path) -> GpuDevice:
     if GpuDevice.exists(state):
         return GpuDevice.load(state)
@@ -120,12 +118,15 @@ def attest_gpu(
     console.print(f"wrote {escape(str(json_out))}")
 
 
-# ----------------------------------------------------------------------------- attest verify
-def _read_evidence(path: Path) -> bytes:
+def _read_json(path: Path, what: str) -> object:
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply
-        raise BadInput(f"{path}: cannot read evidence (missing file or invalid JSON)") from None
+        raise BadInput(f"{path}: cannot read {what} (missing file or invalid JSON)") from None
+
+
+def _read_evidence(path: Path) -> bytes:
+    raw = _read_json(path, "evidence")
     if not isinstance(raw, dict) or raw.get("format") != EVIDENCE_FORMAT or not isinstance(raw.get("evidence"), str):
         raise BadInput(f"{path}: not a {EVIDENCE_FORMAT} file")
     try:
@@ -165,23 +166,13 @@ def attest_verify(
     console.print("[green]verified[/green]: the evidence meets the policy")
 
 
-# ----------------------------------------------------------------------------- attest measure
-def _read_config(path: Optional[Path]) -> object:
-    if path is None:
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply
-        raise BadInput(f"{path}: cannot read the configuration (missing file or invalid JSON)") from None
-
-
 @attest_app.command("measure")
 def attest_measure(
     config: Optional[Path] = typer.Option(None, "--config", help="Orchestrator config JSON (default: {})."),
     package: Optional[Path] = typer.Option(None, "--package", help="Package tree (default: installed gputravel)."),
 ) -> None:
     """Print the orchestrator measurement holders pin in their policy."""
-    cfg = _read_config(config)
+    cfg = {} if config is None else _read_json(config, "the configuration")
     value = orchestrator_measurement(cfg, package_dir=package)
     code = measure_code(package)
     console.print(f"code sha384:              {code.hex()}", soft_wrap=True)

@@ -12,24 +12,18 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from gputravel.cli.output import Commands, console, hex_bytes
+from gputravel.cli.output import Commands, console, hex_bytes, named_subcommand
 from gputravel.orchestrator.audit import AuditError, AuditSummary, Entry, entry_hash, verify_log
 from gputravel.orchestrator.audit.entries import HASH_BYTES
 from gputravel.errors import BadInput, GputravelError
 from gputravel.files import write_json
 
-audit_app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands,
+audit_app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands, callback=named_subcommand,
                         help="The orchestrator's hash-chained, signed log of travels.")
 NOT_CLOSED = 3  # the exit status of a log that verifies but is not closed
 CONTINUES = 4  # the exit status of a closed log that continues an earlier one: not its job's whole log
 # The largest log read (in memory: about a million travels) and key (a PEM is a few KiB).
 MAX_LOG_BYTES, MAX_KEY_BYTES = 256 << 20, 64 << 10
-
-
-@audit_app.callback()
-def _group() -> None:
-    """The orchestrator's hash-chained, signed log of travels."""
-    # A callback keeps `verify` a named subcommand even while it is the only one.
 
 
 def _when(seconds: float) -> str:

@@ -8,12 +8,12 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from gputravel.cli.output import Commands, console
+from gputravel.cli.output import Commands, console, named_subcommand
 from gputravel.cohort.stopping import catch_term
 from gputravel.data.prepare import prepare as run_prepare
 from gputravel.data.tokenizer import get_tokenizer
 
-data_app = typer.Typer(no_args_is_help=True, cls=Commands,
+data_app = typer.Typer(no_args_is_help=True, cls=Commands, callback=named_subcommand,
                        help="Training data: tokenize holders' text into llm.c shards.")
 
 
@@ -21,12 +21,6 @@ class TokenizerChoice(str, enum.Enum):
     auto = "auto"
     bytes = "bytes"
     gpt2 = "gpt2"
-
-
-@data_app.callback()
-def _data() -> None:
-    """Training data: tokenize holders' text into llm.c shards."""
-    # A callback keeps `prepare` a named subcommand even while it is the only one.
 
 
 @data_app.command()

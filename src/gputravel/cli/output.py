@@ -46,6 +46,10 @@ class Commands(TyperGroup):
             fail("the input is nested too deeply to read (RecursionError); if it is not, this is a bug: please report it")
 
 
+def named_subcommand() -> None:
+    """A sub-app's callback: it keeps the app's only command a named subcommand."""
+
+
 def hex_bytes(text: str, size: int, error: str) -> bytes:
     """`text` as `size` bytes written in hex, else BadInput(`error`)."""
     try:

@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from gputravel.cli.output import Commands, console
+from gputravel.cli.output import Commands, console, named_subcommand
 from gputravel.cohort.capacity import check_buffer
 from gputravel.cohort.stopping import catch_term
 from gputravel.files import MISSING, not_data
@@ -25,7 +25,7 @@ JOB = TrainConfig().to_dict()  # the defaults of a training job, for the options
 
 __all__ = ["cohort_app", "serve_command", "status_command"]
 
-cohort_app = typer.Typer(no_args_is_help=True, add_completion=False, cls=Commands,
+cohort_app = typer.Typer(no_args_is_help=True, add_completion=False, cls=Commands, callback=named_subcommand,
                          help="A cohort as a consortium deploys it: one config file and one service per party.")
 
 
@@ -34,12 +34,6 @@ class Role(str, enum.Enum):
     gpu = "gpu"
     holder = "holder"
     orchestrator = "orchestrator"
-
-
-@cohort_app.callback()
-def _cohort() -> None:
-    """A cohort as a consortium deploys it: one config file and one service per party."""
-    # A callback keeps `init` a named subcommand even while it is the only one.
 
 
 def _holder(text: str) -> tuple[str, str]:
