@@ -185,7 +185,6 @@ def _checkpoint(cfg: TrainingJobConfig, run_dir: Path) -> Path | None:
     return path
 
 
-# ----------------------------------------------------------------------------- several GPUs
 def shares_of(cfg: TrainingJobConfig) -> tuple[tuple[str, ...], ...]:
     """Each GPU's holders, balanced by their data's bytes: the same for a run and its local reference (G2)."""
     return tuple(map(tuple, holder_shares(cfg.holders, cfg.gpus)))

@@ -144,7 +144,6 @@ class _Service(_Section):
         return self._source
 
 
-# ----------------------------------------------------------------------------- sections
 class LayoutSection(_Section):
     record_bytes: Annotated[int, AfterValidator(_power_of_two)] = MIB
     staging_slots: Annotated[int, Field(ge=2, le=256)] = 8
@@ -193,7 +192,6 @@ class JobSection(TrainConfig):
         return TrainConfig(**self.model_dump(exclude={"run_dir"}))
 
 
-# ----------------------------------------------------------------------------- the parties
 class HostService(_Service):
     party: Literal["host"]
     index: Annotated[int, Field(ge=0)] = 0  # the GPU whose host route this is (host_party)
@@ -311,7 +309,6 @@ ServiceConfig = Union[HostService, GpuService, OrchestratorService, HolderServic
 _ANY = TypeAdapter(Annotated[ServiceConfig, Field(discriminator="party")])
 
 
-# ----------------------------------------------------------------------------- reading
 def _read_toml(path: Path) -> dict:
     if path.exists() and not path.is_file():  # a FIFO would block the read, a device never end it
         raise BadInput(f"{path}: not a regular file")
@@ -379,7 +376,6 @@ def load_service(path: str | Path, party: str | None = None) -> ServiceConfig:
     return validate_service(_read_toml(path), str(path), party)
 
 
-# ----------------------------------------------------------------------------- before starting
 def _paths(cfg: ServiceConfig) -> list[tuple[str, str, str]]:
     checks = [("state_dir", os.path.dirname(cfg.state_dir), "directory")]
     for key in ("socket", "host_socket", "link_socket", "gpu_link_socket", "boot_lock"):

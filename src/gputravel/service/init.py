@@ -51,7 +51,6 @@ __all__ = ["data_bytes", "holder_shares", "init_cohort", "job_tokenizer", "write
 VRAM_MARGIN = 64 * MIB  # the GPU's memory beyond the dataset buffer, as the supervisor gives it
 
 
-# ----------------------------------------------------------------------------- checks first
 def _check_target(directory: Path) -> None:
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise BadInput(f"{directory} exists and is not an empty directory; cohort init writes a new one")
@@ -142,7 +141,6 @@ def holder_shares(holders: Sequence[tuple[str, str]], gpus: int, shares: Sequenc
     return out
 
 
-# ----------------------------------------------------------------------------- writing
 def write_service(path: Path, cfg: ServiceConfig) -> Path:
     """Write `cfg` as TOML, after checking it reads back to the same config."""
     data = cfg.model_dump(mode="python")

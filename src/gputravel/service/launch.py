@@ -70,7 +70,6 @@ class ServiceLaunch:
         self._orchestrator: dict | None = None  # its config, read once: the run loop polls paths in it
         self._undo_term: Callable[[], None] = lambda: None
 
-    # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> ServiceLaunch:
         self._undo_term = stopping.catch_term("the cohort's services were stopped")
         with contextlib.ExitStack() as undo:  # a start that fails stops what it started
@@ -135,7 +134,6 @@ class ServiceLaunch:
         self._undo_term()
         self._undo_term = lambda: None
 
-    # ------------------------------------------------------------------ the job
     def train(self, on_step: Callable[[StepRow], None] | None = None, timeout: float = 24 * 3600.0) -> dict:
         """Wait for every rank's orchestrator to exit, relaying rank 0's steps; its report, or why it stopped."""
         ranks = [self.children[orchestrator_party(k)] for k in range(self.gpus)]
@@ -177,7 +175,6 @@ class ServiceLaunch:
                                 if any(u < 0 for u in planned.values()) else "not every party was seen isolated")
         return {"on": on, "reason": reason, "parties": seen}
 
-    # ------------------------------------------------------------------ services
     def _serve(self, party: str) -> None:
         assert self.dir is not None
         log = self.dir / "logs" / f"{party}.log"
@@ -249,7 +246,6 @@ class ServiceLaunch:
                         out[party] = {"uid": got.uid, "dumpable": got.dumpable}
         return out
 
-    # ------------------------------------------------------------------ files
     def _config(self, party: str) -> dict:
         return tomllib.loads((self.cohort / f"{party}.toml").read_text())
 

@@ -39,7 +39,6 @@ ORCHESTRATOR = "orchestrator"  # the role, and the name in every orchestrator's 
 DONE_FILE = "job-done"  # in the public directory (config.public_file): that orchestrator finished the job
 
 
-# ----------------------------------------------------------------------------- shared
 def _trust_dir(state: Path, trust: str, extra: dict[str, dict]) -> Path:
     """This party's trust material, each file replaced, never written through a link in its directory."""
     out = private_dir(state / "trust")
@@ -69,7 +68,6 @@ def _try_lock(path: str) -> int | None:
     return fd
 
 
-# ----------------------------------------------------------------------------- holder
 def serve_holder(cfg: HolderService, stop: Stopping) -> int:
     """Serve this holder until the job is done or we stop; a new CVM rejoins an orchestrator that went away."""
     name = cfg.name
@@ -161,7 +159,6 @@ def _leave_and_stop(name: str, child: PartyChild, joined: bool) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- orchestrator
 def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
     name = orchestrator_party(cfg.rank)  # "orchestrator"; rank K of several GPUs: "orchestrator-K"
     state = private_dir(cfg.state_dir)

@@ -40,7 +40,6 @@ def party_name(cfg: ServiceConfig) -> str:
     return orchestrator_party(cfg.rank)
 
 
-# ----------------------------------------------------------------------------- what is up
 def _bound_unix_paths() -> set[str] | None:
     try:
         lines = Path("/proc/net/unix").read_text().splitlines()[1:]
@@ -83,7 +82,6 @@ def _services(cfg: ServiceConfig) -> dict[str, str]:
     return {k: "up" if v else "down" for k, v in up.items()}
 
 
-# ----------------------------------------------------------------------------- what is known
 def _published(public_dir: str) -> list[str]:
     return sorted(p.stem for p in Path(public_dir).glob("*.pem")) if os.path.isdir(public_dir) else []
 
