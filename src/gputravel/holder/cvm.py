@@ -71,36 +71,34 @@ class Dataset:
     shards' tokens without headers, in order, laid out once at boot in the CVM's private memory."""
 
     def __init__(self, path: str, fmt: DatasetFormat) -> None:
-        self.tokenizer = ""
-        self._map: mmap.mmap | None = None
         try:
             dataset_kind(fmt)
         except ValueError as exc:
             raise BadInput(str(exc)) from None
-        if fmt == TOKENS:
-            self._load_tokens(path)
-        else:
-            self._load_raw(path)
-        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+        self.tokenizer = ""
+        self._map = self._load_tokens(path) if fmt == TOKENS else self._load_raw(path)  # None: empty
+        self.view = memoryview(self._map if self._map is not None else b"")
+        self.size = len(self.view)
 
-    def _load_raw(self, path: str) -> None:
+    def _load_raw(self, path: str) -> mmap.mmap | None:
         if not os.path.isfile(path):
             raise BadInput(f"dataset {path!r} does not exist or is not a file")
-        self.size = os.path.getsize(path)
-        if self.size:
-            with open(path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        if not (size := os.path.getsize(path)):
+            return None
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
 
-    def _load_tokens(self, path: str) -> None:
+    def _load_tokens(self, path: str) -> mmap.mmap | None:
         from gputravel.data.holder_tokens import load_tokens  # lazy: numpy costs a raw holder's boot 40 ms
 
         loaded = load_tokens(path)
         data = loaded.tokens.astype("<u2", copy=False).tobytes()
         self.tokenizer = loaded.tokenizer
-        self.size = len(data)
-        if self.size:
-            self._map = mmap.mmap(-1, self.size)
-            self._map.write(data)
+        if not data:
+            return None
+        mem = mmap.mmap(-1, len(data))
+        mem.write(data)
+        return mem
 
 
 class DataHolder:

@@ -100,8 +100,8 @@ class HostProcess:
         self.mux = PcieMux()
         self.profile = hardware_profile(config.hardware)
         self.device: Transport | None = None
-        self._device_fds: tuple[int, int] | None = None
-        self._bar_bytes = 0
+        self.device_fds: tuple[int, int] | None = None  # BAR0 and the device's own doorbell, to hand out
+        self.bar_bytes = 0
         self._listener = listen_unix(config.socket_path)
         # CVMs of other uids connect to it; the directory it lies in decides who can reach it.
         os.chmod(config.socket_path, 0o666)
@@ -139,9 +139,8 @@ class HostProcess:
 
     def _device_gone(self) -> None:
         """Forget the GPU that left, its BAR0 and doorbell with it, until one attaches again."""
-        for fd in self._device_fds or ():
-            os.close(fd)
-        self.device, self._device_fds, self._bar_bytes = None, None, 0
+        close_fds(self.device_fds or ())
+        self.device, self.device_fds, self.bar_bytes = None, None, 0
 
     def _serve_one(self, peer: Transport) -> bool:
         try:
@@ -178,10 +177,10 @@ class HostProcess:
         if len(fds) != 2:
             close_fds(fds)
             raise BadInput("device attach needs BAR0 and doorbell descriptors")
-        self.device, self._device_fds, self._bar_bytes = peer, (fds[0], fds[1]), msg.bar_bytes
+        self.device, self.device_fds, self.bar_bytes = peer, (fds[0], fds[1]), msg.bar_bytes
 
     def _register(self, peer: Transport, msg: RegisterCvm, fds: tuple[int, ...]) -> tuple[Registered, tuple[int, int]]:
-        if len(fds) != 2 or self._device_fds is None:
+        if len(fds) != 2 or self.device_fds is None:
             close_fds(fds)
             raise BadInput("CVM registration needs its sysmem and interrupt descriptors" if len(fds) != 2
                            else "no device is attached yet")
@@ -193,8 +192,8 @@ class HostProcess:
             self._snooper.watch(reg)
         self._cvm_of[peer] = msg.cvm
         self._conn_of[msg.cvm] = peer
-        bar, doorbell = self._device_fds
-        return Registered(bar_bytes=self._bar_bytes), (bar, self.hooks.on_register(reg, doorbell))
+        bar, doorbell = self.device_fds
+        return Registered(bar_bytes=self.bar_bytes), (bar, self.hooks.on_register(reg, doorbell))
 
     def _forget(self, peer: Transport) -> None:
         cvm = self._cvm_of.pop(peer, None)
@@ -222,12 +221,3 @@ class HostProcess:
         ack = self.device.recv(timeout=self.config.switch_timeout).message
         if not isinstance(ack, DeviceAck) or ack.cvm != dma.cvm:
             raise BadInput("device did not acknowledge the switch")
-
-    @property
-    def device_fds(self) -> tuple[int, int] | None:
-        """BAR0 and the device's own doorbell (held by the host to hand out)."""
-        return self._device_fds
-
-    @property
-    def bar_bytes(self) -> int:
-        return self._bar_bytes
