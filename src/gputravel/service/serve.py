@@ -4,8 +4,10 @@ stopping cleanly on SIGTERM or SIGINT; the host and the GPU here, the members in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from gputravel.attest.provision import GpuIssuer
@@ -45,13 +47,7 @@ def serve_host(cfg: HostService, stop: Stopping) -> int:
     home = private_dir(Path(cfg.state_dir) / "home")
     own_state(Path(cfg.state_dir), cfg.uid)
     config = {"socket_path": cfg.socket, "hardware": cfg.hardware, "outlive_device": True}
-    child = PartyChild("host", config, stop_by="terminate", uid=cfg.uid, home=home)
-    try:
-        child.ready(BOOT_TIMEOUT)
-        log("host", "up", socket=cfg.socket)
-        return _until_stopped("host", child, stop)
-    finally:
-        child.close()
+    return _serve_child("host", "host", config, cfg.uid, home, stop, socket=cfg.socket)
 
 
 def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
@@ -72,13 +68,8 @@ def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
     config = {"host_socket": cfg.host_socket, "vram_bytes": cfg.vram_bytes, "layout": cfg.layout.to_layout(),
               "serial": cfg.serial, "gpu_dir": str(firmware), "link_socket": cfg.link_socket,
               "link_uid": cfg.orchestrator_uid}
-    child = PartyChild("device", config, stop_by="terminate", uid=cfg.uid, home=home)
-    try:
-        child.ready(BOOT_TIMEOUT, lambda msg: _certify_firmware(child, vendor, msg))
-        log(name, "up", serial=cfg.serial, link=cfg.link_socket)
-        return _until_stopped(name, child, stop)
-    finally:
-        child.close()
+    return _serve_child(name, "device", config, cfg.uid, home, stop,
+                        lambda child, msg: _certify_firmware(child, vendor, msg), serial=cfg.serial, link=cfg.link_socket)
 
 
 def _certify_firmware(child: PartyChild, vendor: Path, msg: Enroll) -> None:
@@ -89,17 +80,21 @@ def _certify_firmware(child: PartyChild, vendor: Path, msg: Enroll) -> None:
     GpuIssuer.discard(vendor)  # certified once: nobody can certify another key for this GPU
 
 
-def _until_stopped(party: str, child: PartyChild, stop: Stopping) -> int:
-    """Serve until a signal (a clean stop: 0) or the party's process ends (its status)."""
-    while child.alive() and not stop():
-        try:
-            child.proc.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:  # still serving
-            continue
-    if stop():
-        log(party, "stopping", why="signal")
-        child.stop()
-        return 0
-    code = child.proc.returncode
-    log(party, "exited", status=code)
-    return code
+def _serve_child(party: str, role: str, config: dict, uid: int, home: Path, stop: Stopping,
+                 certify: Callable[[PartyChild, Enroll], None] | None = None, **up: object) -> int:
+    """Start the party's process, then serve until a signal (a clean stop: 0) or it ends (its status)."""
+    child = PartyChild(role, config, stop_by="terminate", uid=uid, home=home)
+    try:
+        child.ready(BOOT_TIMEOUT, None if certify is None else lambda msg: certify(child, msg))
+        log(party, "up", **up)
+        while child.alive() and not stop():
+            with contextlib.suppress(subprocess.TimeoutExpired):  # still serving
+                child.proc.wait(timeout=0.2)
+        if stop():
+            log(party, "stopping", why="signal")
+            child.stop()
+            return 0
+        log(party, "exited", status=child.proc.returncode)
+        return child.proc.returncode
+    finally:
+        child.close()
