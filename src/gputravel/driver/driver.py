@@ -89,9 +89,8 @@ class Driver:
         self._rpc_tx = self._rpc_rx = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
 
     def join_queues_where_they_stand(self) -> None:
-        """Take the user GPFIFO put and RPC sequence numbers from BAR0, not the context. Public
-        because it moves only this CVM's own state (the red team's holder uses it with kept keys):
-        the device's push and RPC authentication is what stands in the way."""
+        """Take the user GPFIFO put and RPC sequence numbers from BAR0. Public: it moves only this
+        CVM's own state; the device's push and RPC authentication is what stands in the way."""
         self._put[PushChannel.USER] = self._get(PushChannel.USER)
         self._join_rpc_queue()
 
@@ -171,14 +170,12 @@ class Driver:
         self.link.ring()
 
     def _get(self, channel: PushChannel) -> int:
-        """The device's GPFIFO get, as BAR0 says: the host can write any value there, so it is
-        brought into the ring (a wild one only costs a refused push, never a write elsewhere)."""
+        """The device's GPFIFO get, brought into the ring: the host can write any value to BAR0."""
         get: int = U32.unpack_from(self.link.bar, Bar0.get(channel))[0]
         return get % self.layout.gpfifo_entries
 
     def next_release(self, channel: PushChannel) -> int:
-        """A release value never handed out before: a held-back push may run late, and its
-        release must never pass for a later push's (tests/test_epoch_invariants.py)."""
+        """A release value never handed out: a held-back push's late release must not pass for a later one."""
         return self._reserve(channel, 1)
 
     def _reserve(self, channel: PushChannel, count: int) -> int:
@@ -221,8 +218,7 @@ class Driver:
     def _wait(self, ready: Callable[[], bool], timeout: float, what: str, channel: PushChannel | None = None,
               poll: bool = True) -> None:
         deadline = self.clock() + timeout
-        # Yield-poll briefly before sleeping on the interrupt, as CUDA does: most waits are
-        # shorter than a sleeping vCPU takes to wake.
+        # Yield-poll briefly before sleeping, as CUDA does: most waits are shorter than a wake-up.
         spin_until = time.perf_counter() + (self.link.spin_s if poll else 0.0)
         while not ready():
             if channel is not None and self.faulted(channel):

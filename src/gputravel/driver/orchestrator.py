@@ -50,8 +50,7 @@ class OrchestratorDriver(Driver):
         self.ledger.new_session()
         self._install(0)
 
-    # Fail-closed recovery: a new session wipes VRAM and every channel, and restarts the epochs
-    # from a new secret, so no key a holder kept opens anything after it (reallocate the buffer).
+    # Fail-closed recovery: a new secret and wiped VRAM, so no key a holder kept opens anything after.
     rekey = establish_session
 
     def _install(self, epoch: int) -> None:
@@ -74,8 +73,7 @@ class OrchestratorDriver(Driver):
         return self.ask(GetEvidence(nonce=nonce), Evidence, timeout=timeout).blob
 
     def reclaim_rpc_queue(self, timeout: float = 10.0) -> DeviceInfo:
-        """After a lend (the holder's probe moved the RPC queue): join it where it stands and prove,
-        encrypted, that the session is still ours (a holder that opened its own fails this)."""
+        """After a lend: rejoin the RPC queue and prove, encrypted, that the session is still ours."""
         self._require_session("reclaim the RPC queue")
         if self._exported is not None:
             raise IllegalTransition("orchestrator driver", "context-away", "reclaim the RPC queue")
@@ -126,8 +124,7 @@ class OrchestratorDriver(Driver):
         return self._kernel_issued
 
     def _resync(self) -> None:
-        """After a confirmed kernel push (the device ran everything before it in order), continue
-        the user channel and the RPC queue where the device stands, whatever was left behind."""
+        """After a confirmed kernel push (all before it ran), continue the queues where the device is."""
         self.join_queues_where_they_stand()
         U32.pack_into(self.link.bar, Bar0.put(PushChannel.USER), self._put[PushChannel.USER])
 
@@ -142,8 +139,7 @@ class OrchestratorDriver(Driver):
 
     def finish_scrub(self, value: int, timeout: float = 10.0) -> bytes | None:
         """Wait for the scrub; a fresh context blob if the one exported meanwhile no longer matches."""
-        # Sleep at once instead of polling: the device fills large buffers on every core
-        # (device/core.py), and a polling orchestrator would take one of them.
+        # Sleep at once: the device fills large buffers on every core, a polling CVM would take one.
         self.wait_release(PushChannel.KERNEL, value, timeout, poll=False)
         sent = self._exported
         if sent is None:
@@ -191,8 +187,7 @@ class OrchestratorDriver(Driver):
         value, self._rotating = self._rotating, None
         epoch = self.key_epoch + 1
         self.abandon_travel()
-        # Keys first (the confirmation comes under the new kernel key), but the ledger moves
-        # only once the device confirmed: until then the new epoch is not known to be in force.
+        # Keys first (the confirmation comes under them); the ledger moves only once it came.
         self.ledger.halt(f"the rotation to key epoch {epoch} was not confirmed by the device")
         self._install(epoch)
         self.wait_release(PushChannel.KERNEL, value, timeout)
@@ -251,8 +246,7 @@ def _check_same_keys(sent: DriverContext, back: DriverContext) -> None:
         raise ContextBlobError("returned context blob carries keys that were not exported")
 
 
-#: How far a travel may move the user semaphore or the RPC sequence: far more than any
-#: travel's pushes, far less than would bring a value near its wrap.
+#: How far a travel may move a semaphore or RPC sequence: far more than it pushes, far from a wrap.
 MAX_ADVANCE = 1 << 32
 
 

@@ -88,8 +88,7 @@ class GpuAttester:
 
     def _pinned(self, verify: Callable[[tuple[bytes, ...]], ec.EllipticCurvePublicKey]
                 ) -> Callable[[tuple[bytes, ...]], ec.EllipticCurvePublicKey]:
-        """The chain hook, GPU pinned once one attested: it runs before the key exchange, so
-        another GPU's session never gets keys."""
+        """The chain hook, GPU pinned: it runs before the key exchange, so another GPU gets no keys."""
         def check(chain: tuple[bytes, ...]) -> ec.EllipticCurvePublicKey:
             key = verify(chain)  # the vendor root first: only then is chain[1] a per-device certificate
             if self._gpu_cert is not None and chain[1] != self._gpu_cert:
@@ -121,8 +120,7 @@ class GpuAttester:
         return claims, blob
 
     def refresh(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> bool:
-        """Re-attest if the claims are stale (half the holders' limit, so what a holder receives
-        is never close to expiring) and the GPU is home; whether it did."""
+        """Re-attest, if the GPU is home, claims older than half the holders' limit; whether it did."""
         refresh_after_s = max(1, self.material.max_evidence_age_s // 2)
         claims = self.claims
         fresh = claims is not None and int(now.timestamp()) - claims.verified_at < refresh_after_s
@@ -145,8 +143,7 @@ class GpuAttester:
         return answer_challenge(challenge, quote=self.quote, tls_cert_der=self.identity.cert_der, gpu_evidence=blob)
 
     def serve_challenge(self, conn: Transport, driver: OrchestratorDriver, timeout: float, now: float) -> None:
-        """Answer a holder's challenge (on joining, or after `AttestDue`) and learn when it wants
-        to attest us again, counted from ``now`` (monotonic) so never later than it asked."""
+        """Answer a holder's challenge and learn when it wants to attest us again (from ``now``)."""
         challenge = conn.recv(timeout=timeout, expect=AttestChallenge).message
         assert isinstance(challenge, AttestChallenge)
         self.refresh(driver, utcnow(), timeout)  # a GPU that failed before gets one more try

@@ -44,8 +44,7 @@ class Received:
 
 
 class ChunkReceipt:
-    """Which answers to one SendChunk are accepted: this transfer's pieces in order, none empty or
-    past the bytes asked, then ChunkSent once exactly those arrived. Anything else raises."""
+    """Accepts this SendChunk's pieces in order, none empty or past the bytes asked, then ChunkSent."""
 
     def __init__(self, req: SendChunk, peer: str) -> None:
         self.req = req

@@ -87,8 +87,7 @@ def _refuse(conn: Transport, reason: str, error: GputravelError) -> NoReturn:
 
 
 class Orchestrator:
-    """The travelling engine: one dataset buffer in VRAM, one travel at a time. It is given its
-    links open (:meth:`from_config`); building one does no IO, :meth:`boot` starts the cohort."""
+    """The travelling engine: one dataset buffer, one travel at a time; built with its links open."""
 
     _clock = staticmethod(time.perf_counter)  # the one clock the machine is told (step timings, deadlines)
 
@@ -142,8 +141,7 @@ class Orchestrator:
         self.travel_sm = OrchestratorTravel(Buffer(buf.offset, buf.nbytes), deadlines, verify=self.config.verify)
 
     def rekey(self) -> None:
-        """Fail-closed recovery: a new SPDM session, verified as at boot, and the buffer granted
-        again (VRAM is wiped); TravelHalted, naming the step, if the GPU cannot be re-keyed."""
+        """Fail-closed recovery: a new SPDM session, verified as at boot; TravelHalted if it fails."""
         assert self.travel_sm is not None
         try:
             self.switch(NAME)
@@ -157,8 +155,7 @@ class Orchestrator:
         log.warning("re-keyed the GPU through a new SPDM session (VRAM wiped)")
 
     def _halt(self, why: str) -> NoReturn:
-        """A failed re-key: the driver may hold either session's keys, so it is halted (exports
-        and lends nothing) before TravelHalted stops travel."""
+        """A failed re-key: the driver may hold either session's keys, so it is halted first."""
         self.driver.ledger.halt(why)
         raise TravelHalted(why) from None
 
@@ -223,8 +220,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ the travel cycle
     def travel(self, holder: str, dataset_offset: int) -> TravelReport:
-        """One travel (paper Fig. 3), logged when it completes or a remote party makes it fail (a
-        local error, a bug, is raised without an entry); none once the job's log is closed."""
+        """One travel (paper Fig. 3), logged when it completes or a remote party makes it fail."""
         if self.travel_log is not None:
             self.travel_log.check_open()
         before = self.driver.epoch or 0
@@ -383,8 +379,7 @@ class Orchestrator:
             conn.close()
 
     def _recover(self) -> None:
-        """Take the GPU back and rotate, so whatever the holder kept is useless; re-key if the
-        rotation cannot be shown (TravelHalted if that fails too)."""
+        """Take the GPU back and rotate (else re-key), so whatever the holder kept is useless."""
         try:
             self.switch(NAME)
             if self.driver.rotating:  # submitted when the GPU came home: finish it (it takes the context back)

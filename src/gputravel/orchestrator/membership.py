@@ -52,8 +52,7 @@ class DropLink:
 
 
 class Lending:
-    """Who has the GPU between travels, and whose departure is awaited (the supervisor orders
-    lends and reclaims: lending while lent and reclaiming when idle are allowed)."""
+    """Who has the GPU between travels, and whose departure is awaited (the supervisor orders lends)."""
 
     def __init__(self) -> None:
         self.lent_to: str | None = None

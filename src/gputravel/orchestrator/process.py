@@ -43,8 +43,7 @@ log = logging.getLogger(__name__)
 
 
 class Admitting:
-    """The engine training travels with: before each travel it admits waiting holders and drops
-    those that said goodbye, so a deployed cohort changes membership while it trains (paper 4.5)."""
+    """The engine training travels with: before each travel, holders join and leave (paper 4.5)."""
 
     def __init__(self, orch: Orchestrator, membership: Membership) -> None:
         self.orch, self.membership = orch, membership
@@ -130,8 +129,7 @@ class _ShutdownAsked:
 
 
 def _ranks(orch: Orchestrator, cmd: Train) -> Ranks | None:
-    """This CVM as one rank of a data-parallel job, or None to train alone; its peers are attested
-    (attest/rank.py) before any gradient moves, the launcher only says where rank 0 listens."""
+    """This CVM as one rank of a data-parallel job (None: alone); peers attested before any gradient."""
     if cmd.world_size == 1 and cmd.rank == 0:
         return None
     from gputravel.train.ranks import Ranks  # lazy: torch, for training only

@@ -60,8 +60,7 @@ def signer_id(key_pem: bytes) -> str:
 
 class TravelLog:
     def __init__(self, path: str, key_pem: bytes, gpu: str) -> None:
-        # A restart continues its own log (verified; a closed one is refused). A missing log is
-        # created at its first entry: a resumed job first says which log it continues.
+        # A missing log is created at its first entry: a resumed job first says which it continues.
         self.path, self._key_pem, self._gpu, self._signer = path, key_pem, gpu, signer_id(key_pem)
         self._followed: LogHead | None = None  # another orchestrator's head this log continues
         self._log = AuditLog.open(path, key_pem, gpu=gpu) if Path(path).exists() else None

@@ -19,12 +19,10 @@ from gputravel.orchestrator.audit.entries import AuditError, Failure
 
 _SCALAR_BYTES = 48
 SIGNATURE_BYTES = 2 * _SCALAR_BYTES
-# Domain separation: a signature over an audit head can never pass for any other statement
-# made with the orchestrator's key (and vice versa).
+# Domain separation: a head's signature never passes for another statement made with the key.
 _SIGNED_PREFIX = b"gputravel/audit/v1/head\x00"
 _SEQ = struct.Struct(">Q")
-# Order of the P-384 group. Signatures are raw r || s with s <= n/2: one valid encoding per
-# entry, so no byte of the file can change unnoticed.
+# P-384's order: with s <= n/2, one valid signature encoding per entry, so no byte changes unnoticed.
 _P384_ORDER = int("ffffffffffffffffffffffffffffffffffffffffffffffffc7634d81f4372ddf"
                   "581a0db248b0a77aecec196accc52973", 16)
 

@@ -72,8 +72,7 @@ def _records(data: bytes, allow_truncated_tail: bool) -> Iterator[_Parsed]:
 
 
 def _is_torn(fragment: bytes) -> bool:
-    """Whether ``fragment`` is a strict prefix of one msgpack record (what a crash leaves), not a
-    complete one (its length prefix made longer) or invalid bytes."""
+    """Whether ``fragment`` is a strict prefix of a msgpack record (a crash), not a whole one or junk."""
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_RECORD_BYTES)
     unpacker.feed(fragment)  # shorter than the declared length, itself <= MAX_RECORD_BYTES
     try:
@@ -116,8 +115,7 @@ _EARLIER_FORMATS = {
 
 
 def _earlier_format(raw: bytes) -> str | None:
-    """What marks ``raw`` as an entry of an earlier format (exactly its keys), or None: only a hint
-    for the error, nothing decoded here is trusted."""
+    """What marks ``raw`` as an earlier format's entry, or None: a hint for the error, never trusted."""
     try:
         fields = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_RECORD_BYTES, max_str_len=MAX_RECORD_BYTES)
     except Exception:  # malformed, whatever msgpack chose to raise
@@ -232,8 +230,7 @@ def _check_closing(parsed: list[_Parsed], trailing: bool) -> bool:
 
 def _check_one(parsed: list[_Parsed], failure: Failure, expected: T | None, named_in: Callable[[Entry], T],
                show: Callable[[T | None], str]) -> T | None:
-    """The one GPU or job every entry names (the expected one if given); AuditError at the first
-    entry naming another. Checked after the chain: a changed name is a bad signature."""
+    """The one GPU or job every entry names (the expected one if given); AuditError at another."""
     named = expected if expected is not None else (named_in(parsed[0].entry) if parsed else None)
     whose = "the verifier expects" if expected is not None else "the log's first entry names"
     for index, p in enumerate(parsed):

@@ -99,8 +99,7 @@ class AuditLog:
     @classmethod
     def open(cls, path: str | os.PathLike[str], signing_key: bytes | ec.EllipticCurvePrivateKey, *,
              gpu: str, repair_truncated_tail: bool = False) -> AuditLog:
-        """Continue a log of ``gpu`` once it verifies under the signer's own key; a torn final
-        record is refused unless ``repair_truncated_tail``, which cuts it off."""
+        """Continue a log that verifies under the signer's key (``repair_truncated_tail`` cuts a torn end)."""
         key, p, gpu = load_signer(signing_key), Path(path), check_gpu(gpu)
         summary = verify_log(p, key.public_key(), gpu=gpu, allow_truncated_tail=repair_truncated_tail)
         if summary.closed:
@@ -115,8 +114,7 @@ class AuditLog:
                    summary.continues or GENESIS_HASH)
 
     def start_after(self, job: bytes, after: tuple[bytes, int]) -> None:
-        """Make this empty log continue another orchestrator's log of ``job`` after the entry
-        ``after`` = (hash, count): a run resumed from a checkpoint taken there."""
+        """Make this empty log continue another orchestrator's after its entry ``after`` = (hash, count)."""
         job, (prev, travels) = _job_id(job), _after(after)
         with self._lock:
             if self._next_seq != 0:
@@ -164,8 +162,7 @@ class AuditLog:
 
     def append(self, event: AuditEvent | str, chunk: ChunkId, *, time: float, epoch_before: int,
                epoch_after: int, chunk_digest: bytes = b"", holder_key: bytes | None = None) -> Entry:
-        """Sign and durably append one entry; a chunk's digest is logged only as its MAC under
-        ``holder_key``, the holder's travel-log key, then required."""
+        """Sign and durably append one entry; a chunk's digest goes in only as its MAC under ``holder_key``."""
         if event == AuditEvent.CLOSED:
             raise BadInput("the closing entry is signed by seal()")
         if type(chunk) is not ChunkId:
