@@ -70,8 +70,7 @@ class Driver:
         self._put = {ch: 0 for ch in PushChannel}
         self._sem = {ch: 0 for ch in PushChannel}
         self._issued = {ch: 0 for ch in PushChannel}  # the last release value handed out, confirmed or not
-        self._rpc_tx = 0
-        self._rpc_rx = 0
+        self._rpc_tx = self._rpc_rx = 0
         self._sys = memoryview(link.sysmem)
 
     # ------------------------------------------------------------------ boot

@@ -3,6 +3,7 @@ interrupt eventfd, and the BAR0 and doorbell the host hands back at registration
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import select
@@ -38,15 +39,11 @@ class DeviceLink:
 
     def close(self) -> None:
         for m in (self.sysmem, self.bar):
-            try:
+            with contextlib.suppress(BufferError):  # a view is still exported: it goes with the process
                 m.close()
-            except BufferError:
-                pass  # a view is still exported; the mapping goes with the process
         for fd in (self.sysmem_fd, self.doorbell_fd, self.irq_fd):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def register_with_host(host: Transport, cvm: str, layout: Layout, *, timeout: float = 10.0) -> DeviceLink:

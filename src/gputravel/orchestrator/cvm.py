@@ -3,13 +3,13 @@ actions its travel machine (orchestrator/machine.py) returns, one IO step each."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import mmap
 import socket
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, Self
 
@@ -108,7 +108,7 @@ class Orchestrator:
         """The CVM's own links: the host (registered with), the device's, TLS for holders."""
         pki = CohortPki.load(config.pki_dir)  # before anything is opened
         identity = TlsIdentity.of_member(pki.member(NAME))
-        with ExitStack() as opened:  # a step that fails closes what the steps before it opened
+        with contextlib.ExitStack() as opened:  # a step that fails closes what the steps before it opened
             host = connect_unix(config.host_socket, "host")
             opened.callback(host.close)
             link = register_with_host(host, NAME, config.layout)
@@ -420,10 +420,8 @@ class Orchestrator:
 
     def close(self) -> None:
         for conn in self.holders.values():
-            try:
+            with contextlib.suppress(GputravelError):
                 conn.send(Bye(reason="cohort shutting down"))
-            except GputravelError:
-                pass
             conn.close()
         self.listener.close()
         self.host.close()
