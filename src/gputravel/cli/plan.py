@@ -51,8 +51,20 @@ def plan_command(
     figures; the output says which."""
     if worked_example and source == "auto":
         source = "paper"  # the example reproduces the paper's figures unless --source says otherwise
-    inp = _input(dataset, holders, buffer, bandwidth, hardware, tokens_per_s, step_s, tokens_per_step,
-                 bytes_per_token, model_size, fl_rounds, epochs, worked_example)
+    ex = model.worked_example_input() if worked_example else None  # its inputs for those not given
+    if ex is None and dataset is None:
+        raise BadInput("give --dataset (per holder, e.g. 44TiB), or --worked-example")
+    speed = {"tokens_per_s": tokens_per_s, "step_s": step_s, "tokens_per_step": tokens_per_step}
+    if ex and tokens_per_s is None and step_s is None:
+        speed["tokens_per_s"] = ex.tokens_per_s  # the example's; otherwise PlanInput says what to give
+    inp = model.PlanInput(
+        dataset_bytes=model.parse_size(dataset, "--dataset") if dataset else ex.dataset_bytes,
+        holders=holders or (ex.holders if ex else 1),
+        buffer_bytes=model.parse_size(buffer, "--buffer") if buffer else (ex.buffer_bytes if ex else 512 * model.MIB),
+        bandwidth_mbit=model.parse_bandwidth(bandwidth) if bandwidth else (ex.bandwidth_mbit if ex else 100.0),
+        hardware=ex.hardware if ex and hardware == EMULATED else hardware,
+        model_bytes=model.parse_size(model_size, "--model-size") if model_size else (ex.model_bytes if ex else 0),
+        bytes_per_token=bytes_per_token, fl_rounds=fl_rounds, epochs=epochs, **speed)
     constants = model.constants_from(_read_results(results), inp.hardware, source)
     out = model.predict(inp, constants)
     if worked_example:
@@ -61,25 +73,6 @@ def plan_command(
     if json_path:
         write_json(json_path, out)
         console.print(f"prediction written to {json_path}")
-
-
-def _input(dataset, holders, buffer, bandwidth, hardware, tokens_per_s, step_s, tokens_per_step, bytes_per_token,
-           model_size, fl_rounds, epochs, worked_example) -> model.PlanInput:
-    """The inputs given; with --worked-example, the example's for the rest (its hardware is paper-h100)."""
-    ex = model.worked_example_input() if worked_example else None
-    if ex is None and dataset is None:
-        raise BadInput("give --dataset (per holder, e.g. 44TiB), or --worked-example")
-    speed = {"tokens_per_s": tokens_per_s, "step_s": step_s, "tokens_per_step": tokens_per_step}
-    if ex and tokens_per_s is None and step_s is None:
-        speed["tokens_per_s"] = ex.tokens_per_s  # the example's; otherwise PlanInput says what to give
-    return model.PlanInput(
-        dataset_bytes=model.parse_size(dataset, "--dataset") if dataset else ex.dataset_bytes,
-        holders=holders or (ex.holders if ex else 1),
-        buffer_bytes=model.parse_size(buffer, "--buffer") if buffer else (ex.buffer_bytes if ex else 512 * model.MIB),
-        bandwidth_mbit=model.parse_bandwidth(bandwidth) if bandwidth else (ex.bandwidth_mbit if ex else 100.0),
-        hardware=ex.hardware if ex and hardware == EMULATED else hardware,
-        model_bytes=model.parse_size(model_size, "--model-size") if model_size else (ex.model_bytes if ex else 0),
-        bytes_per_token=bytes_per_token, fl_rounds=fl_rounds, epochs=epochs, **speed)
 
 
 def _read_results(paths: Optional[list[Path]]) -> list[tuple[str, dict]]:
