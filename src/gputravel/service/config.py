@@ -154,7 +154,6 @@ class LayoutSection(_Section):
 
 
 class PolicySection(_Section):
-
     orchestrator_measurements: Annotated[list[Annotated[str, Field(pattern=HEX96_PATTERN)]], Field(min_length=1)]
     gpu_driver_versions: list[str] = []  # empty: any
     max_evidence_age_s: Annotated[int, Field(ge=2)] = 3600

@@ -55,7 +55,7 @@ class ServiceLaunch:
                  workdir: str | None = None, gpus: int = 1, shares: Sequence[Sequence[str]] | None = None,
                  rank_audit: Sequence[tuple[Path, Path]] = ()) -> None:
         self.holders, self.job, self.run_dir, self.resume = list(holders), dict(job), Path(run_dir), resume
-        self.audit_log, self.certificate, self.hardware, self.workdir = audit_log, certificate, hardware, workdir
+        self.hardware, self.workdir = hardware, workdir
         self.gpus, self.shares = gpus, None if shares is None else [list(s) for s in shares]
         self.rank_audit = list(rank_audit) or [(audit_log, certificate)]
         if len(self.rank_audit) != gpus:  # each rank's log comes back, or none is dropped unsaid
@@ -88,12 +88,9 @@ class ServiceLaunch:
 
     @property
     def service_run_dir(self) -> Path:
-        return Path(self._orchestrator_config()["job"]["run_dir"])
-
-    def _orchestrator_config(self) -> dict:
         if self._orchestrator is None:
             self._orchestrator = self._config("orchestrator")
-        return self._orchestrator
+        return Path(self._orchestrator["job"]["run_dir"])
 
     def start(self) -> None:
         """Init, stage in, then host, GPU, holders (each probes the GPU in turn: paper 4.1), orchestrator."""
