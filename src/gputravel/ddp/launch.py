@@ -98,7 +98,6 @@ def _drain(results, got: dict[int, object], names: Sequence[str], wait: float) -
 
 
 def _child(index: int, target: Callable, args: tuple, results) -> None:
-    """In the process: run the target and send what it returned or raised."""
     try:
         answer = (index, "ok", target(*args), "")
     except BaseException as err:  # reported to the parent, which raises ProcessFailed

@@ -131,13 +131,9 @@ class DeviceCore:
         RPC_HEADER.pack_into(slot, 0, seq, len(raw), int(encrypted))
 
     def _device_info(self) -> DeviceInfo:
-        return DeviceInfo(
-            serial=self.serial,
-            vram_bytes=len(self.vram),
-            layout_digest=self.layout.digest(),
-            session=self._session_secret is not None,
-            work_tokens=(self._tokens[PushChannel.USER], self._tokens[PushChannel.KERNEL]),
-        )
+        return DeviceInfo(serial=self.serial, vram_bytes=len(self.vram), layout_digest=self.layout.digest(),
+                          session=self._session_secret is not None,
+                          work_tokens=(self._tokens[PushChannel.USER], self._tokens[PushChannel.KERNEL]))
 
     def _spdm_step(self, request: object) -> object:
         if isinstance(request, GetCertificate):

@@ -63,7 +63,6 @@ def _listen_link(path: str, uid_checked: bool) -> socket.socket:
 
 
 def memfd(name: str, size: int, populate: bool) -> tuple[int, mmap.mmap]:
-    """A shared memory file of ``size`` bytes and its mapping (VRAM, BAR0)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
     flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)

@@ -29,9 +29,7 @@ HOLDER_COMMANDS = (ProbeGpu, Leave)
 # ----------------------------------------------------------------------------- the core (sans-IO)
 @dataclass(frozen=True)
 class SwitchTo:
-    """Have the PCIe MUX switch the GPU to ``target``."""
-
-    target: str
+    target: str  # the CVM the PCIe MUX is to switch the GPU to
 
 
 @dataclass(frozen=True)

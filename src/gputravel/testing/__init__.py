@@ -112,16 +112,9 @@ class FakeLink:
 class InProcessGpu:
     """One emulated confidential GPU plus the host's PCIe MUX, all in this process."""
 
-    def __init__(
-        self,
-        layout: Layout = TEST_LAYOUT,
-        vram_bytes: int = 4 << 20,
-        *,
-        serial: str = "GPU-EMU-0",
-        clock: Callable[[], float] | None = None,
-        device: GpuDevice | None = None,
-        vram: bytearray | mmap.mmap | None = None,
-    ) -> None:
+    def __init__(self, layout: Layout = TEST_LAYOUT, vram_bytes: int = 4 << 20, *, serial: str = "GPU-EMU-0",
+                 clock: Callable[[], float] | None = None, device: GpuDevice | None = None,
+                 vram: bytearray | mmap.mmap | None = None) -> None:
         """``device``: a provisioned GPU (attest.provision_gpu) for its chain and firmware; without
         one, a 2-certificate identity and no attestation. ``vram``: memory to use (default: its own)."""
         self.layout = layout

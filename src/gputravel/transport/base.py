@@ -59,8 +59,7 @@ class Transport(abc.ABC):
         return self._recv(timeout, expect)  # the typed overloads above live here only
 
     @abc.abstractmethod
-    def _recv(self, timeout: float | None, expect: type | tuple[type, ...] | None) -> Received[Any]:
-        """What each transport does for recv."""
+    def _recv(self, timeout: float | None, expect: type | tuple[type, ...] | None) -> Received[Any]: ...
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -86,7 +85,6 @@ class Transport(abc.ABC):
 
 
 def check_fds(name: str, fds: Sequence[int]) -> tuple[int, ...]:
-    """Validate a caller's descriptor list before anything is sent."""
     out = tuple(fds)
     if len(out) > MAX_FDS:
         raise BadInput(f"{name}: at most {MAX_FDS} descriptors per message, got {len(out)}")

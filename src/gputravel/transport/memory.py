@@ -48,19 +48,15 @@ class MemoryTransport(Transport):
             self._outbox.put((data, dups))
 
     def _recv(self, timeout: float | None, expect: type | tuple[type, ...] | None) -> Received[Any]:
-        if self._closed:
-            raise TransportClosed(f"{self.name}: transport is closed")
-        if self._peer_closed:
-            raise TransportClosed(f"{self.name}: peer has closed")
-        try:
-            item = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            raise PeerTimeout(f"{self.name}: nothing received within {timeout}s") from None
-        if item is None:
-            if self._closed:
-                raise TransportClosed(f"{self.name}: transport is closed")
-            self._peer_closed = True
-            raise TransportClosed(f"{self.name}: peer has closed")
+        item = None
+        if not (self._closed or self._peer_closed):
+            try:
+                item = self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                raise PeerTimeout(f"{self.name}: nothing received within {timeout}s") from None
+        if item is None:  # this end closed, or the peer's end-of-stream marker
+            self._peer_closed = not self._closed
+            raise TransportClosed(f"{self.name}: " + ("transport is closed" if self._closed else "peer has closed"))
         data, fds = item
         try:
             msg = codec.decode(data, expect=expect)

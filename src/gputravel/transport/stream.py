@@ -231,8 +231,7 @@ class StreamTransport(Transport):
                 with self._io_lock:
                     self._check_open()
                     if self._unix:
-                        n, anc, flags, _ = self._sock.recvmsg_into(
-                            [view], _ANCBUF, socket.MSG_CMSG_CLOEXEC)
+                        n, anc, flags, _ = self._sock.recvmsg_into([view], _ANCBUF, socket.MSG_CMSG_CLOEXEC)
                         if anc or flags & socket.MSG_CTRUNC:
                             self._take_fds(anc, flags)
                     else:

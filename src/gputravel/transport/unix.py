@@ -58,7 +58,6 @@ def accept_unix(listener: socket.socket, name: str, *,
 
 def connect_unix(path: str | os.PathLike[str], name: str, *,
                  timeout: float = 10.0) -> StreamTransport:
-    """Connect to a :func:`listen_unix` socket."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
