@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from gputravel.attest.chain import check_now
 from gputravel.attest.gpu import NONCE_BYTES, ReferenceValues
 from gputravel.attest.policy import Policy
 from gputravel.attest.quote import QuoteClaims
@@ -63,18 +62,6 @@ def answer_challenge(
 
 
 # ----------------------------------------------------------------------------- holder
-def verify_gpu_evidence(
-    gpu_evidence: bytes, *, nonce: bytes, policy: Policy, trust: TrustStore, reference: ReferenceValues,
-    now: datetime,
-) -> GpuClaims:
-    """The GPU's signed evidence, verified here: chain to the GPU-vendor root, signature,
-    this holder's nonce, FWID, CC mode, measurements against `reference`; then the policy."""
-    check_now(now)
-    gpu = EmulatedGpuVerifier(trust, reference).verify(gpu_evidence, nonce, now)
-    policy.check_gpu(gpu, now)
-    return gpu
-
-
 @dataclass(frozen=True)
 class OrchestratorAttestation:
     """What a holder learnt: the orchestrator CVM's claims and the claims of the GPU whose
@@ -87,19 +74,12 @@ class OrchestratorAttestation:
         return {"cvm": self.cvm.eat(), "gpu": self.gpu.eat()}
 
 
-def attest_orchestrator(
-    evidence: AttestEvidence,
-    *,
-    peer_cert_der: bytes,
-    nonce: bytes,
-    policy: Policy,
-    trust: TrustStore,
-    reference: ReferenceValues,
-    now: datetime,
-) -> OrchestratorAttestation:
-    """Holder side: verify the quote (pinned measurement, bound to the TLS peer certificate
-    and our nonce), then the GPU's own evidence for our nonce, against `policy`."""
-    cvm = verify_bound_quote(evidence.quote, peer_cert_der, nonce, policy, trust, now)
-    gpu = verify_gpu_evidence(evidence.gpu_evidence, nonce=nonce, policy=policy, trust=trust,
-                              reference=reference, now=now)
+def attest_orchestrator(evidence: AttestEvidence, *, peer_cert_der: bytes, nonce: bytes, policy: Policy,
+                        trust: TrustStore, reference: ReferenceValues, now: datetime) -> OrchestratorAttestation:
+    """Holder side: verify the quote (pinned measurement, bound to the TLS peer certificate and our
+    nonce), then the GPU's own evidence for our nonce (chain to the GPU-vendor root, signature,
+    FWID, CC mode, measurements against `reference`), each against `policy`."""
+    cvm = verify_bound_quote(evidence.quote, peer_cert_der, nonce, policy, trust, now)  # checks `now` too
+    gpu = EmulatedGpuVerifier(trust, reference).verify(evidence.gpu_evidence, nonce, now)
+    policy.check_gpu(gpu, now)
     return OrchestratorAttestation(cvm, gpu)
