@@ -324,6 +324,3 @@ class Driver:
         self._put[PushChannel.USER] = ctx.gpfifo_put
         self._rpc_tx, self._rpc_rx = ctx.rpc_tx_seq, ctx.rpc_rx_seq
         self.epoch = ctx.epoch
-
-
-__all__ = ["Driver", "ChannelKeys"]

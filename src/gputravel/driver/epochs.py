@@ -63,6 +63,3 @@ class EpochLedger:
         if self.halted is not None:
             raise TravelHalted(f"cannot {action}: {self.halted}; until the device confirms a rotation or a new SPDM "
                                 "session re-keys the GPU")
-
-
-__all__ = ["EpochLedger", "EpochUse"]

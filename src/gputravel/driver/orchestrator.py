@@ -266,6 +266,3 @@ def _check_consistent(sent: DriverContext, back: DriverContext) -> None:
         raise ContextBlobError("returned context blob is stale: semaphore or RPC sequence went backwards")
     if any(now - was > MAX_ADVANCE for was, now in moved):
         raise ContextBlobError("returned context blob is inconsistent: semaphore or RPC sequence moved too far")
-
-
-__all__ = ["OrchestratorDriver"]

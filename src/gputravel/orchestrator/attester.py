@@ -38,8 +38,6 @@ from gputravel.errors import IllegalTransition, ProtocolError
 from gputravel.transport.base import Transport
 from gputravel.protocol.codec import decode
 
-__all__ = ["GpuAttester", "TlsIdentity", "orchestrator_attester"]
-
 MIN_REATTEST_S = 1.0  # however often a holder asks, the orchestrator re-attests at most this often
 
 

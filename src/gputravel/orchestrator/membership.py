@@ -18,8 +18,6 @@ if TYPE_CHECKING:
     from gputravel.orchestrator.cvm import Orchestrator
     from gputravel.transport.base import Transport
 
-__all__ = ["ORCHESTRATOR_COMMANDS", "GpuState", "Lending", "Membership"]
-
 ORCHESTRATOR_COMMANDS = (LendGpu, ReclaimGpu, AwaitDeparture)
 
 
