@@ -71,22 +71,20 @@ def check_capacity(cfg: TrainingJobConfig) -> None:
         raise BadInput(f"--buffer-mib {t.buffer_bytes / capacity.MIB:g} holds {t.buffer_bytes // TOKEN_BYTES} tokens, and one "
                        f"batch needs {t.batch * t.seq_len + 1} (--batch {t.batch} x --seq-len {t.seq_len}, and the next "
                        "token): use a larger --buffer-mib, or a smaller --batch or --seq-len")
-    if t.loader == "local":  # no cohort: the training alone, here
-        capacity.check_memory(t.memory_mib(), f"training with --batch {t.batch} x --seq-len {t.seq_len} needs",
-                              "use a smaller --batch or --seq-len", _training_detail(t))
+    local = t.loader == "local"  # no cohort: the training alone, here
+    if not local:
+        capacity.check_buffer(t.buffer_bytes, "--buffer-mib")
+    who = "training" if local else "the orchestrator's training"
+    capacity.check_memory(t.memory_mib(), f"{who} with --batch {t.batch} x --seq-len {t.seq_len} needs",
+                          "use a smaller --batch or --seq-len", f"a GPT-2 of {t.params():,} parameters, {t.n_layer} "
+                          f"layers {t.n_embd} wide, vocabulary {t.vocab_size}, with AdamW, and a batch of "
+                          f"{t.batch * t.seq_len:,} tokens")
+    if local:
         return
-    capacity.check_buffer(t.buffer_bytes, "--buffer-mib")
-    capacity.check_memory(t.memory_mib(), f"the orchestrator's training with --batch {t.batch} x --seq-len "
-                          f"{t.seq_len} needs", "use a smaller --batch or --seq-len", _training_detail(t))
     data = sum(data_bytes(path) for _, path in cfg.holders)
     capacity.check(len(cfg.holders), sysmem_bytes=layout_for(t.buffer_bytes).sysmem_bytes,
                    dataset_bytes=-(-data // len(cfg.holders)), gpus=cfg.gpus,
                    vram_mib=-(-t.buffer_bytes // capacity.MIB) + capacity.VRAM_MARGIN_MIB, train_mib=t.memory_mib())
-
-
-def _training_detail(t: TrainConfig) -> str:
-    return (f"a GPT-2 of {t.params():,} parameters, {t.n_layer} layers {t.n_embd} wide, vocabulary {t.vocab_size}, "
-            f"with AdamW, and a batch of {t.batch * t.seq_len:,} tokens")
 
 
 def layout_for(buffer_bytes: int) -> Layout:
