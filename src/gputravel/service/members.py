@@ -308,7 +308,8 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
         elif report is not None:
             write_json(run_dir / "report.json", report)
             _say_status(cfg, status, {"phase": "done", "members": sorted(joined.dataset_bytes), "step": train.steps})
-            _publish_log(cfg, state)
+            if (state / AUDIT_LOG).exists():  # public: offsets and digests, no data or keys, for holders to check
+                publish(state / AUDIT_LOG, Path(cfg.public_dir) / public_file(name, AUDIT_LOG), cfg.uid)
             atomic_write_bytes(Path(cfg.public_dir) / public_file(name, DONE_FILE), b"done\n")  # its holders end
             log(name, "trained", steps=train.steps, run_dir=str(run_dir))
             return 0
@@ -325,10 +326,3 @@ def _say_status(cfg: OrchestratorService, path: Path, status: dict) -> None:
     write_json(path, status)
     public = Path(cfg.public_dir) / public_file(orchestrator_party(cfg.rank), STATUS_FILE)
     write_json(public, {k: v for k, v in status.items() if k in PUBLIC_STATUS})
-
-
-def _publish_log(cfg: OrchestratorService, state: Path) -> None:
-    """The signed travel log, public (offsets and digests, no data or keys) for holders to check."""
-    log_path = state / AUDIT_LOG
-    if log_path.exists():
-        publish(log_path, Path(cfg.public_dir) / public_file(orchestrator_party(cfg.rank), AUDIT_LOG), cfg.uid)
