@@ -12,6 +12,7 @@ import platform
 import statistics
 import tempfile
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -202,7 +203,6 @@ def tie_breaks(cells: list[dict], bandwidths: tuple[float | None, ...]) -> list[
 
 
 def dataset(directory: Path, size_mib: int) -> str:
-    """A holder's dataset of random bytes, named for its size."""
     path = directory / f"holder-{size_mib}mib.bin"
     with open(path, "wb") as f:
         f.writelines(os.urandom(MIB) for _ in range(size_mib))
@@ -219,7 +219,6 @@ def stamp() -> dict:
     return {"machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
-# ----------------------------------------------------------------------------- the figure
 def plot(result: dict, path: Path) -> Path:
     """Like the paper's Figure 6: one panel per bandwidth; extrapolated baseline bars hatched."""
     from matplotlib.figure import Figure
@@ -258,7 +257,6 @@ def _panel(ax, cells: list[dict], bw: float | None) -> None:
     ax.set_title("uncapped" if bw is None else f"{bw:g} Mbit/s", fontsize=9)
 
 
-# ----------------------------------------------------------------------------- text
 COLUMNS = ("MiB", "Mbit/s", "travel", "baseline", "speedup", "paper est.", "rate chk")
 
 
@@ -288,17 +286,18 @@ def bandwidth_label(bw: float | None) -> str:
     return "uncapped" if bw is None else f"{bw:g}"
 
 
+def parse_list(text: str, item: Callable[[str], Any], error: str) -> tuple:
+    """A benchmark option's comma-separated values; BadInput(`error`) if `item` refuses one."""
+    try:
+        return tuple(item(x.strip()) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise BadInput(error) from None
+
+
 def parse_bandwidths(text: str) -> tuple[float | None, ...]:
     """'4,20,100,500,uncapped' -> (4.0, 20.0, 100.0, 500.0, None)."""
-    out: list[float | None] = []
-    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
-        if item in ("uncapped", "none", "inf"):
-            out.append(None)
-            continue
-        try:
-            out.append(float(item))
-        except ValueError:
-            raise BadInput(f"bandwidths are Mbit/s numbers or 'uncapped', got {item!r}") from None
+    out = parse_list(text.lower(), lambda x: None if x in ("uncapped", "none", "inf") else float(x),
+                     f"bandwidths are Mbit/s numbers or 'uncapped', got {text!r}")
     if not out:
         raise BadInput("give at least one bandwidth")
-    return tuple(out)
+    return out

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gputravel.bench import train
-from gputravel.bench.compare import stamp
+from gputravel.bench.compare import parse_list, stamp
 from gputravel.errors import BadInput
 from gputravel.fl.config import FedAvgConfig
 from gputravel.fl.local import parameter_count
@@ -42,19 +42,16 @@ class SweepConfig:
 
 def parse_models(text: str) -> tuple[tuple[int, int], ...]:
     """'2x64,4x128' -> ((2, 64), (4, 128))."""
-    try:
-        return tuple((int(a), int(b)) for a, b in (m.lower().split("x") for m in text.split(",") if m.strip()))
-    except ValueError:
-        raise BadInput(f"--models are LAYERSxWIDTH, comma separated, e.g. 2x64,4x128, got {text!r}") from None
+    def model(m: str) -> tuple[int, int]:
+        layers, width = m.split("x")  # ValueError unless exactly one x
+        return int(layers), int(width)
+    return parse_list(text.lower(), model, f"--models are LAYERSxWIDTH, comma separated, e.g. 2x64,4x128, got {text!r}")
 
 
 def parse_tokens(text: str) -> tuple[int, ...]:
     """'4096,16384' -> (4096, 16384)."""
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise BadInput(f"--holder-tokens are whole numbers of tokens, comma separated, e.g. 4096,16384, "
-                       f"got {text!r}") from None
+    return parse_list(text, int, f"--holder-tokens are whole numbers of tokens, comma separated, e.g. "
+                                 f"4096,16384, got {text!r}")
 
 
 def model_config(n_layer: int, n_embd: int, steps: int):
@@ -137,7 +134,6 @@ def loss_gap(cfg: SweepConfig) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- the figure
 def plot(result: dict, path):
     """Bytes over the links against the dataset size per holder, log-log."""
     from matplotlib.figure import Figure

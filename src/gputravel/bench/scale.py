@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from gputravel.bench.compare import stamp
+from gputravel.bench.compare import parse_list, stamp
 from gputravel.cohort import capacity
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
@@ -27,10 +27,7 @@ BLOCK = 8  # travels per block: round robin and the control alternate
 
 def parse_holders(text: str) -> list[int]:
     """`1,8,32,64` -> [1, 8, 32, 64] (BadInput for anything else)."""
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise BadInput(f"--holders takes comma-separated counts, e.g. 1,8,32,64, not {text!r}") from None
+    counts = list(parse_list(text, int, f"--holders takes comma-separated counts, e.g. 1,8,32,64, not {text!r}"))
     if not counts or any(not 1 <= n <= capacity.MAX_HOLDERS for n in counts):
         raise BadInput(f"--holders: each count must be between 1 and {capacity.MAX_HOLDERS}")
     return counts
