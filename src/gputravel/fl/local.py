@@ -16,6 +16,7 @@ import torch
 
 from gputravel.errors import BadInput
 from gputravel.train.job import TrainConfig
+from gputravel.train.loader import batch_at
 from gputravel.train.loop import build_model, gpt_config, lr_at, train_step
 from gputravel.train.model import GPT
 
@@ -60,13 +61,6 @@ def schedule_config(cfg: TrainConfig, holder_steps: int) -> TrainConfig:
 def windows(tokens: np.ndarray, batch: int, seq_len: int) -> int:
     """How many whole (x, y) batches a token stream holds."""
     return max(0, (len(tokens) - 1) // (batch * seq_len))
-
-
-def batch_at(tokens: np.ndarray, j: int, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The j-th llm.c window: x the B*T tokens from j*B*T, y the same shifted by one."""
-    bt = batch * seq_len
-    buf = torch.from_numpy(np.asarray(tokens[j * bt: j * bt + bt + 1], dtype=np.int64))
-    return buf[:-1].view(batch, seq_len), buf[1:].view(batch, seq_len)
 
 
 @dataclass(frozen=True)

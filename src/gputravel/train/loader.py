@@ -19,6 +19,13 @@ from gputravel.train.schedule import LoaderState, Scheduler, Visit
 TOKEN_BYTES = 2  # llm.c shards hold uint16 tokens
 
 
+def batch_at(tokens: np.ndarray, j: int, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The j-th llm.c window: x the B*T tokens from j*B*T, y the same shifted by one."""
+    bt = batch * seq_len
+    buf = torch.from_numpy(np.asarray(tokens[j * bt : j * bt + bt + 1], dtype=np.int64))
+    return buf[:-1].view(batch, seq_len), buf[1:].view(batch, seq_len)
+
+
 class ChunkSource(Protocol):
     def sizes(self) -> Mapping[str, int]:
         """Tokens per holder."""
@@ -49,15 +56,11 @@ class LocalSource:
 
 
 class TravellingEngine(Protocol):
-    """What TravelSource needs of the orchestrator: run a travel, then read the buffer."""
-
     def travel(self, holder: str, dataset_offset: int): ...
     def buffer_view(self) -> memoryview: ...
 
 
 class BaselineEngine(Protocol):
-    """What BaselineSource needs of the orchestrator: a baseline transfer, then read the buffer."""
-
     def baseline(self, holder: str, dataset_offset: int) -> BaselineReport: ...
     def buffer_view(self) -> memoryview: ...
 
@@ -135,7 +138,8 @@ class TravellingLoader:
             for j in range(before.skip, n):
                 # Where a run stopped after this window resumes: the same visit, later windows.
                 self.state = done if j + 1 == n else replace(before, skip=j + 1)
-                yield self._window(tokens, j)
+                x, y = batch_at(tokens, j, self.B, self.T)
+                yield x.to(self.device), y.to(self.device)
             self.state = done
 
     def _rejoined(self) -> None:
@@ -156,10 +160,3 @@ class TravellingLoader:
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, spent, getattr(self.source, "last_report", None)))
         return tokens
-
-    def _window(self, tokens: np.ndarray, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        bt = self.B * self.T
-        buf = torch.from_numpy(tokens[j * bt : j * bt + bt + 1])
-        x = buf[:-1].view(self.B, self.T).to(self.device)
-        y = buf[1:].view(self.B, self.T).to(self.device)
-        return x, y
