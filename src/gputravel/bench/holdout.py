@@ -23,7 +23,6 @@ class HeldOut:
     holders: dict[str, str]  # name -> shard directory of its training tokens
     eval_tokens: dict[str, np.ndarray]  # name -> its held-out tokens
     train_tokens: dict[str, int]  # name -> how many training tokens it has
-    tokenizer: str
 
 
 def prepare(sources: tuple[tuple[str, str], ...], out: Path, *, batch: int, seq_len: int, eval_batches: int,
@@ -59,7 +58,7 @@ def prepare(sources: tuple[tuple[str, str], ...], out: Path, *, batch: int, seq_
         write_shard(d / f"{name}_train_000000.bin", tokens)
         write_tokenizer_record(d, tok)
         dirs[name] = str(d)
-    return HeldOut(dirs, evals, {n: len(t) for n, t in train.items()}, tok.name)
+    return HeldOut(dirs, evals, {n: len(t) for n, t in train.items()})
 
 
 def _deal(train: dict[str, np.ndarray], window: int) -> dict[str, np.ndarray]:

@@ -73,7 +73,6 @@ def _round(record_bytes: int, slots: int, total_bytes: int, timeout: float) -> d
             "balanced_gbps": 2 / (1 / seal + 1 / opened)}
 
 
-# ----------------------------------------------------------------------------- the two processes
 def _child(role: str, fd: int, record: int, slots: int, total: int) -> None:
     shm = mmap.mmap(fd, _HEADER + slots * (record + TAG_BYTES), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     counters = memoryview(shm)[:16].cast("Q")  # [records sealed, records opened]

@@ -104,7 +104,6 @@ def _interpolate(points: tuple[tuple[float, float], ...], bw: float) -> float:
     return pts[-1][1]
 
 
-# ----------------------------------------------------------------------------- where constants come from
 def paper_constants() -> Constants:
     """The paper's figures: Table 1 for a travel, Table 2 for the baseline's goodput."""
     hw = hardware_profile(PAPER_H100)
@@ -200,7 +199,6 @@ def _context_bytes(found: tuple[str, dict] | None) -> tuple[int, str]:
     return 4096, "no bench codec JSON: 4 KiB assumed for the request and the reply"
 
 
-# ----------------------------------------------------------------------------- the prediction
 def predict(inp: PlanInput, k: Constants) -> dict:
     b_mib = inp.buffer_bytes / MIB
     link = k.goodput_mbit(inp.bandwidth_mbit) * 1e6 / 8  # bytes/s of goodput
@@ -234,7 +232,6 @@ def _method(tx_s: float, training_s: float, nbytes: float, per_s: float | None, 
             "per_transmission_s": per_s, "count": count}
 
 
-# ----------------------------------------------------------------------------- the paper's worked example
 #: GPT-2 small (124M parameters, llm.c), fp32 weights.
 GPT2_124M_BYTES = 124_439_808 * 4
 #: Table 2: one 512 MiB buffer of uint16 tokens per about 1230 s of llm.c training on the H100.
@@ -258,7 +255,6 @@ def against_worked_example(prediction: dict) -> dict:
             for key in ("saved_per_transmission_s", "saved_s")}
 
 
-# ----------------------------------------------------------------------------- reading and writing figures
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 

@@ -59,7 +59,6 @@ def check_pair(bw: float | None, rows: dict[str, dict]) -> dict:
     return {"bandwidth_mbit": bw, "same_losses": same}
 
 
-# ----------------------------------------------------------------------------- the figure
 COLORS = {"travel": "tab:blue", "tls": "tab:orange", "fl": "tab:green"}
 NAMES = {"travel": "GPU Travelling", "tls": "TLS baseline", "fl": "FedAvg (Flower)"}
 
@@ -96,7 +95,6 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
-# ----------------------------------------------------------------------------- text
 COLUMNS = ("Mbit/s", "method", "training s", "Tx s", "Tx %", "bytes", "holder s", "final loss", "rounds")
 
 

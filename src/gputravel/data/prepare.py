@@ -39,7 +39,6 @@ class PrepareResult:
     skipped: tuple[Path, ...] = ()  # empty files, which add nothing
 
 
-# ----------------------------------------------------------------------------- text input
 def text_files(inputs: Sequence[Path | str]) -> list[Path]:
     """The text files `inputs` name: a file as given, a directory's `*.txt` (recursively, sorted,
     hidden ones skipped)."""
@@ -91,7 +90,6 @@ def encode_files(files: Sequence[Path], tok: Tokenizer) -> Iterator[tuple[Path, 
             yield f, tokens
 
 
-# ----------------------------------------------------------------------------- shard output
 class _ShardWriter:
     """Cuts a token stream into shards of exactly `size` tokens (the last one shorter)."""
 
@@ -156,7 +154,6 @@ def _publish(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)  # rename(2) replaces an empty directory
 
 
-# ----------------------------------------------------------------------------- prepare
 def prepare(inputs: Sequence[Path | str], out: Path | str, tokenizer: Tokenizer | str, shard_tokens: int = 10**8,
             *, progress: bool = False, overwrite: bool = False) -> PrepareResult:
     """Tokenize `inputs` (text files, or directories of .txt files) into shards in `out`;

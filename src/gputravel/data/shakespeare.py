@@ -11,21 +11,13 @@ from gputravel.errors import BadInput
 HOLDERS = ("tragedies", "comedies", "histories")
 
 
-def shakespeare_root() -> Path:
-    """The installed `demo_data/shakespeare` directory."""
-    root = resources.files("gputravel") / "demo_data" / "shakespeare"
-    # Holders read plain files, so the data must be on disk (a normal or editable install),
-    # not inside a zip archive.
-    path = Path(str(root))
-    if not path.is_dir():
-        raise BadInput(f"the demo data is missing from the installed package (looked in {path}); "
-                       "reinstall gputravel from a source tree that includes gputravel/demo_data")
-    return path
-
-
 def shakespeare_holders() -> dict[str, Path]:
     """{"tragedies": dir, "comedies": dir, "histories": dir}, each a directory of .txt plays."""
-    root = shakespeare_root()
+    # Holders read plain files: the data must be on disk (a normal or editable install), not in a zip.
+    root = Path(str(resources.files("gputravel") / "demo_data" / "shakespeare"))
+    if not root.is_dir():
+        raise BadInput(f"the demo data is missing from the installed package (looked in {root}); "
+                       "reinstall gputravel from a source tree that includes gputravel/demo_data")
     holders = {name: root / name for name in HOLDERS}
     missing = [str(p) for p in holders.values() if not p.is_dir()]
     if missing:

@@ -23,7 +23,6 @@ MAX_TOKENS = 2**31 - 1  # the count is an int32 in the header
 SHARD_GLOB = "*.bin"
 
 
-# ----------------------------------------------------------------------------- writing
 def _as_tokens(path: Path, tokens: np.ndarray | Sequence[int]) -> np.ndarray:
     """`tokens` as little-endian uint16, once checked to fit a version 1 shard."""
     arr = np.asarray(tokens)
@@ -57,7 +56,6 @@ def write_shard(path: Path | str, tokens: np.ndarray | Sequence[int]) -> None:
     atomic_write(path, write)
 
 
-# ----------------------------------------------------------------------------- reading
 def _read_header(path: Path) -> int:
     """The token count, once the header is checked against the file size."""
     try:

@@ -125,7 +125,6 @@ def get_tokenizer(name: str) -> Tokenizer:
     raise BadInput(f"unknown tokenizer {name!r}; choose one of auto, bytes, gpt2")
 
 
-# ----------------------------------------------------------------------------- the record
 @dataclass(frozen=True)
 class TokenizerRecord:
     name: str
@@ -151,7 +150,6 @@ def write_tokenizer_record(directory: Path | str, tok: Tokenizer | TokenizerReco
 
 
 def read_tokenizer_record(directory: Path | str) -> TokenizerRecord:
-    """Read and check `directory/tokenizer.json`."""
     path = Path(directory) / RECORD_NAME
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

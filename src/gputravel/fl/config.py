@@ -35,10 +35,9 @@ class FedAvgConfig:
     drop_mode: str = "crash"  # crash: killed, no goodbye; leave: stopped, it deregisters
 
     def __post_init__(self) -> None:
-        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+        if type(self.rounds) is not int or self.rounds < 1:  # not isinstance: True is no count
             raise BadInput(f"--fl-rounds must be at least 1, got {self.rounds!r}")
-        if self.local_steps is not None and (isinstance(self.local_steps, bool)
-                                             or not isinstance(self.local_steps, int) or self.local_steps < 1):
+        if self.local_steps is not None and (type(self.local_steps) is not int or self.local_steps < 1):
             raise BadInput(f"--fl-local-steps must be at least 1, got {self.local_steps!r}")
         if not isinstance(self.fraction, (int, float)) or not 0 < self.fraction <= 1:
             raise BadInput(f"--fl-fraction must be in (0, 1], got {self.fraction!r}")

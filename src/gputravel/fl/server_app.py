@@ -23,8 +23,6 @@ app = ServerApp()
 
 
 class RecordingFedAvg(FedAvg):
-    """Flower's FedAvg, recording each round for the report."""
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rounds: list[dict] = []

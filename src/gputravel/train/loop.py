@@ -320,8 +320,7 @@ def _sample(model, cfg: TrainConfig, device: str, tokenizer) -> str:
 def make_report(cfg: TrainConfig, result: TrainResult) -> dict:
     """The run's report.json: config, per-step losses, travels with timings, stall share."""
     losses = result.losses
-    head = losses[: min(10, len(losses))]
-    tail = losses[-min(10, len(losses)):]
+    head, tail = losses[:10], losses[-10:]
     step_keys = sorted({k for t in result.travels for k in t.get("steps_ms", {})})
     medians = {k: statistics.median(t["steps_ms"][k] for t in result.travels if "steps_ms" in t) for k in step_keys}
     return {

@@ -182,10 +182,6 @@ class DataParallel:
             raise ProtocolError("gather: the rows overlapped")
         return [_decoded(rows[r, :m]) for r, m in enumerate(lengths)]
 
-    @property
-    def failure(self) -> BaseException | None:
-        return self._state.failure
-
     def close(self) -> None:
         """Stop the hook and leave the group; never raises (a failed step's error matters more)."""
         if self._closed:

@@ -30,8 +30,6 @@ def _scalar(value: object) -> object:
 
 
 class RunDir:
-    """Writes one training run's outputs under ``path`` (created if missing)."""
-
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
