@@ -98,52 +98,41 @@ def _check_validity(cert: x509.Certificate, i: int, now: datetime, what: str) ->
         raise AttestationError("expired", f"{what} certificate {i} ({common_name(cert)}) has expired")
 
 
-def verify_chain(
-    chain_der: Sequence[bytes],
-    trusted_roots_der: Sequence[bytes],
-    now: datetime,
-    *,
-    what: str,
-    length: int | None = None,
-) -> x509.Certificate:
-    """Check a chain (leaf first, self-signed root last) and return the leaf: every certificate
-    P-384 and ecdsa-with-SHA384, valid at `now`, signed by the next, a CA allowed to sign; the
-    leaf no CA; the root byte-for-byte a trusted one. AttestationError("chain" or "expired")."""
-    check_now(now)
-    try:
-        return _verify_chain(chain_der, trusted_roots_der, now, what=what, length=length)
-    except MALFORMED_CERTIFICATE:
-        raise AttestationError("chain", f"{what} certificate chain holds a malformed certificate") from None
-
-
 #: What cryptography raises from a malformed certificate, some only when a field is first read:
 #: a byte flipped in an unauthenticated chain gets a typed refusal, never a crash.
 MALFORMED_CERTIFICATE = (ValueError, TypeError, UnsupportedAlgorithm, x509.DuplicateExtension, x509.InvalidVersion)
 
 
-def _verify_chain(chain_der: Sequence[bytes], trusted_roots_der: Sequence[bytes], now: datetime, *, what: str,
-                  length: int | None) -> x509.Certificate:
-    certs = _parse(chain_der, what)
-    if length is not None and len(certs) != length:
-        raise AttestationError("chain", f"{what} chain has {len(certs)} certificates, expected {length}")
-    for i, cert in enumerate(certs):
-        _check_algorithms(cert, i, what)
-    leaf_bc = _basic_constraints(certs[0])
-    if len(certs) > 1 and leaf_bc is not None and leaf_bc.ca:
-        raise AttestationError("chain", f"{what} leaf certificate must not be a CA")
-    for i in range(len(certs) - 1):
-        _check_link(certs[i], certs[i + 1], i, what)
-        _check_issuer_is_ca(certs[i + 1], i + 1, i, what)  # certs[1..i] are CAs below it
-    root = certs[-1]
-    if chain_der[-1] not in set(trusted_roots_der):
-        raise AttestationError("chain", f"{what} chain does not end in a trusted root ({common_name(root)})")
+def verify_chain(chain_der: Sequence[bytes], trusted_roots_der: Sequence[bytes], now: datetime, *, what: str,
+                 length: int | None = None) -> x509.Certificate:
+    """Check a chain (leaf first, self-signed root last) and return the leaf: every certificate
+    P-384 and ecdsa-with-SHA384, valid at `now`, signed by the next, a CA allowed to sign; the
+    leaf no CA; the root byte-for-byte a trusted one. AttestationError("chain" or "expired")."""
+    check_now(now)
     try:
-        root.verify_directly_issued_by(root)
-    except (ValueError, TypeError, InvalidSignature):
-        raise AttestationError("chain", f"{what} root certificate is not self-signed") from None
-    for i, cert in enumerate(certs):
-        _check_validity(cert, i, now, what)
-    return certs[0]
+        certs = _parse(chain_der, what)
+        if length is not None and len(certs) != length:
+            raise AttestationError("chain", f"{what} chain has {len(certs)} certificates, expected {length}")
+        for i, cert in enumerate(certs):
+            _check_algorithms(cert, i, what)
+        leaf_bc = _basic_constraints(certs[0])
+        if len(certs) > 1 and leaf_bc is not None and leaf_bc.ca:
+            raise AttestationError("chain", f"{what} leaf certificate must not be a CA")
+        for i in range(len(certs) - 1):
+            _check_link(certs[i], certs[i + 1], i, what)
+            _check_issuer_is_ca(certs[i + 1], i + 1, i, what)  # certs[1..i] are CAs below it
+        root = certs[-1]
+        if chain_der[-1] not in set(trusted_roots_der):
+            raise AttestationError("chain", f"{what} chain does not end in a trusted root ({common_name(root)})")
+        try:
+            root.verify_directly_issued_by(root)
+        except (ValueError, TypeError, InvalidSignature):
+            raise AttestationError("chain", f"{what} root certificate is not self-signed") from None
+        for i, cert in enumerate(certs):
+            _check_validity(cert, i, now, what)
+        return certs[0]
+    except MALFORMED_CERTIFICATE:
+        raise AttestationError("chain", f"{what} certificate chain holds a malformed certificate") from None
 
 
 def leaf_fwid(leaf: x509.Certificate) -> bytes:
