@@ -221,19 +221,19 @@ class Orchestrator:
     # ------------------------------------------------------------------ the travel cycle
     def travel(self, holder: str, dataset_offset: int) -> TravelReport:
         """One travel (paper Fig. 3), logged when it completes or a remote party makes it fail."""
-        if self.travel_log is not None:
-            self.travel_log.check_open()
+        travel_log = self.travel_log
+        if travel_log is None:
+            return self._travel(holder, dataset_offset)
+        travel_log.check_open()
         before = self.driver.epoch or 0
         try:
             report = self._travel(holder, dataset_offset)
         except RemoteError:
-            if self.travel_log is not None:
-                self.travel_log.aborted(holder, dataset_offset, before, self.driver.epoch or 0)
+            travel_log.aborted(holder, dataset_offset, before, self.driver.epoch or 0)
             raise
-        if self.travel_log is not None:
-            assert self.travel_sm is not None
-            self.travel_log.travelled(report, dataset_offset, before, self.driver.epoch or 0,
-                                      self.travel_sm.holders[holder].log_key)
+        assert self.travel_sm is not None
+        key = self.travel_sm.holders[holder].log_key  # the holder's travel-log key, from its hello
+        travel_log.travelled(report, dataset_offset, before, self.driver.epoch or 0, key)
         return report
 
     def job_done(self) -> None:

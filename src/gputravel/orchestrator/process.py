@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from gputravel.attest.material import OrchestratorMaterial
 from gputravel.attest.rank import QuotingRankTee
 from gputravel.firmware.tdx_module import request_quote
-
 from gputravel.errors import BadInput, GputravelError
 from gputravel.orchestrator.cvm import NAME, Orchestrator, OrchestratorConfig
 from gputravel.orchestrator.membership import ORCHESTRATOR_COMMANDS, Membership
