@@ -160,21 +160,11 @@ def _cell(size: int, bw: float | None, travel: dict, base: dict) -> dict:
                      "ok": abs(ratio - 1) <= RATE_TOLERANCE}
     speedup = base["total_ms"] / travel["total_ms"]
     estimate = paper.paper_speedup(size, bw)
-    cell = {
-        "size_mib": size,
-        "bandwidth_mbit": bw,
-        "travel_ms": travel["total_ms"],
-        "travel_tls_ms": travel["tls_ms"],
-        "baseline_ms": base["total_ms"],
-        "baseline_transfer_ms": base["steps_ms"]["tls"],
-        "baseline_steps_ms": base["steps_ms"],
-        "speedup": speedup,
-        "extrapolated": base["extrapolated"],
-        "extrapolated_from_mib": base["from_mib"],
-        "rate_agreement": agreement,
-        "paper_speedup_estimate": estimate,
-        "at_least_paper": None if estimate is None else speedup >= estimate,
-    }
+    cell = {"size_mib": size, "bandwidth_mbit": bw, "travel_ms": travel["total_ms"], "travel_tls_ms": travel["tls_ms"],
+            "baseline_ms": base["total_ms"], "baseline_transfer_ms": base["steps_ms"]["tls"],
+            "baseline_steps_ms": base["steps_ms"], "speedup": speedup, "extrapolated": base["extrapolated"],
+            "extrapolated_from_mib": base["from_mib"], "rate_agreement": agreement,
+            "paper_speedup_estimate": estimate, "at_least_paper": None if estimate is None else speedup >= estimate}
     return {**cell, "paper": paper.against_paper(cell)}  # Figure 6, cell by cell (estimated: bench/paper.py)
 
 
@@ -193,11 +183,7 @@ def tie_breaks(cells: list[dict], bandwidths: tuple[float | None, ...]) -> list[
     for bw in bandwidths:
         row = sorted((c for c in cells if c["bandwidth_mbit"] == bw), key=lambda c: c["size_mib"])
         slower = [c["size_mib"] for c in row if c["speedup"] < 1]
-        wins_from = None
-        for c in reversed(row):
-            if c["speedup"] < 1:
-                break
-            wins_from = c["size_mib"]
+        wins_from = next((c["size_mib"] for c in row if not slower or c["size_mib"] > slower[-1]), None)
         out.append({"bandwidth_mbit": bw, "baseline_faster_at_mib": slower, "travel_faster_from_mib": wins_from})
     return out
 
@@ -209,14 +195,11 @@ def dataset(directory: Path, size_mib: int) -> str:
     return str(path)
 
 
-def machine() -> str:
-    return (f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
-            f"{platform.python_implementation()} {platform.python_version()}")
-
-
 def stamp() -> dict:
     """Where and when a benchmark ran, for its JSON."""
-    return {"machine": machine(), "date": datetime.now(UTC).isoformat(timespec="seconds")}
+    return {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
+                       f"{platform.python_implementation()} {platform.python_version()}",
+            "date": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
 def plot(result: dict, path: Path) -> Path:

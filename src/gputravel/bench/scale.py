@@ -95,20 +95,15 @@ def travel_in_blocks(cohort: Cohort, names: list[str], travels: int) -> tuple[li
 def row_of(n: int, reports: list[TravelReport], boot_s: float, memory: list[dict], load: tuple[float, float]) -> dict:
     totals = [r.total_ms for r in reports]
     fixed = [fixed_ms(r) for r in reports]
-    return {
-        "holders": n,
-        "travels": len(reports),
-        "median_ms": statistics.median(totals),
-        "p90_ms": statistics.quantiles(totals, n=10, method="inclusive")[8] if len(totals) > 1 else totals[0],
-        "fixed_ms": statistics.median(fixed),
-        "steps_ms": {s: statistics.median(r.steps_ms[s] for r in reports) for s in STEPS},
-        "boot_s": boot_s,
-        "rss_mib": statistics.median(m["rss_mib"] for m in memory),
-        "rss_private_mib": statistics.median(m["rss_private_mib"] for m in memory),
-        "boot_cpu_s": statistics.median(m["cpu_s"] for m in memory),
-        "verified": all(r.chunk is not None for r in reports),
-        "loadavg": list(load),  # 1-minute load before and after: other work on the machine
-    }
+    return {"holders": n, "travels": len(reports), "median_ms": statistics.median(totals),
+            "p90_ms": statistics.quantiles(totals, n=10, method="inclusive")[8] if len(totals) > 1 else totals[0],
+            "fixed_ms": statistics.median(fixed),
+            "steps_ms": {s: statistics.median(r.steps_ms[s] for r in reports) for s in STEPS}, "boot_s": boot_s,
+            "rss_mib": statistics.median(m["rss_mib"] for m in memory),
+            "rss_private_mib": statistics.median(m["rss_private_mib"] for m in memory),
+            "boot_cpu_s": statistics.median(m["cpu_s"] for m in memory),
+            "verified": all(r.chunk is not None for r in reports),
+            "loadavg": list(load)}  # 1-minute load before and after: other work on the machine
 
 
 def fixed_ms(r: TravelReport) -> float:

@@ -88,12 +88,6 @@ def _measure(tmp: Path, size_mib: int, repeat: int, hardware: str = EMULATED) ->
     total = statistics.median(r.total_ms for r in reports)
     fixed = statistics.median(r.total_ms - r.steps_ms["dh_copy"] - r.steps_ms["o_cleanup"] for r in reports)
     payload = reports[0].chunk.nbytes if reports[0].chunk else 0
-    return {
-        "size_mib": size_mib,
-        "payload_bytes": payload,
-        "total_ms": total,
-        "steps_ms": steps,
-        "fixed_ms": fixed,
-        "copy_gbps": payload / (steps["dh_copy"] / 1e3) / 1e9 if steps["dh_copy"] else 0.0,
-        "verified": all(r.chunk is not None for r in reports),
-    }
+    return {"size_mib": size_mib, "payload_bytes": payload, "total_ms": total, "steps_ms": steps, "fixed_ms": fixed,
+            "copy_gbps": payload / (steps["dh_copy"] / 1e3) / 1e9 if steps["dh_copy"] else 0.0,
+            "verified": all(r.chunk is not None for r in reports)}

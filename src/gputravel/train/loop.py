@@ -161,9 +161,8 @@ def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model,
         holder_of_batch["name"] = f.visit.holder
         entry = {"holder": f.visit.holder, "token_offset": f.visit.token_offset, "tokens": f.visit.ntokens,
                  "wait_ms": f.seconds * 1e3}
-        report = f.report
-        if report is not None:
-            entry.update(travel_id=report.travel_id, total_ms=report.total_ms, steps_ms=dict(report.steps_ms))
+        if f.report is not None:
+            entry.update(travel_id=f.report.travel_id, total_ms=f.report.total_ms, steps_ms=dict(f.report.steps_ms))
         result.travels.append(entry)
 
     loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
@@ -205,9 +204,7 @@ def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataPa
     extra = {"config": cfg.to_dict(), "losses": list(result.losses), "travels": list(result.travels)}
     anchored = {"travel_log": anchor.record()} if anchor is not None else {}
     if dp is None:
-        extra["loader"] = state.to_dict()
-        extra.update(anchored)
-        return extra
+        return {**extra, "loader": state.to_dict(), **anchored}
     ranks = dp.gather({"loader": state.to_dict(), "losses": list(result.losses), "travels": list(result.travels),
                        **anchored})
     extra.update(world_size=len(ranks), loaders=[r.pop("loader") for r in ranks], rank_results=ranks)
@@ -323,20 +320,10 @@ def make_report(cfg: TrainConfig, result: TrainResult) -> dict:
     head, tail = losses[:10], losses[-10:]
     step_keys = sorted({k for t in result.travels for k in t.get("steps_ms", {})})
     medians = {k: statistics.median(t["steps_ms"][k] for t in result.travels if "steps_ms" in t) for k in step_keys}
-    return {
-        "config": cfg.to_dict(),
-        "losses": losses,
-        "final_loss": losses[-1] if losses else None,
-        "loss_before": sum(head) / len(head) if head else None,
-        "loss_after": sum(tail) / len(tail) if tail else None,
-        "travels": result.travels,
-        "travel_count": len(result.travels),
-        "travel_median_steps_ms": medians,
-        "stall_s": result.stall_seconds,
-        "wall_s": result.wall_seconds,
-        "stall_share": result.stall_share,
-        "loader_state": result.state,
-        "holders_lost": result.lost,
-        "stopped": result.stopped,
-        "sample": result.sample,
-    }
+    return {"config": cfg.to_dict(), "losses": losses, "final_loss": losses[-1] if losses else None,
+            "loss_before": sum(head) / len(head) if head else None,
+            "loss_after": sum(tail) / len(tail) if tail else None,
+            "travels": result.travels, "travel_count": len(result.travels), "travel_median_steps_ms": medians,
+            "stall_s": result.stall_seconds, "wall_s": result.wall_seconds, "stall_share": result.stall_share,
+            "loader_state": result.state, "holders_lost": result.lost, "stopped": result.stopped,
+            "sample": result.sample}
