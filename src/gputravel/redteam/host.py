@@ -41,12 +41,6 @@ class _Drop:
     left: int = 0
 
 
-@dataclass
-class _ForgeGet:
-    order: ArmForgeGet
-    travelling: bool = False  # the GPU went to the victim: the next switch home fires it
-
-
 class HostAdversary:
     """The host's hooks (host.process.HostHooks), and the orders it takes from the red team."""
 
@@ -69,7 +63,8 @@ class HostAdversary:
         self._expose: ArmExposePrefix | None = None
         self._route: ArmRoute | None = None
         self._hidden_put: int | None = None
-        self._forge: _ForgeGet | None = None
+        self._forge: ArmForgeGet | None = None
+        self._forge_due = False  # the GPU went to the forge's victim: the next switch home fires it
         self._forged_get: int | None = None  # the value we wrote into BAR0's kernel get, until the device rewrites it
         self._bells = Doorbells(self._on_ring)
         sock_path = workdir / "adversary.sock"
@@ -105,12 +100,11 @@ class HostAdversary:
             if requester == ORCHESTRATOR and target != ORCHESTRATOR:  # a travel starts
                 self.bus.seen_put[USER] = self.bus.reg32(Bar0.put(USER))
                 self.bus.travel_base[target] = self.bus.seen_put[USER]
-                if self._forge is not None and self._forge.order.victim == target:
-                    self._forge.travelling = True
+                self._forge_due = self._forge_due or (self._forge is not None and self._forge.victim == target)
             forge = self._forge
-            if forge is not None and forge.travelling and target == ORCHESTRATOR:
-                self._forge = None
-                self._forge_kernel_get(requester, forge.order.hold_s)
+            if forge is not None and self._forge_due and target == ORCHESTRATOR:
+                self._forge, self._forge_due = None, False
+                self._forge_kernel_get(requester, forge.hold_s)
             tamper = self._tamper
             if tamper is not None and tamper.kind == "replay" and requester == tamper.victim:
                 self._tamper = None
@@ -176,7 +170,7 @@ class HostAdversary:
             elif isinstance(msg, ArmRoute):
                 self._route = msg
             elif isinstance(msg, ArmForgeGet):
-                self._forge = _ForgeGet(msg)
+                self._forge, self._forge_due = msg, False
             elif not isinstance(msg, (ForceSwitch, HostQuery)):
                 raise ProtocolError(f"unknown order {type(msg).__name__}")
         if isinstance(msg, ForceSwitch):
