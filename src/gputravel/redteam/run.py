@@ -170,8 +170,8 @@ def _victims(attack: Attack, needles: dict[str, Needles]) -> list[Needles]:
 
 def _watched(run_dir: Path, found: Found, needles: dict[str, Needles], tmp: Path) -> tuple[bool, tuple[Record, ...]]:
     """The snoop row is only meaningful if the host really watched, and the scanner works."""
-    files = {"snoop.bin": run_dir / SNOOP_FILE, "tap.bin": run_dir / "tap.bin"}
-    sizes = {name: p.stat().st_size if p.exists() else 0 for name, p in files.items()}
+    sizes = {name: p.stat().st_size if p.exists() else 0 for name, p in (("snoop.bin", run_dir / SNOOP_FILE),
+                                                                         ("tap.bin", run_dir / "tap.bin"))}
     own = search([tmp / f"{h}.bin" for h in HOLDERS], needles.values())
     watched = sizes["snoop.bin"] > MIB and sizes["tap.bin"] > 1024 and found.scanned_bytes > 16 * MIB
     searched = Searched(nbytes=found.scanned_bytes, snoop_bytes=sizes["snoop.bin"], tap_bytes=sizes["tap.bin"])
@@ -202,9 +202,8 @@ def print_report(report: RedTeamReport, console: Console, *, evidence: bool = Fa
     for r in report.attacks:
         if console.width < 150:
             console.print(f"[bold]{r.name}[/bold] ({r.adversary}): {r.plaintext_bytes_obtained} bytes of plaintext "
-                          f"obtained, {_outcome(r)}", highlight=False)
-            console.print(f"  tried:      {r.tried}", highlight=False)
-            console.print(f"  stopped by: {r.stopped_by}", highlight=False)
+                          f"obtained, {_outcome(r)}\n  tried:      {r.tried}\n  stopped by: {r.stopped_by}",
+                          highlight=False)
         elif evidence:
             console.print(f"[bold]{r.name}[/bold]")
         if evidence:
