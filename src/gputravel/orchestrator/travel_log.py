@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from gputravel.errors import BadInput, TravelLogMismatch
 from gputravel.orchestrator.audit import AuditLog, ChunkId
@@ -51,17 +51,12 @@ class LogHead:
         return f"entry seq {self.seq} (hash {self.hash.hex()[:16]}…) of job {self.job.hex()}'s travel log"
 
 
-def signer_id(key_pem: bytes) -> str:
-    """The fingerprint a checkpoint records of the key that signs the log."""
-    der = load_signer(key_pem).public_key().public_bytes(serialization.Encoding.DER,
-                                                         serialization.PublicFormat.SubjectPublicKeyInfo)
-    return hashlib.sha256(der).hexdigest()
-
-
 class TravelLog:
     def __init__(self, path: str, key_pem: bytes, gpu: str) -> None:
         # A missing log is created at its first entry: a resumed job first says which it continues.
-        self.path, self._key_pem, self._gpu, self._signer = path, key_pem, gpu, signer_id(key_pem)
+        self.path, self._key_pem, self._gpu = path, key_pem, gpu
+        spki = load_signer(key_pem).public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+        self._signer = hashlib.sha256(spki).hexdigest()  # the key's fingerprint, as a checkpoint records it
         self._followed: LogHead | None = None  # another orchestrator's head this log continues
         self._log = AuditLog.open(path, key_pem, gpu=gpu) if Path(path).exists() else None
 

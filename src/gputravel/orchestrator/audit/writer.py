@@ -31,12 +31,6 @@ from gputravel.orchestrator.audit.verify import intact_length, verify_log
 from gputravel.protocol.codec import encode
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def _job_id(job: bytes | None) -> bytes:
     if job is None:
         return secrets.token_bytes(JOB_BYTES)
@@ -203,7 +197,9 @@ class AuditLog:
         digest = hashlib.sha384(raw).digest()
         payload = encode(Record(entry=raw, signature=sign_head(self._key, entry.seq, digest)))
         try:
-            _write_all(self._fd, LENGTH.pack(len(payload)) + payload)
+            view = memoryview(LENGTH.pack(len(payload)) + payload)
+            while view:  # os.write may write less than it was given
+                view = view[os.write(self._fd, view):]
             os.fsync(self._fd)
         except OSError:
             self._broken = True  # a partial record may be on disk: no entry may follow it
