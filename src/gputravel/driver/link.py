@@ -64,9 +64,8 @@ def register_with_host(host: Transport, cvm: str, layout: Layout, *, timeout: fl
 
 
 class PcieMuxClient:
-    """This CVM's requests to the host's PCIe MUX (``request`` does not wait, so the TLS hand-off
-    overlaps it; replies come in order) and its ``Attached`` notices, numbered by the MUX's switch
-    counter: one older than our last reply is skipped, so a late one never passes for this switch."""
+    """This CVM's requests to the host's PCIe MUX, answered in order, and its ``Attached`` notices: one
+    older than our last reply is skipped, so a late notice never passes for this switch."""
 
     def __init__(self, host: Transport, cvm: str) -> None:
         self.host, self.cvm = host, cvm

@@ -118,8 +118,7 @@ class OrchestratorDriver(Driver):
         return value
 
     def _next_kernel_release(self) -> int:
-        """A release value no kernel push ever used: a timed-out push's late release must not pass
-        for the next one's confirmation (the red team's confirmation substitution)."""
+        """A release value no kernel push used: a timed-out push's late release must not confirm the next."""
         self._kernel_issued = max(self._kernel_issued, self.semaphore(PushChannel.KERNEL)) + 1
         return self._kernel_issued
 
@@ -159,8 +158,7 @@ class OrchestratorDriver(Driver):
         return self._pack_export()
 
     def rotate(self, timeout: float = 10.0) -> int:
-        """Move to the next key epoch once the device confirms under the *new* kernel key, which
-        no holder or host can forge; no confirmation raises PeerTimeout and fails closed (6.3)."""
+        """The next key epoch, once the device confirms under the new kernel key; else fail closed (6.3)."""
         if self._exported is not None:
             raise IllegalTransition("orchestrator driver", "context-away", "rotate keys")
         self.start_rotation(timeout)

@@ -53,8 +53,7 @@ class TlsIdentity:
 
 
 class GpuAttester:
-    """Attests the GPU and relays its evidence for each holder's nonce with a TDX quote. The last
-    claims are dropped before every attempt: a GPU that fails is not vouched for until it passes."""
+    """Attests the GPU and relays its evidence with a TDX quote; never for a GPU whose last try failed."""
 
     def __init__(self, material: OrchestratorMaterial, quote: Callable[[bytes], bytes], identity: TlsIdentity, *,
                  rng: Callable[[int], bytes] = os.urandom) -> None:

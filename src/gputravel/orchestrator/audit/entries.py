@@ -52,7 +52,6 @@ class AuditError(ProtocolError):
         self.seq = seq
 
 
-# ----------------------------------------------------------------------------- entries
 def check_gpu(gpu: object) -> str:
     """``gpu`` if it can name a GPU in a log: 1-128 printable characters (the CLI prints it)."""
     if not isinstance(gpu, str) or not 0 < len(gpu) <= MAX_GPU_CHARS or not gpu.isprintable():

@@ -265,9 +265,8 @@ def verify_log(path: str | os.PathLike[str],
                holder: str | None = None, *, gpu: str | None = None, job: bytes | None = None,
                allow_truncated_tail: bool = False,
                known_head: tuple[int, bytes] | bytes | None = None) -> AuditSummary:
-    """AuditError at the first fault: seq, chain, signature, one GPU and job (``gpu``, ``job`` if
-    given), the count, nothing after a close, and ``known_head`` ((seq, hash) or a hash seen signed
-    before) still held. A log not ``closed`` may be missing entries at its end."""
+    """AuditError at the first fault: seq, chain, signature, one GPU and job, the count, nothing after a
+    close, ``known_head`` still held. A log not ``closed`` may be missing entries at its end."""
     key = load_verifier(orchestrator_key)
     expected = check_gpu(gpu) if gpu is not None else None
     if job is not None and (not isinstance(job, bytes) or len(job) != JOB_BYTES):
@@ -307,8 +306,7 @@ def verify_log(path: str | os.PathLike[str],
 # ----------------------------------------------------------------------------- a holder's own entries
 def mismatched_chunks(entries: Iterable[Entry], holder_key: bytes,
                       digest_of: Callable[[int, int], bytes]) -> tuple[int, ...]:
-    """What a holder runs over its own entries of a verified log: the seqs whose MAC is not that of
-    ``digest_of(dataset_offset, nbytes)`` under its key (a GputravelError is a mismatch too)."""
+    """A holder's check of its own entries: the seqs whose MAC is not that of ``digest_of``'s chunk."""
     bad = []
     for e in entries:
         if e.chunk is None or not e.chunk_mac:
