@@ -47,13 +47,8 @@ class AttestDue(Message, tag="attest.due"):
 
 
 # ----------------------------------------------------------------------------- orchestrator
-def answer_challenge(
-    challenge: AttestChallenge,
-    *,
-    quote: Callable[[bytes], bytes],
-    tls_cert_der: bytes,
-    gpu_evidence: bytes,
-) -> AttestEvidence:
+def answer_challenge(challenge: AttestChallenge, *, quote: Callable[[bytes], bytes], tls_cert_der: bytes,
+                     gpu_evidence: bytes) -> AttestEvidence:
     """The orchestrator's answer: a quote (from `quote(report_data)`, its TDX module) binding
     its TLS key and the nonce, and the GPU's evidence for that same nonce."""
     if not isinstance(challenge.nonce, bytes) or len(challenge.nonce) != NONCE_BYTES:

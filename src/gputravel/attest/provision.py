@@ -223,17 +223,9 @@ def enroll_gpu(directory: Path, certify: Callable[[bytes], tuple[bytes, bytes]])
     return GpuDevice.load(directory)
 
 
-def issue_gpu_ca(
-    vendor: Authority,
-    *,
-    serial: str = "GPU-EMU-0",
-    now: datetime | None = None,
-    days: int = DEVICE_VALID_DAYS,
-    firmware_version: str = "1.0",
-    driver_version: str = DEFAULT_DRIVER,
-    vbios_version: str = DEFAULT_VBIOS,
-    cc_mode: bool = True,
-) -> GpuIssuer:
+def issue_gpu_ca(vendor: Authority, *, serial: str = "GPU-EMU-0", now: datetime | None = None,
+                 days: int = DEVICE_VALID_DAYS, firmware_version: str = "1.0", driver_version: str = DEFAULT_DRIVER,
+                 vbios_version: str = DEFAULT_VBIOS, cc_mode: bool = True) -> GpuIssuer:
     """The vendor's part of provisioning a device under `vendor`: the three CAs above its
     firmware leaf, and its firmware state. `GpuIssuer.certify` then issues the leaf."""
     if not isinstance(serial, str) or not _SERIAL_RE.fullmatch(serial):

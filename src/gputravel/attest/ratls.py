@@ -66,15 +66,9 @@ def extract_quote(cert_der: bytes) -> bytes:
     return ext.value
 
 
-def make_ra_tls_certificate(
-    enclave: EmulatedQuotingEnclave,
-    measurement: bytes,
-    nonce: bytes,
-    *,
-    common_name: str = "orchestrator",
-    now: datetime | None = None,
-    days: int = 1,
-) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
+def make_ra_tls_certificate(enclave: EmulatedQuotingEnclave, measurement: bytes, nonce: bytes, *,
+                            common_name: str = "orchestrator", now: datetime | None = None,
+                            days: int = 1) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
     """A fresh TLS key and self-signed certificate whose extension holds a quote over
     (this certificate's SPKI, nonce). Returns (certificate DER, private key)."""
     key = new_key()
@@ -90,9 +84,8 @@ def make_ra_tls_certificate(
     return cert.public_bytes(serialization.Encoding.DER), key
 
 
-def verify_bound_quote(
-    quote: bytes, tls_cert_der: bytes, nonce: bytes, policy: Policy, roots: TrustStore, now: datetime
-) -> QuoteClaims:
+def verify_bound_quote(quote: bytes, tls_cert_der: bytes, nonce: bytes, policy: Policy, roots: TrustStore,
+                       now: datetime) -> QuoteClaims:
     """Verify `quote` under `policy` and that it binds `tls_cert_der`'s key and `nonce`."""
     check_now(now)
     cert = _load(tls_cert_der)
@@ -102,8 +95,6 @@ def verify_bound_quote(
     return EmulatedQuoteVerifier(roots, policy.orchestrator_measurements).verify(quote, expected, now)
 
 
-def verify_ra_tls(
-    peer_cert_der: bytes, nonce: bytes, policy: Policy, roots: TrustStore, now: datetime
-) -> QuoteClaims:
+def verify_ra_tls(peer_cert_der: bytes, nonce: bytes, policy: Policy, roots: TrustStore, now: datetime) -> QuoteClaims:
     """Verify the quote carried in a peer's RA-TLS certificate (see module docstring)."""
     return verify_bound_quote(extract_quote(peer_cert_der), peer_cert_der, nonce, policy, roots, now)

@@ -44,17 +44,9 @@ class Authority:
         key, cert = self_signed_ca(common_name, utc_now(now), days)
         return cls(cert.public_bytes(_DER), key)
 
-    def issue(
-        self,
-        common_name: str,
-        public_key: ec.EllipticCurvePublicKey,
-        *,
-        is_ca: bool,
-        now: datetime | None = None,
-        days: int = DEVICE_VALID_DAYS,
-        serial: str | None = None,
-        extensions: Iterable[tuple[x509.ExtensionType, bool]] = (),
-    ) -> bytes:
+    def issue(self, common_name: str, public_key: ec.EllipticCurvePublicKey, *, is_ca: bool,
+              now: datetime | None = None, days: int = DEVICE_VALID_DAYS, serial: str | None = None,
+              extensions: Iterable[tuple[x509.ExtensionType, bool]] = ()) -> bytes:
         """A P-384, ecdsa-with-SHA384 certificate for `public_key`, as DER."""
         extra = [x509.NameAttribute(x509.NameOID.SERIAL_NUMBER, serial)] if serial else []
         cert = issue_certificate(subject=subject_name(common_name, *extra), public_key=public_key,

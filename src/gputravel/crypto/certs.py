@@ -42,17 +42,9 @@ def subject_name(common_name: str, *extra: x509.NameAttribute[str]) -> x509.Name
     )
 
 
-def issue_certificate(
-    *,
-    subject: x509.Name,
-    public_key: ec.EllipticCurvePublicKey,
-    issuer: x509.Name,
-    issuer_key: ec.EllipticCurvePrivateKey,
-    not_before: datetime,
-    days: int,
-    is_ca: bool,
-    extensions: Iterable[tuple[x509.ExtensionType, bool]] = (),
-) -> x509.Certificate:
+def issue_certificate(*, subject: x509.Name, public_key: ec.EllipticCurvePublicKey, issuer: x509.Name,
+                      issuer_key: ec.EllipticCurvePrivateKey, not_before: datetime, days: int, is_ca: bool,
+                      extensions: Iterable[tuple[x509.ExtensionType, bool]] = ()) -> x509.Certificate:
     """One P-384 certificate signed with ecdsa-with-SHA384 (self-signed if issuer == subject)."""
     if is_ca:
         usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)

@@ -104,9 +104,7 @@ def _hkdf_expand(algorithm: hashes.HashAlgorithm, secret: bytes, info: bytes, le
     return HKDFExpand(algorithm=algorithm, length=length, info=info).derive(secret)
 
 
-def derive_epoch_keys(
-    session_secret: bytes, epoch: int, labels: Iterable[str]
-) -> dict[str, KeyMaterial]:
+def derive_epoch_keys(session_secret: bytes, epoch: int, labels: Iterable[str]) -> dict[str, KeyMaterial]:
     """Keys and IV masks for every label of one epoch. Not H100's ratchet, which anyone holding
     the old key can follow (every holder briefly does): each epoch comes from the SPDM session
     secret, which never leaves the orchestrator and the device."""

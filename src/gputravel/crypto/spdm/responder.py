@@ -42,12 +42,8 @@ class SpdmResponder(Machine):
 
     _role = "spdm responder"
 
-    def __init__(
-        self,
-        identity_key: ec.EllipticCurvePrivateKey,
-        chain_der: tuple[bytes, ...],
-        rng: Rng = os.urandom,
-    ) -> None:
+    def __init__(self, identity_key: ec.EllipticCurvePrivateKey, chain_der: tuple[bytes, ...],
+                 rng: Rng = os.urandom) -> None:
         super().__init__(rng)
         if not isinstance(identity_key, ec.EllipticCurvePrivateKey) or not is_p384(identity_key.public_key()):
             raise BadInput("identity_key must be a P-384 private key")
