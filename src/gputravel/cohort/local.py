@@ -21,6 +21,8 @@ class Cohort(Supervisor):
     def __init__(self, config: CohortConfig, *, launch: Launch | None = None) -> None:
         super().__init__(config, launch)
         self.client = CohortClient(config, self)
+        self.dataset_bytes: dict[str, int] = self.client.dataset_bytes  # the client's dicts: it keeps them
+        self.attestations: dict[str, Joined] = self.client.attestations  # what each holder verified at its join
 
     def __enter__(self) -> Cohort:
         try:
@@ -47,8 +49,7 @@ class Cohort(Supervisor):
         return self._boot_and_join(spec)
 
     def restart_holder(self, name: str) -> int:
-        """A holder CVM that died boots again and rejoins as a late holder does; faults injected
-        into its first run are not repeated."""
+        """A holder CVM that died boots and rejoins as a late holder, its injected faults not repeated."""
         spec = {h.name: h for h in self.config.holders + self.config.late_holders}.get(name)
         child = self.children.get(name)
         if spec is None or child is None or child.proc.poll() is None:
@@ -57,7 +58,7 @@ class Cohort(Supervisor):
         return self._boot_and_join(dataclasses.replace(spec, die_mid_copy_on_travel=0))
 
     def _boot_and_join(self, spec: HolderSpec) -> int:
-        self.spawn_holder(spec, late=True)
+        self._spawn("holder", self._holder_config(spec, late=True), key=spec.name)
         return self.client.admit(spec.name)
 
     def leave(self, name: str, reason: str = "leaving the cohort") -> None:
@@ -82,18 +83,8 @@ class Cohort(Supervisor):
 
     def train(self, config_json: str, run_dir: str = "", resume_checkpoint: str = "",
               on_step: Callable[[TrainStep], None] | None = None, rank: RankPlace | None = None) -> dict:
-        """Run a training job in the orchestrator CVM; its report (train.loop.make_report).
-        `rank`: this cohort's GPU as one rank of a data-parallel job (cohort/gpus.py)."""
+        """Run a training job in the orchestrator CVM; its report. `rank`: this GPU's (cohort/gpus.py)."""
         place = self.placement
         assert place is not None
         run_dir, resume_checkpoint = place.output("orchestrator", run_dir), place.stage("orchestrator", resume_checkpoint)
         return self.client.train(config_json, run_dir, resume_checkpoint, on_step, rank)
-
-    @property
-    def dataset_bytes(self) -> dict[str, int]:
-        return self.client.dataset_bytes
-
-    @property
-    def attestations(self) -> dict[str, Joined]:
-        """What each holder verified when it last joined."""
-        return self.client.attestations

@@ -76,8 +76,7 @@ class Child:
 
 
 class Supervisor:
-    """The processes of one local cohort, from start to close. ``launch``: how each party is started,
-    given the spec made for it; None starts every party as specified."""
+    """The processes of one local cohort. ``launch``: how each party is started, given its spec."""
 
     def __init__(self, config: CohortConfig, launch: Launch | None = None) -> None:
         self.config = config
@@ -91,7 +90,6 @@ class Supervisor:
         self.placement: Placement | None = None
         self._tap: TcpTap | None = None
         self._host_sock = ""
-        self._join_port = 0
         self._ca: CohortCa | None = None  # in this process's memory only, never on disk
         self._certs: dict[str, bytes] = {}  # what the CA issued (public)
         self._undo_term: Callable[[], None] = lambda: None
@@ -106,10 +104,8 @@ class Supervisor:
         self._spawn(TDX_MODULE, quoting.config)  # makes its quoting key; we certify it, then drop the root key
         self.trust = quoting.certify(self.children[TDX_MODULE].control, self.trust, cfg.boot_timeout)
         self.port = self._boot_gpu_side(orchestrator, quoting)
-        self._join_port = self.port
         if cfg.tap:
             self._tap = TcpTap(("127.0.0.1", self.port), self.dir / "tap.bin")
-            self._join_port = self._tap.port
 
     def _provision(self) -> tuple[dict, QuotingLaunch]:
         cfg = self.config
@@ -165,8 +161,7 @@ class Supervisor:
         return tuple(h.name for h in self.config.holders + self.config.late_holders)
 
     def _boot_holders(self) -> None:
-        """BOOT_WINDOW holders start at once; their GPU probes (paper 4.1) stay one at a time: the next
-        is certified only once the one before it is Ready."""
+        """BOOT_WINDOW holders start at once; their GPU probes (paper 4.1) stay one at a time, in order."""
         started: deque[tuple[str, dict, Child]] = deque()
         for h in self.config.holders:
             spec = self._launched_as(PartySpec("holder", h.name, self._holder_config(h, late=False)))
@@ -175,9 +170,6 @@ class Supervisor:
                 self._await_up(*started.popleft())
         while started:
             self._await_up(*started.popleft())
-
-    def spawn_holder(self, h: HolderSpec, *, late: bool = False) -> Ready:
-        return self._spawn("holder", self._holder_config(h, late), key=h.name)
 
     def _holder_config(self, h: HolderSpec, late: bool) -> dict:
         assert self.dir is not None
@@ -308,7 +300,7 @@ class Supervisor:
 
     def join_address(self) -> tuple[str, int]:
         assert self.links is not None
-        return self.links.listen_host, self._join_port
+        return self.links.listen_host, self._tap.port if self._tap is not None else self.port  # the tap records
 
     # ------------------------------------------------------------------ stopping
     def close(self) -> None:
@@ -365,7 +357,6 @@ class Supervisor:
 
     def orchestrator_certificate(self) -> bytes:
         """The orchestrator's cohort certificate: the key that signs the travel log."""
-        assert self.dir is not None
         return self._certs["orchestrator"]
 
     @property
