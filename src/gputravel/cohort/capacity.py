@@ -40,8 +40,7 @@ def available_mib() -> int | None:
 
 
 def check_memory(need_mib: int, what_needs: str, fix: str, detail: str = "") -> None:
-    """BadInput, saying `fix`, if `need_mib` does not fit in MemAvailable less RESERVE_MIB (unchecked
-    where it cannot be read)."""
+    """BadInput, saying `fix`, unless `need_mib` fits in MemAvailable (where readable) less RESERVE_MIB."""
     have = available_mib()
     if have is not None and need_mib + RESERVE_MIB > have:
         raise BadInput(f"{what_needs} about {need_mib} MiB of memory{f' ({detail})' if detail else ''}, above the "
@@ -65,8 +64,7 @@ def check_buffer(buffer_bytes: int, flag: str, unit: int = MIB, given: object = 
 
 def check(holders: int, *, sysmem_bytes: int, dataset_bytes: int, gpus: int = 1, vram_mib: int = 0,
           train_mib: int = 0, fix: str = "use fewer holders or GPUs, or smaller datasets") -> None:
-    """BadInput, naming the limit, if this machine cannot carry these holders beside each of the
-    `gpus` cohorts' own processes, VRAM and training."""
+    """BadInput, naming the limit, if this machine cannot carry these holders and `gpus` cohorts."""
     if not 1 <= holders <= MAX_HOLDERS:
         raise BadInput(f"a cohort has between 1 and {MAX_HOLDERS} holders (its parties share a block of "
                        f"{BLOCK} uids), not {holders}")

@@ -25,8 +25,7 @@ from gputravel.transport.stream import StreamTransport
 
 @dataclass(frozen=True)
 class RankPlace:
-    """An orchestrator's place in a data-parallel job: where rank 0 listens ("host:port") and the
-    context the ranks' pair keys are bound to."""
+    """An orchestrator's place in a data-parallel job (`context`: what the ranks' pair keys bind to)."""
 
     rank: int = 0
     world_size: int = 1
@@ -90,8 +89,7 @@ class CohortClient:
 
     def _holders_answer(self, names: tuple[str, ...], timeout: float,
                         until: StreamTransport | None = None) -> dict[str, object] | GputravelError:
-        """What the holders said within `timeout`, or until `until` (the orchestrator) has its answer
-        there: the first refusal, or the answers read so far, by holder."""
+        """The holders' first refusal, or their answers by holder, within `timeout` or until `until` answers."""
         answers: dict[str, object] = {}
         pending = {self.parties.control(n).fileno(): n for n in names}
         deadline = time.monotonic() + timeout
@@ -117,8 +115,7 @@ class CohortClient:
         return answers
 
     def admit(self, name: str) -> int:
-        """Paper 4.5: a holder that just booted probes the GPU lent to it between travels, then
-        attests the orchestrator and joins. Returns its dataset size."""
+        """Paper 4.5: a booted holder probes the GPU lent to it, attests the orchestrator, joins; its size."""
         wait = self.config.boot_timeout + 5
         self.ask(LendGpu(holder=name), wait)
         try:

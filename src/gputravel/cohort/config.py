@@ -61,11 +61,9 @@ class CohortConfig:
     isolate: bool | None = None
     # Directories the orchestrator writes into (a run directory), lent to its uid while it runs.
     output_dirs: tuple[str, ...] = ()
-    # The hardware profile (protocol/hardware.py): the paper's measured times, or none. Never a
-    # security input.
+    # The hardware profile (protocol/hardware.py): the paper's measured times, or none; never a security input.
     hardware: str = EMULATED
-    # Several GPUs (cohort/gpus.py) share vendor roots, in memory only; None: fresh ones. `gpu_index`
-    # k names this cohort's device GPU-EMU-k.
+    # Several GPUs' cohorts share vendor roots, in memory only (None: fresh ones); the device is GPU-EMU-k.
     roots: SharedRoots | None = field(default=None, repr=False, compare=False)
     # The training job (TrainConfig.canonical_json), part of the measurement holders pin; "": any.
     job_json: str = ""
@@ -92,7 +90,6 @@ class CohortConfig:
             exists = Path(h.dataset).is_file() if kind == "file" else Path(h.dataset).exists()
             if not exists:
                 raise BadInput(f"dataset of holder {h.name!r} not found: {h.dataset}")
-
         if type(self.gpu_index) is not int or self.gpu_index < 0:
             raise BadInput(f"gpu_index must be a non-negative integer, not {self.gpu_index!r}")
         if self.roots is not None and not isinstance(self.roots, SharedRoots):

@@ -38,8 +38,7 @@ class GpuCohorts:
     def __init__(self, base: CohortConfig, shares: tuple[tuple[str, ...], ...], *,
                  per_gpu: PerGpu | None = None, launch: Launch | None = None,
                  servers: bool = False, server_mbit: float | None = None) -> None:
-        """`servers`: each cohort is an emulated server (link "netns"), its orchestrator's namespace
-        joined to the others' through a switch by a link capped at `server_mbit`."""
+        """`servers`: each cohort an emulated server (link "netns"), joined to the others at `server_mbit`."""
         if servers and base.link != "netns":
             raise BadInput("GPUs on servers of their own need their cohorts on network namespaces (link 'netns')")
         check_bandwidth(server_mbit)
@@ -124,8 +123,7 @@ class GpuCohorts:
         return RANK_IF if self.fabric is not None else ""
 
     def close(self) -> None:
-        """Stop every cohort, the last started first; never raises, but warns of what it could not
-        stop. Thread-safe: a failing rank closes everything while the others run."""
+        """Stop every cohort, last started first; never raises, but warns. Thread-safe: a failing rank closes all."""
         with self._closing:
             failures = []
             if self.fabric is not None:
@@ -174,8 +172,7 @@ class GpuCohorts:
 
 def place_late(shares: tuple[tuple[str, ...], ...], sizes: Mapping[str, int],
                late: Iterable[str]) -> tuple[tuple[str, ...], ...]:
-    """`shares` with each `late` holder added, largest dataset first, to the GPU with the fewest
-    bytes so far (as train/schedule.partition balances those present at boot)."""
+    """`shares` with each `late` holder added, largest first, to the GPU with the fewest bytes so far."""
     shares = tuple(tuple(s) for s in shares)
     late = tuple(late)
     placed = {n for s in shares for n in s}

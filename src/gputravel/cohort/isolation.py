@@ -195,8 +195,7 @@ def parent_death_signal() -> int:
 
 
 def rearm_parent_death(sig: int, parent: int) -> None:
-    """Changing the effective ids clears the parent-death signal (prctl(2)): set it again after
-    acting as another account, and if the parent (pid `parent`) died meanwhile, act on it now."""
+    """Changing ids clears the parent-death signal: set `sig` again, and act on it now if `parent` died meanwhile."""
     if sig:
         _check(_libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
         if os.getppid() != parent:
@@ -219,8 +218,7 @@ def party_env(role: str, env: Mapping[str, str] | None = None) -> dict[str, str]
 
 # ----------------------------------------------------------------------------- files
 def give(path: Path, uid: int, mode: int | None = None) -> None:
-    """Hand a tree to `uid` (its own gid), following no link: one at `path` is refused, one inside
-    is handed over itself, never what it names."""
+    """Hand a tree to `uid`, following no link: one at `path` is refused, one inside is handed itself."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # ELOOP for a link
     try:
         os.fchown(fd, uid, uid)

@@ -100,8 +100,7 @@ class Placement:
 
     # ------------------------------------------------------------------ inputs
     def dataset(self, key: str, path: str) -> str:
-        """A holder's dataset (and a shard's tokenizer.json), as a descriptor named by a link in its
-        own directory."""
+        """A holder's dataset (and a shard's tokenizer.json), handed as a descriptor behind a link."""
         if not self.on:
             return path
         source = Path(path).resolve()

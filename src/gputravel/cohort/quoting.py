@@ -75,8 +75,7 @@ class QuotingLaunch:
 
     @staticmethod
     def measure_launch(config: dict, popen: dict) -> bytes:
-        """The measurement of an orchestrator started so: its configuration, and the package that
-        interpreter imports with these Popen arguments (another PYTHONPATH runs other code)."""
+        """Measure an orchestrator started so: its configuration, and the package its interpreter imports there."""
         kwargs = {k: popen[k] for k in ("preexec_fn", "env", "cwd", "pass_fds") if k in popen}
         try:
             found = subprocess.run([sys.executable, "-c", _FIND_PACKAGE], capture_output=True, text=True,

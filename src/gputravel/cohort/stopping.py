@@ -95,8 +95,7 @@ _held: dict[Path, int] = {}  # directory -> the locked descriptor of its launche
 
 
 def claim(directory: Path) -> None:
-    """Mark a launcher's new directory as this process's while it lives: `launcher.pid`, locked
-    before it takes its name, so no sweep ever finds it unlocked."""
+    """Claim a new launcher directory: `launcher.pid`, locked before it is named, so no sweep finds it unlocked."""
     staging = directory / f".{LAUNCHER_PID}.new"
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -135,8 +134,7 @@ def sweep(workdir: str | None, prefix: str) -> None:
 
 
 def delete(d: Path, wait: float = 0.0) -> bool:
-    """Delete a launcher's directory, trying again for `wait` seconds, then let go of its lock.
-    Whether it is gone; if not, it is said on stderr, and the next sweep deletes it."""
+    """Delete a launcher's directory (retrying for `wait` s; if not, said on stderr), release its lock."""
     deadline = time.monotonic() + wait
     while not (gone := remove_tree(d)) and time.monotonic() < deadline:
         time.sleep(0.05)

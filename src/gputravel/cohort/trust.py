@@ -1,13 +1,7 @@
-"""A cohort's trust material (paper 4.5): who gets which part of the chain of trust.
-
-    trust/roots/         the GPU-vendor and CPU-TEE root certificates (their keys never stay on disk)
-    trust/device/        the GPU's firmware state: the device makes its firmware key there
-    trust/orchestrator/  the roots, the GPU's reference values, the evidence age limit, its TDX socket
-    trust/holders/NAME/  the roots, the reference values and NAME's policy pinning the orchestrator
-
-No CVM ever holds a root's key, the quoting key or the GPU's firmware key: the CPU-TEE root and
-the GPU's per-device CA stay in the launcher's memory until they certify the keys the TDX module
-and the device made themselves, and are dropped then.
+"""A cohort's trust material (paper 4.5): who gets which part of the chain of trust (trust/roots,
+device, orchestrator, holders/NAME). No CVM ever holds a root's key, the quoting key or the GPU's
+firmware key: the CPU-TEE root and the GPU's per-device CA stay in the launcher's memory until they
+certify the keys the TDX module and the device made themselves, and are dropped then.
 """
 
 from __future__ import annotations
@@ -126,8 +120,7 @@ class SharedRoots:
 def provision_cohort_trust(directory: Path, *, options: TrustOptions, now: datetime | None = None,
                            quoting_socket: str = "", roots_from: SharedRoots | None = None,
                            gpu_index: int = 0) -> CohortTrust:
-    """The roots (fresh, or `roots_from`) and GPU GPU-EMU-`gpu_index`'s CAs; the device's and the
-    orchestrator's directories. The CPU-TEE root and the per-device CA stay in memory only."""
+    """The roots (fresh or `roots_from`), GPU-EMU-`gpu_index`'s CAs, the device's and orchestrator's shares."""
     directory = Path(directory)
     roots = directory / "roots"
     if roots_from is not None:
@@ -152,8 +145,7 @@ def _fresh_roots(roots: Path, now: datetime | None) -> SharedRoots:
 
 
 def certify_device(trust: CohortTrust, csr_pem: bytes) -> tuple[CohortTrust, tuple[bytes, bytes]]:
-    """The vendor certifies the firmware key the device made, and its CA is dropped: (trust, (chain,
-    vendor root) as PEM)."""
+    """The vendor certifies the device's firmware key and its CA is dropped: (trust, (chain, root))."""
     if trust.gpu_vendor is None:
         raise BadInput("the GPU vendor's CA is gone: nothing can certify a firmware key")
     issued = trust.gpu_vendor.certify_request(csr_pem)
@@ -162,8 +154,7 @@ def certify_device(trust: CohortTrust, csr_pem: bytes) -> tuple[CohortTrust, tup
 
 def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, holders: tuple[str, ...],
                      options: TrustOptions) -> CohortTrust:
-    """Write each holder's policy, pinning `orchestrator`'s measurement with the code this process
-    runs (or options.pinned_measurements); called right before the orchestrator boots."""
+    """Write each holder's policy pinning `orchestrator`'s measurement (code and config), right before it boots."""
     pinned = (tuple(bytes.fromhex(m) for m in options.pinned_measurements)
               if options.pinned_measurements is not None else (measure_orchestrator(orchestrator),))
     policy = Policy(pinned, GpuRequirements(driver_versions=(trust.gpu_driver,)), options.max_evidence_age_s,

@@ -109,8 +109,7 @@ class Launch:
 
 @dataclass
 class TdxModule:
-    """The sans-IO core: `decide` returns a quote for the one launched CVM, None (hold: not ready
-    yet), or raises QuotingRefused."""
+    """The sans-IO core: `decide` quotes for the one launched CVM, holds (None) or raises QuotingRefused."""
 
     key: ec.EllipticCurvePrivateKey = field(default_factory=new_key, repr=False)
     cert_chain: tuple[bytes, ...] | None = None
@@ -301,8 +300,7 @@ KEY_FILE, CHAIN_FILE = "quoting.key", "quoting-chain.pem"
 
 
 def _kept_module(directory: Path) -> TdxModule:
-    """The module with the quoting key kept in `directory` (made if absent), certified if its stored
-    chain is for that key."""
+    """The module with the quoting key kept in `directory`, certified if its stored chain is for it."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     own_key_request(directory / KEY_FILE, QUOTING_KEY_CN)  # makes the key once
     key = serialization.load_pem_private_key((directory / KEY_FILE).read_bytes(), password=None)

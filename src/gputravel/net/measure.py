@@ -98,8 +98,7 @@ class RateCheck:
 
 def check_rate(links: ShapedLinks, src: str, dst: str, nbytes: int, *,
                tolerance: float = 0.15) -> RateCheck:
-    """One transfer's duration against size/cap. The cap counts frame bytes, so TCP goodput sits
-    ~4-5 % under it at MTU 1500, well inside the tolerance."""
+    """One transfer's time against size/cap (frame bytes: TCP goodput sits ~4-5 % under it at MTU 1500)."""
     cap = links.shape.bandwidth_mbit
     if cap is None:
         raise BadInput("an uncapped link has no rate to check")

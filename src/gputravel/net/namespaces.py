@@ -49,8 +49,7 @@ def delete_namespace(ns: str) -> None:
 
 
 def cleanup_stale(prefix: str = NS_PREFIX) -> list[str]:
-    """Delete (and return) our namespaces under ``prefix`` whose owner process is dead; a live
-    owner's are left alone, so concurrent runs do not tear each other down."""
+    """Delete (and return) our namespaces whose owner is dead; a live run's are left alone."""
     if not prefix.startswith(NS_PREFIX):
         raise BadInput(f"prefix must start with {NS_PREFIX!r}, got {prefix!r}")
     removed = []
@@ -67,8 +66,7 @@ def cleanup_stale(prefix: str = NS_PREFIX) -> list[str]:
 # ----------------------------------------------------------------------------- probe
 @functools.cache
 def netns_available() -> tuple[bool, str]:
-    """Whether ShapedLinks can work here, and why not: it builds a throwaway namespace with a
-    bridge, a veth pair and a tbf qdisc."""
+    """Whether ShapedLinks work here (a throwaway namespace, bridge, veth and tbf), and why not."""
     if os.geteuid() != 0:
         return False, "network namespaces need root (euid is not 0)"
     for tool in ("ip", "tc"):

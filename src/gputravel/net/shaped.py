@@ -43,8 +43,7 @@ class ShapedLinks:
                  burst_bytes: int | None = None, latency_ms: float | None = None,
                  subnet: str = _SUBNET, member_if: str = _HOLDER_IF,
                  joined: Mapping[str, str] | None = None) -> None:
-        """`joined`: members whose namespaces exist already (cohort/gpus.py's servers), wired here but
-        never created nor deleted; their end is `member_if`, on `subnet`."""
+        """`joined`: members in existing namespaces (cohort/gpus.py's servers), wired, never made nor deleted."""
         self.shape = LinkShape(bandwidth_mbit, delay_ms, burst_bytes, latency_ms)
         if isinstance(holders, str):  # a lone name would be split into one holder per letter
             raise BadInput(f"holders must be a sequence of names, got the string {holders!r}")

@@ -36,8 +36,7 @@ DEFAULT_LATENCY_MS = 50.0
 
 @dataclass(frozen=True)
 class LinkShape:
-    """One holder<->hub link, each direction: a cap (None: uncapped), a one-way delay, and the tbf
-    bucket depth and queue bound (None: the defaults)."""
+    """One holder<->hub link, each way: a cap (None: none), a delay, tbf's burst and latency (None: defaults)."""
 
     bandwidth_mbit: float | None = None
     delay_ms: float = 0.0
