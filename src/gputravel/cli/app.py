@@ -8,7 +8,6 @@ from typing import Optional
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from gputravel.bench import codec as codec_bench, compare, travel as travel_bench
 from gputravel.cli.attest import attest_app, pki_app
@@ -55,12 +54,6 @@ SHORT = {"o_cleanup": "scrub", "o_export": "O exp", "dh_switch": "→H sw", "dh_
 CONTEXT_STEPS = ("dh_import", "dh_export", "o_import", "o_rotate")
 
 
-def _travel_table(title: str, gpus: int) -> Table:
-    columns = ("#", "holder", "chunk", "MiB", "scrub", "switch", "TLS", "context", "copy", "total", "GB/s", "digest")
-    columns = ("gpu", *columns) if gpus > 1 else columns  # travel ids (#) are each GPU's own
-    return numeric_table(title, columns, show_lines=False, pad_edge=False)
-
-
 def _row(t: Travel, gpus: int) -> list[str]:
     r = t.report
     n = r.chunk.nbytes if r.chunk else 0
@@ -98,8 +91,10 @@ def travel_job(
     on = f"{gpus} GPUs in parallel" if gpus > 1 else "one GPU"
     console.print(f"[bold]gputravel travel[/bold]: {holders} holders x {dataset_mib} MiB, buffer {buffer_mib} MiB, "
                   f"{total} travels on {on}. Booting host, GPU, holders, then the orchestrator (paper 4.1)...")
-    table = _travel_table("Travels (ms, shares of the critical path; switch = waits for the MUX, to holder + back; "
-                          "context = imports, holder export, rotation; the orchestrator exports during the scrub)", gpus)
+    columns = ("#", "holder", "chunk", "MiB", "scrub", "switch", "TLS", "context", "copy", "total", "GB/s", "digest")
+    table = numeric_table("Travels (ms, shares of the critical path; switch = waits for the MUX, to holder + back; "
+                          "context = imports, holder export, rotation; the orchestrator exports during the scrub)",
+                          ("gpu", *columns) if gpus > 1 else columns, show_lines=False, pad_edge=False)  # ids by GPU
     travels: list[Travel] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:

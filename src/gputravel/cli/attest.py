@@ -135,13 +135,6 @@ def _read_evidence(path: Path) -> bytes:
         raise BadInput(f"{path}: evidence is not base64") from None
 
 
-def _reference(reference: Optional[Path], policy: Policy) -> ReferenceValues:
-    path = reference if reference is not None else policy.gpu_reference_values
-    if path is None:
-        raise BadInput("no GPU reference values: pass --reference or set gpu_reference_values in the policy")
-    return ReferenceValues.load(path)
-
-
 @attest_app.command("verify")
 def attest_verify(
     evidence: Path = typer.Option(..., "--evidence", help="JSON written by `attest gpu`."),
@@ -155,7 +148,10 @@ def attest_verify(
     expected = hex_bytes(nonce, NONCE_BYTES, f"--nonce must be {2 * NONCE_BYTES} hex characters")
     pol = Policy.load(policy)
     trust = TrustStore.load(roots)
-    ref = _reference(reference, pol)
+    reference = reference if reference is not None else pol.gpu_reference_values
+    if reference is None:
+        raise BadInput("no GPU reference values: pass --reference or set gpu_reference_values in the policy")
+    ref = ReferenceValues.load(reference)
     now = utcnow()
     try:
         claims = EmulatedGpuVerifier(trust, ref).verify(data, expected, now)

@@ -26,10 +26,6 @@ CONTINUES = 4  # the exit status of a closed log that continues an earlier one: 
 MAX_LOG_BYTES, MAX_KEY_BYTES = 256 << 20, 64 << 10
 
 
-def _when(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
-
-
 def _table(summary: AuditSummary) -> Table:
     who = summary.holder or "every holder"
     gpu = f" by GPU {escape(summary.gpu)}" if summary.gpu is not None else ""
@@ -38,7 +34,8 @@ def _table(summary: AuditSummary) -> Table:
         table.add_column(col, justify="right" if col in ("seq", "offset", "bytes") else "left")
     for e in summary.entries:
         color = {"travel": "green", "refused": "yellow", "aborted": "red"}[e.event.value]
-        table.add_row(str(e.seq), _when(e.time), f"[{color}]{e.event.value}[/{color}]", e.holder,
+        when = datetime.datetime.fromtimestamp(e.time, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(str(e.seq), when, f"[{color}]{e.event.value}[/{color}]", e.holder,
                       str(e.chunk.dataset_offset), str(e.chunk.nbytes), f"{e.epoch_before}→{e.epoch_after}",
                       e.chunk_mac.hex()[:16] or "-", entry_hash(e).hex()[:16])
     return table
@@ -86,13 +83,6 @@ def _read_key(path: Path) -> bytes:
     return data
 
 
-def _error_json(exc: Exception) -> dict[str, object]:
-    out: dict[str, object] = {"ok": False, "error": str(exc)}
-    if isinstance(exc, AuditError):
-        out.update(failure=exc.failure.value, seq=exc.seq)
-    return out
-
-
 @audit_app.command()
 def verify(
     log: Path = typer.Argument(..., help="The audit log file the orchestrator writes."),
@@ -122,7 +112,8 @@ def verify(
                              known_head=known)
     except (GputravelError, OSError) as exc:
         if json_out is not None:
-            write_json(json_out, _error_json(exc))
+            failure = {"failure": exc.failure.value, "seq": exc.seq} if isinstance(exc, AuditError) else {}
+            write_json(json_out, {"ok": False, "error": str(exc), **failure})
         console.print(f"[red]audit log verification failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
     console.print(_table(summary))
