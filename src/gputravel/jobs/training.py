@@ -126,19 +126,15 @@ def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None
     if cfg.gpus > 1:
         report = _run_ranks(cfg, run_dir, on_step)
     elif cfg.train.loader == "local":
-        report = _run_local(cfg, run_dir, on_step)
+        tokens = {name: load_tokens(path).tokens for name, path in cfg.holders}
+        report = make_report(cfg.train, train(cfg.train, LocalSource(tokens), run_dir=run_dir, on_step=on_step,
+                                              resume_from=_checkpoint(cfg, run_dir),
+                                              tokenizer=sample_tokenizer(cfg.train.tokenizer)))
     else:
         report = _run_services(cfg, run_dir, on_step)
     report["holders"] = {name: path for name, path in cfg.holders}
     write_json(run_dir / "report.json", report)
     return report
-
-
-def _run_local(cfg: TrainingJobConfig, run_dir: Path, on_step) -> dict:
-    tokens = {name: load_tokens(path).tokens for name, path in cfg.holders}
-    result = train(cfg.train, LocalSource(tokens), run_dir=run_dir, on_step=on_step,
-                   resume_from=_checkpoint(cfg, run_dir), tokenizer=sample_tokenizer(cfg.train.tokenizer))
-    return make_report(cfg.train, result)
 
 
 def _run_services(cfg: TrainingJobConfig, run_dir: Path, on_step, shares=None) -> dict:

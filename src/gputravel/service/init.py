@@ -51,11 +51,6 @@ __all__ = ["data_bytes", "holder_shares", "init_cohort", "job_tokenizer", "write
 VRAM_MARGIN = 64 * MIB  # the GPU's memory beyond the dataset buffer, as the supervisor gives it
 
 
-def _check_target(directory: Path) -> None:
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise BadInput(f"{directory} exists and is not an empty directory; cohort init writes a new one")
-
-
 def _check_holders(holders: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     if not holders:
         raise BadInput("a cohort needs at least one holder: --holder NAME=PATH")
@@ -262,7 +257,8 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
     beyond steps and buffer (train/job.py's defaults otherwise; the holders' data fixes the
     tokenizer); `shares`: each GPU's holders (None: balanced by their data's bytes)."""
     d = Path(directory).resolve()
-    _check_target(d)
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        raise BadInput(f"{d} exists and is not an empty directory; cohort init writes a new one")
     closed = isolation.unreachable(d.parent) if isolation.decide(None)[0] else None
     if closed is not None:  # as root each party runs under its own account, which must reach D
         raise BadInput(f"{d}: each party's account must reach it, but others cannot search {closed}; "

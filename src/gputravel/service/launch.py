@@ -164,7 +164,7 @@ class ServiceLaunch:
 
     def isolation(self) -> dict:
         """Each party's account and dumpability as /proc showed them while training, against its config's uid."""
-        planned = {p: self._config(p).get("uid", -1) for p in self._parties()}
+        planned = {p.stem: self._config(p.stem).get("uid", -1) for p in sorted(self.cohort.glob("*.toml"))}
         seen = self._observed or {}
         on = all(u >= 0 for u in planned.values()) and bool(seen) and all(
             not got["dumpable"] and got["uid"] == planned.get(party, -2) for party, got in seen.items())
@@ -245,9 +245,6 @@ class ServiceLaunch:
 
     def _config(self, party: str) -> dict:
         return tomllib.loads((self.cohort / f"{party}.toml").read_text())
-
-    def _parties(self) -> list[str]:
-        return sorted(p.stem for p in self.cohort.glob("*.toml"))
 
     def _reachable(self, name: str, path: str) -> str:
         """`path`, or a copy when other accounts cannot read it: a holder's service reads it as its account."""

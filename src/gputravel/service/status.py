@@ -82,10 +82,6 @@ def _services(cfg: ServiceConfig) -> dict[str, str]:
     return {k: "up" if v else "down" for k, v in up.items()}
 
 
-def _published(public_dir: str) -> list[str]:
-    return sorted(p.stem for p in Path(public_dir).glob("*.pem")) if os.path.isdir(public_dir) else []
-
-
 def _own_status(path: Path, uid: int = -1) -> dict:
     """The status.json at `path`, read only if a plain file of root's or of party `uid` with one
     link: status runs as root, and an operator could link another party's private file there."""
@@ -193,7 +189,7 @@ def cohort_status(cfg: ServiceConfig) -> dict:
     bind(cfg, party_name(cfg))
     out: dict = {"config": cfg.source, "party": party_name(cfg), "services": _services(cfg)}
     if isinstance(cfg, (OrchestratorService, HolderService)):
-        out["published"] = _published(cfg.public_dir)
+        out["published"] = sorted(p.stem for p in Path(cfg.public_dir).glob("*.pem"))
     out.update({k: v for k, v in _own_status(Path(cfg.state_dir) / STATUS_FILE, cfg.uid).items() if k not in out})
     if isinstance(cfg, HolderService):  # the job as its orchestrator publishes it: members, the GPU, travels
         public = Path(cfg.public_dir) / public_file(cfg.orchestrator, STATUS_FILE)
