@@ -16,11 +16,8 @@ STEP_COLUMNS = {
     "dh_import": ("DH-Import Key",), "dh_copy": ("DH-Read Dataset", "DH-GPU Write"), "dh_export": ("DH-Export Key",),
     "tls": ("SSL Overheads",), "o_switch": ("O-PCIe Switching",), "o_import": ("O-Import Key",), "o_rotate": (),
 }
-#: Table 1's total (ms) and Table 2's baseline time for one 512 MiB buffer (s), by link.
+#: Table 1's total (ms), by size. (TABLE_2's rows: training s, baseline Tx s, share %, then travelling's.)
 PAPER_TRAVEL_MS = {size: row[TABLE_1_COLUMNS.index("Total Time")] for size, row in TABLE_1.items()}
-PAPER_BASELINE_512_S = {bw: row[1] for bw, row in TABLE_2.items()}
-#: Table 2's training time beside one transmission (s): what the paper's shares divide by.
-PAPER_TRAINING_S = {bw: row[0] for bw, row in TABLE_2.items()}
 
 
 def table_1_row(size_mib: int) -> dict | None:
@@ -40,9 +37,9 @@ def paper_speedup(size_mib: int, bandwidth_mbit: float | None) -> float | None:
 def figure_6_cell(size_mib: int, bandwidth_mbit: float | None) -> dict | None:
     travel = PAPER_TRAVEL_MS.get(size_mib)
     key = None if bandwidth_mbit is None else float(bandwidth_mbit)
-    if travel is None or key not in PAPER_BASELINE_512_S:
+    if travel is None or key not in TABLE_2:
         return None
-    baseline = PAPER_BASELINE_512_S[key] * 1e3 * size_mib / TABLE_2_BUFFER_MIB
+    baseline = TABLE_2[key][1] * 1e3 * size_mib / TABLE_2_BUFFER_MIB
     return {"travel_ms": travel, "baseline_ms": baseline, "speedup": baseline / travel, "estimated": True}
 
 
@@ -65,9 +62,8 @@ def table_2(cells: list[dict]) -> list[dict]:
         key = None if bw is None else float(bw)
         if key not in TABLE_2:
             continue
-        train_s = PAPER_TRAINING_S[key]
-        b_tx, o_tx = c["baseline_ms"] / 1e3, c["travel_ms"] / 1e3
         p = TABLE_2[key]
+        train_s, b_tx, o_tx = p[0], c["baseline_ms"] / 1e3, c["travel_ms"] / 1e3
         rows.append({
             "bandwidth_mbit": bw, "training_s": train_s,
             "baseline_tx_s": b_tx, "baseline_share": b_tx / (train_s + b_tx), "extrapolated": c["extrapolated"],

@@ -88,9 +88,8 @@ class RunDir:
             writer.writerow(header)
         by_name = {str(k): _scalar(v) for k, v in row.items()}
         writer.writerow([by_name[k] for k in header])
-        with self.metrics_path.open("a", newline="") as f:
+        with self.metrics_path.open("a", newline="") as f:  # closed, so flushed, row by row
             f.write(buf.getvalue())
-            f.flush()
 
     def read_metrics(self) -> list[dict[str, str]]:
         """The rows of metrics.csv as dicts of strings (CSV has no types)."""
