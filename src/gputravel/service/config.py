@@ -376,13 +376,9 @@ def load_service(path: str | Path, party: str | None = None) -> ServiceConfig:
 
 
 def _paths(cfg: ServiceConfig) -> list[tuple[str, str, str]]:
-    checks = [("state_dir", os.path.dirname(cfg.state_dir), "directory")]
-    for key in ("socket", "host_socket", "link_socket", "gpu_link_socket", "boot_lock"):
-        if hasattr(cfg, key):
-            checks.append((key, os.path.dirname(getattr(cfg, key)), "directory"))
-    for key in ("trust_dir", "public_dir"):
-        if hasattr(cfg, key):
-            checks.append((key, getattr(cfg, key), "directory"))
+    checks = [(key, os.path.dirname(getattr(cfg, key)), "directory") for key in
+              ("state_dir", "socket", "host_socket", "link_socket", "gpu_link_socket", "boot_lock") if hasattr(cfg, key)]
+    checks += [(key, getattr(cfg, key), "directory") for key in ("trust_dir", "public_dir") if hasattr(cfg, key)]
     if isinstance(cfg, HolderService):
         checks.append(("data", cfg.data, dataset_kind(cfg.format)))
     return checks

@@ -66,10 +66,7 @@ class Stopping:
     def __init__(self) -> None:
         self.requested = False
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._set)
-
-    def _set(self, signum: int, frame: object) -> None:
-        self.requested = True
+            signal.signal(sig, lambda *_: setattr(self, "requested", True))
 
     def __call__(self) -> bool:
         return self.requested
