@@ -170,8 +170,7 @@ class Driver:
 
     def _get(self, channel: PushChannel) -> int:
         """The device's GPFIFO get, brought into the ring: the host can write any value to BAR0."""
-        get: int = U32.unpack_from(self.link.bar, Bar0.get(channel))[0]
-        return get % self.layout.gpfifo_entries
+        return int(U32.unpack_from(self.link.bar, Bar0.get(channel))[0]) % self.layout.gpfifo_entries
 
     def next_release(self, channel: PushChannel) -> int:
         """A release value never handed out: a held-back push's late release must not pass for a later one."""
@@ -211,8 +210,7 @@ class Driver:
         self._wait(lambda: self.semaphore(channel) >= value, timeout, f"semaphore {value}", channel, poll)
 
     def faulted(self, channel: PushChannel) -> bool:
-        fault: int = U32.unpack_from(self.link.bar, Bar0.put(channel) + FAULT_REG)[0]
-        return fault != 0
+        return bool(U32.unpack_from(self.link.bar, Bar0.put(channel) + FAULT_REG)[0])
 
     def _wait(self, ready: Callable[[], bool], timeout: float, what: str, channel: PushChannel | None = None,
               poll: bool = True) -> None:

@@ -119,8 +119,7 @@ class GpuAttester:
     def refresh(self, driver: OrchestratorDriver, now: datetime, timeout: float) -> bool:
         """Re-attest, if the GPU is home, claims older than half the holders' limit; whether it did."""
         refresh_after_s = max(1, self.material.max_evidence_age_s // 2)
-        claims = self.claims
-        fresh = claims is not None and int(now.timestamp()) - claims.verified_at < refresh_after_s
+        fresh = self.claims is not None and int(now.timestamp()) - self.claims.verified_at < refresh_after_s
         if fresh or driver.away:
             return False
         self.attest(driver, now, timeout)
