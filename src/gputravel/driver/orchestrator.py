@@ -144,9 +144,8 @@ class OrchestratorDriver(Driver):
         if sent is None:
             self._resync()
             return None
-        # Nothing honest moves the user channel between a rotation and here. If something did
-        # (a holder with kept keys while the host hid our kernel work), take the context back,
-        # continue where the device is and export again; IVs behind the device's fail closed.
+        # Nothing honest moves the user channel between a rotation and here. If something did (kept keys,
+        # hidden kernel work), take the context back and export again; IVs behind the device's fail closed.
         get = self._get(PushChannel.USER)
         rpc = U32.unpack_from(self.link.bar, Bar0.RPC_GET)[0]
         if (get, rpc, rpc) == (sent.gpfifo_put, sent.rpc_tx_seq, sent.rpc_rx_seq):
@@ -154,8 +153,7 @@ class OrchestratorDriver(Driver):
         self._adopt(sent)
         self._exported = None
         self._resync()
-        # The first blob never left (it leaves after this confirmation): this one replaces it.
-        return self._pack_export()
+        return self._pack_export()  # replaces the first blob, which leaves only after this confirmation
 
     def rotate(self, timeout: float = 10.0) -> int:
         """The next key epoch, once the device confirms under the new kernel key; else fail closed (6.3)."""
@@ -190,8 +188,7 @@ class OrchestratorDriver(Driver):
         self._install(epoch)
         self.wait_release(PushChannel.KERNEL, value, timeout)
         self.ledger.rotated(epoch)  # confirmed under the new kernel key, which only the device has
-        # The device dropped whatever was pending on the user channel: continue from its get.
-        self._resync()
+        self._resync()  # the device dropped whatever was pending on the user channel
         return epoch
 
     @property

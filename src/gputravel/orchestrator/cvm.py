@@ -195,8 +195,7 @@ class Orchestrator:
             old.close()
         self.holders[peer] = conn
         conn.send(Welcome(cohort=NAME))
-        # Each link paced once, from its start: pacing earlier ones again would give fresh bursts.
-        pace(conn, self.config.pace_mbit)
+        pace(conn, self.config.pace_mbit)  # once, from its start: pacing again would give a fresh burst
         return peer
 
     def await_holders(self, names: tuple[str, ...], timeout: float,
@@ -369,8 +368,7 @@ class Orchestrator:
                 self.drop(holder)
                 raise HolderLost(holder, f"{type(exc).__name__}: {exc}", during="its re-attestation") from None
         except GputravelError:
-            # A dropped RPC leaves the queue out of step until a rotation, stalling every later travel.
-            self._recover()
+            self._recover()  # a dropped RPC leaves the queue out of step until a rotation
             raise
 
     def drop(self, holder: str) -> None:

@@ -136,10 +136,8 @@ def _ranks(orch: Orchestrator, cmd: Train) -> Ranks | None:
     host, _, port = cmd.master.rpartition(":")
     if not host or not port.isdigit() or not 0 <= cmd.rank < cmd.world_size:
         raise BadInput(f"rank {cmd.rank} of {cmd.world_size} with rank 0 at {cmd.master!r}: expected host:port")
-    # torch.distributed's env:// rendezvous, the variables torchrun sets for each rank.
-    os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
-    # Every rank of a cohort's job runs on this machine: its local rank (a device, nothing more) is its rank.
-    os.environ["LOCAL_RANK"] = str(cmd.rank)
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)  # torch.distributed's env:// rendezvous
+    os.environ["LOCAL_RANK"] = str(cmd.rank)  # every rank runs on this machine: a device, nothing more
     if cmd.ifname:  # a server's link to the others (cohort/gpus.py), not its holders' star
         os.environ["GLOO_SOCKET_IFNAME"] = cmd.ifname
     if len(cmd.shares) != cmd.world_size or not set(orch.holders) <= set(cmd.shares[cmd.rank]):

@@ -37,7 +37,7 @@ class Failure(enum.StrEnum):
     SIGNATURE = "bad signature"
     HEAD = "known head missing"
     GPU = "entry names another GPU"  # a log names one GPU: the one its verifier expects, if it says
-    VERSION = "entry from an earlier log format"  # before entries named their GPU, keyed their digest, or named their job
+    VERSION = "entry from an earlier log format"  # before entries named their GPU and job, or keyed their digest
     JOB = "entry names another job"  # a log names one job: the one its verifier expects, if it says
     COUNT = "travel count out of step"  # every entry counts the job's travels, one more than the entry before
     AFTER_CLOSE = "entry after the closing entry"  # a closed log is final

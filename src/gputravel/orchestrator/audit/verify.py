@@ -103,7 +103,6 @@ def _parse(payload: bytes, index: int, end: int) -> _Parsed:
     return _Parsed(entry, hashlib.sha384(record.entry).digest(), record.signature, end)
 
 
-# The keys of an entry of each earlier format, and what tells it apart.
 _UNKEYED_KEYS = frozenset({TAG_FIELD, "seq", "time", "gpu", "event", "chunk", "epoch_before", "epoch_after",
                            "chunk_digest", "prev_hash"})
 _JOBLESS_KEYS = _UNKEYED_KEYS - {"chunk_digest"} | {"chunk_mac"}
