@@ -1,16 +1,13 @@
-"""The encrypted ring as a DDP communication hook.
+"""The encrypted ring as a DDP communication hook::
 
     group = dist.new_group(backend="gloo")  # the ring's own, out of DDP's way
     keys = establish_pair_keys(attest, verify, group=group, context=b"job 42/ranks 0-3/" + shared_nonce)
-    state = RingHookState(Ring("pipelined", keys=keys, group=group))
-    model.register_comm_hook(state, encrypted_allreduce_hook)
+    model.register_comm_hook(RingHookState(Ring("pipelined", keys=keys, group=group)), encrypted_allreduce_hook)
 
-It averages, as DDP's default hook does. With `overlap` the ring runs on one worker thread, so
-buckets are sealed and sent while the backward pass computes the next ones, in the same order on
-every rank. A failed all-reduce completes the bucket's future with the typed error, so the step
-stops (DDP raises a RuntimeError quoting it; the typed error is kept in `state.failure`). A CUDA
-bucket is staged through pinned host memory, as CC-mode GPUs exchange through the CPU anyway
-(that path has not run in this project: no GPU was at hand).
+It averages, as DDP's default hook does; with `overlap` the ring runs on one worker thread while
+backward computes the next buckets. A failed all-reduce fails the bucket's future with its typed
+error (kept in `state.failure`), so the step stops. A CUDA bucket is staged through pinned host
+memory, as CC-mode GPUs exchange through the CPU (a path not run here: no GPU was at hand).
 """
 
 # No `from __future__ import annotations`: register_comm_hook compares the hook's annotations as objects.

@@ -1,15 +1,13 @@
 """Pairwise keys between the GPU TEEs of a data-parallel job, from an ECDHE bound to both
-ranks' attestation: every ring hop leaves the GPU package, so each is sealed with these.
+ranks' attestation, to seal every ring hop:
 
-1. Each rank makes an ephemeral P-384 key pair and has its TEE (the caller's `attest`) quote
-   `report_data`: SHA-384 over a label, its rank, the world size, the context and the public key.
-2. The ranks all-gather (public key, evidence) as `KeyShare` messages.
-3. Each rank verifies every peer's evidence against the report data that peer must carry for its
-   place (the caller's `verify`): a swapped key, or evidence of another rank, group or job, fails.
-4. Every rank tells every other which peers it refused (`KeyVerdict`), so that all stop together.
-5. Per pair: HKDF-SHA384 over the ECDH secret, both ranks, the world size, the context and both
-   evidences' digests, then crypto/channel.derive_epoch_keys: one key per direction. The
-   ephemeral private key never leaves establish_pair_keys.
+1. each rank's TEE (the caller's `attest`) quotes `report_data` over its rank, the world size,
+   the context and an ephemeral P-384 public key, and the ranks all-gather these `KeyShare`s;
+2. each verifies every peer's evidence against the report data that peer must carry (the caller's
+   `verify`): a swapped key, or evidence of another rank, group or job, fails;
+3. every rank tells the others whom it refused (`KeyVerdict`), so that all stop together;
+4. per pair, HKDF-SHA384 over the ECDH secret, both ranks, the world size, the context and both
+   evidences' digests, then crypto/channel.derive_epoch_keys: one key per direction.
 """
 
 from __future__ import annotations
@@ -112,7 +110,7 @@ class PairKeys:
 
 def establish_pair_keys(attest: Attest, verify: Verify, *, group: dist.ProcessGroup | None = None,
                         context: bytes, exchange: Exchange | None = None) -> PairKeys:
-    """Run steps 1-5 above with every rank of `group` (collective). `context` names this job, group
+    """Run steps 1-4 above with every rank of `group` (collective). `context` names this job, group
     and establishment, so the wire cannot pair ranks of two jobs. A rank that refuses a peer raises
     PeerAttestationError; the verdicts are unauthenticated, so a hostile wire can only hide one (the
     others' ring then times out): liveness, never a key shared with a refused peer."""

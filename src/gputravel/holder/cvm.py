@@ -266,17 +266,14 @@ class DataHolder:
     def _copy_chunk(self, act: CopyChunk, timeout: float) -> Copied:
         chunk = self.dataset.view[act.dataset_offset : act.dataset_offset + act.nbytes]
         self.travels_served += 1
-        if self.travels_served == self.config.die_mid_copy_on_travel:
-            self._die_mid_copy(chunk, act.buffer_offset, act.granted_bytes, timeout)
+        if self.travels_served == self.config.die_mid_copy_on_travel:  # no goodbye, no context back
+            if half := len(chunk) // 2:  # the GPU is left with half a chunk
+                self.driver.copy_to_vram(chunk[:half], act.buffer_offset, buffer_bytes=act.granted_bytes,
+                                         timeout=timeout)
+            os._exit(70)
         with at_least(self.profile.copy_s(act.nbytes)):  # the hardware's dataset read, then GPU write
             self.driver.copy_to_vram(chunk, act.buffer_offset, buffer_bytes=act.granted_bytes, timeout=timeout)
         return Copied(act.nbytes)
-
-    def _die_mid_copy(self, chunk: memoryview, buffer_offset: int, buffer_bytes: int, timeout: float) -> None:
-        half = len(chunk) // 2
-        if half:
-            self.driver.copy_to_vram(chunk[:half], buffer_offset, buffer_bytes=buffer_bytes, timeout=timeout)
-        os._exit(70)  # no goodbye, no context back: the GPU is left with half a chunk
 
     def _switch_back(self, act: SwitchBack, timeout: float | None) -> SwitchAsked:
         self.mux.request(ORCHESTRATOR)

@@ -1,9 +1,7 @@
-"""The untrusted host as its own OS process: the hypervisor side of the PCIe MUX.
-
-It holds the device's BAR0 and doorbell and each CVM's DMA segment and interrupt, never VRAM, and
-switches the GPU on request. With ``snoop`` it reads every CVM's unprotected memory continuously,
-so tests can show it holds no plaintext. What it hands out and where a switch goes pass through
-its :class:`HostHooks`: the honest :class:`NoHooks`, or a malicious hypervisor's (the red team's).
+"""The untrusted host as its own OS process: the hypervisor side of the PCIe MUX. It holds BAR0,
+the doorbell and each CVM's DMA segment and interrupt, never VRAM; with ``snoop`` it reads every
+CVM's unprotected memory, so tests can show it holds no plaintext. What it hands out and where a
+switch goes pass through its :class:`HostHooks` (honest: :class:`NoHooks`; or the red team's).
 """
 
 from __future__ import annotations

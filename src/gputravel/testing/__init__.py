@@ -26,7 +26,7 @@ from gputravel.device.core import DeviceCore
 from gputravel.device.memory import DmaWindow
 from gputravel.driver.driver import Driver
 from gputravel.driver.orchestrator import OrchestratorDriver
-from gputravel.errors import BadInput, GputravelError, IllegalTransition
+from gputravel.errors import BadInput, IllegalTransition
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.layout import SYSMEM_IOVA, Bar0, Layout
 from gputravel.protocol.rpc import BufferInfo
@@ -139,8 +139,7 @@ class InProcessGpu:
         """Boot a CVM: reserve its unprotected memory and return its link to the device."""
         if not name or name in self.links:
             raise BadInput(f"CVM name {name!r} is empty or already taken")
-        link = FakeLink(self, name)
-        self.links[name] = link
+        link = self.links[name] = FakeLink(self, name)
         return link
 
     def switch(self, name: str | None) -> None:
@@ -192,7 +191,7 @@ class InProcessGpu:
 
     def travel(self, holder: Driver, data: bytes | memoryview, buffer: BufferInfo, *, rotate: bool = True) -> bytes:
         """One honest travel (no scrub); returns the holder's blob. A failed copy still exports and
-        comes home, as the runtime does, then raises."""
+        comes home, as the runtime does, and then raises."""
         orch = self._orchestrator
         if orch is None:
             raise IllegalTransition("in-process gpu", "no-session", "run a travel")
@@ -200,18 +199,14 @@ class InProcessGpu:
         blob = orch.export_for_travel()
         self.switch(holder.link.cvm)
         holder.import_context(blob)
-        failure: GputravelError | None = None
         try:
             holder.copy_to_vram(memoryview(data), buffer.offset, buffer_bytes=buffer.nbytes)
-        except GputravelError as exc:
-            failure = exc
-        back = holder.export_context()
-        self.switch(home)
-        orch.import_returned(back)
-        if rotate:
-            orch.rotate()
-        if failure is not None:
-            raise failure
+        finally:
+            back = holder.export_context()
+            self.switch(home)
+            orch.import_returned(back)
+            if rotate:
+                orch.rotate()
         return back
 
     # ------------------------------------------------------------------ inspection

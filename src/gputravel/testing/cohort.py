@@ -1,11 +1,6 @@
-"""An in-process cohort: the real orchestrator and holder shells on one InProcessGpu, without
-processes. Each CVM's host link is a memory pair (the real codec) to :class:`InProcessHost`; the
-orchestrator's VRAM grant maps the GPU's VRAM; a holder joins over a memory pair handed to the
-orchestrator's :class:`MemoryListener` under its name, and serves in a thread of its own.
-
-It has no TLS and no attestation (the orchestrator only opens the SPDM session, and a holder's
-policy accepts it unquoted): tests of those, of process isolation or of a CVM that dies need the
-process cohorts (gputravel.cohort). Travels, their checks and recovery, and joins are real.
+"""An in-process cohort: the real orchestrator and holder shells on one InProcessGpu, linked by
+memory pairs (the real codec), each holder serving in a thread. It has no TLS and no attestation:
+tests of those, of process isolation or of a CVM that dies need the process cohorts.
 
     with InProcessCohort({"alice": data_a, "bob": data_b}, buffer_bytes=TEST_LAYOUT.record_bytes) as cohort:
         report = cohort.orchestrator.travel("alice", 0)
@@ -177,10 +172,8 @@ class InProcessCohort:
 
     def _holder(self, name: str, data: bytes | Path, workdir: Path, layout: Layout, audit: bool,
                 fmt: DatasetFormat) -> DataHolder:
-        if isinstance(data, Path):
-            path = data
-        else:
-            path = workdir / f"{name}.bin"
+        path = data if isinstance(data, Path) else workdir / f"{name}.bin"
+        if not isinstance(data, Path):
             path.write_bytes(data)
         config = HolderConfig(name=name, dataset_path=str(path), host_socket="", pki_dir="", layout=layout,
                               audit_arrival=audit, device_timeout=self.timeout, orchestrator_timeout=self.timeout,

@@ -65,8 +65,7 @@ class TlsListener:
             try:
                 wait_ready(self._poll, deadline)
             except PeerTimeout:
-                raise PeerTimeout(f"tls listener :{self.port}: no client within {timeout}s") \
-                    from None
+                raise PeerTimeout(f"tls listener :{self.port}: no client within {timeout}s") from None
             try:
                 raw, addr = self._sock.accept()
                 break
@@ -105,22 +104,17 @@ def _handshake(raw: socket.socket, where: str, wrap: Callable[[], ssl.SSLSocket]
     """Run ``wrap`` (a blocking handshake under ``raw``'s timeout) with typed failures."""
     try:
         tls = wrap()
-    except ssl.SSLCertVerificationError as e:
+    except OSError as e:  # ssl.SSLError and TimeoutError are OSErrors
         raw.close()
-        raise ProtocolError(f"{where}: TLS certificate verification failed: "
-                            f"{e.verify_message or e.reason}") from None
-    except ssl.SSLError as e:
-        raw.close()
-        raise ProtocolError(f"{where}: TLS handshake failed: {e.reason or e}") from None
-    except TimeoutError:
-        raw.close()
-        raise PeerTimeout(f"{where}: TLS handshake timed out") from None
-    except OSError as e:
-        raw.close()
-        raise TransportClosed(f"{where}: connection lost during TLS handshake "
-                              f"({type(e).__name__})") from None
-    if tls.version() != "TLSv1.3":
-        version = tls.version()
+        if isinstance(e, ssl.SSLCertVerificationError):
+            why = e.verify_message or e.reason
+            raise ProtocolError(f"{where}: TLS certificate verification failed: {why}") from None
+        if isinstance(e, ssl.SSLError):
+            raise ProtocolError(f"{where}: TLS handshake failed: {e.reason or e}") from None
+        if isinstance(e, TimeoutError):
+            raise PeerTimeout(f"{where}: TLS handshake timed out") from None
+        raise TransportClosed(f"{where}: connection lost during TLS handshake ({type(e).__name__})") from None
+    if (version := tls.version()) != "TLSv1.3":
         tls.close()
         raise ProtocolError(f"{where}: negotiated {version}, TLS 1.3 is required")
     return tls

@@ -30,8 +30,7 @@ def listen_unix(path: str | os.PathLike[str], backlog: int = 16) -> socket.socke
         sock.listen(backlog)
     except OSError as e:
         sock.close()
-        stale = e.errno == errno.EADDRINUSE
-        hint = " (remove the stale socket file if no one is listening)" if stale else ""
+        hint = " (remove the stale socket file if no one is listening)" if e.errno == errno.EADDRINUSE else ""
         raise BadInput(f"cannot listen on {os.fspath(path)!r}: {e.strerror or e}{hint}") from None
     return sock
 
@@ -62,11 +61,10 @@ def connect_unix(path: str | os.PathLike[str], name: str, *,
     sock.settimeout(timeout)
     try:
         sock.connect(os.fspath(path))
-    except TimeoutError:
-        sock.close()
-        raise PeerTimeout(f"{name}: connect to {os.fspath(path)!r} timed out") from None
     except OSError as e:
         sock.close()
+        if isinstance(e, TimeoutError):
+            raise PeerTimeout(f"{name}: connect to {os.fspath(path)!r} timed out") from None
         raise TransportClosed(f"{name}: cannot connect to {os.fspath(path)!r}: "
                               f"{e.strerror or type(e).__name__}") from None
     return StreamTransport(sock, name)
