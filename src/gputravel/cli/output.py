@@ -28,9 +28,8 @@ def fail(exc: Exception | str) -> NoReturn:
 
 
 class Commands(TyperGroup):
-    """Every command group: a typed error (BadInput and the rest), an OSError on a path and a
-    RecursionError (input nested deeper than Python's stack) end as one line, exit 1; any
-    other exception is a bug and keeps its traceback."""
+    """Every command group: a typed error, an OSError on a path and a RecursionError (input nested too
+    deeply) end as one line, exit 1; any other exception is a bug and keeps its traceback."""
 
     def invoke(self, ctx):
         try:
@@ -69,8 +68,7 @@ def check_output_dir(path: Path, flag: str) -> None:
 
 
 def make_output_dir(path: Path, flag: str) -> None:
-    """Make the directory `path` and write a file in it: BadInput naming `flag` if that fails
-    (/proc/self, a read-only mount), before a run whose results go there starts."""
+    """Make `path` and write a file in it, else BadInput naming `flag` (/proc/self, a read-only mount)."""
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".gputravel-probe-")

@@ -64,8 +64,7 @@ class TrainingJobConfig:
 
 
 def check_capacity(cfg: TrainingJobConfig) -> None:
-    """BadInput, naming the flag, if this machine cannot carry the job (cohort/capacity.py):
-    the dataset buffer, the training in the orchestrator, and a cohort per GPU beside them."""
+    """BadInput, naming the flag, if this machine cannot carry the job (cohort/capacity.py)."""
     t = resolve(cfg).train  # the holders' tokenizer fixes the vocabulary, so the logits' size
     if t.buffer_bytes // TOKEN_BYTES < t.batch * t.seq_len + 1:
         raise BadInput(f"--buffer-mib {t.buffer_bytes / capacity.MIB:g} holds {t.buffer_bytes // TOKEN_BYTES} tokens, and one "

@@ -131,8 +131,7 @@ Uid = Annotated[int, Field(ge=-1), AfterValidator(_not_root)]
 
 
 class _Service(_Section):
-    """What every party's file has: `cohort_dir`, whose registry the file is checked against, and
-    `uid`, its party's account when the service starts as root; `source`: the file read."""
+    """Every party's file: its cohort (whose registry checks it) and `uid`, its account when started as root."""
 
     cohort_dir: AbsPath
     uid: Uid = -1

@@ -194,7 +194,6 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
     ranks = {"shares": shares, "ranks_port": ports[gpus], "ranks_context": os.urandom(32).hex()} if gpus > 1 else {}
     gpu_of = {name: k for k, share in enumerate(shares) for name in share}
     out: list[tuple[Path, ServiceConfig]] = []
-    orchestrators: list[OrchestratorService] = []
     for k in range(gpus):
         host, orch_name = host_party(k), orchestrator_party(k)
         host_sock = str(run / f"{host}.sock")
@@ -205,18 +204,16 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
             link_socket=str(run / f"gpu-{k}.sock"), boot_lock=str(run / f"gpu-{k}.lock"),
             vram_bytes=job.buffer_bytes + VRAM_MARGIN, layout=layout, uid=uid[f"gpu-{k}"],
             orchestrator_uid=uid[orch_name])))
-        orch = OrchestratorService(
+        out.append((d / f"{orch_name}.toml", OrchestratorService(
             party="orchestrator", cohort_dir=str(d), state_dir=str(state / orch_name), host_socket=host_sock,
             gpu_link_socket=str(run / f"gpu-{k}.sock"), boot_lock=str(run / f"gpu-{k}.lock"), listen_port=ports[k],
             holders=list(shares[k]), layout=layout, job=job if k == 0 else job.model_copy(
                 update={"run_dir": str(d / f"run-dir-{k}")}),
-            uid=uid[orch_name], tdx_uid=uid[_tdx(k)], hardware=hardware, rank=k, **ranks, **shared)
-        orchestrators.append(orch)
-        out.append((d / f"{orch_name}.toml", orch))
+            uid=uid[orch_name], tdx_uid=uid[_tdx(k)], hardware=hardware, rank=k, **ranks, **shared)))
     # What each holder pins: the orchestrators' code and configuration (placement left out),
     # one measurement for every rank, which the ranks check in one another's quotes too.
     measured = {measure_orchestrator(orchestrator_engine_config(o, pki_dir="", trust_dir="")).hex()
-                for o in orchestrators}
+                for _, o in out if isinstance(o, OrchestratorService)}
     if len(measured) != 1:
         raise AssertionError(f"the ranks' orchestrators measure differently: {sorted(measured)}")
     policy = PolicySection(orchestrator_measurements=sorted(measured),
@@ -253,9 +250,8 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
                 steps: int | None = None, buffer_bytes: int | None = None,
                 job: Mapping[str, object] | None = None, hardware: str = "emulated",
                 shares: Sequence[Sequence[str]] | None = None) -> list[Path]:
-    """Write a new cohort directory; return the config files. `job`: the [job] table's fields
-    beyond steps and buffer (train/job.py's defaults otherwise; the holders' data fixes the
-    tokenizer); `shares`: each GPU's holders (None: balanced by their data's bytes)."""
+    """Write a new cohort directory; its config files. `job`: the [job] table beyond steps and buffer
+    (train/job.py's defaults; the data fixes the tokenizer); `shares`: each GPU's holders (None: balanced)."""
     d = Path(directory).resolve()
     if d.exists() and (not d.is_dir() or any(d.iterdir())):
         raise BadInput(f"{d} exists and is not an empty directory; cohort init writes a new one")

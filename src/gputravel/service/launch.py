@@ -308,9 +308,8 @@ class ServiceLaunch:
 
 
 def _join_metrics(dest: Path, new: Path) -> None:
-    """A resumed run's metrics.csv: the earlier rows before its first step, then its own. The
-    earlier file may be any size or shape, so it is read line by line as bytes; one that cannot
-    be joined is moved aside to metrics.csv.before, said."""
+    """A resumed run's metrics.csv: the earlier rows before its first step, then its own; the earlier
+    file, of any size or shape, is read line by line, or moved aside to metrics.csv.before, said."""
     with os.fdopen(open_plain(new), "rb") as fresh:
         head, first = fresh.readline(MAX_METRICS_LINE), fresh.readline(MAX_METRICS_LINE)
         step = _step_of(first)
