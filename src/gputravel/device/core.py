@@ -158,8 +158,7 @@ class DeviceCore:
         if isinstance(request, AllocBuffer):
             return self._alloc(request.nbytes)
         if isinstance(request, QueryBuffer):
-            size = self._allocs.get(request.offset)
-            if size is None:
+            if (size := self._allocs.get(request.offset)) is None:
                 return RpcError(reason=f"no VRAM buffer at offset {request.offset:#x}")
             return BufferInfo(offset=request.offset, nbytes=size)
         if isinstance(request, GetEvidence):

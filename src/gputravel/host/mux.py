@@ -56,8 +56,7 @@ class PcieMux:
         return self._saved.pop(cvm)
 
     def switch(self, target: str) -> SwitchPlan:
-        reg = self._saved.get(target)
-        if reg is None:
+        if (reg := self._saved.get(target)) is None:
             known = ", ".join(sorted(self._saved)) or "none"
             raise BadInput(f"cannot switch the GPU to unknown CVM {target!r} (registered: {known})")
         plan = SwitchPlan(previous=self._current, target=reg)

@@ -145,9 +145,8 @@ class HostProcess:
             got = peer.recv(timeout=self.config.switch_timeout)
         except (TransportClosed, ProtocolError, PeerTimeout):
             return False  # drop a peer that sends garbage or stalls mid-frame; keep serving the others
-        msg = got.message
         try:
-            answer = self._answer(peer, msg, got.fds)
+            answer = self._answer(peer, got.message, got.fds)
         except GputravelError as exc:
             answer = HostError(reason=str(exc)), ()
         if answer is None:

@@ -97,9 +97,8 @@ class FakeLink:
 
     def wait_interrupt(self, timeout: float) -> bool:
         """Always True: the device already ran (unless ``while_waiting`` runs it late)."""
-        hook = self.while_waiting
-        if hook is not None:
-            hook(self)
+        if self.while_waiting is not None:
+            self.while_waiting(self)
         return True
 
     def close(self) -> None:

@@ -55,8 +55,7 @@ class StreamTransport(Transport):
         self.bytes_sent = 0
         self.bytes_received = 0
         self._sock = sock
-        self._ssl = isinstance(sock, ssl.SSLSocket)
-        self._unix = sock.family == socket.AF_UNIX and not self._ssl
+        self._unix = sock.family == socket.AF_UNIX and not isinstance(sock, ssl.SSLSocket)
         self._send_timeout = send_timeout
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # Small control messages must not sit in Nagle's buffer waiting for an ACK.
