@@ -7,18 +7,16 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from gputravel.driver.orchestrator import OrchestratorDriver
 from gputravel.errors import BadInput, GputravelError, HolderLost, ProtocolError, RemoteError
 from gputravel.protocol.control import BaselineReport
-from gputravel.orchestrator.machine import Buffer
-from gputravel.protocol.hardware import at_least
+from gputravel.orchestrator.machine import Buffer, OrchestratorTravel
+from gputravel.protocol.hardware import HardwareProfile, at_least
 from gputravel.protocol.manifest import chunk_digest, chunk_digest_from_manifest, chunk_nbytes
 from gputravel.protocol.travel import ChunkInfo, ChunkPiece, ChunkRefused, ChunkSent, HolderHello, SendChunk
 from gputravel.transport.base import Transport
-
-if TYPE_CHECKING:
-    from gputravel.orchestrator.cvm import Orchestrator
 
 _PAGE = 4096
 
@@ -70,10 +68,31 @@ class ChunkReceipt:
 
 
 # ----------------------------------------------------------------------------- the transfer
+class _Timeouts(Protocol):
+    @property
+    def device_timeout(self) -> float: ...
+    @property
+    def holder_timeout(self) -> float: ...
+
+
+class BaselineOrchestrator(Protocol):
+    """The engine as its baseline uses it: cvm.py imports this module, so this one names a Protocol."""
+
+    driver: OrchestratorDriver
+    profile: HardwareProfile
+    travel_sm: OrchestratorTravel | None
+    holders: dict[str, Transport]  # the holders connected now
+
+    @property
+    def config(self) -> _Timeouts: ...
+    def drop(self, holder: str) -> None: ...
+    def buffer_view(self) -> memoryview: ...
+
+
 class BaselinePath:
     """The orchestrator's side of the baseline. One per orchestrator (it owns the staging buffer)."""
 
-    def __init__(self, orch: Orchestrator) -> None:
+    def __init__(self, orch: BaselineOrchestrator) -> None:
         self.orch = orch
         self._ids = 0
 
