@@ -75,9 +75,7 @@ class Listener(Protocol):
     port: int
 
     def accept(self, timeout: float | None = None) -> tuple[Transport, str]: ...
-
     def fileno(self) -> int: ...
-
     def close(self) -> None: ...
 
 

@@ -5,7 +5,6 @@ proving the session is still ours. :class:`Lending` decides, sans-IO; :class:`Me
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -118,11 +117,8 @@ class Lending:
 class Membership:
     """Carries out :class:`Lending`'s actions; one for the orchestrator's life (process.py)."""
 
-    def __init__(self, orch: Orchestrator, core: Lending | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.orch = orch
-        self.core = core if core is not None else Lending()
-        self._clock = clock
+    def __init__(self, orch: Orchestrator) -> None:
+        self.orch, self.core, self._clock = orch, Lending(), time.monotonic
 
     def command(self, cmd: object) -> object:
         if isinstance(cmd, LendGpu):

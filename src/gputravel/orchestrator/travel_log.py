@@ -3,6 +3,7 @@ job travels only if the log still holds it: a file can be moved, cut or swapped,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Mapping
@@ -36,11 +37,9 @@ class LogHead:
     def from_dict(cls, values: object) -> LogHead:
         head = None
         if isinstance(values, Mapping):
-            try:
+            with contextlib.suppress(KeyError, TypeError, ValueError):
                 head = cls(job=bytes.fromhex(values["job"]), signer=str(values["signer"]), seq=values["seq"],
                            hash=bytes.fromhex(values["hash"]), travels=values["travels"])
-            except (KeyError, TypeError, ValueError):
-                head = None
         if head is None or len(head.job) != JOB_BYTES or len(head.hash) != HASH_BYTES \
                 or type(head.seq) is not int or type(head.travels) is not int or head.seq < 0 or head.travels < 1:
             raise TravelLogMismatch("the checkpoint's record of the travel log is malformed: it is not a checkpoint "
