@@ -9,7 +9,7 @@ import hashlib
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -113,14 +113,14 @@ def _datasets(config: TravelJobConfig, workdir: Path) -> tuple[HolderSpec, ...]:
     return tuple(specs)
 
 
+@dataclass
 class _Log:
     """The travels of every GPU, in the order they ended."""
 
-    def __init__(self, on_travel: Callable[[Travel], None]) -> None:
-        self.travels: list[Travel] = []
-        self.on_travel = on_travel
-        self.t0 = 0.0
-        self._lock = threading.Lock()
+    on_travel: Callable[[Travel], None]
+    travels: list[Travel] = field(default_factory=list)
+    t0: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
