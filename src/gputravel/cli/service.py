@@ -29,11 +29,7 @@ cohort_app = typer.Typer(no_args_is_help=True, add_completion=False, cls=Command
                          help="A cohort as a consortium deploys it: one config file and one service per party.")
 
 
-class Role(str, enum.Enum):
-    host = "host"
-    gpu = "gpu"
-    holder = "holder"
-    orchestrator = "orchestrator"
+Role = enum.Enum("Role", {p: p for p in ("host", "gpu", "holder", "orchestrator")}, type=str)  # serve's choices
 
 
 def _holder(text: str) -> tuple[str, str]:
