@@ -143,6 +143,10 @@ class DataHolder:
 
     def probe(self) -> None:
         self.switch(self.config.name)
+        self.probe_driver()
+
+    def probe_driver(self) -> None:
+        """Set up our driver on the GPU we hold (paper 4.1)."""
         self.driver.probe(timeout=self.config.device_timeout)
         self.probed = True
 

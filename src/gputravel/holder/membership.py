@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import selectors
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gputravel.attest import OrchestratorAttestation
 from gputravel.errors import GputravelError, IllegalTransition, ProtocolError
@@ -18,10 +18,9 @@ from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.travel import Bye
 
 if TYPE_CHECKING:
-    from gputravel.holder.cvm import DataHolder
     from gputravel.transport.base import Transport
 
-__all__ = ["HOLDER_COMMANDS", "holder_command", "join", "joined", "plan"]
+__all__ = ["HOLDER_COMMANDS", "Member", "holder_command", "join", "joined", "plan"]
 
 HOLDER_COMMANDS = (ProbeGpu, Leave)
 
@@ -67,7 +66,24 @@ def _failed(exc: GputravelError) -> Failed:
 
 
 # ----------------------------------------------------------------------------- the shell
-def join(holder: DataHolder, cmd: JoinCohort, control: Transport) -> bool:
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class Member(Protocol):
+    """The holder as its membership commands use it (holder/cvm.DataHolder, which imports this module)."""
+
+    orchestrator: Transport | None  # its link to the orchestrator, while joined
+
+    @property
+    def config(self) -> _Named: ...
+    def join(self, host: str, port: int) -> OrchestratorAttestation: ...
+    def switch(self, target: str) -> object: ...
+    def probe_driver(self) -> None: ...
+
+
+def join(holder: Member, cmd: JoinCohort, control: Transport) -> bool:
     """Attest the orchestrator and join; report Joined or Failed (the holder stays up, out)."""
     try:
         att = holder.join(cmd.host, cmd.port)
@@ -78,7 +94,7 @@ def join(holder: DataHolder, cmd: JoinCohort, control: Transport) -> bool:
     return True
 
 
-def holder_command(holder: DataHolder, cmd: object, control: Transport, sel: selectors.BaseSelector) -> None:
+def holder_command(holder: Member, cmd: object, control: Transport, sel: selectors.BaseSelector) -> None:
     """Carry out one membership command and report its reply (or Failed) to the supervisor."""
     try:
         *actions, reply = plan(cmd, holder.config.name, holder.orchestrator is not None)
@@ -89,12 +105,11 @@ def holder_command(holder: DataHolder, cmd: object, control: Transport, sel: sel
     control.send(reply)
 
 
-def _carry_out(holder: DataHolder, act: object, sel: selectors.BaseSelector) -> None:
+def _carry_out(holder: Member, act: object, sel: selectors.BaseSelector) -> None:
     if isinstance(act, SwitchTo):
         holder.switch(act.target)
     elif isinstance(act, ProbeDriver):
-        holder.driver.probe(timeout=holder.config.device_timeout)
-        holder.probed = True
+        holder.probe_driver()
     elif isinstance(act, SayGoodbye):
         conn = holder.orchestrator
         assert conn is not None

@@ -222,13 +222,7 @@ def _escaped(secret: bytes, quote: str) -> str:
 
 def renderings(secret: bytes) -> set[str]:
     """How ``secret`` could show in text: hex (either case), in a bytes repr (either quote), raw."""
-    return {
-        secret.hex(),
-        secret.hex().upper(),
-        _escaped(secret, "'"),
-        _escaped(secret, '"'),
-        secret.decode("latin-1"),
-    }
+    return {secret.hex(), secret.hex().upper(), _escaped(secret, "'"), _escaped(secret, '"'), secret.decode("latin-1")}
 
 
 def leaks(text: str, secrets: Iterable[bytes]) -> list[str]:
