@@ -243,17 +243,14 @@ def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares
         carried = bytes_between(before, link_bytes(gpus.fabric)) if gpus.fabric is not None else {}
         report = reports[0]
         report["ranks"] = _rank_rows(shares, reports, logs)
-        report["isolation"] = _isolation(gpus)
+        each = [c.isolation.summary() for c in gpus.cohorts]  # on only if on for every GPU's cohort
+        report["isolation"] = {"on": all(i["on"] for i in each),
+                               "reason": next((i["reason"] for i in each if i["reason"]), ""),
+                               "parties": {f"gpu-{k}/{n}": p for k, i in enumerate(each)
+                                           for n, p in i["parties"].items()}}
         # What each server's link to the others carried (kernel counters): the ranks' traffic.
         report["servers"] = None if gpus.fabric is None else {
             "links": gpus.fabric.link, "mbit": cfg.server_mbit,
             "bytes": {name: {"sent": b.up, "received": b.down} for name, b in carried.items()}}
         report["hardware"] = hardware_profile(cfg.hardware).to_json()
         return report
-
-
-def _isolation(gpus: GpuCohorts) -> dict:
-    """Every GPU's cohort's isolation in one summary: on only if on for all; parties by GPU."""
-    each = [c.isolation.summary() for c in gpus.cohorts]
-    return {"on": all(i["on"] for i in each), "reason": next((i["reason"] for i in each if i["reason"]), ""),
-            "parties": {f"gpu-{k}/{name}": p for k, i in enumerate(each) for name, p in i["parties"].items()}}

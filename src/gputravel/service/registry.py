@@ -5,6 +5,7 @@ on every key saying who the party is, where it acts and whom it serves.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import tomllib
@@ -29,14 +30,6 @@ _BOUND = ("name", "index", "uid", "tdx_uid", "orchestrator_uid", "state_dir", "s
           "gpu_link_socket", "boot_lock", "trust_dir", "public_dir", "job.run_dir", "rank", "shares", "orchestrator")
 
 
-def _get(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        if not hasattr(cfg, part):
-            return None
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def vendor_dir(cfg: Any) -> Path:
     return Path(cfg.cohort_dir) / VENDOR_DIR / f"gpu-{cfg.index}"
 
@@ -51,7 +44,8 @@ def platform_dir_of(cohort_dir: Path, rank: int) -> Path:
 
 
 def bound_keys(cfg: Any) -> dict[str, Any]:
-    return {k: v for k in _BOUND if (v := _get(cfg, k)) is not None}
+    values = {k: functools.reduce(lambda obj, part: getattr(obj, part, None), k.split("."), cfg) for k in _BOUND}
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def write_registry(directory: Path, parties: dict[str, Any]) -> Path:
