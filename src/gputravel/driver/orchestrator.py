@@ -45,8 +45,7 @@ class OrchestratorDriver(Driver):
         self.__session_secret = req.session_secret
         self.keys = ChannelKeys()
         self._put = dict.fromkeys(self._put, 0)
-        self._exported = None
-        self._rotating = None
+        self._exported = self._rotating = None
         self.ledger.new_session()
         self._install(0)
 

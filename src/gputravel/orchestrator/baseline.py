@@ -153,11 +153,8 @@ class BaselinePath:
 
     def _verify(self, hello: HolderHello, dataset_offset: int, nbytes: int) -> ChunkInfo:
         want = chunk_digest_from_manifest(hello.manifest, dataset_offset, nbytes, hello.piece_bytes)
-        view = self.orch.buffer_view()
-        try:
+        with self.orch.buffer_view() as view:  # released at once: the mapping cannot close under a view
             got = chunk_digest(view[:nbytes], hello.piece_bytes)
-        finally:
-            view.release()
         if got != want:
             raise ProtocolError(f"baseline transfer {self._ids}: VRAM does not hold the chunk holder "
                                 f"{hello.holder} described in its manifest")

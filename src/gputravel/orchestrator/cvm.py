@@ -188,9 +188,7 @@ class Orchestrator:
         except BaseException:
             conn.close()
             raise
-        old = self.holders.pop(peer, None)
-        if old is not None:
-            old.close()
+        self.drop(peer)  # the link it joined with before, if any
         self.holders[peer] = conn
         conn.send(Welcome(cohort=NAME))
         pace(conn, self.config.pace_mbit)  # once, from its start: pacing again would give a fresh burst
@@ -340,11 +338,8 @@ class Orchestrator:
 
     def _verify(self, act: VerifyChunk, timeout: float | None) -> Verified:
         assert self.vram is not None
-        view = memoryview(self.vram)[act.offset : act.offset + act.nbytes]
-        try:
+        with memoryview(self.vram)[act.offset : act.offset + act.nbytes] as view:
             return Verified(chunk_digest(view, act.piece_bytes))
-        finally:
-            view.release()
 
     #: Each action's IO step; its timeout is ``sm.time_left`` (None where the step does not wait).
     ACTIONS: dict[type, Callable[[Any, Any, Any], object]] = {
