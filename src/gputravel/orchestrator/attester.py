@@ -141,11 +141,9 @@ class GpuAttester:
     def serve_challenge(self, conn: Transport, driver: OrchestratorDriver, timeout: float, now: float) -> None:
         """Answer a holder's challenge and learn when it wants to attest us again (from ``now``)."""
         challenge = conn.recv(timeout=timeout, expect=AttestChallenge).message
-        assert isinstance(challenge, AttestChallenge)
         self.refresh(driver, utcnow(), timeout)  # a GPU that failed before gets one more try
         conn.send(self.answer(challenge, driver, utcnow(), timeout))
         accepted = conn.recv(timeout=timeout, expect=AttestAccepted).message
-        assert isinstance(accepted, AttestAccepted)
         self._due[conn] = now + max(MIN_REATTEST_S, float(accepted.reattest_after_s))
 
     def reattest_if_due(self, conn: Transport, driver: OrchestratorDriver, timeout: float, now: float) -> bool:

@@ -158,8 +158,7 @@ class Membership:
         deadline = self.core.next_deadline()
         assert deadline is not None
         try:
-            msg = conn.recv(timeout=max(deadline - self._clock(), 0.0), expect=Bye).message
-            reason = msg.reason if isinstance(msg, Bye) else ""
+            reason = conn.recv(timeout=max(deadline - self._clock(), 0.0), expect=Bye).message.reason
         except TransportClosed:
             reason = "closed its connection"
         except BaseException:
