@@ -28,8 +28,7 @@ class RingHookState:
     """What the hook needs: the ring (its variant, keys and record size) and its worker."""
 
     def __init__(self, ring: Ring, *, overlap: bool = True) -> None:
-        self.ring = ring
-        self.overlap = overlap
+        self.ring, self.overlap = ring, overlap
         self.failure: BaseException | None = None  # the first error that stopped a step
         self._worker: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()

@@ -69,8 +69,7 @@ class PairKeys:
     def __init__(self, rank: int, world_size: int, keys: Mapping[tuple[int, int], KeyMaterial],
                  evidence_digests: tuple[bytes, ...]) -> None:
         _check_place(rank, world_size)
-        self.rank = rank
-        self.world_size = world_size
+        self.rank, self.world_size = rank, world_size
         self._keys = MappingProxyType(dict(keys))
         self.evidence_digests = evidence_digests  # SHA-384 of each rank's evidence, by rank
         self._claimed: set[tuple[int, int]] = set()

@@ -45,11 +45,8 @@ class DeviceCore:
     def __init__(self, layout: Layout, vram: memoryview, bar: memoryview, identity: DeviceIdentity, *,
                  serial: str = "GPU-EMU-0", rng: Callable[[int], bytes] = os.urandom,
                  firmware: EmulatedGpuFirmware | None = None) -> None:
-        self.layout = layout
+        self.layout, self.vram, self.bar, self.serial = layout, vram, bar, serial
         self._firmware = firmware  # answers GET_MEASUREMENTS; None: a device without attestation
-        self.vram = vram
-        self.bar = bar
-        self.serial = serial
         self.stats = DeviceStats()
         self._identity = identity  # its SPDM responder's key and certificate chain
         self._spdm: SpdmResponder | None = None

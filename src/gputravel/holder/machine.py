@@ -74,14 +74,9 @@ class HolderTravel(TravelMachine):
 
     def __init__(self, name: str, dataset_bytes: int, manifest: tuple[bytes, ...], piece_bytes: int,
                  deadlines: Deadlines = Deadlines(), audit_arrival: bool = False) -> None:
-        d = deadlines
-        super().__init__(f"holder {name}", {P.ATTEST: d.orchestrator, P.WELCOME: d.orchestrator, P.ATTACH: d.device,
-                                             P.AUDIT: d.device, P.GRANT: d.device, P.COPY: d.device,
-                                             P.HOMEWARD: d.device})
-        self.name = name
-        self.dataset_bytes = dataset_bytes
-        self.manifest = manifest
-        self.piece_bytes = piece_bytes
+        budgets: dict[Enum, float] = dict.fromkeys((P.ATTACH, P.AUDIT, P.GRANT, P.COPY, P.HOMEWARD), deadlines.device)
+        super().__init__(f"holder {name}", budgets | dict.fromkeys((P.ATTEST, P.WELCOME), deadlines.orchestrator))
+        self.name, self.dataset_bytes, self.manifest, self.piece_bytes = name, dataset_bytes, manifest, piece_bytes
         self.deadlines = deadlines
         self.audit_arrival = audit_arrival  # read the buffer back on arrival and count non-zero bytes
         self._attested_at, self._valid_s = 0.0, 0.0  # our last attestation of the orchestrator

@@ -74,9 +74,7 @@ class FakeLink:
     shared ``bar``; ``ring()`` services the device at once unless ``before_service`` returns False."""
 
     def __init__(self, gpu: InProcessGpu, cvm: str) -> None:
-        self.gpu = gpu
-        self.cvm = cvm
-        self.layout = gpu.layout
+        self.gpu, self.cvm, self.layout = gpu, cvm, gpu.layout
         self.sysmem = bytearray(gpu.layout.sysmem_bytes)
         self.bar = gpu.bar
         #: ``hook(link)`` on every ring, before the device runs; False drops the doorbell.
