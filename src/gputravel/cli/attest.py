@@ -82,15 +82,6 @@ def pki_init(
     console.print("Verifiers need only the .pem files; the .key files stand for the vendors' HSMs.")
 
 
-def _load_or_provision(state: Path, roots: Path) -> GpuDevice:
-    if GpuDevice.exists(state):
-        return GpuDevice.load(state)
-    device = provision_gpu(load_authority(roots, "gpu"))
-    device.save(state)
-    console.print(f"provisioned emulated GPU {device.serial} in {escape(str(state))} (5-certificate chain)")
-    return device
-
-
 @attest_app.command("gpu")
 def attest_gpu(
     state: Path = typer.Option(..., "--state", help="Emulated device directory (created on first use)."),
@@ -100,7 +91,12 @@ def attest_gpu(
     """Fetch fresh evidence from the emulated GPU for a random nonce and verify it."""
     roots_dir = roots if roots is not None else state
     trust = TrustStore.load(roots_dir)
-    _load_or_provision(state, roots_dir)  # provisioned or checked; the firmware runs in a process of its own
+    if GpuDevice.exists(state):
+        GpuDevice.load(state)  # checked; the firmware runs in a process of its own
+    else:
+        device = provision_gpu(load_authority(roots_dir, "gpu"))
+        device.save(state)
+        console.print(f"provisioned emulated GPU {device.serial} in {escape(str(state))} (5-certificate chain)")
     reference = ReferenceValues.load(state / REFERENCE_FILE)
     nonce = os.urandom(NONCE_BYTES)
     with FirmwareProcess(state) as gpu:
