@@ -117,7 +117,6 @@ def resolve(cfg: TrainingJobConfig) -> TrainingJobConfig:
 
 
 def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None] | None = None) -> dict:
-    """Run the job; writes the run directory and returns the report."""
     check_capacity(cfg)
     cfg = resolve(cfg)
     run_dir = Path(cfg.run_dir)

@@ -115,8 +115,6 @@ def _datasets(config: TravelJobConfig, workdir: Path) -> tuple[HolderSpec, ...]:
 
 @dataclass
 class _Log:
-    """The travels of every GPU, in the order they ended."""
-
     on_travel: Callable[[Travel], None]
     travels: list[Travel] = field(default_factory=list)
     t0: float = 0.0

@@ -232,7 +232,6 @@ _PER_GPU = ("host", "gpu", ORCHESTRATOR, "tdx-module")  # each GPU's stack: a pa
 
 
 def _tdx(rank: int) -> str:
-    """The account name of rank `rank`'s TDX module (the orchestrator config's tdx_uid)."""
     return "tdx-module" if rank == 0 else f"tdx-module-{rank}"
 
 
