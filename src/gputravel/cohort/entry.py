@@ -75,16 +75,16 @@ def run_party(argv: list[str], serve_role: ServeRole) -> int:
     return 0
 
 
-# Each role's module is imported inside its branch: a process imports only its own role's code.
+# Each role's module is imported inside its branch (the device never loads the orchestrator's code).
 def _serve(role: str, payload: dict, control: StreamTransport, extra: socket.socket | None) -> None:
     if role == "host":
-        from gputravel.host.process import HostConfig, HostProcess
+        from gputravel.host.process import HostConfig, HostProcess  # lazy: only this role's code
 
         host = HostProcess(load_config(HostConfig, payload))
         control.send(Ready(role="host", detail={}))
         host.serve()
     elif role == "device":
-        from gputravel.device.process import DeviceConfig, DeviceProcess
+        from gputravel.device.process import DeviceConfig, DeviceProcess  # lazy: only this role's code
 
         # extra: the orchestrator's link, inherited; None when the device listens on config.link_socket
         config = load_config(DeviceConfig, payload)
@@ -95,17 +95,17 @@ def _serve(role: str, payload: dict, control: StreamTransport, extra: socket.soc
         control.send(Ready(role="device", detail={"vram_bytes": dev.config.vram_bytes}))
         dev.serve()
     elif role == "holder":
-        from gputravel.holder.cvm import HolderConfig, serve
+        from gputravel.holder.cvm import HolderConfig, serve  # lazy: only this role's code
 
         serve(load_config(HolderConfig, payload), control)
     elif role == "orchestrator":
-        from gputravel.orchestrator.cvm import OrchestratorConfig
-        from gputravel.orchestrator.process import serve
+        from gputravel.orchestrator.cvm import OrchestratorConfig  # lazy: only this role's code
+        from gputravel.orchestrator.process import serve  # lazy: only this role's code
 
         assert extra is not None
         serve(load_config(OrchestratorConfig, payload), control, extra)
     elif role == "tdx-module":  # the emulated TDX module / quoting enclave (firmware/tdx_module.py)
-        from gputravel.firmware.tdx_module import TdxModuleConfig, serve as serve_tdx_module
+        from gputravel.firmware.tdx_module import TdxModuleConfig, serve as serve_tdx_module  # lazy: its role only
 
         serve_tdx_module(TdxModuleConfig(**payload), control)
     else:
