@@ -92,6 +92,10 @@ class MarkRow(Message, tag="redteam.mark_row"):
     row: str
 
 
+class Query(Message, tag="redteam.query"):
+    """Host or holder: only your news."""
+
+
 # ----------------------------------------------------------------------------- host orders
 class ArmTamper(Message, tag="redteam.host.tamper"):
     """In ``victim``'s next travel, ``flip`` a bit of the record in ``staging_slot`` before the device hears
@@ -147,10 +151,6 @@ class ExportRecords(Message, tag="redteam.host.records"):
     path: str
 
 
-class HostQuery(Message, tag="redteam.host.query"):
-    pass
-
-
 class HostNews(Message, tag="redteam.host.news"):
     events: tuple[Event, ...]  # since the last report
     user_faults: int  # device fault flags the host saw raised in BAR0, since the last report
@@ -175,10 +175,6 @@ class DecryptCaptured(Message, tag="redteam.holder.decrypt"):
 
     path: str
     newest: int
-
-
-class HolderQuery(Message, tag="redteam.holder.query"):
-    pass
 
 
 class HolderNews(Message, tag="redteam.holder.news"):

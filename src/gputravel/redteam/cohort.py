@@ -14,7 +14,7 @@ from gputravel.cohort.config import CohortConfig
 from gputravel.cohort.local import Cohort
 from gputravel.cohort.supervisor import PartySpec
 from gputravel.transport.unix import connect_unix
-from gputravel.redteam.bus import Event, HolderNews, HolderQuery, HostNews, HostQuery, MarkRow
+from gputravel.redteam.bus import Event, HolderNews, HostNews, MarkRow, Query
 
 SNOOP_LIMIT = 48 << 20  # the plain snooper's file; the adversary's own snapshots come on top
 ENTRY = "gputravel.redteam.entry"  # serves the adversaries' roles (redteam/entry.py)
@@ -92,7 +92,7 @@ class HostLink:
             raise AdversaryError(f"the host could not {type(msg).__name__}: {news.error}")
 
     def news(self) -> HostNews:
-        self.order(HostQuery())
+        self.order(Query())
         news, self._pending = self._pending, NO_NEWS
         if self.on_events is not None:
             self.on_events("host", news.events)
@@ -123,7 +123,7 @@ class HolderLink:
         return news
 
     def news(self) -> HolderNews:
-        return self.order(HolderQuery())
+        return self.order(Query())
 
     def begin(self, row: str) -> None:
         self.order(MarkRow(row))

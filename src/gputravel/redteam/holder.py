@@ -25,7 +25,7 @@ from gputravel.protocol.control import JoinCohort, Ready, Shutdown
 from gputravel.holder.cvm import DataHolder, HolderConfig
 from gputravel.holder.membership import join as join_cohort
 from gputravel.transport.base import Transport
-from gputravel.redteam.bus import (AskQuote, DecryptCaptured, Did, Event, HolderNews, HolderQuery, MarkRow, ProbePaths,
+from gputravel.redteam.bus import (AskQuote, DecryptCaptured, Did, Event, HolderNews, MarkRow, ProbePaths, Query,
                                    SetTravelMode, UseKeptKeys, event)
 from gputravel.redteam.loot import Loot
 from gputravel.redteam.probes import ask_quote, probe
@@ -339,7 +339,7 @@ def _order(holder: MaliciousHolder, cmd: object, control: Transport, sel: select
         holder.event(*probe(cmd, holder.loot))
     elif isinstance(cmd, AskQuote):
         holder.event(ask_quote(cmd, holder.loot))
-    elif not isinstance(cmd, HolderQuery):
+    elif not isinstance(cmd, Query):
         return True
     control.send(holder.news())
     return True

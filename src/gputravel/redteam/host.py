@@ -26,7 +26,7 @@ from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.layout import FAULT_REG, Bar0, Layout, PushChannel
 from gputravel.transport.stream import StreamTransport
 from gputravel.redteam.bus import (ArmDrop, ArmExposePrefix, ArmForgeGet, ArmRoute, ArmTamper, AskQuote, Did, Doorbells,
-                                   Event, ExportRecords, ForceSwitch, HostBus, HostNews, HostQuery, MarkRow, ProbePaths,
+                                   Event, ExportRecords, ForceSwitch, HostBus, HostNews, MarkRow, ProbePaths, Query,
                                    event)
 from gputravel.redteam.loot import Loot
 from gputravel.redteam.probes import ask_quote, probe
@@ -171,7 +171,7 @@ class HostAdversary:
                 self._route = msg
             elif isinstance(msg, ArmForgeGet):
                 self._forge, self._forge_due = msg, False
-            elif not isinstance(msg, (ForceSwitch, HostQuery)):
+            elif not isinstance(msg, (ForceSwitch, Query)):
                 raise ProtocolError(f"unknown order {type(msg).__name__}")
         if isinstance(msg, ForceSwitch):
             self._force_switch(msg)
