@@ -155,7 +155,7 @@ class MaliciousHolder(DataHolder):
             return self.exported[-2]
         if mode in FORGERIES:
             forge, what = FORGERIES[mode]
-            forged = forge(unpack_context(blob, layout=self.layout_digest))
+            forged = forge(unpack_context(blob, layout=self.config.layout.digest()))
             self._news.event(Did.RETURNED_BLOB, f"returned a context blob with {what}, checksum recomputed",
                              place=mode)
             return pack_context(forged)
@@ -163,10 +163,6 @@ class MaliciousHolder(DataHolder):
             self._news.event(Did.RETURNED_BLOB, "returned a context blob with one byte flipped", place=mode)
             return blob[:-40] + bytes([blob[-40] ^ 0x01]) + blob[-39:]
         return blob
-
-    @property
-    def layout_digest(self) -> str:
-        return self.config.layout.digest()
 
     def _work_after_return(self, blob: bytes) -> None:
         """The GPU is back home; the keys just returned are still in hand: launch work."""
@@ -178,7 +174,7 @@ class MaliciousHolder(DataHolder):
     def use_kept_keys(self, order: UseKeptKeys) -> None:
         assert self.buffer is not None, "no travel yet: nothing kept"
         for blob in list(reversed(self.exported))[: order.blobs]:
-            epoch = unpack_context(blob, layout=self.layout_digest).epoch
+            epoch = unpack_context(blob, layout=self.config.layout.digest()).epoch
             self._news.event(Did.USED_KEPT_KEYS, f"used the keys of epoch {epoch} it kept", count=epoch)
             where = f"with kept epoch-{epoch} keys"
             self._with_kept(blob, lambda where=where: self._read(where, self.buffer[0], self.buffer[1],
@@ -250,7 +246,7 @@ class MaliciousHolder(DataHolder):
         """Every kept key (or the newest ones), every plausible IV, on every ciphertext the host handed over."""
         frames = msgspec.msgpack.decode(Path(order.path).read_bytes(), type=list[tuple[str, bytes]])
         blobs = self.kept[-order.newest :] if order.newest > 0 else self.kept
-        states = kept_states(blobs, self.layout_digest)
+        states = kept_states(blobs, self.config.layout.digest())
         tried = won = 0
         for kind, ct in frames:
             for state in (s for s in states if s.label in LABELS_FOR.get(kind, ())):
@@ -262,7 +258,7 @@ class MaliciousHolder(DataHolder):
                         self.loot.keep("decrypted", plain)
         self._news.attempts += tried
         self._news.decrypted += won
-        epochs = sorted({unpack_context(b, layout=self.layout_digest).epoch for b in blobs})
+        epochs = sorted({unpack_context(b, layout=self.config.layout.digest()).epoch for b in blobs})
         self._news.event(Did.DECRYPT, f"tried {len(states)} kept keys (of {len(blobs)} blobs, key epochs "
                          f"{', '.join(map(str, epochs))}) x {MAX_IV_GUESSES} IVs on {len(frames)} captured "
                          f"ciphertexts: {won} opened", count=won, nbytes=tried)
