@@ -5,6 +5,7 @@ the limit; memory against MemAvailable (the device's VRAM memfd is charged there
 
 from __future__ import annotations
 
+import contextlib
 import resource
 
 from gputravel.cohort.isolation import BLOCK
@@ -29,13 +30,10 @@ def mib_per_holder(sysmem_bytes: int, dataset_bytes: int) -> int:
 
 
 def available_mib() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) // 1024
-    except (OSError, ValueError, IndexError):
-        return None
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
     return None
 
 

@@ -15,6 +15,7 @@ from gputravel.errors import BadInput, GputravelError
 from gputravel.cohort import isolation
 from gputravel.cohort.isolation import Isolation
 
+
 class Placement:
     def __init__(self, directory: Path, isolate: bool | None) -> None:
         self.dir = directory
