@@ -103,7 +103,7 @@ def _attack(tmp: Path, chosen: list[Attack],
         for h in HOLDERS:  # every holder travels once honestly (mallory keeps its keys)
             out = arena.travel(h)
             if not out.verified:
-                raise RedTeamAborted(f"honest warm-up failed: {out.describe()}")
+                raise RedTeamAborted(f"honest warm-up failed: {out.line()}")
         for attack in chosen:
             arena.begin(attack.name)
             verdict = _run_one(attack, arena)
