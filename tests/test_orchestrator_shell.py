@@ -384,23 +384,27 @@ def test_a_refusal_still_stops_the_wait_and_a_timeout_says_what_broke_off() -> N
 
 
 # ============================================================================ opening the CVM's links
-@pytest.mark.parametrize("failing", ["registration", "listener"])
+@pytest.mark.parametrize("failing", ["registration", "listener", "buffer"])
 def test_from_config_closes_what_it_opened_when_a_later_step_fails(tmp_path, monkeypatch, failing: str) -> None:
     from gputravel.crypto.pki import CohortPki
+    from gputravel.errors import BadInput
     from gputravel.orchestrator import cvm
 
     CohortPki.create(tmp_path / "pki", [ORCHESTRATOR])
     closed: list[str] = []
-    host, link = SimpleNamespace(close=lambda: closed.append("host")), SimpleNamespace(close=lambda: closed.append("link"))
+    host, link, listener = (SimpleNamespace(close=lambda name=name: closed.append(name))
+                            for name in ("host", "link", "listener"))
 
     def fail(*args, **kwargs):
         raise ProtocolError(f"injected: {failing}")
 
     monkeypatch.setattr(cvm, "connect_unix", lambda path, name: host)
     monkeypatch.setattr(cvm, "register_with_host", fail if failing == "registration" else lambda *a: link)
-    monkeypatch.setattr(cvm, "TlsListener", fail)
+    monkeypatch.setattr(cvm, "TlsListener", fail if failing == "listener" else lambda *a: listener)
+    monkeypatch.setattr(cvm, "OrchestratorDriver", lambda link: SimpleNamespace(link=link))
+    monkeypatch.setattr(cvm, "StreamTransport", lambda sock, name: SimpleNamespace(name=name))
     config = OrchestratorConfig(host_socket="host.sock", pki_dir=str(tmp_path / "pki"), layout=TEST_LAYOUT,
-                                buffer_bytes=BUFFER)
-    with pytest.raises(ProtocolError, match="injected"):
+                                buffer_bytes=BUFFER + (1 if failing == "buffer" else 0))
+    with pytest.raises(BadInput if failing == "buffer" else ProtocolError):
         Orchestrator.from_config(config, device_link=None)
-    assert closed == (["host"] if failing == "registration" else ["link", "host"])
+    assert closed == {"registration": ["host"], "listener": ["link", "host"], "buffer": ["listener", "link", "host"]}[failing]

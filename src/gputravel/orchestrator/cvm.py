@@ -64,10 +64,6 @@ class OrchestratorConfig:
     # The one job it runs (TrainConfig.canonical_json; "": any): measured, so holders pin it.
     job_json: str = ""
 
-    def __post_init__(self) -> None:
-        if self.buffer_bytes <= 0 or self.buffer_bytes % self.layout.record_bytes:
-            raise BadInput("the dataset buffer must be a positive multiple of the record size (1 MiB by default)")
-
 
 class Listener(Protocol):
     """Where holders connect; ``accept`` names the holder as its verified certificate does."""
@@ -92,6 +88,8 @@ class Orchestrator:
     def __init__(self, config: OrchestratorConfig, *, host: Transport, driver: OrchestratorDriver,
                  mux: PcieMuxClient, device: Transport, listener: Listener, log_key: bytes,
                  attester: Callable[[OrchestratorConfig], GpuAttester] | None = None) -> None:
+        if config.buffer_bytes <= 0 or config.buffer_bytes % config.layout.record_bytes:
+            raise BadInput("the dataset buffer must be a positive multiple of the record size (1 MiB by default)")
         self.config = config
         self.host, self.driver, self.mux, self._device, self.listener = host, driver, mux, device, listener
         self.profile, self._request_sent = hardware_profile(config.hardware), 0.0
@@ -112,11 +110,13 @@ class Orchestrator:
             link = register_with_host(host, NAME, config.layout)
             opened.callback(link.close)
             listener = TlsListener(config.listen_host, config.listen_port, pki.server_context(NAME))
+            opened.callback(listener.close)
+            engine = cls(config, host=host, driver=OrchestratorDriver(link), mux=PcieMuxClient(host, NAME),
+                         device=StreamTransport(device_link, "device-link"), listener=listener,
+                         log_key=pki.member(NAME).key_pem,
+                         attester=lambda c: orchestrator_attester(c.trust_dir, identity))  # checks the config
             opened.pop_all()
-        return cls(config, host=host, driver=OrchestratorDriver(link), mux=PcieMuxClient(host, NAME),
-                   device=StreamTransport(device_link, "device-link"), listener=listener,
-                   log_key=pki.member(NAME).key_pem,
-                   attester=lambda c: orchestrator_attester(c.trust_dir, identity))
+        return engine
 
     # ------------------------------------------------------------------ boot
     def boot(self) -> None:
