@@ -15,10 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from gputravel.data.tokenizer import KNOWN
 from gputravel.errors import BadInput
-from gputravel.files import DATASET_FORMATS, DatasetFormat
 from gputravel.train.schedule import POLICIES
-
-__all__ = ["DATASET_FORMATS", "LOADERS", "MAX_THREADS", "TORCH_MIB", "DatasetFormat", "JobPart", "TrainConfig"]
 
 LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (orchestrator/baseline.py)
 MAX_THREADS = 256  # torch crashes far above
