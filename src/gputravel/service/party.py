@@ -118,13 +118,11 @@ class PartyChild:
 
     def stop(self, grace: float = 5.0) -> int:
         """Shutdown, then terminate, then kill: it never outlives its service."""
-        try:
+        with contextlib.suppress(GputravelError):
             if self._stop_by == "shutdown":
                 self.control.send(Shutdown())
             else:
                 self.control.close()
-        except GputravelError:
-            pass
         return stop_process(self.proc, grace, asked=self._stop_by != "terminate")
 
     def close(self) -> None:
