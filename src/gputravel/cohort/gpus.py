@@ -20,6 +20,7 @@ from gputravel.cohort.trust import SharedRoots
 from gputravel.errors import BadInput
 from gputravel.net import ShapedLinks, check_bandwidth
 from gputravel.protocol.parties import ORCHESTRATOR
+from gputravel.train.schedule import check_shares
 
 __all__ = ["GpuCohorts", "PerGpu", "on_each", "place_late"]
 
@@ -197,21 +198,8 @@ def place_late(shares: tuple[tuple[str, ...], ...], sizes: Mapping[str, int],
 
 
 def _checked_shares(base: CohortConfig, shares: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:
-    """BadInput unless every holder is in exactly one share, each with a holder present at boot."""
-    shares = tuple(tuple(s) for s in shares)
-    if not shares:
-        raise BadInput("several GPUs need at least one share of holders")
-    names = [h.name for h in base.holders + base.late_holders]
-    placed = [n for s in shares for n in s]
-    if any(not s for s in shares):
-        raise BadInput("every GPU needs at least one data holder: an empty share was given")
-    doubled = sorted({n for n in placed if placed.count(n) > 1})
-    if doubled:
-        raise BadInput(f"a holder serves one GPU only: {', '.join(doubled)} in several shares")
-    unknown, missing = sorted(set(placed) - set(names)), sorted(set(names) - set(placed))
-    if unknown or missing:
-        raise BadInput(f"the shares must hold every data holder, late ones included, once: "
-                       f"unknown {unknown}, missing {missing}")
+    """BadInput unless every holder, late ones included, is in one share, each with a holder present at boot."""
+    shares = check_shares(shares, [h.name for h in base.holders + base.late_holders], where="--gpus")
     present = {h.name for h in base.holders}
     for k, s in enumerate(shares):
         if not present.intersection(s):

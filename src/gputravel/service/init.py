@@ -44,7 +44,7 @@ from gputravel.service.config import (
 )
 from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.registry import VENDOR_DIR, platform_dir_of, write_registry
-from gputravel.train.schedule import partition
+from gputravel.train.schedule import check_shares, partition
 
 __all__ = ["data_bytes", "holder_shares", "init_cohort", "job_tokenizer", "write_service"]
 
@@ -129,11 +129,7 @@ def holder_shares(holders: Sequence[tuple[str, str]], gpus: int, shares: Sequenc
     """Each GPU's holders: `shares` checked, else balanced by their data's bytes; a holder is in exactly one."""
     if shares is None:
         return [list(s) for s in partition({name: data_bytes(path) for name, path in holders}, gpus)]
-    out = [list(s) for s in shares]
-    if len(out) != gpus or not all(out) or sorted(n for s in out for n in s) != sorted(n for n, _ in holders):
-        raise BadInput(f"{where}: expected {gpus} non-empty shares holding every holder once (a holder serves one "
-                       f"GPU), got {out}")
-    return out
+    return [list(s) for s in check_shares(shares, [n for n, _ in holders], gpus, where)]
 
 
 def write_service(path: Path, cfg: ServiceConfig) -> Path:

@@ -9,7 +9,7 @@ share of its data consumed goes next, so all holders finish the epoch together.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from gputravel.errors import BadInput, HolderLost
 
@@ -106,6 +106,25 @@ class Scheduler:
     def windows_in(self, ntokens: int) -> int:
         """(x, y) windows in ntokens: y needs one token past x."""
         return (ntokens - 1) // self.window
+
+
+def check_shares(shares: Sequence[Sequence[str]], names: Sequence[str], gpus: int | None = None,
+                 where: str = "shares") -> tuple[tuple[str, ...], ...]:
+    """BadInput unless there are `gpus` shares (at least one if None), none empty, holding each of `names`
+    once: a holder serves one GPU, so each of its chunks reaches one rank."""
+    out = tuple(tuple(s) for s in shares)
+    placed = [n for s in out for n in s]
+    doubled = sorted({n for n in placed if placed.count(n) > 1})
+    unknown, missing = sorted(set(placed) - set(names)), sorted(set(names) - set(placed))
+    if not out or (gpus is not None and len(out) != gpus):
+        raise BadInput(f"{where}: expected {gpus or 'at least one'} share(s) of holders, one a GPU, got {len(out)}")
+    if not all(out):
+        raise BadInput(f"{where}: every GPU needs at least one data holder: an empty share was given")
+    if doubled:
+        raise BadInput(f"{where}: a holder serves one GPU only: {', '.join(doubled)} in several shares")
+    if unknown or missing:
+        raise BadInput(f"{where}: the shares must hold every data holder once: unknown {unknown}, missing {missing}")
+    return out
 
 
 def partition(sizes: Mapping[str, int], gpus: int) -> tuple[tuple[str, ...], ...]:
