@@ -28,9 +28,9 @@ from gputravel.service.config import (
     OrchestratorService,
     check_before_start,
     load_service,
+    orchestrator_engine_config,
     quoting_socket,
 )
-from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.init import init_cohort
 from gputravel.service.status import cohort_status
 

@@ -20,12 +20,13 @@ from gputravel.attest.provision import REFERENCE_FILE
 from gputravel.crypto.pki import MEMBER_NAME
 from gputravel.errors import BadInput
 from gputravel.files import TOKENS, DatasetFormat, dataset_kind
+from gputravel.orchestrator.cvm import OrchestratorConfig
 from gputravel.protocol.layout import MIB, PAGE, Layout
 from gputravel.train.job import TrainConfig
 
 __all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
            "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "host_party",
-           "load_service", "orchestrator_party", "public_file", "quoting_socket", "validate_service", "PARTIES",
+           "load_service", "orchestrator_engine_config", "orchestrator_party", "public_file", "quoting_socket", "validate_service", "PARTIES",
            "MAX_SOCKET_PATH", "ORCHESTRATOR"]
 
 PARTIES = ("host", "gpu", "orchestrator", "holder")
@@ -277,6 +278,19 @@ class OrchestratorService(_Service):
             raise ValueError(f"job.buffer_bytes: expected a multiple of layout.record_bytes "
                              f"({self.layout.record_bytes}), got {self.job.buffer_bytes}")
         return self
+
+
+def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_dir: str) -> OrchestratorConfig:
+    """The engine's config; its placement is not measured, so init's measurement is the running service's."""
+    return OrchestratorConfig(
+        host_socket=cfg.host_socket, pki_dir=pki_dir, layout=cfg.layout.to_layout(),
+        buffer_bytes=cfg.job.buffer_bytes, listen_host=cfg.listen_host, listen_port=cfg.listen_port,
+        holder_timeout=cfg.holder_timeout, device_timeout=cfg.device_timeout,
+        # As the demo (jobs/training.py): holders whose tokens came from another tokenizer are refused.
+        tokenizer=cfg.job.tokenizer,
+        trust_dir=trust_dir, audit_log=os.path.join(cfg.state_dir, AUDIT_LOG), hardware=cfg.hardware,
+        # The [job] table is measured too: a holder's policy pins the job run on its data.
+        job_json=cfg.job.train_config().canonical_json())
 
 
 class HolderService(_Service):

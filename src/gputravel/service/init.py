@@ -39,10 +39,10 @@ from gputravel.service.config import (
     ServiceConfig,
     explain_built,
     host_party,
+    orchestrator_engine_config,
     orchestrator_party,
     validate_service,
 )
-from gputravel.service.engine import orchestrator_engine_config
 from gputravel.service.registry import VENDOR_DIR, platform_dir_of, write_registry
 from gputravel.train.schedule import check_shares, partition
 

@@ -26,8 +26,7 @@ from gputravel.files import atomic_write_bytes, write_json
 from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, Shutdown,
                                         TrainDone, TrainStep, Train)
 from gputravel.service.config import (AUDIT_LOG, STATUS_FILE, HolderService, OrchestratorService, gpu_socket, orchestrator_party, public_file,
-                                      quoting_socket)
-from gputravel.service.engine import orchestrator_engine_config
+                                      orchestrator_engine_config, quoting_socket)
 from gputravel.service.party import (PartyChild, Stopping, as_party, log, one_certificate, own_state, private_dir,
                                      publish, publish_certificate, unix_listening, wait_for, wait_for_sockets)
 from gputravel.service.registry import platform_dir, registered
