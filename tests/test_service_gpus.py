@@ -158,7 +158,7 @@ def test_a_ranks_platform_key_is_deleted_even_when_its_service_died_after_certif
 
     cfg = load_service(cohort / "orchestrator-1.toml")
     assert isinstance(cfg, OrchestratorService)
-    state, platform = own_state(private_dir(cfg.state_dir), cfg.uid), platform_dir(cfg)
+    state, platform = own_state(private_dir(cfg.state_dir), cfg.uid), platform_dir(Path(cfg.cohort_dir), cfg.rank)
     certify = members.QuotingLaunch.certify
 
     def killed_after(*args: object, **kwargs: object) -> None:

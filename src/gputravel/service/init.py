@@ -43,7 +43,7 @@ from gputravel.service.config import (
     orchestrator_party,
     validate_service,
 )
-from gputravel.service.registry import VENDOR_DIR, platform_dir_of, write_registry
+from gputravel.service.registry import VENDOR_DIR, platform_dir, write_registry
 from gputravel.train.schedule import check_shares, partition
 
 __all__ = ["data_bytes", "holder_shares", "init_cohort", "job_tokenizer", "write_service"]
@@ -170,7 +170,7 @@ def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
     vendor = _private_dir(d / VENDOR_DIR)
     for k, issuer in enumerate(issuers):
         issuer.save(_private_dir(vendor / f"gpu-{k}"))
-        platform = _private_dir(platform_dir_of(d, k))
+        platform = _private_dir(platform_dir(d, k))
         for name in (TEE_ROOT_CERT, TEE_ROOT_KEY):
             shutil.copy2(trust / name, platform / name)  # the key keeps its 0600
     for name in (GPU_ROOT_KEY, TEE_ROOT_KEY):

@@ -176,7 +176,7 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
         atomic_write_bytes(pki / "ca.pem", pinned)
     tdx, link, child = None, None, None
     try:
-        tdx, quoting = _start_tdx_module(cfg, state, platform_dir(cfg))
+        tdx, quoting = _start_tdx_module(cfg, state, platform_dir(Path(cfg.cohort_dir), cfg.rank))
         with as_party(cfg.uid):
             trust = _trust_dir(state, cfg.trust_dir, {LIMITS_FILE: {"max_evidence_age_s": cfg.max_evidence_age_s,
                                                                     "quoting_socket": quoting.socket}})

@@ -34,12 +34,8 @@ def vendor_dir(cfg: Any) -> Path:
     return Path(cfg.cohort_dir) / VENDOR_DIR / f"gpu-{cfg.index}"
 
 
-def platform_dir(cfg: Any) -> Path:
-    """The CPU-TEE root that certifies this rank's TDX module's key once (each rank its own copy)."""
-    return platform_dir_of(Path(cfg.cohort_dir), getattr(cfg, "rank", 0))
-
-
-def platform_dir_of(cohort_dir: Path, rank: int) -> Path:
+def platform_dir(cohort_dir: Path, rank: int) -> Path:
+    """The CPU-TEE root that certifies rank `rank`'s TDX module's key once (each rank its own copy)."""
     return cohort_dir / (PLATFORM_DIR if rank == 0 else f"{PLATFORM_DIR}-{rank}")
 
 
