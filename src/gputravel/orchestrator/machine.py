@@ -39,6 +39,11 @@ class Deadlines:  # seconds each wait may take
 
 # ----------------------------------------------------------------------------- events
 @dataclass(frozen=True)
+class _Bare:
+    """An event or action that carries nothing: its class is all it says."""
+
+
+@dataclass(frozen=True)
 class Start:
     holder: str
     dataset_offset: int
@@ -59,18 +64,15 @@ class Scrubbed:
     reexported: bytes | None = field(default=None, repr=False)  # the device moved on: this context travels
 
 
-@dataclass(frozen=True)
-class SwitchAsked:
+class SwitchAsked(_Bare):
     pass
 
 
-@dataclass(frozen=True)
-class RequestSent:
+class RequestSent(_Bare):
     pass
 
 
-@dataclass(frozen=True)
-class Switched:  # the MUX answered: the GPU is the holder's
+class Switched(_Bare):  # the MUX answered: the GPU is the holder's
     pass
 
 
@@ -79,23 +81,19 @@ class Replied:
     reply: TravelResult | TravelRefused
 
 
-@dataclass(frozen=True)
-class Home:  # the MUX switched the GPU back (the holder asked before it exported)
+class Home(_Bare):  # the MUX switched the GPU back (the holder asked before it exported)
     pass
 
 
-@dataclass(frozen=True)
-class RotationStarted:
+class RotationStarted(_Bare):
     pass
 
 
-@dataclass(frozen=True)
-class Imported:
+class Imported(_Bare):
     pass
 
 
-@dataclass(frozen=True)
-class Rotated:
+class Rotated(_Bare):
     pass
 
 
@@ -111,8 +109,7 @@ class StartScrub:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class ExportContext:
+class ExportContext(_Bare):
     pass
 
 
@@ -142,13 +139,11 @@ class AwaitReply:
     holder: str
 
 
-@dataclass(frozen=True)
-class AwaitGpu:
+class AwaitGpu(_Bare):
     pass
 
 
-@dataclass(frozen=True)
-class StartRotation:
+class StartRotation(_Bare):
     pass
 
 
@@ -158,8 +153,7 @@ class ImportContext:
     blob: bytes = field(repr=False)
 
 
-@dataclass(frozen=True)
-class AwaitRotation:
+class AwaitRotation(_Bare):
     pass
 
 
