@@ -102,8 +102,8 @@ def numeric_table(title: str, columns: Iterable[str], **options) -> Table:
     return table
 
 
-def write_results(path: Path | None, result: dict) -> None:
-    """Write a command's results as JSON, when it was asked to, and say where."""
+def write_results(path: Path | None, result: dict, what: str = "results") -> None:
+    """Write a command's results (`what` they are) as JSON, when it was asked to, and say where."""
     if path is not None:
         write_json(path, result)
-        console.print(f"results written to {path}")
+        console.print(f"{what} written to {path}")

@@ -11,9 +11,9 @@ import typer
 from gputravel.bench import plan as model
 from gputravel.cli.hardware import hardware_option
 from gputravel.errors import BadInput
-from gputravel.files import MISSING, not_data, write_json
+from gputravel.files import MISSING, not_data
 from gputravel.protocol.hardware import EMULATED
-from gputravel.cli.output import console, numeric_table
+from gputravel.cli.output import console, numeric_table, write_results
 
 # Where benchmark JSONs measured on this machine are kept (the first that exist are read).
 RESULT_DIRS = (Path("docs/results"), Path("docs/benchmarks-data"))
@@ -70,9 +70,7 @@ def plan_command(
     if worked_example:
         out["worked_example"] = model.against_worked_example(out)
     _print(out)
-    if json_path:
-        write_json(json_path, out)
-        console.print(f"prediction written to {json_path}")
+    write_results(json_path, out, "prediction")
 
 
 def _read_results(paths: Optional[list[Path]]) -> list[tuple[str, dict]]:

@@ -14,12 +14,11 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gputravel.files import write_json
 from gputravel.cohort.capacity import MAX_BUFFER_MIB, MIB, check_buffer
 from gputravel.errors import BadInput, number_in
 from gputravel.protocol.control import STEPS
 from gputravel.cli.hardware import hardware_option
-from gputravel.cli.output import check_output_dir, check_output_file, console, fail, make_output_dir
+from gputravel.cli.output import check_output_dir, check_output_file, console, fail, make_output_dir, write_results
 from gputravel.train.job import TrainConfig
 
 JOB = TrainConfig()  # the options' defaults are the job's (train/job.py)
@@ -104,9 +103,7 @@ def training_job(
     with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
         report = run_training_job(cfg, on_step=lambda e: view.update(e, live))
     _summary(report, out)
-    if json_path:
-        write_json(json_path, report)
-        console.print(f"report also written to {json_path}")
+    write_results(json_path, report, "report also")
 
 
 class _LiveView:
