@@ -4,7 +4,6 @@ actions its travel machine (orchestrator/machine.py) returns, one IO step each."
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import mmap
 import socket
@@ -98,6 +97,7 @@ class Orchestrator:
         self.travel_sm: OrchestratorTravel | None = None
         self._log_key, self._make_attester = log_key, attester  # both used at boot
         self.travel_log: TravelLog | None = None  # opened at boot, once the GPU it names is attested
+        self.baseline_path = BaselinePath(self)  # its staging buffer is made at its first transfer
 
     @classmethod
     def from_config(cls, config: OrchestratorConfig, device_link: socket.socket) -> Self:
@@ -392,10 +392,6 @@ class Orchestrator:
             except GputravelError as exc:
                 log.warning("rotation before a travel failed (%s: %s): re-keying the GPU", type(exc).__name__, exc)
         self.rekey()
-
-    @functools.cached_property
-    def baseline_path(self) -> BaselinePath:
-        return BaselinePath(self)
 
     def baseline(self, holder: str, dataset_offset: int) -> BaselineReport:
         """The centralised TLS baseline (paper 7.2, orchestrator/baseline.py): the GPU does not travel."""
