@@ -26,15 +26,14 @@ from gputravel.files import atomic_write_bytes, write_json
 from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohort, Joined, Leave, Left, Shutdown,
                                         TrainDone, TrainStep, Train)
 from gputravel.service.config import (AUDIT_LOG, STATUS_FILE, HolderService, OrchestratorService, gpu_socket, orchestrator_party, public_file,
-                                      orchestrator_engine_config, quoting_socket)
+                                      ORCHESTRATOR, orchestrator_engine_config, quoting_socket)
 from gputravel.service.party import (PartyChild, Stopping, as_party, log, one_certificate, own_state, private_dir,
-                                     publish, publish_certificate, unix_listening, wait_for, wait_for_sockets)
+                                     BOOT_TIMEOUT, publish, publish_certificate, unix_listening, wait_for,
+                                     wait_for_sockets)
 from gputravel.service.registry import platform_dir, registered
 
-BOOT_TIMEOUT = 120.0
 STOP_WAIT_S = 60.0  # a stopping orchestrator finishes its step and checkpoints within this
 STATUS_EVERY_S = 0.25  # how often status.json follows the training (the log: every 5th step)
-ORCHESTRATOR = "orchestrator"  # the role, and the name in every orchestrator's certificate
 DONE_FILE = "job-done"  # in the public directory (config.public_file): that orchestrator finished the job
 
 

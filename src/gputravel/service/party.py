@@ -30,6 +30,7 @@ from gputravel.protocol.control import Enroll, Failed, Ready, Shutdown
 from gputravel.transport.stream import StreamTransport
 
 ENTRY = "gputravel.cohort.entry"
+BOOT_TIMEOUT = 120.0  # a party's process started and ready (its first words: PartyChild.ready)
 
 
 def log(party: str, event: str, **fields: object) -> None:

@@ -15,11 +15,10 @@ from gputravel.errors import BadInput
 from gputravel.protocol.control import Certified, Enroll
 from gputravel.service.config import GpuService, HolderService, HostService, check_before_start, load_service
 from gputravel.service.members import serve_holder, serve_orchestrator
-from gputravel.service.party import PartyChild, Stopping, as_party, log, own_state, private_dir, unix_listening, wait_for
+from gputravel.service.party import (BOOT_TIMEOUT, PartyChild, Stopping, as_party, log, own_state, private_dir,
+                                     unix_listening, wait_for)
 from gputravel.service.registry import bind, vendor_dir
 from gputravel.service.status import party_name
-
-BOOT_TIMEOUT = 120.0
 
 
 def serve(role: str, config_path: Path) -> int:
