@@ -10,7 +10,6 @@ import json
 import mmap
 import queue
 import selectors
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from gputravel.host.process import HostProcess
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.layout import FAULT_REG, Bar0, Layout, PushChannel
 from gputravel.transport.stream import StreamTransport
+from gputravel.transport.unix import accept_unix, listen_unix
 from gputravel.redteam.bus import (ArmDrop, ArmExposePrefix, ArmForgeGet, ArmRoute, ArmTamper, AskQuote, Did, Doorbells,
                                    Event, ExportRecords, ForceSwitch, HostBus, HostNews, MarkRow, ProbePaths, Query,
                                    event)
@@ -67,10 +67,7 @@ class HostAdversary:
         self._forge_due = False  # the GPU went to the forge's victim: the next switch home fires it
         self._forged_get: int | None = None  # the value we wrote into BAR0's kernel get, until the device rewrites it
         self._bells = Doorbells(self._on_ring)
-        sock_path = workdir / "adversary.sock"
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(sock_path))
-        self._listener.listen(4)
+        self._listener = listen_unix(workdir / "adversary.sock", backlog=4)
         self._sel: selectors.BaseSelector | None = None
 
     # ------------------------------------------------------------------ host hooks
@@ -124,8 +121,7 @@ class HostAdversary:
 
     # ------------------------------------------------------------------ orders
     def _accept(self) -> None:
-        conn, _ = self._listener.accept()
-        peer = StreamTransport(conn, "red-team")
+        peer = accept_unix(self._listener, "red-team")
         assert self._sel is not None
         self._sel.register(peer.fileno(), selectors.EVENT_READ, functools.partial(self._order, peer))
 
@@ -150,31 +146,29 @@ class HostAdversary:
             with self._loot_lock:
                 self._flush_pushes()
                 self.loot.mark(msg.row)
-            return
-        if isinstance(msg, ExportRecords):
+        elif isinstance(msg, ExportRecords):
             self._export_records(msg)
-            return
-        if isinstance(msg, (ProbePaths, AskQuote)):  # from this process, under the host's own uid
+        elif isinstance(msg, (ProbePaths, AskQuote)):  # from this process, under the host's own uid
             with self._loot_lock:
                 events = probe(msg, self.loot) if isinstance(msg, ProbePaths) else [ask_quote(msg, self.loot)]
             with self.lock:
                 self._events += events
-            return
-        with self.lock:
-            if isinstance(msg, ArmTamper):
-                self._tamper = msg
-            elif isinstance(msg, ArmDrop):
-                self._drop = _Drop(msg, active=not msg.after_return_of, left=msg.kernel_rings)
-            elif isinstance(msg, ArmExposePrefix):
-                self._expose = msg
-            elif isinstance(msg, ArmRoute):
-                self._route = msg
-            elif isinstance(msg, ArmForgeGet):
-                self._forge, self._forge_due = msg, False
-            elif not isinstance(msg, (ForceSwitch, Query)):
-                raise ProtocolError(f"unknown order {type(msg).__name__}")
-        if isinstance(msg, ForceSwitch):
+        elif isinstance(msg, ForceSwitch):
             self._force_switch(msg)
+        elif not isinstance(msg, Query):
+            with self.lock:
+                if isinstance(msg, ArmTamper):
+                    self._tamper = msg
+                elif isinstance(msg, ArmDrop):
+                    self._drop = _Drop(msg, active=not msg.after_return_of, left=msg.kernel_rings)
+                elif isinstance(msg, ArmExposePrefix):
+                    self._expose = msg
+                elif isinstance(msg, ArmRoute):
+                    self._route = msg
+                elif isinstance(msg, ArmForgeGet):
+                    self._forge, self._forge_due = msg, False
+                else:
+                    raise ProtocolError(f"unknown order {type(msg).__name__}")
 
     def _force_switch(self, order: ForceSwitch) -> None:
         with self.lock:
@@ -236,17 +230,15 @@ class HostAdversary:
 
     def _snapshotter(self) -> None:
         while True:
-            cvms = {self._snaps.get()}
-            done = 1
+            cvms = [self._snaps.get()]
             while not self._snaps.empty():
-                cvms.add(self._snaps.get_nowait())
-                done += 1
+                cvms.append(self._snaps.get_nowait())
             with self._loot_lock:
-                for cvm in cvms:
+                for cvm in set(cvms):
                     self.loot.snapshot(f"sysmem-{cvm}", memoryview(self.bus.mem[cvm]))
                     self.bus.capture_records(cvm)
                 self._flush_pushes()
-            for _ in range(done):
+            for _ in cvms:
                 self._snaps.task_done()
 
     def _flush_pushes(self) -> None:
