@@ -45,11 +45,6 @@ def first_sender(ctx: DriverContext, **change: Any) -> DriverContext:
     return structs.replace(ctx, senders=(structs.replace(first, **change), *rest))
 
 
-def kept_states(blobs: list[bytes], layout: str) -> list:
-    """Every sender and receiver state in the kept blobs: the keys worth trying."""
-    return [s for blob in blobs for ctx in (unpack_context(blob, layout=layout),) for s in ctx.senders + ctx.receivers]
-
-
 def try_open(state, message: int, ct: bytes) -> bytes | None:
     """The plaintext if ``ct`` opens as message ``message`` on ``state``'s key and channel; else None."""
     try:
@@ -150,18 +145,16 @@ class MaliciousHolder(DataHolder):
     def _returned(self, mode: str, blob: bytes) -> bytes:
         """The blob handed back: the real one, or a stale or altered one."""
         if mode == "stale-epoch" and len(self.exported) > 1:
-            self._news.event(Did.RETURNED_BLOB, "returned the context blob of an earlier travel (older key epoch)",
-                             place=mode)
-            return self.exported[-2]
-        if mode in FORGERIES:
-            forge, what = FORGERIES[mode]
-            forged = forge(unpack_context(blob, layout=self.config.layout.digest()))
-            self._news.event(Did.RETURNED_BLOB, f"returned a context blob with {what}, checksum recomputed",
-                             place=mode)
-            return pack_context(forged)
-        if mode == "corrupted":
-            self._news.event(Did.RETURNED_BLOB, "returned a context blob with one byte flipped", place=mode)
-            return blob[:-40] + bytes([blob[-40] ^ 0x01]) + blob[-39:]
+            what, blob = "the context blob of an earlier travel (older key epoch)", self.exported[-2]
+        elif mode in FORGERIES:
+            forge, forged = FORGERIES[mode]
+            what = f"a context blob with {forged}, checksum recomputed"
+            blob = pack_context(forge(unpack_context(blob, layout=self.config.layout.digest())))
+        elif mode == "corrupted":
+            what, blob = "a context blob with one byte flipped", blob[:-40] + bytes([blob[-40] ^ 0x01]) + blob[-39:]
+        else:
+            return blob
+        self._news.event(Did.RETURNED_BLOB, f"returned {what}", place=mode)
         return blob
 
     def _work_after_return(self, blob: bytes) -> None:
@@ -246,7 +239,8 @@ class MaliciousHolder(DataHolder):
         """Every kept key (or the newest ones), every plausible IV, on every ciphertext the host handed over."""
         frames = msgspec.msgpack.decode(Path(order.path).read_bytes(), type=list[tuple[str, bytes]])
         blobs = self.kept[-order.newest :] if order.newest > 0 else self.kept
-        states = kept_states(blobs, self.config.layout.digest())
+        contexts = [unpack_context(b, layout=self.config.layout.digest()) for b in blobs]
+        states = [s for ctx in contexts for s in ctx.senders + ctx.receivers]  # every key worth trying
         tried = won = 0
         for kind, ct in frames:
             for state in (s for s in states if s.label in LABELS_FOR.get(kind, ())):
@@ -258,7 +252,7 @@ class MaliciousHolder(DataHolder):
                         self.loot.keep("decrypted", plain)
         self._news.attempts += tried
         self._news.decrypted += won
-        epochs = sorted({unpack_context(b, layout=self.config.layout.digest()).epoch for b in blobs})
+        epochs = sorted({ctx.epoch for ctx in contexts})
         self._news.event(Did.DECRYPT, f"tried {len(states)} kept keys (of {len(blobs)} blobs, key epochs "
                          f"{', '.join(map(str, epochs))}) x {MAX_IV_GUESSES} IVs on {len(frames)} captured "
                          f"ciphertexts: {won} opened", count=won, nbytes=tried)
@@ -317,8 +311,8 @@ def _order(holder: MaliciousHolder, cmd: object, control: Transport, sel: select
     if isinstance(cmd, Shutdown):
         return False
     if isinstance(cmd, JoinCohort):
-        _forget_orchestrator(holder, sel)  # a link the orchestrator dropped, not yet noticed
-        holder.sm.abort()  # whatever travel it walked away from (never-return)
+        # a link the orchestrator dropped, not yet noticed; whatever travel it walked away from (never-return)
+        _forget_orchestrator(holder, sel)
         if join_cohort(holder, cmd, control):
             assert holder.orchestrator is not None
             sel.register(holder.orchestrator.fileno(), selectors.EVENT_READ, "orchestrator")
@@ -342,11 +336,9 @@ def _order(holder: MaliciousHolder, cmd: object, control: Transport, sel: select
 
 
 def _forget_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -> None:
-    conn = holder.orchestrator
-    if conn is not None:
-        sel.unregister(conn.fileno())
-        conn.close()
-        holder.orchestrator = None
+    if holder.orchestrator is not None:
+        sel.unregister(holder.orchestrator.fileno())
+    holder.drop_orchestrator()  # closes the link and ends any travel or attestation on it
 
 
 def _from_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -> None:
