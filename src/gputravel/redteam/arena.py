@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from msgspec import structs
 
@@ -23,7 +23,7 @@ class Verdict:
     stopped: bool
     stopped_by: str
     evidence: tuple[Record, ...]
-    plaintext: Found | None = None
+    plaintext: Found = field(default_factory=Found)
 
 
 @dataclass(frozen=True)
@@ -44,20 +44,19 @@ def row(name: str, adversary: str, *, tried: str, stopped_by: str,
 class Arena:
     """The live cohort and the attackers' links; it keeps what each attack saw (:attr:`evidence`)."""
 
-    def __init__(self, cohort: RedTeamCohort, host: HostLink, mallory: HolderLink, buffer_bytes: int,
-                 audit: bool) -> None:
-        self.cohort, self.host, self.mallory = cohort, host, mallory
-        host.on_events = mallory.on_events = self._acted
-        self.buffer_bytes = buffer_bytes
-        self.records = buffer_bytes // cohort.config.layout.record_bytes
+    def __init__(self, cohort: RedTeamCohort) -> None:
+        self.cohort = cohort
+        self.host, self.mallory = HostLink(cohort, self._acted), HolderLink(cohort, MALLORY, self._acted)
+        self.buffer_bytes = cohort.config.buffer_bytes
+        self.records = self.buffer_bytes // cohort.config.layout.record_bytes
         self.slots = cohort.config.layout.staging_slots
-        self.audit = audit
+        self.audit = cohort.config.audit_arrival
         self._offset = {h.name: 0 for h in cohort.config.holders}
         self.dropped: set[str] = set()  # holders the orchestrator dropped (offline until they rejoin)
         self._log_at = 0  # how much of the orchestrator's log the attacks have seen
         self._journal_at = 0  # how many entries of its signed travel log
         self.evidence: list[Record] = []
-        self.plaintext: Found | None = None  # what a row found of its own canaries (the all-reduce row's gradient)
+        self.plaintext = Found()  # what a row found of its own canaries (the all-reduce row's gradient)
         self.stage = ""  # stamped on each record kept (see evidence.Record)
         self.row = ""
 
@@ -76,7 +75,7 @@ class Arena:
         self.row = row
         self.orchestrator_said()
         self.journal()
-        self.evidence, self.plaintext, self.stage = [], None, ""
+        self.evidence, self.plaintext, self.stage = [], Found(), ""
 
     def _next_offset(self, holder: str) -> int:
         size = self.cohort.dataset_bytes[holder]

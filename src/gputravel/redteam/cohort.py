@@ -76,10 +76,10 @@ OnEvents = Callable[[str, tuple[Event, ...]], None]
 class HostLink:
     """Orders to the malicious host; what it reports piles up until :meth:`news` takes it."""
 
-    def __init__(self, cohort: RedTeamCohort) -> None:
+    def __init__(self, cohort: RedTeamCohort, on_events: OnEvents) -> None:
         self._t = connect_unix(str(cohort.adversary_dir / "adversary.sock"), "malicious-host")
         self._pending = NO_NEWS
-        self.on_events: OnEvents | None = None
+        self.on_events = on_events
 
     def order(self, msg: object) -> None:
         self._t.send(msg)
@@ -94,8 +94,7 @@ class HostLink:
     def news(self) -> HostNews:
         self.order(Query())
         news, self._pending = self._pending, NO_NEWS
-        if self.on_events is not None:
-            self.on_events("host", news.events)
+        self.on_events("host", news.events)
         return news
 
     def begin(self, row: str) -> None:
@@ -109,17 +108,16 @@ class HostLink:
 class HolderLink:
     """Orders to the malicious holder, over the control link the supervisor has to it."""
 
-    def __init__(self, cohort: RedTeamCohort, name: str) -> None:
+    def __init__(self, cohort: RedTeamCohort, name: str, on_events: OnEvents) -> None:
         self.name = name
         self._t = cohort.children[name].control
-        self.on_events: OnEvents | None = None
+        self.on_events = on_events
 
     def order(self, msg: object, timeout: float = 120) -> HolderNews:
         self._t.send(msg)
         news = self._t.recv(timeout=timeout, expect=HolderNews).message
         assert isinstance(news, HolderNews)
-        if self.on_events is not None:
-            self.on_events(self.name, news.events)
+        self.on_events(self.name, news.events)
         return news
 
     def news(self) -> HolderNews:

@@ -19,7 +19,7 @@ from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.supervisor import SNOOP_FILE
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Attack, Verdict
 from gputravel.redteam.canary import MARKER_BYTES, SPACING, Found, Needles, make_dataset, search
-from gputravel.redteam.cohort import HolderLink, HostLink, RedTeamCohort
+from gputravel.redteam.cohort import RedTeamCohort
 from gputravel.redteam.evidence import Control, Record, Searched
 from gputravel.redteam.rows import ATTACKS
 
@@ -88,18 +88,14 @@ def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (),
         stopping.delete(tmp)  # whatever depth the hostile holder nested its own directory to
 
 
-def _config(tmp: Path) -> CohortConfig:
-    return CohortConfig(holders=tuple(HolderSpec(h, str(tmp / f"{h}.bin")) for h in HOLDERS),
-                        buffer_bytes=BUFFER_BYTES, workdir=str(tmp), snoop=True, tap=True, audit_arrival=True,
-                        device_timeout=DEVICE_TIMEOUT, travel_timeout=HOLDER_TIMEOUT)
-
-
 def _attack(tmp: Path, chosen: list[Attack],
             on_result: Callable[[Attack, Verdict], None] | None) -> tuple[Path, list[Verdict]]:
     verdicts: list[Verdict] = []
-    with RedTeamCohort(_config(tmp), malicious=(MALLORY,)) as cohort:
-        host, mallory = HostLink(cohort), HolderLink(cohort, MALLORY)
-        arena = Arena(cohort, host, mallory, BUFFER_BYTES, audit=True)
+    config = CohortConfig(holders=tuple(HolderSpec(h, str(tmp / f"{h}.bin")) for h in HOLDERS),
+                          buffer_bytes=BUFFER_BYTES, workdir=str(tmp), snoop=True, tap=True, audit_arrival=True,
+                          device_timeout=DEVICE_TIMEOUT, travel_timeout=HOLDER_TIMEOUT)
+    with RedTeamCohort(config, malicious=(MALLORY,)) as cohort:
+        arena = Arena(cohort)
         for h in HOLDERS:  # every holder travels once honestly (mallory keeps its keys)
             out = arena.travel(h)
             if not out.verified:
@@ -114,7 +110,7 @@ def _attack(tmp: Path, chosen: list[Attack],
             verdicts.append(verdict)
             if on_result is not None:
                 on_result(attack, verdict)
-        host.close()
+        arena.host.close()
         assert cohort.dir is not None
         return cohort.dir, verdicts
 
@@ -132,10 +128,10 @@ def _run_one(attack: Attack, arena: Arena) -> Verdict:
 
 
 def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, Needles], tmp: Path) -> AttackResult:
-    files, victims = _view(attack, run_dir), _victims(attack, needles)
-    found = search(files, victims)
-    if verdict.plaintext is not None:  # the row's own canaries (the all-reduce row's gradient)
-        found += verdict.plaintext
+    files = _view(attack, run_dir)
+    # A malicious holder's own data is not a leak; the host owns no data at all.
+    found = search(files, [n for h, n in needles.items() if h != MALLORY or "holder" not in attack.adversary])
+    found += verdict.plaintext  # the row's own canaries (the all-reduce row's gradient)
     stopped, evidence = verdict.stopped, verdict.evidence
     if attack.name == "snoop-everything":
         stopped, evidence = _watched(run_dir, found, needles, tmp)
@@ -161,20 +157,12 @@ def _view(attack: Attack, run_dir: Path) -> list[Path]:
     return [p for p in files if attack.adversary == "host+holder" or p.name.startswith(f"{attack.adversary}-")]
 
 
-def _victims(attack: Attack, needles: dict[str, Needles]) -> list[Needles]:
-    """A malicious holder's own data is not a leak; the host owns no data at all."""
-    if "holder" in attack.adversary:
-        return [n for h, n in needles.items() if h != MALLORY]
-    return list(needles.values())
-
-
 def _watched(run_dir: Path, found: Found, needles: dict[str, Needles], tmp: Path) -> tuple[bool, tuple[Record, ...]]:
     """The snoop row is only meaningful if the host really watched, and the scanner works."""
-    sizes = {name: p.stat().st_size if p.exists() else 0 for name, p in (("snoop.bin", run_dir / SNOOP_FILE),
-                                                                         ("tap.bin", run_dir / "tap.bin"))}
+    snoop, tap = (p.stat().st_size if p.exists() else 0 for p in (run_dir / SNOOP_FILE, run_dir / "tap.bin"))
     own = search([tmp / f"{h}.bin" for h in HOLDERS], needles.values())
-    watched = sizes["snoop.bin"] > MIB and sizes["tap.bin"] > 1024 and found.scanned_bytes > 16 * MIB
-    searched = Searched(nbytes=found.scanned_bytes, snoop_bytes=sizes["snoop.bin"], tap_bytes=sizes["tap.bin"])
+    watched = snoop > MIB and tap > 1024 and found.scanned_bytes > 16 * MIB
+    searched = Searched(nbytes=found.scanned_bytes, snoop_bytes=snoop, tap_bytes=tap)
     control = Control(what="markers in the holders' own datasets", nbytes=own.marker_bytes)
     return watched and own.marker_bytes > 0, (searched, control)
 
@@ -185,20 +173,16 @@ def _outcome(r: AttackResult) -> str:
     return f"[{style}]{r.outcome}[/{style}]"
 
 
-def table(report: RedTeamReport) -> Table:
-    t = Table(title="gputravel red team: every attack against a live cohort", show_lines=True)
-    for col, kw in (("attack", {"no_wrap": True}), ("adversary", {"no_wrap": True}), ("tried", {"ratio": 3}),
-                    ("stopped by", {"ratio": 3}), ("plaintext bytes", {"justify": "right"}), ("outcome", {})):
-        t.add_column(col, **kw)
-    for r in report.attacks:
-        t.add_row(r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained), _outcome(r))
-    return t
-
-
 def print_report(report: RedTeamReport, console: Console, *, evidence: bool = False) -> None:
     """A table on a wide terminal; one block per attack on a narrow one (the texts are long)."""
     if console.width >= 150:
-        console.print(table(report))
+        t = Table(title="gputravel red team: every attack against a live cohort", show_lines=True)
+        for col, kw in (("attack", {"no_wrap": True}), ("adversary", {"no_wrap": True}), ("tried", {"ratio": 3}),
+                        ("stopped by", {"ratio": 3}), ("plaintext bytes", {"justify": "right"}), ("outcome", {})):
+            t.add_column(col, **kw)
+        for r in report.attacks:
+            t.add_row(r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained), _outcome(r))
+        console.print(t)
     for r in report.attacks:
         if console.width < 150:
             console.print(f"[bold]{r.name}[/bold] ({r.adversary}): {r.plaintext_bytes_obtained} bytes of plaintext "
