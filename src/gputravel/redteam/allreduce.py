@@ -135,12 +135,10 @@ def carry(out_dir: Path, *, sealed: bool = True, world: int = WORLD, only: tuple
     if world < 2 or not chosen:
         raise BadInput("the all-reduce row needs at least two ranks and a case")
     out_dir.mkdir(parents=True, exist_ok=True)
-    per_record = RECORD_BYTES // 4
-    gradient = canary_gradient(world * (RECORDS_PER_HOP * per_record - SHORT))
+    gradient = canary_gradient(world * (RECORDS_PER_HOP * RECORD_BYTES // 4 - SHORT))
     root = Authority.self_signed(TEE_QUOTING_ROOT_CN)  # the emulated CPU-TEE quoting root of this run
-    hops = 2 * (world - 1)
     plan = Plan(world=world, port=free_port(), cases=chosen, gradient=gradient.numpy().tobytes(),
-                record_bytes=RECORD_BYTES, last_hop=(hops - 1) * RECORDS_PER_HOP,
+                record_bytes=RECORD_BYTES, last_hop=(2 * (world - 1) - 1) * RECORDS_PER_HOP,  # of 2(W - 1) hops
                 context=f"gputravel redteam {ROW}/{os.urandom(16).hex()}/".encode(),
                 root=(root.cert_der, key_pem(root.key)), out_dir=str(out_dir), timeout_s=TIMEOUT_S)
     got = _launch(plan)
@@ -269,18 +267,14 @@ def rank_main(rank: int, plan: Plan) -> list[tuple[int, str, dict]]:
     root_cert, root_key = plan.root
     tee = EmulatedRankTee(Authority(root_cert, serialization.load_pem_private_key(root_key, password=None)),
                           root_cert, MEASURED)
-    out = []
-    for case in plan.cases:
-        carrier = dist.new_group(list(range(plan.world + 1)), timeout=timedelta(seconds=plan.timeout_s))
-        out.append((rank, case.name, _step(rank, plan, case, ranks, carrier, tee)))
-    return out  # the launcher ends the process: a broken ring leaves receives that never complete
+    # the launcher ends the process: a broken ring leaves receives that never complete
+    return [(rank, c.name, _step(rank, plan, c, ranks, _carrier(plan), tee)) for c in plan.cases]
 
 
 def _step(rank: int, plan: Plan, case: Case, ranks: dist.ProcessGroup, carrier: dist.ProcessGroup,
           tee: EmulatedRankTee) -> dict:
-    keys = None
-    if case.variant != "plain":
-        keys = establish_pair_keys(tee.attest, tee.verify, group=ranks, context=plan.context + case.name.encode())
+    keys = None if case.variant == "plain" else establish_pair_keys(tee.attest, tee.verify, group=ranks,
+                                                                   context=plan.context + case.name.encode())
     link = HostCarried(carrier, rank, plan.world, host=plan.world)
     ring = Ring(case.variant, keys=keys, record_bytes=plan.record_bytes, p2p=link, timeout_s=plan.timeout_s)
     gradient = torch.frombuffer(bytearray(plan.gradient), dtype=torch.float32)
@@ -313,11 +307,12 @@ def host_main(plan: Plan) -> list[tuple[int, str, dict]]:
     """The host: carries every record of every case, records it, and tampers as the case says."""
     _join(plan.world, plan)
     dist.new_group(list(range(plan.world)))  # every process takes part in making every group
-    out = []
-    for case in plan.cases:
-        carrier = dist.new_group(list(range(plan.world + 1)), timeout=timedelta(seconds=plan.timeout_s))
-        out.append((plan.world, case.name, _carry(plan, case, carrier)))
-    return out
+    return [(plan.world, c.name, _carry(plan, c, _carrier(plan))) for c in plan.cases]
+
+
+def _carrier(plan: Plan) -> dist.ProcessGroup:
+    """A case's group of the ranks and the host, made by every process in the same order."""
+    return dist.new_group(list(range(plan.world + 1)), timeout=timedelta(seconds=plan.timeout_s))
 
 
 def _carry(plan: Plan, case: Case, carrier: dist.ProcessGroup) -> dict:
