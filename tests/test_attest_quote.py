@@ -37,6 +37,7 @@ from gputravel.attest import (
     verify_ra_tls,
 )
 from gputravel.attest.chain import sign_p384
+from gputravel.crypto.spdm.p384 import _P384_ORDER as P384_ORDER
 from gputravel.attest.quote import Quote, canonical_json
 from gputravel.attest.ratls import quote_extension, spki_der
 from gputravel.attest.roots import GPU_VENDOR_ROOT_CN, TEE_QUOTING_ROOT_CN
@@ -229,6 +230,9 @@ def _forgeries(gpu, nonce: bytes, now: datetime, trust) -> dict[str, tuple[bytes
         "a device not under the vendor root": (encode(foreign.firmware().get_evidence(nonce)), "chain"),
         "a real GPU's evidence for another nonce": (encode(gpu.firmware().get_evidence(os.urandom(32))), "nonce"),
         "a real GPU's evidence, edited": (encode(structs.replace(genuine, response=bytes(body))), "signature"),
+        "the real evidence, its signature's high-s twin (r, n-s)": (encode(structs.replace(genuine, signature=(
+            genuine.signature[:48] + (P384_ORDER - int.from_bytes(genuine.signature[48:], "big")).to_bytes(48, "big")
+        ))), "signature"),
         "the real chain, signed by another key": (encode(structs.replace(genuine, signature=sign_p384(
             _new_key(), genuine.request + genuine.response))), "signature"),
         "a real GPU outside CC mode": (encode(gpu.firmware(cc_mode=False).get_evidence(nonce)), "cc_mode"),

@@ -255,3 +255,22 @@ def test_repr_has_no_secret():
     for obj in (req, rsp, device()):
         assert req.session_secret.hex() not in repr(obj)
         assert repr(req.session_secret) not in repr(obj)
+
+
+def test_signatures_are_low_s_and_a_high_s_twin_is_refused():
+    """(r, n-s) verifies under plain ECDSA: one signature must have one encoding, or a relay could change
+    signed evidence, and with it every digest taken of it, without the key."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from gputravel.crypto.spdm import p384
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    for i in range(32):
+        digest = hashlib.sha384(bytes([i])).digest()
+        sig = p384.sign(key, digest)
+        s = int.from_bytes(sig[48:], "big")
+        assert 0 < s <= p384._P384_ORDER // 2
+        p384.verify(key.public_key(), sig, digest)
+        twin = sig[:48] + (p384._P384_ORDER - s).to_bytes(48, "big")
+        with pytest.raises(IntegrityError, match="low-s"):
+            p384.verify(key.public_key(), twin, digest)

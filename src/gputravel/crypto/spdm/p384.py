@@ -66,6 +66,7 @@ def load_point(data: bytes) -> ec.EllipticCurvePublicKey:
 def sign(key: ec.EllipticCurvePrivateKey, digest: bytes) -> bytes:
     der = key.sign(digest, ec.ECDSA(Prehashed(hashes.SHA384()), deterministic_signing=True))
     r, s = decode_dss_signature(der)
+    s = min(s, _P384_ORDER - s)  # low-s: (r, n-s) verifies too, and one signature must have one encoding
     return r.to_bytes(_SCALAR_BYTES, "big") + s.to_bytes(_SCALAR_BYTES, "big")
 
 
@@ -74,6 +75,8 @@ def verify(key: ec.EllipticCurvePublicKey, signature: bytes, digest: bytes) -> N
         raise IntegrityError("device signature is malformed")
     r = int.from_bytes(signature[:_SCALAR_BYTES], "big")
     s = int.from_bytes(signature[_SCALAR_BYTES:], "big")
+    if s > _P384_ORDER // 2:  # a relay's (r, n-s) twin would change evidence bytes and digests
+        raise IntegrityError("device signature is not in low-s form")
     try:
         key.verify(encode_dss_signature(r, s), digest, ec.ECDSA(Prehashed(hashes.SHA384())))
     except InvalidSignature:
