@@ -88,8 +88,8 @@ def test_config_is_validated(datasets, tmp_path: Path) -> None:
         CohortConfig(holders=(), buffer_bytes=MIB)
 
 
-@pytest.mark.parametrize("name", ["device", "host", "tdx-module", "orchestrator", "ca", "../device", "Carol",
-                                  "a b", "", "x" * 33])
+@pytest.mark.parametrize("name", ["device", "host", "tdx-module", "orchestrator", "ca", "orchestrator-1",
+                                  "orchestrator-12", "../device", "Carol", "a b", "", "x" * 33])
 def test_a_holder_cannot_be_named_as_another_party_or_outside_the_holders_rule(datasets, name: str) -> None:
     """Red team (security row 49): a holder's name keys its uid, directories and certificate; one
     named "device" would run under the emulated GPU's uid and read its firmware key. Refused,

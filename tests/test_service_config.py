@@ -127,8 +127,8 @@ def test_init_refuses_a_used_directory_bad_holders_and_leaves_nothing(tmp_path: 
     with pytest.raises(BadInput, match="not an empty directory"):
         init_cohort(tmp_path / "used", [("north", str(data))])
     for holders, match in (([], "at least one holder"), ([("North", str(data))], "a name is"),
-                           *(([(name, str(data))], "none of ca, device, host, orchestrator, tdx-module")
-                             for name in ("orchestrator", "device", "host", "tdx-module", "ca")),
+                           *(([(name, str(data))], "none of ca, device, host, orchestrator, tdx-module or orch")
+                             for name in ("orchestrator", "device", "host", "tdx-module", "ca", "orchestrator-1")),
                            ([("a", str(data)), ("a", str(data))], "given twice"),
                            ([("a", str(tmp_path / "missing"))], "no such file")):
         with pytest.raises(BadInput, match=match):

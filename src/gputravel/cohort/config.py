@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,11 +18,15 @@ from gputravel.protocol.layout import Layout
 
 # A holder's name keys its uid, directories and certificate: never another party's (a holder named
 # "device" would run under the GPU's uid and read its firmware key: docs/security.md, threat 49).
+# Nor a rank's orchestrator's (orchestrator-K, the CN of its certificate on the services).
 RESERVED_NAMES = frozenset({"orchestrator", "host", "device", "tdx-module", "ca"})
+RESERVED_TEXT = f"none of {', '.join(sorted(RESERVED_NAMES))} or orchestrator-N"
+_RANK_ORCHESTRATOR = re.compile(r"orchestrator-[0-9]+")
 
 
 def is_holder_name(name: object) -> bool:
-    return isinstance(name, str) and MEMBER_NAME.fullmatch(name) is not None and name not in RESERVED_NAMES
+    return (isinstance(name, str) and MEMBER_NAME.fullmatch(name) is not None and name not in RESERVED_NAMES
+            and _RANK_ORCHESTRATOR.fullmatch(name) is None)
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class CohortConfig:
         for name in names:
             if not is_holder_name(name):
                 raise BadInput(f"data holder name {name!r} is invalid: use 1-32 characters from a-z, 0-9 and '-', "
-                               f"and none of {', '.join(sorted(RESERVED_NAMES))}")
+                               f"and {RESERVED_TEXT}")
         if self.buffer_bytes <= 0 or self.buffer_bytes % self.layout.record_bytes:
             raise BadInput(f"buffer size must be a positive multiple of {self.layout.record_bytes} bytes")
         for h in self.holders + self.late_holders:

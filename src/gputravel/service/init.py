@@ -21,7 +21,7 @@ from gputravel.attest import GpuIssuer, init_roots, issue_gpu_ca, load_authority
 from gputravel.attest.provision import REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
 from gputravel.cohort import capacity, isolation, stopping
-from gputravel.cohort.config import RESERVED_NAMES, is_holder_name
+from gputravel.cohort.config import RESERVED_TEXT, is_holder_name
 from gputravel.cohort.trust import measure_orchestrator
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
@@ -57,8 +57,8 @@ def _check_holders(holders: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     checked: list[tuple[str, str]] = []
     for name, path in holders:
         if not is_holder_name(name):
-            raise BadInput(f"--holder {name}=...: a name is 1-32 of a-z, 0-9 and '-', and none of "
-                           f"{', '.join(sorted(RESERVED_NAMES))} (the launcher's rule, cohort/config.py)")
+            raise BadInput(f"--holder {name}=...: a name is 1-32 of a-z, 0-9 and '-', and {RESERVED_TEXT} "
+                           "(the launcher's rule, cohort/config.py)")
         if name in dict(checked):
             raise BadInput(f"--holder {name}=...: given twice")
         if not os.path.exists(path):
