@@ -22,6 +22,7 @@ from gputravel.train.ranks import Ranks
 TINY = TrainConfig(steps=8, batch=2, seq_len=16, buffer_bytes=1024, n_layer=1, n_head=2, n_embd=32,
                    threads=1, sample_tokens=0, warmup_steps=2, checkpoint_every=4)
 STOP_AT = 4  # the stopped run's last step: its checkpoint is the one resumed
+ASK_AT = 3  # a rank asked to stop here, between periodic checkpoints: the stop's checkpoint is resumed
 # The ranks this file starts itself are forks of a forkserver that imported torch once (as
 # conftest's run_ranks starts them), not fresh interpreters that each import it: seconds a
 # launch. Each rank is still a process of its own; how it started is not what these tests check.
@@ -57,6 +58,20 @@ def _stopping_rank(rank: int, world: int, port: int, shares, run_dir: str, refus
                   context=b"test job", timeout_s=30)
     tokens = {name: load_tokens(path, TINY.tokenizer).tokens for name, path in shares[rank]}
     train(TINY, LocalSource(tokens), run_dir=Path(run_dir) if rank == 0 else None, on_step=stop, ranks=ranks)
+
+
+def _asked_rank(rank: int, world: int, port: int, shares, run_dir: str) -> tuple[bool, int]:
+    """A rank of a test job where rank 1 alone is asked to stop after step ASK_AT: (stopped, steps)."""
+    from gputravel.data.holder_tokens import load_tokens
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    done = []
+    ranks = Ranks(rank=rank, world_size=world, attest=lambda data: data, verify=lambda *a: None,
+                  context=b"test job", timeout_s=30)
+    tokens = {name: load_tokens(path, TINY.tokenizer).tokens for name, path in shares[rank]}
+    result = train(TINY, LocalSource(tokens), run_dir=Path(run_dir) if rank == 0 else None, ranks=ranks,
+                   on_step=lambda event: done.append(event.step), should_stop=lambda: rank == 1 and len(done) == ASK_AT)
+    return result.stopped, len(result.losses)
 
 
 def _tampered_rank(rank: int, world: int, port: int, shares) -> str:
@@ -112,6 +127,21 @@ def test_a_stopped_job_resumes_from_its_checkpoint_bit_for_bit(two_ranks, tmp_pa
     assert resumed["losses"] == uninterrupted["losses"]
     assert resumed["rank_losses"] == uninterrupted["rank_losses"]
     assert resumed["loader_state"] == uninterrupted["loader_state"]
+
+
+def test_one_rank_asked_to_stop_stops_every_rank_at_its_step_and_resumes_bit_for_bit(two_ranks, tmp_path):
+    """A rank of several GPUs asked to stop (its service's SIGTERM) does not stop alone, leaving its peers
+    waiting: the ranks vote at every step, all stop where one was asked, and rank 0 checkpoints there."""
+    _, shares, uninterrupted = two_ranks
+    port = free_port()
+    outcomes = run_processes([(_asked_rank, (r, 2, port, shares, str(tmp_path / "run"))) for r in range(2)], 60,
+                             names=["rank 0", "rank 1"], **FORK)
+    assert outcomes == [(True, ASK_AT), (True, ASK_AT)]
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    assert len(loop.checkpoint_extra(checkpoint)["losses"]) == ASK_AT  # written at the stop, not at step 4
+    resumed = run_local_ranks(TINY, shares, tmp_path / "run", resume_from=checkpoint, timeout=60)
+    assert resumed["losses"] == uninterrupted["losses"]
+    assert resumed["rank_losses"] == uninterrupted["rank_losses"]
 
 
 def test_resuming_with_another_number_of_ranks_is_refused(two_ranks, tmp_path):

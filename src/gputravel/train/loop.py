@@ -115,10 +115,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     `resume_from` continues a checkpoint of the same job with the losses an uninterrupted run
     would have had. With `ranks` this is one rank of a data-parallel job: gradients are averaged
     through the encrypted ring, keyed by the ranks attesting one another first; only rank 0
-    writes `run_dir` and samples. `should_stop` (alone only: ranks stop together or not at all)
-    ends the run after a step, checkpointed there. `anchor`: see :class:`Anchor`."""
-    if should_stop is not None and ranks is not None:
-        raise BadInput("a data-parallel rank cannot stop on its own: its peers would wait for it")
+    writes `run_dir` and samples. `should_stop` ends the run after a step, checkpointed there; with
+    ranks, every rank stops at the step where any was asked. `anchor`: see :class:`Anchor`."""
     torch.set_num_threads(cfg.threads)
     device = pick_device()
     model, optimizer = build_model(cfg, device)
@@ -190,11 +188,17 @@ def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model,
                 out.save_checkpoint(model, optimizer, step + 1, extra)
         if on_step is not None:
             on_step(event)
-        if should_stop is not None and step + 1 < cfg.steps and should_stop():
+        if step + 1 < cfg.steps and _stop_asked(should_stop, dp):
             result.stopped = True
             break
     result.wall_seconds = time.perf_counter() - t_start
     return loader
+
+
+def _stop_asked(should_stop: Callable[[], bool] | None, dp: DataParallel | None) -> bool:
+    # Ranks vote at every step, asked or not: a rank that stopped alone would leave its peers waiting.
+    asked = should_stop is not None and bool(should_stop())
+    return dp.anyone(asked) if dp is not None else asked
 
 
 def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataParallel | None,

@@ -182,6 +182,15 @@ class DataParallel:
             raise ProtocolError("gather: the rows overlapped")
         return [_decoded(rows[r, :m]) for r, m in enumerate(lengths)]
 
+    def anyone(self, flag: bool) -> bool:
+        """Whether any rank's flag is set; collective, between steps, through the sealed ring."""
+        votes = torch.zeros(self.ranks.world_size, dtype=torch.float64)
+        votes[self.ranks.rank] = float(flag)
+        self._ring.all_reduce(votes)
+        if any(v not in (0.0, 1.0) for v in votes.tolist()) or votes[self.ranks.rank] != float(flag):
+            raise ProtocolError("a rank's vote to stop is neither yes nor no")
+        return bool(votes.any())
+
     def close(self) -> None:
         """Stop the hook and leave the group; never raises (a failed step's error matters more)."""
         if self._closed:
