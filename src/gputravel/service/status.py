@@ -40,12 +40,17 @@ def party_name(cfg: ServiceConfig) -> str:
     return orchestrator_party(cfg.rank)
 
 
-def _bound_unix_paths() -> set[str] | None:
+def _proc_net(name: str) -> list[list[str]] | None:
+    """The rows of /proc/net/`name` below its header, split into fields; None if it cannot be read."""
     try:
-        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+        return [line.split() for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]]
     except OSError:
         return None
-    return {fields[7] for fields in (line.split() for line in lines) if len(fields) > 7}
+
+
+def _bound_unix_paths() -> set[str] | None:
+    rows = _proc_net("unix")
+    return None if rows is None else {fields[7] for fields in rows if len(fields) > 7}
 
 
 def _unix_up(path: str, bound: set[str] | None) -> bool:
@@ -54,15 +59,8 @@ def _unix_up(path: str, bound: set[str] | None) -> bool:
 
 
 def _tcp_listening(port: int) -> bool:
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for fields in (line.split() for line in lines):
-            if len(fields) > 3 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                return True
-    return False
+    rows = [fields for name in ("tcp", "tcp6") for fields in _proc_net(name) or []]
+    return any(len(f) > 3 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port for f in rows)  # 0A: LISTEN
 
 
 def _services(cfg: ServiceConfig) -> dict[str, str]:
