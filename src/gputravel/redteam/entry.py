@@ -27,9 +27,5 @@ def _serve(role: str, payload: dict, control: StreamTransport, extra: socket.soc
         raise SystemExit(f"unknown red-team role {role!r}")
 
 
-def main(argv: list[str]) -> int:
-    return run_party(argv, _serve)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_party(sys.argv[1:], _serve))

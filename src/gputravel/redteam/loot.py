@@ -33,17 +33,13 @@ class Loot:
             with open(self.path(kind), "ab") as out:
                 out.write(data)
 
-    def snapshot(self, kind: str, mem: memoryview) -> int:
-        """Append every page of ``mem`` not seen before in this attack; returns bytes kept."""
-        kept = 0
+    def snapshot(self, kind: str, mem: memoryview) -> None:
+        """Append every page of ``mem`` not seen before in this attack."""
         with open(self.path(kind), "ab") as out:
             for start in range(0, len(mem), PAGE):
                 piece = mem[start : start + PAGE + OVERLAP]
                 digest = hashlib.blake2b(piece, digest_size=16).digest()
-                if digest in self._seen:
-                    continue
-                self._seen.add(digest)
-                out.write(piece)
-                kept += len(piece)
-        return kept
+                if digest not in self._seen:
+                    self._seen.add(digest)
+                    out.write(piece)
 
