@@ -45,24 +45,19 @@ class RedTeamCohort(Cohort):
     def _adversarial(self, spec: PartySpec) -> PartySpec:
         """The party's spec, the adversary's where it is one. The colluders, under their own uids,
         still write into each other's loot (umask 0)."""
-        if spec.role == "host":
-            self._prepare_host()
-            config = {**spec.config, "adversary_dir": self.child_path(self.adversary_dir),
-                      "snoop_limit_bytes": SNOOP_LIMIT}
-            return dataclasses.replace(spec, config=config, entry=ENTRY, umask=0)
-        if spec.role == "holder" and spec.key in self.malicious:
-            config = {**spec.config, "loot_dir": self.child_path(self.loot_dir)}
-            return dataclasses.replace(spec, config=config, entry=ENTRY, umask=0)
-        return spec
-
-    def _prepare_host(self) -> None:
-        """The malicious host's work directory: its layout, and the colluders' common stash."""
-        self.adversary_dir.mkdir(mode=0o700)
-        layout = dataclasses.asdict(self.config.layout)
-        (self.adversary_dir / "config.json").write_text(json.dumps({"layout": layout}))
-        self.loot_dir.mkdir(mode=0o777)
-        os.chmod(self.loot_dir, 0o777)  # the colluders' common stash (umask 0 for what they write)
-        self.placement.own(self.adversary_dir, "host", 0o711)
+        if spec.role == "host":  # its work directory: its layout, and the colluders' common stash
+            self.adversary_dir.mkdir(mode=0o700)
+            layout = dataclasses.asdict(self.config.layout)
+            (self.adversary_dir / "config.json").write_text(json.dumps({"layout": layout}))
+            self.loot_dir.mkdir(mode=0o777)
+            os.chmod(self.loot_dir, 0o777)  # the colluders' common stash (umask 0 for what they write)
+            self.placement.own(self.adversary_dir, "host", 0o711)
+            extra = {"adversary_dir": self.child_path(self.adversary_dir), "snoop_limit_bytes": SNOOP_LIMIT}
+        elif spec.role == "holder" and spec.key in self.malicious:
+            extra = {"loot_dir": self.child_path(self.loot_dir)}
+        else:
+            return spec
+        return dataclasses.replace(spec, config={**spec.config, **extra}, entry=ENTRY, umask=0)
 
     def child_path(self, path: Path) -> str:
         """How the host and the malicious holders name a path in the cohort directory."""
@@ -119,9 +114,6 @@ class HolderLink:
         assert isinstance(news, HolderNews)
         self.on_events(self.name, news.events)
         return news
-
-    def news(self) -> HolderNews:
-        return self.order(Query())
 
     def begin(self, row: str) -> None:
         self.order(MarkRow(row))

@@ -34,9 +34,6 @@ class Travel(Record, tag="travel"):
     kinds: tuple[str, ...] = ()  # the error's class and the classes it derives from, by name
     after: bool = False
 
-    def failed_with(self, kind: str) -> bool:
-        return kind in self.kinds
-
     def text(self) -> str:
         then = "then: " if self.after else ""
         if self.error:

@@ -8,8 +8,8 @@ from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.redteam.allreduce import host_carries_allreduce
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Attack, row
 from gputravel.redteam.bus import (ArmDrop, ArmExposePrefix, ArmForgeGet, ArmRoute, ArmTamper, DecryptCaptured, Did,
-                                   ExportRecords, ForceSwitch, HolderNews, HostNews, SetTravelMode, UseKeptKeys,
-                                   happened)
+                                   ExportRecords, ForceSwitch, HolderNews, HostNews, Query, SetTravelMode,
+                                   UseKeptKeys, happened)
 from gputravel.redteam.evidence import EpochSkipped, Recovered, Travel, Travelled
 from gputravel.redteam.probes import holder_reads_peer_memory, host_reads_cvm_memory, orchestrator_self_quote
 
@@ -30,11 +30,12 @@ def _armed(a: Arena, order: object, holder: str) -> tuple[Travel, HostNews]:
 def _mallory_travels(a: Arena, mode: str) -> tuple[Travel, HolderNews]:
     a.mallory.order(SetTravelMode(mode))
     out = a.travel(MALLORY)
-    return out, a.mallory.news()
+    return out, a.mallory.order(Query())
 
 
-def _read_nothing(news: HolderNews) -> bool:
-    return news.attempts > 0 and news.bytes_read == 0
+def _got_nothing(news: HolderNews) -> bool:
+    """Mallory tried (read, sent RPCs or decrypted) and got no byte back and opened no ciphertext."""
+    return news.attempts > 0 and news.bytes_read == 0 and news.decrypted == 0
 
 
 # ----------------------------------------------------------------------------- the host
@@ -95,7 +96,7 @@ def drop_rotation(a: Arena) -> bool:
     rekeyed = a.rekeyed()
     ok = a.carry_on(BOB)
     dropped = len(happened(news.events, Did.DROPPED_KERNEL_RING))
-    return dropped == 2 and out.failed_with("PeerTimeout") and "semaphore" in out.message and rekeyed and ok
+    return dropped == 2 and "PeerTimeout" in out.kinds and "semaphore" in out.message and rekeyed and ok
 
 
 @row("drop-scrub", "host", tried="dropped the doorbell of the orchestrator's scrub (an unanswered push) before a "
@@ -106,7 +107,7 @@ def drop_scrub(a: Arena) -> bool:
     went = bool(happened(news.events, Did.SWITCH_ASKED, party=BOB, place=ORCHESTRATOR))
     a.keep(Travelled(holder=BOB, went=went))
     ok = a.carry_on(BOB)
-    return out.failed_with("PeerTimeout") and not went and ok
+    return "PeerTimeout" in out.kinds and not went and ok
 
 
 @row("wrong-cvm-for-orchestrator", "host", tried="when alice handed the GPU back, mapped bob's bounce buffers "
@@ -120,7 +121,7 @@ def wrong_cvm_for_orchestrator(a: Arena) -> bool:
     rekeyed = a.rekeyed()
     ok = a.carry_on(BOB)
     routed = bool(happened(news.events, Did.ROUTED, party=BOB))
-    return routed and out.failed_with("ChannelFaulted") and news.kernel_faults >= 1 and rekeyed and ok
+    return routed and "ChannelFaulted" in out.kinds and news.kernel_faults >= 1 and rekeyed and ok
 
 
 @row("snoop-everything", "host", tried="read every CVM's bounce buffers (the snooper at boot, and a snapshot at every "
@@ -141,7 +142,7 @@ def kept_keys(a: Arena) -> bool:
     victim = a.travel(ALICE)
     news = a.mallory.order(UseKeptKeys(blobs=2, timeout=1.0), timeout=60)
     ok = a.carry_on(BOB)
-    return victim.verified and _read_nothing(news) and ok
+    return victim.verified and _got_nothing(news) and ok
 
 
 @row("dump-vram", "holder", tried="while holding the GPU right after alice's travel, mallory read its whole granted "
@@ -165,7 +166,7 @@ def dump_vram(a: Arena) -> bool:
 def work_after_return(a: Arena) -> bool:
     out, news = _mallory_travels(a, "work-after-return")
     ok = a.carry_on(ALICE)
-    return out.verified and _read_nothing(news) and bool(news.errors) and ok
+    return out.verified and _got_nothing(news) and bool(news.errors) and ok
 
 
 def _bad_blobs(a: Arena, modes: tuple[str, ...], also: str = "") -> bool:
@@ -175,7 +176,7 @@ def _bad_blobs(a: Arena, modes: tuple[str, ...], also: str = "") -> bool:
     for mode in modes:
         out, _ = _mallory_travels(a, mode)
         entries = a.journal()
-        refused += out.failed_with("ContextBlobError")
+        refused += "ContextBlobError" in out.kinds
         if out.error and any(e.event == "aborted" and e.holder == MALLORY and e.epoch_after == e.epoch_before + 1
                              for e in entries):
             rotated += 1
@@ -250,7 +251,7 @@ def switch_after_rotation(a: Arena) -> bool:
     news = _kept_keys_on_the_gpu(a, 2)
     a.host.news()
     ok = a.carry_on(BOB)
-    return victim.verified and _read_nothing(news) and ok
+    return victim.verified and _got_nothing(news) and ok
 
 
 @row("drop-rotation-then-read", "host+holder", tried="paper 6.3: the host dropped the rotation after mallory's "
@@ -268,15 +269,14 @@ def drop_rotation_then_read(a: Arena) -> bool:
     first = _kept_keys_on_the_gpu(a, 1, hide_kernel=True)
     a.stage = ""
     # mallory's attempt faulted the user channel: alice may refuse once, until a rotation resets it
-    victim = a.travel(ALICE)
-    victim = victim if victim.verified else a.travel(ALICE)
+    verified = a.travel(ALICE).verified or a.travel(ALICE).verified
     a.stage = "after alice"
     second = _kept_keys_on_the_gpu(a, 1)
     a.stage = ""
     a.host.news()
     ok = a.carry_on(BOB)
-    return (own.failed_with("PeerTimeout") and rekeyed and _read_nothing(first) and victim.verified
-            and _read_nothing(second) and ok)
+    return ("PeerTimeout" in own.kinds and rekeyed and _got_nothing(first) and verified
+            and _got_nothing(second) and ok)
 
 
 @row("confirmation-substitution", "host+holder", tried="the host dropped the rotations after bob's travel, then let "
@@ -299,7 +299,7 @@ def confirmation_substitution(a: Arena) -> bool:
     # The pending rotations the attack needs are gone: the orchestrator re-keyed when the second
     # was not confirmed. Whatever then travelled to mallory, the buffer it was granted is zero.
     pre_empted = rekeyed and bool(happened(host.events, Did.NOTHING_TO_HOLD))
-    return (victim.failed_with("PeerTimeout") and pre_empted and out.verified
+    return ("PeerTimeout" in victim.kinds and pre_empted and out.verified
             and news.bytes_read == a.buffer_bytes and news.nonzero_read == 0 and ok)
 
 
@@ -319,10 +319,6 @@ def _control(a: Arena) -> HolderNews:
     return news
 
 
-def _opened_none(news: HolderNews) -> bool:
-    return news.attempts > 0 and news.decrypted == 0
-
-
 def _handed(news: HostNews, cvm: str) -> int:
     """How many staging records of ``cvm`` the host handed over."""
     return next((e.count for e in happened(news.events, Did.HANDED_OVER, party=cvm)), 0)
@@ -335,7 +331,7 @@ def _handed(news: HostNews, cvm: str) -> int:
 def decrypt_snooped(a: Arena) -> bool:
     news = _decrypt(a, ALICE, "victim")
     control = _control(a)
-    return _opened_none(news) and control.decrypted > 0
+    return _got_nothing(news) and control.decrypted > 0
 
 
 @row("host-forges-gpfifo-get", "host+holder", tried="when mallory handed the GPU back, the host forged BAR0's kernel "
@@ -358,8 +354,8 @@ def host_forges_gpfifo_get(a: Arena) -> bool:
     control = _control(a)
     handed = _handed(a.host.news(), ALICE)
     ok = a.carry_on(BOB)
-    return (forged and own.failed_with("PeerTimeout") and "GPFIFO space" in own.message and rekeyed
-            and victim.verified and handed > 0 and _opened_none(news) and control.decrypted > 0 and ok)
+    return (forged and "PeerTimeout" in own.kinds and "GPFIFO space" in own.message and rekeyed
+            and victim.verified and handed > 0 and _got_nothing(news) and control.decrypted > 0 and ok)
 
 
 @row("collusion-after-failed-rotation", "host+holder", tried="mallory took a travel and refused it (then, a second "
@@ -383,7 +379,7 @@ def collusion_after_failed_rotation(a: Arena) -> bool:
         news = _decrypt(a, ALICE, mode, newest=2)  # the blobs of mallory's travel (given, and returned)
         handed = _handed(a.host.news(), ALICE)
         good = (good and bool(own.error) and forged and rekeyed and victim.verified and handed > 0
-                and _opened_none(news))
+                and _got_nothing(news))
     a.stage = ""
     control = _control(a)
     ok = a.carry_on(BOB)
@@ -408,7 +404,7 @@ def baseline_then_travel(a: Arena) -> bool:
     # the epoch of its own copy before it exported one to mallory.
     rotated = [e for e in entries if e.holder == MALLORY and e.epoch_after == e.epoch_before + 2]
     a.keep(*(EpochSkipped(holder=MALLORY, spent=e.epoch_before) for e in rotated))
-    return (base and own.verified and bool(rotated) and handed > 0 and _opened_none(news)
+    return (base and own.verified and bool(rotated) and handed > 0 and _got_nothing(news)
             and control.decrypted > 0 and ok)
 
 
