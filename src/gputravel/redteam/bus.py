@@ -230,11 +230,6 @@ class HostBus:
         self.push_log: list[bytes] = []  # captured pushes not yet in the loot
         self._bar: mmap.mmap | None = None
 
-    def add(self, reg: CvmRegistration, mem: mmap.mmap) -> None:
-        """A CVM registered: its bounce buffers, mapped read-write."""
-        self.regs[reg.cvm], self.mem[reg.cvm] = reg, mem
-        self.caps.setdefault(reg.cvm, Captures())
-
     # ------------------------------------------------------------------ BAR0 and the doorbell
     def bar(self) -> mmap.mmap:
         if self._bar is None:
@@ -314,8 +309,6 @@ class Doorbells:
     def __init__(self, on_ring: Callable[[str], None]) -> None:
         self._on_ring = on_ring
         self._sel = selectors.EpollSelector()  # epoll: a bell registered while the relay waits is heard at once
-
-    def start(self) -> None:
         threading.Thread(target=self._relay, daemon=True, name="doorbell-relay").start()
 
     def new(self, cvm: str) -> int:

@@ -100,8 +100,11 @@ class MaliciousHolder(DataHolder):
         except _WalkedAway:
             pass  # the GPU stays here; the machine is reset when the red team has it join again
         else:
-            if self._misbehaving == "work-after-return":
-                self._work_after_return(self._exported_now)
+            if self._misbehaving == "work-after-return":  # the GPU is home; the keys just returned are still in hand
+                self._news.event(Did.WORK_AFTER_RETURN, "after handing the GPU back: submitted a read of the buffer "
+                                 "with the keys it returned")
+                self._with_kept(self._exported_now, lambda: self._read("after returning the GPU", self.buffer[0],
+                                                                       self.buffer[1], 1.0, kept=True))
         self._snapshot()
 
     def _at_copy(self, act: CopyChunk, timeout: float | None) -> object:
@@ -156,12 +159,6 @@ class MaliciousHolder(DataHolder):
             return blob
         self._news.event(Did.RETURNED_BLOB, f"returned {what}", place=mode)
         return blob
-
-    def _work_after_return(self, blob: bytes) -> None:
-        """The GPU is back home; the keys just returned are still in hand: launch work."""
-        self._news.event(Did.WORK_AFTER_RETURN, "after handing the GPU back: submitted a read of the buffer with the keys it returned")
-        self._with_kept(blob, lambda: self._read("after returning the GPU", self.buffer[0], self.buffer[1], 1.0,
-                                                 kept=True))
 
     # ------------------------------------------------------------------ kept keys
     def use_kept_keys(self, order: UseKeptKeys) -> None:
@@ -326,7 +323,7 @@ def _order(holder: MaliciousHolder, cmd: object, control: Transport, sel: select
     elif isinstance(cmd, DecryptCaptured):
         holder.decrypt_captured(cmd)
     elif isinstance(cmd, ProbePaths):  # from this process, under mallory's own uid
-        holder.event(*probe(cmd, holder.loot))
+        holder.event(*(probe(t, holder.loot) for t in cmd.targets))
     elif isinstance(cmd, AskQuote):
         holder.event(ask_quote(cmd, holder.loot))
     elif not isinstance(cmd, Query):

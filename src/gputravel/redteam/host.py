@@ -25,9 +25,9 @@ from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.layout import FAULT_REG, Bar0, Layout, PushChannel
 from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import accept_unix, listen_unix
-from gputravel.redteam.bus import (ArmDrop, ArmExposePrefix, ArmForgeGet, ArmRoute, ArmTamper, AskQuote, Did, Doorbells,
-                                   Event, ExportRecords, ForceSwitch, HostBus, HostNews, MarkRow, ProbePaths, Query,
-                                   event)
+from gputravel.redteam.bus import (ArmDrop, ArmExposePrefix, ArmForgeGet, ArmRoute, ArmTamper, AskQuote, Captures, Did,
+                                   Doorbells, Event, ExportRecords, ForceSwitch, HostBus, HostNews, MarkRow, ProbePaths,
+                                   Query, event)
 from gputravel.redteam.loot import Loot
 from gputravel.redteam.probes import ask_quote, probe
 
@@ -75,14 +75,14 @@ class HostAdversary:
         self.host = self.bus.host = host
         self._sel = sel
         sel.register(self._listener, selectors.EVENT_READ, self._accept)
-        self._bells.start()
         threading.Thread(target=self._snapshotter, daemon=True, name="snapshots").start()
 
     def on_register(self, reg: CvmRegistration, doorbell: int) -> int:
         """A CVM registers: map its memory read-write, give it a doorbell of ours."""
         mem = mmap.mmap(reg.sysmem_fd, reg.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         with self.lock:
-            self.bus.add(reg, mem)
+            self.bus.regs[reg.cvm], self.bus.mem[reg.cvm] = reg, mem
+            self.bus.caps.setdefault(reg.cvm, Captures())
         return self._bells.new(reg.cvm)
 
     def on_switch(self, requester: str, plan: SwitchPlan) -> tuple[CvmRegistration, CvmRegistration]:
@@ -150,7 +150,8 @@ class HostAdversary:
             self._export_records(msg)
         elif isinstance(msg, (ProbePaths, AskQuote)):  # from this process, under the host's own uid
             with self._loot_lock:
-                events = probe(msg, self.loot) if isinstance(msg, ProbePaths) else [ask_quote(msg, self.loot)]
+                events = ([probe(t, self.loot) for t in msg.targets] if isinstance(msg, ProbePaths)
+                          else [ask_quote(msg, self.loot)])
             with self.lock:
                 self._events += events
         elif isinstance(msg, ForceSwitch):
@@ -207,8 +208,7 @@ class HostAdversary:
         with self.lock:
             self._check_faults()
             news = HostNews(tuple(self._events), self._faults[USER], self._faults[KERNEL], error)
-            self._events = []
-            self._faults = {USER: 0, KERNEL: 0}
+            self._events, self._faults = [], {USER: 0, KERNEL: 0}
         return news
 
     # ------------------------------------------------------------------ the doorbell relay
@@ -311,20 +311,18 @@ class HostAdversary:
         target = tamper.user_push
         if target in rel:
             self._tamper = None
-            self._flip(cvm, tamper.staging_slot, target)
+            slot = tamper.staging_slot
+            self.bus.mem[cvm][self.layout.staging_slot_offset(slot) + 1000] ^= 0x80  # one ciphertext bit
+            late = (self.bus.reg32(Bar0.get(USER)) - base) % n > target
+            self._event(Did.FLIPPED, f"flipped one ciphertext bit of the record in {cvm}'s staging slot {slot} (user "
+                        f"push {target})" + (" - too late, the device had already taken it" if late else ""),
+                        party=cvm, count=target, place="late" if late else "")
             return True
         if target - 1 in rel:
             self._event(Did.HELD_RING, f"held back {cvm}'s doorbell for user push {target - 1}", party=cvm,
                         count=target - 1)
             return False
         return True
-
-    def _flip(self, cvm: str, slot: int, push: int) -> None:
-        self.bus.mem[cvm][self.layout.staging_slot_offset(slot) + 1000] ^= 0x80  # one ciphertext bit
-        late = (self.bus.reg32(Bar0.get(USER)) - self.bus.travel_base.get(cvm, 0)) % self.layout.gpfifo_entries > push
-        self._event(Did.FLIPPED, f"flipped one ciphertext bit of the record in {cvm}'s staging slot {slot} (user "
-                    f"push {push})" + (" - too late, the device had already taken it" if late else ""),
-                    party=cvm, count=push, place="late" if late else "")
 
     def _replay(self, cvm: str, push: int) -> None:
         """Write a push captured in this travel back as a new entry and ring the doorbell."""

@@ -24,11 +24,7 @@ PUBLIC = ("cmdline", "status")  # /proc files any process may read: reported, no
 
 
 # ----------------------------------------------------------------------------- in the attacker's process
-def probe(order: ProbePaths, loot: Loot) -> list[Event]:
-    return [_one(t, loot) for t in order.targets]
-
-
-def _one(t: ProbeTarget, loot: Loot) -> Event:
+def probe(t: ProbeTarget, loot: Loot) -> Event:
     head = f"probe {t.owner}'s {t.what}"
     try:
         if t.how == "fork":
@@ -135,18 +131,14 @@ def _files_of(a: Arena, key: str) -> list[ProbeTarget]:
     """A party's key files and dataset, by the paths the parties use, and a holder's dataset by its own path."""
     c = a.cohort
     assert c.dir is not None
-    paths: dict[str, Path] = {}
-    if key in ("orchestrator", ALICE, BOB, MALLORY):
-        paths["TLS key"] = c.dir / "pki" / key / f"{key}.key"
+    paths = [("dataset link", link) for link in sorted((c.dir / "parties" / key / "dataset").glob("*"))]
+    if key in (ORCHESTRATOR, ALICE, BOB, MALLORY):
+        paths.append(("TLS key", c.dir / "pki" / key / f"{key}.key"))
     if key == "device":
-        paths["firmware key"] = c.trust.device_dir / "device-firmware.key"
-    t = [ProbeTarget(key, what, c.child_path(p), "read", ()) for what, p in paths.items()]
-    spec = {h.name: h for h in c.config.holders}.get(key)
-    if spec is not None:
-        t.append(ProbeTarget(key, "dataset by its path", spec.dataset, "read", ()))
-        for link in sorted((c.dir / "parties" / key / "dataset").glob("*")):
-            t.append(ProbeTarget(key, "dataset link", c.child_path(link), "read", ()))
-    return t
+        paths.append(("firmware key", c.trust.device_dir / "device-firmware.key"))
+    t = [ProbeTarget(key, what, c.child_path(p), "read", ()) for what, p in paths]
+    return t + [ProbeTarget(key, "dataset by its path", h.dataset, "read", ()) for h in c.config.holders
+                if h.name == key]
 
 
 #: The control: the attacker forks a dumpable copy of itself and reads it the same way.
