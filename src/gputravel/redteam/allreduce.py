@@ -170,27 +170,20 @@ def _launch(plan: Plan) -> dict[tuple[int, str], dict]:
     return {(who, case): value for sent in answers for who, case, value in sent}
 
 
-def _right(step: RankStep) -> bool:
-    return step.completed and step.sum_right
-
-
 def judge(seen: Observed) -> Verdict:
     good, evidence = True, list[Record]()
-    others = [r for r in range(seen.world) if r != RECEIVER]
     for case in seen.cases:
         carried, ranks, tampered = seen.carried[case.name], seen.ranks[case.name], seen.tampered[case.name]
         failures = seen.failures[case.name]
         evidence += [carried, *tampered, *(Failed(what=f"{case.name}: host: {f}") for f in failures),
                      *ranks.values()]
-        good = good and not failures
-        if case.name == CONTROL:  # the search is seen to work: the plain ring carries the gradient
-            good = good and all(_right(r) for r in ranks.values()) and carried.found > 0
-        elif not case.fault:
-            good = good and carried.nbytes > 0 and carried.found == 0 and all(_right(r) for r in ranks.values())
-        else:
-            hit = ranks[RECEIVER]
-            good = (good and carried.nbytes > 0 and carried.found == 0 and bool(tampered) and not hit.completed
-                    and hit.error == "IntegrityError" and hit.untouched and all(_right(ranks[r]) for r in others))
+        # the control: the search is seen to work, the plain ring carries the gradient; else none of it
+        ok = carried.found > 0 if case.name == CONTROL else carried.nbytes > 0 and carried.found == 0
+        hit = ranks[RECEIVER]
+        if case.fault:  # the receiver's step stopped, by authentication, before its optimizer moved a weight
+            ok = ok and bool(tampered) and not hit.completed and hit.error == "IntegrityError" and hit.untouched
+        right = all(s.completed and s.sum_right for r, s in ranks.items() if not case.fault or r != RECEIVER)
+        good = good and not failures and ok and right
     sealed = [c.name for c in seen.cases if c.name != CONTROL]
     plaintext = Found(sample_bytes=sum(seen.carried[n].found for n in sealed))
     evidence.append(SearchedRing(nbytes=sum(seen.carried[n].nbytes for n in sealed), world=seen.world))

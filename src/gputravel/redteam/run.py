@@ -152,8 +152,7 @@ def _view(attack: Attack, run_dir: Path) -> list[Path]:
     loot = run_dir / "adversary" / "loot"
     if attack.name == "snoop-everything":
         return [p for p in (run_dir / SNOOP_FILE, run_dir / "tap.bin") if p.exists()] + sorted(loot.glob("*/host-*"))
-    row = loot / attack.name
-    files = sorted(row.glob("*")) if row.exists() else []
+    files = sorted((loot / attack.name).glob("*"))
     return [p for p in files if attack.adversary == "host+holder" or p.name.startswith(f"{attack.adversary}-")]
 
 
