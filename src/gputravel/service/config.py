@@ -26,8 +26,8 @@ from gputravel.train.job import TrainConfig
 
 __all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
            "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "host_party",
-           "load_service", "orchestrator_engine_config", "orchestrator_party", "public_file", "quoting_socket", "validate_service", "PARTIES",
-           "MAX_SOCKET_PATH", "ORCHESTRATOR"]
+           "load_service", "orchestrator_engine_config", "orchestrator_party", "public_file", "quoting_socket",
+           "validate_service", "PARTIES", "MAX_SOCKET_PATH", "ORCHESTRATOR"]
 
 PARTIES = ("host", "gpu", "orchestrator", "holder")
 ORCHESTRATOR = "orchestrator"
@@ -132,10 +132,11 @@ Uid = Annotated[int, Field(ge=-1), AfterValidator(_not_root)]
 
 
 class _Service(_Section):
-    """Every party's file: its cohort (whose registry checks it) and `uid`, its account when started as root."""
+    """Every party's file: its cohort (whose registry checks it), state directory and `uid` (its account as root)."""
 
     cohort_dir: AbsPath
     uid: Uid = -1
+    state_dir: AbsPath
 
     _source: str = PrivateAttr(default="<config>")
 
@@ -194,7 +195,6 @@ class JobSection(TrainConfig):
 class HostService(_Service):
     party: Literal["host"]
     index: Annotated[int, Field(ge=0)] = 0  # the GPU whose host route this is (host_party)
-    state_dir: AbsPath
     socket: SocketPath
     hardware: Hardware = "emulated"
 
@@ -202,7 +202,6 @@ class HostService(_Service):
 class GpuService(_Service):
     party: Literal["gpu"]
     index: Annotated[int, Field(ge=0)] = 0
-    state_dir: AbsPath
     host_socket: SocketPath
     link_socket: SocketPath  # where the orchestrator takes its private link (VRAM grants)
     boot_lock: AbsPath  # held while a CVM probes the GPU at boot (paper 4.1: one at a time)
@@ -217,7 +216,6 @@ class GpuService(_Service):
 
 class OrchestratorService(_Service):
     party: Literal["orchestrator"]
-    state_dir: AbsPath
     host_socket: SocketPath
     gpu_link_socket: SocketPath
     boot_lock: AbsPath
@@ -296,7 +294,6 @@ def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_
 class HolderService(_Service):
     party: Literal["holder"]
     name: MemberName
-    state_dir: AbsPath
     host_socket: SocketPath
     boot_lock: AbsPath  # the GPU's socket lies beside it (gpu_socket), checked below
     trust_dir: AbsPath
