@@ -11,7 +11,6 @@ from gputravel.orchestrator.audit.entries import (
     Failure,
     entry_hash,
 )
-from gputravel.orchestrator.audit.signature import load_verifier
 from gputravel.orchestrator.audit.verify import AuditSummary, mismatched_chunks, read_log, verify_log
 from gputravel.orchestrator.audit.writer import AuditLog
 
@@ -25,7 +24,6 @@ __all__ = [
     "Entry",
     "Failure",
     "entry_hash",
-    "load_verifier",
     "mismatched_chunks",
     "read_log",
     "verify_log",
