@@ -12,8 +12,8 @@ import mmap
 import os
 import selectors
 import threading
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gputravel.host.mux import CvmRegistration
@@ -212,19 +212,15 @@ class AskQuote(Message, tag="redteam.quote"):
 MAX_RECORDS = 32  # staging-slot captures kept per CVM for ExportRecords
 
 
-@dataclass
-class Captures:
-    pushes: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (channel, index) -> ciphertext
-    records: dict[bytes, bytes] = field(default_factory=dict)  # digest -> staging slot content
-
-
 class HostBus:
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
         self.host: HostProcess | None = None  # the host process it runs in, once its loop starts
         self.regs: dict[str, CvmRegistration] = {}
         self.mem: dict[str, mmap.mmap] = {}
-        self.caps: dict[str, Captures] = {}
+        # per CVM: (channel, index) -> a push's ciphertext; digest -> a staging slot's content
+        self.pushes: defaultdict[str, dict[tuple[int, int], bytes]] = defaultdict(dict)
+        self.records: defaultdict[str, dict[bytes, bytes]] = defaultdict(dict)
         self.seen_put = {USER: 0, KERNEL: 0}  # how far each channel's pushes have been captured
         self.travel_base: dict[str, int] = {}  # the user put when the GPU went to a CVM
         self.push_log: list[bytes] = []  # captured pushes not yet in the loot
@@ -267,21 +263,21 @@ class HostBus:
             start = iova - SYSMEM_IOVA
             if 0 <= start and start + length <= len(mem) and length <= 4096:
                 ct = bytes(mem[start : start + length])
-                self.caps[cvm].pushes[(int(channel), index)] = ct
+                self.pushes[cvm][(int(channel), index)] = ct
                 self.push_log.append(ct)
         return fresh
 
     def capture_records(self, cvm: str) -> None:
         """Keep what each staging slot of ``cvm`` holds now (the newest MAX_RECORDS contents)."""
-        lay, mem, caps = self.layout, self.mem[cvm], self.caps[cvm]
+        lay, mem, records = self.layout, self.mem[cvm], self.records[cvm]
         for slot in range(lay.staging_slots):
             off = lay.staging_slot_offset(slot)
             record = bytes(mem[off : off + lay.staging_slot_bytes])
             digest = hashlib.blake2b(record, digest_size=16).digest()
-            if digest not in caps.records:
-                caps.records[digest] = record
-                while len(caps.records) > MAX_RECORDS:
-                    caps.records.pop(next(iter(caps.records)))
+            if digest not in records:
+                records[digest] = record
+                while len(records) > MAX_RECORDS:
+                    records.pop(next(iter(records)))
 
     # ------------------------------------------------------------------ touching
     def hand_over_semaphore(self, src: str, to: str) -> None:

@@ -25,7 +25,7 @@ from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.layout import FAULT_REG, Bar0, Layout, PushChannel
 from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import accept_unix, listen_unix
-from gputravel.redteam.bus import (ArmDrop, ArmExposePrefix, ArmForgeGet, ArmRoute, ArmTamper, AskQuote, Captures, Did,
+from gputravel.redteam.bus import (ArmDrop, ArmExposePrefix, ArmForgeGet, ArmRoute, ArmTamper, AskQuote, Did,
                                    Doorbells, Event, ExportRecords, ForceSwitch, HostBus, HostNews, MarkRow, ProbePaths,
                                    Query, event)
 from gputravel.redteam.loot import Loot
@@ -82,7 +82,6 @@ class HostAdversary:
         mem = mmap.mmap(reg.sysmem_fd, reg.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         with self.lock:
             self.bus.regs[reg.cvm], self.bus.mem[reg.cvm] = reg, mem
-            self.bus.caps.setdefault(reg.cvm, Captures())
         return self._bells.new(reg.cvm)
 
     def on_switch(self, requester: str, plan: SwitchPlan) -> tuple[CvmRegistration, CvmRegistration]:
@@ -101,7 +100,15 @@ class HostAdversary:
             forge = self._forge
             if forge is not None and self._forge_due and target == ORCHESTRATOR:
                 self._forge, self._forge_due = None, False
-                self._forge_kernel_get(requester, forge.hold_s)
+                # BAR0 get := put + 1: the orchestrator's driver finds no room in the kernel ring
+                real, put, _ = self.bus.pending_kernel()
+                self._forged_get = forged = (put + 1) % self.layout.gpfifo_entries
+                self.bus.set32(Bar0.get(KERNEL), forged)
+                self._event(Did.FORGED_GET, f"{requester} asked for the GPU to go home: forged BAR0's kernel GPFIFO "
+                            f"get ({real} -> {forged}, put + 1), so the kernel ring looks full to the orchestrator as "
+                            "it submits the rotation")
+                threading.Thread(target=self._unforge_kernel_get, args=(forged, real, time.monotonic() + forge.hold_s),
+                                 daemon=True, name="forged-get").start()
             tamper = self._tamper
             if tamper is not None and tamper.kind == "replay" and requester == tamper.victim:
                 self._tamper = None
@@ -194,15 +201,15 @@ class HostAdversary:
 
     def _export_records(self, order: ExportRecords) -> None:
         self._snaps.join()
-        caps = self.bus.caps[order.cvm]
+        records, pushes = self.bus.records[order.cvm], self.bus.pushes[order.cvm]
         with self._loot_lock:
-            frames = [("record", r) for r in caps.records.values() if r.count(0) < len(r)]
+            frames = [("record", r) for r in records.values() if r.count(0) < len(r)]
         with self.lock:
-            frames += [("push", p) for p in caps.pushes.values()]
+            frames += [("push", p) for p in pushes.values()]
         Path(order.path).parent.mkdir(parents=True, exist_ok=True)
         Path(order.path).write_bytes(msgspec.msgpack.encode(frames))  # ciphertexts, each tagged with its kind
-        self._event(Did.HANDED_OVER, f"handed over {len(caps.records)} staging records and {len(caps.pushes)} pushes "
-                    f"of {order.cvm}", party=order.cvm, count=len(caps.records))
+        self._event(Did.HANDED_OVER, f"handed over {len(records)} staging records and {len(pushes)} pushes "
+                    f"of {order.cvm}", party=order.cvm, count=len(records))
 
     def _news(self, error: str) -> HostNews:
         with self.lock:
@@ -244,8 +251,7 @@ class HostAdversary:
     def _flush_pushes(self) -> None:
         with self.lock:
             pushes, self.bus.push_log = self.bus.push_log, []
-        for ct in pushes:
-            self.loot.keep("pushes", ct)
+        self.loot.keep("pushes", b"".join(pushes))
 
     def _decide(self, cvm: str, fresh: dict[PushChannel, list[int]], announced: bool) -> bool:
         drop = self._drop
@@ -258,35 +264,22 @@ class HostAdversary:
             else:
                 self._event(Did.DROPPED_RING, f"dropped a doorbell of {cvm}", party=cvm)
             return False
-        if self._expose is not None and announced:
-            self._expose_prefix(self._expose.entries)
+        expose = self._expose
+        if expose is not None and announced:
             self._expose = None
+            get, _, pending = self.bus.pending_kernel()
+            if pending <= expose.entries:
+                self._event(Did.NOTHING_TO_HOLD, f"found only {pending} pending kernel-channel entries when the "
+                            "orchestrator rang: nothing left to hold back", count=pending)
+            else:
+                self.bus.set32(Bar0.put(KERNEL), (get + expose.entries) % self.layout.gpfifo_entries)
+                self._event(Did.EXPOSED, f"let the device see only {expose.entries} of {pending} pending "
+                            "kernel-channel entries", count=expose.entries)
             return True
         tamper = self._tamper
         if tamper is not None and tamper.kind == "flip" and cvm == tamper.victim and fresh[USER]:
             return self._flip_step(tamper, cvm, fresh[USER])
         return True
-
-    def _expose_prefix(self, entries: int) -> None:
-        get, _, pending = self.bus.pending_kernel()
-        if pending <= entries:
-            self._event(Did.NOTHING_TO_HOLD, f"found only {pending} pending kernel-channel entries when the "
-                        "orchestrator rang: nothing left to hold back", count=pending)
-            return
-        self.bus.set32(Bar0.put(KERNEL), (get + entries) % self.layout.gpfifo_entries)
-        self._event(Did.EXPOSED, f"let the device see only {entries} of {pending} pending kernel-channel entries",
-                    count=entries)
-
-    def _forge_kernel_get(self, requester: str, hold_s: float) -> None:
-        """BAR0 get := put + 1: the orchestrator's driver finds no room in the kernel ring."""
-        real, put, _ = self.bus.pending_kernel()
-        forged = (put + 1) % self.layout.gpfifo_entries
-        self.bus.set32(Bar0.get(KERNEL), forged)
-        self._forged_get = forged
-        self._event(Did.FORGED_GET, f"{requester} asked for the GPU to go home: forged BAR0's kernel GPFIFO get ({real} -> {forged}, "
-                    "put + 1), so the kernel ring looks full to the orchestrator as it submits the rotation")
-        threading.Thread(target=self._unforge_kernel_get, args=(forged, real, time.monotonic() + hold_s),
-                         daemon=True, name="forged-get").start()
 
     def _unforge_kernel_get(self, forged: int, real: int, deadline: float) -> None:
         """At the deadline, the real get back so the next travel finds room, unless the device wrote get since."""
@@ -327,7 +320,7 @@ class HostAdversary:
     def _replay(self, cvm: str, push: int) -> None:
         """Write a push captured in this travel back as a new entry and ring the doorbell."""
         n = self.layout.gpfifo_entries
-        old = self.bus.caps[cvm].pushes.get((USER, (self.bus.travel_base.get(cvm, 0) + push) % n))
+        old = self.bus.pushes[cvm].get((USER, (self.bus.travel_base.get(cvm, 0) + push) % n))
         if old is None:
             self._event(Did.REPLAY_MISSED, f"could not replay: push {push} of {cvm} was not captured", party=cvm,
                         count=push)
