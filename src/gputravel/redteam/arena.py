@@ -10,7 +10,7 @@ from msgspec import structs
 
 from gputravel.errors import GputravelError
 from gputravel.orchestrator.audit import read_log
-from gputravel.redteam.bus import Did, Event
+from gputravel.redteam.bus import Did, Event, MarkRow
 from gputravel.redteam.canary import Found
 from gputravel.redteam.cohort import HolderLink, HostLink, RedTeamCohort
 from gputravel.redteam.evidence import Acted, Baseline, Journal, Logged, Record, Rejoined, Travel
@@ -48,9 +48,8 @@ class Arena:
         self.cohort = cohort
         self.host, self.mallory = HostLink(cohort, self._acted), HolderLink(cohort, MALLORY, self._acted)
         self.buffer_bytes = cohort.config.buffer_bytes
-        self.records = self.buffer_bytes // cohort.config.layout.record_bytes
-        self.slots = cohort.config.layout.staging_slots
-        self.audit = cohort.config.audit_arrival
+        audited = cohort.config.audit_arrival  # the arrival audit reads each record once before the copy
+        self._audit_pushes = self.buffer_bytes // cohort.config.layout.record_bytes if audited else 0
         self._offset = {h.name: 0 for h in cohort.config.holders}
         self.dropped: set[str] = set()  # holders the orchestrator dropped (offline until they rejoin)
         self._log_at = 0  # how much of the orchestrator's log the attacks have seen
@@ -71,7 +70,7 @@ class Arena:
     def begin(self, row: str) -> None:
         """A new attack: loot goes under its name; what was logged and seen so far was the last one's."""
         self.host.begin(row)
-        self.mallory.begin(row)
+        self.mallory.order(MarkRow(row))
         self.row = row
         self.orchestrator_said()
         self.journal()
@@ -153,4 +152,4 @@ class Arena:
 
     def copy_push(self, record: int) -> int:
         """Index, within a holder's travel, of the user push that copies ``record``."""
-        return record + (self.records if self.audit else 0)
+        return record + self._audit_pushes

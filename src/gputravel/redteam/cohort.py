@@ -114,6 +114,3 @@ class HolderLink:
         assert isinstance(news, HolderNews)
         self.on_events(self.name, news.events)
         return news
-
-    def begin(self, row: str) -> None:
-        self.order(MarkRow(row))

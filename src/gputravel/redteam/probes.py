@@ -100,23 +100,17 @@ def _maps(pid: int) -> list[tuple[int, int, str]]:
 
 
 # ----------------------------------------------------------------------------- the rows
-def _worth_reading(name: str) -> bool:
-    """Mappings that hold a party's secrets or data: memfds (VRAM, bounce buffers), datasets, heap."""
-    return name.startswith("/memfd:") or name.endswith(".bin") or name == "[heap]"
-
-
 def _targets_of(key: str, pid: int) -> list[ProbeTarget]:
     """Everything of party ``key`` worth stealing; the launcher reads where to look (addresses,
     descriptors) as root: the attacker is given more than it could learn."""
     proc = f"/proc/{pid}"
     t = [ProbeTarget(key, what, f"{proc}/{what}", "read", ()) for what in (*PUBLIC, "maps", "environ")]
     t += [ProbeTarget(key, f"{what} directory", f"{proc}/{what}", "list", ()) for what in ("fd", "map_files")]
-    seen = set()
-    for start, end, name in _maps(pid):
-        if _worth_reading(name) and name not in seen:
-            seen.add(name)
-            t.append(ProbeTarget(key, f"memory ({name or 'anonymous'})", f"{proc}/mem", "read",
-                                 ((start, min(end - start, MAX_READ)),)))
+    # the first mapping of each that holds a party's secrets or data: memfds (VRAM, bounce buffers), datasets, heap
+    first = {name: (start, end) for start, end, name in reversed(_maps(pid))
+             if name.startswith("/memfd:") or name.endswith(".bin") or name == "[heap]"}
+    t += [ProbeTarget(key, f"memory ({name})", f"{proc}/mem", "read", ((start, min(end - start, MAX_READ)),))
+          for name, (start, end) in first.items()]
     for fd in sorted(os.listdir(f"{proc}/fd"), key=int):
         try:
             link = os.readlink(f"{proc}/fd/{fd}")

@@ -58,7 +58,7 @@ def flip_ciphertext(a: Arena) -> bool:
     # The device works while the CVM appends, so a flip can come too late (the device already
     # took the record, authentically): then the travel verifies and the host tries again.
     for _ in range(3):
-        out, news = _armed(a, ArmTamper(BOB, "flip", a.copy_push(1), 1 % a.slots), BOB)
+        out, news = _armed(a, ArmTamper(BOB, "flip", a.copy_push(1), 1 % a.cohort.config.layout.staging_slots), BOB)
         if news.user_faults:
             break
     ok = a.carry_on(BOB)
@@ -71,9 +71,8 @@ def flip_ciphertext(a: Arena) -> bool:
      "faulted the user channel and she refused the travel; bob has no keys of this epoch and saw only ciphertext")
 def wrong_cvm_during_travel(a: Arena) -> bool:
     out, news = _armed(a, ArmRoute(ORCHESTRATOR, ALICE, dma=BOB, irq=BOB), ALICE)
-    ok_b = a.carry_on(BOB)
-    ok_a = a.carry_on(ALICE)
-    return bool(happened(news.events, Did.ROUTED, party=BOB)) and not out.verified and ok_a and ok_b
+    ok = [a.carry_on(BOB), a.carry_on(ALICE)]  # both, in this order
+    return bool(happened(news.events, Did.ROUTED, party=BOB)) and not out.verified and all(ok)
 
 
 @row("split-dma-irq", "host", tried="during alice's travel, mapped alice's bounce buffers but routed the device's "
