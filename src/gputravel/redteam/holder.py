@@ -103,8 +103,8 @@ class MaliciousHolder(DataHolder):
             if self._misbehaving == "work-after-return":  # the GPU is home; the keys just returned are still in hand
                 self._news.event(Did.WORK_AFTER_RETURN, "after handing the GPU back: submitted a read of the buffer "
                                  "with the keys it returned")
-                self._with_kept(self._exported_now, lambda: self._read("after returning the GPU", self.buffer[0],
-                                                                       self.buffer[1], 1.0, kept=True))
+                self._with_kept(self._exported_now, lambda: self._read("after returning the GPU", *self.buffer, 1.0,
+                                                                       kept=True))
         self._snapshot()
 
     def _at_copy(self, act: CopyChunk, timeout: float | None) -> object:
@@ -167,8 +167,7 @@ class MaliciousHolder(DataHolder):
             epoch = unpack_context(blob, layout=self.config.layout.digest()).epoch
             self._news.event(Did.USED_KEPT_KEYS, f"used the keys of epoch {epoch} it kept", count=epoch)
             where = f"with kept epoch-{epoch} keys"
-            self._with_kept(blob, lambda where=where: self._read(where, self.buffer[0], self.buffer[1],
-                                                                 order.timeout, kept=True))
+            self._with_kept(blob, lambda where=where: self._read(where, *self.buffer, order.timeout, kept=True))
             self._with_kept(blob, lambda: self._rpc(order.timeout))
         self._snapshot()
 
@@ -238,27 +237,21 @@ class MaliciousHolder(DataHolder):
         blobs = self.kept[-order.newest :] if order.newest > 0 else self.kept
         contexts = [unpack_context(b, layout=self.config.layout.digest()) for b in blobs]
         states = [s for ctx in contexts for s in ctx.senders + ctx.receivers]  # every key worth trying
-        tried = won = 0
-        for kind, ct in frames:
-            for state in (s for s in states if s.label in LABELS_FOR.get(kind, ())):
-                for message in range(1, MAX_IV_GUESSES + 1):
-                    tried += 1
-                    plain = try_open(state, message, ct)
-                    if plain is not None:
-                        won += 1
-                        self.loot.keep("decrypted", plain)
+        pairs = [(s, ct) for kind, ct in frames for s in states if s.label in LABELS_FOR.get(kind, ())]
+        opened = [p for s, ct in pairs for m in range(1, MAX_IV_GUESSES + 1) if (p := try_open(s, m, ct)) is not None]
+        tried = len(pairs) * MAX_IV_GUESSES
+        self.loot.keep("decrypted", b"".join(opened))
         self._news.attempts += tried
-        self._news.decrypted += won
+        self._news.decrypted += len(opened)
         epochs = sorted({ctx.epoch for ctx in contexts})
         self._news.event(Did.DECRYPT, f"tried {len(states)} kept keys (of {len(blobs)} blobs, key epochs "
                          f"{', '.join(map(str, epochs))}) x {MAX_IV_GUESSES} IVs on {len(frames)} captured "
-                         f"ciphertexts: {won} opened", count=won, nbytes=tried)
+                         f"ciphertexts: {len(opened)} opened", count=len(opened), nbytes=tried)
 
     # ------------------------------------------------------------------ loot and news
     def _snapshot(self) -> None:
         self.loot.snapshot("sysmem", memoryview(self.driver.link.sysmem))
-        for blob in self.kept:
-            self.loot.keep("blobs", blob)
+        self.loot.keep("blobs", b"".join(self.kept))
 
     def event(self, *events: Event) -> None:
         self._news.events.extend(events)
@@ -339,10 +332,9 @@ def _forget_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -
 
 
 def _from_orchestrator(holder: MaliciousHolder, sel: selectors.BaseSelector) -> None:
-    conn = holder.orchestrator
-    assert conn is not None
+    assert holder.orchestrator is not None
     try:
-        msg = conn.recv(timeout=30).message
+        msg = holder.orchestrator.recv(timeout=30).message
     except (TransportClosed, GputravelError):
         _forget_orchestrator(holder, sel)
         holder.event(event(Did.CONNECTION_DROPPED, "the orchestrator dropped the connection"))
