@@ -4,6 +4,7 @@ party that kept a head detects a cut with ``known_head``."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -48,6 +49,11 @@ class _Parsed:
 # ----------------------------------------------------------------------------- reading
 def _records(data: bytes, allow_truncated_tail: bool) -> Iterator[_Parsed]:
     """Parse records in file order (``seq`` in errors is the record's position)."""
+    return (_parse(payload, index, end) for payload, index, end in _frames(data, allow_truncated_tail))
+
+
+def _frames(data: bytes, allow_truncated_tail: bool) -> Iterator[tuple[bytes, int, int]]:
+    """Each record's payload, position and end, in file order; a torn tail is said or passed over."""
     pos, index = 0, 0
     while pos < len(data):
         rest = len(data) - pos
@@ -67,7 +73,7 @@ def _records(data: bytes, allow_truncated_tail: bool) -> Iterator[_Parsed]:
                 return
             raise AuditError(Failure.TRUNCATED, index,
                              f"{end - len(data)} of its {length} bytes are missing (crash mid-write?)")
-        yield _parse(data[start:end], index, end)
+        yield data[start:end], index, end
         pos, index = end, index + 1
 
 
@@ -177,27 +183,15 @@ def _signed_if_earlier_version(err: AuditError, key: ec.EllipticCurvePublicKey, 
     signed by this key: else a writer of the file could turn a tamper verdict into that milder one."""
     if err.failure is not Failure.VERSION:
         return
-    records = list(_raw_records(data))  # the first is the one _parse refused: it decodes as a Record
+    records: list[Record] = []  # each whole record, its entry undecoded, until the first that does not parse
+    with contextlib.suppress(AuditError, ProtocolError):
+        for payload, _, _ in _frames(data, allow_truncated_tail=True):
+            records.append(decode(payload, expect=Record))  # the first is the one _parse refused: it decodes
     verify_head(key, 0, hashlib.sha384(records[0].entry).digest(), records[0].signature)
     first = _earlier_format(records[0].entry)
     if not all(_earlier_format(r.entry) == first for r in records):
         raise AuditError(Failure.MALFORMED, err.seq, "an entry of an earlier log format before entries of "
                                                      "another one: not one log") from None
-
-
-def _raw_records(data: bytes) -> Iterator[Record]:
-    """Each whole record, its entry undecoded, until the first that does not parse."""
-    pos = 0
-    while pos + LENGTH.size <= len(data):
-        (length,) = LENGTH.unpack_from(data, pos)
-        payload = data[pos + LENGTH.size : pos + LENGTH.size + length]
-        if not 0 < length <= MAX_RECORD_BYTES or len(payload) != length:
-            return
-        try:
-            yield decode(payload, expect=Record)
-        except ProtocolError:
-            return
-        pos += LENGTH.size + length
 
 
 def _check_known_head(parsed: list[_Parsed], known_head: tuple[int, bytes] | bytes) -> None:
