@@ -146,9 +146,8 @@ def _as_account(uid: int, home: Path | None) -> dict:
 
 def own_state(state: Path, uid: int) -> Path:
     """A party's state directory is all its account's (0700): nothing of root's lies in it."""
-    if uid < 0:
-        return state
-    isolation.give(state, uid, 0o700)
+    if uid >= 0:
+        isolation.give(state, uid, 0o700)
     return state
 
 
