@@ -66,7 +66,7 @@ def _tcp_listening(port: int) -> bool:
 def _services(cfg: ServiceConfig) -> dict[str, str]:
     bound = _bound_unix_paths()
     host_sock = cfg.socket if isinstance(cfg, HostService) else cfg.host_socket
-    up = {"host": _unix_up(host_sock, bound)}  # this party's host route
+    up: dict[str, bool | None] = {"host": _unix_up(host_sock, bound)}  # this party's host route; None: remote
     if isinstance(cfg, GpuService):
         up[party_name(cfg)] = _unix_up(cfg.link_socket, bound)
     if isinstance(cfg, OrchestratorService):
@@ -74,10 +74,9 @@ def _services(cfg: ServiceConfig) -> dict[str, str]:
         up["orchestrator"] = _tcp_listening(cfg.listen_port)
     if isinstance(cfg, HolderService):
         up[Path(cfg.boot_lock).stem] = _unix_up(gpu_socket(cfg.boot_lock), bound)
-        if cfg.orchestrator_host not in _LOCAL:  # another machine's listener: not visible here
-            return {**{k: "up" if v else "down" for k, v in up.items()}, "orchestrator": "remote"}
-        up["orchestrator"] = _tcp_listening(cfg.orchestrator_port)
-    return {k: "up" if v else "down" for k, v in up.items()}
+        remote = cfg.orchestrator_host not in _LOCAL  # another machine's listener: not visible here
+        up["orchestrator"] = None if remote else _tcp_listening(cfg.orchestrator_port)
+    return {k: "remote" if v is None else "up" if v else "down" for k, v in up.items()}
 
 
 def _own_status(path: Path, uid: int = -1) -> dict:
