@@ -17,10 +17,7 @@ data_app = typer.Typer(no_args_is_help=True, cls=Commands, callback=named_subcom
                        help="Training data: tokenize holders' text into llm.c shards.")
 
 
-class TokenizerChoice(str, enum.Enum):
-    auto = "auto"
-    bytes = "bytes"
-    gpt2 = "gpt2"
+TokenizerChoice = enum.Enum("TokenizerChoice", {t: t for t in ("auto", "bytes", "gpt2")}, type=str)  # --tokenizer's
 
 
 @data_app.command()
