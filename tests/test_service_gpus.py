@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tomllib
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from gputravel.service.launch import ServiceLaunch
 from gputravel.service.registry import bind
 from gputravel.service.status import cohort_status, party_name
 from gputravel.train.job import TrainConfig
+from gputravel.train.rundir import checkpoint_extra
 
 # 3 windows a visit (a 4 KiB buffer holds 2048 tokens, a batch 513): every holder is visited in 8 steps
 TINY = TrainConfig(steps=8, batch=8, seq_len=64, buffer_bytes=4096, n_layer=1, n_head=2, n_embd=32,
@@ -219,6 +221,32 @@ def test_two_gpus_train_on_the_services_each_holder_travelling_to_one_gpu(proces
     if os.geteuid() == 0:  # every party, each rank's included, under its own account
         assert isolation["on"] and {"orchestrator", "orchestrator-1", "host-1", "gpu-1"} <= set(isolation["parties"])
     assert launch.dir is None
+
+
+def test_a_rank_stopped_with_sigterm_stops_every_rank_at_one_step_checkpointed_there(processes, searchable_tmp: Path,
+                                                                                   tmp_path: Path) -> None:
+    """Rank 1's service alone is stopped (SIGTERM) mid-job: it does not train on until killed, nor stop
+    alone and leave rank 0 waiting; both ranks stop at the same step and rank 0 checkpoints there."""
+    hs = _holders(tmp_path)
+    run = tmp_path / "run"
+    logs = [(run / f"gpu-{k}-audit.log", run / f"gpu-{k}-orchestrator.pem") for k in range(2)]
+    sent: list[int] = []
+
+    def stop_rank_1(row: dict) -> None:
+        if row["step"] >= 3 and not sent:
+            launch.children["orchestrator-1"].send_signal(signal.SIGTERM)
+            sent.append(row["step"])
+
+    with ServiceLaunch(hs, TINY.replace(steps=100_000).to_dict(), run, audit_log=logs[0][0],
+                       certificate=logs[0][1], gpus=2, rank_audit=logs) as launch:
+        with pytest.raises(RemoteError, match=r"exit 0"):  # stopped, so no report: not done
+            launch.train(stop_rank_1)
+        said = {k: [json.loads(line) for line in (launch.dir / "logs" / f"{p}.log").read_text().splitlines()  # type: ignore[operator]
+                    if line.startswith("{")] for k, p in enumerate(("orchestrator", "orchestrator-1"))}
+        stopped = [next(e for e in said[k] if e["event"] == "stopped") for k in range(2)]
+        checkpointed = len(checkpoint_extra(Path(stopped[0]["checkpoint"]))["losses"])
+    assert [e["why"] for e in stopped] == ["another rank was stopped", "signal"]
+    assert stopped[0]["step"] == stopped[1]["step"] == checkpointed > sent[0]
 
 
 def test_ranks_told_different_jobs_refuse_each_other_before_any_step(processes, searchable_tmp: Path, tmp_path: Path,

@@ -107,7 +107,7 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
                    on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
                    resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
                    tokenizer=sample_tokenizer(cfg.tokenizer), ranks=ranks,
-                   should_stop=None if ranks is not None else _ShutdownAsked(control),
+                   should_stop=_ShutdownAsked(control),  # with ranks, one asked stops them all
                    anchor=orch.travel_log)  # a resume goes on only with the log its checkpoint names
     return make_report(cfg, result)
 

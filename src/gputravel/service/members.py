@@ -282,8 +282,7 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
                              ranks_context=bytes.fromhex(cfg.ranks_context)))
     while True:
         if stop() and not stopping:
-            # One GPU checkpoints at the next step; a rank of several trains on until killed (ranks
-            # stop together or not at all) and resumes from its last periodic checkpoint.
+            # It checkpoints at the next step; with several GPUs every rank stops at that step with it.
             child.control.send(Shutdown())
             stopping = True
         msg = child.control.recv(timeout=STOP_WAIT_S if stopping else cfg.holder_timeout + 60).message
@@ -301,7 +300,8 @@ def _run_job(cfg: OrchestratorService, child: PartyChild, state: Path, stop: Sto
         if report is not None and report.get("stopped"):
             done = len(report["losses"])
             _say_status(cfg, status, {"phase": "stopped", "members": sorted(joined.dataset_bytes), "step": done})
-            log(name, "stopped", why="signal", step=done, checkpoint=str(checkpoint))
+            log(name, "stopped", why="signal" if stopping else "another rank was stopped", step=done,
+                checkpoint=str(checkpoint) if cfg.rank == 0 else "")
             return 0
         elif report is not None:
             write_json(run_dir / "report.json", report)
