@@ -211,6 +211,36 @@ def test_bad_ranks_are_refused(bad):
         Ranks(**args)
 
 
+class _PeersVote:
+    """A ring whose all-reduce adds what the peers sent: their votes, or a bug's or a liar's numbers."""
+
+    def __init__(self, *peers: float) -> None:
+        self.peers = peers
+
+    def all_reduce(self, votes) -> None:
+        import torch
+
+        votes += torch.tensor(self.peers, dtype=votes.dtype)
+
+
+@pytest.mark.parametrize("peers, mine, stop", [((0.0, 0.0), False, False), ((0.0, 1.0), False, True),
+                                               ((0.0, 0.0), True, True), ((0.0, 0.5), False, None),
+                                               ((0.0, 2.0), False, None), ((1.0, 0.0), False, None)])
+def test_a_stop_vote_is_yes_or_no_and_a_ranks_own_vote_comes_back_unchanged(peers, mine, stop):
+    """Every rank stops where any asked (security row 53); a vote other than 0/1, or one written into
+    another rank's slot, is a ProtocolError, never a stop or a go decided on a number nobody cast."""
+    from gputravel.errors import ProtocolError
+    from gputravel.train.ranks import DataParallel
+
+    ranks = Ranks(rank=0, world_size=2, attest=bytes, verify=lambda *a: None, context=b"job")
+    dp = DataParallel(ranks, group=None, ring=_PeersVote(*peers), owns_default=False)  # type: ignore[arg-type]
+    if stop is None:
+        with pytest.raises(ProtocolError, match="vote"):
+            dp.anyone(mine)
+    else:
+        assert dp.anyone(mine) is stop
+
+
 def _wrapped_rank(rank: int, world: int, port: int) -> list[float]:
     """A rank whose model starts from its own seed: its first weights after DataParallel.wrap."""
     import torch
