@@ -224,6 +224,8 @@ def test_gpus_get_a_file_each_with_its_own_serial_and_sockets(tmp_path: Path) ->
     (lambda d: d["job"].update(n_head=3), "job.n_embd: expected a multiple of n_head (3), got 256"),
     (lambda d: d["job"].update(schedule="random"), "job.schedule: expected 'round_robin' or 'proportional', got 'random'"),
     (lambda d: d.update(holders=["north", "north"]), "holders: expected unique member names"),
+    *((lambda d, n=name: d.update(holders=["north", n]), "holders.1: expected a holder's name: none of ca, device")
+      for name in ("orchestrator", "orchestrator-1", "device", "tdx-module")),
     (lambda d: d.pop("listen_port"), "listen_port: missing (required)"),
     (lambda d: d.update(party="gpus"), "party: expected one of 'host', 'gpu', 'orchestrator', 'holder', got 'gpus'"),
 ])

@@ -17,6 +17,7 @@ from pydantic import field_validator, model_validator
 
 from gputravel.attest.policy import GpuRequirements, Policy
 from gputravel.attest.provision import REFERENCE_FILE
+from gputravel.cohort.config import RESERVED_TEXT, is_holder_name
 from gputravel.crypto.pki import MEMBER_NAME
 from gputravel.errors import BadInput
 from gputravel.files import TOKENS, DatasetFormat, dataset_kind
@@ -105,8 +106,8 @@ Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 
 
 def _member(value: str) -> str:
-    if value == "orchestrator":
-        raise ValueError("a member name other than 'orchestrator'")
+    if not is_holder_name(value):  # the launcher's rule: a holder never takes another party's name
+        raise ValueError(f"a holder's name: {RESERVED_TEXT}")
     return value
 
 
