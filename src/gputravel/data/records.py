@@ -253,6 +253,19 @@ class Units:
         """The byte offset of unit `unit`."""
         return (unit // self.per_piece) * self.piece_bytes + (unit % self.per_piece) * self.unit_bytes
 
+    def span(self, units: int) -> int:
+        """The bytes `units` units take laid out (:meth:`lay_out`: the last piece unpadded)."""
+        whole = max(self.pieces(units) - 1, 0)
+        return whole * self.piece_bytes + (units - whole * self.per_piece) * self.unit_bytes
+
+    def eval_base(self, train: int) -> int:
+        """Where the held-out units start after `train` training units: the next piece boundary."""
+        return self.pieces(train) * self.piece_bytes
+
+    def split_bytes(self, train: int, held: int) -> int:
+        """The size of :func:`lay_out_split`'s bytes for `train` training and `held` held-out units."""
+        return self.eval_base(train) + self.span(held) if held else self.span(train)
+
     def capacity(self, buffer_bytes: int) -> int:
         """Units a buffer of `buffer_bytes` holds, from a piece boundary."""
         return (buffer_bytes // self.piece_bytes) * self.per_piece
