@@ -262,7 +262,7 @@ def test_a_holder_that_breaks_the_exchange_is_lost_as_in_a_travel() -> None:
     """It is dropped (the stream would be out of step) and reported HolderLost, which the
     training loop treats as it treats a holder lost mid-travel; offline, it stays lost."""
     holder_end, orch_end = memory_pair("holder", "orchestrator")
-    hello = HolderHello("alice", 8, 8, (b"\x00" * 32,), "", True, bytes(32))
+    hello = HolderHello("alice", 8, 8, (b"\x00" * 32,), "", "", 0, 0, True, bytes(32))
     orch = SimpleNamespace(holders={"alice": orch_end}, config=SimpleNamespace(holder_timeout=1),
                            travel_sm=SimpleNamespace(holders={"alice": hello}, buffer=SimpleNamespace(nbytes=8)))
     orch.drop = lambda name: Orchestrator.drop(orch, name)  # the real one, on this link

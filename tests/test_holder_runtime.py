@@ -153,7 +153,7 @@ def test_a_hello_must_name_the_holder_of_the_tls_certificate(named: str) -> None
                         listener=SimpleNamespace(accept=lambda timeout: (ours, "h1")))
     orch.attester = SimpleNamespace(serve_challenge=lambda conn, driver, timeout, now: None)
     orch.travel_sm = OrchestratorTravel(Buffer(0, 4096))
-    theirs.send(HolderHello(named, 4096, 4096, (b"\x00" * 32,), "", True, bytes(32)))
+    theirs.send(HolderHello(named, 4096, 4096, (b"\x00" * 32,), "", "", 0, 0, True, bytes(32)))
     if named == "h1":
         assert orch.accept_holder(timeout=1) == "h1" and isinstance(theirs.recv(timeout=1).message, Welcome)
         return

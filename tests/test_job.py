@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from gputravel.cli.train import training_job
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.errors import BadInput
-from gputravel.files import DATASET_FORMATS, RAW, TOKENS, dataset_kind
+from gputravel.files import DATASET_FORMATS, RAW, RECORDS, TOKENS, dataset_kind
 from gputravel.fl.local import schedule_config
 from gputravel.holder.cvm import Dataset
 from gputravel.service.config import HolderService, JobSection
@@ -117,12 +117,12 @@ def test_a_checkpoint_records_the_job_and_a_resume_compares_jobs(tmp_path: Path)
 
 
 def test_a_dataset_format_is_defined_once() -> None:
-    assert DATASET_FORMATS == (RAW, TOKENS) == ("raw", "tokens")
+    assert DATASET_FORMATS == (RAW, TOKENS, RECORDS) == ("raw", "tokens", "records")
     assert get_args(HolderService.model_fields["format"].annotation) == DATASET_FORMATS
     assert HolderService.model_fields["format"].default == TOKENS  # a service's holder feeds a training job
-    assert [dataset_kind(f) for f in DATASET_FORMATS] == ["file", "path"]
+    assert [dataset_kind(f) for f in DATASET_FORMATS] == ["file", "path", "path"]
     for refuse in (lambda: dataset_kind("bytes"), lambda: Dataset(__file__, "bytes")):
-        with pytest.raises((ValueError, BadInput), match="unknown dataset format 'bytes': use 'raw' or 'tokens'"):
+        with pytest.raises((ValueError, BadInput), match="unknown dataset format 'bytes': use 'raw', 'tokens' or 'records'"):
             refuse()
     with pytest.raises(BadInput, match="holder 'h': unknown dataset format"):
         CohortConfig(holders=(HolderSpec("h", __file__, "bytes"),), buffer_bytes=1 << 20)

@@ -190,7 +190,7 @@ class Cohort:
         o.travel_sm = OrchestratorTravel(Buffer(self.buffer.offset, self.buffer.nbytes),
                                          Deadlines(DEVICE_S, HOLDER_S), verify=True)
         for name, data in DATASETS.items():
-            o.travel_sm.enrol(HolderHello(name, len(data), PIECE, self.manifests[name], "", True, bytes(32)))
+            o.travel_sm.enrol(HolderHello(name, len(data), PIECE, self.manifests[name], "", "", 0, 0, True, bytes(32)))
         o.holders = {name: HolderLink(self, name) for name in DATASETS}
         return o
 

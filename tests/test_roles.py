@@ -34,7 +34,7 @@ def over_tls(msg):
 
 
 def hello(name: str = "alice", data: bytes = DATASET, piece: int = PIECE) -> HolderHello:
-    return HolderHello(name, len(data), piece, piece_digests(data, piece), "", True, bytes(32))
+    return HolderHello(name, len(data), piece, piece_digests(data, piece), "", "", 0, 0, True, bytes(32))
 
 
 def holder_sm(name: str = "alice", data: bytes = DATASET, audit: bool = False) -> HolderTravel:
@@ -309,13 +309,13 @@ def test_enrolment_checks_piece_size_and_manifest_length() -> None:
     with pytest.raises(ProtocolError, match="piece size"):
         o.enrol(hello(piece=3 * PIECE))
     with pytest.raises(ProtocolError, match="piece size"):
-        o.enrol(HolderHello("alice", len(DATASET), 0, (), "", True, bytes(32)))
+        o.enrol(HolderHello("alice", len(DATASET), 0, (), "", "", 0, 0, True, bytes(32)))
     short = hello()
     with pytest.raises(ProtocolError, match="manifest"):
-        o.enrol(HolderHello("alice", len(DATASET), PIECE, short.manifest[:-1], "", True, bytes(32)))
+        o.enrol(HolderHello("alice", len(DATASET), PIECE, short.manifest[:-1], "", "", 0, 0, True, bytes(32)))
     for key in (b"", bytes(31), bytes(33)):  # the key of its entries in the public travel log: 32 bytes
         with pytest.raises(ProtocolError, match="travel-log key must be 32 bytes"):
-            o.enrol(HolderHello("alice", len(DATASET), PIECE, short.manifest, "", True, key))
+            o.enrol(HolderHello("alice", len(DATASET), PIECE, short.manifest, "", "", 0, 0, True, key))
     assert o.holders == {}
 
 
@@ -471,7 +471,7 @@ def test_roles_drive_real_drivers_and_verify_vram() -> None:
     orch, holders = gpu.boot("alice")
     buf = orch.alloc_dataset_buffer(2 * TEST_LAYOUT.record_bytes)
     o = OrchestratorTravel(Buffer(buf.offset, buf.nbytes))
-    o.enrol(HolderHello("alice", len(data), PIECE, piece_digests(data, PIECE), "", True, bytes(32)))
+    o.enrol(HolderHello("alice", len(data), PIECE, piece_digests(data, PIECE), "", "", 0, 0, True, bytes(32)))
     h = holder_sm("alice", data)
     alice, t = holders["alice"], iter(range(1000))
     for offset in range(0, len(data), buf.nbytes):

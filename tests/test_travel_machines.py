@@ -46,7 +46,7 @@ RESULT = TravelResult(1, BLOB, ChunkInfo(0, BUFFER.nbytes, DIGEST), {}, -1)
 
 def orchestrator(deadlines: om.Deadlines = om.Deadlines()) -> OrchestratorTravel:
     o = OrchestratorTravel(BUFFER, deadlines)
-    o.enrol(HolderHello("alice", len(DATASET), PIECE, piece_digests(DATASET, PIECE), "", True, bytes(32)))
+    o.enrol(HolderHello("alice", len(DATASET), PIECE, piece_digests(DATASET, PIECE), "", "", 0, 0, True, bytes(32)))
     return o
 
 
@@ -388,7 +388,8 @@ def holder_shell(clock: Clock, monkeypatch, link: Calls | None = None, **mux) ->
                                      device_timeout=3.0, orchestrator_timeout=7.0, audit_arrival=True,
                                      trust_dir="trust")
     h = holder_cvm.DataHolder(
-        config, dataset=SimpleNamespace(view=memoryview(DATASET), size=len(DATASET), tokenizer=""), host=Calls(),
+        config, dataset=SimpleNamespace(view=memoryview(DATASET), size=len(DATASET), tokenizer="", schema=None,
+                                        train_records=0, eval_records=0), host=Calls(),
         driver=Calls(copy_from_vram=lambda off, n, timeout: bytes(n),
                      query_buffer=SimpleNamespace(nbytes=BUFFER.nbytes), export_context=b"\x02back"),
         mux=Calls(**mux), log_key=bytes(32), connect=lambda host, port: link,

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Final, Literal, get_args
 
+from gputravel.errors import BadInput
+
 
 def _umask() -> int:
     """This process's umask, read without setting it (os.umask would race other threads)."""
@@ -50,18 +52,34 @@ def write_json(path: Path, data: object) -> None:
 
 
 #: A holder's dataset on disk: "raw", one file whose bytes travel as they are; "tokens", llm.c
-#: shards or text, travelling as uint16 tokens.
-DatasetFormat = Literal["raw", "tokens"]
+#: shards or text, travelling as uint16 tokens; "records", a record dataset's directory
+#: (data/records.py), travelling as whole records in manifest pieces.
+DatasetFormat = Literal["raw", "tokens", "records"]
 DATASET_FORMATS: tuple[DatasetFormat, ...] = get_args(DatasetFormat)
 RAW: Final = "raw"
 TOKENS: Final = "tokens"
+RECORDS: Final = "records"
 
 
 def dataset_kind(fmt: str) -> str:
-    """What must exist for a dataset of format `fmt`: "file" (raw) or "path" (tokens); else ValueError."""
+    """What must exist for a dataset of format `fmt`: "file" (raw) or "path" (tokens, records); else ValueError."""
     if fmt not in DATASET_FORMATS:
-        raise ValueError(f"unknown dataset format {fmt!r}: use {' or '.join(map(repr, DATASET_FORMATS))}")
+        known = ", ".join(map(repr, DATASET_FORMATS[:-1]))
+        raise ValueError(f"unknown dataset format {fmt!r}: use {known} or {DATASET_FORMATS[-1]!r}")
     return "file" if fmt == RAW else "path"
+
+
+#: A "records" holder's held-out share unless its config says otherwise: records kept for
+#: evaluation, never trained on, chosen by a permutation seeded with its eval_seed (data/records.py).
+EVAL_SHARE = 0.2
+
+
+def check_split(who: str, share: float, seed: int) -> None:
+    """A holder's held-out share and seed; BadInput naming `who` before anything boots."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+        raise BadInput(f"{who}: eval_share must be at least 0 and below 1, got {share!r}")
+    if type(seed) is not int or seed < 0:
+        raise BadInput(f"{who}: eval_seed must be a non-negative integer, got {seed!r}")
 
 
 #: What `not_data` says of a path that is not there.

@@ -56,7 +56,8 @@ def messages() -> dict[str, object]:
                                      chunk=ChunkInfo(dataset_offset=1 << 33, nbytes=1 << 28, digest=os.urandom(32)),
                                      steps_ns=steps, nonzero_on_arrival=0),
         "HolderHello": HolderHello(holder="alice", dataset_bytes=512 << 20, piece_bytes=1 << 20,
-                                   manifest=tuple(os.urandom(32) for _ in range(512)), tokenizer="gpt2", probed=True,
+                                   manifest=tuple(os.urandom(32) for _ in range(512)), tokenizer="gpt2", schema="",
+                                   train_records=0, eval_records=0, probed=True,
                                    log_key=os.urandom(32)),
         "ChunkPiece": ChunkPiece(travel_id=42, offset=1 << 20, data=os.urandom(256 * KIB)),
     }

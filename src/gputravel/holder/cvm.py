@@ -11,13 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from gputravel.crypto.pki import CohortPki
 from gputravel.driver.driver import Driver
 from gputravel.driver.link import PcieMuxClient, register_with_host
 from gputravel.errors import BadInput, GputravelError, IllegalTransition, PeerTimeout, ProtocolError, TransportClosed
-from gputravel.files import RAW, TOKENS, DatasetFormat, dataset_kind
+from gputravel.files import EVAL_SHARE, RAW, RECORDS, TOKENS, DatasetFormat, check_split, dataset_kind
 from gputravel.protocol.layout import Layout
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.travel import Bye, HolderHello, ProbeDone, ProbeNow, SendChunk, TravelRequest
@@ -42,6 +42,9 @@ from gputravel.holder.membership import join as join_cohort
 from gputravel.holder.log_key import own_log_key
 from gputravel.attest.material import HolderMaterial
 
+if TYPE_CHECKING:
+    from gputravel.data.records import RecordSchema
+
 
 @dataclass(frozen=True)
 class HolderConfig:
@@ -59,6 +62,13 @@ class HolderConfig:
     trust_dir: str = ""  # the roots and this holder's policy (cohort/trust.py); required to join
     probe_at_boot: bool = True  # False: a late holder, probing when the orchestrator lends it the GPU
     hardware: str = "emulated"  # protocol/hardware.py: floors on the copy and the baseline's reads
+    # A "records" dataset's held-out share, kept for evaluation and never trained on, chosen by a
+    # permutation seeded with eval_seed (data/records.py held_out): the holder's own choice.
+    eval_share: float = EVAL_SHARE
+    eval_seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_split(f"holder {self.name!r}", self.eval_share, self.eval_seed)
 
 
 def manifest_piece_bytes(layout: Layout) -> int:
@@ -68,17 +78,31 @@ def manifest_piece_bytes(layout: Layout) -> int:
 
 class Dataset:
     """A holder's dataset, mapped read-only once. A "tokens" dataset (llm.c shards, or text) is its
-    shards' tokens without headers, in order, laid out once at boot in the CVM's private memory."""
+    shards' tokens without headers, in order, laid out once at boot in the CVM's private memory.
+    A "records" dataset (data/records.py) is laid out there too: its training records, then its
+    held-out records from a fresh piece, whole records to each `piece_bytes` manifest piece."""
 
-    def __init__(self, path: str, fmt: DatasetFormat) -> None:
+    def __init__(self, path: str, fmt: DatasetFormat, *, piece_bytes: int = 0, eval_share: float = EVAL_SHARE,
+                 eval_seed: int = 0) -> None:
         try:
             dataset_kind(fmt)
         except ValueError as exc:
             raise BadInput(str(exc)) from None
         self.tokenizer = ""
-        self._map = self._load_tokens(path) if fmt == TOKENS else self._load_raw(path)  # None: empty
+        self.schema: RecordSchema | None = None  # a records dataset's
+        self.train_records = self.eval_records = 0
+        if fmt == RECORDS:
+            self._map: mmap.mmap | None = self._load_records(path, piece_bytes, eval_share, eval_seed)
+        else:
+            self._map = self._load_tokens(path) if fmt == TOKENS else self._load_raw(path)  # None: empty
         self.view = memoryview(self._map if self._map is not None else b"")
         self.size = len(self.view)
+
+    @classmethod
+    def of(cls, config: HolderConfig) -> Dataset:
+        """The dataset a holder CVM with `config` serves, laid out in its manifest's pieces."""
+        return cls(config.dataset_path, config.dataset_format, piece_bytes=manifest_piece_bytes(config.layout),
+                   eval_share=config.eval_share, eval_seed=config.eval_seed)
 
     def _load_raw(self, path: str) -> mmap.mmap | None:
         if not os.path.isfile(path):
@@ -96,6 +120,25 @@ class Dataset:
         self.tokenizer = loaded.tokenizer
         if not data:
             return None
+        mem = mmap.mmap(-1, len(data))
+        mem.write(data)
+        return mem
+
+    def _load_records(self, path: str, piece_bytes: int, share: float, seed: int) -> mmap.mmap:
+        from gputravel.data.records import RECORDS_FILE, SCHEMA_FILE, Units, lay_out_split, load_records  # numpy
+
+        if piece_bytes <= 0:
+            raise ValueError("a records dataset is laid out in its holder's manifest pieces: pass piece_bytes")
+        for item in (Path(path) / SCHEMA_FILE, Path(path) / RECORDS_FILE):
+            if item.exists() and not item.is_file():  # a FIFO would block the boot, a device never end it
+                raise BadInput(f"dataset {str(item)!r} is not a regular file")
+        records = load_records(path)
+        units = Units(records.schema.record_bytes, piece_bytes)  # a record larger than a piece: refused
+        data, self.train_records, self.eval_records = lay_out_split(records, units, share, seed)
+        if not self.train_records:
+            raise BadInput(f"dataset {path!r}: none of its {len(records)} records is left to train on with "
+                           f"eval_share {share}: lower eval_share or add records")
+        self.schema = records.schema
         mem = mmap.mmap(-1, len(data))
         mem.write(data)
         return mem
@@ -236,8 +279,11 @@ class DataHolder:
 
     def _introduce(self, act: Introduce, timeout: float | None) -> HelloAnswered:
         assert self.orchestrator is not None
-        self.orchestrator.send(HolderHello(self.config.name, self.dataset.size, self.piece_bytes, self.sm.manifest,
-                                           self.dataset.tokenizer, probed=self.probed, log_key=self._log_key))
+        ds = self.dataset
+        schema = ds.schema.canonical_json() if ds.schema is not None else ""
+        self.orchestrator.send(HolderHello(self.config.name, ds.size, self.piece_bytes, self.sm.manifest, ds.tokenizer,
+                                           schema, ds.train_records, ds.eval_records, probed=self.probed,
+                                           log_key=self._log_key))
         answer = self.orchestrator.recv(timeout=timeout).message
         if isinstance(answer, ProbeNow) and not self.probed:  # a late holder: probe on the lent GPU first
             self._probe_lent_gpu()
@@ -306,7 +352,7 @@ class DataHolder:
 
 def _open(config: HolderConfig) -> tuple[Dataset, Transport, Driver, PcieMuxClient, bytes]:
     """What a holder CVM opens at boot, in order: its dataset, the host, and its travel-log key."""
-    dataset = Dataset(config.dataset_path, config.dataset_format)
+    dataset = Dataset.of(config)
     host = connect_unix(config.host_socket, "host")
     driver = Driver(register_with_host(host, config.name, config.layout))
     mux = PcieMuxClient(host, config.name)

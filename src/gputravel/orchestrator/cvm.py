@@ -56,6 +56,9 @@ class OrchestratorConfig:
     device_timeout: float = 10.0
     verify: bool = True
     tokenizer: str = ""  # when set, holders whose tokens were made by another tokenizer are refused
+    # The record schema the job expects (data/records.py, canonical JSON); "": tokens. Holders
+    # holding records of another schema, or tokens where records are expected, are refused.
+    schema: str = ""
     pace_mbit: float | None = None  # token-bucket links: pace each holder connection to this rate
     trust_dir: str = ""  # roots, GPU reference values, where its TDX module listens (cohort/trust.py); required
     audit_log: str = ""  # where the signed travel log goes (orchestrator/travel_log.py); "": none
@@ -79,6 +82,26 @@ def _refuse(conn: Transport, reason: str, error: GputravelError) -> NoReturn:
     raise error
 
 
+def _unfit_schema(peer: str, want: str, hello: HolderHello) -> str:
+    """Why a holder saying `hello` cannot join a job expecting schema `want` ("": tokens), or ""."""
+    from gputravel.data.records import RecordSchema  # lazy: numpy, for records only
+
+    got = hello.schema
+    if not got:
+        held = f"{hello.tokenizer!r} tokens" if hello.tokenizer else "raw bytes"
+        return (f"holder {peer!r} holds {held}, this cohort trains on records "
+                f"({RecordSchema.from_json(want).text()}): pack its data with `gputravel data pack`")
+    try:
+        theirs = RecordSchema.from_json(got)
+    except BadInput as exc:
+        return f"holder {peer!r} announced a schema that is refused: {exc}"
+    if not want:
+        return (f"holder {peer!r} holds records ({theirs.text()}), this cohort trains on tokens: "
+                "give it token shards or text, or start the job with the records' schema")
+    diff = RecordSchema.from_json(want).difference(theirs)
+    return f"holder {peer!r} holds records of another schema: {diff}" if diff else ""
+
+
 class Orchestrator:
     """The travelling engine: one dataset buffer, one travel at a time; built with its links open."""
 
@@ -89,6 +112,13 @@ class Orchestrator:
                  attester: Callable[[OrchestratorConfig], GpuAttester] | None = None) -> None:
         if config.buffer_bytes <= 0 or config.buffer_bytes % config.layout.record_bytes:
             raise BadInput("the dataset buffer must be a positive multiple of the record size (1 MiB by default)")
+        if config.schema:  # a malformed one stops the boot, not the first holder's join
+            from gputravel.data.records import RecordSchema  # lazy: numpy, for records only
+
+            try:
+                RecordSchema.from_json(config.schema)
+            except BadInput as exc:
+                raise BadInput(f"the job's schema: {exc}") from None
         self.config = config
         self.host, self.driver, self.mux, self._device, self.listener = host, driver, mux, device, listener
         self.profile, self._request_sent = hardware_profile(config.hardware), 0.0
@@ -170,10 +200,8 @@ class Orchestrator:
             if not isinstance(hello, HolderHello) or hello.holder != peer:
                 _refuse(conn, "the first message must be a hello naming the certificate's holder",
                         ProtocolError(f"holder {peer!r} did not introduce itself correctly"))
-            want = self.config.tokenizer
-            if want and hello.tokenizer != want:
-                reason = (f"holder {peer!r} tokenized its data with {hello.tokenizer or 'no tokenizer (raw bytes)'!r}, "
-                          f"this cohort trains on {want!r} tokens: re-run `gputravel data prepare --tokenizer {want}`")
+            reason = self._unfit(peer, hello)
+            if reason:
                 _refuse(conn, reason, BadInput(reason))
             assert self.travel_sm is not None
             try:
@@ -193,6 +221,17 @@ class Orchestrator:
         conn.send(Welcome(cohort=NAME))
         pace(conn, self.config.pace_mbit)  # once, from its start: pacing again would give a fresh burst
         return peer
+
+    def _unfit(self, peer: str, hello: HolderHello) -> str:
+        """Why `peer`'s data is not what this job trains on (records of its schema, or tokens of
+        its tokenizer), in words naming the holder and the field; "" if it is."""
+        if self.config.schema or hello.schema:
+            return _unfit_schema(peer, self.config.schema, hello)
+        want = self.config.tokenizer
+        if want and hello.tokenizer != want:
+            return (f"holder {peer!r} tokenized its data with {hello.tokenizer or 'no tokenizer (raw bytes)'!r}, "
+                    f"this cohort trains on {want!r} tokens: re-run `gputravel data prepare --tokenizer {want}`")
+        return ""
 
     def await_holders(self, names: tuple[str, ...], timeout: float,
                       probe: Callable[[str, Transport], None] | None = None) -> dict[str, int]:

@@ -37,6 +37,25 @@ class Deadlines:  # seconds each wait may take
     holder: float = 60.0  # a holder's reply to its travel request
 
 
+def _check_split(hello: HolderHello) -> None:
+    """A records holder's counts must be its dataset's laid-out size: its training records, whole
+    records to a piece, then its held-out records from the next piece (data/records.py)."""
+    name, train, held = hello.holder, hello.train_records, hello.eval_records
+    if not hello.schema:
+        if train or held:
+            raise ProtocolError(f"holder {name}: record counts without a schema")
+        return
+    from gputravel.data.records import RecordSchema, Units  # lazy: numpy, for records only
+
+    try:
+        units = Units(RecordSchema.from_json(hello.schema).record_bytes, hello.piece_bytes)
+    except BadInput as exc:
+        raise ProtocolError(f"holder {name}: its schema is refused: {exc}") from None
+    if train < 1 or held < 0 or hello.dataset_bytes != units.split_bytes(train, held):
+        raise ProtocolError(f"holder {name}: {train} training and {held} held-out records of {units.unit_bytes} "
+                            f"bytes do not lay out as its {hello.dataset_bytes} bytes")
+
+
 # ----------------------------------------------------------------------------- events
 @dataclass(frozen=True)
 class _Bare:
@@ -229,6 +248,7 @@ class OrchestratorTravel(TravelMachine):
             raise ProtocolError(f"holder {hello.holder}: manifest does not match the dataset size")
         if len(hello.log_key) != LOG_KEY_BYTES:  # what keys its entries in the public travel log
             raise ProtocolError(f"holder {hello.holder}: its travel-log key must be {LOG_KEY_BYTES} bytes")
+        _check_split(hello)
         self.holders[hello.holder] = hello
 
     def chunk_nbytes(self, holder: str, offset: int) -> int:  # BadInput if no chunk starts there

@@ -7,13 +7,19 @@ from gputravel.protocol.codec import Message
 
 class HolderHello(Message, tag="travel.hello", secret=("log_key",)):
     """Holder -> orchestrator on every join: its dataset's size and manifest (SHA-256 per
-    piece), its tokenizer ("" for raw bytes), and its travel-log key."""
+    piece), its tokenizer ("" for raw bytes or records), its records' schema and split, and its
+    travel-log key."""
 
     holder: str
     dataset_bytes: int
     piece_bytes: int
     manifest: tuple[bytes, ...]
     tokenizer: str
+    # A record dataset's schema, canonical JSON (data/records.py; "": tokens or raw bytes), and
+    # how many training then held-out records it lays out (0, 0 for tokens or raw bytes).
+    schema: str
+    train_records: int
+    eval_records: int
     # False: booted after the orchestrator, not probed the GPU yet (paper 4.1): lent it first.
     probed: bool
     # Keys the public travel log's chunk MACs (manifest.chunk_mac), never the guessable digest;

@@ -149,7 +149,7 @@ class InProcessCohort:
     def __init__(self, datasets: Mapping[str, bytes | Path], *, buffer_bytes: int, workdir: str | Path,
                  layout: Layout = TEST_LAYOUT, vram_bytes: int = 8 << 20, audit_arrival: bool = False,
                  timeout: float = 10.0, formats: Mapping[str, DatasetFormat] | None = None,
-                 tokenizer: str = "") -> None:
+                 tokenizer: str = "", schema: str = "") -> None:
         self.datasets, self.timeout = datasets, timeout * TIMEOUT_SCALE
         formats = formats or {}
         self._vram_fd, self._vram = memfd("gputravel-vram", vram_bytes, populate=False)
@@ -162,7 +162,8 @@ class InProcessCohort:
         self.holders = {name: self._holder(name, data, workdir, layout, audit_arrival, formats.get(name, RAW))
                         for name, data in datasets.items()}
         config = OrchestratorConfig(host_socket="", pki_dir="", layout=layout, buffer_bytes=buffer_bytes,
-                                    holder_timeout=self.timeout, device_timeout=self.timeout, tokenizer=tokenizer)
+                                    holder_timeout=self.timeout, device_timeout=self.timeout, tokenizer=tokenizer,
+                                    schema=schema)
         host = self.host.connect(ORCHESTRATOR)
         device, self._device = memory_pair("device-link", "device")
         self.orchestrator = Orchestrator(
@@ -179,7 +180,7 @@ class InProcessCohort:
                               audit_arrival=audit, device_timeout=self.timeout, orchestrator_timeout=self.timeout,
                               dataset_format=fmt)
         host = self.host.connect(name)
-        return DataHolder(config, dataset=Dataset(config.dataset_path, config.dataset_format), host=host,
+        return DataHolder(config, dataset=Dataset.of(config), host=host,
                           driver=Driver(self.gpu.add_cvm(name)), mux=PcieMuxClient(host, name), log_key=bytes(32),
                           connect=lambda _host, _port: self.listener.connect(name),
                           policy=lambda: _ACCEPT_ALL,  # type: ignore[arg-type,return-value]
