@@ -11,7 +11,7 @@ from gputravel.cohort.links import check_link_config
 from gputravel.cohort.trust import SharedRoots, TrustOptions
 from gputravel.crypto.pki import MEMBER_NAME
 from gputravel.errors import BadInput
-from gputravel.files import RAW, DatasetFormat, dataset_kind
+from gputravel.files import EVAL_SHARE, RAW, DatasetFormat, check_split, dataset_kind
 from gputravel.protocol.hardware import EMULATED, hardware_profile
 from gputravel.protocol.layout import Layout
 
@@ -35,6 +35,17 @@ class HolderSpec:
     dataset: str
     format: DatasetFormat = RAW  # files.py DATASET_FORMATS
     die_mid_copy_on_travel: int = 0  # fault injection (tests, red team): see HolderConfig
+    eval_share: float = EVAL_SHARE  # a "records" dataset's held-out share and its seed: see HolderConfig
+    eval_seed: int = 0
+
+
+def _check_schema(text: str) -> None:
+    from gputravel.data.records import RecordSchema  # lazy: numpy, for records only
+
+    try:
+        RecordSchema.from_json(text)
+    except BadInput as exc:
+        raise BadInput(f"schema: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,8 @@ class CohortConfig:
     tap: bool = False  # holders reach the orchestrator through a recording TCP tap (tap.bin)
     audit_arrival: bool = False
     tokenizer: str = ""  # for training: the tokenizer every holder's tokens must come from
+    # For training on records: the schema every holder's records must have (canonical JSON); "": tokens.
+    schema: str = ""
     # The orchestrator's signed travel log; None: audit.log in the cohort's directory.
     audit_log: str | None = None
     boot_timeout: float = 60.0
@@ -95,6 +108,9 @@ class CohortConfig:
             exists = Path(h.dataset).is_file() if kind == "file" else Path(h.dataset).exists()
             if not exists:
                 raise BadInput(f"dataset of holder {h.name!r} not found: {h.dataset}")
+            check_split(f"holder {h.name!r}", h.eval_share, h.eval_seed)
+        if self.schema:
+            _check_schema(self.schema)
         if type(self.gpu_index) is not int or self.gpu_index < 0:
             raise BadInput(f"gpu_index must be a non-negative integer, not {self.gpu_index!r}")
         if self.roots is not None and not isinstance(self.roots, SharedRoots):

@@ -132,7 +132,7 @@ class Supervisor:
         audit = place.lend_file("orchestrator", cfg.audit_log) if cfg.audit_log else None
         orchestrator = {"host_socket": self._host_sock, "pki_dir": place.path(self.dir / "pki" / "orchestrator"),
                         "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
-                        "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer,
+                        "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer, "schema": cfg.schema,
                         "trust_dir": place.path(self.trust.orchestrator_dir), **self._device_timeout(), **self._hardware(),
                         "audit_log": audit or place.path(self.audit_log_path), "job_json": cfg.job_json}
         return orchestrator, quoting
@@ -177,7 +177,7 @@ class Supervisor:
         return {"name": h.name, "dataset_path": place.dataset(h.name, h.dataset), "host_socket": self._host_sock,
                 "pki_dir": place.path(self.dir / "pki" / h.name), "layout": cfg.layout,
                 "audit_arrival": cfg.audit_arrival, "dataset_format": h.format,
-                "die_mid_copy_on_travel": h.die_mid_copy_on_travel,
+                "die_mid_copy_on_travel": h.die_mid_copy_on_travel, "eval_share": h.eval_share, "eval_seed": h.eval_seed,
                 "trust_dir": place.path(self.trust.holder_dir(h.name)),
                 "probe_at_boot": not late, **self._device_timeout(), **self._hardware(), "enroll": h.name}
 

@@ -20,15 +20,15 @@ from gputravel.attest.provision import REFERENCE_FILE
 from gputravel.cohort.config import RESERVED_TEXT, is_holder_name
 from gputravel.crypto.pki import MEMBER_NAME
 from gputravel.errors import BadInput
-from gputravel.files import TOKENS, DatasetFormat, dataset_kind
+from gputravel.files import EVAL_SHARE, TOKENS, DatasetFormat, dataset_kind
 from gputravel.orchestrator.cvm import OrchestratorConfig
 from gputravel.protocol.layout import MIB, PAGE, Layout
 from gputravel.train.job import TrainConfig
 
 __all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
            "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "host_party",
-           "load_service", "orchestrator_engine_config", "orchestrator_party", "public_file", "quoting_socket",
-           "validate_service", "PARTIES", "MAX_SOCKET_PATH", "ORCHESTRATOR"]
+           "job_schema", "load_service", "orchestrator_engine_config", "orchestrator_party", "public_file",
+           "quoting_socket", "validate_service", "JOB_SCHEMA_KEY", "PARTIES", "MAX_SOCKET_PATH", "ORCHESTRATOR"]
 
 PARTIES = ("host", "gpu", "orchestrator", "holder")
 ORCHESTRATOR = "orchestrator"
@@ -279,14 +279,23 @@ class OrchestratorService(_Service):
         return self
 
 
+JOB_SCHEMA_KEY = "record_schema"  # TrainConfig's key for the record schema a job trains on (issue 27)
+
+
+def job_schema(job: TrainConfig) -> str:
+    """The record schema the job trains on (canonical JSON; "": tokens)."""
+    return getattr(job, JOB_SCHEMA_KEY, "")
+
+
 def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_dir: str) -> OrchestratorConfig:
     """The engine's config; its placement is not measured, so init's measurement is the running service's."""
     return OrchestratorConfig(
         host_socket=cfg.host_socket, pki_dir=pki_dir, layout=cfg.layout.to_layout(),
         buffer_bytes=cfg.job.buffer_bytes, listen_host=cfg.listen_host, listen_port=cfg.listen_port,
         holder_timeout=cfg.holder_timeout, device_timeout=cfg.device_timeout,
-        # As the demo (jobs/training.py): holders whose tokens came from another tokenizer are refused.
-        tokenizer=cfg.job.tokenizer,
+        # As the demo (jobs/training.py): holders whose tokens came from another tokenizer, or whose
+        # records have another schema than the job's, are refused.
+        tokenizer=cfg.job.tokenizer, schema=job_schema(cfg.job),
         trust_dir=trust_dir, audit_log=os.path.join(cfg.state_dir, AUDIT_LOG), hardware=cfg.hardware,
         # The [job] table is measured too: a holder's policy pins the job run on its data.
         job_json=cfg.job.train_config().canonical_json())
@@ -301,6 +310,9 @@ class HolderService(_Service):
     public_dir: AbsPath
     data: AbsPath
     format: DatasetFormat = TOKENS  # the data of a training job (files.py DATASET_FORMATS)
+    # A "records" dataset's held-out share, never trained on, and the seed that picks it (HolderConfig).
+    eval_share: Annotated[float, Field(ge=0, lt=1)] = EVAL_SHARE
+    eval_seed: Annotated[int, Field(ge=0)] = 0
     orchestrator: Annotated[str, Field(pattern=ORCHESTRATOR_PATTERN)] = ORCHESTRATOR  # the party it joins
     orchestrator_host: str = "127.0.0.1"
     orchestrator_port: Port

@@ -23,11 +23,13 @@ from gputravel.attest.roots import GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
 from gputravel.cohort import capacity, isolation, stopping
 from gputravel.cohort.config import RESERVED_TEXT, is_holder_name
 from gputravel.cohort.trust import measure_orchestrator
+from gputravel.data.records import RecordSchema, common_schema, is_record_dataset
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
-from gputravel.files import atomic_write_bytes
+from gputravel.files import RECORDS, TOKENS, DatasetFormat, atomic_write_bytes
 from gputravel.protocol.layout import MIB, record_bytes_for
 from gputravel.service.config import (
+    JOB_SCHEMA_KEY,
     ORCHESTRATOR,
     GpuService,
     HolderService,
@@ -39,6 +41,7 @@ from gputravel.service.config import (
     ServiceConfig,
     explain_built,
     host_party,
+    job_schema,
     orchestrator_engine_config,
     orchestrator_party,
     validate_service,
@@ -46,7 +49,8 @@ from gputravel.service.config import (
 from gputravel.service.registry import VENDOR_DIR, platform_dir, write_registry
 from gputravel.train.schedule import check_shares, partition
 
-__all__ = ["data_bytes", "holder_shares", "init_cohort", "job_tokenizer", "write_service"]
+__all__ = ["data_bytes", "data_format", "data_schema", "holder_shares", "init_cohort", "job_tokenizer",
+           "write_service"]
 
 VRAM_MARGIN = 64 * MIB  # the GPU's memory beyond the dataset buffer, as the supervisor gives it
 
@@ -85,6 +89,34 @@ def job_tokenizer(holders: Sequence[tuple[str, str]]) -> str:
     if found not in KNOWN:
         raise BadInput(f"unknown tokenizer {found!r} in the holders' tokenizer.json: known are {', '.join(KNOWN)}")
     return found
+
+
+def data_format(path: str) -> DatasetFormat:
+    """A holder's data format: a record dataset's directory, else tokens (shards or text)."""
+    return RECORDS if is_record_dataset(path) else TOKENS
+
+
+def data_schema(holders: Sequence[tuple[str, str]]) -> str:
+    """The schema every holder's records agree on (canonical JSON; "": they hold tokens), read
+    without their records; BadInput naming a holder that holds otherwise, and the field."""
+    kinds = {name: data_format(path) for name, path in holders}
+    if len(set(kinds.values())) != 1:
+        raise BadInput(f"holders disagree on their data: {kinds}; give every holder records, or every one tokens")
+    return common_schema(holders).canonical_json() if RECORDS in kinds.values() else ""
+
+
+def _check_job_schema(section: JobSection, holders: Sequence[tuple[str, str]], schema: str) -> None:
+    """A job stating another schema than its holders' records: refused here, not at every join."""
+    want = job_schema(section)
+    if not (want and schema):
+        return
+    try:
+        diff = RecordSchema.from_json(want).difference(RecordSchema.from_json(schema))
+    except BadInput as exc:
+        raise BadInput(f"job.{JOB_SCHEMA_KEY}: {exc}") from None
+    if diff:
+        names = ", ".join(repr(n) for n, _ in holders)
+        raise BadInput(f"holders {names} hold records of another schema than job.{JOB_SCHEMA_KEY}: {diff}")
 
 
 def _record_bytes(buffer_bytes: int) -> int:
@@ -219,6 +251,7 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
         out.append((d / f"holder-{name}.toml", HolderService(
             party="holder", cohort_dir=str(d), name=name, state_dir=str(state / f"holder-{name}"),
             host_socket=str(run / f"{host_party(k)}.sock"), boot_lock=str(run / f"gpu-{k}.lock"), data=data,
+            format=data_format(data),
             orchestrator=orchestrator_party(k), orchestrator_port=ports[k], layout=layout, policy=policy,
             uid=uid[f"holder-{name}"], hardware=hardware, **shared)))
     return out
@@ -259,10 +292,13 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         raise BadInput(f"--steps: expected a positive integer, got {steps!r}")
     if buffer_bytes is not None:
         _record_bytes(buffer_bytes)
-    tokenizer = job_tokenizer(checked)
+    tokenizer, schema = job_tokenizer(checked), data_schema(checked)
     overrides = {k: v for k, v in (("steps", steps), ("buffer_bytes", buffer_bytes)) if v is not None}
-    fields = {"tokenizer": tokenizer, "vocab_size": KNOWN[tokenizer].vocab_size, **(job or {}), **overrides}
+    # The data fixes the tokenizer, and the schema of records (where the job has the key for it).
+    found = {JOB_SCHEMA_KEY: schema} if schema and JOB_SCHEMA_KEY in JobSection.model_fields else {}
+    fields = {"tokenizer": tokenizer, "vocab_size": KNOWN[tokenizer].vocab_size, **found, **(job or {}), **overrides}
     section = JobSection(run_dir=str(d / "run-dir"), **fields)  # BadInput naming job.KEY
+    _check_job_schema(section, checked, schema)
     _check_gpus(gpus, len(checked), section.buffer_bytes)
     split = holder_shares(checked, gpus, shares) if gpus > 1 or shares is not None else [[n for n, _ in checked]]
     ports = _free_ports("127.0.0.1", gpus + (gpus > 1))  # each rank's listener, and rank 0's for the ranks

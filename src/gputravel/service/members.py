@@ -91,6 +91,7 @@ def _serve_holder_once(cfg: HolderService, pki: Path, trust: Path, home: Path, s
     lock = _try_lock(cfg.boot_lock)  # None: the orchestrator has the GPU, we join late
     config = {"name": name, "dataset_path": cfg.data, "host_socket": cfg.host_socket, "pki_dir": str(pki),
               "layout": cfg.layout.to_layout(), "dataset_format": cfg.format, "trust_dir": str(trust),
+              "eval_share": cfg.eval_share, "eval_seed": cfg.eval_seed,
               "probe_at_boot": lock is not None, "hardware": cfg.hardware, "device_timeout": cfg.device_timeout,
               "self_sign": name}
     child = PartyChild("holder", config, uid=cfg.uid, home=home)

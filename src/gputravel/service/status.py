@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import gputravel
@@ -145,14 +146,17 @@ def _kept_head(path: Path) -> bytes | None:
 def _holders_data(cfg: HolderService) -> Dataset:
     """The holder's data, opened as its account (root opening any path told an operator about
     another holder's data); the package's shipped data, which as_party cannot reach, as root."""
+    # Laid out as the holder's CVM lays it out (a records dataset: in its pieces, held-out records last).
+    opened = partial(Dataset, fmt=cfg.format, piece_bytes=manifest_piece_bytes(cfg.layout.to_layout()),
+                     eval_share=cfg.eval_share, eval_seed=cfg.eval_seed)
     try:
         with as_party(cfg.uid):
-            return Dataset(cfg.data, cfg.format)
+            return opened(cfg.data)
     except (GputravelError, OSError):
         real = Path(os.path.realpath(cfg.data))  # resolved once: a link swapped now changes nothing
         if not real.is_relative_to(SHIPPED):
             raise
-    return Dataset(str(real), cfg.format)  # public text, the package's own, in a tree only root writes
+    return opened(str(real))  # public text, the package's own, in a tree only root writes
 
 
 def _my_chunks(cfg: HolderService, travels: list[Entry]) -> dict:
