@@ -208,3 +208,37 @@ def test_init_gives_a_records_holder_its_format_and_the_job_its_schema(searchabl
     with pytest.raises(BadInput, match=f"another schema than job.{JOB_SCHEMA_KEY}: field 'image'"):
         init_cohort(text_dir, [("north", str(north))], job={**job, JOB_SCHEMA_KEY: WIDER.canonical_json()})
     assert json.loads(SCHEMA.canonical_json())  # canonical JSON is what travels
+
+
+# ----------------------------------------------------------------------------- a process cohort
+def test_a_process_cohort_hands_records_holders_their_directory_and_split(processes, searchable_tmp,
+                                                                          tmp_path: Path) -> None:
+    """The launcher hands a record dataset's directory to its holder's CVM (as root, behind a
+    descriptor, under the holder's own uid), with its held-out share; a holder of another schema
+    is refused at its join, which stops the cohort's start."""
+    from gputravel.cohort.local import Cohort
+
+    os.chmod(tmp_path, 0o711)
+    paths = {"h1": dataset_dir(tmp_path, "h1"), "h2": dataset_dir(tmp_path, "h2", count=30)}
+    for d in paths.values():
+        d.chmod(0o755)  # readable by the holder's account (write_records leaves a directory 0700)
+    shares = {"h1": 0.25, "h2": 0.0}
+    specs = tuple(HolderSpec(n, str(p), "records", eval_share=shares[n], eval_seed=3) for n, p in paths.items())
+    buffer = 2 * PIECE
+    units = Units(SCHEMA.record_bytes, PIECE)
+    with Cohort(CohortConfig(holders=specs, buffer_bytes=buffer, layout=TEST_LAYOUT,
+                             schema=SCHEMA.canonical_json())) as cohort:
+        for name, path in paths.items():
+            laid, train, held = lay_out_split(Records(SCHEMA, np.load(path / "records.npy")), units, shares[name], 3)
+            assert cohort.dataset_bytes[name] == len(laid) == units.split_bytes(train, held)
+            report = cohort.travel(name, units.eval_base(train) if held else 0)
+            assert report.chunk is not None
+            assert report.chunk.digest == chunk_digest(laid[report.chunk.dataset_offset :][: report.chunk.nbytes],
+                                                       PIECE)
+    wider = dataset_dir(tmp_path, "h3", schema=WIDER)
+    wider.chmod(0o755)
+    refused = CohortConfig(holders=(*specs, HolderSpec("h3", str(wider), "records")), buffer_bytes=buffer,
+                           layout=TEST_LAYOUT, schema=SCHEMA.canonical_json())
+    with pytest.raises(BadInput, match=re.escape("holder 'h3' holds records of another schema: field 'image'")):
+        with Cohort(refused):
+            pass
