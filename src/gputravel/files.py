@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Final, Literal, get_args
 
-from gputravel.errors import BadInput
-
 
 def _umask() -> int:
     """This process's umask, read without setting it (os.umask would race other threads)."""
@@ -74,12 +72,12 @@ def dataset_kind(fmt: str) -> str:
 EVAL_SHARE = 0.2
 
 
-def check_split(who: str, share: float, seed: int) -> None:
-    """A holder's held-out share and seed; BadInput naming `who` before anything boots."""
+def check_split(share: float, seed: int) -> None:
+    """A holder's held-out share and seed, checked before anything boots; else ValueError."""
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
-        raise BadInput(f"{who}: eval_share must be at least 0 and below 1, got {share!r}")
+        raise ValueError(f"eval_share must be at least 0 and below 1, got {share!r}")
     if type(seed) is not int or seed < 0:
-        raise BadInput(f"{who}: eval_seed must be a non-negative integer, got {seed!r}")
+        raise ValueError(f"eval_seed must be a non-negative integer, got {seed!r}")
 
 
 #: What `not_data` says of a path that is not there.

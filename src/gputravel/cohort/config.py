@@ -108,7 +108,10 @@ class CohortConfig:
             exists = Path(h.dataset).is_file() if kind == "file" else Path(h.dataset).exists()
             if not exists:
                 raise BadInput(f"dataset of holder {h.name!r} not found: {h.dataset}")
-            check_split(f"holder {h.name!r}", h.eval_share, h.eval_seed)
+            try:
+                check_split(h.eval_share, h.eval_seed)
+            except ValueError as exc:
+                raise BadInput(f"holder {h.name!r}: {exc}") from None
         if self.schema:
             _check_schema(self.schema)
         if type(self.gpu_index) is not int or self.gpu_index < 0:

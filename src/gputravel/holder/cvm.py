@@ -68,7 +68,10 @@ class HolderConfig:
     eval_seed: int = 0
 
     def __post_init__(self) -> None:
-        check_split(f"holder {self.name!r}", self.eval_share, self.eval_seed)
+        try:
+            check_split(self.eval_share, self.eval_seed)
+        except ValueError as exc:
+            raise BadInput(f"holder {self.name!r}: {exc}") from None
 
 
 def manifest_piece_bytes(layout: Layout) -> int:
@@ -125,7 +128,7 @@ class Dataset:
         return mem
 
     def _load_records(self, path: str, piece_bytes: int, share: float, seed: int) -> mmap.mmap:
-        from gputravel.data.records import RECORDS_FILE, SCHEMA_FILE, Units, lay_out_split, load_records  # numpy
+        from gputravel.data.records import RECORDS_FILE, SCHEMA_FILE, Units, lay_out_split, load_records  # lazy: numpy
 
         if piece_bytes <= 0:
             raise ValueError("a records dataset is laid out in its holder's manifest pieces: pass piece_bytes")
