@@ -101,7 +101,8 @@ class Placement:
 
     # ------------------------------------------------------------------ inputs
     def dataset(self, key: str, path: str) -> str:
-        """A holder's dataset (and a shard's tokenizer.json), handed as a descriptor behind a link."""
+        """A holder's dataset (and a shard's tokenizer.json), handed as a descriptor behind a link: a
+        directory (shards, or a record dataset's records.npy and schema.json) is read through it."""
         if not self.on:
             return path
         source = Path(path).resolve()
