@@ -38,6 +38,7 @@ FLOORS = {
     "device": 3,
     "host": 3,
     "train": 3,
+    "workloads": 3,  # the consortium's training code (issue 27): model, loss, batches of records
     "ddp": 3,  # data-parallel training between GPU TEEs: takes attestation as callbacks
     "holder": 4,  # the trust domains: neither imports the other
     "orchestrator": 4,
@@ -61,6 +62,7 @@ SAME_FLOOR = {
     ("bench", "fl"): "the training benchmark runs the FedAvg baseline",
     ("jobs", "service"): "the demo launches each party's own service, as a consortium deploys them",
     ("train", "ddp"): "data-parallel training wraps its model in the encrypted ring's DDP hook",
+    ("train", "workloads"): "training runs the job's workload",
 }
 REDTEAM = "redteam"
 #: The one module outside the red team that may reach it, and only inside its command.
