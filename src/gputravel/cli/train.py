@@ -19,7 +19,7 @@ from gputravel.errors import BadInput, number_in
 from gputravel.protocol.control import STEPS
 from gputravel.cli.hardware import hardware_option
 from gputravel.cli.output import check_output_dir, check_output_file, console, fail, make_output_dir, write_results
-from gputravel.train.job import TrainConfig
+from gputravel.train.job import WORKLOADS, TrainConfig
 
 JOB = TrainConfig()  # the options' defaults are the job's (train/job.py)
 
@@ -40,9 +40,21 @@ def _holder_data(items: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _workload(value: str) -> dict[str, str]:
+    """--workload: a shipped workload's name, or a .py file whose text becomes part of the job."""
+    if value in WORKLOADS:
+        return {"workload": value}
+    path = Path(value)
+    if path.suffix != ".py" or not path.is_file():
+        raise BadInput(f"--workload takes one of {', '.join(WORKLOADS)} or a workload .py file, got {value!r}")
+    return {"workload": path.stem, "workload_code": path.read_text()}
+
+
 def training_job(
+    workload: str = typer.Option(JOB.workload, help="What trains: gpt2 (tokens), image (a CNN on 8x8 digits), tabular (an MLP on tumour records), or a workload .py file (docs/workloads.md)."),
+    eval_every: int = typer.Option(JOB.eval_every, help="Evaluate on the holders' held-out records every N steps (records workloads; always at the end)."),
     holders: int = typer.Option(3, help="Data holders (one CVM process each); the demo data is split among them."),
-    holder_data: list[str] = typer.Option([], "--holder-data", help="NAME=PATH of a holder's llm.c shards or text (repeatable; replaces the demo data)."),
+    holder_data: list[str] = typer.Option([], "--holder-data", help="NAME=PATH of a holder's llm.c shards or text, or its record dataset (`gputravel data pack`) (repeatable; replaces the demo data)."),
     steps: int = typer.Option(JOB.steps, help="Training steps."),
     batch: int = typer.Option(JOB.batch, help="Batch size B."),
     seq_len: int = typer.Option(JOB.seq_len, help="Sequence length T."),
@@ -60,7 +72,7 @@ def training_job(
     servers: bool = typer.Option(False, help="With --gpus: each GPU on an emulated server of its own (network namespaces; needs root), the ranks joined by shaped links."),
     server_mbit: Optional[float] = typer.Option(None, help="With --servers: cap of each server's link to the others, Mbit/s (default uncapped)."),
 ) -> None:
-    """Train GPT-2 on the holders' data, fed by a travelling GPU.
+    """Train a workload (GPT-2 by default) on the holders' data, fed by a travelling GPU.
 
     A local cohort runs (host, GPU, orchestrator, holders as processes); the orchestrator trains
     on each chunk the GPU brings back from a holder."""
@@ -81,15 +93,17 @@ def training_job(
     cfg = TrainingJobConfig(
         train=JOB.replace(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
                           schedule=schedule, seed=seed, loader=loader, threads=threads,
-                          checkpoint_every=checkpoint_every),  # BadInput naming the flag
-        holders=_holder_data(holder_data) if holder_data else default_holders(holders, out),
+                          checkpoint_every=checkpoint_every, eval_every=eval_every,
+                          **_workload(workload)),  # BadInput naming the flag
+        holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
         servers=servers, server_mbit=server_mbit)
     check_capacity(cfg)
     make_output_dir(out, "--run-dir")  # last, as it creates the directory: writable before the run
     names = ", ".join(n for n, _ in cfg.holders)
-    console.print(f"[bold]gputravel demo[/bold]: GPT-2 ({cfg.train.n_layer} layers, {cfg.train.n_embd} wide), "
-                  f"{steps} steps of {batch}x{seq_len} tokens, {loader} loader, holders: {names}; "
+    what = (f"GPT-2 ({cfg.train.n_layer} layers, {cfg.train.n_embd} wide), {steps} steps of {batch}x{seq_len} tokens"
+            if not cfg.train.records else f"the {cfg.train.workload} workload, {steps} steps of {batch} records")
+    console.print(f"[bold]gputravel demo[/bold]: {what}, {loader} loader, holders: {names}; "
                   f"buffer {cfg.train.buffer_bytes >> 10} KiB in the GPU's protected memory.")
     if gpus > 1:
         from gputravel.jobs.training import shares_of  # lazy: torch, as above
@@ -112,10 +126,12 @@ class _LiveView:
                                  TimeElapsedColumn())
         self.task = self.progress.add_task("train", total=steps)
         self.last = None
+        self.evaluated: dict = {}
         self._shown = 0.0
 
     def update(self, event, live: Live) -> None:
         self.last = event
+        self.evaluated = getattr(event, "evaluated", None) or self.evaluated
         self.progress.update(self.task, completed=event.step + 1)
         now = time.monotonic()
         if now - self._shown > 0.1:  # redraw at most ten times a second
@@ -132,6 +148,9 @@ class _LiveView:
         else:
             table.add_row("loss", f"{e.loss:.4f}", "tokens/s", f"{e.tokens_per_s:,.0f}", "GPU last at", e.holder)
             table.add_row("step", str(e.step + 1), "travels", str(e.travels), "time travelling", f"{e.stall_share:.2%}")
+        if self.evaluated:  # the held-out metrics over all holders, at the last evaluation
+            shown = [(k, f"{v:.2%}" if k == "accuracy" else f"{v:.4f}") for k, v in self.evaluated.items() if k != "records"]
+            table.add_row(*[c for k, v in shown[:3] for c in (f"held-out {k}", v)], *[""] * (6 - 2 * min(3, len(shown))))
         return Panel(Group(self.progress, table), title="GPU Travelling: training", expand=False)
 
 
@@ -150,6 +169,15 @@ def _summary(report: dict, out: Path) -> None:
     console.print(f"loss {report['loss_before']:.3f} -> {report['loss_after']:.3f} (means of the first and last 10 steps); "
                   f"data stall {report['stall_share']:.2%} of {report['wall_s']:.1f} s "
                   f"({report['travel_count']} fetches).")
+    if report.get("eval"):
+        table = Table(title="Held-out evaluation (each holder's own records, never trained on)")
+        keys = [k for k in report["eval"]["all"] if k != "records"]
+        for col in ("holder", *keys, "records"):
+            table.add_column(col, justify="left" if col == "holder" else "right")
+        rows = [*report["eval"]["per_holder"].items(), ("all holders", report["eval"]["all"])]
+        for name, m in rows:
+            table.add_row(name, *[f"{m[k]:.2%}" if k == "accuracy" else f"{m[k]:.4f}" for k in keys], str(m["records"]))
+        console.print(table)
     if report.get("sample"):
         console.print(Panel(report["sample"].strip() or "(empty)", title="sample", expand=False))
     for r in report.get("ranks", ()):

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from gputravel.errors import BadInput
+from gputravel.files import _umask
 
 RECORDS_FILE, SCHEMA_FILE = "records.npy", "schema.json"
 DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64")
@@ -194,6 +195,7 @@ def write_records(path: Path | str, schema: RecordSchema, array: np.ndarray) -> 
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     old = None
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # as mkdir would: a holder's CVM reads it under its own uid
         np.save(tmp / RECORDS_FILE, array, allow_pickle=False)
         (tmp / SCHEMA_FILE).write_text(json.dumps(schema.to_dict(), indent=1) + "\n")
         for f in tmp.iterdir():
@@ -316,3 +318,19 @@ def split_arrays(records: Records, share: float, seed: int = 0) -> tuple[np.ndar
 def as_tensors(batch: np.ndarray, convert: Callable[[np.ndarray], object]) -> dict[str, object]:
     """A batch of records as a mapping from field name to `convert`'s value (torch.from_numpy)."""
     return {name: convert(np.ascontiguousarray(batch[name])) for name in batch.dtype.names or ()}
+
+
+def common_schema(holders: Sequence[tuple[str, str]]) -> RecordSchema:
+    """The schema every holder's record dataset has; BadInput naming the first holder and field that differ."""
+    schemas = []
+    for name, path in holders:
+        try:
+            schemas.append((name, RecordSchema.from_json((Path(path) / SCHEMA_FILE).read_text())))
+        except OSError:
+            raise BadInput(f"holder {name!r}: {path} is not a record dataset (no {SCHEMA_FILE}); "
+                           "write one with `gputravel data pack`") from None
+    first_name, first = schemas[0]
+    for name, schema in schemas[1:]:
+        if why := first.difference(schema):
+            raise BadInput(f"holder {name!r} holds records of another schema than holder {first_name!r}: {why}")
+    return first

@@ -1,6 +1,6 @@
-"""The training job (`gputravel demo`): the orchestrator trains GPT-2 on what its GPU brings
-from each holder; ``loader="local"`` runs the same loop here on the same tokens read from disk,
-in the same order: the reference for paper goal G2.
+"""The training job (`gputravel demo`): the orchestrator trains the workload (GPT-2, or records'
+own, issue 27) on what its GPU brings from each holder; ``loader="local"`` runs the same loop here
+on the same data read from disk, in the same order: the reference for paper goal G2.
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ from gputravel.cohort.gpus import GpuCohorts, on_each
 from gputravel.cohort.local import Cohort
 from gputravel.ddp.launch import free_port
 from gputravel.net.counters import bytes_between, link_bytes
-from gputravel.jobs.local_ranks import run_local_ranks
+from gputravel.jobs.local_ranks import local_source, run_local_ranks
 from gputravel.cohort.config import CohortConfig, HolderSpec
-from gputravel.data.holder_tokens import load_tokens
+from gputravel.data.records import RecordSchema, Units, common_schema
 from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.data.tokenizer import KNOWN
 from gputravel.errors import BadInput, number_in
-from gputravel.files import MISSING, TOKENS, atomic_write_bytes, not_data, write_json
+from gputravel.files import MISSING, RECORDS, TOKENS, atomic_write_bytes, not_data, write_json
 from gputravel.net.tc import MAX_BANDWIDTH_MBIT
 from gputravel.protocol.hardware import hardware_profile
 from gputravel.protocol.layout import Layout, record_bytes_for
-from gputravel.train.loader import TOKEN_BYTES, LocalSource
-from gputravel.train.job import TrainConfig
-from gputravel.train.loop import StepEvent, checkpoint_shares, make_report, sample_tokenizer, train
+from gputravel.train.loader import TOKEN_BYTES
+from gputravel.train.job import TORCH_MIB, TrainConfig
+from gputravel.train.loop import StepEvent, checkpoint_shares, make_report, sample_tokenizer, train, workload_of
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ class TrainingJobConfig:
 def check_capacity(cfg: TrainingJobConfig) -> None:
     """BadInput, naming the flag, if this machine cannot carry the job (cohort/capacity.py)."""
     t = resolve(cfg).train  # the holders' tokenizer fixes the vocabulary, so the logits' size
+    if t.records:
+        return _check_record_capacity(cfg, t)
     if t.buffer_bytes // TOKEN_BYTES < t.batch * t.seq_len + 1:
         raise BadInput(f"--buffer-mib {t.buffer_bytes / capacity.MIB:g} holds {t.buffer_bytes // TOKEN_BYTES} tokens, and one "
                        f"batch needs {t.batch * t.seq_len + 1} (--batch {t.batch} x --seq-len {t.seq_len}, and the next "
@@ -86,13 +88,40 @@ def check_capacity(cfg: TrainingJobConfig) -> None:
                    vram_mib=-(-t.buffer_bytes // capacity.MIB) + capacity.VRAM_MARGIN_MIB, train_mib=t.memory_mib())
 
 
+def _check_record_capacity(cfg: TrainingJobConfig, t: TrainConfig) -> None:
+    from gputravel.holder.cvm import manifest_piece_bytes  # lazy: the holder's CVM module
+
+    record = RecordSchema.from_json(t.record_schema).record_bytes
+    held = Units(record, manifest_piece_bytes(layout_for(t.buffer_bytes))).capacity(t.buffer_bytes)
+    if held < t.batch:
+        raise BadInput(f"--buffer-mib {t.buffer_bytes / capacity.MIB:g} holds {held} records of {record} bytes, and one "
+                       f"batch needs {t.batch}: use a larger --buffer-mib or a smaller --batch")
+    if t.loader == "local":
+        return
+    capacity.check_buffer(t.buffer_bytes, "--buffer-mib")
+    data = sum(data_bytes(path) for _, path in cfg.holders)
+    capacity.check(len(cfg.holders), sysmem_bytes=layout_for(t.buffer_bytes).sysmem_bytes,
+                   dataset_bytes=-(-data // len(cfg.holders)), gpus=cfg.gpus,
+                   vram_mib=-(-t.buffer_bytes // capacity.MIB) + capacity.VRAM_MARGIN_MIB, train_mib=capacity_mib())
+
+
+def capacity_mib() -> int:
+    """A records workload's training memory: torch's own, its models being small (the shipped ones are)."""
+    return TORCH_MIB
+
+
 def layout_for(buffer_bytes: int) -> Layout:
     """Bounce-buffer records of 1 MiB, or smaller when the dataset buffer itself is smaller."""
     return Layout(record_bytes=record_bytes_for(buffer_bytes))
 
 
-def default_holders(count: int, workdir: Path) -> tuple[tuple[str, str], ...]:
-    """The shipped Shakespeare: its three presses, or its plays dealt to `count` holders in turn."""
+def default_holders(count: int, workdir: Path, workload: str = "gpt2") -> tuple[tuple[str, str], ...]:
+    """The shipped demo data: Shakespeare's three presses, or its plays dealt to `count` holders in
+    turn; for the image and tabular workloads, digits or tumour records dealt to `count` holders."""
+    if workload in ("image", "tabular"):
+        from gputravel.data.demo_records import demo_holders  # lazy: Pillow, for these workloads only
+
+        return demo_holders(workload, count, workdir)
     presses = shakespeare_holders()
     if count == len(presses):
         return tuple((name, str(path)) for name, path in presses.items())
@@ -111,7 +140,12 @@ def default_holders(count: int, workdir: Path) -> tuple[tuple[str, str], ...]:
 
 
 def resolve(cfg: TrainingJobConfig) -> TrainingJobConfig:
-    """Fix the tokenizer and vocabulary from the holders' data; every holder must agree."""
+    """Fix the tokenizer and vocabulary, or the record schema, from the holders' data; every holder must agree."""
+    if cfg.train.records:
+        schema = common_schema(cfg.holders).canonical_json()
+        train = cfg.train.replace(record_schema=schema, sample_tokens=0)
+        workload_of(train)  # BadInput now if the workload cannot train on these records
+        return replace(cfg, train=train)
     name = job_tokenizer(cfg.holders)
     return replace(cfg, train=cfg.train.replace(tokenizer=name, vocab_size=KNOWN[name].vocab_size))
 
@@ -124,8 +158,8 @@ def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None
     if cfg.gpus > 1:
         report = _run_ranks(cfg, run_dir, on_step)
     elif cfg.train.loader == "local":
-        tokens = {name: load_tokens(path).tokens for name, path in cfg.holders}
-        report = make_report(cfg.train, train(cfg.train, LocalSource(tokens), run_dir=run_dir, on_step=on_step,
+        report = make_report(cfg.train, train(cfg.train, local_source(cfg.train, cfg.holders), run_dir=run_dir,
+                                              on_step=on_step,
                                               resume_from=_checkpoint(cfg, run_dir),
                                               tokenizer=sample_tokenizer(cfg.train.tokenizer)))
     else:
@@ -212,8 +246,10 @@ def _run_travelling_ranks(cfg: TrainingJobConfig, run_dir: Path, on_step, shares
     """--servers: a cohort per GPU in network namespaces (cohort/gpus.py), the ranks of one job."""
     t = cfg.train
     logs = [_audit_paths(run_dir, f"gpu-{k}-") for k in range(cfg.gpus)]
-    base = CohortConfig(holders=tuple(HolderSpec(n, p, TOKENS) for n, p in cfg.holders),
-                        buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes), tokenizer=t.tokenizer,
+    fmt = RECORDS if t.records else TOKENS
+    base = CohortConfig(holders=tuple(HolderSpec(n, p, fmt) for n, p in cfg.holders), schema=t.record_schema,
+                        buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes),
+                        tokenizer="" if t.records else t.tokenizer,
                         output_dirs=(str(run_dir),), hardware=cfg.hardware, link="netns",
                         job_json=t.canonical_json())
 

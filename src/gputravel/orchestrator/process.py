@@ -96,13 +96,18 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
                        "which the holders pinned: launch an orchestrator for this job")
     if cfg.buffer_bytes != orch.config.buffer_bytes:
         raise BadInput(f"the job wants a {cfg.buffer_bytes}-byte buffer, this cohort has {orch.config.buffer_bytes}")
-    if orch.config.tokenizer and cfg.tokenizer != orch.config.tokenizer:
+    if cfg.records and cfg.record_schema != orch.config.schema:
+        raise BadInput("the job trains on records of another schema than the one this cohort's holders were "
+                       "admitted with: launch an orchestrator for this job")
+    if not cfg.records and orch.config.tokenizer and cfg.tokenizer != orch.config.tokenizer:
         raise BadInput(f"the job trains on {cfg.tokenizer!r} tokens, this cohort holds {orch.config.tokenizer!r} tokens")
     assert orch.travel_sm is not None
-    sizes = {name: orch.travel_sm.holders[name].dataset_bytes for name in orch.holders}
+    hellos = {name: orch.travel_sm.holders[name] for name in orch.holders}
+    sizes = {name: hello.dataset_bytes for name, hello in hellos.items()}
+    cuts = {name: _cut(hello, cfg.records) for name, hello in hellos.items()}
     ranks = _ranks(orch, cmd)
     engine = Admitting(orch, membership)
-    source = BaselineSource(orch, sizes) if cfg.loader == "baseline" else TravelSource(engine, sizes)
+    source = (BaselineSource(orch, sizes, cuts) if cfg.loader == "baseline" else TravelSource(engine, sizes, cuts))
     result = train(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
                    on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
                    resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
@@ -110,6 +115,20 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
                    should_stop=_ShutdownAsked(control),  # with ranks, one asked stops them all
                    anchor=orch.travel_log)  # a resume goes on only with the log its checkpoint names
     return make_report(cfg, result)
+
+
+def _cut(hello: Any, records: bool) -> Any:
+    """How a holder's dataset travels, from its hello (checked when it was enrolled)."""
+    from gputravel.data.records import RecordSchema, Units  # lazy: numpy, for training only
+    from gputravel.train.loader import Cut  # lazy: torch, for training only
+
+    if records != bool(hello.schema):
+        raise BadInput(f"holder {hello.holder!r} holds {'records' if hello.schema else 'tokens'}, "
+                       f"the job trains on {'records' if records else 'tokens'}")
+    if not records:
+        return Cut.tokens(hello.dataset_bytes)
+    schema = RecordSchema.from_json(hello.schema)
+    return Cut(Units(schema.record_bytes, hello.piece_bytes), hello.train_records, hello.eval_records, schema.dtype)
 
 
 class _ShutdownAsked:

@@ -163,6 +163,7 @@ class TrainStep(Message, tag="ctl.train_step"):
     travels: int
     stall_share: float
     elapsed_s: float
+    evaluated: dict[str, float]  # held-out metrics over all holders, at an evaluation step (else empty)
 
 
 class TrainDone(Message, tag="ctl.train_done"):

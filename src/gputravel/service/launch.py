@@ -38,7 +38,7 @@ MAX_METRICS_LINE = 1 << 16  # of one metrics.csv row: a longer line is read in p
 MAX_REPORT_BYTES = 64 << 20
 MAX_COPY_BYTES = 16 << 30  # a run directory file larger than any checkpoint of ours is not copied back
 # What the orchestrator's run directory gives back to the user's (train/rundir.py), no more.
-RUN_FILES = ("checkpoint.pt", "metrics.csv", "report.json", "loss.png", "sample.txt")
+RUN_FILES = ("checkpoint.pt", "metrics.csv", "report.json", "loss.png", "eval.png", "sample.txt")
 PREFIX = "gputravel-services-"
 # A step's row in metrics.csv (train/loop.StepEvent): the type of each column.
 STEP_COLUMNS: Mapping[str, type] = {"step": int, "loss": float, "tokens_per_s": float, "holder": str, "travels": int,

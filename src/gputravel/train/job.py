@@ -17,6 +17,7 @@ from gputravel.data.tokenizer import KNOWN
 from gputravel.errors import BadInput
 from gputravel.train.schedule import POLICIES
 
+WORKLOADS = ("gpt2", "image", "tabular")  # shipped (gputravel/workloads); any other name is a file's, with its code
 LOADERS = ("travelling", "local", "baseline")  # baseline: the centralised TLS way (orchestrator/baseline.py)
 MAX_THREADS = 256  # torch crashes far above
 #: MiB the training process holds besides the model and its batch (about 300 measured, rounded up).
@@ -94,12 +95,26 @@ class TrainConfig(JobPart):
     sample_tokens: Count = 200  # text sampled at the end; 0: none
     checkpoint_every: Count = 100  # steps; 0: only at the end
     loader: Literal[LOADERS] = "travelling"  # type: ignore[valid-type]
+    # Issue 27: what trains. A file's text travels in the job, so the measurement holders pin covers it.
+    workload: Annotated[str, Field(min_length=1, max_length=128)] = "gpt2"
+    workload_code: Annotated[str, Field(max_length=1 << 20)] = ""
+    record_schema: str = ""  # the holders' record schema (data/records.py), canonical JSON; "": tokens
+    eval_every: Count = 0  # steps between evaluations on the holders' held-out records; 0: only at the end
 
     @model_validator(mode="after")
     def _model_shape(self) -> TrainConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd: expected a multiple of n_head ({self.n_head}), got {self.n_embd}")
+        if not self.workload_code and self.workload not in WORKLOADS:
+            raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)} or a workload file, got {self.workload!r}")
+        if self.workload == "gpt2" and not self.workload_code and self.record_schema:
+            raise ValueError("record_schema: expected none: gpt2 trains on tokens, not records")
         return self
+
+    @property
+    def records(self) -> bool:
+        """Does this job train on records (not GPT-2's token windows)?"""
+        return bool(self.workload_code) or self.workload != "gpt2"
 
     @classmethod
     def from_dict(cls, values: object) -> TrainConfig:

@@ -1,22 +1,26 @@
-"""The one iterator training reaches data through: llm.c's (x, y) batches of B x T tokens, from a
-:class:`ChunkSource`. A travel (:class:`TravelSource`), the TLS baseline (:class:`BaselineSource`)
-and local files (:class:`LocalSource`, the G2 reference) see the same visits, so give equal batches.
+"""The one iterator training reaches data through, from a :class:`ChunkSource`: llm.c's (x, y)
+windows of B x T tokens, or (issue 27) batches of B records shuffled within each visit. A travel
+(:class:`TravelSource`), the TLS baseline (:class:`BaselineSource`) and local files
+(:class:`LocalSource`, the G2 reference) see the same visits, so give equal batches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import numpy as np
 import torch
 
+from gputravel.data.records import Units
 from gputravel.errors import BadInput, HolderLost, ProtocolError
 from gputravel.protocol.control import BaselineReport
 from gputravel.train.schedule import LoaderState, Scheduler, Visit
 
 TOKEN_BYTES = 2  # llm.c shards hold uint16 tokens
+TOKEN = np.dtype("<u2")
 
 
 def batch_at(tokens: np.ndarray, j: int, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,12 +30,35 @@ def batch_at(tokens: np.ndarray, j: int, batch: int, seq_len: int) -> tuple[torc
     return buf[:-1].view(batch, seq_len), buf[1:].view(batch, seq_len)
 
 
+@dataclass(frozen=True)
+class Cut:
+    """How one holder's dataset travels: units (tokens or records) in manifest pieces, its
+    training units first, its held-out ones from the next piece (data/records.py)."""
+
+    units: Units
+    train: int
+    held: int = 0
+    dtype: np.dtype = TOKEN
+
+    @classmethod
+    def tokens(cls, dataset_bytes: int) -> Cut:
+        return cls(Units(TOKEN_BYTES, TOKEN_BYTES), dataset_bytes // TOKEN_BYTES)
+
+    def byte_offset(self, unit: int, held: bool = False) -> int:
+        base = self.units.pieces(self.train) * self.units.piece_bytes if held else 0
+        return base + self.units.offset(unit)
+
+    def span(self, count: int) -> int:
+        """Bytes from a visit's first unit to the end of its last."""
+        return self.units.offset(count - 1) + self.units.unit_bytes
+
+
 class ChunkSource(Protocol):
     def sizes(self) -> Mapping[str, int]:
-        """Tokens per holder."""
+        """Training units (tokens or records) per holder."""
 
     def fetch(self, visit: Visit) -> np.ndarray:
-        """The visit's tokens (uint16), valid until the next fetch."""
+        """The visit's units, valid until the next fetch."""
 
 
 @dataclass(frozen=True)
@@ -39,20 +66,37 @@ class Fetched:
     visit: Visit
     seconds: float
     report: object | None  # the travel report, when the source travelled
+    held: bool = False  # held-out records, fetched for evaluation only
 
 
 class LocalSource:
-    """Holders' token streams read from local files (the G2 reference; no GPU travels)."""
+    """Holders' tokens or records read from local files (the G2 reference; no GPU travels).
+    Records: `held` are each holder's held-out records, `piece_bytes` the holders' manifest pieces."""
 
-    def __init__(self, tokens: Mapping[str, np.ndarray]) -> None:
-        self._tokens = {name: np.asarray(t, dtype=np.uint16) for name, t in tokens.items()}
+    def __init__(self, tokens: Mapping[str, np.ndarray], held: Mapping[str, np.ndarray] | None = None,
+                 piece_bytes: int | None = None) -> None:
+        records = piece_bytes is not None
+        self._units = {name: np.asarray(t) if records else np.asarray(t, dtype=np.uint16) for name, t in tokens.items()}
+        self._held = {name: np.asarray(h) for name, h in (held or {}).items()}
+        self._piece = piece_bytes
         self.last_report = None
 
     def sizes(self) -> Mapping[str, int]:
-        return {name: len(t) for name, t in self._tokens.items()}
+        return {name: len(t) for name, t in self._units.items()}
+
+    def held_sizes(self) -> Mapping[str, int]:
+        return {name: len(self._held.get(name, ())) for name in self._units}
+
+    def capacity(self, buffer_bytes: int) -> int:
+        if self._piece is None:
+            return buffer_bytes // TOKEN_BYTES
+        return min(Units(t.dtype.itemsize, self._piece).capacity(buffer_bytes) for t in self._units.values())
 
     def fetch(self, visit: Visit) -> np.ndarray:
-        return self._tokens[visit.holder][visit.token_offset : visit.token_offset + visit.ntokens]
+        return self._units[visit.holder][visit.token_offset : visit.token_offset + visit.ntokens]
+
+    def fetch_held(self, visit: Visit) -> np.ndarray:
+        return self._held[visit.holder][visit.token_offset : visit.token_offset + visit.ntokens]
 
 
 class TravellingEngine(Protocol):
@@ -66,17 +110,25 @@ class BaselineEngine(Protocol):
 
 
 class TravelSource:
-    """Each fetch is one travel (paper Fig. 3): the chunk lands in the GPU's protected memory."""
+    """Each fetch is one travel (paper Fig. 3): the chunk lands in the GPU's protected memory.
+    `cuts`: how each holder's dataset travels (from its hello); tokens by default."""
 
     move = "travel"  # the engine's method that fills the buffer
 
-    def __init__(self, engine: TravellingEngine | BaselineEngine, dataset_bytes: Mapping[str, int]) -> None:
+    def __init__(self, engine: TravellingEngine | BaselineEngine, dataset_bytes: Mapping[str, int],
+                 cuts: Mapping[str, Cut] | None = None) -> None:
         self.engine = engine
-        self._sizes = {name: n // TOKEN_BYTES for name, n in dataset_bytes.items()}
+        self.cuts = dict(cuts) if cuts is not None else {n: Cut.tokens(b) for n, b in dataset_bytes.items()}
         self.last_report = None
 
     def sizes(self) -> Mapping[str, int]:
-        return self._sizes
+        return {name: cut.train for name, cut in self.cuts.items()}
+
+    def held_sizes(self) -> Mapping[str, int]:
+        return {name: cut.held for name, cut in self.cuts.items()}
+
+    def capacity(self, buffer_bytes: int) -> int:
+        return min(cut.units.capacity(buffer_bytes) for cut in self.cuts.values())
 
     def online(self) -> set[str]:
         """Holders lost earlier that the engine can reach again (one that admits holders while training says)."""
@@ -84,14 +136,21 @@ class TravelSource:
         return set(online()) if online is not None else set()
 
     def fetch(self, visit: Visit) -> np.ndarray:
-        report = getattr(self.engine, self.move)(visit.holder, visit.token_offset * TOKEN_BYTES)
+        return self._move(visit, held=False)
+
+    def fetch_held(self, visit: Visit) -> np.ndarray:
+        return self._move(visit, held=True)
+
+    def _move(self, visit: Visit, held: bool) -> np.ndarray:
+        cut = self.cuts[visit.holder]
+        report = getattr(self.engine, self.move)(visit.holder, cut.byte_offset(visit.token_offset, held))
         self.last_report = report
         chunk = getattr(report, "chunk", None)
         if chunk is None:
             raise ProtocolError(f"holder {visit.holder} refused the travel: {getattr(report, 'refused', '')}")
-        if chunk.nbytes < visit.ntokens * TOKEN_BYTES:
-            raise ProtocolError(f"holder {visit.holder} moved {chunk.nbytes} bytes, {visit.ntokens * TOKEN_BYTES} were asked")
-        return np.frombuffer(self.engine.buffer_view(), dtype=np.uint16, count=visit.ntokens)
+        if chunk.nbytes < cut.span(visit.ntokens):
+            raise ProtocolError(f"holder {visit.holder} moved {chunk.nbytes} bytes, {cut.span(visit.ntokens)} were asked")
+        return cut.units.read(self.engine.buffer_view(), visit.ntokens, cut.dtype)
 
 
 class BaselineSource(TravelSource):
@@ -100,20 +159,61 @@ class BaselineSource(TravelSource):
     move = "baseline"
 
 
+class Windows:
+    """GPT-2's batches: llm.c's windows of B x T tokens in order, y one token past x."""
+
+    overlap = 1  # y needs one token past the window
+
+    def __init__(self, batch: int, seq_len: int, device: str = "cpu") -> None:
+        if batch <= 0 or seq_len <= 0:
+            raise BadInput("batch and sequence length must be positive")
+        self.B, self.T, self.device = batch, seq_len, device
+        self.window = batch * seq_len
+
+    def plan(self, units: np.ndarray, visit: Visit, epoch: int) -> Any:
+        return np.array(units, dtype=np.int64)  # a copy: the next travel scrubs and refills the buffer
+
+    def batch(self, plan: Any, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch_at(plan, j, self.B, self.T)
+        return x.to(self.device), y.to(self.device)
+
+
+class Shuffled:
+    """Records' batches: B records at a time, shuffled within each visit by a permutation seeded
+    with the job's seed, the epoch and the visit, so travelling and local runs draw the same."""
+
+    overlap = 0
+
+    def __init__(self, batch: int, seed: int, to_tensors: Callable[[np.ndarray], tuple], device: str = "cpu") -> None:
+        if batch <= 0:
+            raise BadInput("the batch size must be positive")
+        self.window, self.seed, self.to_tensors, self.device = batch, seed, to_tensors, device
+
+    def plan(self, units: np.ndarray, visit: Visit, epoch: int) -> Any:
+        holder = int.from_bytes(hashlib.sha256(visit.holder.encode()).digest()[:8], "little")
+        rng = np.random.default_rng([self.seed % (1 << 64), epoch, holder, visit.token_offset])
+        return np.array(units), rng.permutation(len(units))  # a copy: the buffer is scrubbed next travel
+
+    def batch(self, plan: Any, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        records, order = plan
+        return self.to_tensors(records[order[j * self.window : (j + 1) * self.window]])
+
+
 class TravellingLoader:
-    """Yields (x, y) int64 tensors of shape (B, T); travels whenever the buffer is used up."""
+    """Yields (x, y) batches (`batching`: GPT-2's token windows by default); travels whenever the
+    buffer is used up."""
 
     def __init__(self, source: ChunkSource, batch: int, seq_len: int, buffer_bytes: int, *,
                  policy: str = "round_robin", state: LoaderState | None = None,
-                 on_fetch: Callable[[Fetched], None] | None = None, device: str = "cpu") -> None:
-        if batch <= 0 or seq_len <= 0:
-            raise BadInput("batch and sequence length must be positive")
+                 on_fetch: Callable[[Fetched], None] | None = None, device: str = "cpu",
+                 batching: Windows | Shuffled | None = None) -> None:
         self.source = source
-        self.B, self.T = batch, seq_len
-        self.scheduler = Scheduler(source.sizes(), buffer_bytes // TOKEN_BYTES, batch * seq_len, policy)
+        self.batching = batching or Windows(batch, seq_len, device)
+        capacity = getattr(source, "capacity", None)
+        units = capacity(buffer_bytes) if capacity is not None else buffer_bytes // TOKEN_BYTES
+        self.scheduler = Scheduler(source.sizes(), units, self.batching.window, policy, overlap=self.batching.overlap)
         self.state = state or LoaderState()
         self.on_fetch = on_fetch
-        self.device = device
         self.stall_seconds = 0.0  # time spent waiting for data (travels), for the stall share
         self.fetches = 0
         self.lost: list[str] = []  # holders lost in travels, with why
@@ -126,7 +226,7 @@ class TravellingLoader:
             if after.epoch != before.epoch:  # a new epoch began: resume points belong to it
                 before = LoaderState(epoch=after.epoch, skip=before.skip)
             try:
-                tokens = self._fetch(visit)
+                plan = self._fetch(visit, after.epoch)
             except HolderLost as exc:
                 # The GPU is back and re-keyed; nothing of the partial chunk is used. Go on
                 # with the other holders; this one's cursor stays put for when it returns.
@@ -138,9 +238,23 @@ class TravellingLoader:
             for j in range(before.skip, n):
                 # Where a run stopped after this window resumes: the same visit, later windows.
                 self.state = done if j + 1 == n else replace(before, skip=j + 1)
-                x, y = batch_at(tokens, j, self.B, self.T)
-                yield x.to(self.device), y.to(self.device)
+                yield self.batching.batch(plan, j)
             self.state = done
+
+    def held_out(self, holder: str) -> Iterator[np.ndarray]:
+        """`holder`'s held-out records in order, B at a time: one travel per buffer, never trained on."""
+        fetch_held = getattr(self.source, "fetch_held", None)
+        total = getattr(self.source, "held_sizes", dict)().get(holder, 0)
+        offset, B = 0, self.batching.window
+        while fetch_held is not None and offset < total:
+            visit = Visit(holder, offset, min(self.scheduler.capacity, total - offset))
+            t0 = time.perf_counter()
+            records = np.array(fetch_held(visit))  # a copy: the buffer is scrubbed next travel
+            if self.on_fetch is not None:
+                self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None), True))
+            for j in range(0, visit.ntokens, B):
+                yield records[j : j + B]
+            offset += visit.ntokens
 
     def _rejoined(self) -> None:
         """A lost holder that has joined again is scheduled again, from its cursor."""
@@ -148,15 +262,14 @@ class TravellingLoader:
         if online is not None and self.scheduler.offline:
             self.scheduler.offline -= online()
 
-    def _fetch(self, visit: Visit) -> np.ndarray:
+    def _fetch(self, visit: Visit, epoch: int) -> Any:
         t0 = time.perf_counter()
         try:
-            # Copy out of the buffer once: the next travel scrubs and refills it.
-            tokens = np.array(self.source.fetch(visit), dtype=np.int64)
+            plan = self.batching.plan(self.source.fetch(visit), visit, epoch)
         finally:  # a failed travel is waiting time too
             spent = time.perf_counter() - t0
             self.stall_seconds += spent
         self.fetches += 1
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, spent, getattr(self.source, "last_report", None)))
-        return tokens
+        return plan

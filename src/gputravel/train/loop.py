@@ -1,7 +1,8 @@
-"""The training job: GPT-2 trained on batches from the one loader, wherever they come from.
+"""The training job: the workload (GPT-2, or the consortium's own, issue 27) trained on batches
+from the one loader, wherever they come from.
 
 The same `train` runs ``--loader travelling`` (in the orchestrator CVM) and ``--loader local``:
-with the same seed, order and thread count their losses are bit-identical on CPU (goal G2).
+with the same seed, order and thread count their losses and metrics are bit-identical on CPU (G2).
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import torch
 from gputravel.data.tokenizer import get_tokenizer
 from gputravel.errors import BadInput
 from gputravel.train.job import TrainConfig
-from gputravel.train.loader import ChunkSource, Fetched, TravellingLoader
+from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig, pick_device
 from gputravel.train.ranks import DataParallel, Ranks
 from gputravel.train.rundir import RunDir, checkpoint_extra, load_checkpoint
 from gputravel.train.schedule import LoaderState
+from gputravel.workloads import Workload, load_workload
+
+__all__ = ["StepEvent", "TrainResult", "build_model", "gpt_config", "lr_at", "make_report", "train", "train_step",
+           "workload_of"]
 
 
 class Anchor(Protocol):
@@ -47,6 +52,7 @@ class StepEvent:
     travels: int
     stall_share: float
     elapsed_s: float
+    evaluated: dict[str, float] = field(default_factory=dict)  # held-out metrics over all holders, at this step
 
 
 @dataclass
@@ -59,6 +65,7 @@ class TrainResult:
     state: dict = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)  # holders lost during travels, with why
     stopped: bool = False  # asked to stop before cfg.steps: checkpointed where it stopped
+    evals: list[dict] = field(default_factory=list)  # held-out metrics per holder and overall, by step
 
     @property
     def stall_share(self) -> float:
@@ -81,24 +88,36 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+def workload_of(cfg: TrainConfig) -> Workload:
+    return load_workload(cfg.workload, cfg.workload_code, cfg.record_schema)
+
+
 def gpt_config(cfg: TrainConfig) -> GPTConfig:
     return GPTConfig(block_size=cfg.seq_len, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
                      n_head=cfg.n_head, n_embd=cfg.n_embd)
 
 
-def build_model(cfg: TrainConfig, device: str):
+def build_model(cfg: TrainConfig, device: str, workload: Workload | None = None):
+    """The job's model and optimizer, from its seed."""
+    workload = workload or workload_of(cfg)
+    if not workload.tokens:
+        return workload.build(cfg, device)
     torch.manual_seed(cfg.seed)
     model = GPT(gpt_config(cfg)).to(device)
     optimizer = model.configure_optimizer(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     return model, optimizer
 
 
+def _gpt_loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return forward(x, y)[1]
+
+
 def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, lr: float, *, forward=None,
-               backward: Callable[[torch.Tensor], None] | None = None) -> float:
-    """One step as every method trains (FedAvg's holders too): AdamW at `lr`, clipped to norm 1."""
+               backward: Callable[[torch.Tensor], None] | None = None, loss_of=_gpt_loss) -> float:
+    """One step as every method trains (FedAvg's holders too): the optimizer at `lr`, clipped to norm 1."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    _, loss = (forward or model)(x, y)
+    loss = loss_of(forward or model, x, y)
     optimizer.zero_grad(set_to_none=True)
     (backward or torch.Tensor.backward)(loss)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -119,7 +138,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     ranks, every rank stops at the step where any was asked. `anchor`: see :class:`Anchor`."""
     torch.set_num_threads(cfg.threads)
     device = pick_device()
-    model, optimizer = build_model(cfg, device)
+    workload = workload_of(cfg)
+    model, optimizer = build_model(cfg, device, workload)
     lead = ranks is None or ranks.rank == 0
     out = RunDir(run_dir) if run_dir is not None and lead else None
     start, resume, result = 0, None, TrainResult(losses=[])
@@ -130,8 +150,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
         if out is not None:
             out.truncate_metrics(start)  # a resumed run trains the steps after its checkpoint again
         step_model = dp.wrap(model) if dp is not None else model  # `model` stays the bare GPT
-        loader = _loop(cfg, source, device, model, step_model, optimizer, start, resume, result, out, dp, on_step,
-                       should_stop, anchor)
+        loader = _loop(cfg, workload, source, device, model, step_model, optimizer, start, resume, result, out, dp,
+                       on_step, should_stop, anchor)
         final = _extra(cfg, loader.state, result, dp, anchor)  # collective with ranks: every rank gathers
     finally:
         if dp is not None:
@@ -139,17 +159,19 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     result.stall_seconds = loader.stall_seconds
     result.state = loader.state.to_dict()
     result.lost = list(loader.lost)
-    if cfg.sample_tokens and tokenizer is not None and lead:
+    if cfg.sample_tokens and tokenizer is not None and lead and workload.tokens:
         result.sample = _sample(model, cfg, device, tokenizer)
     if out is not None:
         out.save_checkpoint(model, optimizer, len(result.losses), final)  # cfg.steps unless stopped
-        out.plot_losses(list(range(1, len(result.losses) + 1)), result.losses, title=f"GPT-2 loss ({cfg.loader} loader)")
+        title = "GPT-2" if workload.tokens else f"{workload.name} workload"
+        out.plot_losses(list(range(1, len(result.losses) + 1)), result.losses, title=f"{title} loss ({cfg.loader} loader)")
+        out.plot_eval(result.evals)
         if result.sample:
             out.write_sample(result.sample)
     return result
 
 
-def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model, optimizer, start: int,
+def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str, model, step_model, optimizer, start: int,
           resume: LoaderState | None, result: TrainResult, out: RunDir | None, dp: DataParallel | None,
           on_step, should_stop=None, anchor: Anchor | None = None) -> TravellingLoader:
     """Steps start..cfg.steps; returns the loader (its state and stalls are the run's)."""
@@ -158,13 +180,14 @@ def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model,
     def fetched(f: Fetched) -> None:
         holder_of_batch["name"] = f.visit.holder
         entry = {"holder": f.visit.holder, "token_offset": f.visit.token_offset, "tokens": f.visit.ntokens,
-                 "wait_ms": f.seconds * 1e3}
+                 "wait_ms": f.seconds * 1e3, **({"held_out": True} if f.held else {})}
         if f.report is not None:
             entry.update(travel_id=f.report.travel_id, total_ms=f.report.total_ms, steps_ms=dict(f.report.steps_ms))
         result.travels.append(entry)
 
+    batching = None if workload.tokens else Shuffled(cfg.batch, cfg.seed, lambda r: workload.batch(r, device), device)
     loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
-                              state=resume, on_fetch=fetched, device=device)
+                              state=resume, on_fetch=fetched, device=device, batching=batching)
     batches = iter(loader)
     model.train()
     t_start = time.perf_counter()
@@ -173,17 +196,20 @@ def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model,
         x, y = next(batches)
         # With ranks, the gradients' all-reduce runs in dp.backward, over the ring.
         value = train_step(model, optimizer, x, y, lr_at(cfg, step), forward=step_model,
-                           backward=dp.backward if dp is not None else None)
+                           backward=dp.backward if dp is not None else None, loss_of=workload.loss)
         result.losses.append(value)
         now = time.perf_counter()
-        event = StepEvent(step=step, loss=value, tokens_per_s=cfg.batch * cfg.seq_len / (now - t0),
+        per_batch = cfg.batch if cfg.records else cfg.batch * cfg.seq_len
+        evaluated = _eval_point(cfg, workload, model, loader, dp, step, result)
+        event = StepEvent(step=step, loss=value, tokens_per_s=per_batch / (now - t0),
                           holder=holder_of_batch["name"], travels=loader.fetches,
-                          stall_share=loader.stall_seconds / (now - t_start), elapsed_s=now - t_start)
+                          stall_share=loader.stall_seconds / (now - t_start), elapsed_s=now - t_start,
+                          evaluated=evaluated)
         checkpoint = bool(cfg.checkpoint_every) and (step + 1) % cfg.checkpoint_every == 0
         if checkpoint and (out is not None or dp is not None):
             extra = _extra(cfg, loader.state, result, dp, anchor)  # with ranks a collective: every rank gathers
         if out is not None:
-            out.append_metrics(dataclasses.asdict(event))
+            out.append_metrics({k: v for k, v in dataclasses.asdict(event).items() if k != "evaluated"})
             if checkpoint:
                 out.save_checkpoint(model, optimizer, step + 1, extra)
         if on_step is not None:
@@ -193,6 +219,50 @@ def _loop(cfg: TrainConfig, source: ChunkSource, device: str, model, step_model,
             break
     result.wall_seconds = time.perf_counter() - t_start
     return loader
+
+
+def _eval_point(cfg: TrainConfig, workload: Workload, model, loader: TravellingLoader, dp: DataParallel | None,
+                step: int, result: TrainResult) -> dict[str, float]:
+    """At every eval_every-th step and the last: each holder's held-out metrics (a collective with ranks)."""
+    last = step + 1 == cfg.steps
+    if workload.tokens or not (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
+        return {}
+    sums = evaluate(workload, model, loader)
+    if dp is not None:
+        sums = {h: m for rank in dp.gather(sums) for h, m in rank.items()}  # each rank holds its own holders
+    result.evals.append({"step": step + 1, **summarise(sums)})
+    return result.evals[-1]["all"]
+
+
+def evaluate(workload: Workload, model, loader: TravellingLoader) -> dict[str, dict[str, float]]:
+    """Metric sums per holder over its held-out records, which travel only here."""
+    sums: dict[str, dict[str, float]] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for holder in sorted(loader.scheduler.sizes):
+                for records in loader.held_out(holder):
+                    x, y = workload.batch(records, loader.batching.device)
+                    for k, v in workload.metrics(model, x, y).items():
+                        sums.setdefault(holder, {}).setdefault(k, 0.0)
+                        sums[holder][k] += v
+    finally:
+        model.train(was_training)
+    return sums
+
+
+def summarise(sums: dict[str, dict[str, float]]) -> dict:
+    """Sums to means, per holder and over all holders' held-out records."""
+    def means(s: dict[str, float]) -> dict[str, float]:
+        n = s.get("count", 0.0)
+        return {**{k: v / n for k, v in s.items() if k != "count" and n}, "records": int(n)}
+
+    total: dict[str, float] = {}
+    for s in sums.values():
+        for k, v in s.items():
+            total[k] = total.get(k, 0.0) + v
+    return {"per_holder": {h: means(s) for h, s in sorted(sums.items())}, "all": means(total)}
 
 
 def _stop_asked(should_stop: Callable[[], bool] | None, dp: DataParallel | None) -> bool:
@@ -205,7 +275,8 @@ def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataPa
            anchor: Anchor | None = None) -> dict:
     """A checkpoint's extra: enough to resume exactly. With ranks a collective gathering every
     rank's loader state, losses, travels and anchor record; "losses" and "travels" stay rank 0's."""
-    extra = {"config": cfg.to_dict(), "losses": list(result.losses), "travels": list(result.travels)}
+    extra = {"config": cfg.to_dict(), "losses": list(result.losses), "travels": list(result.travels),
+             "evals": list(result.evals)}
     anchored = {"travel_log": anchor.record()} if anchor is not None else {}
     if dp is None:
         return {**extra, "loader": state.to_dict(), **anchored}
@@ -250,7 +321,8 @@ def _resume(cfg: TrainConfig, path: Path, model, optimizer, ranks: Ranks | None,
     loader, mine = _rank_share(path, extra, step, ranks)
     if anchor is not None:  # before any batch: its state must be there to go on with
         anchor.resume(mine.get("travel_log"))
-    result = TrainResult(losses=list(mine["losses"]), travels=list(mine.get("travels", ())))
+    result = TrainResult(losses=list(mine["losses"]), travels=list(mine.get("travels", ())),
+                         evals=list(extra.get("evals", ())))
     return step, LoaderState.from_dict(loader), result
 
 
@@ -330,4 +402,6 @@ def make_report(cfg: TrainConfig, result: TrainResult) -> dict:
             "travels": result.travels, "travel_count": len(result.travels), "travel_median_steps_ms": medians,
             "stall_s": result.stall_seconds, "wall_s": result.wall_seconds, "stall_share": result.stall_share,
             "loader_state": result.state, "holders_lost": result.lost, "stopped": result.stopped,
-            "sample": result.sample}
+            "sample": result.sample, "workload": cfg.workload,
+            "eval": {k: result.evals[-1][k] for k in ("per_holder", "all")} if result.evals else None,
+            "eval_history": result.evals}

@@ -15,7 +15,7 @@ import torch
 
 from gputravel.files import atomic_write_bytes
 from gputravel.errors import BadInput
-from gputravel.train.model import GPT, GPTConfig
+from gputravel.train.model import GPTConfig
 
 CHECKPOINT_FORMAT = "gputravel-gpt-checkpoint-v1"
 
@@ -132,23 +132,44 @@ class RunDir:
         atomic_write_bytes(target, buf.getvalue())
         return target
 
+    def plot_eval(self, evals: Sequence[dict], metric: str = "accuracy") -> Path | None:
+        """eval.png: each holder's held-out `metric` (else loss) against step; None if no evaluation."""
+        if not evals:
+            return None
+        from matplotlib.figure import Figure
+
+        metric = metric if metric in evals[-1]["all"] else "loss"
+        fig = Figure(figsize=(6.4, 4.0), dpi=100)
+        ax = fig.add_subplot()
+        steps = [e["step"] for e in evals]
+        for holder in sorted(evals[-1]["per_holder"]):
+            ax.plot(steps, [e["per_holder"].get(holder, {}).get(metric) for e in evals], marker="o", label=holder)
+        ax.plot(steps, [e["all"][metric] for e in evals], marker="s", color="black", label="all holders")
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"held-out {metric}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        target = self.path / "eval.png"
+        atomic_write_bytes(target, buf.getvalue())
+        return target
+
     def write_sample(self, text: str) -> Path:
         if not isinstance(text, str):
             raise BadInput(f"a sample must be str, got {type(text).__name__}; decode tokens first")
         atomic_write_bytes(self.sample_path, text.encode("utf-8", errors="replace"))
         return self.sample_path
 
-    def save_checkpoint(self, model: GPT, optimizer: torch.optim.Optimizer | None, step: int,
+    def save_checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
                         extra: dict | None = None) -> Path:
         """checkpoint.pt; ``extra`` holds plain types and tensors only, as loading is weights_only."""
-        config = getattr(model, "config", None)
-        if not isinstance(config, GPTConfig):
-            raise BadInput("save_checkpoint needs a GPT model (one with a GPTConfig .config)")
+        config = model_config(model)
         if not isinstance(step, int) or step < 0:
             raise BadInput(f"step must be an int >= 0, got {step!r}")
         payload = {
             "format": CHECKPOINT_FORMAT,
-            "config": config.to_dict(),
+            "config": config,
             "step": step,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -158,6 +179,16 @@ class RunDir:
         torch.save(payload, buf)
         atomic_write_bytes(self.checkpoint_path, buf.getvalue())
         return self.checkpoint_path
+
+
+def model_config(model: torch.nn.Module) -> dict:
+    """What a checkpoint records of its model: a GPT's config, else every tensor's shape (issue 27)."""
+    config = getattr(model, "config", None)
+    if isinstance(config, GPTConfig):
+        return config.to_dict()
+    if not isinstance(model, torch.nn.Module):
+        raise BadInput(f"a checkpoint holds a torch model, got {type(model).__name__}")
+    return {"shapes": {name: list(t.shape) for name, t in model.state_dict().items()}}
 
 
 def _read_checkpoint(path: Path, data: bytes | None = None) -> dict:
@@ -183,19 +214,17 @@ def checkpoint_extra(path: str | os.PathLike) -> dict:
     return extra
 
 
-def load_checkpoint(path: str | os.PathLike, model: GPT, optimizer: torch.optim.Optimizer | None = None, *,
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                     data: bytes | None = None) -> tuple[int, dict]:
     """(step, extra), ``model`` (and ``optimizer``) restored from the checkpoint at ``path``, or
     from ``data``, its bytes as the caller read and checked them. Loads onto the CPU."""
     path = Path(path)
     payload = _read_checkpoint(path, data)
-    config = getattr(model, "config", None)
-    if not isinstance(config, GPTConfig):
-        raise BadInput("load_checkpoint needs a GPT model (one with a GPTConfig .config)")
+    config = model_config(model)
     stored = payload.get("config")
-    if stored != config.to_dict():
+    if stored != config:
         diffs = (", ".join(f"{k}: checkpoint {stored.get(k)!r} vs model {v!r}"
-                           for k, v in config.to_dict().items() if stored.get(k) != v)
+                           for k, v in config.items() if stored.get(k) != v)
                  if isinstance(stored, dict) else "checkpoint has no config")
         raise BadInput(f"checkpoint {path} is for another model config ({diffs}); "
                        "build the model with the checkpoint's GPTConfig")

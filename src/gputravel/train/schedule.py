@@ -47,27 +47,31 @@ class LoaderState:
 
 
 class Scheduler:
-    """Plans visits; `window` is the tokens one batch consumes (B*T)."""
+    """Plans visits; `window` is the units one batch consumes (B*T tokens, or B records), and
+    `overlap` the units past it a batch also reads (1 for GPT-2: y is x shifted by one token)."""
 
-    def __init__(self, sizes: Mapping[str, int], capacity: int, window: int, policy: str = "round_robin") -> None:
+    def __init__(self, sizes: Mapping[str, int], capacity: int, window: int, policy: str = "round_robin",
+                 overlap: int = 1) -> None:
         if policy not in POLICIES:
             raise BadInput(f"unknown schedule {policy!r}: choose one of {', '.join(POLICIES)}")
         if window <= 0:
             raise BadInput("a batch must hold at least one token")
-        if capacity < window + 1:
-            raise BadInput(f"the dataset buffer holds {capacity} tokens, one batch needs {window + 1}: "
-                           "use a larger buffer or a smaller batch / sequence length")
+        unit = "tokens" if overlap else "records"
+        if capacity < window + overlap:
+            raise BadInput(f"the dataset buffer holds {capacity} {unit}, one batch needs {window + overlap}: "
+                           "use a larger buffer or a smaller batch" + (" / sequence length" if overlap else ""))
         self.sizes = {name: int(n) for name, n in sorted(sizes.items())}
         self.capacity = capacity
         self.window = window
+        self.overlap = overlap
         self.policy = policy
         # Holders lost in a travel: skipped until they come back, their partial chunk then redone.
         self.offline: set[str] = set()
         if not any(self._usable(n, 0) for n in self.sizes.values()):
-            raise BadInput(f"no holder has enough tokens for one batch of {window + 1}")
+            raise BadInput(f"no holder has enough {unit} for one batch of {window + overlap}")
 
     def _usable(self, size: int, cursor: int) -> bool:
-        return size - cursor >= self.window + 1
+        return size - cursor >= self.window + self.overlap
 
     def _open(self, state: LoaderState) -> list[str]:
         return [h for h, n in self.sizes.items()
@@ -104,8 +108,8 @@ class Scheduler:
         return replace(state, cursors=cursors, skip=0)
 
     def windows_in(self, ntokens: int) -> int:
-        """(x, y) windows in ntokens: y needs one token past x."""
-        return (ntokens - 1) // self.window
+        """Batches in ntokens units (tokens: y needs one past x)."""
+        return (ntokens - self.overlap) // self.window
 
 
 def check_shares(shares: Sequence[Sequence[str]], names: Sequence[str], gpus: int | None = None,

@@ -1,0 +1,150 @@
+"""Workloads (issue 27): loading one, training it on records, G2 on an in-process cohort, the
+held-out split, resume. No processes: the in-process cohort travels for real through the device."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gputravel.data.demo_records import demo_holders
+from gputravel.data.records import Field, RecordSchema, common_schema, load_records, split_arrays
+from gputravel.errors import BadInput
+from gputravel.files import EVAL_SHARE
+from gputravel.holder.cvm import manifest_piece_bytes
+from gputravel.jobs.local_ranks import local_source
+from gputravel.protocol.layout import Layout, record_bytes_for
+from gputravel.testing.cohort import InProcessCohort
+from gputravel.train.job import TrainConfig
+from gputravel.train.loader import Cut, TravelSource
+from gputravel.train.loop import make_report, train, workload_of
+from gputravel.data.records import Units
+
+BUFFER = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> tuple[tuple[str, str], ...]:
+    return demo_holders("image", 3, tmp_path_factory.mktemp("digits"))
+
+
+def job(holders, **changes) -> TrainConfig:
+    schema = common_schema(holders).canonical_json()
+    values = dict(workload="image", record_schema=schema, steps=12, batch=8, buffer_bytes=BUFFER, eval_every=6,
+                  checkpoint_every=0, warmup_steps=2, lr=3e-3)
+    return TrainConfig(**{**values, **changes})
+
+
+def travelled(cfg: TrainConfig, holders, tmp_path: Path, **kw):
+    paths = {name: Path(path) for name, path in holders}
+    layout = Layout(record_bytes=record_bytes_for(cfg.buffer_bytes))  # as the demo's cohort and local reference
+    with InProcessCohort(paths, buffer_bytes=cfg.buffer_bytes, workdir=tmp_path, layout=layout,
+                         formats=dict.fromkeys(paths, "records"), schema=cfg.record_schema) as cohort:
+        orch = cohort.orchestrator
+        hellos = {name: orch.travel_sm.holders[name] for name in paths}
+        schema = RecordSchema.from_json(cfg.record_schema)
+        cuts = {n: Cut(Units(schema.record_bytes, h.piece_bytes), h.train_records, h.eval_records, schema.dtype)
+                for n, h in hellos.items()}
+        return train(cfg, TravelSource(orch, {n: h.dataset_bytes for n, h in hellos.items()}, cuts), **kw)
+
+
+def test_shipped_workloads_load_and_a_file_workload_is_its_text() -> None:
+    assert workload_of(TrainConfig()).tokens
+    image = workload_of(TrainConfig(workload="image"))
+    assert image.schema.text() == "image: uint8[1,8,8]; label: int64[]"
+    code = "SCHEMA = 'x: float32[3]; label: int64[]'\nimport torch\ndef model(s): return torch.nn.Linear(3, 2)\n" \
+           "def inputs(r): return r['x'], r['label']\n"
+    mine = workload_of(TrainConfig(workload="mine", workload_code=code))
+    assert mine.name == "mine" and [f.name for f in mine.schema.fields] == ["x", "label"]
+    # The text is in the job, so in what holders pin: one changed line is another job.
+    assert TrainConfig(workload="mine", workload_code=code).canonical_json() != \
+        TrainConfig(workload="mine", workload_code=code.replace("2)", "3)")).canonical_json()
+
+
+@pytest.mark.parametrize(("code", "said"), [
+    ("SCHEMA = 'x: float32[3]'\n", "does not define model, inputs"),
+    ("raise ValueError('boom')\n", "failed to load: ValueError: boom"),
+    ("SCHEMA = 3\ndef model(s): pass\ndef inputs(r): pass\n", "SCHEMA is a string"),
+])
+def test_a_broken_workload_file_is_named(code: str, said: str) -> None:
+    with pytest.raises(BadInput, match=said):
+        workload_of(TrainConfig(workload="mine", workload_code=code))
+
+
+def test_a_workload_and_records_of_another_shape_are_refused() -> None:
+    other = RecordSchema((Field("image", "uint8", (1, 28, 28)), Field("label", "int64")))
+    with pytest.raises(BadInput, match=r"trains on records image: uint8\[1,8,8\].*hold image: uint8\[1,28,28\]"):
+        workload_of(TrainConfig(workload="image", record_schema=other.canonical_json()))
+    with pytest.raises(BadInput, match="--workload: expected one of gpt2, image, tabular or a workload file"):
+        TrainConfig(workload="nope")
+
+
+def test_holders_of_two_schemas_are_named_before_anything_starts(digits, tmp_path: Path) -> None:
+    tables = demo_holders("tabular", 1, tmp_path)
+    with pytest.raises(BadInput, match="holder 'holder-1' holds records of another schema than holder 'holder-1'|"
+                                       "field 'image' is missing"):
+        common_schema([digits[0], tables[0]])
+
+
+def test_g2_travelling_and_local_records_give_bit_identical_losses_and_metrics(digits, tmp_path: Path) -> None:
+    cfg = job(digits)
+    local = train(cfg, local_source(cfg, digits))
+    moved = travelled(cfg, digits, tmp_path)
+    assert moved.losses == local.losses and len(local.losses) == cfg.steps
+    assert moved.evals == local.evals and [e["step"] for e in local.evals] == [6, 12]
+    report = make_report(cfg, local)
+    assert set(report["eval"]["per_holder"]) == {n for n, _ in digits}
+    assert report["eval"]["all"]["records"] == sum(len(split_arrays(load_records(p), EVAL_SHARE)[1]) for _, p in digits)
+    # Held-out records travel for evaluation only, each counted in the report.
+    assert any(t.get("held_out") for t in report["travels"])
+
+
+def test_held_out_records_are_never_trained_on(digits, tmp_path: Path) -> None:
+    """The training loader's records and the evaluation's are disjoint sets of record digests."""
+    cfg = job(digits, steps=200, eval_every=0)  # over an epoch: every training record is drawn
+    source = local_source(cfg, digits)
+    seen_train, seen_held = set(), set()
+    fetch, fetch_held = source.fetch, source.fetch_held
+    source.fetch = lambda v: _note(fetch(v), seen_train)  # type: ignore[method-assign]
+    source.fetch_held = lambda v: _note(fetch_held(v), seen_held)  # type: ignore[method-assign]
+    train(cfg, source)
+    assert seen_train and seen_held and not seen_train & seen_held
+    everything = {hashlib.sha256(r.tobytes()).digest() for _, p in digits for r in load_records(p).array}
+    assert seen_train | seen_held <= everything
+
+
+def _note(records: np.ndarray, into: set) -> np.ndarray:
+    into.update(hashlib.sha256(r.tobytes()).digest() for r in records)
+    return records
+
+
+def test_records_are_shuffled_within_a_visit_and_the_same_for_the_same_seed(digits) -> None:
+    cfg = job(digits, steps=30, eval_every=0)
+    a, b = train(cfg, local_source(cfg, digits)), train(cfg, local_source(cfg, digits))
+    assert a.losses == b.losses
+    c = train(cfg.replace(seed=1), local_source(cfg, digits))
+    assert c.losses != a.losses
+
+
+def test_a_stopped_records_run_resumes_to_the_same_losses_and_metrics(digits, tmp_path: Path) -> None:
+    cfg = job(digits, steps=12, eval_every=4, checkpoint_every=5)
+    whole = train(cfg, local_source(cfg, digits))
+    asked = []
+    first = train(cfg, local_source(cfg, digits), run_dir=tmp_path / "run",
+                  should_stop=lambda: asked.append(1) or len(asked) == 7)
+    assert first.stopped and len(first.losses) == 7
+    resumed = train(cfg, local_source(cfg, digits), run_dir=tmp_path / "run",
+                    resume_from=tmp_path / "run" / "checkpoint.pt")
+    assert resumed.losses == whole.losses and resumed.evals == whole.evals
+    assert (tmp_path / "run" / "eval.png").is_file()
+
+
+def test_the_local_reference_lays_out_records_as_the_holders_do(digits) -> None:
+    cfg = job(digits)
+    piece = manifest_piece_bytes(Layout(record_bytes=record_bytes_for(cfg.buffer_bytes)))
+    source = local_source(cfg, digits)
+    assert source.capacity(cfg.buffer_bytes) == Units(72, piece).capacity(cfg.buffer_bytes)
+    train_, held = split_arrays(load_records(digits[0][1]), EVAL_SHARE)
+    assert source.sizes()[digits[0][0]] == len(train_) and source.held_sizes()[digits[0][0]] == len(held)
