@@ -148,3 +148,52 @@ def test_the_local_reference_lays_out_records_as_the_holders_do(digits) -> None:
     assert source.capacity(cfg.buffer_bytes) == Units(72, piece).capacity(cfg.buffer_bytes)
     train_, held = split_arrays(load_records(digits[0][1]), EVAL_SHARE)
     assert source.sizes()[digits[0][0]] == len(train_) and source.held_sizes()[digits[0][0]] == len(held)
+
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "tabular_train_gputravel.py"
+
+
+@pytest.fixture(scope="module")
+def tumours(tmp_path_factory) -> tuple[tuple[str, str], ...]:
+    return demo_holders("tabular", 3, tmp_path_factory.mktemp("tumours"))
+
+
+def script_job(holders, code: str) -> TrainConfig:
+    return TrainConfig(workload="port", workload_code=code, script=True, batch=8, buffer_bytes=BUFFER,
+                       record_schema=common_schema(holders).canonical_json())
+
+
+def test_g2_a_ported_script_sees_the_same_batches_travelling_and_local(tumours, tmp_path: Path) -> None:
+    from gputravel.train.scripted import run_job
+
+    cfg = script_job(tumours, SCRIPT.read_text())
+    local = run_job(cfg, local_source(cfg, tumours))
+    paths = {name: Path(path) for name, path in tumours}
+    layout = Layout(record_bytes=record_bytes_for(cfg.buffer_bytes))
+    with InProcessCohort(paths, buffer_bytes=cfg.buffer_bytes, workdir=tmp_path, layout=layout,
+                         formats=dict.fromkeys(paths, "records"), schema=cfg.record_schema) as cohort:
+        orch = cohort.orchestrator
+        schema = RecordSchema.from_json(cfg.record_schema)
+        hellos = {name: orch.travel_sm.holders[name] for name in paths}
+        cuts = {n: Cut(Units(schema.record_bytes, h.piece_bytes), h.train_records, h.eval_records, schema.dtype)
+                for n, h in hellos.items()}
+        moved = run_job(cfg, TravelSource(orch, {n: h.dataset_bytes for n, h in hellos.items()}, cuts))
+    # Three epochs of every holder's training records, B at a time, each visit's tail dropped.
+    per_epoch = sum(n // cfg.batch for n in local_source(cfg, tumours).sizes().values())
+    assert moved.losses == local.losses and len(local.losses) == 3 * per_epoch
+
+
+def test_a_failing_script_is_named_by_type_and_line_never_by_its_message(tumours) -> None:
+    from gputravel.train.scripted import run_job
+
+    code = "from gputravel.workloads.script import batches\nfor b in batches():\n    raise ValueError(str(b))\n"
+    cfg = script_job(tumours, code)
+    with pytest.raises(BadInput, match=r"^script 'port' failed: ValueError at line 3$"):
+        run_job(cfg, local_source(cfg, tumours))
+
+
+def test_batches_outside_a_job_says_how_to_run_a_script() -> None:
+    from gputravel.workloads.script import batches
+
+    with pytest.raises(BadInput, match="gputravel demo --script FILE"):
+        next(iter(batches()))

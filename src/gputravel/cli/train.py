@@ -50,8 +50,18 @@ def _workload(value: str) -> dict[str, str]:
     return {"workload": path.stem, "workload_code": path.read_text()}
 
 
+def _script(path: Path, data: str) -> dict[str, object]:
+    if path.suffix != ".py" or not path.is_file():
+        raise BadInput(f"--script takes a Python file, got {str(path)!r}")
+    if data == "gpt2":
+        raise BadInput("--script trains on records: name the demo data with --workload image or tabular, "
+                       "or give --holder-data record datasets")
+    return {"workload": path.stem, "workload_code": path.read_text(), "script": True}
+
+
 def training_job(
     workload: str = typer.Option(JOB.workload, help="What trains: gpt2 (tokens), image (a CNN on 8x8 digits), tabular (an MLP on tumour records), or a workload .py file (docs/workloads.md)."),
+    script: Optional[Path] = typer.Option(None, help="Your own training script as the job: its loop unchanged, its data loader gputravel.workloads.script.batches() (docs/workloads.md); --workload then names the demo data."),
     eval_every: int = typer.Option(JOB.eval_every, help="Evaluate on the holders' held-out records every N steps (records workloads; always at the end)."),
     holders: int = typer.Option(3, help="Data holders (one CVM process each); the demo data is split among them."),
     holder_data: list[str] = typer.Option([], "--holder-data", help="NAME=PATH of a holder's llm.c shards or text, or its record dataset (`gputravel data pack`) (repeatable; replaces the demo data)."),
@@ -94,7 +104,7 @@ def training_job(
         train=JOB.replace(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
                           schedule=schedule, seed=seed, loader=loader, threads=threads,
                           checkpoint_every=checkpoint_every, eval_every=eval_every,
-                          **_workload(workload)),  # BadInput naming the flag
+                          **(_script(script, workload) if script else _workload(workload))),  # BadInput naming the flag
         holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
         servers=servers, server_mbit=server_mbit)
@@ -102,7 +112,8 @@ def training_job(
     make_output_dir(out, "--run-dir")  # last, as it creates the directory: writable before the run
     names = ", ".join(n for n, _ in cfg.holders)
     what = (f"GPT-2 ({cfg.train.n_layer} layers, {cfg.train.n_embd} wide), {steps} steps of {batch}x{seq_len} tokens"
-            if not cfg.train.records else f"the {cfg.train.workload} workload, {steps} steps of {batch} records")
+            if not cfg.train.records else f"the script {script}, batches of {batch} records" if script
+            else f"the {cfg.train.workload} workload, {steps} steps of {batch} records")
     console.print(f"[bold]gputravel demo[/bold]: {what}, {loader} loader, holders: {names}; "
                   f"buffer {cfg.train.buffer_bytes >> 10} KiB in the GPU's protected memory.")
     if gpus > 1:

@@ -31,7 +31,8 @@ from gputravel.protocol.hardware import hardware_profile
 from gputravel.protocol.layout import Layout, record_bytes_for
 from gputravel.train.loader import TOKEN_BYTES
 from gputravel.train.job import TORCH_MIB, TrainConfig
-from gputravel.train.loop import StepEvent, checkpoint_shares, make_report, sample_tokenizer, train, workload_of
+from gputravel.train.loop import StepEvent, checkpoint_shares, make_report, sample_tokenizer, workload_of
+from gputravel.train.scripted import run_job
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,8 @@ def resolve(cfg: TrainingJobConfig) -> TrainingJobConfig:
     if cfg.train.records:
         schema = common_schema(cfg.holders).canonical_json()
         train = cfg.train.replace(record_schema=schema, sample_tokens=0)
-        workload_of(train)  # BadInput now if the workload cannot train on these records
+        if not train.script:
+            workload_of(train)  # BadInput now if the workload cannot train on these records
         return replace(cfg, train=train)
     name = job_tokenizer(cfg.holders)
     return replace(cfg, train=cfg.train.replace(tokenizer=name, vocab_size=KNOWN[name].vocab_size))
@@ -158,7 +160,7 @@ def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None
     if cfg.gpus > 1:
         report = _run_ranks(cfg, run_dir, on_step)
     elif cfg.train.loader == "local":
-        report = make_report(cfg.train, train(cfg.train, local_source(cfg.train, cfg.holders), run_dir=run_dir,
+        report = make_report(cfg.train, run_job(cfg.train, local_source(cfg.train, cfg.holders), run_dir=run_dir,
                                               on_step=on_step,
                                               resume_from=_checkpoint(cfg, run_dir),
                                               tokenizer=sample_tokenizer(cfg.train.tokenizer)))

@@ -86,7 +86,8 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     """Train inside this CVM on batches the GPU fetched by travelling; stream each step out."""
     from gputravel.train.loader import BaselineSource, TravelSource  # lazy: torch, for training only
     from gputravel.train.job import TrainConfig  # lazy: pydantic, for training only
-    from gputravel.train.loop import make_report, sample_tokenizer, train  # lazy: torch
+    from gputravel.train.loop import make_report, sample_tokenizer  # lazy: torch
+    from gputravel.train.scripted import run_job  # lazy: torch
 
     cfg = TrainConfig.from_json(cmd.config_json)
     if orch.travel_log is not None:
@@ -108,7 +109,7 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     ranks = _ranks(orch, cmd)
     engine = Admitting(orch, membership)
     source = (BaselineSource(orch, sizes, cuts) if cfg.loader == "baseline" else TravelSource(engine, sizes, cuts))
-    result = train(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
+    result = run_job(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
                    on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
                    resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
                    tokenizer=sample_tokenizer(cfg.tokenizer), ranks=ranks,

@@ -100,6 +100,7 @@ class TrainConfig(JobPart):
     workload_code: Annotated[str, Field(max_length=1 << 20)] = ""
     record_schema: str = ""  # the holders' record schema (data/records.py), canonical JSON; "": tokens
     eval_every: Count = 0  # steps between evaluations on the holders' held-out records; 0: only at the end
+    script: bool = False  # workload_code is a training script with its own loop (workloads/script.py)
 
     @model_validator(mode="after")
     def _model_shape(self) -> TrainConfig:
@@ -107,6 +108,8 @@ class TrainConfig(JobPart):
             raise ValueError(f"n_embd: expected a multiple of n_head ({self.n_head}), got {self.n_embd}")
         if not self.workload_code and self.workload not in WORKLOADS:
             raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)} or a workload file, got {self.workload!r}")
+        if self.script and not self.workload_code:
+            raise ValueError("script: expected a script's text in workload_code")
         if self.workload == "gpt2" and not self.workload_code and self.record_schema:
             raise ValueError("record_schema: expected none: gpt2 trains on tokens, not records")
         return self

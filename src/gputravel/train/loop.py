@@ -89,7 +89,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def workload_of(cfg: TrainConfig) -> Workload:
-    return load_workload(cfg.workload, cfg.workload_code, cfg.record_schema)
+    return load_workload(cfg.workload, cfg.workload_code, cfg.record_schema, cfg.script)
 
 
 def gpt_config(cfg: TrainConfig) -> GPTConfig:

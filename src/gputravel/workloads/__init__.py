@@ -46,7 +46,7 @@ class Workload:
 
     @property
     def tokens(self) -> bool:
-        return self.schema is None
+        return self.schema is None and self.module is None
 
     def build(self, cfg: Any, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """The model and its optimizer, initialised from the job's seed (GPT-2's: train/loop.py)."""
@@ -74,11 +74,13 @@ class Workload:
         return {**{k: float(v) for k, v in sums.items()}, "count": float(len(y))}
 
 
-def load_workload(name: str, code: str = "", schema: str = "") -> Workload:
+def load_workload(name: str, code: str = "", schema: str = "", script: bool = False) -> Workload:
     """The job's workload: a shipped one by name, or ``code`` (a file's text) when name is "file";
     `schema` is the job's record schema (the holders'), which must match the workload's SCHEMA."""
     if name == "gpt2" and not code:
         return Workload("gpt2", None)
+    if script:  # a script brings its own model and loop: only its records' schema is the job's
+        return Workload(name, RecordSchema.from_json(schema) if schema else None)
     if code:
         module = _module(name, code)
     elif name in SHIPPED:

@@ -1,0 +1,77 @@
+"""A user's training script as the job (issue 27, workloads/script.py): its loop runs as it is,
+fed by the one loader, so its batches are the travelled records (or, --loader local, the same
+records from disk, in the same order: G2 holds for scripts too)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gputravel.data.records import as_tensors
+from gputravel.errors import BadInput
+from gputravel.train.job import TrainConfig
+from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
+from gputravel.train.loop import StepEvent, TrainResult, train
+from gputravel.train.model import pick_device
+from gputravel.train.rundir import RunDir
+from gputravel.workloads.script import Feed, run_script
+
+
+def run_job(cfg: TrainConfig, source: ChunkSource, **kw: Any) -> TrainResult:
+    """The job: a script when it is one, else the loop (train/loop.py `train`, which takes `kw`)."""
+    if not cfg.script:
+        return train(cfg, source, **kw)
+    if kw.get("ranks") is not None or kw.get("resume_from") is not None:
+        raise BadInput("a script runs on one GPU and from its start: no --gpus, no --resume")
+    return train_script(cfg, source, run_dir=kw.get("run_dir"), on_step=kw.get("on_step"))
+
+
+def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
+                 on_step: Callable[[StepEvent], None] | None = None) -> TrainResult:
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)  # what the script's own model draws first, as the loop's does
+    device = pick_device()
+    result = TrainResult(losses=[])
+    last = {"holder": ""}
+
+    def fetched(f: Fetched) -> None:
+        last["holder"] = f.visit.holder
+        entry = {"holder": f.visit.holder, "token_offset": f.visit.token_offset, "tokens": f.visit.ntokens,
+                 "wait_ms": f.seconds * 1e3, **({"held_out": True} if f.held else {})}
+        if f.report is not None:
+            entry.update(travel_id=f.report.travel_id, total_ms=f.report.total_ms, steps_ms=dict(f.report.steps_ms))
+        result.travels.append(entry)
+
+    def tensors(records: Any) -> dict[str, torch.Tensor]:
+        return {k: v.to(device) for k, v in as_tensors(records, torch.from_numpy).items()}
+
+    loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
+                              on_fetch=fetched, device=device, batching=Shuffled(cfg.batch, cfg.seed, tensors, device))
+    t0 = time.perf_counter()
+
+    def held() -> Any:
+        for holder in sorted(loader.scheduler.sizes):
+            for records in loader.held_out(holder):
+                yield holder, tensors(records)
+
+    def on_log(values: dict[str, float]) -> None:
+        result.losses.append(values.get("loss", math.nan))
+        now = time.perf_counter() - t0
+        if on_step is not None:
+            on_step(StepEvent(step=len(result.losses) - 1, loss=result.losses[-1], tokens_per_s=0.0,
+                              holder=last["holder"], travels=loader.fetches,
+                              stall_share=loader.stall_seconds / now if now else 0.0, elapsed_s=now,
+                              evaluated={k: v for k, v in values.items() if k != "loss"}))
+
+    run_script(cfg.workload, cfg.workload_code, Feed(loader, held, on_log))
+    result.wall_seconds = time.perf_counter() - t0
+    result.stall_seconds = loader.stall_seconds
+    result.state = loader.state.to_dict()
+    if run_dir is not None and result.losses:
+        RunDir(run_dir).plot_losses(list(range(1, len(result.losses) + 1)), result.losses,
+                                    title=f"script {cfg.workload} ({cfg.loader} loader)")
+    return result

@@ -1,0 +1,82 @@
+"""A user's own training script as the job (issue 27): it keeps its loop, and only its data
+loader changes, to :func:`batches`, which yields the travelled records one epoch a call. Its text
+travels in the job like a workload file's, so the orchestrator's measurement covers it."""
+
+from __future__ import annotations
+
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from gputravel.errors import BadInput
+
+__all__ = ["Feed", "batches", "held_out", "log", "run_script"]
+
+
+@dataclass
+class Feed:
+    """What a running script reaches: the job's loader (any iterator of batches that keeps its
+    epoch in ``loader.state.epoch``), its held-out records, and where logged values go."""
+
+    loader: Any
+    held: Callable[[], Iterator[tuple[str, Any]]]
+    on_log: Callable[[dict[str, float]], None]
+    _it: Iterator[Any] | None = None
+    _pending: list[Any] = field(default_factory=list)
+
+    def epoch(self) -> Iterator[Any]:
+        if self._it is None:
+            self._it = iter(self.loader)
+        epoch = self.loader.state.epoch
+        while True:
+            batch = self._pending.pop() if self._pending else next(self._it)
+            if self.loader.state.epoch != epoch:  # the first batch of the next epoch: kept for the next call
+                self._pending.append(batch)
+                return
+            yield batch
+
+
+_feed: ContextVar[Feed | None] = ContextVar("gputravel_script_feed", default=None)
+
+
+def _current() -> Feed:
+    feed = _feed.get()
+    if feed is None:
+        raise BadInput("gputravel.workloads.batches() feeds a script run as a gputravel job: "
+                       "`gputravel demo --script FILE`")
+    return feed
+
+
+def batches() -> Iterator[dict[str, Any]]:
+    """One epoch over every holder's training records, as dicts of tensors (field name -> tensor),
+    the job's --batch records each, shuffled within each travel."""
+    return _current().epoch()
+
+
+def held_out() -> Iterator[tuple[str, dict[str, Any]]]:
+    """(holder, batch) over each holder's held-out records, which travel for this only."""
+    return _current().held()
+
+
+def log(**values: float) -> None:
+    """Record this step's values (``loss=...``): the report's losses and the live view show them."""
+    _current().on_log({k: float(v) for k, v in values.items()})
+
+
+def run_script(name: str, code: str, feed: Feed) -> None:
+    """Run the script's text as ``__main__`` with `feed` behind batches(), held_out() and log()."""
+    module = types.ModuleType("__main__")
+    module.__file__ = f"<script {name}>"
+    token = _feed.set(feed)
+    try:
+        exec(compile(code, module.__file__, "exec"), module.__dict__)
+    except BadInput:
+        raise
+    except Exception as exc:  # its message may quote records: the type and the line only
+        lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == module.__file__]
+        raise BadInput(f"script {name!r} failed: {type(exc).__name__} at line {lines[-1] if lines else '?'}") from None
+    finally:
+        _feed.reset(token)
