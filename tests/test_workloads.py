@@ -197,3 +197,20 @@ def test_batches_outside_a_job_says_how_to_run_a_script() -> None:
 
     with pytest.raises(BadInput, match="gputravel demo --script FILE"):
         next(iter(batches()))
+
+
+def test_one_changed_line_of_a_workload_or_script_changes_the_orchestrators_measurement() -> None:
+    """Holders pin the measurement: an edited workload is another orchestrator to them."""
+    from gputravel.cohort.trust import measure_orchestrator
+    from gputravel.orchestrator.cvm import OrchestratorConfig
+
+    def measured(cfg: TrainConfig) -> bytes:
+        return measure_orchestrator(OrchestratorConfig("host.sock", "pki", Layout(record_bytes=BUFFER), BUFFER,
+                                                       schema=cfg.record_schema, job_json=cfg.canonical_json()))
+
+    code = SCRIPT.read_text()
+    base = TrainConfig(workload="port", workload_code=code, script=True)
+    edited = base.replace(workload_code=code.replace("lr=1e-3", "lr=2e-3"))
+    assert measured(base) != measured(edited)
+    shipped = TrainConfig(workload="image")
+    assert measured(shipped) != measured(shipped.replace(workload="tabular"))
