@@ -33,3 +33,16 @@ def test_every_test_security_md_names_exists() -> None:
         elif name and not re.search(rf"^\s*(?:async )?(?:def|class) {name}\b", source.read_text(), re.M):
             missing.append(f"{path}::{name}")
     assert not missing, f"docs/security.md names tests that do not exist: {missing}"
+
+
+def test_every_test_the_other_docs_name_exists() -> None:
+    """The same for every other page in docs/ (workloads.md, training.md, ...)."""
+    missing = []
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        for path, name in sorted(named_tests(doc.read_text())):
+            source = ROOT / path
+            if not source.is_file():
+                missing.append(f"{doc.name}: {path}")
+            elif name and not re.search(rf"^\s*(?:async )?(?:def|class) {name}\b", source.read_text(), re.M):
+                missing.append(f"{doc.name}: {path}::{name}")
+    assert not missing, f"docs name tests that do not exist: {missing}"
