@@ -124,7 +124,7 @@ def training_job(
     if loader == "travelling":
         console.print("Booting host, GPU, holders, then the orchestrator (paper 4.1)..." if gpus == 1 else
                       "Booting each GPU's host route, GPU, holders and orchestrator rank (paper 4.1, 9)...")
-    view = _LiveView(steps)
+    view = _LiveView(steps, "records/s" if cfg.train.records else "tokens/s")
     with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
         report = run_training_job(cfg, on_step=lambda e: view.update(e, live))
     _summary(report, out)
@@ -132,7 +132,8 @@ def training_job(
 
 
 class _LiveView:
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, unit: str = "tokens/s") -> None:
+        self.unit = unit
         self.progress = Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                                  TimeElapsedColumn())
         self.task = self.progress.add_task("train", total=steps)
@@ -155,13 +156,16 @@ class _LiveView:
             table.add_column(justify="right")
         e = self.last
         if e is None:
-            table.add_row("loss", "-", "tokens/s", "-", "GPU last at", "-")
+            table.add_row("loss", "-", self.unit, "-", "GPU last at", "-")
         else:
-            table.add_row("loss", f"{e.loss:.4f}", "tokens/s", f"{e.tokens_per_s:,.0f}", "GPU last at", e.holder)
+            table.add_row("loss", f"{e.loss:.4f}", self.unit, f"{e.tokens_per_s:,.0f}", "GPU last at", e.holder)
             table.add_row("step", str(e.step + 1), "travels", str(e.travels), "time travelling", f"{e.stall_share:.2%}")
-        if self.evaluated:  # the held-out metrics over all holders, at the last evaluation
-            shown = [(k, f"{v:.2%}" if k == "accuracy" else f"{v:.4f}") for k, v in self.evaluated.items() if k != "records"]
-            table.add_row(*[c for k, v in shown[:3] for c in (f"held-out {k}", v)], *[""] * (6 - 2 * min(3, len(shown))))
+        if self.evaluated:  # the held-out metrics at the last evaluation, per holder and over all
+            table.add_row("held-out", "", "", "", "", "")
+            for who in dict.fromkeys(k.rpartition(".")[0] for k in self.evaluated):
+                shown = [(k.rpartition(".")[2], v) for k, v in self.evaluated.items() if k.rpartition(".")[0] == who]
+                cells = [c for name, v in shown[:2] for c in (name, f"{v:.2%}" if name == "accuracy" else f"{v:.4f}")]
+                table.add_row(who, *cells, *[""] * (5 - len(cells)))
         return Panel(Group(self.progress, table), title="GPU Travelling: training", expand=False)
 
 

@@ -52,7 +52,8 @@ class StepEvent:
     travels: int
     stall_share: float
     elapsed_s: float
-    evaluated: dict[str, float] = field(default_factory=dict)  # held-out metrics over all holders, at this step
+    # Held-out metrics evaluated at this step, "HOLDER.METRIC" and "all.METRIC" (else empty).
+    evaluated: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -231,7 +232,9 @@ def _eval_point(cfg: TrainConfig, workload: Workload, model, loader: TravellingL
     if dp is not None:
         sums = {h: m for rank in dp.gather(sums) for h, m in rank.items()}  # each rank holds its own holders
     result.evals.append({"step": step + 1, **summarise(sums)})
-    return result.evals[-1]["all"]
+    done = result.evals[-1]
+    return {f"{who}.{k}": float(v) for who, m in [*done["per_holder"].items(), ("all", done["all"])]
+            for k, v in m.items() if k != "records"}
 
 
 def evaluate(workload: Workload, model, loader: TravellingLoader) -> dict[str, dict[str, float]]:

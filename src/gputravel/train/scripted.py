@@ -65,7 +65,7 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
             on_step(StepEvent(step=len(result.losses) - 1, loss=result.losses[-1], tokens_per_s=0.0,
                               holder=last["holder"], travels=loader.fetches,
                               stall_share=loader.stall_seconds / now if now else 0.0, elapsed_s=now,
-                              evaluated={k: v for k, v in values.items() if k != "loss"}))
+                              evaluated={}))
 
     run_script(cfg.workload, cfg.workload_code, Feed(loader, held, on_log))
     result.wall_seconds = time.perf_counter() - t0
