@@ -83,8 +83,11 @@ def clients_per_round(holders: int, fraction: float) -> int:
     return max(1, int(holders * fraction))
 
 
-def plan(cfg: FedAvgConfig, *, steps: int, batch: int, seq_len: int, holder_tokens: Mapping[str, int]) -> FedAvgPlan:
-    """The plan for a job of ``steps`` steps of ``batch`` x ``seq_len`` tokens, or BadInput naming what to change."""
+def plan(cfg: FedAvgConfig, *, steps: int, batch: int, seq_len: int, holder_tokens: Mapping[str, int],
+         records: bool = False) -> FedAvgPlan:
+    """The plan for a job of ``steps`` steps of ``batch`` x ``seq_len`` tokens, or BadInput naming what to change.
+    With ``records`` (issue 27) ``holder_tokens`` counts training records, ``batch`` to a step: a holder's
+    loader goes on into its next epoch as the centralised one does, so one whole batch is all it needs."""
     if not holder_tokens:
         raise BadInput("federated learning needs at least one holder")
     k = clients_per_round(len(holder_tokens), cfg.fraction)
@@ -102,6 +105,10 @@ def plan(cfg: FedAvgConfig, *, steps: int, batch: int, seq_len: int, holder_toke
                            f"need rounds x holders per round x local steps = steps")
     window = batch * seq_len
     for name, n in holder_tokens.items():
+        if records:
+            if n < batch:
+                raise BadInput(f"holder {name!r} has {n} training records, fewer than one batch of {batch}")
+            continue
         windows = (n - 1) // window if n > 0 else 0
         if local > windows:
             raise BadInput(f"{local} local steps per round is more than holder {name!r} has data for: its "

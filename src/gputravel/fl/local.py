@@ -3,12 +3,14 @@
 Every method starts from the same weights (train.loop.build_model). A local round trains the
 holder's next batches from the global weights with a fresh optimizer (FedAvg exchanges weights
 only), the learning rate following the centralised schedule stretched over the holder's steps.
+A records workload (issue 27) batches as the loop does (``Shuffled`` within each visit) and is
+scored as the loop scores it (``evaluate``/``summarise`` on each holder's held-out records).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,38 +18,53 @@ import torch
 
 from gputravel.errors import BadInput
 from gputravel.train.job import TrainConfig
-from gputravel.train.loader import batch_at
-from gputravel.train.loop import build_model, gpt_config, lr_at, train_step
+from gputravel.train.loader import LocalSource, Shuffled, TravellingLoader, batch_at
+from gputravel.train.loop import build_model, evaluate as evaluate_records, gpt_config, lr_at, summarise, train_step
+from gputravel.train.loop import workload_of
 from gputravel.train.model import GPT
+from gputravel.train.schedule import LoaderState
+from gputravel.workloads import Workload
 
-TIED = "lm_head.weight"  # the same Parameter as transformer.wte.weight
 
-
-def initial_model(cfg: TrainConfig) -> GPT:
+def initial_model(cfg: TrainConfig) -> torch.nn.Module:
     """The model every method starts from, built as train.loop builds it."""
     model, _ = build_model(cfg, "cpu")
     return model
 
 
 def parameter_count(cfg: TrainConfig) -> int:
-    """Distinct parameters (the tied matrix once): what FedAvg sends each way, per holder."""
+    """Distinct parameters (a tied matrix once): what FedAvg sends each way, per holder."""
+    workload = workload_of(cfg)
     with torch.device("meta"):
-        model = GPT(gpt_config(cfg))
+        model = GPT(gpt_config(cfg)) if workload.tokens else workload.module.model(workload.schema)  # type: ignore[union-attr]
     return sum(p.numel() for p in model.parameters())
 
 
-def model_arrays(model: GPT) -> dict[str, torch.Tensor]:
-    """The weights to send, by name; parameters() yields the tied matrix once."""
-    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+def _tied(model: torch.nn.Module) -> set[str]:
+    """state_dict names whose tensor an earlier name already holds (GPT-2's lm_head is its wte)."""
+    seen: set[tuple] = set()
+    tied: set[str] = set()
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if key in seen:
+            tied.add(name)
+        seen.add(key)
+    return tied
 
 
-def load_arrays(model: GPT, arrays: Mapping[str, torch.Tensor]) -> None:
+def model_arrays(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights to send: the model's state_dict tensors by name, whatever the model, a tied one once."""
+    tied = _tied(model)
+    return {name: t.detach().cpu().clone() for name, t in model.state_dict().items() if name not in tied}
+
+
+def load_arrays(model: torch.nn.Module, arrays: Mapping[str, torch.Tensor]) -> None:
     """Put received weights into ``model``; BadInput unless they are exactly its weights."""
     try:
         missing, unexpected = model.load_state_dict(dict(arrays), strict=False)
     except RuntimeError as e:
         raise BadInput(f"the received weights do not fit the model: {e}") from None
-    if unexpected or set(missing) - {TIED}:
+    if unexpected or set(missing) - _tied(model):
         raise BadInput(f"the received weights do not fit the model (missing {sorted(missing)}, "
                        f"unexpected {sorted(unexpected)})")
 
@@ -69,7 +86,8 @@ class LocalResult:
     losses: list[float]
     compute_s: float  # wall time of the local steps
     cpu_s: float  # CPU time of the local steps (this process, all threads)
-    next_window: int  # where the holder's next round starts
+    next_window: int  # where the holder's next round starts (tokens)
+    loader: dict | None = None  # records: the holder's loader state, where its next round starts
 
 
 def local_train(cfg: TrainConfig, arrays: Mapping[str, torch.Tensor], tokens: np.ndarray, *, first_window: int,
@@ -106,3 +124,44 @@ def evaluate(model: GPT, eval_tokens: Mapping[str, np.ndarray], batch: int, seq_
             x, y = batch_at(tokens, j, batch, seq_len)
             losses.append(model(x, y)[1].item())
     return sum(losses) / len(losses)
+
+
+def records_loader(cfg: TrainConfig, workload: Workload, source: LocalSource,
+                   state: Mapping | None = None) -> TravellingLoader:
+    """The loop's loader over records read from disk (jobs/local_ranks.local_source): visits as
+    the scheduler orders them, records shuffled within each as the loop shuffles them."""
+    batching = Shuffled(cfg.batch, cfg.seed, lambda r: workload.batch(r, "cpu"))
+    return TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
+                            state=LoaderState.from_dict(state) if state else None, batching=batching)
+
+
+def local_train_records(cfg: TrainConfig, arrays: Mapping[str, torch.Tensor], source: LocalSource, *,
+                        state: Mapping | None, steps: int, schedule: TrainConfig, schedule_offset: int,
+                        threads: int) -> LocalResult:
+    """``steps`` steps on the holder's records from loader ``state`` on (None: its first batch)."""
+    torch.set_num_threads(threads)
+    workload = workload_of(cfg)
+    model, optimizer = build_model(cfg, "cpu", workload)  # a fresh optimizer, as for GPT-2
+    load_arrays(model, arrays)
+    loader = records_loader(cfg, workload, source, state)
+    batches = iter(loader)
+    model.train()
+    losses = []
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    for i in range(steps):
+        x, y = next(batches)
+        losses.append(train_step(model, optimizer, x, y, lr_at(schedule, schedule_offset + i), loss_of=workload.loss))
+    compute, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    return LocalResult(model_arrays(model), losses, compute, cpu, 0, loader.state.to_dict())
+
+
+def held_out_metrics(cfg: TrainConfig, model: torch.nn.Module, holders: Sequence[tuple[str, str]],
+                     threads: int | None = None) -> dict:
+    """``final_metrics`` of a records workload: each holder's held-out records scored as the loop
+    scores them at its last step, per holder and over all holders; the same for every method."""
+    from gputravel.jobs.local_ranks import local_source  # lazy: it imports the rank machinery
+
+    torch.set_num_threads(threads or cfg.threads)
+    workload = workload_of(cfg)
+    loader = records_loader(cfg, workload, local_source(cfg, holders))
+    return summarise(evaluate_records(workload, model, loader))

@@ -28,7 +28,7 @@ CONNECT_TIMEOUT_S = 120.0
 class FlJob:
     train: TrainConfig  # the job the centralised methods train (train/job.py): FedAvg's model, batches and schedule
     fl: FedAvgConfig
-    holders: Mapping[str, str]  # name -> the holder's training tokens (what its ClientApp reads)
+    holders: Mapping[str, str]  # name -> the holder's training tokens, or its record dataset (its ClientApp reads it)
     bandwidth_mbit: float | None
     workdir: Path
 
@@ -36,8 +36,14 @@ class FlJob:
 def check(job: FlJob) -> FedAvgPlan:
     """Everything that can be wrong with the job, before any process or namespace exists."""
     framework()  # Flower is installed
-    sizes = {name: len(load_tokens(path)) for name, path in sorted(job.holders.items())}
-    return plan(job.fl, steps=job.train.steps, batch=job.train.batch, seq_len=job.train.seq_len, holder_tokens=sizes)
+    if job.train.records:
+        from gputravel.jobs.local_ranks import local_source  # lazy: records only
+
+        sizes = dict(local_source(job.train, sorted(job.holders.items())).sizes())  # training records, as split
+    else:
+        sizes = {name: len(load_tokens(path)) for name, path in sorted(job.holders.items())}
+    return plan(job.fl, steps=job.train.steps, batch=job.train.batch, seq_len=job.train.seq_len, holder_tokens=sizes,
+                records=job.train.records)
 
 
 def run_fedavg(job: FlJob, fedavg: FedAvgPlan | None = None) -> dict:
