@@ -3,6 +3,9 @@ scored on the same held-out ones (``final_loss``), the last ``eval_batches`` bat
 
 ``holder_tokens`` cuts each holder's training tokens (the FL sweep's dataset size); ``iid`` deals
 them out again mixed, the IID control for the loss gap of FedAvg's non-IID holders.
+
+A records workload's holders keep their datasets whole (:func:`prepare_records`): each splits off
+its held-out records itself, as its CVM does (data.records.split_arrays, files.EVAL_SHARE).
 """
 
 from __future__ import annotations
@@ -13,16 +16,24 @@ from pathlib import Path
 import numpy as np
 
 from gputravel.data.holder_tokens import load_tokens
+from gputravel.data.records import load_records, split_arrays
 from gputravel.data.shards import write_shard
 from gputravel.data.tokenizer import get_tokenizer, write_tokenizer_record
 from gputravel.errors import BadInput
+from gputravel.files import EVAL_SHARE
 
 
 @dataclass(frozen=True)
 class HeldOut:
-    holders: dict[str, str]  # name -> shard directory of its training tokens
-    eval_tokens: dict[str, np.ndarray]  # name -> its held-out tokens
-    train_tokens: dict[str, int]  # name -> how many training tokens it has
+    holders: dict[str, str]  # name -> shard directory of its training tokens (records: its whole dataset)
+    eval_tokens: dict[str, np.ndarray]  # name -> its held-out tokens (records: none, the holder splits)
+    train_tokens: dict[str, int]  # name -> how many training tokens (records: training records) it has
+
+
+def prepare_records(sources: tuple[tuple[str, str], ...]) -> HeldOut:
+    """Records holders as they are: their training records counted as their CVMs will split them."""
+    train = {name: len(split_arrays(load_records(path), EVAL_SHARE)[0]) for name, path in sources}
+    return HeldOut(dict(sources), {}, train)
 
 
 def prepare(sources: tuple[tuple[str, str], ...], out: Path, *, batch: int, seq_len: int, eval_batches: int,

@@ -3,6 +3,11 @@
 The same job runs once per method and bandwidth: ``travel`` and ``tls`` (the centralised
 baseline) feed the loop in the orchestrator and must give identical losses (G2); ``fl`` is
 FedAvg on a real Flower deployment (fl/). docs/benchmarks.md describes each row's fields.
+
+``workload`` (issue 27): GPT-2 on the Shakespeare presses, or a records workload (image,
+tabular) on its shipped records dealt to the holders, each scored on every holder's held-out
+records. ``local_dataloader`` is the reference step time: the same model on the same records
+through a plain torch DataLoader from local disk, in the same run (bench/local_reference.py).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gputravel.bench import holdout
+from gputravel.bench import holdout, local_reference
 from gputravel.bench.compare import check_links, link_kind, stamp
 from gputravel.bench.train_report import check_pair, fl_row, method_row
 from gputravel.cohort import capacity
@@ -22,19 +27,22 @@ from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 from gputravel.errors import BadInput
 from gputravel.fl.config import FedAvgConfig, framework
-from gputravel.fl.local import evaluate, load_arrays
+from gputravel.files import RECORDS, TOKENS
+from gputravel.fl.local import evaluate, held_out_metrics, load_arrays
 from gputravel.fl.run import FlJob, check as check_fl, run_fedavg
-from gputravel.jobs.training import TrainingJobConfig, default_holders, layout_for, resolve
+from gputravel.jobs.training import TrainingJobConfig, capacity_mib, default_holders, layout_for, resolve
 from gputravel.net import LINK_NETNS
 from gputravel.net.counters import bytes_between, link_bytes
 from gputravel.protocol.hardware import EMULATED, hardware_profile
 from gputravel.train.job import TrainConfig
-from gputravel.train.loop import gpt_config
+from gputravel.train.loop import build_model, gpt_config
 from gputravel.train.model import GPT
 from gputravel.train.rundir import load_checkpoint
+from gputravel.workloads import SHIPPED
 
 METHODS = ("travel", "tls", "fl")
 SOURCE = {"travel": "travelling", "tls": "baseline"}  # the training loader of each centralised method
+RECORD_STEPS, RECORD_BATCH = 300, 32  # a records workload's job: its shipped data is a few hundred records a holder
 
 
 def bench_train_config(steps: int = 600, buffer_bytes: int = 128 << 10, *, n_layer: int = 4, n_embd: int = 128,
@@ -42,6 +50,21 @@ def bench_train_config(steps: int = 600, buffer_bytes: int = 128 << 10, *, n_lay
     """The job every method runs: a small GPT-2, no sample, and no checkpoint until the end."""
     return TrainConfig(steps=steps, buffer_bytes=buffer_bytes, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                        sample_tokens=0, checkpoint_every=0)
+
+
+def records_train_config(workload: str, steps: int = RECORD_STEPS, buffer_bytes: int = 128 << 10) -> TrainConfig:
+    """A records workload's job: the workload's own model, batches of 32 records, no checkpoint until the end."""
+    return TrainConfig(workload=workload, steps=steps, batch=RECORD_BATCH, buffer_bytes=buffer_bytes,
+                       sample_tokens=0, checkpoint_every=0)
+
+
+def workload_config(workload: str, steps: int | None, buffer_bytes: int) -> TrainConfig:
+    """`--workload`'s job: GPT-2 as before (600 steps), or a records workload (300 steps)."""
+    if workload not in SHIPPED:
+        raise BadInput(f"--workload takes {', '.join(SHIPPED)}, got {workload!r}")
+    if workload == "gpt2":
+        return bench_train_config(600 if steps is None else steps, buffer_bytes)
+    return records_train_config(workload, RECORD_STEPS if steps is None else steps, buffer_bytes)
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -72,6 +95,8 @@ class TrainBenchConfig:
         if not self.methods or any(m not in METHODS for m in self.methods):
             raise BadInput(f"--methods takes {', '.join(METHODS)}")
         hardware_profile(self.hardware)  # BadInput for an unknown profile
+        if self.train.records and (self.holder_tokens is not None or self.iid):
+            raise BadInput("--holder-tokens and --iid deal GPT-2's tokens; a records workload's holders keep their records")
         if not 1 <= self.eval_batches <= 256:
             raise BadInput("--eval-batches must be between 1 and 256")
         if self.holder_tokens is not None and self.holder_tokens < 1:
@@ -79,7 +104,8 @@ class TrainBenchConfig:
         # What this machine carries, before anything starts: the buffer (travel, tls), the training.
         if set(self.methods) - {"fl"}:
             capacity.check_buffer(self.train.buffer_bytes, "--buffer-kib", 1 << 10)
-        capacity.check_memory(self.train.memory_mib(), "the training needs", "use a smaller model or batch")
+        need = capacity_mib() if self.train.records else self.train.memory_mib()
+        capacity.check_memory(need, "the training needs", "use a smaller model or batch")
 
 
 def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) -> dict:
@@ -89,7 +115,8 @@ def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) 
         if kind != LINK_NETNS:
             raise BadInput("the FL baseline runs Flower's processes on netns-tc links, which are not available "
                            "here (root, iproute2 and sch_tbf are needed): run without fl, or where namespaces work")
-    result = {"link": kind, **stamp(), "methods": list(cfg.methods), "fl_config": cfg.fl.to_dict(),
+    result = {"link": kind, **stamp(), "workload": cfg.train.workload, "methods": list(cfg.methods),
+              "fl_config": cfg.fl.to_dict(),
               "eval_batches": cfg.eval_batches, "holder_tokens": cfg.holder_tokens, "iid": cfg.iid,
               "hardware": hardware_profile(cfg.hardware).to_json(), "rows": [], "checks": []}
     with tempfile.TemporaryDirectory(prefix="gputravel-train-bench-", dir=cfg.workdir) as tmp:
@@ -97,26 +124,38 @@ def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) 
         fedavg = check_fl(FlJob(job.train, cfg.fl, data.holders, None, Path(tmp))) if "fl" in cfg.methods else None
         result.update(config=job.train.to_dict(), holders_train_tokens=data.train_tokens,
                       fl_plan=None if fedavg is None else fedavg.to_dict())
+        # Measured first, on a quiet machine: the reference the travelling loader's step time is set against.
+        result["local_dataloader"] = local_reference.measure(job.train, job.holders, data)
         for i, bw in enumerate(cfg.bandwidths):
             rows = {}
             for method in cfg.methods:
-                where = Path(tmp) / f"run-{i}-{method}"
-                if method == "fl":
-                    rep = run_fedavg(FlJob(job.train, cfg.fl, data.holders, bw, where), fedavg)
-                    rows[method] = fl_row(bw, rep, _final_loss(job.train, data, fl_model=rep["model_path"]))
-                else:
-                    rep, moved = _centralised(job, data, kind, bw, method, where, cfg)
-                    rows[method] = method_row(method, bw, rep, moved,
-                                              _final_loss(job.train, data, checkpoint=where / "checkpoint.pt"))
-                result["rows"].append(rows[method])
+                rows[method] = row = _method(cfg, job, data, kind, bw, method, Path(tmp) / f"run-{i}-{method}", fedavg)
+                local = result["local_dataloader"]["step_ms"]
+                row["step_ms_vs_local"] = row["step_ms"] / local if row["step_ms"] and local else None
+                result["rows"].append(row)
                 if on_row is not None:
                     on_row(rows[method])
             result["checks"].append(check_pair(bw, rows))
     return result
 
 
+def _method(cfg: TrainBenchConfig, job: TrainingJobConfig, data: holdout.HeldOut, kind: str, bw: float | None,
+            method: str, where: Path, fedavg) -> dict:
+    """One method's row at one bandwidth."""
+    if method == "fl":
+        rep = run_fedavg(FlJob(job.train, cfg.fl, data.holders, bw, where), fedavg)
+        return fl_row(bw, rep, _final_metrics(job, data, fl_model=rep["model_path"]))
+    rates: list[float] = []
+    rep, moved = _centralised(job, data, kind, bw, method, where, cfg, on_step=lambda e: rates.append(e.tokens_per_s))
+    step_ms = local_reference.median_step_ms(local_reference.step_seconds(job.train, rates))
+    return method_row(method, bw, rep, moved, _final_metrics(job, data, checkpoint=where / "checkpoint.pt"), step_ms)
+
+
 def _prepare(cfg: TrainBenchConfig, tmp: Path) -> tuple[TrainingJobConfig, holdout.HeldOut]:
     t = cfg.train
+    if t.records:  # each holder keeps its records whole; its CVM holds out its share (files.EVAL_SHARE)
+        data = holdout.prepare_records(default_holders(cfg.holders, tmp, t.workload))
+        return resolve(TrainingJobConfig(train=t, holders=tuple(data.holders.items()), run_dir=str(tmp))), data
     data = holdout.prepare(default_holders(cfg.holders, tmp), tmp, batch=t.batch, seq_len=t.seq_len,
                            eval_batches=cfg.eval_batches, holder_tokens=cfg.holder_tokens, iid=cfg.iid)
     job = resolve(TrainingJobConfig(train=t, holders=tuple(data.holders.items()), run_dir=str(tmp)))
@@ -124,29 +163,34 @@ def _prepare(cfg: TrainBenchConfig, tmp: Path) -> tuple[TrainingJobConfig, holdo
 
 
 def _centralised(job: TrainingJobConfig, data: holdout.HeldOut, kind: str, bw: float | None, method: str,
-                 where: Path, cfg: TrainBenchConfig) -> tuple[dict, dict | None]:
+                 where: Path, cfg: TrainBenchConfig, on_step=None) -> tuple[dict, dict | None]:
     """One travel or tls run's report, and its holders' link bytes (None on token-bucket links)."""
     t = job.train.replace(loader=SOURCE[method])
     where.mkdir(parents=True)
-    holders = tuple(HolderSpec(name, path, "tokens") for name, path in job.holders)
+    holders = tuple(HolderSpec(name, path, RECORDS if t.records else TOKENS) for name, path in job.holders)
     cohort_cfg = CohortConfig(holders=holders, buffer_bytes=t.buffer_bytes, layout=layout_for(t.buffer_bytes),
-                              tokenizer=t.tokenizer, bandwidth_mbit=bw, output_dirs=(str(where),),
+                              tokenizer="" if t.records else t.tokenizer, schema=t.record_schema,
+                              bandwidth_mbit=bw, output_dirs=(str(where),),
                               link="netns" if kind == LINK_NETNS else "token-bucket", workdir=cfg.workdir,
                               hardware=cfg.hardware)
     with Cohort(cohort_cfg) as cohort:
         shaped = cohort.links.shaped
         before = link_bytes(shaped) if shaped is not None else None
-        report = cohort.train(t.canonical_json(), str(where.resolve()))
+        report = cohort.train(t.canonical_json(), str(where.resolve()), on_step=on_step)
         moved = bytes_between(before, link_bytes(shaped)) if shaped is not None else None
     return report, moved
 
 
-def _final_loss(t: TrainConfig, data: holdout.HeldOut, *, checkpoint: Path | None = None,
-                fl_model: str | None = None) -> float:
-    """The final model on the held-out tokens, the same way for every method."""
-    model = GPT(gpt_config(t))
+def _final_metrics(job: TrainingJobConfig, data: holdout.HeldOut, *, checkpoint: Path | None = None,
+                   fl_model: str | None = None) -> dict:
+    """The final model on the held-out data, the same way for every method: {"loss"} for GPT-2 on
+    its held-out tokens; a records workload's metrics per holder and over all ("per_holder", "all")."""
+    t = job.train
+    model = build_model(t, "cpu")[0] if t.records else GPT(gpt_config(t))
     if checkpoint is not None:
         load_checkpoint(checkpoint, model)
     else:
         load_arrays(model, torch.load(fl_model, map_location="cpu", weights_only=True))
-    return evaluate(model, data.eval_tokens, t.batch, t.seq_len, t.threads)
+    if t.records:
+        return held_out_metrics(t, model, job.holders)
+    return {"all": {"loss": evaluate(model, data.eval_tokens, t.batch, t.seq_len, t.threads)}}

@@ -4,6 +4,7 @@ None where it has no use for one), so a table or a plot can set them side by sid
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from gputravel.bench.compare import bandwidth_label
@@ -21,28 +22,36 @@ def _tail(losses: list[float]) -> float | None:
     return sum(tail) / len(tail) if tail else None
 
 
-def method_row(method: str, bw: float | None, report: dict, moved: dict | None, final_loss: float) -> dict:
-    """A travel or tls row from the training report: transmission = the loader's waits for data."""
+def method_row(method: str, bw: float | None, report: dict, moved: dict | None, final_metrics: dict,
+               step_ms: float | None = None) -> dict:
+    """A travel or tls row from the training report: transmission = the loader's waits for data;
+    ``final_metrics`` the final model on the held-out data; ``step_ms`` the median step time."""
     tx, wall = report["stall_s"], report["wall_s"]
     paper = PAPER_TABLE2.get(None if bw is None else float(bw), {}).get(PAPER_KEY[method])
     return {"method": method, "bandwidth_mbit": bw, "framework": "gputravel",
             "bytes_over_link": None if moved is None else sum(b.total for b in moved.values()),
             "bytes_by_holder": None if moved is None else {n: {"up": b.up, "down": b.down} for n, b in moved.items()},
             "tx_s": tx, "training_s": wall - tx, "wall_s": wall, "tx_share": tx / wall if wall else 0.0,
-            "holder_compute_s": 0.0, "final_loss": final_loss, "train_loss_tail": _tail(report["losses"]),
+            "holder_compute_s": 0.0, "final_loss": final_metrics["all"]["loss"], "final_metrics": final_metrics,
+            "step_ms": step_ms, "stall_share": report["stall_share"], "train_loss_tail": _tail(report["losses"]),
             "rounds": None, "fetches": report["travel_count"], "losses": report["losses"],
             "paper": None if paper is None else {"training_s": paper[0], "tx_s": paper[1], "tx_share": paper[2]}}
 
 
-def fl_row(bw: float | None, rep: dict, final_loss: float) -> dict:
-    """The FedAvg row (fl/run.py's report, flattened to the common fields, the rest kept)."""
+def fl_row(bw: float | None, rep: dict, final_metrics: dict) -> dict:
+    """The FedAvg row (fl/run.py's report, flattened to the common fields, the rest kept).
+    ``step_ms``: the median over holders and rounds of a local step; ``stall_share``: the share
+    of the rounds no holder computed in (the links and Flower's round trips)."""
     last = rep["round_log"][-1]["holders"] if rep["round_log"] else []
     wall = rep["wall_s"]
+    local = rep["plan"]["local_steps"]
+    steps = [h["compute_s"] / local * 1e3 for r in rep["round_log"] for h in r["holders"]]
     return {"method": "fl", "bandwidth_mbit": bw, "framework": rep["framework"],
             "bytes_over_link": rep["bytes_over_link"], "bytes_by_holder": rep["bytes_by_holder"],
             "tx_s": rep["tx_s"], "training_s": rep["training_s"], "wall_s": wall,
             "tx_share": rep["tx_s"] / wall if wall else 0.0, "holder_compute_s": rep["holder_compute_s"],
-            "final_loss": final_loss,
+            "final_loss": final_metrics["all"]["loss"], "final_metrics": final_metrics,
+            "step_ms": statistics.median(steps) if steps else None, "stall_share": rep["tx_s"] / wall if wall else 0.0,
             "train_loss_tail": sum(h["loss_last"] for h in last) / len(last) if last else None,
             "rounds": rep["rounds"], "fetches": None, "paper": None,
             "fl": {k: v for k, v in rep.items() if k not in ("bytes_over_link", "bytes_by_holder", "tx_s",
@@ -55,7 +64,8 @@ def check_pair(bw: float | None, rows: dict[str, dict]) -> dict:
     travel, tls = rows.get("travel"), rows.get("tls")
     same = None
     if travel is not None and tls is not None:
-        same = travel["losses"] == tls["losses"] and travel["final_loss"] == tls["final_loss"]
+        same = (travel["losses"] == tls["losses"] and travel["final_loss"] == tls["final_loss"]
+                and travel.get("final_metrics") == tls.get("final_metrics"))
     return {"bandwidth_mbit": bw, "same_losses": same}
 
 
@@ -95,14 +105,19 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
-COLUMNS = ("Mbit/s", "method", "training s", "Tx s", "Tx %", "bytes", "holder s", "final loss", "rounds")
+COLUMNS = ("Mbit/s", "method", "training s", "Tx s", "Tx %", "bytes", "holder s", "step ms", "x local",
+           "final loss", "accuracy", "rounds")
 
 
 def table_rows(result: dict) -> list[list[str]]:
     out = []
     for r in result["rows"]:
         moved = "-" if r["bytes_over_link"] is None else f"{r['bytes_over_link']:,}"
+        step, ratio = r.get("step_ms"), r.get("step_ms_vs_local")
+        accuracy = ((r.get("final_metrics") or {}).get("all") or {}).get("accuracy")
         out.append([bandwidth_label(r["bandwidth_mbit"]), r["method"], f"{r['training_s']:.2f}", f"{r['tx_s']:.3f}",
-                    f"{r['tx_share']:.2%}", moved, f"{r['holder_compute_s']:.1f}", f"{r['final_loss']:.4f}",
+                    f"{r['tx_share']:.2%}", moved, f"{r['holder_compute_s']:.1f}",
+                    "-" if step is None else f"{step:.2f}", "-" if ratio is None else f"{ratio:.2f}",
+                    f"{r['final_loss']:.4f}", "-" if accuracy is None else f"{accuracy:.3f}",
                     "-" if r["rounds"] is None else str(r["rounds"])])
     return out

@@ -15,9 +15,12 @@ from gputravel.cli.output import console, numeric_table, write_results
 
 def bench_train(
     bandwidths: str = typer.Option("4,20,100,500,uncapped", help="Link caps in Mbit/s, comma separated; 'uncapped' for none."),
-    steps: int = typer.Option(600, help="Training steps per run (a small GPT-2: 4 layers, 128 wide)."),
+    workload: str = typer.Option("gpt2", help="What trains: gpt2 (a small GPT-2 on Shakespeare), image (a CNN on "
+                                              "digits) or tabular (an MLP on tumour records), on the shipped data."),
+    steps: Optional[int] = typer.Option(None, help="Training steps per run (default: 600 for gpt2, 300 of 32 records "
+                                                   "for image and tabular)."),
     buffer_kib: int = typer.Option(128, help="Dataset buffer, KiB."),
-    holders: int = typer.Option(3, help="Data holders; the shipped Shakespeare is dealt among them."),
+    holders: int = typer.Option(3, help="Data holders; the workload's shipped data is dealt among them."),
     link: str = typer.Option("auto", help="auto (netns-tc where namespaces work, else token-bucket), netns or token-bucket."),
     methods: str = typer.Option("travel,tls", help="Methods, comma separated: travel, tls, fl (FedAvg on Flower)."),
     fl_rounds: int = typer.Option(4, help="FedAvg rounds."),
@@ -33,24 +36,26 @@ def bench_train(
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw time and bytes per method and bandwidth here (PNG)."),
 ) -> None:
     """The paper's Table 2: the same training fed by travelling and by the TLS baseline, and
-    FedAvg on Flower beside them (--methods travel,tls,fl)."""
+    FedAvg on Flower beside them (--methods travel,tls,fl), for any shipped --workload; beside
+    them the same training through a plain torch DataLoader over local disk."""
     from gputravel.bench import train, train_report  # lazy: imports torch (about a second), which the other commands do without
     from gputravel.fl.config import FedAvgConfig  # lazy: with the benchmark it configures
 
     fl = FedAvgConfig(rounds=fl_rounds, local_steps=fl_local_steps, fraction=fl_fraction, drop=fl_drop,
                       drop_mode=fl_drop_mode)
     cfg = train.TrainBenchConfig(compare.parse_bandwidths(bandwidths), link=link, holders=holders,
-                                 train=train.bench_train_config(steps, buffer_kib << 10),
+                                 train=train.workload_config(workload, steps, buffer_kib << 10),
                                  methods=train.parse_methods(methods), fl=fl, eval_batches=eval_batches, iid=iid,
                                  hardware=hardware)
     with console.status(f"training once per method ({', '.join(cfg.methods)}) and bandwidth..."):
         result = train.run(cfg, on_row=lambda r: console.print(
             f"  {compare.bandwidth_label(r['bandwidth_mbit'])} {r['method']} done"))
-    table = numeric_table(f"Training and transmission (link: {result['link']}); final loss on held-out tokens",
-                          train_report.COLUMNS)
+    table = numeric_table(f"Training and transmission, {workload} (link: {result['link']}); final metrics on "
+                          "held-out data", train_report.COLUMNS)
     for row in train_report.table_rows(result):
         table.add_row(*row)
     console.print(table)
+    console.print(f"  local DataLoader reference: median step {result['local_dataloader']['step_ms']:.2f} ms")
     for c in result["checks"]:
         if c["same_losses"] is not None:
             console.print(f"  {compare.bandwidth_label(c['bandwidth_mbit'])}: travel and tls losses "
