@@ -3,6 +3,7 @@ other command in a module of its own."""
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Optional
 
@@ -266,11 +267,17 @@ def bench_ddp(
     write_results(json_path, result)
 
 
+# What the red team's holders hold: marked random bytes, or image records (the digits, canary images among them)
+RedTeamData = enum.Enum("RedTeamData", {d: d for d in ("raw", "records")}, type=str)
+
+
 @app.command("redteam")
 def redteam(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     only: Optional[list[str]] = typer.Option(None, "--only", help="Run only this attack (repeatable)."),
     evidence: bool = typer.Option(False, "--evidence", help="Also print what was observed in each attack."),
+    data: RedTeamData = typer.Option(RedTeamData.raw, "--data", help="The holders' datasets: random bytes with "
+                                     "markers, or image records (the image workload's digits) with canary images."),
 ) -> None:
     """Run every attack (paper section 6, and more) against a live local cohort and count the
     plaintext each attacker obtained. Exits 1 if any attack got plaintext or was not stopped."""
@@ -286,7 +293,7 @@ def redteam(
     def show(a: Attack, v: Verdict) -> None:
         console.print(f"  {a.name}: {'stopped' if v.stopped else '[red]NOT stopped[/red]'}")
 
-    report = run_redteam(only=tuple(only or ()), on_result=show)
+    report = run_redteam(only=tuple(only or ()), data=data.value, on_result=show)
     print_report(report, console, evidence=evidence)
     write_results(json_path, report.to_json())
     if report.failed:

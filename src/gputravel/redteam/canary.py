@@ -1,12 +1,18 @@
 """Canaries: each holder's dataset is random bytes with its own 16-byte marker every 4 KiB (a leaked record
-shows up many times), searched for, with 32-byte samples between markers, in whatever an attacker read."""
+shows up many times), searched for, with 32-byte samples between markers, in whatever an attacker read.
+
+An image record dataset (issue 27) carries them as images: the shipped digits, each holder's own, with one
+8x8 image in every 4 KiB replaced by the holder's canary image (64 random bytes); its samples are whole
+digit images that only this holder holds."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 MARKER_BYTES = 16
 SAMPLE_BYTES = 32
@@ -17,7 +23,7 @@ SPACING = 4096
 @dataclass(frozen=True)
 class Needles:
     holder: str
-    marker: bytes = field(repr=False)
+    marker: bytes = field(repr=False)  # each one found stands for the SPACING bytes of the dataset it marks
     samples: tuple[bytes, ...] = field(repr=False)
 
 
@@ -26,6 +32,7 @@ class Found:
     marker_bytes: int = 0
     sample_bytes: int = 0
     scanned_bytes: int = 0
+    markers: int = 0  # how many markers marker_bytes is
 
     @property
     def total(self) -> int:
@@ -33,7 +40,7 @@ class Found:
 
     def __add__(self, other: Found) -> Found:
         return Found(self.marker_bytes + other.marker_bytes, self.sample_bytes + other.sample_bytes,
-                     self.scanned_bytes + other.scanned_bytes)
+                     self.scanned_bytes + other.scanned_bytes, self.markers + other.markers)
 
 
 def make_dataset(path: Path, holder: str, nbytes: int) -> Needles:
@@ -56,6 +63,36 @@ def search(files: Iterable[Path], needles: Iterable[Needles]) -> Found:
         data = Path(path).read_bytes()
         found += Found(scanned_bytes=len(data))
         for n in needles:
-            found += Found(data.count(n.marker) * MARKER_BYTES,
-                           sum(data.count(s) for s in n.samples) * SAMPLE_BYTES)
+            markers = data.count(n.marker)
+            found += Found(markers * len(n.marker), sum(data.count(s) * len(s) for s in n.samples), markers=markers)
     return found
+
+
+# ----------------------------------------------------------------------------- image records
+IMAGE_BYTES = 64  # a digit, uint8[1,8,8]: the canary image is as large
+
+
+def make_image_datasets(root: Path, holders: Sequence[str], nbytes: int) -> dict[str, Needles]:
+    """Image record datasets ``root/HOLDER`` (the `image` demo's digits, dealt and packed as its holders'
+    are, then repeated to `nbytes`), one canary image in every 4 KiB; return what to search for in each."""
+    from gputravel.data.demo_records import demo_holders  # lazy: numpy and Pillow, for this data only
+    from gputravel.data.records import load_records, write_records
+
+    packed = [load_records(path) for _, path in demo_holders("image", len(holders), root / "packed")]
+    images = [{bytes(r) for r in np.ascontiguousarray(p.array["image"]).reshape(len(p), -1)} for p in packed]
+    needles = {}
+    for h, (holder, records) in enumerate(zip(holders, packed, strict=True)):
+        array = np.resize(records.array, nbytes // records.schema.record_bytes)  # repeated to the size
+        marker = os.urandom(IMAGE_BYTES)
+        every = max(SPACING // records.schema.record_bytes, 1)
+        image = array["image"]
+        image[::every] = np.frombuffer(marker, np.uint8).reshape(image.shape[1:])
+        others = set().union(*(s for k, s in enumerate(images) if k != h))
+        write_records(root / holder, records.schema, array)
+        needles[holder] = Needles(holder, marker, _own_images(images[h] - others))
+    return needles
+
+
+def _own_images(images: set[bytes]) -> tuple[bytes, ...]:
+    """The holder's most varied images that no other holder holds: none is found by chance elsewhere."""
+    return tuple(sorted(images, key=lambda b: (-len(set(b)), b))[:SAMPLES])

@@ -1,6 +1,7 @@
 """Run every attack against one live local cohort (a malicious host, alice, bob and a malicious holder,
 mallory, each holder with a marked dataset), then search each attacker's loot for the other holders'
-markers and samples; print the report, a table for people, JSON for machines."""
+markers and samples; print the report, a table for people, JSON for machines. The datasets are raw bytes,
+or image record datasets (``data="records"``: the `image` workload's digits, canary images among them)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from gputravel.errors import GputravelError, RemoteError
+from gputravel.errors import BadInput, GputravelError, RemoteError
 from gputravel.cohort import stopping
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.supervisor import SNOOP_FILE
+from gputravel.data.records import RECORDS_FILE, common_schema
+from gputravel.files import RAW, RECORDS
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Attack, Verdict
-from gputravel.redteam.canary import MARKER_BYTES, SPACING, Found, Needles, make_dataset, search
+from gputravel.redteam.canary import SPACING, Found, Needles, make_dataset, make_image_datasets, search
 from gputravel.redteam.cohort import RedTeamCohort
 from gputravel.redteam.evidence import Control, Record, Searched
 from gputravel.redteam.rows import ATTACKS
@@ -30,6 +33,7 @@ BUFFER_BYTES = 2 * MIB  # two records per chunk: mid-copy attacks have a record 
 DEVICE_TIMEOUT = 2.0  # a dropped push fails in seconds, not minutes
 HOLDER_TIMEOUT = 5.0  # how long the orchestrator waits for a holder to hand the GPU back
 SKIPPED = "not run"
+DATA = (RAW, RECORDS)  # what the holders hold: marked random bytes, or image records with canary images
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class AttackResult:
     outcome: str  # "defeated", "FAILED", or "skipped" (its defence is process isolation, which is off)
     marker_bytes: int  # of which: 16-byte markers found
     sample_bytes: int  # of which: 32-byte plain samples of the datasets found
-    exposed_estimate_bytes: int  # each marker found stands for the 4 KiB of the dataset it marks
+    exposed_estimate_bytes: int  # each marker found stands for the 4 KiB of the dataset it marks (16 or 64 bytes)
     scanned_bytes: int  # how much of what the attacker read was searched
     evidence: tuple[Record, ...]
 
@@ -74,26 +78,40 @@ class RedTeamAborted(RemoteError):
 PREFIX = "gputravel-redteam-"  # of its directory, with the cohort's keys in it
 
 
-def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (),
+def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (), data: str = RAW,
                 on_result: Callable[[Attack, Verdict], None] | None = None) -> RedTeamReport:
+    if data not in DATA:
+        raise BadInput(f"red-team data is one of {', '.join(DATA)}, not {data!r}")
     chosen = [a for a in ATTACKS if not only or a.name in only]
     stopping.sweep(str(workdir) if workdir else None, PREFIX)  # what a red team killed outright left
     tmp = Path(tempfile.mkdtemp(prefix=PREFIX, dir=workdir))
     stopping.claim(tmp)
     try:
-        needles = {h: make_dataset(tmp / f"{h}.bin", h, DATASET_BYTES) for h in HOLDERS}
-        run_dir, verdicts = _attack(tmp, chosen, on_result)
-        return RedTeamReport(tuple(_judge(a, v, run_dir, needles, tmp) for a, v in zip(chosen, verdicts, strict=True)))
+        if data == RECORDS:
+            needles = make_image_datasets(tmp, HOLDERS, DATASET_BYTES)
+        else:
+            needles = {h: make_dataset(dataset_path(tmp, h, data), h, DATASET_BYTES) for h in HOLDERS}
+        run_dir, verdicts = _attack(tmp, chosen, on_result, data)
+        return RedTeamReport(tuple(_judge(a, v, run_dir, needles, tmp, data)
+                                   for a, v in zip(chosen, verdicts, strict=True)))
     finally:
         stopping.delete(tmp)  # whatever depth the hostile holder nested its own directory to
 
 
-def _attack(tmp: Path, chosen: list[Attack],
-            on_result: Callable[[Attack, Verdict], None] | None) -> tuple[Path, list[Verdict]]:
+def dataset_path(tmp: Path, holder: str, data: str) -> Path:
+    """A holder's dataset: a file of raw bytes, or a record dataset's directory."""
+    return tmp / (holder if data == RECORDS else f"{holder}.bin")
+
+
+def _attack(tmp: Path, chosen: list[Attack], on_result: Callable[[Attack, Verdict], None] | None,
+            data: str) -> tuple[Path, list[Verdict]]:
     verdicts: list[Verdict] = []
-    config = CohortConfig(holders=tuple(HolderSpec(h, str(tmp / f"{h}.bin")) for h in HOLDERS),
-                          buffer_bytes=BUFFER_BYTES, workdir=str(tmp), snoop=True, tap=True, audit_arrival=True,
-                          device_timeout=DEVICE_TIMEOUT, travel_timeout=HOLDER_TIMEOUT)
+    fmt = RECORDS if data == RECORDS else RAW
+    specs = tuple(HolderSpec(h, str(dataset_path(tmp, h, data)), fmt) for h in HOLDERS)
+    # The orchestrator admits record holders only to a cohort that states their schema (as a job does)
+    schema = common_schema([(h.name, h.dataset) for h in specs]).canonical_json() if data == RECORDS else ""
+    config = CohortConfig(holders=specs, buffer_bytes=BUFFER_BYTES, schema=schema, workdir=str(tmp), snoop=True,
+                          tap=True, audit_arrival=True, device_timeout=DEVICE_TIMEOUT, travel_timeout=HOLDER_TIMEOUT)
     with RedTeamCohort(config, malicious=(MALLORY,)) as cohort:
         arena = Arena(cohort)
         for h in HOLDERS:  # every holder travels once honestly (mallory keeps its keys)
@@ -127,14 +145,15 @@ def _run_one(attack: Attack, arena: Arena) -> Verdict:
     return Verdict(stopped, attack.stopped_by, tuple(arena.evidence), arena.plaintext)
 
 
-def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, Needles], tmp: Path) -> AttackResult:
+def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, Needles], tmp: Path,
+           data: str) -> AttackResult:
     files = _view(attack, run_dir)
     # A malicious holder's own data is not a leak; the host owns no data at all.
     found = search(files, [n for h, n in needles.items() if h != MALLORY or "holder" not in attack.adversary])
     found += verdict.plaintext  # the row's own canaries (the all-reduce row's gradient)
     stopped, evidence = verdict.stopped, verdict.evidence
     if attack.name == "snoop-everything":
-        stopped, evidence = _watched(run_dir, found, needles, tmp)
+        stopped, evidence = _watched(run_dir, found, needles, tmp, data)
     elif "holder" in attack.adversary:
         own = search(files, [needles[MALLORY]])
         if own.total:  # the search works on this very loot: it finds what mallory may see, its own data
@@ -143,7 +162,7 @@ def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, N
     if verdict.stopped_by.startswith(SKIPPED):
         outcome = "skipped"
     return AttackResult(attack.name, attack.adversary, attack.tried, verdict.stopped_by, found.total, outcome,
-                        found.marker_bytes, found.sample_bytes, found.marker_bytes // MARKER_BYTES * SPACING,
+                        found.marker_bytes, found.sample_bytes, found.markers * SPACING,
                         found.scanned_bytes, evidence)
 
 
@@ -156,10 +175,12 @@ def _view(attack: Attack, run_dir: Path) -> list[Path]:
     return [p for p in files if attack.adversary == "host+holder" or p.name.startswith(f"{attack.adversary}-")]
 
 
-def _watched(run_dir: Path, found: Found, needles: dict[str, Needles], tmp: Path) -> tuple[bool, tuple[Record, ...]]:
+def _watched(run_dir: Path, found: Found, needles: dict[str, Needles], tmp: Path,
+             data: str) -> tuple[bool, tuple[Record, ...]]:
     """The snoop row is only meaningful if the host really watched, and the scanner works."""
     snoop, tap = (p.stat().st_size if p.exists() else 0 for p in (run_dir / SNOOP_FILE, run_dir / "tap.bin"))
-    own = search([tmp / f"{h}.bin" for h in HOLDERS], needles.values())
+    plain = [dataset_path(tmp, h, data) for h in HOLDERS]
+    own = search([p / RECORDS_FILE if data == RECORDS else p for p in plain], needles.values())
     watched = snoop > MIB and tap > 1024 and found.scanned_bytes > 16 * MIB
     searched = Searched(nbytes=found.scanned_bytes, snoop_bytes=snoop, tap_bytes=tap)
     control = Control(what="markers in the holders' own datasets", nbytes=own.marker_bytes)
