@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import tomllib
 from importlib import import_module
 from pathlib import Path
 
@@ -351,3 +352,15 @@ def test_a_cohort_dir_with_a_trailing_slash_is_named_so(cohort_tmp: Path) -> Non
     config.write_text(text.replace(f'cohort_dir = "{tmp_path / "cohort"}"', f'cohort_dir = "{tmp_path / "cohort"}/"'))
     refused(["status", "--config", str(config)],
             "cohort_dir: expected the cohort directory's path without a trailing slash")
+
+
+def test_cohort_init_of_record_holders_names_the_workload_to_choose(cohort_tmp: Path) -> None:
+    from gputravel.data.demo_records import demo_holders
+
+    holders = [f"--holder=a{n[-1]}={p}" for n, p in demo_holders("tabular", 2, cohort_tmp / "data")]
+    refused(["cohort", "init", str(cohort_tmp / "c1"), *holders], "job.workload: expected one that trains on records")
+    refused(["cohort", "init", str(cohort_tmp / "c2"), *holders, "--workload", "nope"], "--workload takes one of")
+    res = CliRunner().invoke(app, ["cohort", "init", str(cohort_tmp / "c3"), *holders, "--workload", "tabular"])
+    assert res.exit_code == 0, res.output
+    job = tomllib.loads((cohort_tmp / "c3" / "orchestrator.toml").read_text())["job"]
+    assert job["workload"] == "tabular" and "features" in job["record_schema"]

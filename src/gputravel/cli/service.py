@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputravel.cli.output import Commands, console, named_subcommand
+from gputravel.cli.train import workload_job
 from gputravel.cohort.capacity import check_buffer
 from gputravel.cohort.stopping import catch_term
 from gputravel.files import MISSING, not_data
@@ -49,6 +50,7 @@ def init(
     gpus: int = typer.Option(1, min=1, help="GPUs, one stack each (host, gpu-K, orchestrator rank K; host-K.toml, orchestrator-K.toml for K >= 1), the holders dealt into one share per GPU."),
     steps: Optional[int] = typer.Option(None, min=1, help=f"Training steps of the job (default {JOB['steps']})."),
     buffer_kib: Optional[int] = typer.Option(None, min=4, help=f"The dataset buffer in the GPU, KiB (default {JOB['buffer_bytes'] >> 10}; a multiple of 4, at most 1048576)."),
+    workload: str = typer.Option("gpt2", help="What trains: gpt2 (tokens), image, tabular, or a workload .py file, whose text goes into the job (docs/workloads.md)."),
 ) -> None:
     """Write one config file per party, the public trust anchors and empty state directories."""
     pairs = [_holder(h) for h in holders]
@@ -56,7 +58,7 @@ def init(
     try:
         if buffer_kib is not None:  # before anything is written: what this machine's GPU can hold
             check_buffer(buffer_kib << 10, "--buffer-kib", 1 << 10)
-        written = init_cohort(directory, pairs, gpus=gpus, steps=steps,
+        written = init_cohort(directory, pairs, gpus=gpus, steps=steps, job=workload_job(workload),
                               buffer_bytes=None if buffer_kib is None else buffer_kib << 10)
     finally:
         undo_term()

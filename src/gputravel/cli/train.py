@@ -40,7 +40,7 @@ def _holder_data(items: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _workload(value: str) -> dict[str, str]:
+def workload_job(value: str) -> dict[str, str]:
     """--workload: a shipped workload's name, or a .py file whose text becomes part of the job."""
     if value in WORKLOADS:
         return {"workload": value}
@@ -104,7 +104,7 @@ def training_job(
         train=JOB.replace(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
                           schedule=schedule, seed=seed, loader=loader, threads=threads,
                           checkpoint_every=checkpoint_every, eval_every=eval_every,
-                          **(_script(script, workload) if script else _workload(workload))),  # BadInput naming the flag
+                          **(_script(script, workload) if script else workload_job(workload))),  # BadInput naming the flag
         holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
         servers=servers, server_mbit=server_mbit)

@@ -111,7 +111,8 @@ class TrainConfig(JobPart):
         if self.script and not self.workload_code:
             raise ValueError("script: expected a script's text in workload_code")
         if self.workload == "gpt2" and not self.workload_code and self.record_schema:
-            raise ValueError("record_schema: expected none: gpt2 trains on tokens, not records")
+            raise ValueError("workload: expected one that trains on records (image, tabular or a file: --workload), "
+                             "got gpt2, which trains on tokens")
         return self
 
     @property
