@@ -215,3 +215,20 @@ def test_one_changed_line_of_a_workload_or_script_changes_the_orchestrators_meas
     assert measured(base) != measured(edited)
     shipped = TrainConfig(workload="image")
     assert measured(shipped) != measured(shipped.replace(workload="tabular"))
+
+
+def test_g2_holds_for_records_on_two_gpus_services_against_local_ranks(processes, digits, searchable_tmp: Path,
+                                                                        tmp_path: Path) -> None:
+    """Two orchestrator ranks on the parties' services, each travelling to its share, against two local
+    rank processes reading the same records: equal losses and held-out metrics."""
+    from gputravel.jobs.training import TrainingJobConfig, run_training_job
+
+    base = TrainConfig(workload="image", steps=8, batch=8, buffer_bytes=BUFFER, eval_every=4, checkpoint_every=0,
+                       warmup_steps=2)
+    runs = {loader: run_training_job(TrainingJobConfig(train=base.replace(loader=loader), holders=digits, gpus=2,
+                                                       run_dir=str(searchable_tmp / loader)))
+            for loader in ("travelling", "local")}
+    moved, local = runs["travelling"], runs["local"]
+    assert moved["losses"] == local["losses"] and len(local["losses"]) == 8
+    assert moved["eval_history"] == local["eval_history"] and [e["step"] for e in local["eval_history"]] == [4, 8]
+    assert set(moved["eval"]["per_holder"]) == {n for n, _ in digits}
