@@ -389,7 +389,7 @@ def holder_shell(clock: Clock, monkeypatch, link: Calls | None = None, **mux) ->
                                      trust_dir="trust")
     h = holder_cvm.DataHolder(
         config, dataset=SimpleNamespace(view=memoryview(DATASET), size=len(DATASET), tokenizer="", schema=None,
-                                        train_records=0, eval_records=0), host=Calls(),
+                                        train_records=0, eval_records=0, held_base=0), host=Calls(),
         driver=Calls(copy_from_vram=lambda off, n, timeout: bytes(n),
                      query_buffer=SimpleNamespace(nbytes=BUFFER.nbytes), export_context=b"\x02back"),
         mux=Calls(**mux), log_key=bytes(32), connect=lambda host, port: link,

@@ -232,3 +232,34 @@ def test_g2_holds_for_records_on_two_gpus_services_against_local_ranks(processes
     assert moved["losses"] == local["losses"] and len(local["losses"]) == 8
     assert moved["eval_history"] == local["eval_history"] and [e["step"] for e in local["eval_history"]] == [4, 8]
     assert set(moved["eval"]["per_holder"]) == {n for n, _ in digits}
+
+
+def test_a_training_chunk_ends_where_the_held_out_records_start(tmp_path: Path) -> None:
+    """No travel for training brings a held-out record into the GPU's buffer, even where the buffer
+    would hold more (the hostile review of issue 27 found the chunk ran on into them)."""
+    from gputravel.data.records import write_records
+
+    schema = RecordSchema((Field("x", "float32", (4,)), Field("label", "int64")))
+    paths = {}
+    for name in ("h1", "h2"):
+        array = np.zeros(50, dtype=schema.dtype)
+        array["label"] = np.arange(50) + (1000 if name == "h1" else 2000)  # every record distinct
+        write_records(tmp_path / name, schema, array)
+        paths[name] = tmp_path / name
+    buffer = 64 << 10  # holds a holder's every record
+    layout = Layout(record_bytes=4096)
+    with InProcessCohort(paths, buffer_bytes=buffer, workdir=tmp_path, layout=layout,
+                         formats=dict.fromkeys(paths, "records"), schema=schema.canonical_json()) as cohort:
+        orch = cohort.orchestrator
+        for name, path in paths.items():
+            hello = orch.travel_sm.holders[name]
+            units = Units(schema.record_bytes, hello.piece_bytes)
+            train_, held = split_arrays(load_records(path), EVAL_SHARE)
+            report = orch.travel(name, 0)
+            assert report.chunk.nbytes == units.eval_base(hello.train_records) < hello.dataset_bytes
+            carried = bytes(orch.buffer_view())
+            assert all(r.tobytes() in carried for r in train_)
+            assert not any(r.tobytes() in carried for r in held)
+            report = orch.travel(name, units.eval_base(hello.train_records))  # the held-out records, on their own
+            carried = bytes(orch.buffer_view())
+            assert all(r.tobytes() in carried for r in held) and not any(r.tobytes() in carried for r in train_)

@@ -94,6 +94,7 @@ class Dataset:
         self.tokenizer = ""
         self.schema: RecordSchema | None = None  # a records dataset's
         self.train_records = self.eval_records = 0
+        self.held_base = 0  # where its held-out records start (0: none): no chunk crosses it
         if fmt == RECORDS:
             self._map: mmap.mmap | None = self._load_records(path, piece_bytes, eval_share, eval_seed)
         else:
@@ -142,6 +143,7 @@ class Dataset:
             raise BadInput(f"dataset {path!r}: none of its {len(records)} records is left to train on with "
                            f"eval_share {share}: lower eval_share or add records")
         self.schema = records.schema
+        self.held_base = units.eval_base(self.train_records) if self.eval_records else 0
         mem = mmap.mmap(-1, len(data))
         mem.write(data)
         return mem
@@ -165,7 +167,7 @@ class DataHolder:
         self.piece_bytes = manifest_piece_bytes(config.layout)
         deadlines = Deadlines(device=config.device_timeout, orchestrator=config.orchestrator_timeout)
         self.sm = HolderTravel(config.name, self.dataset.size, piece_digests(self.dataset.view, self.piece_bytes),
-                               self.piece_bytes, deadlines, config.audit_arrival)
+                               self.piece_bytes, deadlines, config.audit_arrival, self.dataset.held_base)
         self._log_key = log_key  # sent only in our hello to the orchestrator we attested (holder/log_key.py)
         self._connect = connect if connect is not None else partial(_connect_tls, config)
         self._load_policy = policy if policy is not None else partial(HolderMaterial.load, config.trust_dir)
@@ -244,7 +246,7 @@ class DataHolder:
         """The TLS baseline (paper 7.2): plaintext leaves, so only to a freshly attested orchestrator."""
         self.sm.handle(BaselineAsked(), self._clock())
         assert self.orchestrator is not None
-        send_chunk(self.dataset.view, self.piece_bytes, self.orchestrator, msg, self.profile)
+        send_chunk(self.dataset.view, self.piece_bytes, self.orchestrator, msg, self.profile, self.dataset.held_base)
 
     # ------------------------------------------------------------------ the loop
     def _run(self, event: object) -> None:

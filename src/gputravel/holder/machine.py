@@ -17,7 +17,7 @@ from gputravel.holder.steps import (
     Request, StepFailed, SwitchAsked, SwitchBack, SwitchedHome,
 )
 from gputravel.protocol.machine import TimedOut, TravelMachine
-from gputravel.protocol.manifest import chunk_digest_from_manifest
+from gputravel.protocol.manifest import chunk_digest_from_manifest, chunk_nbytes
 from gputravel.protocol.travel import Bye, ChunkInfo, TravelRefused, TravelRequest, TravelResult, Welcome
 
 
@@ -73,10 +73,11 @@ class HolderTravel(TravelMachine):
     }
 
     def __init__(self, name: str, dataset_bytes: int, manifest: tuple[bytes, ...], piece_bytes: int,
-                 deadlines: Deadlines = Deadlines(), audit_arrival: bool = False) -> None:
+                 deadlines: Deadlines = Deadlines(), audit_arrival: bool = False, held_base: int = 0) -> None:
         budgets: dict[Enum, float] = dict.fromkeys((P.ATTACH, P.AUDIT, P.GRANT, P.COPY, P.HOMEWARD), deadlines.device)
         super().__init__(f"holder {name}", budgets | dict.fromkeys((P.ATTEST, P.WELCOME), deadlines.orchestrator))
         self.name, self.dataset_bytes, self.manifest, self.piece_bytes = name, dataset_bytes, manifest, piece_bytes
+        self.held_base = held_base  # where its held-out records start (0: none): no chunk crosses it
         self.deadlines = deadlines
         self.audit_arrival = audit_arrival  # read the buffer back on arrival and count non-zero bytes
         self._attested_at, self._valid_s = 0.0, 0.0  # our last attestation of the orchestrator
@@ -166,7 +167,8 @@ class HolderTravel(TravelMachine):
         if ev.nbytes < req.buffer_bytes:
             self._refusal = f"BadInput: the device buffer holds {ev.nbytes} bytes, the request claims {req.buffer_bytes}"
             return self._leave(now)
-        nbytes = min(req.buffer_bytes, self.dataset_bytes - req.dataset_offset)
+        nbytes = chunk_nbytes(self.name, self.dataset_bytes, self.piece_bytes, req.dataset_offset, req.buffer_bytes,
+                              self.held_base)
         return P.COPY, CopyChunk(req.buffer_offset, req.buffer_bytes, req.dataset_offset, nbytes, ev.nbytes)
 
     def _on_copied(self, ev: Copied, now: float) -> Step:

@@ -99,7 +99,9 @@ class BaselinePath:
     def run(self, holder: str, dataset_offset: int) -> BaselineReport:
         hello = self._enrolled(holder)
         self._ids += 1
-        nbytes = chunk_nbytes(holder, hello.dataset_bytes, hello.piece_bytes, dataset_offset, self._buffer.nbytes)
+        assert self.orch.travel_sm is not None  # _enrolled says so
+        nbytes = chunk_nbytes(holder, hello.dataset_bytes, hello.piece_bytes, dataset_offset, self._buffer.nbytes,
+                              self.orch.travel_sm.held_base.get(holder, 0))
         req = SendChunk(self._ids, dataset_offset, nbytes)
         clock = time.perf_counter
         t0 = clock()

@@ -37,14 +37,15 @@ class Deadlines:  # seconds each wait may take
     holder: float = 60.0  # a holder's reply to its travel request
 
 
-def _check_split(hello: HolderHello) -> None:
+def _check_split(hello: HolderHello) -> int:
     """A records holder's counts must be its dataset's laid-out size: its training records, whole
-    records to a piece, then its held-out records from the next piece (data/records.py)."""
+    records to a piece, then its held-out records from the next piece (data/records.py). Returns
+    where its held-out records start (0: none), where every training chunk ends."""
     name, train, held = hello.holder, hello.train_records, hello.eval_records
     if not hello.schema:
         if train or held:
             raise ProtocolError(f"holder {name}: record counts without a schema")
-        return
+        return 0
     from gputravel.data.records import RecordSchema, Units  # lazy: numpy, for records only
 
     try:
@@ -54,6 +55,7 @@ def _check_split(hello: HolderHello) -> None:
     if train < 1 or held < 0 or hello.dataset_bytes != units.split_bytes(train, held):
         raise ProtocolError(f"holder {name}: {train} training and {held} held-out records of {units.unit_bytes} "
                             f"bytes do not lay out as its {hello.dataset_bytes} bytes")
+    return units.eval_base(train) if held else 0
 
 
 # ----------------------------------------------------------------------------- events
@@ -226,6 +228,7 @@ class OrchestratorTravel(TravelMachine):
         self.buffer = buffer
         self.verify = verify  # False: the holder's digest is taken on trust (no read-back of VRAM)
         self.holders: dict[str, HolderHello] = {}
+        self.held_base: dict[str, int] = {}  # where each holder's held-out records start (0: none)
         self._travel_id = 0
         self._forget()
 
@@ -248,12 +251,13 @@ class OrchestratorTravel(TravelMachine):
             raise ProtocolError(f"holder {hello.holder}: manifest does not match the dataset size")
         if len(hello.log_key) != LOG_KEY_BYTES:  # what keys its entries in the public travel log
             raise ProtocolError(f"holder {hello.holder}: its travel-log key must be {LOG_KEY_BYTES} bytes")
-        _check_split(hello)
+        self.held_base[hello.holder] = _check_split(hello)
         self.holders[hello.holder] = hello
 
     def chunk_nbytes(self, holder: str, offset: int) -> int:  # BadInput if no chunk starts there
         hello = self.holders[holder]
-        return chunk_nbytes(holder, hello.dataset_bytes, hello.piece_bytes, offset, self.buffer.nbytes)
+        return chunk_nbytes(holder, hello.dataset_bytes, hello.piece_bytes, offset, self.buffer.nbytes,
+                            self.held_base.get(holder, 0))
 
     # ------------------------------------------------------------------ events
     def _on_start(self, ev: Start, now: float) -> Step:

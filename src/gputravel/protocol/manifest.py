@@ -40,15 +40,18 @@ def chunk_digest(data: memoryview | bytes, piece_bytes: int = PIECE_BYTES) -> by
     return hashlib.sha256(b"".join(piece_digests(data, piece_bytes))).digest()
 
 
-def chunk_nbytes(holder: str, dataset_bytes: int, piece_bytes: int, dataset_offset: int, buffer_bytes: int) -> int:
+def chunk_nbytes(holder: str, dataset_bytes: int, piece_bytes: int, dataset_offset: int, buffer_bytes: int,
+                 held_base: int = 0) -> int:
     """How many bytes a chunk at ``dataset_offset`` holds; it may start at any piece boundary
-    (training resumes mid-dataset), so its digest is checkable from the manifest."""
+    (training resumes mid-dataset), so its digest is checkable from the manifest. ``held_base``:
+    where a holder's held-out records start (0: none); a chunk ends there, never mixing the two."""
     if dataset_bytes == 0:
         raise BadInput(f"holder {holder!r} has an empty dataset: nothing to copy")
     if dataset_offset % piece_bytes or not 0 <= dataset_offset < dataset_bytes:
         raise BadInput(f"dataset offset {dataset_offset} is not a chunk start of holder {holder!r}: chunks start "
                        f"on a {piece_bytes}-byte piece boundary inside its {dataset_bytes}-byte dataset")
-    return min(buffer_bytes, dataset_bytes - dataset_offset)
+    end = held_base if 0 < held_base and dataset_offset < held_base else dataset_bytes
+    return min(buffer_bytes, end - dataset_offset)
 
 
 def chunk_mac(key: bytes, job: bytes, holder: str, dataset_offset: int, nbytes: int, digest: bytes) -> bytes:
