@@ -57,8 +57,7 @@ def _fork_control(loot: Loot) -> tuple[int, int]:
         deadline = time.monotonic() + 2.0
         while os.stat(f"/proc/{pid}/status").st_uid != os.geteuid() and time.monotonic() < deadline:
             time.sleep(0.005)  # its /proc files become its own once it is dumpable
-        ranges = [(start, end - start) for start, end, name in _maps(pid)
-                  if name.startswith("/memfd:") or name.endswith(".bin")]
+        ranges = [(start, end - start) for start, end, name in _maps(pid) if _holds_data(name)]
         return _read(f"/proc/{pid}/mem", ranges, loot), pid
     finally:
         os.close(w)
@@ -88,6 +87,16 @@ def ask_quote(order: AskQuote, loot: Loot) -> Event:
     return event(Did.QUOTE, f"{head}: got a quote of {len(quote)} bytes", nbytes=len(quote))
 
 
+# A holder's tokens or records are laid out once at boot in shared anonymous memory (holder/cvm.py Dataset)
+LAID_OUT = "/dev/zero (deleted)"
+
+
+def _holds_data(name: str) -> bool:
+    """A mapping that holds a party's secrets or data: memfds (VRAM, bounce buffers), a raw dataset's
+    file, a laid-out dataset."""
+    return name.startswith("/memfd:") or name.endswith(".bin") or name == LAID_OUT
+
+
 def _maps(pid: int) -> list[tuple[int, int, str]]:
     """A process's readable mappings: (start, end, name)."""
     out = []
@@ -107,8 +116,7 @@ def _targets_of(key: str, pid: int) -> list[ProbeTarget]:
     t = [ProbeTarget(key, what, f"{proc}/{what}", "read", ()) for what in (*PUBLIC, "maps", "environ")]
     t += [ProbeTarget(key, f"{what} directory", f"{proc}/{what}", "list", ()) for what in ("fd", "map_files")]
     # the first mapping of each that holds a party's secrets or data: memfds (VRAM, bounce buffers), datasets, heap
-    first = {name: (start, end) for start, end, name in reversed(_maps(pid))
-             if name.startswith("/memfd:") or name.endswith(".bin") or name == "[heap]"}
+    first = {name: (start, end) for start, end, name in reversed(_maps(pid)) if _holds_data(name) or name == "[heap]"}
     t += [ProbeTarget(key, f"memory ({name})", f"{proc}/mem", "read", ((start, min(end - start, MAX_READ)),))
           for name, (start, end) in first.items()]
     for fd in sorted(os.listdir(f"{proc}/fd"), key=int):
