@@ -35,6 +35,7 @@ class _Orchestrator:
         self.config = SimpleNamespace(holder_timeout=0.1)
         self.accepted = self.travels = 0
         self.dropped: list[str] = []
+        self.travel_sm = SimpleNamespace(holders={})
 
     def accept_holder(self, timeout: float, probe) -> str:
         self.accepted += 1
@@ -69,3 +70,28 @@ def test_a_holder_that_says_goodbye_between_travels_is_dropped():
     StreamTransport(theirs, "orchestrator").send(Bye(reason="leaving the cohort"))
     Admitting(orch, SimpleNamespace(probe_over=None)).travel("north", 0)
     assert orch.dropped == ["south"] and "south" not in orch.holders
+
+
+def _hello(dataset_bytes: int, eval_records: int) -> SimpleNamespace:
+    return SimpleNamespace(dataset_bytes=dataset_bytes, piece_bytes=4096, manifest=(b"m",), tokenizer="", schema="{}",
+                           train_records=10, eval_records=eval_records)
+
+
+def test_a_holder_that_rejoins_with_another_dataset_or_split_is_left_out_of_the_job():
+    """The loader cut each holder's data by its hello at the job's start: read with the old cut, a
+    new split would hand held-out records to training (the hostile review of issue 27)."""
+    for then, now, kept in ((_hello(8192, 2), _hello(8192, 2), True), (_hello(8192, 2), _hello(8192, 3), False),
+                            (_hello(8192, 2), _hello(12288, 2), False)):
+        orch = _Orchestrator(fail=False)
+        orch.travel_sm.holders["late-1"] = then
+        engine = Admitting(orch, SimpleNamespace(probe_over=None))
+
+        def rejoin(timeout: float, probe, orch=orch, now=now) -> str:
+            orch.listener.take()
+            orch.travel_sm.holders["late-1"] = now  # enrolled anew: its hello replaced
+            orch.holders["late-1"] = SimpleNamespace(fileno=lambda: -1)
+            return "late-1"
+
+        orch.accept_holder = rejoin  # type: ignore[method-assign]
+        engine.travel("north", 0)
+        assert ("late-1" in orch.holders) == kept and (orch.dropped == []) == kept

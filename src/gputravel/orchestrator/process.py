@@ -46,6 +46,10 @@ class Admitting:
 
     def __init__(self, orch: Orchestrator, membership: Membership) -> None:
         self.orch, self.membership = orch, membership
+        # What each holder brought when the job began: the loader cut its data by it, so one that
+        # rejoins with another dataset or split is left out, never read with the old cut.
+        hellos = orch.travel_sm.holders if orch.travel_sm is not None else {}
+        self.pinned = {name: _what_travels(hello) for name, hello in hellos.items()}
 
     def travel(self, holder: str, dataset_offset: int) -> object:
         self.admit_waiting()
@@ -64,6 +68,11 @@ class Admitting:
         if _readable(self.orch.listener.fileno()):
             try:
                 name = self.orch.accept_holder(self.orch.config.holder_timeout, self.membership.probe_over)
+                hellos = self.orch.travel_sm.holders if self.orch.travel_sm is not None else {}
+                if name in self.pinned and _what_travels(hellos[name]) != self.pinned[name]:
+                    log.warning("holder %s rejoined with another dataset or split: left out of this job", name)
+                    self.orch.drop(name)
+                    return
                 log.info("admitted holder %s", name)
             except GputravelError as exc:  # that holder stays out; training goes on with the others
                 log.warning("a holder could not join: %s: %s", type(exc).__name__, exc)
@@ -76,6 +85,11 @@ class Admitting:
             why = type(exc).__name__
         log.info("holder %s left: %s", name, why)
         self.orch.drop(name)
+
+
+def _what_travels(hello: Any) -> tuple[object, ...]:
+    return (hello.dataset_bytes, hello.piece_bytes, hello.manifest, hello.tokenizer, hello.schema,
+            hello.train_records, hello.eval_records)
 
 
 def _readable(fd: int) -> bool:
