@@ -263,3 +263,33 @@ def test_a_training_chunk_ends_where_the_held_out_records_start(tmp_path: Path) 
             report = orch.travel(name, units.eval_base(hello.train_records))  # the held-out records, on their own
             carried = bytes(orch.buffer_view())
             assert all(r.tobytes() in carried for r in held) and not any(r.tobytes() in carried for r in train_)
+
+
+@pytest.mark.parametrize("where", ["model", "inputs", "loss", "metrics"])
+def test_a_failing_workload_is_named_by_type_and_line_never_by_its_message(tumours, where: str) -> None:
+    """The hostile review of issue 27 made a holder's label 31337 reach the orchestrator's log
+    through cross_entropy's message; a workload's own code failing says type and line only."""
+    fails = {w: (f"    raise ValueError(str({'s' if w == 'model' else 'r' if w == 'inputs' else 'y'}))\n"
+                 if w == where else "") for w in ("model", "inputs", "loss", "metrics")}
+    code = ("import torch\nSCHEMA = 'features: float32[30]; label: int64[]'\n"
+            f"def model(s):\n{fails['model']}    return torch.nn.Linear(30, 2)\n"
+            f"def inputs(r):\n{fails['inputs']}    return r['features'], r['label']\n"
+            f"def loss(o, y):\n{fails['loss']}    return torch.nn.functional.cross_entropy(o, y)\n"
+            f"def metrics(o, y):\n{fails['metrics']}    return {{'loss': torch.nn.functional.cross_entropy(o, y)}}\n")
+    cfg = TrainConfig(workload="mine", workload_code=code, batch=8, buffer_bytes=BUFFER, steps=2,
+                      record_schema=common_schema(tumours).canonical_json())
+    with pytest.raises(BadInput) as caught:
+        train(cfg, local_source(cfg, tumours))
+    assert re.fullmatch(rf"workload 'mine' failed in {where}: ValueError at line \d+", str(caught.value))
+
+
+def test_a_script_that_exits_with_a_message_is_named_without_it(tumours) -> None:
+    from gputravel.train.scripted import run_job
+
+    for code, refused in (("import sys\nsys.exit('label 31337')\n", True), ("import sys\nsys.exit(0)\n", False)):
+        cfg = script_job(tumours, code)
+        if refused:
+            with pytest.raises(BadInput, match=r"^script 'port' exited: SystemExit at line 2$"):
+                run_job(cfg, local_source(cfg, tumours))
+        else:
+            assert run_job(cfg, local_source(cfg, tumours)).losses == []

@@ -6,7 +6,10 @@ It travels inside the job, so it is part of the orchestrator's measurement that 
 
 from __future__ import annotations
 
+import traceback
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Callable
@@ -16,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from gputravel.data.records import RecordSchema, as_tensors
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, GputravelError
 
 SHIPPED = ("gpt2", "image", "tabular")
 FILE = "file"  # a workload from a file: its text is the job's workload_code
@@ -52,26 +55,51 @@ class Workload:
         """The model and its optimizer, initialised from the job's seed (GPT-2's: train/loop.py)."""
         assert self.module is not None
         torch.manual_seed(cfg.seed)
-        model = self.module.model(self.schema).to(device)
-        make = getattr(self.module, "optimizer", default_optimizer)
-        return model, make(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        with self._guard("model"):
+            model = self.module.model(self.schema).to(device)
+        with self._guard("optimizer"):
+            make = getattr(self.module, "optimizer", default_optimizer)
+            return model, make(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def loss(self, forward: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.module is None:
             return forward(x, y)[1]
-        return getattr(self.module, "loss", default_loss)(forward(x), y)
+        with self._guard("loss"):
+            return getattr(self.module, "loss", default_loss)(forward(x), y)
 
     def batch(self, records: np.ndarray, device: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of records (a structured array) as the model's (inputs, targets)."""
         assert self.module is not None
-        x, y = self.module.inputs(as_tensors(records, torch.from_numpy))
-        return x.to(device), y.to(device)
+        with self._guard("inputs"):
+            x, y = self.module.inputs(as_tensors(records, torch.from_numpy))
+            return x.to(device), y.to(device)
 
     def metrics(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """The workload's metric sums over one evaluation batch, with "count"."""
         assert self.module is not None
-        sums = getattr(self.module, "metrics", default_metrics)(model(x), y)
-        return {**{k: float(v) for k, v in sums.items()}, "count": float(len(y))}
+        with self._guard("metrics"):
+            sums = getattr(self.module, "metrics", default_metrics)(model(x), y)
+            return {**{k: float(v) for k, v in sums.items()}, "count": float(len(y))}
+
+    @contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """A failure in the workload's code, named by type and line: its message may quote records."""
+        try:
+            yield
+        except GputravelError:
+            raise
+        except Exception as exc:
+            raise BadInput(f"workload {self.name!r} failed in {what}: {failure(exc, _filename(self.name))}") from None
+
+
+def failure(exc: BaseException, filename: str) -> str:
+    """`exc` in words safe to log: its type and the last line of `filename` it passed through."""
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    return f"{type(exc).__name__} at line {lines[-1] if lines else '?'}"
+
+
+def _filename(name: str) -> str:
+    return f"<workload {name}>"
 
 
 def load_workload(name: str, code: str = "", schema: str = "", script: bool = False) -> Workload:
@@ -98,8 +126,8 @@ def load_workload(name: str, code: str = "", schema: str = "", script: bool = Fa
 def _module(name: str, code: str) -> types.ModuleType:
     module = types.ModuleType(f"gputravel_workload_{name.replace('.', '_')}")
     try:
-        exec(compile(code, f"<workload {name}>", "exec"), module.__dict__)
-    except Exception as exc:
+        exec(compile(code, _filename(name), "exec"), module.__dict__)
+    except Exception as exc:  # at load time no record is in reach: the message helps the author
         raise BadInput(f"workload {name!r} failed to load: {type(exc).__name__}: {exc}") from None
     missing = [n for n in REQUIRED if not hasattr(module, n)]
     if missing:
