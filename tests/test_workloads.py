@@ -293,3 +293,32 @@ def test_a_script_that_exits_with_a_message_is_named_without_it(tumours) -> None
                 run_job(cfg, local_source(cfg, tumours))
         else:
             assert run_job(cfg, local_source(cfg, tumours)).losses == []
+
+
+def test_code_runs_only_on_an_orchestrator_measured_with_its_job_in_canonical_form(tumours, tmp_path: Path) -> None:
+    """The hostile review of issue 27: with no measured job, any Train command's code ran; with a
+    measured job of duplicate keys, reviewers and json.loads could read two different codes."""
+    from dataclasses import replace
+
+    from gputravel.orchestrator.process import run_training
+    from gputravel.protocol.control import Train
+    from gputravel.transport.memory import memory_pair
+
+    schema = common_schema(tumours).canonical_json()
+    cfg = TrainConfig(workload="mine", workload_code=(Path(__file__).parents[1] / "src/gputravel/workloads/tabular.py")
+                      .read_text(), record_schema=schema, buffer_bytes=BUFFER, steps=2)
+    text = cfg.canonical_json()
+    twice = text[:-1] + ',"workload_code":"import os"}'  # the last key wins in json.loads
+    paths = {name: Path(path) for name, path in tumours}
+    layout = Layout(record_bytes=record_bytes_for(BUFFER))
+    for measured, said in (("", "runs only on an orchestrator measured with that job"),
+                           (twice, "is not in canonical form")):
+        with InProcessCohort(paths, buffer_bytes=BUFFER, workdir=tmp_path, layout=layout,
+                             formats=dict.fromkeys(paths, "records"), schema=schema) as cohort:
+            orch = cohort.orchestrator
+            orch.config = replace(orch.config, job_json=measured)
+            control, _ = memory_pair("control", "launcher")
+            cmd = Train(config_json=twice if measured else text, run_dir="", resume_checkpoint="", rank=0,
+                        world_size=1, master="", ifname="", shares=(), ranks_context=b"")
+            with pytest.raises(BadInput, match=said):
+                run_training(orch, cmd, control, None)

@@ -106,6 +106,12 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     cfg = TrainConfig.from_json(cmd.config_json)
     if orch.travel_log is not None:
         orch.travel_log.check_open()
+    measured = orch.config.job_json
+    if measured and TrainConfig.from_json(measured).canonical_json() != measured:  # one text, one meaning
+        raise BadInput("the job this orchestrator was measured with is not in canonical form: launch it with the "
+                       "job's canonical JSON (TrainConfig.canonical_json)")
+    if cfg.workload_code and not measured:  # code runs only where the holders pinned it
+        raise BadInput("a job that brings its own code runs only on an orchestrator measured with that job")
     if orch.config.job_json and TrainConfig.from_json(orch.config.job_json) != cfg:
         raise BadInput("the job differs from the one this orchestrator was measured with, "
                        "which the holders pinned: launch an orchestrator for this job")

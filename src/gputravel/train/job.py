@@ -30,6 +30,15 @@ def _torch_seed(value: int) -> int:
     return value
 
 
+def _canonical_schema(text: str) -> str:
+    from gputravel.data.records import RecordSchema  # lazy: numpy, for records jobs only
+
+    try:
+        return RecordSchema.from_json(text).canonical_json()
+    except BadInput as exc:
+        raise ValueError(f"record_schema: {exc}") from None
+
+
 Positive = Annotated[int, Field(gt=0)]
 Count = Annotated[int, Field(ge=0)]
 
@@ -108,6 +117,10 @@ class TrainConfig(JobPart):
             raise ValueError(f"n_embd: expected a multiple of n_head ({self.n_head}), got {self.n_embd}")
         if not self.workload_code and self.workload not in WORKLOADS:
             raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)} or a workload file, got {self.workload!r}")
+        if self.workload_code and self.workload in WORKLOADS:
+            raise ValueError(f"workload: a workload file's name must not be a shipped one's ({self.workload!r}): rename it")
+        if self.record_schema and _canonical_schema(self.record_schema) != self.record_schema:
+            raise ValueError("record_schema: expected a schema's canonical JSON (data/records.py)")
         if self.script and not self.workload_code:
             raise ValueError("script: expected a script's text in workload_code")
         if self.workload == "gpt2" and not self.workload_code and self.record_schema:
