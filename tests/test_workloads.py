@@ -322,3 +322,28 @@ def test_code_runs_only_on_an_orchestrator_measured_with_its_job_in_canonical_fo
                         world_size=1, master="", ifname="", shares=(), ranks_context=b"")
             with pytest.raises(BadInput, match=said):
                 run_training(orch, cmd, control, None)
+
+
+@pytest.mark.parametrize("doc", [
+    '{"fields":[{"name":"x","dtype":"uint8","shape":[1],"note":1}]}',  # an unknown key: not dropped
+    '{"fields":["x"]}',
+    '{"fields":[{"name":"x","dtype":"uint8","shape":[true]}]}',
+    '{"fields":[{"name":"x","dtype":"uint8","shape":[1],"names":"cd"}]}',  # not the names ("c", "d")
+    '{"fields":[{"name":"x","dtype":"uint8"}]}',
+    '{"fields":[],"x":1}',
+])
+def test_a_schema_is_read_strictly_nothing_dropped_or_coerced(doc: str) -> None:
+    """The hostile review of issue 27: fields that were not objects, or had an unknown key, vanished."""
+    with pytest.raises(BadInput, match="a schema is"):
+        RecordSchema.from_json(doc)
+
+
+def test_packing_never_replaces_a_directory_that_holds_anything_else(tmp_path: Path) -> None:
+    from gputravel.data.records import write_records
+
+    schema = RecordSchema.parse("x: float32[2]; label: int64[]")
+    write_records(tmp_path / "out", schema, np.zeros(3, dtype=schema.dtype))
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(BadInput, match="is not a record dataset alone"):
+        write_records(tmp_path / "out", schema, np.ones(3, dtype=schema.dtype))
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"

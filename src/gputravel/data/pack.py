@@ -137,7 +137,7 @@ def pack_table(path: Path | str, out: Path | str, *, label: str, features: Seque
                            Field("label", "int64", (), tuple(names))))
     array = np.zeros(len(values), dtype=schema.dtype)
     array["features"] = np.stack(values)
-    array["label"] = _label_indices(path, labels, names)
+    array["label"] = _label_indices(path, label, labels, names)
     write_records(out, schema, array)
     return Records(schema, array)
 
@@ -227,12 +227,12 @@ def _label_cell(path: Path, row: int, label: str, cell: object) -> str:
     return text
 
 
-def _label_indices(path: Path, labels: list[tuple[int, str]], names: list[str]) -> np.ndarray:
+def _label_indices(path: Path, column: str, labels: list[tuple[int, str]], names: list[str]) -> np.ndarray:
     index = {n: i for i, n in enumerate(names)}
     for row, value in labels:
-        if value not in index:
-            shown = value if len(value) <= 20 else value[:20] + "..."
-            raise BadInput(f"{path}, row {row}: label {shown!r} is not one of the declared classes ({_listed(names)})")
+        if value not in index:  # named by its place, never its text: a cell is the holder's data
+            raise BadInput(f"{path}, row {row}, column {column!r}: a label that is not one of the declared "
+                           f"classes ({_listed(names)})")
     return np.array([index[v] for _, v in labels], dtype=np.int64)
 
 

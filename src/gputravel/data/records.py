@@ -15,10 +15,11 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from gputravel.errors import BadInput
@@ -56,6 +57,17 @@ class Field:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "names": list(self.names)}
 
 
+class _FieldDoc(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    names: list[str] = []
+
+
+class _SchemaDoc(msgspec.Struct, forbid_unknown_fields=True):
+    fields: list[_FieldDoc]
+
+
 @dataclass(frozen=True)
 class RecordSchema:
     fields: tuple[Field, ...]
@@ -83,19 +95,20 @@ class RecordSchema:
 
     @classmethod
     def from_dict(cls, raw: object) -> RecordSchema:
+        """Strictly: every field an object of exactly these keys and types, nothing dropped or coerced."""
         try:
-            assert isinstance(raw, Mapping) and set(raw) == {"fields"} and isinstance(raw["fields"], list)
-            return cls(tuple(Field(f["name"], f["dtype"], tuple(f["shape"]), tuple(f.get("names", ())))
-                             for f in raw["fields"] if isinstance(f, Mapping) and set(f) <= {"name", "dtype", "shape", "names"}))
-        except (AssertionError, KeyError, TypeError):
-            raise BadInput("a schema is {\"fields\": [{\"name\", \"dtype\", \"shape\", \"names\"}, ...]}") from None
+            doc = msgspec.convert(raw, _SchemaDoc, strict=True)
+        except msgspec.ValidationError as exc:
+            raise BadInput(f"a schema is {{\"fields\": [{{\"name\", \"dtype\", \"shape\", \"names\"}}, ...]}} ({exc})") from None
+        return cls(tuple(Field(f.name, f.dtype, tuple(f.shape), tuple(f.names)) for f in doc.fields))
 
     @classmethod
     def from_json(cls, text: str) -> RecordSchema:
         try:
-            return cls.from_dict(json.loads(text))
+            raw = json.loads(text)
         except ValueError:
             raise BadInput("a schema's JSON is malformed") from None
+        return cls.from_dict(raw)
 
     def to_dict(self) -> dict:
         return {"fields": [f.to_dict() for f in self.fields]}
@@ -202,8 +215,8 @@ def write_records(path: Path | str, schema: RecordSchema, array: np.ndarray) -> 
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         if path.exists():
-            if not is_record_dataset(path):
-                raise BadInput(f"{path} exists and is not a record dataset: choose another --out")
+            if not is_record_dataset(path) or not set(os.listdir(path)) <= {RECORDS_FILE, SCHEMA_FILE}:
+                raise BadInput(f"{path} exists and is not a record dataset alone: choose another --out")
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             path.rename(old)
