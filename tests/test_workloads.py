@@ -347,3 +347,10 @@ def test_packing_never_replaces_a_directory_that_holds_anything_else(tmp_path: P
     with pytest.raises(BadInput, match="is not a record dataset alone"):
         write_records(tmp_path / "out", schema, np.ones(3, dtype=schema.dtype))
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def test_cohort_init_refuses_a_job_of_tokens_over_record_holders(tumours, searchable_tmp: Path) -> None:
+    from gputravel.service.init import init_cohort
+
+    with pytest.raises(BadInput, match="job.record_schema: the holders hold records, the job trains on tokens"):
+        init_cohort(searchable_tmp / "c", tumours, job={"workload": "tabular", "record_schema": ""})

@@ -108,7 +108,11 @@ def data_schema(holders: Sequence[tuple[str, str]]) -> str:
 def _check_job_schema(section: JobSection, holders: Sequence[tuple[str, str]], schema: str) -> None:
     """A job stating another schema than its holders' records: refused here, not at every join."""
     want = job_schema(section)
-    if not (want and schema):
+    if bool(want) != bool(schema):  # records for a tokens job, or the reverse: every join would be refused
+        held = "records" if schema else "tokens"
+        raise BadInput(f"job.{JOB_SCHEMA_KEY}: the holders hold {held}, the job trains on "
+                       f"{'records' if want else 'tokens'}")
+    if not want:
         return
     try:
         diff = RecordSchema.from_json(want).difference(RecordSchema.from_json(schema))
