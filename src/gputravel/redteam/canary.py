@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gputravel.data.records import load_records, write_records
+
 MARKER_BYTES = 16
 SAMPLE_BYTES = 32
 SAMPLES = 8
@@ -75,8 +77,7 @@ IMAGE_BYTES = 64  # a digit, uint8[1,8,8]: the canary image is as large
 def make_image_datasets(root: Path, holders: Sequence[str], nbytes: int) -> dict[str, Needles]:
     """Image record datasets ``root/HOLDER`` (the `image` demo's digits, dealt and packed as its holders'
     are, then repeated to `nbytes`), one canary image in every 4 KiB; return what to search for in each."""
-    from gputravel.data.demo_records import demo_holders  # lazy: numpy and Pillow, for this data only
-    from gputravel.data.records import load_records, write_records
+    from gputravel.data.demo_records import demo_holders  # lazy: Pillow, for this data only
 
     packed = [load_records(path) for _, path in demo_holders("image", len(holders), root / "packed")]
     images = [{bytes(r) for r in np.ascontiguousarray(p.array["image"]).reshape(len(p), -1)} for p in packed]
