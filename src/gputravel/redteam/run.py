@@ -146,7 +146,7 @@ def _run_one(attack: Attack, arena: Arena) -> Verdict:
 
 
 def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, Needles], tmp: Path,
-           data: str) -> AttackResult:
+           data: str = RAW) -> AttackResult:
     files = _view(attack, run_dir)
     # A malicious holder's own data is not a leak; the host owns no data at all.
     found = search(files, [n for h, n in needles.items() if h != MALLORY or "holder" not in attack.adversary])
