@@ -3,7 +3,9 @@ the same training data through a plain ``torch.utils.data.DataLoader`` over loca
 stock PyTorch script would train it, with the job's batch size, steps, schedule and threads.
 
 A step is timed as the loop times it (train/loop.py's ``tokens_per_s``): from asking for the
-batch to the optimizer's step, so a wait for data counts in both.
+batch to the optimizer's step, so a wait for data counts in both. Records are the dataset's
+items and the workload's ``inputs`` make each batch's tensors (the collate function), the work
+the loop does per batch too.
 """
 
 from __future__ import annotations
@@ -35,13 +37,11 @@ def step_seconds(t: TrainConfig, tokens_per_s: Sequence[float]) -> list[float]:
     return [per_batch / r for r in tokens_per_s if r > 0]
 
 
-def dataset(t: TrainConfig, holders: Sequence[tuple[str, str]], data: HeldOut) -> TensorDataset:
-    """Every holder's training data as one dataset: records (each holder's split, as its CVM
-    splits it) through the workload's inputs, or GPT-2's windows of the training tokens."""
+def dataset(t: TrainConfig, holders: Sequence[tuple[str, str]], data: HeldOut) -> np.ndarray | TensorDataset:
+    """Every holder's training data as one dataset: its records (each holder's split, as its CVM
+    splits it), a record an item; or GPT-2's windows of the training tokens."""
     if t.records:
-        workload = workload_of(t)
-        train = np.concatenate([split_arrays(load_records(path), EVAL_SHARE)[0] for _, path in holders])
-        return TensorDataset(*workload.batch(train, "cpu"))
+        return np.concatenate([split_arrays(load_records(path), EVAL_SHARE)[0] for _, path in holders])
     tokens = np.concatenate([np.asarray(load_tokens(path).tokens, dtype=np.int64) for path in data.holders.values()])
     n = (len(tokens) - 1) // t.seq_len
     whole = torch.from_numpy(tokens)
@@ -54,9 +54,11 @@ def measure(t: TrainConfig, holders: Sequence[tuple[str, str]], data: HeldOut) -
     ds = dataset(t, holders, data)
     if len(ds) < t.batch:
         raise BadInput(f"the holders' training data makes {len(ds)} examples, fewer than one batch of {t.batch}")
-    loader = DataLoader(ds, batch_size=t.batch, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(t.seed))
     workload = workload_of(t)
+    # Records become tensors a batch at a time, by the workload's inputs, as the loop makes them.
+    collate = (lambda rows: workload.batch(np.array(rows, dtype=ds.dtype), "cpu")) if t.records else None
+    loader = DataLoader(ds, batch_size=t.batch, shuffle=True, drop_last=True, collate_fn=collate,  # type: ignore[arg-type]
+                        generator=torch.Generator().manual_seed(t.seed))
     model, optimizer = build_model(t, "cpu", workload)
     model.train()
     seconds, losses, batches = [], [], iter(loader)

@@ -7,7 +7,8 @@ FedAvg on a real Flower deployment (fl/). docs/benchmarks.md describes each row'
 ``workload`` (issue 27): GPT-2 on the Shakespeare presses, or a records workload (image,
 tabular) on its shipped records dealt to the holders, each scored on every holder's held-out
 records. ``local_dataloader`` is the reference step time: the same model on the same records
-through a plain torch DataLoader from local disk, in the same run (bench/local_reference.py).
+through a plain torch DataLoader from local disk, in the same run (bench/local_reference.py),
+measured again just before each method (``runs_step_ms``; a row's ``local_step_ms``).
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ def bench_train_config(steps: int = 600, buffer_bytes: int = 128 << 10, *, n_lay
 
 
 def records_train_config(workload: str, steps: int = RECORD_STEPS, buffer_bytes: int = 128 << 10) -> TrainConfig:
-    """A records workload's job: the workload's own model, batches of 32 records, no checkpoint until the end."""
+    """A records workload's job: the workload's own model, batches of 32 records, no checkpoint until the end.
+    One thread: a model this small gains nothing from two, and two stall whenever another process
+    holds one of a shared machine's two cores (steps of a few ms took 3-7x longer, 2026-11-29)."""
     return TrainConfig(workload=workload, steps=steps, batch=RECORD_BATCH, buffer_bytes=buffer_bytes,
-                       sample_tokens=0, checkpoint_every=0)
+                       sample_tokens=0, checkpoint_every=0, threads=1)
 
 
 def workload_config(workload: str, steps: int | None, buffer_bytes: int) -> TrainConfig:
@@ -124,14 +127,16 @@ def run(cfg: TrainBenchConfig, *, on_row: Callable[[dict], None] | None = None) 
         fedavg = check_fl(FlJob(job.train, cfg.fl, data.holders, None, Path(tmp))) if "fl" in cfg.methods else None
         result.update(config=job.train.to_dict(), holders_train_tokens=data.train_tokens,
                       fl_plan=None if fedavg is None else fedavg.to_dict())
-        # Measured first, on a quiet machine: the reference the travelling loader's step time is set against.
-        result["local_dataloader"] = local_reference.measure(job.train, job.holders, data)
         for i, bw in enumerate(cfg.bandwidths):
             rows = {}
             for method in cfg.methods:
+                # The reference just before each method: on a shared machine the load drifts between runs.
+                local = local_reference.measure(job.train, job.holders, data)
+                result.setdefault("local_dataloader", {**local, "runs_step_ms": []})["runs_step_ms"].append(
+                    local["step_ms"])
                 rows[method] = row = _method(cfg, job, data, kind, bw, method, Path(tmp) / f"run-{i}-{method}", fedavg)
-                local = result["local_dataloader"]["step_ms"]
-                row["step_ms_vs_local"] = row["step_ms"] / local if row["step_ms"] and local else None
+                row["local_step_ms"] = local["step_ms"]
+                row["step_ms_vs_local"] = row["step_ms"] / local["step_ms"] if row["step_ms"] and local["step_ms"] else None
                 result["rows"].append(row)
                 if on_row is not None:
                     on_row(rows[method])

@@ -55,7 +55,8 @@ def bench_train(
     for row in train_report.table_rows(result):
         table.add_row(*row)
     console.print(table)
-    console.print(f"  local DataLoader reference: median step {result['local_dataloader']['step_ms']:.2f} ms")
+    refs = ", ".join(f"{ms:.2f}" for ms in result["local_dataloader"]["runs_step_ms"])
+    console.print(f"  local DataLoader reference, before each method: median step {refs} ms")
     for c in result["checks"]:
         if c["same_losses"] is not None:
             console.print(f"  {compare.bandwidth_label(c['bandwidth_mbit'])}: travel and tls losses "
