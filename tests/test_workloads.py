@@ -352,5 +352,31 @@ def test_packing_never_replaces_a_directory_that_holds_anything_else(tmp_path: P
 def test_cohort_init_refuses_a_job_of_tokens_over_record_holders(tumours, searchable_tmp: Path) -> None:
     from gputravel.service.init import init_cohort
 
-    with pytest.raises(BadInput, match="job.record_schema: the holders hold records, the job trains on tokens"):
+    with pytest.raises(BadInput, match=r"job\.record_schema: the holders hold records, the job trains on tokens"):
         init_cohort(searchable_tmp / "c", tumours, job={"workload": "tabular", "record_schema": ""})
+
+
+@pytest.mark.parametrize("where", ["backward", "optimizer step", "own error", "keyboard"])
+def test_a_workload_cannot_carry_a_record_out_in_an_error_from_any_of_its_code(tumours, where: str) -> None:
+    """The second review of issue 27: backward and the optimizer's step ran unguarded, and the
+    workload's own BadInput, KeyboardInterrupt or exception class could carry a record's value."""
+    body = {
+        "backward": (("class F(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, x): return x\n"
+                     "    @staticmethod\n    def backward(ctx, g): raise ValueError(str(g.tolist()))\n"
+                     "def inputs(r): return r['features'], r['label']\n"
+                     "def loss(o, y): return torch.nn.functional.cross_entropy(F.apply(o), y)\n"), "backward: ValueError"),
+        "optimizer step": (("class Opt(torch.optim.SGD):\n    def step(self, closure=None):\n"
+                           "        raise FloatingPointError(str([p.grad.tolist() for p in self.param_groups[0]['params']]))\n"
+                           "def optimizer(params, lr, weight_decay): return Opt(params, lr=lr)\n"
+                           "def inputs(r): return r['features'], r['label']\n"), "optimizer step: FloatingPointError"),
+        "own error": (("from gputravel.errors import BadInput\nclass E(Exception): pass\n"
+                      "def inputs(r): raise BadInput(str(r['label'].tolist()))\n"), "inputs: an exception the code defines"),
+        "keyboard": ("def inputs(r): raise KeyboardInterrupt(str(r['features'].tolist()))\n", "inputs: KeyboardInterrupt"),
+    }[where]
+    code = ("import torch\nSCHEMA = 'features: float32[30]; label: int64[]'\n"
+            "def model(s): return torch.nn.Linear(30, 2)\n" + body[0])
+    cfg = TrainConfig(workload="mine", workload_code=code, batch=8, buffer_bytes=BUFFER, steps=2,
+                      record_schema=common_schema(tumours).canonical_json())
+    with pytest.raises(BadInput) as caught:
+        train(cfg, local_source(cfg, tumours))
+    assert re.fullmatch(rf"workload 'mine' failed in {body[1]} at line \d+", str(caught.value)), str(caught.value)

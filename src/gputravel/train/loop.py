@@ -13,6 +13,7 @@ import hmac
 import math
 import statistics
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -114,16 +115,24 @@ def _gpt_loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, lr: float, *, forward=None,
-               backward: Callable[[torch.Tensor], None] | None = None, loss_of=_gpt_loss) -> float:
-    """One step as every method trains (FedAvg's holders too): the optimizer at `lr`, clipped to norm 1."""
+               backward: Callable[[torch.Tensor], None] | None = None, loss_of=_gpt_loss,
+               guard: Callable[[str], AbstractContextManager] | None = None) -> float:
+    """One step as every method trains (FedAvg's holders too): the optimizer at `lr`, clipped to norm 1.
+    `guard`: the workload's (Workload.guard), around its code's backward and optimizer step."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss = loss_of(forward or model, x, y)
     optimizer.zero_grad(set_to_none=True)
-    (backward or torch.Tensor.backward)(loss)
+    with (guard or _unguarded)("backward"):
+        (backward or torch.Tensor.backward)(loss)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
+    with (guard or _unguarded)("optimizer step"):
+        optimizer.step()
     return loss.item()
+
+
+def _unguarded(what: str) -> AbstractContextManager:
+    return nullcontext()
 
 
 def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
@@ -197,7 +206,8 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
         x, y = next(batches)
         # With ranks, the gradients' all-reduce runs in dp.backward, over the ring.
         value = train_step(model, optimizer, x, y, lr_at(cfg, step), forward=step_model,
-                           backward=dp.backward if dp is not None else None, loss_of=workload.loss)
+                           backward=dp.backward if dp is not None else None, loss_of=workload.loss,
+                           guard=workload.guard)
         result.losses.append(value)
         now = time.perf_counter()
         per_batch = cfg.batch if cfg.records else cfg.batch * cfg.seq_len

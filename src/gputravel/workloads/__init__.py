@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from gputravel.data.records import RecordSchema, as_tensors
-from gputravel.errors import BadInput, GputravelError
+from gputravel.errors import BadInput
 
 SHIPPED = ("gpt2", "image", "tabular")
 FILE = "file"  # a workload from a file: its text is the job's workload_code
@@ -55,47 +55,60 @@ class Workload:
         """The model and its optimizer, initialised from the job's seed (GPT-2's: train/loop.py)."""
         assert self.module is not None
         torch.manual_seed(cfg.seed)
-        with self._guard("model"):
+        with self.guard("model"):
             model = self.module.model(self.schema).to(device)
-        with self._guard("optimizer"):
+        with self.guard("optimizer"):
             make = getattr(self.module, "optimizer", default_optimizer)
             return model, make(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def loss(self, forward: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.module is None:
             return forward(x, y)[1]
-        with self._guard("loss"):
+        with self.guard("loss"):
             return getattr(self.module, "loss", default_loss)(forward(x), y)
 
     def batch(self, records: np.ndarray, device: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of records (a structured array) as the model's (inputs, targets)."""
         assert self.module is not None
-        with self._guard("inputs"):
+        with self.guard("inputs"):
             x, y = self.module.inputs(as_tensors(records, torch.from_numpy))
             return x.to(device), y.to(device)
 
     def metrics(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """The workload's metric sums over one evaluation batch, with "count"."""
         assert self.module is not None
-        with self._guard("metrics"):
+        with self.guard("metrics"):
             sums = getattr(self.module, "metrics", default_metrics)(model(x), y)
             return {**{k: float(v) for k, v in sums.items()}, "count": float(len(y))}
 
     @contextmanager
-    def _guard(self, what: str) -> Iterator[None]:
-        """A failure in the workload's code, named by type and line: its message may quote records."""
+    def guard(self, what: str) -> Iterator[None]:
+        """Run the workload's code: a failure that passed through it is named by type and line only,
+        as its message (or its class's name) may quote records; GPT-2's own code is not guarded."""
+        if self.module is None:
+            yield
+            return
         try:
             yield
-        except GputravelError:
-            raise
-        except Exception as exc:
-            raise BadInput(f"workload {self.name!r} failed in {what}: {failure(exc, _filename(self.name))}") from None
+        except BaseException as exc:
+            filename = _filename(self.name)
+            if not _passed(exc, filename):  # not the workload's: the ring's typed errors, a real Ctrl-C
+                raise
+            raise BadInput(f"workload {self.name!r} failed in {what}: {failure(exc, filename)}") from None
+
+
+
+def _passed(exc: BaseException, filename: str) -> bool:
+    return any(f.filename == filename for f in traceback.extract_tb(exc.__traceback__))
 
 
 def failure(exc: BaseException, filename: str) -> str:
-    """`exc` in words safe to log: its type and the last line of `filename` it passed through."""
+    """`exc` in words safe to log: its type (when Python, torch or numpy define it) and the last
+    line of `filename` it passed through."""
     lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
-    return f"{type(exc).__name__} at line {lines[-1] if lines else '?'}"
+    module = type(exc).__module__.partition(".")[0]
+    kind = type(exc).__name__ if module in ("builtins", "torch", "numpy") else "an exception the code defines"
+    return f"{kind} at line {lines[-1] if lines else '?'}"
 
 
 def _filename(name: str) -> str:

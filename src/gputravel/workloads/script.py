@@ -4,13 +4,14 @@ travels in the job like a workload file's, so the orchestrator's measurement cov
 
 from __future__ import annotations
 
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from gputravel.errors import BadInput, GputravelError
+from gputravel.errors import BadInput
 from gputravel.workloads import failure
 
 __all__ = ["Feed", "batches", "held_out", "log", "run_script"]
@@ -73,12 +74,12 @@ def run_script(name: str, code: str, feed: Feed) -> None:
     token = _feed.set(feed)
     try:
         exec(compile(code, module.__file__, "exec"), module.__dict__)
-    except GputravelError:
-        raise
     except SystemExit as exc:  # sys.exit(): 0 or None is the script's end; its message may quote records
         if exc.code not in (0, None):
             raise BadInput(f"script {name!r} exited: {failure(exc, module.__file__)}") from None
-    except Exception as exc:  # its message may quote records: the type and the line only
+    except BaseException as exc:  # its message may quote records: the type and the line only
+        if not any(f.filename == module.__file__ for f in traceback.extract_tb(exc.__traceback__)):
+            raise  # not the script's own: the loader's typed errors, a real Ctrl-C
         raise BadInput(f"script {name!r} failed: {failure(exc, module.__file__)}") from None
     finally:
         _feed.reset(token)
