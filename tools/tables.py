@@ -523,3 +523,39 @@ def fl_loss_gap(d):
         (names.get(k, k), num(t["final_loss"], 4), num(f["final_loss"], 4),
          f"{f['final_loss'] - t['final_loss']:+.3f}", *(num(x.get("train_loss_tail"), 3) for x in (t, f)))
         for k, t, f in ((k, v["travel"], v["fl"]) for k, v in d["loss_gap"].items())]
+
+
+@table("r")
+def train_workload(d):
+    """`bench train --workload` (issue 27): per method the median step against the plain local
+    DataLoader's (measured in the same run), the data-stall share, the bytes over the links and
+    the final model's held-out metrics over all holders."""
+    local = d["local_dataloader"]
+    refs = local.get("runs_step_ms") or [local["step_ms"]]
+    rows = [("local DataLoader (reference, before each method)", "local disk", " / ".join(num(x) for x in refs), "1.00",
+             "-", "-", "-", "-", "-")]
+    for bw, (methods, same) in runs(d).items():
+        for m in [m for m in ("travel", "tls", "fl") if m in methods]:
+            r = methods[m]
+            final = (r.get("final_metrics") or {}).get("all") or {}
+            rows.append(({"fl": "fl (FedAvg)"}.get(m, m), link(bw), num(r.get("step_ms")), num(r.get("step_ms_vs_local")),
+                         pct(r.get("stall_share"), 2), "-" if r.get("bytes_over_link") is None
+                         else f"{r['bytes_over_link']:,}", num(final.get("loss"), 4), pct(final.get("accuracy")),
+                         yes(same) if m in ("travel", "tls") else "-"))
+    return ("method", "link", "median step (ms)", "x local DataLoader", "stall share", "bytes over the links",
+            "held-out loss", "held-out accuracy", "same losses (G2)"), rows
+
+
+@table(many=True)
+def train_workload_targets(files):
+    """Issue 27's targets per workload: the travelling loader's median step against the local
+    DataLoader's measured just before it (at most 1.05x), and its stall share (at most 1 %)."""
+    rows = []
+    for d, _, _ in files:
+        for r in (r for r in d["rows"] if r.get("method") == "travel"):
+            ratio, stall = r.get("step_ms_vs_local"), r.get("stall_share")
+            rows.append((d.get("workload", "gpt2"), link(r["bandwidth_mbit"]),
+                         f"{num(r.get('step_ms'))} / {num(r.get('local_step_ms'))} ms = {num(ratio)}x",
+                         "-" if ratio is None else ("met" if round(ratio, 2) <= 1.05 else "**missed**"),
+                         pct(stall, 2), "-" if stall is None else ("met" if stall <= 0.01 else "**missed**")))
+    return ("workload", "link", "travel step / DataLoader step", "within 1.05x", "stall share", "at most 1 %"), rows
