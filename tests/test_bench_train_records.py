@@ -123,3 +123,11 @@ def test_records_bench_train_json(processes, tmp_path: Path) -> None:
         assert set(row["final_metrics"]["per_holder"]) == {"holder-1", "holder-2"}
         assert 0 <= row["final_metrics"]["all"]["accuracy"] <= 1
     assert result["checks"] == [{"bandwidth_mbit": 20.0, "same_losses": True}]
+
+
+def test_fl_reads_records_as_the_local_loader_does(image_job: TrainingJobConfig) -> None:
+    from gputravel.fl.local import records_source
+
+    ours, theirs = records_source(image_job.train, image_job.holders), local_source(image_job.train, image_job.holders)
+    assert ours.sizes() == theirs.sizes() and ours.held_sizes() == theirs.held_sizes()
+    assert ours.capacity(image_job.train.buffer_bytes) == theirs.capacity(image_job.train.buffer_bytes)

@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from gputravel.data.holder_tokens import load_tokens
-from gputravel.fl.local import LocalResult, local_train, local_train_records, schedule_config
+from gputravel.fl.local import LocalResult, local_train, local_train_records, records_source, schedule_config
 from gputravel.train.job import TrainConfig
 
 app = ClientApp()
@@ -51,10 +51,8 @@ def _local(cfg: TrainConfig, msg: Message, context: Context, holder: str, config
           "schedule_offset": (rnd - 1) * steps, "threads": int(config["holder-threads"])}
     data = str(context.node_config["data"])
     if cfg.records:
-        from gputravel.jobs.local_ranks import local_source  # lazy: records only
-
         state = json.loads(str(context.state[STATE]["loader"])) if STATE in context.state else None
-        result = local_train_records(cfg, arrays, local_source(cfg, [(holder, data)]), state=state, **kw)
+        result = local_train_records(cfg, arrays, records_source(cfg, [(holder, data)]), state=state, **kw)
         context.state[STATE] = ConfigRecord({"loader": json.dumps(result.loader)})
         return result
     first = int(context.state[STATE]["next-window"]) if STATE in context.state else 0

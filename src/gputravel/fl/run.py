@@ -37,9 +37,9 @@ def check(job: FlJob) -> FedAvgPlan:
     """Everything that can be wrong with the job, before any process or namespace exists."""
     framework()  # Flower is installed
     if job.train.records:
-        from gputravel.jobs.local_ranks import local_source  # lazy: records only
+        from gputravel.fl.local import records_source  # lazy: torch, for records only
 
-        sizes = dict(local_source(job.train, sorted(job.holders.items())).sizes())  # training records, as split
+        sizes = dict(records_source(job.train, sorted(job.holders.items())).sizes())  # training records, as split
     else:
         sizes = {name: len(load_tokens(path)) for name, path in sorted(job.holders.items())}
     return plan(job.fl, steps=job.train.steps, batch=job.train.batch, seq_len=job.train.seq_len, holder_tokens=sizes,
