@@ -380,3 +380,15 @@ def test_a_workload_cannot_carry_a_record_out_in_an_error_from_any_of_its_code(t
     with pytest.raises(BadInput) as caught:
         train(cfg, local_source(cfg, tumours))
     assert re.fullmatch(rf"workload 'mine' failed in {body[1]} at line \d+", str(caught.value)), str(caught.value)
+
+
+def test_a_resume_over_a_holders_changed_data_or_split_is_refused(digits, tmp_path: Path) -> None:
+    """The second review of issue 27: a holder that re-split its records between a stop and the
+    resume had its formerly held-out records trained on. The checkpoint records what each brought."""
+    cfg = job(digits, steps=6, eval_every=0, checkpoint_every=3)
+    asked = []
+    train(cfg, local_source(cfg, digits), run_dir=tmp_path / "run", should_stop=lambda: asked.append(1) or len(asked) == 3)
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    with pytest.raises(BadInput, match=r"the data or held-out split of holders 'holder-1', 'holder-2', 'holder-3' changed since"):
+        train(cfg, local_source(cfg, digits, eval_share=0.3), resume_from=checkpoint)
+    assert len(train(cfg, local_source(cfg, digits), resume_from=checkpoint).losses) == 6  # the same: resumed

@@ -4,6 +4,7 @@ supervisor's commands (travels, baseline transfers, joins and leaves, training).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 import hashlib
 import json
 import logging
@@ -146,10 +147,12 @@ def _cut(hello: Any, records: bool) -> Any:
     if records != bool(hello.schema):
         raise BadInput(f"holder {hello.holder!r} holds {'records' if hello.schema else 'tokens'}, "
                        f"the job trains on {'records' if records else 'tokens'}")
+    digest = hashlib.sha256(repr(_what_travels(hello)).encode()).hexdigest()
     if not records:
-        return Cut.tokens(hello.dataset_bytes)
+        return replace(Cut.tokens(hello.dataset_bytes), digest=digest)
     schema = RecordSchema.from_json(hello.schema)
-    return Cut(Units(schema.record_bytes, hello.piece_bytes), hello.train_records, hello.eval_records, schema.dtype)
+    return Cut(Units(schema.record_bytes, hello.piece_bytes), hello.train_records, hello.eval_records, schema.dtype,
+               digest)
 
 
 class _ShutdownAsked:

@@ -39,6 +39,7 @@ class Cut:
     train: int
     held: int = 0
     dtype: np.dtype = TOKEN
+    digest: str = ""  # what the holder brought (manifest, counts, schema): a checkpoint is resumed only over it
 
     @classmethod
     def tokens(cls, dataset_bytes: int) -> Cut:
@@ -95,6 +96,12 @@ class LocalSource:
     def fetch(self, visit: Visit) -> np.ndarray:
         return self._units[visit.holder][visit.token_offset : visit.token_offset + visit.ntokens]
 
+    def fingerprints(self) -> dict[str, str]:
+        """Each holder's data and split, as a digest: a checkpoint is resumed only over the same."""
+        return {name: hashlib.sha256(np.ascontiguousarray(t).tobytes()
+                                     + np.ascontiguousarray(self._held.get(name, t[:0])).tobytes()).hexdigest()
+                for name, t in self._units.items()}
+
     def fetch_held(self, visit: Visit) -> np.ndarray:
         return self._held[visit.holder][visit.token_offset : visit.token_offset + visit.ntokens]
 
@@ -126,6 +133,9 @@ class TravelSource:
 
     def held_sizes(self) -> Mapping[str, int]:
         return {name: cut.held for name, cut in self.cuts.items()}
+
+    def fingerprints(self) -> dict[str, str]:
+        return {name: cut.digest for name, cut in self.cuts.items() if cut.digest}
 
     def capacity(self, buffer_bytes: int) -> int:
         return min(cut.units.capacity(buffer_bytes) for cut in self.cuts.values())

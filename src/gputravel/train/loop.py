@@ -153,16 +153,17 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     lead = ranks is None or ranks.rank == 0
     out = RunDir(run_dir) if run_dir is not None and lead else None
     start, resume, result = 0, None, TrainResult(losses=[])
+    prints = source.fingerprints() if hasattr(source, "fingerprints") else {}
     if resume_from is not None:
-        start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks, anchor)
+        start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks, anchor, prints)
     dp = DataParallel.open(ranks, device) if ranks is not None else None  # the ranks attest one another here
     try:
         if out is not None:
             out.truncate_metrics(start)  # a resumed run trains the steps after its checkpoint again
         step_model = dp.wrap(model) if dp is not None else model  # `model` stays the bare GPT
         loader = _loop(cfg, workload, source, device, model, step_model, optimizer, start, resume, result, out, dp,
-                       on_step, should_stop, anchor)
-        final = _extra(cfg, loader.state, result, dp, anchor)  # collective with ranks: every rank gathers
+                       on_step, should_stop, anchor, prints)
+        final = _extra(cfg, loader.state, result, dp, anchor, prints)  # collective with ranks: every rank gathers
     finally:
         if dp is not None:
             dp.close()
@@ -183,7 +184,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
 
 def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str, model, step_model, optimizer, start: int,
           resume: LoaderState | None, result: TrainResult, out: RunDir | None, dp: DataParallel | None,
-          on_step, should_stop=None, anchor: Anchor | None = None) -> TravellingLoader:
+          on_step, should_stop=None, anchor: Anchor | None = None, prints: dict | None = None) -> TravellingLoader:
     """Steps start..cfg.steps; returns the loader (its state and stalls are the run's)."""
     holder_of_batch = {"name": ""}
 
@@ -218,7 +219,7 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
                           evaluated=evaluated)
         checkpoint = bool(cfg.checkpoint_every) and (step + 1) % cfg.checkpoint_every == 0
         if checkpoint and (out is not None or dp is not None):
-            extra = _extra(cfg, loader.state, result, dp, anchor)  # with ranks a collective: every rank gathers
+            extra = _extra(cfg, loader.state, result, dp, anchor, prints)  # with ranks a collective: every rank gathers
         if out is not None:
             out.append_metrics({k: v for k, v in dataclasses.asdict(event).items() if k != "evaluated"})
             if checkpoint:
@@ -285,12 +286,13 @@ def _stop_asked(should_stop: Callable[[], bool] | None, dp: DataParallel | None)
 
 
 def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataParallel | None,
-           anchor: Anchor | None = None) -> dict:
+           anchor: Anchor | None = None, prints: dict | None = None) -> dict:
     """A checkpoint's extra: enough to resume exactly. With ranks a collective gathering every
     rank's loader state, losses, travels and anchor record; "losses" and "travels" stay rank 0's."""
     extra = {"config": cfg.to_dict(), "losses": list(result.losses), "travels": list(result.travels),
              "evals": list(result.evals)}
     anchored = {"travel_log": anchor.record()} if anchor is not None else {}
+    anchored["sources"] = dict(prints or {})  # what each holder brought: resumed only over the same
     if dp is None:
         return {**extra, "loader": state.to_dict(), **anchored}
     ranks = dp.gather({"loader": state.to_dict(), "losses": list(result.losses), "travels": list(result.travels),
@@ -320,7 +322,7 @@ def checkpoint_shares(path: Path) -> tuple[tuple[str, ...], ...] | None:
 
 
 def _resume(cfg: TrainConfig, path: Path, model, optimizer, ranks: Ranks | None,
-            anchor: Anchor | None = None) -> tuple[int, LoaderState, TrainResult]:
+            anchor: Anchor | None = None, prints: dict | None = None) -> tuple[int, LoaderState, TrainResult]:
     data = None
     if ranks is not None and ranks.resume_sha384:
         data = _read_bound(path, ranks.resume_sha384)
@@ -332,11 +334,29 @@ def _resume(cfg: TrainConfig, path: Path, model, optimizer, ranks: Ranks | None,
     if not 0 < step <= cfg.steps or len(extra.get("losses", ())) != step:
         raise BadInput(f"checkpoint {path} is inconsistent (step {step}); start the run afresh")
     loader, mine = _rank_share(path, extra, step, ranks)
+    _check_sources(path, mine.get("sources"), prints or {})
     if anchor is not None:  # before any batch: its state must be there to go on with
         anchor.resume(mine.get("travel_log"))
     result = TrainResult(losses=list(mine["losses"]), travels=list(mine.get("travels", ())),
                          evals=list(extra.get("evals", ())))
     return step, LoaderState.from_dict(loader), result
+
+
+def _check_sources(path: Path, stored: object, now: dict) -> None:
+    """A holder whose data or split changed since the checkpoint would mix held-out and trained
+    records, or train on other data under the old cursors: refused, naming it."""
+    if stored is None:  # a checkpoint from before holders' data was recorded
+        return
+    if not isinstance(stored, dict):
+        raise BadInput(f"checkpoint {path} is inconsistent (its holders' data); start the run afresh")
+    changed = sorted(str(h) for h, d in stored.items() if h in now and now[h] != d)
+    if changed:
+        raise BadInput(f"checkpoint {path}: the data or held-out split of {_holders(changed)} changed since it was "
+                       "written; resume with the data it trained on, or start afresh")
+
+
+def _holders(names: list[str]) -> str:
+    return f"holder {names[0]!r}" if len(names) == 1 else "holders " + ", ".join(map(repr, names))
 
 
 def _stored_job(values: object) -> TrainConfig | None:
