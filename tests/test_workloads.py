@@ -89,15 +89,18 @@ def test_holders_of_two_schemas_are_named_before_anything_starts(digits, tmp_pat
         common_schema([("a", digits[0][1]), ("b", tables[0][1])])
 
 
-def test_g2_travelling_and_local_records_give_bit_identical_losses_and_metrics(digits, tmp_path: Path) -> None:
-    cfg = job(digits)
-    local = train(cfg, local_source(cfg, digits))
-    moved = travelled(cfg, digits, tmp_path)
+@pytest.mark.parametrize("workload", ["image", "tabular"])
+def test_g2_travelling_and_local_records_give_bit_identical_losses_and_metrics(digits, tumours, workload: str,
+                                                                               tmp_path: Path) -> None:
+    holders = digits if workload == "image" else tumours
+    cfg = job(holders, workload=workload)
+    local = train(cfg, local_source(cfg, holders))
+    moved = travelled(cfg, holders, tmp_path)
     assert moved.losses == local.losses and len(local.losses) == cfg.steps
     assert moved.evals == local.evals and [e["step"] for e in local.evals] == [6, 12]
     report = make_report(cfg, local)
-    assert set(report["eval"]["per_holder"]) == {n for n, _ in digits}
-    assert report["eval"]["all"]["records"] == sum(len(split_arrays(load_records(p), EVAL_SHARE)[1]) for _, p in digits)
+    assert set(report["eval"]["per_holder"]) == {n for n, _ in holders}
+    assert report["eval"]["all"]["records"] == sum(len(split_arrays(load_records(p), EVAL_SHARE)[1]) for _, p in holders)
     # Held-out records travel for evaluation only, each counted in the report.
     assert any(t.get("held_out") for t in report["travels"])
 
