@@ -190,11 +190,7 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
 
     def fetched(f: Fetched) -> None:
         holder_of_batch["name"] = f.visit.holder
-        entry = {"holder": f.visit.holder, "token_offset": f.visit.token_offset, "tokens": f.visit.ntokens,
-                 "wait_ms": f.seconds * 1e3, **({"held_out": True} if f.held else {})}
-        if f.report is not None:
-            entry.update(travel_id=f.report.travel_id, total_ms=f.report.total_ms, steps_ms=dict(f.report.steps_ms))
-        result.travels.append(entry)
+        result.travels.append(travel_entry(f))
 
     batching = None if workload.tokens else Shuffled(cfg.batch, cfg.seed, lambda r: workload.batch(r, device), device)
     loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
@@ -231,6 +227,15 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
             break
     result.wall_seconds = time.perf_counter() - t_start
     return loader
+
+
+def travel_entry(f: Fetched) -> dict:
+    """A fetch as the report lists it: the visit, the wait and, for a travel, its timings."""
+    entry = {"holder": f.visit.holder, "token_offset": f.visit.token_offset, "tokens": f.visit.ntokens,
+             "wait_ms": f.seconds * 1e3, **({"held_out": True} if f.held else {})}
+    if f.report is not None:
+        entry.update(travel_id=f.report.travel_id, total_ms=f.report.total_ms, steps_ms=dict(f.report.steps_ms))
+    return entry
 
 
 def _eval_point(cfg: TrainConfig, workload: Workload, model, loader: TravellingLoader, dp: DataParallel | None,

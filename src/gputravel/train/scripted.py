@@ -15,7 +15,7 @@ from gputravel.data.records import as_tensors
 from gputravel.errors import BadInput
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
-from gputravel.train.loop import StepEvent, TrainResult, train
+from gputravel.train.loop import StepEvent, TrainResult, train, travel_entry
 from gputravel.train.model import pick_device
 from gputravel.train.rundir import RunDir
 from gputravel.workloads.script import Feed, run_script
@@ -40,11 +40,7 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
 
     def fetched(f: Fetched) -> None:
         last["holder"] = f.visit.holder
-        entry = {"holder": f.visit.holder, "token_offset": f.visit.token_offset, "tokens": f.visit.ntokens,
-                 "wait_ms": f.seconds * 1e3, **({"held_out": True} if f.held else {})}
-        if f.report is not None:
-            entry.update(travel_id=f.report.travel_id, total_ms=f.report.total_ms, steps_ms=dict(f.report.steps_ms))
-        result.travels.append(entry)
+        result.travels.append(travel_entry(f))
 
     def tensors(records: Any) -> dict[str, torch.Tensor]:
         return {k: v.to(device) for k, v in as_tensors(records, torch.from_numpy).items()}
