@@ -143,7 +143,7 @@ def records_loader(cfg: TrainConfig, workload: Workload, source: LocalSource,
                    state: Mapping | None = None) -> TravellingLoader:
     """The loop's loader over records read from disk (jobs/local_ranks.local_source): visits as
     the scheduler orders them, records shuffled within each as the loop shuffles them."""
-    batching = Shuffled(cfg.batch, cfg.seed, lambda r: workload.batch(r, "cpu"))
+    batching = Shuffled(cfg.batch, cfg.seed, lambda t: workload.inputs(t, "cpu"))
     return TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
                             state=LoaderState.from_dict(state) if state else None, batching=batching)
 

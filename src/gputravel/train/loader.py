@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 import numpy as np
 import torch
 
-from gputravel.data.records import Units
+from gputravel.data.records import Units, as_tensors
 from gputravel.errors import BadInput, HolderLost, ProtocolError
 from gputravel.protocol.control import BaselineReport
 from gputravel.train.schedule import LoaderState, Scheduler, Visit
@@ -194,19 +194,21 @@ class Shuffled:
 
     overlap = 0
 
-    def __init__(self, batch: int, seed: int, to_tensors: Callable[[np.ndarray], tuple], device: str = "cpu") -> None:
+    def __init__(self, batch: int, seed: int, to_batch: Callable[[dict[str, torch.Tensor]], Any],
+                 device: str = "cpu") -> None:
         if batch <= 0:
             raise BadInput("the batch size must be positive")
-        self.window, self.seed, self.to_tensors, self.device = batch, seed, to_tensors, device
+        self.window, self.seed, self.to_batch, self.device = batch, seed, to_batch, device
 
     def plan(self, units: np.ndarray, visit: Visit, epoch: int) -> Any:
+        """The visit's records in their shuffled order, a tensor a field (copied once a visit: the
+        buffer is scrubbed next travel, and a batch is then a slice)."""
         holder = int.from_bytes(hashlib.sha256(visit.holder.encode()).digest()[:8], "little")
         rng = np.random.default_rng([self.seed % (1 << 64), epoch, holder, visit.token_offset])
-        return np.array(units), rng.permutation(len(units))  # a copy: the buffer is scrubbed next travel
+        return as_tensors(np.asarray(units)[rng.permutation(len(units))], torch.from_numpy)
 
-    def batch(self, plan: Any, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        records, order = plan
-        return self.to_tensors(records[order[j * self.window : (j + 1) * self.window]])
+    def batch(self, plan: Any, j: int) -> Any:
+        return self.to_batch({name: t[j * self.window : (j + 1) * self.window] for name, t in plan.items()})
 
 
 class TravellingLoader:

@@ -192,7 +192,7 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
         holder_of_batch["name"] = f.visit.holder
         result.travels.append(travel_entry(f))
 
-    batching = None if workload.tokens else Shuffled(cfg.batch, cfg.seed, lambda r: workload.batch(r, device), device)
+    batching = None if workload.tokens else Shuffled(cfg.batch, cfg.seed, lambda t: workload.inputs(t, device), device)
     loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
                               state=resume, on_fetch=fetched, device=device, batching=batching)
     batches = iter(loader)

@@ -42,11 +42,14 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
         last["holder"] = f.visit.holder
         result.travels.append(travel_entry(f))
 
+    def on_device(fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(device) for k, v in fields.items()}
+
     def tensors(records: Any) -> dict[str, torch.Tensor]:
-        return {k: v.to(device) for k, v in as_tensors(records, torch.from_numpy).items()}
+        return on_device(as_tensors(records, torch.from_numpy))
 
     loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
-                              on_fetch=fetched, device=device, batching=Shuffled(cfg.batch, cfg.seed, tensors, device))
+                              on_fetch=fetched, device=device, batching=Shuffled(cfg.batch, cfg.seed, on_device, device))
     t0 = time.perf_counter()
 
     def held() -> Any:

@@ -69,9 +69,13 @@ class Workload:
 
     def batch(self, records: np.ndarray, device: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of records (a structured array) as the model's (inputs, targets)."""
+        return self.inputs(as_tensors(records, torch.from_numpy), device)
+
+    def inputs(self, fields: dict[str, torch.Tensor], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch as a tensor a field, as the model's (inputs, targets)."""
         assert self.module is not None
         with self.guard("inputs"):
-            x, y = self.module.inputs(as_tensors(records, torch.from_numpy))
+            x, y = self.module.inputs(fields)
             return x.to(device), y.to(device)
 
     def metrics(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
