@@ -20,4 +20,5 @@ for epoch in range(3):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        print(f"epoch {epoch} loss {loss.item():.4f}")
         log(loss=loss.item())
