@@ -11,7 +11,6 @@ plain datasets and in the bytes a holder lays out to travel, so the search works
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -26,12 +25,12 @@ from gputravel.data.records import RECORDS_FILE, Units, common_schema, lay_out_s
 from gputravel.files import EVAL_SHARE, RECORDS
 from gputravel.holder.cvm import manifest_piece_bytes
 from gputravel.protocol.layout import Layout
-from gputravel.redteam import rows, run as redteam_run
+from gputravel.redteam import run as redteam_run
 from gputravel.redteam.canary import IMAGE_BYTES, SPACING, make_image_datasets, search
 from gputravel.redteam.evidence import Control, Searched, load
 from gputravel.redteam.rows import ATTACKS
 from test_isolation import memory_of, probe, vram_of  # tests/test_isolation.py: the probe, run as a party's uid
-from test_redteam import EXPECTED, ISOLATED, SUITE_WAITS  # tests/test_redteam.py: each row's evidence
+from test_redteam import check_defeated, run_redteam_cli  # tests/test_redteam.py: each row's evidence
 
 MIB = 1 << 20
 HOLDERS = ("alice", "bob", "mallory")
@@ -82,15 +81,8 @@ def test_the_canary_images_survive_the_layout_a_travel_carries(image_sets) -> No
 # ----------------------------------------------------------------------------- the live red team
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[int, str, dict]:
-    out = tmp_path_factory.mktemp("redteam-records") / "redteam.json"
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("DEVICE_TIMEOUT", "HOLDER_TIMEOUT"):
-            mp.setattr(redteam_run, name, getattr(redteam_run, name) * SUITE_WAITS)
-        mp.setattr(rows, "FORGE_HOLD_S", {k: v * SUITE_WAITS for k, v in rows.FORGE_HOLD_S.items()})
-        only = [arg for row in DATA_ROWS for arg in ("--only", row)]
-        result = CliRunner().invoke(app, ["redteam", "--data", "records", *only, "--json", str(out)])
-    report = json.loads(out.read_text()) if out.exists() else {"attacks": []}
-    return result.exit_code, result.output, report
+    only = [arg for row in DATA_ROWS for arg in ("--only", row)]
+    return run_redteam_cli(tmp_path_factory.mktemp("redteam-records") / "redteam.json", "--data", "records", *only)
 
 
 @pytest.mark.integration
@@ -101,18 +93,7 @@ def test_attack_is_defeated_with_image_records(processes, run, name: str) -> Non
     _, output, report = run
     got = {r["name"]: r for r in report["attacks"]}
     assert name in got, f"attack {name} did not run:\n{output}"
-    row = got[name]
-    if name in ISOLATED and isolation.unavailable():
-        assert row["outcome"] == "skipped", row
-        pytest.skip("process isolation needs root: the row is not run")
-    adversary, must_show = EXPECTED[name]
-    assert row["adversary"] == adversary
-    assert row["plaintext_bytes_obtained"] == 0, f"{name}: the attacker obtained image bytes"
-    assert row["scanned_bytes"] > 0, f"{name}: nothing the attacker read was searched"
-    records, evidence = load(row["records"]), "\n".join(row["evidence"])
-    for check in must_show:
-        assert check(records), f"{name}: expected {check.__qualname__} in:\n{evidence}"
-    assert row["outcome"] == "defeated", f"{name}:\n{evidence}"
+    check_defeated(got[name], name)
 
 
 @pytest.mark.integration
