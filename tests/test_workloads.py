@@ -395,3 +395,42 @@ def test_a_resume_over_a_holders_changed_data_or_split_is_refused(digits, tmp_pa
     with pytest.raises(BadInput, match=r"the data or held-out split of holders 'holder-1', 'holder-2', 'holder-3' changed since"):
         train(cfg, local_source(cfg, digits, eval_share=0.3), resume_from=checkpoint)
     assert len(train(cfg, local_source(cfg, digits), resume_from=checkpoint).losses) == 6  # the same: resumed
+
+
+class _LosesHeldOut:
+    """A source whose `holder` is lost in every travel for its held-out records."""
+
+    def __init__(self, inner, holder: str) -> None:
+        self.inner, self.holder, self.last_report = inner, holder, None
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def fetch_held(self, visit):
+        from gputravel.errors import HolderLost
+
+        if visit.holder == self.holder:
+            raise HolderLost(visit.holder, "gone", "an evaluation travel")
+        return self.inner.fetch_held(visit)
+
+
+def test_a_holder_lost_in_an_evaluation_travel_is_left_out_and_training_goes_on(digits) -> None:
+    """The code review of issue 27: training skipped a lost holder, evaluation let it end the run."""
+    cfg = job(digits, steps=8, eval_every=4)
+    events = []
+    result = train(cfg, _LosesHeldOut(local_source(cfg, digits), "holder-2"), on_step=events.append)
+    assert len(result.losses) == 8 and [e["step"] for e in result.evals] == [4, 8]
+    assert set(result.evals[-1]["per_holder"]) == {"holder-1", "holder-3"} and result.lost
+    # The steps after an evaluation belong to the training visit, not to the last holder evaluated.
+    assert events[4].holder == events[3].holder
+
+
+def test_a_script_trains_on_holder_data_given_on_the_command_line(tumours, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gputravel.cli.app import app
+
+    args = ["demo", "--script", str(SCRIPT), "--loader", "local", "--run-dir", str(tmp_path / "run"),
+            *[f"--holder-data={name}={path}" for name, path in tumours]]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output

@@ -50,10 +50,10 @@ def workload_job(value: str) -> dict[str, str]:
     return {"workload": path.stem, "workload_code": path.read_text()}
 
 
-def _script(path: Path, data: str) -> dict[str, object]:
+def _script(path: Path, data: str, own_data: bool) -> dict[str, object]:
     if path.suffix != ".py" or not path.is_file():
         raise BadInput(f"--script takes a Python file, got {str(path)!r}")
-    if data == "gpt2":
+    if data == "gpt2" and not own_data:
         raise BadInput("--script trains on records: name the demo data with --workload image or tabular, "
                        "or give --holder-data record datasets")
     return {"workload": path.stem, "workload_code": path.read_text(), "script": True}
@@ -104,7 +104,7 @@ def training_job(
         train=JOB.replace(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
                           schedule=schedule, seed=seed, loader=loader, threads=threads,
                           checkpoint_every=checkpoint_every, eval_every=eval_every,
-                          **(_script(script, workload) if script else workload_job(workload))),  # BadInput naming the flag
+                          **(_script(script, workload, bool(holder_data)) if script else workload_job(workload))),  # BadInput naming the flag
         holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
         servers=servers, server_mbit=server_mbit)

@@ -254,14 +254,21 @@ class TravellingLoader:
             self.state = done
 
     def held_out(self, holder: str) -> Iterator[np.ndarray]:
-        """`holder`'s held-out records in order, B at a time: one travel per buffer, never trained on."""
+        """`holder`'s held-out records in order, B at a time: one travel per buffer, never trained on.
+        Nothing for a holder that is offline; one lost in a travel here is offline too (HolderLost)."""
+        self._rejoined()
         fetch_held = getattr(self.source, "fetch_held", None)
         total = getattr(self.source, "held_sizes", dict)().get(holder, 0)
         offset, B = 0, self.batching.window
-        while fetch_held is not None and offset < total:
+        while fetch_held is not None and offset < total and holder not in self.scheduler.offline:
             visit = Visit(holder, offset, min(self.scheduler.capacity, total - offset))
             t0 = time.perf_counter()
-            records = np.array(fetch_held(visit))  # a copy: the buffer is scrubbed next travel
+            try:
+                records = np.array(fetch_held(visit))  # a copy: the buffer is scrubbed next travel
+            except HolderLost as exc:  # as in training: it goes offline, the job goes on without it
+                self.scheduler.offline.add(holder)
+                self.lost.append(str(exc))
+                raise
             if self.on_fetch is not None:
                 self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None), True))
             for j in range(0, visit.ntokens, B):

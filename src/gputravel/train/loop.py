@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 import torch
 
 from gputravel.data.tokenizer import get_tokenizer
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, HolderLost
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig, pick_device
@@ -189,7 +189,8 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
     holder_of_batch = {"name": ""}
 
     def fetched(f: Fetched) -> None:
-        holder_of_batch["name"] = f.visit.holder
+        if not f.held:  # the batches that follow an evaluation are still the training visit's
+            holder_of_batch["name"] = f.visit.holder
         result.travels.append(travel_entry(f))
 
     batching = None if workload.tokens else Shuffled(cfg.batch, cfg.seed, lambda t: workload.inputs(t, device), device)
@@ -261,11 +262,16 @@ def evaluate(workload: Workload, model, loader: TravellingLoader) -> dict[str, d
     try:
         with torch.no_grad():
             for holder in sorted(loader.scheduler.sizes):
-                for records in loader.held_out(holder):
-                    x, y = workload.batch(records, loader.batching.device)
-                    for k, v in workload.metrics(model, x, y).items():
-                        sums.setdefault(holder, {}).setdefault(k, 0.0)
-                        sums[holder][k] += v
+                part: dict[str, float] = {}
+                try:
+                    for records in loader.held_out(holder):
+                        x, y = workload.batch(records, loader.batching.device)
+                        for k, v in workload.metrics(model, x, y).items():
+                            part[k] = part.get(k, 0.0) + v
+                except HolderLost:  # lost in an evaluation travel: left out of this evaluation, as of training
+                    continue
+                if part:
+                    sums[holder] = part
     finally:
         model.train(was_training)
     return sums

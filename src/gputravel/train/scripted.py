@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from gputravel.data.records import as_tensors
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, HolderLost
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
 from gputravel.train.loop import StepEvent, TrainResult, train, travel_entry
@@ -39,7 +39,8 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
     last = {"holder": ""}
 
     def fetched(f: Fetched) -> None:
-        last["holder"] = f.visit.holder
+        if not f.held:
+            last["holder"] = f.visit.holder
         result.travels.append(travel_entry(f))
 
     def on_device(fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -54,8 +55,11 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
 
     def held() -> Any:
         for holder in sorted(loader.scheduler.sizes):
-            for records in loader.held_out(holder):
-                yield holder, tensors(records)
+            try:
+                for records in loader.held_out(holder):
+                    yield holder, tensors(records)
+            except HolderLost:  # lost in an evaluation travel: the script sees the others
+                continue
 
     def on_log(values: dict[str, float]) -> None:
         result.losses.append(values.get("loss", math.nan))
