@@ -46,12 +46,7 @@ class Cut:
         return cls(Units(TOKEN_BYTES, TOKEN_BYTES), dataset_bytes // TOKEN_BYTES)
 
     def byte_offset(self, unit: int, held: bool = False) -> int:
-        base = self.units.pieces(self.train) * self.units.piece_bytes if held else 0
-        return base + self.units.offset(unit)
-
-    def span(self, count: int) -> int:
-        """Bytes from a visit's first unit to the end of its last."""
-        return self.units.offset(count - 1) + self.units.unit_bytes
+        return (self.units.eval_base(self.train) if held else 0) + self.units.offset(unit)
 
 
 class ChunkSource(Protocol):
@@ -158,8 +153,8 @@ class TravelSource:
         chunk = getattr(report, "chunk", None)
         if chunk is None:
             raise ProtocolError(f"holder {visit.holder} refused the travel: {getattr(report, 'refused', '')}")
-        if chunk.nbytes < cut.span(visit.ntokens):
-            raise ProtocolError(f"holder {visit.holder} moved {chunk.nbytes} bytes, {cut.span(visit.ntokens)} were asked")
+        if chunk.nbytes < (asked := cut.units.span(visit.ntokens)):
+            raise ProtocolError(f"holder {visit.holder} moved {chunk.nbytes} bytes, {asked} were asked")
         return cut.units.read(self.engine.buffer_view(), visit.ntokens, cut.dtype)
 
 

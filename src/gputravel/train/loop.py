@@ -8,6 +8,7 @@ with the same seed, order and thread count their losses and metrics are bit-iden
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import math
@@ -153,7 +154,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     lead = ranks is None or ranks.rank == 0
     out = RunDir(run_dir) if run_dir is not None and lead else None
     start, resume, result = 0, None, TrainResult(losses=[])
-    prints = source.fingerprints() if hasattr(source, "fingerprints") else {}
+    # What each holder brought, hashed only when a checkpoint is written or resumed, and once.
+    prints = functools.cache(lambda: dict(source.fingerprints()) if hasattr(source, "fingerprints") else {})
     if resume_from is not None:
         start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks, anchor, prints)
     dp = DataParallel.open(ranks, device) if ranks is not None else None  # the ranks attest one another here
@@ -163,7 +165,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
         step_model = dp.wrap(model) if dp is not None else model  # `model` stays the bare GPT
         loader = _loop(cfg, workload, source, device, model, step_model, optimizer, start, resume, result, out, dp,
                        on_step, should_stop, anchor, prints)
-        final = _extra(cfg, loader.state, result, dp, anchor, prints)  # collective with ranks: every rank gathers
+        # Collective with ranks: every rank gathers; alone, only what the checkpoint needs.
+        final = _extra(cfg, loader.state, result, dp, anchor, prints) if out is not None or dp is not None else {}
     finally:
         if dp is not None:
             dp.close()
@@ -184,7 +187,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
 
 def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str, model, step_model, optimizer, start: int,
           resume: LoaderState | None, result: TrainResult, out: RunDir | None, dp: DataParallel | None,
-          on_step, should_stop=None, anchor: Anchor | None = None, prints: dict | None = None) -> TravellingLoader:
+          on_step, should_stop=None, anchor: Anchor | None = None,
+          prints: Callable[[], dict] = dict) -> TravellingLoader:
     """Steps start..cfg.steps; returns the loader (its state and stalls are the run's)."""
     holder_of_batch = {"name": ""}
 
@@ -297,13 +301,13 @@ def _stop_asked(should_stop: Callable[[], bool] | None, dp: DataParallel | None)
 
 
 def _extra(cfg: TrainConfig, state: LoaderState, result: TrainResult, dp: DataParallel | None,
-           anchor: Anchor | None = None, prints: dict | None = None) -> dict:
+           anchor: Anchor | None = None, prints: Callable[[], dict] = dict) -> dict:
     """A checkpoint's extra: enough to resume exactly. With ranks a collective gathering every
     rank's loader state, losses, travels and anchor record; "losses" and "travels" stay rank 0's."""
     extra = {"config": cfg.to_dict(), "losses": list(result.losses), "travels": list(result.travels),
              "evals": list(result.evals)}
     anchored = {"travel_log": anchor.record()} if anchor is not None else {}
-    anchored["sources"] = dict(prints or {})  # what each holder brought: resumed only over the same
+    anchored["sources"] = prints()  # what each holder brought: resumed only over the same
     if dp is None:
         return {**extra, "loader": state.to_dict(), **anchored}
     ranks = dp.gather({"loader": state.to_dict(), "losses": list(result.losses), "travels": list(result.travels),
@@ -333,7 +337,7 @@ def checkpoint_shares(path: Path) -> tuple[tuple[str, ...], ...] | None:
 
 
 def _resume(cfg: TrainConfig, path: Path, model, optimizer, ranks: Ranks | None,
-            anchor: Anchor | None = None, prints: dict | None = None) -> tuple[int, LoaderState, TrainResult]:
+            anchor: Anchor | None = None, prints: Callable[[], dict] = dict) -> tuple[int, LoaderState, TrainResult]:
     data = None
     if ranks is not None and ranks.resume_sha384:
         data = _read_bound(path, ranks.resume_sha384)
@@ -345,7 +349,7 @@ def _resume(cfg: TrainConfig, path: Path, model, optimizer, ranks: Ranks | None,
     if not 0 < step <= cfg.steps or len(extra.get("losses", ())) != step:
         raise BadInput(f"checkpoint {path} is inconsistent (step {step}); start the run afresh")
     loader, mine = _rank_share(path, extra, step, ranks)
-    _check_sources(path, mine.get("sources"), prints or {})
+    _check_sources(path, mine.get("sources"), prints())
     if anchor is not None:  # before any batch: its state must be there to go on with
         anchor.resume(mine.get("travel_log"))
     result = TrainResult(losses=list(mine["losses"]), travels=list(mine.get("travels", ())),

@@ -22,7 +22,6 @@ from gputravel.data.records import RecordSchema, as_tensors
 from gputravel.errors import BadInput
 
 SHIPPED = ("gpt2", "image", "tabular")
-FILE = "file"  # a workload from a file: its text is the job's workload_code
 REQUIRED = ("SCHEMA", "model", "inputs")
 
 
