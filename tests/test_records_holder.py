@@ -179,7 +179,7 @@ def test_a_holder_of_other_data_is_refused_before_anything_travels(tmp_path: Pat
 
 # ----------------------------------------------------------------------------- services
 def test_init_gives_a_records_holder_its_format_and_the_job_its_schema(searchable_tmp, tmp_path: Path) -> None:
-    from gputravel.service.config import JOB_SCHEMA_KEY, JobSection, job_schema, load_service
+    from gputravel.service.config import load_service
     from gputravel.service.init import data_schema, init_cohort
     from gputravel.service.status import _holders_data
 
@@ -193,20 +193,18 @@ def test_init_gives_a_records_holder_its_format_and_the_job_its_schema(searchabl
         data_schema([("north", str(north)), ("west", str(text))])
     with pytest.raises(BadInput, match="holder 'east' holds records of another schema than holder 'north': field 'image'"):
         data_schema([("north", str(north)), ("east", str(dataset_dir(tmp_path, "east", schema=WIDER)))])
-    if JOB_SCHEMA_KEY not in JobSection.model_fields:
-        pytest.skip(f"TrainConfig has no {JOB_SCHEMA_KEY} yet")
-    job = {"workload": "image"} if "workload" in JobSection.model_fields else {}
+    job = {"workload": "image"}
     init_cohort(tmp_path / "D", [("north", str(north)), ("south", str(south))], job=job)
     holder = load_service(tmp_path / "D" / "holder-north.toml", "holder")
     orchestrator = load_service(tmp_path / "D" / "orchestrator.toml", "orchestrator")
     assert holder.format == "records" and holder.eval_share == 0.2  # type: ignore[union-attr]
-    assert job_schema(orchestrator.job) == SCHEMA.canonical_json()  # type: ignore[union-attr]
+    assert orchestrator.job.record_schema == SCHEMA.canonical_json()  # type: ignore[union-attr]
     # `gputravel status` reads the holder's data as its CVM lays it out, so its chunk MACs check.
     data = _holders_data(holder)  # type: ignore[arg-type]
     assert (data.train_records, data.eval_records) == (80, 20) and data.schema == SCHEMA
     text_dir = tmp_path / "plain"
-    with pytest.raises(BadInput, match=f"another schema than job.{JOB_SCHEMA_KEY}: field 'image'"):
-        init_cohort(text_dir, [("north", str(north))], job={**job, JOB_SCHEMA_KEY: WIDER.canonical_json()})
+    with pytest.raises(BadInput, match=r"another schema than job\.record_schema: field 'image'"):
+        init_cohort(text_dir, [("north", str(north))], job={**job, "record_schema": WIDER.canonical_json()})
     assert json.loads(SCHEMA.canonical_json())  # canonical JSON is what travels
 
 

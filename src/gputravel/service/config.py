@@ -27,8 +27,8 @@ from gputravel.train.job import TrainConfig
 
 __all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
            "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "host_party",
-           "job_schema", "load_service", "orchestrator_engine_config", "orchestrator_party", "public_file",
-           "quoting_socket", "validate_service", "JOB_SCHEMA_KEY", "PARTIES", "MAX_SOCKET_PATH", "ORCHESTRATOR"]
+           "load_service", "orchestrator_engine_config", "orchestrator_party", "public_file",
+           "quoting_socket", "validate_service", "PARTIES", "MAX_SOCKET_PATH", "ORCHESTRATOR"]
 
 PARTIES = ("host", "gpu", "orchestrator", "holder")
 ORCHESTRATOR = "orchestrator"
@@ -279,14 +279,6 @@ class OrchestratorService(_Service):
         return self
 
 
-JOB_SCHEMA_KEY = "record_schema"  # TrainConfig's key for the record schema a job trains on (issue 27)
-
-
-def job_schema(job: TrainConfig) -> str:
-    """The record schema the job trains on (canonical JSON; "": tokens)."""
-    return getattr(job, JOB_SCHEMA_KEY, "")
-
-
 def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_dir: str) -> OrchestratorConfig:
     """The engine's config; its placement is not measured, so init's measurement is the running service's."""
     return OrchestratorConfig(
@@ -295,7 +287,7 @@ def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_
         holder_timeout=cfg.holder_timeout, device_timeout=cfg.device_timeout,
         # As the demo (jobs/training.py): holders whose tokens came from another tokenizer, or whose
         # records have another schema than the job's, are refused.
-        tokenizer=cfg.job.tokenizer, schema=job_schema(cfg.job),
+        tokenizer=cfg.job.tokenizer, schema=cfg.job.record_schema,
         trust_dir=trust_dir, audit_log=os.path.join(cfg.state_dir, AUDIT_LOG), hardware=cfg.hardware,
         # The [job] table is measured too: a holder's policy pins the job run on its data.
         job_json=cfg.job.train_config().canonical_json())

@@ -29,7 +29,6 @@ from gputravel.errors import BadInput
 from gputravel.files import RECORDS, TOKENS, DatasetFormat, atomic_write_bytes
 from gputravel.protocol.layout import MIB, record_bytes_for
 from gputravel.service.config import (
-    JOB_SCHEMA_KEY,
     ORCHESTRATOR,
     GpuService,
     HolderService,
@@ -41,7 +40,6 @@ from gputravel.service.config import (
     ServiceConfig,
     explain_built,
     host_party,
-    job_schema,
     orchestrator_engine_config,
     orchestrator_party,
     validate_service,
@@ -107,20 +105,20 @@ def data_schema(holders: Sequence[tuple[str, str]]) -> str:
 
 def _check_job_schema(section: JobSection, holders: Sequence[tuple[str, str]], schema: str) -> None:
     """A job stating another schema than its holders' records: refused here, not at every join."""
-    want = job_schema(section)
+    want = section.record_schema
     if bool(want) != bool(schema):  # records for a tokens job, or the reverse: every join would be refused
         held = "records" if schema else "tokens"
-        raise BadInput(f"job.{JOB_SCHEMA_KEY}: the holders hold {held}, the job trains on "
+        raise BadInput(f"job.record_schema: the holders hold {held}, the job trains on "
                        f"{'records' if want else 'tokens'}")
     if not want:
         return
     try:
         diff = RecordSchema.from_json(want).difference(RecordSchema.from_json(schema))
     except BadInput as exc:
-        raise BadInput(f"job.{JOB_SCHEMA_KEY}: {exc}") from None
+        raise BadInput(f"job.record_schema: {exc}") from None
     if diff:
         names = ", ".join(repr(n) for n, _ in holders)
-        raise BadInput(f"holders {names} hold records of another schema than job.{JOB_SCHEMA_KEY}: {diff}")
+        raise BadInput(f"holders {names} hold records of another schema than job.record_schema: {diff}")
 
 
 def _record_bytes(buffer_bytes: int) -> int:
@@ -299,7 +297,7 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
     tokenizer, schema = job_tokenizer(checked), data_schema(checked)
     overrides = {k: v for k, v in (("steps", steps), ("buffer_bytes", buffer_bytes)) if v is not None}
     # The data fixes the tokenizer, and the schema of records (where the job has the key for it).
-    found = {JOB_SCHEMA_KEY: schema} if schema and JOB_SCHEMA_KEY in JobSection.model_fields else {}
+    found = {"record_schema": schema} if schema else {}
     fields = {"tokenizer": tokenizer, "vocab_size": KNOWN[tokenizer].vocab_size, **found, **(job or {}), **overrides}
     section = JobSection(run_dir=str(d / "run-dir"), **fields)  # BadInput naming job.KEY
     _check_job_schema(section, checked, schema)
