@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from gputravel.train.loader import LocalSource
 import torch
 from typer.testing import CliRunner
 
@@ -19,7 +21,6 @@ from gputravel.files import EVAL_SHARE
 from gputravel.fl.config import FedAvgConfig, plan
 from gputravel.fl.local import (held_out_metrics, initial_model, load_arrays, local_train_records, model_arrays,
                                 parameter_count, records_loader, schedule_config)
-from gputravel.jobs.local_ranks import local_source
 from gputravel.jobs.training import TrainingJobConfig, default_holders, resolve
 from gputravel.train.loop import workload_of
 
@@ -52,16 +53,16 @@ def test_records_local_round_goes_on_where_the_last_stopped(image_job: TrainingJ
     name, path = image_job.holders[0]
     arrays = model_arrays(initial_model(cfg))
     kw = {"schedule": schedule_config(cfg, 6), "threads": 1}
-    first = local_train_records(cfg, arrays, local_source(cfg, [(name, path)]), state=None, steps=3,
+    first = local_train_records(cfg, arrays, LocalSource.of(cfg, [(name, path)]), state=None, steps=3,
                                 schedule_offset=0, **kw)
     assert len(first.losses) == 3 and all(np.isfinite(first.losses))
     assert set(first.arrays) == set(arrays) and first.loader is not None
     assert any(not torch.equal(first.arrays[k], arrays[k]) for k in arrays)
     # The second round's batches are the ones an uninterrupted loader gives next.
     workload = workload_of(cfg)
-    straight = iter(records_loader(cfg, workload, local_source(cfg, [(name, path)])))
+    straight = iter(records_loader(cfg, workload, LocalSource.of(cfg, [(name, path)])))
     expected = [next(straight) for _ in range(5)][3:]
-    resumed = iter(records_loader(cfg, workload, local_source(cfg, [(name, path)]), first.loader))
+    resumed = iter(records_loader(cfg, workload, LocalSource.of(cfg, [(name, path)]), first.loader))
     for want in expected:
         got = next(resumed)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -123,14 +124,6 @@ def test_records_bench_train_json(processes, tmp_path: Path) -> None:
         assert set(row["final_metrics"]["per_holder"]) == {"holder-1", "holder-2"}
         assert 0 <= row["final_metrics"]["all"]["accuracy"] <= 1
     assert result["checks"] == [{"bandwidth_mbit": 20.0, "same_losses": True}]
-
-
-def test_fl_reads_records_as_the_local_loader_does(image_job: TrainingJobConfig) -> None:
-    from gputravel.fl.local import records_source
-
-    ours, theirs = records_source(image_job.train, image_job.holders), local_source(image_job.train, image_job.holders)
-    assert ours.sizes() == theirs.sizes() and ours.held_sizes() == theirs.held_sizes()
-    assert ours.capacity(image_job.train.buffer_bytes) == theirs.capacity(image_job.train.buffer_bytes)
 
 
 @pytest.mark.integration

@@ -15,11 +15,10 @@ from gputravel.data.records import Field, RecordSchema, common_schema, load_reco
 from gputravel.errors import BadInput
 from gputravel.files import EVAL_SHARE
 from gputravel.holder.cvm import manifest_piece_bytes
-from gputravel.jobs.local_ranks import local_source
 from gputravel.protocol.layout import Layout, record_bytes_for
 from gputravel.testing.cohort import InProcessCohort
 from gputravel.train.job import TrainConfig
-from gputravel.train.loader import Cut, TravelSource
+from gputravel.train.loader import LocalSource, Cut, TravelSource
 from gputravel.train.loop import make_report, train, workload_of
 from gputravel.data.records import Units
 
@@ -94,7 +93,7 @@ def test_g2_travelling_and_local_records_give_bit_identical_losses_and_metrics(d
                                                                                tmp_path: Path) -> None:
     holders = digits if workload == "image" else tumours
     cfg = job(holders, workload=workload)
-    local = train(cfg, local_source(cfg, holders))
+    local = train(cfg, LocalSource.of(cfg, holders))
     moved = travelled(cfg, holders, tmp_path)
     assert moved.losses == local.losses and len(local.losses) == cfg.steps
     assert moved.evals == local.evals and [e["step"] for e in local.evals] == [6, 12]
@@ -108,7 +107,7 @@ def test_g2_travelling_and_local_records_give_bit_identical_losses_and_metrics(d
 def test_held_out_records_are_never_trained_on(digits, tmp_path: Path) -> None:
     """The training loader's records and the evaluation's are disjoint sets of record digests."""
     cfg = job(digits, steps=200, eval_every=0)  # over an epoch: every training record is drawn
-    source = local_source(cfg, digits)
+    source = LocalSource.of(cfg, digits)
     seen_train, seen_held = set(), set()
     fetch, fetch_held = source.fetch, source.fetch_held
     source.fetch = lambda v: _note(fetch(v), seen_train)  # type: ignore[method-assign]
@@ -126,20 +125,20 @@ def _note(records: np.ndarray, into: set) -> np.ndarray:
 
 def test_records_are_shuffled_within_a_visit_and_the_same_for_the_same_seed(digits) -> None:
     cfg = job(digits, steps=30, eval_every=0)
-    a, b = train(cfg, local_source(cfg, digits)), train(cfg, local_source(cfg, digits))
+    a, b = train(cfg, LocalSource.of(cfg, digits)), train(cfg, LocalSource.of(cfg, digits))
     assert a.losses == b.losses
-    c = train(cfg.replace(seed=1), local_source(cfg, digits))
+    c = train(cfg.replace(seed=1), LocalSource.of(cfg, digits))
     assert c.losses != a.losses
 
 
 def test_a_stopped_records_run_resumes_to_the_same_losses_and_metrics(digits, tmp_path: Path) -> None:
     cfg = job(digits, steps=12, eval_every=4, checkpoint_every=5)
-    whole = train(cfg, local_source(cfg, digits))
+    whole = train(cfg, LocalSource.of(cfg, digits))
     asked = []
-    first = train(cfg, local_source(cfg, digits), run_dir=tmp_path / "run",
+    first = train(cfg, LocalSource.of(cfg, digits), run_dir=tmp_path / "run",
                   should_stop=lambda: asked.append(1) or len(asked) == 7)
     assert first.stopped and len(first.losses) == 7
-    resumed = train(cfg, local_source(cfg, digits), run_dir=tmp_path / "run",
+    resumed = train(cfg, LocalSource.of(cfg, digits), run_dir=tmp_path / "run",
                     resume_from=tmp_path / "run" / "checkpoint.pt")
     assert resumed.losses == whole.losses and resumed.evals == whole.evals
     assert (tmp_path / "run" / "eval.png").is_file()
@@ -148,7 +147,7 @@ def test_a_stopped_records_run_resumes_to_the_same_losses_and_metrics(digits, tm
 def test_the_local_reference_lays_out_records_as_the_holders_do(digits) -> None:
     cfg = job(digits)
     piece = manifest_piece_bytes(Layout(record_bytes=record_bytes_for(cfg.buffer_bytes)))
-    source = local_source(cfg, digits)
+    source = LocalSource.of(cfg, digits)
     assert source.capacity(cfg.buffer_bytes) == Units(72, piece).capacity(cfg.buffer_bytes)
     train_, held = split_arrays(load_records(digits[0][1]), EVAL_SHARE)
     assert source.sizes()[digits[0][0]] == len(train_) and source.held_sizes()[digits[0][0]] == len(held)
@@ -171,7 +170,7 @@ def test_g2_a_ported_script_sees_the_same_batches_travelling_and_local(tumours, 
     from gputravel.train.scripted import run_job
 
     cfg = script_job(tumours, SCRIPT.read_text())
-    local = run_job(cfg, local_source(cfg, tumours))
+    local = run_job(cfg, LocalSource.of(cfg, tumours))
     paths = {name: Path(path) for name, path in tumours}
     layout = Layout(record_bytes=record_bytes_for(cfg.buffer_bytes))
     with InProcessCohort(paths, buffer_bytes=cfg.buffer_bytes, workdir=tmp_path, layout=layout,
@@ -183,7 +182,7 @@ def test_g2_a_ported_script_sees_the_same_batches_travelling_and_local(tumours, 
                 for n, h in hellos.items()}
         moved = run_job(cfg, TravelSource(orch, {n: h.dataset_bytes for n, h in hellos.items()}, cuts))
     # Three epochs of every holder's training records, B at a time, each visit's tail dropped.
-    per_epoch = sum(n // cfg.batch for n in local_source(cfg, tumours).sizes().values())
+    per_epoch = sum(n // cfg.batch for n in LocalSource.of(cfg, tumours).sizes().values())
     assert moved.losses == local.losses and len(local.losses) == 3 * per_epoch
 
 
@@ -193,7 +192,7 @@ def test_a_failing_script_is_named_by_type_and_line_never_by_its_message(tumours
     code = "from gputravel.workloads.script import batches\nfor b in batches():\n    raise ValueError(str(b))\n"
     cfg = script_job(tumours, code)
     with pytest.raises(BadInput, match=r"^script 'port' failed: ValueError at line 3$"):
-        run_job(cfg, local_source(cfg, tumours))
+        run_job(cfg, LocalSource.of(cfg, tumours))
 
 
 def test_batches_outside_a_job_says_how_to_run_a_script() -> None:
@@ -282,7 +281,7 @@ def test_a_failing_workload_is_named_by_type_and_line_never_by_its_message(tumou
     cfg = TrainConfig(workload="mine", workload_code=code, batch=8, buffer_bytes=BUFFER, steps=2,
                       record_schema=common_schema(tumours).canonical_json())
     with pytest.raises(BadInput) as caught:
-        train(cfg, local_source(cfg, tumours))
+        train(cfg, LocalSource.of(cfg, tumours))
     assert re.fullmatch(rf"workload 'mine' failed in {where}: ValueError at line \d+", str(caught.value))
 
 
@@ -293,9 +292,9 @@ def test_a_script_that_exits_with_a_message_is_named_without_it(tumours) -> None
         cfg = script_job(tumours, code)
         if refused:
             with pytest.raises(BadInput, match=r"^script 'port' exited: SystemExit at line 2$"):
-                run_job(cfg, local_source(cfg, tumours))
+                run_job(cfg, LocalSource.of(cfg, tumours))
         else:
-            assert run_job(cfg, local_source(cfg, tumours)).losses == []
+            assert run_job(cfg, LocalSource.of(cfg, tumours)).losses == []
 
 
 def test_code_runs_only_on_an_orchestrator_measured_with_its_job_in_canonical_form(tumours, tmp_path: Path) -> None:
@@ -381,7 +380,7 @@ def test_a_workload_cannot_carry_a_record_out_in_an_error_from_any_of_its_code(t
     cfg = TrainConfig(workload="mine", workload_code=code, batch=8, buffer_bytes=BUFFER, steps=2,
                       record_schema=common_schema(tumours).canonical_json())
     with pytest.raises(BadInput) as caught:
-        train(cfg, local_source(cfg, tumours))
+        train(cfg, LocalSource.of(cfg, tumours))
     assert re.fullmatch(rf"workload 'mine' failed in {body[1]} at line \d+", str(caught.value)), str(caught.value)
 
 
@@ -390,11 +389,11 @@ def test_a_resume_over_a_holders_changed_data_or_split_is_refused(digits, tmp_pa
     resume had its formerly held-out records trained on. The checkpoint records what each brought."""
     cfg = job(digits, steps=6, eval_every=0, checkpoint_every=3)
     asked = []
-    train(cfg, local_source(cfg, digits), run_dir=tmp_path / "run", should_stop=lambda: asked.append(1) or len(asked) == 3)
+    train(cfg, LocalSource.of(cfg, digits), run_dir=tmp_path / "run", should_stop=lambda: asked.append(1) or len(asked) == 3)
     checkpoint = tmp_path / "run" / "checkpoint.pt"
     with pytest.raises(BadInput, match=r"the data or held-out split of holders 'holder-1', 'holder-2', 'holder-3' changed since"):
-        train(cfg, local_source(cfg, digits, eval_share=0.3), resume_from=checkpoint)
-    assert len(train(cfg, local_source(cfg, digits), resume_from=checkpoint).losses) == 6  # the same: resumed
+        train(cfg, LocalSource.of(cfg, digits, eval_share=0.3), resume_from=checkpoint)
+    assert len(train(cfg, LocalSource.of(cfg, digits), resume_from=checkpoint).losses) == 6  # the same: resumed
 
 
 class _LosesHeldOut:
@@ -418,7 +417,7 @@ def test_a_holder_lost_in_an_evaluation_travel_is_left_out_and_training_goes_on(
     """The code review of issue 27: training skipped a lost holder, evaluation let it end the run."""
     cfg = job(digits, steps=8, eval_every=4)
     events = []
-    result = train(cfg, _LosesHeldOut(local_source(cfg, digits), "holder-2"), on_step=events.append)
+    result = train(cfg, _LosesHeldOut(LocalSource.of(cfg, digits), "holder-2"), on_step=events.append)
     assert len(result.losses) == 8 and [e["step"] for e in result.evals] == [4, 8]
     assert set(result.evals[-1]["per_holder"]) == {"holder-1", "holder-3"} and result.lost
     # The steps after an evaluation belong to the training visit, not to the last holder evaluated.

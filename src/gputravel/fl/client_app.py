@@ -16,7 +16,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from gputravel.data.holder_tokens import load_tokens
-from gputravel.fl.local import LocalResult, local_train, local_train_records, records_source, schedule_config
+from gputravel.fl.local import LocalResult, local_train, local_train_records, schedule_config
+from gputravel.train.loader import LocalSource
 from gputravel.train.job import TrainConfig
 
 app = ClientApp()
@@ -52,7 +53,7 @@ def _local(cfg: TrainConfig, msg: Message, context: Context, holder: str, config
     data = str(context.node_config["data"])
     if cfg.records:
         state = json.loads(str(context.state[STATE]["loader"])) if STATE in context.state else None
-        result = local_train_records(cfg, arrays, records_source(cfg, [(holder, data)]), state=state, **kw)
+        result = local_train_records(cfg, arrays, LocalSource.of(cfg, [(holder, data)]), state=state, **kw)
         context.state[STATE] = ConfigRecord({"loader": json.dumps(result.loader)})
         return result
     first = int(context.state[STATE]["next-window"]) if STATE in context.state else 0

@@ -16,10 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gputravel.data.records import load_records, split_arrays
 from gputravel.errors import BadInput
-from gputravel.files import EVAL_SHARE
-from gputravel.protocol.layout import Layout, record_bytes_for
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import LocalSource, Shuffled, TravellingLoader, batch_at
 from gputravel.train.loop import build_model, evaluate as evaluate_records, gpt_config, lr_at, summarise, train_step
@@ -129,19 +126,9 @@ def evaluate(model: GPT, eval_tokens: Mapping[str, np.ndarray], batch: int, seq_
     return sum(losses) / len(losses)
 
 
-def records_source(cfg: TrainConfig, holders: Sequence[tuple[str, str]]) -> LocalSource:
-    """The holders' records read from disk as their CVMs lay them out (jobs/local_ranks.local_source
-    does the same one floor up): each split by its held-out share, in pieces of the job's layout."""
-    from gputravel.holder.cvm import manifest_piece_bytes  # lazy: the holder's CVM module
-
-    split = {name: split_arrays(load_records(path), EVAL_SHARE) for name, path in holders}
-    piece = manifest_piece_bytes(Layout(record_bytes=record_bytes_for(cfg.buffer_bytes)))
-    return LocalSource({n: t for n, (t, _) in split.items()}, {n: h for n, (_, h) in split.items()}, piece)
-
-
 def records_loader(cfg: TrainConfig, workload: Workload, source: LocalSource,
                    state: Mapping | None = None) -> TravellingLoader:
-    """The loop's loader over records read from disk (jobs/local_ranks.local_source): visits as
+    """The loop's loader over records read from disk (LocalSource.of): visits as
     the scheduler orders them, records shuffled within each as the loop shuffles them."""
     batching = Shuffled(cfg.batch, cfg.seed, lambda t: workload.inputs(t, "cpu"))
     return TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
@@ -174,5 +161,5 @@ def held_out_metrics(cfg: TrainConfig, model: torch.nn.Module, holders: Sequence
     scores them at its last step, per holder and over all holders; the same for every method."""
     torch.set_num_threads(threads or cfg.threads)
     workload = workload_of(cfg)
-    loader = records_loader(cfg, workload, records_source(cfg, holders))
+    loader = records_loader(cfg, workload, LocalSource.of(cfg, holders))
     return summarise(evaluate_records(workload, model, loader))

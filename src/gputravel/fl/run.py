@@ -37,9 +37,9 @@ def check(job: FlJob) -> FedAvgPlan:
     """Everything that can be wrong with the job, before any process or namespace exists."""
     framework()  # Flower is installed
     if job.train.records:
-        from gputravel.fl.local import records_source  # lazy: torch, for records only
+        from gputravel.train.loader import LocalSource  # lazy: torch, for records only
 
-        sizes = dict(records_source(job.train, sorted(job.holders.items())).sizes())  # training records, as split
+        sizes = dict(LocalSource.of(job.train, sorted(job.holders.items())).sizes())  # training records, as split
     else:
         sizes = {name: len(load_tokens(path)) for name, path in sorted(job.holders.items())}
     return plan(job.fl, steps=job.train.steps, batch=job.train.batch, seq_len=job.train.seq_len, holder_tokens=sizes,

@@ -18,7 +18,7 @@ from gputravel.driver.driver import Driver
 from gputravel.driver.link import PcieMuxClient, register_with_host
 from gputravel.errors import BadInput, GputravelError, IllegalTransition, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.files import EVAL_SHARE, RAW, RECORDS, TOKENS, DatasetFormat, check_split, dataset_kind
-from gputravel.protocol.layout import Layout
+from gputravel.protocol.layout import Layout, manifest_piece_bytes
 from gputravel.protocol.parties import ORCHESTRATOR
 from gputravel.protocol.travel import Bye, HolderHello, ProbeDone, ProbeNow, SendChunk, TravelRequest
 from gputravel.holder.machine import Deadlines, HolderTravel
@@ -27,7 +27,7 @@ from gputravel.holder.steps import (
     Copied, CopyChunk, ExportBlob, Exported, Granted, HelloAnswered, ImportBlob, Imported, Introduce, Replied, Reply,
     Request, StepFailed, SwitchAsked, SwitchBack, SwitchedHome,
 )
-from gputravel.protocol.manifest import PIECE_BYTES, piece_digests
+from gputravel.protocol.manifest import piece_digests
 from gputravel.transport.base import Transport
 from gputravel.transport.unix import connect_unix
 from gputravel.transport.tls import connect_tls
@@ -72,11 +72,6 @@ class HolderConfig:
             check_split(self.eval_share, self.eval_seed)
         except ValueError as exc:
             raise BadInput(f"holder {self.name!r}: {exc}") from None
-
-
-def manifest_piece_bytes(layout: Layout) -> int:
-    """A holder's manifest piece size: at most one record, so pieces tile any buffer (whole records)."""
-    return min(PIECE_BYTES, layout.record_bytes)
 
 
 class Dataset:

@@ -17,10 +17,6 @@ from gputravel.attest import Authority
 from gputravel.attest.quote import EmulatedRankTee
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
 from gputravel.crypto.certs import key_pem
-from gputravel.data.holder_tokens import load_tokens
-from gputravel.data.records import load_records, split_arrays
-from gputravel.files import EVAL_SHARE
-from gputravel.protocol.layout import Layout, record_bytes_for
 from gputravel.ddp.launch import free_port, run_processes
 from gputravel.errors import BadInput
 from gputravel.train.loader import LocalSource
@@ -72,18 +68,6 @@ def run_local_ranks(cfg: TrainConfig, shares: Sequence[Sequence[tuple[str, str]]
     return report
 
 
-def local_source(cfg: TrainConfig, holders: Sequence[tuple[str, str]], eval_share: float = EVAL_SHARE) -> LocalSource:
-    """The holders' data read from disk as their CVMs lay it out: tokens, or records split as each
-    holder splits them (its held-out share, the default seed) in pieces of the job's layout."""
-    if not cfg.records:
-        return LocalSource({name: load_tokens(path, cfg.tokenizer).tokens for name, path in holders})
-    from gputravel.holder.cvm import manifest_piece_bytes  # lazy: the holder's CVM module
-
-    split = {name: split_arrays(load_records(path), eval_share) for name, path in holders}
-    piece = manifest_piece_bytes(Layout(record_bytes=record_bytes_for(cfg.buffer_bytes)))
-    return LocalSource({n: t for n, (t, _) in split.items()}, {n: h for n, (_, h) in split.items()}, piece)
-
-
 def rank_shares(shares: Sequence[Sequence[tuple[str, str]]],
                 resume_from: Path | None = None) -> tuple[tuple[tuple[str, str], ...], ...]:
     """`shares` as tuples of (name, path), checked: none empty, and as many as the checkpoint's ranks."""
@@ -117,7 +101,7 @@ def train_rank(rank: int, job: RankJob) -> dict:
                           job.measurement)
     ranks = Ranks(rank=rank, world_size=job.world_size, attest=tee.attest, verify=tee.verify, context=job.context,
                   shares=job.shares)
-    result = train(cfg, local_source(cfg, job.share), run_dir=Path(job.run_dir) if job.run_dir else None,
+    result = train(cfg, LocalSource.of(cfg, job.share), run_dir=Path(job.run_dir) if job.run_dir else None,
                    resume_from=Path(job.resume_from) if job.resume_from else None,
                    tokenizer=sample_tokenizer(cfg.tokenizer) if rank == 0 else None, ranks=ranks)
     return make_report(cfg, result)

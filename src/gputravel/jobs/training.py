@@ -19,7 +19,7 @@ from gputravel.cohort.gpus import GpuCohorts, on_each
 from gputravel.cohort.local import Cohort
 from gputravel.ddp.launch import free_port
 from gputravel.net.counters import bytes_between, link_bytes
-from gputravel.jobs.local_ranks import local_source, run_local_ranks
+from gputravel.jobs.local_ranks import run_local_ranks
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.data.records import RecordSchema, Units, common_schema
 from gputravel.data.shakespeare import shakespeare_holders
@@ -28,8 +28,8 @@ from gputravel.errors import BadInput, number_in
 from gputravel.files import MISSING, RECORDS, TOKENS, atomic_write_bytes, not_data, write_json
 from gputravel.net.tc import MAX_BANDWIDTH_MBIT
 from gputravel.protocol.hardware import hardware_profile
-from gputravel.protocol.layout import Layout, record_bytes_for
-from gputravel.train.loader import TOKEN_BYTES
+from gputravel.protocol.layout import layout_for, manifest_piece_bytes
+from gputravel.train.loader import TOKEN_BYTES, LocalSource
 from gputravel.train.job import TORCH_MIB, TrainConfig
 from gputravel.train.loop import StepEvent, checkpoint_shares, make_report, sample_tokenizer, workload_of
 from gputravel.train.scripted import run_job
@@ -90,8 +90,6 @@ def check_capacity(cfg: TrainingJobConfig) -> None:
 
 
 def _check_record_capacity(cfg: TrainingJobConfig, t: TrainConfig) -> None:
-    from gputravel.holder.cvm import manifest_piece_bytes  # lazy: the holder's CVM module
-
     record = RecordSchema.from_json(t.record_schema).record_bytes
     held = Units(record, manifest_piece_bytes(layout_for(t.buffer_bytes))).capacity(t.buffer_bytes)
     if held < t.batch:
@@ -109,11 +107,6 @@ def _check_record_capacity(cfg: TrainingJobConfig, t: TrainConfig) -> None:
 def capacity_mib() -> int:
     """A records workload's training memory: torch's own, its models being small (the shipped ones are)."""
     return TORCH_MIB
-
-
-def layout_for(buffer_bytes: int) -> Layout:
-    """Bounce-buffer records of 1 MiB, or smaller when the dataset buffer itself is smaller."""
-    return Layout(record_bytes=record_bytes_for(buffer_bytes))
 
 
 def default_holders(count: int, workdir: Path, workload: str = "gpt2") -> tuple[tuple[str, str], ...]:
@@ -160,7 +153,7 @@ def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None
     if cfg.gpus > 1:
         report = _run_ranks(cfg, run_dir, on_step)
     elif cfg.train.loader == "local":
-        report = make_report(cfg.train, run_job(cfg.train, local_source(cfg.train, cfg.holders), run_dir=run_dir,
+        report = make_report(cfg.train, run_job(cfg.train, LocalSource.of(cfg.train, cfg.holders), run_dir=run_dir,
                                               on_step=on_step,
                                               resume_from=_checkpoint(cfg, run_dir),
                                               tokenizer=sample_tokenizer(cfg.train.tokenizer)))

@@ -11,6 +11,7 @@ from enum import IntEnum
 
 from gputravel.crypto.channel import TAG_BYTES as TAG_BYTES  # re-exported: slots hold ciphertext || tag
 from gputravel.errors import BadInput
+from gputravel.protocol.manifest import PIECE_BYTES
 
 MIB = 1 << 20
 PAGE = 4096
@@ -144,3 +145,13 @@ GPFIFO_ENTRY = struct.Struct("<QII")  # push IOVA, push length, reserved
 U32 = struct.Struct("<I")
 # notifier, channel counter, message counter, pad; then ciphertext(8) || tag(16)
 SEMAPHORE_HEADER = struct.Struct("<QQII")
+
+
+def layout_for(buffer_bytes: int) -> Layout:
+    """Bounce-buffer records of 1 MiB, or smaller when the dataset buffer itself is smaller."""
+    return Layout(record_bytes=record_bytes_for(buffer_bytes))
+
+
+def manifest_piece_bytes(layout: Layout) -> int:
+    """A holder's manifest piece size: at most one record, so pieces tile any buffer (whole records)."""
+    return min(PIECE_BYTES, layout.record_bytes)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from gputravel.data.records import Units, as_tensors
+from gputravel.data.holder_tokens import load_tokens
+from gputravel.data.records import Units, as_tensors, load_records, split_arrays
+from gputravel.files import EVAL_SHARE
+from gputravel.protocol.layout import layout_for, manifest_piece_bytes
 from gputravel.errors import BadInput, HolderLost, ProtocolError
 from gputravel.protocol.control import BaselineReport
 from gputravel.train.schedule import LoaderState, Scheduler, Visit
@@ -76,6 +79,16 @@ class LocalSource:
         self._held = {name: np.asarray(h) for name, h in (held or {}).items()}
         self._piece = piece_bytes
         self.last_report = None
+
+    @classmethod
+    def of(cls, cfg: Any, holders: Sequence[tuple[str, str]], eval_share: float = EVAL_SHARE) -> LocalSource:
+        """The holders' data read from disk as their CVMs lay it out: tokens, or records split as each
+        holder splits them (its held-out share, the default seed) in pieces of the job's layout."""
+        if not cfg.records:
+            return cls({name: load_tokens(path, cfg.tokenizer).tokens for name, path in holders})
+        split = {name: split_arrays(load_records(path), eval_share) for name, path in holders}
+        piece = manifest_piece_bytes(layout_for(cfg.buffer_bytes))
+        return cls({n: t for n, (t, _) in split.items()}, {n: h for n, (_, h) in split.items()}, piece)
 
     def sizes(self) -> Mapping[str, int]:
         return {name: len(t) for name, t in self._units.items()}
