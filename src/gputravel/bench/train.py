@@ -31,7 +31,7 @@ from gputravel.fl.config import FedAvgConfig, framework
 from gputravel.files import RECORDS, TOKENS
 from gputravel.fl.local import evaluate, held_out_metrics, load_arrays
 from gputravel.fl.run import FlJob, check as check_fl, run_fedavg
-from gputravel.jobs.training import TrainingJobConfig, capacity_mib, default_holders, layout_for, resolve
+from gputravel.jobs.training import TrainingJobConfig, default_holders, layout_for, resolve
 from gputravel.net import LINK_NETNS
 from gputravel.net.counters import bytes_between, link_bytes
 from gputravel.protocol.hardware import EMULATED, hardware_profile
@@ -107,7 +107,7 @@ class TrainBenchConfig:
         # What this machine carries, before anything starts: the buffer (travel, tls), the training.
         if set(self.methods) - {"fl"}:
             capacity.check_buffer(self.train.buffer_bytes, "--buffer-kib", 1 << 10)
-        need = capacity_mib() if self.train.records else self.train.memory_mib()
+        need = self.train.memory_mib()
         capacity.check_memory(need, "the training needs", "use a smaller model or batch")
 
 

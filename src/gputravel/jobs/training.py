@@ -30,7 +30,7 @@ from gputravel.net.tc import MAX_BANDWIDTH_MBIT
 from gputravel.protocol.hardware import hardware_profile
 from gputravel.protocol.layout import layout_for, manifest_piece_bytes
 from gputravel.train.loader import TOKEN_BYTES, LocalSource
-from gputravel.train.job import TORCH_MIB, TrainConfig
+from gputravel.train.job import TrainConfig
 from gputravel.train.loop import StepEvent, checkpoint_shares, make_report, sample_tokenizer, workload_of
 from gputravel.train.scripted import run_job
 
@@ -67,46 +67,38 @@ class TrainingJobConfig:
 def check_capacity(cfg: TrainingJobConfig) -> None:
     """BadInput, naming the flag, if this machine cannot carry the job (cohort/capacity.py)."""
     t = resolve(cfg).train  # the holders' tokenizer fixes the vocabulary, so the logits' size
-    if t.records:
-        return _check_record_capacity(cfg, t)
-    if t.buffer_bytes // TOKEN_BYTES < t.batch * t.seq_len + 1:
-        raise BadInput(f"--buffer-mib {t.buffer_bytes / capacity.MIB:g} holds {t.buffer_bytes // TOKEN_BYTES} tokens, and one "
-                       f"batch needs {t.batch * t.seq_len + 1} (--batch {t.batch} x --seq-len {t.seq_len}, and the next "
-                       "token): use a larger --buffer-mib, or a smaller --batch or --seq-len")
     local = t.loader == "local"  # no cohort: the training alone, here
-    if not local:
-        capacity.check_buffer(t.buffer_bytes, "--buffer-mib")
-    who = "training" if local else "the orchestrator's training"
-    capacity.check_memory(t.memory_mib(), f"{who} with --batch {t.batch} x --seq-len {t.seq_len} needs",
-                          "use a smaller --batch or --seq-len", f"a GPT-2 of {t.params():,} parameters, {t.n_layer} "
-                          f"layers {t.n_embd} wide, vocabulary {t.vocab_size}, with AdamW, and a batch of "
-                          f"{t.batch * t.seq_len:,} tokens")
+    if t.records:
+        _check_records_fit(t)
+    else:
+        _check_tokens_fit(t, local)
     if local:
         return
+    capacity.check_buffer(t.buffer_bytes, "--buffer-mib")
     data = sum(data_bytes(path) for _, path in cfg.holders)
     capacity.check(len(cfg.holders), sysmem_bytes=layout_for(t.buffer_bytes).sysmem_bytes,
                    dataset_bytes=-(-data // len(cfg.holders)), gpus=cfg.gpus,
                    vram_mib=-(-t.buffer_bytes // capacity.MIB) + capacity.VRAM_MARGIN_MIB, train_mib=t.memory_mib())
 
 
-def _check_record_capacity(cfg: TrainingJobConfig, t: TrainConfig) -> None:
+def _check_tokens_fit(t: TrainConfig, local: bool) -> None:
+    if t.buffer_bytes // TOKEN_BYTES < t.batch * t.seq_len + 1:
+        raise BadInput(f"--buffer-mib {t.buffer_bytes / capacity.MIB:g} holds {t.buffer_bytes // TOKEN_BYTES} tokens, and one "
+                       f"batch needs {t.batch * t.seq_len + 1} (--batch {t.batch} x --seq-len {t.seq_len}, and the next "
+                       "token): use a larger --buffer-mib, or a smaller --batch or --seq-len")
+    who = "training" if local else "the orchestrator's training"
+    capacity.check_memory(t.memory_mib(), f"{who} with --batch {t.batch} x --seq-len {t.seq_len} needs",
+                          "use a smaller --batch or --seq-len", f"a GPT-2 of {t.params():,} parameters, {t.n_layer} "
+                          f"layers {t.n_embd} wide, vocabulary {t.vocab_size}, with AdamW, and a batch of "
+                          f"{t.batch * t.seq_len:,} tokens")
+
+
+def _check_records_fit(t: TrainConfig) -> None:
     record = RecordSchema.from_json(t.record_schema).record_bytes
     held = Units(record, manifest_piece_bytes(layout_for(t.buffer_bytes))).capacity(t.buffer_bytes)
     if held < t.batch:
         raise BadInput(f"--buffer-mib {t.buffer_bytes / capacity.MIB:g} holds {held} records of {record} bytes, and one "
                        f"batch needs {t.batch}: use a larger --buffer-mib or a smaller --batch")
-    if t.loader == "local":
-        return
-    capacity.check_buffer(t.buffer_bytes, "--buffer-mib")
-    data = sum(data_bytes(path) for _, path in cfg.holders)
-    capacity.check(len(cfg.holders), sysmem_bytes=layout_for(t.buffer_bytes).sysmem_bytes,
-                   dataset_bytes=-(-data // len(cfg.holders)), gpus=cfg.gpus,
-                   vram_mib=-(-t.buffer_bytes // capacity.MIB) + capacity.VRAM_MARGIN_MIB, train_mib=capacity_mib())
-
-
-def capacity_mib() -> int:
-    """A records workload's training memory: torch's own, its models being small (the shipped ones are)."""
-    return TORCH_MIB
 
 
 def default_holders(count: int, workdir: Path, workload: str = "gpt2") -> tuple[tuple[str, str], ...]:

@@ -173,7 +173,10 @@ class TrainConfig(JobPart):
     def memory_mib(self) -> int:
         """About the most memory one step takes, MiB: torch, 16 bytes a parameter (weights, grads,
         AdamW's moments) and backward's float32 activations (no T x T: SDPA's flash kernel on CPU).
-        Checked against measured peaks: the demo's model, B 8, T 64 to 4096."""
+        Checked against measured peaks: the demo's model, B 8, T 64 to 4096. A records workload's
+        model is its own: torch's share only (the shipped ones are small)."""
+        if self.records:
+            return TORCH_MIB
         tokens = self.batch * self.seq_len
         activations = 4 * tokens * (20 * self.n_layer * self.n_embd + 3 * self.vocab_size + 2 * self.n_embd)
         return TORCH_MIB + -(-(16 * self.params() + activations) // (1 << 20))
