@@ -433,3 +433,26 @@ def test_a_script_trains_on_holder_data_given_on_the_command_line(tumours, tmp_p
             *[f"--holder-data={name}={path}" for name, path in tumours]]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("count", [1, 13, 14, 40, 121])
+def test_records_laid_out_a_block_at_a_time_are_the_same_bytes(count: int, monkeypatch) -> None:
+    """A holder lays its records straight into its mapping, a block of pieces at a time; where a
+    block ends must not show: every record whole in its piece, the padding zero, blocks or not."""
+    import gputravel.data.records as records
+
+    schema = RecordSchema.parse("x: uint8[9]; label: int64[]")  # 17 bytes: 3 to a 64-byte piece, 13 padding
+    array = np.zeros(count, dtype=schema.dtype)
+    array["x"], array["label"] = np.arange(count * 9).reshape(count, 9) % 251, np.arange(count) + 1
+    units = Units(schema.record_bytes, 64)
+    whole = records.lay_out_split(records.Records(schema, array), units, 0.3, 5)
+    monkeypatch.setattr(records, "_BLOCK_BYTES", 64)  # a piece a block
+    assert records.lay_out_split(records.Records(schema, array), units, 0.3, 5) == whole
+    laid, train, held = whole
+    train_, held_ = split_arrays(records.Records(schema, array), 0.3, 5)
+    assert units.read(memoryview(laid), train, schema.dtype).tobytes() == train_.tobytes()
+    if held:
+        base = units.eval_base(train)
+        assert units.read(memoryview(laid)[base:], held, schema.dtype).tobytes() == held_.tobytes()
+    pieces = [bytes(laid[i : i + 64]) for i in range(0, len(laid), 64)]
+    assert all(p[51:] == bytes(max(0, len(p) - 51)) for p in pieces)  # 3 records of 17, then zeros

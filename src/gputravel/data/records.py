@@ -29,6 +29,7 @@ RECORDS_FILE, SCHEMA_FILE = "records.npy", "schema.json"
 DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64")
 MAX_FIELDS = 64
 MAX_RECORD_BYTES = 64 << 20
+_BLOCK_BYTES = 64 << 20  # pieces laid out at a time
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _FIELD = re.compile(r"\s*([^:\s]+)\s*:\s*([a-z0-9]+)\s*\[([0-9,\s]*)\]\s*")
 
@@ -285,18 +286,19 @@ class Units:
         """Units a buffer of `buffer_bytes` holds, from a piece boundary."""
         return (buffer_bytes // self.piece_bytes) * self.per_piece
 
-    def lay_out(self, data: bytes | memoryview) -> bytes:
-        """Whole units, `per_piece` to a zero-padded piece (the last piece unpadded)."""
-        view, k, n = memoryview(data).cast("B"), self.per_piece, len(data) // self.unit_bytes
-        if k * self.unit_bytes == self.piece_bytes:
-            return bytes(view)
-        per = k * self.unit_bytes
-        pad = bytes(self.piece_bytes - per)
-        parts = []
-        for start in range(0, n * self.unit_bytes, per):
-            parts.append(view[start : start + per])
-            parts.append(pad)
-        return b"".join(parts[:-1]) if parts else b""
+    def place(self, out: np.ndarray, base: int, array: np.ndarray, index: np.ndarray) -> None:
+        """Write records `array[index]` into `out` (uint8) from byte `base`, `per_piece` to a piece, a
+        block of pieces at a time: a holder's whole dataset is never copied again at once."""
+        k, rec, piece = self.per_piece, self.unit_bytes, self.piece_bytes
+        step = k * max(1, _BLOCK_BYTES // piece)
+        for first in range(0, len(index), step):
+            rows = np.ascontiguousarray(array[index[first : first + step]]).view(np.uint8).reshape(-1, rec)
+            # Every piece but the block's last through one reshape; the last (the dataset's may be
+            # unpadded) record by record.
+            start, full = base + (first // k) * piece, (len(rows) - 1) // k
+            out[start : start + full * piece].reshape(full, piece)[:, : k * rec] = rows[: full * k].reshape(full, k * rec)
+            tail = rows[full * k :]
+            out[start + full * piece : start + full * piece + tail.size] = tail.reshape(-1)
 
     def read(self, view: memoryview | bytes, count: int, dtype: np.dtype) -> np.ndarray:
         """`count` units of `dtype` from a view that starts at a piece boundary (not copied if unpadded)."""
@@ -311,15 +313,17 @@ class Units:
         return np.ascontiguousarray(body).view(dtype).reshape(-1)[:count]
 
 
-def lay_out_split(records: Records, units: Units, share: float, seed: int = 0) -> tuple[bytes, int, int]:
+def lay_out_split(records: Records, units: Units, share: float, seed: int = 0,
+                  into: Callable[[int], object] = bytearray) -> tuple[object, int, int]:
     """A holder's dataset as it travels: its training records in pieces, then its held-out records
-    from a fresh piece. Returns (bytes, training records, held-out records)."""
+    from a fresh piece, the rest zero. Returns (the buffer `into(size)` made, training records,
+    held-out records); a holder lays it out straight into its private mapping."""
     train, held = held_out(len(records), share, seed)
-    first = units.lay_out(records.array[train].tobytes())
-    if not len(held):
-        return first, len(train), 0
-    gap = bytes(units.pieces(len(train)) * units.piece_bytes - len(first))
-    return first + gap + units.lay_out(records.array[held].tobytes()), len(train), len(held)
+    buffer = into(units.split_bytes(len(train), len(held)))
+    out = np.frombuffer(buffer, dtype=np.uint8)  # type: ignore[call-overload]
+    units.place(out, 0, records.array, train)
+    units.place(out, units.eval_base(len(train)), records.array, held)
+    return buffer, len(train), len(held)
 
 
 def split_arrays(records: Records, share: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -133,14 +133,15 @@ class Dataset:
                 raise BadInput(f"dataset {str(item)!r} is not a regular file")
         records = load_records(path)
         units = Units(records.schema.record_bytes, piece_bytes)  # a record larger than a piece: refused
-        data, self.train_records, self.eval_records = lay_out_split(records, units, share, seed)
+        # Laid out straight into the CVM's private mapping, a block at a time: no second whole copy.
+        mem, self.train_records, self.eval_records = lay_out_split(records, units, share, seed,
+                                                                   into=lambda n: mmap.mmap(-1, n))
         if not self.train_records:
             raise BadInput(f"dataset {path!r}: none of its {len(records)} records is left to train on with "
                            f"eval_share {share}: lower eval_share or add records")
         self.schema = records.schema
         self.held_base = units.eval_base(self.train_records) if self.eval_records else 0
-        mem = mmap.mmap(-1, len(data))
-        mem.write(data)
+        assert isinstance(mem, mmap.mmap)
         return mem
 
 
