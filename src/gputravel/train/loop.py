@@ -29,7 +29,7 @@ from gputravel.train.model import GPT, GPTConfig, pick_device
 from gputravel.train.ranks import DataParallel, Ranks
 from gputravel.train.rundir import RunDir, checkpoint_extra, load_checkpoint
 from gputravel.train.schedule import LoaderState
-from gputravel.workloads import Workload, load_workload
+from gputravel.workloads import Workload, gpt_loss, load_workload
 
 __all__ = ["StepEvent", "TrainResult", "build_model", "gpt_config", "lr_at", "make_report", "train", "train_step",
            "workload_of"]
@@ -111,12 +111,8 @@ def build_model(cfg: TrainConfig, device: str, workload: Workload | None = None)
     return model, optimizer
 
 
-def _gpt_loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return forward(x, y)[1]
-
-
 def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, lr: float, *, forward=None,
-               backward: Callable[[torch.Tensor], None] | None = None, loss_of=_gpt_loss,
+               backward: Callable[[torch.Tensor], None] | None = None, loss_of=gpt_loss,
                guard: Callable[[str], AbstractContextManager] | None = None) -> float:
     """One step as every method trains (FedAvg's holders too): the optimizer at `lr`, clipped to norm 1.
     `guard`: the workload's (Workload.guard), around its code's backward and optimizer step."""

@@ -25,6 +25,11 @@ SHIPPED = ("gpt2", "image", "tabular")
 REQUIRED = ("SCHEMA", "model", "inputs")
 
 
+def gpt_loss(forward: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """GPT-2's: its forward takes the targets and returns (logits, loss)."""
+    return forward(x, y)[1]
+
+
 def default_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y)
 
@@ -62,7 +67,7 @@ class Workload:
 
     def loss(self, forward: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.module is None:
-            return forward(x, y)[1]
+            return gpt_loss(forward, x, y)
         with self.guard("loss"):
             return getattr(self.module, "loss", default_loss)(forward(x), y)
 
