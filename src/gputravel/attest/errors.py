@@ -22,6 +22,7 @@ CLAIMS = frozenset({
     "measurement",  # a measurement differs from its reference value / is not accepted
     "policy",       # a claim the holder's policy requires is absent or not accepted
     "binding",      # the quote's report data does not bind this TLS key and nonce
+    "job",          # the quoted RTMR[3] is not the job named, or the holder approved no such job
 })
 
 

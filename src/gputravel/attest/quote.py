@@ -1,10 +1,12 @@
-"""CVM quotes, TDX-style: a measurement of the CVM and 64 bytes of report data, signed by a
-quoting key that chains to the emulated CPU-TEE quoting root (format in docs/attestation.md).
+"""CVM quotes, TDX-style: a measurement of the CVM (MRTD), its four runtime measurement
+registers (RTMRs) and 64 bytes of report data, signed by a quoting key that chains to the
+emulated CPU-TEE quoting root (format in docs/attestation.md).
 
 The measurement (what holders pin) is SHA-384 over a label, every src/gputravel/**/*.py and
-the orchestrator's canonical config. `EmulatedQuotingEnclave` only signs; in a cohort it lives
-in the emulated TDX module's process, which takes the measurement from the launcher, never
-from the CVM it quotes.
+the orchestrator's canonical config less its job; the job is extended into RTMR[3] after boot
+(`JOB_RTMR`, `rtmr_after`). `EmulatedQuotingEnclave` only signs; in a cohort it lives in the
+emulated TDX module's process, which takes the measurement from the launcher and the RTMRs
+from its own registers, never from the CVM it quotes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from gputravel.protocol.codec import Message, encode
 TEE = "emulated-tdx"
 MEASUREMENT_BYTES = 48
 REPORT_DATA_BYTES = 64
+RTMR_COUNT = 4
+JOB_RTMR = 3  # the register the orchestrator extends with its job digest, once, before its first quote
+ZERO_RTMRS: tuple[bytes, bytes, bytes, bytes] = (bytes(MEASUREMENT_BYTES),) * RTMR_COUNT
 QUOTE_CHAIN_LENGTH = 2
 _MEASUREMENT_LABEL = b"gputravel cvm measurement v1\x00"
 
@@ -64,11 +69,27 @@ def orchestrator_measurement(config: Mapping[str, object], *, package_dir: Path 
     return sha384(_MEASUREMENT_LABEL + measure_code(package_dir) + sha384(canonical_json(config)))
 
 
+def rtmr_extend(old: bytes, digest: bytes) -> bytes:
+    """TDX's extend: new = SHA-384(old || digest), both 48 bytes."""
+    if len(old) != MEASUREMENT_BYTES or len(digest) != MEASUREMENT_BYTES:
+        raise BadInput(f"an RTMR and what extends it are {MEASUREMENT_BYTES} bytes each")
+    return sha384(old + digest)
+
+
+def rtmr_after(digests: Iterable[bytes]) -> bytes:
+    """An RTMR's value after extending its 48 zero bytes with `digests` in order (an event log replayed)."""
+    value = bytes(MEASUREMENT_BYTES)
+    for digest in digests:
+        value = rtmr_extend(value, digest)
+    return value
+
+
 # ----------------------------------------------------------------------------- quote
 class QuoteBody(Message, tag="attest.cvm.quote_body"):
     tee: str
     mr_td: bytes
     report_data: bytes
+    rtmr: tuple[bytes, bytes, bytes, bytes]
 
 
 class Quote(Message, tag="attest.cvm.quote"):
@@ -79,7 +100,7 @@ class Quote(Message, tag="attest.cvm.quote"):
 
 @dataclass(frozen=True)
 class EmulatedQuotingEnclave:
-    """Stands in for the TDX module + quoting enclave: signs (measurement, report data)."""
+    """Stands in for the TDX module + quoting enclave: signs (measurement, RTMRs, report data)."""
 
     key: ec.EllipticCurvePrivateKey = field(repr=False)
     cert_chain: tuple[bytes, ...]
@@ -91,13 +112,16 @@ class EmulatedQuotingEnclave:
                               now=now, days=days)
         return cls(key, (cert, tee_root.cert_der))
 
-    def quote(self, measurement: bytes, report_data: bytes) -> bytes:
-        """An encoded Quote over `measurement` (48 bytes) and `report_data` (64 bytes)."""
+    def quote(self, measurement: bytes, report_data: bytes,
+              rtmr: tuple[bytes, bytes, bytes, bytes] = ZERO_RTMRS) -> bytes:
+        """An encoded Quote over `measurement` (48 bytes), `report_data` (64 bytes) and four 48-byte RTMRs."""
         if not isinstance(measurement, bytes) or len(measurement) != MEASUREMENT_BYTES:
             raise BadInput(f"measurement must be {MEASUREMENT_BYTES} bytes")
         if not isinstance(report_data, bytes) or len(report_data) != REPORT_DATA_BYTES:
             raise BadInput(f"report data must be {REPORT_DATA_BYTES} bytes")
-        body = encode(QuoteBody(TEE, measurement, report_data))
+        if not _rtmrs_shaped(rtmr):
+            raise BadInput(f"a quote carries {RTMR_COUNT} RTMRs of {MEASUREMENT_BYTES} bytes each")
+        body = encode(QuoteBody(TEE, measurement, report_data, tuple(rtmr)))  # type: ignore[arg-type]
         return encode(Quote(body, sign_p384(self.key, body), self.cert_chain))
 
 
@@ -110,6 +134,7 @@ class CVM:
     CHAIN = "x-gputravel-cvm-quote-cert-chain-validated"
     SIGNATURE = "x-gputravel-cvm-quote-signature-verified"
     MEASUREMENT = "x-gputravel-cvm-measurement"
+    RTMR = "x-gputravel-cvm-rtmr"
     ACCEPTED = "x-gputravel-cvm-measurement-accepted"
     BOUND = "x-gputravel-cvm-report-data-bound"
     TEE = "x-gputravel-cvm-tee"
@@ -128,10 +153,12 @@ class QuoteClaims(Message, tag="attest.cvm.claims"):
     quote_digest: bytes
     verified_at: int
     emulated: bool
+    rtmr: tuple[bytes, bytes, bytes, bytes]
 
     def eat(self) -> dict[str, object]:
         return {CVM.OVERALL: True, CVM.TEE: self.tee, "iat": self.verified_at, CVM.PARSED: True,
                 CVM.CHAIN: True, CVM.SIGNATURE: True, CVM.MEASUREMENT: self.measurement.hex(),
+                CVM.RTMR: [r.hex() for r in self.rtmr],
                 CVM.ACCEPTED: True, CVM.BOUND: True, CVM.EMULATED: self.emulated,
                 "x-gputravel-quote-sha384": self.quote_digest.hex()}
 
@@ -160,17 +187,25 @@ class EmulatedQuoteVerifier(Verifier[QuoteClaims]):
             p.fail("signature", "quote signature does not verify with the quoting key")
         p.ok(CVM.SIGNATURE)
         body = p.decode(quote.body, QuoteBody, "quote")
-        if body.tee != TEE or len(body.mr_td) != MEASUREMENT_BYTES or len(body.report_data) != REPORT_DATA_BYTES:
+        if (body.tee != TEE or len(body.mr_td) != MEASUREMENT_BYTES or len(body.report_data) != REPORT_DATA_BYTES
+                or not _rtmrs_shaped(body.rtmr)):
             p.fail("format", "quote body has an unknown TEE type or wrong field sizes")
         p.ok(CVM.PARSED)
         p.ok(CVM.TEE, body.tee)
         p.ok(CVM.MEASUREMENT, body.mr_td.hex())
+        p.ok(CVM.RTMR, [r.hex() for r in body.rtmr])
         if body.mr_td not in self._accepted:
             p.fail("measurement", f"CVM measurement {body.mr_td.hex()[:16]}... is not in the accepted list")
         p.ok(CVM.ACCEPTED)
         if not hmac.compare_digest(body.report_data, challenge):
             p.fail("binding", "quote report data does not bind the expected TLS key and nonce")
-        return QuoteClaims(body.tee, body.mr_td, body.report_data, sha384(bytes(evidence)), int(now.timestamp()), True)
+        return QuoteClaims(body.tee, body.mr_td, body.report_data, sha384(bytes(evidence)), int(now.timestamp()), True,
+                           body.rtmr)
+
+
+def _rtmrs_shaped(rtmr: object) -> bool:
+    return (isinstance(rtmr, tuple) and len(rtmr) == RTMR_COUNT
+            and all(isinstance(r, bytes) and len(r) == MEASUREMENT_BYTES for r in rtmr))
 
 
 class EmulatedRankTee:
