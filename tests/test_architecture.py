@@ -34,6 +34,7 @@ FLOORS = {
     "data": 2,
     "attest": 3,
     "firmware": 3,  # the emulated hardware's own processes: the TDX module, the GPU's attestation firmware
+    "broker": 3,  # the emulated key broker (Trustee/KBS): its own process, like the firmware's; verifies quotes
     "driver": 3,
     "device": 3,
     "host": 3,
@@ -58,6 +59,7 @@ SAME_FLOOR = {
     ("protocol", "crypto"): "messages carry channel state and SPDM payloads",
     ("device", "attest"): "the emulated GPU runs its attestation firmware (attest/gpu.py)",
     ("firmware", "attest"): "the emulated TDX module and GPU firmware sign the quotes and evidence attest/ checks",
+    ("broker", "attest"): "the key broker releases a key only to a quote attest/ verifies",
     ("bench", "jobs"): "the training benchmark times the training job",
     ("bench", "fl"): "the training benchmark runs the FedAvg baseline",
     ("jobs", "service"): "the demo launches each party's own service, as a consortium deploys them",

@@ -26,6 +26,11 @@ class TravelLogMismatch(BadInput):
     start a log that leaves earlier travels out."""
 
 
+class SealedError(BadInput):
+    """A sealed file does not open with this key: sealed for another orchestrator measurement, job
+    or purpose, corrupt, or not sealed at all. Says which where it can, never a byte of the key."""
+
+
 def number_in(value: float, flag: str, low: float = 0.0, high: float = float("inf"), *,
               low_included: bool = False, unit: str = "") -> float:
     """`value` if a finite number above `low` (or equal, with `low_included`) and at most `high`;

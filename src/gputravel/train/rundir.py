@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -18,6 +19,15 @@ from gputravel.errors import BadInput
 from gputravel.train.model import GPTConfig
 
 CHECKPOINT_FORMAT = "gputravel-gpt-checkpoint-v1"
+
+
+class Sealing(Protocol):
+    """What a checkpoint is sealed with at rest (broker/seal.py's Sealer: a key only the same
+    orchestrator measurement and job gets back from the key broker). None: plaintext, as before."""
+
+    def seal(self, plaintext: bytes) -> bytes: ...
+
+    def open(self, data: bytes, what: str = ...) -> bytes: ...
 
 
 def _scalar(value: object) -> object:
@@ -162,8 +172,9 @@ class RunDir:
         return self.sample_path
 
     def save_checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
-                        extra: dict | None = None) -> Path:
-        """checkpoint.pt; ``extra`` holds plain types and tensors only, as loading is weights_only."""
+                        extra: dict | None = None, *, sealer: Sealing | None = None) -> Path:
+        """checkpoint.pt, sealed by ``sealer`` if given; ``extra`` holds plain types and tensors only,
+        as loading is weights_only."""
         config = model_config(model)
         if not isinstance(step, int) or step < 0:
             raise BadInput(f"step must be an int >= 0, got {step!r}")
@@ -177,7 +188,8 @@ class RunDir:
         }
         buf = io.BytesIO()
         torch.save(payload, buf)
-        atomic_write_bytes(self.checkpoint_path, buf.getvalue())
+        data = buf.getvalue() if sealer is None else sealer.seal(buf.getvalue())
+        atomic_write_bytes(self.checkpoint_path, data)
         return self.checkpoint_path
 
 
@@ -191,35 +203,40 @@ def model_config(model: torch.nn.Module) -> dict:
     return {"shapes": {name: list(t.shape) for name, t in model.state_dict().items()}}
 
 
-def _read_checkpoint(path: Path, data: bytes | None = None) -> dict:
-    """The checkpoint at `path`, or in `data`: its bytes, read once by a caller that checked them."""
+def _read_checkpoint(path: Path, data: bytes | None = None, sealer: Sealing | None = None) -> dict:
+    """The checkpoint at `path`, or in `data`: its bytes, read once by a caller that checked them;
+    opened by `sealer` first if given (SealedError if it does not open)."""
     if data is None and not path.is_file():
         raise BadInput(f"no checkpoint at {path}; check the run directory or train first")
+    if sealer is not None:
+        data = sealer.open(data if data is not None else path.read_bytes(), f"checkpoint {path}")
     try:
         # weights_only: a checkpoint is data, never code to run (it may come from elsewhere)
         payload = torch.load(io.BytesIO(data) if data is not None else path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged file
-        raise BadInput(f"checkpoint {path} is corrupt or not a gputravel checkpoint "
-                       f"({type(e).__name__}); delete it or restore it from a copy") from None
+        sealed = " (a sealed one opens only with its run's key from the key broker)" if sealer is None else ""
+        raise BadInput(f"checkpoint {path} is corrupt, sealed or not a gputravel checkpoint ({type(e).__name__})"
+                       f"{sealed}; restore it from a copy") from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise BadInput(f"{path} is not a {CHECKPOINT_FORMAT} file")
     return payload
 
 
-def checkpoint_extra(path: str | os.PathLike) -> dict:
+def checkpoint_extra(path: str | os.PathLike, *, sealer: Sealing | None = None) -> dict:
     """A checkpoint's ``extra``, without building a model to load it into."""
-    extra = _read_checkpoint(Path(path)).get("extra")
+    extra = _read_checkpoint(Path(path), sealer=sealer).get("extra")
     if not isinstance(extra, dict):
         raise BadInput(f"checkpoint {path} is inconsistent (no extra); start the run afresh")
     return extra
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    data: bytes | None = None) -> tuple[int, dict]:
+                    data: bytes | None = None, sealer: Sealing | None = None) -> tuple[int, dict]:
     """(step, extra), ``model`` (and ``optimizer``) restored from the checkpoint at ``path``, or
-    from ``data``, its bytes as the caller read and checked them. Loads onto the CPU."""
+    from ``data``, its bytes as the caller read and checked them (sealed, if ``sealer`` is given,
+    which opens them). Loads onto the CPU."""
     path = Path(path)
-    payload = _read_checkpoint(path, data)
+    payload = _read_checkpoint(path, data, sealer)
     config = model_config(model)
     stored = payload.get("config")
     if stored != config:
