@@ -41,6 +41,7 @@ FLOORS = {
     "train": 3,
     "workloads": 3,  # the consortium's training code (issue 27): model, loss, batches of records
     "ddp": 3,  # data-parallel training between GPU TEEs: takes attestation as callbacks
+    "manifest": 3,  # the job manifest (issue 28): what holders approve by digest; the orchestrator carries it
     "holder": 4,  # the trust domains: neither imports the other
     "orchestrator": 4,
     "cohort": 5,  # launching: starts the trust domains' processes
@@ -65,6 +66,7 @@ SAME_FLOOR = {
     ("jobs", "service"): "the demo launches each party's own service, as a consortium deploys them",
     ("train", "ddp"): "data-parallel training wraps its model in the encrypted ring's DDP hook",
     ("train", "workloads"): "training runs the job's workload",
+    ("manifest", "train"): "a job manifest names TrainConfig's own settings, and admits a concrete job",
 }
 REDTEAM = "redteam"
 #: The one module outside the red team that may reach it, and only inside its command.

@@ -1,0 +1,54 @@
+"""What a holder reads before it approves a job: every value the digest covers, in words."""
+
+from __future__ import annotations
+
+import hashlib
+
+from gputravel.manifest.sections import Data, Evaluation, Outputs, Release, Workload
+
+FINGERPRINT_HEX = 32  # 128 bits of SHA-256: enough to tell keys apart by eye, short enough to read aloud
+
+
+def key_fingerprint(public_key: bytes) -> str:
+    """A recipient key's fingerprint, as `gputravel job show` prints it: ``sha256:`` and 32 hex digits."""
+    return "sha256:" + hashlib.sha256(public_key).hexdigest()[:FINGERPRINT_HEX]
+
+
+def _workload(w: Workload, data: Data, script: bool) -> list[str]:
+    kind = "shipped with gputravel" if not w.code else \
+        f"file {w.file or '(unnamed)'}, {'a training script' if script else 'a workload'}"
+    lines = [f"workload    {w.name} ({kind})"]
+    if w.code:
+        lines.append(f"  code SHA-384 {w.code}")
+    if data.schema_digest:
+        lines.append(f"data        records, schema SHA-256 {data.schema_digest}")
+    else:
+        lines.append(f"data        tokens, tokenizer {data.tokenizer}")
+    return lines
+
+
+def _outputs(o: Outputs, rel: Release) -> list[str]:
+    model = (f"released to the recipients once {rel.quorum} of {len(rel.holders)} holders sign"
+             if o.model == "release" else "kept sealed to the orchestrator's measurement and job")
+    return ["outputs",
+            f"  model        {model}",
+            f"  checkpoints  {'sealed to the orchestrator (resume only)' if o.checkpoints == 'sealed' else 'none'}",
+            f"  samples      {'written (generated text can repeat training data)' if o.samples else 'none'}",
+            f"  metrics      {'written to the run directory' if o.metrics else 'none'}"]
+
+
+def _release(rel: Release) -> list[str]:
+    lines = [f"release     {rel.quorum} of {len(rel.holders)} holders must sign: {', '.join(rel.holders)}"]
+    lines += [f"  recipient  {r.name}  key {key_fingerprint(r.key_bytes())}" for r in rel.recipients]
+    return lines if rel.recipients else [*lines, "  recipients none"]
+
+
+def describe_lines(workload: Workload, settings: dict[str, object], data: Data, ev: Evaluation, outputs: Outputs,
+                   rel: Release) -> list[str]:
+    """The manifest's tables in words: workload and code digest, schema digest, settings, evaluation,
+    each output, k of n and the recipients' key fingerprints."""
+    lines = [*_workload(workload, data, bool(settings.get("script"))), "settings"]
+    lines += [f"  {k:<17}{v}" for k, v in settings.items()]
+    lines.append(f"evaluation  each holder holds out {ev.share * 100:g}% of its records, never trained on; "
+                 f"metrics: {', '.join(ev.metrics) or 'none'}")
+    return [*lines, *_outputs(outputs, rel), *_release(rel)]
