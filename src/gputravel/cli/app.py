@@ -18,6 +18,7 @@ from gputravel.cli.data import data_app
 from gputravel.cli.train import training_job
 from gputravel.cli.hardware import hardware_option, print_against_paper
 from gputravel.cli.model import model_app
+from gputravel.cli.job import job_app
 from gputravel.cli.plan import plan_command
 from gputravel.cli.scale import bench_scale
 from gputravel.cli.service import cohort_app, serve_command, status_command
@@ -41,6 +42,7 @@ app.add_typer(attest_app, name="attest")
 app.add_typer(audit_app, name="audit")
 app.add_typer(cohort_app, name="cohort")
 app.add_typer(model_app, name="model")
+app.add_typer(job_app, name="job")
 app.command("serve")(serve_command)
 app.command("status")(status_command)
 app.command("plan")(plan_command)

@@ -159,11 +159,14 @@ class PolicySection(_Section):
     orchestrator_measurements: Annotated[list[Annotated[str, Field(pattern=HEX96_PATTERN)]], Field(min_length=1)]
     gpu_driver_versions: list[str] = []  # empty: any
     max_evidence_age_s: Annotated[int, Field(ge=2)] = 3600
+    # The job manifests' digests (`gputravel job approve`) this holder sends data to; empty: none.
+    approved_jobs: list[Annotated[str, Field(pattern=HEX96_PATTERN)]] = []
 
     def to_policy(self, trust_dir: str) -> Policy:
         return Policy(tuple(bytes.fromhex(m) for m in self.orchestrator_measurements),
                       GpuRequirements(driver_versions=tuple(self.gpu_driver_versions)), self.max_evidence_age_s,
-                      Path(trust_dir) / REFERENCE_FILE)
+                      Path(trust_dir) / REFERENCE_FILE,
+                      approved_jobs=tuple(bytes.fromhex(j) for j in self.approved_jobs))
 
 
 class JobSection(TrainConfig):
