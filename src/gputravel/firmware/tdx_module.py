@@ -2,7 +2,8 @@
 measurement. It makes its quoting key itself (the launcher certifies it, then drops its root
 key), learns from the launcher alone which CVM it launched and that CVM's measurement, and
 quotes only for the connection whose SO_PEERCRED pid and uid are that very process's (a pidfd
-and its start time, so a recycled pid is not it). A CVM sends report data only.
+and its start time, so a recycled pid is not it). A CVM sends report data only, or a digest to
+extend one of its runtime measurement registers with (RTMR 2 or 3, as TDX's TDG.MR.RTMR.EXTEND).
 """
 
 from __future__ import annotations
@@ -27,15 +28,19 @@ from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import connect_unix, listen_unix
 from gputravel.protocol.codec import Message
 from gputravel.protocol.control import Ready
-from gputravel.attest.quote import MEASUREMENT_BYTES, REPORT_DATA_BYTES, EmulatedQuotingEnclave
+from gputravel.attest.quote import (MEASUREMENT_BYTES, REPORT_DATA_BYTES, ZERO_RTMRS, EmulatedQuotingEnclave,
+                                    rtmr_extend)
 
-__all__ = ["CvmRegistered", "Launch", "LaunchedCvm", "Peer", "QuoteRefused", "QuoteReply", "QuoteRequest",
-           "QuotingKey", "QuotingKeyCertified", "QuotingRefused", "TdxModule", "TdxModuleConfig",
-           "request_quote", "serve"]
+__all__ = ["CvmRegistered", "ExtendRtmr", "GUEST_RTMRS", "Launch", "LaunchedCvm", "PendingExtend", "Peer",
+           "QuoteRefused", "QuoteReply", "QuoteRequest", "QuotingKey", "QuotingKeyCertified", "QuotingRefused",
+           "RtmrExtended", "TdxModule", "TdxModuleConfig", "extend_rtmr", "request_quote", "serve"]
 
 QUOTING_KEY_CN = "EMULATED TDX quoting key (not Intel)"
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5: a pidfd of the process that connected
+# RTMR 0 and 1 hold what the virtual firmware and boot loader measured before the guest ran: a running
+# guest may add only to 2 and 3 (as Linux's TSM interface lets user space), so it cannot rewrite its boot.
+GUEST_RTMRS = frozenset({2, 3})
 
 
 def process_start(pid: int) -> int | None:
@@ -60,7 +65,21 @@ class QuoteReply(Message, tag="attest.tdx.quote_reply"):
 
 
 class QuoteRefused(Message, tag="attest.tdx.quote_refused"):
+    """Module -> CVM: a quote or an extend refused, and why."""
+
     reason: str
+
+
+class ExtendRtmr(Message, tag="attest.tdx.extend_rtmr"):
+    """CVM -> module: extend my RTMR `index` with this 48-byte digest (TDX: new = SHA-384(old || digest))."""
+
+    index: int
+    digest: bytes
+
+
+class RtmrExtended(Message, tag="attest.tdx.rtmr_extended"):
+    index: int
+    value: bytes  # the register after the extend
 
 
 class QuotingKey(Message, tag="attest.tdx.quoting_key"):
@@ -115,6 +134,7 @@ class TdxModule:
     cert_chain: tuple[bytes, ...] | None = None
     launch: Launch | None = None
     ended: bool = False  # the launched CVM's process is gone: nobody is quoted any more
+    rtmr: list[bytes] = field(default_factory=lambda: list(ZERO_RTMRS))  # the launched CVM's four RTMRs
 
     def public_key_der(self) -> bytes:
         return _spki(self.key.public_key())
@@ -134,19 +154,39 @@ class TdxModule:
         self.launch = launch
 
     def decide(self, peer: Peer, report_data: bytes) -> bytes | None:
+        launch = self._launched(peer)
+        if launch is None:
+            return None  # not ready: held
+        if len(report_data) != REPORT_DATA_BYTES:
+            raise QuotingRefused(f"report data must be {REPORT_DATA_BYTES} bytes")
+        assert self.cert_chain is not None
+        rtmr = (self.rtmr[0], self.rtmr[1], self.rtmr[2], self.rtmr[3])
+        return EmulatedQuotingEnclave(self.key, self.cert_chain).quote(launch.measurement, report_data, rtmr)
+
+    def extend(self, peer: Peer, index: int, digest: bytes) -> bytes | None:
+        """The launched CVM's RTMR `index` after extending it with `digest`; None: held."""
+        if self._launched(peer) is None:
+            return None
+        if type(index) is not int or index not in GUEST_RTMRS:
+            raise QuotingRefused(f"RTMR {index} cannot be extended by the guest (only {sorted(GUEST_RTMRS)})")
+        if len(digest) != MEASUREMENT_BYTES:
+            raise QuotingRefused(f"an RTMR is extended with a {MEASUREMENT_BYTES}-byte digest")
+        self.rtmr[index] = rtmr_extend(self.rtmr[index], digest)
+        return self.rtmr[index]
+
+    def _launched(self, peer: Peer) -> Launch | None:
+        """The launch, if `peer` is its process (QuotingRefused if not); None while not ready."""
         if self.ended:
             raise QuotingRefused("the CVM this module launched has ended")
         launch = self.launch
         if self.cert_chain is None or launch is None:
-            return None  # not ready: held
+            return None
         if peer.pid != launch.pid or peer.uid != launch.uid:
             raise QuotingRefused(f"pid {peer.pid} (uid {peer.uid}) is not the CVM this module launched")
         if peer.started is None or peer.started != launch.started:
             # A reused pid: a connection made before the launch, held open, is not the launched CVM.
             raise QuotingRefused(f"pid {peer.pid} connected as another process than the CVM this module launched")
-        if len(report_data) != REPORT_DATA_BYTES:
-            raise QuotingRefused(f"report data must be {REPORT_DATA_BYTES} bytes")
-        return EmulatedQuotingEnclave(self.key, self.cert_chain).quote(launch.measurement, report_data)
+        return launch
 
 
 def _spki(key: object) -> bytes:
@@ -168,6 +208,50 @@ def request_quote(socket_path: str, report_data: bytes, timeout: float = 30.0) -
     return reply.quote
 
 
+class PendingExtend:
+    """An extend sent, its reply awaited later: a CVM launched before its registration (cohort/supervisor.py
+    registers it once it is up) sends it at boot and waits before its first quote, so nothing is quoted before."""
+
+    def __init__(self, socket_path: str, index: int, digest: bytes, timeout: float = 30.0) -> None:
+        if not socket_path:
+            raise QuotingRefused("this CVM was launched without a TDX module: it cannot extend an RTMR")
+        self.index, self.digest, self._value = index, digest, b""
+        self._conn: StreamTransport | None = connect_unix(socket_path, "tdx-module", timeout=timeout)
+        try:
+            self._conn.send(ExtendRtmr(index, digest))
+        except BaseException:
+            self.close()
+            raise
+
+    def result(self, timeout: float = 30.0) -> bytes:
+        """The register's new value (waited for once); QuotingRefused if the module refused."""
+        if self._value:
+            return self._value
+        if self._conn is None:
+            raise QuotingRefused(f"the extend of RTMR[{self.index}] failed before")
+        try:
+            reply = self._conn.recv(timeout=timeout, expect=(RtmrExtended, QuoteRefused)).message
+        finally:
+            self.close()
+        if isinstance(reply, QuoteRefused):
+            raise QuotingRefused(f"the TDX module refused to extend RTMR[{self.index}]: {reply.reason}")
+        assert isinstance(reply, RtmrExtended)
+        if reply.index != self.index or len(reply.value) != MEASUREMENT_BYTES:
+            raise ProtocolError("the TDX module answered the extend for another register")
+        self._value = reply.value
+        return reply.value
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def extend_rtmr(socket_path: str, index: int, digest: bytes, timeout: float = 30.0) -> bytes:
+    """Ask the TDX module to extend this CVM's RTMR `index` with `digest`; its new value, or QuotingRefused."""
+    return PendingExtend(socket_path, index, digest, timeout).result(timeout)
+
+
 # ----------------------------------------------------------------------------- the process
 @dataclass(frozen=True)
 class TdxModuleConfig:
@@ -182,7 +266,7 @@ class TdxModuleConfig:
 class _Pending:
     conn: StreamTransport
     peer: Peer
-    report_data: bytes
+    request: QuoteRequest | ExtendRtmr
     deadline: float
 
 
@@ -247,32 +331,40 @@ class _Server:
     def _request(self, conn: StreamTransport, peer: Peer, sock: socket.socket) -> None:
         self.sel.unregister(conn.fileno())  # one request per connection
         try:
-            got = conn.recv(timeout=2, expect=QuoteRequest).message
+            got = conn.recv(timeout=2, expect=(QuoteRequest, ExtendRtmr)).message
         except GputravelError:  # garbage, another message (a measurement asked for), a hang-up
             conn.close()
             return
-        assert isinstance(got, QuoteRequest)
+        assert isinstance(got, (QuoteRequest, ExtendRtmr))
         if _exited(sock):  # the process that connected is gone, whatever now has its pid
             peer = Peer(peer.pid, peer.uid, None)
-        self.pending.append(_Pending(conn, peer, got.report_data, time.monotonic() + self.hold_s))
+        self.pending.append(_Pending(conn, peer, got, time.monotonic() + self.hold_s))
 
     def _settle(self) -> None:
         if self.pidfd >= 0 and select.select([self.pidfd], [], [], 0)[0]:
             self.core.ended = True  # a pidfd turns readable when its process exits
         now, waiting = time.monotonic(), []
-        for p in self.pending:
+        for p in self.pending:  # in arrival order: an extend sent before a quote is in that quote
             try:
-                quote = self.core.decide(p.peer, p.report_data)
-                if quote is None and now >= p.deadline:
+                reply = self._decide(p)
+                if reply is None and now >= p.deadline:
                     raise QuotingRefused("no CVM launch was registered in time")
             except QuotingRefused as exc:
                 self._reply(p.conn, QuoteRefused(reason=str(exc)))
                 continue
-            if quote is None:
+            if reply is None:
                 waiting.append(p)
             else:
-                self._reply(p.conn, QuoteReply(quote=quote))
+                self._reply(p.conn, reply)
         self.pending = waiting
+
+    def _decide(self, p: _Pending) -> Message | None:
+        req = p.request
+        if isinstance(req, ExtendRtmr):
+            value = self.core.extend(p.peer, req.index, req.digest)
+            return None if value is None else RtmrExtended(index=req.index, value=value)
+        quote = self.core.decide(p.peer, req.report_data)
+        return None if quote is None else QuoteReply(quote=quote)
 
     @staticmethod
     def _reply(conn: StreamTransport, msg: object) -> None:
