@@ -34,6 +34,7 @@ from gputravel.orchestrator.cvm import OrchestratorConfig
 from gputravel.cohort.config import CohortConfig, HolderSpec
 from gputravel.cohort.local import Cohort
 from gputravel.attest.material import OrchestratorMaterial
+from gputravel.attest.quote import ZERO_RTMRS, rtmr_after
 from gputravel.cohort.trust import (
     CohortTrust,
     TrustOptions,
@@ -46,6 +47,8 @@ from gputravel.testing import InProcessGpu
 MIB = 1 << 20
 T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
 MEASURED = b"\x07" * 48  # what the launcher registered with the TDX module
+JOB = b"\x09" * 48  # the job digest the orchestrator extended RTMR[3] with
+RTMR = (*ZERO_RTMRS[:3], rtmr_after([JOB]))
 
 
 # ----------------------------------------------------------------------------- in process
@@ -72,7 +75,8 @@ def booted(world, *, max_age: int = 100, firmware_of: int = 0):
     driver = OrchestratorDriver(link, clock=gpu.clock)
     material = OrchestratorMaterial(store, gpus[0].reference_values(), max_age)
     # The quoting enclave stands in for the TDX module process (tests/test_tdx_module.py).
-    return gpu, driver, GpuAttester(material, lambda report_data: enclave.quote(MEASURED, report_data), tls)
+    return gpu, driver, GpuAttester(material, lambda report_data: enclave.quote(MEASURED, report_data, RTMR), tls,
+                                    job_digest=JOB)
 
 
 def test_attester_keeps_claims_fresh_with_the_clock_passed_in(world) -> None:
@@ -93,7 +97,7 @@ def test_holders_verify_the_gpu_evidence_relayed_for_their_own_nonce(world) -> N
     attester.open_session(driver, T0, timeout=5)
     nonce = os.urandom(32)
     evidence = attester.answer(AttestChallenge(nonce), driver, T0, timeout=5)
-    policy = Policy((MEASURED,), GpuRequirements(), max_evidence_age_s=100)
+    policy = Policy((MEASURED,), GpuRequirements(), max_evidence_age_s=100, approved_jobs=(JOB,))
     reference = gpus[0].reference_values()
     got = attest_orchestrator(evidence, peer_cert_der=tls.cert_der, nonce=nonce, policy=policy, trust=store,
                               reference=reference, now=T0)

@@ -38,7 +38,7 @@ from gputravel.attest import (
 )
 from gputravel.attest.chain import sign_p384
 from gputravel.crypto.spdm.p384 import _P384_ORDER as P384_ORDER
-from gputravel.attest.quote import Quote, canonical_json
+from gputravel.attest.quote import ZERO_RTMRS, Quote, canonical_json, rtmr_after
 from gputravel.attest.ratls import quote_extension, spki_der
 from gputravel.attest.roots import GPU_VENDOR_ROOT_CN, TEE_QUOTING_ROOT_CN
 from gputravel.crypto.certs import issue_certificate as _issue, new_key as _new_key, subject_name as _name
@@ -47,6 +47,8 @@ from gputravel.protocol.codec import decode, encode
 
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=timezone.utc)
 CONFIG = {"holders": 3, "buffer_mib": 8, "model": "gpt2-tiny"}
+JOB = bytes(range(48))  # the job digest the orchestrator extends RTMR[3] with and holders approve
+RTMR = (*ZERO_RTMRS[:3], rtmr_after([JOB]))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def measurement():
 
 @pytest.fixture(scope="module")
 def policy(measurement):
-    return Policy((measurement,))
+    return Policy((measurement,), approved_jobs=(JOB,))
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +139,8 @@ def test_quote_verifies_with_claims(trust, enclave, measurement):
 
 def test_policy_not_listing_the_orchestrator_measurement_is_refused(trust, enclave, measurement):
     other_policy = Policy((orchestrator_measurement({"something": "else"}),))
-    tls_cert, _ = make_ra_tls_certificate(enclave, measurement, nonce := os.urandom(32), now=NOW)
-    err = refused(verify_ra_tls, tls_cert, nonce, other_policy, trust, NOW)
+    tls_cert, _ = make_ra_tls_certificate(enclave, measurement, nonce := os.urandom(32), now=NOW, rtmr=RTMR)
+    err = refused(verify_ra_tls, tls_cert, nonce, other_policy, trust, NOW, job_digest=JOB)
     assert err.claim == "measurement" and err.claims["x-gputravel-cvm-measurement-accepted"] is False
 
 
@@ -170,37 +172,38 @@ def test_report_data_binds_key_and_nonce():
 
 def test_ra_tls_certificate_verifies(trust, enclave, measurement, policy):
     nonce = os.urandom(32)
-    cert, _ = make_ra_tls_certificate(enclave, measurement, nonce, now=NOW)
-    claims = verify_ra_tls(cert, nonce, policy, trust, NOW)
+    cert, _ = make_ra_tls_certificate(enclave, measurement, nonce, now=NOW, rtmr=RTMR)
+    claims = verify_ra_tls(cert, nonce, policy, trust, NOW, job_digest=JOB)
     assert claims.measurement == measurement
     assert claims.report_data == report_data_for_tls(spki_der(cert), nonce)
     parsed = x509.load_der_x509_certificate(cert)
     eku = parsed.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert ExtendedKeyUsageOID.SERVER_AUTH in eku
-    assert refused(verify_ra_tls, cert, os.urandom(32), policy, trust, NOW).claim == "binding"  # other nonce
+    assert refused(verify_ra_tls, cert, os.urandom(32), policy, trust, NOW, job_digest=JOB).claim == "binding"
 
 
 def test_man_in_the_middle_reusing_a_genuine_quote_is_refused(trust, enclave, measurement, policy):
     nonce = os.urandom(32)
-    genuine, _ = make_ra_tls_certificate(enclave, measurement, nonce, now=NOW)
+    genuine, _ = make_ra_tls_certificate(enclave, measurement, nonce, now=NOW, rtmr=RTMR)
     mitm_key = _new_key()
     mitm = _issue(subject=_name("orchestrator"), public_key=mitm_key.public_key(), issuer=_name("orchestrator"),
                   issuer_key=mitm_key, not_before=NOW, days=1, is_ca=False,
                   extensions=[(quote_extension(extract_quote(genuine)), False)])
     mitm_der = mitm.public_bytes(serialization.Encoding.DER)
-    err = refused(verify_ra_tls, mitm_der, nonce, policy, trust, NOW)
+    err = refused(verify_ra_tls, mitm_der, nonce, policy, trust, NOW, job_digest=JOB)
     assert err.claim == "binding" and err.claims["x-gputravel-cvm-measurement-accepted"] is True
 
 
 def test_certificate_without_a_quote_is_refused(trust, policy, orchestrator_tls):
-    assert refused(verify_ra_tls, orchestrator_tls[0], os.urandom(32), policy, trust, NOW).claim == "format"
+    assert refused(verify_ra_tls, orchestrator_tls[0], os.urandom(32), policy, trust, NOW,
+                   job_digest=JOB).claim == "format"
 
 
 # ----------------------------------------------------------------------------- the exchange
 def _answer(enclave, measurement, cert, nonce, gpu_evidence):
     """What an orchestrator-side party that holds the TLS key and can get quotes sends."""
-    return answer_challenge(AttestChallenge(nonce), quote=lambda rd: enclave.quote(measurement, rd),
-                            tls_cert_der=cert, gpu_evidence=gpu_evidence)
+    return answer_challenge(AttestChallenge(nonce), quote=lambda rd: enclave.quote(measurement, rd, RTMR),
+                            tls_cert_der=cert, gpu_evidence=gpu_evidence, job_digest=JOB)
 
 
 def test_holder_attests_orchestrator_and_its_gpu(trust, enclave, measurement, policy, gpu, orchestrator_tls):
@@ -212,9 +215,11 @@ def test_holder_attests_orchestrator_and_its_gpu(trust, enclave, measurement, po
     assert result.cvm.measurement == measurement and result.gpu.nonce == nonce and result.gpu.ueid == gpu.serial
     assert result.eat()["gpu"]["x-nvidia-overall-att-result"] is True
     # the quote alone verifies as a message bound to the handshake certificate
-    assert verify_bound_quote(answer.quote, cert, nonce, policy, trust, NOW).measurement == measurement
+    assert verify_bound_quote(answer.quote, cert, nonce, policy, trust, NOW, job_digest=JOB).measurement == measurement
+    assert result.job_digest == JOB and result.eat()["job"] == JOB.hex()
     with pytest.raises(BadInput):
-        answer_challenge(AttestChallenge(b"short"), quote=lambda rd: b"", tls_cert_der=cert, gpu_evidence=b"")
+        answer_challenge(AttestChallenge(b"short"), quote=lambda rd: b"", tls_cert_der=cert, gpu_evidence=b"",
+                         job_digest=JOB)
 
 
 def _forgeries(gpu, nonce: bytes, now: datetime, trust) -> dict[str, tuple[bytes, str]]:

@@ -93,15 +93,21 @@ def test_holders_pin_the_orchestrator_init_configured(cohort: Path) -> None:
         assert policy.gpu_driver_versions and policy.to_policy(orch.trust_dir).gpu_reference_values.exists()
 
 
-def test_the_measurement_the_holders_pin_covers_the_job(cohort: Path, tmp_path: Path) -> None:
-    """[job] is measured: an orchestrator.toml whose job was edited after init (more steps,
-    another seed) measures differently, so the holders' policies refuse it."""
+def test_the_job_the_holders_approve_is_the_orchestrators(cohort: Path, tmp_path: Path) -> None:
+    """[job] is approved by digest (RTMR[3]), not measured: an orchestrator.toml whose job was
+    edited after init (more steps, another seed) keeps its measurement but names another job
+    digest, which the holders' policies do not approve."""
+    from gputravel.orchestrator.job import job_digest
+
     orch = load_service(cohort / "orchestrator.toml")
-    pinned = load_service(cohort / "holder-north.toml").policy.orchestrator_measurements
+    policy = load_service(cohort / "holder-north.toml").policy
+    running = orchestrator_engine_config(orch, pki_dir="", trust_dir=orch.trust_dir)
+    assert policy.approved_jobs == [job_digest(running).hex()]
     for change in ({"steps": orch.job.steps + 1}, {"seed": orch.job.seed + 1}):
-        edited = orch.model_copy(update={"job": orch.job.model_copy(update=change)})
-        other = measure_orchestrator(orchestrator_engine_config(edited, pki_dir="", trust_dir=orch.trust_dir))
-        assert other.hex() not in pinned
+        edited = orchestrator_engine_config(orch.model_copy(update={"job": orch.job.model_copy(update=change)}),
+                                            pki_dir="", trust_dir=orch.trust_dir)
+        assert measure_orchestrator(edited).hex() in policy.orchestrator_measurements
+        assert job_digest(edited).hex() not in policy.approved_jobs
 
 
 def test_only_the_hardware_stand_ins_hold_a_private_key(cohort: Path) -> None:

@@ -16,10 +16,12 @@ from gputravel.attest.gpu import GpuEvidence, ReferenceValues
 from gputravel.attest.policy import GpuRequirements, Policy
 from gputravel.attest.provision import GpuIssuer, enroll_gpu, issue_gpu_ca, provision_gpu
 from gputravel.attest.quote import (
+    JOB_RTMR,
     EmulatedQuoteVerifier,
     EmulatedQuotingEnclave,
     measure_code,
     orchestrator_measurement,
+    rtmr_after,
 )
 from gputravel.attest.ratls import (
     extract_quote,
@@ -33,6 +35,7 @@ from gputravel.attest.verifier import EmulatedGpuVerifier, GpuClaims, Verifier, 
 
 __all__ = [
     "FWID_OID",
+    "JOB_RTMR",
     "AttestAccepted",
     "AttestChallenge",
     "AttestDue",
@@ -63,6 +66,7 @@ __all__ = [
     "orchestrator_measurement",
     "provision_gpu",
     "report_data_for_tls",
+    "rtmr_after",
     "spdm_chain_verifier",
     "verify_bound_quote",
     "verify_ra_tls",

@@ -3,7 +3,8 @@
 JSON, unknown keys refused so a typo cannot weaken it: {"format": "gputravel-holder-policy-v1",
 "orchestrator_measurements": [96 hex chars, ...], "gpu": {"cc_mode": "on", "measurement_result":
 "success", "driver_versions": [...], "vbios_versions": [...]} (empty or absent lists: any),
-"max_evidence_age_s": 3600, "gpu_reference_values": path relative to the file (optional)}.
+"max_evidence_age_s": 3600, "gpu_reference_values": path relative to the file (optional),
+"approved_jobs": [96 hex chars, ...] (the job digests it sends data to; empty or absent: none)}.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from pathlib import Path
 
 from gputravel.attest.chain import check_now
 from gputravel.attest.errors import AttestationError
-from gputravel.attest.quote import MEASUREMENT_BYTES
+from gputravel.attest.quote import JOB_RTMR, MEASUREMENT_BYTES, rtmr_after
 from gputravel.attest.verifier import GpuClaims
 from gputravel.errors import BadInput
 
 POLICY_FORMAT = "gputravel-holder-policy-v1"
 FUTURE_SKEW_S = 300  # claims stamped up to this far in the future are tolerated (clock skew)
-_TOP_KEYS = {"format", "orchestrator_measurements", "gpu", "max_evidence_age_s", "gpu_reference_values"}
+_TOP_KEYS = {"format", "orchestrator_measurements", "gpu", "max_evidence_age_s", "gpu_reference_values",
+             "approved_jobs"}
 _GPU_KEYS = {"cc_mode", "measurement_result", "driver_versions", "vbios_versions"}
 
 
@@ -49,6 +51,19 @@ class Policy:
     gpu: GpuRequirements = field(default_factory=GpuRequirements)
     max_evidence_age_s: int = 3600
     gpu_reference_values: Path | None = None
+    approved_jobs: tuple[bytes, ...] = ()  # job digests (48 bytes each) this holder sends data to; empty: none
+
+    def check_job(self, rtmr: tuple[bytes, ...], job_digest: bytes) -> None:
+        """The quoted RTMR[3] replays to `job_digest` (the orchestrator's event log) and that job is approved."""
+        if not isinstance(job_digest, bytes) or len(job_digest) != MEASUREMENT_BYTES \
+                or rtmr[JOB_RTMR] != rtmr_after([job_digest]):
+            raise AttestationError("job", f"the quote's RTMR[{JOB_RTMR}] does not match the job the orchestrator names")
+        named = job_digest.hex()[:16] + "..."
+        if not self.approved_jobs:
+            raise AttestationError("job", f"the orchestrator runs job {named}; this holder approved no job: "
+                                          "review its manifest and run `gputravel job approve`")
+        if job_digest not in self.approved_jobs:
+            raise AttestationError("job", f"the orchestrator runs job {named}; this holder approved no such job")
 
     def check_gpu(self, claims: GpuClaims, now: datetime) -> None:
         """The GPU claims meet this policy at `now`, or AttestationError."""
@@ -90,7 +105,8 @@ class Policy:
             raise BadInput(f"{where}: gpu_reference_values must be a path string")
         ref_path = None if ref is None else (Path(base_dir or ".") / ref)
         return cls(_measurements(raw["orchestrator_measurements"], where),
-                   _gpu(raw.get("gpu", {}), where), age, ref_path)
+                   _gpu(raw.get("gpu", {}), where), age, ref_path,
+                   _measurements(raw.get("approved_jobs", []), where, "approved_jobs"))
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -100,6 +116,7 @@ class Policy:
                     "driver_versions": list(self.gpu.driver_versions),
                     "vbios_versions": list(self.gpu.vbios_versions)},
             "max_evidence_age_s": self.max_evidence_age_s,
+            "approved_jobs": [j.hex() for j in self.approved_jobs],
         }
         if self.gpu_reference_values is not None:
             out["gpu_reference_values"] = str(self.gpu_reference_values)
@@ -115,9 +132,9 @@ def _keys(raw: dict, allowed: set[str], required: set[str], where: str) -> None:
         raise BadInput(f"{where}: missing keys {missing}")
 
 
-def _measurements(raw: object, where: str) -> tuple[bytes, ...]:
+def _measurements(raw: object, where: str, key: str = "orchestrator_measurements") -> tuple[bytes, ...]:
     if not isinstance(raw, list):
-        raise BadInput(f"{where}: orchestrator_measurements must be a list of hex strings")
+        raise BadInput(f"{where}: {key} must be a list of hex strings")
     out = []
     for i, item in enumerate(raw):
         try:
@@ -125,7 +142,7 @@ def _measurements(raw: object, where: str) -> tuple[bytes, ...]:
         except (TypeError, ValueError):
             value = b""
         if len(value) != MEASUREMENT_BYTES:
-            raise BadInput(f"{where}: orchestrator_measurements[{i}] must be {2 * MEASUREMENT_BYTES} hex characters")
+            raise BadInput(f"{where}: {key}[{i}] must be {2 * MEASUREMENT_BYTES} hex characters")
         out.append(value)
     return tuple(out)
 

@@ -20,7 +20,7 @@ from gputravel.attest.chain import CVM_QUOTE_OID, check_now, sha384
 from gputravel.attest.errors import AttestationError
 from gputravel.attest.gpu import NONCE_BYTES
 from gputravel.attest.policy import Policy
-from gputravel.attest.quote import EmulatedQuoteVerifier, EmulatedQuotingEnclave, QuoteClaims
+from gputravel.attest.quote import ZERO_RTMRS, EmulatedQuoteVerifier, EmulatedQuotingEnclave, QuoteClaims
 from gputravel.attest.roots import TrustStore
 from gputravel.crypto.certs import issue_certificate, new_key, subject_name, utc_now
 from gputravel.errors import BadInput
@@ -67,14 +67,15 @@ def extract_quote(cert_der: bytes) -> bytes:
 
 
 def make_ra_tls_certificate(enclave: EmulatedQuotingEnclave, measurement: bytes, nonce: bytes, *,
-                            common_name: str = "orchestrator", now: datetime | None = None,
-                            days: int = 1) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
+                            common_name: str = "orchestrator", now: datetime | None = None, days: int = 1,
+                            rtmr: tuple[bytes, bytes, bytes, bytes] = ZERO_RTMRS,
+                            ) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
     """A fresh TLS key and self-signed certificate whose extension holds a quote over
     (this certificate's SPKI, nonce). Returns (certificate DER, private key)."""
     key = new_key()
     spki = key.public_key().public_bytes(serialization.Encoding.DER,
                                          serialization.PublicFormat.SubjectPublicKeyInfo)
-    quote = enclave.quote(measurement, report_data_for_tls(spki, nonce))
+    quote = enclave.quote(measurement, report_data_for_tls(spki, nonce), rtmr)
     name = subject_name(common_name)
     cert = issue_certificate(subject=name, public_key=key.public_key(), issuer=name, issuer_key=key,
                   not_before=utc_now(now), days=days, is_ca=False, extensions=[
@@ -85,16 +86,21 @@ def make_ra_tls_certificate(enclave: EmulatedQuotingEnclave, measurement: bytes,
 
 
 def verify_bound_quote(quote: bytes, tls_cert_der: bytes, nonce: bytes, policy: Policy, roots: TrustStore,
-                       now: datetime) -> QuoteClaims:
-    """Verify `quote` under `policy` and that it binds `tls_cert_der`'s key and `nonce`."""
+                       now: datetime, *, job_digest: bytes) -> QuoteClaims:
+    """Verify `quote` under `policy`, that it binds `tls_cert_der`'s key and `nonce`, and that its
+    RTMR[3] holds `job_digest` (the orchestrator's word, replayed), a job `policy` approves."""
     check_now(now)
     cert = _load(tls_cert_der)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise AttestationError("expired", "the orchestrator's TLS certificate is outside its validity period")
     expected = report_data_for_tls(spki_der(tls_cert_der), nonce)
-    return EmulatedQuoteVerifier(roots, policy.orchestrator_measurements).verify(quote, expected, now)
+    claims = EmulatedQuoteVerifier(roots, policy.orchestrator_measurements).verify(quote, expected, now)
+    policy.check_job(claims.rtmr, job_digest)
+    return claims
 
 
-def verify_ra_tls(peer_cert_der: bytes, nonce: bytes, policy: Policy, roots: TrustStore, now: datetime) -> QuoteClaims:
-    """Verify the quote carried in a peer's RA-TLS certificate (see module docstring)."""
-    return verify_bound_quote(extract_quote(peer_cert_der), peer_cert_der, nonce, policy, roots, now)
+def verify_ra_tls(peer_cert_der: bytes, nonce: bytes, policy: Policy, roots: TrustStore, now: datetime, *,
+                  job_digest: bytes) -> QuoteClaims:
+    """Verify the quote carried in a peer's RA-TLS certificate (see module docstring), running `job_digest`."""
+    return verify_bound_quote(extract_quote(peer_cert_der), peer_cert_der, nonce, policy, roots, now,
+                              job_digest=job_digest)

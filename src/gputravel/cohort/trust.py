@@ -24,6 +24,7 @@ from gputravel.attest.material import LIMITS_FILE, POLICY_FILE, REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_CERT, GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
 from gputravel.attest.roots import GPU_VENDOR_ROOT_CN, TEE_QUOTING_ROOT_CN
 from gputravel.errors import BadInput
+from gputravel.orchestrator.job import job_digest
 
 if TYPE_CHECKING:
     from gputravel.orchestrator.cvm import OrchestratorConfig
@@ -35,6 +36,9 @@ __all__ = ["CohortTrust", "SharedRoots", "TrustOptions", "certify_device", "meas
 #: wherever the cohort is placed. Every other field, an unknown new one too, is measured.
 PLACEMENT_FIELDS = frozenset({"host_socket", "pki_dir", "trust_dir", "listen_host", "listen_port", "pace_mbit",
                               "audit_log"})
+#: The job it runs: left out of its measurement (MRTD) too, because the orchestrator measures it into
+#: RTMR[3] at boot instead (orchestrator/job.py), which holders approve by digest (policy approved_jobs).
+JOB_FIELDS = frozenset({"job_json", "manifest_json"})
 GPU_VENDORS = ("cohort", "foreign")
 _HEX96 = re.compile(r"[0-9a-f]{96}")
 
@@ -51,6 +55,8 @@ class TrustOptions:
     orchestrator_changes: tuple[tuple[str, object], ...] = ()
     gpu_vendor: str = "cohort"  # "foreign": the GPU chains to a vendor root nobody trusts
     gpu_cc_mode: bool = True
+    # Job digests (hex) the holders' policies approve; None: the job being launched's.
+    approved_jobs: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if type(self.max_evidence_age_s) is not int or self.max_evidence_age_s < 2:
@@ -60,6 +66,9 @@ class TrustOptions:
         for m in self.pinned_measurements or ():
             if not isinstance(m, str) or not _HEX96.fullmatch(m):
                 raise BadInput("pinned measurements must be 96 lower-case hex characters each")
+        for j in self.approved_jobs or ():
+            if not isinstance(j, str) or not _HEX96.fullmatch(j):
+                raise BadInput("approved jobs must be 96 lower-case hex characters each")
         for change in self.orchestrator_changes:
             if not (isinstance(change, tuple) and len(change) == 2 and isinstance(change[0], str)):
                 raise BadInput("orchestrator_changes must be (field name, value) pairs")
@@ -67,7 +76,8 @@ class TrustOptions:
 
 # ----------------------------------------------------------------------------- measurement
 def measured_config(config: OrchestratorConfig) -> dict[str, object]:
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in PLACEMENT_FIELDS}
+    """What goes into the orchestrator's MRTD: every field but its placement and its job."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in PLACEMENT_FIELDS | JOB_FIELDS}
 
 
 def measure_orchestrator(config: OrchestratorConfig) -> bytes:
@@ -83,6 +93,7 @@ class CohortTrust:
     gpu_serial: str
     gpu_driver: str
     pinned: tuple[bytes, ...] = ()
+    approved: tuple[bytes, ...] = ()  # the job digests the holders' policies approve
     # The CPU-TEE root, in the launcher's memory only, until it certifies the TDX module's key.
     tee_root: Authority | None = field(default=None, repr=False, compare=False)
     # The GPU vendor's CA for this device, in memory only, until it certifies the device's key.
@@ -154,15 +165,18 @@ def certify_device(trust: CohortTrust, csr_pem: bytes) -> tuple[CohortTrust, tup
 
 def pin_orchestrator(trust: CohortTrust, *, orchestrator: OrchestratorConfig, holders: tuple[str, ...],
                      options: TrustOptions) -> CohortTrust:
-    """Write each holder's policy pinning `orchestrator`'s measurement (code and config), right before it boots."""
+    """Write each holder's policy pinning `orchestrator`'s measurement (code and config) and approving its
+    job (RTMR[3]), right before it boots."""
     pinned = (tuple(bytes.fromhex(m) for m in options.pinned_measurements)
               if options.pinned_measurements is not None else (measure_orchestrator(orchestrator),))
+    approved = (tuple(bytes.fromhex(j) for j in options.approved_jobs)
+                if options.approved_jobs is not None else (job_digest(orchestrator),))
     policy = Policy(pinned, GpuRequirements(driver_versions=(trust.gpu_driver,)), options.max_evidence_age_s,
-                    Path(REFERENCE_FILE))
+                    Path(REFERENCE_FILE), approved)
     for name in holders:  # the roots and the reference values too: each holder verifies the GPU itself
         _private_dir(trust.holder_dir(name), trust.root / "roots")
         (trust.holder_dir(name) / POLICY_FILE).write_text(json.dumps(policy.to_json(), indent=2) + "\n")
-    return dataclasses.replace(trust, pinned=pinned)
+    return dataclasses.replace(trust, pinned=pinned, approved=approved)
 
 
 def _provision_device(directory: Path, vendor: Authority, options: TrustOptions, now: datetime | None,

@@ -1,6 +1,7 @@
 """The chain of trust at run time (paper 4.5): the GPU attested at boot under the vendor root, and
-each holder's nonce answered with its evidence and a TDX quote binding our TLS key. The GPU's
-certified serial names it in the travel log: a re-key must reach that same GPU."""
+each holder's nonce answered with its evidence and a TDX quote binding our TLS key, and the job
+digest our RTMR[3] was extended with at boot. The GPU's certified serial names it in the travel
+log: a re-key must reach that same GPU."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from functools import partial
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from gputravel.attest import (
+    JOB_RTMR,
     AttestAccepted,
     AttestationError,
     AttestChallenge,
@@ -25,12 +26,13 @@ from gputravel.attest import (
     GpuClaims,
     GpuEvidence,
     answer_challenge,
+    rtmr_after,
     spdm_chain_verifier,
 )
 from gputravel.attest.verifier import gpu_identity
 from gputravel.attest.gpu import NONCE_BYTES
 from gputravel.attest.material import OrchestratorMaterial, utcnow
-from gputravel.firmware.tdx_module import request_quote
+from gputravel.firmware.tdx_module import PendingExtend, QuotingRefused, request_quote
 from gputravel.crypto.pki import MemberIdentity
 from gputravel.crypto.spdm import SpdmRequester
 from gputravel.driver.orchestrator import OrchestratorDriver
@@ -56,10 +58,11 @@ class GpuAttester:
     """Attests the GPU and relays its evidence with a TDX quote; never for a GPU whose last try failed."""
 
     def __init__(self, material: OrchestratorMaterial, quote: Callable[[bytes], bytes], identity: TlsIdentity, *,
-                 rng: Callable[[int], bytes] = os.urandom) -> None:
+                 rng: Callable[[int], bytes] = os.urandom, job_digest: bytes = b"") -> None:
         self.material = material
         self.quote = quote  # report data -> quote, from the TDX module (never a measurement of ours)
         self.identity = identity
+        self.job_digest = job_digest  # what RTMR[3] was extended with (b"": none; holders refuse)
         self.claims: GpuClaims | None = None
         self._rng = rng
         self._session_chain: tuple[bytes, ...] | None = None  # leaf and per-device certificate of the session
@@ -136,7 +139,8 @@ class GpuAttester:
         if not isinstance(challenge.nonce, bytes) or len(challenge.nonce) != NONCE_BYTES:
             raise ProtocolError(f"a challenge nonce must be {NONCE_BYTES} bytes")
         _, blob = self._evidence(driver, challenge.nonce, now, timeout)
-        return answer_challenge(challenge, quote=self.quote, tls_cert_der=self.identity.cert_der, gpu_evidence=blob)
+        return answer_challenge(challenge, quote=self.quote, tls_cert_der=self.identity.cert_der, gpu_evidence=blob,
+                                job_digest=self.job_digest)
 
     def serve_challenge(self, conn: Transport, driver: OrchestratorDriver, timeout: float, now: float) -> None:
         """Answer a holder's challenge and learn when it wants to attest us again (from ``now``)."""
@@ -156,7 +160,23 @@ class GpuAttester:
         return True
 
 
-def orchestrator_attester(trust_dir: str, identity: TlsIdentity) -> GpuAttester:
-    """The orchestrator's attester; its TDX module quotes the measurement the launcher registered."""
+class JobFirst:
+    """Quotes only once RTMR[3] holds the job: the extend is sent at boot, its reply awaited before the
+    first quote (the launcher may register us only once we are up); a refused extend refuses every quote."""
+
+    def __init__(self, socket_path: str, job: bytes) -> None:
+        self.socket_path = socket_path
+        self._extend = PendingExtend(socket_path, JOB_RTMR, job)  # cannot reach the module: the boot fails
+        self._expected = rtmr_after([job])
+
+    def __call__(self, report_data: bytes) -> bytes:
+        if self._extend.result() != self._expected:  # waited once; a refusal raises QuotingRefused each time
+            raise QuotingRefused(f"RTMR[{JOB_RTMR}] holds more than this job: this CVM quotes nothing")
+        return request_quote(self.socket_path, report_data)
+
+
+def orchestrator_attester(trust_dir: str, identity: TlsIdentity, job: bytes) -> GpuAttester:
+    """The orchestrator's attester, at boot: RTMR[3] extended with `job` (orchestrator/job.py), once;
+    its TDX module quotes the measurement the launcher registered and the RTMRs it keeps."""
     material = OrchestratorMaterial.load(trust_dir)
-    return GpuAttester(material, partial(request_quote, material.quoting_socket), identity)
+    return GpuAttester(material, JobFirst(material.quoting_socket, job), identity, job_digest=job)

@@ -34,6 +34,7 @@ from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import connect_unix
 from gputravel.transport.tls import TlsListener
 from gputravel.orchestrator.attester import GpuAttester, TlsIdentity, orchestrator_attester
+from gputravel.orchestrator.job import job_digest
 from gputravel.orchestrator.baseline import BaselinePath
 from gputravel.protocol.control import BaselineReport, TravelReport
 from gputravel.net.pace import pace
@@ -63,8 +64,11 @@ class OrchestratorConfig:
     trust_dir: str = ""  # roots, GPU reference values, where its TDX module listens (cohort/trust.py); required
     audit_log: str = ""  # where the signed travel log goes (orchestrator/travel_log.py); "": none
     hardware: str = "emulated"  # protocol/hardware.py: floors on the context exchange and the baseline's write
-    # The one job it runs (TrainConfig.canonical_json; "": any): measured, so holders pin it.
+    # The one job it runs (TrainConfig.canonical_json; "": any) and its manifest (gputravel.manifest,
+    # canonical JSON; "": none): not in its measurement but extended into RTMR[3] at boot, as one
+    # digest (orchestrator/job.py), which holders approve.
     job_json: str = ""
+    manifest_json: str = ""
 
 
 class Listener(Protocol):
@@ -144,7 +148,7 @@ class Orchestrator:
             engine = cls(config, host=host, driver=OrchestratorDriver(link), mux=PcieMuxClient(host, NAME),
                          device=StreamTransport(device_link, "device-link"), listener=listener,
                          log_key=pki.member(NAME).key_pem,
-                         attester=lambda c: orchestrator_attester(c.trust_dir, identity))  # checks the config
+                         attester=lambda c: orchestrator_attester(c.trust_dir, identity, job_digest(c)))
             opened.pop_all()
         return engine
 
@@ -152,7 +156,8 @@ class Orchestrator:
     def boot(self) -> None:
         """Paper 4.1: the orchestrator boots last, attests and keys the GPU, allocates its buffer."""
         self.switch(NAME)
-        # Paper 4.5, GPU phase: an AttestationError (naming the claim) stops the boot here.
+        # Paper 4.5, GPU phase: an AttestationError (naming the claim) stops the boot here. Making the
+        # attester extends RTMR[3] with the job, before any quote: an unreachable TDX module stops it too.
         assert self._make_attester is not None, "from_config gives the engine its attester"
         self.attester: GpuAttester = self._make_attester(self.config)
         self.attester.open_session(self.driver, utcnow(), self.config.device_timeout)

@@ -23,6 +23,7 @@ from gputravel.attest.roots import GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
 from gputravel.cohort import capacity, isolation, stopping
 from gputravel.cohort.config import RESERVED_TEXT, is_holder_name
 from gputravel.cohort.trust import measure_orchestrator
+from gputravel.orchestrator.job import job_digest
 from gputravel.data.records import RecordSchema, common_schema, is_record_dataset
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
@@ -240,13 +241,16 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
             holders=list(shares[k]), layout=layout, job=job if k == 0 else job.model_copy(
                 update={"run_dir": str(d / f"run-dir-{k}")}),
             uid=uid[orch_name], tdx_uid=uid[_tdx(k)], hardware=hardware, rank=k, **ranks, **shared)))
-    # What each holder pins: the orchestrators' code and configuration (placement left out),
-    # one measurement for every rank, which the ranks check in one another's quotes too.
-    measured = {measure_orchestrator(orchestrator_engine_config(o, pki_dir="", trust_dir="")).hex()
-                for _, o in out if isinstance(o, OrchestratorService)}
-    if len(measured) != 1:
-        raise AssertionError(f"the ranks' orchestrators measure differently: {sorted(measured)}")
-    policy = PolicySection(orchestrator_measurements=sorted(measured),
+    # What each holder pins: the orchestrators' code and configuration (placement and job left out),
+    # one measurement for every rank, which the ranks check in one another's quotes too; and what it
+    # approves: the [job] table's digest, which every rank extends into its RTMR[3].
+    engines = [orchestrator_engine_config(o, pki_dir="", trust_dir="") for _, o in out
+               if isinstance(o, OrchestratorService)]
+    measured = {measure_orchestrator(e).hex() for e in engines}
+    jobs = {job_digest(e).hex() for e in engines}
+    if len(measured) != 1 or len(jobs) != 1:
+        raise AssertionError(f"the ranks' orchestrators measure differently: {sorted(measured)}, jobs {sorted(jobs)}")
+    policy = PolicySection(orchestrator_measurements=sorted(measured), approved_jobs=sorted(jobs),
                            gpu_driver_versions=sorted({i.driver_version for i in issuers}))
     for name, data in holders:
         k = gpu_of[name]  # the one GPU this holder serves: its host route, lock and orchestrator
