@@ -93,10 +93,10 @@ def test_holders_pin_the_orchestrator_init_configured(cohort: Path) -> None:
         assert policy.gpu_driver_versions and policy.to_policy(orch.trust_dir).gpu_reference_values.exists()
 
 
-def test_the_job_the_holders_approve_is_the_orchestrators(cohort: Path, tmp_path: Path) -> None:
-    """[job] is approved by digest (RTMR[3]), not measured: an orchestrator.toml whose job was
-    edited after init (more steps, another seed) keeps its measurement but names another job
-    digest, which the holders' policies do not approve."""
+def test_the_measurement_the_holders_pin_covers_the_job(cohort: Path, tmp_path: Path) -> None:
+    """[job] is measured into RTMR[3] and approved by digest (not in MRTD): an orchestrator.toml
+    whose job was edited after init (more steps, another seed) keeps its MRTD but names another
+    job digest, which the holders' policies do not approve."""
     from gputravel.orchestrator.job import job_digest
 
     orch = load_service(cohort / "orchestrator.toml")

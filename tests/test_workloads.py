@@ -203,13 +203,13 @@ def test_batches_outside_a_job_says_how_to_run_a_script() -> None:
 
 
 def test_one_changed_line_of_a_workload_or_script_changes_the_orchestrators_measurement() -> None:
-    """Holders pin the measurement: an edited workload is another orchestrator to them."""
-    from gputravel.cohort.trust import measure_orchestrator
+    """Holders approve the job in the orchestrator's RTMR[3] by digest: an edited workload is another job to them."""
     from gputravel.orchestrator.cvm import OrchestratorConfig
+    from gputravel.orchestrator.job import job_digest
 
     def measured(cfg: TrainConfig) -> bytes:
-        return measure_orchestrator(OrchestratorConfig("host.sock", "pki", Layout(record_bytes=BUFFER), BUFFER,
-                                                       schema=cfg.record_schema, job_json=cfg.canonical_json()))
+        return job_digest(OrchestratorConfig("host.sock", "pki", Layout(record_bytes=BUFFER), BUFFER,
+                                             schema=cfg.record_schema, job_json=cfg.canonical_json()))
 
     code = SCRIPT.read_text()
     base = TrainConfig(workload="port", workload_code=code, script=True)
