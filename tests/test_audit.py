@@ -440,7 +440,7 @@ def earlier_log(path: Path, key: bytes, entries: list[Entry], *, gpu: bool, keye
     unless ``keyed`` (the format just before this one); and, with ``gpu=False``, from before
     entries named their GPU."""
     signer, prev, out = load_signer(key), GENESIS_HASH, b""
-    drop = {"job", "travels"} | (set() if gpu else {"gpu"})
+    drop = {"job", "travels", "note"} | (set() if gpu else {"gpu"})
     for e in entries:
         fields = msgpack.unpackb(wire.encode(msgspec.structs.replace(e, prev_hash=prev)), raw=False)
         fields = {("chunk_digest" if k == "chunk_mac" and not keyed else k): v for k, v in fields.items()
@@ -827,7 +827,7 @@ def test_a_closed_log_says_so_and_nothing_may_follow_its_closing_entry(tmp_path:
                        allow_truncated_tail=True)
     assert error.failure is Failure.AFTER_CLOSE
     with pytest.raises(BadInput):  # the closing entry, and only it, names no chunk
-        Entry(seq=0, time=1.0, gpu=GPU, job=bytes(16), event=AuditEvent.TRAVEL, chunk=None, travels=1,
+        Entry(seq=0, time=1.0, gpu=GPU, job=bytes(16), event=AuditEvent.TRAVEL, chunk=None, note=None, travels=1,
               epoch_before=0, epoch_after=1, chunk_mac=b"", prev_hash=GENESIS_HASH)
 
 

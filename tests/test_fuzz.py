@@ -39,7 +39,10 @@ from msgspec import structs
 
 import gputravel
 from gputravel.protocol import codec as wire
-from gputravel.orchestrator.audit import AuditEvent, ChunkId, Entry
+from gputravel.orchestrator.audit import AuditEvent, ChunkId, Entry, Note
+from gputravel.orchestrator.audit.entries import TRAVEL_ATTEMPTS
+from gputravel.release.seal import ReleaseFile, SealedKey
+from gputravel.release.statement import ReleaseSignature, ReleaseStatement
 from gputravel.driver.context import (
     CONTEXT_VERSION,
     DriverContext,
@@ -89,6 +92,14 @@ INT64 = st.integers(-(2**63), 2**64 - 1)  # every int msgpack can carry
 NONNEG = st.integers(0, 2**64 - 1)
 CHUNK_IDS = st.builds(ChunkId, holder=st.text(min_size=1, max_size=12), dataset_offset=NONNEG, nbytes=NONNEG)
 
+DIGESTS = st.binary(min_size=48, max_size=48)
+# A release statement (issue 28): recipients named a-z0-9-, sorted, each with its own 32-byte key.
+STATEMENTS = st.lists(st.from_regex(r"[a-z0-9-]{1,8}", fullmatch=True), min_size=1, max_size=3, unique=True).flatmap(
+    lambda names: st.builds(
+        lambda keys, model, job: ReleaseStatement.of(model, job, zip(names, keys, strict=True), model_is_digest=True),
+        st.lists(st.binary(min_size=32, max_size=32), min_size=len(names), max_size=len(names), unique=True),
+        DIGESTS, DIGESTS))
+
 # Classes whose __post_init__ has invariants a type-driven strategy would rarely meet.
 OVERRIDES: dict[type, st.SearchStrategy[Any]] = {
     ChannelState: st.builds(
@@ -103,20 +114,38 @@ OVERRIDES: dict[type, st.SearchStrategy[Any]] = {
     Entry: st.one_of(
         st.builds(
             Entry, seq=NONNEG, time=st.floats(0, 1e12),
-            event=st.sampled_from([e for e in AuditEvent if e is not AuditEvent.CLOSED]), chunk=CHUNK_IDS,
+            event=st.sampled_from(sorted(TRAVEL_ATTEMPTS)), chunk=CHUNK_IDS,
             gpu=st.text(st.characters(categories=("L", "N", "Pd")), min_size=1, max_size=64),
-            job=st.binary(min_size=16, max_size=16), travels=st.integers(1, 2**64 - 1),
+            note=st.none(), job=st.binary(min_size=16, max_size=16), travels=st.integers(1, 2**64 - 1),
             epoch_before=NONNEG, epoch_after=NONNEG, chunk_mac=st.binary(max_size=64),
             prev_hash=st.binary(min_size=48, max_size=48),
         ),
         st.builds(  # the closing entry: no chunk, no MAC
-            Entry, seq=NONNEG, time=st.floats(0, 1e12), event=st.just(AuditEvent.CLOSED), chunk=st.none(),
+            Entry, seq=NONNEG, time=st.floats(0, 1e12), event=st.just(AuditEvent.CLOSED), chunk=st.none(), note=st.none(),
+            gpu=st.text(st.characters(categories=("L", "N", "Pd")), min_size=1, max_size=64),
+            job=st.binary(min_size=16, max_size=16), travels=NONNEG,
+            epoch_before=NONNEG, epoch_after=NONNEG, chunk_mac=st.just(b""),
+            prev_hash=st.binary(min_size=48, max_size=48),
+        ),
+        st.builds(  # an approval or a release signature (issue 28): no chunk, a note
+            Entry, seq=NONNEG, time=st.floats(0, 1e12), event=st.sampled_from([AuditEvent.APPROVED, AuditEvent.SIGNED]),
+            chunk=st.none(), note=st.builds(Note, holder=st.text(min_size=1, max_size=12), digest=DIGESTS,
+                                            recipients=st.just(()), signers=st.just(())),
             gpu=st.text(st.characters(categories=("L", "N", "Pd")), min_size=1, max_size=64),
             job=st.binary(min_size=16, max_size=16), travels=NONNEG,
             epoch_before=NONNEG, epoch_after=NONNEG, chunk_mac=st.just(b""),
             prev_hash=st.binary(min_size=48, max_size=48),
         ),
     ),
+    Note: st.builds(Note, holder=st.text(max_size=12), digest=DIGESTS, recipients=st.lists(st.text(max_size=8),
+                    max_size=2).map(tuple), signers=st.lists(st.text(max_size=8), max_size=2).map(tuple)),
+    ReleaseStatement: STATEMENTS,
+    ReleaseSignature: st.builds(ReleaseSignature, holder=st.text(max_size=12), statement=DIGESTS,
+                                signature=st.binary(max_size=104)),
+    ReleaseFile: STATEMENTS.flatmap(lambda s: st.builds(
+        ReleaseFile, statement=st.just(s), quorum=NONNEG, signatures=st.just(()), certificates=st.just({}),
+        sealed=st.just(tuple(SealedKey(n, b"enc") for n in s.recipient_names)),
+        nonce=st.binary(min_size=12, max_size=12), ciphertext=st.binary(max_size=64))),
 }
 _CLASS_STRATEGIES: dict[type, st.SearchStrategy[Any]] = {}
 

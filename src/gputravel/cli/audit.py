@@ -41,6 +41,25 @@ def _table(summary: AuditSummary) -> Table:
     return table
 
 
+def _notes_table(summary: AuditSummary) -> Table:
+    """The approvals, release signatures and releases (issue 28), with the digest each names."""
+    table = Table(title="approvals and release", pad_edge=False)
+    for col in ("seq", "time (UTC)", "event", "holder", "digest", "recipients", "signers"):
+        table.add_column(col, justify="right" if col == "seq" else "left")
+    for e in summary.notes:
+        assert e.note is not None  # the summary's notes carry one each
+        when = datetime.datetime.fromtimestamp(e.time, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(str(e.seq), when, e.event.value, escape(e.holder) or "-", e.note.digest.hex()[:16],
+                      escape(", ".join(e.note.recipients)) or "-", escape(", ".join(e.note.signers)) or "-")
+    return table
+
+
+def _note_json(e: Entry) -> dict[str, object]:
+    assert e.note is not None
+    return {"seq": e.seq, "time": e.time, "event": e.event.value, "holder": e.holder, "digest": e.note.digest.hex(),
+            "recipients": list(e.note.recipients), "signers": list(e.note.signers), "hash": entry_hash(e).hex()}
+
+
 def _entry_json(e: Entry) -> dict[str, object]:
     assert e.chunk is not None  # the summary's entries are travel attempts, never the closing entry
     return {"seq": e.seq, "time": e.time, "gpu": e.gpu, "event": e.event.value, "holder": e.holder,
@@ -54,7 +73,7 @@ def _summary_json(s: AuditSummary) -> dict[str, object]:
             "continues": s.continues.hex() if s.continues is not None else None, "travels": s.travels,
             "head": {"seq": s.head_seq, "hash": s.head_hash.hex(), "signature": s.head_signature.hex()},
             "holder": s.holder, "gpu": s.gpu, "truncated_tail": s.truncated_tail,
-            "entries": [_entry_json(e) for e in s.entries]}
+            "entries": [_entry_json(e) for e in s.entries], "notes": [_note_json(e) for e in s.notes]}
 
 
 def _regular(path: Path, what: str, limit: int) -> None:
@@ -117,6 +136,8 @@ def verify(
         console.print(f"[red]audit log verification failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
     console.print(_table(summary))
+    if summary.notes:
+        console.print(_notes_table(summary))
     if summary.truncated_tail:
         console.print("[yellow]the torn final entry was ignored[/yellow]")
     named = f", GPU {escape(summary.gpu)}" if summary.gpu is not None else ""

@@ -13,7 +13,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from gputravel.errors import BadInput, TravelLogMismatch
-from gputravel.orchestrator.audit import AuditLog, ChunkId
+from gputravel.orchestrator.audit import AuditEvent, AuditLog, ChunkId, Note
 from gputravel.orchestrator.audit.entries import HASH_BYTES, JOB_BYTES
 from gputravel.orchestrator.audit.signature import load_signer
 from gputravel.protocol.control import TravelReport
@@ -136,6 +136,22 @@ class TravelLog:
     def aborted(self, holder: str, dataset_offset: int, epoch_before: int, epoch_after: int) -> None:
         self._writer().append("aborted", ChunkId(holder, dataset_offset, 0), time=time.time(),
                               epoch_before=epoch_before, epoch_after=epoch_after)
+
+    # Issue 28: what holders approved and signed, and whom the model was released to. Each before the
+    # closing entry: a closed log is final, so a release after it needs a new log.
+    def approved(self, holder: str, job_digest: bytes) -> None:
+        """Holder `holder` accepted this orchestrator's attestation of the job `job_digest` (RTMR[3])."""
+        self._writer().note(AuditEvent.APPROVED, Note(holder, bytes(job_digest), (), ()), time=time.time())
+
+    def release_signed(self, holder: str, statement_digest: bytes) -> None:
+        """Holder `holder` signed the release statement of this digest (a valid signature, as counted)."""
+        self._writer().note(AuditEvent.SIGNED, Note(holder, bytes(statement_digest), (), ()), time=time.time())
+
+    def released(self, statement_digest: bytes, recipients: tuple[str, ...], signers: tuple[str, ...]) -> None:
+        """The model was sealed to `recipients` under the statement of this digest, signed by `signers`
+        (each logged by release_signed before)."""
+        note = Note("", bytes(statement_digest), tuple(recipients), tuple(sorted(signers)))
+        self._writer().note(AuditEvent.RELEASED, note, time=time.time())
 
     def job_done(self, epoch: int) -> None:
         self._writer().seal(time=time.time(), epoch=epoch)

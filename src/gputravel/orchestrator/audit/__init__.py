@@ -9,6 +9,7 @@ from gputravel.orchestrator.audit.entries import (
     ChunkId,
     Entry,
     Failure,
+    Note,
     entry_hash,
 )
 from gputravel.orchestrator.audit.verify import AuditSummary, mismatched_chunks, read_log, verify_log
@@ -23,6 +24,7 @@ __all__ = [
     "ChunkId",
     "Entry",
     "Failure",
+    "Note",
     "entry_hash",
     "mismatched_chunks",
     "read_log",

@@ -27,6 +27,15 @@ class AuditEvent(enum.StrEnum):
     REFUSED = "refused"  # the holder could not copy, returned the context
     ABORTED = "aborted"  # the travel failed; the orchestrator took the GPU back and rotated
     CLOSED = "closed"  # the job is done: the last entry of the log, naming no chunk
+    # Notes, naming no chunk and counting no travel (issue 28):
+    APPROVED = "approved"  # a holder accepted the orchestrator's attestation of this job digest
+    SIGNED = "signed"  # a holder signed the release statement of this digest
+    RELEASED = "released"  # the model was sealed to the recipients after the signers' quorum
+
+
+#: The events that are a travel attempt: each names a chunk and counts one travel.
+TRAVEL_ATTEMPTS = frozenset({AuditEvent.TRAVEL, AuditEvent.REFUSED, AuditEvent.ABORTED})
+NOTES = frozenset({AuditEvent.APPROVED, AuditEvent.SIGNED, AuditEvent.RELEASED})
 
 
 class Failure(enum.StrEnum):
@@ -41,6 +50,7 @@ class Failure(enum.StrEnum):
     JOB = "entry names another job"  # a log names one job: the one its verifier expects, if it says
     COUNT = "travel count out of step"  # every entry counts the job's travels, one more than the entry before
     AFTER_CLOSE = "entry after the closing entry"  # a closed log is final
+    RELEASE = "release without its signatures"  # a release's signers each signed its statement before it
 
 
 class AuditError(ProtocolError):
@@ -71,13 +81,27 @@ class ChunkId(Message, tag="audit.chunk"):
             raise BadInput("chunk offset and size must be non-negative")
 
 
+class Note(Message, tag="audit.note"):
+    """What an approval, a release signature or the release says (its event says which)."""
+
+    holder: str  # the holder that approved or signed; "" in the release
+    digest: bytes  # approved: the job manifest's digest; signed, released: the release statement's
+    recipients: tuple[str, ...]  # released: whom the model is sealed to; else empty
+    signers: tuple[str, ...]  # released: the holders whose signatures counted, sorted; else empty
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != HASH_BYTES:
+            raise BadInput(f"a note names a job or release statement by its {HASH_BYTES}-byte digest")
+
+
 class Entry(Message, tag="audit.entry"):
     seq: int
     time: float  # seconds since the epoch, as the caller's clock said
     gpu: str  # the GPU that travelled: its attested serial
     job: bytes  # the job's random id (JOB_BYTES), the same in every entry of its logs
     event: AuditEvent
-    chunk: ChunkId | None  # None only in the closing entry
+    chunk: ChunkId | None  # a travel attempt's; None in the closing entry and the notes
+    note: Note | None  # an approval's, a release signature's or the release's; None in the others
     travels: int  # the job's travel attempts so far, this one included; the closing entry's: the total
     epoch_before: int
     epoch_after: int
@@ -92,22 +116,38 @@ class Entry(Message, tag="audit.entry"):
         check_gpu(self.gpu)
         if len(self.job) != JOB_BYTES:
             raise BadInput(f"a job's id is {JOB_BYTES} bytes")
-        if self.travels < (0 if self.event == AuditEvent.CLOSED else 1):
+        if self.travels < (1 if self.event in TRAVEL_ATTEMPTS else 0):
             raise BadInput("an entry counts the job's travels, itself included")
         if self.epoch_before < 0 or self.epoch_after < 0:
             raise BadInput("key epochs must be non-negative")
         if len(self.chunk_mac) > MAX_DIGEST_BYTES:
             raise BadInput(f"a chunk MAC is at most {MAX_DIGEST_BYTES} bytes")
-        if (self.event == AuditEvent.CLOSED) != (self.chunk is None):
-            raise BadInput("the closing entry, and only it, names no chunk")
-        if self.event == AuditEvent.CLOSED and self.chunk_mac:
-            raise BadInput("the closing entry has no chunk MAC")
+        if (self.event in TRAVEL_ATTEMPTS) != (self.chunk is not None):
+            raise BadInput("a travel attempt, and only it, names a chunk")
+        if self.event not in TRAVEL_ATTEMPTS and self.chunk_mac:
+            raise BadInput("only a travel attempt has a chunk MAC")
         if len(self.prev_hash) != HASH_BYTES:
             raise BadInput(f"prev_hash must be {HASH_BYTES} bytes")
+        self._check_note()
+
+    def _check_note(self) -> None:
+        if (self.event in NOTES) != (self.note is not None):
+            raise BadInput("an approval, a release signature and the release, and only they, carry a note")
+        if self.note is None:
+            return
+        released = self.event == AuditEvent.RELEASED
+        if released == bool(self.note.holder) or released != bool(self.note.recipients) \
+                or released != bool(self.note.signers):
+            raise BadInput("an approval or a release signature names its holder; the release, its recipients and "
+                           "signers")
+        if list(self.note.signers) != sorted(set(self.note.signers)):
+            raise BadInput("a release names its signers sorted, each once")
 
     @property
-    def holder(self) -> str:  # "" for the closing entry
-        return self.chunk.holder if self.chunk is not None else ""
+    def holder(self) -> str:  # "" for the closing entry and the release
+        if self.chunk is not None:
+            return self.chunk.holder
+        return self.note.holder if self.note is not None else ""
 
 
 class Record(Message, tag="audit.record"):

@@ -24,6 +24,8 @@ from gputravel.orchestrator.audit.entries import (
     JOB_BYTES,
     LENGTH,
     MAX_RECORD_BYTES,
+    NOTES,
+    TRAVEL_ATTEMPTS,
     AuditError,
     AuditEvent,
     Entry,
@@ -112,10 +114,12 @@ def _parse(payload: bytes, index: int, end: int) -> _Parsed:
 _UNKEYED_KEYS = frozenset({TAG_FIELD, "seq", "time", "gpu", "event", "chunk", "epoch_before", "epoch_after",
                            "chunk_digest", "prev_hash"})
 _JOBLESS_KEYS = _UNKEYED_KEYS - {"chunk_digest"} | {"chunk_mac"}
+_NOTELESS_KEYS = _JOBLESS_KEYS | {"job", "travels"}
 _EARLIER_FORMATS = {
     _UNKEYED_KEYS - {"gpu"}: "the entry names no GPU",
     _UNKEYED_KEYS: "the entry logs its chunk's bare digest, not keyed with its holder's key",
     _JOBLESS_KEYS: "the entry names no job and counts no travels",
+    _NOTELESS_KEYS: "the entry has no note (from before logs recorded approvals and the release)",
 }
 
 
@@ -164,6 +168,8 @@ class AuditSummary:
     entries: tuple[Entry, ...]  # the travel attempts: the holder's (all if holder is None), not the close
     truncated_tail: bool  # a torn final record was ignored (allow_truncated_tail)
     closed: bool  # ends with the closing entry; False: still running, or cut short (empty too)
+    # The approvals and release signatures (the holder's, if holder is given) and the releases.
+    notes: tuple[Entry, ...] = ()
 
 
 def _verify_chain(parsed: list[_Parsed], key: ec.EllipticCurvePublicKey) -> None:
@@ -239,18 +245,34 @@ def _check_count(parsed: list[_Parsed]) -> int:
     if not parsed:
         return 0
     first = parsed[0].entry
-    before = first.travels - (first.event is not AuditEvent.CLOSED)  # counted before seq 0
+    before = first.travels - (first.event in TRAVEL_ATTEMPTS)  # counted before seq 0
     if (first.prev_hash == GENESIS_HASH) != (before == 0):
         why = ("it starts its job, so it counts from travel 1" if first.prev_hash == GENESIS_HASH
                else "it continues an earlier log, after at least one travel")
         raise AuditError(Failure.COUNT, 0, f"seq 0 counts {before} travels before it: {why}")
     count = before
     for index, p in enumerate(parsed):
-        count += p.entry.event is not AuditEvent.CLOSED
+        count += p.entry.event in TRAVEL_ATTEMPTS
         if p.entry.travels != count:
             raise AuditError(Failure.COUNT, index, f"it counts {p.entry.travels} travels of its job, "
                                                    f"the entries before it {count}")
     return count
+
+
+def _check_releases(parsed: list[_Parsed]) -> None:
+    """AuditError (RELEASE) at a release whose signers did not each sign its statement before it."""
+    signed: set[tuple[str, bytes]] = set()
+    for index, p in enumerate(parsed):
+        note = p.entry.note
+        if note is None:
+            continue
+        if p.entry.event is AuditEvent.SIGNED:
+            signed.add((note.holder, note.digest))
+        elif p.entry.event is AuditEvent.RELEASED:
+            missing = [h for h in note.signers if (h, note.digest) not in signed]
+            if missing:
+                raise AuditError(Failure.RELEASE, index, f"it names signers {', '.join(missing)} whose signature of "
+                                                         "its statement the log does not hold before it")
 
 
 def verify_log(path: str | os.PathLike[str],
@@ -258,8 +280,8 @@ def verify_log(path: str | os.PathLike[str],
                holder: str | None = None, *, gpu: str | None = None, job: bytes | None = None,
                allow_truncated_tail: bool = False,
                known_head: tuple[int, bytes] | bytes | None = None) -> AuditSummary:
-    """AuditError at the first fault: seq, chain, signature, one GPU and job, the count, nothing after a
-    close, ``known_head`` still held. A log not ``closed`` may be missing entries at its end."""
+    """AuditError at the first fault: seq, chain, signature, one GPU and job, the count, a release's
+    signatures, nothing after a close, ``known_head`` still held. A log not ``closed`` may be missing entries at its end."""
     key = load_verifier(orchestrator_key)
     expected = check_gpu(gpu) if gpu is not None else None
     if job is not None and (not isinstance(job, bytes) or len(job) != JOB_BYTES):
@@ -274,6 +296,7 @@ def verify_log(path: str | os.PathLike[str],
     named = _check_one(parsed, Failure.GPU, expected, lambda e: e.gpu, repr)
     named_job = _check_one(parsed, Failure.JOB, job, lambda e: e.job, lambda j: f"job {j.hex() if j else None}")
     travels = _check_count(parsed)
+    _check_releases(parsed)
     last = parsed[-1] if parsed else None
     torn = (last.end if last else 0) != len(data)
     closed = _check_closing(parsed, torn)
@@ -293,6 +316,8 @@ def verify_log(path: str | os.PathLike[str],
                       if p.entry.chunk is not None and (holder is None or p.entry.holder == holder)),
         truncated_tail=torn,
         closed=closed,
+        notes=tuple(p.entry for p in parsed if p.entry.event in NOTES
+                    and (holder is None or p.entry.holder in (holder, ""))),
     )
 
 

@@ -18,10 +18,13 @@ from gputravel.orchestrator.audit.entries import (
     HASH_BYTES,
     JOB_BYTES,
     LENGTH,
+    NOTES,
+    TRAVEL_ATTEMPTS,
     AuditError,
     AuditEvent,
     ChunkId,
     Entry,
+    Note,
     Record,
     check_gpu,
 )
@@ -159,6 +162,8 @@ class AuditLog:
         """Sign and durably append one entry; a chunk's digest goes in only as its MAC under ``holder_key``."""
         if event == AuditEvent.CLOSED:
             raise BadInput("the closing entry is signed by seal()")
+        if event in NOTES:
+            raise BadInput("an approval, a release signature or the release is signed by note()")
         if type(chunk) is not ChunkId:
             raise BadInput("chunk must be a ChunkId")
         mac = self._mac(self._job, chunk, chunk_digest, holder_key)
@@ -173,6 +178,17 @@ class AuditLog:
             entry = self._write(self._next_entry(AuditEvent.CLOSED, None, time, epoch, epoch, b""))
             self._sealed = True
             return entry
+
+    def note(self, event: AuditEvent | str, note: Note, *, time: float) -> Entry:
+        """Sign and append an approval, a release signature or the release: no chunk, no travel
+        counted, key epochs 0 (no key moves)."""
+        if event not in NOTES:
+            raise BadInput(f"{event!r} is not an approval, a release signature or the release")
+        if type(note) is not Note:
+            raise BadInput("note must be a Note")
+        with self._lock:
+            self._writable()
+            return self._write(self._next_entry(event, None, time, 0, 0, b"", note))
 
     def _writable(self) -> None:
         if self._fd < 0:
@@ -208,17 +224,17 @@ class AuditLog:
         return entry
 
     def _next_entry(self, event: AuditEvent | str, chunk: ChunkId | None, time: float, epoch_before: int,
-                    epoch_after: int, mac: bytes) -> Entry:
+                    epoch_after: int, mac: bytes, note: Note | None = None) -> Entry:
         try:
             event = AuditEvent(event)
         except ValueError:
             raise BadInput(f"unknown audit event {event!r}") from None
         if not isinstance(time, (int, float)) or isinstance(time, bool):
             raise BadInput("time must be a number of seconds")
-        travels = self._travels + (event is not AuditEvent.CLOSED)
+        travels = self._travels + (event in TRAVEL_ATTEMPTS)
         try:
             entry = Entry(seq=self._next_seq, time=float(time), gpu=self.gpu, job=self._job, event=event, chunk=chunk,
-                          travels=travels, epoch_before=epoch_before, epoch_after=epoch_after, chunk_mac=mac,
+                          note=note, travels=travels, epoch_before=epoch_before, epoch_after=epoch_after, chunk_mac=mac,
                           prev_hash=self._prev)
         except TypeError:  # __post_init__ compared a value of the wrong type
             raise BadInput("key epochs must be ints") from None
