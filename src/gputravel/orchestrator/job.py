@@ -8,16 +8,22 @@ must be the manifest's job; without one, a labelled SHA-384 of the canonical Tra
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gputravel.errors import BadInput
-
-if TYPE_CHECKING:
-    from gputravel.orchestrator.cvm import OrchestratorConfig
 
 __all__ = ["JOB_LABEL", "job_digest", "job_json_digest"]
 
 JOB_LABEL = b"gputravel job v1\x00"
+
+
+class JobFields(Protocol):
+    """What of an OrchestratorConfig names its job (orchestrator/cvm.py imports this module)."""
+
+    @property
+    def job_json(self) -> str: ...
+    @property
+    def manifest_json(self) -> str: ...
 
 
 def job_json_digest(job_json: str) -> bytes:
@@ -25,7 +31,7 @@ def job_json_digest(job_json: str) -> bytes:
     return hashlib.sha384(JOB_LABEL + job_json.encode("utf-8")).digest()
 
 
-def job_digest(config: OrchestratorConfig) -> bytes:
+def job_digest(config: JobFields) -> bytes:
     """The 48-byte digest of the job `config` runs: its manifest's, else its job_json's."""
     if not config.manifest_json:
         return job_json_digest(config.job_json)
