@@ -236,3 +236,5 @@ def test_a_model_above_one_wire_frame_is_released_too(pki, certs, ca, recipients
     st = ReleaseStatement.of(big, JOB, {"lab": raw_public(recipients["lab"])})
     blob = seal(st, sign(pki, st, "alice", "bob"), certs, ca, model=big)
     assert open_release(blob, recipients["lab"])[1] == big
+    with pytest.raises(ProtocolError, match="not a gputravel release file"):
+        read_release(blob[:-1])
