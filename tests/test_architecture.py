@@ -42,6 +42,7 @@ FLOORS = {
     "workloads": 3,  # the consortium's training code (issue 27): model, loss, batches of records
     "ddp": 3,  # data-parallel training between GPU TEEs: takes attestation as callbacks
     "manifest": 3,  # the job manifest (issue 28): what holders approve by digest; the orchestrator carries it
+    "release": 3,  # the model's release (issue 28): HPKE-sealed to the recipients after a quorum of holders signs
     "holder": 4,  # the trust domains: neither imports the other
     "orchestrator": 4,
     "cohort": 5,  # launching: starts the trust domains' processes
