@@ -4,17 +4,17 @@ the public key as 64 hex digits, which a job manifest names and a release is sea
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
+from gputravel.crypto.pki import MEMBER_NAME
 from gputravel.errors import BadInput
 from gputravel.files import atomic_write_bytes, read_plain
 
 PUBLIC_KEY_BYTES = 32
-RECIPIENT_NAME = re.compile(r"[a-z0-9-]{1,32}")  # files are named by it, as a cohort member's are
+RECIPIENT_NAME = MEMBER_NAME  # as the manifest names recipients; files are named by it, as a member's are
 MAX_KEY_FILE_BYTES = 4 << 10  # a PKCS8 PEM of an X25519 key is 119 bytes
 
 
