@@ -267,3 +267,30 @@ def test_changed_job_an_orchestrator_launched_with_another_job_than_approved_is_
     MRTD, but its RTMR[3] names job B, which no holder approved."""
     err = _cohort_refusal(tmp_path, orchestrator_changes=(("job_json", '{"steps":11}'),))
     assert err.claim == "job" and f"runs job {JOB_B.hex()[:16]}...; this holder approved no such job" in str(err)
+
+
+def test_the_orchestrator_quotes_nothing_unless_rtmr3_holds_exactly_its_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The extend is sent at boot and awaited before the first quote: refused, or a register
+    extended with more than the job, and every quote is refused (fail closed)."""
+    from gputravel.orchestrator import attester
+
+    quoted: list[bytes] = []
+    monkeypatch.setattr(attester, "request_quote", lambda path, rd: quoted.append(rd) or b"quote")
+
+    class Extend:
+        def __init__(self, outcome: bytes | None) -> None:
+            self.outcome = outcome
+
+        def result(self) -> bytes:
+            if self.outcome is None:
+                raise QuotingRefused("the TDX module refused to extend RTMR[3]")
+            return self.outcome
+
+    for outcome, says in ((None, "refused to extend"), (rtmr_after([JOB_B, JOB_A]), "holds more than this job")):
+        monkeypatch.setattr(attester, "PendingExtend", lambda path, index, job, o=outcome: Extend(o))
+        first = attester.JobFirst("tdx.sock", JOB_A)
+        for _ in range(2):
+            with pytest.raises(QuotingRefused, match=says):
+                first(bytes(64))
+    monkeypatch.setattr(attester, "PendingExtend", lambda path, index, job: Extend(rtmr_after([job])))
+    assert attester.JobFirst("tdx.sock", JOB_A)(bytes(64)) == b"quote" and quoted == [bytes(64)]
