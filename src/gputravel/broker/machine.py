@@ -5,6 +5,8 @@ A requester names a purpose and an ephemeral X25519 key; the broker answers with
 the requester returns a quote whose report data binds that nonce and key. The key the broker then
 releases is derived from its secret and the requester's *quoted* MRTD and RTMR[3], so an
 orchestrator of another measurement or job gets another key, and nothing it sends can change that.
+The broker signs each grant with its identity key, so the requester can tell it from any other
+process listening on the same socket path (one the host started, handing out a key it knows).
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives import hashes
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from gputravel.errors import BadInput, GputravelError, IntegrityError
-from gputravel.protocol.codec import Message
+from gputravel.protocol.codec import Message, encode
 
-__all__ = ["KEY_BYTES", "PURPOSES", "KeyBroker", "KeyChallenge", "KeyEvidence", "KeyGrant", "KeyRefused",
-           "KeyRequest", "Reply", "Verify", "derive_key", "key_report_data", "open_grant", "seal_grant"]
+__all__ = ["KEY_BYTES", "PURPOSES", "GrantStatement", "KeyBroker", "KeyChallenge", "KeyEvidence", "KeyGrant",
+           "KeyRefused", "KeyRequest", "Reply", "Verify", "derive_key", "grant_signed_by", "key_report_data", "load_broker_key",
+           "open_grant", "seal_grant", "sign_grant"]
 
 PURPOSES = ("checkpoint", "model")
 KEY_BYTES = 32
@@ -33,6 +38,7 @@ CHALLENGE_S = 30.0  # how long a challenge may wait for its evidence
 _REPORT_LABEL = b"gputravel key broker v1\x00"
 _KEY_LABEL = b"gputravel key broker key v1\x00"
 _GRANT_LABEL = b"gputravel key broker grant v1\x00"
+_SIGNED_LABEL = b"gputravel key broker signed grant v1\x00"
 _SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_256_GCM)
 
 #: Verifies a quote against the report data it must carry at `now` (Unix seconds): the quoted
@@ -59,8 +65,20 @@ class KeyEvidence(Message, tag="broker.key_evidence"):
 
 
 class KeyGrant(Message, tag="broker.key_grant"):
-    """The key, HPKE-sealed to the request's public key (info binds the purpose and the nonce)."""
+    """The key, HPKE-sealed to the request's public key (info binds the purpose and the nonce), and the
+    broker's ECDSA P-384 signature over that exchange and these sealed bytes (`sign_grant`)."""
 
+    sealed: bytes
+    signature: bytes
+
+
+class GrantStatement(Message, tag="broker.grant_statement"):
+    """What a grant's signature covers: the exchange (nonce, the requester's key, purpose) and the
+    sealed key, so a grant cannot be moved to another exchange. Signed, never sent."""
+
+    nonce: bytes
+    public_key: bytes
+    purpose: str
     sealed: bytes
 
 
@@ -103,6 +121,37 @@ def open_grant(sealed: bytes, private_key: X25519PrivateKey, purpose: str, nonce
     return key
 
 
+def _signed_bytes(nonce: bytes, public_key: bytes, purpose: str, sealed: bytes) -> bytes:
+    return _SIGNED_LABEL + encode(GrantStatement(nonce, public_key, purpose, sealed))
+
+
+def sign_grant(identity: ec.EllipticCurvePrivateKey, nonce: bytes, public_key: bytes, purpose: str,
+               sealed: bytes) -> bytes:
+    return identity.sign(_signed_bytes(nonce, public_key, purpose, sealed), ec.ECDSA(hashes.SHA384()))
+
+
+def load_broker_key(hex_der: str) -> ec.EllipticCurvePublicKey:
+    """The broker identity an orchestrator was launched to trust: SubjectPublicKeyInfo DER, hex, P-384."""
+    try:
+        key = serialization.load_der_public_key(bytes.fromhex(hex_der))
+    except (ValueError, TypeError):  # not hex, not DER, or a key type not supported
+        key = None
+    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP384R1):
+        raise BadInput("broker_key is not a P-384 public key (SubjectPublicKeyInfo DER, hex)")
+    return key
+
+
+def grant_signed_by(key: ec.EllipticCurvePublicKey, grant: KeyGrant, nonce: bytes, public_key: bytes,
+                    purpose: str) -> bool:
+    """Whether `grant` was signed by `key` for this very exchange (an empty signature is not)."""
+    try:
+        key.verify(grant.signature, _signed_bytes(nonce, public_key, purpose, grant.sealed),
+                   ec.ECDSA(hashes.SHA384()))
+    except InvalidSignature:
+        return False
+    return True
+
+
 # ----------------------------------------------------------------------------- the machine
 @dataclass(frozen=True)
 class Reply:
@@ -125,11 +174,14 @@ class KeyBroker:
     """One broker, any number of requesters, each known by the runtime's connection id: one
     request, one challenge, one piece of evidence, then a grant or a refusal, and hang up."""
 
-    def __init__(self, secret: bytes, verify: Verify, *, challenge_s: float = CHALLENGE_S,
-                 nonces: Callable[[int], bytes] = os.urandom) -> None:
+    def __init__(self, secret: bytes, verify: Verify, *, identity: ec.EllipticCurvePrivateKey,
+                 challenge_s: float = CHALLENGE_S, nonces: Callable[[int], bytes] = os.urandom) -> None:
         if len(secret) != KEY_BYTES:
             raise BadInput(f"the key broker's secret must be {KEY_BYTES} bytes")
+        if not isinstance(identity, ec.EllipticCurvePrivateKey) or not isinstance(identity.curve, ec.SECP384R1):
+            raise BadInput("the key broker's identity must be a P-384 private key")
         self._secret, self._verify, self._challenge_s, self._nonces = secret, verify, challenge_s, nonces
+        self._identity = identity
         self._pending: dict[int, _Challenge] = {}
         self._deadlines: dict[int, float] = {}  # by when each open exchange must take its next step
 
@@ -193,7 +245,8 @@ class KeyBroker:
             return _refuse(conn, str(exc))
         except ValueError:  # HPKE refused the public key (a low-order point)
             return _refuse(conn, "the request's public key cannot be sealed to")
-        return Reply(conn, KeyGrant(sealed=sealed), close=True)
+        signature = sign_grant(self._identity, ch.nonce, ch.public_key, ch.purpose, sealed)
+        return Reply(conn, KeyGrant(sealed=sealed, signature=signature), close=True)
 
 
 def _refuse(conn: int, reason: str) -> Reply:

@@ -2,7 +2,8 @@
 
 It listens on a unix socket, verifies each requester's quote against the CPU-TEE quoting root and
 the orchestrator measurements it accepts, and releases keys derived from a 32-byte secret kept in
-its own state directory, so a restarted broker releases the same keys (a killed run resumes).
+its own state directory, so a restarted broker releases the same keys (a killed run resumes); it
+signs each grant with the identity key kept beside it (state.py), which the orchestrator checks.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import os
 import re
 import selectors
 import socket
-import stat
 import sys
-import tempfile
 import time
 import tomllib
 from datetime import datetime, timezone
@@ -26,15 +25,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gputravel.attest.quote import JOB_RTMR, EmulatedQuoteVerifier
 from gputravel.attest.roots import TEE_ROOT_CERT, TrustStore
-from gputravel.broker.machine import CHALLENGE_S, KEY_BYTES, KeyBroker, KeyRefused, Reply, Verify
+from gputravel.broker.machine import CHALLENGE_S, KeyBroker, KeyRefused, Reply, Verify
+from gputravel.broker.state import IDENTITY_FILE, SECRET_FILE, broker_identity, broker_secret
 from gputravel.errors import BadInput, GputravelError, PeerTimeout, ProtocolError, TransportClosed
 from gputravel.protocol.control import Ready
 from gputravel.transport.stream import StreamTransport
 from gputravel.transport.unix import listen_unix
 
-__all__ = ["SECRET_FILE", "BrokerConfig", "broker_secret", "load_config", "quote_verifier", "run", "serve"]
+__all__ = ["IDENTITY_FILE", "SECRET_FILE", "BrokerConfig", "broker_secret", "load_config", "quote_verifier", "run",
+           "serve"]
 
-SECRET_FILE = "broker.secret"
 HEX96 = r"^[0-9a-f]{96}$"
 
 
@@ -72,45 +72,6 @@ def load_config(path: Path) -> BrokerConfig:
         raise BadInput(f"{path}: {key}: {err['msg']}") from None
 
 
-# ----------------------------------------------------------------------------- the secret
-def broker_secret(state_dir: Path) -> bytes:
-    """The broker's 32-byte secret in `state_dir` (0600), made once; refused if loose or malformed."""
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = state_dir / SECRET_FILE
-    if not path.exists():
-        _make_secret(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise BadInput(f"{path}: cannot read the key broker's secret ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise BadInput(f"{path} is not a plain file")
-        if st.st_mode & 0o077:
-            raise BadInput(f"{path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}): chmod 600 it")
-        secret = f.read(KEY_BYTES + 1)
-    if len(secret) != KEY_BYTES:
-        raise BadInput(f"{path} is malformed: a key broker secret is {KEY_BYTES} bytes; restore it from a copy")
-    return secret
-
-
-def _make_secret(path: Path) -> None:
-    """Written whole (mkstemp's 0600, fsync) and linked into place: never over another's secret."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(os.urandom(KEY_BYTES))
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another start made it first: that one is the secret
-    finally:
-        os.unlink(tmp)
-
-
 # ----------------------------------------------------------------------------- verification
 def quote_verifier(trust_dir: Path, accepted: tuple[str, ...]) -> Verify:
     """The broker's check of a quote: chain to the CPU-TEE root, signature, an accepted MRTD, the report data."""
@@ -135,9 +96,9 @@ def serve(config: BrokerConfig, control: StreamTransport) -> None:
 
 
 def run(config: BrokerConfig, control: StreamTransport | None = None) -> None:
-    broker = KeyBroker(broker_secret(Path(config.state_dir)),
-                       quote_verifier(Path(config.trust_dir), config.accepted_measurements),
-                       challenge_s=config.challenge_s)
+    state = Path(config.state_dir)
+    broker = KeyBroker(broker_secret(state), quote_verifier(Path(config.trust_dir), config.accepted_measurements),
+                       identity=broker_identity(state), challenge_s=config.challenge_s)
     _clear_stale(config.socket)
     listener = listen_unix(config.socket)
     os.chmod(config.socket, 0o666)  # any local process may ask; the quote decides what it gets
