@@ -36,11 +36,21 @@ class BrokerLaunch:
             state.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise BadInput(f"cannot make the key broker's directory {state}: {exc.strerror}") from None
-        # Made (or loaded: a resumed run keeps its broker) before own(): the broker's uid gets the file too.
+        # Made (or loaded: a resumed run keeps its broker) before the broker's uid is given the directory.
         self.public_key = broker_public_key(state)  # SubjectPublicKeyInfo DER, hex: the orchestrator's broker_key
-        place.own(state, KEY)
-        self._base = {"socket": self.socket, "state_dir": place.path(state), "trust_dir": place.path(roots)}
+        self._base = {"socket": self.socket, "state_dir": _given(place, state, outside=bool(state_dir)),
+                      "trust_dir": place.path(roots)}
 
     def config(self, measurement: bytes) -> dict:
         """The broker's configuration, serving the orchestrator of this measurement only."""
         return {**self._base, "accepted_measurements": [measurement.hex()]}
+
+
+def _given(place: Placement, state: Path, outside: bool) -> str:
+    """The broker's state directory, its uid's, as the broker names it. One outside the cohort's
+    directory (kept for a resume) is lent for the cohort's life, named through a descriptor."""
+    if not outside:
+        place.own(state, KEY)
+        return place.path(state)
+    place.lend_dir(KEY, str(state))
+    return place.output(KEY, str(state))
