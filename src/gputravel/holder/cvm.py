@@ -20,7 +20,8 @@ from gputravel.errors import BadInput, GputravelError, IllegalTransition, PeerTi
 from gputravel.files import EVAL_SHARE, RAW, RECORDS, TOKENS, DatasetFormat, check_split, dataset_kind
 from gputravel.protocol.layout import Layout, manifest_piece_bytes
 from gputravel.protocol.parties import ORCHESTRATOR
-from gputravel.protocol.travel import Bye, HolderHello, ProbeDone, ProbeNow, SendChunk, TravelRequest
+from gputravel.protocol.travel import (Bye, HolderHello, JobResults, ProbeDone, ProbeNow, ReleaseSigned, SendChunk,
+                                      TravelRequest)
 from gputravel.holder.machine import Deadlines, HolderTravel
 from gputravel.holder.steps import (
     Attached, Attest, Attested, AuditArrival, Audited, AwaitGpu, AwaitSwitchHome, BaselineAsked, Challenge, CheckBuffer,
@@ -66,6 +67,8 @@ class HolderConfig:
     # permutation seeded with eval_seed (data/records.py held_out): the holder's own choice.
     eval_share: float = EVAL_SHARE
     eval_seed: int = 0
+    # Sign the release of the job's model to the recipients its approved manifest names (issue 28).
+    sign_release: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -234,6 +237,22 @@ class DataHolder:
             self.serve_travel(msg)
         elif isinstance(msg, SendChunk):  # the centralised TLS baseline (paper 7.2)
             self.send_baseline(msg)
+        elif isinstance(msg, JobResults):  # the job is done: its metrics, and the release to sign or not
+            self.answer_results(msg)
+
+    def answer_results(self, msg: JobResults) -> None:
+        """Sign the release of the job we attested and approved, or decline it; numbers only are logged."""
+        from gputravel.holder.release import answer_results, summary  # lazy: the manifest, at the job's end
+
+        job = self.attestation.job_digest if self.attestation is not None else None
+        key = CohortPki.load(self.config.pki_dir).member(self.config.name).key_pem
+        reply = answer_results(msg, name=self.config.name, attested_job=job, key_pem=key,
+                               sign=self.config.sign_release)
+        print(f"{self.config.name}: the job is done: {summary(msg.metrics)}", flush=True)
+        verdict = "signed the release" if isinstance(reply, ReleaseSigned) else f"declined the release: {reply.reason}"
+        print(f"{self.config.name}: {verdict}", flush=True)
+        assert self.orchestrator is not None
+        self.orchestrator.send(reply)
 
     def serve_travel(self, req: TravelRequest) -> None:
         self._run(Request(req))

@@ -104,3 +104,22 @@ class ChunkSent(Message, tag="baseline.sent"):
 class ChunkRefused(Message, tag="baseline.refused"):
     travel_id: int
     reason: str
+
+
+class JobResults(Message, tag="travel.job_results"):
+    """Orchestrator -> holder when the job is done (issue 28): the held-out metrics, numbers only,
+    per holder and over all; and the release the holders are asked to sign: the manifest they
+    approved and the statement (release/statement.py, encoded) of exactly this model, job and
+    recipients ("" and b"" where the manifest keeps the model sealed)."""
+
+    metrics: dict[str, dict[str, float]]
+    manifest_json: str
+    statement: bytes
+
+
+class ReleaseSigned(Message, tag="travel.release_signed"):
+    signature: bytes  # an encoded release/statement.py ReleaseSignature
+
+
+class ReleaseDeclined(Message, tag="travel.release_declined"):
+    reason: str
