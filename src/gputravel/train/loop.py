@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import hashlib
 import hmac
+import io
 import math
 import statistics
 import time
@@ -27,7 +28,7 @@ from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig, pick_device
 from gputravel.train.ranks import DataParallel, Ranks
-from gputravel.train.rundir import RunDir, checkpoint_extra, load_checkpoint
+from gputravel.train.rundir import Kept, RunDir, Sealing, checkpoint_extra, load_checkpoint
 from gputravel.train.schedule import LoaderState
 from gputravel.workloads import Workload, gpt_loss, load_workload
 
@@ -69,6 +70,7 @@ class TrainResult:
     lost: list[str] = field(default_factory=list)  # holders lost during travels, with why
     stopped: bool = False  # asked to stop before cfg.steps: checkpointed where it stopped
     evals: list[dict] = field(default_factory=list)  # held-out metrics per holder and overall, by step
+    weights: bytes = b""  # the trained state_dict as torch.save writes it, when Kept.weights asked for it
 
     @property
     def stall_share(self) -> float:
@@ -132,11 +134,51 @@ def _unguarded(what: str) -> AbstractContextManager:
     return nullcontext()
 
 
+KEEP_ALL = Kept()  # a run with no manifest: metrics and plaintext checkpoints, as before issue 28
+
+
+class Outputs:
+    """The run directory as a job's manifest lets it be written (Kept): what it does not allow is
+    never written, and checkpoints go through the sealer when there is one."""
+
+    def __init__(self, run_dir: RunDir, kept: Kept) -> None:
+        self.run_dir, self.kept = run_dir, kept
+
+    def truncate_metrics(self, step: int) -> None:
+        if self.kept.metrics:
+            self.run_dir.truncate_metrics(step)
+
+    def append_metrics(self, row: dict) -> None:
+        if self.kept.metrics:
+            self.run_dir.append_metrics(row)
+
+    def save_checkpoint(self, model, optimizer, step: int, extra: dict) -> None:
+        if self.kept.checkpoints:
+            self.run_dir.save_checkpoint(model, optimizer, step, extra, sealer=self.kept.sealer)
+
+    def plots(self, losses: list[float], evals: list[dict], title: str) -> None:
+        if self.kept.metrics:
+            self.run_dir.plot_losses(list(range(1, len(losses) + 1)), losses, title=title)
+            self.run_dir.plot_eval(evals)
+
+    def write_sample(self, text: str) -> None:
+        self.run_dir.write_sample(text)  # asked for only where the manifest allows samples (tokenizer)
+
+
+def state_bytes(model: torch.nn.Module) -> bytes:
+    """The model's state_dict as torch.save writes it: what a release seals and `model open` gives back."""
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    return buf.getvalue()
+
+
 def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
           on_step: Callable[[StepEvent], None] | None = None, resume_from: Path | None = None,
           tokenizer=None, ranks: Ranks | None = None,
-          should_stop: Callable[[], bool] | None = None, anchor: Anchor | None = None) -> TrainResult:
-    """Train for cfg.steps; `tokenizer` only decodes the final sample.
+          should_stop: Callable[[], bool] | None = None, anchor: Anchor | None = None,
+          kept: Kept = KEEP_ALL) -> TrainResult:
+    """Train for cfg.steps; `tokenizer` only decodes the final sample; `kept`: what the run directory
+    may hold (metrics, checkpoints, sealed or not) and whether the weights come back for a release.
 
     `resume_from` continues a checkpoint of the same job with the losses an uninterrupted run
     would have had. With `ranks` this is one rank of a data-parallel job: gradients are averaged
@@ -148,12 +190,12 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     workload = workload_of(cfg)
     model, optimizer = build_model(cfg, device, workload)
     lead = ranks is None or ranks.rank == 0
-    out = RunDir(run_dir) if run_dir is not None and lead else None
+    out = Outputs(RunDir(run_dir), kept) if run_dir is not None and lead else None
     start, resume, result = 0, None, TrainResult(losses=[])
     # What each holder brought, hashed only when a checkpoint is written or resumed, and once.
     prints = functools.cache(lambda: dict(source.fingerprints()) if hasattr(source, "fingerprints") else {})
     if resume_from is not None:
-        start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks, anchor, prints)
+        start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks, anchor, prints, kept.sealer)
     dp = DataParallel.open(ranks, device) if ranks is not None else None  # the ranks attest one another here
     try:
         if out is not None:
@@ -171,18 +213,19 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     result.lost = list(loader.lost)
     if cfg.sample_tokens and tokenizer is not None and lead and workload.tokens:
         result.sample = _sample(model, cfg, device, tokenizer)
+    if kept.weights and lead:
+        result.weights = state_bytes(model)
     if out is not None:
         out.save_checkpoint(model, optimizer, len(result.losses), final)  # cfg.steps unless stopped
         title = "GPT-2" if workload.tokens else f"{workload.name} workload"
-        out.plot_losses(list(range(1, len(result.losses) + 1)), result.losses, title=f"{title} loss ({cfg.loader} loader)")
-        out.plot_eval(result.evals)
+        out.plots(result.losses, result.evals, f"{title} loss ({cfg.loader} loader)")
         if result.sample:
             out.write_sample(result.sample)
     return result
 
 
 def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str, model, step_model, optimizer, start: int,
-          resume: LoaderState | None, result: TrainResult, out: RunDir | None, dp: DataParallel | None,
+          resume: LoaderState | None, result: TrainResult, out: Outputs | None, dp: DataParallel | None,
           on_step, should_stop=None, anchor: Anchor | None = None,
           prints: Callable[[], dict] = dict) -> TravellingLoader:
     """Steps start..cfg.steps; returns the loader (its state and stalls are the run's)."""
@@ -333,11 +376,12 @@ def checkpoint_shares(path: Path) -> tuple[tuple[str, ...], ...] | None:
 
 
 def _resume(cfg: TrainConfig, path: Path, model, optimizer, ranks: Ranks | None,
-            anchor: Anchor | None = None, prints: Callable[[], dict] = dict) -> tuple[int, LoaderState, TrainResult]:
+            anchor: Anchor | None = None, prints: Callable[[], dict] = dict,
+            sealer: Sealing | None = None) -> tuple[int, LoaderState, TrainResult]:
     data = None
     if ranks is not None and ranks.resume_sha384:
         data = _read_bound(path, ranks.resume_sha384)
-    step, extra = load_checkpoint(path, model, optimizer, data=data)
+    step, extra = load_checkpoint(path, model, optimizer, data=data, sealer=sealer)
     stored = _stored_job(extra.get("config"))
     if stored != cfg:
         raise BadInput(f"checkpoint {path} belongs to another job (differs in: {', '.join(cfg.differences(stored))}); "

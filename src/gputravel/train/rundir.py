@@ -9,6 +9,7 @@ import io
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +29,18 @@ class Sealing(Protocol):
     def seal(self, plaintext: bytes) -> bytes: ...
 
     def open(self, data: bytes, what: str = ...) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a run may keep in its run directory (a job manifest's [outputs], issue 28). The default,
+    for runs with no manifest: everything, in plaintext. `weights`: hand the trained weights back
+    (TrainResult.weights) for a release."""
+
+    metrics: bool = True  # metrics.csv, loss.png, eval.png (the report is its launcher's)
+    checkpoints: bool = True
+    sealer: Sealing | None = None  # checkpoints sealed at rest with it; None: plaintext
+    weights: bool = False
 
 
 def _scalar(value: object) -> object:
