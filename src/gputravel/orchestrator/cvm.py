@@ -69,6 +69,10 @@ class OrchestratorConfig:
     # digest (orchestrator/job.py), which holders approve.
     job_json: str = ""
     manifest_json: str = ""
+    # The key broker (broker/) that seals its checkpoints and model: where it listens (placement), and
+    # its identity (P-384 SubjectPublicKeyInfo, hex; measured: a broker of another key is refused).
+    broker_socket: str = ""
+    broker_key: str = ""
 
 
 class Listener(Protocol):
@@ -223,6 +227,8 @@ class Orchestrator:
             raise
         self.drop(peer)  # the link it joined with before, if any
         self.holders[peer] = conn
+        if self.travel_log is not None and not self.travel_log.closed:  # it accepted the job in our RTMR[3]
+            self.travel_log.approved(peer, self.attester.job_digest)
         conn.send(Welcome(cohort=NAME))
         pace(conn, self.config.pace_mbit)  # once, from its start: pacing again would give a fresh burst
         return peer
@@ -231,11 +237,24 @@ class Orchestrator:
         """Why `peer`'s data is not what this job trains on (records of its schema, or tokens of
         its tokenizer), in words naming the holder and the field; "" if it is."""
         if self.config.schema or hello.schema:
-            return _unfit_schema(peer, self.config.schema, hello)
+            return _unfit_schema(peer, self.config.schema, hello) or self._unfit_split(peer, hello)
         want = self.config.tokenizer
         if want and hello.tokenizer != want:
             return (f"holder {peer!r} tokenized its data with {hello.tokenizer or 'no tokenizer (raw bytes)'!r}, "
                     f"this cohort trains on {want!r} tokens: re-run `gputravel data prepare --tokenizer {want}`")
+        return ""
+
+    def _unfit_split(self, peer: str, hello: HolderHello) -> str:
+        """Why `peer`'s held-out split is not the one the job's manifest states (issue 28), or ""."""
+        if not self.config.manifest_json:
+            return ""
+        from gputravel.manifest import JobManifest  # lazy: pydantic, for manifest jobs only
+
+        share = JobManifest.from_json(self.config.manifest_json).evaluation.share
+        total = hello.train_records + hello.eval_records
+        if hello.eval_records != round(total * share):
+            return (f"holder {peer!r} holds out {hello.eval_records} of its {total} records; the job's manifest "
+                    f"says a share of {share:g} ({round(total * share)}): set its eval_share to {share:g}")
         return ""
 
     def await_holders(self, names: tuple[str, ...], timeout: float,

@@ -16,11 +16,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gputravel.attest.material import OrchestratorMaterial
+from gputravel.broker.client import fetch_key
+from gputravel.broker.seal import Sealer
+from gputravel.crypto.pki import CohortPki
+from gputravel.manifest import JobManifest
 from gputravel.attest.rank import QuotingRankTee
 from gputravel.firmware.tdx_module import request_quote
 from gputravel.errors import BadInput, GputravelError
 from gputravel.orchestrator.cvm import NAME, Orchestrator, OrchestratorConfig
+from gputravel.orchestrator.job import job_digest
 from gputravel.orchestrator.membership import ORCHESTRATOR_COMMANDS, Membership
+from gputravel.orchestrator.release import Ending, end_job
 from gputravel.protocol.control import (
     AwaitHolders,
     DoBaseline,
@@ -128,15 +134,72 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     sizes = {name: hello.dataset_bytes for name, hello in hellos.items()}
     cuts = {name: _cut(hello, cfg.records) for name, hello in hellos.items()}
     ranks = _ranks(orch, cmd)
+    ending = _ending(orch, cmd)
     engine = Admitting(orch, membership)
     source = (BaselineSource(orch, sizes, cuts) if cfg.loader == "baseline" else TravelSource(engine, sizes, cuts))
-    result = run_job(cfg, source, run_dir=Path(cmd.run_dir) if cmd.run_dir else None,
+    samples = ending is None or ending.manifest.outputs.samples  # generated text can repeat training data
+    run_dir = Path(cmd.run_dir) if cmd.run_dir else None
+    result = run_job(cfg, source, run_dir=run_dir,
                    on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
                    resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
-                   tokenizer=sample_tokenizer(cfg.tokenizer), ranks=ranks,
+                   tokenizer=sample_tokenizer(cfg.tokenizer) if samples else None, ranks=ranks,
                    should_stop=_ShutdownAsked(control),  # with ranks, one asked stops them all
-                   anchor=orch.travel_log)  # a resume goes on only with the log its checkpoint names
-    return make_report(cfg, result)
+                   anchor=orch.travel_log,  # a resume goes on only with the log its checkpoint names
+                   **({"kept": ending.kept} if ending is not None else {}))
+    report = make_report(cfg, result)
+    if ending is not None and not result.stopped:  # a stopped job resumes: it ends later
+        report["release"] = end_job(ending, result.weights, _metrics(report), dict(orch.holders), run_dir,
+                                    orch.travel_log).to_dict()
+    return _allowed(report, ending)
+
+
+def _ending(orch: Orchestrator, cmd: Train) -> Ending | None:
+    """What a job with a manifest keeps and how it ends (issue 28); None: a job without one."""
+    config = orch.config
+    if not config.manifest_json:
+        return None
+    if cmd.world_size > 1:
+        raise BadInput("a job with a manifest trains on one GPU for now: its release gathers every holder's "
+                       "signature in one orchestrator")
+    if not config.broker_socket or not config.broker_key:
+        raise BadInput("a job with a manifest needs the key broker (broker_socket, broker_key): its checkpoints "
+                       "and model are sealed")
+    from gputravel.train.rundir import Kept  # lazy: torch, for training only
+
+    manifest, digest = JobManifest.from_json(config.manifest_json), job_digest(config)
+
+    def sealer(purpose: str) -> Sealer:
+        # Quoted through the attester: only once RTMR[3] holds the job, which the key is bound to.
+        key = fetch_key(config.broker_socket, purpose, orch.attester.quote, config.holder_timeout, config.broker_key)
+        return Sealer(key, purpose, digest)
+
+    checkpoints = manifest.outputs.checkpoints == "sealed"
+    kept = Kept(metrics=manifest.outputs.metrics, checkpoints=checkpoints,
+                sealer=sealer("checkpoint") if checkpoints else None, weights=True)
+    return Ending(manifest, digest, CohortPki.load(config.pki_dir).ca_pem, sealer("model"), config.holder_timeout,
+                  kept)
+
+
+def _metrics(report: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The held-out metrics each holder hears at the end: per holder and over all, numbers only."""
+    found = report.get("eval") or {}
+    out = {name: dict(m) for name, m in (found.get("per_holder") or {}).items()}
+    if found.get("all"):
+        out["all"] = dict(found["all"])
+    return out
+
+
+def _allowed(report: dict[str, Any], ending: Ending | None) -> dict[str, Any]:
+    """The report, less what the manifest does not let leave: metrics (losses, evaluations) and samples."""
+    if ending is None:
+        return report
+    outputs = ending.manifest.outputs
+    if not outputs.metrics:
+        for key in ("losses", "eval", "eval_history", "final_loss", "loss_before", "loss_after"):
+            report[key] = None if key != "losses" else []
+    if not outputs.samples:
+        report["sample"] = ""
+    return report
 
 
 def _cut(hello: Any, records: bool) -> Any:
