@@ -37,6 +37,7 @@ class HolderSpec:
     die_mid_copy_on_travel: int = 0  # fault injection (tests, red team): see HolderConfig
     eval_share: float = EVAL_SHARE  # a "records" dataset's held-out share and its seed: see HolderConfig
     eval_seed: int = 0
+    sign_release: bool = True  # signs the release its approved job's manifest names (HolderConfig)
 
 
 def _check_schema(text: str) -> None:
@@ -85,6 +86,11 @@ class CohortConfig:
     roots: SharedRoots | None = field(default=None, repr=False, compare=False)
     # The training job (TrainConfig.canonical_json), part of the measurement holders pin; "": any.
     job_json: str = ""
+    # The job's manifest (manifest/, canonical JSON) the holders approved by digest; "": the job alone.
+    manifest_json: str = ""
+    # Where the key broker keeps its secret: a run that resumes from a sealed checkpoint needs the
+    # same one (None: inside the cohort's directory, gone when it closes).
+    broker_dir: str | None = None
     gpu_index: int = 0
 
     def __post_init__(self) -> None:

@@ -108,6 +108,10 @@ def _serve(role: str, payload: dict, control: StreamTransport, extra: socket.soc
         from gputravel.firmware.tdx_module import TdxModuleConfig, serve as serve_tdx_module  # lazy: its role only
 
         serve_tdx_module(TdxModuleConfig(**payload), control)
+    elif role == "key-broker":  # the emulated key broker (broker/process.py)
+        from gputravel.broker.process import BrokerConfig, serve as serve_broker  # lazy: its role only
+
+        serve_broker(BrokerConfig(**payload), control)
     else:
         raise SystemExit(f"unknown role {role!r}")
 

@@ -24,6 +24,7 @@ from gputravel.cohort import isolation, stopping
 from gputravel.cohort.isolation import Isolation
 from gputravel.cohort.links import CohortLinks, resolve_link
 from gputravel.cohort.placement import Placement
+from gputravel.cohort.broker import KEY as KEY_BROKER, BrokerLaunch
 from gputravel.cohort.quoting import KEY as TDX_MODULE, QuotingLaunch
 from gputravel.cohort.trust import CohortTrust, certify_device, pin_orchestrator, provision_cohort_trust
 from gputravel.crypto.pki import CohortCa
@@ -89,6 +90,7 @@ class Supervisor:
         self.trust: CohortTrust | None = None
         self.placement: Placement | None = None
         self._tap: TcpTap | None = None
+        self._broker: BrokerLaunch | None = None
         self._host_sock = ""
         self._ca: CohortCa | None = None  # in this process's memory only, never on disk
         self._certs: dict[str, bytes] = {}  # what the CA issued (public)
@@ -125,6 +127,7 @@ class Supervisor:
         quoting = QuotingLaunch(place, self.dir)  # the orchestrator's TDX module (cohort/quoting.py)
         self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust, quoting_socket=quoting.socket,
                                             roots_from=cfg.roots, gpu_index=cfg.gpu_index)
+        self._broker = BrokerLaunch(place, self.dir, self.trust.root / "roots", cfg.broker_dir)
         place.own(self.trust.device_dir, "device")
         place.own(self.trust.orchestrator_dir, "orchestrator")
         for out in cfg.output_dirs:
@@ -134,7 +137,9 @@ class Supervisor:
                         "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
                         "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer, "schema": cfg.schema,
                         "trust_dir": place.path(self.trust.orchestrator_dir), **self._device_timeout(), **self._hardware(),
-                        "audit_log": audit or place.path(self.audit_log_path), "job_json": cfg.job_json}
+                        "audit_log": audit or place.path(self.audit_log_path), "job_json": cfg.job_json,
+                        "manifest_json": cfg.manifest_json, "broker_socket": self._broker.socket,
+                        "broker_key": self._broker.public_key}
         return orchestrator, quoting
 
     def _boot_gpu_side(self, orchestrator: dict, quoting: QuotingLaunch) -> int:
@@ -147,6 +152,7 @@ class Supervisor:
             self._boot_holders()  # each holder sets up its driver while it holds the GPU
             self.trust = self._pin(orchestrator, self.members)  # as late as possible before it boots
             measured = quoting.measure_launch(self._launched(orchestrator), place.popen_kwargs("orchestrator", None))
+            self._spawn(KEY_BROKER, self._broker.config(measured))  # it serves that measurement only
             ready = self._spawn("orchestrator", {**self._launched(orchestrator), "enroll": "orchestrator"},
                                 extra_fd=orch_end.fileno())
             quoting.register(self.children[TDX_MODULE].control, self.children["orchestrator"].proc.pid,
@@ -178,6 +184,7 @@ class Supervisor:
                 "pki_dir": place.path(self.dir / "pki" / h.name), "layout": cfg.layout,
                 "audit_arrival": cfg.audit_arrival, "dataset_format": h.format,
                 "die_mid_copy_on_travel": h.die_mid_copy_on_travel, "eval_share": h.eval_share, "eval_seed": h.eval_seed,
+                "sign_release": h.sign_release,
                 "trust_dir": place.path(self.trust.holder_dir(h.name)),
                 "probe_at_boot": not late, **self._device_timeout(), **self._hardware(), "enroll": h.name}
 

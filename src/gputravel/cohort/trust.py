@@ -35,7 +35,7 @@ __all__ = ["CohortTrust", "SharedRoots", "TrustOptions", "certify_device", "meas
 #: Where the orchestrator runs, not what it does: left out of its measurement so a holder's pin holds
 #: wherever the cohort is placed. Every other field, an unknown new one too, is measured.
 PLACEMENT_FIELDS = frozenset({"host_socket", "pki_dir", "trust_dir", "listen_host", "listen_port", "pace_mbit",
-                              "audit_log"})
+                              "audit_log", "broker_socket"})
 #: The job it runs: left out of its measurement (MRTD) too, because the orchestrator measures it into
 #: RTMR[3] at boot instead (orchestrator/job.py), which holders approve by digest (policy approved_jobs).
 JOB_FIELDS = frozenset({"job_json", "manifest_json"})
