@@ -141,7 +141,7 @@ class Arena:
         path = self.cohort.audit_log_path
         entries = read_log(path, allow_truncated_tail=True) if path is not None and path.exists() else []
         fresh, self._journal_at = entries[self._journal_at :], len(entries)
-        out = [Journal(event=e.event.value, holder=e.chunk.holder, epoch_before=e.epoch_before,
+        out = [Journal(event=e.event.value, holder=e.holder, epoch_before=e.epoch_before,
                        epoch_after=e.epoch_after) for e in fresh]
         self.keep(*out)
         return out
