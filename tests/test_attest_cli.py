@@ -118,3 +118,14 @@ def test_the_firmware_runs_in_a_process_of_its_own_and_answers_fresh_nonces(proc
             claims = verifier.verify(gpu.evidence(nonce), nonce, datetime.now(timezone.utc))
             assert claims.eat()["x-nvidia-gpu-attestation-report-nonce-match"] is True
     assert gpu.proc.returncode == 0  # it stopped when we hung up
+
+
+def test_attest_measure_leaves_the_job_and_placement_out_and_prints_the_job_digest(tmp_path):
+    from gputravel.orchestrator.job import job_json_digest
+
+    config = tmp_path / "orchestrator.json"
+    config.write_text(json.dumps({"holders": 2, "job_json": '{"steps":3}', "listen_port": 9999}))
+    result = runner.invoke(app, ["attest", "measure", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert orchestrator_measurement({"holders": 2}).hex() in result.output  # the MRTD holders pin
+    assert job_json_digest('{"steps":3}').hex() in result.output  # the RTMR[3] job they approve

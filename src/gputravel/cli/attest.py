@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
@@ -35,7 +36,9 @@ from gputravel.attest.roots import (
 )
 from gputravel.attest.material import utcnow
 from gputravel.attest.verifier import EmulatedGpuVerifier
+from gputravel.cohort.trust import JOB_FIELDS, PLACEMENT_FIELDS
 from gputravel.firmware.gpu import FirmwareProcess
+from gputravel.orchestrator.job import job_digest
 from gputravel.errors import BadInput
 from gputravel.files import write_json
 
@@ -163,9 +166,15 @@ def attest_measure(
     config: Optional[Path] = typer.Option(None, "--config", help="Orchestrator config JSON (default: {})."),
     package: Optional[Path] = typer.Option(None, "--package", help="Package tree (default: installed gputravel)."),
 ) -> None:
-    """Print the orchestrator measurement holders pin in their policy."""
+    """Print the orchestrator measurement (MRTD) holders pin in their policy, and the digest of its
+    job (RTMR[3]) that they approve, when the config names one."""
     cfg = {} if config is None else _read_json(config, "the configuration")
-    value = orchestrator_measurement(cfg, package_dir=package)
+    # Where it runs is not measured, and its job goes into RTMR[3] instead (cohort/trust.py).
+    measured = {k: v for k, v in cfg.items() if k not in PLACEMENT_FIELDS | JOB_FIELDS}
+    value = orchestrator_measurement(measured, package_dir=package)
     code = measure_code(package)
     console.print(f"code sha384:              {code.hex()}", soft_wrap=True)
     console.print(f"orchestrator measurement: {value.hex()}", soft_wrap=True)
+    if cfg.get("job_json") or cfg.get("manifest_json"):
+        job = SimpleNamespace(job_json=str(cfg.get("job_json", "")), manifest_json=str(cfg.get("manifest_json", "")))
+        console.print(f"job digest (RTMR[3]):     {job_digest(job).hex()}", soft_wrap=True)
