@@ -134,7 +134,7 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     sizes = {name: hello.dataset_bytes for name, hello in hellos.items()}
     cuts = {name: _cut(hello, cfg.records) for name, hello in hellos.items()}
     ranks = _ranks(orch, cmd)
-    ending = _ending(orch, cmd)
+    ending = _ending(orch, cmd, cfg)
     engine = Admitting(orch, membership)
     source = (BaselineSource(orch, sizes, cuts) if cfg.loader == "baseline" else TravelSource(engine, sizes, cuts))
     samples = ending is None or ending.manifest.outputs.samples  # generated text can repeat training data
@@ -153,11 +153,14 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     return _allowed(report, ending)
 
 
-def _ending(orch: Orchestrator, cmd: Train) -> Ending | None:
+def _ending(orch: Orchestrator, cmd: Train, cfg: Any) -> Ending | None:
     """What a job with a manifest keeps and how it ends (issue 28); None: a job without one."""
     config = orch.config
     if not config.manifest_json:
         return None
+    if cfg.script:  # its loop builds and keeps its own model: nothing here could seal or release it
+        raise BadInput("a training script keeps its own model, which gputravel cannot seal or release: run it "
+                       "without a manifest (its job digest still binds its code), or as a workload file")
     if cmd.world_size > 1:
         raise BadInput("a job with a manifest trains on one GPU for now: its release gathers every holder's "
                        "signature in one orchestrator")
