@@ -22,6 +22,7 @@ from gputravel.cohort.trust import measure_orchestrator
 from gputravel.errors import BadInput
 from gputravel.protocol.hardware import PROFILES
 from gputravel.service.config import (
+    BrokerService,
     GpuService,
     HolderService,
     HostService,
@@ -35,7 +36,7 @@ from gputravel.service.init import init_cohort
 from gputravel.service.status import cohort_status
 
 PARTIES = {"host.toml": HostService, "gpu-0.toml": GpuService, "orchestrator.toml": OrchestratorService,
-           "holder-north.toml": HolderService, "holder-south.toml": HolderService}
+           "holder-north.toml": HolderService, "holder-south.toml": HolderService, "broker.toml": BrokerService}
 
 
 @pytest.fixture(autouse=True)
@@ -112,12 +113,15 @@ def test_the_measurement_the_holders_pin_covers_the_job(cohort: Path, tmp_path: 
 
 def test_only_the_hardware_stand_ins_hold_a_private_key(cohort: Path) -> None:
     allowed = (cohort / "vendor" / "gpu-0", cohort / "platform")  # root's alone, in no party's tree
+    # ... and the key broker's identity, in its own state: init writes its public half into the
+    # orchestrators' configs, whose measurement the holders pin.
     keyed = [p for p in cohort.rglob("*") if p.is_file() and b"PRIVATE KEY" in p.read_bytes()]
-    assert keyed and all(p.parent in allowed for p in keyed), keyed
+    assert keyed and all(p.parent in allowed or p == cohort / "state" / "broker" / "broker.key" for p in keyed), keyed
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in keyed)
     for config in cohort.glob("*.toml"):  # no key, and no key's name, in any config
         text = config.read_text()
-        assert "BEGIN" not in text and not any("key" in k for k in _keys(tomllib.loads(text)))
+        public = {"broker_key"}  # the broker's public key (SubjectPublicKeyInfo, hex)
+        assert "BEGIN" not in text and not any("key" in k and k not in public for k in _keys(tomllib.loads(text)))
     # What the emulated hardware needs from them: the GPU's CA and the CPU-TEE root.
     issuer = GpuIssuer.load(allowed[0])
     assert issuer.serial == "GPU-EMU-0"
@@ -233,7 +237,7 @@ def test_gpus_get_a_file_each_with_its_own_serial_and_sockets(tmp_path: Path) ->
     *((lambda d, n=name: d.update(holders=["north", n]), "holders.1: expected a holder's name: none of ca, device")
       for name in ("orchestrator", "orchestrator-1", "device", "tdx-module")),
     (lambda d: d.pop("listen_port"), "listen_port: missing (required)"),
-    (lambda d: d.update(party="gpus"), "party: expected one of 'host', 'gpu', 'orchestrator', 'holder', got 'gpus'"),
+    (lambda d: d.update(party="gpus"), "party: expected one of 'host', 'gpu', 'orchestrator', 'holder', 'broker', got 'gpus'"),
 ])
 def test_a_wrong_key_is_refused_naming_file_key_and_expectation(cohort: Path, tmp_path: Path, change,
                                                                  expected: str) -> None:

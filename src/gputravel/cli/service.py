@@ -16,6 +16,7 @@ from gputravel.cli.output import Commands, console, named_subcommand
 from gputravel.cli.train import workload_job
 from gputravel.cohort.capacity import check_buffer
 from gputravel.cohort.stopping import catch_term
+from gputravel.errors import BadInput
 from gputravel.files import MISSING, not_data
 from gputravel.service.config import load_service
 from gputravel.service.init import init_cohort
@@ -30,7 +31,7 @@ cohort_app = typer.Typer(no_args_is_help=True, add_completion=False, cls=Command
                          help="A cohort as a consortium deploys it: one config file and one service per party.")
 
 
-Role = enum.Enum("Role", {p: p for p in ("host", "gpu", "holder", "orchestrator")}, type=str)  # serve's choices
+Role = enum.Enum("Role", {p: p for p in ("host", "gpu", "holder", "orchestrator", "broker")}, type=str)  # serve's
 
 
 def _holder(text: str) -> tuple[str, str]:
@@ -51,14 +52,23 @@ def init(
     steps: Optional[int] = typer.Option(None, min=1, help=f"Training steps of the job (default {JOB['steps']})."),
     buffer_kib: Optional[int] = typer.Option(None, min=4, help=f"The dataset buffer in the GPU, KiB (default {JOB['buffer_bytes'] >> 10}; a multiple of 4, at most 1048576)."),
     workload: str = typer.Option("gpt2", help="What trains: gpt2 (tokens), image, tabular, or a workload .py file, whose text goes into the job (docs/workloads.md)."),
+    manifest: Optional[Path] = typer.Option(None, help="The job manifest (`gputravel job init`) the orchestrator runs: its [job] table is the job's (give --workload, not --steps); each holder then approves it with `gputravel job approve`."),
 ) -> None:
-    """Write one config file per party, the public trust anchors and empty state directories."""
+    """Write one config file per party (the key broker's too), the public trust anchors and empty state directories."""
     pairs = [_holder(h) for h in holders]
+    job, m = workload_job(workload), None
+    if manifest is not None:
+        from gputravel.manifest import load_manifest  # lazy: pydantic models, for manifests only
+
+        if steps is not None:
+            raise BadInput("--steps: the manifest's [job] table fixes the steps; leave --steps out")
+        m = load_manifest(manifest)
+        job = {**job, **m.job.model_dump()}
     undo_term = catch_term("cohort init was undone")  # SIGTERM unwinds it too, as Ctrl-C does
     try:
         if buffer_kib is not None:  # before anything is written: what this machine's GPU can hold
             check_buffer(buffer_kib << 10, "--buffer-kib", 1 << 10)
-        written = init_cohort(directory, pairs, gpus=gpus, steps=steps, job=workload_job(workload),
+        written = init_cohort(directory, pairs, gpus=gpus, steps=steps, job=job, manifest=m,
                               buffer_bytes=None if buffer_kib is None else buffer_kib << 10)
     finally:
         undo_term()
@@ -67,11 +77,14 @@ def init(
     for path in written:
         console.print(f"  {escape(path.name)}", soft_wrap=True)
     console.print("  trust/ (public trust anchors), public/, run/, state/ (one private directory per party)")
+    if m is not None:
+        console.print(escape(f"job {m.digest_hex()}: each holder approves it with `gputravel job approve {manifest} "
+                             "--holder-config holder-NAME.toml`"), soft_wrap=True)
     console.print(escape("start each party with `gputravel serve ROLE --config FILE` (docs/deploy.md)"), soft_wrap=True)
 
 
 def serve_command(
-    role: Role = typer.Argument(..., help="Which party this service is: host, gpu, holder or orchestrator."),
+    role: Role = typer.Argument(..., help="Which party this service is: host, gpu, holder, orchestrator or broker."),
     config: Path = typer.Option(..., "--config", help="That party's TOML file, written by `gputravel cohort init`."),
 ) -> None:
     """Run one party in the foreground until SIGTERM or SIGINT (the orchestrator: until its job ends)."""

@@ -25,13 +25,14 @@ from gputravel.orchestrator.cvm import OrchestratorConfig
 from gputravel.protocol.layout import MIB, PAGE, Layout
 from gputravel.train.job import TrainConfig
 
-__all__ = ["GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
+__all__ = ["BrokerService", "GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
            "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "host_party",
            "load_service", "orchestrator_engine_config", "orchestrator_party", "public_file",
-           "quoting_socket", "validate_service", "PARTIES", "MAX_SOCKET_PATH", "ORCHESTRATOR"]
+           "quoting_socket", "validate_service", "BROKER", "PARTIES", "MAX_SOCKET_PATH", "ORCHESTRATOR"]
 
-PARTIES = ("host", "gpu", "orchestrator", "holder")
+PARTIES = ("host", "gpu", "orchestrator", "holder", "broker")
 ORCHESTRATOR = "orchestrator"
+BROKER = "broker"  # the key broker's party (broker/, standing for Trustee/KBS)
 ORCHESTRATOR_PATTERN = r"^orchestrator(-[1-9][0-9]{0,2})?$"  # orchestrator_party's names
 HEX64_PATTERN = r"^([0-9a-f]{64})?$"
 NAME_PATTERN = f"^{MEMBER_NAME.pattern}$"  # the members' own rule (crypto/pki.py)
@@ -44,6 +45,10 @@ def _absolute(value: str) -> str:
     if not os.path.isabs(value):
         raise ValueError(f"an absolute path, got {value!r}")
     return value
+
+
+def _absolute_or_none(value: str) -> str:
+    return _absolute(value) if value else value
 
 
 def _power_of_two(value: int) -> int:
@@ -242,6 +247,12 @@ class OrchestratorService(_Service):
     ranks_host: str = "127.0.0.1"
     ranks_port: Annotated[int, Field(ge=0, le=65535)] = 0
     ranks_context: Annotated[str, Field(pattern=HEX64_PATTERN)] = ""
+    # The key broker that seals its checkpoints and model: where it listens, and its identity (P-384
+    # SubjectPublicKeyInfo DER, hex; measured). "": none, so no job with a manifest can run.
+    broker_socket: Annotated[str, AfterValidator(_absolute_or_none), AfterValidator(_fits_socket)] = ""
+    broker_key: Annotated[str, Field(pattern=r"^([0-9a-f]{2}){0,256}$")] = ""
+    # The job manifest its holders approve by digest (canonical JSON, gputravel.manifest); "": the job alone.
+    manifest_json: str = ""
 
     @field_validator("holders")
     @classmethod
@@ -276,6 +287,10 @@ class OrchestratorService(_Service):
     @model_validator(mode="after")
     def _fits(self) -> OrchestratorService:
         _fits_beside("state_dir", "its TDX module's socket", quoting_socket(self.state_dir))
+        if bool(self.broker_socket) != bool(self.broker_key):
+            raise ValueError("broker_socket: expected it with broker_key, or neither (no key broker)")
+        if self.manifest_json:
+            _manifest_admits(self.manifest_json, self.job)
         if self.job.buffer_bytes % self.layout.record_bytes:
             raise ValueError(f"job.buffer_bytes: expected a multiple of layout.record_bytes "
                              f"({self.layout.record_bytes}), got {self.job.buffer_bytes}")
@@ -292,8 +307,21 @@ def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_
         # records have another schema than the job's, are refused.
         tokenizer=cfg.job.tokenizer, schema=cfg.job.record_schema,
         trust_dir=trust_dir, audit_log=os.path.join(cfg.state_dir, AUDIT_LOG), hardware=cfg.hardware,
-        # The [job] table is measured too: a holder's policy pins the job run on its data.
-        job_json=cfg.job.train_config().canonical_json())
+        # The job (and its manifest) go into RTMR[3], which a holder's policy approves by digest.
+        job_json=cfg.job.train_config().canonical_json(), manifest_json=cfg.manifest_json,
+        broker_socket=cfg.broker_socket, broker_key=cfg.broker_key)
+
+
+def _manifest_admits(manifest_json: str, job: JobSection) -> None:
+    """The orchestrator runs the manifest's job and no other (orchestrator/job.py checks it again)."""
+    from gputravel.manifest import JobManifest  # lazy: for configs with a manifest only
+
+    try:
+        differs = JobManifest.from_json(manifest_json).admits(job.train_config())
+    except BadInput as exc:
+        raise ValueError(f"manifest_json: expected a job manifest's JSON: {str(exc).splitlines()[0]}") from None
+    if differs:
+        raise ValueError(f"job: expected the manifest's job; it differs in {', '.join(differs)}")
 
 
 class HolderService(_Service):
@@ -315,6 +343,8 @@ class HolderService(_Service):
     device_timeout: Seconds = 30.0
     layout: LayoutSection
     policy: PolicySection
+    # Sign the release of a job's model to the recipients its approved manifest names (false: decline).
+    sign_release: bool = True
 
     @model_validator(mode="after")
     def _gpu_socket_fits(self) -> HolderService:
@@ -322,7 +352,23 @@ class HolderService(_Service):
         return self
 
 
-ServiceConfig = Union[HostService, GpuService, OrchestratorService, HolderService]
+class BrokerService(_Service):
+    """The key broker: it releases keys only to an orchestrator quoting one of `accepted_measurements`
+    (MRTDs, which cohort init computes as it does the holders' pins), bound to its quoted job."""
+
+    party: Literal["broker"]
+    socket: SocketPath
+    trust_dir: AbsPath  # holds the CPU-TEE quoting root's certificate
+    accepted_measurements: Annotated[list[Annotated[str, Field(pattern=HEX96_PATTERN)]],
+                                     Field(min_length=1, max_length=64)]
+
+    def broker_config(self, state_dir: str) -> dict:
+        """broker/process.py BrokerConfig's keys, its state where the service keeps it."""
+        return {"socket": self.socket, "state_dir": state_dir, "trust_dir": self.trust_dir,
+                "accepted_measurements": list(self.accepted_measurements)}
+
+
+ServiceConfig = Union[HostService, GpuService, OrchestratorService, HolderService, BrokerService]
 _ANY = TypeAdapter(Annotated[ServiceConfig, Field(discriminator="party")])
 
 

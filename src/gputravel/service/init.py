@@ -12,7 +12,9 @@ import shutil
 import socket
 import tomllib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tomli_w
 from pydantic import ValidationError
@@ -22,15 +24,18 @@ from gputravel.attest.provision import REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
 from gputravel.cohort import capacity, isolation, stopping
 from gputravel.cohort.config import RESERVED_TEXT, is_holder_name
+from gputravel.broker.state import IDENTITY_FILE, SECRET_FILE, broker_public_key, broker_secret
 from gputravel.cohort.trust import measure_orchestrator
 from gputravel.orchestrator.job import job_digest
 from gputravel.data.records import RecordSchema, common_schema, is_record_dataset
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
 from gputravel.errors import BadInput
-from gputravel.files import RECORDS, TOKENS, DatasetFormat, atomic_write_bytes
+from gputravel.files import RECORDS, TOKENS, DatasetFormat, atomic_write_bytes, open_plain
 from gputravel.protocol.layout import MIB, record_bytes_for
 from gputravel.service.config import (
+    BROKER,
     ORCHESTRATOR,
+    BrokerService,
     GpuService,
     HolderService,
     HostService,
@@ -48,8 +53,11 @@ from gputravel.service.config import (
 from gputravel.service.registry import VENDOR_DIR, platform_dir, write_registry
 from gputravel.train.schedule import check_shares, partition
 
-__all__ = ["data_bytes", "data_format", "data_schema", "holder_shares", "init_cohort", "job_tokenizer",
-           "write_service"]
+if TYPE_CHECKING:
+    from gputravel.manifest import JobManifest
+
+__all__ = ["Approvals", "carry_broker_state", "data_bytes", "data_format", "data_schema", "holder_shares", "init_cohort",
+           "job_tokenizer", "write_service"]
 
 VRAM_MARGIN = 64 * MIB  # the GPU's memory beyond the dataset buffer, as the supervisor gives it
 
@@ -133,7 +141,7 @@ def _check_gpus(gpus: int, holders: int, buffer_bytes: int) -> None:
     """--gpus within this machine: one block of uids, each GPU's VRAM populated at boot, a holder per GPU at least."""
     if holders > capacity.MAX_HOLDERS:
         raise BadInput(f"--holder: a cohort has at most {capacity.MAX_HOLDERS} holders, not {holders}")
-    most = min(holders, (isolation.BLOCK - 1 - holders) // len(_PER_GPU))  # _uids: base + 1 onwards
+    most = min(holders, (isolation.BLOCK - 2 - holders) // len(_PER_GPU))  # _uids: base + 1 onwards, a broker
     if type(gpus) is not int or not 1 <= gpus <= most:
         raise BadInput(f"--gpus must be between 1 and {most}: each GPU travels to a share of the {holders} holder"
                        f"{'s' if holders != 1 else ''}, and the parties share a block of {isolation.BLOCK} uids, "
@@ -214,8 +222,24 @@ def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
     return issuers
 
 
+@dataclass(frozen=True)
+class Approvals:
+    """The job's manifest (issue 28), which holders' policies approve its digest, and which decline
+    to sign its release. A real deployment approves none here: each holder runs `gputravel job approve`."""
+
+    manifest: JobManifest | None = None
+    approvers: tuple[str, ...] | None = None  # None: every holder without a manifest, none with one
+    declines: tuple[str, ...] = ()
+
+    def approves(self, holder: str) -> bool:
+        if self.approvers is None:
+            return self.manifest is None  # the job alone has no manifest to review and approve
+        return holder in self.approvers
+
+
 def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], job: JobSection,
-             ports: list[int], shares: list[list[str]], hardware: str = "emulated") -> list[tuple[Path, ServiceConfig]]:
+             ports: list[int], shares: list[list[str]], hardware: str = "emulated",
+             approvals: Approvals = Approvals()) -> list[tuple[Path, ServiceConfig]]:
     """Every party's config, a stack per GPU; `ports`: each orchestrator's listener, then rank 0's for the ranks."""
     run, state = d / "run", d / "state"
     layout = LayoutSection(record_bytes=_record_bytes(job.buffer_bytes))
@@ -224,6 +248,9 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
     uid = _uids(gpus, [n for n, _ in holders])
     ranks = {"shares": shares, "ranks_port": ports[gpus], "ranks_context": os.urandom(32).hex()} if gpus > 1 else {}
     gpu_of = {name: k for k, share in enumerate(shares) for name in share}
+    # The key broker: every orchestrator trusts its identity (measured), and asks it on its socket.
+    broker = {"broker_socket": str(run / "broker.sock"), "broker_key": broker_public_key(state / BROKER),
+              "manifest_json": approvals.manifest.to_json() if approvals.manifest is not None else ""}
     out: list[tuple[Path, ServiceConfig]] = []
     for k in range(gpus):
         host, orch_name = host_party(k), orchestrator_party(k)
@@ -240,24 +267,29 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
             gpu_link_socket=str(run / f"gpu-{k}.sock"), boot_lock=str(run / f"gpu-{k}.lock"), listen_port=ports[k],
             holders=list(shares[k]), layout=layout, job=job if k == 0 else job.model_copy(
                 update={"run_dir": str(d / f"run-dir-{k}")}),
-            uid=uid[orch_name], tdx_uid=uid[_tdx(k)], hardware=hardware, rank=k, **ranks, **shared)))
+            uid=uid[orch_name], tdx_uid=uid[_tdx(k)], hardware=hardware, rank=k, **ranks, **broker, **shared)))
     # What each holder pins: the orchestrators' code and configuration (placement and job left out),
     # one measurement for every rank, which the ranks check in one another's quotes too; and what it
-    # approves: the [job] table's digest, which every rank extends into its RTMR[3].
+    # approves: the job's digest (its manifest's, if any), which every rank extends into its RTMR[3].
     engines = [orchestrator_engine_config(o, pki_dir="", trust_dir="") for _, o in out
                if isinstance(o, OrchestratorService)]
     measured = {measure_orchestrator(e).hex() for e in engines}
     jobs = {job_digest(e).hex() for e in engines}
     if len(measured) != 1 or len(jobs) != 1:
         raise AssertionError(f"the ranks' orchestrators measure differently: {sorted(measured)}, jobs {sorted(jobs)}")
-    policy = PolicySection(orchestrator_measurements=sorted(measured), approved_jobs=sorted(jobs),
-                           gpu_driver_versions=sorted({i.driver_version for i in issuers}))
+    out.append((d / f"{BROKER}.toml", BrokerService(
+        party=BROKER, cohort_dir=str(d), state_dir=str(state / BROKER), socket=broker["broker_socket"],
+        trust_dir=shared["trust_dir"], accepted_measurements=sorted(measured), uid=uid[BROKER])))
+    drivers = sorted({i.driver_version for i in issuers})
+    eval_share = {"eval_share": approvals.manifest.evaluation.share} if approvals.manifest is not None else {}
     for name, data in holders:
         k = gpu_of[name]  # the one GPU this holder serves: its host route, lock and orchestrator
+        policy = PolicySection(orchestrator_measurements=sorted(measured), gpu_driver_versions=drivers,
+                               approved_jobs=sorted(jobs) if approvals.approves(name) else [])
         out.append((d / f"holder-{name}.toml", HolderService(
             party="holder", cohort_dir=str(d), name=name, state_dir=str(state / f"holder-{name}"),
             host_socket=str(run / f"{host_party(k)}.sock"), boot_lock=str(run / f"gpu-{k}.lock"), data=data,
-            format=data_format(data),
+            format=data_format(data), sign_release=name not in approvals.declines, **eval_share,
             orchestrator=orchestrator_party(k), orchestrator_port=ports[k], layout=layout, policy=policy,
             uid=uid[f"holder-{name}"], hardware=hardware, **shared)))
     return out
@@ -273,7 +305,7 @@ def _tdx(rank: int) -> str:
 def _uids(gpus: int, holders: list[str]) -> dict[str, int]:
     """One account per party when init runs as root; -1 otherwise: each runs as whoever starts its service."""
     parties = [*(p for k in range(gpus) for p in (host_party(k), orchestrator_party(k), _tdx(k))),
-               *(f"gpu-{k}" for k in range(gpus)), *(f"holder-{n}" for n in holders)]
+               *(f"gpu-{k}" for k in range(gpus)), *(f"holder-{n}" for n in holders), BROKER]
     if not isolation.decide(None)[0]:
         return dict.fromkeys(parties, -1)
     base = isolation.allocate_block()
@@ -283,9 +315,13 @@ def _uids(gpus: int, holders: list[str]) -> dict[str, int]:
 def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gpus: int = 1,
                 steps: int | None = None, buffer_bytes: int | None = None,
                 job: Mapping[str, object] | None = None, hardware: str = "emulated",
-                shares: Sequence[Sequence[str]] | None = None) -> list[Path]:
+                shares: Sequence[Sequence[str]] | None = None, manifest: JobManifest | None = None,
+                approve: Sequence[str] | None = None, decline: Sequence[str] = (),
+                broker_from: str | Path | None = None) -> list[Path]:
     """Write a new cohort directory; its config files. `job`: the [job] table beyond steps and buffer
-    (train/job.py's defaults; the data fixes the tokenizer); `shares`: each GPU's holders (None: balanced)."""
+    (train/job.py's defaults; the data fixes the tokenizer); `shares`: each GPU's holders (None: balanced).
+    `manifest`: the job's, which the holders in `approve` approve here (None: all without a manifest, none
+    with one) and those in `decline` decline to sign; `broker_from`: a key broker state to carry on."""
     d = Path(directory).resolve()
     if d.exists() and (not d.is_dir() or any(d.iterdir())):
         raise BadInput(f"{d} exists and is not an empty directory; cohort init writes a new one")
@@ -298,6 +334,7 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         raise BadInput(f"--steps: expected a positive integer, got {steps!r}")
     if buffer_bytes is not None:
         _record_bytes(buffer_bytes)
+    approvals = _approvals(manifest, [n for n, _ in checked], approve, decline, gpus)
     tokenizer, schema = job_tokenizer(checked), data_schema(checked)
     overrides = {k: v for k, v in (("steps", steps), ("buffer_bytes", buffer_bytes)) if v is not None}
     # The data fixes the tokenizer, and the schema of records (where the job has the key for it).
@@ -314,12 +351,13 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
             (d / sub).mkdir(parents=True)
         os.chmod(d / "run", 0o1777)  # each party binds its own socket here; sticky: none removes another's
         for party in (*(p for k in range(gpus) for p in (host_party(k), f"gpu-{k}", orchestrator_party(k))),
-                      *(f"holder-{n}" for n, _ in checked)):
+                      *(f"holder-{n}" for n, _ in checked), BROKER):
             _private_dir(d / "state" / party)
+        _broker_state(d / "state" / BROKER, broker_from)
         issuers = _provision(d, gpus)
         _open_to_parties(d)
         try:
-            configs = _configs(d, checked, issuers, section, ports, split, hardware)
+            configs = _configs(d, checked, issuers, section, ports, split, hardware, approvals)
         except ValidationError as exc:  # a path the schema refuses: a socket path too long for D
             raise explain_built(exc, str(d)) from None
         written = [write_service(path, cfg) for path, cfg in configs]
@@ -330,6 +368,61 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         with stopping.uninterrupted():  # a second signal cannot leave the undoing half done
             _undo(d, made)
         raise
+
+
+def _approvals(manifest: JobManifest | None, holders: list[str], approve: Sequence[str] | None,
+               decline: Sequence[str], gpus: int) -> Approvals:
+    """The issue-28 options checked against the cohort: BadInput naming the holder or key at fault."""
+    for flag, names in (("--approve", approve or ()), ("--decline", decline)):
+        unknown = [n for n in names if n not in holders]
+        if unknown:
+            raise BadInput(f"{flag} {unknown[0]}: not a holder of this cohort ({', '.join(holders)})")
+    if manifest is not None:
+        if gpus > 1:
+            raise BadInput("--gpus: a job with a manifest trains on one GPU (its release gathers every holder's "
+                           f"signature in one orchestrator), got {gpus}")
+        strangers = [n for n in manifest.release.holders if n not in holders]
+        if strangers:
+            raise BadInput(f"manifest: release.holders names {strangers[0]!r}, not a holder of this cohort "
+                           f"({', '.join(holders)})")
+    return Approvals(manifest, None if approve is None else tuple(approve), tuple(decline))
+
+
+def _broker_state(state: Path, carried: str | Path | None) -> None:
+    """The key broker's secret and identity: carried on from `carried` (a resumed run reopens its
+    sealed checkpoint only with the same keys), else made here, once."""
+    if carried is not None:
+        for name in (SECRET_FILE, IDENTITY_FILE):
+            src = Path(carried) / name
+            if os.path.lexists(src):
+                _copy_private(src, state / name)
+    broker_secret(state)
+    broker_public_key(state)
+
+
+def carry_broker_state(state: Path, dest: Path) -> None:
+    """Keep the broker's secret and identity in `dest` (0700, files 0600) for a later run to carry on."""
+    dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+    dest.chmod(0o700)
+    for name in (SECRET_FILE, IDENTITY_FILE):
+        _copy_private(state / name, dest / name)
+
+
+def _copy_private(src: Path, dest: Path) -> None:
+    """A key file copied as a plain file (no link followed), 0600 from its first byte."""
+    try:
+        with os.fdopen(open_plain(src), "rb") as f:
+            data = f.read(1 << 16)
+    except OSError as exc:
+        raise BadInput(f"{src}: cannot read the key broker's state ({exc.strerror or exc})") from None
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, dest)
 
 
 def _undo(d: Path, made: bool) -> None:

@@ -93,7 +93,7 @@ def _serve_holder_once(cfg: HolderService, pki: Path, trust: Path, home: Path, s
               "layout": cfg.layout.to_layout(), "dataset_format": cfg.format, "trust_dir": str(trust),
               "eval_share": cfg.eval_share, "eval_seed": cfg.eval_seed,
               "probe_at_boot": lock is not None, "hardware": cfg.hardware, "device_timeout": cfg.device_timeout,
-              "self_sign": name}
+              "sign_release": cfg.sign_release, "self_sign": name}
     child = PartyChild("holder", config, uid=cfg.uid, home=home)
     try:
         ready = child.ready(BOOT_TIMEOUT)
@@ -163,7 +163,9 @@ def serve_orchestrator(cfg: OrchestratorService, stop: Stopping) -> int:
     state = private_dir(cfg.state_dir)
     own_state(state, cfg.uid)
     gpu = cfg.gpu_link_socket
-    wait_for_sockets(name, {"the host": cfg.host_socket, "the GPU": gpu}, stop)
+    # A job with a manifest seals its checkpoints with the key broker's keys: it waits for the broker too.
+    broker = {"the key broker": cfg.broker_socket} if cfg.manifest_json else {}
+    wait_for_sockets(name, {"the host": cfg.host_socket, "the GPU": gpu, **broker}, stop)
     (Path(cfg.public_dir) / public_file(name, DONE_FILE)).unlink(missing_ok=True)  # a job under way again (resumed)
     lock = _hold_boot_lock(name, cfg.boot_lock, stop)  # held for our whole life: later holders join late
     with as_party(cfg.uid):  # inside the orchestrator's own tree: as the orchestrator

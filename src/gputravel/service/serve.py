@@ -13,7 +13,8 @@ from pathlib import Path
 from gputravel.attest.provision import GpuIssuer
 from gputravel.errors import BadInput
 from gputravel.protocol.control import Certified, Enroll
-from gputravel.service.config import GpuService, HolderService, HostService, check_before_start, load_service
+from gputravel.service.config import (BrokerService, GpuService, HolderService, HostService, check_before_start,
+                                      load_service)
 from gputravel.service.members import serve_holder, serve_orchestrator
 from gputravel.service.party import (BOOT_TIMEOUT, PartyChild, Stopping, as_party, log, own_state, private_dir,
                                      unix_listening, wait_for)
@@ -31,7 +32,8 @@ def serve(role: str, config_path: Path) -> int:
         bind(cfg, party_name(cfg))  # the party cohort init made, or nothing is touched
         check_before_start(cfg)
         stop = Stopping()
-        run = {"host": serve_host, "gpu": serve_gpu, "holder": serve_holder, "orchestrator": serve_orchestrator}[role]
+        run = {"host": serve_host, "gpu": serve_gpu, "holder": serve_holder, "orchestrator": serve_orchestrator,
+               "broker": serve_broker}[role]
         return run(cfg, stop)
     except (Exception, KeyboardInterrupt) as exc:
         log(name, "failed", kind=type(exc).__name__, why=str(exc))
@@ -71,6 +73,18 @@ def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
                         lambda child, msg: _certify_firmware(child, vendor, msg), serial=cfg.serial, link=cfg.link_socket)
 
 
+def serve_broker(cfg: BrokerService, stop: Stopping) -> int:
+    """The key broker (broker/process.py) under its own account: its secret and identity, which cohort
+    init made, stay in its state directory; it ends when this service closes its link."""
+    state = private_dir(cfg.state_dir)
+    if os.path.exists(cfg.socket) and not unix_listening(cfg.socket):
+        os.unlink(cfg.socket)  # a stale socket from a broker that died; a live one is refused at bind
+    home = private_dir(state / "home")
+    own_state(state, cfg.uid)
+    return _serve_child("broker", "key-broker", cfg.broker_config(str(state)), cfg.uid, home, stop,
+                        stop_by="close", socket=cfg.socket, accepted=len(cfg.accepted_measurements))
+
+
 def _certify_firmware(child: PartyChild, vendor: Path, msg: Enroll) -> None:
     if msg.name != "device" or not GpuIssuer.exists(vendor):
         raise BadInput(f"the GPU asked to be certified, but its vendor material at {vendor} is gone")
@@ -80,9 +94,10 @@ def _certify_firmware(child: PartyChild, vendor: Path, msg: Enroll) -> None:
 
 
 def _serve_child(party: str, role: str, config: dict, uid: int, home: Path, stop: Stopping,
-                 certify: Callable[[PartyChild, Enroll], None] | None = None, **up: object) -> int:
+                 certify: Callable[[PartyChild, Enroll], None] | None = None, stop_by: str = "terminate",
+                 **up: object) -> int:
     """Start the party's process, then serve until a signal (a clean stop: 0) or it ends (its status)."""
-    child = PartyChild(role, config, stop_by="terminate", uid=uid, home=home)
+    child = PartyChild(role, config, stop_by=stop_by, uid=uid, home=home)
     try:
         child.ready(BOOT_TIMEOUT, None if certify is None else lambda msg: certify(child, msg))
         log(party, "up", **up)

@@ -17,7 +17,7 @@ from gputravel.holder.cvm import Dataset, manifest_piece_bytes
 from gputravel.holder.log_key import read_log_key
 from gputravel.orchestrator.audit import AuditError, Entry, Failure, mismatched_chunks, verify_log
 from gputravel.protocol.manifest import chunk_digest
-from gputravel.service.config import (AUDIT_LOG, STATUS_FILE, GpuService, HolderService, HostService, OrchestratorService,
+from gputravel.service.config import (AUDIT_LOG, BROKER, STATUS_FILE, BrokerService, GpuService, HolderService, HostService, OrchestratorService,
                                       ServiceConfig, gpu_socket, host_party, orchestrator_party, public_file)
 from gputravel.service.party import as_party
 from gputravel.service.registry import bind
@@ -38,6 +38,8 @@ def party_name(cfg: ServiceConfig) -> str:
         return f"holder-{cfg.name}"
     if isinstance(cfg, HostService):
         return host_party(cfg.index)
+    if isinstance(cfg, BrokerService):
+        return BROKER
     return orchestrator_party(cfg.rank)
 
 
@@ -66,6 +68,8 @@ def _tcp_listening(port: int) -> bool:
 
 def _services(cfg: ServiceConfig) -> dict[str, str]:
     bound = _bound_unix_paths()
+    if isinstance(cfg, BrokerService):  # on no host route: the orchestrator asks it on its own socket
+        return {BROKER: "up" if _unix_up(cfg.socket, bound) else "down"}
     host_sock = cfg.socket if isinstance(cfg, HostService) else cfg.host_socket
     up: dict[str, bool | None] = {"host": _unix_up(host_sock, bound)}  # this party's host route; None: remote
     if isinstance(cfg, GpuService):
