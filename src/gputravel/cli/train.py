@@ -12,6 +12,7 @@ from rich.console import Group
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
 
 from gputravel.cohort.capacity import MAX_BUFFER_MIB, MIB, check_buffer
@@ -81,11 +82,16 @@ def training_job(
     gpus: int = typer.Option(1, help="GPUs (data-parallel ranks, one orchestrator CVM each); each travels to its share of the holders."),
     servers: bool = typer.Option(False, help="With --gpus: each GPU on an emulated server of its own (network namespaces; needs root), the ranks joined by shaped links."),
     server_mbit: Optional[float] = typer.Option(None, help="With --servers: cap of each server's link to the others, Mbit/s (default uncapped)."),
+    release_to: list[str] = typer.Option([], "--release-to", help="NAME=PUBFILE: release the model to this recipient (NAME.pub from `gputravel model keygen`) once a quorum of holders signs; repeatable. Without it the model stays sealed. One GPU, travelling or baseline loader only: with --gpus > 1 or --loader local the job runs without a manifest."),
+    quorum: Optional[int] = typer.Option(None, help="How many holders must sign the release (k of n; default a majority)."),
+    decline: list[str] = typer.Option([], "--decline", help="HOLDER: this holder declines to sign the release (repeatable)."),
+    manifest: Optional[Path] = typer.Option(None, help="Run this job manifest (`gputravel job init`) instead of one built from these options; its job must be this demo's."),
 ) -> None:
     """Train a workload (GPT-2 by default) on the holders' data, fed by a travelling GPU.
 
-    A local cohort runs (host, GPU, orchestrator, holders as processes); the orchestrator trains
-    on each chunk the GPU brings back from a holder."""
+    A local cohort runs (host, GPU, orchestrator, holders, key broker as processes); the orchestrator
+    trains on each chunk the GPU brings back from a holder. On one GPU the job runs under a manifest
+    every holder approves: checkpoints and model sealed, the model released by a quorum of holders."""
     from gputravel.jobs.training import (  # lazy: torch, about a second, which the other commands do without
         TrainingJobConfig, check_capacity, default_holders, run_training_job)
 
@@ -107,7 +113,7 @@ def training_job(
                           **(_script(script, workload, bool(holder_data)) if script else workload_job(workload))),  # BadInput naming the flag
         holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
-        servers=servers, server_mbit=server_mbit)
+        servers=servers, server_mbit=server_mbit, **_release_options(release_to, quorum, decline, manifest))
     check_capacity(cfg)
     make_output_dir(out, "--run-dir")  # last, as it creates the directory: writable before the run
     names = ", ".join(n for n, _ in cfg.holders)
@@ -129,6 +135,29 @@ def training_job(
         report = run_training_job(cfg, on_step=lambda e: view.update(e, live))
     _summary(report, out)
     write_results(json_path, report, "report also")
+
+
+def _release_options(release_to: list[str], quorum: Optional[int], decline: list[str],
+                     manifest: Optional[Path]) -> dict:
+    """TrainingJobConfig's issue-28 fields from the demo's flags (BadInput naming the flag)."""
+    from gputravel.manifest import load_manifest  # lazy: pydantic models, as the job's
+
+    return {"release_to": tuple(_recipient(item) for item in release_to), "quorum": quorum,
+            "decline": tuple(decline), "manifest": load_manifest(manifest) if manifest is not None else None}
+
+
+def _recipient(item: str):
+    """--release-to NAME=PUBFILE: a recipient and its raw X25519 key (`gputravel model keygen`'s NAME.pub)."""
+    from gputravel.manifest import Recipient
+    from gputravel.release.keys import load_public_key
+
+    name, sep, file = item.partition("=")
+    if not sep or not name or not file:
+        raise BadInput(f"--release-to takes NAME=PUBFILE (NAME.pub from `gputravel model keygen`), got {item!r}")
+    try:
+        return Recipient.of(name, load_public_key(Path(file)))
+    except BadInput as exc:
+        raise BadInput(f"--release-to {name}: {str(exc).splitlines()[0]}") from None
 
 
 class _LiveView:
@@ -205,5 +234,25 @@ def _summary(report: dict, out: Path) -> None:
                       else f"[yellow]process isolation OFF[/yellow]: {iso['reason']}")
     files = ", ".join(p.name for p in sorted(out.iterdir()) if p.is_file())
     console.print(f"run directory {out}: {files}")
+    _release_summary(report)
+
+
+def _release_summary(report: dict) -> None:
+    """Who signed the release, who declined, and where the model is (never a key)."""
+    job, release = report.get("manifest"), report.get("release")
+    if not job or not isinstance(release, dict):
+        return
+    console.print(f"job {job['digest'][:16]}... approved by every holder; {len(release['signed'])} of "
+                  f"{len(job['holders'])} signed the release (quorum {job['quorum']}): {', '.join(release['signed']) or 'none'}")
+    for name, why in sorted(release["declined"].items()):
+        console.print(f"  {escape(name)} declined: {escape(why)}")
+    files = release.get("files", {})
+    if release.get("released_to") and "release" in files:
+        names = ", ".join(release["released_to"])
+        console.print(f"model released to {names}: {escape(files['release'])}")
+        console.print(escape(f"open it with: gputravel model open {files['release']} --key NAME.key --out model.pt"))
+    elif "sealed" in files:
+        why = "the manifest keeps it sealed" if job["model"] == "sealed" else "short of the quorum"
+        console.print(f"model sealed to the orchestrator ({why}): {escape(files['sealed'])}")
 
 

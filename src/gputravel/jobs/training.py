@@ -26,6 +26,7 @@ from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.data.tokenizer import KNOWN
 from gputravel.errors import BadInput, number_in
 from gputravel.files import MISSING, RECORDS, TOKENS, atomic_write_bytes, not_data, write_json
+from gputravel.manifest import JobManifest, Outputs, Recipient
 from gputravel.net.tc import MAX_BANDWIDTH_MBIT
 from gputravel.protocol.hardware import hardware_profile
 from gputravel.protocol.layout import layout_for, manifest_piece_bytes
@@ -47,6 +48,13 @@ class TrainingJobConfig:
     # by a shaped link through a switch (cohort/gpus.py), capped at server_mbit (None: uncapped).
     servers: bool = False
     server_mbit: float | None = None
+    # Issue 28 (one GPU, the travelling or baseline loader): the job's manifest, else one built from
+    # these: the model released to `release_to` (else kept sealed) once `quorum` holders sign (None:
+    # a majority); the holders in `decline` decline to sign.
+    manifest: JobManifest | None = None
+    release_to: tuple[Recipient, ...] = ()
+    quorum: int | None = None
+    decline: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         hardware_profile(self.hardware)  # BadInput for an unknown profile
@@ -62,6 +70,28 @@ class TrainingJobConfig:
             why = not_data(path)
             if why is not None:
                 raise BadInput(f"data of holder {name!r} ({path}) {'not found' if why == MISSING else why}")
+        self._check_release()
+
+    def _check_release(self) -> None:
+        given = [flag for flag, on in (("--manifest", self.manifest is not None), ("--release-to", self.release_to),
+                                       ("--quorum", self.quorum is not None), ("--decline", self.decline)) if on]
+        if given and not self.sealed:
+            raise BadInput(f"{given[0]}: a job with a manifest runs on one GPU with the travelling or baseline "
+                           "loader (no --gpus, no --loader local)")
+        if self.manifest is not None and (self.release_to or self.quorum is not None):
+            raise BadInput(f"{'--release-to' if self.release_to else '--quorum'}: --manifest names the recipients "
+                           "and the quorum itself")
+        names = [n for n, _ in self.holders]
+        if self.quorum is not None and not 1 <= self.quorum <= len(names):
+            raise BadInput(f"--quorum: expected 1 to {len(names)} (the holders who may sign), got {self.quorum}")
+        strangers = [n for n in self.decline if n not in names]
+        if strangers:
+            raise BadInput(f"--decline {strangers[0]}: not a holder of this job ({', '.join(names)})")
+
+    @property
+    def sealed(self) -> bool:
+        """Whether this job runs with a manifest: its checkpoints and model sealed, released by quorum."""
+        return self.gpus == 1 and self.train.loader != "local"
 
 
 def check_capacity(cfg: TrainingJobConfig) -> None:
@@ -137,6 +167,29 @@ def resolve(cfg: TrainingJobConfig) -> TrainingJobConfig:
     return replace(cfg, train=cfg.train.replace(tokenizer=name, vocab_size=KNOWN[name].vocab_size))
 
 
+def job_manifest(cfg: TrainingJobConfig) -> JobManifest | None:
+    """The manifest the job runs under (None: without one); `cfg` resolved, so the data fixed its schema."""
+    if not cfg.sealed:
+        return None
+    if cfg.manifest is not None:
+        differs = cfg.manifest.admits(cfg.train)
+        if differs:
+            raise BadInput(f"--manifest: its job is not this demo's: it differs in {', '.join(differs)}")
+        return cfg.manifest
+    names = [n for n, _ in cfg.holders]
+    t = cfg.train
+    outputs = Outputs(model="release" if cfg.release_to else "sealed", checkpoints="sealed", metrics=True,
+                      samples=not t.records and t.sample_tokens > 0)  # GPT-2's sample: text it generates
+    return JobManifest.for_job(t, holders=names, quorum=len(names) // 2 + 1 if cfg.quorum is None else cfg.quorum,
+                               recipients=cfg.release_to, outputs=outputs)
+
+
+def broker_dir(run_dir: Path) -> Path:
+    """Where the demo keeps its key broker's secret and identity: beside the run directory, never in
+    it (the host may read the run directory), so a --resume reopens the sealed checkpoint."""
+    return run_dir.parent / f"{run_dir.name}.broker"
+
+
 def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None] | None = None) -> dict:
     check_capacity(cfg)
     cfg = resolve(cfg)
@@ -161,10 +214,17 @@ def _run_services(cfg: TrainingJobConfig, run_dir: Path, on_step, shares=None) -
     logs = [_audit_paths(run_dir, f"gpu-{k}-" if shares is not None else "") for k in range(cfg.gpus)]
     _checkpoint(cfg, run_dir)  # --resume with no checkpoint: said before anything starts
     relay = None if on_step is None else (lambda row: on_step(StepEvent(**row)))
+    manifest = job_manifest(cfg)
+    sealed = {} if manifest is None else {"manifest": manifest, "decline": cfg.decline,
+                                          "broker_dir": broker_dir(run_dir.absolute())}
     with ServiceLaunch(cfg.holders, cfg.train.to_dict(), run_dir, audit_log=logs[0][0], certificate=logs[0][1],
                        hardware=cfg.hardware, resume=cfg.resume, gpus=cfg.gpus, shares=shares,
-                       rank_audit=logs) as cohort:
+                       rank_audit=logs, **sealed) as cohort:
         report = cohort.train(relay)
+        if manifest is not None:
+            report["manifest"] = {"digest": manifest.digest_hex(), "quorum": manifest.release.quorum,
+                                  "holders": list(manifest.release.holders), "model": manifest.outputs.model}
+            _files_here(report, run_dir)
         if shares is not None:
             report["ranks"] = _rank_rows(shares, cohort.rank_reports, logs)
         report["isolation"] = cohort.isolation()
@@ -172,6 +232,13 @@ def _run_services(cfg: TrainingJobConfig, run_dir: Path, on_step, shares=None) -
         report["servers"] = None
     report["hardware"] = hardware_profile(cfg.hardware).to_json()
     return report
+
+
+def _files_here(report: dict, run_dir: Path) -> None:
+    """The release's files as the user's run directory holds them (the service wrote them in its own)."""
+    release = report.get("release")
+    if isinstance(release, dict) and isinstance(release.get("files"), dict):
+        release["files"] = {k: str(run_dir / Path(v).name) for k, v in release["files"].items()}
 
 
 def _rank_rows(shares, reports: list[dict], logs: list[tuple[Path, Path]]) -> list[dict]:

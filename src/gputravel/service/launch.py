@@ -18,14 +18,18 @@ import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gputravel.processes import Children
 from gputravel.cohort import isolation, stopping
 from gputravel.data.tokenizer import RECORD_NAME
 from gputravel.errors import BadInput, PeerTimeout, RemoteError
 from gputravel.files import atomic_write, copy_plain, open_plain, read_plain
-from gputravel.service.config import AUDIT_LOG, host_party, orchestrator_party
-from gputravel.service.init import init_cohort
+from gputravel.service.config import AUDIT_LOG, BROKER, host_party, orchestrator_party
+from gputravel.service.init import carry_broker_state, init_cohort
+
+if TYPE_CHECKING:
+    from gputravel.manifest import JobManifest
 
 __all__ = ["ServiceLaunch", "StepRow"]
 
@@ -37,8 +41,11 @@ MAX_METRICS_READ = 4 << 20  # of metrics.csv a poll reads at most (the rest, the
 MAX_METRICS_LINE = 1 << 16  # of one metrics.csv row: a longer line is read in pieces, none of them a row
 MAX_REPORT_BYTES = 64 << 20
 MAX_COPY_BYTES = 16 << 30  # a run directory file larger than any checkpoint of ours is not copied back
-# What the orchestrator's run directory gives back to the user's (train/rundir.py), no more.
-RUN_FILES = ("checkpoint.pt", "metrics.csv", "report.json", "loss.png", "eval.png", "sample.txt")
+# What the orchestrator's run directory gives back to the user's (train/rundir.py), no more; with a
+# manifest the checkpoint and model.sealed are sealed, model.release is sealed to the recipients
+# (orchestrator/release.py SEALED_MODEL, RELEASE_FILE).
+RUN_FILES = ("checkpoint.pt", "metrics.csv", "report.json", "loss.png", "eval.png", "sample.txt", "model.sealed",
+             "model.release")
 PREFIX = "gputravel-services-"
 # A step's row in metrics.csv (train/loop.StepEvent): the type of each column.
 STEP_COLUMNS: Mapping[str, type] = {"step": int, "loss": float, "tokens_per_s": float, "holder": str, "travels": int,
@@ -48,13 +55,19 @@ StepRow = dict  # one metrics.csv row, typed by STEP_COLUMNS
 
 
 class ServiceLaunch:
-    """A local cohort of services on `gpus` GPUs; `rank_audit`: where each rank's log and certificate go."""
+    """A local cohort of services on `gpus` GPUs; `rank_audit`: where each rank's log and certificate go.
+    `manifest`: the job's, approved for the holders in `approve` (None: all), signed by all but `decline`;
+    `broker_dir`: where the key broker's secret and identity outlive the cohort (a resume reopens with them)."""
 
     def __init__(self, holders: Sequence[tuple[str, str]], job: Mapping[str, object], run_dir: Path, *,
                  audit_log: Path, certificate: Path, hardware: str = "emulated", resume: bool = False,
                  workdir: str | None = None, gpus: int = 1, shares: Sequence[Sequence[str]] | None = None,
-                 rank_audit: Sequence[tuple[Path, Path]] = ()) -> None:
+                 rank_audit: Sequence[tuple[Path, Path]] = (), manifest: JobManifest | None = None,
+                 approve: Sequence[str] | None = None, decline: Sequence[str] = (),
+                 broker_dir: Path | None = None) -> None:
         self.holders, self.job, self.run_dir, self.resume = list(holders), dict(job), Path(run_dir), resume
+        self.manifest, self.decline, self.broker_dir = manifest, tuple(decline), broker_dir
+        self.approve = [n for n, _ in self.holders] if approve is None else list(approve)
         self.hardware, self.workdir = hardware, workdir
         self.gpus, self.shares = gpus, None if shares is None else [list(s) for s in shares]
         self.rank_audit = list(rank_audit) or [(audit_log, certificate)]
@@ -93,16 +106,23 @@ class ServiceLaunch:
         return Path(self._orchestrator["job"]["run_dir"])
 
     def start(self) -> None:
-        """Init, stage in, then host, GPU, holders (each probes the GPU in turn: paper 4.1), orchestrator."""
+        """Init, stage in, then the key broker, host, GPU, holders (each probes the GPU in turn: paper 4.1),
+        orchestrator."""
         stopping.sweep(self.workdir, PREFIX)  # what a launcher killed outright left: its keys among it
         self.dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=self.workdir))
         stopping.claim(self.dir)
         if isolation.decide(None)[0]:
             os.chmod(self.dir, 0o711)  # each party's account reaches its own files by path
         holders = [(name, self._reachable(name, path)) for name, path in self.holders]
-        init_cohort(self.cohort, holders, job=self.job, hardware=self.hardware, gpus=self.gpus, shares=self.shares)
+        carried = self.broker_dir if self.broker_dir is not None and self.broker_dir.is_dir() else None
+        init_cohort(self.cohort, holders, job=self.job, hardware=self.hardware, gpus=self.gpus, shares=self.shares,
+                    manifest=self.manifest, approve=self.approve, decline=self.decline, broker_from=carried)
+        if self.broker_dir is not None:  # kept before anything runs: a run killed now resumes with it
+            carry_broker_state(Path(self._config(BROKER)["state_dir"]), self.broker_dir)
         self._hand_copies()
         self._stage_in()
+        self._serve(BROKER)  # before the orchestrator, which asks it for its keys
+        self._await(BROKER, "up")
         for k in range(self.gpus):
             self._serve(host_party(k))
         for k in range(self.gpus):
