@@ -238,3 +238,23 @@ def test_a_model_above_one_wire_frame_is_released_too(pki, certs, ca, recipients
     assert open_release(blob, recipients["lab"])[1] == big
     with pytest.raises(ProtocolError, match="not a gputravel release file"):
         read_release(blob[:-1])
+
+
+def test_signatures_count_under_a_deployments_pinned_certificates_whichever_comes_first(
+        tmp_path: Path, statement: ReleaseStatement) -> None:
+    """On the services each member signs its own certificate and the orchestrator pins the holders';
+    its ca.pem starts with its own (the review found every signature judged against that one)."""
+    from gputravel.crypto.pki import self_signed_member
+    from gputravel.release.seal import anchors
+
+    for n in ("orchestrator", *HOLDERS, "eve"):
+        (tmp_path / n).mkdir(mode=0o700)
+    pems = {n: self_signed_member(tmp_path / n, n) for n in ("orchestrator", *HOLDERS)}
+    bundle = pems["orchestrator"] + b"".join(pems[h] for h in HOLDERS)
+    keys = {h: (tmp_path / h / f"{h}.key").read_bytes() for h in HOLDERS}
+    sigs = [sign_release(statement, h, keys[h]) for h in HOLDERS]
+    certificates = {h: der(pems[h]) for h in HOLDERS}
+    assert check_signatures(statement, sigs, HOLDERS, certificates, anchors(bundle)) == sorted(HOLDERS)
+    assert check_signatures(statement, sigs, HOLDERS, certificates, anchors(bundle)[:1]) == []  # the bug
+    stranger = self_signed_member(tmp_path / "eve", "alice")  # another key under alice's name, not pinned
+    assert check_signatures(statement, sigs[:1], HOLDERS, {"alice": der(stranger)}, anchors(bundle)) == []

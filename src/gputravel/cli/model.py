@@ -13,7 +13,7 @@ from gputravel.cli.output import Commands, check_output_file, console, named_sub
 from gputravel.errors import BadInput
 from gputravel.files import read_plain
 from gputravel.release import ReleaseFile, keygen as make_keys, load_private_key, open_release, read_release
-from gputravel.release.seal import MAX_RELEASE_BYTES, ca_der
+from gputravel.release.seal import MAX_RELEASE_BYTES, anchors
 
 model_app = typer.Typer(no_args_is_help=True, cls=Commands, callback=named_subcommand,
                         help="The released model: recipients' keys, and opening a release sealed to them.")
@@ -44,7 +44,7 @@ def _print_statement(release: ReleaseFile, ca: Path | None) -> None:
         console.print("[yellow]signatures not checked: pass --ca with the cohort CA's certificate to check "
                       "them[/yellow]")
         return
-    counted = release.counted(ca_der(_read(ca, "--ca", MAX_CA_BYTES)))
+    counted = release.counted(anchors(_read(ca, "--ca", MAX_CA_BYTES)))
     if len(counted) < release.quorum:
         raise BadInput(f"only {len(counted)} of the release's signatures ({', '.join(counted) or 'none'}) verify "
                        f"under the cohort CA {ca}: below its quorum of {release.quorum}")

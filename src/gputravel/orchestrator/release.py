@@ -18,7 +18,7 @@ from gputravel.manifest import JobManifest
 from gputravel.protocol.codec import decode, encode
 from gputravel.protocol.travel import JobResults, ReleaseDeclined, ReleaseSigned
 from gputravel.release import ReleaseRefused, ReleaseSignature, ReleaseStatement, seal_release, signature_verdicts
-from gputravel.release.seal import ca_der
+from gputravel.release.seal import anchors
 
 if TYPE_CHECKING:
     from gputravel.orchestrator.travel_log import TravelLog
@@ -52,7 +52,7 @@ class Ending:
 
     manifest: JobManifest
     job_digest: bytes
-    ca_pem: bytes  # the cohort CA: a signature counts only from a certificate it issued
+    ca_pem: bytes  # the anchors its measurement binds: a signature counts only under a certificate they issued
     seal_model: Sealing  # broker/seal.py Sealer for purpose "model"
     timeout: float
     kept: Kept  # what the run directory may hold meanwhile
@@ -83,7 +83,7 @@ def end_job(ending: Ending, weights: bytes, metrics: dict[str, dict[str, float]]
         return out
     try:
         blob = seal_release(weights, statement, [s for s in signatures if s.holder in counted], m.release.quorum,
-                            holders=m.release.holders, certificates=certificates, ca_cert_der=ca_der(ending.ca_pem))
+                            holders=m.release.holders, certificates=certificates, ca_cert_der=anchors(ending.ca_pem))
     except ReleaseRefused as exc:
         log.warning("release refused: %s", exc)
         return out
@@ -126,7 +126,7 @@ def _counted(statement: ReleaseStatement, signatures: list[ReleaseSignature], ce
              ending: Ending, travel_log: TravelLog | None) -> list[str]:
     """The holders whose signature of exactly `statement` verifies, each logged as it is counted."""
     verdicts = signature_verdicts(statement, signatures, ending.manifest.release.holders, certificates,
-                                  ca_der(ending.ca_pem))
+                                  anchors(ending.ca_pem))
     counted = []
     for holder, why in verdicts:
         if why:

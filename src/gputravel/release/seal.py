@@ -18,7 +18,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from gputravel.errors import BadInput, IntegrityError, ProtocolError
 from gputravel.protocol.codec import MAX_FRAME_BYTES, Message, decode, encode
 from gputravel.release.keys import raw_public
-from gputravel.release.statement import ReleaseSignature, ReleaseStatement, check_signatures, require_quorum
+from gputravel.release.statement import (Anchors, ReleaseSignature, ReleaseStatement, check_signatures,
+                                         require_quorum)
 
 SUITE = hpke.Suite(hpke.KEM.X25519, hpke.KDF.HKDF_SHA256, hpke.AEAD.AES_256_GCM)
 DATA_KEY_BYTES, NONCE_BYTES = 32, 12
@@ -55,14 +56,14 @@ class ReleaseFile(Message, tag="release.file"):
     def signers(self) -> tuple[str, ...]:
         return tuple(s.holder for s in self.signatures)
 
-    def counted(self, ca_cert_der: bytes) -> list[str]:
+    def counted(self, ca_cert_der: Anchors) -> list[str]:
         """The signers whose signature verifies under the certificate stored, issued by this CA."""
         return check_signatures(self.statement, self.signatures, self.certificates, self.certificates, ca_cert_der)
 
 
 def seal_release(model_bytes: bytes, statement: ReleaseStatement, signatures: Iterable[ReleaseSignature],
                  quorum: int, *, holders: Iterable[str], certificates: Mapping[str, bytes],
-                 ca_cert_der: bytes) -> bytes:
+                 ca_cert_der: Anchors) -> bytes:
     """The release file for `model_bytes` (the state_dict file as torch.save wrote it), or
     ReleaseRefused with fewer than `quorum` valid signatures of distinct holders in `holders`."""
     if not isinstance(statement, ReleaseStatement):
@@ -119,6 +120,15 @@ def open_release(blob: bytes, private_key: X25519PrivateKey) -> tuple[ReleaseSta
     if hashlib.sha384(model).digest() != statement.model_sha384:
         raise IntegrityError("the released model is not the one its statement names")
     return statement, model
+
+
+def anchors(pem: bytes) -> tuple[bytes, ...]:
+    """Every certificate of a ca.pem (the cohort CA, or a deployment's pinned certificates), as DER."""
+    try:
+        certs = x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        raise BadInput("the trust anchors are not PEM certificates") from None
+    return tuple(c.public_bytes(serialization.Encoding.DER) for c in certs)
 
 
 def ca_der(pem_or_der: bytes) -> bytes:

@@ -1,11 +1,13 @@
 """What a holder signs to release the model: exactly (model SHA-384, job digest, recipients), and how
 signatures count towards the manifest's quorum. A holder signs with the P-384 key of its TLS
-certificate in the cohort PKI; a signature counts only if that certificate is the cohort CA's."""
+certificate in the cohort PKI; a signature counts only if that certificate is issued by one of the
+anchors the orchestrator trusts (the cohort CA, or on the deployed services the holders' pinned
+self-signed certificates), which its measurement binds."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -91,14 +93,26 @@ def sign_release(statement: ReleaseStatement, holder_name: str, key: ec.Elliptic
     return ReleaseSignature(holder=holder_name, statement=digest, signature=key.sign(_signed(digest), _ECDSA))
 
 
-def _holder_key(holder: str, der: bytes | None, ca: x509.Certificate) -> ec.EllipticCurvePublicKey | str:
+Anchors = bytes | Sequence[bytes]  # one trust anchor's DER, or several (a deployment's pinned certificates)
+
+
+def _issued(cert: x509.Certificate, anchor: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(anchor)  # a pinned self-signed certificate is its own issuer
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+def _holder_key(holder: str, der: bytes | None, anchors: Sequence[x509.Certificate]) -> ec.EllipticCurvePublicKey | str:
     """The holder's P-384 key from its cohort certificate, or why the certificate does not count."""
     if der is None:
         return "no certificate of this holder"
     try:
         cert = x509.load_der_x509_certificate(der)
-        cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature):
+    except (ValueError, TypeError):
+        return "its certificate is not issued by the cohort CA"
+    if not any(_issued(cert, a) for a in anchors):
         return "its certificate is not issued by the cohort CA"
     names = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
     if names != [holder]:
@@ -111,12 +125,16 @@ def _holder_key(holder: str, der: bytes | None, ca: x509.Certificate) -> ec.Elli
 
 def signature_verdicts(statement: ReleaseStatement, signatures: Iterable[ReleaseSignature],
                        holders: Iterable[str], certificates: Mapping[str, bytes],
-                       ca_cert_der: bytes) -> list[tuple[str, str | None]]:
-    """(holder, None) for each signature that counts, (holder, why not) for each that does not."""
+                       ca_cert_der: Anchors) -> list[tuple[str, str | None]]:
+    """(holder, None) for each signature that counts, (holder, why not) for each that does not;
+    `ca_cert_der`: the anchor, or anchors, a holder's certificate must be issued by."""
+    ders = [ca_cert_der] if isinstance(ca_cert_der, bytes) else list(ca_cert_der)
     try:
-        ca = x509.load_der_x509_certificate(ca_cert_der)
+        ca = [x509.load_der_x509_certificate(d) for d in ders]
     except (ValueError, TypeError):
         raise BadInput("the cohort CA certificate is not DER") from None
+    if not ca:
+        raise BadInput("no trust anchor to count signatures under")
     digest, allowed = statement.digest(), frozenset(holders)
     seen: set[str] = set()  # holders counted so far: a second signature of one holder does not count
     verdicts: list[tuple[str, str | None]] = []
@@ -128,7 +146,7 @@ def signature_verdicts(statement: ReleaseStatement, signatures: Iterable[Release
 
 
 def _verdict(sig: ReleaseSignature, digest: bytes, allowed: frozenset[str], seen: set[str],
-             certificates: Mapping[str, bytes], ca: x509.Certificate) -> str | None:
+             certificates: Mapping[str, bytes], ca: Sequence[x509.Certificate]) -> str | None:
     if sig.holder not in allowed:
         return "not a holder the manifest lets sign"
     if sig.holder in seen:
@@ -147,7 +165,7 @@ def _verdict(sig: ReleaseSignature, digest: bytes, allowed: frozenset[str], seen
 
 
 def check_signatures(statement: ReleaseStatement, signatures: Iterable[ReleaseSignature], holders: Iterable[str],
-                     certificates: Mapping[str, bytes], ca_cert_der: bytes) -> list[str]:
+                     certificates: Mapping[str, bytes], ca_cert_der: Anchors) -> list[str]:
     """The distinct holders, of those named in `holders`, whose signature of `statement` is valid under
     their cohort certificate (`certificates`: name -> DER, issued by the CA `ca_cert_der`), sorted."""
     return sorted(h for h, why in signature_verdicts(statement, signatures, holders, certificates, ca_cert_der)
@@ -156,7 +174,7 @@ def check_signatures(statement: ReleaseStatement, signatures: Iterable[ReleaseSi
 
 def require_quorum(statement: ReleaseStatement, signatures: Iterable[ReleaseSignature], quorum: int,
                    holders: Iterable[str], certificates: Mapping[str, bytes],
-                   ca_cert_der: bytes) -> tuple[ReleaseSignature, ...]:
+                   ca_cert_der: Anchors) -> tuple[ReleaseSignature, ...]:
     """The signatures that count, one per signer, if at least `quorum`; else ReleaseRefused naming
     each signature that did not count and why."""
     holders = tuple(holders)
