@@ -139,7 +139,7 @@ def test_the_orchestrators_run_directory_is_bound_too(cohort: Path, tmp_path: Pa
 def test_a_config_of_a_party_init_never_made_is_refused(cohort: Path, tmp_path: Path) -> None:
     bad = _changed(cohort / "holder-a.toml", tmp_path / "c.toml",
                    lambda c: c.update(name="c", state_dir=str(cohort / "state" / "holder-c")))
-    _refused(cohort, "holder", bad, "no party 'holder-c' in the cohort's registry (it has gpu-0, holder-a, holder-b")
+    _refused(cohort, "holder", bad, "no party 'holder-c' in the cohort's registry (it has broker, gpu-0, holder-a, holder-b")
 
 
 def test_the_tunable_keys_stay_free_and_each_config_init_wrote_binds(cohort: Path, tmp_path: Path) -> None:

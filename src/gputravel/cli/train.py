@@ -20,6 +20,8 @@ from gputravel.errors import BadInput, number_in
 from gputravel.protocol.control import STEPS
 from gputravel.cli.hardware import hardware_option
 from gputravel.cli.output import check_output_dir, check_output_file, console, fail, make_output_dir, write_results
+from gputravel.manifest import Recipient, load_manifest
+from gputravel.release.keys import load_public_key
 from gputravel.train.job import WORKLOADS, TrainConfig
 
 JOB = TrainConfig()  # the options' defaults are the job's (train/job.py)
@@ -140,17 +142,12 @@ def training_job(
 def _release_options(release_to: list[str], quorum: Optional[int], decline: list[str],
                      manifest: Optional[Path]) -> dict:
     """TrainingJobConfig's issue-28 fields from the demo's flags (BadInput naming the flag)."""
-    from gputravel.manifest import load_manifest  # lazy: pydantic models, as the job's
-
     return {"release_to": tuple(_recipient(item) for item in release_to), "quorum": quorum,
             "decline": tuple(decline), "manifest": load_manifest(manifest) if manifest is not None else None}
 
 
-def _recipient(item: str):
+def _recipient(item: str) -> Recipient:
     """--release-to NAME=PUBFILE: a recipient and its raw X25519 key (`gputravel model keygen`'s NAME.pub)."""
-    from gputravel.manifest import Recipient
-    from gputravel.release.keys import load_public_key
-
     name, sep, file = item.partition("=")
     if not sep or not name or not file:
         raise BadInput(f"--release-to takes NAME=PUBFILE (NAME.pub from `gputravel model keygen`), got {item!r}")
