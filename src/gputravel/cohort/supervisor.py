@@ -26,6 +26,8 @@ from gputravel.cohort.links import CohortLinks, resolve_link
 from gputravel.cohort.placement import Placement
 from gputravel.cohort.broker import KEY as KEY_BROKER, BrokerLaunch
 from gputravel.cohort.quoting import KEY as TDX_MODULE, QuotingLaunch
+from gputravel.orchestrator.release import anchors_digest
+from gputravel.release.seal import anchors
 from gputravel.cohort.trust import CohortTrust, certify_device, pin_orchestrator, provision_cohort_trust
 from gputravel.crypto.pki import CohortCa
 from gputravel.processes import Children
@@ -139,7 +141,9 @@ class Supervisor:
                         "trust_dir": place.path(self.trust.orchestrator_dir), **self._device_timeout(), **self._hardware(),
                         "audit_log": audit or place.path(self.audit_log_path), "job_json": cfg.job_json,
                         "manifest_json": cfg.manifest_json, "broker_socket": self._broker.socket,
-                        "broker_key": self._broker.public_key}
+                        "broker_key": self._broker.public_key,
+                        # What its holders' certificates chain to: bound, so release signatures count under it only.
+                        "anchors_sha384": anchors_digest(anchors(self._ca.cert_pem))}
         return orchestrator, quoting
 
     def _boot_gpu_side(self, orchestrator: dict, quoting: QuotingLaunch) -> int:

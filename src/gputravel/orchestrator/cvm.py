@@ -73,6 +73,10 @@ class OrchestratorConfig:
     # its identity (P-384 SubjectPublicKeyInfo, hex; measured: a broker of another key is refused).
     broker_socket: str = ""
     broker_key: str = ""
+    # SHA-384 of the trust anchors its holders' certificates chain to (orchestrator/release.py
+    # anchors_digest; "": unbound). Measured: a job with a manifest counts release signatures only
+    # under them, so an operator's own CA for invented holders is another measurement.
+    anchors_sha384: str = ""
 
 
 class Listener(Protocol):

@@ -26,7 +26,7 @@ from gputravel.errors import BadInput, GputravelError
 from gputravel.orchestrator.cvm import NAME, Orchestrator, OrchestratorConfig
 from gputravel.orchestrator.job import job_digest
 from gputravel.orchestrator.membership import ORCHESTRATOR_COMMANDS, Membership
-from gputravel.orchestrator.release import Ending, end_job
+from gputravel.orchestrator.release import Ending, anchors_digest, end_job, holder_anchors
 from gputravel.protocol.control import (
     AwaitHolders,
     DoBaseline,
@@ -170,6 +170,11 @@ def _ending(orch: Orchestrator, cmd: Train, cfg: Any) -> Ending | None:
     from gputravel.train.rundir import Kept  # lazy: torch, for training only
 
     manifest, digest = JobManifest.from_json(config.manifest_json), job_digest(config)
+    pki = CohortPki.load(config.pki_dir)
+    held = holder_anchors(pki.ca_pem, pki.member(NAME).cert_pem)
+    if not config.anchors_sha384 or anchors_digest(held) != config.anchors_sha384:
+        raise BadInput("the trust anchors in this orchestrator's pki directory are not the ones its measurement "
+                       "binds (anchors_sha384): release signatures would count under someone else's")
 
     def sealer(purpose: str) -> Sealer:
         # Quoted through the attester: only once RTMR[3] holds the job, which the key is bound to.
@@ -179,8 +184,7 @@ def _ending(orch: Orchestrator, cmd: Train, cfg: Any) -> Ending | None:
     checkpoints = manifest.outputs.checkpoints == "sealed"
     kept = Kept(metrics=manifest.outputs.metrics, checkpoints=checkpoints,
                 sealer=sealer("checkpoint") if checkpoints else None, weights=True)
-    return Ending(manifest, digest, CohortPki.load(config.pki_dir).ca_pem, sealer("model"), config.holder_timeout,
-                  kept)
+    return Ending(manifest, digest, held, sealer("model"), config.holder_timeout, kept)
 
 
 def _metrics(report: dict[str, Any]) -> dict[str, dict[str, float]]:

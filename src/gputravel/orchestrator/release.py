@@ -7,6 +7,7 @@ key), so it can be released later without training again.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,17 @@ SEALED_MODEL = "model.sealed"  # the model, sealed to this orchestrator's measur
 RELEASE_FILE = "model.release"  # the model, sealed to the manifest's recipients after the quorum
 
 
+def anchors_digest(ders: list[bytes] | tuple[bytes, ...]) -> str:
+    """The hex SHA-384 of a set of trust anchors (DER certificates, self-delimiting), in any order."""
+    return hashlib.sha384(b"".join(sorted(ders))).hexdigest()
+
+
+def holder_anchors(ca_pem: bytes, own_cert_pem: bytes) -> tuple[bytes, ...]:
+    """The anchors of a ca.pem but our own certificate (a deployed member pins itself there too)."""
+    own = set(anchors(own_cert_pem))
+    return tuple(d for d in anchors(ca_pem) if d not in own)
+
+
 @dataclass
 class Outcome:
     """How the release went, for the report: names and counts, never a key."""
@@ -52,7 +64,7 @@ class Ending:
 
     manifest: JobManifest
     job_digest: bytes
-    ca_pem: bytes  # the anchors its measurement binds: a signature counts only under a certificate they issued
+    anchors: tuple[bytes, ...]  # DER, bound by its measurement: a signature counts only under a certificate they issued
     seal_model: Sealing  # broker/seal.py Sealer for purpose "model"
     timeout: float
     kept: Kept  # what the run directory may hold meanwhile
@@ -83,7 +95,7 @@ def end_job(ending: Ending, weights: bytes, metrics: dict[str, dict[str, float]]
         return out
     try:
         blob = seal_release(weights, statement, [s for s in signatures if s.holder in counted], m.release.quorum,
-                            holders=m.release.holders, certificates=certificates, ca_cert_der=anchors(ending.ca_pem))
+                            holders=m.release.holders, certificates=certificates, ca_cert_der=ending.anchors)
     except ReleaseRefused as exc:
         log.warning("release refused: %s", exc)
         return out
@@ -126,7 +138,7 @@ def _counted(statement: ReleaseStatement, signatures: list[ReleaseSignature], ce
              ending: Ending, travel_log: TravelLog | None) -> list[str]:
     """The holders whose signature of exactly `statement` verifies, each logged as it is counted."""
     verdicts = signature_verdicts(statement, signatures, ending.manifest.release.holders, certificates,
-                                  anchors(ending.ca_pem))
+                                  ending.anchors)
     counted = []
     for holder, why in verdicts:
         if why:

@@ -1,0 +1,43 @@
+"""The anchors a manifest job counts release signatures under are the ones its measurement binds
+(the hostile review of issue 28: an operator relaunched the same measured orchestrator with a CA of
+its own and met the quorum with holders it invented)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gputravel.crypto.pki import CohortPki
+from gputravel.errors import BadInput
+from gputravel.manifest import JobManifest, Outputs
+from gputravel.orchestrator.cvm import OrchestratorConfig
+from gputravel.orchestrator.process import _ending
+from gputravel.orchestrator.release import anchors_digest, holder_anchors
+from gputravel.protocol.layout import Layout
+from gputravel.release.seal import anchors
+from gputravel.train.job import TrainConfig
+
+
+def _orchestrator(pki: Path, bound: str) -> SimpleNamespace:
+    job = TrainConfig(steps=2)
+    manifest = JobManifest.for_job(job, holders=["alice", "bob"], quorum=1, outputs=Outputs(model="sealed"))
+    config = OrchestratorConfig(host_socket="", pki_dir=str(pki), layout=Layout(), buffer_bytes=4096,
+                                job_json=job.canonical_json(), manifest_json=manifest.to_json(),
+                                broker_socket="/nonexistent/broker.sock", broker_key="00", anchors_sha384=bound)
+    return SimpleNamespace(config=config, attester=SimpleNamespace(quote=lambda report_data: b""))
+
+
+def test_a_manifest_job_refuses_anchors_other_than_its_measured_ones(tmp_path: Path) -> None:
+    ours = CohortPki.create(tmp_path / "ours", ["orchestrator", "alice", "bob"])
+    theirs = CohortPki.create(tmp_path / "theirs", ["orchestrator", "alice", "bob"])  # the operator's own CA
+    bound = anchors_digest(anchors(ours.ca_pem))
+    cmd, cfg = SimpleNamespace(world_size=1), TrainConfig(steps=2)
+    for pki, why in ((tmp_path / "theirs", "not the ones its measurement binds"), (tmp_path / "ours", "broker")):
+        with pytest.raises(Exception) as err:
+            _ending(_orchestrator(pki, bound), cmd, cfg)
+        assert why in str(err.value)  # ours gets past the anchors, to the (absent) broker
+    with pytest.raises(BadInput, match="measurement binds"):
+        _ending(_orchestrator(tmp_path / "ours", ""), cmd, cfg)  # a manifest job with unbound anchors
+    assert holder_anchors(theirs.ca_pem, theirs.member("orchestrator").cert_pem) == anchors(theirs.ca_pem)
