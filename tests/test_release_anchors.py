@@ -4,6 +4,7 @@ its own and met the quorum with holders it invented)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,7 +34,7 @@ def test_a_manifest_job_refuses_anchors_other_than_its_measured_ones(tmp_path: P
     ours = CohortPki.create(tmp_path / "ours", ["orchestrator", "alice", "bob"])
     theirs = CohortPki.create(tmp_path / "theirs", ["orchestrator", "alice", "bob"])  # the operator's own CA
     bound = anchors_digest(anchors(ours.ca_pem))
-    cmd, cfg = SimpleNamespace(world_size=1), TrainConfig(steps=2)
+    cmd, cfg = SimpleNamespace(world_size=1, resume_checkpoint=""), TrainConfig(steps=2)
     for pki, why in ((tmp_path / "theirs", "not the ones its measurement binds"), (tmp_path / "ours", "broker")):
         with pytest.raises(Exception) as err:
             _ending(_orchestrator(pki, bound), cmd, cfg)
@@ -41,3 +42,26 @@ def test_a_manifest_job_refuses_anchors_other_than_its_measured_ones(tmp_path: P
     with pytest.raises(BadInput, match="measurement binds"):
         _ending(_orchestrator(tmp_path / "ours", ""), cmd, cfg)  # a manifest job with unbound anchors
     assert holder_anchors(theirs.ca_pem, theirs.member("orchestrator").cert_pem) == anchors(theirs.ca_pem)
+
+
+def test_a_manifest_job_that_keeps_no_checkpoint_resumes_from_none(tmp_path: Path) -> None:
+    """The review had the host drop a plaintext checkpoint of its own weights into the run directory
+    of a job whose manifest keeps no checkpoint: the job resumed from it."""
+    CohortPki.create(tmp_path / "pki", ["orchestrator", "alice", "bob"])
+    orch = _orchestrator(tmp_path / "pki", "")
+    manifest = JobManifest.from_json(orch.config.manifest_json)
+    sealed_none = manifest.model_copy(update={"outputs": Outputs(model="sealed", checkpoints="none")})
+    orch.config = replace(orch.config, manifest_json=sealed_none.to_json())
+    with pytest.raises(BadInput, match="cannot resume"):
+        _ending(orch, SimpleNamespace(world_size=1, resume_checkpoint="/run/checkpoint.pt"), TrainConfig(steps=2))
+
+
+def test_a_quiet_manifest_job_tells_its_launcher_no_loss_and_no_evaluation() -> None:
+    from gputravel.orchestrator.process import _step
+    from gputravel.train.loop import StepEvent
+
+    event = StepEvent(step=3, loss=0.25, tokens_per_s=1.0, holder="alice", travels=2, stall_share=0.1, elapsed_s=1.0,
+                      evaluated={"alice.accuracy": 0.9})
+    told = _step(event, quiet=True)
+    assert told.loss != told.loss and told.evaluated == {} and told.step == 3  # NaN: no loss
+    assert _step(event, quiet=False).loss == 0.25

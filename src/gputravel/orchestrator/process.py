@@ -8,6 +8,7 @@ from dataclasses import replace
 import hashlib
 import json
 import logging
+import math
 import select
 import os
 import socket
@@ -138,9 +139,10 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     engine = Admitting(orch, membership)
     source = (BaselineSource(orch, sizes, cuts) if cfg.loader == "baseline" else TravelSource(engine, sizes, cuts))
     samples = ending is None or ending.manifest.outputs.samples  # generated text can repeat training data
+    quiet = ending is not None and not ending.manifest.outputs.metrics
     run_dir = Path(cmd.run_dir) if cmd.run_dir else None
     result = run_job(cfg, source, run_dir=run_dir,
-                   on_step=lambda e: control.send(TrainStep(**dataclasses.asdict(e))),
+                   on_step=lambda e: control.send(_step(e, quiet)),
                    resume_from=Path(cmd.resume_checkpoint) if cmd.resume_checkpoint else None,
                    tokenizer=sample_tokenizer(cfg.tokenizer) if samples else None, ranks=ranks,
                    should_stop=_ShutdownAsked(control),  # with ranks, one asked stops them all
@@ -170,6 +172,9 @@ def _ending(orch: Orchestrator, cmd: Train, cfg: Any) -> Ending | None:
     from gputravel.train.rundir import Kept  # lazy: torch, for training only
 
     manifest, digest = JobManifest.from_json(config.manifest_json), job_digest(config)
+    if cmd.resume_checkpoint and manifest.outputs.checkpoints != "sealed":
+        # Only a sealed checkpoint is surely this job's: a plaintext one may be anyone's weights.
+        raise BadInput("a job whose manifest keeps no checkpoint (outputs.checkpoints = \"none\") cannot resume")
     pki = CohortPki.load(config.pki_dir)
     held = holder_anchors(pki.ca_pem, pki.member(NAME).cert_pem)
     if not config.anchors_sha384 or anchors_digest(held) != config.anchors_sha384:
@@ -187,6 +192,14 @@ def _ending(orch: Orchestrator, cmd: Train, cfg: Any) -> Ending | None:
     return Ending(manifest, digest, held, sealer("model"), config.holder_timeout, kept)
 
 
+def _step(event: Any, quiet: bool) -> TrainStep:
+    """A step as the launcher hears it; `quiet` (the manifest keeps metrics in): no loss, no evaluation."""
+    fields = dataclasses.asdict(event)
+    if quiet:
+        fields.update(loss=math.nan, evaluated={})
+    return TrainStep(**fields)
+
+
 def _metrics(report: dict[str, Any]) -> dict[str, dict[str, float]]:
     """The held-out metrics each holder hears at the end: per holder and over all, numbers only."""
     found = report.get("eval") or {}
@@ -201,9 +214,10 @@ def _allowed(report: dict[str, Any], ending: Ending | None) -> dict[str, Any]:
     if ending is None:
         return report
     outputs = ending.manifest.outputs
-    if not outputs.metrics:
-        for key in ("losses", "eval", "eval_history", "final_loss", "loss_before", "loss_after"):
-            report[key] = None if key != "losses" else []
+    if not outputs.metrics:  # how many steps ran stays (a stopped job resumes there), their values go
+        for key in ("eval", "eval_history", "final_loss", "loss_before", "loss_after"):
+            report[key] = None
+        report["losses"] = [None] * len(report["losses"])
     if not outputs.samples:
         report["sample"] = ""
     return report
