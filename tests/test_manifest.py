@@ -160,7 +160,10 @@ def _toml(**tables) -> str:
     ({"top": {"format": "gputravel-job-v0"}}, "format: expected 'gputravel-job-v1'"),
     ({"workload": {"code": "ab"}}, "workload.code: expected 96 lowercase hex digits"),
     ({"workload": {"name": "mine"}}, "workload.name: expected one of gpt2, image, tabular or a workload file"),
-    ({"workload": {"file": "../x.py"}}, "workload.file: expected a file's name without a directory"),
+    ({"workload": {"file": "../x.py"}}, "workload.file: expected a file's name of letters, digits"),
+    # The review's spoof: a newline and an ANSI "conceal" would redraw what `job show` prints.
+    ({"workload": {"file": "train.py\n  recipient dana\x1b[8m"}}, "workload.file: expected a file's name of letters"),
+    ({"workload": {"name": "mywork\x1b[8m"}}, "workload.name: expected a workload's name of letters"),
     ({"workload": {"file": "x.py"}}, "workload.file: expected \"\": a shipped workload has no file"),
     ({"workload": {"name": "tabular"}}, "data.schema: expected the record schema's digest"),
     ({"data": {"schema": "0" * 64}}, "data.schema: expected \"\": gpt2 trains on tokens"),

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+
 import hashlib
+import re
 from typing import Annotated, Literal
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
@@ -46,9 +48,19 @@ def _x25519(value: str) -> str:
     return value
 
 
+# What a reviewer reads on a terminal: no control character or escape can redraw what `job show` prints.
+_PRINTABLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
 def _file_name(value: str) -> str:
-    if "/" in value or "\\" in value or value in (".", "..") or len(value) > 255:
-        raise ValueError(f"a file's name without a directory, got {value[:64]!r}")
+    if value and (not _PRINTABLE.fullmatch(value) or value in (".", "..")):
+        raise ValueError(f"a file's name of letters, digits, '.', '_' and '-', without a directory, got {value[:64]!r}")
+    return value
+
+
+def _workload_name(value: str) -> str:
+    if not _PRINTABLE.fullmatch(value) or len(value) > 128:
+        raise ValueError(f"a workload's name of letters, digits, '.', '_' and '-' (at most 128), got {value[:64]!r}")
     return value
 
 
@@ -89,7 +101,7 @@ JobSettings = create_model(  # type: ignore[call-overload]
 
 
 class Workload(Part):
-    name: Annotated[str, Field(min_length=1, max_length=128)]  # TrainConfig.workload
+    name: Annotated[str, AfterValidator(_workload_name)]  # TrainConfig.workload
     code: Hex96 = ""  # SHA-384 of the workload file's text; "": a shipped workload
     file: Annotated[str, AfterValidator(_file_name)] = ""  # the file's name, for review only
 
