@@ -283,18 +283,22 @@ def redteam(
     data: RedTeamData = typer.Option(RedTeamData.raw, "--data", help="The holders' datasets: random bytes with "
                                      "markers, or image records (the image workload's digits) with canary images."),
 ) -> None:
-    """Run every attack (paper section 6, and more) against a live local cohort and count the
-    plaintext each attacker obtained. Exits 1 if any attack got plaintext or was not stopped."""
+    """Run every attack (paper section 6, and more) against a live local cohort, then the job rows
+    (issue 28) on cohorts of their own, and count the plaintext each attacker obtained. Exits 1 if
+    any attack got plaintext or was not stopped."""
     # The command line is the red team's only door: no other command loads it (tests/test_architecture.py).
     from gputravel.redteam.arena import Attack, Verdict  # lazy: only `gputravel redteam` loads the red team
+    from gputravel.redteam.jobarena import JobAttack  # lazy: as above
+    from gputravel.redteam.jobs import JOB_ATTACKS  # lazy: as above
     from gputravel.redteam.rows import ATTACKS  # lazy: as above
     from gputravel.redteam.run import print_report, run_redteam  # lazy: as above
 
-    unknown = sorted(set(only or ()) - {a.name for a in ATTACKS})
+    names = [a.name for a in ATTACKS + JOB_ATTACKS]
+    unknown = sorted(set(only or ()) - set(names))
     if unknown:
-        fail(f"unknown attack {', '.join(unknown)}; choose from: {', '.join(a.name for a in ATTACKS)}")
+        fail(f"unknown attack {', '.join(unknown)}; choose from: {', '.join(names)}")
 
-    def show(a: Attack, v: Verdict) -> None:
+    def show(a: Attack | JobAttack, v: Verdict) -> None:
         console.print(f"  {a.name}: {'stopped' if v.stopped else '[red]NOT stopped[/red]'}")
 
     report = run_redteam(only=tuple(only or ()), data=data.value, on_result=show)

@@ -226,8 +226,127 @@ class Failed(Record, tag="failed"):
     what: str
 
 
+# ----------------------------------------------------------------------------- the job rows (issue 28)
+class Refusal(Record, tag="refusal"):
+    """A holder's refusal of an orchestrator at attestation: the claim that failed and its words."""
+
+    template = "{holder} refused the orchestrator at attestation [{claim}]: {said}"
+    holder: str
+    claim: str
+    said: str
+
+
+class JobLog(Record, tag="job-log"):
+    """What one orchestrator's signed travel log holds of its job."""
+
+    approved: tuple[str, ...]  # holders that accepted its attestation of the job
+    travels: int  # chunks copied and verified
+    nbytes: int  # bytes of those chunks
+    signed: tuple[str, ...]
+    released: bool
+
+    def text(self) -> str:
+        approved = ", ".join(self.approved) or "no holder"
+        signed = f"; release signed by {', '.join(self.signed) or 'no holder'}" if self.signed or self.released else ""
+        return (f"travel log: job approved by {approved}; {self.travels} chunks travelled ({self.nbytes} bytes)"
+                f"{signed}{'; model released' if self.released else ''}")
+
+
+class Quoted(Record, tag="quoted"):
+    """A holder's check of a real quote: what RTMR[3] was extended with, which job the evidence named."""
+
+    extended: tuple[str, ...]  # the job digests extended into RTMR[3], in order (hex prefixes)
+    named: str  # the job digest the orchestrator's evidence names (hex prefix)
+    claim: str  # the claim refused ("" if accepted)
+    said: str
+
+    def text(self) -> str:
+        held = " then ".join(f"{d}..." for d in self.extended) or "nothing"
+        seen = f"refused [{self.claim}]: {self.said}" if self.claim else "accepted"
+        return f"RTMR[3] extended with {held}, the evidence naming job {self.named}...: {seen}"
+
+
+class FileRead(Record, tag="file-read"):
+    """A file of the orchestrator's run the host read whole (and searched)."""
+
+    name: str
+    nbytes: int
+    sealed: bool  # a sealed blob (broker/seal.py, or a release file's HPKE)
+    said: str  # why a plaintext reader could not load it ("" if it is no model or checkpoint)
+
+    def text(self) -> str:
+        how = "; sealed" if self.sealed else ""
+        return f"host read {self.name} ({self.nbytes} bytes){how}{f': {self.said}' if self.said else ''}"
+
+
+class Opened(Record, tag="opened"):
+    """A party opening a release or a sealed file with a key of its own."""
+
+    who: str
+    what: str
+    error: str  # the typed error it got ("" if it opened)
+    said: str
+    nbytes: int  # plaintext bytes it got
+
+    def text(self) -> str:
+        got = f"{self.error}: {self.said}" if self.error else f"opened, {self.nbytes} bytes"
+        return f"{self.who} opened {self.what}: {got}"
+
+
+class Released(Record, tag="released"):
+    """How a job's end went, as its report says: names only."""
+
+    run: str
+    signed: tuple[str, ...]
+    declined: tuple[str, ...]
+    released_to: tuple[str, ...]
+    files: tuple[str, ...]  # what the run directory holds
+
+    def text(self) -> str:
+        to = f"released to {', '.join(self.released_to)}" if self.released_to else "NOT released"
+        return (f"{self.run}: signed by {', '.join(self.signed) or 'no holder'}, declined by "
+                f"{', '.join(self.declined) or 'none'}: {to}; run directory: {', '.join(self.files)}")
+
+
+class SealTried(Record, tag="seal-tried"):
+    """seal_release given a statement and signatures: the release file, or its refusal."""
+
+    what: str
+    signatures: int
+    quorum: int
+    error: str
+    said: str
+    nbytes: int  # of the release file made (0: none)
+
+    def text(self) -> str:
+        got = f"{self.error}: {self.said}" if self.error else f"sealed ({self.nbytes} bytes)"
+        return f"{self.what} ({self.signatures} signatures, quorum {self.quorum}): {got}"
+
+
+class Measured(Record, tag="measured"):
+    """An orchestrator's quoted identity: its MRTD and the job in RTMR[3] (hex prefixes)."""
+
+    template = "{run}: orchestrator MRTD {mrtd}..., job {job}..., the key broker of {broker}"
+    run: str
+    mrtd: str
+    job: str
+    broker: str
+
+
+class Resumed(Record, tag="resumed"):
+    """A run resumed from a sealed checkpoint: how it ended."""
+
+    run: str
+    error: str
+    said: str
+
+    def text(self) -> str:
+        return f"{self.run}: resumed" if not self.error else f"{self.run}: resume refused: {self.error}: {self.said}"
+
+
 Evidence = Union[Travel, Baseline, Acted, Logged, Journal, Rejoined, Recovered, Travelled, EpochSkipped, Control,
-                 Searched, Probed, Carried, Tampered, RankStep, SearchedRing, Failed]
+                 Searched, Probed, Carried, Tampered, RankStep, SearchedRing, Failed, Refusal, JobLog, Quoted, FileRead,
+                 Opened, Released, SealTried, Measured, Resumed]
 
 
 def load(records: object) -> list[Evidence]:

@@ -1,7 +1,8 @@
 """Run every attack against one live local cohort (a malicious host, alice, bob and a malicious holder,
 mallory, each holder with a marked dataset), then search each attacker's loot for the other holders'
 markers and samples; print the report, a table for people, JSON for machines. The datasets are raw bytes,
-or image record datasets (``data="records"``: the `image` workload's digits, canary images among them)."""
+or image record datasets (``data="records"``: the `image` workload's digits, canary images among them).
+Then the job rows (issue 28, redteam/jobs.py), on cohorts of their own whose holders hold image records."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gputravel.errors import BadInput, GputravelError, RemoteError
@@ -24,6 +26,8 @@ from gputravel.redteam.arena import ALICE, BOB, MALLORY, Arena, Attack, Verdict
 from gputravel.redteam.canary import SPACING, Found, Needles, make_dataset, make_image_datasets, search
 from gputravel.redteam.cohort import RedTeamCohort
 from gputravel.redteam.evidence import Control, Record, Searched
+from gputravel.redteam.jobarena import JobAttack
+from gputravel.redteam.jobs import JOB_ATTACKS, run_jobs
 from gputravel.redteam.rows import ATTACKS
 
 MIB = 1 << 20
@@ -79,21 +83,27 @@ PREFIX = "gputravel-redteam-"  # of its directory, with the cohort's keys in it
 
 
 def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (), data: str = RAW,
-                on_result: Callable[[Attack, Verdict], None] | None = None) -> RedTeamReport:
+                on_result: Callable[[Attack | JobAttack, Verdict], None] | None = None) -> RedTeamReport:
+    """The arena's rows against one live cohort, then the job rows (redteam/jobs.py) on cohorts of their own."""
     if data not in DATA:
         raise BadInput(f"red-team data is one of {', '.join(DATA)}, not {data!r}")
     chosen = [a for a in ATTACKS if not only or a.name in only]
+    jobs = [a for a in JOB_ATTACKS if not only or a.name in only]
     stopping.sweep(str(workdir) if workdir else None, PREFIX)  # what a red team killed outright left
     tmp = Path(tempfile.mkdtemp(prefix=PREFIX, dir=workdir))
     stopping.claim(tmp)
     try:
-        if data == RECORDS:
-            needles = make_image_datasets(tmp, HOLDERS, DATASET_BYTES)
-        else:
-            needles = {h: make_dataset(dataset_path(tmp, h, data), h, DATASET_BYTES) for h in HOLDERS}
-        run_dir, verdicts = _attack(tmp, chosen, on_result, data)
-        return RedTeamReport(tuple(_judge(a, v, run_dir, needles, tmp, data)
-                                   for a, v in zip(chosen, verdicts, strict=True)))
+        results: list[AttackResult] = []
+        if chosen:
+            if data == RECORDS:
+                needles = make_image_datasets(tmp, HOLDERS, DATASET_BYTES)
+            else:
+                needles = {h: make_dataset(dataset_path(tmp, h, data), h, DATASET_BYTES) for h in HOLDERS}
+            run_dir, verdicts = _attack(tmp, chosen, on_result, data)
+            results += [_judge(a, v, run_dir, needles, tmp, data) for a, v in zip(chosen, verdicts, strict=True)]
+        if jobs:  # always image records: a job trains on them
+            results += [_judge_job(a, v) for a, v in zip(jobs, run_jobs(tmp, jobs, on_result), strict=True)]
+        return RedTeamReport(tuple(results))
     finally:
         stopping.delete(tmp)  # whatever depth the hostile holder nested its own directory to
 
@@ -103,7 +113,7 @@ def dataset_path(tmp: Path, holder: str, data: str) -> Path:
     return tmp / (holder if data == RECORDS else f"{holder}.bin")
 
 
-def _attack(tmp: Path, chosen: list[Attack], on_result: Callable[[Attack, Verdict], None] | None,
+def _attack(tmp: Path, chosen: list[Attack], on_result: Callable[[Attack | JobAttack, Verdict], None] | None,
             data: str) -> tuple[Path, list[Verdict]]:
     verdicts: list[Verdict] = []
     fmt = RECORDS if data == RECORDS else RAW
@@ -166,6 +176,15 @@ def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, N
                         found.scanned_bytes, evidence)
 
 
+def _judge_job(attack: JobAttack, verdict: Verdict) -> AttackResult:
+    """A job row: its verdict, and what it found of the canaries in what its attacker read."""
+    found = verdict.plaintext
+    outcome = "defeated" if verdict.stopped and found.total == 0 else "FAILED"
+    return AttackResult(attack.name, attack.adversary, attack.tried, verdict.stopped_by, found.total, outcome,
+                        found.marker_bytes, found.sample_bytes, found.markers * SPACING, found.scanned_bytes,
+                        verdict.evidence)
+
+
 def _view(attack: Attack, run_dir: Path) -> list[Path]:
     """Everything this attacker read during this attack (the whole run for snoop-everything)."""
     loot = run_dir / "adversary" / "loot"
@@ -201,18 +220,20 @@ def print_report(report: RedTeamReport, console: Console, *, evidence: bool = Fa
                         ("stopped by", {"ratio": 3}), ("plaintext bytes", {"justify": "right"}), ("outcome", {})):
             t.add_column(col, **kw)
         for r in report.attacks:
-            t.add_row(r.name, r.adversary, r.tried, r.stopped_by, str(r.plaintext_bytes_obtained), _outcome(r))
+            t.add_row(r.name, r.adversary, escape(r.tried), escape(r.stopped_by), str(r.plaintext_bytes_obtained),
+                      _outcome(r))
         console.print(t)
     for r in report.attacks:
         if console.width < 150:
             console.print(f"[bold]{r.name}[/bold] ({r.adversary}): {r.plaintext_bytes_obtained} bytes of plaintext "
-                          f"obtained, {_outcome(r)}\n  tried:      {r.tried}\n  stopped by: {r.stopped_by}",
+                          f"obtained, {_outcome(r)}\n  tried:      {escape(r.tried)}\n"
+                          f"  stopped by: {escape(r.stopped_by)}",
                           highlight=False)
         elif evidence:
             console.print(f"[bold]{r.name}[/bold]")
         if evidence:
             for record in r.evidence:
-                console.print(f"  - {record.line()}", highlight=False)
+                console.print(f"  - {escape(record.line())}", highlight=False)  # refusals say [claim]
     n, bad = len(report.attacks), len(report.failed)
     verdict = "[green]every attack defeated, 0 bytes of plaintext obtained[/green]" if not bad else \
         f"[bold red]{bad} of {n} attacks NOT defeated: {', '.join(r.name for r in report.failed)}[/bold red]"
