@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from gputravel.broker.seal import is_sealed
 from gputravel.data.demo_records import demo_holders
 from gputravel.errors import BadInput, RemoteError
-from gputravel.jobs.training import TrainingJobConfig, broker_dir, job_manifest, resolve, run_training_job
+from gputravel.jobs.training import TrainingJobConfig, job_manifest, keys_dir, resolve, run_training_job
 from gputravel.manifest import Recipient
 from gputravel.release import NotARecipient, keygen, load_private_key, open_release
 from gputravel.release.keys import load_public_key
@@ -54,9 +54,6 @@ def _state(blob: bytes) -> dict:
     return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
 
-# Services pin self-signed holder certificates (no cohort CA): the release's signature check takes the
-# orchestrator's ca.pem's first certificate (its own) as "the cohort CA", so no signature counts yet.
-@pytest.mark.xfail(strict=True, reason="release/statement.py: pinned self-signed holder certificates do not count")
 def test_the_demo_releases_the_model_to_alice_after_2_of_3_sign(processes, runs) -> None:
     tmp, _, sealed, key, report, local = runs
     release = report["release"]
@@ -78,15 +75,16 @@ def test_the_run_directory_holds_only_ciphertext_of_the_model(processes, runs) -
     tmp, *_ = runs
     run = tmp / "run"
     assert is_sealed((run / "checkpoint.pt").read_bytes()) and is_sealed((run / "model.sealed").read_bytes())
-    kept = broker_dir(run)  # beside the run directory, never in it
+    kept = keys_dir(run)  # beside the run directory, never in it
     assert kept.parent == run.parent and kept.stat().st_mode & 0o077 == 0
-    assert sorted(p.name for p in kept.iterdir()) == ["broker.key", "broker.secret"]
+    assert sorted(p.name for p in (kept / "broker").iterdir()) == ["broker.key", "broker.secret"]
+    assert sorted(p.name for p in (kept / "holder-holder-1" / "pki").iterdir()) == ["holder-1.key", "holder-1.pem"]
     assert not (run / "sample.txt").exists()
 
 
-# The resumed orchestrator logs each holder's approval as it joins, before the checkpoint's log anchor
-# is checked, so the resume refuses its own fresh log (TravelLogMismatch).
-@pytest.mark.xfail(strict=True, reason="orchestrator/cvm.py: approvals logged before a resume's log anchor")
+# The checkpoint reopens (the same broker and holder keys carried on); then the resumed orchestrator's
+# log already holds each holder's approval, logged as it joined, and refuses the checkpoint's anchor.
+@pytest.mark.xfail(strict=True, reason="orchestrator: approvals logged before a resume's log anchor (TravelLogMismatch)")
 def test_a_killed_demo_resumes_from_its_sealed_checkpoint_with_the_same_losses(processes, runs, tmp_path,
                                                                               kill_orchestrators) -> None:
     _, holders, sealed, _, _, local = runs
@@ -112,7 +110,7 @@ def test_a_holder_that_did_not_approve_the_job_refuses_it_naming_its_digest(proc
     manifest = job_manifest(cfg)
     launch = ServiceLaunch(cfg.holders, cfg.train.to_dict(), tmp_path / "run", audit_log=tmp_path / "a.log",
                            certificate=tmp_path / "o.pem", manifest=manifest, approve=["holder-1", "holder-2"],
-                           broker_dir=tmp_path / "run.broker")
+                           keep_dir=tmp_path / "run.keys")
     with launch:
         log = launch.children.logs["holder-holder-3"]
         deadline = time.monotonic() + 90

@@ -19,7 +19,7 @@ from gputravel.errors import BadInput
 from gputravel.manifest import JobManifest, Outputs, write_manifest
 from gputravel.orchestrator.job import job_digest
 from gputravel.service.config import BrokerService, OrchestratorService, load_service, orchestrator_engine_config
-from gputravel.service.init import init_cohort
+from gputravel.service.init import carry_state, init_cohort
 
 
 @pytest.fixture(autouse=True)
@@ -73,11 +73,16 @@ def test_without_a_manifest_every_holder_approves_the_job_alone(tmp_path: Path) 
     assert orch.manifest_json == "" and load_service(d / "holder-north.toml").policy.approved_jobs == [digest]
 
 
-def test_a_carried_broker_state_keeps_the_broker_key_and_so_the_measurement(tmp_path: Path) -> None:
+def test_carried_keys_keep_the_broker_key_and_holder_anchors_and_so_the_measurement(tmp_path: Path) -> None:
     holders = _holders(tmp_path)
-    first = init_cohort(tmp_path / "D", holders)[0].parent
-    again = init_cohort(tmp_path / "E", holders, broker_from=first / "state" / "broker")[0].parent
-    other = init_cohort(tmp_path / "F", holders)[0].parent
+    m = _manifest(tmp_path, holders)
+    first = init_cohort(tmp_path / "D", holders, manifest=m)[0].parent
+    carry_state(first / "state", tmp_path / "kept", [n for n, _ in holders])
+    assert stat.S_IMODE((tmp_path / "kept").stat().st_mode) == 0o700
+    again = init_cohort(tmp_path / "E", holders, manifest=m, carry=tmp_path / "kept")[0].parent
+    other = init_cohort(tmp_path / "F", holders, manifest=m)[0].parent
+    anchored = [load_service(d / "orchestrator.toml").anchors_sha384 for d in (first, again, other)]
+    assert anchored[0] == anchored[1] != anchored[2] and len(anchored[0]) == 96
     keys = [load_service(d / "orchestrator.toml").broker_key for d in (first, again, other)]
     assert keys[0] == keys[1] != keys[2]
     secrets = [(d / "state" / "broker" / SECRET_FILE).read_bytes() for d in (first, again)]

@@ -184,10 +184,11 @@ def job_manifest(cfg: TrainingJobConfig) -> JobManifest | None:
                                recipients=cfg.release_to, outputs=outputs)
 
 
-def broker_dir(run_dir: Path) -> Path:
-    """Where the demo keeps its key broker's secret and identity: beside the run directory, never in
-    it (the host may read the run directory), so a --resume reopens the sealed checkpoint."""
-    return run_dir.parent / f"{run_dir.name}.broker"
+def keys_dir(run_dir: Path) -> Path:
+    """Where the demo keeps the keys its sealed checkpoint depends on (the key broker's secret and
+    identity, the holders' TLS identities): beside the run directory, never in it (the host may read
+    the run directory), so a --resume reopens the sealed checkpoint."""
+    return run_dir.parent / f"{run_dir.name}.keys"
 
 
 def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None] | None = None) -> dict:
@@ -216,7 +217,7 @@ def _run_services(cfg: TrainingJobConfig, run_dir: Path, on_step, shares=None) -
     relay = None if on_step is None else (lambda row: on_step(StepEvent(**row)))
     manifest = job_manifest(cfg)
     sealed = {} if manifest is None else {"manifest": manifest, "decline": cfg.decline,
-                                          "broker_dir": broker_dir(run_dir.absolute())}
+                                          "keep_dir": keys_dir(run_dir.absolute())}
     with ServiceLaunch(cfg.holders, cfg.train.to_dict(), run_dir, audit_log=logs[0][0], certificate=logs[0][1],
                        hardware=cfg.hardware, resume=cfg.resume, gpus=cfg.gpus, shares=shares,
                        rank_audit=logs, **sealed) as cohort:

@@ -253,6 +253,9 @@ class OrchestratorService(_Service):
     broker_key: Annotated[str, Field(pattern=r"^([0-9a-f]{2}){0,256}$")] = ""
     # The job manifest its holders approve by digest (canonical JSON, gputravel.manifest); "": the job alone.
     manifest_json: str = ""
+    # SHA-384 of its holders' certificates (orchestrator/release.py anchors_digest; measured): release
+    # signatures count only under them. "": unbound, so no job with a manifest runs.
+    anchors_sha384: Annotated[str, Field(pattern=r"^([0-9a-f]{96})?$")] = ""
 
     @field_validator("holders")
     @classmethod
@@ -309,7 +312,7 @@ def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_
         trust_dir=trust_dir, audit_log=os.path.join(cfg.state_dir, AUDIT_LOG), hardware=cfg.hardware,
         # The job (and its manifest) go into RTMR[3], which a holder's policy approves by digest.
         job_json=cfg.job.train_config().canonical_json(), manifest_json=cfg.manifest_json,
-        broker_socket=cfg.broker_socket, broker_key=cfg.broker_key)
+        broker_socket=cfg.broker_socket, broker_key=cfg.broker_key, anchors_sha384=cfg.anchors_sha384)
 
 
 def _manifest_admits(manifest_json: str, job: JobSection) -> None:

@@ -26,6 +26,9 @@ from gputravel.cohort import capacity, isolation, stopping
 from gputravel.cohort.config import RESERVED_TEXT, is_holder_name
 from gputravel.broker.state import IDENTITY_FILE, SECRET_FILE, broker_public_key, broker_secret
 from gputravel.cohort.trust import measure_orchestrator
+from gputravel.crypto.pki import self_signed_member
+from gputravel.orchestrator.release import anchors_digest
+from gputravel.release.seal import anchors
 from gputravel.orchestrator.job import job_digest
 from gputravel.data.records import RecordSchema, common_schema, is_record_dataset
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
@@ -51,12 +54,13 @@ from gputravel.service.config import (
     validate_service,
 )
 from gputravel.service.registry import VENDOR_DIR, platform_dir, write_registry
+from gputravel.service.status import HOLDER_PKI
 from gputravel.train.schedule import check_shares, partition
 
 if TYPE_CHECKING:
     from gputravel.manifest import JobManifest
 
-__all__ = ["Approvals", "carry_broker_state", "data_bytes", "data_format", "data_schema", "holder_shares", "init_cohort",
+__all__ = ["Approvals", "carry_state", "data_bytes", "data_format", "data_schema", "holder_shares", "init_cohort",
            "job_tokenizer", "write_service"]
 
 VRAM_MARGIN = 64 * MIB  # the GPU's memory beyond the dataset buffer, as the supervisor gives it
@@ -237,9 +241,21 @@ class Approvals:
         return holder in self.approvers
 
 
+def _enrol_holders(state: Path, holders: list[tuple[str, str]]) -> str:
+    """Each holder's TLS identity, made in its own state directory as its service would make it at
+    first start, so the orchestrator's measurement can bind the anchors release signatures count
+    under (anchors_sha384); the digest of their certificates."""
+    certs = []
+    for name, _ in holders:
+        pki = state / f"holder-{name}" / HOLDER_PKI
+        pki.mkdir(mode=0o700, exist_ok=True)  # carried on (init_cohort's `carry`), or new
+        certs += anchors(self_signed_member(pki, name))
+    return anchors_digest(certs)
+
+
 def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], job: JobSection,
              ports: list[int], shares: list[list[str]], hardware: str = "emulated",
-             approvals: Approvals = Approvals()) -> list[tuple[Path, ServiceConfig]]:
+             approvals: Approvals = Approvals(), anchored: str = "") -> list[tuple[Path, ServiceConfig]]:
     """Every party's config, a stack per GPU; `ports`: each orchestrator's listener, then rank 0's for the ranks."""
     run, state = d / "run", d / "state"
     layout = LayoutSection(record_bytes=_record_bytes(job.buffer_bytes))
@@ -250,7 +266,8 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
     gpu_of = {name: k for k, share in enumerate(shares) for name in share}
     # The key broker: every orchestrator trusts its identity (measured), and asks it on its socket.
     broker = {"broker_socket": str(run / "broker.sock"), "broker_key": broker_public_key(state / BROKER),
-              "manifest_json": approvals.manifest.to_json() if approvals.manifest is not None else ""}
+              "manifest_json": approvals.manifest.to_json() if approvals.manifest is not None else "",
+              "anchors_sha384": anchored}
     out: list[tuple[Path, ServiceConfig]] = []
     for k in range(gpus):
         host, orch_name = host_party(k), orchestrator_party(k)
@@ -317,11 +334,12 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
                 job: Mapping[str, object] | None = None, hardware: str = "emulated",
                 shares: Sequence[Sequence[str]] | None = None, manifest: JobManifest | None = None,
                 approve: Sequence[str] | None = None, decline: Sequence[str] = (),
-                broker_from: str | Path | None = None) -> list[Path]:
+                carry: str | Path | None = None) -> list[Path]:
     """Write a new cohort directory; its config files. `job`: the [job] table beyond steps and buffer
     (train/job.py's defaults; the data fixes the tokenizer); `shares`: each GPU's holders (None: balanced).
     `manifest`: the job's, which the holders in `approve` approve here (None: all without a manifest, none
-    with one) and those in `decline` decline to sign; `broker_from`: a key broker state to carry on."""
+    with one) and those in `decline` decline to sign; `carry`: the keys of an earlier cohort to carry on,
+    laid out as its state/ (carry_state), so that a sealed checkpoint reopens."""
     d = Path(directory).resolve()
     if d.exists() and (not d.is_dir() or any(d.iterdir())):
         raise BadInput(f"{d} exists and is not an empty directory; cohort init writes a new one")
@@ -353,11 +371,15 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         for party in (*(p for k in range(gpus) for p in (host_party(k), f"gpu-{k}", orchestrator_party(k))),
                       *(f"holder-{n}" for n, _ in checked), BROKER):
             _private_dir(d / "state" / party)
-        _broker_state(d / "state" / BROKER, broker_from)
+        if carry is not None:
+            _copy_keys(Path(carry), d / "state", [n for n, _ in checked])
+        broker_secret(d / "state" / BROKER)  # made here unless carried: the orchestrators' configs name it
+        broker_public_key(d / "state" / BROKER)
+        anchored = _enrol_holders(d / "state", checked) if manifest is not None else ""
         issuers = _provision(d, gpus)
         _open_to_parties(d)
         try:
-            configs = _configs(d, checked, issuers, section, ports, split, hardware, approvals)
+            configs = _configs(d, checked, issuers, section, ports, split, hardware, approvals, anchored)
         except ValidationError as exc:  # a path the schema refuses: a socket path too long for D
             raise explain_built(exc, str(d)) from None
         written = [write_service(path, cfg) for path, cfg in configs]
@@ -388,24 +410,27 @@ def _approvals(manifest: JobManifest | None, holders: list[str], approve: Sequen
     return Approvals(manifest, None if approve is None else tuple(approve), tuple(decline))
 
 
-def _broker_state(state: Path, carried: str | Path | None) -> None:
-    """The key broker's secret and identity: carried on from `carried` (a resumed run reopens its
-    sealed checkpoint only with the same keys), else made here, once."""
-    if carried is not None:
-        for name in (SECRET_FILE, IDENTITY_FILE):
-            src = Path(carried) / name
-            if os.path.lexists(src):
-                _copy_private(src, state / name)
-    broker_secret(state)
-    broker_public_key(state)
+def _kept_files(holders: Sequence[str]) -> list[str]:
+    """The files of a cohort's state/ a sealed checkpoint's key depends on: the broker's secret and
+    identity (measured), and the holders' TLS identities (their anchors are measured)."""
+    return [f"{BROKER}/{SECRET_FILE}", f"{BROKER}/{IDENTITY_FILE}",
+            *(f"holder-{n}/{HOLDER_PKI}/{n}{ext}" for n in holders for ext in (".key", ".pem"))]
 
 
-def carry_broker_state(state: Path, dest: Path) -> None:
-    """Keep the broker's secret and identity in `dest` (0700, files 0600) for a later run to carry on."""
+def _copy_keys(src: Path, dest: Path, holders: Sequence[str]) -> None:
+    for rel in _kept_files(holders):
+        if os.path.lexists(src / rel):
+            for parent in reversed((dest / rel).relative_to(dest).parents[:-1]):
+                (dest / parent).mkdir(mode=0o700, exist_ok=True)
+            _copy_private(src / rel, dest / rel)
+
+
+def carry_state(state: Path, dest: Path, holders: Sequence[str]) -> None:
+    """Keep the keys a sealed checkpoint depends on (_kept_files) in `dest` (0700, files 0600), laid
+    out as `state`, for a later cohort to carry on (init_cohort's `carry`)."""
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     dest.chmod(0o700)
-    for name in (SECRET_FILE, IDENTITY_FILE):
-        _copy_private(state / name, dest / name)
+    _copy_keys(state, dest, holders)
 
 
 def _copy_private(src: Path, dest: Path) -> None:

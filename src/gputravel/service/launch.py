@@ -26,7 +26,7 @@ from gputravel.data.tokenizer import RECORD_NAME
 from gputravel.errors import BadInput, PeerTimeout, RemoteError
 from gputravel.files import atomic_write, copy_plain, open_plain, read_plain
 from gputravel.service.config import AUDIT_LOG, BROKER, host_party, orchestrator_party
-from gputravel.service.init import carry_broker_state, init_cohort
+from gputravel.service.init import carry_state, init_cohort
 
 if TYPE_CHECKING:
     from gputravel.manifest import JobManifest
@@ -57,16 +57,16 @@ StepRow = dict  # one metrics.csv row, typed by STEP_COLUMNS
 class ServiceLaunch:
     """A local cohort of services on `gpus` GPUs; `rank_audit`: where each rank's log and certificate go.
     `manifest`: the job's, approved for the holders in `approve` (None: all), signed by all but `decline`;
-    `broker_dir`: where the key broker's secret and identity outlive the cohort (a resume reopens with them)."""
+    `keep_dir`: where the keys a sealed checkpoint depends on outlive the cohort (a resume reopens with them)."""
 
     def __init__(self, holders: Sequence[tuple[str, str]], job: Mapping[str, object], run_dir: Path, *,
                  audit_log: Path, certificate: Path, hardware: str = "emulated", resume: bool = False,
                  workdir: str | None = None, gpus: int = 1, shares: Sequence[Sequence[str]] | None = None,
                  rank_audit: Sequence[tuple[Path, Path]] = (), manifest: JobManifest | None = None,
                  approve: Sequence[str] | None = None, decline: Sequence[str] = (),
-                 broker_dir: Path | None = None) -> None:
+                 keep_dir: Path | None = None) -> None:
         self.holders, self.job, self.run_dir, self.resume = list(holders), dict(job), Path(run_dir), resume
-        self.manifest, self.decline, self.broker_dir = manifest, tuple(decline), broker_dir
+        self.manifest, self.decline, self.keep_dir = manifest, tuple(decline), keep_dir
         self.approve = [n for n, _ in self.holders] if approve is None else list(approve)
         self.hardware, self.workdir = hardware, workdir
         self.gpus, self.shares = gpus, None if shares is None else [list(s) for s in shares]
@@ -114,11 +114,11 @@ class ServiceLaunch:
         if isolation.decide(None)[0]:
             os.chmod(self.dir, 0o711)  # each party's account reaches its own files by path
         holders = [(name, self._reachable(name, path)) for name, path in self.holders]
-        carried = self.broker_dir if self.broker_dir is not None and self.broker_dir.is_dir() else None
+        carried = self.keep_dir if self.keep_dir is not None and self.keep_dir.is_dir() else None
         init_cohort(self.cohort, holders, job=self.job, hardware=self.hardware, gpus=self.gpus, shares=self.shares,
-                    manifest=self.manifest, approve=self.approve, decline=self.decline, broker_from=carried)
-        if self.broker_dir is not None:  # kept before anything runs: a run killed now resumes with it
-            carry_broker_state(Path(self._config(BROKER)["state_dir"]), self.broker_dir)
+                    manifest=self.manifest, approve=self.approve, decline=self.decline, carry=carried)
+        if self.keep_dir is not None:  # kept before anything runs: a run killed now resumes with them
+            carry_state(Path(self._config(BROKER)["state_dir"]).parent, self.keep_dir, [n for n, _ in holders])
         self._hand_copies()
         self._stage_in()
         self._serve(BROKER)  # before the orchestrator, which asks it for its keys
