@@ -320,7 +320,8 @@ class SealTried(Record, tag="seal-tried"):
 
     def text(self) -> str:
         got = f"{self.error}: {self.said}" if self.error else f"sealed ({self.nbytes} bytes)"
-        return f"{self.what} ({self.signatures} signatures, quorum {self.quorum}): {got}"
+        given = f"{self.signatures} signature{'' if self.signatures == 1 else 's'}"
+        return f"{self.what} ({given} for a quorum of {self.quorum}): {got}"
 
 
 class Measured(Record, tag="measured"):

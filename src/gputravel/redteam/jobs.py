@@ -27,7 +27,8 @@ from gputravel.errors import GputravelError
 from gputravel.orchestrator.release import RELEASE_FILE, SEALED_MODEL
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Verdict
 from gputravel.redteam.canary import Found
-from gputravel.redteam.evidence import Control, FileRead, Measured, Opened, Quoted, Released, Resumed, SealTried
+from gputravel.redteam.evidence import (Control, FileRead, JobLog, Measured, Opened, Quoted, Released, Resumed,
+                                        SealTried)
 from gputravel.redteam.jobarena import JOB_HOLDERS, QUORUM, RECIPIENT, JobArena, JobAttack, edit_one_line, job_row
 from gputravel.release import (NotARecipient, ReleaseRefused, ReleaseSignature, ReleaseStatement, open_release,
                                raw_public, read_release, seal_release)
@@ -296,7 +297,7 @@ def signature_over_other_model(a: JobArena) -> bool:
          "secret) asked the broker for the checkpoint key and resumed from the honest run's sealed checkpoint.pt",
          stopped_by="the key broker derives the checkpoint key from the requester's own quoted MRTD and RTMR[3]: the "
          "foreign orchestrator was granted a key, but another one, and the checkpoint did not open (SealedError); "
-         "nothing was trained from it")
+         "nothing was trained from it, no chunk travelled to it")
 def foreign_resume(a: JobArena) -> bool:
     honest = a.honest
     checkpoint = honest.run_dir / CHECKPOINT
@@ -313,7 +314,9 @@ def foreign_resume(a: JobArena) -> bool:
     foreign = measured.get("foreign")
     other = foreign is not None and foreign.mrtd != honest.measurement.hex()[:16] and foreign.job == \
         a.manifest.digest_hex()[:16]
-    return other and error == "SealedError" and "another orchestrator measurement or job" in said
+    logs = [r for r in a.evidence if isinstance(r, JobLog)]  # the foreign run's: nothing travelled to it
+    untrained = bool(logs) and logs[-1].travels == 0
+    return other and untrained and error == "SealedError" and "another orchestrator measurement or job" in said
 
 
 JOB_ATTACKS: tuple[JobAttack, ...] = (
