@@ -82,9 +82,8 @@ def test_the_run_directory_holds_only_ciphertext_of_the_model(processes, runs) -
     assert not (run / "sample.txt").exists()
 
 
-# The checkpoint reopens (the same broker and holder keys carried on); then the resumed orchestrator's
-# log already holds each holder's approval, logged as it joined, and refuses the checkpoint's anchor.
-@pytest.mark.xfail(strict=True, reason="orchestrator: approvals logged before a resume's log anchor (TravelLogMismatch)")
+# The checkpoint reopens (the same broker and holder keys carried on), and the resumed orchestrator's log
+# continues the checkpoint's: the approvals of the holders that joined it are written after that.
 def test_a_killed_demo_resumes_from_its_sealed_checkpoint_with_the_same_losses(processes, runs, tmp_path,
                                                                               kill_orchestrators) -> None:
     _, holders, sealed, _, _, local = runs

@@ -57,6 +57,9 @@ class TravelLog:
         spki = load_signer(key_pem).public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
         self._signer = hashlib.sha256(spki).hexdigest()  # the key's fingerprint, as a checkpoint records it
         self._followed: LogHead | None = None  # another orchestrator's head this log continues
+        # Approvals seen at joins, written just before the next entry: a resumed job's log must first
+        # say which head it continues (resume), and holders join before that.
+        self._approvals: list[tuple[Note, float]] = []
         self._log = AuditLog.open(path, key_pem, gpu=gpu) if Path(path).exists() else None
 
     def _writer(self) -> AuditLog:
@@ -64,6 +67,9 @@ class TravelLog:
             f = self._followed
             self._log = AuditLog.create(self.path, self._key_pem, gpu=self._gpu, job=f.job if f else None,
                                         after=(f.hash, f.travels) if f else None)
+        approvals, self._approvals = self._approvals, []
+        for note, when in approvals:
+            self._log.note(AuditEvent.APPROVED, note, time=when)
         return self._log
 
     @property
@@ -140,8 +146,9 @@ class TravelLog:
     # Issue 28: what holders approved and signed, and whom the model was released to. Each before the
     # closing entry: a closed log is final, so a release after it needs a new log.
     def approved(self, holder: str, job_digest: bytes) -> None:
-        """Holder `holder` accepted this orchestrator's attestation of the job `job_digest` (RTMR[3])."""
-        self._writer().note(AuditEvent.APPROVED, Note(holder, bytes(job_digest), (), ()), time=time.time())
+        """Holder `holder` accepted this orchestrator's attestation of the job `job_digest` (RTMR[3]):
+        written before the next entry, so before any byte of its data is logged as travelled."""
+        self._approvals.append((Note(holder, bytes(job_digest), (), ()), time.time()))
 
     def release_signed(self, holder: str, statement_digest: bytes) -> None:
         """Holder `holder` signed the release statement of this digest (a valid signature, as counted)."""
