@@ -118,7 +118,7 @@ def test_a_holder_that_did_not_approve_the_job_refuses_it_naming_its_digest(proc
         refused = [json.loads(line) for line in log.read_text().splitlines()
                    if line.startswith("{") and '"event": "refused"' in line]
         text = log.read_text()
-    assert refused and f"job {manifest.digest_hex()[:16]}" in refused[0]["why"], text[-2000:]
+    assert refused and f"job {manifest.digest_hex()};" in refused[0]["why"], text[-2000:]
     assert '"event": "joined"' not in text  # it never joined, so sent nothing
 
 

@@ -58,7 +58,7 @@ class Policy:
         if not isinstance(job_digest, bytes) or len(job_digest) != MEASUREMENT_BYTES \
                 or rtmr[JOB_RTMR] != rtmr_after([job_digest]):
             raise AttestationError("job", f"the quote's RTMR[{JOB_RTMR}] does not match the job the orchestrator names")
-        named = job_digest.hex()[:16] + "..."
+        named = job_digest.hex()  # whole: what `gputravel job approve --digest` takes
         if not self.approved_jobs:
             raise AttestationError("job", f"the orchestrator runs job {named}; this holder approved no job: "
                                           "review its manifest and run `gputravel job approve`")
