@@ -258,3 +258,14 @@ def test_signatures_count_under_a_deployments_pinned_certificates_whichever_come
     assert check_signatures(statement, sigs, HOLDERS, certificates, anchors(bundle)[:1]) == []  # the bug
     stranger = self_signed_member(tmp_path / "eve", "alice")  # another key under alice's name, not pinned
     assert check_signatures(statement, sigs[:1], HOLDERS, {"alice": der(stranger)}, anchors(bundle)) == []
+    # bob's pinned leaf issues a certificate naming alice, for a key of bob's: it does not count.
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from gputravel.crypto.certs import issue_certificate, load_key, subject_name, utc_now
+    forged_key = ec.generate_private_key(ec.SECP384R1())
+    bob_key, bob_cert = load_key(keys["bob"]), x509.load_pem_x509_certificate(pems["bob"])
+    forged = issue_certificate(subject=subject_name("alice"), public_key=forged_key.public_key(),
+                               issuer=bob_cert.subject, issuer_key=bob_key, not_before=utc_now(None), days=1, is_ca=False)
+    forged_der = forged.public_bytes(serialization.Encoding.DER)
+    sig = sign_release(statement, "alice", forged_key)
+    assert check_signatures(statement, [sig], HOLDERS, {"alice": forged_der}, anchors(bundle)) == []
