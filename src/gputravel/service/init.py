@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import socket
+import stat
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -428,9 +429,26 @@ def _copy_keys(src: Path, dest: Path, holders: Sequence[str]) -> None:
 def carry_state(state: Path, dest: Path, holders: Sequence[str]) -> None:
     """Keep the keys a sealed checkpoint depends on (_kept_files) in `dest` (0700, files 0600), laid
     out as `state`, for a later cohort to carry on (init_cohort's `carry`)."""
-    dest.mkdir(mode=0o700, parents=True, exist_ok=True)
-    dest.chmod(0o700)
+    if os.path.lexists(dest):
+        check_own_keys(dest)
+    else:
+        dest.mkdir(mode=0o700, parents=True)
     _copy_keys(state, dest, holders)
+
+
+def check_own_keys(keys: Path) -> None:
+    """`keys` and all in it are this account's alone: no link, nothing another account owns or may
+    write, the directories 0700; else BadInput. Another account's planted keys are never carried on:
+    the second review of issue 28 had one plant a broker secret it knew."""
+    me = os.geteuid()
+    for root, dirs, files in os.walk(keys, followlinks=False):
+        for path in [Path(root), *(Path(root) / n for n in dirs + files)]:
+            st = os.lstat(path)
+            bad = ("a link" if stat.S_ISLNK(st.st_mode) else "another account's" if st.st_uid != me
+                   else "open to other accounts" if st.st_mode & 0o077 else "")
+            if bad:
+                raise BadInput(f"{path} is {bad}: the keys a sealed run needs are refused; remove {keys} "
+                               "and start the run afresh")
 
 
 def _copy_private(src: Path, dest: Path) -> None:

@@ -26,7 +26,7 @@ from gputravel.data.tokenizer import RECORD_NAME
 from gputravel.errors import BadInput, PeerTimeout, RemoteError
 from gputravel.files import atomic_write, copy_plain, open_plain, read_plain
 from gputravel.service.config import AUDIT_LOG, BROKER, host_party, orchestrator_party
-from gputravel.service.init import carry_state, init_cohort
+from gputravel.service.init import carry_state, check_own_keys, init_cohort
 
 if TYPE_CHECKING:
     from gputravel.manifest import JobManifest
@@ -114,7 +114,14 @@ class ServiceLaunch:
         if isolation.decide(None)[0]:
             os.chmod(self.dir, 0o711)  # each party's account reaches its own files by path
         holders = [(name, self._reachable(name, path)) for name, path in self.holders]
-        carried = self.keep_dir if self.keep_dir is not None and self.keep_dir.is_dir() else None
+        carried = None
+        if self.keep_dir is not None and os.path.lexists(self.keep_dir):
+            if not self.resume:  # a fresh run makes fresh keys: whatever lies there is not carried on
+                check_own_keys(self.keep_dir)  # nor deleted, if it is not ours
+                shutil.rmtree(self.keep_dir)
+            else:
+                check_own_keys(self.keep_dir)
+                carried = self.keep_dir
         init_cohort(self.cohort, holders, job=self.job, hardware=self.hardware, gpus=self.gpus, shares=self.shares,
                     manifest=self.manifest, approve=self.approve, decline=self.decline, carry=carried)
         if self.keep_dir is not None:  # kept before anything runs: a run killed now resumes with them
