@@ -118,7 +118,7 @@ def test_the_host_read_everything_and_no_image_byte_the_control_finds_them(proce
 def test_record_holders_are_isolated_and_the_host_reads_none_of_their_memory(processes, image_sets,
                                                                             tmp_path: Path) -> None:
     """A records cohort: each party its own uid, non-dumpable; the host's uid is denied every holder's
-    memory (where its laid-out images live), the orchestrator's, the key broker's and the VRAM. Control: root reads the
+    memory (where its laid-out images live), the orchestrator's and the VRAM. Control: root reads the
     canary images in each holder's private memory, so they were there to be found."""
     root, needles = image_sets
     root.chmod(0o755)  # a holder's uid reads its dataset (pytest's 0700 directory would shut it out)
@@ -129,12 +129,12 @@ def test_record_holders_are_isolated_and_the_host_reads_none_of_their_memory(pro
         for h in HOLDERS:
             assert cohort.travel(h, 0).chunk is not None
         iso, pids = cohort.isolation, cohort.pids()
-        assert iso.on and set(iso.parties) == {"host", "tdx-module", "device", "orchestrator", "key-broker", *HOLDERS}
+        assert iso.on and set(iso.parties) == {"host", "tdx-module", "device", "orchestrator", *HOLDERS}
         assert len(set(iso.uids.values())) == len(iso.uids) and 0 not in iso.uids.values()
         for key, pid in pids.items():
             now = isolation.read_party(pid)
             assert now.uid == iso.uids[key] and now.groups == () and now.dumpable is False
-        targets = [t for key in ("orchestrator", "key-broker", *HOLDERS) for t in memory_of(pids[key])]
+        targets = [t for key in ("orchestrator", *HOLDERS) for t in memory_of(pids[key])]
         got = probe(iso.uids["host"], targets + vram_of(pids["device"]))
         assert set(got.values()) == {"denied"}, got
         for h in HOLDERS:
