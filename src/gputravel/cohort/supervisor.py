@@ -129,7 +129,10 @@ class Supervisor:
         quoting = QuotingLaunch(place, self.dir)  # the orchestrator's TDX module (cohort/quoting.py)
         self.trust = provision_cohort_trust(self.dir / "trust", options=cfg.trust, quoting_socket=quoting.socket,
                                             roots_from=cfg.roots, gpu_index=cfg.gpu_index)
-        self._broker = BrokerLaunch(place, self.dir, self.trust.root / "roots", cfg.broker_dir)
+        # Only a job with a manifest seals: without one the orchestrator's measurement stays the same
+        # in every cohort (several GPUs' ranks check each other's), with no broker or anchors in it.
+        if cfg.manifest_json:
+            self._broker = BrokerLaunch(place, self.dir, self.trust.root / "roots", cfg.broker_dir)
         place.own(self.trust.device_dir, "device")
         place.own(self.trust.orchestrator_dir, "orchestrator")
         for out in cfg.output_dirs:
@@ -139,11 +142,12 @@ class Supervisor:
                         "layout": cfg.layout, "buffer_bytes": cfg.buffer_bytes,
                         "holder_timeout": cfg.travel_timeout, "tokenizer": cfg.tokenizer, "schema": cfg.schema,
                         "trust_dir": place.path(self.trust.orchestrator_dir), **self._device_timeout(), **self._hardware(),
-                        "audit_log": audit or place.path(self.audit_log_path), "job_json": cfg.job_json,
-                        "manifest_json": cfg.manifest_json, "broker_socket": self._broker.socket,
-                        "broker_key": self._broker.public_key,
-                        # What its holders' certificates chain to: bound, so release signatures count under it only.
-                        "anchors_sha384": anchors_digest(anchors(self._ca.cert_pem))}
+                        "audit_log": audit or place.path(self.audit_log_path), "job_json": cfg.job_json}
+        if self._broker is not None:
+            orchestrator.update(manifest_json=cfg.manifest_json, broker_socket=self._broker.socket,
+                                broker_key=self._broker.public_key,
+                                # What its holders' certificates chain to: release signatures count under it only.
+                                anchors_sha384=anchors_digest(anchors(self._ca.cert_pem)))
         return orchestrator, quoting
 
     def _boot_gpu_side(self, orchestrator: dict, quoting: QuotingLaunch) -> int:
@@ -156,7 +160,8 @@ class Supervisor:
             self._boot_holders()  # each holder sets up its driver while it holds the GPU
             self.trust = self._pin(orchestrator, self.members)  # as late as possible before it boots
             measured = quoting.measure_launch(self._launched(orchestrator), place.popen_kwargs("orchestrator", None))
-            self._spawn(KEY_BROKER, self._broker.config(measured))  # it serves that measurement only
+            if self._broker is not None:
+                self._spawn(KEY_BROKER, self._broker.config(measured))  # it serves that measurement only
             ready = self._spawn("orchestrator", {**self._launched(orchestrator), "enroll": "orchestrator"},
                                 extra_fd=orch_end.fileno())
             quoting.register(self.children[TDX_MODULE].control, self.children["orchestrator"].proc.pid,

@@ -48,8 +48,8 @@ def _refused_everywhere(a: JobArena, manifest_changes: Iterable[tuple[str, objec
         a.stage = stage
         job, manifest = launched if isinstance(launched, tuple) else (a.job, launched)
         refusals, log = a.refused_at_join(job, manifest)
-        seen = manifest.digest_hex()[:16]
-        named = {r.holder for r in refusals if r.claim == "job" and f"runs job {seen}..." in r.said}
+        seen = manifest.digest_hex()  # named whole, as `gputravel job approve --digest` takes it
+        named = {r.holder for r in refusals if r.claim == "job" and f"runs job {seen};" in r.said}
         good = good and named == set(JOB_HOLDERS) and not log.approved and log.travels == 0 and \
             manifest.digest() != a.manifest.digest()
     a.stage = ""
