@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from gputravel.attest import Authority, AttestationError, EmulatedQuotingEnclave
 from gputravel.attest.quote import JOB_RTMR, ZERO_RTMRS, rtmr_after
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN, TEE_ROOT_CERT
+from gputravel.service.party import unix_listening
 from gputravel.broker import (
     KeyBroker, KeyBrokerRefused, KeyChallenge, KeyEvidence, KeyGrant, KeyRefused, KeyRequest, Sealer, UntrustedBroker,
     broker_public_key, derive_key, fetch_key, key_report_data,
@@ -374,20 +374,11 @@ def test_the_config_refuses_unknown_keys_and_bad_measurements(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the process
-def _listening(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(path)
-        except OSError:
-            return False
-    return True
-
-
 def _start(config: Path, sock: str, scale: float) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "gputravel.broker", "--config", str(config)],
                             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60 * scale
-    while not _listening(sock):
+    while not unix_listening(sock):
         assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "the broker exited"
         assert time.monotonic() < deadline, "the key broker did not listen in time"
         time.sleep(0.05)
