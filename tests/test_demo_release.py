@@ -118,3 +118,18 @@ def test_the_demo_refuses_release_flags_it_cannot_honour_and_a_manifest_of_anoth
     with pytest.raises(BadInput, match=r"--quorum: --manifest names"):
         TrainingJobConfig(train=JOB, holders=holders, run_dir=str(tmp_path), manifest=other, quorum=2)
     assert job_manifest(replace(cfg, gpus=1, train=cfg.train.replace(loader="local"))) is None
+
+
+def test_the_demos_summary_asks_nothing_of_holders_for_a_sealed_model(capsys) -> None:
+    from gputravel.cli.train import _release_summary
+
+    job = {"digest": "ab" * 48, "holders": ["h1", "h2", "h3"], "quorum": 2}
+    sealed = {"signed": [], "declined": {h: "nothing to sign" for h in job["holders"]}, "released_to": [],
+              "files": {"sealed": "run/model.sealed"}}
+    _release_summary({"manifest": {**job, "model": "sealed"}, "release": sealed})
+    out = capsys.readouterr().out
+    assert "stays sealed" in out and "--release-to" in out and "declined" not in out
+    short = {**sealed, "signed": ["h1"], "declined": {"h2": "its config", "h3": "its config"}}
+    _release_summary({"manifest": {**job, "model": "release"}, "release": short})
+    out = capsys.readouterr().out
+    assert "1 of 3 signed" in out and "h2 declined" in out and "short of the quorum" in out

@@ -239,17 +239,21 @@ def _release_summary(report: dict) -> None:
     job, release = report.get("manifest"), report.get("release")
     if not job or not isinstance(release, dict):
         return
+    files = release.get("files", {})
+    if job["model"] == "sealed":  # nothing was asked of the holders: say how to release it instead
+        console.print(f"job {job['digest'][:16]}... approved by every holder; the model stays sealed to the "
+                      f"orchestrator: {escape(files.get('sealed', ''))}")
+        console.print("release it to a recipient with --release-to NAME=PUBFILE (`gputravel model keygen NAME`)")
+        return
     console.print(f"job {job['digest'][:16]}... approved by every holder; {len(release['signed'])} of "
                   f"{len(job['holders'])} signed the release (quorum {job['quorum']}): {', '.join(release['signed']) or 'none'}")
     for name, why in sorted(release["declined"].items()):
         console.print(f"  {escape(name)} declined: {escape(why)}")
-    files = release.get("files", {})
     if release.get("released_to") and "release" in files:
         names = ", ".join(release["released_to"])
         console.print(f"model released to {names}: {escape(files['release'])}")
         console.print(escape(f"open it with: gputravel model open {files['release']} --key NAME.key --out model.pt"))
     elif "sealed" in files:
-        why = "the manifest keeps it sealed" if job["model"] == "sealed" else "short of the quorum"
-        console.print(f"model sealed to the orchestrator ({why}): {escape(files['sealed'])}")
+        console.print(f"model sealed to the orchestrator (short of the quorum): {escape(files['sealed'])}")
 
 
