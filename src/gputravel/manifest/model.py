@@ -10,11 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import ValidationError, model_validator
 
-from gputravel.errors import BadInput
 from gputravel.manifest.review import describe_lines
 from gputravel.manifest.sections import (ELSEWHERE, Data, Evaluation, JobSettings, Outputs, Part, Recipient, Release,
                                          Workload, code_digest, schema_digest)
@@ -30,6 +29,7 @@ def _manifest_key(name: str) -> str:
 
 
 class JobManifest(Part):
+    WHAT: ClassVar[str] = "a job manifest"
     format: Literal["gputravel-job-v1"]
     workload: Workload
     job: JobSettings = JobSettings()
@@ -84,16 +84,6 @@ class JobManifest(Part):
     def to_json(self) -> str:
         """The manifest as JSON, one way only (keys sorted, no spaces): what is digested."""
         return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> JobManifest:
-        try:
-            values = json.loads(text)
-        except ValueError as exc:
-            raise BadInput(f"a job manifest's JSON is malformed ({exc})") from None
-        if not isinstance(values, dict):
-            raise BadInput(f"a job manifest is a table, got {type(values).__name__}")
-        return cls(**values)
 
     def digest(self) -> bytes:
         """SHA-384 over a label and the canonical JSON: TOML layout, comments and order never change it."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -58,6 +58,18 @@ class JobPart(BaseModel, metaclass=_SaysWhich):
     """Strict about types (a quoted number is an error), no unknown key, frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    WHAT: ClassVar[str] = "a job part"  # how a refusal names what it read
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Self:
+        """The part `text` holds (as its canonical JSON wrote it); BadInput otherwise."""
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise BadInput(f"{cls.WHAT}'s JSON is malformed ({exc})") from None
+        if not isinstance(values, Mapping):
+            raise BadInput(f"{cls.WHAT} is a table of settings, got {type(values).__name__}")
+        return cls(**values)
 
     @classmethod
     def key(cls, loc: tuple[str, ...]) -> str:
@@ -86,6 +98,7 @@ class JobPart(BaseModel, metaclass=_SaysWhich):
 
 
 class TrainConfig(JobPart):
+    WHAT: ClassVar[str] = "a training job"
     steps: Positive = 300
     batch: Positive = 8
     seq_len: Positive = 64
@@ -139,15 +152,6 @@ class TrainConfig(JobPart):
         if not isinstance(values, Mapping):
             raise BadInput(f"a training job is a table of settings, got {type(values).__name__}")
         return cls(**values)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> TrainConfig:
-        """The job in `text` (as `canonical_json` wrote it); BadInput otherwise."""
-        try:
-            values = json.loads(text)
-        except ValueError as exc:
-            raise BadInput(f"a training job's JSON is malformed ({exc})") from None
-        return cls.from_dict(values)
 
     def to_dict(self) -> dict:
         return self.model_dump()
