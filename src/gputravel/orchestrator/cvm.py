@@ -4,6 +4,7 @@ actions its travel machine (orchestrator/machine.py) returns, one IO step each."
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import mmap
 import socket
@@ -248,13 +249,20 @@ class Orchestrator:
                     f"this cohort trains on {want!r} tokens: re-run `gputravel data prepare --tokenizer {want}`")
         return ""
 
-    def _unfit_split(self, peer: str, hello: HolderHello) -> str:
-        """Why `peer`'s held-out split is not the one the job's manifest states (issue 28), or ""."""
+    @functools.cached_property
+    def _manifest(self) -> Any:
+        """The job's manifest (gputravel.manifest.JobManifest), read once; None: a job without one."""
         if not self.config.manifest_json:
-            return ""
+            return None
         from gputravel.manifest import JobManifest  # lazy: pydantic, for manifest jobs only
 
-        share = JobManifest.from_json(self.config.manifest_json).evaluation.share
+        return JobManifest.from_json(self.config.manifest_json)
+
+    def _unfit_split(self, peer: str, hello: HolderHello) -> str:
+        """Why `peer`'s held-out split is not the one the job's manifest states (issue 28), or ""."""
+        if self._manifest is None:
+            return ""
+        share = self._manifest.evaluation.share
         total = hello.train_records + hello.eval_records
         if hello.eval_records != round(total * share):
             return (f"holder {peer!r} holds out {hello.eval_records} of its {total} records; the job's manifest "
