@@ -65,3 +65,23 @@ def test_a_quiet_manifest_job_tells_its_launcher_no_loss_and_no_evaluation() -> 
     told = _step(event, quiet=True)
     assert told.loss != told.loss and told.evaluated == {} and told.step == 3  # NaN: no loss
     assert _step(event, quiet=False).loss == 0.25
+
+
+def test_a_holder_whose_held_out_share_is_not_the_manifests_is_refused() -> None:
+    """The manifest states the held-out share every holder keeps (its evaluation): a holder whose
+    split differs would be evaluated on, or trained with, records the holders did not agree to."""
+    from gputravel.orchestrator.cvm import Orchestrator
+    from gputravel.protocol.travel import HolderHello
+
+    manifest = JobManifest.for_job(TrainConfig(steps=2), holders=["alice", "bob"], quorum=1,
+                                   outputs=Outputs(model="sealed"))
+    stub = SimpleNamespace(_manifest=manifest)  # share 0.2
+
+    def hello(train: int, held: int) -> HolderHello:
+        return HolderHello(holder="alice", dataset_bytes=0, piece_bytes=0, manifest=(), tokenizer="", schema="{}",
+                           train_records=train, eval_records=held, probed=True, log_key=b"")
+
+    assert Orchestrator._unfit_split(stub, "alice", hello(80, 20)) == ""  # type: ignore[arg-type]
+    why = Orchestrator._unfit_split(stub, "alice", hello(70, 30))  # type: ignore[arg-type]
+    assert "holds out 30 of its 100 records" in why and "share of 0.2 (20)" in why
+    assert Orchestrator._unfit_split(SimpleNamespace(_manifest=None), "alice", hello(70, 30)) == ""  # type: ignore[arg-type]
