@@ -85,3 +85,17 @@ def test_a_holder_whose_held_out_share_is_not_the_manifests_is_refused() -> None
     why = Orchestrator._unfit_split(stub, "alice", hello(70, 30))  # type: ignore[arg-type]
     assert "holds out 30 of its 100 records" in why and "share of 0.2 (20)" in why
     assert Orchestrator._unfit_split(SimpleNamespace(_manifest=None), "alice", hello(70, 30)) == ""  # type: ignore[arg-type]
+
+
+def test_a_quiet_manifest_jobs_report_keeps_how_many_steps_ran_and_no_value() -> None:
+    from gputravel.orchestrator.process import _allowed
+
+    manifest = JobManifest.for_job(TrainConfig(steps=2), holders=["alice"], quorum=1,
+                                   outputs=Outputs(model="sealed", metrics=False, samples=False))
+    ending = SimpleNamespace(manifest=manifest)
+    report = {"losses": [0.5, 0.4], "eval": {"all": {"loss": 0.4}}, "eval_history": [{}], "final_loss": 0.4,
+              "loss_before": 0.5, "loss_after": 0.4, "sample": "to be or not", "stopped": True}
+    told = _allowed(dict(report), ending)  # type: ignore[arg-type]
+    assert told["losses"] == [None, None] and told["sample"] == "" and told["stopped"] is True
+    assert all(told[k] is None for k in ("eval", "eval_history", "final_loss", "loss_before", "loss_after"))
+    assert _allowed(dict(report), None) == report  # a job without a manifest reports all
