@@ -278,7 +278,11 @@ def test_tampered_record_mid_copy_stops_at_that_record(cohort: Cohort) -> None:
 def test_rotation_recovers_a_faulted_channel(cohort: Cohort) -> None:
     gpu = cohort.gpu
     cohort.send("alice")
-    gpu.links["alice"].before_service = once(lambda link: staging_slot(gpu, "alice", 0, 16).__setitem__(0, 0))
+    def flip(link: object) -> None:  # a flip, not a zero: a ciphertext byte is already 0 one time in 256
+        slot = staging_slot(gpu, "alice", 0, 16)
+        slot[0] ^= 0xFF
+
+    gpu.links["alice"].before_service = once(flip)
     with pytest.raises(ChannelFaulted):
         cohort.alice.copy_to_vram(memoryview(data_of(RECORD)), cohort.buf.offset, buffer_bytes=BUFFER)
     gpu.links["alice"].before_service = None
