@@ -209,15 +209,22 @@ def travel_paper(d):
 # ----------------------------------------------------------------------------- bench ddp, demo, scale
 @table("r")
 def ddp(d):
-    """Iteration and all-reduce medians, x = encrypted / plain (none for one GPU's all-reduce)."""
-    rows = []
+    """Iteration and all-reduce medians, x = encrypted / plain (none for one GPU's all-reduce); where
+    the run measured it (issue 31), the all-reduce's limit and each sealed variant over it."""
+    rows, limited = [], all("allreduce_limit_ms" in r for r in d["rows"])
     for r in d["rows"]:
         it, ar = r["iter_ms"], r["allreduce_ms"]
         kinds = ("plain", "encrypted_naive", "encrypted")
-        rows.append((str(r["gpus"]), r["model"], *(num(it[k], 1) for k in kinds), num(it["encrypted"] / it["plain"]),
-                     *(num(ar[k]) for k in kinds), "-" if r["gpus"] == 1 else num(ar["encrypted"] / ar["plain"])))
-    return ("GPUs", "model", "iteration plain", "naive", "encrypted", "x", "all-reduce plain", "naive", "encrypted",
-            "x"), rows
+        cells = [str(r["gpus"]), r["model"], *(num(it[k], 1) for k in kinds), num(it["encrypted"] / it["plain"]),
+                 *(num(ar[k]) for k in kinds), "-" if r["gpus"] == 1 else num(ar["encrypted"] / ar["plain"])]
+        if limited:
+            over = r["allreduce_vs_limit"]
+            cells += [num(r["aes_gbps_per_core"]), num(r["allreduce_limit_ms"]),
+                      *(("-" if r["gpus"] == 1 else num(over[k])) for k in kinds[1:])]
+        rows.append(tuple(cells))
+    header = ("GPUs", "model", "iteration plain", "naive", "encrypted", "x", "all-reduce plain", "naive", "encrypted",
+              "x")
+    return header + (("AES GB/s a core", "limit", "naive / limit", "encrypted / limit") if limited else ()), rows
 
 
 @table()

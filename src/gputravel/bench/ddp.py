@@ -3,7 +3,9 @@
 G ranks train the same GPT-2 data-parallel three ways (METHODS: gloo unsealed, the ring sealed
 hop by hop, the ring pipelined); ``g2_identical`` checks the hook's ring against itself and
 gloo. On CPU the "GPUs" are processes sharing this machine's cores: the ratios carry over, not
-the milliseconds. docs/benchmarks.md gives the method.
+the milliseconds. Each row also has the limit this run measured for its all-reduce (issue 31):
+gloo's plain all-reduce plus the AES-GCM the ring cannot avoid, spread over the cores the ranks
+share (`allreduce_limit_ms`). docs/benchmarks.md gives the method.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from gputravel.attest import Authority
 from gputravel.attest.quote import EmulatedRankTee
 from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
 from gputravel.bench.compare import stamp
+from gputravel.bench.travel import crypto_limit_gbps
 from gputravel.crypto.certs import key_pem
-from gputravel.ddp import Ring, RingHookState, encrypted_allreduce_hook, establish_pair_keys
+from gputravel.ddp import DEFAULT_RECORD_BYTES, Ring, RingHookState, encrypted_allreduce_hook, establish_pair_keys
 from gputravel.ddp.hook import stage, unstage
 from gputravel.ddp.launch import free_port, run_processes
 from gputravel.errors import BadInput
@@ -42,6 +45,8 @@ MEASURED = b"\x5a" * 48  # the rank CVMs' measurement, as the verifier accepts i
 G2_STEPS = 3  # training steps of each of the two runs compared
 G2_TOLERANCE = 1e-5  # rtol and atol of the ring against gloo (the sum's order differs)
 DEVICES = ("cpu", "cuda")
+AES_BYTES = 32 << 20  # sealed then opened per measure of the AES rate
+AES_ROUNDS = 5  # measures per cell; the median is the cell's rate
 
 
 def _median_ms(run: Callable[[], object], warmup: int, iters: int, done: Callable[[], None]) -> float:
@@ -168,15 +173,43 @@ def _job_context(world: int, model_name: str) -> bytes:
     return f"gputravel bench ddp/{world}/{model_name}/{os.urandom(16).hex()}/".encode()
 
 
+def aes_gbps_per_core(record_bytes: int = DEFAULT_RECORD_BYTES, rounds: int = AES_ROUNDS) -> float:
+    """GB/s one core seals and then opens at the ring's record size (the channel's recipe): the
+    median of `rounds` measures, each a byte sealed once and opened once."""
+    return statistics.median(crypto_limit_gbps(AES_BYTES, record_bytes) for _ in range(rounds))
+
+
+def cores_shared() -> int:
+    """The cores the rank processes may run on (they inherit this process's affinity)."""
+    return len(os.sched_getaffinity(0))
+
+
+def allreduce_limit_ms(plain_ms: float, params: int, world: int, gbps: float, cores: int, item: int = 4) -> float:
+    """The fastest a sealed ring could be here, unoverlapped: plain + each rank's AES. Every rank
+    seals and opens 2(N-1)/N of the gradient's bytes on one thread; N ranks spread over the cores."""
+    if world < 2:
+        return plain_ms
+    per_rank = 2 * (world - 1) / world * params * item
+    return plain_ms + world * per_rank / (gbps * 1e9) / min(world, cores) * 1e3
+
+
+def _limits(row: dict, gbps: float, cores: int) -> dict:
+    ar = row["allreduce_ms"]
+    limit = allreduce_limit_ms(ar["plain"], row["params"], row["gpus"], gbps, cores)
+    return {"aes_gbps_per_core": gbps, "allreduce_limit_ms": limit,
+            "allreduce_vs_limit": {k: ar[k] / limit for k in METHODS if k != "plain"}}
+
+
 def run_cell(world: int, model_name: str, iters: int, root: tuple[bytes, bytes], timeout: float = 600.0,
              device: str = "cpu") -> dict:
-    """Rank 0's row of one cell; a rank that fails, dies or hangs stops the benchmark."""
+    """Rank 0's row of one cell, with its limit; a rank that fails, dies or hangs stops the benchmark."""
+    gbps = aes_gbps_per_core()  # just before the cell: the load it runs under, as near as we can
     port = free_port()
     context = _job_context(world, model_name)  # one for the whole cell: every rank must share it
     args = (model_name, iters, root, context)
     rows = run_processes([(_rank_main, (r, world, port, args, device)) for r in range(world)], timeout,
                          names=[f"rank {r} of {world} ({model_name})" for r in range(world)])
-    return rows[0]
+    return {**rows[0], **_limits(rows[0], gbps, cores_shared())}
 
 
 def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
@@ -203,5 +236,6 @@ def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
             rows.append(row)
             if on_row:
                 on_row(row)
-    return {**stamp(), "iters": iters, "device": device, "rows": rows,
+    return {**stamp(), "iters": iters, "device": device, "cores": cores_shared(),
+            "aes_gbps_per_core": statistics.median(r["aes_gbps_per_core"] for r in rows), "rows": rows,
             "g2_identical": all(c["identical"] for c in g2), "g2": g2}

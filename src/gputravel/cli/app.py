@@ -252,22 +252,26 @@ def bench_ddp(
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter("--device is cpu or cuda")
     where = "emulated GPUs are CPU processes" if device == "cpu" else "one CUDA GPU per rank"
-    # it: a whole training iteration; ar: the gradient all-reduce alone; x: encrypted / plain.
+    # it: a whole training iteration; ar: the gradient all-reduce alone; x: encrypted / plain;
+    # limit: plain + the AES this run measured, spread over the shared cores; /lim: over it.
     table = numeric_table(f"DDP between GPU TEEs (medians, ms; {where})", ("G", "model", "it plain", "it naive",
-                          "it enc", "it x", "ar plain", "ar naive", "ar enc", "ar x"))
+                          "it enc", "it x", "ar plain", "ar naive", "ar enc", "ar x", "limit", "naive /lim",
+                          "enc /lim"))
 
     def row(r: dict) -> None:
-        it, ar = r["iter_ms"], r["allreduce_ms"]
+        it, ar, lim = r["iter_ms"], r["allreduce_ms"], r["allreduce_vs_limit"]
         table.add_row(str(r["gpus"]), r["model"], f"{it['plain']:.1f}",
                       f"{it['encrypted_naive']:.1f}", f"{it['encrypted']:.1f}",
                       f"{it['encrypted'] / it['plain']:.2f}", f"{ar['plain']:.2f}", f"{ar['encrypted_naive']:.2f}",
-                      f"{ar['encrypted']:.2f}", f"{ar['encrypted'] / max(ar['plain'], 1e-9):.2f}")
+                      f"{ar['encrypted']:.2f}", f"{ar['encrypted'] / max(ar['plain'], 1e-9):.2f}",
+                      f"{r['allreduce_limit_ms']:.2f}", f"{lim['encrypted_naive']:.2f}", f"{lim['encrypted']:.2f}")
         console.print(f"  {r['gpus']} GPU(s), {r['model']} ({r['params']:,} parameters): done")
 
     counts = tuple(_ints(gpus, "--gpus takes comma-separated integers, e.g. 1,2,4"))
     result = ddp_bench.run(counts, tuple(m.strip() for m in models.split(",") if m.strip()),
                            iters, on_row=row, device=device)
     console.print(table)
+    console.print(f"AES-GCM seal+open: {result['aes_gbps_per_core']:.2f} GB/s a core, {result['cores']} cores shared")
     write_results(json_path, result)
 
 
