@@ -4,7 +4,7 @@ runs it (`hook.py`)."""
 
 from gputravel.ddp.hook import RingHookState, encrypted_allreduce_hook
 from gputravel.ddp.keys import PairKeys, establish_pair_keys, pair_label, report_data
-from gputravel.ddp.ring import DEFAULT_RECORD_BYTES, Ring, TorchPointToPoint, Variant, record_aad
+from gputravel.ddp.ring import DEFAULT_RECORD_BYTES, Ring, TorchPointToPoint, Variant, default_variant, record_aad
 
 __all__ = ["DEFAULT_RECORD_BYTES", "PairKeys", "Ring", "RingHookState", "TorchPointToPoint", "Variant",
-           "encrypted_allreduce_hook", "establish_pair_keys", "pair_label", "record_aad", "report_data"]
+           "default_variant", "encrypted_allreduce_hook", "establish_pair_keys", "pair_label", "record_aad", "report_data"]

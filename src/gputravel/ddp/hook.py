@@ -4,7 +4,11 @@
     keys = establish_pair_keys(attest, verify, group=group, context=b"job 42/ranks 0-3/" + shared_nonce)
     model.register_comm_hook(RingHookState(Ring("pipelined", keys=keys, group=group)), encrypted_allreduce_hook)
 
-It averages, as DDP's default hook does; with `overlap` the ring runs on one worker thread while
+It averages, as DDP's default hook does; with `compress` ("fp16" or "bf16", off by default: it
+changes the numerics) it seals and sends the averaged bucket in that type, as PyTorch's
+fp16_compress_hook does, halving the bytes sealed and on the wire; the sum is then in that type
+too, in the ring's fixed order, so two runs with the same option give the same bits.
+With `overlap` the ring runs on one worker thread while
 backward computes the next buckets. A failed all-reduce fails the bucket's future with its typed
 error (kept in `state.failure`), so the step stops. A CUDA bucket is staged through pinned host
 memory, as CC-mode GPUs exchange through the CPU (a path not run here: no GPU was at hand).
@@ -19,28 +23,42 @@ import torch
 import torch.distributed as dist
 
 from gputravel.ddp.ring import Ring
-from gputravel.errors import ChannelFaulted
+from gputravel.errors import BadInput, ChannelFaulted
 
-__all__ = ["RingHookState", "encrypted_allreduce_hook", "host_copy", "stage", "unstage"]
+__all__ = ["COMPRESS", "RingHookState", "compress_dtype", "encrypted_allreduce_hook", "host_copy", "stage", "unstage"]
+
+#: The types a bucket may be compressed to before sealing (`compress`); None: as it is.
+COMPRESS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def compress_dtype(compress: str | None) -> torch.dtype | None:
+    """The type `compress` names (None for none); BadInput for another name."""
+    if compress is None:
+        return None
+    if compress not in COMPRESS:
+        raise BadInput(f"compress must be one of {', '.join(COMPRESS)} or none (got {compress!r})")
+    return COMPRESS[compress]
 
 
 class RingHookState:
     """What the hook needs: the ring (its variant, keys and record size) and its worker."""
 
-    def __init__(self, ring: Ring, *, overlap: bool = True) -> None:
-        self.ring, self.overlap = ring, overlap
+    def __init__(self, ring: Ring, *, overlap: bool = True, compress: str | None = None) -> None:
+        self.ring, self.overlap, self.compress = ring, overlap, compress
+        self._dtype = compress_dtype(compress)
         self.failure: BaseException | None = None  # the first error that stopped a step
         self._worker: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"RingHookState(ring={self.ring!r}, overlap={self.overlap})"
+        return f"RingHookState(ring={self.ring!r}, overlap={self.overlap}, compress={self.compress!r})"
 
     def submit(self, bucket: torch.Tensor, fut: "torch.futures.Future[torch.Tensor]") -> None:
         # Staged on the caller's thread, complete on return: the worker never reads a buffer mid-copy.
         try:
-            host = stage(bucket)
+            # Compressed where the bucket is (a GPU copies half the bytes out); a new tensor, never the bucket.
+            host = stage(bucket if self._dtype is None or bucket.dtype == self._dtype else bucket.to(self._dtype))
         except Exception as err:
             self._fail(fut, err)
             return
@@ -96,7 +114,7 @@ def unstage(bucket: torch.Tensor, host: torch.Tensor) -> None:
     """Put the ring's sum back into `bucket`, complete on return (DDP reads it once the future is set)."""
     if host is bucket:
         return
-    bucket.copy_(host)
+    bucket.copy_(host)  # and back to the bucket's type, where the ring reduced a compressed copy
     if bucket.is_cuda:
         torch.cuda.current_stream(bucket.device).synchronize()
 

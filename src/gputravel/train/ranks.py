@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gputravel.ddp import Ring, RingHookState, Variant, encrypted_allreduce_hook, establish_pair_keys
+from gputravel.ddp.hook import compress_dtype
 from gputravel.errors import BadInput, ProtocolError
 from gputravel.train.model import pick_device
 
@@ -46,7 +47,8 @@ class Ranks:
     attest: Callable[[bytes], bytes]
     verify: Callable[[int, bytes, bytes], None]
     context: bytes
-    variant: str = Variant.PIPELINED.value
+    variant: str | None = None  # None: ddp.default_variant, by this machine's cores
+    compress: str | None = None  # the hook's gradient compression before sealing ("fp16", "bf16"): off
     timeout_s: float = 300.0  # rendezvous and any one ring transfer
     # Each rank's holders: a resume with other shares is refused (a chunk would reach two ranks).
     shares: tuple[tuple[str, ...], ...] = ()
@@ -62,10 +64,11 @@ class Ranks:
             raise BadInput("attest and verify must be callables (this rank's TEE and the peers' verifier)")
         if not isinstance(self.context, bytes) or not self.context:
             raise BadInput("context must be non-empty bytes naming the job")
-        if self.variant not in ENCRYPTED_VARIANTS:
+        if self.variant is not None and self.variant not in ENCRYPTED_VARIANTS:
             raise BadInput(f"variant must be one of {', '.join(ENCRYPTED_VARIANTS)} (got {self.variant!r})")
         if not self.timeout_s > 0:
             raise BadInput("timeout_s must be positive")
+        compress_dtype(self.compress)  # BadInput for a type the hook does not compress to
         if self.shares:
             names = [n for share in self.shares for n in share]
             if (len(self.shares) != self.world_size or not all(self.shares) or
@@ -96,7 +99,7 @@ class DataParallel:
         self.device = device
         self._group = group
         self._ring = ring
-        self._state = RingHookState(ring)
+        self._state = RingHookState(ring, compress=ranks.compress)
         self._owns_default = owns_default
         self._closed = False
 
