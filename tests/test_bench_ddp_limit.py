@@ -65,3 +65,10 @@ def test_the_table_shows_the_limit_where_the_json_has_it(tmp_path: Path) -> None
     assert "encrypted / limit" in new
     assert "| 4 | base | 100.0 | 120.0 | 110.0 | 1.10 | 20.00 | 30.00 | 28.00 | 1.40 | 5.00 | 25.00 | 1.20 | 1.12 |" in new
     assert "| 1 | base |" in new and new.split("| 1 | base |")[1].split("\n")[0].endswith("| - | - |")
+
+
+def test_a_compressed_run_names_its_type_beside_the_model_and_halves_the_limits_aes(tmp_path: Path) -> None:
+    row = _row(2, compress="fp16", aes_gbps_per_core=5.0, allreduce_limit_ms=21.2,
+               allreduce_vs_limit={"encrypted_naive": 1.0, "encrypted": 1.0})
+    assert "| 2 | base (fp16) |" in _render(tmp_path, {"rows": [row]})
+    assert allreduce_limit_ms(20.0, 3_000_000, 2, 5.0, 2, item=2) == pytest.approx(20.0 + 1.2)

@@ -215,7 +215,8 @@ def ddp(d):
     for r in d["rows"]:
         it, ar = r["iter_ms"], r["allreduce_ms"]
         kinds = ("plain", "encrypted_naive", "encrypted")
-        cells = [str(r["gpus"]), r["model"], *(num(it[k], 1) for k in kinds), num(it["encrypted"] / it["plain"]),
+        model = r["model"] + (f" ({r['compress']})" if r.get("compress") else "")  # gradients sent compressed
+        cells = [str(r["gpus"]), model, *(num(it[k], 1) for k in kinds), num(it["encrypted"] / it["plain"]),
                  *(num(ar[k]) for k in kinds), "-" if r["gpus"] == 1 else num(ar["encrypted"] / ar["plain"])]
         if limited:
             over = r["allreduce_vs_limit"]

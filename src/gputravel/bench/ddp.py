@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from cryptography.hazmat.primitives import serialization
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gputravel.attest import Authority
@@ -27,8 +28,9 @@ from gputravel.attest.roots import TEE_QUOTING_ROOT_CN
 from gputravel.bench.compare import stamp
 from gputravel.bench.travel import crypto_limit_gbps
 from gputravel.crypto.certs import key_pem
-from gputravel.ddp import DEFAULT_RECORD_BYTES, Ring, RingHookState, encrypted_allreduce_hook, establish_pair_keys
-from gputravel.ddp.hook import stage, unstage
+from gputravel.ddp import (DEFAULT_RECORD_BYTES, Ring, RingHookState, default_variant, encrypted_allreduce_hook,
+                           establish_pair_keys)
+from gputravel.ddp.hook import compress_dtype, stage, unstage
 from gputravel.ddp.launch import free_port, run_processes
 from gputravel.errors import BadInput
 from gputravel.train.model import GPT, GPTConfig
@@ -64,11 +66,24 @@ def _median_ms(run: Callable[[], object], warmup: int, iters: int, done: Callabl
     return statistics.median(samples)
 
 
-def _ring_exchange(ring: Ring, tensor: torch.Tensor) -> None:
-    """The ring's all-reduce as the hook runs it: a CUDA tensor through a (timed) host copy."""
-    host = stage(tensor)
+# PyTorch's own hooks for plain DDP with --compress: the same casts, gloo's all-reduce.
+_PLAIN_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def _ring_exchange(ring: Ring, tensor: torch.Tensor, dtype: torch.dtype | None) -> None:
+    """The ring's all-reduce as the hook runs it: compressed, a CUDA tensor through a (timed) host copy."""
+    host = stage(tensor if dtype is None else tensor.to(dtype))
     ring.all_reduce(host)
     unstage(tensor, host)
+
+
+def _plain_exchange(tensor: torch.Tensor, dtype: torch.dtype | None) -> None:
+    if dtype is None:
+        dist.all_reduce(tensor)
+        return
+    small = tensor.to(dtype)
+    dist.all_reduce(small)
+    tensor.copy_(small)
 
 
 def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -80,7 +95,7 @@ def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
 
 
 def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes, bytes], context: bytes,
-          device: torch.device, group: dist.ProcessGroup | None) -> dict:
+          compress: str | None, device: torch.device, group: dist.ProcessGroup | None) -> dict:
     """One rank's share of one (G, model) cell, the rings on `group` (None: the default group)."""
     cfg = MODELS[model_name]
     torch.manual_seed(0)
@@ -94,6 +109,7 @@ def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes,
     iter_ms, allreduce_ms = {}, {}
     params = sum(p.numel() for p in GPT(cfg).parameters())
     flat = torch.randn(params, generator=gen).to(device)
+    dtype = compress_dtype(compress)
     for method in METHODS:
         torch.manual_seed(0)  # the same initial weights for every method (DDP also broadcasts rank 0's)
         ddp = DDP(GPT(cfg).to(device))
@@ -103,18 +119,21 @@ def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes,
             keys = (establish_pair_keys(tee.attest, tee.verify, group=group, context=context + method.encode())
                     if world > 1 else None)
             ring = Ring("naive" if method == "encrypted_naive" else "pipelined", keys=keys, group=group)
-            state = RingHookState(ring, overlap=method == "encrypted")
+            state = RingHookState(ring, overlap=method == "encrypted", compress=compress)
             ddp.register_comm_hook(state, encrypted_allreduce_hook)
+        elif compress is not None:
+            ddp.register_comm_hook(group, _PLAIN_HOOKS[compress])
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         iter_ms[method] = _median_ms(lambda ddp=ddp, opt=opt: _iteration(ddp, opt, x, y), 3, iters, done)
         if method == "plain":
-            exchange = lambda: dist.all_reduce(flat)  # noqa: E731
+            exchange = lambda: _plain_exchange(flat, dtype)  # noqa: E731
         else:
-            exchange = lambda r=state.ring: _ring_exchange(r, flat)  # noqa: E731
+            exchange = lambda r=state.ring: _ring_exchange(r, flat, dtype)  # noqa: E731
         allreduce_ms[method] = _median_ms(exchange, 2, iters, done)
         if state is not None:
             state.close()
     return {"gpus": world, "model": model_name, "params": params, "iter_ms": iter_ms, "allreduce_ms": allreduce_ms,
+            "compress": compress, "default_variant": default_variant(world).value,
             "g2": _g2(rank, cfg, x, y, params, group)}
 
 
@@ -194,27 +213,30 @@ def allreduce_limit_ms(plain_ms: float, params: int, world: int, gbps: float, co
 
 
 def _limits(row: dict, gbps: float, cores: int) -> dict:
-    ar = row["allreduce_ms"]
-    limit = allreduce_limit_ms(ar["plain"], row["params"], row["gpus"], gbps, cores)
+    ar, dtype = row["allreduce_ms"], compress_dtype(row["compress"])
+    item = 4 if dtype is None else dtype.itemsize  # the gradient is float32, or compressed
+    limit = allreduce_limit_ms(ar["plain"], row["params"], row["gpus"], gbps, cores, item)
     return {"aes_gbps_per_core": gbps, "allreduce_limit_ms": limit,
             "allreduce_vs_limit": {k: ar[k] / limit for k in METHODS if k != "plain"}}
 
 
 def run_cell(world: int, model_name: str, iters: int, root: tuple[bytes, bytes], timeout: float = 600.0,
-             device: str = "cpu") -> dict:
+             device: str = "cpu", compress: str | None = None) -> dict:
     """Rank 0's row of one cell, with its limit; a rank that fails, dies or hangs stops the benchmark."""
     gbps = aes_gbps_per_core()  # just before the cell: the load it runs under, as near as we can
     port = free_port()
     context = _job_context(world, model_name)  # one for the whole cell: every rank must share it
-    args = (model_name, iters, root, context)
+    args = (model_name, iters, root, context, compress)
     rows = run_processes([(_rank_main, (r, world, port, args, device)) for r in range(world)], timeout,
                          names=[f"rank {r} of {world} ({model_name})" for r in range(world)])
     return {**rows[0], **_limits(rows[0], gbps, cores_shared())}
 
 
 def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
-        on_row: Callable[[dict], None] | None = None, device: str = "cpu") -> dict:
-    """One row per (GPU count, model); device "cuda" puts each rank on a GPU of its own."""
+        on_row: Callable[[dict], None] | None = None, device: str = "cpu", compress: str | None = None) -> dict:
+    """One row per (GPU count, model); device "cuda" puts each rank on a GPU of its own; `compress`
+    ("fp16", "bf16") sends every method's gradients in that type (PyTorch's hooks for plain DDP)."""
+    compress_dtype(compress)  # BadInput before anything runs
     if not gpus or any(g < 1 or g > 8 for g in gpus):
         raise BadInput("--gpus must be GPU counts from 1 to 8, e.g. 1,2,4")
     unknown = [m for m in models if m not in MODELS]
@@ -231,11 +253,11 @@ def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
     rows, g2 = [], []
     for model_name in models:
         for world in gpus:
-            row = run_cell(world, model_name, iters, root, device=device)
+            row = run_cell(world, model_name, iters, root, device=device, compress=compress)
             g2.append({"gpus": world, "model": model_name, **row.pop("g2")})
             rows.append(row)
             if on_row:
                 on_row(row)
-    return {**stamp(), "iters": iters, "device": device, "cores": cores_shared(),
+    return {**stamp(), "iters": iters, "device": device, "compress": compress, "cores": cores_shared(),
             "aes_gbps_per_core": statistics.median(r["aes_gbps_per_core"] for r in rows), "rows": rows,
             "g2_identical": all(c["identical"] for c in g2), "g2": g2}

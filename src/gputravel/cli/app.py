@@ -244,6 +244,8 @@ def bench_ddp(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     device: str = typer.Option("cpu", help="cpu (each emulated GPU a CPU process, gloo) or cuda (one real GPU "
                                            "per rank, plain DDP over NCCL, the rings staged through the host)."),
+    compress: Optional[str] = typer.Option(None, help="Send the gradients as fp16 or bf16 (every method; off by "
+                                                      "default: it changes the numerics)."),
 ) -> None:
     """Data-parallel training with the ring all-reduce sealed at every hop: plain DDP, the naive
     encrypted ring and the pipelined one (iteration and all-reduce medians, ms)."""
@@ -269,7 +271,7 @@ def bench_ddp(
 
     counts = tuple(_ints(gpus, "--gpus takes comma-separated integers, e.g. 1,2,4"))
     result = ddp_bench.run(counts, tuple(m.strip() for m in models.split(",") if m.strip()),
-                           iters, on_row=row, device=device)
+                           iters, on_row=row, device=device, compress=compress)
     console.print(table)
     console.print(f"AES-GCM seal+open: {result['aes_gbps_per_core']:.2f} GB/s a core, {result['cores']} cores shared")
     write_results(json_path, result)
