@@ -7,17 +7,21 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
 import tomli_w
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from gputravel.data.records import RecordSchema
 from gputravel.errors import BadInput
+from gputravel.broker.state import public_key_hex
 from gputravel.manifest import (DIGEST_BYTES, FORMAT, JobManifest, JobSettings, Outputs, Recipient, key_fingerprint,
                                 load_manifest, manifest_from_toml, manifest_toml, write_manifest)
 from gputravel.train.job import TrainConfig
 
 KEY = X25519PrivateKey.generate().public_key().public_bytes_raw().hex()
+BROKER_KEY = public_key_hex(ec.generate_private_key(ec.SECP384R1()))
 OTHER_KEY = X25519PrivateKey.generate().public_key().public_bytes_raw().hex()
+BROKER_KEY = public_key_hex(ec.generate_private_key(ec.SECP384R1()))
 SCHEMA = RecordSchema.parse("image: uint8[1,8,8]; label: int64[]").canonical_json()
 CODE = "import torch\n\ndef build(schema):\n    return torch.nn.Linear(64, 10)\n"
 
@@ -75,7 +79,9 @@ OTHER_CHANGES = [("workload", "code", hashlib.sha384(b"x").hexdigest()), ("workl
                  ("outputs", "checkpoints", "none"), ("outputs", "samples", True), ("outputs", "metrics", False),
                  ("release", "holders", ["alice", "bob", "erin"]), ("release", "quorum", 3),
                  ("release", "recipients", [{"name": "dana", "public_key": OTHER_KEY}]),
-                 ("release", "recipients", [{"name": "fred", "public_key": KEY}])]
+                 ("release", "recipients", [{"name": "fred", "public_key": KEY}]),
+                 ("release", "certificates", {"alice": "a" * 96, "bob": "b" * 96, "carol": "c" * 96}),
+                 ("broker", "identity", BROKER_KEY)]
 
 
 def test_every_job_setting_is_listed_for_the_change_test() -> None:
@@ -176,6 +182,16 @@ def _toml(**tables) -> str:
     ({"evaluation": {"metrics": ["a b"]}}, "evaluation.metrics[0]: expected a metric's name"),
     ({"outputs": {"model": "public"}}, "outputs.model: expected 'release' or 'sealed'"),
     ({"outputs": {"samples": "no"}}, "outputs.samples: expected a valid boolean"),
+    ({"release": {"certificates": {"alice": "a" * 96}}},
+     "release.certificates: expected one for each holder in release.holders, or none; 'bob' is in one"),
+    ({"release": {"certificates": {"alice": "a" * 96, "bob": "a" * 96, "carol": "c" * 96}}},
+     "release.certificates: expected each holder's own certificate, got one named twice"),
+    ({"release": {"certificates": {"alice": "a" * 95, "bob": "b" * 96, "carol": "c" * 96}}},
+     "release.certificates.alice: expected a certificate's SHA-384, 96 lowercase hex digits"),
+    ({"release": {"certificates": {"Alice": "a" * 96}}}, "release.certificates.Alice[key]: expected a name of"),
+    ({"broker": {"identity": "00" * 40}}, "broker.identity: expected a key broker's P-384 public key"),
+    ({"broker": {"identity": KEY}}, "broker.identity: expected a key broker's P-384 public key"),
+    ({"broker": {"key": BROKER_KEY}}, "broker.key: unknown key"),
 ])
 def test_bad_input_is_refused_naming_the_file_and_key(tables: dict, says: str) -> None:
     _bad(_toml(**tables), says)

@@ -15,8 +15,8 @@ from typing import ClassVar, Literal
 from pydantic import ValidationError, model_validator
 
 from gputravel.manifest.review import describe_lines
-from gputravel.manifest.sections import (ELSEWHERE, Data, Evaluation, JobSettings, Outputs, Part, Recipient, Release,
-                                         Workload, code_digest, schema_digest)
+from gputravel.manifest.sections import (ELSEWHERE, Broker, Data, Evaluation, JobSettings, Outputs, Part, Recipient,
+                                         Release, Workload, code_digest, schema_digest)
 from gputravel.train.job import TrainConfig
 
 FORMAT = "gputravel-job-v1"
@@ -37,6 +37,7 @@ class JobManifest(Part):
     evaluation: Evaluation = Evaluation()
     outputs: Outputs = Outputs()
     release: Release
+    broker: Broker = Broker()
 
     @model_validator(mode="after")
     def _consistent(self) -> JobManifest:
@@ -48,6 +49,13 @@ class JobManifest(Part):
             raise ValueError("release.holders: expected at least one holder who may sign")
         if rel.quorum > len(rel.holders):
             raise ValueError(f"release.quorum: expected at most {len(rel.holders)} (the holders named), got {rel.quorum}")
+        certified = set(rel.certificates)
+        if certified and certified != set(rel.holders):
+            odd = sorted(certified ^ set(rel.holders))[0]
+            raise ValueError(f"release.certificates: expected one for each holder in release.holders, or none; "
+                             f"{odd!r} is in one and not the other")
+        if len(set(rel.certificates.values())) != len(rel.certificates):
+            raise ValueError("release.certificates: expected each holder's own certificate, got one named twice")
         names = [r.name for r in rel.recipients]
         if len(set(names)) != len(names):
             raise ValueError(f"release.recipients: expected each recipient named once, got {names}")
@@ -96,7 +104,8 @@ class JobManifest(Part):
     @classmethod
     def for_job(cls, cfg: TrainConfig, *, holders: Iterable[str], quorum: int,
                 recipients: Iterable[Recipient | tuple[str, str | bytes]] = (), outputs: Outputs | None = None,
-                evaluation: Evaluation | None = None) -> JobManifest:
+                evaluation: Evaluation | None = None, certificates: dict[str, str] | None = None,
+                broker_key: str = "") -> JobManifest:
         """The manifest of the concrete job `cfg` (its code and schema by digest); BadInput naming the key."""
         file = f"{cfg.workload}.py" if cfg.workload_code else ""
         return cls(format=FORMAT,
@@ -105,7 +114,17 @@ class JobManifest(Part):
                    data=Data(schema=schema_digest(cfg.record_schema), tokenizer=cfg.tokenizer),
                    evaluation=evaluation or Evaluation(), outputs=outputs or Outputs(),
                    release=Release(holders=list(holders), quorum=quorum,
-                                   recipients=[r if isinstance(r, Recipient) else Recipient.of(*r) for r in recipients]))
+                                   recipients=[r if isinstance(r, Recipient) else Recipient.of(*r) for r in recipients],
+                                   certificates=dict(certificates or {})),
+                   broker=Broker(identity=broker_key))
+
+    def with_parties(self, certificates: dict[str, str], broker_key: str) -> JobManifest:
+        """This manifest naming each signer's certificate and the key broker (a cohort's own, as its
+        parties made them); BadInput naming the key at fault."""
+        data = self.model_dump()
+        data["release"]["certificates"] = dict(certificates)
+        data["broker"] = {"identity": broker_key}
+        return type(self).model_validate(data)
 
     def admits(self, cfg: TrainConfig) -> list[str]:
         """The keys in which the concrete job `cfg` differs from this manifest's; [] if it is its job."""
@@ -125,6 +144,6 @@ class JobManifest(Part):
         """What a holder reviews before approving (`gputravel job show`), ending with the digest."""
         return "\n".join([f"job manifest ({self.format})",
                           *describe_lines(self.workload, self.job.model_dump(), self.data, self.evaluation,
-                                          self.outputs, self.release),
+                                          self.outputs, self.release, self.broker),
                           f"digest      {self.digest_hex()}"])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from gputravel.manifest.sections import Data, Evaluation, Outputs, Release, Workload
+from gputravel.manifest.sections import Broker, Data, Evaluation, Outputs, Release, Workload
 
 FINGERPRINT_HEX = 32  # 128 bits of SHA-256: enough to tell keys apart by eye, short enough to read aloud
 
@@ -37,18 +37,25 @@ def _outputs(o: Outputs, rel: Release) -> list[str]:
             f"  metrics      {'written to the run directory' if o.metrics else 'none'}"]
 
 
-def _release(rel: Release) -> list[str]:
+def _release(rel: Release, broker: Broker) -> list[str]:
     lines = [f"release     {rel.quorum} of {len(rel.holders)} holders must sign: {', '.join(rel.holders)}"]
+    lines += [f"  signer     {h}  certificate SHA-384 {rel.certificates[h]}" for h in rel.holders
+              if h in rel.certificates]
+    if not rel.certificates:
+        lines.append("  signers    under the certificates the orchestrator's measurement binds")
     lines += [f"  recipient  {r.name}  key {key_fingerprint(r.key_bytes())}" for r in rel.recipients]
-    return lines if rel.recipients else [*lines, "  recipients none"]
+    lines = lines if rel.recipients else [*lines, "  recipients none"]
+    who = (f"key {key_fingerprint(bytes.fromhex(broker.identity))}" if broker.identity
+           else "the one the orchestrator's measurement names")
+    return [*lines, f"key broker  {who}"]
 
 
 def describe_lines(workload: Workload, settings: dict[str, object], data: Data, ev: Evaluation, outputs: Outputs,
-                   rel: Release) -> list[str]:
+                   rel: Release, broker: Broker) -> list[str]:
     """The manifest's tables in words: workload and code digest, schema digest, settings, evaluation,
     each output, k of n and the recipients' key fingerprints."""
     lines = [*_workload(workload, data, bool(settings.get("script"))), "settings"]
     lines += [f"  {k:<17}{v}" for k, v in settings.items()]
     lines.append(f"evaluation  each holder holds out {ev.share * 100:g}% of its records, never trained on; "
                  f"metrics: {', '.join(ev.metrics) or 'none'}")
-    return [*lines, *_outputs(outputs, rel), *_release(rel)]
+    return [*lines, *_outputs(outputs, rel), *_release(rel, broker)]

@@ -9,6 +9,8 @@ import hashlib
 import re
 from typing import Annotated, Literal
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError, create_model
 
@@ -138,10 +140,40 @@ class Recipient(Part):
         return bytes.fromhex(self.public_key)
 
 
+def _certificate(value: str) -> str:
+    if len(value) != 96 or not set(value) <= _HEX:
+        raise ValueError(f"a certificate's SHA-384, 96 lowercase hex digits, got {value[:120]!r}")
+    return value
+
+
+def _broker_key(value: str) -> str:
+    if not value:
+        return value
+    try:
+        key = serialization.load_der_public_key(bytes.fromhex(value))
+    except ValueError:
+        key = None
+    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP384R1) \
+            or value != bytes.fromhex(value).hex():
+        raise ValueError(f"a key broker's P-384 public key (SubjectPublicKeyInfo DER, lowercase hex), got {value[:80]!r}")
+    return value
+
+
+Certificates = dict[Annotated[str, AfterValidator(_name)], Annotated[str, AfterValidator(_certificate)]]
+
+
 class Release(Part):
     holders: list[Annotated[str, AfterValidator(_name)]]  # the n who may sign (a cohort's holder names)
     quorum: Annotated[int, Field(ge=1)]  # k
     recipients: list[Recipient] = []
+    # Each signer's own TLS certificate (SHA-384 of its DER), which it made itself: a signature counts
+    # only under it. {}: the certificates the orchestrator's measurement binds (a local cohort's CA).
+    certificates: Certificates = {}
+
+
+class Broker(Part):
+    # The key broker that seals the checkpoints and the model; "": the one the orchestrator's measurement names.
+    identity: Annotated[str, AfterValidator(_broker_key)] = ""
 
 
 def code_digest(text: str) -> str:
