@@ -166,30 +166,59 @@ def _ending(orch: Orchestrator, cmd: Train, cfg: Any) -> Ending | None:
     if cmd.world_size > 1:
         raise BadInput("a job with a manifest trains on one GPU for now: its release gathers every holder's "
                        "signature in one orchestrator")
-    if not config.broker_socket or not config.broker_key:
-        raise BadInput("a job with a manifest needs the key broker (broker_socket, broker_key): its checkpoints "
-                       "and model are sealed")
     from gputravel.train.rundir import Kept  # lazy: torch, for training only
 
     manifest, digest = JobManifest.from_json(config.manifest_json), job_digest(config)
     if cmd.resume_checkpoint and manifest.outputs.checkpoints != "sealed":
         # Only a sealed checkpoint is surely this job's: a plaintext one may be anyone's weights.
         raise BadInput("a job whose manifest keeps no checkpoint (outputs.checkpoints = \"none\") cannot resume")
-    pki = CohortPki.load(config.pki_dir)
-    held = holder_anchors(pki.ca_pem, pki.member(NAME).cert_pem)
-    if not config.anchors_sha384 or anchors_digest(held) != config.anchors_sha384:
-        raise BadInput("the trust anchors in this orchestrator's pki directory are not the ones its measurement "
-                       "binds (anchors_sha384): release signatures would count under someone else's")
+    broker_key, anchored = job_parties(manifest, config), _anchors(manifest, config)
 
     def sealer(purpose: str) -> Sealer:
         # Quoted through the attester: only once RTMR[3] holds the job, which the key is bound to.
-        key = fetch_key(config.broker_socket, purpose, orch.attester.quote, config.holder_timeout, config.broker_key)
+        key = fetch_key(config.broker_socket, purpose, orch.attester.quote, config.holder_timeout, broker_key)
         return Sealer(key, purpose, digest)
 
     checkpoints = manifest.outputs.checkpoints == "sealed"
     kept = Kept(metrics=manifest.outputs.metrics, checkpoints=checkpoints,
                 sealer=sealer("checkpoint") if checkpoints else None, weights=True)
-    return Ending(manifest, digest, held, sealer("model"), config.holder_timeout, kept)
+    return Ending(manifest, digest, anchored, sealer("model"), config.holder_timeout, kept)
+
+
+def job_parties(manifest: JobManifest, config: OrchestratorConfig) -> str:
+    """The key broker this job trusts (hex), the manifest's or else the one the measurement names;
+    BadInput if it has none, or if the two disagree."""
+    if not config.broker_socket:
+        raise BadInput("a job with a manifest needs the key broker (broker_socket): its checkpoints and model "
+                       "are sealed")
+    named, measured = manifest.broker.identity, config.broker_key
+    if named and measured and named != measured:
+        raise BadInput("the manifest's broker.identity is not the key broker this orchestrator's measurement names "
+                       "(broker_key): its keys would come from another broker")
+    if not (named or measured):
+        raise BadInput("a job with a manifest needs its key broker's identity: broker.identity in the manifest "
+                       "(gputravel job init --cohort D), or broker_key in the orchestrator's config")
+    return named or measured
+
+
+def _anchors(manifest: JobManifest, config: OrchestratorConfig) -> tuple[bytes, ...]:
+    """The certificates release signatures count under: the ones the manifest names (each holder's
+    own, checked again by its fingerprint at the end), else the anchors the measurement binds."""
+    pki = CohortPki.load(config.pki_dir)
+    held = holder_anchors(pki.ca_pem, pki.member(NAME).cert_pem)
+    named = manifest.release.certificates
+    if named:
+        pinned = {hashlib.sha384(der).hexdigest(): der for der in held}
+        missing = [h for h, fp in sorted(named.items()) if fp not in pinned]
+        if missing:  # early and in words; what counts is checked on each holder's TLS certificate at the end
+            raise BadInput(f"release.certificates names holder {missing[0]!r}'s certificate, but this orchestrator "
+                           "pins no such certificate: run the job on the cohort whose holders made them")
+        return tuple(pinned[fp] for fp in named.values())
+    if not config.anchors_sha384 or anchors_digest(held) != config.anchors_sha384:
+        raise BadInput("the trust anchors in this orchestrator's pki directory are not the ones its measurement "
+                       "binds (anchors_sha384): release signatures would count under someone else's; on the "
+                       "deployed services the manifest names each holder's certificate (job init --cohort D)")
+    return held
 
 
 def _step(event: Any, quiet: bool) -> TrainStep:

@@ -84,7 +84,7 @@ def end_job(ending: Ending, weights: bytes, metrics: dict[str, dict[str, float]]
         out.statement = statement.digest().hex()
     asked = JobResults(metrics=metrics, manifest_json=m.to_json(),
                        statement=encode(statement) if statement is not None else b"")
-    signatures, certificates = _collect(asked, holders, ending.timeout, out)
+    signatures, certificates = _collect(asked, holders, ending.timeout, out, dict(m.release.certificates))
     if statement is None:
         return out
     counted = _counted(statement, signatures, certificates, ending, travel_log)
@@ -109,10 +109,11 @@ def end_job(ending: Ending, weights: bytes, metrics: dict[str, dict[str, float]]
     return out
 
 
-def _collect(asked: JobResults, holders: dict[str, Transport], timeout: float,
-             out: Outcome) -> tuple[list[ReleaseSignature], dict[str, bytes]]:
+def _collect(asked: JobResults, holders: dict[str, Transport], timeout: float, out: Outcome,
+             asked_certificates: dict[str, str]) -> tuple[list[ReleaseSignature], dict[str, bytes]]:
     """Each holder's answer. A signature is kept under the name its TLS certificate proves, never the
-    name it claims; a holder that fails to answer declines."""
+    name it claims, and only if that certificate is the one the manifest names (where it names them);
+    a holder that fails to answer declines."""
     signatures: list[ReleaseSignature] = []
     certificates: dict[str, bytes] = {}
     for name, conn in sorted(holders.items()):
@@ -127,8 +128,13 @@ def _collect(asked: JobResults, holders: dict[str, Transport], timeout: float,
             if sig.holder != name:
                 out.declined[name] = f"signed as {sig.holder!r}: not counted"
                 continue
+            cert = conn.peer_certificate()
+            named = asked_certificates.get(name)
+            if named is not None and hashlib.sha384(cert).hexdigest() != named:
+                out.declined[name] = "its TLS certificate is not the one the manifest names: not counted"
+                continue
             signatures.append(sig)
-            certificates[name] = conn.peer_certificate()
+            certificates[name] = cert
         except GputravelError as exc:
             out.declined[name] = f"no answer ({type(exc).__name__})"
     return signatures, certificates

@@ -1,0 +1,114 @@
+"""A manifest that names each signer's own certificate (issue 28 on the deployed services): a
+release signature counts only over the TLS certificate the manifest names for that holder, so a
+key someone else made for a holder (whoever ran `cohort init`, in the first stop) signs nothing."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from gputravel.crypto.certs import load_key
+from gputravel.crypto.pki import self_signed_member
+from gputravel.errors import BadInput
+from gputravel.manifest import JobManifest, Recipient
+from gputravel.orchestrator.release import Ending, end_job
+from gputravel.protocol.codec import decode, encode
+from gputravel.protocol.travel import JobResults, ReleaseSigned
+from gputravel.release import ReleaseStatement, open_release, sign_release
+from gputravel.train.job import TrainConfig
+
+HOLDERS = ("north", "south", "west")
+
+
+def _member(d: Path, name: str) -> tuple[bytes, bytes]:
+    """(certificate DER, key PEM) of a member's own self-signed identity made in `d`."""
+    d.mkdir(parents=True, exist_ok=True)
+    pem = self_signed_member(d, name)
+    der = x509.load_pem_x509_certificate(pem).public_bytes(Encoding.DER)
+    return der, (d / f"{name}.key").read_bytes()
+
+
+class _Holder:
+    """A holder's end of its TLS link: it presents `cert` and signs what it is asked with `key`."""
+
+    def __init__(self, name: str, cert: bytes, key: bytes) -> None:
+        self.name, self.cert, self.key, self._reply = name, cert, key, None
+
+    def send(self, msg: JobResults) -> None:
+        statement = decode(msg.statement, expect=ReleaseStatement)
+        self._reply = ReleaseSigned(signature=encode(sign_release(statement, self.name, load_key(self.key))))
+
+    def recv(self, timeout: float, expect: object) -> SimpleNamespace:
+        return SimpleNamespace(message=self._reply)
+
+    def peer_certificate(self) -> bytes:
+        return self.cert
+
+
+def _ending(manifest: JobManifest, anchors: tuple[bytes, ...]) -> Ending:
+    sealer = SimpleNamespace(seal=lambda data: b"sealed:" + hashlib.sha384(data).digest())
+    return Ending(manifest, manifest.digest(), anchors, sealer, 5.0, SimpleNamespace())  # type: ignore[arg-type]
+
+
+def test_a_signature_counts_only_over_the_certificate_the_manifest_names(tmp_path: Path) -> None:
+    own = {n: _member(tmp_path / n, n) for n in HOLDERS}
+    forged = _member(tmp_path / "operator", "south")  # same name, a key the init operator made and kept
+    recipient = X25519PrivateKey.generate()
+    manifest = JobManifest.for_job(TrainConfig(steps=2), holders=HOLDERS, quorum=2,
+                                   recipients=[Recipient.of("alice", recipient.public_key())],
+                                   certificates={n: hashlib.sha384(c).hexdigest() for n, (c, _) in own.items()})
+    weights = b"the trained weights"
+    links = {"north": _Holder("north", *own["north"]), "south": _Holder("south", *forged),
+             "west": _Holder("west", *own["west"])}
+    anchors = tuple(own[n][0] for n in HOLDERS)
+    out = end_job(_ending(manifest, anchors + (forged[0],)), weights, {}, links, tmp_path, None)
+    assert out.signed == ["north", "west"] and "not the one the manifest names" in out.declined["south"]
+    assert out.released_to == ["alice"]
+    statement, model = open_release((tmp_path / "model.release").read_bytes(), recipient)
+    assert model == weights and statement.job_digest == manifest.digest()
+    short = manifest.model_copy(update={"release": manifest.release.model_copy(update={"quorum": 3})})
+    links["south"] = _Holder("south", *forged)
+    (tmp_path / "model.release").unlink()
+    out = end_job(_ending(short, anchors + (forged[0],)), weights, {}, links, tmp_path, None)
+    assert out.signed == ["north", "west"] and out.released_to == [] and not (tmp_path / "model.release").exists()
+
+
+def test_a_manifest_naming_certificates_this_orchestrator_does_not_pin_is_refused_before_training(
+        tmp_path: Path) -> None:
+    from gputravel.crypto.pki import CohortPki
+    from gputravel.orchestrator.cvm import OrchestratorConfig
+    from gputravel.orchestrator.process import _anchors, job_parties
+    from gputravel.protocol.layout import Layout
+
+    CohortPki.create(tmp_path / "pki", ["orchestrator", *HOLDERS])  # a local cohort's CA-issued members
+    own = {n: _member(tmp_path / n, n) for n in HOLDERS}
+    manifest = JobManifest.for_job(TrainConfig(steps=2), holders=HOLDERS, quorum=2, recipients=[
+        Recipient.of("alice", X25519PrivateKey.generate().public_key())],
+        certificates={n: hashlib.sha384(c).hexdigest() for n, (c, _) in own.items()})
+    config = OrchestratorConfig(host_socket="", pki_dir=str(tmp_path / "pki"), layout=Layout(), buffer_bytes=4096,
+                                job_json=TrainConfig(steps=2).canonical_json(), manifest_json=manifest.to_json(),
+                                broker_socket="/nonexistent/broker.sock")
+    with pytest.raises(BadInput, match=r"release\.certificates names holder .north..s certificate, but this orchestr"):
+        _anchors(manifest, config)
+    with pytest.raises(BadInput, match=r"needs its key broker.s identity: broker\.identity in the manifest"):
+        job_parties(manifest, config)
+    from dataclasses import replace
+
+    other = manifest.with_parties(dict(manifest.release.certificates), _broker_key())
+    with pytest.raises(BadInput, match="is not the key broker this orchestrator's measurement names"):
+        job_parties(other, replace(config, broker_key=_broker_key()))
+    assert job_parties(other, config) == other.broker.identity
+
+
+def _broker_key() -> str:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from gputravel.broker.state import public_key_hex
+
+    return public_key_hex(ec.generate_private_key(ec.SECP384R1()))
