@@ -1,6 +1,7 @@
-"""Issue 28 in `gputravel cohort init`: the key broker's config and identity, the job manifest in
-the orchestrator's config, which holders approve it and which decline to sign, and each mistake
-refused naming the flag, holder or key at fault, with nothing left behind."""
+"""Issue 28 on the deployed services: init makes no party's key; each holder and the key broker
+make their own identity (`cohort identity`), the manifest names them (`job init --cohort`),
+`cohort job` sets it with which holders approve and decline, and each mistake is refused naming
+the holder or key at fault."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from typer.testing import CliRunner
 from gputravel.broker.state import IDENTITY_FILE, SECRET_FILE, broker_public_key
 from gputravel.cli.app import app
 from gputravel.errors import BadInput
-from gputravel.manifest import JobManifest, Outputs, write_manifest
+from gputravel.manifest import JobManifest, Outputs, load_manifest, write_manifest
 from gputravel.orchestrator.job import job_digest
-from gputravel.service.config import BrokerService, OrchestratorService, load_service, orchestrator_engine_config
+from gputravel.service.config import load_service, orchestrator_engine_config
 from gputravel.service.init import carry_state, init_cohort
+from gputravel.service.job import BROKER_PUBLIC, certificate_sha384, make_identity, published_parties, set_job
 
 
 @pytest.fixture(autouse=True)
@@ -35,35 +37,107 @@ def _holders(tmp: Path) -> list[tuple[str, str]]:
     return out
 
 
-def _manifest(tmp: Path, holders, **changes) -> JobManifest:
-    """The manifest of the job cohort init writes for these holders."""
-    plain = init_cohort(tmp / "plain", holders)[0].parent
+def _manifest(tmp: Path, holders, d: Path | None = None, **changes) -> JobManifest:
+    """The manifest of the job cohort init writes for these holders; with `d`, naming the identities
+    its parties published."""
+    plain = init_cohort(tmp / "plain", holders)[0].parent if not (tmp / "plain").exists() else tmp / "plain"
     job = load_service(plain / "orchestrator.toml", "orchestrator").job.train_config()
-    return JobManifest.for_job(job.replace(**changes), holders=[n for n, _ in holders], quorum=2,
-                               outputs=Outputs(model="sealed"))
+    names = [n for n, _ in holders]
+    certificates, key = published_parties(d, names) if d is not None else ({}, "")
+    return JobManifest.for_job(job.replace(**changes), holders=names, quorum=2, outputs=Outputs(model="sealed"),
+                               certificates=certificates, broker_key=key)
 
 
-def test_init_writes_the_broker_and_the_manifest_and_approves_only_when_told(tmp_path: Path) -> None:
+def _identities(d: Path, holders) -> None:
+    for party in [*(f"holder-{n}" for n, _ in holders), "broker"]:
+        make_identity(d / f"{party}.toml")
+
+
+def test_init_makes_no_partys_key_and_binds_no_broker_nor_anchors(tmp_path: Path) -> None:
+    """The first issue-28 stop had init make the holders' signing keys and the broker's secret, so
+    whoever ran it could sign a release for any holder and open the sealed model."""
+    d = init_cohort(tmp_path / "D", _holders(tmp_path))[0].parent
+    orch = load_service(d / "orchestrator.toml", "orchestrator")
+    assert orch.broker_key == "" and orch.anchors_sha384 == "" and orch.broker_socket
+    for party in ("broker", "holder-north", "holder-south"):
+        assert list((d / "state" / party).iterdir()) == [], party
+
+
+def test_each_party_makes_its_own_identity_once_and_publishes_its_public_half(tmp_path: Path) -> None:
     holders = _holders(tmp_path)
-    m = _manifest(tmp_path, holders)
-    d = init_cohort(tmp_path / "D", holders, manifest=m, decline=["west"])[0].parent
+    d = init_cohort(tmp_path / "D", holders)[0].parent
+    north = make_identity(d / "holder-north.toml")
+    broker = make_identity(d / "broker.toml")
+    assert north.what == "certificate" and north.published == d / "public" / "holder-north.pem"
+    assert certificate_sha384(north.published.read_bytes()) == north.value
+    state = d / "state" / "broker"
+    assert broker.value == broker_public_key(state) and (d / "public" / BROKER_PUBLIC).read_text().strip() == broker.value
+    assert sorted(p.name for p in state.iterdir() if p.name != "home") == sorted([IDENTITY_FILE, SECRET_FILE])
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in state.iterdir() if p.is_file())
+    assert make_identity(d / "holder-north.toml") == north and make_identity(d / "broker.toml") == broker  # kept
+    with pytest.raises(BadInput, match="only a holder and the key broker"):
+        make_identity(d / "host.toml")
+
+
+def test_set_job_writes_the_manifest_and_approves_only_when_told(tmp_path: Path) -> None:
+    holders = _holders(tmp_path)
+    d = init_cohort(tmp_path / "D", holders)[0].parent
+    with pytest.raises(BadInput, match=r"holder .north. has published no certificate .* `gputravel cohort identity"):
+        _manifest(tmp_path, holders, d)
+    _identities(d, holders)
+    m = _manifest(tmp_path, holders, d)
+    set_job(d, m, decline=["west"])
     orch = load_service(d / "orchestrator.toml", "orchestrator")
     broker = load_service(d / "broker.toml", "broker")
-    assert isinstance(orch, OrchestratorService) and isinstance(broker, BrokerService)
-    assert orch.manifest_json == m.to_json() and orch.broker_socket == broker.socket
-    assert orch.broker_key == broker_public_key(Path(broker.state_dir))
+    assert orch.manifest_json == m.to_json() and orch.broker_socket == broker.socket and orch.broker_key == ""
+    assert m.broker.identity == broker_public_key(Path(broker.state_dir))
     assert job_digest(orchestrator_engine_config(orch, pki_dir="", trust_dir="")) == m.digest()
     for name in ("north", "south", "west"):
         cfg = load_service(d / f"holder-{name}.toml", "holder")
-        assert cfg.policy.approved_jobs == []  # each holder approves on its own: gputravel job approve
+        assert m.digest_hex() not in cfg.policy.approved_jobs  # each holder approves on its own
         assert cfg.policy.orchestrator_measurements == broker.accepted_measurements
         assert cfg.sign_release is (name != "west") and cfg.eval_share == m.evaluation.share
-    state = Path(broker.state_dir)
-    assert sorted(p.name for p in state.iterdir()) == sorted([IDENTITY_FILE, SECRET_FILE])
-    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in state.iterdir())
-    told = init_cohort(tmp_path / "E", holders, manifest=m, approve=["north"])[0].parent
-    approved = {n: load_service(told / f"holder-{n}.toml").policy.approved_jobs for n in ("north", "south")}
-    assert approved == {"north": [m.digest_hex()], "south": []}
+    set_job(d, m, approve=["north"])
+    approved = {n: m.digest_hex() in load_service(d / f"holder-{n}.toml").policy.approved_jobs
+                for n in ("north", "south")}
+    assert approved == {"north": True, "south": False}
+
+
+def test_carried_identities_keep_the_manifest_and_so_the_sealing_key(tmp_path: Path) -> None:
+    holders = _holders(tmp_path)
+    first = init_cohort(tmp_path / "D", holders)[0].parent
+    _identities(first, holders)
+    carry_state(first / "state", tmp_path / "kept", [n for n, _ in holders])
+    assert stat.S_IMODE((tmp_path / "kept").stat().st_mode) == 0o700
+    again = init_cohort(tmp_path / "E", holders, carry=tmp_path / "kept")[0].parent
+    other = init_cohort(tmp_path / "F", holders)[0].parent
+    for d in (again, other):
+        _identities(d, holders)
+    named = [_manifest(tmp_path, holders, d).digest() for d in (first, again, other)]
+    assert named[0] == named[1] != named[2]
+    secrets = [(d / "state" / "broker" / SECRET_FILE).read_bytes() for d in (first, again)]
+    assert secrets[0] == secrets[1]
+
+
+def test_set_job_refuses_what_the_cohort_did_not_publish_or_cannot_run(tmp_path: Path) -> None:
+    holders = _holders(tmp_path)
+    d = init_cohort(tmp_path / "D", holders)[0].parent
+    _identities(d, holders)
+    good = _manifest(tmp_path, holders, d)
+    unnamed = _manifest(tmp_path, holders)
+    with pytest.raises(BadInput, match=r"release\.certificates\.north, .*broker\.identity is not what the cohort"):
+        set_job(d, unnamed)
+    forged = good.with_parties({**good.release.certificates, "south": "ab" * 48}, good.broker.identity)
+    with pytest.raises(BadInput, match=r"the manifest's release\.certificates\.south is not what"):
+        set_job(d, forged)
+    with pytest.raises(BadInput, match=r"'east' is not a holder of the cohort"):
+        set_job(d, good, approve=["east"])
+    with pytest.raises(BadInput, match=r"'east' is not a holder of the cohort"):
+        set_job(d, good, decline=["east"])
+    two = init_cohort(tmp_path / "G", holders, gpus=2)[0].parent
+    with pytest.raises(BadInput, match="a job with a manifest trains on one GPU"):
+        set_job(two, good)
+    assert load_service(d / "orchestrator.toml").manifest_json == ""  # nothing written on a refusal
 
 
 def test_without_a_manifest_every_holder_approves_the_job_alone(tmp_path: Path) -> None:
@@ -73,47 +147,18 @@ def test_without_a_manifest_every_holder_approves_the_job_alone(tmp_path: Path) 
     assert orch.manifest_json == "" and load_service(d / "holder-north.toml").policy.approved_jobs == [digest]
 
 
-def test_carried_keys_keep_the_broker_key_and_holder_anchors_and_so_the_measurement(tmp_path: Path) -> None:
+def test_set_job_takes_the_manifests_settings_and_refuses_a_workload_the_data_cannot_feed(tmp_path: Path) -> None:
     holders = _holders(tmp_path)
-    m = _manifest(tmp_path, holders)
-    first = init_cohort(tmp_path / "D", holders, manifest=m)[0].parent
-    carry_state(first / "state", tmp_path / "kept", [n for n, _ in holders])
-    assert stat.S_IMODE((tmp_path / "kept").stat().st_mode) == 0o700
-    again = init_cohort(tmp_path / "E", holders, manifest=m, carry=tmp_path / "kept")[0].parent
-    other = init_cohort(tmp_path / "F", holders, manifest=m)[0].parent
-    anchored = [load_service(d / "orchestrator.toml").anchors_sha384 for d in (first, again, other)]
-    assert anchored[0] == anchored[1] != anchored[2] and len(anchored[0]) == 96
-    keys = [load_service(d / "orchestrator.toml").broker_key for d in (first, again, other)]
-    assert keys[0] == keys[1] != keys[2]
-    secrets = [(d / "state" / "broker" / SECRET_FILE).read_bytes() for d in (first, again)]
-    assert secrets[0] == secrets[1]
-    measured = [load_service(d / "broker.toml").accepted_measurements for d in (first, again, other)]
-    assert measured[0] == measured[1] != measured[2]  # the broker's key is measured
-
-
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"decline": ["east"]}, r"--decline east: not a holder of this cohort \(north, south, west\)"),
-    ({"approve": ["east"]}, r"--approve east: not a holder of this cohort"),
-    ({"gpus": 2, "manifest": True}, r"--gpus: a job with a manifest trains on one GPU"),
-])
-def test_init_refuses_options_that_name_no_holder_and_leaves_nothing(tmp_path: Path, kwargs, message) -> None:
-    holders = _holders(tmp_path)
-    if kwargs.get("manifest"):
-        kwargs = {**kwargs, "manifest": _manifest(tmp_path, holders)}
-    with pytest.raises(BadInput, match=message):
-        init_cohort(tmp_path / "D", holders, **kwargs)
-    assert not (tmp_path / "D").exists()
-
-
-def test_init_refuses_a_manifest_of_another_job_or_other_holders(tmp_path: Path) -> None:
-    holders = _holders(tmp_path)
-    with pytest.raises(BadInput, match=r"job: expected the manifest's job; it differs in job\.lr, job\.steps"):
-        init_cohort(tmp_path / "D", holders, manifest=_manifest(tmp_path, holders, lr=0.5, steps=7))
-    strangers = JobManifest.for_job(load_service(tmp_path / "plain" / "orchestrator.toml").job.train_config(),
-                                    holders=["north", "east"], quorum=1, outputs=Outputs(model="sealed"))
-    with pytest.raises(BadInput, match=r"release\.holders names 'east', not a holder of this cohort"):
-        init_cohort(tmp_path / "E", holders, manifest=strangers)
-    assert not (tmp_path / "D").exists() and not (tmp_path / "E").exists()
+    d = init_cohort(tmp_path / "D", holders)[0].parent
+    _identities(d, holders)
+    changed = _manifest(tmp_path, holders, d, lr=0.5, steps=7)
+    set_job(d, changed)
+    job = load_service(d / "orchestrator.toml").job
+    assert (job.lr, job.steps) == (0.5, 7)
+    records = changed.model_copy(update={"data": changed.data.model_copy(update={"schema_digest": "ab" * 32}),
+                                         "workload": changed.workload.model_copy(update={"name": "tabular"})})
+    with pytest.raises(BadInput, match=r"data\.schema"):
+        set_job(d, records)
 
 
 def _rewrite(src: Path, dst: Path, change) -> Path:
@@ -128,7 +173,7 @@ def _rewrite(src: Path, dst: Path, change) -> Path:
     ("broker", lambda d: d.update(accepted_measurements=["ab"]), "accepted_measurements.0: expected a string matching"),
     ("broker", lambda d: d.update(secret="x"), "secret: unknown key"),
     ("broker", lambda d: d.update(socket="run/broker.sock"), "socket: expected an absolute path"),
-    ("orchestrator", lambda d: d.update(broker_key=""), "broker_socket: expected it with broker_key, or neither"),
+    ("orchestrator", lambda d: d.update(broker_key="00", broker_socket=""), "broker_socket: expected it with broker_key"),
     ("orchestrator", lambda d: d.update(broker_key="xyz"), "broker_key: expected a string matching"),
     ("orchestrator", lambda d: d.update(manifest_json="{}"), "manifest_json: expected a job manifest's JSON"),
     ("holder-north", lambda d: d.update(sign_release="no"), "sign_release: expected a valid boolean"),
@@ -141,18 +186,36 @@ def test_a_wrong_issue_28_key_is_refused_naming_file_and_key(tmp_path: Path, par
     assert f"{bad}: {expected}" in str(caught.value)
 
 
-def test_cohort_init_takes_a_manifest_and_tells_each_holder_to_approve_it(tmp_path: Path) -> None:
+def test_the_cli_makes_identities_names_them_sets_the_job_and_a_holder_checks_its_own(tmp_path: Path) -> None:
     holders = _holders(tmp_path)
-    m = _manifest(tmp_path, holders)
-    write_manifest(tmp_path / "job.toml", m)
-    args = ["cohort", "init", str(tmp_path / "D"), "--manifest", str(tmp_path / "job.toml"),
-            *(a for n, p in holders for a in ("--holder", f"{n}={p}"))]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    assert f"job {m.digest_hex()}" in result.output and "gputravel job approve" in result.output
-    assert load_service(tmp_path / "D" / "orchestrator.toml").manifest_json == m.to_json()
-    refused = CliRunner().invoke(app, [*args[:2], str(tmp_path / "E"), *args[3:], "--steps", "3"])
-    assert refused.exit_code != 0 and "--steps" in refused.output
+    run = CliRunner().invoke
+    d = tmp_path / "D"
+    made = run(app, ["cohort", "init", str(d), *(a for n, p in holders for a in ("--holder", f"{n}={p}"))])
+    assert made.exit_code == 0, made.output
+    refused = run(app, ["job", "init", "--out", str(tmp_path / "job.toml"), "--cohort", str(d), "--model", "sealed"])
+    assert refused.exit_code != 0 and "gputravel cohort identity" in refused.output
+    for party in ("holder-north", "holder-south", "holder-west", "broker"):
+        said = run(app, ["cohort", "identity", "--config", str(d / f"{party}.toml")])
+        assert said.exit_code == 0 and "published at" in said.output, said.output
+    written = run(app, ["job", "init", "--out", str(tmp_path / "job.toml"), "--cohort", str(d), "--model", "sealed",
+                        "--steps", str(load_service(d / "orchestrator.toml").job.steps)])
+    assert written.exit_code == 0, written.output
+    m = load_manifest(tmp_path / "job.toml")
+    assert sorted(m.release.certificates) == ["north", "south", "west"] and m.broker.identity
+    shown = run(app, ["job", "show", str(tmp_path / "job.toml")])
+    assert f"signer     north  certificate SHA-384 {m.release.certificates['north']}" in shown.output
+    assert "key broker  key sha256:" in shown.output
+    job = run(app, ["cohort", "job", str(d), "--manifest", str(tmp_path / "job.toml")])
+    assert job.exit_code == 0 and f"job {m.digest_hex()}" in job.output, job.output
+    assert load_service(d / "orchestrator.toml").manifest_json == m.to_json()
+    ok = run(app, ["job", "approve", str(tmp_path / "job.toml"), "--holder-config", str(d / "holder-north.toml"), "-y"])
+    assert ok.exit_code == 0, ok.output
+    other = m.with_parties({**m.release.certificates, "south": m.release.certificates["north"][::-1]},
+                           m.broker.identity)
+    write_manifest(tmp_path / "other.toml", other)
+    no = run(app, ["job", "approve", str(tmp_path / "other.toml"), "--holder-config", str(d / "holder-south.toml"),
+                   "-y"])
+    assert no.exit_code != 0 and "release.certificates.south" in no.output and "not this holder's own" in no.output
 
 
 def test_the_broker_serves_as_its_own_account_and_stops_on_sigterm(processes, tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ from gputravel.errors import BadInput
 from gputravel.files import RECORDS, TOKENS, atomic_write_bytes
 from gputravel.manifest import JobManifest, Outputs, Recipient, load_manifest, schema_digest, write_manifest
 from gputravel.service.config import HolderService, load_service, validate_service
+from gputravel.service.job import BROKER_PUBLIC, certificate_sha384, cohort_parties, published_parties
+from gputravel.service.status import HOLDER_PKI
 from gputravel.train.job import TrainConfig
 
 job_app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands, callback=named_subcommand,
@@ -82,10 +84,29 @@ def _train_config(workload: str, script: bool, schema_from: Optional[Path], **se
     return cfg.replace(record_schema=_schema(schema_from)) if schema_from is not None else cfg
 
 
+def _signers(holders: Optional[str], cohort: Optional[Path]) -> tuple[list[str], dict[str, str], str]:
+    """The signers, and with --cohort their published certificates' digests and the key broker's key."""
+    if cohort is None:
+        if holders is None:
+            raise BadInput("--holders: name the holders who may sign (or give --cohort)")
+        return _names(holders), {}, ""
+    members = [c.name for _, c in cohort_parties(cohort).values() if isinstance(c, HolderService)]
+    names = members if holders is None else _names(holders)
+    strangers = [n for n in names if n not in members]
+    if strangers:
+        raise BadInput(f"--holders: {strangers[0]!r} is not a holder of the cohort in {cohort} ({', '.join(members)})")
+    certificates, key = published_parties(cohort, names)
+    return names, certificates, key
+
+
 @job_app.command()
 def init(
     out: Path = typer.Option(..., "--out", "-o", help="The manifest to write (TOML)."),
-    holders: str = typer.Option(..., help="The holders who may sign the model's release, comma separated."),
+    holders: Optional[str] = typer.Option(None, help="The holders who may sign the model's release, comma separated "
+                                                     "(default with --cohort: every holder of it)."),
+    cohort: Optional[Path] = typer.Option(None, help="The deployed cohort (`gputravel cohort init`) the job runs on: "
+                                                     "the manifest names each signer's certificate and the key broker "
+                                                     "as they published them (`gputravel cohort identity`)."),
     quorum: Optional[int] = typer.Option(None, help="How many of them must sign (k of n); default: a majority."),
     recipients: Optional[list[str]] = typer.Option(None, "--recipient", help="NAME=PUBFILE: a recipient of the "
                                                    "model and its X25519 key (`gputravel model keygen`); repeatable."),
@@ -106,10 +127,10 @@ def init(
     if out.exists() and not force:
         raise BadInput(f"--out {out}: exists; choose another path or replace it (--force)")
     cfg = _train_config(workload, script, schema_from, steps=steps, batch=batch, lr=lr, eval_every=eval_every)
-    names = _names(holders)
+    names, certificates, broker_key = _signers(holders, cohort)
     m = JobManifest.for_job(cfg, holders=names, quorum=len(names) // 2 + 1 if quorum is None else quorum,
                             recipients=[_recipient(r) for r in recipients or ()],
-                            outputs=Outputs(model=model.value))
+                            outputs=Outputs(model=model.value), certificates=certificates, broker_key=broker_key)
     write_manifest(out, m, force=force)
     typer.echo(f"wrote {out}: job {m.digest_hex()}")
 
@@ -131,6 +152,7 @@ def _check_holder(m: JobManifest, where: Path, cfg: HolderService, source: Path)
     if cfg.name not in m.release.holders:
         raise BadInput(f"{source}: name: {cfg.name!r} is not among {where}'s release.holders "
                        f"({', '.join(m.release.holders)})")
+    _check_identity(m, where, cfg, source)
     if cfg.eval_share != m.evaluation.share:
         raise BadInput(f"{source}: eval_share: {cfg.eval_share:g} differs from {where}'s evaluation.share "
                        f"{m.evaluation.share:g}: the job would evaluate on another held-out share")
@@ -143,6 +165,26 @@ def _check_holder(m: JobManifest, where: Path, cfg: HolderService, source: Path)
         if schema_digest(ours) != m.data.schema_digest:
             raise BadInput(f"{source}: data: its records' schema ({schema_digest(ours)[:16]}...) is not "
                            f"{where}'s data.schema ({m.data.schema_digest[:16]}...)")
+
+
+def _check_identity(m: JobManifest, where: Path, cfg: HolderService, source: Path) -> None:
+    """The certificate the manifest names for this holder is its own, and the key broker the one its
+    cohort published: else another key would sign for it, or open the model."""
+    named = m.release.certificates.get(cfg.name)
+    if named is not None:
+        own = Path(cfg.state_dir) / HOLDER_PKI / f"{cfg.name}.pem"
+        try:
+            mine = certificate_sha384(own.read_bytes())
+        except (OSError, BadInput):
+            raise BadInput(f"{source}: {cfg.name} has no identity at {own} to compare with {where}'s "
+                           f"release.certificates: make it with `gputravel cohort identity --config {source}`") from None
+        if mine != named:
+            raise BadInput(f"{where}: release.certificates.{cfg.name} is {named[:16]}..., not this holder's own "
+                           f"certificate ({mine[:16]}...): another key would sign for {cfg.name}")
+    published = Path(cfg.public_dir) / BROKER_PUBLIC
+    if m.broker.identity and published.is_file() and published.read_text().strip() != m.broker.identity:
+        raise BadInput(f"{where}: broker.identity is not the key broker {published} names: another broker would "
+                       "hold the keys that open the model")
 
 
 def _add_approval(path: Path, digest_hex: str) -> bool:

@@ -16,10 +16,10 @@ from gputravel.cli.output import Commands, console, named_subcommand
 from gputravel.cli.train import workload_job
 from gputravel.cohort.capacity import check_buffer
 from gputravel.cohort.stopping import catch_term
-from gputravel.errors import BadInput
 from gputravel.files import MISSING, not_data
 from gputravel.service.config import load_service
 from gputravel.service.init import init_cohort
+from gputravel.service.job import make_identity, set_job
 from gputravel.service.status import cohort_status
 from gputravel.train.job import TrainConfig
 
@@ -52,23 +52,15 @@ def init(
     steps: Optional[int] = typer.Option(None, min=1, help=f"Training steps of the job (default {JOB['steps']})."),
     buffer_kib: Optional[int] = typer.Option(None, min=4, help=f"The dataset buffer in the GPU, KiB (default {JOB['buffer_bytes'] >> 10}; a multiple of 4, at most 1048576)."),
     workload: str = typer.Option("gpt2", help="What trains: gpt2 (tokens), image, tabular, or a workload .py file, whose text goes into the job (docs/workloads.md)."),
-    manifest: Optional[Path] = typer.Option(None, help="The job manifest (`gputravel job init`) the orchestrator runs: its [job] table is the job's (give --workload, not --steps); each holder then approves it with `gputravel job approve`."),
 ) -> None:
     """Write one config file per party (the key broker's too), the public trust anchors and empty state directories."""
     pairs = [_holder(h) for h in holders]
-    job, m = workload_job(workload), None
-    if manifest is not None:
-        from gputravel.manifest import load_manifest  # lazy: pydantic models, for manifests only
-
-        if steps is not None:
-            raise BadInput("--steps: the manifest's [job] table fixes the steps; leave --steps out")
-        m = load_manifest(manifest)
-        job = {**job, **m.job.model_dump()}
+    job = workload_job(workload)
     undo_term = catch_term("cohort init was undone")  # SIGTERM unwinds it too, as Ctrl-C does
     try:
         if buffer_kib is not None:  # before anything is written: what this machine's GPU can hold
             check_buffer(buffer_kib << 10, "--buffer-kib", 1 << 10)
-        written = init_cohort(directory, pairs, gpus=gpus, steps=steps, job=job, manifest=m,
+        written = init_cohort(directory, pairs, gpus=gpus, steps=steps, job=job,
                               buffer_bytes=None if buffer_kib is None else buffer_kib << 10)
     finally:
         undo_term()
@@ -77,10 +69,35 @@ def init(
     for path in written:
         console.print(f"  {escape(path.name)}", soft_wrap=True)
     console.print("  trust/ (public trust anchors), public/, run/, state/ (one private directory per party)")
-    if m is not None:
-        console.print(escape(f"job {m.digest_hex()}: each holder approves it with `gputravel job approve {manifest} "
-                             "--holder-config holder-NAME.toml`"), soft_wrap=True)
     console.print(escape("start each party with `gputravel serve ROLE --config FILE` (docs/deploy.md)"), soft_wrap=True)
+
+
+@cohort_app.command("identity")
+def identity(
+    config: Path = typer.Option(..., "--config", help="A holder's or the key broker's TOML file."),
+) -> None:
+    """Make this party's own identity in its state directory (kept across restarts) and publish its public half."""
+    made = make_identity(config)
+    console.print(escape(f"{made.party}: {made.what} {'SHA-384 ' if made.what == 'certificate' else ''}"
+                         f"{made.value}, published at {made.published}"), soft_wrap=True)
+
+
+@cohort_app.command("job")
+def set_job_command(
+    directory: Path = typer.Argument(..., help="The cohort's directory (`gputravel cohort init`)."),
+    manifest: Path = typer.Option(..., help="The job manifest (`gputravel job init --cohort D`), naming each "
+                                            "signer's certificate and the key broker as they published them."),
+    workload: str = typer.Option("gpt2", help="The workload the manifest pins by name and digest: gpt2, image, "
+                                              "tabular, or its .py file."),
+) -> None:
+    """Make a job manifest the orchestrator's job; each holder then approves it with `gputravel job approve`."""
+    from gputravel.manifest import load_manifest  # lazy: pydantic models, for manifests only
+
+    m = load_manifest(manifest)
+    for path in set_job(directory, m, job=workload_job(workload)):
+        console.print(f"  {escape(path.name)}", soft_wrap=True)
+    console.print(escape(f"job {m.digest_hex()}: each holder approves it with `gputravel job approve {manifest} "
+                         "--holder-config holder-NAME.toml`"), soft_wrap=True)
 
 
 def serve_command(

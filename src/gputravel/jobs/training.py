@@ -223,6 +223,7 @@ def _run_services(cfg: TrainingJobConfig, run_dir: Path, on_step, shares=None) -
                        rank_audit=logs, **sealed) as cohort:
         report = cohort.train(relay)
         if manifest is not None:
+            manifest = cohort.manifest or manifest  # naming the identities its parties made
             report["manifest"] = {"digest": manifest.digest_hex(), "quorum": manifest.release.quorum,
                                   "holders": list(manifest.release.holders), "model": manifest.outputs.model}
             _files_here(report, run_dir)

@@ -248,13 +248,13 @@ class OrchestratorService(_Service):
     ranks_port: Annotated[int, Field(ge=0, le=65535)] = 0
     ranks_context: Annotated[str, Field(pattern=HEX64_PATTERN)] = ""
     # The key broker that seals its checkpoints and model: where it listens, and its identity (P-384
-    # SubjectPublicKeyInfo DER, hex; measured). "": none, so no job with a manifest can run.
+    # SubjectPublicKeyInfo DER, hex; measured). "": the manifest's broker.identity, which the broker made itself.
     broker_socket: Annotated[str, AfterValidator(_absolute_or_none), AfterValidator(_fits_socket)] = ""
     broker_key: Annotated[str, Field(pattern=r"^([0-9a-f]{2}){0,256}$")] = ""
     # The job manifest its holders approve by digest (canonical JSON, gputravel.manifest); "": the job alone.
     manifest_json: str = ""
     # SHA-384 of its holders' certificates (orchestrator/release.py anchors_digest; measured): release
-    # signatures count only under them. "": unbound, so no job with a manifest runs.
+    # signatures count only under them. "": unbound, so a manifest job's manifest names each holder's.
     anchors_sha384: Annotated[str, Field(pattern=r"^([0-9a-f]{96})?$")] = ""
 
     @field_validator("holders")
@@ -290,8 +290,8 @@ class OrchestratorService(_Service):
     @model_validator(mode="after")
     def _fits(self) -> OrchestratorService:
         _fits_beside("state_dir", "its TDX module's socket", quoting_socket(self.state_dir))
-        if bool(self.broker_socket) != bool(self.broker_key):
-            raise ValueError("broker_socket: expected it with broker_key, or neither (no key broker)")
+        if self.broker_key and not self.broker_socket:
+            raise ValueError("broker_socket: expected it with broker_key (where the key broker listens)")
         if self.manifest_json:
             _manifest_admits(self.manifest_json, self.job)
         if self.job.buffer_bytes % self.layout.record_bytes:

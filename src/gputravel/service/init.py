@@ -13,9 +13,7 @@ import socket
 import stat
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import tomli_w
 from pydantic import ValidationError
@@ -25,11 +23,8 @@ from gputravel.attest.provision import REFERENCE_FILE
 from gputravel.attest.roots import GPU_ROOT_KEY, TEE_ROOT_CERT, TEE_ROOT_KEY
 from gputravel.cohort import capacity, isolation, stopping
 from gputravel.cohort.config import RESERVED_TEXT, is_holder_name
-from gputravel.broker.state import IDENTITY_FILE, SECRET_FILE, broker_public_key, broker_secret
+from gputravel.broker.state import IDENTITY_FILE, SECRET_FILE
 from gputravel.cohort.trust import measure_orchestrator
-from gputravel.crypto.pki import self_signed_member
-from gputravel.orchestrator.release import anchors_digest
-from gputravel.release.seal import anchors
 from gputravel.orchestrator.job import job_digest
 from gputravel.data.records import RecordSchema, common_schema, is_record_dataset
 from gputravel.data.tokenizer import KNOWN, default_tokenizer, resolve_record
@@ -58,10 +53,7 @@ from gputravel.service.registry import VENDOR_DIR, platform_dir, write_registry
 from gputravel.service.status import HOLDER_PKI
 from gputravel.train.schedule import check_shares, partition
 
-if TYPE_CHECKING:
-    from gputravel.manifest import JobManifest
-
-__all__ = ["Approvals", "carry_state", "data_bytes", "data_format", "data_schema", "holder_shares", "init_cohort",
+__all__ = ["carry_state", "data_bytes", "data_format", "data_schema", "holder_shares", "init_cohort",
            "job_tokenizer", "write_service"]
 
 VRAM_MARGIN = 64 * MIB  # the GPU's memory beyond the dataset buffer, as the supervisor gives it
@@ -227,36 +219,8 @@ def _provision(d: Path, gpus: int) -> list[GpuIssuer]:
     return issuers
 
 
-@dataclass(frozen=True)
-class Approvals:
-    """The job's manifest (issue 28), which holders' policies approve its digest, and which decline
-    to sign its release. A real deployment approves none here: each holder runs `gputravel job approve`."""
-
-    manifest: JobManifest | None = None
-    approvers: tuple[str, ...] | None = None  # None: every holder without a manifest, none with one
-    declines: tuple[str, ...] = ()
-
-    def approves(self, holder: str) -> bool:
-        if self.approvers is None:
-            return self.manifest is None  # the job alone has no manifest to review and approve
-        return holder in self.approvers
-
-
-def _enrol_holders(state: Path, holders: list[tuple[str, str]]) -> str:
-    """Each holder's TLS identity, made in its own state directory as its service would make it at
-    first start, so the orchestrator's measurement can bind the anchors release signatures count
-    under (anchors_sha384); the digest of their certificates."""
-    certs = []
-    for name, _ in holders:
-        pki = state / f"holder-{name}" / HOLDER_PKI
-        pki.mkdir(mode=0o700, exist_ok=True)  # carried on (init_cohort's `carry`), or new
-        certs += anchors(self_signed_member(pki, name))
-    return anchors_digest(certs)
-
-
 def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], job: JobSection,
-             ports: list[int], shares: list[list[str]], hardware: str = "emulated",
-             approvals: Approvals = Approvals(), anchored: str = "") -> list[tuple[Path, ServiceConfig]]:
+             ports: list[int], shares: list[list[str]], hardware: str = "emulated") -> list[tuple[Path, ServiceConfig]]:
     """Every party's config, a stack per GPU; `ports`: each orchestrator's listener, then rank 0's for the ranks."""
     run, state = d / "run", d / "state"
     layout = LayoutSection(record_bytes=_record_bytes(job.buffer_bytes))
@@ -265,10 +229,9 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
     uid = _uids(gpus, [n for n, _ in holders])
     ranks = {"shares": shares, "ranks_port": ports[gpus], "ranks_context": os.urandom(32).hex()} if gpus > 1 else {}
     gpu_of = {name: k for k, share in enumerate(shares) for name in share}
-    # The key broker: every orchestrator trusts its identity (measured), and asks it on its socket.
-    broker = {"broker_socket": str(run / "broker.sock"), "broker_key": broker_public_key(state / BROKER),
-              "manifest_json": approvals.manifest.to_json() if approvals.manifest is not None else "",
-              "anchors_sha384": anchored}
+    # The key broker: every orchestrator asks it on its socket, and trusts the identity the broker made
+    # itself, which a job's manifest names (service/job.py); a job alone uses no broker.
+    broker = {"broker_socket": str(run / "broker.sock")}
     out: list[tuple[Path, ServiceConfig]] = []
     for k in range(gpus):
         host, orch_name = host_party(k), orchestrator_party(k)
@@ -299,15 +262,14 @@ def _configs(d: Path, holders: list[tuple[str, str]], issuers: list[GpuIssuer], 
         party=BROKER, cohort_dir=str(d), state_dir=str(state / BROKER), socket=broker["broker_socket"],
         trust_dir=shared["trust_dir"], accepted_measurements=sorted(measured), uid=uid[BROKER])))
     drivers = sorted({i.driver_version for i in issuers})
-    eval_share = {"eval_share": approvals.manifest.evaluation.share} if approvals.manifest is not None else {}
     for name, data in holders:
         k = gpu_of[name]  # the one GPU this holder serves: its host route, lock and orchestrator
         policy = PolicySection(orchestrator_measurements=sorted(measured), gpu_driver_versions=drivers,
-                               approved_jobs=sorted(jobs) if approvals.approves(name) else [])
+                               approved_jobs=sorted(jobs))  # the job alone: no manifest to review
         out.append((d / f"holder-{name}.toml", HolderService(
             party="holder", cohort_dir=str(d), name=name, state_dir=str(state / f"holder-{name}"),
             host_socket=str(run / f"{host_party(k)}.sock"), boot_lock=str(run / f"gpu-{k}.lock"), data=data,
-            format=data_format(data), sign_release=name not in approvals.declines, **eval_share,
+            format=data_format(data),
             orchestrator=orchestrator_party(k), orchestrator_port=ports[k], layout=layout, policy=policy,
             uid=uid[f"holder-{name}"], hardware=hardware, **shared)))
     return out
@@ -333,14 +295,12 @@ def _uids(gpus: int, holders: list[str]) -> dict[str, int]:
 def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gpus: int = 1,
                 steps: int | None = None, buffer_bytes: int | None = None,
                 job: Mapping[str, object] | None = None, hardware: str = "emulated",
-                shares: Sequence[Sequence[str]] | None = None, manifest: JobManifest | None = None,
-                approve: Sequence[str] | None = None, decline: Sequence[str] = (),
-                carry: str | Path | None = None) -> list[Path]:
+                shares: Sequence[Sequence[str]] | None = None, carry: str | Path | None = None) -> list[Path]:
     """Write a new cohort directory; its config files. `job`: the [job] table beyond steps and buffer
     (train/job.py's defaults; the data fixes the tokenizer); `shares`: each GPU's holders (None: balanced).
-    `manifest`: the job's, which the holders in `approve` approve here (None: all without a manifest, none
-    with one) and those in `decline` decline to sign; `carry`: the keys of an earlier cohort to carry on,
-    laid out as its state/ (carry_state), so that a sealed checkpoint reopens."""
+    Every holder approves the job alone; a job with a manifest is set later (service/job.py), once its
+    parties made their identities. `carry`: the identities of an earlier cohort's parties to carry on,
+    laid out as its state/ (carry_state), so that a sealed checkpoint reopens. Init makes no party's key."""
     d = Path(directory).resolve()
     if d.exists() and (not d.is_dir() or any(d.iterdir())):
         raise BadInput(f"{d} exists and is not an empty directory; cohort init writes a new one")
@@ -353,7 +313,6 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         raise BadInput(f"--steps: expected a positive integer, got {steps!r}")
     if buffer_bytes is not None:
         _record_bytes(buffer_bytes)
-    approvals = _approvals(manifest, [n for n, _ in checked], approve, decline, gpus)
     tokenizer, schema = job_tokenizer(checked), data_schema(checked)
     overrides = {k: v for k, v in (("steps", steps), ("buffer_bytes", buffer_bytes)) if v is not None}
     # The data fixes the tokenizer, and the schema of records (where the job has the key for it).
@@ -374,13 +333,10 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
             _private_dir(d / "state" / party)
         if carry is not None:
             _copy_keys(Path(carry), d / "state", [n for n, _ in checked])
-        broker_secret(d / "state" / BROKER)  # made here unless carried: the orchestrators' configs name it
-        broker_public_key(d / "state" / BROKER)
-        anchored = _enrol_holders(d / "state", checked) if manifest is not None else ""
         issuers = _provision(d, gpus)
         _open_to_parties(d)
         try:
-            configs = _configs(d, checked, issuers, section, ports, split, hardware, approvals, anchored)
+            configs = _configs(d, checked, issuers, section, ports, split, hardware)
         except ValidationError as exc:  # a path the schema refuses: a socket path too long for D
             raise explain_built(exc, str(d)) from None
         written = [write_service(path, cfg) for path, cfg in configs]
@@ -393,27 +349,9 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         raise
 
 
-def _approvals(manifest: JobManifest | None, holders: list[str], approve: Sequence[str] | None,
-               decline: Sequence[str], gpus: int) -> Approvals:
-    """The issue-28 options checked against the cohort: BadInput naming the holder or key at fault."""
-    for flag, names in (("--approve", approve or ()), ("--decline", decline)):
-        unknown = [n for n in names if n not in holders]
-        if unknown:
-            raise BadInput(f"{flag} {unknown[0]}: not a holder of this cohort ({', '.join(holders)})")
-    if manifest is not None:
-        if gpus > 1:
-            raise BadInput("--gpus: a job with a manifest trains on one GPU (its release gathers every holder's "
-                           f"signature in one orchestrator), got {gpus}")
-        strangers = [n for n in manifest.release.holders if n not in holders]
-        if strangers:
-            raise BadInput(f"manifest: release.holders names {strangers[0]!r}, not a holder of this cohort "
-                           f"({', '.join(holders)})")
-    return Approvals(manifest, None if approve is None else tuple(approve), tuple(decline))
-
-
 def _kept_files(holders: Sequence[str]) -> list[str]:
     """The files of a cohort's state/ a sealed checkpoint's key depends on: the broker's secret and
-    identity (measured), and the holders' TLS identities (their anchors are measured)."""
+    identity, and the holders' TLS identities (the manifest, whose digest keys it, names both)."""
     return [f"{BROKER}/{SECRET_FILE}", f"{BROKER}/{IDENTITY_FILE}",
             *(f"holder-{n}/{HOLDER_PKI}/{n}{ext}" for n in holders for ext in (".key", ".pem"))]
 

@@ -27,6 +27,7 @@ from gputravel.errors import BadInput, PeerTimeout, RemoteError
 from gputravel.files import atomic_write, copy_plain, open_plain, read_plain
 from gputravel.service.config import AUDIT_LOG, BROKER, host_party, orchestrator_party
 from gputravel.service.init import carry_state, check_own_keys, init_cohort
+from gputravel.service.job import make_identity, published_parties, set_job
 
 if TYPE_CHECKING:
     from gputravel.manifest import JobManifest
@@ -94,6 +95,16 @@ class ServiceLaunch:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _set_job(self, holders: list[str]) -> None:
+        """The manifest's job, naming the identities each holder and the broker made (carried ones kept),
+        as each party would make its own; the demo approves for those in `approve`."""
+        assert self.manifest is not None
+        for party in [*(f"holder-{n}" for n in holders), BROKER]:
+            make_identity(self.cohort / f"{party}.toml")
+        if not self.manifest.release.certificates and not self.manifest.broker.identity:  # else set_job checks them
+            self.manifest = self.manifest.with_parties(*published_parties(self.cohort, self.manifest.release.holders))
+        set_job(self.cohort, self.manifest, job=self.job, approve=self.approve, decline=self.decline)
+
     @property
     def cohort(self) -> Path:
         assert self.dir is not None
@@ -123,7 +134,9 @@ class ServiceLaunch:
                 check_own_keys(self.keep_dir)
                 carried = self.keep_dir
         init_cohort(self.cohort, holders, job=self.job, hardware=self.hardware, gpus=self.gpus, shares=self.shares,
-                    manifest=self.manifest, approve=self.approve, decline=self.decline, carry=carried)
+                    carry=carried)
+        if self.manifest is not None:
+            self._set_job([n for n, _ in holders])
         if self.keep_dir is not None:  # kept before anything runs: a run killed now resumes with them
             carry_state(Path(self._config(BROKER)["state_dir"]).parent, self.keep_dir, [n for n, _ in holders])
         self._hand_copies()
