@@ -82,10 +82,12 @@ def test_the_run_directory_holds_only_ciphertext_of_the_model(processes, runs) -
 
 # The checkpoint reopens (the same broker and holder keys carried on), and the resumed orchestrator's log
 # continues the checkpoint's: the approvals of the holders that joined it are written after that.
-def test_a_killed_demo_resumes_from_its_sealed_checkpoint_with_the_same_losses(processes, runs, tmp_path,
-                                                                              kill_orchestrators) -> None:
-    _, holders, sealed, _, _, local = runs
-    job = replace(sealed, run_dir=str(tmp_path / "run"))
+def test_a_killed_demo_resumes_from_its_sealed_checkpoint_with_the_same_losses_and_releases_later(
+        processes, runs, tmp_path, kill_orchestrators) -> None:
+    """A kill and --resume reopen the sealed checkpoint; a model kept sealed short of the quorum is
+    released later by the same job's --resume, which trains no step again (issue 28, part 4)."""
+    _, holders, sealed, key, _, local = runs
+    job = replace(sealed, run_dir=str(tmp_path / "run"), decline=("holder-2", "holder-3"))
 
     def crash_early(event) -> None:
         if event.step == 5:  # after the checkpoint of step 4, before the run can end
@@ -96,8 +98,18 @@ def test_a_killed_demo_resumes_from_its_sealed_checkpoint_with_the_same_losses(p
     assert is_sealed((tmp_path / "run" / "checkpoint.pt").read_bytes())
     resumed = run_training_job(replace(job, resume=True))
     assert resumed["losses"] == local["losses"]
-    assert resumed["release"]["released_to"] == ["alice"]
-    steps = [int(line.split(",")[0]) for line in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]]
+    assert resumed["release"]["released_to"] == [] and resumed["release"]["signed"] == ["holder-1"]
+    assert not (tmp_path / "run" / "model.release").exists() and (tmp_path / "run" / "model.sealed").exists()
+    metrics = (tmp_path / "run" / "metrics.csv").read_text()
+    later = run_training_job(replace(job, resume=True, decline=()))
+    assert later["release"]["released_to"] == ["alice"] and later["release"]["signed"] == ["holder-1", "holder-2",
+                                                                                           "holder-3"]
+    assert (tmp_path / "run" / "metrics.csv").read_text() == metrics  # not a step trained again
+    _, weights = open_release((tmp_path / "run" / "model.release").read_bytes(), load_private_key(key))
+    theirs = torch.load(runs[0] / "local" / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
+    ours = _state(weights)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    steps = [int(line.split(",")[0]) for line in metrics.splitlines()[1:]]
     assert steps == list(range(JOB.steps))
 
 

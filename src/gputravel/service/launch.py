@@ -177,6 +177,8 @@ class ServiceLaunch:
         orchestrator, seen = ranks[0], -1
         deadline = time.monotonic() + timeout
         while any(r.poll() is None for r in ranks):
+            if self._observed is None and self._up(orchestrator_party(0)):
+                self._observed = self._observe()  # every party is up once the orchestrator is: a resume may train none
             seen = self._relay(seen, on_step)
             self._check_alive()
             if time.monotonic() > deadline:
@@ -193,6 +195,9 @@ class ServiceLaunch:
             raise RemoteError(f"the orchestrator's service stopped (exit {orchestrator.returncode})"
                               f"{_tail(logs[orchestrator_party(0)])}{refusals}")
         return report
+
+    def _up(self, party: str) -> bool:
+        return '"event": "up"' in self.children.logs[party].read_text(errors="replace")
 
     def _report(self, rank: int) -> dict | None:
         path = Path(self._config(orchestrator_party(rank))["job"]["run_dir"]) / "report.json"
@@ -249,8 +254,6 @@ class ServiceLaunch:
         if not self._metrics_head and text:
             head, _, text = text.partition("\n")
             self._metrics_head = head + "\n"
-        if seen >= 0 and self._observed is None:
-            self._observed = self._observe()  # the parties are all up once a step was trained
         for row in csv.DictReader(io.StringIO(self._metrics_head + text)):
             try:
                 typed = {k: cast(row[k]) for k, cast in STEP_COLUMNS.items()}
