@@ -112,3 +112,43 @@ def _broker_key() -> str:
     from gputravel.broker.state import public_key_hex
 
     return public_key_hex(ec.generate_private_key(ec.SECP384R1()))
+
+
+def test_a_holder_connecting_with_another_certificate_than_the_named_one_joins_nothing(tmp_path: Path) -> None:
+    """The review of per-party identities put a second certificate under south's name in the
+    orchestrator's ca.pem (the host writes it): TLS admitted it as south, and it could have fed
+    data and taken south's link; the manifest's certificate is now checked at the join too."""
+    from gputravel.errors import ProtocolError
+    from gputravel.orchestrator.cvm import Orchestrator
+    from gputravel.protocol.travel import Bye
+
+    own, impostor = _member(tmp_path / "south", "south"), _member(tmp_path / "host", "south")
+    sent, challenged = [], []
+
+    class _Conn:
+        def __init__(self, cert: bytes) -> None:
+            self.cert = cert
+
+        def peer_certificate(self) -> bytes:
+            return self.cert
+
+        def send(self, msg: object) -> None:
+            sent.append(msg)
+
+        def close(self) -> None:
+            pass
+
+    def stub(cert: bytes) -> SimpleNamespace:
+        named = hashlib.sha384(own[0]).hexdigest()
+        return SimpleNamespace(listener=SimpleNamespace(accept=lambda timeout: (_Conn(cert), "south")),
+                               _named_certificate=lambda peer: named if peer == "south" else "",
+                               attester=SimpleNamespace(serve_challenge=lambda *a: challenged.append(a) or
+                                                        (_ for _ in ()).throw(RuntimeError("attested"))),
+                               driver=None, _clock=lambda: 0.0)
+
+    with pytest.raises(ProtocolError, match="other than the one the job's manifest names"):
+        Orchestrator.accept_holder(stub(impostor[0]), 1.0)  # type: ignore[arg-type]
+    assert challenged == [] and isinstance(sent[-1], Bye)
+    with pytest.raises(RuntimeError, match="attested"):  # its own certificate goes on to attestation
+        Orchestrator.accept_holder(stub(own[0]), 1.0)  # type: ignore[arg-type]
+    assert len(challenged) == 1

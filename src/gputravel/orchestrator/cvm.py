@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import mmap
 import socket
@@ -209,6 +210,12 @@ class Orchestrator:
         """Admit one holder: it attests us and introduces itself; a late one is lent the GPU via ``probe``."""
         conn, peer = self.listener.accept(timeout=timeout)
         try:  # paper 4.5, CPU phase: the holder attests us before it says anything else
+            named = self._named_certificate(peer)
+            if named and hashlib.sha384(conn.peer_certificate()).hexdigest() != named:
+                # ca.pem is the host's to write: an extra certificate under a holder's name joins no job
+                _refuse(conn, "this certificate is not the one the job's manifest names for this holder",
+                        ProtocolError(f"holder {peer!r} connected with a certificate other than the one the "
+                                         "job's manifest names for it (release.certificates)"))
             self.attester.serve_challenge(conn, self.driver, timeout, self._clock())
             hello = conn.recv(timeout=timeout).message
             if not isinstance(hello, HolderHello) or hello.holder != peer:
@@ -257,6 +264,10 @@ class Orchestrator:
         from gputravel.manifest import JobManifest  # lazy: pydantic, for manifest jobs only
 
         return JobManifest.from_json(self.config.manifest_json)
+
+    def _named_certificate(self, peer: str) -> str:
+        """The SHA-384 (hex) of the certificate the manifest names for `peer`; "" where it names none."""
+        return "" if self._manifest is None else self._manifest.release.certificates.get(peer, "")
 
     def _unfit_split(self, peer: str, hello: HolderHello) -> str:
         """Why `peer`'s held-out split is not the one the job's manifest states (issue 28), or ""."""
