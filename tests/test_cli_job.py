@@ -9,14 +9,18 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
 import tomli_w
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from typer.testing import CliRunner
 
+from gputravel.broker.state import public_key_hex
 from gputravel.cli.app import app
+from gputravel.crypto.pki import self_signed_member
 from gputravel.data.records import RecordSchema
-from gputravel.manifest import load_manifest
+from gputravel.manifest import key_fingerprint, load_manifest, write_manifest
 from gputravel.service.config import load_service
+from gputravel.service.job import certificate_sha384
 
 SCHEMA = RecordSchema.parse("x: float32[30]; label: int64[]")
 
@@ -55,6 +59,28 @@ def job(tmp_path: Path, pub: Path) -> Path:
     _ok("job", "init", "--out", str(out), "--holders", "alice,bob,carol", "--recipient", f"dana={pub}",
         "--steps", "40", "--lr", "0.002")
     return out
+
+
+@pytest.fixture
+def confirm(job: Path, tmp_path: Path) -> list[str]:
+    return _name_parties(job, tmp_path)
+
+
+BROKER = public_key_hex(ec.generate_private_key(ec.SECP384R1()))
+
+
+def _name_parties(path: Path, tmp_path: Path) -> list[str]:
+    """Name in the manifest at `path` alice's own certificate (made in her state, as `cohort identity`
+    would), the other signers' and a key broker; the flags with which alice confirms them."""
+    pki = tmp_path / "state" / "pki"
+    pki.mkdir(parents=True, exist_ok=True)
+    own = self_signed_member(pki, "alice")
+    m = load_manifest(path)
+    others = {h: (h[0] * 96 if h[0] in "abcdef" else "d" * 96) for h in m.release.holders if h != "alice"}
+    certs = {**others, **({"alice": certificate_sha384(own)} if "alice" in m.release.holders else {})}
+    write_manifest(path, m.with_parties(certs, BROKER), force=True)
+    return ["--broker", key_fingerprint(bytes.fromhex(BROKER)),
+            *(a for h, c in others.items() for a in ("--signer", f"{h}={c}"))]
 
 
 def _holder_config(tmp_path: Path, name: str = "alice", **extra: object) -> Path:
@@ -114,10 +140,10 @@ def test_init_refuses_bad_input_naming_the_flag_or_key(tmp_path: Path, pub: Path
     assert not Path(out).exists()
 
 
-def test_approve_adds_the_digest_once_keeping_the_other_keys(job: Path, tmp_path: Path) -> None:
+def test_approve_adds_the_digest_once_keeping_the_other_keys(job: Path, confirm: list[str], tmp_path: Path) -> None:
     cfg = _holder_config(tmp_path)
     digest = load_manifest(job).digest_hex()
-    said = _ok("job", "approve", str(job), "--holder-config", str(cfg), "--yes", "--digest", digest.upper())
+    said = _ok("job", "approve", str(job), "--holder-config", str(cfg), "--yes", "--digest", digest.upper(), *confirm)
     assert "alice approves job " + digest in said and "2 of 3 holders" in said
     policy = load_service(cfg, "holder").policy
     assert policy.approved_jobs == [digest] and policy.orchestrator_measurements == ["ab" * 48]
@@ -128,12 +154,12 @@ def test_approve_adds_the_digest_once_keeping_the_other_keys(job: Path, tmp_path
     assert tomllib.loads(before.decode())["layout"] == {"record_bytes": 1 << 20}
 
 
-def test_approve_asks_first_and_a_no_changes_nothing(job: Path, tmp_path: Path) -> None:
+def test_approve_asks_first_and_a_no_changes_nothing(job: Path, confirm: list[str], tmp_path: Path) -> None:
     cfg = _holder_config(tmp_path)
     before = cfg.read_bytes()
-    _refused("job", "approve", str(job), "--holder-config", str(cfg), input="n\n", says="not approved")
+    _refused("job", "approve", str(job), "--holder-config", str(cfg), *confirm, input="n\n", says="not approved")
     assert cfg.read_bytes() == before
-    _ok("job", "approve", str(job), "--holder-config", str(cfg), input="y\n")
+    _ok("job", "approve", str(job), "--holder-config", str(cfg), *confirm, input="y\n")
     assert load_service(cfg, "holder").policy.approved_jobs == [load_manifest(job).digest_hex()]
 
 
@@ -169,11 +195,12 @@ def test_approve_checks_a_records_job_against_the_holders_own_schema(tmp_path: P
     _ok("job", "init", "-o", str(out), "--holders", "alice", "--workload", "tabular", "--schema-from", str(data),
         "--model", "sealed")
     cfg = _holder_config(tmp_path, format="records")
-    _ok("job", "approve", str(out), "--holder-config", str(cfg), "--yes")
+    _ok("job", "approve", str(out), "--holder-config", str(cfg), "--yes", *_name_parties(out, tmp_path))
     other = RecordSchema.parse("x: float32[31]; label: int64[]")
     (data / "schema.json").write_text(json.dumps(other.to_dict()))
     out.unlink()
     _ok("job", "init", "-o", str(out), "--holders", "alice", "--workload", "tabular", "--schema-from",
         str(tmp_path / "data" / "schema.json"), "--model", "sealed")
     (data / "schema.json").write_text(json.dumps(SCHEMA.to_dict()))
-    _refused("job", "approve", str(out), "--holder-config", str(cfg), "--yes", says="data: its records' schema")
+    _refused("job", "approve", str(out), "--holder-config", str(cfg), "--yes", *_name_parties(out, tmp_path),
+             says="data: its records' schema")

@@ -6,6 +6,7 @@ the holder or key at fault."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import stat
 import tomllib
 from pathlib import Path
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 from gputravel.broker.state import IDENTITY_FILE, SECRET_FILE, broker_public_key
 from gputravel.cli.app import app
 from gputravel.errors import BadInput
-from gputravel.manifest import JobManifest, Outputs, load_manifest, write_manifest
+from gputravel.manifest import JobManifest, Outputs, key_fingerprint, load_manifest, write_manifest
 from gputravel.orchestrator.job import job_digest
 from gputravel.service.config import load_service, orchestrator_engine_config
 from gputravel.service.init import carry_state, init_cohort
@@ -58,7 +59,7 @@ def test_init_makes_no_partys_key_and_binds_no_broker_nor_anchors(tmp_path: Path
     whoever ran it could sign a release for any holder and open the sealed model."""
     d = init_cohort(tmp_path / "D", _holders(tmp_path))[0].parent
     orch = load_service(d / "orchestrator.toml", "orchestrator")
-    assert orch.broker_key == "" and orch.anchors_sha384 == "" and orch.broker_socket
+    assert orch.broker_socket and not hasattr(orch, "broker_key") and not hasattr(orch, "anchors_sha384")
     for party in ("broker", "holder-north", "holder-south"):
         assert list((d / "state" / party).iterdir()) == [], party
 
@@ -74,7 +75,10 @@ def test_each_party_makes_its_own_identity_once_and_publishes_its_public_half(tm
     assert broker.value == broker_public_key(state) and (d / "public" / BROKER_PUBLIC).read_text().strip() == broker.value
     assert sorted(p.name for p in state.iterdir() if p.name != "home") == sorted([IDENTITY_FILE, SECRET_FILE])
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in state.iterdir() if p.is_file())
-    assert make_identity(d / "holder-north.toml") == north and make_identity(d / "broker.toml") == broker  # kept
+    again = make_identity(d / "holder-north.toml"), make_identity(d / "broker.toml")
+    assert (north.kept, broker.kept) == (False, False) and again == (replace(north, kept=True),
+                                                                     replace(broker, kept=True))
+    assert broker.fingerprint.startswith("sha256:") and north.fingerprint == north.value
     with pytest.raises(BadInput, match="only a holder and the key broker"):
         make_identity(d / "host.toml")
 
@@ -89,14 +93,20 @@ def test_set_job_writes_the_manifest_and_approves_only_when_told(tmp_path: Path)
     set_job(d, m, decline=["west"])
     orch = load_service(d / "orchestrator.toml", "orchestrator")
     broker = load_service(d / "broker.toml", "broker")
-    assert orch.manifest_json == m.to_json() and orch.broker_socket == broker.socket and orch.broker_key == ""
+    assert orch.manifest_json == m.to_json() and orch.broker_socket == broker.socket
     assert m.broker.identity == broker_public_key(Path(broker.state_dir))
     assert job_digest(orchestrator_engine_config(orch, pki_dir="", trust_dir="")) == m.digest()
     for name in ("north", "south", "west"):
         cfg = load_service(d / f"holder-{name}.toml", "holder")
         assert m.digest_hex() not in cfg.policy.approved_jobs  # each holder approves on its own
         assert cfg.policy.orchestrator_measurements == broker.accepted_measurements
-        assert cfg.sign_release is (name != "west") and cfg.eval_share == m.evaluation.share
+        assert cfg.sign_release is (name != "west")
+    # A holder's own choices stay its own (the review had `cohort job` undo a holder's sign_release = false).
+    _rewrite(d / "holder-south.toml", d / "holder-south.toml",
+             lambda raw: raw.update(sign_release=False, eval_share=0.25))
+    set_job(d, m)
+    south = load_service(d / "holder-south.toml", "holder")
+    assert south.sign_release is False and south.eval_share == 0.25
     set_job(d, m, approve=["north"])
     approved = {n: m.digest_hex() in load_service(d / f"holder-{n}.toml").policy.approved_jobs
                 for n in ("north", "south")}
@@ -117,6 +127,34 @@ def test_carried_identities_keep_the_manifest_and_so_the_sealing_key(tmp_path: P
     assert named[0] == named[1] != named[2]
     secrets = [(d / "state" / "broker" / SECRET_FILE).read_bytes() for d in (first, again)]
     assert secrets[0] == secrets[1]
+
+
+def test_set_job_refuses_a_job_that_moves_the_measurement_the_holders_pinned(tmp_path: Path) -> None:
+    """The review's set_job took a manifest of another buffer: the MRTD moved, the pins did not."""
+    holders = _holders(tmp_path)
+    d = init_cohort(tmp_path / "D", holders)[0].parent
+    _identities(d, holders)
+    bigger = _manifest(tmp_path, holders, d, buffer_bytes=load_service(d / "orchestrator.toml").job.buffer_bytes * 2)
+    with pytest.raises(BadInput, match=r"job\.buffer_bytes moves the orchestrator's measurement"):
+        set_job(d, bigger)
+    assert load_service(d / "orchestrator.toml").manifest_json == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: without it every party is one account, nothing to tell")
+def test_a_key_planted_in_a_partys_state_before_it_makes_its_identity_is_refused(tmp_path: Path) -> None:
+    """The review planted a broker secret and a holder key (root's) before `cohort identity`: adopted."""
+    d = init_cohort(tmp_path / "D", _holders(tmp_path))[0].parent
+    if load_service(d / "broker.toml").uid < 0:
+        pytest.skip("init gave the parties no accounts of their own here")
+    (d / "state" / "broker" / SECRET_FILE).write_bytes(os.urandom(32))
+    with pytest.raises(BadInput, match=r"broker\.secret was not made by this party's account"):
+        make_identity(d / "broker.toml")
+    pki = d / "state" / "holder-north" / "pki"
+    pki.mkdir()
+    (pki / "north.key").write_bytes(b"planted")
+    with pytest.raises(BadInput, match=r"pki was not made by this party's account"):
+        make_identity(d / "holder-north.toml")
+    assert make_identity(d / "holder-south.toml").kept is False
 
 
 def test_set_job_refuses_what_the_cohort_did_not_publish_or_cannot_run(tmp_path: Path) -> None:
@@ -161,6 +199,19 @@ def test_set_job_takes_the_manifests_settings_and_refuses_a_workload_the_data_ca
         set_job(d, records)
 
 
+def _said(result) -> str:
+    """A CLI's output as one line of words, its error box and wrapping undone."""
+    return " ".join(result.output.replace("│", " ").split())
+
+
+def _other_broker_key() -> str:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from gputravel.broker.state import public_key_hex
+
+    return public_key_hex(ec.generate_private_key(ec.SECP384R1()))
+
+
 def _rewrite(src: Path, dst: Path, change) -> Path:
     data = tomllib.loads(src.read_text())
     change(data)
@@ -173,8 +224,9 @@ def _rewrite(src: Path, dst: Path, change) -> Path:
     ("broker", lambda d: d.update(accepted_measurements=["ab"]), "accepted_measurements.0: expected a string matching"),
     ("broker", lambda d: d.update(secret="x"), "secret: unknown key"),
     ("broker", lambda d: d.update(socket="run/broker.sock"), "socket: expected an absolute path"),
-    ("orchestrator", lambda d: d.update(broker_key="00", broker_socket=""), "broker_socket: expected it with broker_key"),
-    ("orchestrator", lambda d: d.update(broker_key="xyz"), "broker_key: expected a string matching"),
+    # The review of per-party identities had the operator bind its own broker and anchors here.
+    ("orchestrator", lambda d: d.update(broker_key="00"), "broker_key: unknown key"),
+    ("orchestrator", lambda d: d.update(anchors_sha384="ab" * 48), "anchors_sha384: unknown key"),
     ("orchestrator", lambda d: d.update(manifest_json="{}"), "manifest_json: expected a job manifest's JSON"),
     ("holder-north", lambda d: d.update(sign_release="no"), "sign_release: expected a valid boolean"),
 ])
@@ -193,29 +245,43 @@ def test_the_cli_makes_identities_names_them_sets_the_job_and_a_holder_checks_it
     made = run(app, ["cohort", "init", str(d), *(a for n, p in holders for a in ("--holder", f"{n}={p}"))])
     assert made.exit_code == 0, made.output
     refused = run(app, ["job", "init", "--out", str(tmp_path / "job.toml"), "--cohort", str(d), "--model", "sealed"])
-    assert refused.exit_code != 0 and "gputravel cohort identity" in refused.output
+    assert refused.exit_code != 0 and "gputravel cohort identity" in _said(refused)
     for party in ("holder-north", "holder-south", "holder-west", "broker"):
         said = run(app, ["cohort", "identity", "--config", str(d / f"{party}.toml")])
-        assert said.exit_code == 0 and "published at" in said.output, said.output
+        assert said.exit_code == 0 and "published at" in _said(said), said.output
     written = run(app, ["job", "init", "--out", str(tmp_path / "job.toml"), "--cohort", str(d), "--model", "sealed",
                         "--steps", str(load_service(d / "orchestrator.toml").job.steps)])
     assert written.exit_code == 0, written.output
     m = load_manifest(tmp_path / "job.toml")
     assert sorted(m.release.certificates) == ["north", "south", "west"] and m.broker.identity
     shown = run(app, ["job", "show", str(tmp_path / "job.toml")])
-    assert f"signer     north  certificate SHA-384 {m.release.certificates['north']}" in shown.output
-    assert "key broker  key sha256:" in shown.output
+    assert f"signer north certificate SHA-384 {m.release.certificates['north']}" in _said(shown)
+    assert "key broker key sha256:" in _said(shown)
     job = run(app, ["cohort", "job", str(d), "--manifest", str(tmp_path / "job.toml")])
-    assert job.exit_code == 0 and f"job {m.digest_hex()}" in job.output, job.output
+    assert job.exit_code == 0 and f"job {m.digest_hex()}" in _said(job), job.output
     assert load_service(d / "orchestrator.toml").manifest_json == m.to_json()
-    ok = run(app, ["job", "approve", str(tmp_path / "job.toml"), "--holder-config", str(d / "holder-north.toml"), "-y"])
+    approve = ["job", "approve", str(tmp_path / "job.toml"), "--holder-config", str(d / "holder-north.toml"), "-y"]
+    unsure = run(app, approve)
+    assert unsure.exit_code != 0 and "confirm the key broker with --broker FINGERPRINT" in _said(unsure)
+    fingerprint = key_fingerprint(bytes.fromhex(m.broker.identity))
+    unsure = run(app, [*approve, "--broker", fingerprint])
+    assert unsure.exit_code != 0 and "confirm south's certificate with --signer south=SHA384" in _said(unsure)
+    signers = [a for h in ("south", "west") for a in ("--signer", f"{h}={m.release.certificates[h][:32]}")]
+    other_broker = key_fingerprint(bytes.fromhex(_other_broker_key()))
+    wrong = run(app, [*approve, "--broker", other_broker, *signers])
+    assert wrong.exit_code != 0 and "not the key broker you confirmed" in _said(wrong)
+    wrong = run(app, [*approve, "--broker", fingerprint, "--signer", f"south={'0' * 32}", *signers[2:]])
+    assert wrong.exit_code != 0 and "release.certificates.south is" in _said(wrong)
+    ok = run(app, [*approve, "--broker", fingerprint, *signers])
     assert ok.exit_code == 0, ok.output
+    policy = load_service(d / "holder-north.toml").policy
+    assert policy.known_broker == fingerprint and sorted(policy.known_signers) == ["south", "west"]
     other = m.with_parties({**m.release.certificates, "south": m.release.certificates["north"][::-1]},
                            m.broker.identity)
     write_manifest(tmp_path / "other.toml", other)
     no = run(app, ["job", "approve", str(tmp_path / "other.toml"), "--holder-config", str(d / "holder-south.toml"),
-                   "-y"])
-    assert no.exit_code != 0 and "release.certificates.south" in no.output and "not this holder's own" in no.output
+                   "-y", "--broker", fingerprint])
+    assert no.exit_code != 0 and "release.certificates.south" in _said(no) and "not this holder's own" in _said(no)
 
 
 def test_the_broker_serves_as_its_own_account_and_stops_on_sigterm(processes, tmp_path: Path) -> None:

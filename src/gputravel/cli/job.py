@@ -4,6 +4,7 @@ and add it to a holder's policy (issue 28). A holder sends data only to a job wh
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 import tomllib
 from pathlib import Path
 from typing import Optional
@@ -17,8 +18,8 @@ from gputravel.errors import BadInput
 from gputravel.files import RECORDS, TOKENS, atomic_write_bytes
 from gputravel.manifest import JobManifest, Outputs, Recipient, load_manifest, schema_digest, write_manifest
 from gputravel.service.config import HolderService, load_service, validate_service
-from gputravel.service.job import BROKER_PUBLIC, certificate_sha384, cohort_parties, published_parties
-from gputravel.service.status import HOLDER_PKI
+from gputravel.service.job import cohort_parties, published_parties
+from gputravel.service.vouch import vouch
 from gputravel.train.job import TrainConfig
 
 job_app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands, callback=named_subcommand,
@@ -147,12 +148,21 @@ def digest(manifest: Path = typer.Argument(..., help="The job manifest (TOML).")
     typer.echo(load_manifest(manifest).digest_hex())
 
 
+def _pairs(items: Sequence[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value or name in out:
+            raise BadInput(f"{flag} takes NAME=VALUE, each name once, got {item!r}")
+        out[name] = value
+    return out
+
+
 def _check_holder(m: JobManifest, where: Path, cfg: HolderService, source: Path) -> None:
     """A holder approves only a job it may sign for, holding out what the job evaluates on, over its data."""
     if cfg.name not in m.release.holders:
         raise BadInput(f"{source}: name: {cfg.name!r} is not among {where}'s release.holders "
                        f"({', '.join(m.release.holders)})")
-    _check_identity(m, where, cfg, source)
     if cfg.eval_share != m.evaluation.share:
         raise BadInput(f"{source}: eval_share: {cfg.eval_share:g} differs from {where}'s evaluation.share "
                        f"{m.evaluation.share:g}: the job would evaluate on another held-out share")
@@ -167,33 +177,16 @@ def _check_holder(m: JobManifest, where: Path, cfg: HolderService, source: Path)
                            f"{where}'s data.schema ({m.data.schema_digest[:16]}...)")
 
 
-def _check_identity(m: JobManifest, where: Path, cfg: HolderService, source: Path) -> None:
-    """The certificate the manifest names for this holder is its own, and the key broker the one its
-    cohort published: else another key would sign for it, or open the model."""
-    named = m.release.certificates.get(cfg.name)
-    if named is not None:
-        own = Path(cfg.state_dir) / HOLDER_PKI / f"{cfg.name}.pem"
-        try:
-            mine = certificate_sha384(own.read_bytes())
-        except (OSError, BadInput):
-            raise BadInput(f"{source}: {cfg.name} has no identity at {own} to compare with {where}'s "
-                           f"release.certificates: make it with `gputravel cohort identity --config {source}`") from None
-        if mine != named:
-            raise BadInput(f"{where}: release.certificates.{cfg.name} is {named[:16]}..., not this holder's own "
-                           f"certificate ({mine[:16]}...): another key would sign for {cfg.name}")
-    published = Path(cfg.public_dir) / BROKER_PUBLIC
-    if m.broker.identity and published.is_file() and published.read_text().strip() != m.broker.identity:
-        raise BadInput(f"{where}: broker.identity is not the key broker {published} names: another broker would "
-                       "hold the keys that open the model")
-
-
-def _add_approval(path: Path, digest_hex: str) -> bool:
-    """Add `digest_hex` to [policy] approved_jobs, keeping every other key; False if it was there."""
+def _add_approval(path: Path, digest_hex: str, broker: str, signers: dict[str, str]) -> bool:
+    """Add `digest_hex` to [policy] approved_jobs and keep the pins confirmed, keeping every other key;
+    False if it was there."""
     raw = tomllib.loads(path.read_text())
-    approved = raw.setdefault("policy", {}).setdefault("approved_jobs", [])
+    policy = raw.setdefault("policy", {})
+    approved = policy.setdefault("approved_jobs", [])
     if digest_hex in approved:
         return False
     approved.append(digest_hex)
+    policy["known_broker"], policy["known_signers"] = broker, dict(sorted(signers.items()))
     validate_service(raw, str(path), "holder")  # what is written still loads
     atomic_write_bytes(path, tomli_w.dumps(raw).encode())
     return True
@@ -206,6 +199,11 @@ def approve(
                                                  "the job's digest."),
     expected: Optional[str] = typer.Option(None, "--digest", help="The digest you were told: refused if the "
                                                                  "manifest's differs."),
+    broker: Optional[str] = typer.Option(None, help="The key broker's fingerprint (sha256:...) as its operator told "
+                                                    "you; kept in [policy] known_broker for later jobs."),
+    signers: Optional[list[str]] = typer.Option(None, "--signer", help="NAME=SHA384: another signer's certificate "
+                                                "as that holder told you (32 hex digits at least); repeatable, "
+                                                "kept in [policy] known_signers."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Approve without asking (after showing the manifest)."),
 ) -> None:
     """Show the manifest, then add its digest to this holder's approved jobs: its data goes to no other job."""
@@ -216,6 +214,7 @@ def approve(
     cfg = load_service(holder_config, "holder")
     assert isinstance(cfg, HolderService)  # load_service checked the party
     _check_holder(m, manifest, cfg, holder_config)
+    pins = vouch(m, manifest, cfg, holder_config, broker, _pairs(signers or (), "--signer"))
     typer.echo(m.describe())
     if m.digest_hex() in cfg.policy.approved_jobs:
         typer.echo(f"{cfg.name} already approves job {m.digest_hex()}")
@@ -223,5 +222,5 @@ def approve(
     if not yes and not typer.confirm(f"approve this job for {cfg.name}'s data?", default=False):
         console.print("not approved: nothing changed")
         raise typer.Exit(1)
-    _add_approval(holder_config, m.digest_hex())
+    _add_approval(holder_config, m.digest_hex(), *pins)
     typer.echo(f"{cfg.name} approves job {m.digest_hex()} ({holder_config} [policy] approved_jobs)")

@@ -78,8 +78,12 @@ def identity(
 ) -> None:
     """Make this party's own identity in its state directory (kept across restarts) and publish its public half."""
     made = make_identity(config)
-    console.print(escape(f"{made.party}: {made.what} {'SHA-384 ' if made.what == 'certificate' else ''}"
-                         f"{made.value}, published at {made.published}"), soft_wrap=True)
+    what = "certificate SHA-384" if made.what == "certificate" else "key"
+    console.print(escape(f"{made.party}: {what} {made.fingerprint} ({'kept from before' if made.kept else 'made now'}"
+                         f"), published at {made.published}"), soft_wrap=True)
+    console.print(escape(f"tell each holder this {made.what}'s fingerprint yourself: it confirms it with `gputravel job "
+                         f"approve {'--signer NAME=SHA384' if made.what == 'certificate' else '--broker FINGERPRINT'}`"),
+                  soft_wrap=True)
 
 
 @cohort_app.command("job")

@@ -166,6 +166,10 @@ class PolicySection(_Section):
     max_evidence_age_s: Annotated[int, Field(ge=2)] = 3600
     # The job manifests' digests (`gputravel job approve`) this holder sends data to; empty: none.
     approved_jobs: list[Annotated[str, Field(pattern=HEX96_PATTERN)]] = []
+    # The key broker and the other signers this holder confirmed with their operators (job approve
+    # --broker, --signer): a manifest naming others is refused (service/vouch.py).
+    known_broker: Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{32})?$")] = ""
+    known_signers: dict[Name, Annotated[str, Field(pattern=r"^[0-9a-f]{32,96}$")]] = {}
 
     def to_policy(self, trust_dir: str) -> Policy:
         return Policy(tuple(bytes.fromhex(m) for m in self.orchestrator_measurements),
@@ -247,15 +251,12 @@ class OrchestratorService(_Service):
     ranks_host: str = "127.0.0.1"
     ranks_port: Annotated[int, Field(ge=0, le=65535)] = 0
     ranks_context: Annotated[str, Field(pattern=HEX64_PATTERN)] = ""
-    # The key broker that seals its checkpoints and model: where it listens, and its identity (P-384
-    # SubjectPublicKeyInfo DER, hex; measured). "": the manifest's broker.identity, which the broker made itself.
+    # Where the key broker that seals its checkpoints and model listens. Its identity, and the
+    # certificates release signatures count under, are what the job's manifest names, as the broker and
+    # each holder made them (service/job.py); never this file's, which its operator writes.
     broker_socket: Annotated[str, AfterValidator(_absolute_or_none), AfterValidator(_fits_socket)] = ""
-    broker_key: Annotated[str, Field(pattern=r"^([0-9a-f]{2}){0,256}$")] = ""
     # The job manifest its holders approve by digest (canonical JSON, gputravel.manifest); "": the job alone.
     manifest_json: str = ""
-    # SHA-384 of its holders' certificates (orchestrator/release.py anchors_digest; measured): release
-    # signatures count only under them. "": unbound, so a manifest job's manifest names each holder's.
-    anchors_sha384: Annotated[str, Field(pattern=r"^([0-9a-f]{96})?$")] = ""
 
     @field_validator("holders")
     @classmethod
@@ -290,8 +291,6 @@ class OrchestratorService(_Service):
     @model_validator(mode="after")
     def _fits(self) -> OrchestratorService:
         _fits_beside("state_dir", "its TDX module's socket", quoting_socket(self.state_dir))
-        if self.broker_key and not self.broker_socket:
-            raise ValueError("broker_socket: expected it with broker_key (where the key broker listens)")
         if self.manifest_json:
             _manifest_admits(self.manifest_json, self.job)
         if self.job.buffer_bytes % self.layout.record_bytes:
@@ -312,7 +311,7 @@ def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_
         trust_dir=trust_dir, audit_log=os.path.join(cfg.state_dir, AUDIT_LOG), hardware=cfg.hardware,
         # The job (and its manifest) go into RTMR[3], which a holder's policy approves by digest.
         job_json=cfg.job.train_config().canonical_json(), manifest_json=cfg.manifest_json,
-        broker_socket=cfg.broker_socket, broker_key=cfg.broker_key, anchors_sha384=cfg.anchors_sha384)
+        broker_socket=cfg.broker_socket)
 
 
 def _manifest_admits(manifest_json: str, job: JobSection) -> None:

@@ -340,6 +340,10 @@ def init_cohort(directory: str | Path, holders: Sequence[tuple[str, str]], *, gp
         except ValidationError as exc:  # a path the schema refuses: a socket path too long for D
             raise explain_built(exc, str(d)) from None
         written = [write_service(path, cfg) for path, cfg in configs]
+        if carry is not None:  # the carried identities are their parties' own, made in an earlier cohort
+            for _, cfg in configs:
+                if isinstance(cfg, (HolderService, BrokerService)) and cfg.uid >= 0:
+                    isolation.give(Path(cfg.state_dir), cfg.uid, 0o700)
         write_registry(d, {path.stem: cfg for path, cfg in configs})
         os.chmod(d, 0o755)  # the registry's word rests on nobody else writing here (service/registry.py)
         return written

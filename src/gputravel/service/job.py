@@ -15,14 +15,16 @@ from typing import TYPE_CHECKING, Any
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from gputravel.broker.state import broker_public_key, broker_secret
+from gputravel.broker.state import SECRET_FILE, broker_public_key, broker_secret
 from gputravel.crypto.pki import self_signed_member
 from gputravel.errors import BadInput
 from gputravel.files import atomic_write_bytes, read_plain
+from gputravel.manifest import key_fingerprint
+from gputravel.cohort.trust import measure_orchestrator
 from gputravel.service.config import (BROKER, BrokerService, HolderService, JobSection, OrchestratorService,
-                                      load_service)
+                                      load_service, orchestrator_engine_config)
 from gputravel.service.init import write_service
-from gputravel.service.party import as_party, own_state, private_dir, publish_certificate
+from gputravel.service.party import as_party, own_state, private_dir, publish_certificate, refuse_planted
 from gputravel.service.registry import bind
 from gputravel.service.status import HOLDER_PKI, party_name
 
@@ -41,6 +43,12 @@ class Identity:
     what: str  # "certificate" (a holder's, SHA-384 of its DER) or "key" (the broker's, hex)
     value: str
     published: Path
+    kept: bool  # made at an earlier call or start, not now
+
+    @property
+    def fingerprint(self) -> str:
+        """What its peers compare out of band: the certificate's SHA-384, or the broker key's sha256: fingerprint."""
+        return self.value if self.what == "certificate" else key_fingerprint(bytes.fromhex(self.value))
 
 
 def certificate_sha384(pem: bytes) -> str:
@@ -57,25 +65,28 @@ def make_identity(config: str | Path) -> Identity:
     service would at first start (a restart keeps it), and its public half published in public/."""
     cfg = load_service(Path(config))
     bind(cfg, party_name(cfg))  # the party cohort init made, or nothing is touched
+    if not isinstance(cfg, (HolderService, BrokerService)):
+        raise BadInput(f"{config}: only a holder and the key broker make an identity a job manifest names, "
+                       f"not the {cfg.party}")
     state = private_dir(cfg.state_dir)
+    refuse_planted(state, cfg.uid)
     own_state(state, cfg.uid)
     public = Path(cfg.public_dir) if isinstance(cfg, HolderService) else Path(cfg.cohort_dir) / "public"
     if isinstance(cfg, HolderService):
         with as_party(cfg.uid):  # inside the holder's own tree: as the holder
             pki = private_dir(state / HOLDER_PKI)
+            kept = (pki / f"{cfg.name}.key").exists()
             pem = self_signed_member(pki, cfg.name)
         dest = public / f"holder-{cfg.name}.pem"
         publish_certificate(pki / f"{cfg.name}.pem", dest, cfg.name, cfg.uid)
-        return Identity(f"holder-{cfg.name}", "certificate", certificate_sha384(pem), dest)
-    if isinstance(cfg, BrokerService):
-        with as_party(cfg.uid):
-            broker_secret(state)
-            key = broker_public_key(state)
-        dest = public / BROKER_PUBLIC
-        atomic_write_bytes(dest, (key + "\n").encode())
-        return Identity(BROKER, "key", key, dest)
-    raise BadInput(f"{config}: only a holder and the key broker make an identity a job manifest names, "
-                   f"not the {cfg.party}")
+        return Identity(f"holder-{cfg.name}", "certificate", certificate_sha384(pem), dest, kept)
+    with as_party(cfg.uid):
+        kept = (state / SECRET_FILE).exists()
+        broker_secret(state)
+        key = broker_public_key(state)
+    dest = public / BROKER_PUBLIC
+    atomic_write_bytes(dest, (key + "\n").encode())
+    return Identity(BROKER, "key", key, dest, kept)
 
 
 def published_parties(cohort: str | Path, holders: Sequence[str]) -> tuple[dict[str, str], str]:
@@ -126,15 +137,34 @@ def set_job(cohort: str | Path, manifest: JobManifest, *, job: Mapping[str, obje
     for path, orch in orchestrators:
         fields = {**orch.job.model_dump(), **(job or {}), **manifest.job.model_dump()}
         section = JobSection.model_validate(fields)
-        written.append(write_service(path, orch.model_copy(update={"job": section,
-                                                                   "manifest_json": manifest.to_json()})))
+        new = orch.model_copy(update={"job": section, "manifest_json": manifest.to_json()})
+        _same_measurement(orch, new, d)
+        written.append(write_service(path, new))
     digest = manifest.digest_hex()
     for name, (path, holder) in holders.items():
-        jobs = sorted({*holder.policy.approved_jobs, digest}) if name in approve else holder.policy.approved_jobs
-        update = {"eval_share": manifest.evaluation.share, "sign_release": name not in decline,
-                  "policy": holder.policy.model_copy(update={"approved_jobs": jobs})}
+        # A holder's config is its own: only a demo standing for it approves or declines for it here.
+        if name not in approve and name not in decline:
+            continue
+        update: dict[str, Any] = {"sign_release": name not in decline}
+        if name in approve:
+            jobs = sorted({*holder.policy.approved_jobs, digest})
+            update.update(eval_share=manifest.evaluation.share,
+                          policy=holder.policy.model_copy(update={"approved_jobs": jobs}))
         written.append(write_service(path, holder.model_copy(update=update)))
     return written
+
+
+def _same_measurement(old: OrchestratorService, new: OrchestratorService, d: Path) -> None:
+    """The job's settings that the orchestrator's MRTD covers (its buffer, tokenizer, schema) stay
+    those its holders and broker pinned at init: else the job could never attest, refused here."""
+    def measured(cfg: OrchestratorService) -> bytes:
+        return measure_orchestrator(orchestrator_engine_config(cfg, pki_dir="", trust_dir=""))
+
+    if measured(old) != measured(new):
+        keys = [f"job.{k}" for k in ("buffer_bytes", "tokenizer", "record_schema")
+                if getattr(old.job, k) != getattr(new.job, k)]
+        raise BadInput(f"the manifest's {', '.join(keys) or 'job'} moves the orchestrator's measurement, which the "
+                       f"holders and the key broker of {d} pinned at init: init a cohort with these settings")
 
 
 def _check(manifest: JobManifest, d: Path, orchestrators: int, holders: list[str], named: list[str]) -> None:

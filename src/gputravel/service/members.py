@@ -28,7 +28,7 @@ from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohor
 from gputravel.service.config import (AUDIT_LOG, STATUS_FILE, HolderService, OrchestratorService, gpu_socket, orchestrator_party, public_file,
                                       ORCHESTRATOR, orchestrator_engine_config, quoting_socket)
 from gputravel.service.party import (PartyChild, Stopping, as_party, log, one_certificate, own_state, private_dir,
-                                     BOOT_TIMEOUT, publish, publish_certificate, unix_listening, wait_for,
+                                     BOOT_TIMEOUT, publish, publish_certificate, refuse_planted, unix_listening, wait_for,
                                      wait_for_sockets)
 from gputravel.service.registry import platform_dir, registered
 
@@ -73,6 +73,7 @@ def serve_holder(cfg: HolderService, stop: Stopping) -> int:
     gpu = gpu_socket(cfg.boot_lock)
     wait_for_sockets(name, {"the host": cfg.host_socket, "the GPU": gpu}, stop)
     policy = dataclasses.replace(cfg.policy.to_policy(""), gpu_reference_values=Path(REFERENCE_FILE))  # beside it
+    refuse_planted(state, cfg.uid)  # its TLS key signs its releases: never one someone else made
     own_state(state, cfg.uid)
     with as_party(cfg.uid):  # inside the holder's own tree: as the holder, so no link of its reaches root's files
         trust = _trust_dir(state, cfg.trust_dir, {POLICY_FILE: policy.to_json()})

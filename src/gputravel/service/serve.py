@@ -17,7 +17,7 @@ from gputravel.service.config import (BrokerService, GpuService, HolderService, 
                                       load_service)
 from gputravel.service.members import serve_holder, serve_orchestrator
 from gputravel.service.party import (BOOT_TIMEOUT, PartyChild, Stopping, as_party, log, own_state, private_dir,
-                                     unix_listening, wait_for)
+                                     refuse_planted, unix_listening, wait_for)
 from gputravel.service.registry import bind, vendor_dir
 from gputravel.service.status import party_name
 
@@ -74,9 +74,11 @@ def serve_gpu(cfg: GpuService, stop: Stopping) -> int:
 
 
 def serve_broker(cfg: BrokerService, stop: Stopping) -> int:
-    """The key broker (broker/process.py) under its own account: its secret and identity, which cohort
-    init made, stay in its state directory; it ends when this service closes its link."""
+    """The key broker (broker/process.py) under its own account: its secret and identity, which it makes
+    at first start (or `gputravel cohort identity` made), stay in its state directory; it ends when this
+    service closes its link."""
     state = private_dir(cfg.state_dir)
+    refuse_planted(state, cfg.uid)
     if os.path.exists(cfg.socket) and not unix_listening(cfg.socket):
         os.unlink(cfg.socket)  # a stale socket from a broker that died; a live one is refused at bind
     home = private_dir(state / "home")
