@@ -72,7 +72,8 @@ def test_the_digest_is_48_bytes_and_ignores_layout_comments_and_order() -> None:
 JOB_CHANGES = {"steps": 301, "batch": 9, "seq_len": 65, "buffer_bytes": 128 << 10, "schedule": "proportional", "seed": 1,
                "lr": 2e-3, "weight_decay": 0.0, "warmup_steps": 21, "n_layer": 7, "n_head": 8, "n_embd": 512,
                "vocab_size": 300, "threads": 3, "sample_tokens": 0, "checkpoint_every": 50, "loader": "local",
-               "eval_every": 10, "script": True}
+               "eval_every": 10, "script": True, "dp_delta": 1e-6, "dp_max_grad_norm": 0.5,
+               "dp_accountant": "prv"}
 OTHER_CHANGES = [("workload", "code", hashlib.sha384(b"x").hexdigest()), ("workload", "file", "other.py"),
                  ("workload", "name", "yours"), ("data", "schema", "0" * 64), ("data", "tokenizer", "gpt2"),
                  ("evaluation", "share", 0.25), ("evaluation", "metrics", ["loss"]), ("outputs", "model", "sealed"),
@@ -84,8 +85,11 @@ OTHER_CHANGES = [("workload", "code", hashlib.sha384(b"x").hexdigest()), ("workl
                  ("broker", "identity", BROKER_KEY)]
 
 
+NOT_YET = {"dp_epsilon", "ddp_compress"}  # refused until issues 29 and 31 wire them (train/job.py)
+
+
 def test_every_job_setting_is_listed_for_the_change_test() -> None:
-    assert set(JOB_CHANGES) == set(JobSettings.model_fields)
+    assert set(JOB_CHANGES) | NOT_YET == set(JobSettings.model_fields)
     assert "workload_code" not in JobSettings.model_fields and "record_schema" not in JobSettings.model_fields
 
 
