@@ -147,8 +147,6 @@ class TrainConfig(JobPart):
             raise ValueError("script: expected a script's text in workload_code")
         if self.dp_epsilon:  # issue 29 wires it: until then refused, never accepted and ignored
             raise ValueError("dp_epsilon: DP-SGD is not built yet (issue 29); leave it 0")
-        if self.ddp_compress != "none":  # issue 31 wires it
-            raise ValueError("ddp_compress: not built into jobs yet (issue 31); leave it \"none\"")
         if self.workload == "gpt2" and not self.workload_code and self.record_schema:
             raise ValueError("workload: expected one that trains on records (image, tabular or a file: --workload), "
                              "got gpt2, which trains on tokens")

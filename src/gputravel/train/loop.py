@@ -196,7 +196,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     prints = functools.cache(lambda: dict(source.fingerprints()) if hasattr(source, "fingerprints") else {})
     if resume_from is not None:
         start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks, anchor, prints, kept.sealer)
-    dp = DataParallel.open(ranks, device) if ranks is not None else None  # the ranks attest one another here
+    # The ranks attest one another here; the job's ddp_compress sets the ring's compression.
+    dp = DataParallel.open(ranks.for_job(cfg.ddp_compress), device) if ranks is not None else None
     try:
         if out is not None:
             out.truncate_metrics(start)  # a resumed run trains the steps after its checkpoint again

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -75,6 +75,14 @@ class Ranks:
                     not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names)):
                 raise BadInput(f"shares must name each of the {self.world_size} ranks' holders, "
                                "every holder in one share only")
+
+    def for_job(self, ddp_compress: str) -> Ranks:
+        """These ranks compressing as the job says (its `ddp_compress`, "none": off), so a job's
+        setting is never accepted and ignored; BadInput where these ranks were told another."""
+        compress = None if ddp_compress == "none" else ddp_compress
+        if self.compress not in (None, compress):
+            raise BadInput(f"the job's ddp_compress is {ddp_compress!r}, these ranks compress to {self.compress!r}")
+        return replace(self, compress=compress)
 
 
 def backend_for(device: str | torch.device) -> str:
