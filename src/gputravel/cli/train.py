@@ -84,6 +84,7 @@ def training_job(
     gpus: int = typer.Option(1, help="GPUs (data-parallel ranks, one orchestrator CVM each); each travels to its share of the holders."),
     servers: bool = typer.Option(False, help="With --gpus: each GPU on an emulated server of its own (network namespaces; needs root), the ranks joined by shaped links."),
     server_mbit: Optional[float] = typer.Option(None, help="With --servers: cap of each server's link to the others, Mbit/s (default uncapped)."),
+    ddp_compress: str = typer.Option(JOB.ddp_compress, help="With --gpus: cast the gradients to fp16 or bf16 before the sealed all-reduce (half the bytes sealed and sent; other numerics); none: off."),
     release_to: list[str] = typer.Option([], "--release-to", help="NAME=PUBFILE: release the model to this recipient (NAME.pub from `gputravel model keygen`) once a quorum of holders signs; repeatable. Without it the model stays sealed. One GPU, travelling or baseline loader only: with --gpus > 1 or --loader local the job runs without a manifest."),
     quorum: Optional[int] = typer.Option(None, help="How many holders must sign the release (k of n; default a majority)."),
     decline: list[str] = typer.Option([], "--decline", help="HOLDER: this holder declines to sign the release (repeatable)."),
@@ -111,7 +112,7 @@ def training_job(
     cfg = TrainingJobConfig(
         train=JOB.replace(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
                           schedule=schedule, seed=seed, loader=loader, threads=threads,
-                          checkpoint_every=checkpoint_every, eval_every=eval_every,
+                          checkpoint_every=checkpoint_every, eval_every=eval_every, ddp_compress=ddp_compress,
                           **(_script(script, workload, bool(holder_data)) if script else workload_job(workload))),  # BadInput naming the flag
         holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,

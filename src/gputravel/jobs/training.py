@@ -64,6 +64,9 @@ class TrainingJobConfig:
             raise BadInput(f"--gpus must be between 1 and the number of holders ({len(self.holders)}), got {self.gpus!r}")
         if self.servers and (self.gpus < 2 or self.train.loader != "travelling"):
             raise BadInput("--servers spreads the GPUs of a travelling run over servers: it needs --gpus 2 or more")
+        if self.train.ddp_compress != "none" and self.gpus < 2:  # else accepted and ignored
+            raise BadInput(f"--ddp-compress {self.train.ddp_compress} compresses the all-reduce between GPUs: "
+                           "it needs --gpus 2 or more (one GPU has nothing to all-reduce)")
         if self.server_mbit is not None:
             number_in(self.server_mbit, "--server-mbit", high=MAX_BANDWIDTH_MBIT)
         for name, path in self.holders:
