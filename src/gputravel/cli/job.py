@@ -4,6 +4,7 @@ and add it to a holder's policy (issue 28). A holder sends data only to a job wh
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 import tomllib
 from pathlib import Path
@@ -19,6 +20,7 @@ from gputravel.files import RECORDS, TOKENS, atomic_write_bytes
 from gputravel.manifest import JobManifest, Outputs, Recipient, load_manifest, schema_digest, write_manifest
 from gputravel.service.config import HolderService, load_service, validate_service
 from gputravel.service.job import cohort_parties, published_parties
+from gputravel.service.budget import approve_within_budget
 from gputravel.service.vouch import vouch
 from gputravel.train.job import TrainConfig
 
@@ -215,6 +217,7 @@ def approve(
     assert isinstance(cfg, HolderService)  # load_service checked the party
     _check_holder(m, manifest, cfg, holder_config)
     pins = vouch(m, manifest, cfg, holder_config, broker, _pairs(signers or (), "--signer"))
+    approve_within_budget(cfg, m, record=False)  # past its epsilon cap: refused before it is asked
     typer.echo(m.describe())
     if m.digest_hex() in cfg.policy.approved_jobs:
         typer.echo(f"{cfg.name} already approves job {m.digest_hex()}")
@@ -222,5 +225,10 @@ def approve(
     if not yes and not typer.confirm(f"approve this job for {cfg.name}'s data?", default=False):
         console.print("not approved: nothing changed")
         raise typer.Exit(1)
+    epsilon = approve_within_budget(cfg, m, record=True)  # in the signed ledger before the policy lists it
     _add_approval(holder_config, m.digest_hex(), *pins)
     typer.echo(f"{cfg.name} approves job {m.digest_hex()} ({holder_config} [policy] approved_jobs)")
+    spent = "unbounded (no DP-SGD)" if math.isinf(epsilon) else f"{epsilon:g}"
+    cap = cfg.policy.epsilon_cap
+    typer.echo(f"  its privacy ledger counts epsilon {spent} for it"
+               + ("" if math.isinf(cap) else f", against a cap of {cap:g}"))

@@ -5,6 +5,8 @@ each a BadInput naming file and dotted key. No field holds a key: each party mak
 
 from __future__ import annotations
 
+import math
+
 import os
 import re
 import socket
@@ -170,6 +172,9 @@ class PolicySection(_Section):
     # --broker, --signer): a manifest naming others is refused (service/vouch.py).
     known_broker: Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{32})?$")] = ""
     known_signers: dict[Name, Annotated[str, Field(pattern=r"^[0-9a-f]{32,96}$")]] = {}
+    # The epsilon (DP-SGD, issue 29) every job it approves may spend of its data together, counted in
+    # its signed privacy ledger (service/budget.py); inf: no cap. A job without DP-SGD spends inf.
+    epsilon_cap: Annotated[float, Field(gt=0)] = math.inf
 
     def to_policy(self, trust_dir: str) -> Policy:
         return Policy(tuple(bytes.fromhex(m) for m in self.orchestrator_measurements),

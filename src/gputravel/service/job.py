@@ -23,6 +23,7 @@ from gputravel.manifest import key_fingerprint
 from gputravel.cohort.trust import measure_orchestrator
 from gputravel.service.config import (BROKER, BrokerService, HolderService, JobSection, OrchestratorService,
                                       load_service, orchestrator_engine_config)
+from gputravel.service.budget import approve_within_budget
 from gputravel.service.init import write_service
 from gputravel.service.party import as_party, own_state, private_dir, publish_certificate, refuse_planted
 from gputravel.service.registry import bind
@@ -133,6 +134,8 @@ def set_job(cohort: str | Path, manifest: JobManifest, *, job: Mapping[str, obje
     orchestrators = [(p, c) for p, c in parties.values() if isinstance(c, OrchestratorService)]
     holders = {c.name: (p, c) for p, c in parties.values() if isinstance(c, HolderService)}
     _check(manifest, d, len(orchestrators), list(holders), [*approve, *decline])
+    for name in approve:  # every cap checked before any ledger or config is written
+        approve_within_budget(holders[name][1], manifest, record=False)
     written = []
     for path, orch in orchestrators:
         fields = {**orch.job.model_dump(), **(job or {}), **manifest.job.model_dump()}
@@ -147,6 +150,7 @@ def set_job(cohort: str | Path, manifest: JobManifest, *, job: Mapping[str, obje
             continue
         update: dict[str, Any] = {"sign_release": name not in decline}
         if name in approve:
+            approve_within_budget(holder, manifest, record=True)  # the demo approves as the holder would
             jobs = sorted({*holder.policy.approved_jobs, digest})
             update.update(eval_share=manifest.evaluation.share,
                           policy=holder.policy.model_copy(update={"approved_jobs": jobs}))
