@@ -122,6 +122,10 @@ def init(
     batch: int = typer.Option(JOB.batch),
     lr: float = typer.Option(JOB.lr),
     eval_every: int = typer.Option(JOB.eval_every),
+    dp_epsilon: float = typer.Option(JOB.dp_epsilon, help="DP-SGD's target epsilon (0: no DP; docs/privacy.md)."),
+    dp_delta: float = typer.Option(JOB.dp_delta, help="DP-SGD's delta."),
+    dp_clip: float = typer.Option(JOB.dp_max_grad_norm, help="DP-SGD's clipping norm for each example's gradient."),
+    dp_accountant: str = typer.Option(JOB.dp_accountant, help="How DP-SGD's privacy is counted: rdp, prv or gdp."),
     model: ModelOutput = typer.Option(ModelOutput.release, help="release: to the recipients once a quorum of "
                                                                 "holders signs; sealed: kept sealed to the orchestrator."),
     force: bool = typer.Option(False, help="Replace --out if it exists."),
@@ -129,7 +133,8 @@ def init(
     """Write a job manifest; edit it, then `gputravel job show` it to the holders."""
     if out.exists() and not force:
         raise BadInput(f"--out {out}: exists; choose another path or replace it (--force)")
-    cfg = _train_config(workload, script, schema_from, steps=steps, batch=batch, lr=lr, eval_every=eval_every)
+    cfg = _train_config(workload, script, schema_from, steps=steps, batch=batch, lr=lr, eval_every=eval_every,
+                        dp_epsilon=dp_epsilon, dp_delta=dp_delta, dp_max_grad_norm=dp_clip, dp_accountant=dp_accountant)
     names, certificates, broker_key = _signers(holders, cohort)
     m = JobManifest.for_job(cfg, holders=names, quorum=len(names) // 2 + 1 if quorum is None else quorum,
                             recipients=[_recipient(r) for r in recipients or ()],
