@@ -7,7 +7,7 @@ one gputravel call. It runs as the orchestrator's job, on records that travel fr
 import torch
 from torch import nn
 
-from gputravel.workloads.script import batches, log
+from gputravel.workloads.script import batches, keep, log
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(30, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 2))
@@ -22,3 +22,5 @@ for epoch in range(3):
         optimizer.step()
         print(f"epoch {epoch} loss {loss.item():.4f}")
         log(loss=loss.item())
+
+keep(model)  # the model a job manifest seals, and releases to its recipients

@@ -456,3 +456,31 @@ def test_records_laid_out_a_block_at_a_time_are_the_same_bytes(count: int, monke
         assert units.read(memoryview(laid)[base:], held, schema.dtype).tobytes() == held_.tobytes()
     pieces = [bytes(laid[i : i + 64]) for i in range(0, len(laid), 64)]
     assert all(p[51:] == bytes(max(0, len(p) - 51)) for p in pieces)  # 3 records of 17, then zeros
+
+
+def test_a_script_under_a_manifest_hands_back_the_model_it_keeps(tumours, tmp_path: Path) -> None:
+    """Issue 28 for scripts: the model a script hands `keep()` is what a manifest job seals and
+    releases, equal to the script's model trained on the same batches; a script that keeps none is
+    refused rather than releasing nothing, and no plot is written where metrics may not be kept."""
+    import io
+
+    import torch
+
+    from gputravel.train.rundir import Kept
+    from gputravel.train.scripted import run_job
+
+    cfg = script_job(tumours, SCRIPT.read_text())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    kept = run_job(cfg, LocalSource.of(cfg, tumours), run_dir=run_dir, kept=Kept(metrics=False, weights=True))
+    state = torch.load(io.BytesIO(kept.weights), weights_only=True)
+    assert sorted(state) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+    assert list(run_dir.iterdir()) == []  # the loss plot is a metric the manifest keeps in
+    again = run_job(cfg, LocalSource.of(cfg, tumours), kept=Kept(weights=True))
+    assert all(torch.equal(state[k], v) for k, v in torch.load(io.BytesIO(again.weights), weights_only=True).items())
+    nothing = cfg.replace(workload_code=SCRIPT.read_text().replace("\nkeep(model)", "\n# keep(model)"))
+    with pytest.raises(BadInput, match=r"script 'port' handed no model to gputravel\.workloads\.script\.keep"):
+        run_job(nothing, LocalSource.of(cfg, tumours), kept=Kept(weights=True))
+    with pytest.raises(BadInput, match=r"keep\(\) takes the trained torch\.nn\.Module, got dict"):
+        run_job(cfg.replace(workload_code="from gputravel.workloads.script import keep\nkeep({})\n"),
+                LocalSource.of(cfg, tumours))

@@ -160,9 +160,6 @@ def _ending(orch: Orchestrator, cmd: Train, cfg: Any) -> Ending | None:
     config = orch.config
     if not config.manifest_json:
         return None
-    if cfg.script:  # its loop builds and keeps its own model: nothing here could seal or release it
-        raise BadInput("a training script keeps its own model, which gputravel cannot seal or release: run it "
-                       "without a manifest (its job digest still binds its code), or as a workload file")
     if cmd.world_size > 1:
         raise BadInput("a job with a manifest trains on one GPU for now: its release gathers every holder's "
                        "signature in one orchestrator")

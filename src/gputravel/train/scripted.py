@@ -17,7 +17,7 @@ from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
 from gputravel.train.loop import StepEvent, TrainResult, train, travel_entry
 from gputravel.train.model import pick_device
-from gputravel.train.rundir import RunDir
+from gputravel.train.rundir import Kept, RunDir
 from gputravel.workloads.script import Feed, run_script
 
 
@@ -27,11 +27,14 @@ def run_job(cfg: TrainConfig, source: ChunkSource, **kw: Any) -> TrainResult:
         return train(cfg, source, **kw)
     if kw.get("ranks") is not None or kw.get("resume_from") is not None:
         raise BadInput("a script runs on one GPU and from its start: no --gpus, no --resume")
-    return train_script(cfg, source, run_dir=kw.get("run_dir"), on_step=kw.get("on_step"))
+    return train_script(cfg, source, run_dir=kw.get("run_dir"), on_step=kw.get("on_step"), kept=kw.get("kept"))
 
 
 def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
-                 on_step: Callable[[StepEvent], None] | None = None) -> TrainResult:
+                 on_step: Callable[[StepEvent], None] | None = None, kept: Kept | None = None) -> TrainResult:
+    """Run the script as the job; with `kept` (a job manifest's outputs) its plot only where metrics may
+    be kept, and the model it hands `keep()` back for sealing and release."""
+    kept = kept or Kept()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)  # what the script's own model draws first, as the loop's does
     device = pick_device()
@@ -70,11 +73,17 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
                               stall_share=loader.stall_seconds / now if now else 0.0, elapsed_s=now,
                               evaluated={}))
 
-    run_script(cfg.workload, cfg.workload_code, Feed(loader, held, on_log))
+    feed = Feed(loader, held, on_log)
+    run_script(cfg.workload, cfg.workload_code, feed)
+    if kept.weights:
+        if not feed.kept:
+            raise BadInput(f"script {cfg.workload!r} handed no model to gputravel.workloads.script.keep(model): a "
+                           "job with a manifest seals and releases the model its script keeps")
+        result.weights = feed.kept
     result.wall_seconds = time.perf_counter() - t0
     result.stall_seconds = loader.stall_seconds
     result.state = loader.state.to_dict()
-    if run_dir is not None and result.losses:
+    if run_dir is not None and result.losses and kept.metrics:
         RunDir(run_dir).plot_losses(list(range(1, len(result.losses) + 1)), result.losses,
                                     title=f"script {cfg.workload} ({cfg.loader} loader)")
     return result

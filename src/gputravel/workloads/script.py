@@ -14,7 +14,7 @@ from typing import Any
 from gputravel.errors import BadInput
 from gputravel.workloads import failure
 
-__all__ = ["Feed", "batches", "held_out", "log", "run_script"]
+__all__ = ["Feed", "batches", "held_out", "keep", "log", "run_script"]
 
 
 @dataclass
@@ -27,6 +27,7 @@ class Feed:
     on_log: Callable[[dict[str, float]], None]
     _it: Iterator[Any] | None = None
     _pending: list[Any] = field(default_factory=list)
+    kept: bytes = b""  # the model the script handed keep() last, as torch.save wrote its state_dict
 
     def epoch(self) -> Iterator[Any]:
         if self._it is None:
@@ -67,6 +68,18 @@ def log(**values: float) -> None:
     _current().on_log({k: float(v) for k, v in values.items()})
 
 
+def keep(model: Any) -> None:
+    """Hand gputravel the trained model (a torch.nn.Module): under a job manifest, the model that is
+    sealed and released to its recipients (issue 28); the last call counts."""
+    import torch  # lazy: a script's runtime already has it loaded
+
+    if not isinstance(model, torch.nn.Module):
+        raise BadInput(f"gputravel.workloads.keep() takes the trained torch.nn.Module, got {type(model).__name__}")
+    from gputravel.train.loop import state_bytes  # lazy: the training loop, which imports this module's package
+
+    _current().kept = state_bytes(model)
+
+
 def run_script(name: str, code: str, feed: Feed) -> None:
     """Run the script's text as ``__main__`` with `feed` behind batches(), held_out() and log()."""
     module = types.ModuleType("__main__")
@@ -78,8 +91,11 @@ def run_script(name: str, code: str, feed: Feed) -> None:
         if exc.code not in (0, None):
             raise BadInput(f"script {name!r} exited: {failure(exc, module.__file__)}") from None
     except BaseException as exc:  # its message may quote records: the type and the line only
-        if not any(f.filename == module.__file__ for f in traceback.extract_tb(exc.__traceback__)):
+        frames = traceback.extract_tb(exc.__traceback__)
+        if not any(f.filename == module.__file__ for f in frames):
             raise  # not the script's own: the loader's typed errors, a real Ctrl-C
+        if isinstance(exc, BadInput) and frames[-1].filename == __file__:  # this module's own words, no data
+            raise BadInput(f"script {name!r}: {exc}") from None
         raise BadInput(f"script {name!r} failed: {failure(exc, module.__file__)}") from None
     finally:
         _feed.reset(token)
