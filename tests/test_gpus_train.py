@@ -66,6 +66,20 @@ def test_two_travelling_gpus_and_two_local_ranks_give_bit_identical_losses(proce
     assert travelling["shares"] == local["shares"]
 
 
+def test_g2_holds_within_gradient_compression(processes, two_gpus, tmp_path):
+    """Issue 31: with the job's ddp_compress, travelling and local ranks still give bit-identical
+    losses, and not the uncompressed ones (the ring summed fp16, so the setting took effect)."""
+    _, hs, uncompressed, _ = two_gpus
+    os.chmod(tmp_path, 0o755)
+    cfg = TINY.replace(ddp_compress="fp16")
+    travelling = run_training_job(TrainingJobConfig(train=cfg, holders=hs, run_dir=str(tmp_path / "t"), gpus=2))
+    local = run_training_job(TrainingJobConfig(train=cfg.replace(loader="local"), holders=hs,
+                                               run_dir=str(tmp_path / "l"), gpus=2))
+    assert len(travelling["losses"]) == TINY.steps
+    assert travelling["losses"] == local["losses"]
+    assert travelling["losses"] != uncompressed["losses"]
+
+
 def test_each_gpu_travels_only_to_its_own_holders_and_signs_its_own_log(processes, two_gpus):
     tmp, _, travelling, _ = two_gpus
     run_dir = tmp / "travelling"
