@@ -27,7 +27,7 @@ class Feed:
     on_log: Callable[[dict[str, float]], None]
     _it: Iterator[Any] | None = None
     _pending: list[Any] = field(default_factory=list)
-    kept: bytes = b""  # the model the script handed keep() last, as torch.save wrote its state_dict
+    kept: dict[str, Any] | None = None  # the state_dict of the model the script handed keep() last
 
     def epoch(self) -> Iterator[Any]:
         if self._it is None:
@@ -75,9 +75,7 @@ def keep(model: Any) -> None:
 
     if not isinstance(model, torch.nn.Module):
         raise BadInput(f"gputravel.workloads.keep() takes the trained torch.nn.Module, got {type(model).__name__}")
-    from gputravel.train.loop import state_bytes  # lazy: the training loop, which imports this module's package
-
-    _current().kept = state_bytes(model)
+    _current().kept = {k: v.detach().clone() for k, v in model.state_dict().items()}  # as it is now
 
 
 def run_script(name: str, code: str, feed: Feed) -> None:
