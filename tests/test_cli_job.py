@@ -80,7 +80,8 @@ def _name_parties(path: Path, tmp_path: Path) -> list[str]:
     certs = {**others, **({"alice": certificate_sha384(own)} if "alice" in m.release.holders else {})}
     write_manifest(path, m.with_parties(certs, BROKER), force=True)
     return ["--broker", key_fingerprint(bytes.fromhex(BROKER)),
-            *(a for h, c in others.items() for a in ("--signer", f"{h}={c}"))]
+            *(a for h, c in others.items() for a in ("--signer", f"{h}={c}")),
+            *(a for r in m.release.recipients for a in ("--recipient", f"{r.name}={key_fingerprint(r.key_bytes())}"))]
 
 
 def _holder_config(tmp_path: Path, name: str = "alice", **extra: object) -> Path:
@@ -204,3 +205,23 @@ def test_approve_checks_a_records_job_against_the_holders_own_schema(tmp_path: P
     (data / "schema.json").write_text(json.dumps(SCHEMA.to_dict()))
     _refused("job", "approve", str(out), "--holder-config", str(cfg), "--yes", *_name_parties(out, tmp_path),
              says="data: its records' schema")
+
+
+def test_approve_refuses_a_recipient_or_a_party_not_confirmed(job: Path, confirm: list[str], tmp_path: Path) -> None:
+    """The second review named its own key "dana" in a manifest and every holder approved: a holder
+    now confirms each recipient's key too; malformed or self-confirming flags are refused."""
+    cfg = _holder_config(tmp_path)
+    before = cfg.read_bytes()
+    recipient = confirm.index("--recipient")
+    without = confirm[:recipient] + confirm[recipient + 2:]
+    base = ("job", "approve", str(job), "--holder-config", str(cfg), "--yes")
+    _refused(*base, *without, says="confirm recipient dana's key with --recipient dana=FINGERPRINT")
+    _refused(*base, *without, "--recipient", "dana=sha256:" + "0" * 32,
+             says="has key sha256:")
+    _refused(*base, *confirm, "--recipient", "erin=sha256:" + "0" * 32, says="--recipient erin: not among")
+    _refused(*base, *confirm[2:], "--broker", "abc", says="--broker: expected the key broker's fingerprint")
+    _refused(*base, *confirm, "--signer", "alice=" + "0" * 32, says="--signer alice: this holder's own certificate")
+    assert cfg.read_bytes() == before
+    said = _ok(*base, *confirm)
+    assert "recipient dana sha256:" in said and "(confirmed now)" in said
+    assert load_service(cfg, "holder").policy.known_recipients == {"dana": confirm[recipient + 1].split("=", 1)[1]}

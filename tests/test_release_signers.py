@@ -152,3 +152,11 @@ def test_a_holder_connecting_with_another_certificate_than_the_named_one_joins_n
     with pytest.raises(RuntimeError, match="attested"):  # its own certificate goes on to attestation
         Orchestrator.accept_holder(stub(own[0]), 1.0)  # type: ignore[arg-type]
     assert len(challenged) == 1
+    # The second review joined as 'west' and 'mallory', whom the manifest names no certificate for.
+    unnamed = stub(own[0])
+    unnamed.listener = SimpleNamespace(accept=lambda timeout: (_Conn(impostor[0]), "mallory"))
+    unnamed._named_certificate = lambda peer: Orchestrator._named_certificate(
+        SimpleNamespace(_manifest=SimpleNamespace(release=SimpleNamespace(certificates={"south": "ab" * 48}))), peer)
+    with pytest.raises(ProtocolError, match="'mallory' is not a holder the job's manifest names a certificate for"):
+        Orchestrator.accept_holder(unnamed, 1.0)  # type: ignore[arg-type]
+    assert len(challenged) == 1

@@ -172,6 +172,9 @@ def test_set_job_refuses_what_the_cohort_did_not_publish_or_cannot_run(tmp_path:
         set_job(d, good, approve=["east"])
     with pytest.raises(BadInput, match=r"'east' is not a holder of the cohort"):
         set_job(d, good, decline=["east"])
+    fewer = _manifest(tmp_path, holders[:2], d)  # west would join under no certificate the manifest names
+    with pytest.raises(BadInput, match=r"release\.holders: expected every holder of the cohort"):
+        set_job(d, fewer)
     two = init_cohort(tmp_path / "G", holders, gpus=2)[0].parent
     with pytest.raises(BadInput, match="a job with a manifest trains on one GPU"):
         set_job(two, good)

@@ -21,7 +21,7 @@ from gputravel.manifest import JobManifest, Outputs, Recipient, load_manifest, s
 from gputravel.service.config import HolderService, load_service, validate_service
 from gputravel.service.job import cohort_parties, published_parties
 from gputravel.service.budget import approve_within_budget
-from gputravel.service.vouch import vouch
+from gputravel.service.vouch import Pins, vouch
 from gputravel.train.job import TrainConfig
 
 job_app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands, callback=named_subcommand,
@@ -184,19 +184,16 @@ def _check_holder(m: JobManifest, where: Path, cfg: HolderService, source: Path)
                            f"{where}'s data.schema ({m.data.schema_digest[:16]}...)")
 
 
-def _add_approval(path: Path, digest_hex: str, broker: str, signers: dict[str, str]) -> bool:
-    """Add `digest_hex` to [policy] approved_jobs and keep the pins confirmed, keeping every other key;
-    False if it was there."""
+def _approval(path: Path, digest_hex: str, pins: Pins) -> bytes:
+    """The holder config with `digest_hex` in [policy] approved_jobs and the pins confirmed, every
+    other key kept; checked to load before anything is written."""
     raw = tomllib.loads(path.read_text())
     policy = raw.setdefault("policy", {})
-    approved = policy.setdefault("approved_jobs", [])
-    if digest_hex in approved:
-        return False
-    approved.append(digest_hex)
-    policy["known_broker"], policy["known_signers"] = broker, dict(sorted(signers.items()))
+    policy.setdefault("approved_jobs", []).append(digest_hex)
+    policy.update(known_broker=pins.broker, known_signers=dict(sorted(pins.signers.items())),
+                  known_recipients=dict(sorted(pins.recipients.items())))
     validate_service(raw, str(path), "holder")  # what is written still loads
-    atomic_write_bytes(path, tomli_w.dumps(raw).encode())
-    return True
+    return tomli_w.dumps(raw).encode()
 
 
 @job_app.command()
@@ -211,6 +208,9 @@ def approve(
     signers: Optional[list[str]] = typer.Option(None, "--signer", help="NAME=SHA384: another signer's certificate "
                                                 "as that holder told you (32 hex digits at least); repeatable, "
                                                 "kept in [policy] known_signers."),
+    recipients: Optional[list[str]] = typer.Option(None, "--recipient", help="NAME=FINGERPRINT: a recipient's key "
+                                                   "(sha256:..., as `job show` prints it) as that recipient told you; "
+                                                   "repeatable, kept in [policy] known_recipients."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Approve without asking (after showing the manifest)."),
 ) -> None:
     """Show the manifest, then add its digest to this holder's approved jobs: its data goes to no other job."""
@@ -221,17 +221,20 @@ def approve(
     cfg = load_service(holder_config, "holder")
     assert isinstance(cfg, HolderService)  # load_service checked the party
     _check_holder(m, manifest, cfg, holder_config)
-    pins = vouch(m, manifest, cfg, holder_config, broker, _pairs(signers or (), "--signer"))
+    pins = vouch(m, manifest, cfg, holder_config, broker, _pairs(signers or (), "--signer"),
+                 _pairs(recipients or (), "--recipient"))
     approve_within_budget(cfg, m, record=False)  # past its epsilon cap: refused before it is asked
     typer.echo(m.describe())
+    typer.echo("\n".join(["confirmed", *(f"  {line}" for line in pins.told)]))
     if m.digest_hex() in cfg.policy.approved_jobs:
         typer.echo(f"{cfg.name} already approves job {m.digest_hex()}")
         return
     if not yes and not typer.confirm(f"approve this job for {cfg.name}'s data?", default=False):
         console.print("not approved: nothing changed")
         raise typer.Exit(1)
+    written = _approval(holder_config, m.digest_hex(), pins)
     epsilon = approve_within_budget(cfg, m, record=True)  # in the signed ledger before the policy lists it
-    _add_approval(holder_config, m.digest_hex(), *pins)
+    atomic_write_bytes(holder_config, written)
     typer.echo(f"{cfg.name} approves job {m.digest_hex()} ({holder_config} [policy] approved_jobs)")
     spent = "unbounded (no DP-SGD)" if math.isinf(epsilon) else f"{epsilon:g}"
     cap = cfg.policy.epsilon_cap

@@ -211,6 +211,10 @@ class Orchestrator:
         conn, peer = self.listener.accept(timeout=timeout)
         try:  # paper 4.5, CPU phase: the holder attests us before it says anything else
             named = self._named_certificate(peer)
+            if named is None:  # the manifest names each holder's certificate, and none under this name
+                _refuse(conn, "the job's manifest names no certificate for this holder",
+                        ProtocolError(f"holder {peer!r} is not a holder the job's manifest names a certificate for "
+                                      "(release.certificates)"))
             if named and hashlib.sha384(conn.peer_certificate()).hexdigest() != named:
                 # ca.pem is the host's to write: an extra certificate under a holder's name joins no job
                 _refuse(conn, "this certificate is not the one the job's manifest names for this holder",
@@ -265,9 +269,11 @@ class Orchestrator:
 
         return JobManifest.from_json(self.config.manifest_json)
 
-    def _named_certificate(self, peer: str) -> str:
-        """The SHA-384 (hex) of the certificate the manifest names for `peer`; "" where it names none."""
-        return "" if self._manifest is None else self._manifest.release.certificates.get(peer, "")
+    def _named_certificate(self, peer: str) -> str | None:
+        """The SHA-384 (hex) of the certificate the manifest names for `peer`; "" where it names no
+        certificate at all (a local cohort's CA vouches); None where it names others but not `peer`'s."""
+        named = {} if self._manifest is None else self._manifest.release.certificates
+        return named.get(peer) if named else ""
 
     def _unfit_split(self, peer: str, hello: HolderHello) -> str:
         """Why `peer`'s held-out split is not the one the job's manifest states (issue 28), or ""."""

@@ -168,10 +168,11 @@ class PolicySection(_Section):
     max_evidence_age_s: Annotated[int, Field(ge=2)] = 3600
     # The job manifests' digests (`gputravel job approve`) this holder sends data to; empty: none.
     approved_jobs: list[Annotated[str, Field(pattern=HEX96_PATTERN)]] = []
-    # The key broker and the other signers this holder confirmed with their operators (job approve
-    # --broker, --signer): a manifest naming others is refused (service/vouch.py).
+    # The key broker, the other signers and the recipients this holder confirmed with them (job approve
+    # --broker, --signer, --recipient): a manifest naming others is refused (service/vouch.py).
     known_broker: Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{32})?$")] = ""
     known_signers: dict[Name, Annotated[str, Field(pattern=r"^[0-9a-f]{32,96}$")]] = {}
+    known_recipients: dict[Name, Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{32}$")]] = {}
     # The epsilon (DP-SGD, issue 29) every job it approves may spend of its data together, counted in
     # its signed privacy ledger (service/budget.py); inf: no cap. A job without DP-SGD spends inf.
     epsilon_cap: Annotated[float, Field(gt=0)] = math.inf

@@ -172,6 +172,9 @@ def _same_measurement(old: OrchestratorService, new: OrchestratorService, d: Pat
 
 
 def _check(manifest: JobManifest, d: Path, orchestrators: int, holders: list[str], named: list[str]) -> None:
+    if sorted(manifest.release.holders) != sorted(holders):  # the orchestrator admits only holders it names
+        raise BadInput(f"release.holders: expected every holder of the cohort in {d} ({', '.join(holders)}): each "
+                       f"joins only under the certificate the manifest names for it, got {manifest.release.holders}")
     if orchestrators != 1:
         raise BadInput(f"{d}: a job with a manifest trains on one GPU (its release gathers every holder's "
                        f"signature in one orchestrator); this cohort has {orchestrators}")
