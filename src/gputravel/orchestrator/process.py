@@ -130,6 +130,9 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
                        "admitted with: launch an orchestrator for this job")
     if not cfg.records and orch.config.tokenizer and cfg.tokenizer != orch.config.tokenizer:
         raise BadInput(f"the job trains on {cfg.tokenizer!r} tokens, this cohort holds {orch.config.tokenizer!r} tokens")
+    if cfg.ddp_compress != "none" and cmd.world_size < 2:  # a setting that would do nothing is refused, not ignored
+        raise BadInput(f"ddp_compress {cfg.ddp_compress!r} compresses the all-reduce between GPUs: this job trains on "
+                       "one, so set it to \"none\"")
     assert orch.travel_sm is not None
     hellos = {name: orch.travel_sm.holders[name] for name in orch.holders}
     sizes = {name: hello.dataset_bytes for name, hello in hellos.items()}
