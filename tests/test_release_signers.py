@@ -160,3 +160,50 @@ def test_a_holder_connecting_with_another_certificate_than_the_named_one_joins_n
     with pytest.raises(ProtocolError, match="'mallory' is not a holder the job's manifest names a certificate for"):
         Orchestrator.accept_holder(unnamed, 1.0)  # type: ignore[arg-type]
     assert len(challenged) == 1
+
+
+def test_a_recipient_checks_a_release_against_the_manifest_not_the_files_own_word(tmp_path: Path) -> None:
+    """The second review forged a release of its own model to alice's real key for the real job,
+    signed as north and south with keys it made and published in D/public: `model show --ca` with
+    those certificates passed. `--manifest` counts only the certificates the manifest names."""
+    from typer.testing import CliRunner
+
+    from gputravel.cli.app import app
+    from gputravel.manifest import write_manifest
+    from gputravel.release import seal_release
+    from gputravel.release.keys import keygen
+
+    own = {n: _member(tmp_path / n, n) for n in HOLDERS}
+    forged = {n: _member(tmp_path / f"host-{n}", n) for n in HOLDERS}
+    key_path, pub_path = keygen("alice", tmp_path / "keys")
+    alice = Recipient.of("alice", bytes.fromhex(pub_path.read_text().strip()))
+    manifest = JobManifest.for_job(TrainConfig(steps=2), holders=HOLDERS, quorum=2, recipients=[alice],
+                                   certificates={n: hashlib.sha384(c).hexdigest() for n, (c, _) in own.items()})
+    write_manifest(tmp_path / "job.toml", manifest)
+
+    def release(signers: dict[str, tuple[bytes, bytes]], job: bytes) -> Path:
+        statement = ReleaseStatement.of(b"weights", job, manifest.recipient_keys())
+        sigs = [sign_release(statement, n, load_key(k)) for n, (_, k) in signers.items()]
+        blob = seal_release(b"weights", statement, sigs, 2, holders=HOLDERS, ca_cert_der=[c for c, _ in signers.values()],
+                            certificates={n: c for n, (c, _) in signers.items()})
+        path = tmp_path / f"release-{len(list(tmp_path.glob('release-*')))}"
+        path.write_bytes(blob)
+        return path
+
+    def show(path: Path) -> tuple[int, str]:
+        res = CliRunner().invoke(app, ["model", "show", str(path), "--manifest", str(tmp_path / "job.toml")])
+        return res.exit_code, " ".join(res.output.replace("│", " ").split())
+
+    good = release({n: own[n] for n in ("north", "south")}, manifest.digest())
+    code, said = show(good)
+    assert code == 0 and "signatures verify under the manifest's certificates: north, south (quorum 2)" in said
+    code, said = show(release({n: forged[n] for n in ("north", "south")}, manifest.digest()))
+    assert code != 0 and "only 0 of the release's signatures (none) verify under the certificates" in said
+    code, said = show(release({"north": own["north"], "south": forged["south"]}, manifest.digest()))
+    assert code != 0 and "only 1 of the release's signatures (north)" in said
+    code, said = show(release({n: own[n] for n in ("north", "south")}, b"\x01" * 48))
+    assert code != 0 and "the release is of job 0101010101010101..., not of" in said
+    out = tmp_path / "weights.pt"
+    opened = CliRunner().invoke(app, ["model", "open", str(good), "--key", str(key_path), "--out", str(out),
+                                      "--manifest", str(tmp_path / "job.toml")])
+    assert opened.exit_code == 0 and out.read_bytes() == b"weights", opened.output

@@ -3,6 +3,7 @@ recipient's private key (docs/training.md, "Releasing the model")."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -12,8 +13,10 @@ from rich.markup import escape
 from gputravel.cli.output import Commands, check_output_file, console, named_subcommand
 from gputravel.errors import BadInput
 from gputravel.files import read_plain
+from gputravel.manifest import load_manifest
 from gputravel.release import ReleaseFile, keygen as make_keys, load_private_key, open_release, read_release
 from gputravel.release.seal import MAX_RELEASE_BYTES, anchors
+from gputravel.release.statement import check_signatures
 
 model_app = typer.Typer(no_args_is_help=True, cls=Commands, callback=named_subcommand,
                         help="The released model: recipients' keys, and opening a release sealed to them.")
@@ -32,7 +35,7 @@ def _read(path: Path, what: str, limit: int) -> bytes:
     return data
 
 
-def _print_statement(release: ReleaseFile, ca: Path | None) -> None:
+def _print_statement(release: ReleaseFile, ca: Path | None, checked: bool = False) -> None:
     s = release.statement
     console.print(f"model SHA-384  {s.model_sha384.hex()}", soft_wrap=True)
     console.print(f"job digest     {s.job_digest.hex()}", soft_wrap=True)
@@ -41,14 +44,39 @@ def _print_statement(release: ReleaseFile, ca: Path | None) -> None:
     signers = ", ".join(release.signers)
     console.print(f"signed by      {escape(signers)} ({len(release.signers)} of a quorum of {release.quorum})")
     if ca is None:
-        console.print("[yellow]signatures not checked: pass --ca with the cohort CA's certificate to check "
-                      "them[/yellow]")
+        if not checked:
+            console.print("[yellow]signatures not checked: pass --manifest with the job's manifest (or --ca with "
+                          "the cohort CA's certificate) to check them[/yellow]")
         return
     counted = release.counted(anchors(_read(ca, "--ca", MAX_CA_BYTES)))
     if len(counted) < release.quorum:
         raise BadInput(f"only {len(counted)} of the release's signatures ({', '.join(counted) or 'none'}) verify "
                        f"under the cohort CA {ca}: below its quorum of {release.quorum}")
     console.print(f"[green]signatures verify under the cohort CA[/green]: {escape(', '.join(counted))}")
+
+
+def _check_manifest(release: ReleaseFile, path: Path) -> None:
+    """The release is of the job `path` names, to its recipients, signed by at least its quorum of
+    the holders it names, each under the certificate it names for that holder (not the file's own
+    word on any of it: the second review forged one with certificates of its own in D/public)."""
+    m = load_manifest(path)
+    s = release.statement
+    if s.job_digest != m.digest():
+        raise BadInput(f"the release is of job {s.job_digest.hex()[:16]}..., not of {path} ({m.digest_hex()[:16]}...)")
+    if dict(s.recipients) != m.recipient_keys():
+        raise BadInput(f"the release's recipients are not {path}'s release.recipients")
+    named = m.release.certificates
+    if not named:
+        raise BadInput(f"{path} names no holder's certificate (release.certificates): check with --ca instead")
+    matched = {h: der for h, der in release.certificates.items()
+               if h in named and hashlib.sha384(der).hexdigest() == named[h]}
+    counted = check_signatures(s, release.signatures, m.release.holders, matched, tuple(matched.values())) \
+        if matched else []
+    if len(counted) < m.release.quorum:
+        raise BadInput(f"only {len(counted)} of the release's signatures ({', '.join(counted) or 'none'}) verify under "
+                       f"the certificates {path} names: below its quorum of {m.release.quorum}")
+    console.print(f"[green]signatures verify under the manifest's certificates[/green]: {escape(', '.join(counted))} "
+                  f"(quorum {m.release.quorum})")
 
 
 @model_app.command()
@@ -66,9 +94,14 @@ def keygen(
 def show(
     release: Path = typer.Argument(..., help="The release file the orchestrator wrote."),
     ca: Path | None = typer.Option(None, "--ca", help="The cohort CA's certificate (ca.pem): check the signatures."),
+    manifest: Path | None = typer.Option(None, help="The job manifest: check the release is its job's, to its "
+                                                    "recipients, signed by its quorum under the certificates it names."),
 ) -> None:
     """Print what the holders signed (model and job digests, recipients) and who signed; no key needed."""
-    _print_statement(read_release(_read(release, "release", MAX_RELEASE_BYTES)), ca)
+    parts = read_release(_read(release, "release", MAX_RELEASE_BYTES))
+    _print_statement(parts, ca, checked=manifest is not None)
+    if manifest is not None:
+        _check_manifest(parts, manifest)
 
 
 @model_app.command(name="open")
@@ -77,6 +110,7 @@ def open_(
     key: Path = typer.Option(..., "--key", help="The recipient's private key (NAME.key from model keygen)."),
     out: Path = typer.Option(..., "--out", help="Where to write the weights (the state_dict file, torch.load it)."),
     ca: Path | None = typer.Option(None, "--ca", help="The cohort CA's certificate (ca.pem): check the signatures."),
+    manifest: Path | None = typer.Option(None, help="The job manifest: check the release against it first."),
 ) -> None:
     """Open a release sealed to your key: write the trained weights and print what the holders signed."""
     check_output_file(out, "--out")
@@ -85,7 +119,9 @@ def open_(
     private = load_private_key(key)
     blob = _read(release, "release", MAX_RELEASE_BYTES)
     parts = read_release(blob)
-    _print_statement(parts, ca)  # before anything is written: a --ca check that fails writes nothing
+    _print_statement(parts, ca, checked=manifest is not None)  # before anything is written: a failed check
+    if manifest is not None:                                     # writes nothing
+        _check_manifest(parts, manifest)
     _, model = open_release(blob, private)
     _write_new(out, model)
     console.print(escape(f"wrote the weights ({len(model):,} bytes, SHA-384 as signed) to {out}"), soft_wrap=True)
