@@ -22,7 +22,7 @@ from gputravel.train.job import TrainConfig
 from test_redteam import POSITIVE, Check, has, run_redteam_cli  # tests/test_redteam.py: the CLI run, record checks
 
 NAMES = ("edited-workload", "changed-job", "replayed-approval", "host-reads-run-dir", "outsider-opens-release",
-         "release-short-of-quorum", "signature-over-other-model", "foreign-resume")
+         "release-short-of-quorum", "signature-over-other-model", "foreign-resume", "operator-made-keys")
 
 
 def refused_by_all(stage: str) -> tuple[Check, ...]:
@@ -74,6 +74,12 @@ EXPECTED: dict[str, tuple[str, tuple[Check, ...]]] = {
                                 has(Measured, run="foreign"), has(Measured, run="honest"),
                                 # approvals wait for the log's next entry, which never came
                                 has(JobLog, approved=lambda h: set(h) <= set(JOB_HOLDERS), travels=0))),
+    "operator-made-keys": ("host", (has(Released, stage="orchestrator's count", signed=(), released_to=(),
+                                        files=lambda f: "model.release" not in f),
+                                    has(Opened, stage="recipient's check", who="the recipient", error="BadInput",
+                                        nbytes=0, said=lambda s: "only 0 of the release's signatures" in s),
+                                    has(Released, stage="control", signed=("alice", "bob"), released_to=("dana",)),
+                                    has(Opened, stage="control", error="", nbytes=POSITIVE))),
 }
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -92,7 +98,7 @@ def _row(report: dict, name: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- without processes
-def test_the_job_rows_are_the_issues_eight_and_every_one_has_an_expectation() -> None:
+def test_the_job_rows_are_the_issues_eight_and_more_and_every_one_has_an_expectation() -> None:
     assert tuple(a.name for a in JOB_ATTACKS) == NAMES and set(EXPECTED) == set(NAMES)
     assert not set(NAMES) & {a.name for a in ATTACKS}  # a phase of its own: the arena's rows are unchanged
 

@@ -3,7 +3,6 @@ recipient's private key (docs/training.md, "Releasing the model")."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -15,8 +14,7 @@ from gputravel.errors import BadInput
 from gputravel.files import read_plain
 from gputravel.manifest import load_manifest
 from gputravel.release import ReleaseFile, keygen as make_keys, load_private_key, open_release, read_release
-from gputravel.release.seal import MAX_RELEASE_BYTES, anchors
-from gputravel.release.statement import check_signatures
+from gputravel.release.seal import MAX_RELEASE_BYTES, anchors, check_approved
 
 model_app = typer.Typer(no_args_is_help=True, cls=Commands, callback=named_subcommand,
                         help="The released model: recipients' keys, and opening a release sealed to them.")
@@ -60,21 +58,11 @@ def _check_manifest(release: ReleaseFile, path: Path) -> None:
     the holders it names, each under the certificate it names for that holder (not the file's own
     word on any of it: the second review forged one with certificates of its own in D/public)."""
     m = load_manifest(path)
-    s = release.statement
-    if s.job_digest != m.digest():
-        raise BadInput(f"the release is of job {s.job_digest.hex()[:16]}..., not of {path} ({m.digest_hex()[:16]}...)")
-    if dict(s.recipients) != m.recipient_keys():
-        raise BadInput(f"the release's recipients are not {path}'s release.recipients")
-    named = m.release.certificates
-    if not named:
-        raise BadInput(f"{path} names no holder's certificate (release.certificates): check with --ca instead")
-    matched = {h: der for h, der in release.certificates.items()
-               if h in named and hashlib.sha384(der).hexdigest() == named[h]}
-    counted = check_signatures(s, release.signatures, m.release.holders, matched, tuple(matched.values())) \
-        if matched else []
-    if len(counted) < m.release.quorum:
-        raise BadInput(f"only {len(counted)} of the release's signatures ({', '.join(counted) or 'none'}) verify under "
-                       f"the certificates {path} names: below its quorum of {m.release.quorum}")
+    try:
+        counted = check_approved(release, m.digest(), m.recipient_keys(), m.release.holders, m.release.certificates,
+                                 m.release.quorum)
+    except BadInput as exc:
+        raise BadInput(f"{path}: {exc}") from None
     console.print(f"[green]signatures verify under the manifest's certificates[/green]: {escape(', '.join(counted))} "
                   f"(quorum {m.release.quorum})")
 

@@ -27,6 +27,7 @@ from gputravel.errors import GputravelError
 from gputravel.orchestrator.release import RELEASE_FILE, SEALED_MODEL
 from gputravel.redteam.arena import ALICE, BOB, MALLORY, Verdict
 from gputravel.redteam.canary import Found
+from gputravel.redteam.identities import operator_made_keys
 from gputravel.redteam.evidence import (Control, FileRead, JobLog, Measured, Opened, Quoted, Released, Resumed,
                                         SealTried)
 from gputravel.redteam.jobarena import JOB_HOLDERS, QUORUM, RECIPIENT, JobArena, JobAttack, edit_one_line, job_row
@@ -321,7 +322,7 @@ def foreign_resume(a: JobArena) -> bool:
 
 JOB_ATTACKS: tuple[JobAttack, ...] = (
     edited_workload, changed_job, replayed_approval, host_reads_run_dir, outsider_opens_release,
-    release_short_of_quorum, signature_over_other_model, foreign_resume,
+    release_short_of_quorum, signature_over_other_model, foreign_resume, operator_made_keys,
 )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 from cryptography import x509
@@ -59,6 +59,28 @@ class ReleaseFile(Message, tag="release.file"):
     def counted(self, ca_cert_der: Anchors) -> list[str]:
         """The signers whose signature verifies under the certificate stored, issued by this CA."""
         return check_signatures(self.statement, self.signatures, self.certificates, self.certificates, ca_cert_der)
+
+
+def check_approved(release: ReleaseFile, job_digest: bytes, recipients: Mapping[str, bytes], holders: Sequence[str],
+                   named: Mapping[str, str], quorum: int) -> list[str]:
+    """The holders whose signatures count for a recipient who knows the approved job (its digest,
+    recipients, signers, their certificates' SHA-384 and quorum): the file's own certificates and
+    quorum count for nothing. BadInput saying what differs, or how few verify."""
+    s = release.statement
+    if s.job_digest != job_digest:
+        raise BadInput(f"the release is of job {s.job_digest.hex()[:16]}..., not of the approved job "
+                       f"({job_digest.hex()[:16]}...)")
+    if dict(s.recipients) != dict(recipients):
+        raise BadInput("the release's recipients are not the approved job's")
+    if not named:
+        raise BadInput("the approved job names no holder's certificate: check the release under the cohort CA instead")
+    matched = {h: der for h, der in release.certificates.items()
+               if h in named and hashlib.sha384(der).hexdigest() == named[h]}
+    counted = check_signatures(s, release.signatures, holders, matched, tuple(matched.values())) if matched else []
+    if len(counted) < quorum:
+        raise BadInput(f"only {len(counted)} of the release's signatures ({', '.join(counted) or 'none'}) verify "
+                       f"under the certificates the approved job names: below its quorum of {quorum}")
+    return counted
 
 
 def seal_release(model_bytes: bytes, statement: ReleaseStatement, signatures: Iterable[ReleaseSignature],
