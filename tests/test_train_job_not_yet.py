@@ -1,14 +1,21 @@
-"""The job settings issue 29 (DP-SGD) wires are refused until it does: a setting accepted and
-ignored would report a privacy the run never had. (Issue 31's ddp_compress is wired: test_gpus_train.)"""
+"""Job settings are refused where they cannot hold: a setting accepted and ignored would report a
+privacy the run never had. Issue 29 wires DP-SGD for records workloads (tests/test_dp_*.py);
+GPT-2's tokens and training scripts stay refused. (Issue 31's ddp_compress: test_gpus_train.)"""
 
 import pytest
 
 from gputravel.errors import BadInput
 from gputravel.train.job import TrainConfig
 
+CODE = "SCHEMA = 'x: float32[3]; label: int64[]'\ndef model(s): pass\ndef inputs(r): pass\n"
 
-@pytest.mark.parametrize(("key", "value", "says"), [("dp_epsilon", 3.0, "DP-SGD is not built yet")])
-def test_a_setting_not_built_yet_is_refused(key: str, value: object, says: str) -> None:
+
+@pytest.mark.parametrize(("values", "says"), [
+    ({}, "--dp-epsilon: expected 0 for GPT-2's token windows"),  # gpt2
+    ({"workload": "port", "workload_code": CODE, "script": True}, "--dp-epsilon: expected 0 for a training script"),
+])
+def test_dp_where_it_cannot_be_accounted_for_is_refused_naming_the_key(values: dict, says: str) -> None:
     with pytest.raises(BadInput, match=says):
-        TrainConfig(**{key: value})
-    assert getattr(TrainConfig(), key) in (0.0, "none")
+        TrainConfig(dp_epsilon=3.0, **values)
+    assert TrainConfig().dp_epsilon == 0.0
+    assert TrainConfig(workload="tabular", dp_epsilon=3.0).dp_epsilon == 3.0

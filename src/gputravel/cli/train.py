@@ -89,6 +89,10 @@ def training_job(
     quorum: Optional[int] = typer.Option(None, help="How many holders must sign the release (k of n; default a majority)."),
     decline: list[str] = typer.Option([], "--decline", help="HOLDER: this holder declines to sign the release (repeatable)."),
     manifest: Optional[Path] = typer.Option(None, help="Run this job manifest (`gputravel job init`) instead of one built from these options; its job must be this demo's."),
+    dp_epsilon: float = typer.Option(JOB.dp_epsilon, help="Train with DP-SGD (Opacus) to this target epsilon over the holders' records (records workloads, one GPU, every record in the buffer; docs/privacy.md); 0: off."),
+    dp_delta: float = typer.Option(JOB.dp_delta, help="With --dp-epsilon: the delta the epsilon is stated at."),
+    dp_clip: float = typer.Option(JOB.dp_max_grad_norm, help="With --dp-epsilon: each record's gradient clipped to this L2 norm."),
+    dp_accountant: str = typer.Option(JOB.dp_accountant, help="With --dp-epsilon: the accountant counting the privacy spent: rdp, prv or gdp."),
 ) -> None:
     """Train a workload (GPT-2 by default) on the holders' data, fed by a travelling GPU.
 
@@ -113,6 +117,7 @@ def training_job(
         train=JOB.replace(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
                           schedule=schedule, seed=seed, loader=loader, threads=threads,
                           checkpoint_every=checkpoint_every, eval_every=eval_every, ddp_compress=ddp_compress,
+                          dp_epsilon=dp_epsilon, dp_delta=dp_delta, dp_max_grad_norm=dp_clip, dp_accountant=dp_accountant,
                           **(_script(script, workload, bool(holder_data)) if script else workload_job(workload))),  # BadInput naming the flag
         holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
@@ -136,6 +141,11 @@ def training_job(
     view = _LiveView(steps, "records/s" if cfg.train.records else "tokens/s")
     with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
         report = run_training_job(cfg, on_step=lambda e: view.update(e, live))
+    if cfg.train.dp_epsilon and report.get("dp"):  # the same job without DP, for the accuracy it gave up (a local run: seconds)
+        from gputravel.jobs.training import non_private_reference  # lazy: torch, as above
+
+        console.print("Training the same job without DP (--loader local) for comparison...")
+        report["dp"]["non_private"] = non_private_reference(cfg)
     _summary(report, out)
     write_results(json_path, report, "report also")
 
@@ -166,11 +176,14 @@ class _LiveView:
         self.task = self.progress.add_task("train", total=steps)
         self.last = None
         self.evaluated: dict = {}
+        self.epsilon: float | None = None
         self._shown = 0.0
 
     def update(self, event, live: Live) -> None:
         self.last = event
-        self.evaluated = getattr(event, "evaluated", None) or self.evaluated
+        evaluated = dict(getattr(event, "evaluated", None) or {})
+        self.epsilon = evaluated.pop("dp.epsilon_spent", self.epsilon)  # a DP job's, at every step
+        self.evaluated = evaluated or self.evaluated
         self.progress.update(self.task, completed=event.step + 1)
         now = time.monotonic()
         if now - self._shown > 0.1:  # redraw at most ten times a second
@@ -187,6 +200,8 @@ class _LiveView:
         else:
             table.add_row("loss", f"{e.loss:.4f}", self.unit, f"{e.tokens_per_s:,.0f}", "GPU last at", e.holder)
             table.add_row("step", str(e.step + 1), "travels", str(e.travels), "time travelling", f"{e.stall_share:.2%}")
+        if self.epsilon is not None:
+            table.add_row("epsilon", f"{self.epsilon:.3f}", "", "", "", "")
         if self.evaluated:  # the held-out metrics at the last evaluation, per holder and over all
             table.add_row("held-out", "", "", "", "", "")
             for who in dict.fromkeys(k.rpartition(".")[0] for k in self.evaluated):
@@ -225,6 +240,7 @@ def _summary(report: dict, out: Path) -> None:
     for r in report.get("ranks", ()):
         console.print(f"GPU {r['gpu']}: {r['travel_count']} fetches from {', '.join(r['holders'])}; "
                       f"its last batch loss {r['final_loss']:.3f}; travel log {r['audit_log']}")
+    _dp_summary(report)
     iso = report.get("isolation")
     if iso is not None:  # a travelling run: what kept the emulated CVMs apart
         parties = len(iso["parties"])
@@ -233,6 +249,22 @@ def _summary(report: dict, out: Path) -> None:
     files = ", ".join(p.name for p in sorted(out.iterdir()) if p.is_file())
     console.print(f"run directory {out}: {files}")
     _release_summary(report)
+
+
+def _dp_summary(report: dict) -> None:
+    """The privacy spent, and what it cost beside the same job without DP."""
+    dp = report.get("dp")
+    if not dp:
+        return
+    console.print(f"DP-SGD: epsilon {dp['epsilon_spent']:.3f} spent of {dp['target_epsilon']:g} at delta "
+                  f"{dp['delta']:g} ({dp['accountant']} accountant; noise multiplier {dp['noise_multiplier']:.3f}, "
+                  f"each of the {dp['records']} records sampled with probability {dp['sample_rate']:.4f}, "
+                  f"gradients clipped to {dp['max_grad_norm']:g}).")
+    private = (report.get("eval") or {}).get("all", {}).get("accuracy")
+    public = (dp.get("non_private") or {}).get("accuracy")
+    if private is not None and public is not None:
+        console.print(f"held-out accuracy {private:.2%} with DP (epsilon {dp['epsilon_spent']:.2f}), "
+                      f"{public:.2%} without (the same job, --loader local)")
 
 
 def _release_summary(report: dict) -> None:

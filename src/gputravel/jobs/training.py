@@ -9,7 +9,7 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from gputravel.cohort import capacity
 from gputravel.cohort.client import RankPlace
@@ -21,11 +21,11 @@ from gputravel.ddp.launch import free_port
 from gputravel.net.counters import bytes_between, link_bytes
 from gputravel.jobs.local_ranks import run_local_ranks
 from gputravel.cohort.config import CohortConfig, HolderSpec
-from gputravel.data.records import RecordSchema, Units, common_schema
+from gputravel.data.records import RecordSchema, Units, common_schema, held_out, load_records
 from gputravel.data.shakespeare import shakespeare_holders
 from gputravel.data.tokenizer import KNOWN
 from gputravel.errors import BadInput, number_in
-from gputravel.files import MISSING, RECORDS, TOKENS, atomic_write_bytes, not_data, write_json
+from gputravel.files import EVAL_SHARE, MISSING, RECORDS, TOKENS, atomic_write_bytes, not_data, write_json
 from gputravel.manifest import JobManifest, Outputs, Recipient
 from gputravel.net.tc import MAX_BANDWIDTH_MBIT
 from gputravel.protocol.hardware import hardware_profile
@@ -33,6 +33,7 @@ from gputravel.protocol.layout import layout_for, manifest_piece_bytes
 from gputravel.train.loader import TOKEN_BYTES, LocalSource
 from gputravel.train.job import TrainConfig
 from gputravel.train.loop import StepEvent, checkpoint_shares, make_report, sample_tokenizer, workload_of
+from gputravel.train.privacy import check_fits, check_job, check_model
 from gputravel.train.scripted import run_job
 
 
@@ -69,6 +70,7 @@ class TrainingJobConfig:
                            "it needs --gpus 2 or more (one GPU has nothing to all-reduce)")
         if self.server_mbit is not None:
             number_in(self.server_mbit, "--server-mbit", high=MAX_BANDWIDTH_MBIT)
+        check_job(self.train, self.gpus)  # DP-SGD on one GPU only
         for name, path in self.holders:
             why = not_data(path)
             if why is not None:
@@ -103,6 +105,8 @@ def check_capacity(cfg: TrainingJobConfig) -> None:
     local = t.loader == "local"  # no cohort: the training alone, here
     if t.records:
         _check_records_fit(t)
+        if t.dp_epsilon:
+            _check_private(t, cfg.holders)
     else:
         _check_tokens_fit(t, local)
     if local:
@@ -132,6 +136,17 @@ def _check_records_fit(t: TrainConfig) -> None:
     if held < t.batch:
         raise BadInput(f"--buffer-mib {t.buffer_bytes / capacity.MIB:g} holds {held} records of {record} bytes, and one "
                        f"batch needs {t.batch}: use a larger --buffer-mib or a smaller --batch")
+
+
+def _check_private(t: TrainConfig, holders: Sequence[tuple[str, str]]) -> None:
+    """A DP job's model and data, said here before anything starts (the orchestrator checks again,
+    before its first travel): every layer one Opacus trains, every training record in the buffer."""
+    workload = workload_of(t)
+    assert workload.schema is not None
+    model, _ = workload.build(t, "cpu")
+    check_model(model, workload.name)
+    sizes = {name: len(held_out(len(load_records(path)), EVAL_SHARE)[0]) for name, path in holders}
+    check_fits(t, sizes, workload.schema.record_bytes)
 
 
 def default_holders(count: int, workdir: Path, workload: str = "gpt2") -> tuple[tuple[str, str], ...]:
@@ -211,6 +226,14 @@ def run_training_job(cfg: TrainingJobConfig, on_step: Callable[[StepEvent], None
     report["holders"] = {name: path for name, path in cfg.holders}
     write_json(run_dir / "report.json", report)
     return report
+
+
+def non_private_reference(cfg: TrainingJobConfig) -> dict:
+    """The same job without DP, on the local loader (no cohort; no file written): its held-out
+    metrics over all holders, the accuracy a DP job is stated beside."""
+    t = resolve(cfg).train.replace(dp_epsilon=0.0, loader="local")
+    result = run_job(t, LocalSource.of(t, cfg.holders))
+    return {**(result.evals[-1]["all"] if result.evals else {}), "loader": "local"}
 
 
 def _run_services(cfg: TrainingJobConfig, run_dir: Path, on_step, shares=None) -> dict:

@@ -145,8 +145,15 @@ class TrainConfig(JobPart):
             raise ValueError("record_schema: expected a schema's canonical JSON (data/records.py)")
         if self.script and not self.workload_code:
             raise ValueError("script: expected a script's text in workload_code")
-        if self.dp_epsilon:  # issue 29 wires it: until then refused, never accepted and ignored
-            raise ValueError("dp_epsilon: DP-SGD is not built yet (issue 29); leave it 0")
+        if self.dp_epsilon and not self.records:  # train/privacy.py: Poisson samples of whole records
+            raise ValueError("dp_epsilon: expected 0 for GPT-2's token windows: DP-SGD trains on records (image, "
+                             "tabular or a workload file: --workload)")
+        if self.dp_epsilon and self.dp_accountant == "gdp":  # Opacus: "can underestimate privacy expenditure"
+            raise ValueError("dp_accountant: expected rdp or prv: Opacus's gdp accountant is an approximation that "
+                             "can understate the epsilon spent")
+        if self.dp_epsilon and self.script:
+            raise ValueError("dp_epsilon: expected 0 for a training script, which draws its own batches: gputravel "
+                             "cannot sample them nor account for them (make it a workload file)")
         if self.workload == "gpt2" and not self.workload_code and self.record_schema:
             raise ValueError("workload: expected one that trains on records (image, tabular or a file: --workload), "
                              "got gpt2, which trains on tokens")

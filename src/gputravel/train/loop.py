@@ -27,6 +27,7 @@ from gputravel.errors import BadInput, HolderLost
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig, pick_device
+from gputravel.train.privacy import Private, Resident, check_fits, check_job, check_model, new_key
 from gputravel.train.ranks import DataParallel, Ranks
 from gputravel.train.rundir import Kept, RunDir, Sealing, checkpoint_extra, load_checkpoint
 from gputravel.train.schedule import LoaderState
@@ -71,6 +72,7 @@ class TrainResult:
     stopped: bool = False  # asked to stop before cfg.steps: checkpointed where it stopped
     evals: list[dict] = field(default_factory=list)  # held-out metrics per holder and overall, by step
     weights: bytes = b""  # the trained state_dict as torch.save writes it, when Kept.weights asked for it
+    dp: dict | None = None  # a DP job's mechanism and the ε its steps spent (train/privacy.py)
 
     @property
     def stall_share(self) -> float:
@@ -176,7 +178,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
           on_step: Callable[[StepEvent], None] | None = None, resume_from: Path | None = None,
           tokenizer=None, ranks: Ranks | None = None,
           should_stop: Callable[[], bool] | None = None, anchor: Anchor | None = None,
-          kept: Kept = KEEP_ALL) -> TrainResult:
+          kept: Kept = KEEP_ALL, dp_key: bytes | None = None) -> TrainResult:
     """Train for cfg.steps; `tokenizer` only decodes the final sample; `kept`: what the run directory
     may hold (metrics, checkpoints, sealed or not) and whether the weights come back for a release.
 
@@ -184,7 +186,8 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     would have had. With `ranks` this is one rank of a data-parallel job: gradients are averaged
     through the encrypted ring, keyed by the ranks attesting one another first; only rank 0
     writes `run_dir` and samples. `should_stop` ends the run after a step, checkpointed there; with
-    ranks, every rank stops at the step where any was asked. `anchor`: see :class:`Anchor`."""
+    ranks, every rank stops at the step where any was asked. `anchor`: see :class:`Anchor`. A DP job
+    (cfg.dp_epsilon) samples and noises with `dp_key` (default a fresh secret; train/privacy.py)."""
     torch.set_num_threads(cfg.threads)
     device = pick_device()
     workload = workload_of(cfg)
@@ -192,10 +195,14 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     lead = ranks is None or ranks.rank == 0
     out = Outputs(RunDir(run_dir), kept) if run_dir is not None and lead else None
     start, resume, result = 0, None, TrainResult(losses=[])
+    # Before anything travels: what DP-SGD cannot account for is refused here (train/privacy.py).
+    private = _private(cfg, workload, source, model, optimizer, device, ranks, dp_key) if cfg.dp_epsilon else None
     # What each holder brought, hashed only when a checkpoint is written or resumed, and once.
     prints = functools.cache(lambda: dict(source.fingerprints()) if hasattr(source, "fingerprints") else {})
     if resume_from is not None:
-        start, resume, result = _resume(cfg, resume_from, model, optimizer, ranks, anchor, prints, kept.sealer)
+        start, resume, result, spent = _resume(cfg, resume_from, model, optimizer, ranks, anchor, prints, kept.sealer)
+        if private is not None:  # the privacy its steps spent counts on
+            private.resume(spent, start, str(resume_from))
     # The ranks attest one another here; the job's ddp_compress sets the ring's compression.
     dp = DataParallel.open(ranks.for_job(cfg.ddp_compress), device) if ranks is not None else None
     try:
@@ -203,9 +210,12 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
             out.truncate_metrics(start)  # a resumed run trains the steps after its checkpoint again
         step_model = dp.wrap(model) if dp is not None else model  # `model` stays the bare GPT
         loader = _loop(cfg, workload, source, device, model, step_model, optimizer, start, resume, result, out, dp,
-                       on_step, should_stop, anchor, prints)
+                       on_step, should_stop, anchor, prints, private)
         # Collective with ranks: every rank gathers; alone, only what the checkpoint needs.
         final = _extra(cfg, loader.state, result, dp, anchor, prints) if out is not None or dp is not None else {}
+        if private is not None:
+            final["dp"] = private.checkpoint(sealed=kept.sealer is not None)
+            result.dp = private.report()
     finally:
         if dp is not None:
             dp.close()
@@ -228,7 +238,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
 def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str, model, step_model, optimizer, start: int,
           resume: LoaderState | None, result: TrainResult, out: Outputs | None, dp: DataParallel | None,
           on_step, should_stop=None, anchor: Anchor | None = None,
-          prints: Callable[[], dict] = dict) -> TravellingLoader:
+          prints: Callable[[], dict] = dict, private: Private | None = None) -> TravellingLoader:
     """Steps start..cfg.steps; returns the loader (its state and stalls are the run's)."""
     holder_of_batch = {"name": ""}
 
@@ -238,22 +248,30 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
         result.travels.append(travel_entry(f))
 
     batching = None if workload.tokens else Shuffled(cfg.batch, cfg.seed, lambda t: workload.inputs(t, device), device)
-    loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
-                              state=resume, on_fetch=fetched, device=device, batching=batching)
+    kind, dp_args = TravellingLoader, {}
+    if private is not None:  # every record resident, a Poisson sample a step
+        kind, dp_args = Resident, {"key": private.key, "rate": private.mechanism.sample_rate, "start": start}
+    loader = kind(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
+                  state=resume, on_fetch=fetched, device=device, batching=batching, **dp_args)
     batches = iter(loader)
     model.train()
     t_start = time.perf_counter()
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        x, y = next(batches)
-        # With ranks, the gradients' all-reduce runs in dp.backward, over the ring.
-        value = train_step(model, optimizer, x, y, lr_at(cfg, step), forward=step_model,
-                           backward=dp.backward if dp is not None else None, loss_of=workload.loss,
-                           guard=workload.guard)
+        batch = next(batches)
+        if private is not None:
+            value = private.step(batch, lr_at(cfg, step), step, workload.loss, workload.guard)
+            holder_of_batch["name"] = "all"  # a sample over every holder's records
+        else:  # with ranks, the gradients' all-reduce runs in dp.backward, over the ring
+            value = train_step(model, optimizer, *batch, lr_at(cfg, step), forward=step_model,
+                               backward=dp.backward if dp is not None else None, loss_of=workload.loss,
+                               guard=workload.guard)
         result.losses.append(value)
         now = time.perf_counter()
         per_batch = cfg.batch if cfg.records else cfg.batch * cfg.seq_len
         evaluated = _eval_point(cfg, workload, model, loader, dp, step, result)
+        if private is not None and ((step + 1) % max(1, cfg.steps // 20) == 0 or step + 1 == cfg.steps):
+            evaluated["dp.epsilon_spent"] = private.spent()  # the live view's (an accountant's query is slow)
         event = StepEvent(step=step, loss=value, tokens_per_s=per_batch / (now - t0),
                           holder=holder_of_batch["name"], travels=loader.fetches,
                           stall_share=loader.stall_seconds / (now - t_start), elapsed_s=now - t_start,
@@ -261,6 +279,8 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
         checkpoint = bool(cfg.checkpoint_every) and (step + 1) % cfg.checkpoint_every == 0
         if checkpoint and (out is not None or dp is not None):
             extra = _extra(cfg, loader.state, result, dp, anchor, prints)  # with ranks a collective: every rank gathers
+            if private is not None:
+                extra["dp"] = private.checkpoint(sealed=out is not None and out.kept.sealer is not None)
         if out is not None:
             out.append_metrics({k: v for k, v in dataclasses.asdict(event).items() if k != "evaluated"})
             if checkpoint:
@@ -334,6 +354,16 @@ def summarise(sums: dict[str, dict[str, float]]) -> dict:
     return {"per_holder": {h: means(s) for h, s in sorted(sums.items())}, "all": means(total)}
 
 
+def _private(cfg: TrainConfig, workload: Workload, source: ChunkSource, model, optimizer, device: str,
+             ranks: Ranks | None, key: bytes | None) -> Private:
+    """The job's DP-SGD, once its rules hold: records, one GPU, a model Opacus trains, every record resident."""
+    check_job(cfg, ranks.world_size if ranks is not None else 1)
+    assert workload.schema is not None  # TrainConfig refuses DP for GPT-2's tokens and for scripts
+    check_model(model, workload.name)
+    records = check_fits(cfg, source.sizes(), workload.schema.record_bytes)
+    return Private(cfg, model, optimizer, records, key if key is not None else new_key(), device)
+
+
 def _stop_asked(should_stop: Callable[[], bool] | None, dp: DataParallel | None) -> bool:
     # Ranks vote at every step, asked or not: a rank that stopped alone would leave its peers waiting.
     asked = should_stop is not None and bool(should_stop())
@@ -378,7 +408,8 @@ def checkpoint_shares(path: Path) -> tuple[tuple[str, ...], ...] | None:
 
 def _resume(cfg: TrainConfig, path: Path, model, optimizer, ranks: Ranks | None,
             anchor: Anchor | None = None, prints: Callable[[], dict] = dict,
-            sealer: Sealing | None = None) -> tuple[int, LoaderState, TrainResult]:
+            sealer: Sealing | None = None) -> tuple[int, LoaderState, TrainResult, object]:
+    """The checkpoint's step, this rank's loader state and results so far, and a DP job's privacy state."""
     data = None
     if ranks is not None and ranks.resume_sha384:
         data = _read_bound(path, ranks.resume_sha384)
@@ -395,7 +426,7 @@ def _resume(cfg: TrainConfig, path: Path, model, optimizer, ranks: Ranks | None,
         anchor.resume(mine.get("travel_log"))
     result = TrainResult(losses=list(mine["losses"]), travels=list(mine.get("travels", ())),
                          evals=list(extra.get("evals", ())))
-    return step, LoaderState.from_dict(loader), result
+    return step, LoaderState.from_dict(loader), result, extra.get("dp")
 
 
 def _check_sources(path: Path, stored: object, now: dict) -> None:
@@ -493,4 +524,4 @@ def make_report(cfg: TrainConfig, result: TrainResult) -> dict:
             "loader_state": result.state, "holders_lost": result.lost, "stopped": result.stopped,
             "sample": result.sample, "workload": cfg.workload,
             "eval": {k: result.evals[-1][k] for k in ("per_holder", "all")} if result.evals else None,
-            "eval_history": result.evals}
+            "eval_history": result.evals, "dp": result.dp}

@@ -1,0 +1,208 @@
+"""DP-SGD (issue 29): what is refused before anything travels, the resident Poisson sample, the ε
+reported, G2 under DP, resume. Tiny jobs: a few steps over the shipped tumour records."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gputravel.data.demo_records import demo_holders
+from gputravel.data.records import RecordSchema, Units, common_schema
+from gputravel.protocol.layout import Layout, record_bytes_for
+from gputravel.testing.cohort import InProcessCohort
+from gputravel.errors import BadInput
+from gputravel.jobs.training import TrainingJobConfig, check_capacity, non_private_reference, run_training_job
+from gputravel.train.job import TrainConfig
+from gputravel.train.loader import Cut, LocalSource, TravelSource
+from gputravel.train.loop import build_model, make_report, train, workload_of
+from gputravel.train.privacy import Private, check_job, check_model, poisson_sample
+from gputravel.train.rundir import checkpoint_extra
+
+KEY = bytes(range(32))
+BUFFER = 128 << 10  # every tumour record (455 of 128 bytes) resident
+
+
+@pytest.fixture(scope="module")
+def tumours(tmp_path_factory) -> tuple[tuple[str, str], ...]:
+    return demo_holders("tabular", 3, tmp_path_factory.mktemp("tumours"))
+
+
+def job(holders, **changes) -> TrainConfig:
+    values = dict(workload="tabular", record_schema=common_schema(holders).canonical_json(), steps=8, batch=32,
+                  buffer_bytes=BUFFER, checkpoint_every=0, warmup_steps=2, lr=0.03, dp_epsilon=3.0, eval_every=0)
+    return TrainConfig(**{**values, **changes})
+
+
+def travelled(cfg: TrainConfig, holders, tmp_path: Path, **kw):
+    """`train` fed by an in-process cohort: real travels through the device, no processes (as test_workloads)."""
+    paths = {name: Path(path) for name, path in holders}
+    layout = Layout(record_bytes=record_bytes_for(cfg.buffer_bytes))
+    with InProcessCohort(paths, buffer_bytes=cfg.buffer_bytes, workdir=tmp_path, layout=layout,
+                         formats=dict.fromkeys(paths, "records"), schema=cfg.record_schema) as cohort:
+        orch = cohort.orchestrator
+        hellos = {name: orch.travel_sm.holders[name] for name in paths}
+        schema = RecordSchema.from_json(cfg.record_schema)
+        cuts = {n: Cut(Units(schema.record_bytes, h.piece_bytes), h.train_records, h.eval_records, schema.dtype)
+                for n, h in hellos.items()}
+        return train(cfg, TravelSource(orch, {n: h.dataset_bytes for n, h in hellos.items()}, cuts), **kw)
+
+
+class Counted(LocalSource):
+    """A local source that counts what it is asked to bring (a travel, for the travelling loader)."""
+
+    fetched = 0
+
+    def fetch(self, visit):
+        self.fetched += 1
+        return super().fetch(visit)
+
+
+def counted(cfg: TrainConfig, holders) -> Counted:
+    src = LocalSource.of(cfg, holders)
+    out = Counted(src._units, src._held, src._piece)
+    return out
+
+
+def test_epsilon_spent_is_at_most_the_target_and_the_report_says_how(tumours) -> None:
+    cfg = job(tumours)
+    result = train(cfg, LocalSource.of(cfg, tumours), dp_key=KEY)
+    dp = make_report(cfg, result)["dp"]
+    assert 0 < dp["epsilon_spent"] <= cfg.dp_epsilon
+    assert dp["delta"] == cfg.dp_delta and dp["accountant"] == "rdp" and dp["max_grad_norm"] == cfg.dp_max_grad_norm
+    records = sum(LocalSource.of(cfg, tumours).sizes().values())
+    assert dp["sample_rate"] == cfg.batch / records and dp["noise_multiplier"] > 0
+    assert make_report(cfg.replace(dp_epsilon=0.0), train(cfg.replace(dp_epsilon=0.0), LocalSource.of(cfg, tumours)))["dp"] is None
+
+
+def test_the_prv_accountant_keeps_to_its_target_and_gdp_which_can_underestimate_is_refused(tumours) -> None:
+    cfg = job(tumours, steps=4, dp_accountant="prv")
+    dp = train(cfg, LocalSource.of(cfg, tumours), dp_key=KEY).dp
+    assert dp is not None and 0 < dp["epsilon_spent"] <= cfg.dp_epsilon and dp["accountant"] == "prv"
+    with pytest.raises(BadInput, match="--dp-accountant: expected rdp or prv"):
+        job(tumours, dp_accountant="gdp")
+    assert TrainConfig(dp_accountant="gdp").dp_accountant == "gdp"  # without DP it counts nothing
+
+
+def test_records_larger_than_the_buffer_are_refused_before_anything_travels(tumours) -> None:
+    cfg = job(tumours, buffer_bytes=32 << 10)
+    source = counted(cfg, tumours)
+    with pytest.raises(BadInput, match=r"--dp-epsilon: the holders' 455 training records take 58240 bytes, the job's "
+                                       r"buffer holds 32768: .* raise --buffer-mib to 0\.0625 or more"):
+        train(cfg, source, dp_key=KEY)
+    assert source.fetched == 0
+    with pytest.raises(BadInput, match="--dp-epsilon: the holders' 455 training records"):  # the demo, before it starts
+        check_capacity(TrainingJobConfig(train=cfg.replace(loader="local"), holders=tumours, run_dir="unused"))
+
+
+BATCHNORM = """SCHEMA = "features: float32[30]; label: int64[]"
+import torch
+from torch import nn
+def model(schema):
+    return nn.Sequential(nn.Linear(30, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+def inputs(records):
+    return records["features"], records["label"]
+"""
+
+
+def test_a_layer_opacus_cannot_train_is_named_before_anything_travels(tumours) -> None:
+    cfg = job(tumours, workload="bn", workload_code=BATCHNORM)
+    source = counted(cfg, tumours)
+    with pytest.raises(BadInput, match=r"workload 'bn': Opacus cannot train layer '1' \(BatchNorm1d\) with DP-SGD "
+                                       r".*BatchNorm by GroupNorm; opacus.validators.ModuleValidator.fix"):
+        train(cfg, source, dp_key=KEY)
+    assert source.fetched == 0
+
+
+@pytest.mark.parametrize("workload", ["image", "tabular"])
+def test_the_shipped_workloads_pass_opacus(workload: str) -> None:
+    cfg = TrainConfig(workload=workload)
+    model, _ = build_model(cfg, "cpu", workload_of(cfg))
+    check_model(model, workload)
+
+
+def test_several_gpus_are_refused(tumours) -> None:
+    with pytest.raises(BadInput, match="--dp-epsilon: DP-SGD trains on one GPU .* not 2"):
+        TrainingJobConfig(train=job(tumours, loader="local"), holders=tumours, run_dir="unused", gpus=2)
+    check_job(job(tumours), 1)
+
+
+def test_the_poisson_sample_takes_each_record_at_its_rate_independently() -> None:
+    n, rate, steps = 2000, 0.05, 400
+    taken = np.zeros(n)
+    sizes = []
+    for step in range(steps):
+        picked = poisson_sample(KEY, step, n, rate).numpy()
+        taken[picked] += 1
+        sizes.append(len(picked))
+    assert abs(np.mean(sizes) - n * rate) < 2 and np.std(sizes) > 3  # the batch size varies, around q N
+    assert abs(taken.mean() / steps - rate) < 0.002
+    assert np.std(taken / steps) < 2 * math.sqrt(rate * (1 - rate) / steps)  # no record favoured
+    assert torch.equal(poisson_sample(KEY, 7, n, rate), poisson_sample(KEY, 7, n, rate))
+    assert not torch.equal(poisson_sample(KEY, 7, n, rate), poisson_sample(bytes(32), 7, n, rate))  # keyed
+
+
+def test_the_sample_does_not_depend_on_the_order_holders_are_given_in(tumours) -> None:
+    cfg = job(tumours)
+    forward = train(cfg, LocalSource.of(cfg, tumours), dp_key=KEY)
+    backward = train(cfg, LocalSource.of(cfg, tuple(reversed(tumours))), dp_key=KEY)
+    assert forward.losses == backward.losses
+
+
+def test_a_dp_job_travels_once_and_never_trains_on_held_out_records(tumours) -> None:
+    cfg = job(tumours, steps=20, eval_every=10)
+    source = counted(cfg, tumours)
+    result = train(cfg, source, dp_key=KEY)
+    assert source.fetched == len(tumours)  # each holder's records travel once, all in one buffer
+    assert [t.get("held_out", False) for t in result.travels].count(False) == len(tumours)
+
+
+def test_an_empty_sample_still_adds_noise(tumours) -> None:
+    cfg = job(tumours)
+    workload = workload_of(cfg)
+    model, optimizer = build_model(cfg, "cpu", workload)
+    private = Private(cfg, model, optimizer, 455, KEY, "cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    assert math.isnan(private.step(None, 0.01, 0, workload.loss, workload.guard))
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert private.spent() > 0
+
+
+def test_a_stopped_dp_job_resumes_to_the_same_samples_and_counts_what_it_spent(tumours, tmp_path: Path) -> None:
+    cfg = job(tumours, steps=10, checkpoint_every=3)
+    whole = train(cfg, LocalSource.of(cfg, tumours), dp_key=KEY)
+    asked: list[int] = []
+    first = train(cfg, LocalSource.of(cfg, tumours), run_dir=tmp_path, dp_key=KEY,
+                  should_stop=lambda: asked.append(1) or len(asked) == 5)
+    assert first.stopped and first.dp is not None and whole.dp is not None
+    assert 0 < first.dp["epsilon_spent"] < whole.dp["epsilon_spent"]  # what 5 steps spent, not 10
+    stored = checkpoint_extra(tmp_path / "checkpoint.pt")["dp"]
+    assert sum(h[2] for h in stored["history"]) == 5 and "key" not in stored  # a plaintext checkpoint: no key
+    resumed = train(cfg, LocalSource.of(cfg, tumours), run_dir=tmp_path, dp_key=KEY,
+                    resume_from=tmp_path / "checkpoint.pt")
+    assert resumed.losses == whole.losses and resumed.dp == whole.dp
+
+
+def test_without_a_key_each_job_draws_its_own_secret_one(tumours) -> None:
+    cfg = job(tumours, steps=3)
+    a, b = train(cfg, LocalSource.of(cfg, tumours)), train(cfg, LocalSource.of(cfg, tumours))
+    assert a.losses != b.losses  # the job's seed is public (in the manifest): the noise must not follow from it
+
+
+def test_the_demo_reports_dp_beside_the_job_without_it(tumours, tmp_path: Path) -> None:
+    cfg = TrainingJobConfig(train=job(tumours, loader="local", steps=5), holders=tumours, run_dir=str(tmp_path))
+    report = run_training_job(cfg)
+    assert 0 < report["dp"]["epsilon_spent"] <= 3.0 and report["eval"]["all"]["records"] > 0
+    reference = non_private_reference(cfg)
+    assert 0 <= reference["accuracy"] <= 1 and reference["loader"] == "local"
+
+
+def test_g2_travelling_and_local_draw_the_same_samples_and_train_the_same_model(tumours, tmp_path: Path) -> None:
+    cfg = job(tumours, steps=6, eval_every=3)
+    local = train(cfg, LocalSource.of(cfg, tumours), dp_key=KEY)
+    moved = travelled(cfg, tumours, tmp_path, dp_key=KEY)
+    assert moved.losses == local.losses and moved.evals == local.evals and moved.dp == local.dp
+    assert [t.get("held_out", False) for t in moved.travels].count(False) == len(tumours)  # travelled once each
