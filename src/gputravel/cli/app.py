@@ -23,6 +23,7 @@ from gputravel.cli.plan import plan_command
 from gputravel.cli.scale import bench_scale
 from gputravel.cli.service import cohort_app, serve_command, status_command
 from gputravel.cli.train_bench import bench_fl_sweep, bench_train
+from gputravel.cli.dp_bench import bench_dp
 from gputravel.jobs.travel import Travel, TravelJobConfig, check_capacity, run_travels, summarise
 from gputravel.protocol.control import STEPS
 from gputravel.protocol.hardware import hardware_profile
@@ -49,6 +50,7 @@ app.command("plan")(plan_command)
 bench_app.command("scale")(bench_scale)
 bench_app.command("train")(bench_train)
 bench_app.command("fl-sweep")(bench_fl_sweep)
+bench_app.command("dp")(bench_dp)
 
 SHORT = {"o_cleanup": "scrub", "o_export": "O exp", "dh_switch": "→H sw", "dh_import": "H imp", "dh_copy": "H copy",
          "dh_export": "H exp", "tls": "TLS", "o_switch": "→O sw", "o_import": "O imp", "o_rotate": "rotate"}
