@@ -75,7 +75,8 @@ def test_epsilon_spent_is_at_most_the_target_and_the_report_says_how(tumours) ->
     assert dp["delta"] == cfg.dp_delta and dp["accountant"] == "rdp" and dp["max_grad_norm"] == cfg.dp_max_grad_norm
     records = sum(LocalSource.of(cfg, tumours).sizes().values())
     assert dp["sample_rate"] == cfg.batch / records and dp["noise_multiplier"] > 0
-    assert make_report(cfg.replace(dp_epsilon=0.0), train(cfg.replace(dp_epsilon=0.0), LocalSource.of(cfg, tumours)))["dp"] is None
+    public = cfg.replace(dp_epsilon=0.0)
+    assert make_report(public, train(public, LocalSource.of(cfg, tumours)))["dp"] is None
 
 
 def test_the_prv_accountant_keeps_to_its_target_and_gdp_which_can_underestimate_is_refused(tumours) -> None:
@@ -125,7 +126,7 @@ def test_the_shipped_workloads_pass_opacus(workload: str) -> None:
 
 
 def test_several_gpus_are_refused(tumours) -> None:
-    with pytest.raises(BadInput, match="--dp-epsilon: DP-SGD trains on one GPU .* not 2"):
+    with pytest.raises(BadInput, match=r"--dp-epsilon: DP-SGD trains on one GPU .* not 2"):
         TrainingJobConfig(train=job(tumours, loader="local"), holders=tumours, run_dir="unused", gpus=2)
     check_job(job(tumours), 1)
 
@@ -167,7 +168,7 @@ def test_an_empty_sample_still_adds_noise(tumours) -> None:
     private = Private(cfg, model, optimizer, 455, KEY, "cpu")
     before = [p.detach().clone() for p in model.parameters()]
     assert math.isnan(private.step(None, 0.01, 0, workload.loss, workload.guard))
-    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert private.spent() > 0
 
 
@@ -206,3 +207,17 @@ def test_g2_travelling_and_local_draw_the_same_samples_and_train_the_same_model(
     moved = travelled(cfg, tumours, tmp_path, dp_key=KEY)
     assert moved.losses == local.losses and moved.evals == local.evals and moved.dp == local.dp
     assert [t.get("held_out", False) for t in moved.travels].count(False) == len(tumours)  # travelled once each
+
+
+def test_job_show_states_the_dp_settings_and_what_they_leave_out(tumours) -> None:
+    from gputravel.manifest import JobManifest, Outputs
+
+    def described(t: TrainConfig, metrics: bool) -> str:
+        return JobManifest.for_job(t, holders=[n for n, _ in tumours], quorum=2, recipients=(),
+                                   outputs=Outputs(model="sealed", checkpoints="sealed", metrics=metrics)).describe()
+
+    text = described(job(tumours), metrics=True)
+    assert "DP-SGD: epsilon 3 at delta 1e-05 (rdp accountant), each record's gradient clipped to 1.0" in text
+    assert "the metrics written are not covered" in text
+    assert "not covered" not in described(job(tumours), metrics=False)
+    assert "privacy     none" in described(job(tumours, dp_epsilon=0.0), metrics=True)

@@ -63,7 +63,8 @@ class DpBenchConfig:
 
     def __post_init__(self) -> None:
         if self.workload not in SHIPPED:
-            raise BadInput(f"--workload: expected one of {', '.join(SHIPPED)} (DP trains on records), got {self.workload!r}")
+            raise BadInput(f"--workload: expected one of {', '.join(SHIPPED)} (DP trains on records), "
+                           f"got {self.workload!r}")
         if self.repeats < 1:
             raise BadInput(f"--repeats: expected 1 or more, got {self.repeats}")
 
@@ -90,8 +91,8 @@ def run(cfg: DpBenchConfig, workdir: Path, progress: Callable[[str], None] = lam
                          "sample_rate": result.dp["sample_rate"] if result.dp else None,
                          "wall_s": time.perf_counter() - t0})
             progress(f"epsilon {eps if eps is not None else 'inf'}, seed {seed}: accuracy {runs[-1]['accuracy']:.3f}")
-        spent = [r["epsilon_spent"] for r in runs]
-        rows.append({"target_epsilon": eps, "epsilon_spent": max(spent) if eps is not None else None,  # type: ignore[type-var]
+        spent = [r["epsilon_spent"] for r in runs if r["epsilon_spent"] is not None]
+        rows.append({"target_epsilon": eps, "epsilon_spent": max(spent) if spent else None,
                      "delta": cfg.delta, "accuracy": statistics.fmean(r["accuracy"] for r in runs),
                      "accuracy_min": min(r["accuracy"] for r in runs), "accuracy_max": max(r["accuracy"] for r in runs),
                      "noise_multiplier": runs[0]["noise_multiplier"], "sample_rate": runs[0]["sample_rate"],

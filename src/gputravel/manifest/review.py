@@ -37,6 +37,21 @@ def _outputs(o: Outputs, rel: Release) -> list[str]:
             f"  metrics      {'written to the run directory' if o.metrics else 'none'}"]
 
 
+def _privacy(settings: dict[str, object], o: Outputs) -> list[str]:
+    """The DP-SGD settings in words, and what the guarantee leaves out (docs/privacy.md)."""
+    eps = settings.get("dp_epsilon")
+    if not isinstance(eps, (int, float)) or not eps:
+        return ["privacy     none: the model is not differentially private (dp_epsilon 0)"]
+    said = (f"privacy     DP-SGD: epsilon {eps:g} at delta {settings.get('dp_delta')} "
+            f"({settings.get('dp_accountant')} accountant), each record's gradient clipped to "
+            f"{settings.get('dp_max_grad_norm')}; record-level over all holders' training records, for the model only")
+    lines = [said]
+    if o.metrics:
+        lines.append("  the metrics written are not covered: a step's loss is its sample's; "
+                     "evaluations, held-out records")
+    return lines
+
+
 def _release(rel: Release, broker: Broker) -> list[str]:
     lines = [f"release     {rel.quorum} of {len(rel.holders)} holders must sign: {', '.join(rel.holders)}"]
     lines += [f"  signer     {h}  certificate SHA-384 {rel.certificates[h]}" for h in rel.holders
@@ -56,6 +71,7 @@ def describe_lines(workload: Workload, settings: dict[str, object], data: Data, 
     each output, k of n and the recipients' key fingerprints."""
     lines = [*_workload(workload, data, bool(settings.get("script"))), "settings"]
     lines += [f"  {k:<17}{v}" for k, v in settings.items()]
+    lines += _privacy(settings, outputs)
     lines.append(f"evaluation  each holder holds out {ev.share * 100:g}% of its records, never trained on; "
                  f"metrics: {', '.join(ev.metrics) or 'none'}")
     return [*lines, *_outputs(outputs, rel), *_release(rel, broker)]

@@ -82,13 +82,15 @@ def check_model(model: torch.nn.Module, workload: str) -> None:
                                "it (BatchNorm by GroupNorm; opacus.validators.ModuleValidator.fix does so)")
         left = ModuleValidator.validate(model, strict=False)  # anything the per-layer walk missed
         if left:
-            raise BadInput(f"workload {workload!r}: Opacus cannot train it with DP-SGD ({str(left[0]).splitlines()[0]})")
+            raise BadInput(f"workload {workload!r}: Opacus cannot train it with DP-SGD "
+                           f"({str(left[0]).splitlines()[0]})")
     finally:
         model.train(was)
 
 
 def noise_multiplier(cfg: TrainConfig, rate: float) -> float:
-    """The noise multiplier spending dp_epsilon at dp_delta in cfg.steps steps sampled at `rate` (the job's accountant)."""
+    """The noise multiplier spending dp_epsilon at dp_delta in cfg.steps steps sampled at `rate`
+    (by the job's accountant)."""
     from opacus.accountants.utils import get_noise_multiplier  # lazy: opacus, for DP jobs only
 
     try:
