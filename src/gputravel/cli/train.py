@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from datetime import datetime
 from pathlib import Path
@@ -92,7 +93,8 @@ def training_job(
     dp_epsilon: float = typer.Option(JOB.dp_epsilon, help="Train with DP-SGD (Opacus) to this target epsilon over the holders' records (records workloads, one GPU, every record in the buffer; docs/privacy.md); 0: off."),
     dp_delta: float = typer.Option(JOB.dp_delta, help="With --dp-epsilon: the delta the epsilon is stated at."),
     dp_clip: float = typer.Option(JOB.dp_max_grad_norm, help="With --dp-epsilon: each record's gradient clipped to this L2 norm."),
-    dp_accountant: str = typer.Option(JOB.dp_accountant, help="With --dp-epsilon: the accountant counting the privacy spent: rdp, prv or gdp."),
+    dp_accountant: str = typer.Option(JOB.dp_accountant, help="With --dp-epsilon: the accountant counting the privacy spent: rdp or prv (gdp is refused: it can underestimate)."),
+    lr: float = typer.Option(JOB.lr, help="Peak learning rate (warm-up, then cosine decay). A DP job needs a larger one: docs/privacy.md."),
 ) -> None:
     """Train a workload (GPT-2 by default) on the holders' data, fed by a travelling GPU.
 
@@ -117,7 +119,8 @@ def training_job(
         train=JOB.replace(steps=steps, batch=batch, seq_len=seq_len, buffer_bytes=round(buffer_mib * MIB),
                           schedule=schedule, seed=seed, loader=loader, threads=threads,
                           checkpoint_every=checkpoint_every, eval_every=eval_every, ddp_compress=ddp_compress,
-                          dp_epsilon=dp_epsilon, dp_delta=dp_delta, dp_max_grad_norm=dp_clip, dp_accountant=dp_accountant,
+                          dp_epsilon=dp_epsilon, dp_delta=dp_delta, dp_max_grad_norm=dp_clip,
+                          dp_accountant=dp_accountant, lr=lr,
                           **(_script(script, workload, bool(holder_data)) if script else workload_job(workload))),  # BadInput naming the flag
         holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
@@ -138,10 +141,10 @@ def training_job(
     if loader == "travelling":
         console.print("Booting host, GPU, holders, then the orchestrator (paper 4.1)..." if gpus == 1 else
                       "Booting each GPU's host route, GPU, holders and orchestrator rank (paper 4.1, 9)...")
-    view = _LiveView(steps, "records/s" if cfg.train.records else "tokens/s")
+    view = _LiveView(steps, "records/s" if cfg.train.records else "tokens/s", _epsilon_of(cfg))
     with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
         report = run_training_job(cfg, on_step=lambda e: view.update(e, live))
-    if cfg.train.dp_epsilon and report.get("dp"):  # the same job without DP, for the accuracy it gave up (a local run: seconds)
+    if cfg.train.dp_epsilon and report.get("dp"):  # the same job without DP: the accuracy DP gave up (seconds)
         from gputravel.jobs.training import non_private_reference  # lazy: torch, as above
 
         console.print("Training the same job without DP (--loader local) for comparison...")
@@ -168,9 +171,19 @@ def _recipient(item: str) -> Recipient:
         raise BadInput(f"--release-to {name}: {str(exc).splitlines()[0]}") from None
 
 
+def _epsilon_of(cfg):
+    """ε spent after k steps, for the live view of a DP job (None: no DP)."""
+    from gputravel.jobs.training import dp_mechanism  # lazy: torch, as training_job's
+    from gputravel.train.privacy import epsilon_after  # lazy: opacus, for DP jobs only
+
+    mechanism = dp_mechanism(cfg)
+    return None if mechanism is None else functools.partial(epsilon_after, mechanism)
+
+
 class _LiveView:
-    def __init__(self, steps: int, unit: str = "tokens/s") -> None:
+    def __init__(self, steps: int, unit: str = "tokens/s", epsilon_after=None) -> None:
         self.unit = unit
+        self.epsilon_after, self.every, self.steps = epsilon_after, max(1, steps // 50), steps
         self.progress = Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                                  TimeElapsedColumn())
         self.task = self.progress.add_task("train", total=steps)
@@ -181,9 +194,10 @@ class _LiveView:
 
     def update(self, event, live: Live) -> None:
         self.last = event
-        evaluated = dict(getattr(event, "evaluated", None) or {})
-        self.epsilon = evaluated.pop("dp.epsilon_spent", self.epsilon)  # a DP job's, at every step
-        self.evaluated = evaluated or self.evaluated
+        self.evaluated = getattr(event, "evaluated", None) or self.evaluated
+        done = event.step + 1
+        if self.epsilon_after is not None and (done % self.every == 0 or done == self.steps):  # a query is slow
+            self.epsilon = self.epsilon_after(done)
         self.progress.update(self.task, completed=event.step + 1)
         now = time.monotonic()
         if now - self._shown > 0.1:  # redraw at most ten times a second

@@ -33,7 +33,7 @@ from gputravel.protocol.layout import layout_for, manifest_piece_bytes
 from gputravel.train.loader import TOKEN_BYTES, LocalSource
 from gputravel.train.job import TrainConfig
 from gputravel.train.loop import StepEvent, checkpoint_shares, make_report, sample_tokenizer, workload_of
-from gputravel.train.privacy import check_fits, check_job, check_model
+from gputravel.train.privacy import Mechanism, check_fits, check_job, check_model, mechanism_of
 from gputravel.train.scripted import run_job
 
 
@@ -138,7 +138,7 @@ def _check_records_fit(t: TrainConfig) -> None:
                        f"batch needs {t.batch}: use a larger --buffer-mib or a smaller --batch")
 
 
-def _check_private(t: TrainConfig, holders: Sequence[tuple[str, str]]) -> None:
+def _check_private(t: TrainConfig, holders: Sequence[tuple[str, str]]) -> Mechanism:
     """A DP job's model and data, said here before anything starts (the orchestrator checks again,
     before its first travel): every layer one Opacus trains, every training record in the buffer."""
     workload = workload_of(t)
@@ -146,7 +146,14 @@ def _check_private(t: TrainConfig, holders: Sequence[tuple[str, str]]) -> None:
     model, _ = workload.build(t, "cpu")
     check_model(model, workload.name)
     sizes = {name: len(held_out(len(load_records(path)), EVAL_SHARE)[0]) for name, path in holders}
-    check_fits(t, sizes, workload.schema.record_bytes)
+    return mechanism_of(t, check_fits(t, sizes, workload.schema.record_bytes))
+
+
+def dp_mechanism(cfg: TrainingJobConfig) -> Mechanism | None:
+    """The DP-SGD the job will run (None: no DP), for the live view's ε: the holders' data on disk
+    fixes N, so q and the noise multiplier, as the orchestrator will find them."""
+    t = resolve(cfg).train
+    return _check_private(t, cfg.holders) if t.dp_epsilon else None
 
 
 def default_holders(count: int, workdir: Path, workload: str = "gpt2") -> tuple[tuple[str, str], ...]:

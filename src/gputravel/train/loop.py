@@ -270,8 +270,6 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
         now = time.perf_counter()
         per_batch = cfg.batch if cfg.records else cfg.batch * cfg.seq_len
         evaluated = _eval_point(cfg, workload, model, loader, dp, step, result)
-        if private is not None and ((step + 1) % max(1, cfg.steps // 20) == 0 or step + 1 == cfg.steps):
-            evaluated["dp.epsilon_spent"] = private.spent()  # the live view's (an accountant's query is slow)
         event = StepEvent(step=step, loss=value, tokens_per_s=per_batch / (now - t0),
                           holder=holder_of_batch["name"], travels=loader.fetches,
                           stall_share=loader.stall_seconds / (now - t_start), elapsed_s=now - t_start,

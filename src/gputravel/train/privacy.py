@@ -126,9 +126,7 @@ class Private:
         from opacus.accountants import create_accountant
         from opacus.optimizers import DPOptimizer
 
-        rate = cfg.batch / records
-        self.mechanism = Mechanism(cfg.dp_epsilon, cfg.dp_delta, cfg.dp_accountant, noise_multiplier(cfg, rate),
-                                   rate, cfg.dp_max_grad_norm)
+        self.mechanism = mechanism_of(cfg, records)
         self.key, self.records = key, records
         self.module = GradSampleModule(model, loss_reduction="mean")
         self.noise = torch.Generator(device=device)
@@ -190,6 +188,25 @@ class Private:
         key = stored.get("key") if isinstance(stored, dict) else None
         if isinstance(key, str):
             self.key = bytes.fromhex(key)
+
+
+def epsilon_after(mechanism: Mechanism, steps: int) -> float:
+    """ε at δ that `steps` steps of `mechanism` spend: the live view's, which sees only step numbers
+    (the same count the job's accountant makes, its noise and rate being fixed for the job)."""
+    from opacus.accountants import create_accountant  # lazy: opacus, for DP jobs only
+
+    accountant = create_accountant(mechanism=mechanism.accountant)
+    accountant.history = [(mechanism.noise_multiplier, mechanism.sample_rate, steps)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Optimal order is the largest alpha", UserWarning)
+        return float(accountant.get_epsilon(delta=mechanism.delta)) if steps else 0.0
+
+
+def mechanism_of(cfg: TrainConfig, records: int) -> Mechanism:
+    """The DP-SGD a job over `records` training records runs (its noise from its target)."""
+    rate = cfg.batch / records
+    return Mechanism(cfg.dp_epsilon, cfg.dp_delta, cfg.dp_accountant, noise_multiplier(cfg, rate), rate,
+                     cfg.dp_max_grad_norm)
 
 
 def new_key() -> bytes:
