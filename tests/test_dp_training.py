@@ -233,3 +233,20 @@ def test_the_live_view_counts_the_epsilon_the_job_spends(tumours, tmp_path: Path
         train=job(tumours, loader="local", dp_epsilon=0.0), holders=tumours, run_dir=str(tmp_path))) is None
     spent = train(cfg.train, LocalSource.of(cfg.train, tumours), dp_key=KEY).dp
     assert spent is not None and epsilon_after(mechanism, 5) == pytest.approx(spent["epsilon_spent"])
+
+
+def test_a_sealed_checkpoint_keeps_the_key_so_a_resume_without_one_draws_the_same(tumours, tmp_path: Path) -> None:
+    from gputravel.broker.seal import JOB_DIGEST_BYTES, KEY_BYTES, Sealer
+    from gputravel.train.rundir import Kept
+
+    sealer = Sealer(bytes(KEY_BYTES), "checkpoint", bytes(JOB_DIGEST_BYTES))
+    cfg = job(tumours, steps=6, checkpoint_every=3)
+    whole = train(cfg, LocalSource.of(cfg, tumours), dp_key=KEY)
+    asked: list[int] = []
+    train(cfg, LocalSource.of(cfg, tumours), run_dir=tmp_path, dp_key=KEY, kept=Kept(sealer=sealer),
+          should_stop=lambda: asked.append(1) or len(asked) == 3)
+    assert checkpoint_extra(tmp_path / "checkpoint.pt", sealer=sealer)["dp"]["key"] == KEY.hex()
+    # No key given: the resumed job takes the one its sealed checkpoint kept.
+    resumed = train(cfg, LocalSource.of(cfg, tumours), run_dir=tmp_path, kept=Kept(sealer=sealer),
+                    resume_from=tmp_path / "checkpoint.pt")
+    assert resumed.losses == whole.losses and resumed.dp == whole.dp
