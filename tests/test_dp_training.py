@@ -250,3 +250,10 @@ def test_a_sealed_checkpoint_keeps_the_key_so_a_resume_without_one_draws_the_sam
     resumed = train(cfg, LocalSource.of(cfg, tumours), run_dir=tmp_path, kept=Kept(sealer=sealer),
                     resume_from=tmp_path / "checkpoint.pt")
     assert resumed.losses == whole.losses and resumed.dp == whole.dp
+
+
+def test_a_step_that_drew_no_record_is_left_out_of_the_reports_means() -> None:
+    from gputravel.train.loop import TrainResult
+
+    report = make_report(TrainConfig(workload="tabular"), TrainResult(losses=[1.0, math.nan, 3.0]))
+    assert report["loss_before"] == report["loss_after"] == 2.0 and math.isnan(report["losses"][1])

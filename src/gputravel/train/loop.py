@@ -511,7 +511,8 @@ def _sample(model, cfg: TrainConfig, device: str, tokenizer) -> str:
 def make_report(cfg: TrainConfig, result: TrainResult) -> dict:
     """The run's report.json: config, per-step losses, travels with timings, stall share."""
     losses = result.losses
-    head, tail = losses[:10], losses[-10:]
+    # A DP step whose Poisson sample drew no record has no loss (NaN): left out of the means.
+    head, tail = [v for v in losses[:10] if v == v], [v for v in losses[-10:] if v == v]
     step_keys = sorted({k for t in result.travels for k in t.get("steps_ms", {})})
     medians = {k: statistics.median(t["steps_ms"][k] for t in result.travels if "steps_ms" in t) for k in step_keys}
     return {"config": cfg.to_dict(), "losses": losses, "final_loss": losses[-1] if losses else None,
