@@ -257,3 +257,24 @@ def test_a_step_that_drew_no_record_is_left_out_of_the_reports_means() -> None:
 
     report = make_report(TrainConfig(workload="tabular"), TrainResult(losses=[1.0, math.nan, 3.0]))
     assert report["loss_before"] == report["loss_after"] == 2.0 and math.isnan(report["losses"][1])
+
+
+def test_the_demo_command_trains_privately_and_states_both_accuracies(tumours, tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from gputravel.cli.app import app
+
+    args = ["demo", "--workload", "tabular", "--loader", "local", "--steps", "5", "--batch", "32", "--dp-epsilon", "3",
+            "--lr", "0.1",
+            "--run-dir", str(tmp_path / "run"), "--json", str(tmp_path / "report.json"),
+            *[f"--holder-data={name}={path}" for name, path in tumours]]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())  # as the console wrapped it
+    assert "DP-SGD: epsilon" in said and "without (the same job, --loader local)" in said, said
+    dp = json.loads((tmp_path / "report.json").read_text())["dp"]
+    assert 0 < dp["epsilon_spent"] <= 3 and dp["accountant"] == "rdp" and "accuracy" in dp["non_private"]
+    refused = CliRunner().invoke(app, [*args[:-3], "--dp-accountant", "gdp", *args[-3:]])
+    assert refused.exit_code != 0 and "--dp-accountant: expected rdp or prv" in refused.output
