@@ -158,6 +158,11 @@ class ServiceLaunch:
         back, delete the cohort directory. Never raises, and no signal cuts it short."""
         with stopping.uninterrupted():
             try:
+                # The orchestrators first, each in turn (it checkpoints); then the rest together: one
+                # at a time, a 4-holder cohort of two GPUs took 7 s to stop, together under 2 s.
+                for party in reversed([p for p in self.children if p.startswith("orchestrator")]):
+                    self.children.stop([party])
+                self.children.in_turn = False
                 self.children.close()  # SIGTERM (a service stops cleanly on it), then SIGKILL
                 if self.dir is not None and (self.cohort / "orchestrator.toml").exists():
                     self._stage_out()
