@@ -8,6 +8,7 @@ import functools
 import hashlib
 import logging
 import mmap
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -287,7 +288,10 @@ class Orchestrator:
         return ""
 
     def await_holders(self, names: tuple[str, ...], timeout: float,
-                      probe: Callable[[str, Transport], None] | None = None) -> dict[str, int]:
+                      probe: Callable[[str, Transport], None] | None = None,
+                      stop: tuple[int, Callable[[], bool]] | None = None) -> dict[str, int] | None:
+        """Admit `names`; None if `stop` (a descriptor, and whether what it says asks us to stop) did
+        first: a launcher that saw a holder refuse us stops us while we wait for it."""
         deadline, broken = time.monotonic() + timeout, ""
         while not set(names) <= set(self.holders):
             left = deadline - time.monotonic()
@@ -295,6 +299,12 @@ class Orchestrator:
                 missing = sorted(set(names) - set(self.holders))
                 last = f" (the last connection that broke off: {broken})" if broken else ""
                 raise PeerTimeout(f"holders did not join in {timeout:g} s: {', '.join(missing)}{last}")
+            if stop is not None:
+                ready = select.select([self.listener.fileno(), stop[0]], [], [], left)[0]
+                if stop[0] in ready and stop[1]():
+                    return None
+                if self.listener.fileno() not in ready:
+                    continue
             try:
                 self.accept_holder(left, probe)
             except PeerTimeout:  # every wait in a join runs to the deadline: said above, with who is missing

@@ -335,7 +335,11 @@ def serve(config: OrchestratorConfig, control: Transport, device_link: socket.so
                 return
             try:
                 if isinstance(cmd, AwaitHolders):
-                    joined = orch.await_holders(cmd.names, cmd.timeout, membership.probe_over)
+                    asked = _ShutdownAsked(control)  # a launcher that saw a holder refuse us stops the wait
+                    joined = orch.await_holders(cmd.names, cmd.timeout, membership.probe_over,
+                                                stop=(control.fileno(), asked))
+                    if joined is None:
+                        return
                     control.send(Holders(dataset_bytes=joined))
                 elif isinstance(cmd, DoBaseline):
                     control.send(orch.baseline(cmd.holder, cmd.dataset_offset))
