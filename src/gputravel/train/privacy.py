@@ -128,7 +128,10 @@ class Private:
 
         self.mechanism = mechanism_of(cfg, records)
         self.key, self.records = key, records
-        self.module = GradSampleModule(model, loss_reduction="mean")
+        try:
+            self.module = GradSampleModule(model, loss_reduction="mean")
+        except NotImplementedError as exc:  # a layer with no per-record gradient: said before anything travels
+            raise BadInput(f"Opacus cannot compute per-record gradients of this model ({exc})") from None
         self.noise = torch.Generator(device=device)
         # secure_mode: noise robust to floating-point attacks (Opacus's _generate_noise notes).
         self.optimizer = DPOptimizer(optimizer, noise_multiplier=self.mechanism.noise_multiplier,
