@@ -99,6 +99,12 @@ def test_records_larger_than_the_buffer_are_refused_before_anything_travels(tumo
         check_capacity(TrainingJobConfig(train=cfg.replace(loader="local"), holders=tumours, run_dir="unused"))
 
 
+def test_a_delta_of_one_over_the_records_or_more_is_refused(tumours) -> None:
+    cfg = job(tumours, dp_delta=1 / 400)
+    with pytest.raises(BadInput, match=r"--dp-delta 0.0025: at 1/N \(455 training records\) or above"):
+        train(cfg, LocalSource.of(cfg, tumours), dp_key=KEY)
+
+
 BATCHNORM = """SCHEMA = "features: float32[30]; label: int64[]"
 import torch
 from torch import nn

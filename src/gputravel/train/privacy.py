@@ -60,6 +60,9 @@ def check_fits(cfg: TrainConfig, sizes: Mapping[str, int], record_bytes: int) ->
         raise BadInput(f"--dp-epsilon: the holders' {records} training records take {need} bytes, the job's buffer "
                        f"holds {cfg.buffer_bytes}: DP-SGD samples over every record at once, so raise --buffer-mib "
                        f"to {mib:g} or more (or train without DP)")
+    if cfg.dp_delta * records >= 1:  # a mechanism that publishes one record in full meets delta = 1/N
+        raise BadInput(f"--dp-delta {cfg.dp_delta:g}: at 1/N ({records} training records) or above it admits a "
+                       f"release of whole records; take it well below {1 / records:.2g}")
     if not 0 < cfg.batch <= records:
         raise BadInput(f"--batch {cfg.batch}: a DP job's expected batch is at most the holders' {records} training "
                        "records")
