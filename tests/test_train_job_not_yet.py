@@ -19,3 +19,13 @@ def test_dp_where_it_cannot_be_accounted_for_is_refused_naming_the_key(values: d
         TrainConfig(dp_epsilon=3.0, **values)
     assert TrainConfig().dp_epsilon == 0.0
     assert TrainConfig(workload="tabular", dp_epsilon=3.0).dp_epsilon == 3.0
+
+
+def test_the_fedavg_baseline_refuses_a_dp_job_rather_than_train_it_without_dp(tmp_path) -> None:
+    from gputravel.fl.config import FedAvgConfig
+    from gputravel.fl.run import FlJob, check
+
+    job = FlJob(train=TrainConfig(workload="tabular", dp_epsilon=3.0, record_schema=""), fl=FedAvgConfig(),
+                holders={}, bandwidth_mbit=None, workdir=tmp_path)
+    with pytest.raises(BadInput, match="the FedAvg baseline trains without DP-SGD"):
+        check(job)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gputravel.data.holder_tokens import load_tokens
-from gputravel.errors import RemoteError
+from gputravel.errors import BadInput, RemoteError
 from gputravel.fl.config import FedAvgConfig, FedAvgPlan, drop_target, framework, plan
 from gputravel.fl.deploy import FlowerDeployment
 from gputravel.files import write_json
@@ -35,6 +35,8 @@ class FlJob:
 
 def check(job: FlJob) -> FedAvgPlan:
     """Everything that can be wrong with the job, before any process or namespace exists."""
+    if job.train.dp_epsilon:  # each client would train on its own data alone: not the job's accounting
+        raise BadInput("dp_epsilon: the FedAvg baseline trains without DP-SGD; run it with dp_epsilon = 0")
     framework()  # Flower is installed
     if job.train.records:
         from gputravel.train.loader import LocalSource  # lazy: torch, for records only
