@@ -125,7 +125,8 @@ def init(
     dp_epsilon: float = typer.Option(JOB.dp_epsilon, help="DP-SGD's target epsilon (0: no DP; docs/privacy.md)."),
     dp_delta: float = typer.Option(JOB.dp_delta, help="DP-SGD's delta."),
     dp_clip: float = typer.Option(JOB.dp_max_grad_norm, help="DP-SGD's clipping norm for each example's gradient."),
-    dp_accountant: str = typer.Option(JOB.dp_accountant, help="How DP-SGD's privacy is counted: rdp, prv or gdp."),
+    dp_accountant: str = typer.Option(JOB.dp_accountant, help="How DP-SGD's privacy is counted: rdp or prv (gdp "
+                                                              "can undercount and is refused with DP)."),
     model: ModelOutput = typer.Option(ModelOutput.release, help="release: to the recipients once a quorum of "
                                                                 "holders signs; sealed: kept sealed to the orchestrator."),
     force: bool = typer.Option(False, help="Replace --out if it exists."),
