@@ -102,3 +102,20 @@ def test_the_cli_and_the_service_enforce_the_cap(tmp_path: Path) -> None:
     cfg.write_text(tomli_w.dumps(raw))
     with pytest.raises(BadInput, match="may spend epsilon inf, past its cap 2"):
         check_budget_at_start(load_service(cfg))
+
+
+def test_a_demo_holder_capped_below_the_jobs_epsilon_refuses_before_anything_travels(processes, tmp_path: Path,
+                                                                                    searchable_tmp) -> None:
+    """Issue 29, as shown: `gputravel demo --workload tabular --dp-epsilon 3 --epsilon-cap holder-2=2`
+    is refused by holder-2's budget before any service starts, saying by how much."""
+    from gputravel.data.demo_records import demo_holders
+    from gputravel.jobs.training import TrainingJobConfig, run_training_job
+    from gputravel.train.job import TrainConfig
+
+    holders = demo_holders("tabular", 3, tmp_path / "data")
+    train = TrainConfig(workload="tabular", dp_epsilon=3.0, steps=5, batch=32, buffer_bytes=1 << 20, threads=1)
+    with pytest.raises(BadInput, match=r"holder 'holder-2': job .* may spend epsilon 3 of its data; its cap is 2 .*1 over"):
+        run_training_job(TrainingJobConfig(train=train, holders=holders, run_dir=str(tmp_path / "run"),
+                                           caps=(("holder-2", 2.0),)))
+    with pytest.raises(BadInput, match="--epsilon-cap nobody: not a holder"):
+        TrainingJobConfig(train=train, holders=holders, run_dir=str(tmp_path / "run"), caps=(("nobody", 2.0),))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import functools
 import time
 from datetime import datetime
@@ -89,6 +91,7 @@ def training_job(
     release_to: list[str] = typer.Option([], "--release-to", help="NAME=PUBFILE: release the model to this recipient (NAME.pub from `gputravel model keygen`) once a quorum of holders signs; repeatable. Without it the model stays sealed. One GPU, travelling or baseline loader only: with --gpus > 1 or --loader local the job runs without a manifest."),
     quorum: Optional[int] = typer.Option(None, help="How many holders must sign the release (k of n; default a majority)."),
     decline: list[str] = typer.Option([], "--decline", help="HOLDER: this holder declines to sign the release (repeatable)."),
+    epsilon_cap: list[str] = typer.Option([], "--epsilon-cap", help="HOLDER=EPSILON: the privacy budget this holder sets on its data (its [policy] epsilon_cap): a job that would spend more is refused before anything travels (repeatable)."),
     manifest: Optional[Path] = typer.Option(None, help="Run this job manifest (`gputravel job init`) instead of one built from these options; its job must be this demo's."),
     dp_epsilon: float = typer.Option(JOB.dp_epsilon, help="Train with DP-SGD (Opacus) to this target epsilon over the holders' records (records workloads, one GPU, every record in the buffer; docs/privacy.md); 0: off."),
     dp_delta: float = typer.Option(JOB.dp_delta, help="With --dp-epsilon: the delta the epsilon is stated at."),
@@ -124,7 +127,7 @@ def training_job(
                           **(_script(script, workload, bool(holder_data)) if script else workload_job(workload))),  # BadInput naming the flag
         holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
-        servers=servers, server_mbit=server_mbit, **_release_options(release_to, quorum, decline, manifest))
+        servers=servers, server_mbit=server_mbit, **_release_options(release_to, quorum, decline, manifest), caps=_caps(epsilon_cap))
     check_capacity(cfg)
     make_output_dir(out, "--run-dir")  # last, as it creates the directory: writable before the run
     names = ", ".join(n for n, _ in cfg.holders)
@@ -158,6 +161,21 @@ def _release_options(release_to: list[str], quorum: Optional[int], decline: list
     """TrainingJobConfig's issue-28 fields from the demo's flags (BadInput naming the flag)."""
     return {"release_to": tuple(_recipient(item) for item in release_to), "quorum": quorum,
             "decline": tuple(decline), "manifest": load_manifest(manifest) if manifest is not None else None}
+
+
+def _caps(items: list[str]) -> tuple[tuple[str, float], ...]:
+    """--epsilon-cap HOLDER=EPSILON, each holder once."""
+    out: dict[str, float] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            cap = float(value)
+        except ValueError:
+            cap = math.nan
+        if not sep or not name or name in out or not cap > 0:
+            raise BadInput(f"--epsilon-cap takes HOLDER=EPSILON, a positive number, each holder once, got {item!r}")
+        out[name] = cap
+    return tuple(out.items())
 
 
 def _recipient(item: str) -> Recipient:

@@ -56,6 +56,9 @@ class TrainingJobConfig:
     release_to: tuple[Recipient, ...] = ()
     quorum: int | None = None
     decline: tuple[str, ...] = ()
+    # Issue 29: (holder, epsilon) caps those holders set on what their data may be spent on (their
+    # [policy] epsilon_cap): a job past one is refused before anything travels.
+    caps: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         hardware_profile(self.hardware)  # BadInput for an unknown profile
@@ -79,7 +82,8 @@ class TrainingJobConfig:
 
     def _check_release(self) -> None:
         given = [flag for flag, on in (("--manifest", self.manifest is not None), ("--release-to", self.release_to),
-                                       ("--quorum", self.quorum is not None), ("--decline", self.decline)) if on]
+                                       ("--quorum", self.quorum is not None), ("--decline", self.decline),
+                                       ("--epsilon-cap", self.caps)) if on]
         if given and not self.sealed:
             raise BadInput(f"{given[0]}: a job with a manifest runs on one GPU with the travelling or baseline "
                            "loader (no --gpus, no --loader local)")
@@ -92,6 +96,11 @@ class TrainingJobConfig:
         strangers = [n for n in self.decline if n not in names]
         if strangers:
             raise BadInput(f"--decline {strangers[0]}: not a holder of this job ({', '.join(names)})")
+        for name, cap in self.caps:
+            if name not in names:
+                raise BadInput(f"--epsilon-cap {name}: not a holder of this job ({', '.join(names)})")
+            if not cap > 0:
+                raise BadInput(f"--epsilon-cap {name}: expected a positive epsilon, got {cap!r}")
 
     @property
     def sealed(self) -> bool:
@@ -249,7 +258,7 @@ def _run_services(cfg: TrainingJobConfig, run_dir: Path, on_step, shares=None) -
     _checkpoint(cfg, run_dir)  # --resume with no checkpoint: said before anything starts
     relay = None if on_step is None else (lambda row: on_step(StepEvent(**row)))
     manifest = job_manifest(cfg)
-    sealed = {} if manifest is None else {"manifest": manifest, "decline": cfg.decline,
+    sealed = {} if manifest is None else {"manifest": manifest, "decline": cfg.decline, "caps": dict(cfg.caps),
                                           "keep_dir": keys_dir(run_dir.absolute())}
     with ServiceLaunch(cfg.holders, cfg.train.to_dict(), run_dir, audit_log=logs[0][0], certificate=logs[0][1],
                        hardware=cfg.hardware, resume=cfg.resume, gpus=cfg.gpus, shares=shares,

@@ -26,7 +26,8 @@ from gputravel.data.tokenizer import RECORD_NAME
 from gputravel.errors import BadInput, PeerTimeout, RemoteError
 from gputravel.files import atomic_write, copy_plain, open_plain, read_plain
 from gputravel.service.config import AUDIT_LOG, BROKER, host_party, orchestrator_party
-from gputravel.service.init import carry_state, check_own_keys, init_cohort
+from gputravel.service.config import HolderService, load_service
+from gputravel.service.init import carry_state, check_own_keys, init_cohort, write_service
 from gputravel.service.job import make_identity, published_parties, set_job
 
 if TYPE_CHECKING:
@@ -65,9 +66,10 @@ class ServiceLaunch:
                  workdir: str | None = None, gpus: int = 1, shares: Sequence[Sequence[str]] | None = None,
                  rank_audit: Sequence[tuple[Path, Path]] = (), manifest: JobManifest | None = None,
                  approve: Sequence[str] | None = None, decline: Sequence[str] = (),
-                 keep_dir: Path | None = None) -> None:
+                 keep_dir: Path | None = None, caps: Mapping[str, float] | None = None) -> None:
         self.holders, self.job, self.run_dir, self.resume = list(holders), dict(job), Path(run_dir), resume
         self.manifest, self.decline, self.keep_dir = manifest, tuple(decline), keep_dir
+        self.caps = dict(caps or {})  # holder -> the epsilon_cap the demo sets for it, standing for it
         self.approve = [n for n, _ in self.holders] if approve is None else list(approve)
         self.hardware, self.workdir = hardware, workdir
         self.gpus, self.shares = gpus, None if shares is None else [list(s) for s in shares]
@@ -103,6 +105,12 @@ class ServiceLaunch:
             make_identity(self.cohort / f"{party}.toml")
         if not self.manifest.release.certificates and not self.manifest.broker.identity:  # else set_job checks them
             self.manifest = self.manifest.with_parties(*published_parties(self.cohort, self.manifest.release.holders))
+        for name, cap in self.caps.items():  # the holder's own budget, before it is asked to approve
+            path = self.cohort / f"holder-{name}.toml"
+            holder = load_service(path, "holder")
+            assert isinstance(holder, HolderService)
+            write_service(path, holder.model_copy(update={"policy": holder.policy.model_copy(
+                update={"epsilon_cap": cap})}))
         set_job(self.cohort, self.manifest, job=self.job, approve=self.approve, decline=self.decline)
 
     @property
