@@ -119,3 +119,42 @@ def test_a_demo_holder_capped_below_the_jobs_epsilon_refuses_before_anything_tra
                                            caps=(("holder-2", 2.0),)))
     with pytest.raises(BadInput, match="--epsilon-cap nobody: not a holder"):
         TrainingJobConfig(train=train, holders=holders, run_dir=str(tmp_path / "run"), caps=(("nobody", 2.0),))
+
+
+def test_a_capped_holder_approved_for_by_the_demo_starts_and_metrics_count_as_unbounded(tmp_path: Path,
+                                                                                       searchable_tmp) -> None:
+    """The third review's demo with --epsilon-cap holder-1=3 never ran: init had approved the job
+    alone, which the ledger never counted. And a DP job that writes per-step losses is not covered
+    by its epsilon: a capped holder counts it as unbounded."""
+    import os
+
+    from gputravel.data.demo_records import demo_holders
+    from gputravel.manifest import Outputs
+    from gputravel.service.budget import check_budget_at_start
+    from gputravel.service.config import load_service
+    from gputravel.service.init import init_cohort, write_service
+    from gputravel.service.job import make_identity, published_parties, set_job
+    from gputravel.manifest import JobManifest
+
+    os.chmod(tmp_path, 0o711)
+    holders = list(demo_holders("tabular", 2, tmp_path / "data"))
+    d = init_cohort(tmp_path / "D", holders, job={"workload": "tabular", "buffer_bytes": 1 << 20})[0].parent
+    for party in ("holder-holder-1", "holder-holder-2", "broker"):
+        make_identity(d / f"{party}.toml")
+    job = load_service(d / "orchestrator.toml").job.train_config().replace(dp_epsilon=2.0)
+    certs, key = published_parties(d, ["holder-1", "holder-2"])
+
+    def manifest(metrics: bool) -> JobManifest:
+        return JobManifest.for_job(job, holders=["holder-1", "holder-2"], quorum=1, certificates=certs,
+                                   broker_key=key, outputs=Outputs(model="sealed", metrics=metrics))
+
+    path = d / "holder-holder-1.toml"
+    capped = load_service(path)
+    write_service(path, capped.model_copy(update={"policy": capped.policy.model_copy(update={"epsilon_cap": 3.0})}))
+    with pytest.raises(BadInput, match=r"unbounded: the job writes metrics \(outputs\.metrics\)"):
+        set_job(d, manifest(metrics=True), approve=["holder-1"])
+    quiet = manifest(metrics=False)
+    set_job(d, quiet, approve=["holder-1"])
+    holder = load_service(path)
+    assert holder.policy.approved_jobs == [quiet.digest_hex()]  # the job init approved is no longer
+    check_budget_at_start(holder)  # within its cap, counted: the service starts

@@ -127,6 +127,9 @@ def init(
     dp_clip: float = typer.Option(JOB.dp_max_grad_norm, help="DP-SGD's clipping norm for each example's gradient."),
     dp_accountant: str = typer.Option(JOB.dp_accountant, help="How DP-SGD's privacy is counted: rdp or prv (gdp "
                                                               "can undercount and is refused with DP)."),
+    metrics: bool = typer.Option(True, "--metrics/--no-metrics", help="Write the losses and evaluations to the "
+                                 "run directory (outputs.metrics); DP-SGD does not cover them, so a holder with an "
+                                 "epsilon cap counts a job that writes them as unbounded."),
     model: ModelOutput = typer.Option(ModelOutput.release, help="release: to the recipients once a quorum of "
                                                                 "holders signs; sealed: kept sealed to the orchestrator."),
     force: bool = typer.Option(False, help="Replace --out if it exists."),
@@ -139,7 +142,8 @@ def init(
     names, certificates, broker_key = _signers(holders, cohort)
     m = JobManifest.for_job(cfg, holders=names, quorum=len(names) // 2 + 1 if quorum is None else quorum,
                             recipients=[_recipient(r) for r in recipients or ()],
-                            outputs=Outputs(model=model.value), certificates=certificates, broker_key=broker_key)
+                            outputs=Outputs(model=model.value, metrics=metrics), certificates=certificates,
+                            broker_key=broker_key)
     write_manifest(out, m, force=force)
     typer.echo(f"wrote {out}: job {m.digest_hex()}")
 

@@ -89,11 +89,12 @@ class PrivacyLedger:
     def find(self, job: str) -> LedgerEntry | None:
         return next((e for e in self.entries if e.job == job), None)
 
-    def check(self, holder: str, job: str, epsilon: float, cap: float) -> None:
-        """BadInput, saying by how much, if approving `job` at `epsilon` takes the total past `cap`."""
+    def check(self, holder: str, job: str, epsilon: float, cap: float, why: str = "") -> None:
+        """BadInput, saying by how much, if approving `job` at `epsilon` takes the total past `cap`
+        (`why`: why the job's epsilon is unbounded, where it has DP-SGD)."""
         total = self.spent(but=job) + epsilon
         if total > cap:
-            over = "unbounded: the job has no DP-SGD" if math.isinf(epsilon) else f"{total - cap:g} over"
+            over = f"unbounded: {why or 'the job has no DP-SGD'}" if math.isinf(epsilon) else f"{total - cap:g} over"
             raise BadInput(f"holder {holder!r}: job {job[:16]}... may spend epsilon {_eps(epsilon)} of its data; "
                            f"its cap is {cap:g} and the jobs it approved before may spend {_eps(self.spent(job))}: "
                            f"{over}")

@@ -212,7 +212,8 @@ def job_manifest(cfg: TrainingJobConfig) -> JobManifest | None:
         return cfg.manifest
     names = [n for n, _ in cfg.holders]
     t = cfg.train
-    outputs = Outputs(model="release" if cfg.release_to else "sealed", checkpoints="sealed", metrics=True,
+    # A holder that budgets its data (--epsilon-cap) counts per-step losses as unbounded: none are written.
+    outputs = Outputs(model="release" if cfg.release_to else "sealed", checkpoints="sealed", metrics=not cfg.caps,
                       samples=not t.records and t.sample_tokens > 0)  # GPT-2's sample: text it generates
     return JobManifest.for_job(t, holders=names, quorum=len(names) // 2 + 1 if cfg.quorum is None else cfg.quorum,
                                recipients=cfg.release_to, outputs=outputs)

@@ -21,7 +21,7 @@ from gputravel.service.config import HolderService
 from gputravel.service.party import as_party
 from gputravel.service.status import HOLDER_PKI
 
-__all__ = ["approve_within_budget", "check_budget_at_start", "ledger_of"]
+__all__ = ["approve_within_budget", "check_budget_at_start", "ledger_of", "manifest_epsilon"]
 
 
 def _keys(cfg: HolderService) -> tuple[ec.EllipticCurvePrivateKey, ec.EllipticCurvePublicKey]:
@@ -46,12 +46,20 @@ def ledger_of(cfg: HolderService) -> PrivacyLedger:
         return PrivacyLedger.load(Path(cfg.state_dir) / LEDGER_FILE, public)
 
 
+def manifest_epsilon(m: JobManifest) -> float:
+    """What job `m` may spend of a holder's data: its DP-SGD target; unbounded without DP-SGD, or where
+    it writes metrics (per-step losses of its samples, which no epsilon covers: the third review)."""
+    return job_epsilon(m.job.dp_epsilon) if not m.outputs.metrics else math.inf
+
+
 def approve_within_budget(cfg: HolderService, m: JobManifest, *, record: bool) -> float:
     """The epsilon job `m` may spend of this holder's data, refused past its cap (BadInput, by how
     much); with `record`, the approval is written into its ledger."""
-    epsilon = job_epsilon(m.job.dp_epsilon)
+    epsilon = manifest_epsilon(m)
     ledger = ledger_of(cfg)
-    ledger.check(cfg.name, m.digest_hex(), epsilon, cfg.policy.epsilon_cap)
+    ledger.check(cfg.name, m.digest_hex(), epsilon, cfg.policy.epsilon_cap,
+                 why="" if epsilon < math.inf or not m.job.dp_epsilon else
+                 "the job writes metrics (outputs.metrics), which DP-SGD does not cover")
     if record:
         key, _ = _keys(cfg)
         with as_party(cfg.uid):
@@ -68,9 +76,10 @@ def check_budget_at_start(cfg: HolderService) -> None:
     ledger = ledger_of(cfg)
     missing = ledger.missing(cfg.policy.approved_jobs)
     if missing:
-        raise BadInput(f"holder {cfg.name!r}: approved job {missing[0][:16]}... is not in its privacy ledger (approve "
-                       "jobs with `gputravel job approve`, which counts their epsilon): with an epsilon_cap, nothing "
-                       "is sent to a job the ledger does not hold")
+        raise BadInput(f"holder {cfg.name!r}: approved job {missing[0][:16]}... is not in its privacy ledger: with an "
+                       "epsilon_cap, nothing is sent to a job the ledger does not hold; remove it from [policy] "
+                       "approved_jobs (cohort init approves the job alone, which has no DP), or approve it with "
+                       "`gputravel job approve`, which counts its epsilon")
     spent = ledger.spent()
     if spent > cap:
         raise BadInput(f"holder {cfg.name!r}: the jobs in its ledger may spend epsilon {spent:g}, past its cap "

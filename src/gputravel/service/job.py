@@ -151,7 +151,7 @@ def set_job(cohort: str | Path, manifest: JobManifest, *, job: Mapping[str, obje
         update: dict[str, Any] = {"sign_release": name not in decline}
         if name in approve:
             approve_within_budget(holder, manifest, record=True)  # the demo approves as the holder would
-            jobs = sorted({*holder.policy.approved_jobs, digest})
+            jobs = [digest]  # this job alone: not the job init approved, which no ledger counts
             update.update(eval_share=manifest.evaluation.share,
                           policy=holder.policy.model_copy(update={"approved_jobs": jobs}))
         written.append(write_service(path, holder.model_copy(update=update)))
