@@ -29,7 +29,7 @@ __all__ = ["KEY_BYTES", "PURPOSES", "GrantStatement", "KeyBroker", "KeyChallenge
            "KeyRefused", "KeyRequest", "Reply", "Verify", "derive_key", "grant_signed_by", "key_report_data", "load_broker_key",
            "open_grant", "seal_grant", "sign_grant"]
 
-PURPOSES = ("checkpoint", "model")
+PURPOSES = ("checkpoint", "model", "dp")  # "dp": DP-SGD's sampling and noise key (issue 29)
 KEY_BYTES = 32
 NONCE_BYTES = 32
 DIGEST_BYTES = 48  # MRTD and RTMR[3], SHA-384 each

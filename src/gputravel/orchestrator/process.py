@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import replace
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -150,7 +151,8 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
                    tokenizer=sample_tokenizer(cfg.tokenizer) if samples else None, ranks=ranks,
                    should_stop=_ShutdownAsked(control),  # with ranks, one asked stops them all
                    anchor=orch.travel_log,  # a resume goes on only with the log its checkpoint names
-                   **({"kept": ending.kept} if ending is not None else {}))
+                   **({"kept": ending.kept} if ending is not None else {}),
+                   **({"dp_key": dp_key(ending.dp_secret, cuts)} if ending is not None and ending.dp_secret else {}))
     report = make_report(cfg, result)
     if ending is not None and not result.stopped:  # a stopped job resumes: it ends later
         report["release"] = end_job(ending, result.weights, _metrics(report), dict(orch.holders), run_dir,
@@ -182,7 +184,18 @@ def _ending(orch: Orchestrator, cmd: Train, cfg: Any) -> Ending | None:
     checkpoints = manifest.outputs.checkpoints == "sealed"
     kept = Kept(metrics=manifest.outputs.metrics, checkpoints=checkpoints,
                 sealer=sealer("checkpoint") if checkpoints else None, weights=True)
-    return Ending(manifest, digest, anchored, sealer("model"), config.holder_timeout, kept)
+    dp_secret = None
+    if cfg.dp_epsilon:  # DP-SGD's key from the broker: every run of this job draws the same sample and noise
+        dp_secret = fetch_key(config.broker_socket, "dp", orch.attester.quote, config.holder_timeout, broker_key)
+    return Ending(manifest, digest, anchored, sealer("model"), config.holder_timeout, kept, dp_secret)
+
+
+def dp_key(secret: bytes, cuts: dict[str, Any]) -> bytes:
+    """DP-SGD's sampling and noise key for a run of the job over exactly these holders' data: the same
+    job over the same data draws the same sample and noise, so a run again from scratch (the host's
+    rerun: the third review) gives the same model and spends nothing more; other data, another key."""
+    data = json.dumps(sorted((name, cut.digest) for name, cut in cuts.items())).encode()
+    return hmac.new(secret, b"gputravel/dp-key/v1\x00" + data, hashlib.sha256).digest()
 
 
 def job_parties(manifest: JobManifest, config: OrchestratorConfig) -> str:

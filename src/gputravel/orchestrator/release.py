@@ -68,6 +68,7 @@ class Ending:
     seal_model: Sealing  # broker/seal.py Sealer for purpose "model"
     timeout: float
     kept: Kept  # what the run directory may hold meanwhile
+    dp_secret: bytes | None = None  # the key broker's "dp" key for this measurement and job (a DP-SGD job)
 
 
 def end_job(ending: Ending, weights: bytes, metrics: dict[str, dict[str, float]], holders: dict[str, Transport],
