@@ -4,6 +4,7 @@ reported, G2 under DP, resume. Tiny jobs: a few steps over the shipped tumour re
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from gputravel.jobs.training import TrainingJobConfig, check_capacity, non_priva
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import Cut, LocalSource, TravelSource
 from gputravel.train.loop import build_model, make_report, train, workload_of
-from gputravel.train.privacy import Private, check_job, check_model, poisson_sample
+from gputravel.train.privacy import Private, check_independent, check_job, check_model, poisson_sample
 from gputravel.train.rundir import checkpoint_extra
 
 KEY = bytes(range(32))
@@ -284,3 +285,182 @@ def test_the_demo_command_trains_privately_and_states_both_accuracies(tumours, t
     assert 0 < dp["epsilon_spent"] <= 3 and dp["accountant"] == "rdp" and "accuracy" in dp["non_private"]
     refused = CliRunner().invoke(app, [*args[:-3], "--dp-accountant", "gdp", *args[-3:]])
     assert refused.exit_code != 0 and "--dp-accountant: expected rdp or prv" in refused.output
+
+
+# Workloads whose records are not independent (the review's probes, issue 29 F2): each breaks the
+# bound C on one record's influence (x2 to x15.6 measured), and each is refused before anything travels.
+COUPLED_HEAD = """SCHEMA = "features: float32[30]; label: int64[]"
+import torch
+from torch import nn
+import torch.nn.functional as F
+def model(schema):
+    return M()
+def inputs(records):
+    return records["features"], records["label"]
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.a = nn.Linear(30, 8); self.b = nn.Linear(8, 2)
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+class Mix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x + x.sum(0, keepdim=True) * 0.1
+    @staticmethod
+    def backward(ctx, g):
+        return g + g.sum(0, keepdim=True) * 0.1
+class MixBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+    @staticmethod
+    def backward(ctx, g):
+        return g + g.sum(0, keepdim=True) * 0.1
+"""
+COUPLED = {
+    "standardised": ("""
+def inputs(records):
+    x = records["features"]
+    return (x - x.mean(0)) / (x.std(0) + 1e-6), records["label"]
+""", "inputs makes a record's row depend on the other records of its batch"),
+    "augmented": ("""
+def inputs(records):
+    x, y = records["features"], records["label"]
+    return torch.cat([x, x * 1.01]), torch.cat([y, y])
+""", "inputs gives 8 rows for a batch of 4 records"),
+    "rows": ("""
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.a = nn.Linear(5, 8); self.b = nn.Linear(8, 2)
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x.reshape(-1, 5)))).reshape(x.shape[0], 6, 2).mean(1)
+""", "forward gives parameter 'a.weight' 24 per-record gradients for 4 records"),
+    "centred": ("""
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.a = nn.Linear(30, 8); self.b = nn.Linear(8, 2)
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.relu(h - h.mean(0, keepdim=True)))
+""", "forward makes a record's output depend on the other records"),
+    "mixed": ("""
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.a = nn.Linear(30, 8); self.b = nn.Linear(8, 2)
+    def forward(self, x):
+        return self.b(torch.relu(Mix.apply(self.a(x))))
+""", "forward makes a record's output depend on the other records"),
+    "mixed_backward": ("""
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.a = nn.Linear(30, 8); self.b = nn.Linear(8, 2)
+    def forward(self, x):
+        return self.b(torch.relu(MixBackward.apply(self.a(x))))
+""", "a record's per-record gradient is not the gradient of that record alone"),
+    "loss": ("""
+def loss(out, y):
+    return F.cross_entropy(out, y) + out.mean(0).pow(2).sum()
+""", "loss is not the mean of a loss a record"),
+}
+
+
+@pytest.mark.parametrize("coupling", sorted(COUPLED))
+def test_a_workload_that_couples_the_records_of_a_batch_is_refused_before_anything_travels(tumours,
+                                                                                          coupling: str) -> None:
+    body, said = COUPLED[coupling]
+    cfg = job(tumours, workload="coupled", workload_code=COUPLED_HEAD + body)
+    source = counted(cfg, tumours)
+    with pytest.raises(BadInput, match=rf"workload 'coupled': {re.escape(said)}.*treat the records of a batch "
+                                       r"independently"):
+        train(cfg, source, dp_key=KEY)
+    assert source.fetched == 0
+
+
+def test_records_treated_independently_pass_the_check_dropout_and_tied_weights_included(tumours) -> None:
+    body = """
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.a = nn.Linear(30, 30); self.b = nn.Linear(30, 2); self.d = nn.Dropout(0.5)
+    def forward(self, x):
+        return self.b(self.d(self.a(torch.relu(self.a(x)))))
+"""
+    cfg = job(tumours, workload="fine", workload_code=COUPLED_HEAD + body)
+    workload = workload_of(cfg)
+    model, _ = build_model(cfg, "cpu", workload)
+    state = torch.random.get_rng_state()
+    check_independent(workload, model)
+    assert torch.equal(state, torch.random.get_rng_state())  # the job's random state untouched: same losses
+
+
+def test_a_step_with_more_per_record_gradients_than_records_drawn_is_refused(tumours) -> None:
+    # The step's own check, for what the made-up batch could miss: 2 rows a record (augmented) here.
+    cfg = job(tumours, workload="coupled", workload_code=COUPLED_HEAD + COUPLED["augmented"][0])
+    workload = workload_of(cfg)
+    model, optimizer = build_model(cfg, "cpu", workload)
+    private = Private(cfg, model, optimizer, 455, KEY, "cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = workload.inputs({"features": torch.randn(5, 30), "label": torch.zeros(5, dtype=torch.int64)}, "cpu")
+    with pytest.raises(BadInput, match=r"workload 'coupled': parameter 'a.weight' got 10 per-record gradients for the "
+                                       r"5 records drawn"):
+        private.step(batch, 0.01, 0, workload.loss, workload.guard, drawn=5)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)) and private.taken() == 0
+
+
+def test_no_step_is_taken_past_the_steps_that_spend_the_target(tumours) -> None:
+    cfg = job(tumours, steps=2)
+    workload = workload_of(cfg)
+    model, optimizer = build_model(cfg, "cpu", workload)
+    private = Private(cfg, model, optimizer, 455, KEY, "cpu")
+    for step in range(2):
+        private.step(None, 0.01, step, workload.loss, workload.guard)
+    with pytest.raises(BadInput, match=r"--dp-epsilon 3: the job's 2 steps spend it; a further step would spend more"):
+        private.step(None, 0.01, 2, workload.loss, workload.guard)
+    assert private.taken() == 2 and private.spent() <= 3
+
+
+def test_a_resume_over_other_holders_or_records_is_refused(tumours, tmp_path: Path) -> None:
+    # Resumed with a holder absent, the sealed key's noise would recur over other records, and
+    # sigma, recomputed for N 455 -> 304, overshot the target (3.006 > 3: the review's probe).
+    from gputravel.broker.seal import JOB_DIGEST_BYTES, KEY_BYTES, Sealer
+    from gputravel.train.rundir import Kept
+
+    kept = Kept(sealer=Sealer(bytes(KEY_BYTES), "checkpoint", bytes(JOB_DIGEST_BYTES)))
+    cfg = job(tumours, steps=6, checkpoint_every=3)
+    asked: list[int] = []
+    train(cfg, LocalSource.of(cfg, tumours), run_dir=tmp_path, dp_key=KEY, kept=kept,
+          should_stop=lambda: asked.append(1) or len(asked) == 3)
+    stored = checkpoint_extra(tmp_path / "checkpoint.pt", sealer=kept.sealer)["dp"]
+    names = sorted(name for name, _ in tumours)
+    assert stored["records"] == 455 and stored["holders"] == names
+    fewer = tumours[:2]
+    with pytest.raises(BadInput, match=rf"sampled over 455 training records of {', '.join(names)}; this job has "
+                                       rf"\d+ of {', '.join(sorted(n for n, _ in fewer))}: resume with the holders"):
+        train(cfg, LocalSource.of(cfg, fewer), run_dir=tmp_path, kept=kept, resume_from=tmp_path / "checkpoint.pt")
+
+
+def forged(path: Path, **dp) -> None:
+    """The plaintext checkpoint at `path` with its dp state changed (the host can write it)."""
+    ck = torch.load(path, weights_only=False)
+    ck["extra"]["dp"].update(dp)
+    torch.save(ck, path)
+
+
+def test_a_plaintext_checkpoint_whose_privacy_state_is_not_the_jobs_is_refused(tumours, tmp_path: Path) -> None:
+    cfg = job(tumours, steps=10, checkpoint_every=5)
+    asked: list[int] = []
+    train(cfg, LocalSource.of(cfg, tumours), run_dir=tmp_path, dp_key=KEY,
+          should_stop=lambda: asked.append(1) or len(asked) == 5)
+    path = tmp_path / "checkpoint.pt"
+    honest = torch.load(path, weights_only=False)["extra"]["dp"]
+    (sigma, rate, steps), = honest["history"]
+    cases = {  # forged [[1e9, q, 5]] reported epsilon 2.605 for 10 steps (honest 2.994); sigma inf hung the job
+        "history": ([[1e9, rate, 5]], [[math.inf, rate, 5]], [[sigma, 0.0, 5]], [[sigma, rate, 4]],
+                    [[sigma, rate, 2], [sigma, rate, 2]], [[math.nan, rate, 5]], [[sigma, rate, 5.0]]),
+        "records": (304,), "holders": (["a"],)}
+    for key, values in cases.items():
+        for value in values:
+            forged(path, **{**honest, key: value})
+            with pytest.raises(BadInput, match=rf"checkpoint {re.escape(str(path))}"):
+                train(cfg, LocalSource.of(cfg, tumours), run_dir=tmp_path, dp_key=KEY, resume_from=path)
+    forged(path, **honest)
+    assert train(cfg, LocalSource.of(cfg, tumours), run_dir=tmp_path, dp_key=KEY, resume_from=path).losses

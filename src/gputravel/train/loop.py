@@ -27,7 +27,7 @@ from gputravel.errors import BadInput, HolderLost
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig, pick_device
-from gputravel.train.privacy import Private, Resident, check_fits, check_job, check_model, new_key
+from gputravel.train.privacy import Private, Resident, check_fits, check_independent, check_job, check_model, new_key
 from gputravel.train.ranks import DataParallel, Ranks
 from gputravel.train.rundir import Kept, RunDir, Sealing, checkpoint_extra, load_checkpoint
 from gputravel.train.schedule import LoaderState
@@ -260,7 +260,8 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
         t0 = time.perf_counter()
         batch = next(batches)
         if private is not None:
-            value = private.step(batch, lr_at(cfg, step), step, workload.loss, workload.guard)
+            assert isinstance(loader, Resident)
+            value = private.step(batch, lr_at(cfg, step), step, workload.loss, workload.guard, drawn=loader.drawn)
             holder_of_batch["name"] = "all"  # a sample over every holder's records
         else:  # with ranks, the gradients' all-reduce runs in dp.backward, over the ring
             value = train_step(model, optimizer, *batch, lr_at(cfg, step), forward=step_model,
@@ -358,8 +359,10 @@ def _private(cfg: TrainConfig, workload: Workload, source: ChunkSource, model, o
     check_job(cfg, ranks.world_size if ranks is not None else 1)
     assert workload.schema is not None  # TrainConfig refuses DP for GPT-2's tokens and for scripts
     check_model(model, workload.name)
-    records = check_fits(cfg, source.sizes(), workload.schema.record_bytes)
-    return Private(cfg, model, optimizer, records, key if key is not None else new_key(), device)
+    check_independent(workload, model)
+    sizes = source.sizes()
+    records = check_fits(cfg, sizes, workload.schema.record_bytes)
+    return Private(cfg, model, optimizer, records, key if key is not None else new_key(), device, holders=tuple(sizes))
 
 
 def _stop_asked(should_stop: Callable[[], bool] | None, dp: DataParallel | None) -> bool:
