@@ -33,7 +33,7 @@ from gputravel.protocol.layout import layout_for, manifest_piece_bytes
 from gputravel.train.loader import TOKEN_BYTES, LocalSource
 from gputravel.train.job import TrainConfig
 from gputravel.train.loop import StepEvent, checkpoint_shares, make_report, sample_tokenizer, workload_of
-from gputravel.train.privacy import Mechanism, check_fits, check_job, check_model, mechanism_of
+from gputravel.train.privacy import Mechanism, check_fits, check_independent, check_job, check_model, mechanism_of
 from gputravel.train.scripted import run_job
 
 
@@ -154,6 +154,7 @@ def _check_private(t: TrainConfig, holders: Sequence[tuple[str, str]]) -> Mechan
     assert workload.schema is not None
     model, _ = workload.build(t, "cpu")
     check_model(model, workload.name)
+    check_independent(workload, model)  # records treated one by one: what clipping each bounds
     sizes = {name: len(held_out(len(load_records(path)), EVAL_SHARE)[0]) for name, path in holders}
     return mechanism_of(t, check_fits(t, sizes, workload.schema.record_bytes))
 
