@@ -12,16 +12,15 @@ import pytest
 import torch
 
 from gputravel.data.demo_records import demo_holders
-from gputravel.data.records import RecordSchema, Units, common_schema
-from gputravel.protocol.layout import Layout, record_bytes_for
-from gputravel.testing.cohort import InProcessCohort
+from gputravel.data.records import common_schema
 from gputravel.errors import BadInput
 from gputravel.jobs.training import TrainingJobConfig, check_capacity, non_private_reference, run_training_job
 from gputravel.train.job import TrainConfig
-from gputravel.train.loader import Cut, LocalSource, TravelSource
+from gputravel.train.loader import LocalSource
 from gputravel.train.loop import build_model, make_report, train, workload_of
 from gputravel.train.privacy import Private, check_independent, check_job, check_model, poisson_sample
 from gputravel.train.rundir import checkpoint_extra
+from test_workloads import travelled  # `train` fed by an in-process cohort: real travels, no processes
 
 KEY = bytes(range(32))
 BUFFER = 128 << 10  # every tumour record (455 of 128 bytes) resident
@@ -36,20 +35,6 @@ def job(holders, **changes) -> TrainConfig:
     values = dict(workload="tabular", record_schema=common_schema(holders).canonical_json(), steps=8, batch=32,
                   buffer_bytes=BUFFER, checkpoint_every=0, warmup_steps=2, lr=0.03, dp_epsilon=3.0, eval_every=0)
     return TrainConfig(**{**values, **changes})
-
-
-def travelled(cfg: TrainConfig, holders, tmp_path: Path, **kw):
-    """`train` fed by an in-process cohort: real travels through the device, no processes (as test_workloads)."""
-    paths = {name: Path(path) for name, path in holders}
-    layout = Layout(record_bytes=record_bytes_for(cfg.buffer_bytes))
-    with InProcessCohort(paths, buffer_bytes=cfg.buffer_bytes, workdir=tmp_path, layout=layout,
-                         formats=dict.fromkeys(paths, "records"), schema=cfg.record_schema) as cohort:
-        orch = cohort.orchestrator
-        hellos = {name: orch.travel_sm.holders[name] for name in paths}
-        schema = RecordSchema.from_json(cfg.record_schema)
-        cuts = {n: Cut(Units(schema.record_bytes, h.piece_bytes), h.train_records, h.eval_records, schema.dtype)
-                for n, h in hellos.items()}
-        return train(cfg, TravelSource(orch, {n: h.dataset_bytes for n, h in hellos.items()}, cuts), **kw)
 
 
 class Counted(LocalSource):
