@@ -67,6 +67,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         limit = float(own.args[0] if own and own.args else own.kwargs.get("timeout", base) if own else base)
         if limit > 0 and TIMEOUT_SCALE != 1.0:
             item.add_marker(pytest.mark.timeout(limit * TIMEOUT_SCALE))
+    _heavy_files_first(items)
+
+
+# The files that hold a worker a minute or more (`--durations`, 2026-11-29): xdist's loadfile
+# hands files out in the order collected, so these go first and no worker ends alone on one.
+HEAVY_FIRST = ("test_redteam.py", "test_redteam_jobs.py", "test_gpus_train.py", "test_demo_release.py",
+               "test_redteam_records.py", "test_service_gpus.py", "test_training.py", "test_service_deploy.py",
+               "test_fl_deploy.py", "test_workloads.py", "test_bench_train_records.py")
+
+
+def _heavy_files_first(items: list[pytest.Item]) -> None:
+    """Files in HEAVY_FIRST's order, then those that start processes, then the rest; a file's own
+    tests keep their order."""
+    slow = {item.path.name for item in items if item.get_closest_marker("slow") is not None}
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        return (HEAVY_FIRST.index(name), 0) if name in HEAVY_FIRST else (len(HEAVY_FIRST), 0 if name in slow else 1)
+
+    items.sort(key=rank)  # stable: within a file, and among equals, the collection order stays
 
 
 def _refuse_process(*args: object, **kwargs: object) -> None:
