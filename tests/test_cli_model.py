@@ -96,3 +96,15 @@ def test_a_foreign_ca_or_a_file_that_is_no_release_is_refused(released, tmp_path
     assert result.exit_code == 1 and "unknown message tag" in result.output
     result = run("show", str(tmp_path / "missing"))
     assert result.exit_code == 1 and "does not exist" in result.output
+
+
+def test_keygen_prints_the_fingerprint_holders_confirm(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gputravel.cli.app import app
+    from gputravel.manifest import key_fingerprint
+
+    res = CliRunner().invoke(app, ["model", "keygen", "alice", "--out", str(tmp_path / "keys")])
+    said = " ".join(res.output.split())
+    fingerprint = key_fingerprint(bytes.fromhex((tmp_path / "keys" / "alice.pub").read_text().strip()))
+    assert res.exit_code == 0 and f"(job approve --recipient alice=...): {fingerprint}" in said, said

@@ -12,7 +12,7 @@ from rich.markup import escape
 from gputravel.cli.output import Commands, check_output_file, console, named_subcommand
 from gputravel.errors import BadInput
 from gputravel.files import read_plain
-from gputravel.manifest import load_manifest
+from gputravel.manifest import key_fingerprint, load_manifest
 from gputravel.release import ReleaseFile, keygen as make_keys, load_private_key, open_release, read_release
 from gputravel.release.seal import MAX_RELEASE_BYTES, anchors, check_approved
 
@@ -76,6 +76,9 @@ def keygen(
     key_path, pub_path = make_keys(name, out)
     console.print(escape(f"wrote {key_path} (private: keep it) and {pub_path} (public: goes into the job "
                          "manifest's recipients)"), soft_wrap=True)
+    fingerprint = key_fingerprint(bytes.fromhex(pub_path.read_text().strip()))
+    console.print(escape(f"its fingerprint, which each holder confirms with you (job approve --recipient "
+                         f"{name}=...): {fingerprint}"), soft_wrap=True)
 
 
 @model_app.command()
