@@ -18,7 +18,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -167,10 +167,11 @@ class Outputs:
         self.run_dir.write_sample(text)  # asked for only where the manifest allows samples (tokenizer)
 
 
-def state_bytes(model: torch.nn.Module) -> bytes:
-    """The model's state_dict as torch.save writes it: what a release seals and `model open` gives back."""
+def state_bytes(model: torch.nn.Module | dict[str, Any]) -> bytes:
+    """The model's state_dict (or a state_dict) as torch.save writes it: what a release seals and
+    `model open` gives back."""
     buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
+    torch.save(model if isinstance(model, dict) else model.state_dict(), buf)
     return buf.getvalue()
 
 

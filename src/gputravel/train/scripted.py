@@ -4,7 +4,6 @@ records from disk, in the same order: G2 holds for scripts too)."""
 
 from __future__ import annotations
 
-import io
 
 import math
 import time
@@ -17,17 +16,10 @@ from gputravel.data.records import as_tensors
 from gputravel.errors import BadInput, HolderLost
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
-from gputravel.train.loop import StepEvent, TrainResult, train, travel_entry
+from gputravel.train.loop import StepEvent, TrainResult, state_bytes, train, travel_entry
 from gputravel.train.model import pick_device
 from gputravel.train.rundir import Kept, RunDir
 from gputravel.workloads.script import Feed, run_script
-
-
-def state_dict_bytes(state: dict[str, Any]) -> bytes:
-    """A state_dict as torch.save writes it (loop.py's state_bytes, for a model the script kept)."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
 
 
 def run_job(cfg: TrainConfig, source: ChunkSource, **kw: Any) -> TrainResult:
@@ -88,7 +80,7 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
         if feed.kept is None:
             raise BadInput(f"script {cfg.workload!r} handed no model to gputravel.workloads.script.keep(model): a "
                            "job with a manifest seals and releases the model its script keeps")
-        result.weights = state_dict_bytes(feed.kept)
+        result.weights = state_bytes(feed.kept)
     result.wall_seconds = time.perf_counter() - t0
     result.stall_seconds = loader.stall_seconds
     result.state = loader.state.to_dict()
