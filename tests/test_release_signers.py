@@ -9,46 +9,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from cryptography.hazmat.primitives.serialization import Encoding
 
 from gputravel.crypto.certs import load_key
-from gputravel.crypto.pki import self_signed_member
 from gputravel.errors import BadInput
 from gputravel.manifest import JobManifest, Recipient
 from gputravel.orchestrator.release import Ending, end_job
-from gputravel.protocol.codec import decode, encode
-from gputravel.protocol.travel import JobResults, ReleaseSigned
+from gputravel.redteam.identities import _identity, _Link  # the red-team row's TLS link, as a holder answers
 from gputravel.release import ReleaseStatement, open_release, sign_release
 from gputravel.train.job import TrainConfig
 
 HOLDERS = ("north", "south", "west")
-
-
-def _member(d: Path, name: str) -> tuple[bytes, bytes]:
-    """(certificate DER, key PEM) of a member's own self-signed identity made in `d`."""
-    d.mkdir(parents=True, exist_ok=True)
-    pem = self_signed_member(d, name)
-    der = x509.load_pem_x509_certificate(pem).public_bytes(Encoding.DER)
-    return der, (d / f"{name}.key").read_bytes()
-
-
-class _Holder:
-    """A holder's end of its TLS link: it presents `cert` and signs what it is asked with `key`."""
-
-    def __init__(self, name: str, cert: bytes, key: bytes) -> None:
-        self.name, self.cert, self.key, self._reply = name, cert, key, None
-
-    def send(self, msg: JobResults) -> None:
-        statement = decode(msg.statement, expect=ReleaseStatement)
-        self._reply = ReleaseSigned(signature=encode(sign_release(statement, self.name, load_key(self.key))))
-
-    def recv(self, timeout: float, expect: object) -> SimpleNamespace:
-        return SimpleNamespace(message=self._reply)
-
-    def peer_certificate(self) -> bytes:
-        return self.cert
 
 
 def _ending(manifest: JobManifest, anchors: tuple[bytes, ...]) -> Ending:
@@ -57,15 +28,15 @@ def _ending(manifest: JobManifest, anchors: tuple[bytes, ...]) -> Ending:
 
 
 def test_a_signature_counts_only_over_the_certificate_the_manifest_names(tmp_path: Path) -> None:
-    own = {n: _member(tmp_path / n, n) for n in HOLDERS}
-    forged = _member(tmp_path / "operator", "south")  # same name, a key the init operator made and kept
+    own = {n: _identity(tmp_path / n, n) for n in HOLDERS}
+    forged = _identity(tmp_path / "operator", "south")  # same name, a key the init operator made and kept
     recipient = X25519PrivateKey.generate()
     manifest = JobManifest.for_job(TrainConfig(steps=2), holders=HOLDERS, quorum=2,
                                    recipients=[Recipient.of("alice", recipient.public_key())],
                                    certificates={n: hashlib.sha384(c).hexdigest() for n, (c, _) in own.items()})
     weights = b"the trained weights"
-    links = {"north": _Holder("north", *own["north"]), "south": _Holder("south", *forged),
-             "west": _Holder("west", *own["west"])}
+    links = {"north": _Link("north", own["north"]), "south": _Link("south", forged),
+             "west": _Link("west", own["west"])}
     anchors = tuple(own[n][0] for n in HOLDERS)
     out = end_job(_ending(manifest, anchors + (forged[0],)), weights, {}, links, tmp_path, None)
     assert out.signed == ["north", "west"] and "not the one the manifest names" in out.declined["south"]
@@ -73,7 +44,7 @@ def test_a_signature_counts_only_over_the_certificate_the_manifest_names(tmp_pat
     statement, model = open_release((tmp_path / "model.release").read_bytes(), recipient)
     assert model == weights and statement.job_digest == manifest.digest()
     short = manifest.model_copy(update={"release": manifest.release.model_copy(update={"quorum": 3})})
-    links["south"] = _Holder("south", *forged)
+    links["south"] = _Link("south", forged)
     (tmp_path / "model.release").unlink()
     out = end_job(_ending(short, anchors + (forged[0],)), weights, {}, links, tmp_path, None)
     assert out.signed == ["north", "west"] and out.released_to == [] and not (tmp_path / "model.release").exists()
@@ -87,7 +58,7 @@ def test_a_manifest_naming_certificates_this_orchestrator_does_not_pin_is_refuse
     from gputravel.protocol.layout import Layout
 
     CohortPki.create(tmp_path / "pki", ["orchestrator", *HOLDERS])  # a local cohort's CA-issued members
-    own = {n: _member(tmp_path / n, n) for n in HOLDERS}
+    own = {n: _identity(tmp_path / n, n) for n in HOLDERS}
     manifest = JobManifest.for_job(TrainConfig(steps=2), holders=HOLDERS, quorum=2, recipients=[
         Recipient.of("alice", X25519PrivateKey.generate().public_key())],
         certificates={n: hashlib.sha384(c).hexdigest() for n, (c, _) in own.items()})
@@ -122,7 +93,7 @@ def test_a_holder_connecting_with_another_certificate_than_the_named_one_joins_n
     from gputravel.orchestrator.cvm import Orchestrator
     from gputravel.protocol.travel import Bye
 
-    own, impostor = _member(tmp_path / "south", "south"), _member(tmp_path / "host", "south")
+    own, impostor = _identity(tmp_path / "south", "south"), _identity(tmp_path / "host", "south")
     sent, challenged = [], []
 
     class _Conn:
@@ -173,8 +144,8 @@ def test_a_recipient_checks_a_release_against_the_manifest_not_the_files_own_wor
     from gputravel.release import seal_release
     from gputravel.release.keys import keygen
 
-    own = {n: _member(tmp_path / n, n) for n in HOLDERS}
-    forged = {n: _member(tmp_path / f"host-{n}", n) for n in HOLDERS}
+    own = {n: _identity(tmp_path / n, n) for n in HOLDERS}
+    forged = {n: _identity(tmp_path / f"host-{n}", n) for n in HOLDERS}
     key_path, pub_path = keygen("alice", tmp_path / "keys")
     alice = Recipient.of("alice", bytes.fromhex(pub_path.read_text().strip()))
     manifest = JobManifest.for_job(TrainConfig(steps=2), holders=HOLDERS, quorum=2, recipients=[alice],
