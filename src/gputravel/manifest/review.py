@@ -52,6 +52,15 @@ def _privacy(settings: dict[str, object], o: Outputs) -> list[str]:
     return lines
 
 
+def _retention(settings: dict[str, object]) -> str:
+    """How long the orchestrator holds travelled records (train/loader.py Kept)."""
+    mib = settings.get("resident_mib")
+    if not isinstance(mib, int) or not mib:
+        return "retention   none: records are trained on from the GPU's buffer, scrubbed before each travel"
+    return (f"retention   up to {mib} MiB of travelled records kept in the orchestrator CVM's memory for the "
+            "job's steps (trained on again without travelling), zeroed at the end, never checkpointed")
+
+
 def _release(rel: Release, broker: Broker) -> list[str]:
     lines = [f"release     {rel.quorum} of {len(rel.holders)} holders must sign: {', '.join(rel.holders)}"]
     lines += [f"  signer     {h}  certificate SHA-384 {rel.certificates[h]}" for h in rel.holders
@@ -72,6 +81,7 @@ def describe_lines(workload: Workload, settings: dict[str, object], data: Data, 
     lines = [*_workload(workload, data, bool(settings.get("script"))), "settings"]
     lines += [f"  {k:<17}{v}" for k, v in settings.items()]
     lines += _privacy(settings, outputs)
+    lines.append(_retention(settings))
     lines.append(f"evaluation  each holder holds out {ev.share * 100:g}% of its records, never trained on; "
                  f"metrics: {', '.join(ev.metrics) or 'none'}")
     return [*lines, *_outputs(outputs, rel), *_release(rel, broker)]

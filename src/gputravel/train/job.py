@@ -132,6 +132,9 @@ class TrainConfig(JobPart):
     # Issue 31: gradients cast to this dtype before the sealed all-reduce of several GPUs (half the
     # bytes sealed and sent; other numerics, so off by default).
     ddp_compress: Literal["none", "fp16", "bf16"] = "none"
+    # Issue 27: MiB of travelled records (or tokens) the orchestrator keeps in its own memory, so a
+    # visit kept trains again without travelling (train/loader.py Kept); 0: every visit travels.
+    resident_mib: Annotated[int, Field(ge=0, le=1 << 20)] = 0
 
     @model_validator(mode="after")
     def _model_shape(self) -> TrainConfig:
@@ -198,8 +201,8 @@ class TrainConfig(JobPart):
         Checked against measured peaks: the demo's model, B 8, T 64 to 4096. A records workload's
         model is its own: torch's share only (the shipped ones are small)."""
         if self.records:
-            return TORCH_MIB
+            return TORCH_MIB + self.resident_mib
         tokens = self.batch * self.seq_len
         activations = 4 * tokens * (20 * self.n_layer * self.n_embd + 3 * self.vocab_size + 2 * self.n_embd)
-        return TORCH_MIB + -(-(16 * self.params() + activations) // (1 << 20))
+        return TORCH_MIB + self.resident_mib + -(-(16 * self.params() + activations) // (1 << 20))
 

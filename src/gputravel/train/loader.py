@@ -219,15 +219,50 @@ class Shuffled:
         return self.to_batch({name: t[j * self.window : (j + 1) * self.window] for name, t in plan.items()})
 
 
+def zero(units: np.ndarray) -> None:
+    """Every byte of `units` (a contiguous array we made) to zero, whatever its fields."""
+    units.reshape(-1).view(np.uint8).fill(0)
+
+
+class Kept:
+    """Visits' units kept in the orchestrator's memory (the job's `resident_mib`): a visit kept
+    trains again without travelling. Never the GPU's buffer, which the next travel scrubs; first
+    come first kept while the budget lasts (which visits are kept changes no batch: G2); zeroed
+    when the job ends, never checkpointed."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget, self.used = budget_bytes, 0
+        self._units: dict[tuple[str, int, int, bool], np.ndarray] = {}
+
+    def get(self, visit: Visit, held: bool = False) -> np.ndarray | None:
+        return self._units.get((visit.holder, visit.token_offset, visit.ntokens, held))
+
+    def keep(self, visit: Visit, units: np.ndarray, held: bool = False) -> np.ndarray:
+        """A copy of `units` kept if the budget holds it; `units` as they were otherwise."""
+        if not self.budget or self.used + units.nbytes > self.budget:
+            return units
+        copy = np.array(units)
+        self._units[(visit.holder, visit.token_offset, visit.ntokens, held)] = copy
+        self.used += copy.nbytes
+        return copy
+
+    def forget(self) -> None:
+        for units in self._units.values():
+            zero(units)  # the records, not only the references: the process may run on
+        self._units.clear()
+        self.used = 0
+
+
 class TravellingLoader:
     """Yields (x, y) batches (`batching`: GPT-2's token windows by default); travels whenever the
-    buffer is used up."""
+    buffer is used up, unless the visit's units are kept (`resident_bytes`, see :class:`Kept`)."""
 
     def __init__(self, source: ChunkSource, batch: int, seq_len: int, buffer_bytes: int, *,
                  policy: str = "round_robin", state: LoaderState | None = None,
                  on_fetch: Callable[[Fetched], None] | None = None, device: str = "cpu",
-                 batching: Windows | Shuffled | None = None) -> None:
+                 batching: Windows | Shuffled | None = None, resident_bytes: int = 0) -> None:
         self.source = source
+        self.kept = Kept(resident_bytes)
         self.batching = batching or Windows(batch, seq_len, device)
         capacity = getattr(source, "capacity", None)
         units = capacity(buffer_bytes) if capacity is not None else buffer_bytes // TOKEN_BYTES
@@ -270,18 +305,29 @@ class TravellingLoader:
         offset, B = 0, self.batching.window
         while fetch_held is not None and offset < total and holder not in self.scheduler.offline:
             visit = Visit(holder, offset, min(self.scheduler.capacity, total - offset))
-            t0 = time.perf_counter()
-            try:
-                records = np.array(fetch_held(visit))  # a copy: the buffer is scrubbed next travel
-            except HolderLost as exc:  # as in training: it goes offline, the job goes on without it
-                self.scheduler.offline.add(holder)
-                self.lost.append(str(exc))
-                raise
-            if self.on_fetch is not None:
-                self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None), True))
+            records = self.kept.get(visit, held=True)
+            if records is None:
+                records = self._fetch_held(fetch_held, visit)
             for j in range(0, visit.ntokens, B):
                 yield records[j : j + B]
             offset += visit.ntokens
+
+    def close(self) -> None:
+        """The job's steps are done: kept records are zeroed and dropped."""
+        self.kept.forget()
+
+    def _fetch_held(self, fetch_held: Callable[[Visit], np.ndarray], visit: Visit) -> np.ndarray:
+        t0 = time.perf_counter()
+        try:
+            view = fetch_held(visit)
+        except HolderLost as exc:  # as in training: it goes offline, the job goes on without it
+            self.scheduler.offline.add(visit.holder)
+            self.lost.append(str(exc))
+            raise
+        if self.on_fetch is not None:
+            self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None), True))
+        records = self.kept.keep(visit, view, held=True)
+        return np.array(view) if records is view else records  # a copy: the buffer is scrubbed next travel
 
     def _rejoined(self) -> None:
         """A lost holder that has joined again is scheduled again, from its cursor."""
@@ -290,9 +336,11 @@ class TravellingLoader:
             self.scheduler.offline -= online()
 
     def _fetch(self, visit: Visit, epoch: int) -> Any:
+        if (units := self.kept.get(visit)) is not None:  # kept: no travel, no wait
+            return self.batching.plan(units, visit, epoch)
         t0 = time.perf_counter()
         try:
-            plan = self.batching.plan(self.source.fetch(visit), visit, epoch)
+            plan = self.batching.plan(self.kept.keep(visit, self.source.fetch(visit)), visit, epoch)
         finally:  # a failed travel is waiting time too
             spent = time.perf_counter() - t0
             self.stall_seconds += spent

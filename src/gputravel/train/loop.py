@@ -249,7 +249,7 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
         result.travels.append(travel_entry(f))
 
     batching = None if workload.tokens else Shuffled(cfg.batch, cfg.seed, lambda t: workload.inputs(t, device), device)
-    kind, dp_args = TravellingLoader, {}
+    kind, dp_args = TravellingLoader, {"resident_bytes": cfg.resident_mib << 20}
     if private is not None:  # every record resident, a Poisson sample a step
         kind, dp_args = Resident, {"key": private.key, "rate": private.mechanism.sample_rate, "start": start}
     loader = kind(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
@@ -257,39 +257,42 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
     batches = iter(loader)
     model.train()
     t_start = time.perf_counter()
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        batch = next(batches)
-        if private is not None:
-            assert isinstance(loader, Resident)
-            value = private.step(batch, lr_at(cfg, step), step, workload.loss, workload.guard, drawn=loader.drawn)
-            holder_of_batch["name"] = "all"  # a sample over every holder's records
-        else:  # with ranks, the gradients' all-reduce runs in dp.backward, over the ring
-            value = train_step(model, optimizer, *batch, lr_at(cfg, step), forward=step_model,
-                               backward=dp.backward if dp is not None else None, loss_of=workload.loss,
-                               guard=workload.guard)
-        result.losses.append(value)
-        now = time.perf_counter()
-        per_batch = cfg.batch if cfg.records else cfg.batch * cfg.seq_len
-        evaluated = _eval_point(cfg, workload, model, loader, dp, step, result)
-        event = StepEvent(step=step, loss=value, tokens_per_s=per_batch / (now - t0),
-                          holder=holder_of_batch["name"], travels=loader.fetches,
-                          stall_share=loader.stall_seconds / (now - t_start), elapsed_s=now - t_start,
-                          evaluated=evaluated)
-        checkpoint = bool(cfg.checkpoint_every) and (step + 1) % cfg.checkpoint_every == 0
-        if checkpoint and (out is not None or dp is not None):
-            extra = _extra(cfg, loader.state, result, dp, anchor, prints)  # with ranks a collective: every rank gathers
+    try:
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            batch = next(batches)
             if private is not None:
-                extra["dp"] = private.checkpoint(sealed=out is not None and out.kept.sealer is not None)
-        if out is not None:
-            out.append_metrics({k: v for k, v in dataclasses.asdict(event).items() if k != "evaluated"})
-            if checkpoint:
-                out.save_checkpoint(model, optimizer, step + 1, extra)
-        if on_step is not None:
-            on_step(event)
-        if step + 1 < cfg.steps and _stop_asked(should_stop, dp):
-            result.stopped = True
-            break
+                assert isinstance(loader, Resident)
+                value = private.step(batch, lr_at(cfg, step), step, workload.loss, workload.guard, drawn=loader.drawn)
+                holder_of_batch["name"] = "all"  # a sample over every holder's records
+            else:  # with ranks, the gradients' all-reduce runs in dp.backward, over the ring
+                value = train_step(model, optimizer, *batch, lr_at(cfg, step), forward=step_model,
+                                   backward=dp.backward if dp is not None else None, loss_of=workload.loss,
+                                   guard=workload.guard)
+            result.losses.append(value)
+            now = time.perf_counter()
+            per_batch = cfg.batch if cfg.records else cfg.batch * cfg.seq_len
+            evaluated = _eval_point(cfg, workload, model, loader, dp, step, result)
+            event = StepEvent(step=step, loss=value, tokens_per_s=per_batch / (now - t0),
+                              holder=holder_of_batch["name"], travels=loader.fetches,
+                              stall_share=loader.stall_seconds / (now - t_start), elapsed_s=now - t_start,
+                              evaluated=evaluated)
+            checkpoint = bool(cfg.checkpoint_every) and (step + 1) % cfg.checkpoint_every == 0
+            if checkpoint and (out is not None or dp is not None):
+                extra = _extra(cfg, loader.state, result, dp, anchor, prints)  # with ranks a collective: every rank gathers
+                if private is not None:
+                    extra["dp"] = private.checkpoint(sealed=out is not None and out.kept.sealer is not None)
+            if out is not None:
+                out.append_metrics({k: v for k, v in dataclasses.asdict(event).items() if k != "evaluated"})
+                if checkpoint:
+                    out.save_checkpoint(model, optimizer, step + 1, extra)
+            if on_step is not None:
+                on_step(event)
+            if step + 1 < cfg.steps and _stop_asked(should_stop, dp):
+                result.stopped = True
+                break
+    finally:
+        loader.close()  # records kept for the job's steps live no longer
     result.wall_seconds = time.perf_counter() - t_start
     return loader
 

@@ -26,7 +26,7 @@ import torch
 from gputravel.data.records import RecordSchema, as_tensors
 from gputravel.errors import BadInput, HolderLost
 from gputravel.train.job import TrainConfig
-from gputravel.train.loader import Fetched, TravellingLoader
+from gputravel.train.loader import Fetched, TravellingLoader, zero
 from gputravel.train.schedule import Visit
 from gputravel.workloads import Workload
 
@@ -398,6 +398,12 @@ class Resident(TravellingLoader):
             step += 1
             self.drawn = len(picked)
             yield self.batching.to_batch(as_tensors(records[picked], torch.from_numpy)) if len(picked) else None
+
+    def close(self) -> None:
+        super().close()
+        if self.records is not None:
+            zero(self.records)
+            self.records = None
 
     def resident(self) -> np.ndarray:
         """All holders' training records, travelled once (a copy: the buffer is scrubbed by the next travel)."""

@@ -54,7 +54,8 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
         return on_device(as_tensors(records, torch.from_numpy))
 
     loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
-                              on_fetch=fetched, device=device, batching=Shuffled(cfg.batch, cfg.seed, on_device, device))
+                              on_fetch=fetched, device=device, batching=Shuffled(cfg.batch, cfg.seed, on_device, device),
+                              resident_bytes=cfg.resident_mib << 20)
     t0 = time.perf_counter()
 
     def held() -> Any:
@@ -75,7 +76,10 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
                               evaluated={}))
 
     feed = Feed(loader, held, on_log)
-    run_script(cfg.workload, cfg.workload_code, feed)
+    try:
+        run_script(cfg.workload, cfg.workload_code, feed)
+    finally:
+        loader.close()  # records kept for the script's run live no longer
     if kept.weights:
         if feed.kept is None:
             raise BadInput(f"script {cfg.workload!r} handed no model to gputravel.workloads.script.keep(model): a "
