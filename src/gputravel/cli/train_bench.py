@@ -20,6 +20,8 @@ def bench_train(
     steps: Optional[int] = typer.Option(None, help="Training steps per run (default: 600 for gpt2, 300 of 32 records "
                                                    "for image and tabular)."),
     buffer_kib: int = typer.Option(128, help="Dataset buffer, KiB."),
+    resident_mib: int = typer.Option(0, help="MiB of travelled records the orchestrator keeps for the job's steps "
+                                             "(the job's resident_mib; travel and tls): a kept visit does not move again."),
     holders: int = typer.Option(3, help="Data holders; the workload's shipped data is dealt among them."),
     link: str = typer.Option("auto", help="auto (netns-tc where namespaces work, else token-bucket), netns or token-bucket."),
     methods: str = typer.Option("travel,tls", help="Methods, comma separated: travel, tls, fl (FedAvg on Flower)."),
@@ -44,7 +46,8 @@ def bench_train(
     fl = FedAvgConfig(rounds=fl_rounds, local_steps=fl_local_steps, fraction=fl_fraction, drop=fl_drop,
                       drop_mode=fl_drop_mode)
     cfg = train.TrainBenchConfig(compare.parse_bandwidths(bandwidths), link=link, holders=holders,
-                                 train=train.workload_config(workload, steps, buffer_kib << 10),
+                                 train=train.workload_config(workload, steps, buffer_kib << 10).replace(
+                                     resident_mib=resident_mib),
                                  methods=train.parse_methods(methods), fl=fl, eval_batches=eval_batches, iid=iid,
                                  hardware=hardware)
     with console.status(f"training once per method ({', '.join(cfg.methods)}) and bandwidth..."):
