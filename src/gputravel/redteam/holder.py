@@ -27,6 +27,7 @@ from gputravel.holder.membership import join as join_cohort
 from gputravel.transport.base import Transport
 from gputravel.redteam.bus import (AskQuote, DecryptCaptured, Did, Event, HolderNews, MarkRow, ProbePaths, Query,
                                    SetTravelMode, UseKeptKeys, event)
+from gputravel.redteam.guess import candidates
 from gputravel.redteam.loot import Loot
 from gputravel.redteam.probes import ask_quote, probe
 
@@ -238,7 +239,8 @@ class MaliciousHolder(DataHolder):
         contexts = [unpack_context(b, layout=self.config.layout.digest()) for b in blobs]
         states = [s for ctx in contexts for s in ctx.senders + ctx.receivers]  # every key worth trying
         pairs = [(s, ct) for kind, ct in frames for s in states if s.label in LABELS_FOR.get(kind, ())]
-        opened = [p for s, ct in pairs for m in range(1, MAX_IV_GUESSES + 1) if (p := try_open(s, m, ct)) is not None]
+        guesses = range(1, MAX_IV_GUESSES + 1)  # each tried: candidates() skips only the IVs whose tag cannot match
+        opened = [p for s, ct in pairs for m in candidates(s, guesses, ct) if (p := try_open(s, m, ct)) is not None]
         tried = len(pairs) * MAX_IV_GUESSES
         self.loot.keep("decrypted", b"".join(opened))
         self._news.attempts += tried
