@@ -74,7 +74,7 @@ JOB_CHANGES = {"steps": 301, "batch": 9, "seq_len": 65, "buffer_bytes": 128 << 1
                "vocab_size": 300, "threads": 3, "sample_tokens": 0, "checkpoint_every": 50, "loader": "local",
                "eval_every": 10, "script": True, "dp_delta": 1e-6, "dp_max_grad_norm": 0.5,
                "dp_accountant": "prv", "ddp_compress": "fp16", "dp_epsilon": 3.0,
-               "resident_mib": 4}
+               "resident_mib": 4, "shuffle": "all"}
 OTHER_CHANGES = [("workload", "code", hashlib.sha384(b"x").hexdigest()), ("workload", "file", "other.py"),
                  ("workload", "name", "yours"), ("data", "schema", "0" * 64), ("data", "tokenizer", "gpt2"),
                  ("evaluation", "share", 0.25), ("evaluation", "metrics", ["loss"]), ("outputs", "model", "sealed"),

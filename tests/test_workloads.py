@@ -38,6 +38,16 @@ def job(holders, **changes) -> TrainConfig:
 
 
 def travelled(cfg: TrainConfig, holders, tmp_path: Path, **kw):
+    return _on_cohort(cfg, holders, tmp_path, lambda source: train(cfg, source, **kw))
+
+
+def script_travelled(cfg: TrainConfig, holders, tmp_path: Path):
+    from gputravel.train.scripted import run_job
+
+    return _on_cohort(cfg, holders, tmp_path, lambda source: run_job(cfg, source))
+
+
+def _on_cohort(cfg: TrainConfig, holders, tmp_path: Path, run):
     paths = {name: Path(path) for name, path in holders}
     layout = Layout(record_bytes=record_bytes_for(cfg.buffer_bytes))  # as the demo's cohort and local reference
     with InProcessCohort(paths, buffer_bytes=cfg.buffer_bytes, workdir=tmp_path, layout=layout,
@@ -47,7 +57,7 @@ def travelled(cfg: TrainConfig, holders, tmp_path: Path, **kw):
         schema = RecordSchema.from_json(cfg.record_schema)
         cuts = {n: Cut(Units(schema.record_bytes, h.piece_bytes), h.train_records, h.eval_records, schema.dtype)
                 for n, h in hellos.items()}
-        return train(cfg, TravelSource(orch, {n: h.dataset_bytes for n, h in hellos.items()}, cuts), **kw)
+        return run(TravelSource(orch, {n: h.dataset_bytes for n, h in hellos.items()}, cuts))
 
 
 def test_shipped_workloads_load_and_a_file_workload_is_its_text() -> None:
@@ -171,16 +181,7 @@ def test_g2_a_ported_script_sees_the_same_batches_travelling_and_local(tumours, 
 
     cfg = script_job(tumours, SCRIPT.read_text())
     local = run_job(cfg, LocalSource.of(cfg, tumours))
-    paths = {name: Path(path) for name, path in tumours}
-    layout = Layout(record_bytes=record_bytes_for(cfg.buffer_bytes))
-    with InProcessCohort(paths, buffer_bytes=cfg.buffer_bytes, workdir=tmp_path, layout=layout,
-                         formats=dict.fromkeys(paths, "records"), schema=cfg.record_schema) as cohort:
-        orch = cohort.orchestrator
-        schema = RecordSchema.from_json(cfg.record_schema)
-        hellos = {name: orch.travel_sm.holders[name] for name in paths}
-        cuts = {n: Cut(Units(schema.record_bytes, h.piece_bytes), h.train_records, h.eval_records, schema.dtype)
-                for n, h in hellos.items()}
-        moved = run_job(cfg, TravelSource(orch, {n: h.dataset_bytes for n, h in hellos.items()}, cuts))
+    moved = script_travelled(cfg, tumours, tmp_path)
     # Three epochs of every holder's training records, B at a time, each visit's tail dropped.
     per_epoch = sum(n // cfg.batch for n in LocalSource.of(cfg, tumours).sizes().values())
     assert moved.losses == local.losses and len(local.losses) == 3 * per_epoch

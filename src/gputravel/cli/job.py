@@ -129,6 +129,8 @@ def init(
                                                               "can undercount and is refused with DP)."),
     resident_mib: int = typer.Option(JOB.resident_mib, help="MiB of travelled records the orchestrator keeps in "
                                      "its memory for the job's steps (a kept visit does not travel again); 0: none."),
+    shuffle: str = typer.Option(JOB.shuffle, help="Records: visit (within each travel) or all (one shuffle over "
+                                                  "every holder's records an epoch; --resident-mib must hold them)."),
     metrics: bool = typer.Option(True, "--metrics/--no-metrics", help="Write the losses and evaluations to the "
                                  "run directory (outputs.metrics); DP-SGD does not cover them, so a holder with an "
                                  "epsilon cap counts a job that writes them as unbounded."),
@@ -141,7 +143,7 @@ def init(
         raise BadInput(f"--out {out}: exists; choose another path or replace it (--force)")
     cfg = _train_config(workload, script, schema_from, steps=steps, batch=batch, lr=lr, eval_every=eval_every,
                         dp_epsilon=dp_epsilon, dp_delta=dp_delta, dp_max_grad_norm=dp_clip, dp_accountant=dp_accountant,
-                        resident_mib=resident_mib)
+                        resident_mib=resident_mib, shuffle=shuffle)
     names, certificates, broker_key = _signers(holders, cohort)
     m = JobManifest.for_job(cfg, holders=names, quorum=len(names) // 2 + 1 if quorum is None else quorum,
                             recipients=[_recipient(r) for r in recipients or ()],

@@ -98,7 +98,8 @@ def training_job(
     dp_clip: float = typer.Option(JOB.dp_max_grad_norm, help="With --dp-epsilon: each record's gradient clipped to this L2 norm."),
     dp_accountant: str = typer.Option(JOB.dp_accountant, help="With --dp-epsilon: the accountant counting the privacy spent: rdp or prv (gdp is refused: it can underestimate)."),
     lr: float = typer.Option(JOB.lr, help="Peak learning rate (warm-up, then cosine decay). A DP job needs a larger one: docs/privacy.md."),
-    resident_mib: int = typer.Option(JOB.resident_mib, help="MiB of travelled records the orchestrator keeps in its own memory for the job's steps, so a visit kept trains again without travelling (docs/jobs.md); 0: every visit travels."),
+    resident_mib: int = typer.Option(JOB.resident_mib, help="MiB of travelled records the orchestrator keeps in its own memory for the job's steps, so a visit kept trains again without travelling (docs/training.md); 0: every visit travels."),
+    shuffle: str = typer.Option(JOB.shuffle, help="Records: visit (shuffled within each travel) or all (one shuffle over every holder's records an epoch, as DataLoader(shuffle=True) draws it; --resident-mib must hold them all)."),
 ) -> None:
     """Train a workload (GPT-2 by default) on the holders' data, fed by a travelling GPU.
 
@@ -124,7 +125,7 @@ def training_job(
                           schedule=schedule, seed=seed, loader=loader, threads=threads,
                           checkpoint_every=checkpoint_every, eval_every=eval_every, ddp_compress=ddp_compress,
                           dp_epsilon=dp_epsilon, dp_delta=dp_delta, dp_max_grad_norm=dp_clip,
-                          dp_accountant=dp_accountant, lr=lr, resident_mib=resident_mib,
+                          dp_accountant=dp_accountant, lr=lr, resident_mib=resident_mib, shuffle=shuffle,
                           **(_script(script, workload, bool(holder_data)) if script else workload_job(workload))),  # BadInput naming the flag
         holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,

@@ -135,6 +135,9 @@ class TrainConfig(JobPart):
     # Issue 27: MiB of travelled records (or tokens) the orchestrator keeps in its own memory, so a
     # visit kept trains again without travelling (train/loader.py Kept); 0: every visit travels.
     resident_mib: Annotated[int, Field(ge=0, le=1 << 20)] = 0
+    # Records: shuffled within each visit, or (all) in one shuffle over every holder's training records,
+    # torch's DataLoader(shuffle=True) over them kept (train/whole.py); resident_mib must hold them.
+    shuffle: Literal["visit", "all"] = "visit"
 
     @model_validator(mode="after")
     def _model_shape(self) -> TrainConfig:
@@ -157,6 +160,10 @@ class TrainConfig(JobPart):
         if self.dp_epsilon and self.script:
             raise ValueError("dp_epsilon: expected 0 for a training script, which draws its own batches: gputravel "
                              "cannot sample them nor account for them (make it a workload file)")
+        if self.shuffle == "all" and not self.records:
+            raise ValueError("shuffle: expected visit for GPT-2's token windows (all shuffles records: --workload)")
+        if self.shuffle == "all" and self.dp_epsilon:
+            raise ValueError("shuffle: expected visit with DP-SGD, which draws its own Poisson sample each step")
         if self.workload == "gpt2" and not self.workload_code and self.record_schema:
             raise ValueError("workload: expected one that trains on records (image, tabular or a file: --workload), "
                              "got gpt2, which trains on tokens")

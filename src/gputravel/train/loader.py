@@ -316,6 +316,28 @@ class TravellingLoader:
         """The job's steps are done: kept records are zeroed and dropped."""
         self.kept.forget()
 
+    def travel_all(self, why: str) -> np.ndarray:
+        """Every holder's training units, in name order, each visit travelling once (a copy: the buffer
+        is scrubbed by the next travel). A holder lost meanwhile is BadInput: `why` all must be there."""
+        parts = []
+        for holder, total in sorted(self.scheduler.sizes.items()):
+            offset = 0
+            while offset < total:
+                visit = Visit(holder, offset, min(self.scheduler.capacity, total - offset))
+                t0 = time.perf_counter()
+                try:
+                    parts.append(np.array(self.source.fetch(visit)))
+                except HolderLost as exc:
+                    raise BadInput(f"holder {holder!r} was lost while the job's records travelled ({exc}): "
+                                   f"{why}; run the job again") from None
+                finally:
+                    self.stall_seconds += time.perf_counter() - t0
+                self.fetches += 1
+                if self.on_fetch is not None:
+                    self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None)))
+                offset += visit.ntokens
+        return np.concatenate(parts)
+
     def _fetch_held(self, fetch_held: Callable[[Visit], np.ndarray], visit: Visit) -> np.ndarray:
         t0 = time.perf_counter()
         try:

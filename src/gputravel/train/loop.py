@@ -27,6 +27,7 @@ from gputravel.errors import BadInput, HolderLost
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
 from gputravel.train.model import GPT, GPTConfig, pick_device
+from gputravel.train.whole import Whole, check_kept
 from gputravel.train.privacy import Private, Resident, check_fits, check_independent, check_job, check_model, new_key
 from gputravel.train.ranks import DataParallel, Ranks
 from gputravel.train.rundir import Kept, RunDir, Sealing, checkpoint_extra, load_checkpoint
@@ -249,11 +250,15 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
         result.travels.append(travel_entry(f))
 
     batching = None if workload.tokens else Shuffled(cfg.batch, cfg.seed, lambda t: workload.inputs(t, device), device)
-    kind, dp_args = TravellingLoader, {"resident_bytes": cfg.resident_mib << 20}
+    kind, args = TravellingLoader, {}
     if private is not None:  # every record resident, a Poisson sample a step
-        kind, dp_args = Resident, {"key": private.key, "rate": private.mechanism.sample_rate, "start": start}
-    loader = kind(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
-                  state=resume, on_fetch=fetched, device=device, batching=batching, **dp_args)
+        kind, args = Resident, {"key": private.key, "rate": private.mechanism.sample_rate, "start": start}
+    elif cfg.shuffle == "all":  # every record kept, one shuffle over them all an epoch
+        assert workload.schema is not None  # TrainConfig allows shuffle all for records only
+        check_kept(cfg.resident_mib, source.sizes(), workload.schema.record_bytes)
+        kind, args = Whole, {"seed": cfg.seed}
+    loader = kind(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule, state=resume,
+                  on_fetch=fetched, device=device, batching=batching, resident_bytes=cfg.resident_mib << 20, **args)
     batches = iter(loader)
     model.train()
     t_start = time.perf_counter()

@@ -15,7 +15,6 @@ import hashlib
 import hmac
 import math
 import os
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -24,10 +23,9 @@ import numpy as np
 import torch
 
 from gputravel.data.records import RecordSchema, as_tensors
-from gputravel.errors import BadInput, HolderLost
+from gputravel.errors import BadInput
 from gputravel.train.job import TrainConfig
-from gputravel.train.loader import Fetched, TravellingLoader, zero
-from gputravel.train.schedule import Visit
+from gputravel.train.loader import TravellingLoader, zero
 from gputravel.workloads import Workload
 
 KEY_BYTES = 32
@@ -407,24 +405,6 @@ class Resident(TravellingLoader):
 
     def resident(self) -> np.ndarray:
         """All holders' training records, travelled once (a copy: the buffer is scrubbed by the next travel)."""
-        if self.records is not None:
-            return self.records
-        parts = []
-        for holder, total in sorted(self.scheduler.sizes.items()):
-            offset = 0
-            while offset < total:
-                visit = Visit(holder, offset, min(self.scheduler.capacity, total - offset))
-                t0 = time.perf_counter()
-                try:
-                    parts.append(np.array(self.source.fetch(visit)))
-                except HolderLost as exc:  # N would change, and with it the sampling the accounting assumes
-                    raise BadInput(f"holder {holder!r} was lost while the DP job's records travelled ({exc}): "
-                                   "every holder's records must be resident; run the job again") from None
-                finally:
-                    self.stall_seconds += time.perf_counter() - t0
-                self.fetches += 1
-                if self.on_fetch is not None:
-                    self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None)))
-                offset += visit.ntokens
-        self.records = np.concatenate(parts)
+        if self.records is None:  # N would change with a holder lost, and with it the sampling the accounting assumes
+            self.records = self.travel_all("every holder's records must be resident for DP-SGD")
         return self.records

@@ -12,13 +12,14 @@ from typing import Any, Callable
 
 import torch
 
-from gputravel.data.records import as_tensors
+from gputravel.data.records import RecordSchema, as_tensors
 from gputravel.errors import BadInput, HolderLost
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import ChunkSource, Fetched, Shuffled, TravellingLoader
 from gputravel.train.loop import StepEvent, TrainResult, state_bytes, train, travel_entry
 from gputravel.train.model import pick_device
 from gputravel.train.rundir import Kept, RunDir
+from gputravel.train.whole import Whole, check_kept
 from gputravel.workloads.script import Feed, run_script
 
 
@@ -53,9 +54,13 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
     def tensors(records: Any) -> dict[str, torch.Tensor]:
         return on_device(as_tensors(records, torch.from_numpy))
 
-    loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule,
-                              on_fetch=fetched, device=device, batching=Shuffled(cfg.batch, cfg.seed, on_device, device),
-                              resident_bytes=cfg.resident_mib << 20)
+    kind, args = TravellingLoader, {}
+    if cfg.shuffle == "all":  # batches() as the stock DataLoader(shuffle=True) draws them, torch's generator
+        check_kept(cfg.resident_mib, source.sizes(), RecordSchema.from_json(cfg.record_schema).record_bytes)
+        kind, args = Whole, {"seed": None}
+    loader = kind(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule, on_fetch=fetched,
+                  device=device, batching=Shuffled(cfg.batch, cfg.seed, on_device, device),
+                  resident_bytes=cfg.resident_mib << 20, **args)
     t0 = time.perf_counter()
 
     def held() -> Any:

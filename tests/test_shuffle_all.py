@@ -1,0 +1,127 @@
+"""One shuffle over every holder's records (the job's shuffle = "all", issue 27): a script ported
+to batches() trains as its stock DataLoader(shuffle=True) does over the same records, travelling
+or local; the loop's own epochs resume mid-epoch; the rules refuse what it cannot do."""
+
+from __future__ import annotations
+
+import io
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gputravel.data.records import common_schema, load_records, split_arrays, write_records
+from gputravel.errors import BadInput
+from gputravel.files import EVAL_SHARE
+from gputravel.train.job import TrainConfig
+from gputravel.train.loader import LocalSource
+from gputravel.train.loop import train
+from gputravel.train.rundir import Kept
+from gputravel.train.scripted import run_job
+
+from gputravel.data.demo_records import demo_holders
+from test_workloads import BUFFER, SCRIPT, job, script_travelled, travelled
+
+STOCK = SCRIPT.with_name("tabular_train.py")
+
+
+@pytest.fixture(scope="module")
+def tumours(tmp_path_factory) -> tuple[tuple[str, str], ...]:
+    return demo_holders("tabular", 3, tmp_path_factory.mktemp("tumours"))
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> tuple[tuple[str, str], ...]:
+    return demo_holders("image", 3, tmp_path_factory.mktemp("digits"))
+
+
+def _port(holders, **changes) -> TrainConfig:
+    return TrainConfig(workload="port", workload_code=SCRIPT.read_text(), script=True, batch=8, buffer_bytes=BUFFER,
+                       record_schema=common_schema(holders).canonical_json(), shuffle="all", resident_mib=1,
+                       **changes)
+
+
+def _stock(holders, tmp_path: Path, monkeypatch, capsys) -> tuple[list[str], dict]:
+    """The unchanged script over each holder's training records (as its CVM splits them), in name order."""
+    dirs = []
+    for name, path in sorted(holders):
+        records = load_records(path)
+        write_records(tmp_path / name, records.schema, split_arrays(records, EVAL_SHARE)[0])
+        dirs.append(str(tmp_path / name))
+    monkeypatch.setattr(sys, "argv", [str(STOCK), *dirs])
+    capsys.readouterr()
+    done = runpy.run_path(str(STOCK))
+    printed = [line.rsplit(" ", 1)[1] for line in capsys.readouterr().out.splitlines() if " loss " in line]
+    return printed, done["model"].state_dict()
+
+
+def _weights(result) -> dict:
+    return torch.load(io.BytesIO(result.weights), weights_only=True)
+
+
+def test_a_ported_script_trains_to_the_stock_scripts_very_weights(tumours, tmp_path: Path, monkeypatch,
+                                                                   capsys) -> None:
+    cfg = _port(tumours)
+    printed, stock = _stock(tumours, tmp_path / "stock", monkeypatch, capsys)
+    local = run_job(cfg, LocalSource.of(cfg, tumours), kept=Kept(weights=True))
+    assert [f"{loss:.4f}" for loss in local.losses] == printed and len(printed) > 100
+    ported = _weights(local)
+    assert ported.keys() == stock.keys() and all(torch.equal(ported[k], stock[k]) for k in stock)
+
+
+def test_g2_a_ported_script_with_one_shuffle_gives_the_same_losses_travelling(tumours, tmp_path: Path) -> None:
+    cfg = _port(tumours)
+    local = run_job(cfg, LocalSource.of(cfg, tumours))
+    moved = script_travelled(cfg, tumours, tmp_path)
+    assert moved.losses == local.losses
+    # Each visit travelled once (two buffers a holder here): every record is kept for the whole job.
+    trained = [(t["holder"], t["token_offset"]) for t in moved.travels if not t.get("held_out")]
+    assert len(trained) == len(set(trained)) == 6 and {h for h, _ in trained} == {n for n, _ in tumours}
+
+
+@pytest.mark.parametrize("workload", ["image", "tabular"])
+def test_the_loops_epochs_over_every_record_resume_and_match_travelling(workload, digits, tumours,
+                                                                       tmp_path: Path) -> None:
+    holders = tumours if workload == "tabular" else digits
+    cfg = job(holders, workload=workload, steps=60, batch=32, eval_every=30, shuffle="all", resident_mib=1)
+    whole = train(cfg, LocalSource.of(cfg, holders))
+    assert travelled(cfg, holders, tmp_path / "moved").losses == whole.losses
+    first = train(cfg, LocalSource.of(cfg, holders), run_dir=tmp_path / "run", should_stop=lambda: True)
+    assert first.stopped and len(first.losses) == 1
+    # Stopped after its first step; resumed: the steps an uninterrupted run would have taken.
+    rest = train(cfg, LocalSource.of(cfg, holders), run_dir=tmp_path / "run",
+                 resume_from=tmp_path / "run" / "checkpoint.pt")
+    assert rest.losses == whole.losses and rest.evals == whole.evals
+    assert whole.losses != train(cfg.replace(shuffle="visit"), LocalSource.of(cfg, holders)).losses
+
+
+def test_one_shuffle_is_refused_where_it_cannot_hold_or_mean_anything(tumours) -> None:
+    with pytest.raises(BadInput, match="shuffle: expected visit for GPT-2"):
+        TrainConfig(shuffle="all")
+    with pytest.raises(BadInput, match="shuffle: expected visit with DP-SGD"):
+        TrainConfig(workload="tabular", shuffle="all", dp_epsilon=3.0)
+    cfg = _port(tumours).replace(resident_mib=0)
+    with pytest.raises(BadInput, match=r"--shuffle all: the holders' \d+ training records take \d+ bytes .* "
+                                       r"--resident-mib 0 holds 0: raise it to 1 or more"):
+        run_job(cfg, LocalSource.of(cfg, tumours))
+
+
+def test_the_records_kept_for_one_shuffle_are_zeroed_when_the_steps_end(tumours, monkeypatch) -> None:
+    import numpy as np
+
+    from gputravel.train import whole
+
+    zeroed: list[np.ndarray] = []
+
+    def noted(units: np.ndarray) -> None:
+        whole_zero(units)
+        zeroed.append(units)
+
+    whole_zero = whole.zero
+    monkeypatch.setattr(whole, "zero", noted)
+    cfg = job(tumours, workload="tabular", steps=5, batch=32, eval_every=0, shuffle="all", resident_mib=1)
+    train(cfg, LocalSource.of(cfg, tumours))
+    assert len(zeroed) == 1 and len(zeroed[0]) == sum(LocalSource.of(cfg, tumours).sizes().values())
+    assert not np.frombuffer(zeroed[0].tobytes(), np.uint8).any()
