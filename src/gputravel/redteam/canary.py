@@ -65,9 +65,38 @@ def search(files: Iterable[Path], needles: Iterable[Needles]) -> Found:
         data = Path(path).read_bytes()
         found += Found(scanned_bytes=len(data))
         for n in needles:
-            markers = data.count(n.marker)
-            found += Found(markers * len(n.marker), sum(data.count(s) * len(s) for s in n.samples), markers=markers)
+            markers = count(data, n.marker)
+            found += Found(markers * len(n.marker), sum(count(data, s) * len(s) for s in n.samples), markers=markers)
     return found
+
+
+def count(data: bytes, needle: bytes) -> int:
+    """``data.count(needle)`` (non-overlapping, from the left), found through the needle's longest run of
+    non-zero bytes. CPython's search skips only past bytes the needle lacks, so a needle holding a zero byte
+    (a digit image, or a random marker one time in 16) steps a byte at a time through zeroed memory, which
+    most of what the host snoops is: ten times slower there."""
+    core, at = _core(needle)
+    if len(core) == len(needle) or not core:
+        return data.count(needle)
+    n, start, hit = 0, 0, data.find(core, at)
+    while hit >= 0:
+        begin = hit - at
+        if data[begin : begin + len(needle)] == needle:
+            n, start = n + 1, begin + len(needle)
+            hit = data.find(core, start + at)
+        else:
+            hit = data.find(core, hit + 1)
+    return n
+
+
+def _core(needle: bytes) -> tuple[bytes, int]:
+    """The needle's longest run without a zero byte, and where it starts."""
+    best, at, off = b"", 0, 0
+    for run in needle.split(b"\0"):
+        if len(run) > len(best):
+            best, at = run, off
+        off += len(run) + 1
+    return best, at
 
 
 # ----------------------------------------------------------------------------- image records
