@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gputravel.data.demo_records import demo_holders
+from gputravel.errors import BadInput
 from gputravel.train.loader import Kept, LocalSource
 from gputravel.train.loop import train
 from gputravel.train.schedule import Visit
@@ -95,9 +96,81 @@ def test_job_show_states_how_long_records_are_kept() -> None:
     kept = shown(TrainConfig(resident_mib=8))
     assert "retention   up to 8 MiB of travelled records kept in the orchestrator CVM's memory" in kept
     assert "never checkpointed" in kept
+    from gputravel.data.records import RecordSchema
+
+    tables = RecordSchema.parse("features: float32[4]; label: int64[]").canonical_json()
+    dp = shown(TrainConfig(workload="tabular", record_schema=tables, dp_epsilon=3.0))  # it keeps every record itself
+    assert "retention   every holder's training records kept" in dp
+    with pytest.raises(BadInput, match="--resident-mib: expected 0 with DP-SGD"):
+        TrainConfig(workload="tabular", dp_epsilon=3.0, resident_mib=1)
+
+
+def test_zero_takes_only_an_array_it_can_zero_in_place() -> None:
+    from gputravel.train.loader import zero
+
+    with pytest.raises(ValueError, match="C-contiguous"):
+        zero(np.asfortranarray(np.ones((3, 4))))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        zero(np.ones(8)[::2])
 
 
 def _sealed():
     from gputravel.manifest.sections import Outputs
 
     return Outputs(model="sealed")
+
+
+def test_a_holder_that_leaves_is_trained_on_no_more_from_its_kept_records(tmp_path: Path) -> None:
+    """As a failed travel would: the orchestrator drops holder-2 after step 20 (as it does on its
+    goodbye); its kept records are not trained on nor evaluated after, and the result says it left."""
+    from gputravel.data.records import RecordSchema, Units
+    from gputravel.protocol.layout import Layout, record_bytes_for
+    from gputravel.testing.cohort import InProcessCohort
+    from gputravel.train.loader import Cut, TravelSource
+
+    holders = demo_holders("tabular", 3, tmp_path / "data")
+    gone = holders[1][0]
+    cfg = job(holders, workload="tabular", steps=60, batch=32, eval_every=10, resident_mib=1)
+    paths = {n: Path(p) for n, p in holders}
+    with InProcessCohort(paths, buffer_bytes=cfg.buffer_bytes, workdir=tmp_path / "cohort",
+                         layout=Layout(record_bytes=record_bytes_for(cfg.buffer_bytes)),
+                         formats=dict.fromkeys(paths, "records"), schema=cfg.record_schema) as cohort:
+        orch = cohort.orchestrator
+        hellos = {n: orch.travel_sm.holders[n] for n in paths}
+        schema = RecordSchema.from_json(cfg.record_schema)
+        cuts = {n: Cut(Units(schema.record_bytes, h.piece_bytes), h.train_records, h.eval_records, schema.dtype)
+                for n, h in hellos.items()}
+        holder_at: list[str] = []
+
+        def on_step(event) -> None:
+            holder_at.append(event.holder)
+            if event.step + 1 == 20:
+                orch.drop(gone)
+
+        result = train(cfg, TravelSource(orch, {n: h.dataset_bytes for n, h in hellos.items()}, cuts),
+                       on_step=on_step)
+    # Its visit under way at step 20 ends (a visit is 4 batches here); none after.
+    assert gone in holder_at[:20] and gone not in holder_at[24:] and len(result.losses) == cfg.steps
+    assert all(gone not in e["per_holder"] for e in result.evals if e["step"] > 20)
+    assert any(gone in e["per_holder"] for e in result.evals if e["step"] <= 20)
+    assert any(repr(gone) in why and "left the cohort" in why for why in result.lost)
+
+
+def test_a_workload_changing_held_out_records_in_place_leaves_the_kept_ones_as_they_came(tmp_path: Path) -> None:
+    from gputravel.data.records import RecordSchema, write_records
+    from gputravel.train.job import TrainConfig
+
+    code = ("SCHEMA = 'row: float32[9]'\nimport torch\ndef model(schema): return torch.nn.Linear(8, 2)\n"
+            "def inputs(records):\n    r = records['row']\n    r[:, :8].mul_(0.5)\n    return r[:, :8], r[:, 8].long()\n")
+    schema = RecordSchema.parse("row: float32[9]")
+    holders = []
+    for i, name in enumerate(("alice", "bob")):
+        rows = np.zeros(200, schema.dtype)
+        rows["row"][:, :8] = np.random.default_rng(i).normal(size=(200, 8))
+        rows["row"][:, 8] = rows["row"][:, 0] > 0
+        write_records(tmp_path / name, schema, rows)
+        holders.append((name, str(tmp_path / name)))
+    cfg = TrainConfig(workload="mine", workload_code=code, record_schema=schema.canonical_json(), steps=40, batch=16,
+                      buffer_bytes=16 << 10, eval_every=10, checkpoint_every=0, warmup_steps=2, lr=3e-3)
+    every, kept = (train(cfg.replace(resident_mib=mib), LocalSource.of(cfg, holders)) for mib in (0, 1))
+    assert kept.losses == every.losses and kept.evals == every.evals and len(every.evals) == 4

@@ -55,10 +55,15 @@ def _privacy(settings: dict[str, object], o: Outputs) -> list[str]:
 def _retention(settings: dict[str, object]) -> str:
     """How long the orchestrator holds travelled records (train/loader.py Kept)."""
     mib = settings.get("resident_mib")
+    if settings.get("dp_epsilon"):  # DP-SGD samples over every record, so keeps them all
+        return ("retention   every holder's training records kept in the orchestrator CVM's memory for the job's "
+                "steps (DP-SGD samples over all of them), zeroed at the end, never checkpointed")
     if not isinstance(mib, int) or not mib:
         return "retention   none: records are trained on from the GPU's buffer, scrubbed before each travel"
-    return (f"retention   up to {mib} MiB of travelled records kept in the orchestrator CVM's memory for the "
-            "job's steps (trained on again without travelling), zeroed at the end, never checkpointed")
+    every = " (every record: one shuffle over them all)" if settings.get("shuffle") == "all" else ""
+    return (f"retention   up to {mib} MiB of travelled records{every} kept in the orchestrator CVM's memory for "
+            "the job's steps (trained on again without travelling, while their holder stays in the cohort), "
+            "zeroed at the end, never checkpointed")
 
 
 def _release(rel: Release, broker: Broker) -> list[str]:

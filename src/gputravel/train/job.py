@@ -162,6 +162,8 @@ class TrainConfig(JobPart):
                              "cannot sample them nor account for them (make it a workload file)")
         if self.shuffle == "all" and not self.records:
             raise ValueError("shuffle: expected visit for GPT-2's token windows (all shuffles records: --workload)")
+        if self.resident_mib and self.dp_epsilon:  # train/privacy.py keeps them all, whatever this says
+            raise ValueError("resident_mib: expected 0 with DP-SGD, which keeps every training record resident itself")
         if self.shuffle == "all" and self.dp_epsilon:
             raise ValueError("shuffle: expected visit with DP-SGD, which draws its own Poisson sample each step")
         if self.workload == "gpt2" and not self.workload_code and self.record_schema:

@@ -66,6 +66,7 @@ class Fetched:
     seconds: float
     report: object | None  # the travel report, when the source travelled
     held: bool = False  # held-out records, fetched for evaluation only
+    kept: bool = False  # trained on again from the records kept (resident_mib): no travel
 
 
 class LocalSource:
@@ -153,6 +154,16 @@ class TravelSource:
         online = getattr(self.engine, "online", None)
         return set(online()) if online is not None else set()
 
+    def present(self, holder: str) -> bool:
+        """Is `holder` still in the cohort? Asked before records it sent are trained on again without
+        a travel (kept): its goodbye, read here, is what a travel would have read first."""
+        admit = getattr(self.engine, "admit_waiting", None)
+        if admit is not None:
+            admit()
+        online = getattr(self.engine, "online", None)
+        holders = online() if online is not None else getattr(self.engine, "holders", None)
+        return holders is None or holder in holders
+
     def fetch(self, visit: Visit) -> np.ndarray:
         return self._move(visit, held=False)
 
@@ -220,7 +231,9 @@ class Shuffled:
 
 
 def zero(units: np.ndarray) -> None:
-    """Every byte of `units` (a contiguous array we made) to zero, whatever its fields."""
+    """Every byte of `units` (a C-contiguous array we made) to zero, whatever its fields."""
+    if not units.flags.c_contiguous:  # reshape would zero a copy, or fail
+        raise ValueError("zero() takes a C-contiguous array")
     units.reshape(-1).view(np.uint8).fill(0)
 
 
@@ -246,11 +259,12 @@ class Kept:
         self.used += copy.nbytes
         return copy
 
-    def forget(self) -> None:
-        for units in self._units.values():
+    def forget(self, holder: str | None = None) -> None:
+        """Zero and drop what was kept (of `holder` only, one that left)."""
+        for key in [k for k in self._units if holder is None or k[0] == holder]:
+            units = self._units.pop(key)
             zero(units)  # the records, not only the references: the process may run on
-        self._units.clear()
-        self.used = 0
+            self.used -= units.nbytes
 
 
 class TravellingLoader:
@@ -305,8 +319,10 @@ class TravellingLoader:
         offset, B = 0, self.batching.window
         while fetch_held is not None and offset < total and holder not in self.scheduler.offline:
             visit = Visit(holder, offset, min(self.scheduler.capacity, total - offset))
-            records = self.kept.get(visit, held=True)
-            if records is None:
+            records = self._kept(visit, held=True)
+            if records is not None:
+                records = records.copy()  # a workload's in-place change must not reach what is kept
+            else:
                 records = self._fetch_held(fetch_held, visit)
             for j in range(0, visit.ntokens, B):
                 yield records[j : j + B]
@@ -317,26 +333,32 @@ class TravellingLoader:
         self.kept.forget()
 
     def travel_all(self, why: str) -> np.ndarray:
-        """Every holder's training units, in name order, each visit travelling once (a copy: the buffer
-        is scrubbed by the next travel). A holder lost meanwhile is BadInput: `why` all must be there."""
-        parts = []
-        for holder, total in sorted(self.scheduler.sizes.items()):
-            offset = 0
-            while offset < total:
-                visit = Visit(holder, offset, min(self.scheduler.capacity, total - offset))
-                t0 = time.perf_counter()
-                try:
-                    parts.append(np.array(self.source.fetch(visit)))
-                except HolderLost as exc:
-                    raise BadInput(f"holder {holder!r} was lost while the job's records travelled ({exc}): "
-                                   f"{why}; run the job again") from None
-                finally:
-                    self.stall_seconds += time.perf_counter() - t0
-                self.fetches += 1
-                if self.on_fetch is not None:
-                    self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None)))
-                offset += visit.ntokens
-        return np.concatenate(parts)
+        """Every holder's training units, in name order, each visit travelling once, in one array (the
+        caller zeroes it when the job ends). A holder lost meanwhile is BadInput: `why` all must be there."""
+        parts: list[np.ndarray] = []
+        try:
+            for holder, total in sorted(self.scheduler.sizes.items()):
+                for offset in range(0, total, self.scheduler.capacity):
+                    parts.append(self._travel_once(Visit(holder, offset, min(self.scheduler.capacity, total - offset)),
+                                                   why))
+            return np.concatenate(parts)
+        finally:
+            for part in parts:  # copies on the way: only the caller's array stays
+                zero(part)
+
+    def _travel_once(self, visit: Visit, why: str) -> np.ndarray:
+        t0 = time.perf_counter()
+        try:
+            units = np.array(self.source.fetch(visit))  # a copy: the buffer is scrubbed by the next travel
+        except HolderLost as exc:
+            raise BadInput(f"holder {visit.holder!r} was lost while the job's records travelled ({exc}): "
+                           f"{why}; run the job again") from None
+        finally:
+            self.stall_seconds += time.perf_counter() - t0
+        self.fetches += 1
+        if self.on_fetch is not None:
+            self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None)))
+        return units
 
     def _fetch_held(self, fetch_held: Callable[[Visit], np.ndarray], visit: Visit) -> np.ndarray:
         t0 = time.perf_counter()
@@ -348,8 +370,8 @@ class TravellingLoader:
             raise
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None), True))
-        records = self.kept.keep(visit, view, held=True)
-        return np.array(view) if records is view else records  # a copy: the buffer is scrubbed next travel
+        self.kept.keep(visit, view, held=True)  # its own copy: a workload may change what it is given
+        return np.array(view)  # a copy: the buffer is scrubbed next travel
 
     def _rejoined(self) -> None:
         """A lost holder that has joined again is scheduled again, from its cursor."""
@@ -357,8 +379,23 @@ class TravellingLoader:
         if online is not None and self.scheduler.offline:
             self.scheduler.offline -= online()
 
+    def _kept(self, visit: Visit, held: bool = False) -> np.ndarray | None:
+        """The visit's kept units, if its holder is still in the cohort (HolderLost if it left: its kept
+        records are zeroed, and it is trained on no more, as a failed travel would have it)."""
+        units = self.kept.get(visit, held)
+        if units is None:
+            return None
+        present = getattr(self.source, "present", None)
+        if present is not None and not present(visit.holder):
+            self.kept.forget(visit.holder)
+            self.scheduler.offline.add(visit.holder)
+            raise HolderLost(visit.holder, "it left the cohort", during="the job (its kept records dropped)")
+        if self.on_fetch is not None:
+            self.on_fetch(Fetched(visit, 0.0, None, held, kept=True))
+        return units
+
     def _fetch(self, visit: Visit, epoch: int) -> Any:
-        if (units := self.kept.get(visit)) is not None:  # kept: no travel, no wait
+        if (units := self._kept(visit)) is not None:  # kept: no travel, no wait
             return self.batching.plan(units, visit, epoch)
         t0 = time.perf_counter()
         try:

@@ -247,7 +247,8 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
     def fetched(f: Fetched) -> None:
         if not f.held:  # the batches that follow an evaluation are still the training visit's
             holder_of_batch["name"] = f.visit.holder
-        result.travels.append(travel_entry(f))
+        if not f.kept:  # a kept visit did not travel
+            result.travels.append(travel_entry(f))
 
     batching = None if workload.tokens else Shuffled(cfg.batch, cfg.seed, lambda t: workload.inputs(t, device), device)
     kind, args = TravellingLoader, {}

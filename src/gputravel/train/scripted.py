@@ -46,7 +46,8 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
     def fetched(f: Fetched) -> None:
         if not f.held:
             last["holder"] = f.visit.holder
-        result.travels.append(travel_entry(f))
+        if not f.kept:  # a kept visit did not travel
+            result.travels.append(travel_entry(f))
 
     def on_device(fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(device) for k, v in fields.items()}

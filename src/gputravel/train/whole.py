@@ -11,6 +11,7 @@ instead, so a checkpoint resumes mid-epoch.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from gputravel.data.records import as_tensors
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, HolderLost
 from gputravel.train.loader import TravellingLoader, zero
 from gputravel.train.schedule import LoaderState
 
@@ -60,13 +61,16 @@ class Whole(TravellingLoader):
         super().__init__(*args, **kw)
         self.seed = seed
         self.records: np.ndarray | None = None
+        self.holders: dict[str, int] = {}
 
     def __iter__(self) -> Iterator[Any]:
         if self.records is None:
             self.records = self.travel_all("a shuffle over every record needs them all")
-        dataset = _Fields(as_tensors(self.records, torch.from_numpy))
+            self.holders = dict(sorted(self.scheduler.sizes.items()))  # their records, in this order
         epoch, skip = self.state.epoch, self.state.skip
         while True:
+            self._drop_departed()
+            dataset = _Fields(as_tensors(self.records, torch.from_numpy))
             gen = None if self.seed is None else torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
             for j, fields in enumerate(DataLoader(dataset, batch_size=self.batching.window, shuffle=True,
                                                   generator=gen)):
@@ -74,6 +78,23 @@ class Whole(TravellingLoader):
                     self.state = LoaderState(epoch=epoch, skip=j + 1)
                     yield self.batching.to_batch(fields)
             epoch, skip = epoch + 1, 0
+
+    def _drop_departed(self) -> None:
+        """At each epoch: a holder that left the cohort is trained on no more; its records are zeroed."""
+        present = getattr(self.source, "present", None)
+        gone = [h for h in self.holders if present is not None and not present(h)]
+        if not gone or self.records is None:
+            return
+        starts = dict(zip(self.holders, [0, *itertools.accumulate(self.holders.values())][:-1], strict=True))
+        stay = [self.records[starts[h]:starts[h] + n] for h, n in self.holders.items() if h not in gone]
+        if not stay:
+            raise HolderLost("every holder", "all data holders left the cohort; training cannot go on")
+        old, self.records = self.records, np.concatenate(stay)
+        zero(old)
+        for h in gone:
+            del self.holders[h]
+            self.scheduler.offline.add(h)
+            self.lost.append(f"holder {h!r} left the cohort: its kept records dropped")
 
     def close(self) -> None:
         super().close()
