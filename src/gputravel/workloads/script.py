@@ -54,7 +54,8 @@ def _current() -> Feed:
 
 def batches() -> Iterator[dict[str, Any]]:
     """One epoch over every holder's training records, as dicts of tensors (field name -> tensor),
-    the job's --batch records each, shuffled within each travel."""
+    the job's --batch records each, shuffled within each travel (the job's shuffle "all": one shuffle over
+    them all, as DataLoader(shuffle=True) draws it from torch's generator)."""
     return _current().epoch()
 
 
