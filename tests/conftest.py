@@ -43,6 +43,11 @@ def pytest_configure(config: pytest.Config) -> None:
     shared /tmp/pytest-of-root: every pytest session makes that one 0700 again when it starts,
     which, with a second suite running beside this one, shut the parties' accounts out of this
     one's cohort directories halfway through. Deleted when the session ends."""
+    # xdist hands out files by their number of tests, most first, unless told not to (its
+    # --loadscope-reorder is on by default): HEAVY_FIRST's order below would not hold, and
+    # heavy files of few tests (test_fl_deploy.py: 2) would start last and end the run alone.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if os.geteuid() == 0 and config.option.basetemp is None and not hasattr(config, "workerinput"):
         # Under xdist the controller makes it and each worker takes basetemp/popen-gwN below.
         base = tempfile.mkdtemp(prefix="gt-")  # short: sockets live below it, and xdist adds popen-gwN
@@ -70,11 +75,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _heavy_files_first(items)
 
 
-# The files that hold a worker a minute or more (`--durations`, 2026-11-29): xdist's loadfile
-# hands files out in the order collected, so these go first and no worker ends alone on one.
-HEAVY_FIRST = ("test_redteam.py", "test_redteam_jobs.py", "test_gpus_train.py", "test_demo_release.py",
-               "test_redteam_records.py", "test_service_gpus.py", "test_training.py", "test_service_deploy.py",
-               "test_fl_deploy.py", "test_workloads.py", "test_bench_train_records.py")
+# The files that hold a worker half a minute or more, heaviest first (`--durations`, 2026-11-29, less
+# what the red team's and the epoch machine's fixes took off): xdist's loadfile hands files out in the
+# order collected (pytest_configure turns its reordering off), so no worker ends alone on a heavy one.
+HEAVY_FIRST = ("test_gpus_train.py", "test_fl_deploy.py", "test_training.py", "test_redteam.py", "test_service_deploy.py",
+               "test_service_gpus.py", "test_demo_release.py", "test_redteam_records.py", "test_train_ranks.py",
+               "test_bench_train_records.py", "test_bench_smoke.py", "test_torchrun.py", "test_redteam_jobs.py",
+               "test_workloads.py")
 
 
 def _heavy_files_first(items: list[pytest.Item]) -> None:
