@@ -195,12 +195,12 @@ EXPECTED: dict[str, tuple[str, tuple[Check, ...]]] = {
 # the host's forged-GPFIFO holds, which are set against the device timeout (scaled with it, so
 # each forged get still outlasts the rotation's tries and not the next scrub). Each dropped
 # push, scrub or rotation and each holder that never hands the GPU back costs one of them
-# (about half of the run's 70 s); a shorter wait changes no defence and no row's evidence, and
+# (about half of the run's 47 s); a shorter wait changes no defence and no row's evidence, and
 # leaves an honest push or travel (milliseconds here) ample room.
 SUITE_WAITS = min(1.0, 0.5 * TIMEOUT_SCALE)  # a slower machine (GPUTRAVEL_TEST_TIMEOUT_SCALE) waits longer
 
 
-# The whole red team runs in the first row's setup (about 70 s): the limit covers it, so a busy
+# The whole red team runs in the first row's setup (about 50 s): the limit covers it, so a busy
 # machine fails no row by the clock, while each row's verdict stays its own.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
