@@ -174,3 +174,40 @@ def test_a_workload_changing_held_out_records_in_place_leaves_the_kept_ones_as_t
                       buffer_bytes=16 << 10, eval_every=10, checkpoint_every=0, warmup_steps=2, lr=3e-3)
     every, kept = (train(cfg.replace(resident_mib=mib), LocalSource.of(cfg, holders)) for mib in (0, 1))
     assert kept.losses == every.losses and kept.evals == every.evals and len(every.evals) == 4
+
+
+def test_a_dp_job_samples_a_holder_that_left_no_more(tmp_path: Path, monkeypatch) -> None:
+    from test_dp_training import KEY, job as dp_job
+    from test_shuffle_all import _Leaving
+
+    from gputravel.train import loop
+    from gputravel.train.privacy import Resident
+
+    holders = demo_holders("tabular", 3, tmp_path)
+    cfg = dp_job(holders, steps=12)
+    source = _Leaving.of(cfg, holders)
+    gone = holders[0][0]
+    theirs = {r.tobytes() for r in source.fetch(Visit(gone, 0, source.sizes()[gone]))["features"]}
+    seen: list[tuple[int, set[bytes]]] = []
+    steps = {"n": 0}
+
+    class Spy(Resident):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            inner = self.batching.to_batch
+
+            def to_batch(fields):
+                seen.append((steps["n"], {r.numpy().tobytes() for r in fields["features"]}))
+                return inner(fields)
+            self.batching.to_batch = to_batch
+
+    def on_step(event) -> None:
+        steps["n"] = event.step + 1
+        if event.step + 1 == 4:
+            source.gone = gone
+
+    monkeypatch.setattr(loop, "Resident", Spy)
+    result = train(cfg, source, dp_key=KEY, on_step=on_step)
+    assert any(rows & theirs for n, rows in seen if n < 4) and len(result.losses) == cfg.steps
+    assert not [n for n, rows in seen if n >= 4 and rows & theirs]
+    assert any(repr(gone) in why for why in result.lost) and result.dp["epsilon_spent"] <= cfg.dp_epsilon

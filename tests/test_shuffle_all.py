@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from gputravel.data.records import common_schema, load_records, split_arrays, write_records
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, HolderLost
 from gputravel.files import EVAL_SHARE
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import LocalSource
 from gputravel.train.loop import train
 from gputravel.train.rundir import Kept
+from gputravel.train.schedule import Visit
 from gputravel.train.scripted import run_job
 
 from gputravel.data.demo_records import demo_holders
@@ -123,5 +124,96 @@ def test_the_records_kept_for_one_shuffle_are_zeroed_when_the_steps_end(tumours,
     monkeypatch.setattr(whole, "zero", noted)
     cfg = job(tumours, workload="tabular", steps=5, batch=32, eval_every=0, shuffle="all", resident_mib=1)
     train(cfg, LocalSource.of(cfg, tumours))
-    assert len(zeroed) == 1 and len(zeroed[0]) == sum(LocalSource.of(cfg, tumours).sizes().values())
-    assert not np.frombuffer(zeroed[0].tobytes(), np.uint8).any()
+    # The records as they travelled, then each field array training read: every one, every byte.
+    n = sum(LocalSource.of(cfg, tumours).sizes().values())
+    assert [a.dtype.names or a.dtype.name for a in zeroed] == [("features", "label"), "float32", "int64"]
+    assert all(len(a) == n and not np.frombuffer(a.tobytes(), np.uint8).any() for a in zeroed)
+
+
+class _Leaving(LocalSource):
+    """The holders' data from disk, one of which leaves the cohort once `gone` is set (as a goodbye)."""
+
+    gone: str | None = None
+
+    def departed(self, holders) -> set[str]:
+        return {h for h in holders if h == self.gone}
+
+    def fetch(self, visit):
+        if visit.holder == self.gone:  # a travel to it fails
+            raise HolderLost(visit.holder, "it left", during="a travel")
+        return super().fetch(visit)
+
+    def fetch_held(self, visit):
+        if visit.holder == self.gone:
+            raise HolderLost(visit.holder, "it left", during="a travel")
+        return super().fetch_held(visit)
+
+
+def test_a_holder_that_leaves_mid_epoch_is_out_of_the_next_buffers_batches(tumours, monkeypatch) -> None:
+    from gputravel.train import loop
+    from gputravel.train.whole import Whole
+
+    cfg = job(tumours, workload="tabular", steps=30, batch=32, eval_every=10, shuffle="all", resident_mib=1)
+    source = _Leaving.of(cfg, tumours)
+    gone = tumours[1][0]
+    theirs = {r.tobytes() for r in source.fetch(Visit(gone, 0, source.sizes()[gone]))["features"]}
+    seen: list[tuple[int, set[bytes]]] = []
+    steps = {"n": 0}
+
+    class Spy(Whole):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            inner = self.batching.to_batch
+
+            def to_batch(fields):
+                seen.append((steps["n"], {r.numpy().tobytes() for r in fields["features"]}))
+                return inner(fields)
+            self.batching.to_batch = to_batch
+
+    def on_step(event) -> None:
+        steps["n"] = event.step + 1
+        if event.step + 1 == 3:
+            source.gone = gone
+
+    monkeypatch.setattr(loop, "Whole", Spy)
+    result = train(cfg, source, on_step=on_step)
+    assert any(rows & theirs for n, rows in seen if n < 3)
+    assert not [n for n, rows in seen if n >= 3 and rows & theirs]  # goodbyes are read before each batch
+    assert len(result.losses) == cfg.steps and any(repr(gone) in why for why in result.lost)
+    assert all(gone not in e["per_holder"] for e in result.evals)  # the first evaluation is at step 10
+
+
+def test_a_departure_first_seen_by_an_evaluation_is_named_in_lost(tumours) -> None:
+    cfg = job(tumours, workload="tabular", steps=30, batch=32, eval_every=10, resident_mib=1)
+    source = _Leaving.of(cfg, tumours)
+    gone = tumours[2][0]
+
+    def on_step(event) -> None:  # visits of 4 batches in turn: step 20 ends holder-2's, then evaluation
+        if event.step + 1 == 19:
+            source.gone = gone
+
+    result = train(cfg, source, on_step=on_step)
+    assert [why for why in result.lost if repr(gone) in why and "left the cohort" in why]
+    assert len(result.losses) == cfg.steps and gone in result.evals[0]["per_holder"]
+    assert [e["step"] for e in result.evals if gone not in e["per_holder"]] == [20, 30]
+
+
+def test_a_script_that_breaks_off_an_epoch_or_draws_between_them_still_trains_as_the_stock_one(
+        tumours, tmp_path: Path, monkeypatch, capsys) -> None:
+    # A stock loop begins an epoch at each `for`: a break ends it, and torch.rand between epochs
+    # draws before the next DataLoader's seed. batches() must do both the same way.
+    def edit(text: str) -> str:
+        text = text.replace("for epoch in range(3):\n", "for epoch in range(3):\n    torch.rand(1)\n")
+        return text.replace("        optimizer.step()\n", "        optimizer.step()\n"
+                                                         "        if epoch == 0 and loss.item() < 10:\n"
+                                                         "            break\n")
+    stock = tmp_path / "tabular_train.py"
+    stock.write_text(edit(STOCK.read_text()))
+    monkeypatch.setattr(sys.modules[__name__], "STOCK", stock)
+    printed, weights = _stock(tumours, tmp_path / "stock", monkeypatch, capsys)
+    cfg = _port(tumours).replace(workload_code=edit(SCRIPT.read_text()))
+    assert "break" in cfg.workload_code and "torch.rand(1)" in cfg.workload_code
+    local = run_job(cfg, LocalSource.of(cfg, tumours), kept=Kept(weights=True))
+    assert [f"{loss:.4f}" for loss in local.losses] == printed and len(printed) > 50
+    ported = _weights(local)
+    assert all(torch.equal(ported[k], weights[k]) for k in weights)

@@ -70,9 +70,14 @@ class Admitting:
     def online(self) -> set[str]:
         return set(self.orch.holders)
 
-    def admit_waiting(self) -> None:
+    def read_goodbyes(self) -> None:
+        """Holders that said goodbye (or broke their link) are dropped; nobody is admitted here: the
+        loader asks this before it trains again on records it kept (train/loader.py)."""
         for name in [n for n, conn in self.orch.holders.items() if _readable(conn.fileno())]:
             self._departure(name)  # between travels a holder only ever says goodbye
+
+    def admit_waiting(self) -> None:
+        self.read_goodbyes()
         # One admission per travel at most: a stream of connections delays travels, never starves them.
         if _readable(self.orch.listener.fileno()):
             try:

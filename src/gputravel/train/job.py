@@ -210,8 +210,8 @@ class TrainConfig(JobPart):
         Checked against measured peaks: the demo's model, B 8, T 64 to 4096. A records workload's
         model is its own: torch's share only (the shipped ones are small)."""
         if self.records:
-            return TORCH_MIB + self.resident_mib
+            return TORCH_MIB + 2 * self.resident_mib  # twice while kept records first arrive
         tokens = self.batch * self.seq_len
         activations = 4 * tokens * (20 * self.n_layer * self.n_embd + 3 * self.vocab_size + 2 * self.n_embd)
-        return TORCH_MIB + self.resident_mib + -(-(16 * self.params() + activations) // (1 << 20))
+        return TORCH_MIB + 2 * self.resident_mib + -(-(16 * self.params() + activations) // (1 << 20))
 

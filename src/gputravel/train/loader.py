@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -154,15 +154,16 @@ class TravelSource:
         online = getattr(self.engine, "online", None)
         return set(online()) if online is not None else set()
 
-    def present(self, holder: str) -> bool:
-        """Is `holder` still in the cohort? Asked before records it sent are trained on again without
-        a travel (kept): its goodbye, read here, is what a travel would have read first."""
-        admit = getattr(self.engine, "admit_waiting", None)
-        if admit is not None:
-            admit()
+    def departed(self, holders: Iterable[str]) -> set[str]:
+        """Which of `holders` left the cohort? Asked before records they sent are trained on again
+        without a travel (kept): goodbyes are read here, as a travel would read them first; nobody
+        is admitted (a travel does that)."""
+        goodbyes = getattr(self.engine, "read_goodbyes", None)
+        if goodbyes is not None:
+            goodbyes()
         online = getattr(self.engine, "online", None)
-        holders = online() if online is not None else getattr(self.engine, "holders", None)
-        return holders is None or holder in holders
+        here = online() if online is not None else getattr(self.engine, "holders", None)
+        return set() if here is None else {h for h in holders if h not in here}
 
     def fetch(self, visit: Visit) -> np.ndarray:
         return self._move(visit, held=False)
@@ -300,7 +301,7 @@ class TravellingLoader:
                 # The GPU is back and re-keyed; nothing of the partial chunk is used. Go on
                 # with the other holders; this one's cursor stays put for when it returns.
                 self.scheduler.offline.add(visit.holder)
-                self.lost.append(str(exc))
+                self.note_lost(str(exc))
                 continue
             n = self.scheduler.windows_in(visit.ntokens)
             done = self.scheduler.consumed(after, visit)
@@ -319,7 +320,11 @@ class TravellingLoader:
         offset, B = 0, self.batching.window
         while fetch_held is not None and offset < total and holder not in self.scheduler.offline:
             visit = Visit(holder, offset, min(self.scheduler.capacity, total - offset))
-            records = self._kept(visit, held=True)
+            try:
+                records = self._kept(visit, held=True)
+            except HolderLost as exc:  # it left: as a failed travel, offline and named
+                self.note_lost(str(exc))
+                raise
             if records is not None:
                 records = records.copy()  # a workload's in-place change must not reach what is kept
             else:
@@ -366,7 +371,7 @@ class TravellingLoader:
             view = fetch_held(visit)
         except HolderLost as exc:  # as in training: it goes offline, the job goes on without it
             self.scheduler.offline.add(visit.holder)
-            self.lost.append(str(exc))
+            self.note_lost(str(exc))
             raise
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None), True))
@@ -379,16 +384,27 @@ class TravellingLoader:
         if online is not None and self.scheduler.offline:
             self.scheduler.offline -= online()
 
+    def departed(self, holders: Iterable[str]) -> set[str]:
+        """Of `holders`, those that left the cohort (the source says; a local one never loses any): each
+        is offline from now and its kept records zeroed (the caller names it in `lost`)."""
+        ask = getattr(self.source, "departed", None)
+        gone: set[str] = ask(holders) if ask is not None else set()
+        for holder in gone:
+            self.kept.forget(holder)
+            self.scheduler.offline.add(holder)
+        return gone
+
+    def note_lost(self, why: str) -> None:
+        if why not in self.lost:
+            self.lost.append(why)
+
     def _kept(self, visit: Visit, held: bool = False) -> np.ndarray | None:
         """The visit's kept units, if its holder is still in the cohort (HolderLost if it left: its kept
         records are zeroed, and it is trained on no more, as a failed travel would have it)."""
         units = self.kept.get(visit, held)
         if units is None:
             return None
-        present = getattr(self.source, "present", None)
-        if present is not None and not present(visit.holder):
-            self.kept.forget(visit.holder)
-            self.scheduler.offline.add(visit.holder)
+        if self.departed({visit.holder}):
             raise HolderLost(visit.holder, "it left the cohort", during="the job (its kept records dropped)")
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, 0.0, None, held, kept=True))

@@ -256,7 +256,7 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
         kind, args = Resident, {"key": private.key, "rate": private.mechanism.sample_rate, "start": start}
     elif cfg.shuffle == "all":  # every record kept, one shuffle over them all an epoch
         assert workload.schema is not None  # TrainConfig allows shuffle all for records only
-        check_kept(cfg.resident_mib, source.sizes(), workload.schema.record_bytes)
+        _check_kept_everywhere(cfg.resident_mib, source.sizes(), workload.schema.record_bytes, dp)
         kind, args = Whole, {"seed": cfg.seed}
     loader = kind(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes, policy=cfg.schedule, state=resume,
                   on_fetch=fetched, device=device, batching=batching, resident_bytes=cfg.resident_mib << 20, **args)
@@ -301,6 +301,20 @@ def _loop(cfg: TrainConfig, workload: Workload, source: ChunkSource, device: str
         loader.close()  # records kept for the job's steps live no longer
     result.wall_seconds = time.perf_counter() - t_start
     return loader
+
+
+def _check_kept_everywhere(resident_mib: int, sizes: dict, record_bytes: int, dp: DataParallel | None) -> None:
+    """check_kept on this rank's share, and with ranks a vote first: every rank refuses before any
+    record travels, each naming the flag, not a broken link to the rank that refused."""
+    try:
+        check_kept(resident_mib, sizes, record_bytes)
+    except BadInput:
+        if dp is not None:
+            dp.anyone(True)
+        raise
+    if dp is not None and dp.anyone(False):
+        raise BadInput(f"--shuffle all: another rank's share of the holders' training records does not fit "
+                       f"--resident-mib {resident_mib} (each rank keeps its own share): raise it")
 
 
 def travel_entry(f: Fetched) -> dict:

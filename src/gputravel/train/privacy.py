@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import hmac
+import itertools
 import math
 import os
 import warnings
@@ -390,9 +391,21 @@ class Resident(TravellingLoader):
 
     def __iter__(self) -> Iterator[Any]:
         records = self.resident()
+        sizes = dict(sorted(self.scheduler.sizes.items()))
+        starts = [0, *itertools.accumulate(sizes.values())]
+        ranges = {h: slice(a, b) for h, a, b in zip(sizes, starts[:-1], starts[1:], strict=True)}
+        alive = np.ones(len(records), dtype=bool)
         step = self.start
         while True:
+            if ranges:  # a holder that left is sampled no more (its goodbye read before each step)
+                for holder in sorted(self.departed(list(ranges))):
+                    span = ranges.pop(holder)
+                    alive[span] = False
+                    zero(records[span])
+                    self.note_lost(f"holder {holder!r} left the cohort: its records dropped from the sample")
+            # Each record still taken at rate q, independently: the accounting over N stays an upper bound.
             picked = poisson_sample(self.key, step, len(records), self.rate).numpy()
+            picked = picked[alive[picked]]
             step += 1
             self.drawn = len(picked)
             yield self.batching.to_batch(as_tensors(records[picked], torch.from_numpy)) if len(picked) else None

@@ -30,6 +30,10 @@ class Feed:
     kept: dict[str, Any] | None = None  # the state_dict of the model the script handed keep() last
 
     def epoch(self) -> Iterator[Any]:
+        begin = getattr(self.loader, "epoch_batches", None)
+        if begin is not None:  # one shuffle over all records: an epoch begins at each call, as a stock loop's
+            yield from begin()
+            return
         if self._it is None:
             self._it = iter(self.loader)
         epoch = self.loader.state.epoch
