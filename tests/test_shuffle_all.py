@@ -217,3 +217,29 @@ def test_a_script_that_breaks_off_an_epoch_or_draws_between_them_still_trains_as
     assert [f"{loss:.4f}" for loss in local.losses] == printed and len(printed) > 50
     ported = _weights(local)
     assert all(torch.equal(ported[k], weights[k]) for k in weights)
+
+
+class _Vote:
+    """A data-parallel job's stop vote, as every rank sees it: yes if any rank said yes."""
+
+    def __init__(self, others: bool) -> None:
+        self.others = others
+        self.said: list[bool] = []
+
+    def anyone(self, mine: bool) -> bool:
+        self.said.append(mine)
+        return mine or self.others
+
+
+def test_with_ranks_every_rank_refuses_a_share_that_does_not_fit_before_anything_travels() -> None:
+    from gputravel.train.loop import _check_kept_everywhere
+
+    fits, too_many = {"a": 100}, {"a": 100_000}  # records of 128 bytes against 1 MiB
+    vote = _Vote(others=True)
+    with pytest.raises(BadInput, match=r"another rank's share .* --resident-mib 1 \(each rank keeps its own share\)"):
+        _check_kept_everywhere(1, fits, 128, vote)  # type: ignore[arg-type]
+    mine = _Vote(others=False)
+    with pytest.raises(BadInput, match=r"--resident-mib 1 holds 1048576: raise it to 13 or more"):
+        _check_kept_everywhere(1, too_many, 128, mine)  # type: ignore[arg-type]
+    assert vote.said == [False] and mine.said == [True]  # one vote each: the ranks stay in step
+    _check_kept_everywhere(1, fits, 128, _Vote(others=False))  # type: ignore[arg-type]
