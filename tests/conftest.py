@@ -78,10 +78,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # The files that hold a worker half a minute or more, heaviest first (`--durations`, 2026-11-29, less
 # what the red team's and the epoch machine's fixes took off): xdist's loadfile hands files out in the
 # order collected (pytest_configure turns its reordering off), so no worker ends alone on a heavy one.
-HEAVY_FIRST = ("test_gpus_train.py", "test_fl_deploy.py", "test_training.py", "test_redteam.py", "test_service_deploy.py",
-               "test_service_gpus.py", "test_demo_release.py", "test_redteam_records.py", "test_train_ranks.py",
-               "test_bench_train_records.py", "test_bench_smoke.py", "test_torchrun.py", "test_redteam_jobs.py",
-               "test_workloads.py")
+# test_workloads.py early: five of its in-process tests took 166 s in the fast tier on 2026-11-29 (load 3).
+HEAVY_FIRST = ("test_gpus_train.py", "test_workloads.py", "test_fl_deploy.py", "test_training.py", "test_redteam.py",
+               "test_service_deploy.py", "test_service_gpus.py", "test_demo_release.py", "test_redteam_records.py",
+               "test_train_ranks.py", "test_bench_train_records.py", "test_bench_smoke.py", "test_torchrun.py",
+               "test_redteam_jobs.py")
 
 
 def _heavy_files_first(items: list[pytest.Item]) -> None:
