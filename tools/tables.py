@@ -560,10 +560,13 @@ def train_workload_targets(files):
     DataLoader's measured just before it (at most 1.05x), and its stall share (at most 1 %)."""
     rows = []
     for d, _, _ in files:
+        job = d.get("config") or {}
+        kept = f"{job['resident_mib']} MiB" if job.get("resident_mib") else "none"
         for r in (r for r in d["rows"] if r.get("method") == "travel"):
             ratio, stall = r.get("step_ms_vs_local"), r.get("stall_share")
-            rows.append((d.get("workload", "gpt2"), link(r["bandwidth_mbit"]),
+            rows.append((d.get("workload", "gpt2"), f"{job.get('steps', '-')}", kept, link(r["bandwidth_mbit"]),
                          f"{num(r.get('step_ms'))} / {num(r.get('local_step_ms'))} ms = {num(ratio)}x",
                          "-" if ratio is None else ("met" if round(ratio, 2) <= 1.05 else "**missed**"),
                          pct(stall, 2), "-" if stall is None else ("met" if stall <= 0.01 else "**missed**")))
-    return ("workload", "link", "travel step / DataLoader step", "within 1.05x", "stall share", "at most 1 %"), rows
+    return ("workload", "steps", "records kept", "link", "travel step / DataLoader step", "within 1.05x",
+            "stall share", "at most 1 %"), rows
