@@ -53,7 +53,12 @@ def _stock(holders, tmp_path: Path, monkeypatch, capsys) -> tuple[list[str], dic
         dirs.append(str(tmp_path / name))
     monkeypatch.setattr(sys, "argv", [str(STOCK), *dirs])
     capsys.readouterr()
-    done = runpy.run_path(str(STOCK))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TrainConfig().threads)  # as the job runs it: the same sums in the same order
+    try:
+        done = runpy.run_path(str(STOCK))
+    finally:
+        torch.set_num_threads(threads)
     printed = [line.rsplit(" ", 1)[1] for line in capsys.readouterr().out.splitlines() if " loss " in line]
     return printed, done["model"].state_dict()
 
