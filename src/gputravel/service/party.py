@@ -36,7 +36,10 @@ BOOT_TIMEOUT = 120.0  # a party's process started and ready (its first words: Pa
 def log(party: str, event: str, **fields: object) -> None:
     """One JSON line on stderr per event. Callers pass names, paths and counts, never a key."""
     line = {"ts": round(time.time(), 3), "party": party, "event": event, **fields}
-    print(json.dumps(line, default=str), file=sys.stderr, flush=True)
+    # One write of the line and its newline: print() writes them apart, so two threads or processes
+    # sharing stderr could put two events on one line (seen under load: a JSON line that would not parse).
+    sys.stderr.write(json.dumps(line, default=str) + "\n")
+    sys.stderr.flush()
 
 
 def wait_for(party: str, what: str, ready: Callable[[], bool], stop: Callable[[], bool],
