@@ -123,32 +123,21 @@ def _sealed():
 def test_a_holder_that_leaves_is_trained_on_no_more_from_its_kept_records(tmp_path: Path) -> None:
     """As a failed travel would: the orchestrator drops holder-2 after step 20 (as it does on its
     goodbye); its kept records are not trained on nor evaluated after, and the result says it left."""
-    from gputravel.data.records import RecordSchema, Units
-    from gputravel.protocol.layout import Layout, record_bytes_for
-    from gputravel.testing.cohort import InProcessCohort
-    from gputravel.train.loader import Cut, TravelSource
+    from test_workloads import on_cohort
 
     holders = demo_holders("tabular", 3, tmp_path / "data")
     gone = holders[1][0]
     cfg = job(holders, workload="tabular", steps=60, batch=32, eval_every=10, resident_mib=1)
-    paths = {n: Path(p) for n, p in holders}
-    with InProcessCohort(paths, buffer_bytes=cfg.buffer_bytes, workdir=tmp_path / "cohort",
-                         layout=Layout(record_bytes=record_bytes_for(cfg.buffer_bytes)),
-                         formats=dict.fromkeys(paths, "records"), schema=cfg.record_schema) as cohort:
-        orch = cohort.orchestrator
-        hellos = {n: orch.travel_sm.holders[n] for n in paths}
-        schema = RecordSchema.from_json(cfg.record_schema)
-        cuts = {n: Cut(Units(schema.record_bytes, h.piece_bytes), h.train_records, h.eval_records, schema.dtype)
-                for n, h in hellos.items()}
-        holder_at: list[str] = []
+    holder_at: list[str] = []
 
+    def run(source):
         def on_step(event) -> None:
             holder_at.append(event.holder)
             if event.step + 1 == 20:
-                orch.drop(gone)
+                source.engine.drop(gone)  # the in-process orchestrator
+        return train(cfg, source, on_step=on_step)
 
-        result = train(cfg, TravelSource(orch, {n: h.dataset_bytes for n, h in hellos.items()}, cuts),
-                       on_step=on_step)
+    result = on_cohort(cfg, holders, tmp_path / "cohort", run)
     # Its visit under way at step 20 ends (a visit is 4 batches here); none after.
     assert gone in holder_at[:20] and gone not in holder_at[24:] and len(result.losses) == cfg.steps
     assert all(gone not in e["per_holder"] for e in result.evals if e["step"] > 20)
@@ -178,36 +167,10 @@ def test_a_workload_changing_held_out_records_in_place_leaves_the_kept_ones_as_t
 
 def test_a_dp_job_samples_a_holder_that_left_no_more(tmp_path: Path, monkeypatch) -> None:
     from test_dp_training import KEY, job as dp_job
-    from test_shuffle_all import _Leaving
-
-    from gputravel.train import loop
-    from gputravel.train.privacy import Resident
+    from test_shuffle_all import leaving_at
 
     holders = demo_holders("tabular", 3, tmp_path)
     cfg = dp_job(holders, steps=12)
-    source = _Leaving.of(cfg, holders)
-    gone = holders[0][0]
-    theirs = {r.tobytes() for r in source.fetch(Visit(gone, 0, source.sizes()[gone]))["features"]}
-    seen: list[tuple[int, set[bytes]]] = []
-    steps = {"n": 0}
-
-    class Spy(Resident):
-        def __init__(self, *a, **kw) -> None:
-            super().__init__(*a, **kw)
-            inner = self.batching.to_batch
-
-            def to_batch(fields):
-                seen.append((steps["n"], {r.numpy().tobytes() for r in fields["features"]}))
-                return inner(fields)
-            self.batching.to_batch = to_batch
-
-    def on_step(event) -> None:
-        steps["n"] = event.step + 1
-        if event.step + 1 == 4:
-            source.gone = gone
-
-    monkeypatch.setattr(loop, "Resident", Spy)
-    result = train(cfg, source, dp_key=KEY, on_step=on_step)
-    assert any(rows & theirs for n, rows in seen if n < 4) and len(result.losses) == cfg.steps
-    assert not [n for n, rows in seen if n >= 4 and rows & theirs]
+    result, seen, gone = leaving_at(monkeypatch, cfg, holders, "Resident", 4, dp_key=KEY)
+    assert seen and max(seen) < 4 and len(result.losses) == cfg.steps
     assert any(repr(gone) in why for why in result.lost) and result.dp["epsilon_spent"] <= cfg.dp_epsilon

@@ -154,36 +154,41 @@ class _Leaving(LocalSource):
         return super().fetch_held(visit)
 
 
-def test_a_holder_that_leaves_mid_epoch_is_out_of_the_next_buffers_batches(tumours, monkeypatch) -> None:
+def leaving_at(monkeypatch, cfg: TrainConfig, holders, loader: str, step: int, **kw):
+    """Train with holders[1] leaving the cohort after `step`, `loader` (loop.Whole or loop.Resident)
+    noting each batch's feature rows: the result, the steps that saw a row of the holder's, and the rows."""
     from gputravel.train import loop
-    from gputravel.train.whole import Whole
 
-    cfg = job(tumours, workload="tabular", steps=30, batch=32, eval_every=10, shuffle="all", resident_mib=1)
-    source = _Leaving.of(cfg, tumours)
-    gone = tumours[1][0]
+    source = _Leaving.of(cfg, holders)
+    gone = holders[1][0]
     theirs = {r.tobytes() for r in source.fetch(Visit(gone, 0, source.sizes()[gone]))["features"]}
-    seen: list[tuple[int, set[bytes]]] = []
-    steps = {"n": 0}
+    seen: list[int] = []
+    at = {"n": 0}
 
-    class Spy(Whole):
+    class Spy(getattr(loop, loader)):  # type: ignore[misc]
         def __init__(self, *a, **kw) -> None:
             super().__init__(*a, **kw)
             inner = self.batching.to_batch
 
             def to_batch(fields):
-                seen.append((steps["n"], {r.numpy().tobytes() for r in fields["features"]}))
+                if {r.numpy().tobytes() for r in fields["features"]} & theirs:
+                    seen.append(at["n"])
                 return inner(fields)
             self.batching.to_batch = to_batch
 
     def on_step(event) -> None:
-        steps["n"] = event.step + 1
-        if event.step + 1 == 3:
+        at["n"] = event.step + 1
+        if event.step + 1 == step:
             source.gone = gone
 
-    monkeypatch.setattr(loop, "Whole", Spy)
-    result = train(cfg, source, on_step=on_step)
-    assert any(rows & theirs for n, rows in seen if n < 3)
-    assert not [n for n, rows in seen if n >= 3 and rows & theirs]  # goodbyes are read before each batch
+    monkeypatch.setattr(loop, loader, Spy)
+    return train(cfg, source, on_step=on_step, **kw), seen, gone
+
+
+def test_a_holder_that_leaves_mid_epoch_is_out_of_the_next_buffers_batches(tumours, monkeypatch) -> None:
+    cfg = job(tumours, workload="tabular", steps=30, batch=32, eval_every=10, shuffle="all", resident_mib=1)
+    result, seen, gone = leaving_at(monkeypatch, cfg, tumours, "Whole", 3)
+    assert seen and max(seen) < 3  # goodbyes are read before each batch
     assert len(result.losses) == cfg.steps and any(repr(gone) in why for why in result.lost)
     assert all(gone not in e["per_holder"] for e in result.evals)  # the first evaluation is at step 10
 

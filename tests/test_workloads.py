@@ -38,16 +38,16 @@ def job(holders, **changes) -> TrainConfig:
 
 
 def travelled(cfg: TrainConfig, holders, tmp_path: Path, **kw):
-    return _on_cohort(cfg, holders, tmp_path, lambda source: train(cfg, source, **kw))
+    return on_cohort(cfg, holders, tmp_path, lambda source: train(cfg, source, **kw))
 
 
 def script_travelled(cfg: TrainConfig, holders, tmp_path: Path):
     from gputravel.train.scripted import run_job
 
-    return _on_cohort(cfg, holders, tmp_path, lambda source: run_job(cfg, source))
+    return on_cohort(cfg, holders, tmp_path, lambda source: run_job(cfg, source))
 
 
-def _on_cohort(cfg: TrainConfig, holders, tmp_path: Path, run):
+def on_cohort(cfg: TrainConfig, holders, tmp_path: Path, run):
     paths = {name: Path(path) for name, path in holders}
     layout = Layout(record_bytes=record_bytes_for(cfg.buffer_bytes))  # as the demo's cohort and local reference
     with InProcessCohort(paths, buffer_bytes=cfg.buffer_bytes, workdir=tmp_path, layout=layout,
