@@ -108,10 +108,26 @@ def test_one_shuffle_is_refused_where_it_cannot_hold_or_mean_anything(tumours) -
         TrainConfig(shuffle="all")
     with pytest.raises(BadInput, match="shuffle: expected visit with DP-SGD"):
         TrainConfig(workload="tabular", shuffle="all", dp_epsilon=3.0)
-    cfg = _port(tumours).replace(resident_mib=0)
-    with pytest.raises(BadInput, match=r"--shuffle all: the holders' \d+ training records take \d+ bytes .* "
-                                       r"--resident-mib 0 holds 0: raise it to 1 or more"):
-        run_job(cfg, LocalSource.of(cfg, tumours))
+    with pytest.raises(BadInput, match=r"--resident-mib: expected the MiB every training record takes"):
+        _port(tumours).replace(resident_mib=0)  # refused as the job is written, before any service starts
+    many = {name: 10_000 for name, _ in tumours}  # 30,000 records of 128 bytes: more than the MiB kept
+    cfg = _port(tumours)
+    with pytest.raises(BadInput, match=r"--shuffle all: the holders' 30000 training records take 3840000 bytes .* "
+                                       r"--resident-mib 1 holds 1048576: raise it to 4 or more"):
+        run_job(cfg, _Sized(many, LocalSource.of(cfg, tumours)))
+
+
+class _Sized:
+    """A source that claims `sizes` training records: the check comes before anything travels."""
+
+    def __init__(self, sizes, inner) -> None:
+        self._sizes, self.inner = sizes, inner
+
+    def sizes(self):
+        return self._sizes
+
+    def fetch(self, visit):
+        raise AssertionError("nothing travels before the check")
 
 
 def test_the_records_kept_for_one_shuffle_are_zeroed_when_the_steps_end(tumours, monkeypatch) -> None:

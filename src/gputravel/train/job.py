@@ -166,6 +166,9 @@ class TrainConfig(JobPart):
             raise ValueError("resident_mib: expected 0 with DP-SGD, which keeps every training record resident itself")
         if self.shuffle == "all" and self.dp_epsilon:
             raise ValueError("shuffle: expected visit with DP-SGD, which draws its own Poisson sample each step")
+        if self.shuffle == "all" and not self.resident_mib:
+            raise ValueError("resident_mib: expected the MiB every training record takes (at least 1) with shuffle "
+                             "all, which keeps them all for the job")
         if self.workload == "gpt2" and not self.workload_code and self.record_schema:
             raise ValueError("workload: expected one that trains on records (image, tabular or a file: --workload), "
                              "got gpt2, which trains on tokens")
