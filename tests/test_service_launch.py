@@ -162,3 +162,15 @@ def test_a_demo_stopped_with_sigterm_or_killed_leaves_no_service_and_no_keys(pro
         assert not list(work.glob("gputravel-services-*"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_stopped_service_is_named_with_the_reason_its_log_gives_first(tmp_path: Path) -> None:
+    from gputravel.service.launch import _why
+
+    log = tmp_path / "orchestrator.log"
+    log.write_text('{"ts": 1, "party": "orchestrator", "event": "up"}\nnot json\n'
+                   '{"ts": 2, "party": "orchestrator", "event": "failed", "kind": "BadInput", "why": "--shuffle all: '
+                   'raise it"}\n{"ts": 3, "party": "orchestrator", "event": "stopped"}\n')
+    assert _why(log) == ": BadInput: --shuffle all: raise it"
+    log.write_text('{"ts": 1, "party": "orchestrator", "event": "up"}\n')
+    assert _why(log) == "" and _why(tmp_path / "absent.log") == ""

@@ -205,8 +205,9 @@ class ServiceLaunch:
             logs = self.children.logs
             refusals = "".join(f"\n {party}:{_tail(log, 4)}" for party, log in logs.items()
                                if '"event": "refused"' in log.read_text(errors="replace"))
-            raise RemoteError(f"the orchestrator's service stopped (exit {orchestrator.returncode})"
-                              f"{_tail(logs[orchestrator_party(0)])}{refusals}")
+            first = logs[orchestrator_party(0)]
+            raise RemoteError(f"the orchestrator's service stopped (exit {orchestrator.returncode}){_why(first)}"
+                              f"{_tail(first)}{refusals}")
         return report
 
     def _up(self, party: str) -> bool:
@@ -253,7 +254,7 @@ class ServiceLaunch:
         for party, log in self.children.logs.items():
             proc = self.children[party]
             if (self.gpus > 1 or party != "orchestrator") and proc.poll() not in (None, 0):
-                raise RemoteError(f"{party}'s service stopped (exit {proc.returncode}){_tail(log)}")
+                raise RemoteError(f"{party}'s service stopped (exit {proc.returncode}){_why(log)}{_tail(log)}")
 
     def _relay(self, seen: int, on_step: Callable[[StepRow], None] | None) -> int:
         """Every whole metrics.csv row appended after step `seen`, in order; the last step relayed."""
@@ -415,6 +416,24 @@ def _children(pid: int) -> list[int]:
             if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(entry))
     return out
+
+
+def _why(log: Path) -> str:
+    """The reason a service's last "failed" event gives (service/party.py log lines), first: the tail
+    that follows is its context."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if '"event": "failed"' in line:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("why"):
+                return f": {event.get('kind', 'error')}: {event['why']}"
+    return ""
 
 
 def _tail(log: Path, lines: int = 12) -> str:
