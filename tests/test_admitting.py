@@ -95,3 +95,21 @@ def test_a_holder_that_rejoins_with_another_dataset_or_split_is_left_out_of_the_
         orch.accept_holder = rejoin  # type: ignore[method-assign]
         engine.travel("north", 0)
         assert ("late-1" in orch.holders) == kept and (orch.dropped == []) == kept
+
+
+def test_before_kept_records_train_again_goodbyes_are_read_and_nobody_is_admitted():
+    """A kept visit asks TravelSource.departed, which reads goodbyes only: admitting a holder there
+    would lend it the GPU between travels, which only a travel may (docs/security.md row 75)."""
+    from gputravel.train.loader import TravelSource
+
+    orch = _Orchestrator(fail=False)  # three connections wait on its listener
+    mine, theirs = socket.socketpair()
+    orch.holders["south"] = StreamTransport(mine, "south")
+    north, still_here = socket.socketpair()  # its other end open: north says nothing
+    orch.holders["north"] = StreamTransport(north, "north")
+    StreamTransport(theirs, "orchestrator").send(Bye(reason="leaving the cohort"))
+    engine = Admitting(orch, SimpleNamespace(probe_over=None))
+    source = TravelSource(engine, {"south": 4096, "north": 4096})
+    assert source.departed(["south", "north"]) == {"south"}
+    assert orch.dropped == ["south"] and orch.accepted == 0 and orch.travels == 0
+    still_here.close()
