@@ -10,6 +10,7 @@ and noise or a sample anyone could recompute would protect nothing. See docs/pri
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import hmac
@@ -198,14 +199,22 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         float((a - b).norm()) <= 1e-4 * max(float(a.norm()), float(b.norm())) + 1e-6
 
 
+@contextlib.contextmanager
+def _alpha_at_the_edge() -> Iterator[None]:
+    """Opacus's RDP warning that the optimal order is the largest alpha tried, silenced: the epsilon
+    is then a true bound, if not the tightest."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Optimal order is the largest alpha", UserWarning)
+        yield
+
+
 def noise_multiplier(cfg: TrainConfig, rate: float) -> float:
     """The noise multiplier spending dp_epsilon at dp_delta in cfg.steps steps sampled at `rate`
     (by the job's accountant)."""
     from opacus.accountants.utils import get_noise_multiplier  # lazy: opacus, for DP jobs only
 
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Optimal order is the largest alpha", UserWarning)
+        with _alpha_at_the_edge():
             return float(get_noise_multiplier(target_epsilon=cfg.dp_epsilon, target_delta=cfg.dp_delta,
                                               sample_rate=rate, steps=cfg.steps, accountant=cfg.dp_accountant))
     except ValueError as exc:  # "The privacy budget is too low."
@@ -300,8 +309,7 @@ class Private:
         """ε spent at δ by the steps run (resumed ones included)."""
         if not self.accountant.history:
             return 0.0
-        with warnings.catch_warnings():  # "optimal order is the largest alpha": a true bound, if not the tightest
-            warnings.filterwarnings("ignore", "Optimal order is the largest alpha", UserWarning)
+        with _alpha_at_the_edge():
             return float(self.accountant.get_epsilon(delta=self.mechanism.delta))
 
     def report(self) -> dict[str, Any]:
@@ -362,8 +370,7 @@ def epsilon_after(mechanism: Mechanism, steps: int) -> float:
 
     accountant = create_accountant(mechanism=mechanism.accountant)
     accountant.history = [(mechanism.noise_multiplier, mechanism.sample_rate, steps)]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Optimal order is the largest alpha", UserWarning)
+    with _alpha_at_the_edge():
         return float(accountant.get_epsilon(delta=mechanism.delta)) if steps else 0.0
 
 
