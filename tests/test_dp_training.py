@@ -302,6 +302,13 @@ class MixBackward(torch.autograd.Function):
     def backward(ctx, g):
         return g + g.sum(0, keepdim=True) * 0.1
 """
+def _two_layers(forward: str) -> str:
+    """A model M of two linear layers (30 -> 8 -> 2) whose forward(x) is `forward`'s lines."""
+    return ("\nclass M(nn.Module):\n    def __init__(self):\n"
+            "        super().__init__(); self.a = nn.Linear(30, 8); self.b = nn.Linear(8, 2)\n"
+            "    def forward(self, x):\n" + "".join(f"        {line}\n" for line in forward.split("\n")))
+
+
 COUPLED = {
     "standardised": ("""
 def inputs(records):
@@ -320,28 +327,12 @@ class M(nn.Module):
     def forward(self, x):
         return self.b(torch.relu(self.a(x.reshape(-1, 5)))).reshape(x.shape[0], 6, 2).mean(1)
 """, "forward gives parameter 'a.weight' 24 per-record gradients for 4 records"),
-    "centred": ("""
-class M(nn.Module):
-    def __init__(self):
-        super().__init__(); self.a = nn.Linear(30, 8); self.b = nn.Linear(8, 2)
-    def forward(self, x):
-        h = self.a(x)
-        return self.b(torch.relu(h - h.mean(0, keepdim=True)))
-""", "forward makes a record's output depend on the other records"),
-    "mixed": ("""
-class M(nn.Module):
-    def __init__(self):
-        super().__init__(); self.a = nn.Linear(30, 8); self.b = nn.Linear(8, 2)
-    def forward(self, x):
-        return self.b(torch.relu(Mix.apply(self.a(x))))
-""", "forward makes a record's output depend on the other records"),
-    "mixed_backward": ("""
-class M(nn.Module):
-    def __init__(self):
-        super().__init__(); self.a = nn.Linear(30, 8); self.b = nn.Linear(8, 2)
-    def forward(self, x):
-        return self.b(torch.relu(MixBackward.apply(self.a(x))))
-""", "a record's per-record gradient is not the gradient of that record alone"),
+    "centred": (_two_layers("h = self.a(x)\nreturn self.b(torch.relu(h - h.mean(0, keepdim=True)))"),
+                "forward makes a record's output depend on the other records"),
+    "mixed": (_two_layers("return self.b(torch.relu(Mix.apply(self.a(x))))"),
+              "forward makes a record's output depend on the other records"),
+    "mixed_backward": (_two_layers("return self.b(torch.relu(MixBackward.apply(self.a(x))))"),
+                       "a record's per-record gradient is not the gradient of that record alone"),
     "loss": ("""
 def loss(out, y):
     return F.cross_entropy(out, y) + out.mean(0).pow(2).sum()
