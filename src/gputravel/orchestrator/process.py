@@ -15,6 +15,7 @@ import os
 import socket
 from functools import partial
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gputravel.attest.material import OrchestratorMaterial
@@ -145,6 +146,8 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     cuts = {name: _cut(hello, cfg.records) for name, hello in hellos.items()}
     ranks = _ranks(orch, cmd)
     ending = _ending(orch, cmd, cfg)
+    if ending is not None and cfg.dp_epsilon:
+        check_dp_holders(ending.manifest.release.holders, cuts)
     engine = Admitting(orch, membership)
     source = (BaselineSource(orch, sizes, cuts) if cfg.loader == "baseline" else TravelSource(engine, sizes, cuts))
     samples = ending is None or ending.manifest.outputs.samples  # generated text can repeat training data
@@ -193,6 +196,16 @@ def _ending(orch: Orchestrator, cmd: Train, cfg: Any) -> Ending | None:
     if cfg.dp_epsilon:  # DP-SGD's key from the broker: every run of this job draws the same sample and noise
         dp_secret = fetch_key(config.broker_socket, "dp", orch.attester.quote, config.holder_timeout, broker_key)
     return Ending(manifest, digest, anchored, sealer("model"), config.holder_timeout, kept, dp_secret)
+
+
+def check_dp_holders(named: Sequence[str], joined: Mapping[str, Any]) -> None:
+    """A manifest DP job trains on every holder its manifest names, no fewer: the key follows the data
+    of those who joined, so a run over a subset (the host picks whom the orchestrator awaits) would
+    draw another key and spend the others' epsilon again."""
+    if set(joined) != set(named):
+        missing, extra = sorted(set(named) - set(joined)), sorted(set(joined) - set(named))
+        raise BadInput(f"a DP job trains on every holder its manifest names: missing {missing}, not named {extra}; "
+                       "a run over others would spend their privacy budget again")
 
 
 def dp_key(secret: bytes, cuts: dict[str, Any]) -> bytes:
