@@ -104,18 +104,15 @@ def stub(monkeypatch) -> list[str]:
     return _Stub.events
 
 
-@pytest.mark.parametrize("in_turn", [False, True])
-def test_children_are_stopped_last_started_first_and_close_twice_does_nothing(stub, in_turn) -> None:
-    children = Children(1.0, in_turn=in_turn)
+def test_children_are_stopped_last_started_first_and_close_twice_does_nothing(stub) -> None:
+    children = Children(1.0)
     procs = [children.start(k, [k]) for k in ("host", "device", "orchestrator")]
     assert all(p.popen["stdin"] is subprocess.DEVNULL for p in procs)
     children.close()
     terms = [e for e in stub if e.startswith("term")]
     assert terms == ["term orchestrator", "term device", "term host"]
-    if in_turn:  # each reaped before the one before it is signalled
-        assert stub.index("reaped orchestrator") < stub.index("term device") < stub.index("reaped device")
-    else:  # all signalled before any is waited for
-        assert max(stub.index(t) for t in terms) < min(i for i, e in enumerate(stub) if e.startswith("reaped"))
+    # All signalled before any is waited for: one grace for them all.
+    assert max(stub.index(t) for t in terms) < min(i for i, e in enumerate(stub) if e.startswith("reaped"))
     stub.clear()
     children.close()
     assert stub == [] and list(children) == []

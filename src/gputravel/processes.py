@@ -61,11 +61,11 @@ def stop_process(proc: Child, grace: float, *, asked: bool = False) -> int | Non
 
 class Children:
     """The child processes one launcher owns, by key, all stopped and reaped at :meth:`close`, last
-    started first (a context manager). `in_turn`: each is reaped before the one started before it
-    is signalled (a service that checkpoints before the others leave); else all share one grace."""
+    started first (a context manager), all sharing one grace; a launcher that needs one stopped
+    before the others (a service that checkpoints) stops it first with :meth:`stop`."""
 
-    def __init__(self, grace: float, *, in_turn: bool = False) -> None:
-        self.grace, self.in_turn = grace, in_turn
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
         self._procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}  # where each child started with a log writes
 
@@ -102,12 +102,7 @@ class Children:
 
     def close(self, *, asked: bool = False) -> None:
         """Stop every child and forget them all; never raises; a second call does nothing."""
-        procs = list(reversed(self._procs.values()))
-        if self.in_turn:
-            for proc in procs:
-                stop_process(proc, self.grace, asked=asked)
-        else:
-            stop_processes(procs, self.grace, asked=asked)
+        stop_processes(list(reversed(self._procs.values())), self.grace, asked=asked)
         self._procs.clear()
         self.logs.clear()
 

@@ -78,8 +78,8 @@ class ServiceLaunch:
             raise BadInput(f"rank_audit names {len(self.rank_audit)} ranks' log and certificate; {gpus} GPUs need {gpus}")
         self.rank_reports: list[dict] = []  # each rank's own report, once trained (rank 0's is train's)
         self.dir: Path | None = None
-        # Each party's service, by party; closing stops them in turn, the orchestrator first.
-        self.children = Children(STOP_GRACE_S, in_turn=True)
+        # Each party's service, by party; close() stops the orchestrators first, then the rest.
+        self.children = Children(STOP_GRACE_S)
         self._metrics_at, self._metrics_head = 0, ""  # how far metrics.csv was read, its header
         self._metrics_id: tuple[int, int] | None = None  # which file that was (device, inode)
         self._observed: dict | None = None
@@ -170,7 +170,6 @@ class ServiceLaunch:
                 # at a time, a 4-holder cohort of two GPUs took 7 s to stop, together under 2 s.
                 for party in reversed([p for p in self.children if p.startswith("orchestrator")]):
                     self.children.stop([party])
-                self.children.in_turn = False
                 self.children.close()  # SIGTERM (a service stops cleanly on it), then SIGKILL
                 if self.dir is not None and (self.cohort / "orchestrator.toml").exists():
                     self._stage_out()
