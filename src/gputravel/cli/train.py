@@ -130,7 +130,7 @@ def training_job(
         holders=_holder_data(holder_data) if holder_data else default_holders(holders, out, workload),
         run_dir=str(out), resume=resume, hardware=hardware, gpus=gpus,
         servers=servers, server_mbit=server_mbit, **_release_options(release_to, quorum, decline, manifest), caps=_caps(epsilon_cap))
-    check_capacity(cfg)
+    mechanism = check_capacity(cfg)  # a DP job's mechanism: the live view counts its epsilon
     make_output_dir(out, "--run-dir")  # last, as it creates the directory: writable before the run
     names = ", ".join(n for n, _ in cfg.holders)
     what = (f"GPT-2 ({cfg.train.n_layer} layers, {cfg.train.n_embd} wide), {steps} steps of {batch}x{seq_len} tokens"
@@ -146,7 +146,7 @@ def training_job(
     if loader == "travelling":
         console.print("Booting host, GPU, holders, then the orchestrator (paper 4.1)..." if gpus == 1 else
                       "Booting each GPU's host route, GPU, holders and orchestrator rank (paper 4.1, 9)...")
-    view = _LiveView(steps, "records/s" if cfg.train.records else "tokens/s", _epsilon_of(cfg))
+    view = _LiveView(steps, "records/s" if cfg.train.records else "tokens/s", _epsilon_of(mechanism))
     with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
         report = run_training_job(cfg, on_step=lambda e: view.update(e, live))
     if cfg.train.dp_epsilon and report.get("dp"):  # the same job without DP: the accuracy DP gave up (seconds)
@@ -191,13 +191,13 @@ def _recipient(item: str) -> Recipient:
         raise BadInput(f"--release-to {name}: {str(exc).splitlines()[0]}") from None
 
 
-def _epsilon_of(cfg):
+def _epsilon_of(mechanism):
     """ε spent after k steps, for the live view of a DP job (None: no DP)."""
-    from gputravel.jobs.training import dp_mechanism  # lazy: torch, as training_job's
+    if mechanism is None:
+        return None
     from gputravel.train.privacy import epsilon_after  # lazy: opacus, for DP jobs only
 
-    mechanism = dp_mechanism(cfg)
-    return None if mechanism is None else functools.partial(epsilon_after, mechanism)
+    return functools.partial(epsilon_after, mechanism)
 
 
 class _LiveView:

@@ -108,23 +108,26 @@ class TrainingJobConfig:
         return self.gpus == 1 and self.train.loader != "local"
 
 
-def check_capacity(cfg: TrainingJobConfig) -> None:
-    """BadInput, naming the flag, if this machine cannot carry the job (cohort/capacity.py)."""
+def check_capacity(cfg: TrainingJobConfig) -> Mechanism | None:
+    """BadInput, naming the flag, if this machine cannot carry the job (cohort/capacity.py); else the
+    DP-SGD it will run (None: no DP), as the orchestrator will find it from the holders' data on disk."""
     t = resolve(cfg).train  # the holders' tokenizer fixes the vocabulary, so the logits' size
     local = t.loader == "local"  # no cohort: the training alone, here
+    mechanism = None
     if t.records:
         _check_records_fit(t)
         if t.dp_epsilon:
-            _check_private(t, cfg.holders)
+            mechanism = _check_private(t, cfg.holders)
     else:
         _check_tokens_fit(t, local)
     if local:
-        return
+        return mechanism
     capacity.check_buffer(t.buffer_bytes, "--buffer-mib")
     data = sum(data_bytes(path) for _, path in cfg.holders)
     capacity.check(len(cfg.holders), sysmem_bytes=layout_for(t.buffer_bytes).sysmem_bytes,
                    dataset_bytes=-(-data // len(cfg.holders)), gpus=cfg.gpus,
                    vram_mib=-(-t.buffer_bytes // capacity.MIB) + capacity.VRAM_MARGIN_MIB, train_mib=t.memory_mib())
+    return mechanism
 
 
 def _check_tokens_fit(t: TrainConfig, local: bool) -> None:
@@ -157,13 +160,6 @@ def _check_private(t: TrainConfig, holders: Sequence[tuple[str, str]]) -> Mechan
     check_independent(workload, model)  # records treated one by one: what clipping each bounds
     sizes = {name: len(held_out(len(load_records(path)), EVAL_SHARE)[0]) for name, path in holders}
     return mechanism_of(t, check_fits(t, sizes, workload.schema.record_bytes))
-
-
-def dp_mechanism(cfg: TrainingJobConfig) -> Mechanism | None:
-    """The DP-SGD the job will run (None: no DP), for the live view's ε: the holders' data on disk
-    fixes N, so q and the noise multiplier, as the orchestrator will find them."""
-    t = resolve(cfg).train
-    return _check_private(t, cfg.holders) if t.dp_epsilon else None
 
 
 def default_holders(count: int, workdir: Path, workload: str = "gpt2") -> tuple[tuple[str, str], ...]:
