@@ -158,3 +158,15 @@ def test_a_capped_holder_approved_for_by_the_demo_starts_and_metrics_count_as_un
     holder = load_service(path)
     assert holder.policy.approved_jobs == [quiet.digest_hex()]  # the job init approved is no longer
     check_budget_at_start(holder)  # within its cap, counted: the service starts
+
+
+def test_job_approve_says_why_a_job_counts_as_unbounded() -> None:
+    from types import SimpleNamespace
+
+    from gputravel.service.budget import METRICS_WHY, unbounded_why
+
+    def m(dp: float, metrics: bool) -> SimpleNamespace:
+        return SimpleNamespace(job=SimpleNamespace(dp_epsilon=dp), outputs=SimpleNamespace(metrics=metrics))
+
+    assert unbounded_why(m(0.0, True)) == unbounded_why(m(0.0, False)) == "no DP-SGD"
+    assert unbounded_why(m(3.0, True)) == METRICS_WHY  # it said "no DP-SGD" for a DP job writing metrics

@@ -20,7 +20,7 @@ from gputravel.files import RECORDS, TOKENS, atomic_write_bytes
 from gputravel.manifest import JobManifest, Outputs, Recipient, load_manifest, schema_digest, write_manifest
 from gputravel.service.config import HolderService, load_service, validate_service
 from gputravel.service.job import cohort_parties, published_parties
-from gputravel.service.budget import approve_within_budget
+from gputravel.service.budget import approve_within_budget, unbounded_why
 from gputravel.service.vouch import Pins, vouch
 from gputravel.train.job import TrainConfig
 
@@ -246,7 +246,7 @@ def approve(
     epsilon = approve_within_budget(cfg, m, record=True)  # in the signed ledger before the policy lists it
     atomic_write_bytes(holder_config, written)
     typer.echo(f"{cfg.name} approves job {m.digest_hex()} ({holder_config} [policy] approved_jobs)")
-    spent = "unbounded (no DP-SGD)" if math.isinf(epsilon) else f"{epsilon:g}"
+    spent = f"unbounded ({unbounded_why(m)})" if math.isinf(epsilon) else f"{epsilon:g}"
     cap = cfg.policy.epsilon_cap
     typer.echo(f"  its privacy ledger counts epsilon {spent} for it"
                + ("" if math.isinf(cap) else f", against a cap of {cap:g}"))

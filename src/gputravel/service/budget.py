@@ -46,10 +46,18 @@ def ledger_of(cfg: HolderService) -> PrivacyLedger:
         return PrivacyLedger.load(Path(cfg.state_dir) / LEDGER_FILE, public)
 
 
+METRICS_WHY = "the job writes metrics (outputs.metrics), which DP-SGD does not cover"
+
+
 def manifest_epsilon(m: JobManifest) -> float:
     """What job `m` may spend of a holder's data: its DP-SGD target; unbounded without DP-SGD, or where
     it writes metrics (per-step losses of its samples, which no epsilon covers: the third review)."""
     return job_epsilon(m.job.dp_epsilon) if not m.outputs.metrics else math.inf
+
+
+def unbounded_why(m: JobManifest) -> str:
+    """Why job `m` counts as unbounded: no DP-SGD, or a DP job that writes metrics."""
+    return METRICS_WHY if m.job.dp_epsilon and m.outputs.metrics else "no DP-SGD"
 
 
 def approve_within_budget(cfg: HolderService, m: JobManifest, *, record: bool) -> float:
@@ -58,8 +66,7 @@ def approve_within_budget(cfg: HolderService, m: JobManifest, *, record: bool) -
     epsilon = manifest_epsilon(m)
     ledger = ledger_of(cfg)
     ledger.check(cfg.name, m.digest_hex(), epsilon, cfg.policy.epsilon_cap,
-                 why="" if epsilon < math.inf or not m.job.dp_epsilon else
-                 "the job writes metrics (outputs.metrics), which DP-SGD does not cover")
+                 why=METRICS_WHY if m.job.dp_epsilon and m.outputs.metrics else "")
     if record:
         key, _ = _keys(cfg)
         with as_party(cfg.uid):
