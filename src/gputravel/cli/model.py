@@ -13,7 +13,8 @@ from gputravel.cli.output import Commands, check_output_file, console, named_sub
 from gputravel.errors import BadInput
 from gputravel.files import read_plain
 from gputravel.manifest import key_fingerprint, load_manifest
-from gputravel.release import ReleaseFile, keygen as make_keys, load_private_key, open_release, read_release
+from gputravel.release import (ReleaseFile, keygen as make_keys, load_private_key, load_public_key, open_release,
+                               read_release)
 from gputravel.release.seal import MAX_RELEASE_BYTES, anchors, check_approved
 
 model_app = typer.Typer(no_args_is_help=True, cls=Commands, callback=named_subcommand,
@@ -76,7 +77,7 @@ def keygen(
     key_path, pub_path = make_keys(name, out)
     console.print(escape(f"wrote {key_path} (private: keep it) and {pub_path} (public: goes into the job "
                          "manifest's recipients)"), soft_wrap=True)
-    fingerprint = key_fingerprint(bytes.fromhex(pub_path.read_text().strip()))
+    fingerprint = key_fingerprint(load_public_key(pub_path))
     console.print(escape(f"its fingerprint, which each holder confirms with you (job approve --recipient "
                          f"{name}=...): {fingerprint}"), soft_wrap=True)
 
