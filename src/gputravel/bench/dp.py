@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from gputravel.bench.compare import stamp
+from gputravel.bench.compare import parse_list, stamp
 from gputravel.data.records import common_schema
 from gputravel.errors import BadInput
 from gputravel.train.job import TrainConfig
@@ -29,21 +29,13 @@ SHIPPED = ("image", "tabular")
 
 def parse_epsilons(text: str) -> tuple[float | None, ...]:
     """"1,3,8,inf" -> (1.0, 3.0, 8.0, None): None is the non-private run."""
-    out: list[float | None] = []
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        if item.lower() in ("inf", "none"):
-            out.append(None)
-            continue
-        try:
-            value = float(item)
-        except ValueError:
-            raise BadInput(f"--epsilons: expected numbers or inf, got {item!r}") from None
-        if not 0 < value < math.inf:
-            raise BadInput(f"--epsilons: expected positive numbers or inf, got {item!r}")
-        out.append(value)
+    out = parse_list(text.lower(), lambda x: None if x in ("inf", "none") else float(x),
+                     f"--epsilons: expected numbers or inf, got {text!r}")
+    if any(e is not None and not 0 < e < math.inf for e in out):
+        raise BadInput(f"--epsilons: expected positive numbers or inf, got {text!r}")
     if not out:
         raise BadInput("--epsilons: expected at least one epsilon (e.g. 1,3,8,inf)")
-    return tuple(out)
+    return out
 
 
 @dataclass(frozen=True)
