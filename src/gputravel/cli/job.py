@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
 import tomllib
 from pathlib import Path
 from typing import Optional
@@ -13,7 +12,7 @@ from typing import Optional
 import tomli_w
 import typer
 
-from gputravel.cli.output import Commands, console, named_subcommand
+from gputravel.cli.output import Commands, console, name_values, named_subcommand
 from gputravel.cli.train import workload_job
 from gputravel.errors import BadInput
 from gputravel.files import RECORDS, TOKENS, atomic_write_bytes
@@ -165,16 +164,6 @@ def digest(manifest: Path = typer.Argument(..., help="The job manifest (TOML).")
     typer.echo(load_manifest(manifest).digest_hex())
 
 
-def _pairs(items: Sequence[str], flag: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name or not value or name in out:
-            raise BadInput(f"{flag} takes NAME=VALUE, each name once, got {item!r}")
-        out[name] = value
-    return out
-
-
 def _check_holder(m: JobManifest, where: Path, cfg: HolderService, source: Path) -> None:
     """A holder approves only a job it may sign for, holding out what the job evaluates on, over its data."""
     if cfg.name not in m.release.holders:
@@ -231,8 +220,8 @@ def approve(
     cfg = load_service(holder_config, "holder")
     assert isinstance(cfg, HolderService)  # load_service checked the party
     _check_holder(m, manifest, cfg, holder_config)
-    pins = vouch(m, manifest, cfg, holder_config, broker, _pairs(signers or (), "--signer"),
-                 _pairs(recipients or (), "--recipient"))
+    pins = vouch(m, manifest, cfg, holder_config, broker, name_values(signers or (), "--signer"),
+                 name_values(recipients or (), "--recipient"))
     approve_within_budget(cfg, m, record=False)  # past its epsilon cap: refused before it is asked
     typer.echo(m.describe())
     typer.echo("\n".join(["confirmed", *(f"  {line}" for line in pins.told)]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -107,3 +107,14 @@ def write_results(path: Path | None, result: dict, what: str = "results") -> Non
     if path is not None:
         write_json(path, result)
         console.print(f"{what} written to {path}")
+
+
+def name_values(items: Sequence[str], flag: str) -> dict[str, str]:
+    """A repeatable NAME=VALUE option's values by name; BadInput if one is not that, or names one twice."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value or name in out:
+            raise BadInput(f"{flag} takes NAME=VALUE, each name once, got {item!r}")
+        out[name] = value
+    return out

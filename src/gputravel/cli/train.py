@@ -22,7 +22,8 @@ from gputravel.cohort.capacity import MAX_BUFFER_MIB, MIB, check_buffer
 from gputravel.errors import BadInput, number_in
 from gputravel.protocol.control import STEPS
 from gputravel.cli.hardware import hardware_option
-from gputravel.cli.output import check_output_dir, check_output_file, console, fail, make_output_dir, write_results
+from gputravel.cli.output import (check_output_dir, check_output_file, console, fail, make_output_dir, name_values,
+                                  write_results)
 from gputravel.manifest import Recipient, load_manifest
 from gputravel.release.keys import load_public_key
 from gputravel.train.job import WORKLOADS, TrainConfig
@@ -168,15 +169,13 @@ def _release_options(release_to: list[str], quorum: Optional[int], decline: list
 def _caps(items: list[str]) -> tuple[tuple[str, float], ...]:
     """--epsilon-cap HOLDER=EPSILON, each holder once."""
     out: dict[str, float] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
+    for name, value in name_values(items, "--epsilon-cap").items():
         try:
-            cap = float(value)
+            out[name] = float(value)
         except ValueError:
-            cap = math.nan
-        if not sep or not name or name in out or not cap > 0:
-            raise BadInput(f"--epsilon-cap takes HOLDER=EPSILON, a positive number, each holder once, got {item!r}")
-        out[name] = cap
+            out[name] = math.nan
+        if not out[name] > 0:
+            raise BadInput(f"--epsilon-cap takes HOLDER=EPSILON, a positive number, got {name}={value}")
     return tuple(out.items())
 
 
