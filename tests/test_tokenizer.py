@@ -171,3 +171,14 @@ def test_resolve_record_prefers_the_record_then_the_caller_then_gpt2(tmp_path) -
     assert resolve_record(tmp_path, "auto").name == "bytes"
     with pytest.raises(BadInput, match="says the shards are bytes tokens, but tokenizer 'gpt2'"):
         resolve_record(tmp_path, "gpt2")
+
+
+def test_a_job_and_a_manifest_name_exactly_the_known_tokenizers() -> None:
+    # Written out in both (importing this module costs every service numpy); they must not drift.
+    from typing import get_args
+
+    from gputravel.manifest.sections import Data
+    from gputravel.train.job import TrainConfig
+
+    for model in (TrainConfig, Data):
+        assert set(get_args(model.model_fields["tokenizer"].annotation)) == set(tk.KNOWN)

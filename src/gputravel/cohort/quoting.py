@@ -24,7 +24,6 @@ from gputravel.firmware.tdx_module import (
     QuotingKeyCertified,
 )
 from gputravel.errors import BadInput, ProtocolError
-from gputravel.orchestrator.cvm import OrchestratorConfig
 from gputravel.transport.stream import StreamTransport
 from gputravel.cohort.trust import CohortTrust, measured_config
 
@@ -84,6 +83,8 @@ class QuotingLaunch:
             raise BadInput(f"cannot find the package the orchestrator would run: {exc}") from None
         if not found:
             raise BadInput("the orchestrator's interpreter finds no gputravel package")
+        from gputravel.orchestrator.cvm import OrchestratorConfig  # lazy: every service imports this module
+
         measured = measured_config(OrchestratorConfig(**config))
         return orchestrator_measurement(measured, package_dir=Path(found))
 

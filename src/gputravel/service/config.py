@@ -12,7 +12,7 @@ import re
 import socket
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
 from pydantic import field_validator, model_validator
@@ -23,9 +23,11 @@ from gputravel.cohort.config import RESERVED_TEXT, is_holder_name
 from gputravel.crypto.pki import MEMBER_NAME
 from gputravel.errors import BadInput
 from gputravel.files import EVAL_SHARE, TOKENS, DatasetFormat, dataset_kind
-from gputravel.orchestrator.cvm import OrchestratorConfig
 from gputravel.protocol.layout import MIB, PAGE, Layout
 from gputravel.train.job import TrainConfig
+
+if TYPE_CHECKING:  # the engine's module costs every other service 60 ms to import
+    from gputravel.orchestrator.cvm import OrchestratorConfig
 
 __all__ = ["BrokerService", "GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
            "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "host_party",
@@ -307,6 +309,8 @@ class OrchestratorService(_Service):
 
 def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_dir: str) -> OrchestratorConfig:
     """The engine's config; its placement is not measured, so init's measurement is the running service's."""
+    from gputravel.orchestrator.cvm import OrchestratorConfig
+
     return OrchestratorConfig(
         host_socket=cfg.host_socket, pki_dir=pki_dir, layout=cfg.layout.to_layout(),
         buffer_bytes=cfg.job.buffer_bytes, listen_host=cfg.listen_host, listen_port=cfg.listen_port,
