@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from gputravel.attest.provision import GpuIssuer
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, GputravelError
 from gputravel.protocol.control import Certified, Enroll
 from gputravel.service.config import (BrokerService, GpuService, HolderService, HostService, check_before_start,
                                       load_service)
@@ -38,6 +39,27 @@ def serve(role: str, config_path: Path) -> int:
     except (Exception, KeyboardInterrupt) as exc:
         log(name, "failed", kind=type(exc).__name__, why=str(exc))
         raise
+
+
+def main(argv: list[str]) -> int:
+    """``serve ROLE --config FILE`` as the launcher spawns it (service/launch.py SERVE): `gputravel
+    serve` without the command line's other imports (typer, rich, every command: 0.16 s a service).
+    A typed error or an OSError on a path ends as one line and status 1, as the command's."""
+    roles = ("host", "gpu", "holder", "orchestrator", "broker")
+    if len(argv) != 4 or argv[0] != "serve" or argv[1] not in roles or argv[2] != "--config":
+        print(f"usage: serve {{{','.join(roles)}}} --config FILE (got {' '.join(argv)!r})", file=sys.stderr)
+        return 2
+    try:
+        return serve(argv[1], Path(argv[3]))
+    except GputravelError as exc:
+        print(f"error: {exc}", flush=True)
+    except OSError as exc:
+        if exc.filename is None:  # not about a path: a bug, with its traceback
+            raise
+        print(f"error: {exc.strerror or exc}: {exc.filename}", flush=True)
+    except KeyboardInterrupt:
+        print("Aborted!", file=sys.stderr)
+    return 1
 
 
 def serve_host(cfg: HostService, stop: Stopping) -> int:
