@@ -150,8 +150,7 @@ class ServiceLaunch:
             carry_state(Path(self._config(BROKER)["state_dir"]).parent, self.keep_dir, [n for n, _ in holders])
         self._hand_copies()
         self._stage_in()
-        self._serve(BROKER)  # before the orchestrator, which asks it for its keys
-        self._await(BROKER, "up")
+        self._serve(BROKER)  # up before the orchestrator, which asks it for its keys; nobody else needs it
         for k in range(self.gpus):
             self._serve(host_party(k))
         for k in range(self.gpus):
@@ -159,6 +158,7 @@ class ServiceLaunch:
         for name, _ in holders:
             self._serve(f"holder-{name}")
             self._await(f"holder-{name}", "up")  # one at a time: each probes its GPU at boot
+        self._await(BROKER, "up")
         for k in range(self.gpus):
             self._serve(orchestrator_party(k))
 
