@@ -309,7 +309,7 @@ class OrchestratorService(_Service):
 
 def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_dir: str) -> OrchestratorConfig:
     """The engine's config; its placement is not measured, so init's measurement is the running service's."""
-    from gputravel.orchestrator.cvm import OrchestratorConfig
+    from gputravel.orchestrator.cvm import OrchestratorConfig  # lazy: every other service would pay 60 ms
 
     return OrchestratorConfig(
         host_socket=cfg.host_socket, pki_dir=pki_dir, layout=cfg.layout.to_layout(),
