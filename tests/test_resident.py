@@ -174,3 +174,52 @@ def test_a_dp_job_samples_a_holder_that_left_no_more(tmp_path: Path, monkeypatch
     result, seen, gone = leaving_at(monkeypatch, cfg, holders, "Resident", 4, dp_key=KEY)
     assert seen and max(seen) < 4 and len(result.losses) == cfg.steps
     assert any(repr(gone) in why for why in result.lost) and result.dp["epsilon_spent"] <= cfg.dp_epsilon
+
+
+class _Slowed:
+    """A LocalSource whose every fetch takes one second of `clock` (the loader's clock in the test)."""
+
+    def __init__(self, source: LocalSource, clock: list[float]) -> None:
+        self.source, self.clock = source, clock
+        self.asked: list[tuple[str, int, bool]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.source, name)
+
+    def fetch(self, visit: Visit):
+        self.clock[0] += 1.0
+        self.asked.append((visit.holder, visit.token_offset, False))
+        return self.source.fetch(visit)
+
+    def fetch_held(self, visit: Visit):
+        self.clock[0] += 1.0
+        self.asked.append((visit.holder, visit.token_offset, True))
+        return self.source.fetch_held(visit)
+
+
+@pytest.mark.parametrize("resident_mib", [0, 1])
+def test_the_stall_counts_every_travel_and_its_first_pass_each_visits_first(digits, monkeypatch,
+                                                                          resident_mib: int) -> None:
+    """`bench train`'s steady-state stall rests on this: a visit's first travel (training or held out)
+    is the first pass; a travel that brings units again (none kept) is not."""
+    import types
+
+    from gputravel.train import loader as loader_module
+    from gputravel.train.loader import Shuffled, TravellingLoader
+
+    clock = [0.0]
+    monkeypatch.setattr(loader_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cfg = job(digits, steps=1, batch=32, buffer_bytes=16 << 10)
+    source = _Slowed(LocalSource.of(cfg, digits), clock)
+    loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes,
+                              batching=Shuffled(cfg.batch, 0, lambda t: t), resident_bytes=resident_mib << 20)
+    batches = iter(loader)
+    while loader.state.epoch < 2:  # epochs 0 and 1, then the first batch of epoch 2
+        next(batches)
+    for _ in range(2):  # one holder's held-out records, evaluated twice
+        list(loader.held_out(digits[0][0]))
+    asked = source.asked
+    assert len({a for a in asked if not a[2]}) > 3 and any(a[2] for a in asked)  # several visits, some held out
+    assert loader.stall_seconds == len(asked)  # every travel waited for, held-out ones too
+    assert loader.first_pass_seconds == len(set(asked))  # each visit's first travel
+    assert (len(asked) == len(set(asked))) == bool(resident_mib)  # kept: nothing travels twice

@@ -285,6 +285,11 @@ class TravellingLoader:
         self.state = state or LoaderState()
         self.on_fetch = on_fetch
         self.stall_seconds = 0.0  # time spent waiting for data (travels), for the stall share
+        # Of it, the travels that brought a visit's units for the first time: a job's fixed start-up
+        # cost (a loader bringing data from N holders waits for N travels at least), against the
+        # travels that bring units again (no records kept) or after a loss.
+        self.first_pass_seconds = 0.0
+        self._arrived: set[tuple[str, int, bool]] = set()
         self.fetches = 0
         self.lost: list[str] = []  # holders lost in travels, with why
 
@@ -359,7 +364,7 @@ class TravellingLoader:
             raise BadInput(f"holder {visit.holder!r} was lost while the job's records travelled ({exc}): "
                            f"{why}; run the job again") from None
         finally:
-            self.stall_seconds += time.perf_counter() - t0
+            self._waited(visit, False, time.perf_counter() - t0)
         self.fetches += 1
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None)))
@@ -373,10 +378,18 @@ class TravellingLoader:
             self.scheduler.offline.add(visit.holder)
             self.note_lost(str(exc))
             raise
+        finally:  # the model waits for these as for training's: a stall too
+            self._waited(visit, True, time.perf_counter() - t0)
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None), True))
         self.kept.keep(visit, view, held=True)  # its own copy: a workload may change what it is given
         return np.array(view)  # a copy: the buffer is scrubbed next travel
+
+    def _waited(self, visit: Visit, held: bool, seconds: float) -> None:
+        self.stall_seconds += seconds
+        if (key := (visit.holder, visit.token_offset, held)) not in self._arrived:
+            self._arrived.add(key)
+            self.first_pass_seconds += seconds
 
     def _rejoined(self) -> None:
         """A lost holder that has joined again is scheduled again, from its cursor."""
@@ -418,7 +431,7 @@ class TravellingLoader:
             plan = self.batching.plan(self.kept.keep(visit, self.source.fetch(visit)), visit, epoch)
         finally:  # a failed travel is waiting time too
             spent = time.perf_counter() - t0
-            self.stall_seconds += spent
+            self._waited(visit, False, spent)
         self.fetches += 1
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, spent, getattr(self.source, "last_report", None)))

@@ -66,6 +66,7 @@ class TrainResult:
     losses: list[float]
     travels: list[dict] = field(default_factory=list)
     stall_seconds: float = 0.0
+    first_pass_seconds: float = 0.0  # of the stall, the travels that brought units for the first time
     wall_seconds: float = 0.0
     sample: str = ""
     state: dict = field(default_factory=dict)
@@ -221,7 +222,7 @@ def train(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None = None,
     finally:
         if dp is not None:
             dp.close()
-    result.stall_seconds = loader.stall_seconds
+    result.stall_seconds, result.first_pass_seconds = loader.stall_seconds, loader.first_pass_seconds
     result.state = loader.state.to_dict()
     result.lost = list(loader.lost)
     if cfg.sample_tokens and tokenizer is not None and lead and workload.tokens:
@@ -547,6 +548,7 @@ def make_report(cfg: TrainConfig, result: TrainResult) -> dict:
             "loss_after": sum(tail) / len(tail) if tail else None,
             "travels": result.travels, "travel_count": len(result.travels), "travel_median_steps_ms": medians,
             "stall_s": result.stall_seconds, "wall_s": result.wall_seconds, "stall_share": result.stall_share,
+            "first_pass_s": result.first_pass_seconds,
             "loader_state": result.state, "holders_lost": result.lost, "stopped": result.stopped,
             "sample": result.sample, "workload": cfg.workload,
             "eval": {k: result.evals[-1][k] for k in ("per_holder", "all")} if result.evals else None,

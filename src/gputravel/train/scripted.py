@@ -92,7 +92,7 @@ def train_script(cfg: TrainConfig, source: ChunkSource, *, run_dir: Path | None 
                            "job with a manifest seals and releases the model its script keeps")
         result.weights = state_bytes(feed.kept)
     result.wall_seconds = time.perf_counter() - t0
-    result.stall_seconds = loader.stall_seconds
+    result.stall_seconds, result.first_pass_seconds = loader.stall_seconds, loader.first_pass_seconds
     result.state = loader.state.to_dict()
     if run_dir is not None and result.losses and kept.metrics:
         RunDir(run_dir).plot_losses(list(range(1, len(result.losses) + 1)), result.losses,
