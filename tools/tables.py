@@ -557,16 +557,22 @@ def train_workload(d):
 @table(many=True)
 def train_workload_targets(files):
     """Issue 27's targets per workload: the travelling loader's median step against the local
-    DataLoader's measured just before it (at most 1.05x), and its stall share (at most 1 %)."""
+    DataLoader's measured just before it (at most 1.05x), and its stall share (at most 1 %), over the
+    whole job and after the first pass (each visit's first travel; runs before it was measured: -)."""
+    def met(share: float | None) -> str:
+        return "-" if share is None else ("met" if share <= 0.01 else "**missed**")
+
     rows = []
     for d, _, _ in files:
         job = d.get("config") or {}
         kept = f"{job['resident_mib']} MiB" if job.get("resident_mib") else "none"
         for r in (r for r in d["rows"] if r.get("method") == "travel"):
-            ratio, stall = r.get("step_ms_vs_local"), r.get("stall_share")
+            ratio, stall, steady = r.get("step_ms_vs_local"), r.get("stall_share"), r.get("steady_stall_share")
+            first = r.get("first_pass_s")
             rows.append((d.get("workload", "gpt2"), f"{job.get('steps', '-')}", kept, link(r["bandwidth_mbit"]),
                          f"{num(r.get('step_ms'))} / {num(r.get('local_step_ms'))} ms = {num(ratio)}x",
                          "-" if ratio is None else ("met" if round(ratio, 2) <= 1.05 else "**missed**"),
-                         pct(stall, 2), "-" if stall is None else ("met" if stall <= 0.01 else "**missed**")))
+                         pct(stall, 2), met(stall), "-" if first is None else num(first * 1e3, 1),
+                         pct(steady, 2), met(steady)))
     return ("workload", "steps", "records kept", "link", "travel step / DataLoader step", "within 1.05x",
-            "stall share", "at most 1 %"), rows
+            "stall share (whole job)", "at most 1 %", "first pass (ms)", "stall share after it", "at most 1 %"), rows
