@@ -576,3 +576,62 @@ def train_workload_targets(files):
                          pct(steady, 2), met(steady)))
     return ("workload", "steps", "records kept", "link", "travel step / DataLoader step", "within 1.05x",
             "stall share (whole job)", "at most 1 %", "first pass (ms)", "stall share after it", "at most 1 %"), rows
+
+
+#: Records of the image workload's model held fixed, larger than its data: uint8 pixels and an int64 label.
+LARGER_IMAGES = (("28 x 28 grey", "[1,28,28]"), ("224 x 224 grey", "[1,224,224]"),
+                 ("224 x 224 x 3 colour", "[3,224,224]"))
+
+
+def _records_rates(d: dict) -> dict:
+    """A `bench train --workload ... --resident-mib` run's byte rates (each record crosses once):
+    FedAvg's per holder and round, TLS's over the holders' laid-out datasets (training records in
+    whole-record pieces, zero-padded, then the held-out ones: files.py), and a travel's."""
+    from gputravel.data.records import RecordSchema, Units
+    from gputravel.protocol.layout import layout_for, manifest_piece_bytes
+    from gputravel.workloads import load_workload
+
+    job, rows = d["config"], {r["method"]: r for r in d["rows"]}
+    schema = RecordSchema.from_json(job["record_schema"])
+    model = load_workload(d["workload"]).module.model(schema)
+    units = Units(schema.record_bytes, manifest_piece_bytes(layout_for(job["buffer_bytes"])))
+    train = d["holders_train_tokens"]
+    held = {h: m["records"] for h, m in rows["tls"]["final_metrics"]["per_holder"].items()}
+    laid_out = sum(units.split_bytes(train[h], held[h]) for h in train)
+    plan, tls = d["fl_plan"], rows["tls"]["bytes_over_link"]
+    per_round = rows["fl"]["bytes_over_link"] / (plan["rounds"] * len(plan["holders"]))
+    return {"record_bytes": schema.record_bytes, "params": sum(p.numel() for p in model.parameters()),
+            "rounds": plan["rounds"], "buffer_bytes": job["buffer_bytes"], "fl_per_round": per_round,
+            "tls_per_record": tls / (sum(train.values()) + sum(held.values())), "tls_framing": tls / laid_out,
+            "travel_per_travel": rows["travel"]["bytes_over_link"] / rows["travel"]["fetches"]}
+
+
+@table("r")
+def fl_records_crossover(d):
+    """Per record size, the records per holder at which FedAvg would move as few bytes as the TLS
+    baseline or travelling: the shipped records from the run's rates, larger images arithmetic on
+    the image run's rates with its model held fixed (records packed, TLS's measured framing)."""
+    from gputravel.data.records import RecordSchema
+
+    def size(n: float) -> str:
+        return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.2f} MB" if n >= 1e6 else f"{n / 1e3:,.1f} KB"
+
+    x = _records_rates(d)
+    records = [("8 x 8 grey" if d["workload"] == "image" else "30 float32 features", x["record_bytes"], True)]
+    if d["workload"] == "image":
+        records += [(name, RecordSchema.parse(f"image: uint8{shape}; label: int64[]").record_bytes, False)
+                    for name, shape in LARGER_IMAGES]
+    fl_bytes = x["rounds"] * x["fl_per_round"]  # one holder's, the whole job
+    tls_data = fl_bytes / x["tls_framing"]  # the data bytes a holder's TLS moves as many with
+    travel_data = fl_bytes * x["buffer_bytes"] / x["travel_per_travel"]  # full buffers, one travel each
+    rows = []
+    for name, rec, run in records:
+        tls = f"{rec * x['tls_framing']:,.1f}" + (f" (as run: {x['tls_per_record']:,.1f})" if run else "")
+        rows.append((name, f"{rec:,}", "shipped, run" if run else "arithmetic", f"{x['params']:,}",
+                     f"{x['fl_per_round']:,.0f}", num(x["fl_per_round"] / (2 * 4 * x["params"])), tls,
+                     f"{x['travel_per_travel']:,.0f}", f"{tls_data / rec:,.0f} ({size(tls_data)})",
+                     f"{travel_data / rec:,.0f} ({size(travel_data)})"))
+    return ("record", "bytes a record", "records", "parameters", "FedAvg bytes per holder and round",
+            "x twice the fp32 model", "TLS bytes per record", "travel bytes per travel",
+            f"parity with tls: records / holder ({x['rounds']} rounds)",
+            f"parity with travelling: records / holder ({x['rounds']} rounds)"), rows
