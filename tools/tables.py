@@ -581,6 +581,9 @@ def train_workload_targets(files):
 #: Records of the image workload's model held fixed, larger than its data: uint8 pixels and an int64 label.
 LARGER_IMAGES = (("28 x 28 grey", "[1,28,28]"), ("224 x 224 grey", "[1,224,224]"),
                  ("224 x 224 x 3 colour", "[3,224,224]"))
+#: A dataset buffer whose manifest pieces (1 MiB, the largest) hold a 224 x 224 x 3 record, for the row
+#: that does not fit the runs' 128 KiB pieces.
+WIDER_BUFFER = 1 << 20
 
 
 def _records_rates(d: dict) -> dict:
@@ -610,28 +613,46 @@ def _records_rates(d: dict) -> dict:
 def fl_records_crossover(d):
     """Per record size, the records per holder at which FedAvg would move as few bytes as the TLS
     baseline or travelling: the shipped records from the run's rates, larger images arithmetic on
-    the image run's rates with its model held fixed (records packed, TLS's measured framing)."""
-    from gputravel.data.records import RecordSchema
+    the image run's rates with its model held fixed, laid out as a holder lays them out (whole
+    records to a manifest piece, zero-padded: TLS's measured framing over a record's share of its
+    piece; a travel brings the records a buffer's pieces hold). A record larger than a piece: -."""
+    from gputravel.data.records import RecordSchema, Units
+    from gputravel.protocol.layout import layout_for, manifest_piece_bytes
 
     def size(n: float) -> str:
         return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.2f} MB" if n >= 1e6 else f"{n / 1e3:,.1f} KB"
 
+    def kib(n: int) -> str:
+        return f"{n >> 20:,} MiB" if n % (1 << 20) == 0 else f"{n >> 10:,} KiB"
+
     x = _records_rates(d)
-    records = [("8 x 8 grey" if d["workload"] == "image" else "30 float32 features", x["record_bytes"], True)]
+    buffer = x["buffer_bytes"]
+    records = [("8 x 8 grey" if d["workload"] == "image" else "30 float32 features", x["record_bytes"],
+                "shipped, run", buffer)]
     if d["workload"] == "image":
-        records += [(name, RecordSchema.parse(f"image: uint8{shape}; label: int64[]").record_bytes, False)
-                    for name, shape in LARGER_IMAGES]
+        def image(shape: str) -> int:
+            return RecordSchema.parse(f"image: uint8{shape}; label: int64[]").record_bytes
+        records += [(name, image(shape), "arithmetic", buffer) for name, shape in LARGER_IMAGES]
+        records += [(name, image(shape), f"arithmetic, {kib(WIDER_BUFFER)} buffer", WIDER_BUFFER)
+                    for name, shape in LARGER_IMAGES[-1:]]
     fl_bytes = x["rounds"] * x["fl_per_round"]  # one holder's, the whole job
-    tls_data = fl_bytes / x["tls_framing"]  # the data bytes a holder's TLS moves as many with
-    travel_data = fl_bytes * x["buffer_bytes"] / x["travel_per_travel"]  # full buffers, one travel each
+    travels = fl_bytes / x["travel_per_travel"]  # the travels that move as many bytes
     rows = []
-    for name, rec, run in records:
-        tls = f"{rec * x['tls_framing']:,.1f}" + (f" (as run: {x['tls_per_record']:,.1f})" if run else "")
-        rows.append((name, f"{rec:,}", "shipped, run" if run else "arithmetic", f"{x['params']:,}",
-                     f"{x['fl_per_round']:,.0f}", num(x["fl_per_round"] / (2 * 4 * x["params"])), tls,
-                     f"{x['travel_per_travel']:,.0f}", f"{tls_data / rec:,.0f} ({size(tls_data)})",
-                     f"{travel_data / rec:,.0f} ({size(travel_data)})"))
-    return ("record", "bytes a record", "records", "parameters", "FedAvg bytes per holder and round",
-            "x twice the fp32 model", "TLS bytes per record", "travel bytes per travel",
-            f"parity with tls: records / holder ({x['rounds']} rounds)",
+    for name, rec, kind, buf in records:
+        piece = manifest_piece_bytes(layout_for(buf))
+        fixed = (name, f"{rec:,}", kind, f"{kib(buf)} / {kib(piece)}", f"{x['params']:,}",
+                 f"{x['fl_per_round']:,.0f}", num(x["fl_per_round"] / (2 * 4 * x["params"])))
+        if rec > piece:  # Units refuses it: no layout of this buffer carries the record
+            rows.append((*fixed, "-", "-", f"{x['travel_per_travel']:,.0f}", "-", "-"))
+            continue
+        units = Units(rec, piece)
+        tls_rec = x["tls_framing"] * piece / units.per_piece  # its share of its piece, padding included
+        tls = f"{tls_rec:,.1f}" + (f" (as run: {x['tls_per_record']:,.1f})" if kind.startswith("shipped") else "")
+        per_travel, tls_n = units.capacity(buf), fl_bytes / tls_rec
+        rows.append((*fixed, f"{per_travel:,} ({pct(units.per_piece * rec / piece, 2)})", tls,
+                     f"{x['travel_per_travel']:,.0f}", f"{tls_n:,.0f} ({size(tls_n * rec)})",
+                     f"{travels * per_travel:,.0f} ({size(travels * per_travel * rec)})"))
+    return ("record", "bytes a record", "records", "buffer / piece", "parameters", "FedAvg bytes per holder and round",
+            "x twice the fp32 model", "records a travel (piece filled)", "TLS bytes per record",
+            "travel bytes per travel", f"parity with tls: records / holder ({x['rounds']} rounds)",
             f"parity with travelling: records / holder ({x['rounds']} rounds)"), rows
