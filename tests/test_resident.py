@@ -221,5 +221,37 @@ def test_the_stall_counts_every_travel_and_its_first_pass_each_visits_first(digi
     asked = source.asked
     assert len({a for a in asked if not a[2]}) > 3 and any(a[2] for a in asked)  # several visits, some held out
     assert loader.stall_seconds == len(asked)  # every travel waited for, held-out ones too
-    assert loader.first_pass_seconds == len(set(asked))  # each visit's first travel
+    # Each holder's first training travel and first held-out one: a holder's next chunks are not.
+    assert loader.first_pass_seconds == len({(h, held) for h, _, held in asked}) < len(set(asked))
     assert (len(asked) == len(set(asked))) == bool(resident_mib)  # kept: nothing travels twice
+
+
+def test_a_failed_travel_is_stall_but_not_the_first_pass(digits, monkeypatch) -> None:
+    import types
+
+    from gputravel.errors import HolderLost
+    from gputravel.train import loader as loader_module
+    from gputravel.train.loader import Shuffled, TravellingLoader
+
+    clock = [0.0]
+    monkeypatch.setattr(loader_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cfg = job(digits, steps=1, batch=32, buffer_bytes=16 << 10)
+    source = _Slowed(LocalSource.of(cfg, digits), clock)
+    lost = digits[0][0]
+    fetch = source.fetch
+
+    def fails_once(visit: Visit):
+        if visit.holder == lost and not any(h == lost for h, _, _ in source.asked):
+            clock[0] += 30.0  # waited for it until the deadline
+            source.asked.append((lost, visit.token_offset, False))
+            raise HolderLost(lost, "it stopped answering", during="the copy")
+        return fetch(visit)
+
+    source.fetch = fails_once
+    loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes,
+                              batching=Shuffled(cfg.batch, 0, lambda t: t))
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    assert loader.lost and loader.stall_seconds >= 31  # the failed wait and the travel after it
+    assert loader.first_pass_seconds == 1  # the other holder's first travel only

@@ -25,10 +25,10 @@ def _tail(losses: list[float]) -> float | None:
 def method_row(method: str, bw: float | None, report: dict, moved: dict | None, final_metrics: dict,
                step_ms: float | None = None) -> dict:
     """A travel or tls row from the training report: transmission = the loader's waits for data
-    (``steady_stall_share``: those after each visit's first travel, over the time after them);
+    (``steady_stall_share``: all but each holder's first travel, over the time less those);
     ``final_metrics`` the final model on the held-out data; ``step_ms`` the median step time."""
     tx, wall = report["stall_s"], report["wall_s"]
-    first = report.get("first_pass_s", 0.0)  # each visit's first travel: the job's fixed start-up wait
+    first = report.get("first_pass_s", 0.0)  # each holder's first travels: the job's fixed start-up wait
     paper = PAPER_TABLE2.get(None if bw is None else float(bw), {}).get(PAPER_KEY[method])
     return {"method": method, "bandwidth_mbit": bw, "framework": "gputravel",
             "bytes_over_link": None if moved is None else sum(b.total for b in moved.values()),
@@ -36,7 +36,9 @@ def method_row(method: str, bw: float | None, report: dict, moved: dict | None, 
             "tx_s": tx, "training_s": wall - tx, "wall_s": wall, "tx_share": tx / wall if wall else 0.0,
             "holder_compute_s": 0.0, "final_loss": final_metrics["all"]["loss"], "final_metrics": final_metrics,
             "step_ms": step_ms, "stall_share": report["stall_share"], "first_pass_s": first,
-            "steady_stall_share": (tx - first) / (wall - first) if wall > first else 0.0,
+            # None: the job ended inside its first epoch, so nothing could travel again: not measured.
+            "steady_stall_share": None if not report["loader_state"].get("epoch") else
+            (tx - first) / (wall - first) if wall > first else 0.0,
             "train_loss_tail": _tail(report["losses"]),
             "rounds": None, "fetches": report["travel_count"], "losses": report["losses"],
             "paper": None if paper is None else {"training_s": paper[0], "tx_s": paper[1], "tx_share": paper[2]}}

@@ -259,7 +259,7 @@ def _summary(report: dict, out: Path) -> None:
     console.print(f"loss {report['loss_before']:.3f} -> {report['loss_after']:.3f} (means of the first and last 10 steps); "
                   f"data stall {report['stall_share']:.2%} of {report['wall_s']:.1f} s "
                   f"({report['travel_count']} fetches; {report.get('first_pass_s', 0.0) * 1e3:.0f} ms of it each "
-                  "visit's first travel).")
+                  "holder's first travels).")
     if report.get("eval"):
         table = Table(title="Held-out evaluation (each holder's own records, never trained on)")
         keys = [k for k in report["eval"]["all"] if k != "records"]

@@ -285,11 +285,11 @@ class TravellingLoader:
         self.state = state or LoaderState()
         self.on_fetch = on_fetch
         self.stall_seconds = 0.0  # time spent waiting for data (travels), for the stall share
-        # Of it, the travels that brought a visit's units for the first time: a job's fixed start-up
-        # cost (a loader bringing data from N holders waits for N travels at least), against the
-        # travels that bring units again (no records kept) or after a loss.
+        # Of it, each holder's first travel that arrived (its training units; its held-out ones): the
+        # job's fixed start-up wait, N travels for N holders whatever the loader does. Every other wait
+        # (units brought again, a holder's next chunks, a failed travel) is the steady state's.
         self.first_pass_seconds = 0.0
-        self._arrived: set[tuple[str, int, bool]] = set()
+        self._arrived: set[tuple[str, bool]] = set()
         self.fetches = 0
         self.lost: list[str] = []  # holders lost in travels, with why
 
@@ -357,21 +357,21 @@ class TravellingLoader:
                 zero(part)
 
     def _travel_once(self, visit: Visit, why: str) -> np.ndarray:
-        t0 = time.perf_counter()
+        t0, units = time.perf_counter(), None
         try:
             units = np.array(self.source.fetch(visit))  # a copy: the buffer is scrubbed by the next travel
         except HolderLost as exc:
             raise BadInput(f"holder {visit.holder!r} was lost while the job's records travelled ({exc}): "
                            f"{why}; run the job again") from None
         finally:
-            self._waited(visit, False, time.perf_counter() - t0)
+            self._waited(visit, False, time.perf_counter() - t0, arrived=units is not None)
         self.fetches += 1
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None)))
         return units
 
     def _fetch_held(self, fetch_held: Callable[[Visit], np.ndarray], visit: Visit) -> np.ndarray:
-        t0 = time.perf_counter()
+        t0, view = time.perf_counter(), None
         try:
             view = fetch_held(visit)
         except HolderLost as exc:  # as in training: it goes offline, the job goes on without it
@@ -379,15 +379,15 @@ class TravellingLoader:
             self.note_lost(str(exc))
             raise
         finally:  # the model waits for these as for training's: a stall too
-            self._waited(visit, True, time.perf_counter() - t0)
+            self._waited(visit, True, time.perf_counter() - t0, arrived=view is not None)
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None), True))
         self.kept.keep(visit, view, held=True)  # its own copy: a workload may change what it is given
         return np.array(view)  # a copy: the buffer is scrubbed next travel
 
-    def _waited(self, visit: Visit, held: bool, seconds: float) -> None:
+    def _waited(self, visit: Visit, held: bool, seconds: float, *, arrived: bool) -> None:
         self.stall_seconds += seconds
-        if (key := (visit.holder, visit.token_offset, held)) not in self._arrived:
+        if arrived and (key := (visit.holder, held)) not in self._arrived:
             self._arrived.add(key)
             self.first_pass_seconds += seconds
 
@@ -426,12 +426,12 @@ class TravellingLoader:
     def _fetch(self, visit: Visit, epoch: int) -> Any:
         if (units := self._kept(visit)) is not None:  # kept: no travel, no wait
             return self.batching.plan(units, visit, epoch)
-        t0 = time.perf_counter()
+        t0, plan = time.perf_counter(), None
         try:
             plan = self.batching.plan(self.kept.keep(visit, self.source.fetch(visit)), visit, epoch)
         finally:  # a failed travel is waiting time too
             spent = time.perf_counter() - t0
-            self._waited(visit, False, spent)
+            self._waited(visit, False, spent, arrived=plan is not None)
         self.fetches += 1
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, spent, getattr(self.source, "last_report", None)))
