@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gputravel.service.launch import SERVE
+from gputravel.errors import BadInput, one_line
 from gputravel.service.serve import main
 
 
@@ -17,7 +18,7 @@ def test_a_service_started_by_the_launcher_imports_no_command_line_numpy_or_torc
     probe = ("import sys; from gputravel.service.serve import main; "
              "print(sorted(m for m in ('numpy', 'torch', 'typer', 'rich', 'gputravel.orchestrator.cvm') "
              "if m in sys.modules))")
-    assert "gputravel.service.serve import main" in SERVE[1]
+    assert "gputravel.service.serve import main" in SERVE[-2]
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "[]"
 
@@ -40,3 +41,42 @@ def test_a_config_that_is_not_a_hosts_is_refused_as_the_command_refuses_it(tmp_p
     path.write_text(text)
     assert main(["serve", "host", "--config", str(path)]) == 1
     assert capsys.readouterr().out.startswith("error: ")
+
+
+@pytest.mark.parametrize("exc", [BadInput("holder 'north': no such dataset"),
+                                 OSError(18, "Invalid cross-device link", "/a/src", None, "/b/dst"),
+                                 RecursionError("maximum recursion depth exceeded")],
+                         ids=["typed", "path-pair", "recursion"])
+def test_the_entry_ends_as_the_command_ends(monkeypatch, capsys, exc: BaseException) -> None:
+    """The same one line and status as `gputravel serve` (cli/output.py Commands), for the same failure."""
+    from typer.testing import CliRunner
+
+    from gputravel.cli.app import app
+    from gputravel.service import serve as serve_module
+
+    def fails(role: str, path: Path) -> int:
+        raise exc
+
+    monkeypatch.setattr(serve_module, "serve", fails)
+    assert main(["serve", "host", "--config", "/x.toml"]) == 1
+    line = capsys.readouterr().out
+    assert line == f"error: {one_line(exc)}\n"
+    command = CliRunner().invoke(app, ["serve", "host", "--config", "/x.toml"])
+    assert (command.exit_code, command.output) == (1, line)
+
+
+def test_an_interrupt_ends_it_silently_with_130_and_a_bug_keeps_its_traceback(monkeypatch, capsys) -> None:
+    from gputravel.service import serve as serve_module
+
+    for exc in (KeyboardInterrupt(), RuntimeError("a bug"), OSError(5, "Input/output error")):
+        def fails(role: str, path: Path, exc: BaseException = exc) -> int:
+            raise exc
+
+        monkeypatch.setattr(serve_module, "serve", fails)
+        if isinstance(exc, KeyboardInterrupt):
+            assert main(["serve", "gpu", "--config", "/x.toml"]) == 130
+            assert capsys.readouterr() == ("", "")
+        else:
+            with pytest.raises(type(exc)):
+                main(["serve", "gpu", "--config", "/x.toml"])
+

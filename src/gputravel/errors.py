@@ -128,3 +128,16 @@ class ContextRefused(HolderLost, ContextBlobError):
     def __init__(self, holder: str, why: str) -> None:
         super().__init__(holder, f"it returned a context that was refused: {why}")
 
+
+
+def one_line(exc: BaseException) -> str | None:
+    """What a command prints for `exc`, in one line (then exits 1); None: a bug, which keeps its traceback.
+    A typed error, an OSError on a path and a RecursionError (input nested too deeply)."""
+    if isinstance(exc, GputravelError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.filename is not None:  # not about a path: ours to fix
+        where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        return f"{exc.strerror or exc}: {where}"
+    if isinstance(exc, RecursionError):
+        return "the input is nested too deeply to read (RecursionError); if it is not, this is a bug: please report it"
+    return None

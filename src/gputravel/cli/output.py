@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
-from gputravel.errors import BadInput, GputravelError
+from gputravel.errors import BadInput, GputravelError, one_line
 from gputravel.files import write_json
 
 console = Console()
@@ -34,15 +34,10 @@ class Commands(TyperGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except GputravelError as exc:
-            fail(exc)
-        except OSError as exc:
-            if exc.filename is None:  # not about a path: ours to fix
+        except (GputravelError, OSError, RecursionError) as exc:
+            if (line := one_line(exc)) is None:
                 raise
-            where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
-            fail(f"{exc.strerror or exc}: {where}")
-        except RecursionError:
-            fail("the input is nested too deeply to read (RecursionError); if it is not, this is a bug: please report it")
+            fail(line)
 
 
 def named_subcommand() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gputravel.attest.provision import GpuIssuer
-from gputravel.errors import BadInput, GputravelError
+from gputravel.errors import BadInput, GputravelError, one_line
 from gputravel.protocol.control import Certified, Enroll
 from gputravel.service.config import (BrokerService, GpuService, HolderService, HostService, check_before_start,
                                       load_service)
@@ -44,22 +44,21 @@ def serve(role: str, config_path: Path) -> int:
 def main(argv: list[str]) -> int:
     """``serve ROLE --config FILE`` as the launcher spawns it (service/launch.py SERVE): `gputravel
     serve` without the command line's other imports (typer, rich, every command: 0.16 s a service).
-    A typed error or an OSError on a path ends as one line and status 1, as the command's."""
+    A typed error, an OSError on a path or a RecursionError ends as one line and status 1, as the
+    command's (errors.one_line); an interrupt before serve's own handlers, 130."""
     roles = ("host", "gpu", "holder", "orchestrator", "broker")
     if len(argv) != 4 or argv[0] != "serve" or argv[1] not in roles or argv[2] != "--config":
         print(f"usage: serve {{{','.join(roles)}}} --config FILE (got {' '.join(argv)!r})", file=sys.stderr)
         return 2
     try:
         return serve(argv[1], Path(argv[3]))
-    except GputravelError as exc:
-        print(f"error: {exc}", flush=True)
-    except OSError as exc:
-        if exc.filename is None:  # not about a path: a bug, with its traceback
+    except (GputravelError, OSError, RecursionError) as exc:
+        if (line := one_line(exc)) is None:
             raise
-        print(f"error: {exc.strerror or exc}: {exc.filename}", flush=True)
-    except KeyboardInterrupt:
-        print("Aborted!", file=sys.stderr)
-    return 1
+        print(f"error: {line}", flush=True)
+        return 1
+    except KeyboardInterrupt:  # before serve's own handlers: as typer ends a command, 130 and no words
+        return 130
 
 
 def serve_host(cfg: HostService, stop: Stopping) -> int:
