@@ -80,3 +80,14 @@ def test_an_interrupt_ends_it_silently_with_130_and_a_bug_keeps_its_traceback(mo
             with pytest.raises(type(exc)):
                 main(["serve", "gpu", "--config", "/x.toml"])
 
+
+def test_a_commands_traceback_shows_no_locals(processes) -> None:
+    """A bug keeps its traceback, but typer's pretty one printed every frame's locals by default (keys
+    and holders' data among them, in a command that handles them): off in every command group."""
+    code = ("import sys\nfrom gputravel.cli.app import app\nfrom gputravel.service import serve\n"
+            "def boom(role, path):\n    secret_value = 'CANARY-5f3a'\n    raise RuntimeError('a bug')\n"
+            "serve.serve = boom\nsys.argv = ['gputravel', 'serve', 'host', '--config', '/x.toml']\napp()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "RuntimeError" in done.stdout + done.stderr
+    assert "CANARY-5f3a" not in done.stdout + done.stderr
+

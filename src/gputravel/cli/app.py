@@ -31,9 +31,9 @@ from gputravel.cli.output import (Commands, check_output_dir, check_output_file,
                                   write_results)
 
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands,
+app = typer.Typer(pretty_exceptions_show_locals=False, add_completion=False, no_args_is_help=True, cls=Commands,
                   help="GPU Travelling: confidential collaborative training with a travelling (emulated) H100 in CC mode.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (numbers live here, never in tests).")
+bench_app = typer.Typer(pretty_exceptions_show_locals=False, no_args_is_help=True, help="Benchmarks (numbers live here, never in tests).")
 app.add_typer(bench_app, name="bench")
 
 app.command(name="demo")(training_job)

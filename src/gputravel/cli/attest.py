@@ -47,9 +47,9 @@ __all__ = ["attest_app", "pki_app"]
 EVIDENCE_FORMAT = "gputravel-gpu-attestation-v1"
 EXIT_REFUSED = 2  # bad input: 1, as every command
 
-pki_app = typer.Typer(no_args_is_help=True, add_completion=False, cls=Commands,
+pki_app = typer.Typer(pretty_exceptions_show_locals=False, no_args_is_help=True, add_completion=False, cls=Commands,
                       help="Emulated roots of trust (stand-ins for NVIDIA's and Intel's; not theirs).")
-attest_app = typer.Typer(no_args_is_help=True, add_completion=False, cls=Commands,
+attest_app = typer.Typer(pretty_exceptions_show_locals=False, no_args_is_help=True, add_completion=False, cls=Commands,
                          help="Attestation: emulated H100 evidence, CVM measurements, offline verification.")
 
 

@@ -18,7 +18,7 @@ from gputravel.orchestrator.audit.entries import HASH_BYTES
 from gputravel.errors import BadInput, GputravelError
 from gputravel.files import write_json
 
-audit_app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands, callback=named_subcommand,
+audit_app = typer.Typer(pretty_exceptions_show_locals=False, add_completion=False, no_args_is_help=True, cls=Commands, callback=named_subcommand,
                         help="The orchestrator's hash-chained, signed log of travels.")
 NOT_CLOSED = 3  # the exit status of a log that verifies but is not closed
 CONTINUES = 4  # the exit status of a closed log that continues an earlier one: not its job's whole log

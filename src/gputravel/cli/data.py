@@ -18,9 +18,9 @@ from gputravel.data.records import Records, load_records
 from gputravel.data.tokenizer import get_tokenizer
 from gputravel.errors import BadInput
 
-data_app = typer.Typer(no_args_is_help=True, cls=Commands, callback=named_subcommand,
+data_app = typer.Typer(pretty_exceptions_show_locals=False, no_args_is_help=True, cls=Commands, callback=named_subcommand,
                        help="Training data: tokenize holders' text into llm.c shards; pack images and tables.")
-pack_app = typer.Typer(no_args_is_help=True, cls=Commands,
+pack_app = typer.Typer(pretty_exceptions_show_locals=False, no_args_is_help=True, cls=Commands,
                        help="Pack a holder's images, table or text where the data lives, for training.")
 data_app.add_typer(pack_app, name="pack")
 

@@ -23,7 +23,7 @@ from gputravel.service.budget import approve_within_budget, unbounded_why
 from gputravel.service.vouch import Pins, vouch
 from gputravel.train.job import TrainConfig
 
-job_app = typer.Typer(add_completion=False, no_args_is_help=True, cls=Commands, callback=named_subcommand,
+job_app = typer.Typer(pretty_exceptions_show_locals=False, add_completion=False, no_args_is_help=True, cls=Commands, callback=named_subcommand,
                       help="Job manifests: what a holder approves by digest, and what may leave the orchestrator.")
 JOB = TrainConfig()
 MAX_KEY_FILE = 4 << 10  # a NAME.pub is 65 bytes

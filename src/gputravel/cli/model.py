@@ -17,7 +17,7 @@ from gputravel.release import (ReleaseFile, keygen as make_keys, load_private_ke
                                read_release)
 from gputravel.release.seal import MAX_RELEASE_BYTES, anchors, check_approved
 
-model_app = typer.Typer(no_args_is_help=True, cls=Commands, callback=named_subcommand,
+model_app = typer.Typer(pretty_exceptions_show_locals=False, no_args_is_help=True, cls=Commands, callback=named_subcommand,
                         help="The released model: recipients' keys, and opening a release sealed to them.")
 MAX_CA_BYTES = 64 << 10
 

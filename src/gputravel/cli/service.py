@@ -27,7 +27,7 @@ JOB = TrainConfig().to_dict()  # the defaults of a training job, for the options
 
 __all__ = ["cohort_app", "serve_command", "status_command"]
 
-cohort_app = typer.Typer(no_args_is_help=True, add_completion=False, cls=Commands, callback=named_subcommand,
+cohort_app = typer.Typer(pretty_exceptions_show_locals=False, no_args_is_help=True, add_completion=False, cls=Commands, callback=named_subcommand,
                          help="A cohort as a consortium deploys it: one config file and one service per party.")
 
 
