@@ -18,7 +18,7 @@ def test_a_service_started_by_the_launcher_imports_no_command_line_numpy_or_torc
     probe = ("import sys; from gputravel.service.serve import main; "
              "print(sorted(m for m in ('numpy', 'torch', 'typer', 'rich', 'gputravel.orchestrator.cvm') "
              "if m in sys.modules))")
-    assert "gputravel.service.serve import main" in SERVE[-2]
+    assert SERVE[0] == "-P" and "gputravel.service.serve import main" in SERVE[2]
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "[]"
 
@@ -91,3 +91,16 @@ def test_a_commands_traceback_shows_no_locals(processes) -> None:
     assert done.returncode != 0 and "RuntimeError" in done.stdout + done.stderr
     assert "CANARY-5f3a" not in done.stdout + done.stderr
 
+
+def test_no_service_or_party_imports_a_module_planted_in_its_working_directory(processes, tmp_path: Path) -> None:
+    """`python -c` and `-m` put the working directory first on sys.path: a numpy/ planted in the
+    directory a launcher runs in would run as every party, as root's children too (the review of this stop)."""
+    from gputravel.cohort.isolation import party_env
+
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "__init__.py").write_text("raise SystemExit('planted numpy imported')\n")
+    probe = "import numpy; print('the real numpy')"
+    for argv, env in (([sys.executable, SERVE[0], "-c", probe], None),
+                      ([sys.executable, "-c", probe], party_env("holder"))):
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert done.stdout.strip() == "the real numpy", done.stderr

@@ -209,8 +209,11 @@ def private_env(home: str) -> dict[str, str]:
 
 
 def party_env(role: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """`env` (default ours), plus the device's copy-engine glibc tunables, read only at its start."""
+    """`env` (default ours), plus the device's copy-engine glibc tunables, read only at its start. Safe
+    path: `python -m` would put the working directory first on sys.path, where a module planted there
+    would run as the party (root's children included)."""
     out = dict(os.environ if env is None else env)
+    out["PYTHONSAFEPATH"] = "1"
     if role == "device":
         out["GLIBC_TUNABLES"] = ":".join(filter(None, (out.get("GLIBC_TUNABLES"), COPY_ENGINE_TUNABLES)))
     return out

@@ -77,7 +77,8 @@ class QuotingLaunch:
         """Measure an orchestrator started so: its configuration, and the package its interpreter imports there."""
         kwargs = {k: popen[k] for k in ("preexec_fn", "env", "cwd", "pass_fds") if k in popen}
         try:
-            found = subprocess.run([sys.executable, "-c", _FIND_PACKAGE], capture_output=True, text=True,
+            # -P: as the orchestrator runs (isolation.party_env), never a package in the working directory.
+            found = subprocess.run([sys.executable, "-P", "-c", _FIND_PACKAGE], capture_output=True, text=True,
                                    timeout=60, check=True, stdin=subprocess.DEVNULL, **kwargs).stdout.strip()
         except (subprocess.SubprocessError, OSError) as exc:
             raise BadInput(f"cannot find the package the orchestrator would run: {exc}") from None

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 __all__ = ["ServiceLaunch", "StepRow"]
 
 # `gputravel serve` through its own entry: the command line's imports cost each service 0.16 s.
-SERVE = ("-c", "import sys; from gputravel.service.serve import main; sys.exit(main(sys.argv[1:]))", "serve")
+# -P: `-c` would put the working directory first on sys.path (a module planted there would run as root).
+SERVE = ("-P", "-c", "import sys; from gputravel.service.serve import main; sys.exit(main(sys.argv[1:]))", "serve")
 BOOT_TIMEOUT_S = 120.0  # every service up, the orchestrator's holders joined
 STOP_GRACE_S = 20.0  # a stopping service finishes its step or its goodbye within this
 POLL_S = 0.05
