@@ -36,8 +36,9 @@ def method_row(method: str, bw: float | None, report: dict, moved: dict | None, 
             "tx_s": tx, "training_s": wall - tx, "wall_s": wall, "tx_share": tx / wall if wall else 0.0,
             "holder_compute_s": 0.0, "final_loss": final_metrics["all"]["loss"], "final_metrics": final_metrics,
             "step_ms": step_ms, "stall_share": report["stall_share"], "first_pass_s": first,
-            # None: the job ended inside its first epoch, so nothing could travel again: not measured.
-            "steady_stall_share": None if not report["loader_state"].get("epoch") else
+            # None: not measured, the job ended inside its first epoch with nothing but the first pass
+            # travelled (a holder's next chunk or a record brought again would have been the steady state).
+            "steady_stall_share": None if not report["loader_state"].get("epoch") and tx <= first else
             (tx - first) / (wall - first) if wall > first else 0.0,
             "train_loss_tail": _tail(report["losses"]),
             "rounds": None, "fetches": report["travel_count"], "losses": report["losses"],
