@@ -129,7 +129,6 @@ class ContextRefused(HolderLost, ContextBlobError):
         super().__init__(holder, f"it returned a context that was refused: {why}")
 
 
-
 def one_line(exc: BaseException) -> str | None:
     """What a command prints for `exc`, in one line (then exits 1); None: a bug, which keeps its traceback.
     A typed error, an OSError on a path and a RecursionError (input nested too deeply)."""
