@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the engine's module costs every other service 60 ms to impo
 
 __all__ = ["BrokerService", "GpuService", "HolderService", "HostService", "JobSection", "LayoutSection", "OrchestratorService",
            "PolicySection", "ServiceConfig", "check_before_start", "explain_built", "gpu_socket", "host_party",
-           "load_service", "orchestrator_engine_config", "orchestrator_party", "public_file",
+           "load_service", "orchestrator_engine_config", "orchestrator_party", "party_name", "public_file",
            "quoting_socket", "validate_service", "BROKER", "PARTIES", "MAX_SOCKET_PATH", "ORCHESTRATOR"]
 
 PARTIES = ("host", "gpu", "orchestrator", "holder", "broker")
@@ -305,6 +305,19 @@ class OrchestratorService(_Service):
             raise ValueError(f"job.buffer_bytes: expected a multiple of layout.record_bytes "
                              f"({self.layout.record_bytes}), got {self.job.buffer_bytes}")
         return self
+
+
+def party_name(cfg: ServiceConfig) -> str:
+    """The party a service's config is for, as it logs and registers ("gpu-0", "holder-north", ...)."""
+    if isinstance(cfg, GpuService):
+        return f"gpu-{cfg.index}"
+    if isinstance(cfg, HolderService):
+        return f"holder-{cfg.name}"
+    if isinstance(cfg, HostService):
+        return host_party(cfg.index)
+    if isinstance(cfg, BrokerService):
+        return BROKER
+    return orchestrator_party(cfg.rank)
 
 
 def orchestrator_engine_config(cfg: OrchestratorService, *, pki_dir: str, trust_dir: str) -> OrchestratorConfig:

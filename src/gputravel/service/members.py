@@ -27,7 +27,6 @@ from gputravel.protocol.control import (AwaitHolders, Failed, Holders, JoinCohor
                                         TrainDone, TrainStep, Train)
 from gputravel.service.config import (AUDIT_LOG, STATUS_FILE, HolderService, OrchestratorService, gpu_socket, orchestrator_party, public_file,
                                       ORCHESTRATOR, orchestrator_engine_config, quoting_socket)
-from gputravel.service.budget import check_budget_at_start
 from gputravel.service.party import (PartyChild, Stopping, as_party, log, one_certificate, own_state, private_dir,
                                      BOOT_TIMEOUT, publish, publish_certificate, refuse_planted, unix_listening, wait_for,
                                      wait_for_sockets)
@@ -76,6 +75,8 @@ def serve_holder(cfg: HolderService, stop: Stopping) -> int:
     policy = dataclasses.replace(cfg.policy.to_policy(""), gpu_reference_values=Path(REFERENCE_FILE))  # beside it
     refuse_planted(state, cfg.uid)  # its TLS key signs its releases: never one someone else made
     own_state(state, cfg.uid)
+    from gputravel.service.budget import check_budget_at_start  # lazy: the ledger's imports, holders' alone
+
     check_budget_at_start(cfg)  # its epsilon cap: nothing sent to a job past it, or not in its ledger
     with as_party(cfg.uid):  # inside the holder's own tree: as the holder, so no link of its reaches root's files
         trust = _trust_dir(state, cfg.trust_dir, {POLICY_FILE: policy.to_json()})

@@ -15,12 +15,11 @@ from gputravel.attest.provision import GpuIssuer
 from gputravel.errors import BadInput, GputravelError, one_line
 from gputravel.protocol.control import Certified, Enroll
 from gputravel.service.config import (BrokerService, GpuService, HolderService, HostService, check_before_start,
-                                      load_service)
+                                      load_service, party_name)
 from gputravel.service.members import serve_holder, serve_orchestrator
 from gputravel.service.party import (BOOT_TIMEOUT, PartyChild, Stopping, as_party, log, own_state, private_dir,
                                      refuse_planted, unix_listening, wait_for)
 from gputravel.service.registry import bind, vendor_dir
-from gputravel.service.status import party_name
 
 
 def serve(role: str, config_path: Path) -> int:

@@ -18,7 +18,7 @@ from gputravel.holder.log_key import read_log_key
 from gputravel.orchestrator.audit import AuditError, Entry, Failure, mismatched_chunks, verify_log
 from gputravel.protocol.manifest import chunk_digest
 from gputravel.service.config import (AUDIT_LOG, BROKER, STATUS_FILE, BrokerService, GpuService, HolderService, HostService, OrchestratorService,
-                                      ServiceConfig, gpu_socket, host_party, orchestrator_party, public_file)
+                                      ServiceConfig, gpu_socket, party_name, public_file)
 from gputravel.service.party import as_party
 from gputravel.service.registry import bind
 
@@ -29,18 +29,6 @@ SHIPPED = Path(os.path.realpath(Path(gputravel.__file__).parent / "demo_data"))
 HOLDER_PKI = "pki"  # in a holder's state_dir (service/members.py): its TLS key and its travel-log key
 MAX_STATUS_BYTES = 1 << 20  # a status.json is a few hundred bytes; the party could make its own any size
 _LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::")
-
-
-def party_name(cfg: ServiceConfig) -> str:
-    if isinstance(cfg, GpuService):
-        return f"gpu-{cfg.index}"
-    if isinstance(cfg, HolderService):
-        return f"holder-{cfg.name}"
-    if isinstance(cfg, HostService):
-        return host_party(cfg.index)
-    if isinstance(cfg, BrokerService):
-        return BROKER
-    return orchestrator_party(cfg.rank)
 
 
 def _proc_net(name: str) -> list[list[str]] | None:
