@@ -49,7 +49,7 @@ def _round(record_bytes: int, slots: int, total_bytes: int, timeout: float) -> d
         with Children(0.0) as children:  # done or failed: a helper still running is no use
             os.ftruncate(fd, _HEADER + slots * (record_bytes + TAG_BYTES))
             os.pwrite(fd, os.urandom(KEY_BYTES + IV_BYTES), _KEY_AT)
-            procs = [children.start(role, [sys.executable, "-m", "gputravel.bench.pipeline", role, str(fd),
+            procs = [children.start(role, [sys.executable, "-P", "-m", "gputravel.bench.pipeline", role, str(fd),
                                            str(record_bytes), str(slots), str(total_bytes)],
                                     pass_fds=(fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE) for role in _ROLES]
             for proc in procs:  # both set up (buffers populated) before either starts

@@ -23,7 +23,7 @@ class FirmwareProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.timeout = timeout
         self._children = Children(5)
-        self.proc = self._children.start("gpu-firmware", [sys.executable, "-m", __name__, str(state),
+        self.proc = self._children.start("gpu-firmware", [sys.executable, "-P", "-m", __name__, str(state),
                                                           str(theirs.fileno())], pass_fds=[theirs.fileno()])
         theirs.close()
         self.link = StreamTransport(ours, "gpu-firmware")

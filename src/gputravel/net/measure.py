@@ -65,12 +65,14 @@ def transfer(links: ShapedLinks, src: str, dst: str, nbytes: int, *,
         rate = links.shape.bandwidth_mbit or 1000.0
         timeout = 30.0 + 4 * nbytes * 8 / (rate * 1e6)
     with Children(0.0) as children:
-        argv = [*links.exec_prefix(dst), sys.executable, "-c", _SERVER, links.address(dst)]
+        # -P: as root in the namespaces, never a module from the working directory (service/launch.py SERVE)
+        argv = [*links.exec_prefix(dst), sys.executable, "-P", "-c", _SERVER, links.address(dst)]
         server = children.start("receiver", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         port = server.stdout.readline().strip() if server.stdout else ""
         if not port.isdigit():
             raise LinkError(f"receiver in {dst!r} did not start: {server.communicate()[1].strip()}")
-        client = links.run(src, [sys.executable, "-c", _CLIENT, links.address(dst), port, str(nbytes)], timeout=timeout)
+        client = links.run(src, [sys.executable, "-P", "-c", _CLIENT, links.address(dst), port, str(nbytes)],
+                           timeout=timeout)
         if client.returncode != 0:
             raise LinkError(f"sender in {src!r} failed: {client.stderr.decode().strip()}")
         out, err = server.communicate(timeout=timeout)
