@@ -57,3 +57,16 @@ def test_a_silent_process_is_named_at_the_deadline_and_killed() -> None:
     with pytest.raises(ProcessesSilent) as err:
         run_processes([(twice, (1,)), (hang, ())], 1.0, names=["rank 0", "rank 1"], **FAST)
     assert err.value.names == ("rank 1",) and "said nothing within 1 s" in str(err.value)
+
+
+def test_no_process_imports_a_module_planted_in_the_working_directory(tmp_path, monkeypatch) -> None:
+    """multiprocessing starts its children with `python -c`, which puts the working directory first,
+    and they import multiprocessing before it sets their path: a planted one ran in every local rank
+    (the second review of this stop). run_processes starts them with PYTHONSAFEPATH=1."""
+    planted = tmp_path / "multiprocessing"
+    planted.mkdir()
+    marker = tmp_path / "planted-ran"
+    (planted / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('ran')\nraise SystemExit(9)\n")
+    monkeypatch.chdir(tmp_path)
+    assert run_processes([(twice, (i,)) for i in range(2)], 60, method="spawn", grace=2.0) == [0, 2]
+    assert not marker.exists() and "PYTHONSAFEPATH" not in os.environ  # and the launcher's own env as it was

@@ -5,13 +5,14 @@ died without a word or stayed silent, and ends every process it started, whateve
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from gputravel.processes import stop_processes
 from gputravel.errors import PeerTimeout, RemoteError
@@ -53,17 +54,34 @@ def run_processes(targets: Sequence[tuple[Callable, tuple]], timeout: float, *, 
     ctx = multiprocessing.get_context(method)
     if preload:
         ctx.set_forkserver_preload(list(preload))
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(i, target, args, results), daemon=True)
-             for i, (target, args) in enumerate(targets)]
+    with _safe_path():  # the queue starts the resource tracker; the first start, a forkserver
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_child, args=(i, target, args, results), daemon=True)
+                 for i, (target, args) in enumerate(targets)]
     try:
-        for p in procs:
-            p.start()
+        with _safe_path():
+            for p in procs:
+                p.start()
         got = _collect(procs, results, names, timeout)
     finally:
         stop_processes(procs, grace, asked=True)  # each has sent its result, or the job failed
         results.close()
     return [got[i] for i in range(len(procs))]
+
+
+@contextlib.contextmanager
+def _safe_path() -> Iterator[None]:
+    """Children started meanwhile never put the working directory on sys.path: multiprocessing starts
+    them with `python -c`, which would, and they import multiprocessing before it sets their path."""
+    before = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONSAFEPATH"]
+        else:
+            os.environ["PYTHONSAFEPATH"] = before
 
 
 def _collect(procs: list, results, names: Sequence[str], timeout: float) -> dict[int, object]:

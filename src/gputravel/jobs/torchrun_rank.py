@@ -2,7 +2,7 @@
 jobs/local_ranks.py's rank body, so its losses equal run_local_ranks' bit for bit::
 
     write_torchrun_job(cfg, shares, job_dir, run_dir)          # once, before launching
-    torchrun --standalone --nproc-per-node 2 -m gputravel.jobs.torchrun_rank JOB_DIR
+    PYTHONSAFEPATH=1 torchrun --standalone --nproc-per-node 2 -m gputravel.jobs.torchrun_rank JOB_DIR
 
 The job directory holds the job's *emulated* quoting root key (0600), which every rank reads:
 anyone who can read it can make quotes every rank accepts. Real TDX modules share no key.
