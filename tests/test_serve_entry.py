@@ -104,3 +104,11 @@ def test_no_service_or_party_imports_a_module_planted_in_its_working_directory(p
                       ([sys.executable, "-c", probe], party_env("holder"))):
         done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
         assert done.stdout.strip() == "the real numpy", done.stderr
+
+
+def test_a_peers_control_characters_are_shown_not_obeyed() -> None:
+    """A typed error may carry a peer's words (a Failed reason, a log line, a path): an escape sequence
+    in them is printed as text, never sent to the operator's terminal (the second review of this stop)."""
+    assert one_line(BadInput("holder said \x1b[2J\x1b]0;pwned\x07 done\nnext\tline é")) == \
+        "holder said \\x1b[2J\\x1b]0;pwned\\x07 done\nnext\tline é"
+    assert one_line(OSError(2, "No such file", "/data/\x1b[31mred")) == "No such file: /data/\\x1b[31mred"

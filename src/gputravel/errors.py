@@ -133,10 +133,16 @@ def one_line(exc: BaseException) -> str | None:
     """What a command prints for `exc`, in one line (then exits 1); None: a bug, which keeps its traceback.
     A typed error, an OSError on a path and a RecursionError (input nested too deeply)."""
     if isinstance(exc, GputravelError):
-        return str(exc)
+        return _shown(str(exc))
     if isinstance(exc, OSError) and exc.filename is not None:  # not about a path: ours to fix
         where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
-        return f"{exc.strerror or exc}: {where}"
+        return _shown(f"{exc.strerror or exc}: {where}")
     if isinstance(exc, RecursionError):
         return "the input is nested too deeply to read (RecursionError); if it is not, this is a bug: please report it"
     return None
+
+
+def _shown(text: str) -> str:
+    """`text` with control characters but newlines and tabs escaped: a peer's words (a Failed reason, a
+    log line, a path) must not move the cursor or rewrite the operator's terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
