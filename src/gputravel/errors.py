@@ -146,3 +146,17 @@ def _shown(text: str) -> str:
     """`text` with control characters but newlines and tabs escaped: a peer's words (a Failed reason, a
     log line, a path) must not move the cursor or rewrite the operator's terminal."""
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def failed_where(exc: BaseException) -> str:
+    """`exc` in words safe to log, for a failure of no type of ours: its type (when Python, torch or numpy
+    define it) and the last line of this package it passed through; never its message, which may quote
+    a record (torch's "Target 12 is out of bounds" names a holder's label)."""
+    import traceback  # lazy: only a failure needs it
+
+    module = type(exc).__module__.partition(".")[0]
+    kind = type(exc).__name__ if module in ("builtins", "torch", "numpy") else "an exception of other code"
+    package = "/" + __name__.partition(".")[0] + "/"
+    paths = [(f.filename.replace("\\", "/"), f.lineno) for f in traceback.extract_tb(exc.__traceback__)]
+    ours = [(path[path.rindex(package) + 1:], line) for path, line in paths if package in path]
+    return f"{kind} at {ours[-1][0]}:{ours[-1][1]}" if ours else kind

@@ -25,7 +25,7 @@ from gputravel.crypto.pki import CohortPki
 from gputravel.manifest import JobManifest
 from gputravel.attest.rank import QuotingRankTee
 from gputravel.firmware.tdx_module import request_quote
-from gputravel.errors import BadInput, GputravelError
+from gputravel.errors import BadInput, GputravelError, LocalError, failed_where
 from gputravel.orchestrator.cvm import NAME, Orchestrator, OrchestratorConfig
 from gputravel.orchestrator.job import job_digest
 from gputravel.orchestrator.membership import ORCHESTRATOR_COMMANDS, Membership
@@ -379,7 +379,13 @@ def serve(config: OrchestratorConfig, control: Transport, device_link: socket.so
                 elif isinstance(cmd, ORCHESTRATOR_COMMANDS):  # join and leave (orchestrator/membership.py)
                     control.send(membership.command(cmd))
                 elif isinstance(cmd, Train):
-                    report = run_training(orch, cmd, control, membership)
+                    try:
+                        report = run_training(orch, cmd, control, membership)
+                    except Exception as exc:
+                        if isinstance(exc, GputravelError):
+                            raise
+                        # A bug, or torch refusing a record: its message may quote one. Named by type and line.
+                        raise LocalError(f"training failed: {failed_where(exc)}") from None
                     if not report["stopped"]:  # the job is done (stopped: it resumes, the log goes on)
                         orch.job_done()  # the signed closing entry, before anyone is told it is done
                     control.send(TrainDone(report_json=json.dumps(report)))
