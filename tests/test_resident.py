@@ -255,3 +255,22 @@ def test_a_failed_travel_is_stall_but_not_the_first_pass(digits, monkeypatch) ->
         next(batches)
     assert loader.lost and loader.stall_seconds >= 31  # the failed wait and the travel after it
     assert loader.first_pass_seconds == 1  # the other holder's first travel only
+
+
+def test_what_travels_before_one_shuffle_over_every_record_is_all_first_pass(digits, monkeypatch) -> None:
+    """Under shuffle all (and DP-SGD) every record travels once before the first batch: each chunk of
+    a holder is start-up, not the steady state (the second review of this stop)."""
+    import types
+
+    from gputravel.train import loader as loader_module
+    from gputravel.train.loader import Shuffled, TravellingLoader, zero
+
+    clock = [0.0]
+    monkeypatch.setattr(loader_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cfg = job(digits, steps=1, batch=32, buffer_bytes=16 << 10)
+    source = _Slowed(LocalSource.of(cfg, digits), clock)
+    loader = TravellingLoader(source, cfg.batch, cfg.seq_len, cfg.buffer_bytes,
+                              batching=Shuffled(cfg.batch, 0, lambda t: t))
+    zero(loader.travel_all("the test needs them"))
+    assert len(source.asked) > len(digits)  # several chunks a holder
+    assert loader.first_pass_seconds == loader.stall_seconds == len(source.asked)

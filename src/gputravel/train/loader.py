@@ -364,7 +364,8 @@ class TravellingLoader:
             raise BadInput(f"holder {visit.holder!r} was lost while the job's records travelled ({exc}): "
                            f"{why}; run the job again") from None
         finally:
-            self._waited(visit, False, time.perf_counter() - t0, arrived=units is not None)
+            # All of it the first pass: every record travels once, before the first batch can be drawn.
+            self._waited(visit, False, time.perf_counter() - t0, arrived=units is not None, whole=True)
         self.fetches += 1
         if self.on_fetch is not None:
             self.on_fetch(Fetched(visit, time.perf_counter() - t0, getattr(self.source, "last_report", None)))
@@ -385,9 +386,9 @@ class TravellingLoader:
         self.kept.keep(visit, view, held=True)  # its own copy: a workload may change what it is given
         return np.array(view)  # a copy: the buffer is scrubbed next travel
 
-    def _waited(self, visit: Visit, held: bool, seconds: float, *, arrived: bool) -> None:
+    def _waited(self, visit: Visit, held: bool, seconds: float, *, arrived: bool, whole: bool = False) -> None:
         self.stall_seconds += seconds
-        if arrived and (key := (visit.holder, held)) not in self._arrived:
+        if arrived and ((key := (visit.holder, held)) not in self._arrived or whole):
             self._arrived.add(key)
             self.first_pass_seconds += seconds
 
