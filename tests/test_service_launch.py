@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -75,15 +76,17 @@ def test_the_services_train_and_a_copied_dataset_is_its_holders_alone(processes,
     assert launch.dir is None and not _ours()  # the cohort directory is gone, no service or party left
 
 
-def test_a_job_the_job_table_refuses_is_named_before_anything_starts(processes, tmp_path):
+def test_a_job_the_job_table_refuses_is_named_before_anything_starts(processes, tmp_path, searchable_tmp):
     job = _job(tmp_path)
     bad = job.train.replace(buffer_bytes=4096 + 512)  # part of a page: the [job] table is refused
+    # Its own directory: another worker's launch makes its cohort directory in /tmp meanwhile.
+    work = Path(tempfile.mkdtemp(dir=searchable_tmp))
+    os.chmod(work, 0o711)
     with pytest.raises(BadInput, match=r"job\.buffer_bytes"):
         with ServiceLaunch(job.holders, bad.to_dict(), tmp_path / "run", audit_log=tmp_path / "a.log",
-                           certificate=tmp_path / "o.pem"):
+                           certificate=tmp_path / "o.pem", workdir=str(work)):
             pass
-    assert not _ours() and not [p for p in Path("/tmp").glob("gputravel-services-*") if p.stat().st_uid == os.geteuid()
-                                 and p.stat().st_mtime > (tmp_path.stat().st_mtime - 1)]
+    assert not _ours() and not list(work.iterdir())  # no cohort directory left behind
 
 
 def _wait_until_none_of_ours() -> None:
