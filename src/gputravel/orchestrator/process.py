@@ -381,10 +381,9 @@ def serve(config: OrchestratorConfig, control: Transport, device_link: socket.so
                 elif isinstance(cmd, Train):
                     try:
                         report = run_training(orch, cmd, control, membership)
-                    except Exception as exc:
-                        if isinstance(exc, GputravelError):
-                            raise
-                        # A bug, or torch refusing a record: its message may quote one. Named by type and line.
+                    except GputravelError:
+                        raise
+                    except Exception as exc:  # a bug, or torch refusing a record: its words may quote one
                         raise LocalError(f"training failed: {failed_where(exc)}") from None
                     if not report["stopped"]:  # the job is done (stopped: it resumes, the log goes on)
                         orch.job_done()  # the signed closing entry, before anyone is told it is done
