@@ -558,7 +558,8 @@ def train_workload(d):
 def train_workload_targets(files):
     """Issue 27's targets per workload: the travelling loader's median step against the local
     DataLoader's measured just before it (at most 1.05x), and its stall share (at most 1 %), over the
-    whole job and after the first pass (each visit's first travel; runs before it was measured: -)."""
+    whole job and after the first pass (each holder's first travels; runs before it was measured, or with
+    nothing but the first pass travelled: -)."""
     def met(share: float | None) -> str:
         return "-" if share is None else ("met" if share <= 0.01 else "**missed**")
 
