@@ -198,10 +198,10 @@ class _Slowed:
 
 
 @pytest.mark.parametrize("resident_mib", [0, 1])
-def test_the_stall_counts_every_travel_and_its_first_pass_each_visits_first(digits, monkeypatch,
-                                                                          resident_mib: int) -> None:
-    """`bench train`'s steady-state stall rests on this: a visit's first travel (training or held out)
-    is the first pass; a travel that brings units again (none kept) is not."""
+def test_the_stall_counts_every_travel_and_its_first_pass_each_holders_first(digits, monkeypatch,
+                                                                           resident_mib: int) -> None:
+    """`bench train`'s steady-state stall rests on this: a holder's first travel (training, held out)
+    is the first pass; its next chunks and a travel that brings units again (none kept) are not."""
     import types
 
     from gputravel.train import loader as loader_module
