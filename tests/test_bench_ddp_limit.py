@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gputravel.bench.ddp import aes_gbps_per_core, allreduce_limit_ms, cores_shared
+from gputravel.bench.ddp import aes_gbps_per_core, allreduce_limit_ms, cores_shared, interleaved_ms, spread
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
@@ -22,6 +22,27 @@ def test_the_limit_adds_each_ranks_aes_spread_over_the_cores_it_shares() -> None
     assert allreduce_limit_ms(10.0, 1_000_000, 2, 2.0, cores=1) == pytest.approx(10.0 + 4.0)
     assert allreduce_limit_ms(10.0, 1_000_000, 2, 2.0, cores=2, item=2) == pytest.approx(10.0 + 1.0)  # fp16
     assert allreduce_limit_ms(0.05, 1_000_000, 1, 2.0, cores=2) == 0.05  # one rank seals nothing
+
+
+def test_the_methods_take_turns_in_an_order_that_rotates_each_round() -> None:
+    log: list[str] = []
+    runs = {name: (lambda name=name: log.append(name)) for name in ("plain", "naive", "pipelined")}
+    samples, cpu = interleaved_ms(runs, 1, 3, done=lambda: log.append("done"), sync=lambda: log.append("sync"),
+                             before=lambda: log.append("before"))
+    assert {name: len(v) for name, v in samples.items()} == {"plain": 3, "naive": 3, "pipelined": 3}
+    assert all(t >= 0 for v in samples.values() for t in v)
+    assert {name: len(v) for name, v in cpu.items()} == {name: len(v) for name, v in samples.items()}
+    warmup, timed = log[:7], log[7:]
+    assert warmup == ["before", "plain", "before", "naive", "before", "pipelined", "done"]
+    # Each sample: its gradient restored, GPU work done, the ranks together, then the timed run.
+    assert all(timed[i:i + 3] == ["before", "done", "sync"] and timed[i + 4] == "done" for i in range(0, 45, 5))
+    assert [timed[i + 3] for i in range(0, 45, 5)] == ["plain", "naive", "pipelined", "naive", "pipelined", "plain",
+                                                       "pipelined", "plain", "naive"]
+
+
+def test_the_spread_is_the_samples_tenth_and_ninetieth_percentiles() -> None:
+    assert spread([float(v) for v in range(11)]) == pytest.approx((1.0, 9.0))
+    assert spread([7.0]) == (7.0, 7.0)
 
 
 def test_the_aes_rate_and_the_cores_are_measured_here() -> None:

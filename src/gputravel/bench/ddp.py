@@ -3,9 +3,11 @@
 G ranks train the same GPT-2 data-parallel three ways (METHODS: gloo unsealed, the ring sealed
 hop by hop, the ring pipelined); ``g2_identical`` checks the hook's ring against itself and
 gloo. On CPU the "GPUs" are processes sharing this machine's cores: the ratios carry over, not
-the milliseconds. Each row also has the limit this run measured for its all-reduce (issue 31):
-gloo's plain all-reduce plus the AES-GCM the ring cannot avoid, spread over the cores the ranks
-share (`allreduce_limit_ms`). docs/benchmarks.md gives the method.
+the milliseconds. The methods' samples take turns, so a busy moment falls on each alike. Each
+row also has the limit this run measured for its all-reduce (issue 31): gloo's plain all-reduce
+plus the AES-GCM the ring cannot avoid, spread over the cores the ranks share
+(`allreduce_limit_ms`); and, to say where a sealed ring loses against it, the ring unsealed and
+the CPU every rank spent. docs/benchmarks.md gives the method.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ MODELS = {
     "base": GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=4, n_embd=256),
 }
 METHODS = ("plain", "encrypted_naive", "encrypted")
+RING_UNSEALED = "ring_unsealed"  # an all-reduce (not a training method): the ring with no sealing
 BATCH = 4
 MEASURED = b"\x5a" * 48  # the rank CVMs' measurement, as the verifier accepts it (emulated)
 G2_STEPS = 3  # training steps of each of the two runs compared
@@ -51,19 +54,50 @@ AES_BYTES = 32 << 20  # sealed then opened per measure of the AES rate
 AES_ROUNDS = 5  # measures per cell; the median is the cell's rate
 
 
-def _median_ms(run: Callable[[], object], warmup: int, iters: int, done: Callable[[], None]) -> float:
-    """`done` waits for work `run` queued on a GPU (CUDA calls return before it finishes)."""
-    for _ in range(warmup):
-        run()
+Samples = dict[str, list[float]]
+
+
+def interleaved_ms(runs: dict[str, Callable[[], object]], warmup: int, iters: int, done: Callable[[], None],
+                   sync: Callable[[], None], before: Callable[[], None] = lambda: None) -> tuple[Samples, Samples]:
+    """`iters` samples of each run, wall and this process's CPU (all its threads) in ms, the runs
+    taking turns in an order that rotates every round, so each sees the machine as the others did
+    (issue 31: timed one after the other, gloo's plain all-reduce took 15.5 ms in one run and 29.9
+    in the next on the same quiet VM). `before` runs untimed ahead of each sample; `sync` starts
+    every rank's sample together; `done` waits for work queued on a GPU."""
+    names = list(runs)
+    for name in names:
+        for _ in range(warmup):
+            before()
+            runs[name]()
     done()
-    samples = []
-    for _ in range(iters):
-        dist.barrier()  # every rank starts the sample together
-        t0 = time.perf_counter()
-        run()
+    wall: Samples = {name: [] for name in names}
+    cpu: Samples = {name: [] for name in names}
+    for i in range(iters * len(names)):
+        name = names[(i + i // len(names)) % len(names)]  # round r starts one run later than round r - 1
+        before()
         done()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+        sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        runs[name]()
+        done()
+        wall[name].append((time.perf_counter() - t0) * 1e3)
+        cpu[name].append((time.process_time() - c0) * 1e3)
+    return wall, cpu
+
+
+def _summed_over_ranks(figures: dict[str, float], group: dist.ProcessGroup | None) -> dict[str, float]:
+    """Each figure summed over the ranks (a CPU tensor: `group` is gloo on either device)."""
+    total = torch.tensor(list(figures.values()), dtype=torch.float64)
+    dist.all_reduce(total, group=group)
+    return dict(zip(figures, total.tolist(), strict=True))
+
+
+def spread(samples: list[float]) -> tuple[float, float]:
+    """The 10th and 90th percentiles of `samples` (their only value, for one)."""
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    deciles = statistics.quantiles(samples, n=10, method="inclusive")
+    return deciles[0], deciles[-1]
 
 
 # PyTorch's own hooks for plain DDP with --compress: the same casts, gloo's all-reduce.
@@ -106,34 +140,47 @@ def _cell(rank: int, world: int, model_name: str, iters: int, root: tuple[bytes,
     root_cert, root_key = root
     authority = Authority(root_cert, serialization.load_pem_private_key(root_key, password=None))
     tee = EmulatedRankTee(authority, root_cert, MEASURED)
-    iter_ms, allreduce_ms = {}, {}
     params = sum(p.numel() for p in GPT(cfg).parameters())
-    flat = torch.randn(params, generator=gen).to(device)
+    pristine = torch.randn(params, generator=gen).to(device)
+    flat = pristine.clone()
     dtype = compress_dtype(compress)
+    steps, exchanges, states = {}, {}, []
     for method in METHODS:
         torch.manual_seed(0)  # the same initial weights for every method (DDP also broadcasts rank 0's)
         ddp = DDP(GPT(cfg).to(device))
-        state = None
-        if method != "plain":
+        if method == "plain":
+            if compress is not None:
+                ddp.register_comm_hook(group, _PLAIN_HOOKS[compress])
+            exchanges[method] = lambda: _plain_exchange(flat, dtype)
+        else:
             # Each ring gets keys of its own: a direction's key serves one channel, once.
             keys = (establish_pair_keys(tee.attest, tee.verify, group=group, context=context + method.encode())
                     if world > 1 else None)
             ring = Ring("naive" if method == "encrypted_naive" else "pipelined", keys=keys, group=group)
             state = RingHookState(ring, overlap=method == "encrypted", compress=compress)
             ddp.register_comm_hook(state, encrypted_allreduce_hook)
-        elif compress is not None:
-            ddp.register_comm_hook(group, _PLAIN_HOOKS[compress])
+            states.append(state)
+            exchanges[method] = lambda r=ring: _ring_exchange(r, flat, dtype)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        iter_ms[method] = _median_ms(lambda ddp=ddp, opt=opt: _iteration(ddp, opt, x, y), 3, iters, done)
-        if method == "plain":
-            exchange = lambda: _plain_exchange(flat, dtype)  # noqa: E731
-        else:
-            exchange = lambda r=state.ring: _ring_exchange(r, flat, dtype)  # noqa: E731
-        allreduce_ms[method] = _median_ms(exchange, 2, iters, done)
-        if state is not None:
+        steps[method] = lambda ddp=ddp, opt=opt: _iteration(ddp, opt, x, y)
+    # The rings' own transport, unsealed: what sealing adds is the sealed rings less this.
+    unsealed = Ring("plain", group=group)
+    exchanges[RING_UNSEALED] = lambda: _ring_exchange(unsealed, flat, dtype)
+    sync = dist.barrier  # every rank starts a sample together
+    try:
+        iter_ms, _ = interleaved_ms(steps, 3, iters, done, sync)
+        # Every sample sums the same gradient: a sum of sums would overflow to inf within a run.
+        allreduce_ms, cpu_ms = interleaved_ms(exchanges, 2, iters, done, sync, before=lambda: flat.copy_(pristine))
+    finally:
+        for state in states:
             state.close()
-    return {"gpus": world, "model": model_name, "params": params, "iter_ms": iter_ms, "allreduce_ms": allreduce_ms,
-            "compress": compress, "default_variant": default_variant(world).value,
+    return {"gpus": world, "model": model_name, "params": params,
+            "iter_ms": {k: statistics.median(v) for k, v in iter_ms.items()},
+            "allreduce_ms": {k: statistics.median(v) for k, v in allreduce_ms.items()},
+            "allreduce_spread_ms": {k: spread(v) for k, v in allreduce_ms.items()},
+            "allreduce_cpu_ms": _summed_over_ranks({k: statistics.mean(v) for k, v in cpu_ms.items()}, group),
+            "compress": compress,
+            "default_variant": default_variant(world).value,
             "g2": _g2(rank, cfg, x, y, params, group)}
 
 
@@ -258,6 +305,7 @@ def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
             rows.append(row)
             if on_row:
                 on_row(row)
-    return {**stamp(), "iters": iters, "device": device, "compress": compress, "cores": cores_shared(),
+    # "interleaved": the methods' samples took turns (interleaved_ms); a JSON without it timed them in turn.
+    return {**stamp(), "iters": iters, "interleaved": True, "device": device, "compress": compress, "cores": cores_shared(),
             "aes_gbps_per_core": statistics.median(r["aes_gbps_per_core"] for r in rows), "rows": rows,
             "g2_identical": all(c["identical"] for c in g2), "g2": g2}

@@ -269,7 +269,11 @@ def bench_ddp(
                       f"{it['encrypted'] / it['plain']:.2f}", f"{ar['plain']:.2f}", f"{ar['encrypted_naive']:.2f}",
                       f"{ar['encrypted']:.2f}", f"{ar['encrypted'] / max(ar['plain'], 1e-9):.2f}",
                       f"{r['allreduce_limit_ms']:.2f}", f"{lim['encrypted_naive']:.2f}", f"{lim['encrypted']:.2f}")
-        console.print(f"  {r['gpus']} GPU(s), {r['model']} ({r['params']:,} parameters): done")
+        cpu = r["allreduce_cpu_ms"]  # one all-reduce's CPU, every rank's summed
+        console.print(f"  {r['gpus']} GPU(s), {r['model']} ({r['params']:,} parameters): the ring unsealed "
+                      f"{ar['ring_unsealed']:.2f} ms; CPU of one all-reduce, all ranks: gloo {cpu['plain']:.1f}, "
+                      f"unsealed {cpu['ring_unsealed']:.1f}, naive {cpu['encrypted_naive']:.1f}, "
+                      f"pipelined {cpu['encrypted']:.1f} ms")
 
     counts = tuple(_ints(gpus, "--gpus takes comma-separated integers, e.g. 1,2,4"))
     result = ddp_bench.run(counts, tuple(m.strip() for m in models.split(",") if m.strip()),
