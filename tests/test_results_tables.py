@@ -184,6 +184,21 @@ def test_ddp_table_has_no_all_reduce_ratio_for_one_gpu(tmp_path: Path) -> None:
     assert cells[1][-1] == "-" and cells[2][-1] == "1.20" and cells[2][5] == "1.50"
 
 
+def test_ddp_where_shows_each_runs_rings_against_the_limit_and_their_cpu(tmp_path: Path) -> None:
+    def run(plain: float) -> dict:
+        four = {"gpus": 4, "allreduce_ms": {"plain": plain, "ring_unsealed": 21.0, "encrypted_naive": 33.0,
+                                            "encrypted": 32.0},
+                "allreduce_spread_ms": {"plain": [15.0, 25.0]}, "allreduce_limit_ms": plain + 7.5,
+                "allreduce_vs_limit": {"encrypted_naive": 33.0 / (plain + 7.5), "encrypted": 32.0 / (plain + 7.5)},
+                "allreduce_cpu_ms": {"plain": 34.0, "ring_unsealed": 37.0, "encrypted_naive": 60.0}}
+        four["iter_ms"] = {"plain": 200.0, "encrypted": 216.0}
+        return {"cores": 2, "rows": [{"gpus": 1}, four]}
+    cells = table_of(tmp_path, {"w-1.json": run(20.0), "w-2.json": run(22.5)}, 't.ddp_where("results/w-*.json")')
+    assert cells[1] == ["1", "4", "20.0 (15.0-25.0)", "21.0", "33.0", "32.0", "27.5", "1.20", "1.16", "1.08", "34.0", "37.0",
+                        "60.0", "15.0", "23.0"]
+    assert [c[:2] for c in cells[1:]] == [["1", "4"], ["2", "4"]]  # one GPU seals nothing: no row
+
+
 def compare_run(hardware: object = None) -> dict:
     def cell(size: int, bw: float | None, travel: float, base: float, extra: bool = False) -> dict:
         return {"size_mib": size, "bandwidth_mbit": bw, "travel_ms": travel, "baseline_ms": base,
