@@ -148,6 +148,16 @@ def _shown(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
+def bug_report(exc: BaseException) -> str:
+    """A traceback safe to log for a failure of no type of ours: every frame (file, line, function and
+    that line of source), then `failed_where`; never the message, nor a chained exception's."""
+    import traceback  # lazy: only a failure needs it
+
+    frames = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
+    return (f"Traceback (most recent call last; the message is withheld, it may quote a record or a secret):\n"
+            f"{frames}{failed_where(exc)}")
+
+
 def failed_where(exc: BaseException) -> str:
     """`exc` in words safe to log, for a failure of no type of ours: its type (when Python, torch or numpy
     define it) and the last line of this package it passed through; never its message, which may quote

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gputravel.crypto.pki import install_member_cert, member_csr, self_signed_member
-from gputravel.errors import GputravelError, ProtocolError
+from gputravel.errors import GputravelError, ProtocolError, bug_report, failed_where
 from gputravel.protocol.layout import Layout
 from gputravel.transport.stream import StreamTransport
 from gputravel.protocol.control import Certified, Enroll, Failed, Ready
@@ -67,12 +67,20 @@ def run_party(argv: list[str], serve_role: ServeRole) -> int:
         serve_role(role, payload, control, extra)
     except GputravelError as exc:
         traceback.print_exc()
-        try:
-            control.send(Failed(kind=type(exc).__name__, reason=str(exc)))
-        except GputravelError:
-            pass
+        _say_failed(control, Failed(kind=type(exc).__name__, reason=str(exc)))
+        return 1
+    except Exception as exc:  # a bug, or a library refusing a record: its message may quote one
+        print(bug_report(exc), file=sys.stderr, flush=True)  # the log goes to the launcher, the host's
+        _say_failed(control, Failed(kind="RemoteError", reason=f"failed (a bug): {failed_where(exc)}"))
         return 1
     return 0
+
+
+def _say_failed(control: StreamTransport, failed: Failed) -> None:
+    try:
+        control.send(failed)
+    except GputravelError:
+        pass  # the launcher is gone: the exit status says it
 
 
 # Each role's module is imported inside its branch (the device never loads the orchestrator's code).
