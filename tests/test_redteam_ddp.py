@@ -35,7 +35,7 @@ from gputravel.redteam.arena import Attack, Verdict
 from gputravel.redteam.canary import Found
 from gputravel.redteam.evidence import RankStep, SearchedRing, Tampered
 from gputravel.redteam.rows import ATTACKS
-from gputravel.redteam.run import _judge
+from gputravel.redteam.run import judge_row
 
 pytestmark = pytest.mark.usefixtures("processes")  # the row runs ranks and a host in processes
 
@@ -64,10 +64,10 @@ def test_the_search_finds_the_gradient_in_every_encoding_at_any_offset() -> None
 
 
 def test_a_rows_own_plaintext_counts_in_the_report(tmp_path) -> None:
-    """run._judge adds what a row found of its own canaries to what the holders' search found."""
+    """run.judge_row adds what a row found of its own canaries to what the holders' search found."""
     attack = Attack(ROW, "host", "tried", "stopped by", lambda a: True)
-    clean = _judge(attack, Verdict(True, "x", (), Found()), tmp_path, {}, tmp_path)
-    leaked = _judge(attack, Verdict(True, "x", (), Found(sample_bytes=8)), tmp_path, {}, tmp_path)
+    clean = judge_row(attack, Verdict(True, "x", (), Found()), tmp_path, {}, tmp_path)
+    leaked = judge_row(attack, Verdict(True, "x", (), Found(sample_bytes=8)), tmp_path, {}, tmp_path)
     assert clean.outcome == "defeated" and clean.plaintext_bytes_obtained == 0
     assert leaked.outcome == "FAILED" and leaked.plaintext_bytes_obtained == 8
 

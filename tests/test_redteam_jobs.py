@@ -133,7 +133,7 @@ def test_replayed_approval_fails_when_holders_skip_the_job_check(tmp_path, monke
 def test_a_model_an_outsider_opened_counts_as_plaintext_and_fails_the_row(tmp_path) -> None:
     from gputravel.redteam.jobarena import JobAttack
     from gputravel.redteam.jobs import run_jobs
-    from gputravel.redteam.run import _judge_job
+    from gputravel.redteam.run import judge_job
 
     def opens(a) -> bool:
         a.opened += 1000
@@ -141,7 +141,7 @@ def test_a_model_an_outsider_opened_counts_as_plaintext_and_fails_the_row(tmp_pa
 
     attack = JobAttack("opens", "host", tried="opened", stopped_by="nothing", run=opens)
     (verdict,) = run_jobs(tmp_path, [attack])
-    result = _judge_job(attack, verdict)
+    result = judge_job(attack, verdict)
     assert result.plaintext_bytes_obtained == 1000 and result.outcome == "FAILED"
 
 

@@ -15,7 +15,7 @@ from gputravel.crypto.certs import load_key
 from gputravel.errors import BadInput
 from gputravel.manifest import JobManifest, Recipient
 from gputravel.orchestrator.release import Ending, end_job
-from gputravel.redteam.identities import _identity, _Link  # the red-team row's TLS link, as a holder answers
+from gputravel.redteam.identities import SigningLink, member_identity  # the red-team row's TLS link, as a holder answers
 from gputravel.release import ReleaseStatement, open_release, sign_release
 from gputravel.train.job import TrainConfig
 
@@ -28,15 +28,15 @@ def _ending(manifest: JobManifest, anchors: tuple[bytes, ...]) -> Ending:
 
 
 def test_a_signature_counts_only_over_the_certificate_the_manifest_names(tmp_path: Path) -> None:
-    own = {n: _identity(tmp_path / n, n) for n in HOLDERS}
-    forged = _identity(tmp_path / "operator", "south")  # same name, a key the init operator made and kept
+    own = {n: member_identity(tmp_path / n, n) for n in HOLDERS}
+    forged = member_identity(tmp_path / "operator", "south")  # same name, a key the init operator made and kept
     recipient = X25519PrivateKey.generate()
     manifest = JobManifest.for_job(TrainConfig(steps=2), holders=HOLDERS, quorum=2,
                                    recipients=[Recipient.of("alice", recipient.public_key())],
                                    certificates={n: hashlib.sha384(c).hexdigest() for n, (c, _) in own.items()})
     weights = b"the trained weights"
-    links = {"north": _Link("north", own["north"]), "south": _Link("south", forged),
-             "west": _Link("west", own["west"])}
+    links = {"north": SigningLink("north", own["north"]), "south": SigningLink("south", forged),
+             "west": SigningLink("west", own["west"])}
     anchors = tuple(own[n][0] for n in HOLDERS)
     out = end_job(_ending(manifest, anchors + (forged[0],)), weights, {}, links, tmp_path, None)
     assert out.signed == ["north", "west"] and "not the one the manifest names" in out.declined["south"]
@@ -44,7 +44,7 @@ def test_a_signature_counts_only_over_the_certificate_the_manifest_names(tmp_pat
     statement, model = open_release((tmp_path / "model.release").read_bytes(), recipient)
     assert model == weights and statement.job_digest == manifest.digest()
     short = manifest.model_copy(update={"release": manifest.release.model_copy(update={"quorum": 3})})
-    links["south"] = _Link("south", forged)
+    links["south"] = SigningLink("south", forged)
     (tmp_path / "model.release").unlink()
     out = end_job(_ending(short, anchors + (forged[0],)), weights, {}, links, tmp_path, None)
     assert out.signed == ["north", "west"] and out.released_to == [] and not (tmp_path / "model.release").exists()
@@ -58,7 +58,7 @@ def test_a_manifest_naming_certificates_this_orchestrator_does_not_pin_is_refuse
     from gputravel.protocol.layout import Layout
 
     CohortPki.create(tmp_path / "pki", ["orchestrator", *HOLDERS])  # a local cohort's CA-issued members
-    own = {n: _identity(tmp_path / n, n) for n in HOLDERS}
+    own = {n: member_identity(tmp_path / n, n) for n in HOLDERS}
     manifest = JobManifest.for_job(TrainConfig(steps=2), holders=HOLDERS, quorum=2, recipients=[
         Recipient.of("alice", X25519PrivateKey.generate().public_key())],
         certificates={n: hashlib.sha384(c).hexdigest() for n, (c, _) in own.items()})
@@ -93,7 +93,7 @@ def test_a_holder_connecting_with_another_certificate_than_the_named_one_joins_n
     from gputravel.orchestrator.cvm import Orchestrator
     from gputravel.protocol.travel import Bye
 
-    own, impostor = _identity(tmp_path / "south", "south"), _identity(tmp_path / "host", "south")
+    own, impostor = member_identity(tmp_path / "south", "south"), member_identity(tmp_path / "host", "south")
     sent, challenged = [], []
 
     class _Conn:
@@ -144,8 +144,8 @@ def test_a_recipient_checks_a_release_against_the_manifest_not_the_files_own_wor
     from gputravel.release import seal_release
     from gputravel.release.keys import keygen
 
-    own = {n: _identity(tmp_path / n, n) for n in HOLDERS}
-    forged = {n: _identity(tmp_path / f"host-{n}", n) for n in HOLDERS}
+    own = {n: member_identity(tmp_path / n, n) for n in HOLDERS}
+    forged = {n: member_identity(tmp_path / f"host-{n}", n) for n in HOLDERS}
     key_path, pub_path = keygen("alice", tmp_path / "keys")
     alice = Recipient.of("alice", bytes.fromhex(pub_path.read_text().strip()))
     manifest = JobManifest.for_job(TrainConfig(steps=2), holders=HOLDERS, quorum=2, recipients=[alice],

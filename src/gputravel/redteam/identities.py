@@ -28,13 +28,13 @@ from gputravel.release.seal import check_approved, read_release
 Identity = tuple[bytes, bytes]  # (certificate DER, key PEM)
 
 
-def _identity(d: Path, name: str) -> Identity:
+def member_identity(d: Path, name: str) -> Identity:
     d.mkdir(parents=True, exist_ok=True)
     der = x509.load_pem_x509_certificate(self_signed_member(d, name)).public_bytes(Encoding.DER)
     return der, (d / f"{name}.key").read_bytes()
 
 
-class _Link:
+class SigningLink:
     """A holder's end of its TLS link, as the orchestrator's release count sees it: the certificate it
     presents, and a signature of the statement it is asked for with the key it holds."""
 
@@ -59,7 +59,7 @@ def _count(a: JobArena, manifest: JobManifest, run: str, links: dict[str, Identi
     sealer = SimpleNamespace(seal=lambda data: b"sealed to the orchestrator: " + hashlib.sha384(data).digest())
     ending = Ending(manifest, manifest.digest(), tuple(c for c, _ in links.values()), sealer,  # type: ignore[arg-type]
                     5.0, SimpleNamespace())  # type: ignore[arg-type]
-    out = end_job(ending, model, {}, {n: _Link(n, who) for n, who in links.items()}, run_dir, None)  # type: ignore[misc]
+    out = end_job(ending, model, {}, {n: SigningLink(n, who) for n, who in links.items()}, run_dir, None)  # type: ignore[misc]
     a.read.extend(sorted(p for p in run_dir.iterdir() if p.is_file()))  # what the operator reads there
     return Released(run=run, signed=tuple(out.signed), declined=tuple(sorted(out.declined)),
                     released_to=tuple(out.released_to), files=tuple(sorted(p.name for p in run_dir.iterdir())))
@@ -91,8 +91,8 @@ def _recipient_check(a: JobArena, manifest: JobManifest, what: str, signers: dic
          "and `model open --manifest` refused the forged file (0 of 2 verify under the certificates the manifest "
          "names); the holders' own keys released and opened (control)")
 def operator_made_keys(a: JobArena) -> bool:
-    own = {n: _identity(a.tmp / "identities" / n, n) for n in (ALICE, BOB, MALLORY)}
-    forged = {n: _identity(a.tmp / "identities" / f"operator-{n}", n) for n in (BOB, MALLORY)}
+    own = {n: member_identity(a.tmp / "identities" / n, n) for n in (ALICE, BOB, MALLORY)}
+    forged = {n: member_identity(a.tmp / "identities" / f"operator-{n}", n) for n in (BOB, MALLORY)}
     named = {n: hashlib.sha384(c).hexdigest() for n, (c, _) in own.items()}
     manifest = a.manifest.with_parties(named, a.manifest.broker.identity)
     model = b"the approved job's model " + hashlib.sha384(a.tmp.name.encode()).digest()

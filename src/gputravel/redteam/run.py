@@ -100,9 +100,9 @@ def run_redteam(*, workdir: Path | None = None, only: tuple[str, ...] = (), data
             else:
                 needles = {h: make_dataset(dataset_path(tmp, h, data), h, DATASET_BYTES) for h in HOLDERS}
             run_dir, verdicts = _attack(tmp, chosen, on_result, data)
-            results += [_judge(a, v, run_dir, needles, tmp, data) for a, v in zip(chosen, verdicts, strict=True)]
+            results += [judge_row(a, v, run_dir, needles, tmp, data) for a, v in zip(chosen, verdicts, strict=True)]
         if jobs:  # always image records: a job trains on them
-            results += [_judge_job(a, v) for a, v in zip(jobs, run_jobs(tmp, jobs, on_result), strict=True)]
+            results += [judge_job(a, v) for a, v in zip(jobs, run_jobs(tmp, jobs, on_result), strict=True)]
         return RedTeamReport(tuple(results))
     finally:
         stopping.delete(tmp)  # whatever depth the hostile holder nested its own directory to
@@ -155,8 +155,9 @@ def _run_one(attack: Attack, arena: Arena) -> Verdict:
     return Verdict(stopped, attack.stopped_by, tuple(arena.evidence), arena.plaintext)
 
 
-def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, Needles], tmp: Path,
+def judge_row(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, Needles], tmp: Path,
            data: str = RAW) -> AttackResult:
+    """An arena row: its verdict, and what the search found of the holders' canaries in what its attacker read."""
     files = _view(attack, run_dir)
     # A malicious holder's own data is not a leak; the host owns no data at all.
     found = search(files, [n for h, n in needles.items() if h != MALLORY or "holder" not in attack.adversary])
@@ -176,7 +177,7 @@ def _judge(attack: Attack, verdict: Verdict, run_dir: Path, needles: dict[str, N
                         found.scanned_bytes, evidence)
 
 
-def _judge_job(attack: JobAttack, verdict: Verdict) -> AttackResult:
+def judge_job(attack: JobAttack, verdict: Verdict) -> AttackResult:
     """A job row: its verdict, and what it found of the canaries in what its attacker read."""
     found = verdict.plaintext
     outcome = "defeated" if verdict.stopped and found.total == 0 else "FAILED"
