@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
+from pathlib import Path
+
+import numpy as np
 
 import pytest
 
 from gputravel.cohort.entry import run_party
-from gputravel.errors import PeerTimeout, bug_report
+from gputravel.data.records import RecordSchema, load_records, write_records
+from gputravel.errors import BadInput, PeerTimeout, bug_report
 from gputravel.protocol.control import Failed
 from gputravel.transport.stream import StreamTransport
 
@@ -68,3 +73,18 @@ def test_the_bug_report_names_an_exception_of_other_code_without_its_type() -> N
         report = bug_report(exc)
     assert CANARY not in report and "Leaky" not in report.splitlines()[-1]
     assert report.splitlines()[-1].startswith("an exception of other code")
+
+
+def test_a_records_file_whose_header_runs_into_its_records_is_refused_without_quoting_them(tmp_path: Path) -> None:
+    # numpy quotes the whole header it failed to parse; a wrong length runs it into the records.
+    schema = RecordSchema.parse("text: uint8[32]; label: int64[]")
+    records = np.zeros(4, dtype=schema.dtype)
+    records["text"] = np.frombuffer(CANARY.encode().ljust(32, b" ") * 4, dtype=np.uint8).reshape(4, 32)
+    write_records(tmp_path / "data", schema, records)
+    npy = tmp_path / "data" / "records.npy"
+    raw = bytearray(npy.read_bytes())
+    struct.pack_into("<H", raw, 8, struct.unpack_from("<H", raw, 8)[0] + 100)
+    npy.write_bytes(bytes(raw))
+    with pytest.raises(BadInput, match=r"records\.npy is not a readable \.npy file \(ValueError\)") as info:
+        load_records(tmp_path / "data")
+    assert CANARY not in str(info.value)

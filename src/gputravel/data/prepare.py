@@ -75,7 +75,7 @@ def encode_file(path: Path, tok: Tokenizer) -> np.ndarray | None:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise BadInput(f"{path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+        raise BadInput(f"{path} is not UTF-8 text (at byte offset {exc.start}); "
                        "convert it to UTF-8 or leave it out") from None
     if not text:
         return None

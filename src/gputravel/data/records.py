@@ -189,7 +189,8 @@ def load_records(path: Path | str) -> Records:
         raise BadInput(f"{path} is not a record dataset ({Path(exc.filename).name} is missing); "
                        "write one with `gputravel data pack`") from None
     except (OSError, ValueError) as exc:
-        raise BadInput(f"{path / RECORDS_FILE} is not a readable .npy file ({exc})") from None
+        # numpy's words quote the header, which a wrong length runs into the records: the type only.
+        raise BadInput(f"{path / RECORDS_FILE} is not a readable .npy file ({type(exc).__name__})") from None
     if array.dtype != schema.dtype or array.ndim != 1:
         raise BadInput(f"{path / RECORDS_FILE} does not hold records of its schema ({schema.text()})")
     if not len(array):

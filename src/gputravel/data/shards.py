@@ -69,22 +69,24 @@ def _read_header(path: Path) -> int:
     if len(raw) < HEADER_BYTES:
         raise BadInput(f"{path}: {size} bytes is shorter than an llm.c shard header ({HEADER_BYTES} bytes); "
                        "the file is truncated or not a shard")
+    # The header's fields are named, never quoted: a file that is no shard holds other bytes there,
+    # and these words reach the launcher when a holder's data fails to load.
     magic, version, count = (int(v) for v in np.frombuffer(raw, dtype="<i4", count=3))
     if magic != MAGIC:
-        raise BadInput(f"{path}: not an llm.c token shard (magic {magic}, expected {MAGIC}); "
+        raise BadInput(f"{path}: not an llm.c token shard (its first 4 bytes are not llm.c's magic {MAGIC}); "
                        "pass shards written by llm.c or `gputravel data prepare`")
     if version != VERSION:
-        raise BadInput(f"{path}: llm.c shard version {version} is not supported (only version {VERSION}, "
+        raise BadInput(f"{path}: the llm.c shard's version is not supported (only version {VERSION}, "
                        "uint16 GPT-2 tokens); re-export the data as version 1")
     if count < 0:
-        raise BadInput(f"{path}: the header's token count is negative ({count}); the shard is corrupt, re-write it")
+        raise BadInput(f"{path}: the header's token count is negative; the shard is corrupt, re-write it")
     expected = HEADER_BYTES + count * TOKEN_DTYPE.itemsize
     if size < expected:
-        raise BadInput(f"{path}: truncated: the header says {count} tokens ({expected} bytes in all) "
-                       f"but the file has {size} bytes; re-write the shard")
+        raise BadInput(f"{path}: truncated: the file has {size} bytes, fewer than its header's token count "
+                       "needs; re-write the shard")
     if size > expected:
-        raise BadInput(f"{path}: {size - expected} trailing bytes: the header says {count} tokens "
-                       f"({expected} bytes in all) but the file has {size} bytes; re-write the shard")
+        raise BadInput(f"{path}: trailing bytes: the file has {size} bytes, more than its header's token count "
+                       "needs; re-write the shard")
     return count
 
 
