@@ -4,22 +4,33 @@ errors; a library's message may quote a holder's record ("Target 12 is out of bo
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import struct
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 
 import pytest
 
-from gputravel.cohort.entry import run_party
+from gputravel.cohort import entry
+from gputravel.cohort.entry import log_failures_safely, run_party
 from gputravel.data.records import RecordSchema, load_records, write_records
-from gputravel.errors import BadInput, PeerTimeout, bug_report
+from gputravel.errors import BadInput, PeerTimeout, failed_where, named_type, safe_traceback
 from gputravel.protocol.control import Failed
 from gputravel.transport.stream import StreamTransport
 
 CANARY = "holder-record-7f3a9c"
+
+
+@pytest.fixture(autouse=True)
+def _hooks(monkeypatch) -> None:
+    """run_party sets this process's exception hooks: each test puts pytest's back."""
+    for where, name in ((sys, "excepthook"), (threading, "excepthook"), (sys, "unraisablehook")):
+        monkeypatch.setattr(where, name, getattr(where, name))
 
 
 def _party(serve_role) -> tuple[int, Failed]:
@@ -63,16 +74,79 @@ def test_an_interrupt_is_not_a_bug() -> None:
     ours.close()
 
 
-def test_the_bug_report_names_an_exception_of_other_code_without_its_type() -> None:
-    class Leaky(Exception):  # its name could be anything a library chose
+def test_a_typed_errors_chain_is_logged_with_ours_in_words_and_the_rest_by_type(capsys) -> None:
+    def serve_role(role, payload, control, extra) -> None:
+        try:
+            int(CANARY)
+        except ValueError as exc:
+            exc.add_note(CANARY + " note")
+            try:
+                raise BadInput("the dataset is not records") from exc
+            finally:
+                raise PeerTimeout("the host did not switch the GPU back")  # raised while handling both
+
+    code, reply = _party(serve_role)
+    log = capsys.readouterr().err
+    assert code == 1 and CANARY not in log and (reply.kind, reply.reason) == ("PeerTimeout",
+                                                                           "the host did not switch the GPU back")
+    assert "ValueError (its message withheld" in log and "BadInput: the dataset is not records" in log
+    assert log.index("ValueError (") < log.index("direct cause") < log.index("BadInput:") < log.index(
+        "During handling") < log.index("PeerTimeout:")
+
+
+def test_an_interrupt_while_the_failure_is_said_does_not_carry_it(monkeypatch) -> None:
+    def interrupted(self, message) -> None:
+        raise KeyboardInterrupt  # the host signals the party while it reports
+
+    def serve_role(role, payload, control, extra) -> None:
+        raise ValueError(CANARY)
+
+    monkeypatch.setattr(entry.StreamTransport, "send", interrupted)
+    ours, theirs = socket.socketpair()
+    with pytest.raises(KeyboardInterrupt) as info:
+        run_party(["holder", json.dumps({}), str(theirs.detach())], serve_role)
+    ours.close()
+    assert info.value.__context__ is None  # Python's own printer would have printed the ValueError
+
+
+def test_a_threads_and_a_finalizers_exceptions_are_printed_safely(capsys) -> None:
+    class Leaky:
+        def __del__(self) -> None:
+            raise ValueError(CANARY)
+
+    log_failures_safely()
+    thread = threading.Thread(target=lambda: int(CANARY))
+    thread.start()
+    thread.join()
+    leaky = Leaky()
+    del leaky
+    gc.collect()
+    sys.excepthook(ValueError, ValueError(CANARY), None)
+    log = capsys.readouterr().err
+    assert CANARY not in log
+    assert "in a thread: Traceback" in log and "an exception was ignored: Traceback" in log
+    assert log.count("ValueError (its message withheld") == 3
+
+
+def test_a_report_reads_no_source_and_names_only_a_type_that_is_what_it_claims() -> None:
+    class Leaky(Exception):
         pass
 
-    try:
-        raise Leaky(CANARY)
-    except Leaky as exc:
-        report = bug_report(exc)
-    assert CANARY not in report and "Leaky" not in report.splitlines()[-1]
-    assert report.splitlines()[-1].startswith("an exception of other code")
+    class Claims(Exception):  # a name and module of its code's choosing
+        pass
+
+    Claims.__module__, Claims.__qualname__, Claims.__name__ = "builtins", "ValueError", "ValueError"
+    for cls in (Leaky, Claims):
+        try:
+            raise cls(CANARY)
+        except cls as exc:
+            report, named = safe_traceback(exc), named_type(exc)
+        assert CANARY not in report and "raise cls" not in report  # no line of source: it is read when printed
+        assert report.splitlines()[-1].startswith("an exception of other code (its message withheld")
+        assert named is None
+    Claims.__module__ = 5  # type: ignore[assignment]
+    assert failed_where(Claims(CANARY)) == "an exception of other code"
+    assert named_type(ValueError()) == "ValueError" and named_type(np.linalg.LinAlgError()) == "LinAlgError"
 
 
 def test_a_records_file_whose_header_runs_into_its_records_is_refused_without_quoting_them(tmp_path: Path) -> None:

@@ -148,14 +148,44 @@ def _shown(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
-def bug_report(exc: BaseException) -> str:
-    """A traceback safe to log for a failure of no type of ours: every frame (file, line, function and
-    that line of source), then `failed_where`; never the message, nor a chained exception's."""
+# Builtins, and the libraries training runs (whose errors say what failed, as Python's do).
+_NAMED = ("builtins", "torch", "numpy")
+
+
+def safe_traceback(exc: BaseException) -> str:
+    """`exc`'s traceback in words safe to log, its chain in Python's order: our typed errors with their
+    words (ours, naming no value); any other by its type and gputravel line (`failed_where`), never its
+    message, which may quote a record or a secret; each frame as file, line and function, with no
+    source line (read from disk when printed); no note."""
     import traceback  # lazy: only a failure needs it
 
-    frames = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
-    return (f"Traceback (most recent call last; the message is withheld, it may quote a record or a secret):\n"
-            f"{frames}{failed_where(exc)}")
+    out: list[str] = []
+    for link, how in reversed(_chain(exc)):
+        frames = traceback.StackSummary.extract(traceback.walk_tb(link.__traceback__), lookup_lines=False)
+        said = (f"{type(link).__name__}: {_shown(str(link))}" if isinstance(link, GputravelError)
+                else f"{failed_where(link)} (its message withheld: it may quote a record or a secret)")
+        out += ["Traceback (most recent call last):\n", *(f'  File "{f.filename}", line {f.lineno}, in {f.name}\n'
+                                                          for f in frames), said + "\n", how]
+    return "".join(out).rstrip("\n")
+
+
+def _chain(exc: BaseException) -> list[tuple[BaseException, str]]:
+    """`exc`, then what it was raised from or while handling, as Python walks them; with the words
+    Python puts between each and the one printed after it."""
+    chain: list[tuple[BaseException, str]] = []
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    how = ""
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        chain.append((link, how))
+        if link.__cause__ is not None:
+            link, how = link.__cause__, "\nThe above exception was the direct cause of the following exception:\n\n"
+        elif not link.__suppress_context__:
+            link, how = link.__context__, "\nDuring handling of the above exception, another exception occurred:\n\n"
+        else:
+            link = None
+    return chain
 
 
 def failed_where(exc: BaseException) -> str:
@@ -164,9 +194,30 @@ def failed_where(exc: BaseException) -> str:
     a record (torch's "Target 12 is out of bounds" names a holder's label)."""
     import traceback  # lazy: only a failure needs it
 
-    module = type(exc).__module__.partition(".")[0]
-    kind = type(exc).__name__ if module in ("builtins", "torch", "numpy") else "an exception of other code"
-    package = "/" + __name__.partition(".")[0] + "/"
-    paths = [(f.filename.replace("\\", "/"), f.lineno) for f in traceback.extract_tb(exc.__traceback__)]
-    ours = [(path[path.rindex(package) + 1:], line) for path, line in paths if package in path]
+    try:
+        package = "/" + __name__.partition(".")[0] + "/"
+        paths = [(f.filename.replace("\\", "/"), f.lineno)
+                 for f in traceback.StackSummary.extract(traceback.walk_tb(exc.__traceback__), lookup_lines=False)]
+        ours = [(path[path.rindex(package) + 1:], line) for path, line in paths if package in path]
+    except Exception:  # noqa: BLE001 (said as no place rather than fail inside a failure's report)
+        ours = []
+    kind = named_type(exc) or "an exception of other code"
     return f"{kind} at {ours[-1][0]}:{ours[-1][1]}" if ours else kind
+
+
+def named_type(exc: BaseException) -> str | None:
+    """`exc`'s type name if Python, torch or numpy defines that very class; None for any other, whose
+    name (like its message) is its code's to choose, and for a class that only claims such a module."""
+    import sys  # lazy: as above
+
+    cls = type(exc)
+    try:
+        module = cls.__module__
+        if not isinstance(module, str) or module.partition(".")[0] not in _NAMED or module not in sys.modules:
+            return None
+        found: object = sys.modules[module]
+        for part in cls.__qualname__.split("."):
+            found = getattr(found, part)
+    except Exception:  # noqa: BLE001 (a class that lies about its name is not named)
+        return None
+    return cls.__name__ if found is cls else None

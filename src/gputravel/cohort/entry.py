@@ -10,12 +10,12 @@ import json
 import os
 import socket
 import sys
-import traceback
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from gputravel.crypto.pki import install_member_cert, member_csr, self_signed_member
-from gputravel.errors import GputravelError, ProtocolError, bug_report, failed_where
+from gputravel.errors import GputravelError, ProtocolError, failed_where, safe_traceback
 from gputravel.protocol.layout import Layout
 from gputravel.transport.stream import StreamTransport
 from gputravel.protocol.control import Certified, Enroll, Failed, Ready
@@ -53,6 +53,7 @@ def run_party(argv: list[str], serve_role: ServeRole) -> int:
     """Enrol if asked, then ``serve_role`` until it returns; a failure goes back as Failed."""
     if os.environ.get("GPUTRAVEL_NONDUMPABLE") == "1":  # isolated: see cohort/isolation.py
         make_nondumpable()
+    log_failures_safely()
     role, payload, control_fd = argv[0], json.loads(argv[1]), int(argv[2])
     extra = socket.socket(fileno=int(argv[3])) if len(argv) > 3 else None
     control = StreamTransport(socket.socket(fileno=control_fd), "supervisor")
@@ -65,22 +66,33 @@ def run_party(argv: list[str], serve_role: ServeRole) -> int:
         if pinned is not None:
             self_signed_member(Path(payload["pki_dir"]), pinned)
         serve_role(role, payload, control, extra)
+        return 0
     except GputravelError as exc:
-        traceback.print_exc()
-        _say_failed(control, Failed(kind=type(exc).__name__, reason=str(exc)))
-        return 1
+        report, failed = safe_traceback(exc), Failed(kind=type(exc).__name__, reason=str(exc))
     except Exception as exc:  # a bug, or a library refusing a record: its message may quote one
-        print(bug_report(exc), file=sys.stderr, flush=True)  # the log goes to the launcher, the host's
-        _say_failed(control, Failed(kind="RemoteError", reason=f"failed (a bug): {failed_where(exc)}"))
-        return 1
-    return 0
-
-
-def _say_failed(control: StreamTransport, failed: Failed) -> None:
+        report, failed = safe_traceback(exc), Failed(kind="RemoteError", reason=f"failed (a bug): {failed_where(exc)}")
+    # Said once out of the handler: an interrupt or error now does not carry the failure as its context.
+    print(report, file=sys.stderr, flush=True)  # the log goes to the launcher, the host's
     try:
         control.send(failed)
     except GputravelError:
         pass  # the launcher is gone: the exit status says it
+    return 1
+
+
+def log_failures_safely() -> None:
+    """Whatever this process prints of an exception, it prints through errors.safe_traceback: one that
+    leaves the party, one a thread ends on, one a finalizer or callback ignores."""
+    sys.excepthook = lambda kind, exc, tb: _print(safe_traceback(exc))
+    threading.excepthook = lambda e: _print(f"in a thread: {safe_traceback(e.exc_value)}" if e.exc_value is not None
+                                            else "an exception ended a thread")
+    # Its object's repr and its err_msg are the code's to choose: neither is printed.
+    sys.unraisablehook = lambda u: _print(f"an exception was ignored: {safe_traceback(u.exc_value)}"
+                                          if u.exc_value is not None else "an exception was ignored")
+
+
+def _print(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 # Each role's module is imported inside its branch (the device never loads the orchestrator's code).

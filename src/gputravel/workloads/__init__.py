@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from gputravel.data.records import RecordSchema, as_tensors
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, named_type
 
 SHIPPED = ("gpt2", "image", "tabular")
 REQUIRED = ("SCHEMA", "model", "inputs")
@@ -114,9 +114,7 @@ def failure(exc: BaseException, filename: str) -> str:
     """`exc` in words safe to log: its type (when Python, torch or numpy define it) and the last
     line of `filename` it passed through."""
     lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
-    module = type(exc).__module__.partition(".")[0]
-    kind = type(exc).__name__ if module in ("builtins", "torch", "numpy") else "an exception the code defines"
-    return f"{kind} at line {lines[-1] if lines else '?'}"
+    return f"{named_type(exc) or 'an exception the code defines'} at line {lines[-1] if lines else '?'}"
 
 
 def _filename(name: str) -> str:
