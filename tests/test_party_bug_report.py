@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
+import signal
 import socket
 import struct
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +21,10 @@ import pytest
 
 from gputravel.cohort import entry
 from gputravel.cohort.entry import log_failures_safely, run_party
+from gputravel.data.holder_tokens import load_tokens
 from gputravel.data.records import RecordSchema, load_records, write_records
+from gputravel.data.shards import write_shard
+from gputravel.data.tokenizer import read_tokenizer_record
 from gputravel.errors import BadInput, PeerTimeout, failed_where, named_type, safe_traceback
 from gputravel.protocol.control import Failed
 from gputravel.transport.stream import StreamTransport
@@ -27,10 +33,14 @@ CANARY = "holder-record-7f3a9c"
 
 
 @pytest.fixture(autouse=True)
-def _hooks(monkeypatch) -> None:
-    """run_party sets this process's exception hooks: each test puts pytest's back."""
-    for where, name in ((sys, "excepthook"), (threading, "excepthook"), (sys, "unraisablehook")):
+def _hooks(monkeypatch):
+    """run_party sets this process's hooks and SIGINT's handler: each test puts pytest's back."""
+    for where, name in ((sys, "excepthook"), (threading, "excepthook"), (sys, "unraisablehook"),
+                        (logging, "lastResort"), (logging, "raiseExceptions"), (warnings, "showwarning")):
         monkeypatch.setattr(where, name, getattr(where, name))
+    interrupt = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, interrupt)
 
 
 def _party(serve_role) -> tuple[int, Failed]:
@@ -162,3 +172,58 @@ def test_a_records_file_whose_header_runs_into_its_records_is_refused_without_qu
     with pytest.raises(BadInput, match=r"records\.npy is not a readable \.npy file \(ValueError\)") as info:
         load_records(tmp_path / "data")
     assert CANARY not in str(info.value)
+
+
+def test_a_typed_error_of_other_arguments_than_words_is_shown_by_its_type(capsys) -> None:
+    def serve_role(role, payload, control, extra) -> None:
+        raise BadInput(np.frombuffer(CANARY.encode(), dtype=np.uint8))  # str() would print the values
+
+    code, reply = _party(serve_role)
+    log = capsys.readouterr().err
+    assert code == 1 and "BadInput (its arguments withheld)" in log and (reply.kind, reply.reason) == ("BadInput", "")
+    assert CANARY not in log and not any(str(b) in log for b in CANARY.encode()[:3])
+
+
+def test_a_string_exit_is_not_printed(capsys) -> None:
+    def serve_role(role, payload, control, extra) -> None:
+        sys.exit(f"cannot parse record {CANARY}")  # Python prints such a code past every hook
+
+    code, reply = _party(serve_role)
+    assert code == 1 and reply.reason == "exited with a message" and CANARY not in capsys.readouterr().err
+
+
+def test_the_hooks_are_total_sigint_is_no_interrupt_and_logging_and_warnings_say_no_values(capsys,
+                                                                                          monkeypatch) -> None:
+    log_failures_safely()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    try:
+        raise ValueError(CANARY)
+    except ValueError as exc:  # a library's record where no handler is configured (pytest configures one)
+        record = logging.getLogger("concurrent.futures").makeRecord(
+            "concurrent.futures", logging.ERROR, __file__, 1, "exception calling callback for %r", (CANARY,),
+            (ValueError, exc, exc.__traceback__))
+        logging.lastResort.handle(record)
+    assert logging.raiseExceptions is False  # a record that fails to format is dropped, its arguments unprinted
+    warnings.warn(CANARY, UserWarning, stacklevel=1)
+
+    def broken(exc):
+        raise RuntimeError("the printer failed")
+
+    monkeypatch.setattr(entry, "safe_traceback", broken)
+    sys.excepthook(ValueError, ValueError(CANARY), None)  # Python's fallback would print the original
+    log = capsys.readouterr().err
+    assert CANARY not in log
+    assert "ERROR concurrent.futures: exception calling callback for %r" in log and "ValueError (its message" in log
+    assert "UserWarning (its text withheld)" in log and "an exception (not printable safely)" in log
+
+
+def test_a_holders_tokens_and_tokenizer_record_are_refused_without_quoting_them(tmp_path: Path) -> None:
+    write_shard(tmp_path / "train_000.bin", np.array([1, 31337], dtype=np.uint16))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"name": "bytes", "vocab_size": 257, "eot": 256}))
+    with pytest.raises(BadInput, match="a token is outside the bytes vocabulary") as info:
+        load_tokens(tmp_path)
+    assert "31337" not in str(info.value)
+    (tmp_path / "tokenizer.json").write_bytes(b'{"name": "caf\xe9"}')
+    with pytest.raises(BadInput, match="is not UTF-8 \\(at byte offset 13\\)") as info:
+        read_tokenizer_record(tmp_path)
+    assert "0xe9" not in str(info.value)

@@ -124,7 +124,7 @@ def test_shards_without_a_record_are_llmc_gpt2_unless_told(tmp_path: Path) -> No
     (tmp_path / "tiny_shakespeare_val.bin").write_bytes(llmc_shard([50256, 5962, 22307]))
     holder = load_tokens(tmp_path)
     assert (holder.tokenizer, holder.vocab_size, holder.eot) == ("gpt2", 50257, 50256)
-    with pytest.raises(BadInput, match="token 50256 is outside the bytes vocabulary") as info:
+    with pytest.raises(BadInput, match="a token is outside the bytes vocabulary") as info:
         load_tokens(tmp_path, tokenizer="bytes")
     assert "tiny_shakespeare_val.bin" in str(info.value)
 

@@ -150,6 +150,7 @@ def _shown(text: str) -> str:
 
 # Builtins, and the libraries training runs (whose errors say what failed, as Python's do).
 _NAMED = ("builtins", "torch", "numpy")
+_CHAIN_LINKS = 32  # of a chain, the newest printed: a longer one (a loop re-raising) would fill the log
 
 
 def safe_traceback(exc: BaseException) -> str:
@@ -162,11 +163,25 @@ def safe_traceback(exc: BaseException) -> str:
     out: list[str] = []
     for link, how in reversed(_chain(exc)):
         frames = traceback.StackSummary.extract(traceback.walk_tb(link.__traceback__), lookup_lines=False)
-        said = (f"{type(link).__name__}: {_shown(str(link))}" if isinstance(link, GputravelError)
-                else f"{failed_where(link)} (its message withheld: it may quote a record or a secret)")
+        if _ours_in_words(link):
+            said = f"{type(link).__name__}: {_shown(link.args[0])}"
+        elif isinstance(link, GputravelError):  # no words of ours to show
+            said = f"{named_class(type(link), ('gputravel',)) or 'an error of ours'} (its arguments withheld)"
+        else:
+            said = f"{failed_where(link)} (its message withheld: it may quote a record or a secret)"
         out += ["Traceback (most recent call last):\n", *(f'  File "{f.filename}", line {f.lineno}, in {f.name}\n'
                                                           for f in frames), said + "\n", how]
     return "".join(out).rstrip("\n")
+
+
+def _ours_in_words(exc: BaseException) -> bool:
+    """A typed error of ours made of one string, our words; anything else is shown by its type."""
+    return isinstance(exc, GputravelError) and len(exc.args) == 1 and type(exc.args[0]) is str
+
+
+def words(exc: GputravelError) -> str:
+    """A typed error's words, to send or log: its one string, ours; "" for other arguments."""
+    return exc.args[0] if _ours_in_words(exc) else ""
 
 
 def _chain(exc: BaseException) -> list[tuple[BaseException, str]]:
@@ -176,7 +191,7 @@ def _chain(exc: BaseException) -> list[tuple[BaseException, str]]:
     seen: set[int] = set()
     link: BaseException | None = exc
     how = ""
-    while link is not None and id(link) not in seen:
+    while link is not None and id(link) not in seen and len(chain) < _CHAIN_LINKS:
         seen.add(id(link))
         chain.append((link, how))
         if link.__cause__ is not None:
@@ -208,12 +223,17 @@ def failed_where(exc: BaseException) -> str:
 def named_type(exc: BaseException) -> str | None:
     """`exc`'s type name if Python, torch or numpy defines that very class; None for any other, whose
     name (like its message) is its code's to choose, and for a class that only claims such a module."""
+    return named_class(type(exc))
+
+
+def named_class(cls: type, roots: tuple[str, ...] = _NAMED) -> str | None:
+    """`cls.__name__` if a module of `roots` (Python, torch, numpy) defines that very class (an
+    exception's, a warning's)."""
     import sys  # lazy: as above
 
-    cls = type(exc)
     try:
         module = cls.__module__
-        if not isinstance(module, str) or module.partition(".")[0] not in _NAMED or module not in sys.modules:
+        if not isinstance(module, str) or module.partition(".")[0] not in roots or module not in sys.modules:
             return None
         found: object = sys.modules[module]
         for part in cls.__qualname__.split("."):

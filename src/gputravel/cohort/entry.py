@@ -9,13 +9,16 @@ import dataclasses
 import json
 import os
 import socket
+import logging
+import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from gputravel.crypto.pki import install_member_cert, member_csr, self_signed_member
-from gputravel.errors import GputravelError, ProtocolError, failed_where, safe_traceback
+from gputravel.errors import GputravelError, ProtocolError, failed_where, named_class, safe_traceback, words
 from gputravel.protocol.layout import Layout
 from gputravel.transport.stream import StreamTransport
 from gputravel.protocol.control import Certified, Enroll, Failed, Ready
@@ -67,8 +70,13 @@ def run_party(argv: list[str], serve_role: ServeRole) -> int:
             self_signed_member(Path(payload["pki_dir"]), pinned)
         serve_role(role, payload, control, extra)
         return 0
+    except SystemExit as exc:
+        if exc.code is None or type(exc.code) is int:
+            raise
+        # Python prints a SystemExit's other code as it is, past every hook: words of unknown origin.
+        report, failed = "SystemExit (its message withheld)", Failed(kind="RemoteError", reason="exited with a message")
     except GputravelError as exc:
-        report, failed = safe_traceback(exc), Failed(kind=type(exc).__name__, reason=str(exc))
+        report, failed = safe_traceback(exc), Failed(kind=type(exc).__name__, reason=words(exc))
     except Exception as exc:  # a bug, or a library refusing a record: its message may quote one
         report, failed = safe_traceback(exc), Failed(kind="RemoteError", reason=f"failed (a bug): {failed_where(exc)}")
     # Said once out of the handler: an interrupt or error now does not carry the failure as its context.
@@ -81,18 +89,50 @@ def run_party(argv: list[str], serve_role: ServeRole) -> int:
 
 
 def log_failures_safely() -> None:
-    """Whatever this process prints of an exception, it prints through errors.safe_traceback: one that
-    leaves the party, one a thread ends on, one a finalizer or callback ignores."""
-    sys.excepthook = lambda kind, exc, tb: _print(safe_traceback(exc))
-    threading.excepthook = lambda e: _print(f"in a thread: {safe_traceback(e.exc_value)}" if e.exc_value is not None
-                                            else "an exception ended a thread")
+    """Whatever this process prints of an exception, a warning or a log record it did not plan for, it
+    prints through errors.safe_traceback or in fixed words: an exception that leaves the party, one a
+    thread ends on, one a finalizer or callback ignores, logging's last resort, a warning. SIGINT is
+    no interrupt here: a party stops on Shutdown or SIGTERM, and the host could time one to land in a
+    failure's handling, carrying the failure as its context."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.excepthook = lambda kind, exc, tb: _say("", exc)
+    threading.excepthook = lambda e: _say("in a thread: ", e.exc_value)
     # Its object's repr and its err_msg are the code's to choose: neither is printed.
-    sys.unraisablehook = lambda u: _print(f"an exception was ignored: {safe_traceback(u.exc_value)}"
-                                          if u.exc_value is not None else "an exception was ignored")
+    sys.unraisablehook = lambda u: _say("an exception was ignored: ", u.exc_value)
+    logging.raiseExceptions = False  # a record that fails to format is dropped, not printed with its arguments
+    logging.lastResort = _LastResort()
+    warnings.showwarning = _warned
 
 
-def _print(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+def _say(what: str, exc: BaseException | None = None) -> None:
+    """`what`, then `exc` through safe_traceback. Total: a hook that raises makes Python print the
+    original exception its own way."""
+    try:
+        text = "" if exc is None else safe_traceback(exc)
+    except BaseException:  # noqa: BLE001 (see above)
+        text = "an exception (not printable safely)"
+    try:
+        print(what + text, file=sys.stderr, flush=True)
+    except BaseException:  # noqa: BLE001 (no stderr left: nothing to print to)
+        pass
+
+
+class _LastResort(logging.Handler):
+    """What logging prints with no handler configured: the level, the logger and the message's
+    template, never its arguments; an exception through safe_traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        said = f"{record.levelname} {record.name}: {record.msg if isinstance(record.msg, str) else '(a message)'}"
+        exc = record.exc_info[1] if record.exc_info else None
+        _say(said if exc is None else said + "\n", exc)
+
+
+def _warned(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: object = None,
+            line: str | None = None) -> None:
+    _say(f"{filename}:{lineno}: {named_class(category) or 'a warning'} (its text withheld)")
 
 
 # Each role's module is imported inside its branch (the device never loads the orchestrator's code).

@@ -156,7 +156,10 @@ def read_tokenizer_record(directory: Path | str) -> TokenizerRecord:
     except FileNotFoundError:
         raise BadInput(f"no {RECORD_NAME} in {directory}: the shards' tokenizer is unknown; "
                        "re-run `gputravel data prepare` or name the tokenizer explicitly") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
+    except UnicodeDecodeError as exc:  # where, never the byte: the file is a holder's
+        raise BadInput(f"{path} is not UTF-8 (at byte offset {exc.start}); re-run `gputravel data prepare` to "
+                       "rewrite it") from None
+    except (json.JSONDecodeError, RecursionError) as exc:  # a position, no text; RecursionError: nested too deeply
         raise BadInput(f"{path} is not valid JSON ({exc}); re-run `gputravel data prepare` to rewrite it") from None
     return _record_from(path, data)
 
