@@ -38,6 +38,9 @@ def _hooks(monkeypatch):
     for where, name in ((sys, "excepthook"), (threading, "excepthook"), (sys, "unraisablehook"),
                         (logging, "lastResort"), (logging, "raiseExceptions"), (warnings, "showwarning")):
         monkeypatch.setattr(where, name, getattr(where, name))
+    ours = logging.getLogger("gputravel")
+    monkeypatch.setattr(ours, "handlers", list(ours.handlers))
+    monkeypatch.setattr(ours, "propagate", ours.propagate)
     interrupt = signal.getsignal(signal.SIGINT)
     yield
     signal.signal(signal.SIGINT, interrupt)
@@ -204,6 +207,9 @@ def test_the_hooks_are_total_sigint_is_no_interrupt_and_logging_and_warnings_say
             (ValueError, exc, exc.__traceback__))
         logging.lastResort.handle(record)
     assert logging.raiseExceptions is False  # a record that fails to format is dropped, its arguments unprinted
+    # gputravel's own records keep their words, as the last resort printed them (the red team reads them).
+    logging.getLogger("gputravel.orchestrator.cvm").warning("recovery rotation failed (%s: %s)", "PeerTimeout",
+                                                            "the device did not answer")
     warnings.warn(CANARY, UserWarning, stacklevel=1)
 
     def broken(exc):
@@ -215,6 +221,7 @@ def test_the_hooks_are_total_sigint_is_no_interrupt_and_logging_and_warnings_say
     assert CANARY not in log
     assert "ERROR concurrent.futures: exception calling callback for %r" in log and "ValueError (its message" in log
     assert "UserWarning (its text withheld)" in log and "an exception (not printable safely)" in log
+    assert "recovery rotation failed (PeerTimeout: the device did not answer)" in log
 
 
 def test_a_holders_tokens_and_tokenizer_record_are_refused_without_quoting_them(tmp_path: Path) -> None:

@@ -101,6 +101,8 @@ def log_failures_safely() -> None:
     sys.unraisablehook = lambda u: _say("an exception was ignored: ", u.exc_value)
     logging.raiseExceptions = False  # a record that fails to format is dropped, not printed with its arguments
     logging.lastResort = _LastResort()
+    logging.getLogger("gputravel").addHandler(_Ours())  # as the last resort printed them, but the exception
+    logging.getLogger("gputravel").propagate = False
     warnings.showwarning = _warned
 
 
@@ -126,6 +128,22 @@ class _LastResort(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         said = f"{record.levelname} {record.name}: {record.msg if isinstance(record.msg, str) else '(a message)'}"
+        exc = record.exc_info[1] if record.exc_info else None
+        _say(said if exc is None else said + "\n", exc)
+
+
+class _Ours(logging.Handler):
+    """gputravel's own records, as logging's last resort printed them: their message, its arguments
+    ours (names, typed errors' words); an exception through safe_traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            said = record.getMessage()
+        except Exception:  # noqa: BLE001 (a record that does not format: its template)
+            said = f"{record.msg}"
         exc = record.exc_info[1] if record.exc_info else None
         _say(said if exc is None else said + "\n", exc)
 
