@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 import warnings
@@ -101,7 +101,7 @@ def log_failures_safely() -> None:
     sys.unraisablehook = lambda u: _say("an exception was ignored: ", u.exc_value)
     logging.raiseExceptions = False  # a record that fails to format is dropped, not printed with its arguments
     logging.lastResort = _LastResort()
-    logging.getLogger("gputravel").addHandler(_Ours())  # as the last resort printed them, but the exception
+    logging.getLogger("gputravel").addHandler(_Ours())  # our records keep their words (the red team reads them)
     logging.getLogger("gputravel").propagate = False
     warnings.showwarning = _warned
 
