@@ -194,8 +194,8 @@ def test_ddp_where_shows_each_runs_rings_against_the_limit_and_their_cpu(tmp_pat
         four["iter_ms"] = {"plain": 200.0, "encrypted": 216.0}
         return {"cores": 2, "rows": [{"gpus": 1}, four]}
     cells = table_of(tmp_path, {"w-1.json": run(20.0), "w-2.json": run(22.5)}, 't.ddp_where("results/w-*.json")')
-    assert cells[1] == ["1", "4", "20.0 (15.0-25.0)", "21.0", "33.0", "32.0", "27.5", "1.20", "1.16", "1.08", "34.0", "37.0",
-                        "60.0", "15.0", "23.0"]
+    assert cells[1] == ["1", "4", "20.0 (15.0-25.0)", "21.0", "33.0", "32.0", "27.5", "1.20", "1.16", "1.08",
+                        "34.0", "37.0", "60.0", "15.0", "23.0"]
     assert [c[:2] for c in cells[1:]] == [["1", "4"], ["2", "4"]]  # one GPU seals nothing: no row
 
 

@@ -232,21 +232,25 @@ def ddp(d):
 def ddp_where(files):
     """Interleaved `bench ddp` runs (issue 31), a row per run and GPU count past one: each
     all-reduce's median (gloo's with its 10th-90th percentiles), the limit and each sealed ring
-    over it, the training iteration's ratio; then the CPU every rank spent on one all-reduce, summed, against the AES the run's
-    rate accounts for (the limit less the plain all-reduce, times the cores the ranks share)."""
+    over it, the training iteration's ratio; then the CPU every rank spent on one all-reduce,
+    summed, against the AES the run's rate accounts for (the limit less the plain all-reduce,
+    times the cores the ranks share)."""
     rows = []
     for d, _, run in sorted(files, key=lambda f: f[2] or 0):
         for r in (r for r in d["rows"] if r["gpus"] > 1):
-            ar, cpu, (lo, hi), over = (r["allreduce_ms"], r["allreduce_cpu_ms"], r["allreduce_spread_ms"]["plain"],
-                                       r["allreduce_vs_limit"])
+            ar, cpu, over = r["allreduce_ms"], r["allreduce_cpu_ms"], r["allreduce_vs_limit"]
+            lo, hi = r["allreduce_spread_ms"]["plain"]
             aes = (r["allreduce_limit_ms"] - ar["plain"]) * min(r["gpus"], d["cores"])
-            rows.append((str(run or 1), str(r["gpus"]), f"{num(ar['plain'], 1)} ({num(lo, 1)}-{num(hi, 1)})",
-                         *(num(ar[k], 1) for k in ("ring_unsealed", "encrypted_naive", "encrypted")),
-                         num(r["allreduce_limit_ms"], 1), num(over["encrypted_naive"]), num(over["encrypted"]),
-                         num(r["iter_ms"]["encrypted"] / r["iter_ms"]["plain"]), *(num(cpu[k], 1) for k in ("plain", "ring_unsealed", "encrypted_naive")), num(aes, 1),
-                         num(cpu["encrypted_naive"] - cpu["ring_unsealed"], 1)))
+            rows.append((
+                str(run or 1), str(r["gpus"]), f"{num(ar['plain'], 1)} ({num(lo, 1)}-{num(hi, 1)})",
+                *(num(ar[k], 1) for k in ("ring_unsealed", "encrypted_naive", "encrypted")),
+                num(r["allreduce_limit_ms"], 1), num(over["encrypted_naive"]), num(over["encrypted"]),
+                num(r["iter_ms"]["encrypted"] / r["iter_ms"]["plain"]),
+                *(num(cpu[k], 1) for k in ("plain", "ring_unsealed", "encrypted_naive")), num(aes, 1),
+                num(cpu["encrypted_naive"] - cpu["ring_unsealed"], 1)))
     return ("run", "GPUs", "gloo (p10-p90)", "ring unsealed", "naive", "pipelined", "limit", "naive / limit",
-            "pipelined / limit", "iteration pipelined / plain", "CPU gloo", "CPU unsealed", "CPU naive", "AES at the rate", "CPU sealing"), rows
+            "pipelined / limit", "iteration pipelined / plain", "CPU gloo", "CPU unsealed", "CPU naive",
+            "AES at the rate", "CPU sealing"), rows
 
 
 @table()

@@ -306,6 +306,7 @@ def run(gpus: tuple[int, ...], models: tuple[str, ...], iters: int = 5,
             if on_row:
                 on_row(row)
     # "interleaved": the methods' samples took turns (interleaved_ms); a JSON without it timed them in turn.
-    return {**stamp(), "iters": iters, "interleaved": True, "device": device, "compress": compress, "cores": cores_shared(),
+    return {**stamp(), "iters": iters, "interleaved": True, "device": device, "compress": compress,
+            "cores": cores_shared(),
             "aes_gbps_per_core": statistics.median(r["aes_gbps_per_core"] for r in rows), "rows": rows,
             "g2_identical": all(c["identical"] for c in g2), "g2": g2}
