@@ -430,7 +430,11 @@ def hostile(rank: int, world: int, fault: str, at: int, sizes: tuple[int, ...]) 
     in all-reduces of `sizes`; what they raised, on this rank."""
     group = dist.new_group(backend="gloo")
     wire = Wire(TorchPointToPoint(group), fault if rank == 0 else None, at)
-    ring = Ring("pipelined", keys=_keys(group), record_bytes=HOSTILE_RECORD, group=group, p2p=wire, timeout_s=2)
+    # Where both ranks wait in vain, gloo closes the link of the one that times out first: the
+    # receiver must, or under load it saw the sender's closing (TransportClosed), not its timeout.
+    timeout_s = 2 if rank == 1 else 6
+    ring = Ring("pipelined", keys=_keys(group), record_bytes=HOSTILE_RECORD, group=group, p2p=wire,
+                timeout_s=timeout_s)
     try:
         for n in sizes:
             ring.all_reduce(_input(rank, n))
