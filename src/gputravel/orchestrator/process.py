@@ -146,8 +146,7 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     cuts = {name: _cut(hello, cfg.records) for name, hello in hellos.items()}
     ranks = _ranks(orch, cmd)
     ending = _ending(orch, cmd, cfg)
-    if ending is not None and cfg.dp_epsilon:
-        check_dp_holders(ending.manifest.release.holders, cuts)
+    ended = _ending_args(ending, cfg, cuts)
     engine = Admitting(orch, membership)
     source = (BaselineSource(orch, sizes, cuts) if cfg.loader == "baseline" else TravelSource(engine, sizes, cuts))
     samples = ending is None or ending.manifest.outputs.samples  # generated text can repeat training data
@@ -159,8 +158,7 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
                    tokenizer=sample_tokenizer(cfg.tokenizer) if samples else None, ranks=ranks,
                    should_stop=_ShutdownAsked(control),  # with ranks, one asked stops them all
                    anchor=orch.travel_log,  # a resume goes on only with the log its checkpoint names
-                   **({"kept": ending.kept} if ending is not None else {}),
-                   **({"dp_key": dp_key(ending.dp_secret, cuts)} if ending is not None and ending.dp_secret else {}))
+                   **ended)
     report = make_report(cfg, result)
     if ending is not None and not result.stopped:  # a stopped job resumes: it ends later
         report["release"] = end_job(ending, result.weights, _metrics(report), dict(orch.holders), run_dir,
@@ -196,6 +194,19 @@ def _ending(orch: Orchestrator, cmd: Train, cfg: Any) -> Ending | None:
     if cfg.dp_epsilon:  # DP-SGD's key from the broker: every run of this job draws the same sample and noise
         dp_secret = fetch_key(config.broker_socket, "dp", orch.attester.quote, config.holder_timeout, broker_key)
     return Ending(manifest, digest, anchored, sealer("model"), config.holder_timeout, kept, dp_secret)
+
+
+def _ending_args(ending: Ending | None, cfg: Any, cuts: dict[str, Any]) -> dict[str, Any]:
+    """What a manifest job adds to its run: what the run directory keeps and, for DP-SGD, the
+    sampling and noise key of the broker's "dp" key over exactly the holders it names."""
+    if ending is None:
+        return {}
+    if not cfg.dp_epsilon:
+        return {"kept": ending.kept}
+    check_dp_holders(ending.manifest.release.holders, cuts)
+    if ending.dp_secret is None:  # a fresh key would let each rerun spend the holders' epsilon again
+        raise BadInput("a manifest DP job needs its key broker's \"dp\" key")
+    return {"kept": ending.kept, "dp_key": dp_key(ending.dp_secret, cuts)}
 
 
 def check_dp_holders(named: Sequence[str], joined: Mapping[str, Any]) -> None:
