@@ -10,6 +10,12 @@ marker.
 from __future__ import annotations
 
 import os
+
+# The suite oversubscribes the cores (workers, parties, ranks), and a thread that spins waiting for
+# work takes a core another process needs. Set before torch or numpy loads; children inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import shutil
 import tempfile
 import threading
