@@ -170,9 +170,10 @@ class _Leaving(LocalSource):
         return super().fetch_held(visit)
 
 
-def leaving_at(monkeypatch, cfg: TrainConfig, holders, loader: str, step: int, **kw):
+def leaving_at(monkeypatch, cfg: TrainConfig, holders, loader: str, step: int, taken: list[int] | None = None, **kw):
     """Train with holders[1] leaving the cohort after `step`, `loader` (loop.Whole or loop.Resident)
-    noting each batch's feature rows: the result, the steps that saw a row of the holder's, and the rows."""
+    noting each batch's feature rows: the result, the steps that saw a row of the holder's, and the rows.
+    `taken`, if given, gets each step's number as it ends."""
     from gputravel.train import loop
 
     source = _Leaving.of(cfg, holders)
@@ -194,6 +195,8 @@ def leaving_at(monkeypatch, cfg: TrainConfig, holders, loader: str, step: int, *
 
     def on_step(event) -> None:
         at["n"] = event.step + 1
+        if taken is not None:
+            taken.append(event.step + 1)
         if event.step + 1 == step:
             source.gone = gone
 

@@ -14,7 +14,6 @@ import contextlib
 import copy
 import hashlib
 import hmac
-import itertools
 import math
 import os
 import warnings
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 
 from gputravel.data.records import RecordSchema, as_tensors
-from gputravel.errors import BadInput
+from gputravel.errors import BadInput, HolderLost
 from gputravel.train.job import TrainConfig
 from gputravel.train.loader import TravellingLoader, zero
 from gputravel.workloads import Workload
@@ -398,21 +397,18 @@ class Resident(TravellingLoader):
 
     def __iter__(self) -> Iterator[Any]:
         records = self.resident()
-        sizes = dict(sorted(self.scheduler.sizes.items()))
-        starts = [0, *itertools.accumulate(sizes.values())]
-        ranges = {h: slice(a, b) for h, a, b in zip(sizes, starts[:-1], starts[1:], strict=True)}
-        alive = np.ones(len(records), dtype=bool)
+        holders = sorted(self.scheduler.sizes)
         step = self.start
         while True:
-            if ranges:  # a holder that left is sampled no more (its goodbye read before each step)
-                for holder in sorted(self.departed(list(ranges))):
-                    span = ranges.pop(holder)
-                    alive[span] = False
-                    zero(records[span])
-                    self.note_lost(f"holder {holder!r} left the cohort: its records dropped from the sample")
-            # Each record still taken at rate q, independently: the accounting over N stays an upper bound.
+            # A holder that left ends the job (its goodbye read before each step): going on without it
+            # would draw this step's noise, which a rerun over every holder draws again, over other data.
+            gone = sorted(self.departed(holders))
+            if gone:
+                zero(records)
+                raise HolderLost(gone[0], "it left the cohort", during="a DP-SGD job, whose sample and noise "
+                                 "cover every holder's records: the job stops here, to resume once it is back")
+            # Each record taken at rate q, independently, as the accounting over N assumes.
             picked = poisson_sample(self.key, step, len(records), self.rate).numpy()
-            picked = picked[alive[picked]]
             step += 1
             self.drawn = len(picked)
             yield self.batching.to_batch(as_tensors(records[picked], torch.from_numpy)) if len(picked) else None
