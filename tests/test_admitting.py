@@ -113,3 +113,18 @@ def test_before_kept_records_train_again_goodbyes_are_read_and_nobody_is_admitte
     assert source.departed(["south", "north"]) == {"south"}
     assert orch.dropped == ["south"] and orch.accepted == 0 and orch.travels == 0
     still_here.close()
+
+
+def test_the_baseline_reads_goodbyes_before_its_copy_and_admits_nobody():
+    """The hostile review of the DP departure fix: built on the bare orchestrator, the TLS baseline's
+    loader never read a goodbye waiting, so a DP job trained on a holder that had left (row 75)."""
+    from gputravel.train.loader import BaselineSource
+
+    orch = _Orchestrator(fail=False)  # three connections wait on its listener
+    orch.baseline = lambda holder, offset: f"copied from {holder}"  # type: ignore[attr-defined]
+    mine, theirs = socket.socketpair()
+    orch.holders["south"] = StreamTransport(mine, "south")
+    StreamTransport(theirs, "orchestrator").send(Bye(reason="leaving the cohort"))
+    source = BaselineSource(Admitting(orch, SimpleNamespace(probe_over=None)), {"north": 4096})
+    assert source.engine.baseline("north", 0) == "copied from north"
+    assert orch.dropped == ["south"] and orch.accepted == 0 and orch.travels == 0

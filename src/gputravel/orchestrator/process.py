@@ -65,6 +65,11 @@ class Admitting:
         self.admit_waiting()
         return self.orch.travel(holder, dataset_offset)
 
+    def baseline(self, holder: str, dataset_offset: int) -> object:
+        """The TLS baseline's copy (paper 7.2), after reading goodbyes: it admits nobody mid-job."""
+        self.read_goodbyes()
+        return self.orch.baseline(holder, dataset_offset)
+
     def buffer_view(self) -> memoryview:
         return self.orch.buffer_view()
 
@@ -148,7 +153,8 @@ def run_training(orch: Orchestrator, cmd: Train, control: Transport, membership:
     ending = _ending(orch, cmd, cfg)
     ended = _ending_args(ending, cfg, cuts)
     engine = Admitting(orch, membership)
-    source = (BaselineSource(orch, sizes, cuts) if cfg.loader == "baseline" else TravelSource(engine, sizes, cuts))
+    # Both on the engine: a holder's goodbye is read before a DP step or a kept visit either way.
+    source = (BaselineSource(engine, sizes, cuts) if cfg.loader == "baseline" else TravelSource(engine, sizes, cuts))
     samples = ending is None or ending.manifest.outputs.samples  # generated text can repeat training data
     quiet = ending is not None and not ending.manifest.outputs.metrics
     run_dir = Path(cmd.run_dir) if cmd.run_dir else None
