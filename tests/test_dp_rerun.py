@@ -6,18 +6,24 @@ same data now draws the same sample and noise, so a rerun trains the same model.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from gputravel.broker import PURPOSES
 from gputravel.crypto.pki import CohortPki
+from gputravel.data.demo_records import demo_holders
+from gputravel.data.records import common_schema
 from gputravel.errors import BadInput
+from gputravel.manifest import JobManifest, Outputs
 from gputravel.orchestrator import process
 from gputravel.orchestrator.process import check_dp_holders, dp_key
 from gputravel.orchestrator.release import anchors_digest
 from gputravel.release.seal import anchors
+from gputravel.train import scripted
 from gputravel.train.privacy import poisson_sample
+from test_dp_training import job as dp_job  # tests/test_dp_training.py: a DP job over tabular records
 from test_release_anchors import _orchestrator  # tests/test_release_anchors.py: a manifest job's orchestrator
 
 
@@ -70,3 +76,33 @@ def test_the_orchestrator_trains_a_manifest_dp_job_on_its_brokers_dp_key(tmp_pat
         process._ending_args(process._ending(orch, cmd, dp), dp, {"alice": cuts["alice"]})
     with pytest.raises(BadInput, match="dp"):  # never a fresh key in its place
         process._ending_args(process._ending(orch, cmd, plain), dp, cuts)
+
+
+def test_run_training_hands_the_brokers_dp_key_to_the_job(tmp_path, monkeypatch) -> None:
+    """The hostile review of the test above: it drove `_ending_args` only, so `run_training` dropping
+    the key on its way to `run_job` passed. Here `run_training` itself, up to `run_job`."""
+    class Handed(Exception):
+        pass
+
+    def run_job(cfg, source, **kw):
+        raise Handed(kw.get("dp_key"))
+
+    monkeypatch.setattr(process, "fetch_key", lambda sock, purpose, *a: hashlib.sha256(purpose.encode()).digest())
+    monkeypatch.setattr(scripted, "run_job", run_job)
+    holders = demo_holders("tabular", 2, tmp_path / "data")
+    cfg = dp_job(holders)
+    schema = common_schema(holders).canonical_json()
+    names = [name for name, _ in holders]
+    pki = CohortPki.create(tmp_path / "pki", ["orchestrator", *names])
+    orch = _orchestrator(tmp_path / "pki", anchors_digest(anchors(pki.ca_pem)))
+    manifest = JobManifest.for_job(cfg, holders=names, quorum=1, outputs=Outputs(model="sealed"))
+    orch.config = replace(orch.config, job_json=cfg.canonical_json(), manifest_json=manifest.to_json(),
+                          buffer_bytes=cfg.buffer_bytes, schema=schema)
+    hellos = {n: SimpleNamespace(holder=n, dataset_bytes=8192, piece_bytes=4096, manifest=(b"m",), tokenizer="",
+                                 schema=schema, train_records=40, eval_records=8) for n in names}
+    orch.travel_sm, orch.holders, orch.travel_log = SimpleNamespace(holders=hellos), dict.fromkeys(names), None
+    cmd = SimpleNamespace(config_json=cfg.canonical_json(), world_size=1, rank=0, resume_checkpoint="", run_dir="")
+    with pytest.raises(Handed) as handed:
+        process.run_training(orch, cmd, control=None, membership=None)
+    cuts = {n: process._cut(h, True) for n, h in hellos.items()}
+    assert handed.value.args[0] == dp_key(hashlib.sha256(b"dp").digest(), cuts)
