@@ -119,33 +119,37 @@ def _say(what: str, exc: BaseException | None = None) -> None:
         pass
 
 
-class _LastResort(logging.Handler):
+class _Printer(logging.Handler):
+    """Prints a WARNING or worse as `said` words it, an exception through safe_traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        said, exc = self.said(record), record.exc_info[1] if record.exc_info else None
+        _say(said if exc is None else said + "\n", exc)
+
+    def said(self, record: logging.LogRecord) -> str:
+        raise NotImplementedError
+
+
+class _LastResort(_Printer):
     """What logging prints with no handler configured: the level, the logger and the message's
-    template, never its arguments; an exception through safe_traceback."""
+    template, never its arguments."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        said = f"{record.levelname} {record.name}: {record.msg if isinstance(record.msg, str) else '(a message)'}"
-        exc = record.exc_info[1] if record.exc_info else None
-        _say(said if exc is None else said + "\n", exc)
+    def said(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname} {record.name}: {record.msg if isinstance(record.msg, str) else '(a message)'}"
 
 
-class _Ours(logging.Handler):
+class _Ours(_Printer):
     """gputravel's own records, as logging's last resort printed them: their message, its arguments
-    ours (names, typed errors' words); an exception through safe_traceback."""
+    ours (names, typed errors' words)."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-
-    def emit(self, record: logging.LogRecord) -> None:
+    def said(self, record: logging.LogRecord) -> str:
         try:
-            said = record.getMessage()
+            return record.getMessage()
         except Exception:  # noqa: BLE001 (a record that does not format: its template)
-            said = f"{record.msg}"
-        exc = record.exc_info[1] if record.exc_info else None
-        _say(said if exc is None else said + "\n", exc)
+            return f"{record.msg}"
 
 
 def _warned(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: object = None,
