@@ -60,6 +60,15 @@ def pytest_configure(config: pytest.Config) -> None:
         os.chmod(base, 0o711)
         _OWN_BASE.append(base)
         config.option.basetemp = os.path.join(base, "t")
+    if not hasattr(config, "workerinput"):
+        _warm_font_cache()
+
+
+def _warm_font_cache() -> None:
+    """Build matplotlib's font cache here, before any guard is on: on a machine without one, its
+    first import runs `fc-list`, which the fast tier's guard refuses, failing whichever test plots
+    first. Workers and parties then read the cache."""
+    from matplotlib import font_manager  # noqa: F401  # only for its side effect, the cache
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
