@@ -14,7 +14,7 @@ import pytest
 from gputravel.cohort import isolation
 from gputravel.errors import BadInput
 from gputravel.jobs.training import TrainingJobConfig, resolve
-from gputravel.service.launch import ServiceLaunch
+from gputravel.service.launch import ServiceLaunch, boot_rounds
 from gputravel.train.loop import TrainConfig
 
 pytestmark = pytest.mark.integration
@@ -177,3 +177,10 @@ def test_a_stopped_service_is_named_with_the_reason_its_log_gives_first(tmp_path
     assert _why(log) == ": BadInput: --shuffle all: raise it"
     log.write_text('{"ts": 1, "party": "orchestrator", "event": "up"}\n')
     assert _why(log) == "" and _why(tmp_path / "absent.log") == ""
+
+
+def test_holders_of_different_gpus_boot_together_and_those_of_one_gpu_in_turn() -> None:
+    holders = [("a", "/run/gpu-0.lock"), ("b", "/run/gpu-1.lock"), ("c", "/run/gpu-0.lock"), ("d", "/run/gpu-0.lock")]
+    assert boot_rounds(holders) == [["a", "b"], ["c"], ["d"]]
+    assert boot_rounds(holders[:1] + holders[2:]) == [["a"], ["c"], ["d"]]  # one GPU: one at a time, as listed
+    assert boot_rounds([]) == []

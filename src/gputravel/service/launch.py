@@ -33,7 +33,7 @@ from gputravel.service.job import make_identity, published_parties, set_job
 if TYPE_CHECKING:
     from gputravel.manifest import JobManifest
 
-__all__ = ["ServiceLaunch", "StepRow"]
+__all__ = ["ServiceLaunch", "StepRow", "boot_rounds"]
 
 # `gputravel serve` through its own entry: the command line's imports cost each service 0.16 s.
 # -P: `-c` would put the working directory first on sys.path (a module planted there would run as root).
@@ -156,9 +156,11 @@ class ServiceLaunch:
             self._serve(host_party(k))
         for k in range(self.gpus):
             self._serve(f"gpu-{k}")
-        for name, _ in holders:
-            self._serve(f"holder-{name}")
-            self._await(f"holder-{name}", "up")  # one at a time: each probes its GPU at boot
+        for batch in boot_rounds([(n, self._config(f"holder-{n}")["boot_lock"]) for n, _ in holders]):
+            for name in batch:
+                self._serve(f"holder-{name}")
+            for name in batch:  # one a GPU at a time: each probes its GPU at boot
+                self._await(f"holder-{name}", "up")
         self._await(BROKER, "up")
         for k in range(self.gpus):
             self._serve(orchestrator_party(k))
@@ -363,6 +365,16 @@ class ServiceLaunch:
                 continue  # the run never made it
             except OSError as exc:  # too big, not a plain file (a link, a FIFO), or no room: not copied, said
                 print(f"gputravel: {src.name} was not copied back to {dest}: {exc}", file=sys.stderr)
+
+
+def boot_rounds(holders: Sequence[tuple[str, str]]) -> list[list[str]]:
+    """The holders (name, its GPU's boot lock) in rounds that boot together: the k-th holder of each
+    GPU in round k. A holder that finds its GPU's lock taken joins late, so no two share a round."""
+    by_gpu: dict[str, list[str]] = {}
+    for name, lock in holders:
+        by_gpu.setdefault(lock, []).append(name)
+    depth = max(map(len, by_gpu.values()), default=0)
+    return [[names[k] for names in by_gpu.values() if k < len(names)] for k in range(depth)]
 
 
 def _join_metrics(dest: Path, new: Path) -> None:
