@@ -67,7 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def _warm_font_cache() -> None:
     """Build matplotlib's font cache here, before any guard is on: on a machine without one, its
     first import runs `fc-list`, which the fast tier's guard refuses, failing whichever test plots
-    first. Workers and parties then read the cache."""
+    first. The workers then read it (each party builds its own, in its own home)."""
     from matplotlib import font_manager  # noqa: F401  # only for its side effect, the cache
 
 

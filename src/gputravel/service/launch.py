@@ -369,7 +369,7 @@ class ServiceLaunch:
 
 def boot_rounds(holders: Sequence[tuple[str, str]]) -> list[list[str]]:
     """The holders (name, its GPU's boot lock) in rounds that boot together: the k-th holder of each
-    GPU in round k. A holder that finds its GPU's lock taken joins late, so no two share a round."""
+    GPU in round k. A holder that finds its GPU's lock taken joins late, so no two of one GPU share a round."""
     by_gpu: dict[str, list[str]] = {}
     for name, lock in holders:
         by_gpu.setdefault(lock, []).append(name)
