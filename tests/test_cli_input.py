@@ -15,6 +15,7 @@ from importlib import import_module
 from pathlib import Path
 
 import pytest
+import typer.main
 from typer.testing import CliRunner
 
 from gputravel.bench import codec as codec_bench
@@ -364,3 +365,22 @@ def test_cohort_init_of_record_holders_names_the_workload_to_choose(cohort_tmp: 
     assert res.exit_code == 0, res.output
     job = tomllib.loads((cohort_tmp / "c3" / "orchestrator.toml").read_text())["job"]
     assert job["workload"] == "tabular" and "features" in job["record_schema"]
+
+
+def test_every_commands_help_is_reflowed_into_whole_paragraphs() -> None:
+    """typer's rich help keeps a docstring's line breaks past its first paragraph, which wrapped at
+    the terminal's width left ragged lines (cli/output.reflow)."""
+    seen: list[str] = []
+
+    def walk(cmd, path: str) -> None:
+        if cmd.help:
+            seen.append(path)
+            for paragraph in cmd.help.split("\n\n"):
+                assert "\n" not in paragraph, f"{path}: a line break inside a paragraph: {paragraph!r}"
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(typer.main.get_command(app), "gputravel")
+    assert {"gputravel demo", "gputravel bench travel", "gputravel cohort init"} <= set(seen)
+    out = CliRunner().invoke(app, ["demo", "--help"]).output
+    assert "A local cohort runs" in out and "the model released by a quorum" in out

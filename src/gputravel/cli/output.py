@@ -3,12 +3,14 @@ right-aligned tables of figures, and where its JSON went."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -31,6 +33,10 @@ class Commands(TyperGroup):
     """Every command group: a typed error, an OSError on a path and a RecursionError (input nested too
     deeply) end as one line, exit 1; any other exception is a bug and keeps its traceback."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _reflow_help(self)  # the group's whole tree: typer builds the subcommands first
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -38,6 +44,20 @@ class Commands(TyperGroup):
             if (line := one_line(exc)) is None:
                 raise
             fail(line)
+
+
+def reflow(text: str) -> str:
+    """A docstring's paragraphs each on one line. typer's rich help keeps the source's line breaks
+    after the first paragraph, which wrapped at the terminal's width leave ragged lines."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+def _reflow_help(cmd: click.Command) -> None:
+    if cmd.help:
+        cmd.help = reflow(cmd.help)
+    for sub in getattr(cmd, "commands", {}).values():
+        _reflow_help(sub)
 
 
 def named_subcommand() -> None:
