@@ -295,9 +295,10 @@ def redteam(
     data: RedTeamData = typer.Option(RedTeamData.raw, "--data", help="The holders' datasets: random bytes with "
                                      "markers, or image records (the image workload's digits) with canary images."),
 ) -> None:
-    """Run every attack (paper section 6, and more) against a live local cohort, then the job rows
-    (issue 28) on cohorts of their own, and count the plaintext each attacker obtained. Exits 1 if
-    any attack got plaintext or was not stopped."""
+    """Run every attack (paper section 6, and more) and count the plaintext each attacker obtained.
+
+    The attacks run against a live local cohort, then the job rows (issue 28) on cohorts of their
+    own. Exits 1 if any attack got plaintext or was not stopped."""
     # The command line is the red team's only door: no other command loads it (tests/test_architecture.py).
     from gputravel.redteam.arena import Attack, Verdict  # lazy: only `gputravel redteam` loads the red team
     from gputravel.redteam.jobarena import JobAttack  # lazy: as above
