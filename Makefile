@@ -20,7 +20,8 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collects no test; that is a failure here, never a pass. The tests
 # wait on processes more than they compute: a worker a core (at most 4), each taking whole
-# files (a module's cohort boots once), halves the suite on 2 cores (10:32 -> about 6:30).
+# files (a module's cohort boots once), halved the suite on 2 cores when it came in (10:32 -> about
+# 6:30); the suite has grown since: 8:12 on the 2-core VM, 2026-11-29.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
